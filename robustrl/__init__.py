@@ -1,0 +1,2 @@
+"""RobustRL: fault-tolerant RL post-training."""
+__version__ = "0.1.0"

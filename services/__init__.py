@@ -1,0 +1,1 @@
+"""RobustRL role services (one package per role)."""
