@@ -1,0 +1,208 @@
+"""Configuration: the job spec (what to train) and the service settings (where things are).
+
+Both are validated once at the edge. ``JobSpec`` arrives through the REST API and is
+rejected with the failing field named; ``Settings`` is read from an environment mapping
+passed in explicitly (nothing reads ``os.environ`` later).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from robustrl.errors import ConfigError
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(BaseModel):
+    """Policy network: a tiny Qwen3-architecture model (random init) or a local directory."""
+
+    model_config = _STRICT
+    hidden_size: int = Field(64, ge=8, le=8192, description="Transformer width.")
+    num_layers: int = Field(2, ge=1, le=128)
+    num_heads: int = Field(4, ge=1, le=128)
+    num_kv_heads: int = Field(2, ge=1, le=128)
+    intermediate_size: int = Field(128, ge=8, le=65536)
+    max_positions: int = Field(256, ge=32, le=65536, description="Longest prompt + response.")
+    path: str | None = Field(None, description="Local model directory to load instead of random init.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSpec:
+        if self.hidden_size % self.num_heads:
+            raise ValueError("hidden_size must be a multiple of num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        return self
+
+
+class DataSpec(BaseModel):
+    """Which verifiable tasks feed the job and how many episodes a step has."""
+
+    model_config = _STRICT
+    tasks: list[Literal["reverse", "copy", "lookup", "calc"]] = Field(
+        default_factory=lambda: ["reverse", "lookup"], min_length=1
+    )
+    prompts_per_step: int = Field(8, ge=1, le=4096)
+    group_size: int = Field(8, ge=2, le=256, description="GRPO samples per prompt.")
+
+
+class RolloutSpec(BaseModel):
+    model_config = _STRICT
+    replicas: int = Field(2, ge=1, le=64)
+    max_new_tokens: int = Field(12, ge=1, le=4096, description="Length limit of one turn.")
+    max_turns: int = Field(3, ge=1, le=32)
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_batch: int = Field(64, ge=1, le=4096, description="Episodes decoded together per replica.")
+
+
+class TrainerSpec(BaseModel):
+    model_config = _STRICT
+    workers: int = Field(2, ge=1, le=64)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    lr: float = Field(3e-3, gt=0.0, le=1.0)
+    clip_eps: float = Field(0.2, gt=0.0, le=1.0)
+    checkpoint_keep: int = Field(3, ge=1, le=100, description="Complete checkpoints kept.")
+
+
+class ToolSpec(BaseModel):
+    model_config = _STRICT
+    latency_s: float = Field(0.15, ge=0.0, le=600.0, description="Simulated service latency per call.")
+    timeout_s: float = Field(2.0, gt=0.0, le=3600.0)
+    retries: int = Field(3, ge=0, le=20)
+    backoff_s: float = Field(0.1, ge=0.0, le=60.0)
+
+
+class DetectorSpec(BaseModel):
+    """Fault thresholds. Defaults are the paper's production values."""
+
+    model_config = _STRICT
+    trainer_idle_s: float = Field(300.0, gt=0.0, description="Training phase with no compute activity.")
+    rollout_idle_s: float = Field(60.0, gt=0.0, description="Zero token throughput with work queued.")
+    silence_s: float = Field(30.0, gt=0.0, description="No metrics at all from a member.")
+    probe_timeout_s: float = Field(10.0, gt=0.0)
+    metrics_interval_s: float = Field(5.0, gt=0.0)
+
+    @classmethod
+    def reference(cls) -> DetectorSpec:
+        """Scaled-down thresholds for the reference job on a 2-core machine."""
+        return cls(trainer_idle_s=4.0, rollout_idle_s=2.0, silence_s=3.0, probe_timeout_s=1.0,
+                   metrics_interval_s=0.25)
+
+
+class WeightSyncSpec(BaseModel):
+    model_config = _STRICT
+    transport: Literal["tcp", "ucx"] = "tcp"
+    chunk_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    relays: bool = True
+
+
+class RecoverySpec(BaseModel):
+    model_config = _STRICT
+    policy: Literal["role_local", "whole_job"] = "role_local"
+    deadline_s: float = Field(120.0, gt=0.0, description="A local recovery slower than this escalates.")
+    max_restarts: int = Field(20, ge=0, le=1000, description="Give up (job failed) after this many.")
+
+
+class JobSpec(BaseModel):
+    """Everything that defines one RL job. Submitted through ``POST /v1/jobs``."""
+
+    model_config = _STRICT
+    name: str = Field("reference", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    steps: int = Field(30, ge=1, le=1_000_000)
+    mode: Literal["sync", "semi_sync", "async"] = "sync"
+    staleness: int = Field(0, ge=0, le=64, description="Max versions a turn may lag the trainer.")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    tools: ToolSpec = Field(default_factory=ToolSpec)
+    detector: DetectorSpec = Field(default_factory=DetectorSpec.reference)
+    weights: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+
+    @model_validator(mode="after")
+    def _mode_matches_staleness(self) -> JobSpec:
+        if self.mode == "sync" and self.staleness != 0:
+            raise ValueError("staleness must be 0 in sync mode")
+        if self.mode == "semi_sync" and self.staleness != 1:
+            raise ValueError("staleness must be 1 in semi_sync mode")
+        if self.mode == "async" and self.staleness < 1:
+            raise ValueError("staleness must be >= 1 in async mode")
+        return self
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, object]) -> JobSpec:
+        """Validate a raw mapping; raise ConfigError naming every bad field."""
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+            )
+            first = ".".join(str(p) for p in exc.errors()[0]["loc"]) if exc.errors() else None
+            raise ConfigError(f"invalid job spec: {problems}", field=first) from exc
+
+
+def reference_job(steps: int = 30, seed: int = 0, **overrides: object) -> JobSpec:
+    """The reference job of DESIGN section 9 (tiny model, scaled-down thresholds)."""
+    raw: dict[str, object] = {"name": "reference", "steps": steps, "seed": seed}
+    raw.update(overrides)
+    return JobSpec.parse(raw)
+
+
+class Settings(BaseModel):
+    """Where the infrastructure is. Read once from an environment mapping."""
+
+    model_config = ConfigDict(frozen=True)
+    nats_url: str = "nats://127.0.0.1:4222"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    s3_endpoint: str = "127.0.0.1:9000"
+    s3_access_key: str = ""
+    s3_secret_key: str = ""
+    s3_bucket: str = "robustrl"
+    s3_secure: bool = False
+    object_store_url: str = Field("", description="file:///path overrides S3 when set.")
+    api_token: str = ""
+    api_host: str = "127.0.0.1"
+    api_port: int = 8321
+    run_dir: str = "runs/default"
+    bind_host: str = "127.0.0.1"
+
+    _ENV: ClassVar[dict[str, str]] = {
+        "nats_url": "ROBUSTRL_NATS_URL",
+        "redis_url": "ROBUSTRL_REDIS_URL",
+        "s3_endpoint": "ROBUSTRL_S3_ENDPOINT",
+        "s3_access_key": "ROBUSTRL_S3_ACCESS_KEY",
+        "s3_secret_key": "ROBUSTRL_S3_SECRET_KEY",
+        "s3_bucket": "ROBUSTRL_S3_BUCKET",
+        "s3_secure": "ROBUSTRL_S3_SECURE",
+        "object_store_url": "ROBUSTRL_OBJECT_STORE_URL",
+        "api_token": "ROBUSTRL_API_TOKEN",
+        "api_host": "ROBUSTRL_API_HOST",
+        "api_port": "ROBUSTRL_API_PORT",
+        "run_dir": "ROBUSTRL_RUN_DIR",
+        "bind_host": "ROBUSTRL_BIND_HOST",
+    }
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        raw = {field: env[var] for field, var in cls._ENV.items() if var in env}
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = str(err["loc"][0])
+            raise ConfigError(f"bad setting {cls._ENV.get(field, field)}: {err['msg']}", field=field) from exc
+
+    def to_env(self) -> dict[str, str]:
+        """The inverse of from_env: what a launched member process receives."""
+        out: dict[str, str] = {}
+        for field, var in self._ENV.items():
+            value = getattr(self, field)
+            out[var] = str(value).lower() if isinstance(value, bool) else str(value)
+        return out

@@ -1,0 +1,80 @@
+"""One error tree for RobustRL.
+
+Every error says whether retrying can help (``retryable``) and carries the fields that
+locate it (subject, member, step, field). Errors from nats, redis and minio are
+translated into this tree at the edge (``robustrl.bus``, ``robustrl.storage``) with
+``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+
+class RobustRLError(Exception):
+    """Root of every error raised by RobustRL code."""
+
+    retryable: bool = False
+
+    def __init__(self, message: str, **fields: object) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+    def __str__(self) -> str:
+        if not self.fields:
+            return self.message
+        extras = ", ".join(f"{k}={v!r}" for k, v in self.fields.items() if v is not None)
+        return f"{self.message} ({extras})" if extras else self.message
+
+
+class ConfigError(RobustRLError):
+    """A configuration value or job spec is invalid; ``field`` names it."""
+
+
+class SubjectError(RobustRLError):
+    """A NATS subject token is invalid."""
+
+
+class MessageError(RobustRLError):
+    """A wire message could not be parsed; ``subject`` and ``field`` say where."""
+
+
+class TransportError(RobustRLError):
+    """A connection to NATS, Redis, the object store or a weight source failed."""
+
+    retryable = True
+
+
+class RequestTimeout(TransportError, TimeoutError):
+    """A request got no answer in time; the message says how long it waited."""
+
+
+class StorageError(RobustRLError):
+    """The object store or Redis refused an operation or returned bad data."""
+
+    retryable = True
+
+
+class CheckpointError(StorageError):
+    """A checkpoint is missing or corrupt; ``name`` says which."""
+
+    retryable = False
+
+
+class WeightSyncError(RobustRLError):
+    """A weight version could not be pulled or failed verification."""
+
+    retryable = True
+
+
+class LaunchError(RobustRLError):
+    """A role member could not be started, stopped or killed."""
+
+
+class JobError(RobustRLError):
+    """A job is in a state that does not allow the requested operation."""
+
+
+class ScenarioError(ConfigError):
+    """A chaos scenario file or fault request is malformed."""

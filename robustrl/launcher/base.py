@@ -1,0 +1,87 @@
+"""The launcher interface: how the controller starts, stops, kills and replaces role members.
+
+Two implementations share it: the local process launcher (``robustrl.launcher.local``) and the
+Docker launcher (``robustrl.launcher.docker``). Recovery code only sees this interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+
+
+class MemberState(str, enum.Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    SUSPENDED = "suspended"
+    EXITED = "exited"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class MemberSpec:
+    """What to run for one role member.
+
+    ``module`` is a Python module run as ``python -m module``; ``env`` is the complete
+    extra environment (infrastructure settings, job id, member id, rank).
+    """
+
+    job_id: str
+    member_id: str
+    role: str
+    module: str
+    env: dict[str, str] = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+
+
+@dataclass
+class ExitInfo:
+    member_id: str
+    role: str
+    returncode: int | None
+    expected: bool
+
+
+class Launcher(abc.ABC):
+    """Start/stop/kill role members. Every call is idempotent for an unknown or dead member."""
+
+    @abc.abstractmethod
+    def start(self, spec: MemberSpec) -> None:
+        """Start a member; raise LaunchError if it cannot be started."""
+
+    @abc.abstractmethod
+    def stop(self, member_id: str, grace_s: float = 2.0) -> None:
+        """Ask a member to exit (SIGTERM / container stop), then kill it after ``grace_s``."""
+
+    @abc.abstractmethod
+    def kill(self, member_id: str) -> None:
+        """Kill the member's whole process group at once: a machine loss."""
+
+    @abc.abstractmethod
+    def suspend(self, member_id: str) -> None:
+        """Freeze the member (SIGSTOP / container pause): a hang."""
+
+    @abc.abstractmethod
+    def resume(self, member_id: str) -> None:
+        """Undo ``suspend``."""
+
+    @abc.abstractmethod
+    def poll(self) -> list[ExitInfo]:
+        """Members that ended since the last call (each reported once)."""
+
+    @abc.abstractmethod
+    def state(self, member_id: str) -> MemberState | None:
+        """Current state, or None for a member this launcher never started."""
+
+    @abc.abstractmethod
+    def pid(self, member_id: str) -> int | None:
+        """OS pid (or container pid) when known."""
+
+    def stop_many(self, member_ids: list[str], grace_s: float = 2.0) -> None:
+        """Stop several members in parallel: signal all first, then wait once."""
+        for member_id in member_ids:
+            self.stop(member_id, grace_s)
+
+    def close(self) -> None:
+        """Stop everything this launcher started."""
