@@ -63,7 +63,7 @@ class TrainerSpec(BaseModel):
     model_config = _STRICT
     workers: int = Field(2, ge=1, le=64)
     backend: Literal["gloo", "nccl"] = "gloo"
-    lr: float = Field(3e-3, gt=0.0, le=1.0)
+    lr: float = Field(1e-2, gt=0.0, le=1.0)
     clip_eps: float = Field(0.2, gt=0.0, le=1.0)
     checkpoint_keep: int = Field(3, ge=1, le=100, description="Complete checkpoints kept.")
 

@@ -70,6 +70,7 @@ class MemberHello(Wire):
     pid: int
     epoch: int = 0
     address: str | None = None  # weight-server address for trainers/replicas
+    resume_step: int | None = None  # trainers: the step the gang resumes at
     ts: float = Field(default_factory=now)
 
 
@@ -158,7 +159,7 @@ class FaultReport(Wire):
 class ControlCommand(Wire):
     job_id: str = _ID
     target: str = _ID  # member id or role name
-    action: Literal["stop", "redispatch", "replica_dead", "replica_joined", "pause", "resume", "restart_step"]
+    action: Literal["stop", "replica_dead", "pause", "resume", "restart_step", "tool_outage"]
     args: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -252,7 +253,7 @@ EventKind = Literal[
     "member_started", "member_ready", "member_exited", "member_stopped",
     "phase", "fault_injected", "fault_detected", "decision", "action", "recovered",
     "step_started", "step_committed", "batch_ready", "weights_published", "weights_loaded",
-    "episode_redispatched", "tool_fault", "note",
+    "episode_redispatched", "tool_fault", "work_lost", "note",
 ]
 
 
@@ -261,3 +262,22 @@ class Event(Wire):
     kind: EventKind
     ts: float = Field(default_factory=now)
     data: dict[str, Any] = Field(default_factory=dict)
+
+
+class ChaosRequest(Wire):
+    """A fault to inject, addressed by role and member index (or id); resolved by the controller."""
+
+    job_id: str = _ID
+    fault_id: str = _ID
+    kind: ChaosKind
+    role: Literal["trainer", "rollout", "request_manager"]
+    member: int | str = 0
+    duration_s: float = Field(0.0, ge=0, le=3600)
+    factor: float = Field(4.0, ge=1.0, le=1000)
+
+
+class ChaosAck(Wire):
+    fault_id: str
+    member_id: str | None
+    ok: bool
+    error: str | None = None

@@ -69,8 +69,9 @@ def all_jobs(verb: Verb) -> str:
     return ".".join([ROOT, "*", Verb(verb).value, ">"])
 
 
-def all_jobs_exact(verb: Verb) -> str:
-    return ".".join([ROOT, "*", Verb(verb).value])
+def all_jobs_exact(verb: Verb, *tokens: str) -> str:
+    """Subscription subject for ``verb`` (plus fixed tokens) across every job."""
+    return ".".join([ROOT, "*", Verb(verb).value, *(token(t) for t in tokens)])
 
 
 def events(job_id: str, kind: str) -> str:

@@ -55,8 +55,11 @@ class Launcher(abc.ABC):
         """Ask a member to exit (SIGTERM / container stop), then kill it after ``grace_s``."""
 
     @abc.abstractmethod
-    def kill(self, member_id: str) -> None:
-        """Kill the member's whole process group at once: a machine loss."""
+    def kill(self, member_id: str, expected: bool = False) -> None:
+        """Kill the member's whole process group at once: a machine loss.
+
+        ``expected`` marks a kill the controller ordered (recovery), so its exit is not a fault.
+        """
 
     @abc.abstractmethod
     def suspend(self, member_id: str) -> None:
@@ -82,6 +85,11 @@ class Launcher(abc.ABC):
         """Stop several members in parallel: signal all first, then wait once."""
         for member_id in member_ids:
             self.stop(member_id, grace_s)
+
+    def kill_many(self, member_ids: list[str], expected: bool = True) -> None:
+        """Kill several members (gang or whole-job restart); implementations may do it in parallel."""
+        for member_id in member_ids:
+            self.kill(member_id, expected)
 
     def close(self) -> None:
         """Stop everything this launcher started."""

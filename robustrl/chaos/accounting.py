@@ -1,0 +1,178 @@
+"""Job accounting from the event log alone: detection delay, recovery time, lost work, ETTR.
+
+Event data contracts (the services emit exactly these; ``Event.ts`` is when it happened):
+
+* ``job_started {}``
+* ``step_started {step, epoch}`` — a step (re)starts; a redone step starts again.
+* ``step_committed {step, epoch, weights_version}``
+* ``fault_injected {fault_id, kind, role, member_id, step}`` (+ optional ``duration_s``) — chaos
+  harness; ``fault_id`` is the harness's id.
+* ``fault_detected {fault_id, kind, role, member_id, step, detected_at, evidence}`` — detector;
+  ``fault_id`` is the detector's id, used by every later event about this fault.
+* ``decision {fault_id, actions: [str], reason}`` — controller.
+* ``recovered {fault_id, role}`` — ts = recovery done (trainer back in training / replacement
+  replica serving / whole job running again).
+* ``work_lost {fault_id, tokens, steps_redone}`` — tokens regenerated and steps redone.
+* ``job_finished {}``
+
+An injected fault is matched to the first unclaimed detection of the same member at or after
+its injection; failing that, of the same role (a hung trainer worker may be noticed on a peer
+of its gang first). A fault is *open* from its injection (or detection, when not injected) until
+its ``recovered`` event, or else ``duration_s`` after injection for a timed fault (a tool outage),
+or else the end of the job.
+
+ETTR = effective training time / wall time. Wall time is ``completion_s`` (first step_started ->
+job_finished). Effective time sums, over committed steps, ``min(duration, median clean step
+duration)``: a step's duration runs from its last ``step_started`` to its ``step_committed``,
+and a step is clean when no fault was open during it, so a faulted step counts only what a
+clean step costs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from robustrl.messages import Event
+
+
+@dataclass(frozen=True)
+class FaultAccount:
+    """One fault as the harness saw it. ``detection_s``/``recovery_s`` are None if never."""
+
+    kind: str
+    role: str
+    detection_s: float | None
+    recovery_s: float | None
+    tokens_regenerated: int
+    steps_redone: int
+    member_id: str = ""
+    fault_id: str = ""
+    injected: bool = True
+
+
+@dataclass(frozen=True)
+class JobReport:
+    ettr: float
+    completion_s: float
+    steps: int
+    faults: list[FaultAccount] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ettr": self.ettr, "completion_s": self.completion_s, "steps": self.steps,
+                "faults": [asdict(f) for f in self.faults]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+@dataclass
+class _Fault:
+    injected: Event | None
+    detected: Event | None
+    recovered: Event | None = None
+    tokens: int = 0
+    steps_redone: int = 0
+
+
+def account(events: Iterable[Event]) -> JobReport:
+    """Compute the job report from its event log (any order; sorted by ts here)."""
+    log = sorted(events, key=lambda e: e.ts)
+    if not log:
+        return JobReport(ettr=0.0, completion_s=0.0, steps=0)
+    starts = [e for e in log if e.kind == "step_started"]
+    finished = next((e for e in log if e.kind == "job_finished"), None)
+    t0 = starts[0].ts if starts else log[0].ts
+    t_end = finished.ts if finished is not None else log[-1].ts
+    completion = max(0.0, t_end - t0)
+
+    faults = _match_faults(log)
+    intervals = [_open_interval(f, t_end) for f in faults]
+    durations = _step_durations(log)
+    clean = [d for (s, e, d) in durations.values() if not _overlaps(s, e, intervals)]
+    reference = statistics.median(clean) if clean else min((d for _, _, d in durations.values()), default=0.0)
+    effective = sum(min(d, reference) for _, _, d in durations.values())
+    ettr = effective / completion if completion > 0 else 0.0
+    return JobReport(ettr=min(1.0, ettr), completion_s=completion, steps=len(durations),
+                     faults=[_account_one(f) for f in faults])
+
+
+def _step_durations(log: list[Event]) -> dict[int, tuple[float, float, float]]:
+    """step -> (start, end, duration) of its final commit, from its last start before it."""
+    last_start: dict[int, float] = {}
+    out: dict[int, tuple[float, float, float]] = {}
+    for e in log:
+        step = e.data.get("step")
+        if not isinstance(step, int):
+            continue
+        if e.kind == "step_started":
+            last_start[step] = e.ts
+        elif e.kind == "step_committed" and step in last_start:
+            start = last_start[step]
+            out[step] = (start, e.ts, max(0.0, e.ts - start))
+    return out
+
+
+def _match_faults(log: list[Event]) -> list[_Fault]:
+    detections = [e for e in log if e.kind == "fault_detected"]
+    claimed: set[int] = set()
+    faults: list[_Fault] = []
+    for inj in (e for e in log if e.kind == "fault_injected"):
+        match = _first(detections, claimed, inj, same_member=True) or _first(detections, claimed, inj,
+                                                                            same_member=False)
+        if match is not None:
+            claimed.add(id(match))
+        faults.append(_Fault(injected=inj, detected=match))
+    # Detections that match no injection: natural faults, or false positives worth seeing.
+    faults.extend(_Fault(injected=None, detected=d) for d in detections if id(d) not in claimed)
+    by_id = {str(f.detected.data.get("fault_id")): f for f in faults if f.detected is not None}
+    for e in log:
+        f = by_id.get(str(e.data.get("fault_id")))
+        if f is None:
+            continue
+        if e.kind == "recovered" and f.recovered is None:
+            f.recovered = e
+        elif e.kind == "work_lost":
+            f.tokens += int(e.data.get("tokens", 0) or 0)
+            f.steps_redone += int(e.data.get("steps_redone", 0) or 0)
+    faults.sort(key=lambda f: (f.injected or f.detected).ts)  # type: ignore[union-attr]
+    return faults
+
+
+def _first(detections: list[Event], claimed: set[int], inj: Event, *, same_member: bool) -> Event | None:
+    for d in detections:
+        if id(d) in claimed or d.ts < inj.ts:
+            continue
+        if same_member and d.data.get("member_id") == inj.data.get("member_id"):
+            return d
+        if not same_member and d.data.get("role") == inj.data.get("role"):
+            return d
+    return None
+
+
+def _open_interval(f: _Fault, t_end: float) -> tuple[float, float]:
+    first = f.injected or f.detected
+    assert first is not None
+    if f.recovered is not None:
+        return first.ts, f.recovered.ts
+    # A timed fault (tool outage, hang for N s) ends by itself when nothing had to recover it.
+    duration = float(f.injected.data.get("duration_s") or 0.0) if f.injected is not None else 0.0
+    return first.ts, (first.ts + duration if duration > 0 else t_end)
+
+
+def _overlaps(start: float, end: float, intervals: list[tuple[float, float]]) -> bool:
+    return any(s < end and e > start for s, e in intervals)
+
+
+def _account_one(f: _Fault) -> FaultAccount:
+    src = f.injected or f.detected
+    assert src is not None
+    detection = f.detected.ts - f.injected.ts if f.injected is not None and f.detected is not None else None
+    recovery = f.recovered.ts - f.detected.ts if f.recovered is not None and f.detected is not None else None
+    return FaultAccount(kind=str(src.data.get("kind", "?")), role=str(src.data.get("role", "?")),
+                        detection_s=detection, recovery_s=recovery, tokens_regenerated=f.tokens,
+                        steps_redone=f.steps_redone, member_id=str(src.data.get("member_id", "")),
+                        fault_id=str(src.data.get("fault_id", "")), injected=f.injected is not None)

@@ -1,0 +1,325 @@
+"""Chaos scenarios: which faults to inject, where and when, with seeded triggers (DESIGN section 7).
+
+A scenario file is YAML::
+
+    name: rollout-crash
+    seed: 7
+    policy: role_local          # optional: overrides the job's recovery policy
+    job: {steps: 12}            # optional: job spec overrides
+    faults:
+      - {kind: crash, role: rollout, member: 1, at_step: 3}
+      - {kind: hang, role: trainer, member: random, every: 5, start: 5, within_step: 0.5}
+      - {kind: slow, role: rollout, member: all, at_step: 4, duration_s: 10, factor: 8}
+      - {kind: tool_outage, role: request_manager, at_step: 6, duration_s: 5}
+
+``member`` is a member index, ``random`` (one drawn from the seed) or ``all``; ``within_step``
+is ``random`` (a moment drawn inside the step) or a delay in seconds after the step starts.
+The same faults come from the builder: ``Faults().crash("rollout", member=1, at_step=3)``.
+:func:`plan` expands a scenario into concrete faults, deterministically from the seed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, cast, get_args
+
+import yaml
+
+from robustrl.config import JobSpec
+from robustrl.errors import ConfigError, ScenarioError
+from robustrl.messages import ChaosKind
+
+ChaosRole = Literal["trainer", "rollout", "request_manager"]
+Policy = Literal["role_local", "whole_job"]
+Member = int | Literal["random", "all"]
+
+KINDS: tuple[str, ...] = get_args(ChaosKind)
+ROLES: tuple[str, ...] = get_args(ChaosRole)
+# A fail-slow fault must be slower than the detector's peer threshold (a quarter of the median)
+# to be detectable at all, so the default factor is well past it.
+DEFAULT_SLOW_FACTOR = 8.0
+_FAULT_KEYS = {"kind", "role", "member", "at_step", "every", "start", "within_step", "duration_s", "factor"}
+_TOP_KEYS = {"name", "seed", "policy", "job", "faults"}
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One scenario entry (validated)."""
+
+    kind: str
+    role: str
+    member: Member = 0
+    at_step: int | None = None
+    every: int | None = None
+    start: int = 0
+    within_step: float | Literal["random"] = "random"
+    duration_s: float = 0.0
+    factor: float = 1.0
+
+    def steps(self, steps: int) -> list[int]:
+        """The steps (0-based, < ``steps``) at which this entry fires."""
+        if self.at_step is not None:
+            return [self.at_step] if self.at_step < steps else []
+        assert self.every is not None
+        return list(range(self.start, steps, self.every))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "role": self.role, "member": self.member}
+        if self.at_step is not None:
+            out["at_step"] = self.at_step
+        else:
+            out.update(every=self.every, start=self.start)
+        out.update(within_step=self.within_step, duration_s=self.duration_s, factor=self.factor)
+        return out
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str = "adhoc"
+    seed: int = 0
+    policy: Policy | None = None
+    job: Mapping[str, Any] = field(default_factory=dict)
+    faults: tuple[FaultSpec, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "seed": self.seed}
+        if self.policy is not None:
+            out["policy"] = self.policy
+        if self.job:
+            out["job"] = dict(self.job)
+        out["faults"] = [f.to_dict() for f in self.faults]
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+@dataclass(frozen=True)
+class PlannedFault:
+    """One concrete fault: fire ``delay_s`` after step ``step`` starts on ``role`` member
+    ``member_index``."""
+
+    step: int
+    delay_s: float
+    kind: str
+    role: str
+    member_index: int
+    duration_s: float
+    factor: float
+    fault_id: str
+
+
+# --- parsing ------------------------------------------------------------------------------
+
+
+def load_scenario(source: str | Path) -> Scenario:
+    """Load a scenario from a file path or from YAML text.
+
+    Raises:
+        ScenarioError: malformed YAML, unknown keys, kinds or roles, bad selectors; the
+            message names the entry and field.
+    """
+    text = source.read_text() if isinstance(source, Path) else source
+    if isinstance(source, str) and "\n" not in source and source.endswith((".yaml", ".yml")):
+        try:
+            text = Path(source).read_text()
+        except OSError as exc:
+            raise ScenarioError(f"cannot read scenario file {source}: {exc}", field="path") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"scenario is not valid YAML: {exc}", field="<root>") from exc
+    return parse_scenario(raw)
+
+
+def parse_scenario(raw: object) -> Scenario:
+    """Validate an already-decoded scenario mapping (see :func:`load_scenario`)."""
+    if not isinstance(raw, Mapping):
+        raise ScenarioError("a scenario must be a mapping with a 'faults' list", field="<root>")
+    unknown = set(raw) - _TOP_KEYS
+    if unknown:
+        raise ScenarioError(f"unknown scenario key(s): {', '.join(sorted(map(str, unknown)))}",
+                            field=sorted(map(str, unknown))[0])
+    name = raw.get("name", "adhoc")
+    if not isinstance(name, str) or not name:
+        raise ScenarioError("name must be a non-empty string", field="name")
+    seed = raw.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ScenarioError(f"seed must be an integer >= 0, got {seed!r}", field="seed")
+    policy = raw.get("policy")
+    if policy is not None and policy not in get_args(Policy):
+        raise ScenarioError(f"policy must be one of {get_args(Policy)}, got {policy!r}", field="policy")
+    job = raw.get("job") or {}
+    if not isinstance(job, Mapping):
+        raise ScenarioError("job must be a mapping of job spec overrides", field="job")
+    faults = raw.get("faults") or []
+    if not isinstance(faults, list):
+        raise ScenarioError("faults must be a list", field="faults")
+    return Scenario(name=name, seed=seed, policy=cast(Policy | None, policy), job=dict(job),
+                    faults=tuple(parse_fault(entry, i) for i, entry in enumerate(faults)))
+
+
+def parse_fault(entry: object, index: int = 0) -> FaultSpec:
+    """Validate one fault entry; errors name ``faults[index].field``."""
+
+    def bad(fld: str, why: str) -> ScenarioError:
+        return ScenarioError(f"faults[{index}].{fld}: {why}", field=f"faults[{index}].{fld}")
+
+    if not isinstance(entry, Mapping):
+        raise bad("<entry>", "each fault must be a mapping")
+    unknown = set(entry) - _FAULT_KEYS
+    if unknown:
+        raise bad(sorted(map(str, unknown))[0], "unknown key")
+    kind = entry.get("kind")
+    if kind not in KINDS:
+        raise bad("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
+    role = entry.get("role", "request_manager" if kind == "tool_outage" else None)
+    if role not in ROLES:
+        raise bad("role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+    if kind == "tool_outage" and role != "request_manager":
+        raise bad("role", "a tool outage happens in the request manager's tools")
+    member = entry.get("member", 0)
+    if not (member in ("random", "all") or (_is_int(member) and member >= 0)):
+        raise bad("member", f"must be an index >= 0, 'random' or 'all', got {member!r}")
+    at_step, every = entry.get("at_step"), entry.get("every")
+    if (at_step is None) == (every is None):
+        raise bad("at_step", "give exactly one of at_step or every")
+    if at_step is not None and not (_is_int(at_step) and at_step >= 0):
+        raise bad("at_step", f"must be an integer >= 0, got {at_step!r}")
+    if every is not None and not (_is_int(every) and every >= 1):
+        raise bad("every", f"must be an integer >= 1, got {every!r}")
+    if "start" in entry and every is None:
+        raise bad("start", "only meaningful with every")
+    start = entry.get("start", every if every is not None else 0)
+    if not (_is_int(start) and start >= 0):
+        raise bad("start", f"must be an integer >= 0, got {start!r}")
+    within = entry.get("within_step", "random")
+    if not (within == "random" or (_is_number(within) and within >= 0)):
+        raise bad("within_step", f"must be 'random' or seconds >= 0, got {within!r}")
+    duration = entry.get("duration_s", 0.0)
+    if not (_is_number(duration) and duration >= 0):
+        raise bad("duration_s", f"must be seconds >= 0, got {duration!r}")
+    if kind == "tool_outage" and duration <= 0:
+        raise bad("duration_s", "a tool outage needs a duration > 0 (the job cannot finish otherwise)")
+    factor = entry.get("factor", DEFAULT_SLOW_FACTOR if kind == "slow" else 1.0)
+    if not (_is_number(factor) and factor >= 1.0):
+        raise bad("factor", f"must be a number >= 1, got {factor!r}")
+    if kind == "slow" and factor <= 1.0:
+        raise bad("factor", "a slow fault needs a factor > 1")
+    return FaultSpec(kind=kind, role=role, member=member, at_step=at_step, every=every, start=start,
+                     within_step=within if within == "random" else float(within),
+                     duration_s=float(duration), factor=float(factor))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# --- planning -----------------------------------------------------------------------------
+
+
+def members_of(scenario: Scenario) -> dict[str, int]:
+    """Member counts per role of the job the scenario runs (its overrides on the defaults)."""
+    try:
+        spec = JobSpec.parse(dict(scenario.job))
+    except ConfigError as exc:
+        raise ScenarioError(f"job overrides: {exc.message}", field=f"job.{exc.fields.get('field')}") from exc
+    return {"trainer": spec.trainer.workers, "rollout": spec.rollout.replicas, "request_manager": 1}
+
+
+def plan(scenario: Scenario, steps: int, *, step_time_s: float = 1.0,
+         members: Mapping[str, int] | None = None) -> list[PlannedFault]:
+    """Expand a scenario into concrete faults, deterministic from ``scenario.seed``.
+
+    Args:
+        scenario: the validated scenario.
+        steps: how many steps the job runs (entries past the end are dropped).
+        step_time_s: typical step duration; ``within_step: random`` draws a delay in
+            ``[0, step_time_s)``. With the default 1.0 the delay is a fraction of a step.
+        members: member count per role; default from the scenario's job overrides.
+
+    Returns:
+        Faults sorted by (step, delay_s).
+    """
+    counts = dict(members) if members is not None else members_of(scenario)
+    rng = random.Random(scenario.seed)
+    out: list[PlannedFault] = []
+    for i, f in enumerate(scenario.faults):
+        count = counts.get(f.role, 0)
+        if count <= 0:
+            raise ScenarioError(f"faults[{i}].role: the job has no {f.role} member", field=f"faults[{i}].role")
+        for step in f.steps(steps):
+            if f.member == "all":
+                targets = list(range(count))
+            elif f.member == "random":
+                targets = [rng.randrange(count)]
+            else:
+                if f.member >= count:
+                    raise ScenarioError(f"faults[{i}].member: index {f.member} but the job has {count} "
+                                        f"{f.role} member(s)", field=f"faults[{i}].member")
+                targets = [int(f.member)]
+            delay = rng.random() * step_time_s if f.within_step == "random" else float(f.within_step)
+            for member in targets:
+                out.append(PlannedFault(step=step, delay_s=delay, kind=f.kind, role=f.role, member_index=member,
+                                        duration_s=f.duration_s, factor=f.factor,
+                                        fault_id=f"{scenario.name}-{i}-s{step}-m{member}"))
+    out.sort(key=lambda p: (p.step, p.delay_s, p.fault_id))
+    return out
+
+
+# --- builder ------------------------------------------------------------------------------
+
+
+class Faults:
+    """Fluent scenario builder: ``Faults(seed=3).crash("rollout", member=1, at_step=3).build()``.
+
+    Every method validates its entry exactly as a scenario file would.
+    """
+
+    def __init__(self, name: str = "adhoc", seed: int = 0) -> None:
+        self._name, self._seed = name, seed
+        self._policy: Policy | None = None
+        self._job: dict[str, Any] = {}
+        self._faults: list[FaultSpec] = []
+
+    def add(self, kind: str, role: str, **fields: Any) -> Faults:
+        entry = {"kind": kind, "role": role, **{k: v for k, v in fields.items() if v is not None}}
+        self._faults.append(parse_fault(entry, len(self._faults)))
+        return self
+
+    def crash(self, role: str, **fields: Any) -> Faults:
+        return self.add("crash", role, **fields)
+
+    def hang(self, role: str, **fields: Any) -> Faults:
+        return self.add("hang", role, **fields)
+
+    def stall(self, role: str, **fields: Any) -> Faults:
+        return self.add("stall", role, **fields)
+
+    def slow(self, role: str, **fields: Any) -> Faults:
+        return self.add("slow", role, **fields)
+
+    def net_drop(self, role: str, **fields: Any) -> Faults:
+        return self.add("net_drop", role, **fields)
+
+    def tool_outage(self, **fields: Any) -> Faults:
+        return self.add("tool_outage", "request_manager", **fields)
+
+    def policy(self, policy: Policy) -> Faults:
+        self._policy = policy
+        return self
+
+    def job(self, **overrides: Any) -> Faults:
+        self._job.update(overrides)
+        return self
+
+    def build(self) -> Scenario:
+        return parse_scenario({"name": self._name, "seed": self._seed, "policy": self._policy,
+                               "job": self._job, "faults": [f.to_dict() for f in self._faults]})

@@ -1,0 +1,65 @@
+"""A small client for the controller's REST API (used by the CLI, tests and benchmarks)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from robustrl.errors import JobError, RequestTimeout, TransportError
+
+HTTP_TIMEOUT_S = 10.0
+
+
+class ApiClient:
+    def __init__(self, base_url: str, token: str, timeout: float = HTTP_TIMEOUT_S) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout,
+                                  headers={"Authorization": f"Bearer {token}"})
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            resp = self._http.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            raise TransportError(f"controller at {self.base_url} unreachable: {exc}; is the stack up "
+                                 "(robustrl up)?", url=self.base_url) from exc
+        if resp.status_code >= 400:
+            raise JobError(f"{method} {path} -> {resp.status_code}: {resp.text}", status=resp.status_code)
+        return resp.json()
+
+    def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/v1/jobs", json=spec)
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/v1/jobs")
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}")
+
+    def events(self, job_id: str) -> list[dict[str, Any]]:
+        return self._call("GET", f"/v1/jobs/{job_id}/events")
+
+    def report(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}/report")
+
+    def stop(self, job_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/v1/jobs/{job_id}/stop")
+
+    def fault(self, job_id: str, **body: Any) -> dict[str, Any]:
+        return self._call("POST", f"/v1/jobs/{job_id}/faults", json=body)
+
+    def wait(self, job_id: str, predicate: Any, timeout_s: float, interval_s: float = 0.1) -> dict[str, Any]:
+        """Poll the job until ``predicate(status)`` holds; raise RequestTimeout after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.job(job_id)
+            if predicate(status):
+                return status
+            if time.monotonic() > deadline:
+                raise RequestTimeout(f"job {job_id} did not reach the expected state within {timeout_s:.0f}s "
+                                     f"(status {status['status']}, step {status['step']})")
+            time.sleep(interval_s)
+
+    def close(self) -> None:
+        self._http.close()

@@ -1,0 +1,353 @@
+"""Docker launcher: each role member is one container of the RobustRL image.
+
+The controller uses it in compose mode (``/var/run/docker.sock`` is mounted into the controller
+only). Calls map one-to-one onto the Docker Engine API through the ``docker`` SDK:
+
+=================  =============================================
+launcher call      Docker API call
+=================  =============================================
+``start``          ``containers.run(detach=True, ...)``
+``stop``           ``container.stop(timeout=grace)`` (SIGTERM, then SIGKILL)
+``kill``           ``container.kill()`` (SIGKILL: a machine loss)
+``suspend``        ``container.pause()`` (cgroup freezer: a hang)
+``resume``         ``container.unpause()``
+``poll``           ``containers.list(all=True, filters=label)``
+=================  =============================================
+
+Exited containers are kept (not auto-removed) so that ``poll`` can read the exit code and an
+operator can still read ``docker logs``; they are removed when the same member is started again
+and on ``close``. The ``docker`` package is imported lazily so that the controller image works
+without it when the local launcher is used.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections.abc import Collection, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from robustrl.errors import LaunchError
+from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState
+
+DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
+CONNECT_TIMEOUT_S = 5.0
+"""HTTP timeout of every Docker API call that has no longer wait of its own (stop adds its grace)."""
+STOP_GRACE_S = 2.0
+
+LABEL_JOB = "robustrl.job"
+LABEL_MEMBER = "robustrl.member"
+LABEL_ROLE = "robustrl.role"
+LABEL_LAUNCHER = "robustrl.launcher"
+
+_NAME_OK = re.compile(r"[^a-zA-Z0-9_.-]")
+
+# Docker container status -> launcher state (exited/dead depend on whether we stopped it).
+_RUNNING_STATES = {
+    "created": MemberState.STARTING,
+    "restarting": MemberState.STARTING,
+    "running": MemberState.RUNNING,
+    "paused": MemberState.SUSPENDED,
+}
+_ENDED = frozenset({"exited", "dead", "removing"})
+
+
+def container_name(job_id: str, member_id: str) -> str:
+    """Container (and host) name of a member: ``rr-<job>-<member>``.
+
+    The controller uses it as ``MASTER_ADDR`` for a trainer gang: on a user-defined Docker
+    network a container's name resolves to its address.
+    """
+    return _NAME_OK.sub("-", f"rr-{job_id}-{member_id}")[:128]
+
+
+def _status_code(exc: BaseException) -> int | None:
+    """HTTP status of a docker SDK APIError (duck-typed so that a fake client can raise it)."""
+    code = getattr(exc, "status_code", None)
+    return code if isinstance(code, int) else None
+
+
+def _is_not_found(exc: BaseException) -> bool:
+    return _status_code(exc) == 404 or type(exc).__name__ in {"NotFound", "ImageNotFound"}
+
+
+def _connect(base_url: str, timeout_s: float) -> Any:
+    """A DockerClient that has answered a ping, or LaunchError saying what to fix.
+
+    Fails fast instead of hanging: a missing unix socket is checked before any I/O and every
+    request carries ``timeout_s``.
+    """
+    if base_url.startswith("unix://"):
+        socket_path = Path(base_url.removeprefix("unix://"))
+        if not socket_path.exists():
+            raise LaunchError(
+                f"Docker engine socket {socket_path} does not exist: start the Docker engine, or "
+                f"mount the host's /var/run/docker.sock into the controller container (compose does "
+                f"this for the controller service), or pass another docker_url / DOCKER_HOST",
+                member="docker",
+            )
+    try:
+        import docker  # local: optional extra robustrl[docker]
+    except ImportError as exc:
+        raise LaunchError("the Docker launcher needs the docker package: pip install 'robustrl[docker]'",
+                          member="docker") from exc
+    try:
+        # version=None makes the SDK ask the engine for its API version: this is the ping.
+        client = docker.DockerClient(base_url=base_url, timeout=timeout_s)
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - SDK raises DockerException, requests and OS errors alike
+        hint = ("check that the controller's user may use the socket (compose: DOCKER_GID is the "
+                "socket's group id)" if "ermission" in str(exc) else
+                "check that the Docker engine is running and answers at that address")
+        raise LaunchError(f"cannot reach the Docker engine at {base_url} within {timeout_s:g} s: "
+                          f"{exc}; {hint}", member="docker") from exc
+    return client
+
+
+@dataclass
+class _Member:
+    spec: MemberSpec
+    container: Any
+    state: MemberState
+    expected_exit: bool = False
+    reported: bool = False
+
+
+class DockerLauncher(Launcher):
+    """Start role members as containers of ``image`` attached to the Docker network ``network``.
+
+    Args:
+        image: the RobustRL image (``robustrl:latest`` under compose).
+        network: an existing Docker network where NATS, Redis and the object store resolve.
+        client: a ``docker.DockerClient`` (or a fake with the same methods); created from
+            ``docker_url`` when omitted.
+        labels: extra labels put on every container (e.g. the compose project).
+        docker_url: engine address when ``client`` is omitted (``unix://`` or ``tcp://``).
+        timeout_s: connect/request timeout; a missing engine fails within about this long.
+        base_env: environment every member gets; ``MemberSpec.env`` overrides it.
+        gpu_roles: roles whose containers reserve all GPUs of the host (NVIDIA runtime).
+        run_kwargs: extra ``containers.run`` keyword arguments (volumes, shm_size, ...).
+
+    Raises:
+        LaunchError: the engine cannot be reached (when ``client`` is omitted).
+    """
+
+    def __init__(self, image: str, network: str, client: Any = None,
+                 labels: Mapping[str, str] | None = None, *, docker_url: str = DEFAULT_DOCKER_URL,
+                 timeout_s: float = CONNECT_TIMEOUT_S, base_env: Mapping[str, str] | None = None,
+                 gpu_roles: Collection[str] = (), run_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.image = image
+        self.network = network
+        self.client = client if client is not None else _connect(docker_url, timeout_s)
+        # One id per launcher instance so that poll() never reports another controller's containers.
+        self.instance = f"{id(self):x}"
+        self.labels = {**(labels or {}), LABEL_LAUNCHER: self.instance}
+        self.base_env = dict(base_env or {})
+        self.gpu_roles = frozenset(gpu_roles)
+        self.run_kwargs = dict(run_kwargs or {})
+        self._members: dict[str, _Member] = {}
+        self._lock = threading.Lock()
+
+    # --- start -------------------------------------------------------------------------------
+
+    def start(self, spec: MemberSpec) -> None:
+        """Run ``python -m spec.module`` in a new container; LaunchError if that fails."""
+        with self._lock:
+            old = self._members.get(spec.member_id)
+            if old and self._refresh(old) in (MemberState.STARTING, MemberState.RUNNING,
+                                              MemberState.SUSPENDED):
+                raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
+            name = container_name(spec.job_id, spec.member_id)
+            self._remove_stale(name)
+            kwargs: dict[str, Any] = {
+                "command": ["python", "-m", spec.module, *spec.args],
+                "name": name,
+                "hostname": name,
+                "environment": {**self.base_env, **spec.env},
+                "labels": {**self.labels, LABEL_JOB: spec.job_id, LABEL_MEMBER: spec.member_id,
+                           LABEL_ROLE: spec.role},
+                "network": self.network,
+                "detach": True,
+                # tini as PID 1 forwards SIGTERM to python and reaps its children.
+                "init": True,
+                **self.run_kwargs,
+            }
+            if spec.role in self.gpu_roles:
+                kwargs["device_requests"] = [_gpu_request()]
+            try:
+                container = self.client.containers.run(self.image, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - translated into the error tree here
+                if _is_not_found(exc):
+                    raise LaunchError(f"image {self.image} not found: build it (docker compose build) "
+                                      f"or pull it", member=spec.member_id) from exc
+                raise LaunchError(f"cannot start container {name}: {exc}", member=spec.member_id) from exc
+            self._members[spec.member_id] = _Member(spec, container, MemberState.RUNNING)
+
+    def _remove_stale(self, name: str) -> None:
+        """Remove a leftover container with this name (a previous incarnation of the member)."""
+        try:
+            self.client.containers.get(name).remove(force=True)
+        except Exception as exc:  # noqa: BLE001
+            if not _is_not_found(exc):
+                raise LaunchError(f"cannot remove stale container {name}: {exc}", member=name) from exc
+
+    # --- stop / kill / pause -----------------------------------------------------------------
+
+    def stop(self, member_id: str, grace_s: float = STOP_GRACE_S) -> None:
+        """``docker stop``: SIGTERM, then SIGKILL after ``grace_s``. An expected exit."""
+        member = self._members.get(member_id)
+        if member is None or member.state in (MemberState.EXITED, MemberState.STOPPED):
+            return
+        member.expected_exit = True
+        try:
+            # The engine takes whole seconds; round up so that the grace is never shortened.
+            member.container.stop(timeout=max(0, math.ceil(grace_s)))
+        except Exception as exc:  # noqa: BLE001
+            if not _is_not_found(exc):
+                raise LaunchError(f"cannot stop {member_id}: {exc}", member=member_id) from exc
+        member.state = MemberState.STOPPED
+
+    def stop_many(self, member_ids: list[str], grace_s: float = STOP_GRACE_S) -> None:
+        """Stop several members in parallel, so the total wait is one grace period."""
+        if len(member_ids) <= 1:
+            for member_id in member_ids:
+                self.stop(member_id, grace_s)
+            return
+        with ThreadPoolExecutor(max_workers=min(16, len(member_ids))) as pool:
+            list(pool.map(lambda mid: self.stop(mid, grace_s), member_ids))
+
+    def kill(self, member_id: str, expected: bool = False) -> None:
+        """``docker kill`` (SIGKILL to the whole container): a machine loss unless ``expected``."""
+        member = self._members.get(member_id)
+        if member is None or member.state in (MemberState.EXITED, MemberState.STOPPED):
+            return
+        member.expected_exit = expected
+        try:
+            member.container.kill()
+        except Exception as exc:  # noqa: BLE001
+            # 404: already gone; 409: not running (it exited on its own meanwhile).
+            if not _is_not_found(exc) and _status_code(exc) != 409:
+                raise LaunchError(f"cannot kill {member_id}: {exc}", member=member_id) from exc
+        member.state = MemberState.EXITED
+
+    def kill_many(self, member_ids: list[str], expected: bool = True) -> None:
+        """Kill several members (whole-job restart, gang restart)."""
+        for member_id in member_ids:
+            self.kill(member_id, expected)
+
+    def suspend(self, member_id: str) -> None:
+        """``docker pause``: freeze every process of the member (a hang)."""
+        self._freeze(member_id, pause=True)
+
+    def resume(self, member_id: str) -> None:
+        """``docker unpause``."""
+        self._freeze(member_id, pause=False)
+
+    def _freeze(self, member_id: str, pause: bool) -> None:
+        member = self._members.get(member_id)
+        if member is None or member.state in (MemberState.EXITED, MemberState.STOPPED):
+            return
+        try:
+            member.container.pause() if pause else member.container.unpause()
+        except Exception as exc:  # noqa: BLE001
+            if _is_not_found(exc) or _status_code(exc) == 409:
+                return  # gone or not running/paused: nothing to freeze; poll() reports the exit
+            raise LaunchError(f"cannot {'pause' if pause else 'unpause'} {member_id}: {exc}",
+                              member=member_id) from exc
+        member.state = MemberState.SUSPENDED if pause else MemberState.RUNNING
+
+    # --- observation -------------------------------------------------------------------------
+
+    def poll(self) -> list[ExitInfo]:
+        """Members whose container exited (or vanished) since the last call, each once."""
+        try:
+            containers = self.client.containers.list(
+                all=True, filters={"label": f"{LABEL_LAUNCHER}={self.instance}"})
+        except Exception as exc:  # noqa: BLE001
+            raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
+        seen = {c.labels.get(LABEL_MEMBER): c for c in containers}
+        out: list[ExitInfo] = []
+        with self._lock:
+            for member_id, member in self._members.items():
+                if member.reported:
+                    continue
+                container = seen.get(member_id)
+                if container is not None and container.id != member.container.id:
+                    container = None  # a newer incarnation's container is not this one
+                if container is not None and container.status not in _ENDED:
+                    continue
+                # A container removed behind our back (docker rm -f) has no exit code to read.
+                code = None if container is None else container.attrs.get("State", {}).get("ExitCode")
+                member.reported = True
+                if member.state is not MemberState.STOPPED:
+                    member.state = MemberState.EXITED
+                out.append(ExitInfo(member_id, member.spec.role, code, member.expected_exit))
+        return out
+
+    def _refresh(self, member: _Member) -> MemberState:
+        if member.state in (MemberState.EXITED, MemberState.STOPPED):
+            return member.state
+        try:
+            member.container.reload()
+        except Exception as exc:  # noqa: BLE001
+            if not _is_not_found(exc):
+                raise LaunchError(f"cannot inspect {member.spec.member_id}: {exc}",
+                                  member=member.spec.member_id) from exc
+            member.state = MemberState.STOPPED if member.expected_exit else MemberState.EXITED
+            return member.state
+        status = member.container.status
+        if status in _ENDED:
+            member.state = MemberState.STOPPED if member.expected_exit else MemberState.EXITED
+        else:
+            member.state = _RUNNING_STATES.get(status, member.state)
+        return member.state
+
+    def state(self, member_id: str) -> MemberState | None:
+        """Current state from the engine, or None for a member never started here."""
+        member = self._members.get(member_id)
+        return None if member is None else self._refresh(member)
+
+    def pid(self, member_id: str) -> int | None:
+        """Host pid of the container's init process, when it is running."""
+        member = self._members.get(member_id)
+        if member is None:
+            return None
+        pid = member.container.attrs.get("State", {}).get("Pid")
+        return pid if isinstance(pid, int) and pid > 0 else None
+
+    def running(self, job_id: str | None = None) -> list[str]:
+        """Members not yet known to have ended (optionally of one job)."""
+        return [mid for mid, m in self._members.items()
+                if m.state not in (MemberState.EXITED, MemberState.STOPPED)
+                and (job_id is None or m.spec.job_id == job_id)]
+
+    def logs(self, member_id: str, tail: int = 200) -> str:
+        """The member's last ``tail`` log lines ('' when unknown or removed)."""
+        member = self._members.get(member_id)
+        if member is None:
+            return ""
+        try:
+            return member.container.logs(tail=tail).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - logs are best effort diagnostics
+            return ""
+
+    def close(self) -> None:
+        """Stop every member this launcher started and remove their containers."""
+        self.stop_many(self.running())
+        for member in list(self._members.values()):
+            try:
+                member.container.remove(force=True)
+            except Exception:  # noqa: BLE001 - already removed is fine on shutdown
+                pass
+        self._members.clear()
+
+
+def _gpu_request() -> Any:
+    """``--gpus all`` as the SDK spells it."""
+    from docker.types import DeviceRequest  # local: optional extra
+
+    return DeviceRequest(count=-1, capabilities=[["gpu"]])

@@ -1,0 +1,144 @@
+"""Local process launcher: each member is ``python -m module`` in its own process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from robustrl.errors import LaunchError
+from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState
+
+STOP_GRACE_S = 2.0
+
+
+@dataclass
+class _Member:
+    spec: MemberSpec
+    proc: subprocess.Popen[bytes]
+    state: MemberState
+    expected_exit: bool = False
+    reported: bool = False
+
+
+class LocalLauncher(Launcher):
+    """Starts members as local processes; logs go to ``log_dir/<member>.log``."""
+
+    def __init__(self, log_dir: Path, base_env: dict[str, str] | None = None) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.base_env = dict(base_env if base_env is not None else os.environ)
+        self._members: dict[str, _Member] = {}
+        self._lock = threading.Lock()
+
+    def start(self, spec: MemberSpec) -> None:
+        with self._lock:
+            old = self._members.get(spec.member_id)
+            if old and old.proc.poll() is None:
+                raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
+            env = {**self.base_env, **spec.env}
+            log = open(self.log_dir / f"{spec.member_id}.log", "ab")  # noqa: SIM115 - owned by the child
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", spec.module, *spec.args], env=env, stdout=log,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+            except OSError as exc:
+                raise LaunchError(f"cannot start {spec.member_id}: {exc}", member=spec.member_id) from exc
+            finally:
+                log.close()
+            self._members[spec.member_id] = _Member(spec, proc, MemberState.RUNNING)
+
+    def _signal_group(self, member: _Member, sig: int) -> None:
+        try:
+            os.killpg(member.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, member_id: str, grace_s: float = STOP_GRACE_S) -> None:
+        self.stop_many([member_id], grace_s)
+
+    def stop_many(self, member_ids: list[str], grace_s: float = STOP_GRACE_S) -> None:
+        members = [m for mid in member_ids if (m := self._members.get(mid)) and m.proc.poll() is None]
+        for m in members:
+            m.expected_exit = True
+            self._signal_group(m, signal.SIGCONT)  # a suspended process cannot handle SIGTERM
+            self._signal_group(m, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for m in members:
+            try:
+                m.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._signal_group(m, signal.SIGKILL)
+                m.proc.wait(timeout=5.0)
+            m.state = MemberState.STOPPED
+
+    def kill(self, member_id: str, expected: bool = False) -> None:
+        m = self._members.get(member_id)
+        if m is None or m.proc.poll() is not None:
+            return
+        m.expected_exit = expected
+        self._signal_group(m, signal.SIGKILL)
+        try:
+            m.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired as exc:
+            raise LaunchError(f"{member_id} survived SIGKILL", member=member_id) from exc
+        m.state = MemberState.EXITED
+
+    def kill_many(self, member_ids: list[str], expected: bool = True) -> None:
+        """Kill several members at once (whole-job restart, gang restart)."""
+        members = [m for mid in member_ids if (m := self._members.get(mid)) and m.proc.poll() is None]
+        for m in members:
+            m.expected_exit = expected
+            self._signal_group(m, signal.SIGKILL)
+        for m in members:
+            m.proc.wait(timeout=5.0)
+            m.state = MemberState.EXITED
+
+    def suspend(self, member_id: str) -> None:
+        m = self._members.get(member_id)
+        if m and m.proc.poll() is None:
+            self._signal_group(m, signal.SIGSTOP)
+            m.state = MemberState.SUSPENDED
+
+    def resume(self, member_id: str) -> None:
+        m = self._members.get(member_id)
+        if m and m.proc.poll() is None:
+            self._signal_group(m, signal.SIGCONT)
+            m.state = MemberState.RUNNING
+
+    def poll(self) -> list[ExitInfo]:
+        out = []
+        with self._lock:
+            for mid, m in self._members.items():
+                rc = m.proc.poll()
+                if rc is not None and not m.reported:
+                    m.reported = True
+                    if m.state not in (MemberState.STOPPED,):
+                        m.state = MemberState.EXITED
+                    out.append(ExitInfo(mid, m.spec.role, rc, m.expected_exit))
+        return out
+
+    def state(self, member_id: str) -> MemberState | None:
+        m = self._members.get(member_id)
+        if m is None:
+            return None
+        if m.proc.poll() is not None and m.state in (MemberState.RUNNING, MemberState.SUSPENDED):
+            m.state = MemberState.EXITED
+        return m.state
+
+    def pid(self, member_id: str) -> int | None:
+        m = self._members.get(member_id)
+        return m.proc.pid if m else None
+
+    def running(self, job_id: str | None = None) -> list[str]:
+        return [mid for mid, m in self._members.items()
+                if m.proc.poll() is None and (job_id is None or m.spec.job_id == job_id)]
+
+    def close(self) -> None:
+        self.kill_many(self.running(), expected=True)

@@ -1,0 +1,202 @@
+"""What every role member (trainer worker, rollout replica) shares: identity, finding the job
+through NATS, phase and metrics publishing, heartbeat probes, and in-process chaos faults.
+
+The activity counter is bumped only by real work (decoded tokens, forward/backward passes),
+never by a timer, so a hung or stalled member cannot fake progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import psutil
+
+from robustrl.bus import Bus
+from robustrl.config import JobSpec, Settings
+from robustrl.errors import ConfigError, RequestTimeout
+from robustrl.messages import (
+    ChaosCommand, MemberHello, MetricsSample, PhaseChange, ProbeReply, ProbeRequest, SpecReply,
+    SpecRequest,
+)
+from robustrl.subjects import Verb, subject
+
+log = logging.getLogger(__name__)
+SPEC_TIMEOUT_S = 3.0
+SPEC_ATTEMPTS = 20
+
+
+@dataclass(frozen=True)
+class Identity:
+    job_id: str
+    member_id: str
+    role: str
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Identity:
+        try:
+            return cls(env["ROBUSTRL_JOB_ID"], env["ROBUSTRL_MEMBER_ID"], env["ROBUSTRL_ROLE"],
+                       int(env.get("ROBUSTRL_RANK", "0")), int(env.get("ROBUSTRL_WORLD_SIZE", "1")))
+        except KeyError as exc:
+            raise ConfigError(f"member environment lacks {exc.args[0]}", field=exc.args[0]) from exc
+
+
+class ChaosState:
+    """In-process faults the harness can switch on: stall, slow (fail-slow)."""
+
+    def __init__(self) -> None:
+        self.stall_until = 0.0
+        self.slow_until = 0.0
+        self.slow_factor = 1.0
+        self._wake = threading.Event()
+
+    def gate(self) -> None:
+        """Called by worker threads between units of work: blocks while stalled, adds delay
+        while slow. The member stays alive and answers probes meanwhile."""
+        while time.monotonic() < self.stall_until:
+            self._wake.wait(0.05)
+
+    def slow_delay(self, base_s: float) -> float:
+        if time.monotonic() < self.slow_until:
+            return base_s * (self.slow_factor - 1.0)
+        return 0.0
+
+
+class Member:
+    """The NATS-facing side of one role member."""
+
+    def __init__(self, ident: Identity, settings: Settings) -> None:
+        self.ident = ident
+        self.settings = settings
+        self.bus: Bus | None = None
+        self.spec: JobSpec | None = None
+        self.epoch = 0
+        self.resume_step: int | None = None
+        self.phase = "starting"
+        self.step = -1
+        self.activity = 0
+        self.tokens_total = 0
+        self.queue_depth = 0
+        self.inflight = 0
+        self.tool_waiting = 0
+        self.weights_version = -1
+        self.chaos = ChaosState()
+        self.stopping = asyncio.Event()
+        self._seq = 0
+        self._last_tokens = (time.monotonic(), 0)
+        self._proc = psutil.Process()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> JobSpec:
+        """Connect, find the job through NATS (ask the controller for the spec), say hello."""
+        self.bus = await Bus.connect(self.settings.nats_url, self.ident.member_id)
+        reply = None
+        for attempt in range(SPEC_ATTEMPTS):
+            try:
+                reply = await self.bus.request(
+                    subject(self.ident.job_id, Verb.SPEC),
+                    SpecRequest(job_id=self.ident.job_id, member_id=self.ident.member_id),
+                    SpecReply, timeout=SPEC_TIMEOUT_S)
+                break
+            except RequestTimeout:
+                log.warning("no job spec yet (attempt %d)", attempt + 1)
+        if reply is None:
+            raise ConfigError(f"controller never answered for job {self.ident.job_id}", field="job_id")
+        self.spec = JobSpec.parse(reply.spec)
+        self.epoch = reply.epoch
+        self.resume_step = reply.resume_step
+        await self.bus.subscribe(subject(self.ident.job_id, Verb.PROBE, self.ident.member_id),
+                                 ProbeRequest, self._on_probe)
+        await self.bus.subscribe(subject(self.ident.job_id, Verb.CHAOS, self.ident.member_id),
+                                 ChaosCommand, self._on_chaos)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        self._tasks.append(asyncio.create_task(self._metrics_loop()))
+        return self.spec
+
+    async def hello(self, address: str | None = None, resume_step: int | None = None) -> None:
+        assert self.bus
+        await self.bus.publish(subject(self.ident.job_id, Verb.HELLO, self.ident.member_id), MemberHello(
+            job_id=self.ident.job_id, member_id=self.ident.member_id, role=self.ident.role,  # type: ignore[arg-type]
+            pid=os.getpid(), epoch=self.epoch, address=address, resume_step=resume_step))
+
+    async def set_phase(self, phase: str, step: int | None = None) -> None:
+        if step is not None:
+            self.step = step
+        if phase == self.phase:
+            return
+        self.phase = phase
+        if self.bus:
+            await self.bus.publish(
+                subject(self.ident.job_id, Verb.PHASE, self.ident.member_id),
+                PhaseChange(job_id=self.ident.job_id, member_id=self.ident.member_id,
+                            role=self.ident.role, phase=phase, step=self.step))  # type: ignore[arg-type]
+
+    def sample(self) -> MetricsSample:
+        now_m = time.monotonic()
+        t0, n0 = self._last_tokens
+        rate = (self.tokens_total - n0) / max(1e-6, now_m - t0)
+        self._last_tokens = (now_m, self.tokens_total)
+        self._seq += 1
+        return MetricsSample(
+            job_id=self.ident.job_id, member_id=self.ident.member_id, role=self.ident.role,  # type: ignore[arg-type]
+            seq=self._seq, ts=time.time(), phase=self.phase, step=self.step, activity=self.activity,
+            tokens_total=self.tokens_total, tokens_per_s=max(0.0, rate), queue_depth=self.queue_depth,
+            inflight=self.inflight, tool_waiting=self.tool_waiting, weights_version=self.weights_version,
+            rss_bytes=self._proc.memory_info().rss)
+
+    async def _metrics_loop(self) -> None:
+        assert self.bus and self.spec
+        interval = self.spec.detector.metrics_interval_s
+        subj = subject(self.ident.job_id, Verb.METRICS, self.ident.member_id)
+        while not self.stopping.is_set():
+            try:
+                await self.bus.publish(subj, self.sample())
+            except Exception as exc:  # a dropped connection is the detector's business
+                log.debug("metrics publish failed: %s", exc)
+            try:
+                await asyncio.wait_for(self.stopping.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _on_probe(self, msg: ProbeRequest, _subject: str, reply: str | None) -> None:
+        assert self.bus
+        await self.bus.respond(reply, ProbeReply(member_id=self.ident.member_id, nonce=msg.nonce,
+                                                 phase=self.phase))
+
+    async def _on_chaos(self, msg: ChaosCommand, _subject: str, _reply: str | None) -> None:
+        log.warning("chaos: %s for %.1fs (factor %.1f)", msg.kind, msg.duration_s, msg.factor)
+        until = time.monotonic() + (msg.duration_s or 3600.0)
+        if msg.kind == "stall":
+            self.chaos.stall_until = until
+        elif msg.kind == "slow":
+            self.chaos.slow_until, self.chaos.slow_factor = until, msg.factor
+        elif msg.kind == "net_drop":
+            assert self.bus
+            # Cut the NATS connection for good: the member goes silent, as on a network partition.
+            await self.bus.client.close()
+        elif msg.kind == "crash":
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        elif msg.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    async def close(self) -> None:
+        self.stopping.set()
+        for task in self._tasks:
+            task.cancel()
+        if self.bus:
+            await self.bus.close()
+
+
+def configure_logging(member_id: str) -> None:
+    logging.basicConfig(level=os.environ.get("ROBUSTRL_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {member_id} %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,215 @@
+"""GRPO: group-relative advantages and the clipped-ratio surrogate over assistant tokens.
+
+Each episode is one sequence: prompt, assistant turns and tool turns concatenated. Only tokens
+the policy generated are trained on (``loss_mask``); prompt and tool-result tokens are context.
+Old logprobs are the ones the rollout engine recorded (temperature-1 policy logprobs), so the
+first update's ratio is 1 up to numerics and the clip bounds how far a stale turn can pull.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from robustrl.model.tokenizer import CharTokenizer
+from robustrl.rl.tasks import Prompt, Turn, initial_prompt_ids
+
+
+@dataclass
+class TrainSample:
+    """One episode as the trainer sees it; the three lists are aligned token by token."""
+
+    episode_id: str
+    group_id: str
+    token_ids: list[int]
+    loss_mask: list[int]
+    old_logprobs: list[float]
+    reward: float
+
+
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(reward - group mean) / (group std + eps), per group.
+
+    The std is the population std (divide by n): a group of identical rewards gets advantage 0
+    for every member, and a group of one gets 0 too.
+    """
+    rewards = rewards.to(torch.float32)
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    n_groups = counts.numel()
+    sums = torch.zeros(n_groups, dtype=torch.float32).index_add_(0, inverse, rewards)
+    means = sums / counts
+    centered = rewards - means[inverse]
+    var = torch.zeros(n_groups, dtype=torch.float32).index_add_(0, inverse, centered**2) / counts
+    return centered / (var.sqrt()[inverse] + eps)
+
+
+def group_index(group_ids: Sequence[str]) -> torch.Tensor:
+    """String group ids to a dense int tensor (first appearance order)."""
+    index: dict[str, int] = {}
+    return torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long)
+
+
+def build_samples(
+    episodes: Sequence[tuple[Prompt, Sequence[Turn], float]],
+    tokenizer: CharTokenizer,
+    episode_ids: Sequence[str] | None = None,
+) -> list[TrainSample]:
+    """Turn finished episodes into samples; group = prompt id.
+
+    Args:
+        episodes: (prompt, turns, reward) per episode.
+        episode_ids: ids to carry; default ``<prompt_id>/<index of the episode in its group>``.
+
+    Raises:
+        ValueError: an assistant turn's logprobs do not match its tokens.
+    """
+    samples: list[TrainSample] = []
+    seen: dict[str, int] = {}
+    for n, (prompt, turns, reward) in enumerate(episodes):
+        ids = initial_prompt_ids(prompt, tokenizer)
+        mask = [0] * len(ids)
+        old = [0.0] * len(ids)
+        for turn in turns:
+            ids.extend(turn.token_ids)
+            if turn.role == "assistant":
+                if len(turn.logprobs) != len(turn.token_ids):
+                    raise ValueError(f"episode {n}: assistant turn has {len(turn.token_ids)} tokens "
+                                     f"but {len(turn.logprobs)} logprobs")
+                mask.extend([1] * len(turn.token_ids))
+                old.extend(float(x) for x in turn.logprobs)
+            else:
+                mask.extend([0] * len(turn.token_ids))
+                old.extend([0.0] * len(turn.token_ids))
+        index = seen.get(prompt.prompt_id, 0)
+        seen[prompt.prompt_id] = index + 1
+        eid = episode_ids[n] if episode_ids is not None else f"{prompt.prompt_id}/{index}"
+        samples.append(TrainSample(eid, prompt.prompt_id, ids, mask, old, float(reward)))
+    return samples
+
+
+def collate(samples: Sequence[TrainSample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad samples into tensors.
+
+    Returns:
+        ``input_ids``, ``attention_mask``, ``loss_mask`` (float), ``old_logprobs`` ([B, T]),
+        ``rewards`` ([B]) and ``group_ids`` ([B], dense ints).
+    """
+    width = max(len(s.token_ids) for s in samples)
+    batch = len(samples)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((batch, width), dtype=torch.long)
+    loss_mask = torch.zeros((batch, width), dtype=torch.float32)
+    old = torch.zeros((batch, width), dtype=torch.float32)
+    for b, s in enumerate(samples):
+        n = len(s.token_ids)
+        input_ids[b, :n] = torch.tensor(s.token_ids, dtype=torch.long)
+        attention[b, :n] = 1
+        loss_mask[b, :n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+        old[b, :n] = torch.tensor(s.old_logprobs, dtype=torch.float32)
+    # Position 0 has no predecessor, so it can never be a trained token.
+    loss_mask[:, 0] = 0.0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention,
+        "loss_mask": loss_mask,
+        "old_logprobs": old,
+        "rewards": torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        "group_ids": group_index([s.group_id for s in samples]),
+    }
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Logprob of each token given the ones before it, [B, T]; column 0 is 0.
+
+    Works for a bare model and a DDP wrapper (both return ``.logits``).
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    logp = torch.log_softmax(logits[:, :-1, :].float(), dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+
+def grpo_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped-ratio surrogate, averaged over the masked tokens of the whole batch.
+
+    ``loss = -sum(mask * min(r * A, clip(r, 1 - eps, 1 + eps) * A)) / sum(mask)`` with
+    ``r = exp(new - old)`` per token and ``A`` the episode's advantage ([B] or [B, T]).
+
+    Returns:
+        (loss, stats) with ``clip_frac``, ``ratio_mean``, ``approx_kl`` (mean of old - new) and
+        ``tokens`` over the mask.
+    """
+    mask = mask.to(new_logprobs.dtype)
+    adv = advantages.to(new_logprobs.dtype)
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1)
+    ratio = torch.exp(new_logprobs - old_logprobs)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    tokens = mask.sum().clamp(min=1.0)
+    loss = (per_token * mask).sum() / tokens
+    with torch.no_grad():
+        was_clipped = ((ratio - 1.0).abs() > clip_eps).to(mask.dtype)
+        stats = {
+            "clip_frac": float((was_clipped * mask).sum() / tokens),
+            "ratio_mean": float((ratio * mask).sum() / tokens),
+            "approx_kl": float(((old_logprobs - new_logprobs) * mask).sum() / tokens),
+            "tokens": float(mask.sum()),
+        }
+    return loss, stats
+
+
+def train_on_samples(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[TrainSample],
+    *,
+    clip_eps: float,
+    pad_id: int,
+    advantages: torch.Tensor | None = None,
+    max_grad_norm: float | None = 1.0,
+) -> dict[str, float]:
+    """One optimizer step on ``samples``.
+
+    Args:
+        model: the policy or its DDP wrapper (gradients are averaged by DDP in ``backward``).
+        advantages: per-sample advantages aligned with ``samples``; pass them when the samples are
+            one rank's share of a batch, computed over the whole batch. Default: computed here
+            from the samples' own groups.
+        max_grad_norm: clip the gradient norm (None: no clipping).
+
+    Returns:
+        loss, grad_norm, reward_mean, advantage_abs_mean and the :func:`grpo_loss` stats.
+    """
+    if not samples:
+        raise ValueError("train_on_samples needs at least one sample")
+    batch = collate(samples, pad_id)
+    if advantages is None:
+        advantages = group_advantages(batch["rewards"], batch["group_ids"])
+    if advantages.shape[0] != len(samples):
+        raise ValueError(f"{advantages.shape[0]} advantages for {len(samples)} samples")
+    device = next(model.parameters()).device
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    new = token_logprobs(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+    loss, stats = grpo_loss(new, batch["old_logprobs"].to(device), advantages.to(device),
+                            batch["loss_mask"].to(device), clip_eps)
+    loss.backward()
+    grad_norm = 0.0
+    if max_grad_norm is not None:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return {"loss": float(loss.detach()), "grad_norm": grad_norm,
+            "reward_mean": float(batch["rewards"].mean()),
+            "advantage_abs_mean": float(advantages.abs().mean()), **stats}

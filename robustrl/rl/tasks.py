@@ -1,0 +1,270 @@
+"""Verifiable tasks, the multi-turn episode protocol, and rewards. Pure functions; no torch.
+
+The request manager drives an episode with :func:`next_action` and never needs to know the
+task: generate a turn, maybe call a tool, generate again, finish, :func:`score`.
+
+Token layout of an episode (what the trainer sees, concatenated)::
+
+    <bos> prompt text <eot> | assistant turn ... <eot>|<call> | <result> tool text <eot> | ...
+
+Tool tasks ("lookup", "calc") are structured: the first assistant turn *is* the tool query,
+whatever its stop reason. A random-init policy rarely emits ``<call>``, and the rollout-recovery
+machinery (tool-turn prefixes) must be exercised from step 0, so every tool episode calls its
+tool. The answer needs the tool result: the lookup value never appears in the prompt.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+from robustrl.errors import ConfigError
+from robustrl.model.tokenizer import CharTokenizer
+
+TASKS: tuple[str, ...] = ("reverse", "copy", "lookup", "calc")
+TOOL_OF_TASK: Mapping[str, str] = MappingProxyType({"lookup": "lookup", "calc": "calc"})
+#: Letters used by the string tasks and lookup keys; small so a tiny model can learn them fast.
+LETTERS = "abcdef"
+DIGITS = "0123456789"
+#: Longest tool result text put back into the context (the rest is cut).
+TOOL_RESULT_MAX_CHARS = 24
+_LOOKUP_KEYS = 48
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task instance. ``meta`` holds the task's hidden facts (lookup key, calc expression)."""
+
+    prompt_id: str
+    task: str
+    text: str
+    answer: str
+    needs_tool: bool
+    tool: str | None
+    meta: dict[str, Any] = field(default_factory=dict, hash=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (for Redis)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Prompt:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**dict(raw))
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of an episode. Tool turns have no logprobs and ``weights_version`` -1."""
+
+    role: Literal["assistant", "tool"]
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    weights_version: int = -1
+    stop_reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (for Redis)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Turn:
+        """Inverse of :meth:`to_dict`."""
+        return cls(**dict(raw))
+
+
+@dataclass(frozen=True)
+class Generate:
+    """Generate the next assistant turn from the episode's prefix."""
+
+    stop_on_call: bool
+
+
+@dataclass(frozen=True)
+class CallTool:
+    """Run ``tool`` with ``arg``, append its result as a tool turn."""
+
+    tool: str
+    arg: str
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The episode is complete; score it."""
+
+    reason: str
+
+
+Action = Generate | CallTool | Finish
+
+
+# --- task instances --------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def lookup_table(seed: int) -> Mapping[str, str]:
+    """The lookup service's key -> value table; shared by the task and the tool, fixed by ``seed``."""
+    rng = random.Random(f"lookup-table:{seed}")
+    keys: set[str] = set()
+    while len(keys) < _LOOKUP_KEYS:
+        keys.add("".join(rng.choice(LETTERS) for _ in range(3)))
+    return MappingProxyType({k: "".join(rng.choice(DIGITS) for _ in range(3)) for k in sorted(keys)})
+
+
+def _make_prompt(task: str, prompt_id: str, rng: random.Random, seed: int) -> Prompt:
+    if task in ("reverse", "copy"):
+        word = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 5)))
+        answer = word[::-1] if task == "reverse" else word
+        return Prompt(prompt_id, task, f"{task} {word}:", answer, False, None, {"word": word})
+    if task == "lookup":
+        table = lookup_table(seed)
+        key = rng.choice(sorted(table))
+        return Prompt(prompt_id, task, f"lookup {key}:", table[key], True, "lookup", {"key": key})
+    if task == "calc":
+        a, b, op = rng.randint(1, 20), rng.randint(1, 20), rng.choice("+-*")
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        expr = f"{a}{op}{b}"
+        return Prompt(prompt_id, task, f"calc {expr}:", str(value), True, "calc", {"expr": expr})
+    raise ConfigError(f"unknown task {task!r} (known: {', '.join(TASKS)})", field="data.tasks")
+
+
+def sample_prompts(tasks: Sequence[str], step: int, n: int, seed: int) -> list[Prompt]:
+    """The ``n`` prompts of ``step``: tasks interleaved round-robin, deterministic in all args.
+
+    Raises:
+        ConfigError: an unknown task name or an empty task list.
+    """
+    if not tasks:
+        raise ConfigError("at least one task is needed", field="data.tasks")
+    for task in tasks:
+        if task not in TASKS:
+            raise ConfigError(f"unknown task {task!r} (known: {', '.join(TASKS)})", field="data.tasks")
+    rng = random.Random(f"prompts:{seed}:{step}")
+    return [_make_prompt(tasks[i % len(tasks)], f"s{step}-p{i}", rng, seed) for i in range(n)]
+
+
+# --- episode protocol --------------------------------------------------------------------------
+
+
+def initial_prompt_ids(prompt: Prompt, tokenizer: CharTokenizer) -> list[int]:
+    """``<bos> text <eot>``: the prefix of the first assistant turn."""
+    return [tokenizer.bos_id, *tokenizer.encode(prompt.text), tokenizer.eot_id]
+
+
+def episode_ids(prompt: Prompt, turns: Sequence[Turn], tokenizer: CharTokenizer) -> list[int]:
+    """Prompt plus every turn: the prefix to generate the next turn from."""
+    ids = initial_prompt_ids(prompt, tokenizer)
+    for turn in turns:
+        ids.extend(turn.token_ids)
+    return ids
+
+
+def request_seed(job_seed: int, episode_id: str, turn_index: int) -> int:
+    """Sampling seed of one turn, stable across processes (unlike ``hash()`` of a str).
+
+    A turn re-dispatched after a replica failure gets the same seed, so with the same weights
+    it regenerates the same tokens.
+    """
+    digest = hashlib.blake2b(f"{job_seed}:{episode_id}:{turn_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def tool_turn_ids(result_text: str, tokenizer: CharTokenizer,
+                  max_chars: int = TOOL_RESULT_MAX_CHARS) -> list[int]:
+    """``<result> text <eot>``; text cut to ``max_chars``, unknown characters become ``?``."""
+    return [tokenizer.result_id, *tokenizer.encode(result_text[:max_chars], errors="replace"),
+            tokenizer.eot_id]
+
+
+def tool_turn(result_text: str, tokenizer: CharTokenizer) -> Turn:
+    """A ready tool :class:`Turn` for ``result_text``."""
+    return Turn("tool", tool_turn_ids(result_text, tokenizer), [], -1, None)
+
+
+def turn_text(turn: Turn, tokenizer: CharTokenizer) -> str:
+    """The turn's text for scoring: the final eot/call dropped, other specials shown as NUL.
+
+    Specials inside the text count as wrong characters (rather than vanishing), so a policy
+    cannot pad its answers with them for free.
+    """
+    ids = list(turn.token_ids)
+    if ids and ids[-1] in (tokenizer.eot_id, tokenizer.call_id):
+        ids.pop()
+    return "".join("\x00" if tokenizer.is_special(t) else tokenizer.decode([t]) for t in ids)
+
+
+def tool_argument(turn: Turn, tokenizer: CharTokenizer) -> str:
+    """The tool argument an assistant turn stands for: its text, specials dropped, stripped."""
+    return tokenizer.decode(turn.token_ids, skip_special=True).strip()
+
+
+def next_action(prompt: Prompt, turns: Sequence[Turn], tokenizer: CharTokenizer, max_turns: int) -> Action:
+    """Decide what the episode does next, from its turns so far.
+
+    - no turn yet, or the last turn is a tool result: generate (unless ``max_turns`` assistant
+      turns already exist);
+    - the last turn is the first assistant turn of a tool task: call the tool with that turn's
+      text, whatever its stop reason;
+    - otherwise: finish.
+    """
+    assistant = sum(1 for t in turns if t.role == "assistant")
+    called = any(t.role == "tool" for t in turns)
+    if not turns or turns[-1].role == "tool":
+        if assistant >= max_turns:
+            return Finish("max_turns")
+        return Generate(stop_on_call=prompt.needs_tool and not called)
+    last = turns[-1]
+    if prompt.needs_tool and prompt.tool and not called and assistant < max_turns:
+        return CallTool(prompt.tool, tool_argument(last, tokenizer))
+    return Finish(last.stop_reason or "done")
+
+
+# --- rewards ----------------------------------------------------------------------------------
+
+
+def string_credit(output: str, target: str) -> float:
+    """Partial credit in [0, 1] for ``output`` against ``target``.
+
+    0.6 x fraction of positions right (over the longer length), 0.2 x character-multiset F1,
+    0.2 x length agreement. The two soft terms give a random policy a gradient toward the right
+    alphabet and the right length before it gets positions right; only an exact answer scores 1.
+    """
+    if not target and not output:
+        return 1.0
+    longest = max(len(output), len(target))
+    positional = sum(1 for a, b in zip(output, target, strict=False) if a == b) / longest
+    common = sum(min(output.count(c), target.count(c)) for c in set(target))
+    f1 = 2 * common / (len(output) + len(target))
+    length = min(len(output), len(target)) / longest
+    return 0.6 * positional + 0.2 * f1 + 0.2 * length
+
+
+def score(prompt: Prompt, turns: Sequence[Turn], tokenizer: CharTokenizer) -> float:
+    """Reward in [0, 1] of a finished episode.
+
+    String tasks: :func:`string_credit` of the last assistant turn. Tool tasks: 0.4 x credit of
+    the query (first assistant turn vs. the key/expression), 0.1 if that turn ended with
+    ``<call>``, 0.5 x credit of the first assistant turn after the tool result vs. the answer.
+    """
+    assistant = [t for t in turns if t.role == "assistant"]
+    if not assistant:
+        return 0.0
+    if not prompt.needs_tool:
+        return string_credit(turn_text(assistant[-1], tokenizer), prompt.answer)
+    query_target = str(prompt.meta.get("key", prompt.meta.get("expr", "")))
+    reward = 0.4 * string_credit(turn_text(assistant[0], tokenizer), query_target)
+    if assistant[0].stop_reason == "tool_call":
+        reward += 0.1
+    seen_tool = False
+    for turn in turns:
+        if turn.role == "tool":
+            seen_tool = True
+        elif seen_tool:
+            reward += 0.5 * string_credit(turn_text(turn, tokenizer), prompt.answer)
+            break
+    return min(1.0, max(0.0, reward))

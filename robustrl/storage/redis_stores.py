@@ -1,0 +1,262 @@
+"""Durable rollout state in Redis: episodes, tool-turn prefixes, batches and the batch fence.
+
+Every key is built in :class:`Keys`; nothing else in the code base writes a Redis key.
+The tool-turn prefix of an episode is saved *before* its next turn is dispatched, so a
+replica that dies mid-turn costs at most that one turn.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from redis.exceptions import RedisError
+
+from robustrl.errors import StorageError, TransportError
+
+EpisodeStatus = Literal["pending", "generating", "tool_wait", "finished"]
+
+
+class TurnRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["assistant", "tool"]
+    token_ids: list[int]
+    logprobs: list[float] = Field(default_factory=list)
+    weights_version: int = -1
+    stop_reason: str | None = None
+    member_id: str | None = None
+
+
+class EpisodeRecord(BaseModel):
+    """One episode: its prompt, the turns so far, and (once finished) its reward."""
+
+    model_config = ConfigDict(extra="forbid")
+    job_id: str
+    episode_id: str
+    step: int
+    group_id: str
+    prompt: dict[str, Any]
+    prompt_ids: list[int]
+    turns: list[TurnRecord] = Field(default_factory=list)
+    status: EpisodeStatus = "pending"
+    reward: float | None = None
+    redispatches: int = 0
+    tokens_discarded: int = 0
+
+    def prefix_ids(self) -> list[int]:
+        ids = list(self.prompt_ids)
+        for turn in self.turns:
+            ids.extend(turn.token_ids)
+        return ids
+
+
+class BatchRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    job_id: str
+    step: int
+    episode_ids: list[str]
+    reward_mean: float
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class Keys:
+    """The one place Redis keys are spelled."""
+
+    @staticmethod
+    def episode(job: str, episode_id: str) -> str:
+        return f"rrl:{job}:ep:{episode_id}"
+
+    @staticmethod
+    def prefix(job: str, episode_id: str) -> str:
+        return f"rrl:{job}:prefix:{episode_id}"
+
+    @staticmethod
+    def step_episodes(job: str, step: int) -> str:
+        return f"rrl:{job}:step:{step}:episodes"
+
+    @staticmethod
+    def batch(job: str, step: int) -> str:
+        return f"rrl:{job}:batch:{step}"
+
+    @staticmethod
+    def fence(job: str, step: int) -> str:
+        return f"rrl:{job}:fence:{step}"
+
+    @staticmethod
+    def trained_log(job: str) -> str:
+        return f"rrl:{job}:trained"
+
+    @staticmethod
+    def weights_latest(job: str) -> str:
+        return f"rrl:{job}:weights:latest"
+
+    @staticmethod
+    def jobs() -> str:
+        return "rrl:jobs"
+
+
+def connect(url: str) -> aioredis.Redis:
+    """An asyncio Redis client (lazy: the first command connects)."""
+    return aioredis.from_url(url, decode_responses=False, socket_connect_timeout=5.0,
+                             health_check_interval=10)
+
+
+async def _call(coro: Any, what: str) -> Any:
+    try:
+        return await coro
+    except RedisError as exc:
+        raise TransportError(f"redis {what} failed: {exc}", key=what) from exc
+
+
+def _load(model: type[BaseModel], raw: bytes, key: str) -> Any:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise StorageError(f"corrupt record at {key}: {exc.errors()[0]['msg']}", key=key) from exc
+
+
+class EpisodeStore:
+    """Episodes and their tool-turn prefixes."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        self.r = client
+        self.job = job_id
+
+    async def put(self, ep: EpisodeRecord) -> None:
+        key = Keys.episode(self.job, ep.episode_id)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.set(key, ep.model_dump_json())
+        pipe.sadd(Keys.step_episodes(self.job, ep.step), ep.episode_id)
+        await _call(pipe.execute(), key)
+
+    async def get(self, episode_id: str) -> EpisodeRecord | None:
+        key = Keys.episode(self.job, episode_id)
+        raw = await _call(self.r.get(key), key)
+        return None if raw is None else _load(EpisodeRecord, raw, key)
+
+    async def get_many(self, episode_ids: list[str]) -> list[EpisodeRecord]:
+        if not episode_ids:
+            return []
+        keys = [Keys.episode(self.job, e) for e in episode_ids]
+        raws = await _call(self.r.mget(keys), "mget episodes")
+        out = []
+        for key, raw in zip(keys, raws, strict=True):
+            if raw is None:
+                raise StorageError(f"episode missing: {key}", key=key)
+            out.append(_load(EpisodeRecord, raw, key))
+        return out
+
+    async def step_episode_ids(self, step: int) -> list[str]:
+        key = Keys.step_episodes(self.job, step)
+        return sorted(m.decode() for m in await _call(self.r.smembers(key), key))
+
+    async def clear_step(self, step: int) -> int:
+        """Forget a step's episodes (whole-job restart regenerates the step from scratch)."""
+        ids = await self.step_episode_ids(step)
+        keys = [Keys.episode(self.job, e) for e in ids] + [Keys.prefix(self.job, e) for e in ids]
+        keys.append(Keys.step_episodes(self.job, step))
+        await _call(self.r.delete(*keys), f"clear step {step}")
+        return len(ids)
+
+    async def save_prefix(self, ep: EpisodeRecord) -> None:
+        """Persist the episode's whole prefix after a tool turn (the unit of rollout recovery)."""
+        key = Keys.prefix(self.job, ep.episode_id)
+        payload = json.dumps({"n_turns": len(ep.turns), "episode": ep.model_dump(mode="json")})
+        pipe = self.r.pipeline(transaction=True)
+        pipe.set(key, payload)
+        pipe.set(Keys.episode(self.job, ep.episode_id), ep.model_dump_json())
+        await _call(pipe.execute(), key)
+
+    async def load_prefix(self, episode_id: str) -> EpisodeRecord | None:
+        key = Keys.prefix(self.job, episode_id)
+        raw = await _call(self.r.get(key), key)
+        if raw is None:
+            return None
+        try:
+            return EpisodeRecord.model_validate(json.loads(raw)["episode"])
+        except (ValueError, KeyError, ValidationError) as exc:
+            raise StorageError(f"corrupt prefix at {key}", key=key) from exc
+
+
+class BatchStore:
+    """Finished batches (kept until the checkpoint that consumed them is durable) and the fence."""
+
+    # Claim step k for gang `epoch`: free -> take it; same epoch -> idempotent; an older
+    # epoch that trained k but whose result never became durable (durable < k) -> redo allowed;
+    # otherwise refuse (it would train a batch twice in one durable lineage).
+    _CLAIM = """
+    local cur = redis.call('GET', KEYS[1])
+    if not cur then redis.call('SET', KEYS[1], ARGV[1]); return 1 end
+    if cur == ARGV[1] then return 1 end
+    if tonumber(ARGV[2]) < tonumber(ARGV[3]) then redis.call('SET', KEYS[1], ARGV[1]); return 2 end
+    return 0
+    """
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        self.r = client
+        self.job = job_id
+        self._claim = self.r.register_script(self._CLAIM)
+
+    async def put(self, batch: BatchRecord) -> None:
+        key = Keys.batch(self.job, batch.step)
+        await _call(self.r.set(key, batch.model_dump_json()), key)
+
+    async def get(self, step: int) -> BatchRecord | None:
+        key = Keys.batch(self.job, step)
+        raw = await _call(self.r.get(key), key)
+        return None if raw is None else _load(BatchRecord, raw, key)
+
+    async def delete(self, step: int) -> None:
+        await _call(self.r.delete(Keys.batch(self.job, step)), Keys.batch(self.job, step))
+
+    async def claim(self, step: int, epoch: int, durable_step: int) -> Literal["new", "redo", "refused"]:
+        """Fence: may gang ``epoch`` train batch ``step``, given the newest durable checkpoint?"""
+        key = Keys.fence(self.job, step)
+        res = await _call(self._claim(keys=[key], args=[str(epoch), str(durable_step), str(step)]), key)
+        return {1: "new", 2: "redo", 0: "refused"}[int(res)]
+
+    async def record_trained(self, step: int, epoch: int, checksum: str) -> None:
+        """Append to the training log (the tests check no batch is trained twice per lineage)."""
+        key = Keys.trained_log(self.job)
+        entry = json.dumps({"step": step, "epoch": epoch, "checksum": checksum})
+        await _call(self.r.rpush(key, entry), key)
+
+    async def trained_log(self) -> list[dict[str, Any]]:
+        key = Keys.trained_log(self.job)
+        return [json.loads(x) for x in await _call(self.r.lrange(key, 0, -1), key)]
+
+
+class WeightsPointer:
+    """The latest announced weights version, so a late joiner finds it without the trainer."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        self.r = client
+        self.key = Keys.weights_latest(job_id)
+
+    async def set(self, announce_json: bytes) -> None:
+        await _call(self.r.set(self.key, announce_json), self.key)
+
+    async def get(self) -> bytes | None:
+        return await _call(self.r.get(self.key), self.key)
+
+
+class JobRegistry:
+    """Job records, so a restarted controller finds its jobs again."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.r = client
+
+    async def put(self, job_id: str, record: dict[str, Any]) -> None:
+        await _call(self.r.hset(Keys.jobs(), job_id, json.dumps(record)), Keys.jobs())
+
+    async def all(self) -> dict[str, dict[str, Any]]:
+        raw = await _call(self.r.hgetall(Keys.jobs()), Keys.jobs())
+        out = {}
+        for k, v in raw.items():
+            try:
+                out[k.decode()] = json.loads(v)
+            except ValueError:
+                continue  # a damaged record is skipped, never overwritten here
+        return out

@@ -1,0 +1,174 @@
+"""Weight-version manifest: what a flat weight buffer holds and how it is cut into chunks.
+
+The manifest is the contract between the trainer that publishes a version and the replicas
+that pull it: tensors (name, dtype, shape, byte range) and chunks (byte range, checksum). It
+is torch-free because the control plane (controller, request manager) parses it too.
+
+Checksums are SHA-256 of each chunk: hashlib's SHA-256 uses the CPU's SHA extensions and runs
+at ~1.5 GiB/s here, twice blake2b, and it releases the GIL so the puller verifies in a thread
+while the next chunk is on the wire. The version checksum is SHA-256 over the chunk digests, so
+two buffers with the same version checksum hold the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from robustrl.errors import WeightSyncError
+
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
+
+
+class TensorEntry(BaseModel):
+    """One tensor inside the flat buffer: ``nbytes`` bytes from ``offset``, dtype as a bare name."""
+
+    model_config = _FROZEN
+    name: str = Field(min_length=1)
+    dtype: str = Field(min_length=1, description="Bare dtype name, e.g. 'float32', 'bfloat16'.")
+    shape: list[int]
+    offset: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+
+
+class ChunkEntry(BaseModel):
+    """One transfer unit: bytes ``[offset, offset + nbytes)`` of the buffer and their SHA-256."""
+
+    model_config = _FROZEN
+    index: int = Field(ge=0)
+    offset: int = Field(ge=0)
+    nbytes: int = Field(gt=0)
+    checksum: str = Field(min_length=1)
+
+
+class Manifest(BaseModel):
+    """A complete description of one weight version's flat buffer.
+
+    Validation guarantees the chunks tile ``[0, total_bytes)`` exactly and in order, and
+    that no two tensors overlap or run past the end of the buffer.
+    """
+
+    model_config = _FROZEN
+    version: int = Field(ge=0)
+    total_bytes: int = Field(ge=0)
+    chunk_bytes: int = Field(gt=0)
+    checksum: str
+    tensors: list[TensorEntry]
+    chunks: list[ChunkEntry]
+
+    @model_validator(mode="after")
+    def _layout_is_consistent(self) -> Manifest:
+        cursor = 0
+        for i, chunk in enumerate(self.chunks):
+            if chunk.index != i:
+                raise ValueError(f"chunk {i} has index {chunk.index}")
+            if chunk.offset != cursor:
+                raise ValueError(f"chunk {i} starts at {chunk.offset}, expected {cursor} (gap or overlap)")
+            if chunk.nbytes > self.chunk_bytes:
+                raise ValueError(f"chunk {i} has {chunk.nbytes} bytes > chunk_bytes {self.chunk_bytes}")
+            cursor += chunk.nbytes
+        if cursor != self.total_bytes:
+            raise ValueError(f"chunks cover {cursor} bytes, buffer has {self.total_bytes}")
+        names: set[str] = set()
+        end = 0
+        for tensor in sorted(self.tensors, key=lambda t: t.offset):
+            if tensor.name in names:
+                raise ValueError(f"tensor {tensor.name!r} listed twice")
+            names.add(tensor.name)
+            if tensor.offset < end:
+                raise ValueError(f"tensor {tensor.name!r} overlaps the tensor before it")
+            end = tensor.offset + tensor.nbytes
+            if end > self.total_bytes:
+                raise ValueError(f"tensor {tensor.name!r} runs past the end of the buffer")
+        return self
+
+    @property
+    def num_chunks(self) -> int:
+        """How many chunks the buffer is cut into."""
+        return len(self.chunks)
+
+    def tensor(self, name: str) -> TensorEntry:
+        """The entry for ``name``; raises WeightSyncError if the version has no such tensor."""
+        for entry in self.tensors:
+            if entry.name == name:
+                return entry
+        raise WeightSyncError("tensor not in manifest", version=self.version, tensor=name)
+
+    def verify_chunk(self, index: int, data: memoryview | bytes) -> bool:
+        """True when ``data`` is exactly chunk ``index`` of this version."""
+        chunk = self.chunks[index]
+        return len(data) == chunk.nbytes and chunk_checksum(data) == chunk.checksum
+
+    def check_matches(self, expected: Mapping[str, tuple[str, Sequence[int]]]) -> None:
+        """Check that this version holds exactly the tensors a model expects.
+
+        Args:
+            expected: tensor name -> (bare dtype name, shape) of the receiving model.
+
+        Raises:
+            WeightSyncError: naming the first tensor (in ``expected`` order, then manifest
+                order) that is missing, extra, or differs in dtype or shape. Not retryable:
+                re-pulling the same version cannot fix a model mismatch.
+        """
+        have = {t.name: t for t in self.tensors}
+        for name, (dtype, shape) in expected.items():
+            entry = have.get(name)
+            if entry is None:
+                raise _mismatch(self.version, name, "missing from the weight version")
+            if entry.dtype != dtype or list(entry.shape) != list(shape):
+                raise _mismatch(
+                    self.version, name,
+                    f"differs: version has {entry.dtype}{list(entry.shape)}, model wants {dtype}{list(shape)}",
+                )
+        for entry in self.tensors:
+            if entry.name not in expected:
+                raise _mismatch(self.version, entry.name, "is in the weight version but not in the model")
+
+
+def _mismatch(version: int, name: str, what: str) -> WeightSyncError:
+    err = WeightSyncError(f"tensor {name!r} {what}", version=version, tensor=name)
+    err.retryable = False
+    return err
+
+
+def chunk_checksum(data: memoryview | bytes) -> str:
+    """SHA-256 hex digest of one chunk's bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def version_checksum(chunk_checksums: Iterable[str]) -> str:
+    """The checksum of a whole version: SHA-256 over its chunk digests in order."""
+    digest = hashlib.sha256()
+    for checksum in chunk_checksums:
+        digest.update(bytes.fromhex(checksum))
+    return digest.hexdigest()
+
+
+def build_manifest(
+    version: int, tensors: Sequence[TensorEntry], buffer: memoryview | bytes | bytearray, chunk_bytes: int
+) -> Manifest:
+    """Cut ``buffer`` into chunks of at most ``chunk_bytes`` and checksum each one.
+
+    Args:
+        version: the weights version being published.
+        tensors: where each tensor lies in ``buffer``.
+        buffer: the flat bytes (anything exposing the buffer protocol, 1-D bytes view).
+        chunk_bytes: largest chunk; the last chunk may be shorter.
+
+    Returns:
+        A validated Manifest.
+    """
+    if chunk_bytes <= 0:
+        raise WeightSyncError("chunk_bytes must be positive", chunk_bytes=chunk_bytes)
+    view = memoryview(buffer).cast("B")
+    total = len(view)
+    chunks = []
+    for index, offset in enumerate(range(0, total, chunk_bytes)):
+        nbytes = min(chunk_bytes, total - offset)
+        chunks.append(ChunkEntry(index=index, offset=offset, nbytes=nbytes,
+                                 checksum=chunk_checksum(view[offset:offset + nbytes])))
+    return Manifest(version=version, total_bytes=total, chunk_bytes=chunk_bytes,
+                    checksum=version_checksum(c.checksum for c in chunks),
+                    tensors=list(tensors), chunks=chunks)

@@ -1,0 +1,274 @@
+"""The controller's recovery choice (DESIGN section 3, "Restart"), as pure functions.
+
+``decide(now, job, fault, spec)`` maps one fault report and a snapshot of the job to the
+actions to take and the reason; ``check_recovery(now, job, spec)`` escalates a recovery that
+overran its deadline; ``recovery_failed`` escalates one that failed outright. Nothing here
+performs I/O or reads a clock, so every branch is tested with a fake ``now``.
+
+Policies:
+
+* ``whole_job`` (the baseline): any member fault restarts every role from the last checkpoint.
+* ``role_local``: a trainer fault restarts the trainer gang; a rollout fault re-dispatches the
+  replica's episodes and replaces it. Escalate to a whole-job restart when the fault comes before
+  the first committed step, when the same step fails again, when a local recovery fails or
+  overruns ``deadline_s``, or when a control-plane service (request manager) is lost.
+
+In both policies a tool outage is reported only: a tool fault is not a machine fault. After
+``max_restarts`` restarts the job is failed instead of restarted again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from robustrl.config import RecoverySpec
+from robustrl.messages import FaultReport
+
+CONTROL_PLANE_ROLES = frozenset({"request_manager", "controller", "detector"})
+
+
+# --- the job as the controller sees it ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One recovery in progress.
+
+    Attributes:
+        role: what is being recovered: ``trainer``, ``rollout`` or ``job`` (whole-job restart).
+        step: the job step at which the fault happened.
+        started_at: when the recovery began (controller clock).
+        attempts: recoveries of this role at this step so far, this one included.
+        member_ids: members being replaced (their later fault reports are ignored).
+        fault_id: the fault that started it.
+    """
+
+    role: str
+    step: int
+    started_at: float
+    attempts: int = 1
+    member_ids: frozenset[str] = frozenset()
+    fault_id: str = ""
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A snapshot of one job, built by the controller from its state.
+
+    Attributes:
+        job_id: the job.
+        step: the step the job is working on now.
+        committed_step: newest committed step (-1 if none yet).
+        durable_step: newest step whose checkpoint is complete (-1 if none).
+        recovering: every recovery in progress (empty when none).
+        faults_per_step: (role, step) -> member faults already decided at that step.
+        restarts_total: restarts performed so far (gang restarts, replacements, whole-job).
+        control_plane_ok: False while a control-plane service (request manager) is lost.
+        live_members: member ids of the current incarnation; None when not tracked. A fault
+            about a member outside this set is stale.
+        rollout_replicas: configured replica count.
+    """
+
+    job_id: str
+    step: int
+    committed_step: int = -1
+    durable_step: int = -1
+    recovering: tuple[Recovery, ...] = ()
+    faults_per_step: Mapping[tuple[str, int], int] = field(default_factory=dict)
+    restarts_total: int = 0
+    control_plane_ok: bool = True
+    live_members: frozenset[str] | None = None
+    rollout_replicas: int = 1
+
+
+# --- actions ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RestartTrainerGang:
+    """Stop every trainer worker, start a new gang from checkpoint ``resume_from``."""
+
+    resume_from: int
+
+    def describe(self) -> str:
+        return f"restart_trainer_gang(resume_from={self.resume_from})"
+
+
+@dataclass(frozen=True)
+class RedispatchEpisodes:
+    """The request manager re-dispatches the member's in-flight episodes from their prefixes."""
+
+    member_id: str
+
+    def describe(self) -> str:
+        return f"redispatch_episodes({self.member_id})"
+
+
+@dataclass(frozen=True)
+class ReplaceReplica:
+    """Mark the replica dead and start a replacement that pulls current weights and joins."""
+
+    member_id: str
+
+    def describe(self) -> str:
+        return f"replace_replica({self.member_id})"
+
+
+@dataclass(frozen=True)
+class RestartWholeJob:
+    """Stop every role, restart all from checkpoint ``resume_from``, regenerate the step."""
+
+    reason: str
+    resume_from: int
+
+    def describe(self) -> str:
+        return f"restart_whole_job(resume_from={self.resume_from})"
+
+
+@dataclass(frozen=True)
+class ReportOnly:
+    """Record the fault; no restart (tool faults, faults that need no action)."""
+
+    reason: str
+
+    def describe(self) -> str:
+        return "report_only"
+
+
+@dataclass(frozen=True)
+class FailJob:
+    reason: str
+
+    def describe(self) -> str:
+        return "fail_job"
+
+
+@dataclass(frozen=True)
+class Ignore:
+    """The fault is about a member already being replaced or of a past incarnation."""
+
+    reason: str
+
+    def describe(self) -> str:
+        return "ignore"
+
+
+Action = (RestartTrainerGang | RedispatchEpisodes | ReplaceReplica | RestartWholeJob | ReportOnly
+          | FailJob | Ignore)
+RESTARTS = (RestartTrainerGang, ReplaceReplica, RestartWholeJob)
+
+
+@dataclass(frozen=True)
+class Decision:
+    actions: list[Action]
+    reason: str
+
+    def describe(self) -> list[str]:
+        """Action names for the ``decision`` event."""
+        return [a.describe() for a in self.actions]
+
+    @property
+    def restarts(self) -> int:
+        """How many restarts this decision performs (counted against ``max_restarts``)."""
+        return sum(isinstance(a, RESTARTS) for a in self.actions)
+
+
+# --- decisions ----------------------------------------------------------------------------
+
+
+def decide(now: float, job: JobView, fault: FaultReport, spec: RecoverySpec) -> Decision:
+    """Choose the actions for one fault report.
+
+    Args:
+        now: controller clock (unused by the rules today; kept so deadlines can be added
+            without changing callers).
+        job: snapshot of the job before this fault.
+        fault: the detector's report.
+        spec: the job's recovery policy.
+
+    Returns:
+        The actions, in the order to perform them, and a one-line reason.
+    """
+    del now  # every rule is a function of the job state; the clock only matters in check_recovery
+    if fault.kind == "tool_outage":
+        return Decision([ReportOnly("tool fault")], "a tool fault is not a machine fault: retry, back off, report")
+    stale = _stale(job, fault)
+    if stale is not None:
+        return Decision([Ignore(stale)], stale)
+    if spec.policy == "whole_job":
+        return _guarded(job, spec, _whole_job(job, f"policy whole_job: {fault.kind} of {fault.role} "
+                                                   f"{fault.member_id} at step {job.step}"))
+    return _guarded(job, spec, _role_local(job, fault))
+
+
+def _stale(job: JobView, fault: FaultReport) -> str | None:
+    if job.live_members is not None and fault.member_id not in job.live_members:
+        return f"{fault.member_id} is not a member of the current incarnation"
+    for rec in job.recovering:
+        if fault.member_id in rec.member_ids:
+            return f"{fault.member_id} is already being replaced ({rec.role} recovery since step {rec.step})"
+    return None
+
+
+def _role_local(job: JobView, fault: FaultReport) -> Decision:
+    what = f"{fault.kind} of {fault.role} {fault.member_id} at step {job.step}"
+    if fault.role in CONTROL_PLANE_ROLES:
+        return _whole_job(job, f"{what}: control-plane service lost (no durable recovery yet)")
+    if not job.control_plane_ok:
+        return _whole_job(job, f"{what} while the control plane is down: nothing can reconnect it")
+    if job.committed_step < 0:
+        return _whole_job(job, f"{what}: before the first committed step")
+    whole = next((r for r in job.recovering if r.role == "job"), None)
+    if whole is not None:
+        # A new-incarnation member failing during a whole-job restart: that restart failed.
+        return _whole_job(job, f"{what} during the whole-job restart begun at step {whole.step}")
+    previous = job.faults_per_step.get((fault.role, job.step), 0)
+    if fault.role == "trainer":
+        again = any(r.role == "trainer" and r.step == job.step for r in job.recovering)
+        if previous >= 1 or again:
+            return _whole_job(job, f"{what}: step {job.step} failed again on the trainer")
+        return Decision([RestartTrainerGang(job.durable_step)],
+                        f"{what}: restart the trainer gang from checkpoint {job.durable_step}")
+    if fault.role == "rollout":
+        # Independent replica losses at one step are replaced one by one; more losses than
+        # there are replica slots means replacements themselves die: a systemic problem.
+        if previous >= max(1, job.rollout_replicas):
+            return _whole_job(job, f"{what}: {previous + 1} rollout faults at step {job.step}")
+        if fault.kind == "fail_slow":
+            reason = f"{what}: replace the slow replica"
+        else:
+            reason = f"{what}: re-dispatch its episodes and replace it"
+        return Decision([RedispatchEpisodes(fault.member_id), ReplaceReplica(fault.member_id)], reason)
+    return Decision([ReportOnly(f"no recovery for role {fault.role}")], f"{what}: no recovery for this role")
+
+
+def _whole_job(job: JobView, reason: str) -> Decision:
+    return Decision([RestartWholeJob(reason, job.durable_step)], reason)
+
+
+def _guarded(job: JobView, spec: RecoverySpec, decision: Decision) -> Decision:
+    """Fail the job instead of restarting once ``max_restarts`` is used up."""
+    if decision.restarts and job.restarts_total + decision.restarts > spec.max_restarts:
+        reason = (f"giving up after {job.restarts_total} restarts (max_restarts={spec.max_restarts}); "
+                  f"last fault: {decision.reason}")
+        return Decision([FailJob(reason)], reason)
+    return decision
+
+
+def check_recovery(now: float, job: JobView, spec: RecoverySpec) -> Decision | None:
+    """Escalate the first recovery that has run past ``spec.deadline_s``; None if all are on time."""
+    for rec in job.recovering:
+        took = now - rec.started_at
+        if took > spec.deadline_s:
+            reason = (f"{rec.role} recovery begun at step {rec.step} still not done after {took:.1f}s "
+                      f"(deadline_s={spec.deadline_s:g})")
+            return _guarded(job, spec, _whole_job(job, reason))
+    return None
+
+
+def recovery_failed(now: float, job: JobView, rec: Recovery, why: str, spec: RecoverySpec) -> Decision:
+    """A local recovery failed outright (a replacement could not start, a checkpoint load failed):
+    escalate to a whole-job restart, or fail the job once restarts are used up."""
+    del now
+    return _guarded(job, spec, _whole_job(job, f"{rec.role} recovery at step {rec.step} failed: {why}"))

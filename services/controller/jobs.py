@@ -1,0 +1,120 @@
+"""The controller's view of a job: members, progress, faults and recovery state.
+
+Pure data: the runtime mutates it from NATS messages and launcher events; the REST API and
+the metrics endpoint render it with :meth:`JobRun.status_dict`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from robustrl.config import JobSpec
+
+JobStatus = Literal["pending", "running", "recovering", "finished", "failed", "stopped"]
+
+
+@dataclass
+class MemberInfo:
+    member_id: str
+    role: str
+    index: int  # trainer rank or rollout slot
+    epoch: int  # trainer gang epoch / rollout incarnation
+    state: str = "starting"  # starting | running | ready | exited | stopped | dead
+    phase: str = "starting"
+    weights_version: int = -1
+    pid: int | None = None
+    started_at: float = field(default_factory=time.time)
+
+
+@dataclass
+class Recovery:
+    fault_id: str
+    role: str
+    kind: str  # "trainer" | "replica" | "whole_job"
+    started_at: float
+    step: int
+    deadline_at: float
+    waiting_for: set[str] = field(default_factory=set)
+    replacing: set[str] = field(default_factory=set)
+    committed_at_fault: int = -1
+
+
+@dataclass
+class JobRun:
+    job_id: str
+    spec: JobSpec
+    status: JobStatus = "pending"
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    epoch: int = 0
+    slot_incarnation: dict[int, int] = field(default_factory=dict)
+    members: dict[str, MemberInfo] = field(default_factory=dict)
+    committed_step: int = -1
+    durable_step: int = -1
+    weights_version: int = -1
+    weights_checksum: str = ""
+    reward_by_step: dict[int, float] = field(default_factory=dict)
+    last_step_timings: dict[str, float] = field(default_factory=dict)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    recoveries: list[Recovery] = field(default_factory=list)
+    failures_by_step: dict[tuple[str, int], int] = field(default_factory=dict)
+    restarts_total: int = 0
+    error: str | None = None
+    ettr: float | None = None
+
+    @property
+    def policy(self) -> str:
+        return self.spec.recovery.policy
+
+    @property
+    def step(self) -> int:
+        """The step in progress (the next one to commit)."""
+        return self.committed_step + 1
+
+    @property
+    def done(self) -> bool:
+        return self.status in ("finished", "failed", "stopped")
+
+    def live(self, role: str | None = None) -> list[MemberInfo]:
+        return [m for m in self.members.values()
+                if m.state not in ("exited", "stopped", "dead") and (role is None or m.role == role)]
+
+    def current_trainers(self) -> list[MemberInfo]:
+        return [m for m in self.members.values() if m.role == "trainer" and m.epoch == self.epoch]
+
+    def current_replicas(self) -> list[MemberInfo]:
+        latest: dict[int, MemberInfo] = {}
+        for m in self.members.values():
+            if m.role == "rollout" and (m.index not in latest or m.epoch > latest[m.index].epoch):
+                latest[m.index] = m
+        return [latest[i] for i in sorted(latest)]
+
+    def is_current(self, member_id: str) -> bool:
+        m = self.members.get(member_id)
+        if m is None:
+            return False
+        if m.role == "trainer":
+            return m.epoch == self.epoch
+        if m.role == "rollout":
+            return self.slot_incarnation.get(m.index) == m.epoch
+        return True
+
+    def status_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id, "name": self.spec.name, "status": self.status, "policy": self.policy,
+            "mode": self.spec.mode, "step": self.step, "steps_total": self.spec.steps,
+            "committed_step": self.committed_step, "durable_step": self.durable_step,
+            "weights_version": self.weights_version, "weights_checksum": self.weights_checksum,
+            "reward_by_step": [self.reward_by_step[k] for k in sorted(self.reward_by_step)],
+            "members": [{"member_id": m.member_id, "role": m.role, "index": m.index, "epoch": m.epoch,
+                         "state": m.state, "phase": m.phase, "weights_version": m.weights_version,
+                         "pid": m.pid} for m in sorted(self.members.values(), key=lambda m: m.member_id)],
+            "faults": self.faults, "ettr": self.ettr, "last_step_timings": self.last_step_timings,
+            "created_at": self.created_at, "started_at": self.started_at, "finished_at": self.finished_at,
+            "restarts_total": self.restarts_total, "error": self.error,
+            "recovering": [{"fault_id": r.fault_id, "kind": r.kind, "waiting_for": sorted(r.waiting_for)}
+                           for r in self.recoveries],
+        }

@@ -1,0 +1,266 @@
+"""The detector process: NATS in, fault reports out. It never acts on a fault itself.
+
+It listens to every job's hello, phase, metrics and exit messages, control commands (a member
+the controller stopped is forgotten) and the event log (tool faults, job ends). On first sight
+of a job it asks the controller for the job spec to learn its thresholds. A ticker evaluates
+the rules of :mod:`robustrl.services.detector.rules` every ``metrics_interval_s / 2``, sends
+heartbeat probes and publishes each :class:`FaultReport` on ``rrl.<job>.fault`` together with a
+``fault_detected`` event (data: fault_id, kind, role, member_id, step, detected_at, evidence).
+
+Every time stamp the rules see is this process's clock at receipt, never a member's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from robustrl.bus import Bus
+from robustrl.config import DetectorSpec, JobSpec
+from robustrl.errors import ConfigError, RobustRLError
+from robustrl.messages import (
+    ControlCommand, Event, FaultReport, MemberExited, MemberHello, MetricsSample, PhaseChange, ProbeReply,
+    ProbeRequest, SpecReply, SpecRequest,
+)
+from robustrl.services.detector.rules import JobMonitor
+from robustrl.subjects import EVENTS_ALL, Verb, all_jobs, parse, subject
+
+log = logging.getLogger(__name__)
+
+SPEC_TIMEOUT_S = 2.0
+"""How long one job-spec request to the controller may take."""
+SPEC_RETRY_S = 1.0
+"""Pause between job-spec requests while the controller does not answer."""
+MIN_TICK_S = 0.05
+MAX_TICK_S = 1.0
+JOB_END_EVENTS = frozenset({"job_finished", "job_failed", "job_stopped"})
+MEMBER_NAME = "detector"
+
+
+@dataclass
+class Stats:
+    """Counters, for tests and the service's own log."""
+
+    samples: int = 0
+    dropped_samples: int = 0
+    probes_sent: int = 0
+    probes_answered: int = 0
+    faults_reported: int = 0
+
+
+class DetectorService:
+    """One detector serving every job on a NATS server."""
+
+    def __init__(self, bus: Bus, *, clock: Callable[[], float] = time.time,
+                 spec_timeout_s: float = SPEC_TIMEOUT_S, spec_retry_s: float = SPEC_RETRY_S) -> None:
+        self.bus = bus
+        self.clock = clock
+        self.jobs: dict[str, JobMonitor] = {}
+        self.ended: set[str] = set()
+        self.stats = Stats()
+        self._spec_timeout_s = spec_timeout_s
+        self._spec_retry_s = spec_retry_s
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._subs: list[object] = []
+        self._started = False
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Subscribe and start ticking; harmless if called twice."""
+        if self._started:
+            return
+        self._started = True
+        b = self.bus
+        self._subs += [
+            await b.subscribe(all_jobs(Verb.METRICS), MetricsSample, self._on_metrics),
+            await b.subscribe(all_jobs(Verb.PHASE), PhaseChange, self._on_phase),
+            await b.subscribe(all_jobs(Verb.EXIT), MemberExited, self._on_exit),
+            await b.subscribe(all_jobs(Verb.HELLO), MemberHello, self._on_hello),
+            await b.subscribe(all_jobs(Verb.CONTROL), ControlCommand, self._on_control),
+            await b.subscribe(EVENTS_ALL, Event, self._on_event),
+        ]
+        await b.client.flush()
+        self._spawn(self._tick_loop())
+        log.info("detector listening")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Start, run until ``stop`` is set, then shut down in order."""
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        """Take no new work, cancel child tasks and wait for them; harmless if called twice."""
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()  # type: ignore[attr-defined]
+        self._subs.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel("detector stopping")
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.create_task(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("detector task failed", exc_info=task.exception())
+
+    # --- jobs and specs --------------------------------------------------------------------
+
+    def _job(self, job_id: str) -> JobMonitor | None:
+        if job_id in self.ended:
+            return None
+        mon = self.jobs.get(job_id)
+        if mon is None:
+            mon = self.jobs[job_id] = JobMonitor(job_id)
+            self._spawn(self._learn_spec(mon))
+        return mon
+
+    async def _learn_spec(self, mon: JobMonitor) -> None:
+        """Ask the controller for the job spec until it answers (members may talk first)."""
+        req = SpecRequest(job_id=mon.job_id, member_id=MEMBER_NAME)
+        while mon.cfg is None and mon.job_id not in self.ended:
+            try:
+                reply = await self.bus.request(subject(mon.job_id, Verb.SPEC), req, SpecReply,
+                                               timeout=self._spec_timeout_s)
+            except RobustRLError as exc:
+                log.info("no spec for job %s yet: %s", mon.job_id, exc)
+                await asyncio.sleep(self._spec_retry_s)
+                continue
+            mon.configure(detector_spec(reply.spec))
+            log.info("job %s: thresholds %s", mon.job_id, mon.cfg)
+
+    # --- inputs ----------------------------------------------------------------------------
+
+    async def _on_metrics(self, msg: MetricsSample, subj: str, _reply: str | None) -> None:
+        if not _consistent(msg.job_id, subj):
+            return
+        mon = self._job(msg.job_id)
+        if mon is None:
+            return
+        if mon.sample(msg, self.clock()):
+            self.stats.samples += 1
+        else:
+            self.stats.dropped_samples += 1
+
+    async def _on_phase(self, msg: PhaseChange, subj: str, _reply: str | None) -> None:
+        mon = self._job(msg.job_id) if _consistent(msg.job_id, subj) else None
+        if mon is not None:
+            mon.phase(msg, self.clock())
+
+    async def _on_hello(self, msg: MemberHello, subj: str, _reply: str | None) -> None:
+        mon = self._job(msg.job_id) if _consistent(msg.job_id, subj) else None
+        if mon is not None:
+            mon.hello(msg, self.clock())
+
+    async def _on_exit(self, msg: MemberExited, subj: str, _reply: str | None) -> None:
+        mon = self._job(msg.job_id) if _consistent(msg.job_id, subj) else None
+        if mon is None:
+            return
+        report = mon.exited(msg, self.clock())
+        if report is not None:
+            await self._report(report)
+
+    async def _on_control(self, msg: ControlCommand, subj: str, _reply: str | None) -> None:
+        mon = self.jobs.get(msg.job_id) if _consistent(msg.job_id, subj) else None
+        if mon is None or msg.action not in ("stop", "replica_dead"):
+            return
+        # The controller stopped (or gave up on) a member or a whole role: its silence from now
+        # on is expected.
+        if msg.target in ("trainer", "rollout", "request_manager"):
+            mon.forget_role(msg.target)
+        else:
+            mon.forget(msg.target)
+
+    async def _on_event(self, msg: Event, _subj: str, _reply: str | None) -> None:
+        if msg.kind in JOB_END_EVENTS:
+            self.ended.add(msg.job_id)
+            self.jobs.pop(msg.job_id, None)
+        elif msg.kind == "tool_fault":
+            mon = self._job(msg.job_id)
+            report = mon.tool_fault(msg, self.clock()) if mon is not None else None
+            if report is not None:
+                await self._report(report)
+        elif msg.kind == "job_started":
+            # A job id reused for a new run starts with a clean slate.
+            self.ended.discard(msg.job_id)
+
+    # --- ticking, probing, reporting -------------------------------------------------------
+
+    def tick_period(self) -> float:
+        intervals = [m.cfg.metrics_interval_s / 2 for m in self.jobs.values() if m.cfg is not None]
+        return min(MAX_TICK_S, max(MIN_TICK_S, min(intervals, default=MAX_TICK_S)))
+
+    async def _tick_loop(self) -> None:
+        while True:
+            # A periodic tick, not a wait for a condition: the rules are functions of time.
+            await asyncio.sleep(self.tick_period())
+            await self.tick()
+
+    async def tick(self) -> None:
+        """Evaluate every job once: send the probes and report the faults the rules ask for."""
+        now = self.clock()
+        for mon in list(self.jobs.values()):
+            result = mon.tick(now)
+            for probe in result.probes:
+                self.stats.probes_sent += 1
+                assert mon.cfg is not None
+                self._spawn(self._probe(mon, probe, mon.cfg.probe_timeout_s))
+            for report in result.faults:
+                await self._report(report)
+
+    async def _probe(self, mon: JobMonitor, probe: ProbeRequest, timeout_s: float) -> None:
+        try:
+            reply = await self.bus.request(subject(mon.job_id, Verb.PROBE, probe.member_id), probe, ProbeReply,
+                                           timeout=timeout_s)
+        except RobustRLError as exc:
+            # No answer is the rule's business: it times the probe out on its own clock.
+            log.info("probe of %s/%s: %s", mon.job_id, probe.member_id, exc)
+            return
+        if mon.probe_reply(probe.member_id, reply.nonce, self.clock()):
+            self.stats.probes_answered += 1
+
+    async def _report(self, report: FaultReport) -> None:
+        self.stats.faults_reported += 1
+        log.warning("fault %s: %s %s %s: %s", report.fault_id, report.kind, report.role, report.member_id,
+                    report.evidence)
+        try:
+            await self.bus.publish(subject(report.job_id, Verb.FAULT), report)
+        except Exception as exc:  # the event below still records it; the controller may re-read
+            log.error("could not publish fault %s: %s", report.fault_id, exc)
+        await self.bus.emit_event(report.job_id, "fault_detected", {
+            "fault_id": report.fault_id, "kind": report.kind, "role": report.role,
+            "member_id": report.member_id, "step": report.step, "detected_at": report.detected_at,
+            "evidence": report.evidence})
+
+
+def detector_spec(raw: dict[str, object]) -> DetectorSpec:
+    """The detector thresholds of a job spec as the controller sent it."""
+    try:
+        return JobSpec.parse(raw).detector
+    except ConfigError as exc:
+        # A spec this version cannot fully parse still tells us its thresholds.
+        log.warning("job spec not fully understood (%s); reading only its detector section", exc)
+        section = raw.get("detector")
+        return DetectorSpec.model_validate(section) if isinstance(section, dict) else DetectorSpec.reference()
+
+
+def _consistent(job_id: str, subj: str) -> bool:
+    """A message must name the job of the subject it came on (no cross-job injection)."""
+    try:
+        return parse(subj)[0] == job_id
+    except RobustRLError:
+        return False

@@ -1,0 +1,226 @@
+"""Trainer gang worker: GRPO over N ranks in one torch.distributed group, per-step checkpoint,
+weight publishing.
+
+Step k trains on batch k and produces weights version k+1. After the optimizer step the
+state is snapshotted into host memory (blocking, a memory copy), uploaded in the background
+(manifest last), and the new version is flattened and served by every rank's weight server;
+rank 0 announces it. On start a gang resumes from the newest complete checkpoint D and
+redoes steps D+1.. from their batches, which the request manager keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from robustrl.checkpoint import Checkpointer, capture_rng, restore_rng
+from robustrl.config import Settings
+from robustrl.errors import RequestTimeout
+from robustrl.member import Identity, Member
+from robustrl.messages import BatchGet, BatchReady, StepCommitted, WeightsAnnounce
+from robustrl.model.policy import build_policy, weights_checksum
+from robustrl.model.tokenizer import CharTokenizer
+from robustrl.rl import grpo, tasks
+from robustrl.storage.objects import open_object_store
+from robustrl.storage.redis_stores import BatchStore, EpisodeStore, WeightsPointer, connect
+from robustrl.subjects import Verb, subject
+from robustrl.weights.flat import flatten_state_dict
+from robustrl.weights.server import WeightServer
+
+log = logging.getLogger(__name__)
+BATCH_POLL_S = 1.0
+DIST_TIMEOUT_S = 60.0
+
+
+def checkpoint_prefix(job_id: str) -> str:
+    return f"jobs/{job_id}/checkpoints"
+
+
+class TrainerWorker:
+    def __init__(self, ident: Identity, settings: Settings) -> None:
+        self.ident = ident
+        self.settings = settings
+        self.member = Member(ident, settings)
+        self.batches_seen: dict[int, BatchReady] = {}
+        self._batch_event = asyncio.Event()
+
+    # --- setup ------------------------------------------------------------------------------
+
+    def _init_dist(self, backend: str) -> None:
+        dist.init_process_group(backend, rank=self.ident.rank, world_size=self.ident.world_size,
+                                timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+
+    def _count_activity(self, *_args: object) -> None:
+        # Bumped from inside forward passes: a hung or stalled process cannot fake it.
+        self.member.chaos.gate()
+        self.member.activity += 1
+
+    async def run(self) -> None:
+        spec = await self.member.start()
+        self.spec = spec
+        torch.set_num_threads(1)
+        await asyncio.to_thread(self._init_dist, spec.trainer.backend)
+        self.tok = CharTokenizer.default()
+        self.model = build_policy(spec.model, self.tok, spec.seed)
+        for layer in self.model.modules():
+            if layer.__class__.__name__.endswith("DecoderLayer"):
+                layer.register_forward_hook(self._count_activity)
+        self.ddp = DDP(self.model) if self.ident.world_size > 1 else self.model
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.lr)
+        store = open_object_store(self.settings)
+        self.ckpt = Checkpointer(store, checkpoint_prefix(self.ident.job_id), keep=spec.trainer.checkpoint_keep)
+        self.redis = connect(self.settings.redis_url)
+        self.episodes = EpisodeStore(self.redis, self.ident.job_id)
+        self.fence = BatchStore(self.redis, self.ident.job_id)
+        self.server = WeightServer(spec.weights.transport, host=self.settings.bind_host, max_versions=2)
+        self.address = await self.server.start()
+        bus = self.member.bus
+        assert bus
+        await bus.subscribe(subject(self.ident.job_id, Verb.BATCH), BatchReady, self._on_batch)
+
+        state = await asyncio.to_thread(self.ckpt.load_latest)
+        if state is not None:
+            self.model.load_state_dict(state.model_state)
+            self.opt.load_state_dict(state.optim_state)
+            restore_rng(state.rng)
+            self.step, self.version, self.durable = state.step + 1, state.weights_version, state.step
+            log.info("resumed from checkpoint step %d (version %d)", state.step, state.weights_version)
+        else:
+            self.step, self.version, self.durable = 0, 0, -1
+        self.member.weights_version = self.version
+        addresses = [None] * self.ident.world_size
+        await asyncio.to_thread(dist.all_gather_object, addresses, self.address)
+        self.sources = [a for a in addresses if a]
+        await self._publish(self.version)
+        await self.member.hello(self.address, resume_step=self.step)
+        if self.ident.rank == 0:
+            await bus.emit_event(self.ident.job_id, "member_ready", {
+                "member_id": self.ident.member_id, "role": "trainer", "epoch": self.member.epoch,
+                "resume_step": self.step, "weights_version": self.version})
+        try:
+            await self._loop()
+        finally:
+            await asyncio.to_thread(self.ckpt.close)
+            await self.server.close()
+            await self.member.close()
+
+    # --- batches ----------------------------------------------------------------------------
+
+    async def _on_batch(self, msg: BatchReady, _s: str, _r: str | None) -> None:
+        self.batches_seen[msg.step] = msg
+        self._batch_event.set()
+
+    async def _wait_batch(self, step: int) -> BatchReady:
+        bus = self.member.bus
+        assert bus
+        while step not in self.batches_seen and not self.member.stopping.is_set():
+            try:
+                got = await bus.request(subject(self.ident.job_id, Verb.BATCH_GET),
+                                        BatchGet(job_id=self.ident.job_id, step=step), BatchReady, timeout=0.5)
+                self.batches_seen[got.step] = got
+                break
+            except RequestTimeout:
+                pass
+            self._batch_event.clear()
+            try:
+                await asyncio.wait_for(self._batch_event.wait(), BATCH_POLL_S)
+            except asyncio.TimeoutError:
+                pass
+        return self.batches_seen[step]
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def _train(self, samples: list[grpo.TrainSample]) -> dict[str, float]:
+        rewards = torch.tensor([s.reward for s in samples])
+        adv = grpo.group_advantages(rewards, grpo.group_index([s.group_id for s in samples]))
+        mine = list(range(self.ident.rank, len(samples), self.ident.world_size))
+        return grpo.train_on_samples(self.ddp, self.opt, [samples[i] for i in mine],
+                                     clip_eps=self.spec.trainer.clip_eps, pad_id=self.tok.pad_id,
+                                     advantages=adv[mine])
+
+    async def _loop(self) -> None:
+        bus = self.member.bus
+        assert bus
+        job = self.ident.job_id
+        while self.step < self.spec.steps and not self.member.stopping.is_set():
+            step = self.step
+            await self.member.set_phase("waiting_batch", step)
+            batch = await self._wait_batch(step)
+            if self.member.stopping.is_set():
+                break
+            if self.ident.rank == 0:
+                claim = await self.fence.claim(step, self.member.epoch, self.durable)
+                if claim == "refused":
+                    log.error("batch %d already trained in this durable lineage; skipping", step)
+            t0 = time.monotonic()
+            await self.member.set_phase("training", step)
+            eps = await self.episodes.get_many(batch.episode_ids)
+            samples = grpo.build_samples(
+                [(tasks.Prompt.from_dict(e.prompt),
+                  [tasks.Turn(t.role, t.token_ids, t.logprobs, t.weights_version, t.stop_reason) for t in e.turns],
+                  float(e.reward or 0.0)) for e in eps], self.tok, [e.episode_id for e in eps])
+            stats = await asyncio.to_thread(self._train, samples)
+            train_s = time.monotonic() - t0
+            self.version = step + 1
+            self.member.weights_version = self.version
+            await self.member.set_phase("checkpointing", step)
+            snap = await asyncio.to_thread(
+                self.ckpt.snapshot, step, model_state=self.model.state_dict(), optim_state=self.opt.state_dict(),
+                rng=capture_rng(), data_cursor=step + 1, weights_version=self.version)
+            durable = self.ckpt.durable_step
+            self.durable = -1 if durable is None else durable
+            upload = self.ckpt.upload_stats
+            await self.member.set_phase("publishing", step)
+            t1 = time.monotonic()
+            checksum = await self._publish(self.version)
+            publish_s = time.monotonic() - t1
+            if self.ident.rank == 0:
+                await self.fence.record_trained(step, self.member.epoch, checksum)
+                timings = {**batch.timings, "training_s": train_s, "checkpoint_blocking_s": snap.blocking_s,
+                           "checkpoint_wait_s": snap.wait_s, "upload_s": upload.upload_s if upload else 0.0,
+                           "publish_s": publish_s, "loss": stats["loss"]}
+                commit = StepCommitted(job_id=job, step=step, weights_version=self.version,
+                                       epoch=self.member.epoch, reward_mean=batch.reward_mean, checksum=checksum,
+                                       timings=timings, checkpoint_bytes=snap.bytes)
+                await bus.publish(subject(job, Verb.COMMIT), commit)
+                await bus.emit_event(job, "step_committed", {
+                    "step": step, "epoch": self.member.epoch, "weights_version": self.version,
+                    "reward_mean": batch.reward_mean, "checksum": checksum, "timings": timings,
+                    "checkpoint_bytes": snap.bytes, "durable_step": self.durable})
+            self.step += 1
+        await self.member.set_phase("idle")
+        if self.step >= self.spec.steps:
+            durable = await asyncio.to_thread(self.ckpt.wait_uploaded, 60.0)
+            log.info("all steps trained; newest durable checkpoint %s", durable)
+
+    async def _publish(self, version: int) -> str:
+        """Serve ``version`` from this rank; rank 0 announces it and records it for late joiners."""
+        buffer, manifest = flatten_state_dict(self.model.state_dict(), version, self.spec.weights.chunk_bytes)
+        self.server.add_version(manifest, buffer)
+        checksum = weights_checksum(self.model)
+        if self.ident.rank == 0:
+            ann = WeightsAnnounce(job_id=self.ident.job_id, version=version, epoch=self.member.epoch,
+                                  checksum=checksum, sources=self.sources, manifest=manifest.model_dump(mode="json"))
+            await WeightsPointer(self.redis, self.ident.job_id).set(ann.encode())
+            assert self.member.bus
+            await self.member.bus.publish(subject(self.ident.job_id, Verb.WEIGHTS), ann)
+            await self.member.bus.emit_event(self.ident.job_id, "weights_published", {
+                "version": version, "epoch": self.member.epoch, "checksum": checksum,
+                "bytes": manifest.total_bytes})
+        return checksum
+
+
+def main() -> None:
+    from robustrl.member import configure_logging
+
+    ident = Identity.from_env(os.environ)
+    configure_logging(ident.member_id)
+    settings = Settings.from_env(os.environ)
+    asyncio.run(TrainerWorker(ident, settings).run())

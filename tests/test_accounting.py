@@ -1,0 +1,120 @@
+"""Accounting from synthetic event logs: ETTR, detection/recovery delays, lost work."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from robustrl.chaos.accounting import account
+from robustrl.messages import Event
+
+T0 = 1_700_000_000.0
+
+
+def ev(event_kind: str, ts: float, /, **data: object) -> Event:
+    return Event(job_id="j", kind=event_kind, ts=T0 + ts, data=data)
+
+
+def clean_log(steps: int, step_s: float = 1.0) -> list[Event]:
+    log = [ev("job_started", -0.5)]
+    t = 0.0
+    for k in range(steps):
+        log.append(ev("step_started", t, step=k, epoch=0))
+        t += step_s
+        log.append(ev("step_committed", t, step=k, epoch=0, weights_version=k + 1))
+    log.append(ev("job_finished", t))
+    return log
+
+
+def test_clean_run_has_ettr_one() -> None:
+    report = account(clean_log(10))
+    assert report.steps == 10 and report.completion_s == pytest.approx(10.0)
+    assert report.ettr == pytest.approx(1.0) and report.faults == []
+
+
+def test_ten_second_outage_costs_ten_seconds_of_ettr() -> None:
+    n, outage = 20, 10.0
+    log: list[Event] = [ev("job_started", 0.0)]
+    t = 0.0
+    for k in range(n):
+        log.append(ev("step_started", t, step=k, epoch=0))
+        if k == 5:
+            log += [ev("fault_injected", t + 0.2, fault_id="c1", kind="crash", role="rollout", member_id="r1",
+                       step=k),
+                    ev("fault_detected", t + 0.5, fault_id="d1", kind="crash", role="rollout", member_id="r1",
+                       step=k, detected_at=T0 + t + 0.5),
+                    ev("decision", t + 0.6, fault_id="d1", actions=["replace_replica(r1)"], reason="x"),
+                    ev("work_lost", t + 1.0, fault_id="d1", tokens=340, steps_redone=0),
+                    ev("recovered", t + 4.0, fault_id="d1", role="rollout")]
+            t += outage
+        t += 1.0
+        log.append(ev("step_committed", t, step=k, epoch=0, weights_version=k + 1))
+    log.append(ev("job_finished", t))
+    random.Random(0).shuffle(log)  # the log order does not matter, the timestamps do
+    report = account(log)
+    assert report.ettr == pytest.approx(n / (n + outage))
+    assert report.completion_s == pytest.approx(n + outage)
+    [fault] = report.faults
+    assert (fault.kind, fault.role, fault.member_id) == ("crash", "rollout", "r1")
+    assert fault.detection_s == pytest.approx(0.3)
+    assert fault.recovery_s == pytest.approx(3.5)
+    assert (fault.tokens_regenerated, fault.steps_redone) == (340, 0)
+
+
+def test_whole_job_restart_redo_counts_the_step_once() -> None:
+    log = clean_log(3)[:-1]  # 3 clean steps, t = 3
+    log += [ev("step_started", 3.0, step=3, epoch=0),
+            ev("fault_injected", 3.5, fault_id="c1", kind="hang", role="trainer", member_id="t0", step=3),
+            # the gang peer notices first: matched by role
+            ev("fault_detected", 7.5, fault_id="d1", kind="hang", role="trainer", member_id="t1", step=3,
+               detected_at=T0 + 7.5),
+            ev("work_lost", 8.0, fault_id="d1", tokens=1000, steps_redone=1),
+            ev("recovered", 12.0, fault_id="d1", role="trainer"),
+            ev("step_started", 12.0, step=3, epoch=1),
+            ev("step_committed", 13.0, step=3, epoch=1, weights_version=4),
+            ev("job_finished", 13.0)]
+    report = account(log)
+    assert report.steps == 4
+    assert report.ettr == pytest.approx(4 / 13)
+    [fault] = report.faults
+    assert fault.detection_s == pytest.approx(4.0) and fault.recovery_s == pytest.approx(4.5)
+    assert fault.steps_redone == 1 and fault.tokens_regenerated == 1000
+
+
+def test_undetected_fault_and_false_positive_are_both_listed() -> None:
+    log = clean_log(4)
+    log += [ev("fault_injected", 1.2, fault_id="c1", kind="slow", role="rollout", member_id="r0", step=1,
+               duration_s=0.5),
+            ev("fault_detected", 2.5, fault_id="d9", kind="unresponsive", role="trainer", member_id="t0",
+               step=2, detected_at=T0 + 2.5)]
+    report = account(log)
+    injected, spurious = report.faults
+    assert injected.injected and injected.detection_s is None and injected.recovery_s is None
+    assert not spurious.injected and spurious.member_id == "t0" and spurious.detection_s is None
+
+
+def test_detection_before_injection_is_not_matched() -> None:
+    log = clean_log(4)
+    log += [ev("fault_detected", 0.5, fault_id="d1", kind="crash", role="rollout", member_id="r0", step=0,
+               detected_at=T0 + 0.5),
+            ev("fault_injected", 2.0, fault_id="c1", kind="crash", role="rollout", member_id="r0", step=2)]
+    report = account(log)
+    assert [f.injected for f in report.faults] == [False, True]
+    assert report.faults[1].detection_s is None
+
+
+def test_to_json_has_exactly_the_report_keys() -> None:
+    data = json.loads(account(clean_log(2)).to_json())
+    assert set(data) == {"ettr", "completion_s", "steps", "faults"}
+    log = clean_log(2) + [ev("fault_injected", 0.5, fault_id="c", kind="crash", role="rollout",
+                             member_id="r0", step=0)]
+    [fault] = json.loads(account(log).to_json())["faults"]
+    assert {"kind", "role", "detection_s", "recovery_s", "tokens_regenerated", "steps_redone"} <= set(fault)
+
+
+def test_empty_and_unfinished_logs() -> None:
+    assert account([]).ettr == 0.0
+    report = account(clean_log(3)[:-1])  # no job_finished: wall time runs to the last event
+    assert report.completion_s == pytest.approx(3.0) and report.ettr == pytest.approx(1.0)

@@ -1,0 +1,139 @@
+"""The controller's recovery decisions, every branch including escalations, with a fake clock."""
+
+from __future__ import annotations
+
+from robustrl.config import RecoverySpec
+from robustrl.messages import FaultReport
+from robustrl.services.controller.decide import (
+    Decision, FailJob, Ignore, JobView, RedispatchEpisodes, Recovery, ReplaceReplica, ReportOnly,
+    RestartTrainerGang, RestartWholeJob, check_recovery, decide, recovery_failed,
+)
+
+LOCAL = RecoverySpec(policy="role_local", deadline_s=60.0, max_restarts=5)
+WHOLE = RecoverySpec(policy="whole_job", deadline_s=60.0, max_restarts=5)
+NOW = 5000.0
+
+
+def fault(role: str = "rollout", member: str = "r1", kind: str = "crash") -> FaultReport:
+    return FaultReport(job_id="j", fault_id="f1", role=role, member_id=member, kind=kind,
+                       evidence="test", detected_at=NOW, step=4)
+
+
+def job(**kw: object) -> JobView:
+    base: dict[str, object] = dict(job_id="j", step=5, committed_step=4, durable_step=3, rollout_replicas=3,
+                                   live_members=frozenset({"t0", "t1", "r0", "r1", "r2", "rm"}))
+    base.update(kw)
+    return JobView(**base)  # type: ignore[arg-type]
+
+
+def kinds(d: Decision) -> list[type]:
+    return [type(a) for a in d.actions]
+
+
+def test_trainer_fault_restarts_the_gang_from_the_durable_checkpoint() -> None:
+    d = decide(NOW, job(), fault("trainer", "t0", "hang"), LOCAL)
+    assert d.actions == [RestartTrainerGang(resume_from=3)]
+    assert "t0" in d.reason and d.restarts == 1
+
+
+def test_rollout_fault_redispatches_then_replaces() -> None:
+    for kind in ("crash", "hang", "unresponsive", "fail_slow"):
+        d = decide(NOW, job(), fault("rollout", "r1", kind), LOCAL)
+        assert d.actions == [RedispatchEpisodes("r1"), ReplaceReplica("r1")], kind
+    assert d.describe() == ["redispatch_episodes(r1)", "replace_replica(r1)"]
+
+
+def test_tool_outage_is_report_only_in_both_policies() -> None:
+    for spec in (LOCAL, WHOLE):
+        d = decide(NOW, job(committed_step=-1), fault("request_manager", "rm", "tool_outage"), spec)
+        assert kinds(d) == [ReportOnly]
+
+
+def test_whole_job_policy_restarts_everything_for_any_member_fault() -> None:
+    for role, member in (("trainer", "t0"), ("rollout", "r2")):
+        d = decide(NOW, job(), fault(role, member), WHOLE)
+        assert d.actions == [RestartWholeJob(d.reason, resume_from=3)]
+
+
+def test_fault_in_first_step_escalates() -> None:
+    d = decide(NOW, job(step=0, committed_step=-1, durable_step=-1), fault("rollout", "r0"), LOCAL)
+    assert kinds(d) == [RestartWholeJob] and "first committed step" in d.reason
+
+
+def test_same_step_failing_again_on_the_trainer_escalates() -> None:
+    d = decide(NOW, job(faults_per_step={("trainer", 5): 1}), fault("trainer", "t1"), LOCAL)
+    assert kinds(d) == [RestartWholeJob] and "again" in d.reason
+    # an earlier step's fault does not count
+    d = decide(NOW, job(faults_per_step={("trainer", 4): 1}), fault("trainer", "t1"), LOCAL)
+    assert kinds(d) == [RestartTrainerGang]
+
+
+def test_trainer_dies_again_while_recovering_at_the_same_step() -> None:
+    rec = Recovery("trainer", step=5, started_at=NOW - 5, member_ids=frozenset({"t0", "t1"}))
+    view = job(recovering=(rec,), live_members=frozenset({"t2", "t3", "r0", "r1", "r2"}))
+    d = decide(NOW, view, fault("trainer", "t2", "crash"), LOCAL)
+    assert kinds(d) == [RestartWholeJob]
+
+
+def test_rollout_dies_while_trainer_recovers_is_replaced_too() -> None:
+    rec = Recovery("trainer", step=5, started_at=NOW - 5, member_ids=frozenset({"t0", "t1"}))
+    d = decide(NOW, job(recovering=(rec,)), fault("rollout", "r2"), LOCAL)
+    assert d.actions == [RedispatchEpisodes("r2"), ReplaceReplica("r2")]
+
+
+def test_two_replicas_lost_at_one_step_are_both_replaced_but_more_than_all_escalates() -> None:
+    d = decide(NOW, job(faults_per_step={("rollout", 5): 1}), fault("rollout", "r2"), LOCAL)
+    assert kinds(d) == [RedispatchEpisodes, ReplaceReplica]
+    d = decide(NOW, job(faults_per_step={("rollout", 5): 3}), fault("rollout", "r2"), LOCAL)
+    assert kinds(d) == [RestartWholeJob]
+
+
+def test_fault_about_member_being_replaced_or_stale_is_ignored() -> None:
+    rec = Recovery("rollout", step=5, started_at=NOW - 1, member_ids=frozenset({"r1"}))
+    d = decide(NOW, job(recovering=(rec,)), fault("rollout", "r1", "unresponsive"), LOCAL)
+    assert kinds(d) == [Ignore] and "already being replaced" in d.reason
+    d = decide(NOW, job(), fault("rollout", "r-old"), LOCAL)
+    assert kinds(d) == [Ignore] and "current incarnation" in d.reason
+
+
+def test_control_plane_loss_escalates() -> None:
+    d = decide(NOW, job(), fault("request_manager", "rm", "crash"), LOCAL)
+    assert kinds(d) == [RestartWholeJob] and "control-plane" in d.reason
+    d = decide(NOW, job(control_plane_ok=False), fault("rollout", "r0"), LOCAL)
+    assert kinds(d) == [RestartWholeJob]
+
+
+def test_member_fault_during_whole_job_restart_restarts_again() -> None:
+    rec = Recovery("job", step=5, started_at=NOW - 3, member_ids=frozenset({"t0", "t1", "r0", "r1", "r2"}))
+    view = job(recovering=(rec,), live_members=frozenset({"t5", "r5"}))
+    assert kinds(decide(NOW, view, fault("rollout", "r0"), LOCAL)) == [Ignore]  # old incarnation
+    assert kinds(decide(NOW, view, fault("rollout", "r5"), LOCAL)) == [RestartWholeJob]
+
+
+def test_max_restarts_fails_the_job_with_a_clear_reason() -> None:
+    d = decide(NOW, job(restarts_total=5), fault("trainer", "t0"), LOCAL)
+    assert kinds(d) == [FailJob] and "max_restarts=5" in d.reason and "t0" in d.reason
+    d = decide(NOW, job(restarts_total=4), fault("rollout", "r0"), LOCAL)  # replace = 1 restart
+    assert kinds(d) == [RedispatchEpisodes, ReplaceReplica]
+    d = decide(NOW, job(), fault("trainer", "t0"), RecoverySpec(max_restarts=0))
+    assert kinds(d) == [FailJob]
+    # report-only decisions never fail the job
+    d = decide(NOW, job(restarts_total=99), fault("request_manager", "rm", "tool_outage"), LOCAL)
+    assert kinds(d) == [ReportOnly]
+
+
+def test_check_recovery_escalates_past_deadline() -> None:
+    rec = Recovery("trainer", step=5, started_at=NOW)
+    view = job(recovering=(rec,))
+    assert check_recovery(NOW + LOCAL.deadline_s - 1, view, LOCAL) is None
+    d = check_recovery(NOW + LOCAL.deadline_s + 1, view, LOCAL)
+    assert d is not None and kinds(d) == [RestartWholeJob] and "deadline_s=60" in d.reason
+    assert check_recovery(NOW, job(), LOCAL) is None
+    d = check_recovery(NOW + 100, job(recovering=(rec,), restarts_total=5), LOCAL)
+    assert d is not None and kinds(d) == [FailJob]
+
+
+def test_failed_local_recovery_escalates() -> None:
+    rec = Recovery("rollout", step=5, started_at=NOW, member_ids=frozenset({"r1"}))
+    d = recovery_failed(NOW + 2, job(recovering=(rec,)), rec, "replacement exited with 1", LOCAL)
+    assert kinds(d) == [RestartWholeJob] and "replacement exited" in d.reason

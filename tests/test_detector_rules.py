@@ -1,0 +1,365 @@
+"""Detector rules with a fake clock: every fault rule and the benign look-alikes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from robustrl.config import DetectorSpec
+from robustrl.messages import Event, FaultReport, MemberExited, MetricsSample, PhaseChange
+from robustrl.services.detector.rules import (
+    JobMonitor, MemberHistory, Status, evaluate_member, fail_slow_rule,
+)
+
+CFG = DetectorSpec(trainer_idle_s=4.0, rollout_idle_s=2.0, silence_s=3.0, probe_timeout_s=1.0,
+                   metrics_interval_s=0.25)
+DT = 0.25
+JOB = "job1"
+
+
+@dataclass
+class Member:
+    """A fake member: its counters, and what it reports at each sample."""
+
+    member_id: str
+    role: str
+    phase: str = "serving"
+    activity: int = 0
+    tokens: int = 0
+    rate: float = 0.0
+    inflight: int = 0
+    tool_waiting: int = 0
+    step: int = 3
+    seq: int = 0
+    skew_s: float = 0.0
+    sent: list[MetricsSample] = field(default_factory=list)
+
+    def sample(self, now: float) -> MetricsSample:
+        self.seq += 1
+        msg = MetricsSample(job_id=JOB, member_id=self.member_id, role=self.role, seq=self.seq,
+                            ts=now + self.skew_s, phase=self.phase, step=self.step, activity=self.activity,
+                            tokens_total=self.tokens, tokens_per_s=self.rate, inflight=self.inflight,
+                            tool_waiting=self.tool_waiting)
+        self.sent.append(msg)
+        return msg
+
+
+@dataclass
+class Run:
+    """Drive a monitor with a fake clock: one sample per member per DT, then a tick."""
+
+    mon: JobMonitor
+    now: float = 1000.0
+    faults: list[tuple[float, FaultReport]] = field(default_factory=list)
+    probes: list[tuple[float, str]] = field(default_factory=list)
+
+    def advance(self, seconds: float, members: list[Member], *, send: bool = True,
+                step: Callable[[Member, float], None] | None = None,
+                answer_probes: bool = False) -> None:
+        end = self.now + seconds
+        while self.now < end - 1e-9:
+            self.now = round(self.now + DT, 6)
+            for m in members:
+                if step is not None:
+                    step(m, self.now)
+                if send:
+                    self.mon.sample(m.sample(self.now), self.now)
+            result = self.mon.tick(self.now)
+            self.faults.extend((self.now, f) for f in result.faults)
+            for p in result.probes:
+                self.probes.append((self.now, p.member_id))
+                if answer_probes:
+                    assert self.mon.probe_reply(p.member_id, p.nonce, self.now + 0.01)
+
+    def first_fault_at(self) -> float | None:
+        return self.faults[0][0] if self.faults else None
+
+
+def monitor() -> JobMonitor:
+    counter = iter(range(10_000))
+    return JobMonitor(JOB, CFG, new_id=lambda: f"id{next(counter)}")
+
+
+def progressing(m: Member, _now: float) -> None:
+    m.activity += 5
+    m.tokens += 10
+    m.rate = 40.0
+
+
+# --- trainer ------------------------------------------------------------------------------
+
+
+def test_trainer_hang_in_training_after_trainer_idle_s() -> None:
+    run, t = Run(monitor()), Member("t0", "trainer", phase="training")
+    run.advance(2.0, [t], step=progressing)
+    start = run.now
+    run.advance(6.0, [t])  # samples keep coming, activity frozen
+    assert len(run.faults) == 1
+    at, fault = run.faults[0]
+    assert fault.kind == "hang" and fault.role == "trainer" and fault.member_id == "t0"
+    assert fault.step == 3 and "training" in fault.evidence
+    assert CFG.trainer_idle_s - DT <= at - start <= CFG.trainer_idle_s + DT
+    assert run.probes == []  # a hang in training needs no probe: the samples prove it is alive
+
+
+def test_trainer_slow_checkpointing_and_waiting_are_not_hangs() -> None:
+    for phase in ("checkpointing", "waiting_batch", "publishing", "idle"):
+        run, t = Run(monitor()), Member("t0", "trainer", phase="training")
+        run.advance(1.0, [t], step=progressing)
+        t.phase = phase
+        run.advance(5 * CFG.trainer_idle_s, [t])
+        assert run.faults == [] and run.probes == [], phase
+
+
+def test_trainer_idle_clock_restarts_when_training_begins() -> None:
+    run, t = Run(monitor()), Member("t0", "trainer", phase="waiting_batch")
+    run.advance(10.0, [t])  # long wait for the batch, activity frozen all along
+    t.phase = "training"
+    run.advance(CFG.trainer_idle_s - 1.0, [t])
+    assert run.faults == []
+    run.advance(2.0, [t])
+    assert [f.kind for _, f in run.faults] == ["hang"]
+
+
+def test_phase_change_message_sets_training_phase() -> None:
+    mon = monitor()
+    run, t = Run(mon), Member("t0", "trainer", phase="checkpointing")
+    run.advance(1.0, [t])
+    mon.phase(PhaseChange(job_id=JOB, member_id="t0", role="trainer", phase="training", step=4, ts=0.0),
+              run.now)
+    t.phase, t.step = "training", 4
+    run.advance(CFG.trainer_idle_s + 0.5, [t])
+    assert [f.step for _, f in run.faults] == [4]
+    assert run.faults[0][0] - 1001.0 <= CFG.trainer_idle_s + DT  # idle clock from the phase message
+
+
+# --- rollout ------------------------------------------------------------------------------
+
+
+def test_rollout_frozen_tokens_probe_unanswered_is_unresponsive() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout", inflight=4)
+    run.advance(1.0, [r], step=progressing)
+    start = run.now
+    run.advance(5.0, [r])
+    assert run.probes and run.probes[0][1] == "r0"
+    assert CFG.rollout_idle_s - DT <= run.probes[0][0] - start <= CFG.rollout_idle_s + DT
+    assert len(run.probes) == 1  # one probe per suspicion, not one per tick
+    at, fault = run.faults[0]
+    assert fault.kind == "unresponsive" and fault.role == "rollout"
+    assert at - run.probes[0][0] == CFG.probe_timeout_s
+    assert len(run.faults) == 1
+
+
+def test_rollout_stall_answers_probes_but_no_progress_is_hang() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout", inflight=4)
+    run.advance(1.0, [r], step=progressing)
+    start = run.now
+    run.advance(6.0, [r], answer_probes=True)
+    assert len(run.probes) == 1
+    at, fault = run.faults[0]
+    assert fault.kind == "hang" and "answers probes" in fault.evidence
+    assert 2 * CFG.rollout_idle_s - DT <= at - start <= 2 * CFG.rollout_idle_s + DT
+    assert fault.last_progress_at is not None and fault.last_progress_at <= start
+
+
+def test_rollout_waiting_on_tools_is_normal() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout", inflight=3)
+    run.advance(1.0, [r], step=progressing)
+    r.tool_waiting = 3  # every request waits on a slow tool, far longer than rollout_idle_s
+    run.advance(10 * CFG.rollout_idle_s, [r])
+    assert run.faults == [] and run.probes == []
+
+
+def test_idle_replica_without_requests_is_normal() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout", phase="idle")
+    run.advance(30.0, [r])
+    assert run.faults == [] and run.probes == []
+
+
+def test_busy_clock_starts_when_work_arrives_not_at_last_token() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout")
+    run.advance(20.0, [r])  # idle for a long time: tokens unchanged since the start
+    r.inflight = 2
+    run.advance(CFG.rollout_idle_s - 0.5, [r])
+    assert run.probes == []
+
+
+def test_loading_weights_with_requests_is_not_a_stall() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout", phase="loading_weights", inflight=5)
+    run.advance(10.0, [r])
+    assert run.faults == [] and run.probes == []
+
+
+def test_progress_after_probe_clears_suspicion_and_a_later_stall_is_probed_again() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout", inflight=2)
+    run.advance(CFG.rollout_idle_s + 0.5, [r], answer_probes=True)
+    assert len(run.probes) == 1
+    run.advance(3.0, [r], step=progressing)
+    run.advance(CFG.rollout_idle_s + 0.5, [r])
+    assert len(run.probes) == 2 and run.faults == []
+
+
+# --- silence ------------------------------------------------------------------------------
+
+
+def test_silence_probe_timeout_is_unresponsive() -> None:
+    run, t = Run(monitor()), Member("t0", "trainer", phase="waiting_batch")
+    run.advance(1.0, [t])
+    last = run.now
+    run.advance(6.0, [t], send=False)
+    probe_at = run.probes[0][0]
+    assert probe_at - last == CFG.silence_s
+    at, fault = run.faults[0]
+    assert fault.kind == "unresponsive" and "no metrics" in fault.evidence
+    assert at - probe_at == CFG.probe_timeout_s
+
+
+def test_samples_delayed_by_load_within_silence_s_are_fine() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout", inflight=1)
+    for _ in range(10):  # a sample every 2.5 s (< silence_s), progressing each time
+        run.advance(2.5, [r], send=False)
+        progressing(r, run.now)
+        run.mon.sample(r.sample(run.now), run.now)
+    assert run.faults == [] and run.probes == []
+
+
+def test_silent_member_answering_probes_is_alive() -> None:
+    run, t = Run(monitor()), Member("t0", "trainer", phase="waiting_batch")
+    run.advance(1.0, [t])
+    run.advance(20.0, [t], send=False, answer_probes=True)
+    assert run.faults == []
+    assert len(run.probes) >= 5  # re-probed once every silence_s
+
+
+def test_duplicate_and_out_of_order_samples_are_dropped() -> None:
+    mon = monitor()
+    run, r = Run(mon), Member("r0", "rollout", inflight=2)
+    run.advance(1.0, [r], step=progressing)
+    old = r.sent[0]  # an old sample (seq 1) replayed late, with a different token count
+    h = mon.members["r0"]
+    tokens = h.tokens_total
+    assert not mon.sample(old, run.now)
+    assert not mon.sample(r.sent[-1], run.now)  # exact duplicate
+    assert h.dropped == 2 and h.tokens_total == tokens
+    # a replayed sample is not progress: the stall is still detected on time
+    run.advance(5.0, [r], step=lambda m, now: mon.sample(old, now))
+    assert [f.kind for _, f in run.faults] == ["unresponsive"]
+
+
+def test_member_clock_skewed_by_hours_changes_nothing() -> None:
+    for skew in (-7200.0, 7200.0):
+        run, r = Run(monitor()), Member("r0", "rollout", inflight=2, skew_s=skew)
+        run.advance(10.0, [r], step=progressing)
+        assert run.faults == [] and run.probes == []
+        start = run.now
+        run.advance(5.0, [r])
+        assert run.probes[0][0] - start == CFG.rollout_idle_s
+
+
+# --- exits, reporting once ----------------------------------------------------------------
+
+
+def test_unexpected_exit_is_crash_at_once_and_reported_once() -> None:
+    mon = monitor()
+    run, r = Run(mon), Member("r0", "rollout", inflight=2)
+    run.advance(1.0, [r], step=progressing)
+    fault = mon.exited(MemberExited(job_id=JOB, member_id="r0", role="rollout", returncode=-9), run.now)
+    assert fault is not None and fault.kind == "crash" and "-9" in fault.evidence
+    assert mon.exited(MemberExited(job_id=JOB, member_id="r0", role="rollout", returncode=-9), run.now) is None
+    run.advance(10.0, [r], send=False)
+    assert run.faults == [] and run.probes == []
+
+
+def test_expected_exit_forgets_member_and_late_samples_are_ignored() -> None:
+    mon = monitor()
+    run, r = Run(mon), Member("r0", "rollout", inflight=2)
+    run.advance(1.0, [r], step=progressing)
+    assert mon.exited(MemberExited(job_id=JOB, member_id="r0", role="rollout", returncode=0,
+                                   expected=True), run.now) is None
+    assert "r0" not in mon.members
+    run.advance(10.0, [r])  # late samples of the stopped member, frozen
+    assert "r0" not in mon.members and run.faults == [] and run.probes == []
+
+
+def test_fault_is_reported_once_while_the_controller_acts() -> None:
+    run, t = Run(monitor()), Member("t0", "trainer", phase="training")
+    run.advance(30.0, [t])
+    assert len(run.faults) == 1
+
+
+def test_unconfigured_monitor_reports_nothing_until_spec_known() -> None:
+    mon = JobMonitor(JOB)
+    run, r = Run(mon), Member("r0", "rollout", inflight=2)
+    run.advance(10.0, [r])
+    assert run.faults == [] and run.probes == []
+    mon.configure(CFG)
+    run.advance(0.25, [r])
+    assert run.probes  # the history collected meanwhile is used at once
+
+
+# --- fail-slow ----------------------------------------------------------------------------
+
+
+def _replicas(n: int) -> list[Member]:
+    return [Member(f"r{i}", "rollout", inflight=4) for i in range(n)]
+
+
+def test_fail_slow_replica_is_reported_after_rollout_idle_s() -> None:
+    run, members = Run(monitor()), _replicas(3)
+
+    def step(m: Member, _now: float) -> None:
+        per_tick = 1 if m.member_id == "r1" else 20  # r1 runs 20x slower
+        m.tokens += per_tick
+        m.rate = per_tick / DT
+
+    run.advance(6.0, members, step=step)
+    assert [(f.member_id, f.kind) for _, f in run.faults] == [("r1", "fail_slow")]
+    assert CFG.rollout_idle_s <= run.first_fault_at() - 1000.0 <= CFG.rollout_idle_s + 2 * DT
+
+
+def test_replica_with_less_work_is_not_fail_slow() -> None:
+    run, members = Run(monitor()), _replicas(3)
+    members[0].inflight = 1  # one leftover episode: a fraction of its peers' tokens/s
+
+    def step(m: Member, _now: float) -> None:
+        per_tick = 3 * m.inflight
+        m.tokens += per_tick
+        m.rate = per_tick / DT
+
+    run.advance(10.0, members, step=step)
+    assert run.faults == []
+
+
+def test_brief_slowdown_is_not_fail_slow() -> None:
+    histories = []
+    for i, slow in enumerate((True, False, False)):
+        h = MemberHistory(JOB, f"r{i}", "rollout", first_seen=0.0)
+        m = Member(f"r{i}", "rollout", inflight=2)
+        for k in range(1, 13):
+            now = k * DT
+            m.rate = 2.0 if slow and k > 6 else 80.0  # slow only for the last 1.5 s
+            m.tokens += int(m.rate * DT)
+            h.observe_sample(m.sample(now), now)
+        histories.append(h)
+    assert fail_slow_rule(3.0, histories, CFG) == {}
+
+
+# --- tools ----------------------------------------------------------------------------------
+
+
+def test_tool_fault_is_a_request_manager_fault_reported_once_per_outage() -> None:
+    mon = monitor()
+    event = Event(job_id=JOB, kind="tool_fault",
+                  data={"member_id": "rm0", "tool": "calc", "error": "connection refused", "attempts": 3,
+                        "step": 7})
+    fault = mon.tool_fault(event, 10.0)
+    assert fault is not None
+    assert (fault.kind, fault.role, fault.member_id, fault.step) == ("tool_outage", "request_manager", "rm0", 7)
+    assert mon.tool_fault(event, 11.0) is None  # same outage, still failing
+    assert mon.tool_fault(event, 10.5 + CFG.silence_s) is None
+    assert mon.tool_fault(event, 12.0 + 3 * CFG.silence_s) is not None  # a new outage later
+
+
+def test_evaluate_member_is_ok_for_fresh_member() -> None:
+    h = MemberHistory(JOB, "r0", "rollout", first_seen=5.0)
+    assert evaluate_member(6.0, h, CFG).status is Status.OK

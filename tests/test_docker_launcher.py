@@ -1,0 +1,246 @@
+"""Docker launcher: launcher calls map onto Docker API calls, and a missing engine fails fast.
+
+The mapping is pure bookkeeping, so a small hand-written fake of the SDK's client stands in for
+the engine (no dockerd runs here). The fail-fast tests use real unix sockets and the real SDK.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from robustrl.errors import LaunchError
+from robustrl.launcher.base import MemberSpec, MemberState
+from robustrl.launcher.docker import LABEL_LAUNCHER, LABEL_MEMBER, DockerLauncher, container_name
+
+
+class FakeAPIError(Exception):
+    def __init__(self, status_code: int) -> None:
+        super().__init__(f"HTTP {status_code}")
+        self.status_code = status_code
+
+
+class FakeContainer:
+    def __init__(self, client: FakeClient, cid: str, name: str, labels: dict[str, str]) -> None:
+        self.client, self.id, self.name, self.labels = client, cid, name, labels
+        self.status = "running"
+        self.attrs: dict[str, Any] = {"State": {"Pid": 4242, "ExitCode": 0}}
+
+    def _call(self, what: str, **kwargs: Any) -> None:
+        self.client.calls.append((what, self.name, kwargs))
+        if self.name not in self.client.by_name:
+            raise FakeAPIError(404)
+
+    def stop(self, timeout: int) -> None:
+        self._call("stop", timeout=timeout)
+        self.exit(143)
+
+    def kill(self) -> None:
+        self._call("kill")
+        if self.status != "running":
+            raise FakeAPIError(409)
+        self.exit(137)
+
+    def pause(self) -> None:
+        self._call("pause")
+        self.status = "paused"
+
+    def unpause(self) -> None:
+        self._call("unpause")
+        self.status = "running"
+
+    def reload(self) -> None:
+        self._call("reload")
+
+    def remove(self, force: bool = False) -> None:
+        self._call("remove", force=force)
+        del self.client.by_name[self.name]
+
+    def logs(self, tail: int) -> bytes:
+        return b"hello\n"
+
+    def exit(self, code: int) -> None:
+        """What the engine does when the process ends (crash or signal)."""
+        self.status = "exited"
+        self.attrs["State"] = {"Pid": 0, "ExitCode": code}
+
+
+class FakeContainers:
+    def __init__(self, client: FakeClient) -> None:
+        self.client = client
+
+    def run(self, image: str, **kwargs: Any) -> FakeContainer:
+        self.client.calls.append(("run", image, kwargs))
+        if image == "missing:latest":
+            raise FakeAPIError(404)
+        container = FakeContainer(self.client, f"c{len(self.client.calls)}", kwargs["name"], kwargs["labels"])
+        self.client.by_name[kwargs["name"]] = container
+        return container
+
+    def get(self, name: str) -> FakeContainer:
+        self.client.calls.append(("get", name, {}))
+        if name not in self.client.by_name:
+            raise FakeAPIError(404)
+        return self.client.by_name[name]
+
+    def list(self, all: bool, filters: dict[str, str]) -> list[FakeContainer]:  # noqa: A002 - SDK name
+        key, value = filters["label"].split("=", 1)
+        return [c for c in self.client.by_name.values() if c.labels.get(key) == value]
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, dict[str, Any]]] = []
+        self.by_name: dict[str, FakeContainer] = {}
+        self.containers = FakeContainers(self)
+
+
+def _spec(member: str = "rollout-0", role: str = "rollout") -> MemberSpec:
+    return MemberSpec(job_id="job1", member_id=member, role=role, module=f"robustrl.services.{role}",
+                      env={"ROBUSTRL_MEMBER_ID": member, "ROBUSTRL_ROLE": role}, args=("--x", "1"))
+
+
+@pytest.fixture
+def fake() -> FakeClient:
+    return FakeClient()
+
+
+@pytest.fixture
+def launcher(fake: FakeClient) -> DockerLauncher:
+    return DockerLauncher("robustrl:test", "robustrl", client=fake, labels={"com.example": "yes"},
+                          base_env={"ROBUSTRL_NATS_URL": "nats://nats:4222", "ROBUSTRL_ROLE": "base"})
+
+
+def test_start_maps_to_containers_run(launcher: DockerLauncher, fake: FakeClient) -> None:
+    launcher.start(_spec())
+    run = [c for c in fake.calls if c[0] == "run"]
+    assert len(run) == 1
+    _, image, kw = run[0]
+    assert image == "robustrl:test"
+    assert kw["command"] == ["python", "-m", "robustrl.services.rollout", "--x", "1"]
+    assert kw["name"] == kw["hostname"] == container_name("job1", "rollout-0") == "rr-job1-rollout-0"
+    assert kw["detach"] is True and kw["network"] == "robustrl"
+    # spec env wins over the base env, and both reach the container.
+    assert kw["environment"] == {"ROBUSTRL_NATS_URL": "nats://nats:4222", "ROBUSTRL_ROLE": "rollout",
+                                 "ROBUSTRL_MEMBER_ID": "rollout-0"}
+    assert kw["labels"]["robustrl.job"] == "job1" and kw["labels"][LABEL_MEMBER] == "rollout-0"
+    assert kw["labels"]["com.example"] == "yes" and LABEL_LAUNCHER in kw["labels"]
+    assert "device_requests" not in kw
+    assert launcher.state("rollout-0") is MemberState.RUNNING
+    assert launcher.pid("rollout-0") == 4242
+    assert launcher.state("never-started") is None and launcher.pid("never-started") is None
+    with pytest.raises(LaunchError, match="already running"):
+        launcher.start(_spec())
+
+
+def test_restart_removes_stale_container(launcher: DockerLauncher, fake: FakeClient) -> None:
+    launcher.start(_spec())
+    fake.by_name["rr-job1-rollout-0"].exit(1)
+    assert [(e.member_id, e.returncode, e.expected) for e in launcher.poll()] == [("rollout-0", 1, False)]
+    launcher.start(_spec())  # same member again: the exited container is removed first
+    assert ("remove", "rr-job1-rollout-0", {"force": True}) in fake.calls
+    assert launcher.state("rollout-0") is MemberState.RUNNING
+    assert launcher.poll() == []
+
+
+def test_stop_kill_pause_map_to_container_calls(launcher: DockerLauncher, fake: FakeClient) -> None:
+    for i in range(3):
+        launcher.start(_spec(f"rollout-{i}"))
+    launcher.suspend("rollout-0")
+    assert launcher.state("rollout-0") is MemberState.SUSPENDED
+    launcher.resume("rollout-0")
+    assert launcher.state("rollout-0") is MemberState.RUNNING
+    launcher.stop("rollout-0", grace_s=1.5)
+    launcher.kill("rollout-1")
+    ops = [(op, name, kw) for op, name, kw in fake.calls if op in {"pause", "unpause", "stop", "kill"}]
+    assert ops == [("pause", "rr-job1-rollout-0", {}), ("unpause", "rr-job1-rollout-0", {}),
+                   ("stop", "rr-job1-rollout-0", {"timeout": 2}),  # grace rounded up, never cut
+                   ("kill", "rr-job1-rollout-1", {})]
+    assert launcher.state("rollout-0") is MemberState.STOPPED
+    assert launcher.state("rollout-1") is MemberState.EXITED
+    exits = sorted((e.member_id, e.returncode, e.expected) for e in launcher.poll())
+    assert exits == [("rollout-0", 143, True), ("rollout-1", 137, False)]
+    assert launcher.poll() == []  # each exit reported once
+    assert launcher.running() == ["rollout-2"] and launcher.running("other-job") == []
+    # Repeat calls on dead or unknown members are harmless (no API call at all).
+    before = len(fake.calls)
+    launcher.stop("rollout-0")
+    launcher.kill("rollout-1")
+    launcher.suspend("nobody")
+    launcher.resume("nobody")
+    assert len(fake.calls) == before
+
+
+def test_crash_and_external_removal_are_reported(launcher: DockerLauncher, fake: FakeClient) -> None:
+    launcher.start(_spec("trainer-0", "trainer"))
+    launcher.start(_spec("trainer-1", "trainer"))
+    assert launcher.poll() == []
+    fake.by_name["rr-job1-trainer-0"].exit(3)
+    del fake.by_name["rr-job1-trainer-1"]  # docker rm -f behind the launcher's back
+    exits = sorted((e.member_id, e.role, e.returncode, e.expected) for e in launcher.poll())
+    assert exits == [("trainer-0", "trainer", 3, False), ("trainer-1", "trainer", None, False)]
+    assert launcher.state("trainer-0") is MemberState.EXITED
+    # Killing a container that exited meanwhile (409) or vanished (404) is not an error.
+    launcher2 = DockerLauncher("robustrl:test", "robustrl", client=fake)
+    launcher2.start(_spec("rollout-9"))
+    fake.by_name["rr-job1-rollout-9"].status = "exited"
+    launcher2.kill("rollout-9")
+
+
+def test_stop_many_and_close(launcher: DockerLauncher, fake: FakeClient) -> None:
+    for i in range(4):
+        launcher.start(_spec(f"rollout-{i}"))
+    launcher.stop_many(["rollout-0", "rollout-1", "unknown"], grace_s=0)
+    assert {name for op, name, _ in fake.calls if op == "stop"} == {"rr-job1-rollout-0", "rr-job1-rollout-1"}
+    launcher.close()
+    assert fake.by_name == {}
+    assert {name for op, name, _ in fake.calls if op == "stop"} == {f"rr-job1-rollout-{i}" for i in range(4)}
+
+
+def test_gpu_roles_and_errors(fake: FakeClient) -> None:
+    pytest.importorskip("docker")
+    launcher = DockerLauncher("robustrl:test", "net", client=fake, gpu_roles={"trainer"},
+                              run_kwargs={"shm_size": "1g"})
+    launcher.start(_spec("trainer-0", "trainer"))
+    _, _, kw = fake.calls[-1]
+    assert kw["device_requests"][0]["Count"] == -1 and kw["shm_size"] == "1g"
+    missing = DockerLauncher("missing:latest", "net", client=fake)
+    with pytest.raises(LaunchError, match="image missing:latest not found"):
+        missing.start(_spec())
+    assert missing.state("rollout-0") is None
+
+
+def test_missing_socket_fails_fast_with_guidance(tmp_path: Path) -> None:
+    bogus = tmp_path / "no-such-docker.sock"
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        DockerLauncher("robustrl:test", "robustrl", docker_url=f"unix://{bogus}")
+    assert time.monotonic() - started < 1.0
+    message = str(info.value)
+    assert str(bogus) in message and "/var/run/docker.sock" in message and "Docker engine" in message
+
+
+def test_dead_or_silent_engine_fails_within_timeout(tmp_path: Path) -> None:
+    pytest.importorskip("docker")
+    # A socket file nobody listens on: connection refused at once.
+    refused = tmp_path / "refused.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(refused))
+    # A socket that accepts but never answers: only the request timeout can end the wait.
+    silent_path = tmp_path / "silent.sock"
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(str(silent_path))
+    silent.listen(8)
+    try:
+        for path in (refused, silent_path):
+            started = time.monotonic()
+            with pytest.raises(LaunchError, match="cannot reach the Docker engine at unix://"):
+                DockerLauncher("robustrl:test", "robustrl", docker_url=f"unix://{path}", timeout_s=0.5)
+            assert time.monotonic() - started < 5.0, f"{path.name} took too long"
+    finally:
+        dead.close()
+        silent.close()

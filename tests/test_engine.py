@@ -1,0 +1,125 @@
+"""GenerationEngine: determinism, stop reasons, batch == single, KV cache == full forward."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from robustrl.config import ModelSpec
+from robustrl.model.engine import GenerationAborted, GenerationEngine, GenRequest
+from robustrl.model.policy import build_policy, weights_checksum
+from robustrl.model.tokenizer import CharTokenizer
+from robustrl.rl.grpo import token_logprobs
+
+torch.set_num_threads(1)
+TOK = CharTokenizer.default()
+
+
+@pytest.fixture
+def engine() -> GenerationEngine:
+    return GenerationEngine(build_policy(ModelSpec(), TOK, seed=0), TOK)
+
+
+def prompt(text: str) -> list[int]:
+    return [TOK.bos_id, *TOK.encode(text), TOK.eot_id]
+
+
+def force_token(engine: GenerationEngine, token_id: int) -> None:
+    """Make ``token_id`` overwhelmingly likely by zeroing the head and raising one row's bias."""
+    head = engine.model.lm_head
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias = torch.nn.Parameter(torch.full((TOK.vocab_size,), -50.0))
+        head.bias[token_id] = 50.0
+
+
+def test_same_request_same_tokens_and_seed_matters(engine: GenerationEngine) -> None:
+    req = GenRequest("a", prompt("reverse abc:"), 12, seed=7)
+    first = engine.generate([req])[0]
+    again = engine.generate([req])[0]
+    assert first.token_ids == again.token_ids and first.logprobs == again.logprobs
+    other = engine.generate([GenRequest("b", req.prompt_ids, 12, seed=8)])[0]
+    assert other.token_ids != first.token_ids
+    assert len(first.token_ids) == len(first.logprobs)
+    assert all(lp <= 0 for lp in first.logprobs)
+
+
+def test_weights_checksum_is_stable_and_tracks_weights() -> None:
+    a, b = build_policy(ModelSpec(), TOK, 0), build_policy(ModelSpec(), TOK, 0)
+    assert weights_checksum(a) == weights_checksum(b) == weights_checksum(a.state_dict())
+    assert weights_checksum(a) != weights_checksum(build_policy(ModelSpec(), TOK, 1))
+
+
+def test_stop_reasons(engine: GenerationEngine) -> None:
+    base = prompt("lookup abc:")
+    length = engine.generate([GenRequest("l", base, 5, seed=1)])[0]
+    force_token(engine, TOK.eot_id)
+    eot = engine.generate([GenRequest("e", base, 5)])[0]
+    assert (eot.token_ids, eot.stop_reason) == ([TOK.eot_id], "eot")
+    force_token(engine, TOK.call_id)
+    call = engine.generate([GenRequest("c", base, 5)])[0]
+    assert (call.token_ids, call.stop_reason) == ([TOK.call_id], "tool_call")
+    no_stop = engine.generate([GenRequest("n", base, 5, stop_on_call=False)])[0]
+    assert (no_stop.token_ids, no_stop.stop_reason) == ([TOK.call_id] * 5, "length")
+    # random init: essentially never stops early in 5 tokens
+    assert length.stop_reason == "length" and len(length.token_ids) == 5
+
+
+def test_batch_with_mixed_lengths_equals_one_at_a_time(engine: GenerationEngine) -> None:
+    texts = ["reverse ab:", "lookup fedcba:", "c:", "calc 12*7:", "copy abcdefabcdef:"]
+    for temperature in (0.0, 1.0):
+        reqs = [GenRequest(f"r{i}", prompt(t), 6 + i, temperature=temperature, top_p=0.9, seed=i)
+                for i, t in enumerate(texts)]
+        batched = engine.generate(reqs)
+        single = [engine.generate([r])[0] for r in reqs]
+        for b, s in zip(batched, single, strict=True):
+            assert b.request_id == s.request_id
+            assert b.token_ids == s.token_ids
+            assert b.stop_reason == s.stop_reason
+            assert b.logprobs == pytest.approx(s.logprobs, abs=1e-4)
+
+
+def test_kv_cache_greedy_equals_full_forward(engine: GenerationEngine) -> None:
+    ids = prompt("reverse abcd:")
+    res = engine.generate([GenRequest("g", ids, 8, temperature=0.0)])[0]
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(len(res.token_ids)):
+            logits = engine.model(input_ids=torch.tensor([seq])).logits[0, -1]
+            seq.append(int(logits.argmax()))
+    assert res.token_ids == seq[len(ids):]
+    # the recorded logprobs are what the trainer recomputes (temperature-1 policy logprobs)
+    full = token_logprobs(engine.model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))
+    assert res.logprobs == pytest.approx(full[0, len(ids):].tolist(), abs=1e-4)
+
+
+def test_callbacks_counter_chunks_and_abort(engine: GenerationEngine) -> None:
+    counts: list[int] = []
+    small = GenerationEngine(engine.model, TOK, max_batch=3)
+    reqs = [GenRequest(f"r{i}", prompt("copy ab:"), 4, seed=i) for i in range(7)]
+    out = small.generate(reqs, on_token=counts.append)
+    assert [r.request_id for r in out] == [r.request_id for r in reqs]
+    assert sum(counts) == small.tokens_generated == sum(len(r.token_ids) for r in out)
+    with pytest.raises(GenerationAborted):
+        small.generate(reqs, should_abort=lambda: True)
+    too_long = engine.generate([GenRequest("x", [TOK.bos_id] * 300, 4)])[0]
+    assert (too_long.token_ids, too_long.stop_reason) == ([], "length")
+
+
+def test_load_state_dict_swaps_weights(engine: GenerationEngine) -> None:
+    other = build_policy(ModelSpec(), TOK, seed=5)
+    engine.load_state_dict(other.state_dict())
+    assert weights_checksum(engine.model) == weights_checksum(other)
+
+
+def test_decoding_64_sequences_is_fast(engine: GenerationEngine) -> None:
+    reqs = [GenRequest(f"r{i}", prompt("reverse " + "abcdef"[: 3 + i % 4] + ":"), 12, seed=i) for i in range(64)]
+    engine.generate(reqs[:2])  # warm-up
+    start = time.perf_counter()
+    out = engine.generate(reqs)
+    elapsed = time.perf_counter() - start
+    print(f"\n64 x 12 tokens: {elapsed * 1000:.0f} ms")
+    assert sum(len(r.token_ids) for r in out) >= 64 * 6
+    assert elapsed < 1.0

@@ -1,0 +1,204 @@
+"""Weight sync end to end over real loopback transports (TCP and UCX run the same suite):
+normal pull, relays, dead / stalled / lying sources, late joiners, manifest mismatch."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+import pytest
+import torch
+
+from robustrl.errors import WeightSyncError
+from robustrl.weights import Fault, Manifest, WeightServer, pull
+from robustrl.weights.flat import flatten_state_dict, load_into, unflatten
+from robustrl.weights.manifest import chunk_checksum, version_checksum
+from robustrl.weights.transport import make_client
+
+# UCX reads its environment when ucxx initialises: loopback TCP only, no warnings
+os.environ.setdefault("UCX_TLS", "tcp")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+CHUNK = 256 << 10
+
+
+def _ucx_skip_reason() -> str | None:
+    if importlib.util.find_spec("ucxx") is None:
+        return "ucxx is not installed (pip install robustrl[ucx])"
+    try:
+        import ucxx  # noqa: F401
+    except Exception as exc:  # any import failure means the transport is unusable here
+        return f"ucxx failed to import: {exc!r}"
+    return None
+
+
+_UCX_SKIP = _ucx_skip_reason()
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(_UCX_SKIP is not None, reason=str(_UCX_SKIP)))]
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("kind", TRANSPORTS)]
+
+
+class Net(torch.nn.Module):
+    def __init__(self, hidden: int = 256) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(1024, hidden)  # 1 MiB
+        self.proj = torch.nn.Linear(hidden, 4 * hidden)  # ~1 MiB
+        self.out = torch.nn.Linear(4 * hidden, hidden, bias=False)  # 1 MiB
+        self.norm = torch.nn.LayerNorm(hidden)
+
+
+@pytest.fixture(scope="module")
+def version() -> tuple[torch.Tensor, Manifest, dict[str, torch.Tensor]]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    sd = Net().state_dict()
+    buffer, manifest = flatten_state_dict(sd, version=7, chunk_bytes=CHUNK)
+    assert manifest.num_chunks >= 12
+    return buffer, manifest, sd
+
+
+@pytest.fixture
+async def servers(kind: str) -> AsyncIterator[Callable[..., asyncio.Future[WeightServer]]]:
+    started: list[WeightServer] = []
+
+    async def start(fault: Fault | None = None) -> WeightServer:
+        server = WeightServer(kind, fault=fault)
+        await server.start()
+        started.append(server)
+        return server
+
+    try:
+        yield start  # type: ignore[misc]
+    finally:
+        for server in started:
+            await server.close()
+
+
+def _checksum(buf: np.ndarray, m: Manifest) -> str:
+    view = memoryview(buf).cast("B")
+    return version_checksum(chunk_checksum(view[c.offset:c.offset + c.nbytes]) for c in m.chunks)
+
+
+async def test_normal_sync(kind: str, version, servers) -> None:
+    buffer, manifest, sd = version
+    trainer = await servers()
+    trainer.add_version(manifest, buffer)
+    buf, stats = await pull(manifest, [trainer.address])
+    assert _checksum(buf, manifest) == manifest.checksum
+    assert stats.bytes_received == manifest.total_bytes and stats.bytes_resent == 0
+    assert stats.chunks_from == {trainer.address: manifest.num_chunks}
+    assert trainer.bytes_sent == manifest.total_bytes
+    tensors = unflatten(buf, manifest)
+    assert all(torch.equal(tensors[n], t) for n, t in sd.items())
+    assert tensors["proj.weight"].untyped_storage().data_ptr() == buf.ctypes.data  # a view, not a copy
+    model = Net()
+    load_into(model, buf, manifest)
+    assert torch.equal(model.out.weight, sd["out.weight"])
+
+
+async def test_relay_serves_only_verified_chunks(kind: str, version, servers) -> None:
+    buffer, manifest, _ = version
+    relay = await servers()
+    relay.add_version(manifest, np.zeros(manifest.total_bytes, np.uint8), complete=False)
+    client = make_client(relay.address)
+    await client.connect()
+    try:
+        assert await client.have(manifest.version, manifest.num_chunks) == frozenset()
+        assert not await client.fetch_chunk(manifest.version, 0, memoryview(bytearray(manifest.chunks[0].nbytes)))
+        relay.mark_chunk(manifest.version, 3)
+        assert await client.have(manifest.version, manifest.num_chunks) == {3}
+        assert await client.have(manifest.version + 1, manifest.num_chunks) == frozenset()  # other version
+    finally:
+        await client.close()
+
+
+async def test_relay_killed_mid_chunk(kind: str, version, servers) -> None:
+    buffer, manifest, _ = version
+    trainer = await servers()
+    trainer.add_version(manifest, buffer)
+    relay = await servers(Fault("die", after_bytes=CHUNK // 2, after_chunks=2))
+    relay.add_version(manifest, buffer)
+    buf, stats = await pull(manifest, [relay.address, trainer.address], stall_timeout_s=5.0)
+    assert _checksum(buf, manifest) == manifest.checksum
+    assert stats.failed_sources == [relay.address]
+    assert stats.bytes_resent <= CHUNK * len(stats.failed_sources)
+    assert stats.chunks_from[relay.address] >= 2  # completed chunks from the dead relay were kept
+
+
+async def test_stalled_source_is_abandoned(kind: str, version, servers) -> None:
+    buffer, manifest, _ = version
+    stuck = await servers(Fault("stall", after_bytes=CHUNK // 4))
+    stuck.add_version(manifest, buffer)
+    good = await servers()
+    good.add_version(manifest, buffer)
+    buf, stats = await pull(manifest, [stuck.address, good.address], stall_timeout_s=0.5)
+    assert _checksum(buf, manifest) == manifest.checksum
+    assert stats.failed_sources == [stuck.address]
+    assert stats.bytes_resent <= CHUNK
+
+
+async def test_trainer_dies_mid_version_then_repull(kind: str, version, servers) -> None:
+    buffer, manifest, _ = version
+    trainer = await servers(Fault("die", after_bytes=1000, after_chunks=4))
+    trainer.add_version(manifest, buffer)
+    relay = await servers()
+    with pytest.raises(WeightSyncError) as info:
+        await pull(manifest, [trainer.address], relay=relay, unavailable_grace_s=0.2)
+    assert info.value.retryable
+    assert relay.versions() == []  # the partial version is not served onward
+    # a second replica that only knows the dead trainer and the partial relay fails too
+    with pytest.raises(WeightSyncError):
+        await pull(manifest, [trainer.address, relay.address], unavailable_grace_s=0.2)
+    new_trainer = await servers()  # recovered gang republishes the version
+    new_trainer.add_version(manifest, buffer)
+    buf, stats = await pull(manifest, [new_trainer.address], relay=relay)
+    assert _checksum(buf, manifest) == manifest.checksum
+    assert relay.is_complete(manifest.version)
+
+
+async def test_corrupt_chunk_refetched_elsewhere(kind: str, version, servers) -> None:
+    buffer, manifest, _ = version
+    liar = await servers(Fault("corrupt", after_chunks=1))
+    liar.add_version(manifest, buffer)
+    honest = await servers()
+    honest.add_version(manifest, buffer)
+    buf, stats = await pull(manifest, [liar.address, honest.address])
+    assert _checksum(buf, manifest) == manifest.checksum
+    assert stats.corrupt_chunks == 1
+    assert 0 < stats.bytes_resent <= CHUNK
+    assert stats.failed_sources == []
+
+
+async def test_late_joiner_pulls_from_relays_only(kind: str, version, servers) -> None:
+    buffer, manifest, _ = version
+    trainer = await servers()
+    trainer.add_version(manifest, buffer)
+    relays = [await servers() for _ in range(2)]
+    await asyncio.gather(*(pull(manifest, [trainer.address, *(r.address for r in relays)], relay=r, seed=i)
+                           for i, r in enumerate(relays)))
+    assert all(r.is_complete(manifest.version) for r in relays)
+    assert trainer.bytes_sent <= 2 * manifest.total_bytes
+    await trainer.close()
+    buf, stats = await pull(manifest, lambda: [trainer.address, *(r.address for r in relays)])
+    assert _checksum(buf, manifest) == manifest.checksum
+    assert trainer.address not in stats.chunks_from
+    assert sum(stats.chunks_from.values()) == manifest.num_chunks
+    assert stats.failed_sources == [trainer.address]
+
+
+async def test_manifest_mismatch_names_tensor(kind: str, version, servers) -> None:
+    buffer, manifest, _ = version
+    trainer = await servers()
+    trainer.add_version(manifest, buffer)
+    buf, _ = await pull(manifest, [trainer.address])
+    model = Net(hidden=256)
+    model.proj = torch.nn.Linear(256, 512)
+    before = model.embed.weight.clone()
+    with pytest.raises(WeightSyncError) as info:
+        load_into(model, buf, manifest)
+    assert "proj.weight" in str(info.value) and not info.value.retryable
+    assert torch.equal(model.embed.weight, before)  # untouched
