@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import secrets
@@ -99,6 +100,11 @@ class Stack:
                 pass
             time.sleep(0.1)  # polling a process that is starting; bounded by the deadline
         raise LaunchError(f"controller not ready after {timeout_s:.0f}s; see {self.run_dir}/logs/controller.log")
+
+    def detach(self) -> None:
+        """Leave everything running after this process exits (``robustrl up``)."""
+        if self.infra:
+            atexit.unregister(self.infra.stop)
 
     def kill_service(self, name: str) -> None:
         proc = self.procs.get(name)

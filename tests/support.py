@@ -23,7 +23,8 @@ def _fail(what: str, timeout: float, last: object) -> AssertionError:
 
 
 def eventually(fn: Callable[[], T], *, timeout: float = DEFAULT_TIMEOUT_S,
-               interval: float = DEFAULT_INTERVAL_S, retry_on: tuple[type[BaseException], ...] = (AssertionError,), what: str = "") -> T:
+               interval: float = DEFAULT_INTERVAL_S,
+               retry_on: tuple[type[BaseException], ...] = (AssertionError,), what: str = "") -> T:
     """Call ``fn`` until it returns a truthy value without raising one of ``retry_on``.
 
     Returns:

@@ -87,7 +87,7 @@ class FakeContainers:
             raise FakeAPIError(404)
         return self.client.by_name[name]
 
-    def list(self, all: bool, filters: dict[str, str]) -> list[FakeContainer]:  # noqa: A002 - SDK name
+    def list(self, all: bool, filters: dict[str, str]) -> list[FakeContainer]:
         key, value = filters["label"].split("=", 1)
         return [c for c in self.client.by_name.values() if c.labels.get(key) == value]
 

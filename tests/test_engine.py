@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from robustrl.config import ModelSpec
 from robustrl.model.engine import GenerationAborted, GenerationEngine, GenRequest
-from robustrl.model.policy import build_policy, weights_checksum
+from robustrl.errors import ConfigError
+from robustrl.model.policy import build_policy, save_policy, weights_checksum
 from robustrl.model.tokenizer import CharTokenizer
 from robustrl.rl.grpo import token_logprobs
 
@@ -50,6 +52,15 @@ def test_weights_checksum_is_stable_and_tracks_weights() -> None:
     a, b = build_policy(ModelSpec(), TOK, 0), build_policy(ModelSpec(), TOK, 0)
     assert weights_checksum(a) == weights_checksum(b) == weights_checksum(a.state_dict())
     assert weights_checksum(a) != weights_checksum(build_policy(ModelSpec(), TOK, 1))
+
+
+def test_policy_save_and_load_from_path(tmp_path: Path) -> None:
+    model = build_policy(ModelSpec(), TOK, 3)
+    save_policy(model, TOK, tmp_path)
+    loaded = build_policy(ModelSpec(path=str(tmp_path)), CharTokenizer.load(tmp_path), seed=99)
+    assert weights_checksum(loaded) == weights_checksum(model)
+    with pytest.raises(ConfigError):
+        build_policy(ModelSpec(path=str(tmp_path / "missing")), TOK, 0)
 
 
 def test_stop_reasons(engine: GenerationEngine) -> None:

@@ -18,7 +18,7 @@ from minio.error import MinioException
 from nats.errors import Error as NatsError
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from support import eventually
+from support import eventually, eventually_async
 
 from robustrl.config import Settings
 from robustrl.errors import ConfigError, LaunchError
@@ -163,3 +163,45 @@ def test_server_that_exits_names_binary_and_log(tmp_path: Path, monkeypatch: pyt
     with pytest.raises(LaunchError) as err:
         EmbeddedInfra(tmp_path / "run").start()
     assert "/bin/false" in str(err.value) and str(tmp_path / "run" / "logs" / "s3.log") in str(err.value)
+
+
+async def test_restart_keeps_redis_and_jetstream_data(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with EmbeddedInfra(run) as first:
+        client = redis.Redis.from_url(first.redis_url, socket_timeout=2)
+        client.set("durable:key", b"kept")
+        client.close()
+        nc = await nats.connect(first.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+        await nc.jetstream().add_stream(name="KEEP", subjects=["keep.>"])
+        await nc.jetstream().publish("keep.a", b"1")
+        await nc.close()
+    with EmbeddedInfra(run) as second:
+        assert second.redis_url != first.redis_url  # fresh credentials each start
+        client = redis.Redis.from_url(second.redis_url, socket_timeout=2)
+        assert client.get("durable:key") == b"kept"
+        client.close()
+        nc = await nats.connect(second.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+        info = await nc.jetstream().stream_info("KEEP")
+        await nc.close()
+        assert info.state.messages == 1
+
+
+def test_eventually_returns_value_and_fails_bounded() -> None:
+    calls = iter(range(100))
+    assert eventually(lambda: next(calls) >= 3 and "done", timeout=5, interval=0.001) == "done"
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="never"):
+        eventually(lambda: False, timeout=0.05, interval=0.01, what="never")
+    assert time.monotonic() - t0 < 2
+
+
+async def test_eventually_async_awaits_coroutines() -> None:
+    state = {"n": 0}
+
+    async def probe() -> bool:
+        state["n"] += 1
+        return state["n"] >= 3
+
+    assert await eventually_async(probe, timeout=5, interval=0.001) is True
+    with pytest.raises(AssertionError):
+        await eventually_async(lambda: False, timeout=0.05, interval=0.01)

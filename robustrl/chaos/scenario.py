@@ -254,7 +254,8 @@ def plan(scenario: Scenario, steps: int, *, step_time_s: float = 1.0,
     for i, f in enumerate(scenario.faults):
         count = counts.get(f.role, 0)
         if count <= 0:
-            raise ScenarioError(f"faults[{i}].role: the job has no {f.role} member", field=f"faults[{i}].role")
+            raise ScenarioError(f"faults[{i}].role: the job has no {f.role} member",
+                                field=f"faults[{i}].role")
         for step in f.steps(steps):
             if f.member == "all":
                 targets = list(range(count))
@@ -267,8 +268,8 @@ def plan(scenario: Scenario, steps: int, *, step_time_s: float = 1.0,
                 targets = [int(f.member)]
             delay = rng.random() * step_time_s if f.within_step == "random" else float(f.within_step)
             for member in targets:
-                out.append(PlannedFault(step=step, delay_s=delay, kind=f.kind, role=f.role, member_index=member,
-                                        duration_s=f.duration_s, factor=f.factor,
+                out.append(PlannedFault(step=step, delay_s=delay, kind=f.kind, role=f.role,
+                                        member_index=member, duration_s=f.duration_s, factor=f.factor,
                                         fault_id=f"{scenario.name}-{i}-s{step}-m{member}"))
     out.sort(key=lambda p: (p.step, p.delay_s, p.fault_id))
     return out

@@ -107,9 +107,11 @@ def rclone() -> Binary:
 
 
 def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (the server may still lose a race for it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
 
 def write_private(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` with mode 0600, atomically (temp file + rename)."""
@@ -120,6 +122,7 @@ def write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as fh:
         fh.write(text)
     os.replace(tmp, path)
+
 
 def _socket_exchange(port: int, send: bytes, expect: bytes, *, read_first: bool) -> bool:
     """Send ``send`` and report whether the reply (read until ``expect`` or close) contains it."""
@@ -137,6 +140,7 @@ def _socket_exchange(port: int, send: bytes, expect: bytes, *, read_first: bool)
             return expect in reply
     except OSError:
         return False
+
 
 class Service:
     """One server: how to spawn it on fresh ports and how to tell that it is ready."""

@@ -59,6 +59,7 @@ def _log_tail(path: Path) -> str:
         return ""
     return data[-_LOG_TAIL:].decode(errors="replace")
 
+
 class EmbeddedInfra:
     """NATS + Redis-protocol server + S3 server as local processes under one run directory.
 

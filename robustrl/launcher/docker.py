@@ -22,6 +22,7 @@ without it when the local launcher is used.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import threading
@@ -99,7 +100,7 @@ def _connect(base_url: str, timeout_s: float) -> Any:
         # version=None makes the SDK ask the engine for its API version: this is the ping.
         client = docker.DockerClient(base_url=base_url, timeout=timeout_s)
         client.ping()
-    except Exception as exc:  # noqa: BLE001 - SDK raises DockerException, requests and OS errors alike
+    except Exception as exc:
         hint = ("check that the controller's user may use the socket (compose: DOCKER_GID is the "
                 "socket's group id)" if "ermission" in str(exc) else
                 "check that the Docker engine is running and answers at that address")
@@ -180,7 +181,7 @@ class DockerLauncher(Launcher):
                 kwargs["device_requests"] = [_gpu_request()]
             try:
                 container = self.client.containers.run(self.image, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - translated into the error tree here
+            except Exception as exc:
                 if _is_not_found(exc):
                     raise LaunchError(f"image {self.image} not found: build it (docker compose build) "
                                       f"or pull it", member=spec.member_id) from exc
@@ -191,7 +192,7 @@ class DockerLauncher(Launcher):
         """Remove a leftover container with this name (a previous incarnation of the member)."""
         try:
             self.client.containers.get(name).remove(force=True)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if not _is_not_found(exc):
                 raise LaunchError(f"cannot remove stale container {name}: {exc}", member=name) from exc
 
@@ -206,7 +207,7 @@ class DockerLauncher(Launcher):
         try:
             # The engine takes whole seconds; round up so that the grace is never shortened.
             member.container.stop(timeout=max(0, math.ceil(grace_s)))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if not _is_not_found(exc):
                 raise LaunchError(f"cannot stop {member_id}: {exc}", member=member_id) from exc
         member.state = MemberState.STOPPED
@@ -228,7 +229,7 @@ class DockerLauncher(Launcher):
         member.expected_exit = expected
         try:
             member.container.kill()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             # 404: already gone; 409: not running (it exited on its own meanwhile).
             if not _is_not_found(exc) and _status_code(exc) != 409:
                 raise LaunchError(f"cannot kill {member_id}: {exc}", member=member_id) from exc
@@ -253,7 +254,7 @@ class DockerLauncher(Launcher):
             return
         try:
             member.container.pause() if pause else member.container.unpause()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if _is_not_found(exc) or _status_code(exc) == 409:
                 return  # gone or not running/paused: nothing to freeze; poll() reports the exit
             raise LaunchError(f"cannot {'pause' if pause else 'unpause'} {member_id}: {exc}",
@@ -267,7 +268,7 @@ class DockerLauncher(Launcher):
         try:
             containers = self.client.containers.list(
                 all=True, filters={"label": f"{LABEL_LAUNCHER}={self.instance}"})
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
         seen = {c.labels.get(LABEL_MEMBER): c for c in containers}
         out: list[ExitInfo] = []
@@ -293,7 +294,7 @@ class DockerLauncher(Launcher):
             return member.state
         try:
             member.container.reload()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if not _is_not_found(exc):
                 raise LaunchError(f"cannot inspect {member.spec.member_id}: {exc}",
                                   member=member.spec.member_id) from exc
@@ -339,10 +340,8 @@ class DockerLauncher(Launcher):
         """Stop every member this launcher started and remove their containers."""
         self.stop_many(self.running())
         for member in list(self._members.values()):
-            try:
+            with contextlib.suppress(Exception):  # already removed is fine on shutdown
                 member.container.remove(force=True)
-            except Exception:  # noqa: BLE001 - already removed is fine on shutdown
-                pass
         self._members.clear()
 
 

@@ -9,6 +9,7 @@ depend on what else is in the batch. Each request samples from its own seeded
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -73,6 +74,9 @@ class GenerationEngine:
         self._lock = threading.Lock()
         config = getattr(model, "config", None)
         self.max_positions: int = int(getattr(config, "max_position_embeddings", 1 << 30))
+        # transformers 5 names the KV cache argument ``cache``; 4.x calls it ``past_key_values``.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Swap in new weights (strict: every parameter must be present), between batches."""
@@ -157,7 +161,7 @@ class GenerationEngine:
 
         outputs = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
                              use_cache=True, logits_to_keep=1)
-        cache = outputs.cache
+        cache = self._cache_of(outputs)
         logits = outputs.logits[:, -1, :]
         next_pos = positions[:, -1:] + 1
         step = 0
@@ -192,10 +196,15 @@ class GenerationEngine:
             # at this model size that is cheaper than re-indexing the cache.
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
             outputs = self.model(input_ids=chosen.view(-1, 1).to(device), attention_mask=mask,
-                                 position_ids=next_pos, cache=cache, use_cache=True)
-            cache = outputs.cache
+                                 position_ids=next_pos, use_cache=True, **{self._cache_arg: cache})
+            cache = self._cache_of(outputs)
             logits = outputs.logits[:, -1, :]
             next_pos = next_pos + 1
+
+    @staticmethod
+    def _cache_of(outputs: object) -> object:
+        cache = getattr(outputs, "cache", None)
+        return cache if cache is not None else getattr(outputs, "past_key_values")
 
     @staticmethod
     def _sample(

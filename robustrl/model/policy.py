@@ -54,8 +54,7 @@ def build_policy(spec: ModelSpec, tokenizer: CharTokenizer, seed: int) -> torch.
     if spec.path:
         path = Path(spec.path)
         try:
-            model = Qwen3ForCausalLM.from_pretrained(str(path), local_files_only=True,
-                                                     dtype=torch.float32)
+            model = Qwen3ForCausalLM.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot load policy from {path}: {exc}", field="model.path") from exc
         if model.config.vocab_size < tokenizer.vocab_size:

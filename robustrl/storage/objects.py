@@ -16,7 +16,7 @@ import os
 import re
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlparse
@@ -145,7 +145,7 @@ class S3ObjectStore(ObjectStore):
                     raise StorageError("bucket could not be created", bucket=bucket)
 
     @contextlib.contextmanager
-    def _errors(self, op: str, key: str | None) -> Iterator[None]:
+    def _errors(self, op: str, key: str | None) -> Generator[None, None, None]:
         """Translate minio / urllib3 / OS errors into the RobustRL tree (the one place that does)."""
         from minio.error import InvalidResponseError, MinioException, S3Error
         from urllib3.exceptions import HTTPError
@@ -222,9 +222,9 @@ def _create(path: Path) -> BinaryIO:
     for _attempt in range(3):
         path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
-            return open(path, "wb")  # noqa: SIM115 - the caller closes it
+            return open(path, "wb")  # the caller closes it
     path.parent.mkdir(parents=True, exist_ok=True)
-    return open(path, "wb")  # noqa: SIM115
+    return open(path, "wb")
 
 
 class FileObjectStore(ObjectStore):

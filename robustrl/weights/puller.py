@@ -187,9 +187,13 @@ class _Pull:
             if not holders:
                 continue
             coming = sum(1 for s in everyone if chunk in s.pending)
-            if coming and all(len(s.have) == n for s in holders):
-                # another replica is already fetching it from a complete source (the trainer):
-                # wait for its relay instead of making the trainer send it twice
+            partial = [s for s in holders if len(s.have) < n]
+            if partial:
+                holders = partial  # relays first: every chunk they serve is one the trainer doesn't
+            elif any(
+                    chunk in s.pending or chunk in s.have for s in everyone if len(s.have) < n):
+                # a relay holds it (but is busy) or its replica is fetching it already: wait for
+                # the relay instead of making the trainer (a complete source) send it twice
                 continue
             rarity = sum(1 for s in everyone if chunk in s.have) + coming
             key = (rarity, self.rank[chunk])
@@ -227,7 +231,9 @@ class _Pull:
             return False
         await asyncio.gather(*(self._ask(s) for s in others))
         mine = self.relay.address
-        return any(chunk in s.have or (chunk in s.pending and s.address < mine) for s in others if not s.dead)
+        # re-filter: a relay that completed meanwhile is just another complete source
+        return any(chunk in s.have or (chunk in s.pending and s.address < mine)
+                   for s in self._live() if len(s.have) < n)
 
     async def _fetch(self, chunk: int, source: _Source) -> None:
         try:
@@ -242,7 +248,12 @@ class _Pull:
         source.inflight += 1
         if self.relay is not None:
             self.relay.mark_pending(self.m.version, chunk)
-        if await self._taken_elsewhere(chunk, source):
+        try:
+            taken = await self._taken_elsewhere(chunk, source)
+        except BaseException:
+            source.inflight -= 1
+            raise
+        if taken:
             source.inflight -= 1
             return
         start = time.perf_counter() - self.t0

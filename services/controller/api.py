@@ -105,7 +105,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
         from robustrl.chaos.accounting import account
 
         job_or_404(job_id)
-        return account(await controller.bus.read_events(job_id)).to_json()
+        return account(await controller.bus.read_events(job_id)).to_dict()
 
     @app.post("/v1/jobs/{job_id}/stop", dependencies=[Depends(auth)])
     async def stop(job_id: str) -> dict[str, Any]:

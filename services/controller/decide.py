@@ -192,7 +192,8 @@ def decide(now: float, job: JobView, fault: FaultReport, spec: RecoverySpec) -> 
     """
     del now  # every rule is a function of the job state; the clock only matters in check_recovery
     if fault.kind == "tool_outage":
-        return Decision([ReportOnly("tool fault")], "a tool fault is not a machine fault: retry, back off, report")
+        reason = "a tool fault is not a machine fault: the request manager retries, backs off, reports"
+        return Decision([ReportOnly(reason)], reason)
     stale = _stale(job, fault)
     if stale is not None:
         return Decision([Ignore(stale)], stale)

@@ -25,8 +25,9 @@ Rules, in the order they are applied to one member:
 * tool fault (``tool_fault`` event from the request manager) -> FAULT tool_outage with role
   ``request_manager``; never a rollout fault.
 
-Event contract consumed here: ``tool_fault {member_id, tool, error, attempts, step}`` emitted by
-the request manager (``member_id`` is the request manager's own member id).
+Event contract consumed here: ``tool_fault {tool, error, attempts, step, episode_id, member_id?}``
+emitted by the request manager (``member_id``, its own member id, defaults to
+``request_manager``).
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pydantic import ValidationError
+
 from robustrl.bus import Bus
 from robustrl.config import DetectorSpec, JobSpec
 from robustrl.errors import ConfigError, RobustRLError
@@ -27,7 +29,7 @@ from robustrl.messages import (
     ProbeRequest, SpecReply, SpecRequest,
 )
 from robustrl.services.detector.rules import JobMonitor
-from robustrl.subjects import EVENTS_ALL, Verb, all_jobs, parse, subject
+from robustrl.subjects import EVENTS_ALL, Verb, all_jobs, all_jobs_exact, parse, subject
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ MIN_TICK_S = 0.05
 MAX_TICK_S = 1.0
 JOB_END_EVENTS = frozenset({"job_finished", "job_failed", "job_stopped"})
 MEMBER_NAME = "detector"
+ROLE_NAMES = frozenset({"trainer", "rollout", "request_manager"})
 
 
 @dataclass
@@ -82,6 +85,7 @@ class DetectorService:
             await b.subscribe(all_jobs(Verb.EXIT), MemberExited, self._on_exit),
             await b.subscribe(all_jobs(Verb.HELLO), MemberHello, self._on_hello),
             await b.subscribe(all_jobs(Verb.CONTROL), ControlCommand, self._on_control),
+            await b.subscribe(all_jobs_exact(Verb.CONTROL), ControlCommand, self._on_control),
             await b.subscribe(EVENTS_ALL, Event, self._on_event),
         ]
         await b.client.flush()
@@ -175,15 +179,20 @@ class DetectorService:
             await self._report(report)
 
     async def _on_control(self, msg: ControlCommand, subj: str, _reply: str | None) -> None:
+        """A member the controller stopped or declared dead: its silence from now on is expected."""
         mon = self.jobs.get(msg.job_id) if _consistent(msg.job_id, subj) else None
-        if mon is None or msg.action not in ("stop", "replica_dead"):
+        if mon is None:
             return
-        # The controller stopped (or gave up on) a member or a whole role: its silence from now
-        # on is expected.
-        if msg.target in ("trainer", "rollout", "request_manager"):
-            mon.forget_role(msg.target)
-        else:
-            mon.forget(msg.target)
+        if msg.action == "replica_dead":
+            # Sent to the request manager; the dead replica is named in the arguments.
+            member = msg.args.get("member_id")
+            if isinstance(member, str):
+                mon.forget(member)
+        elif msg.action == "stop":
+            if msg.target in ROLE_NAMES:
+                mon.forget_role(msg.target)
+            else:
+                mon.forget(msg.target)
 
     async def _on_event(self, msg: Event, _subj: str, _reply: str | None) -> None:
         if msg.kind in JOB_END_EVENTS:
@@ -208,7 +217,10 @@ class DetectorService:
         while True:
             # A periodic tick, not a wait for a condition: the rules are functions of time.
             await asyncio.sleep(self.tick_period())
-            await self.tick()
+            try:
+                await self.tick()
+            except Exception:  # one bad tick must not end detection for every job
+                log.exception("detector tick failed")
 
     async def tick(self) -> None:
         """Evaluate every job once: send the probes and report the faults the rules ask for."""
@@ -224,8 +236,8 @@ class DetectorService:
 
     async def _probe(self, mon: JobMonitor, probe: ProbeRequest, timeout_s: float) -> None:
         try:
-            reply = await self.bus.request(subject(mon.job_id, Verb.PROBE, probe.member_id), probe, ProbeReply,
-                                           timeout=timeout_s)
+            reply = await self.bus.request(subject(mon.job_id, Verb.PROBE, probe.member_id), probe,
+                                           ProbeReply, timeout=timeout_s)
         except RobustRLError as exc:
             # No answer is the rule's business: it times the probe out on its own clock.
             log.info("probe of %s/%s: %s", mon.job_id, probe.member_id, exc)
@@ -254,8 +266,10 @@ def detector_spec(raw: dict[str, object]) -> DetectorSpec:
     except ConfigError as exc:
         # A spec this version cannot fully parse still tells us its thresholds.
         log.warning("job spec not fully understood (%s); reading only its detector section", exc)
-        section = raw.get("detector")
-        return DetectorSpec.model_validate(section) if isinstance(section, dict) else DetectorSpec.reference()
+        try:
+            return DetectorSpec.model_validate(raw.get("detector"))
+        except ValidationError:
+            return DetectorSpec.reference()
 
 
 def _consistent(job_id: str, subj: str) -> bool:

@@ -23,7 +23,8 @@ from robustrl.bus import Bus
 from robustrl.config import JobSpec
 from robustrl.errors import RequestTimeout
 from robustrl.messages import (
-    BatchGet, BatchReady, ControlCommand, GenerateTurn, MemberHello, MetricsSample, SpecReply, SpecRequest,
+    BatchGet, BatchReady, ControlCommand, GenerateTurn, MemberHello, MetricsSample, ProbeReply, ProbeRequest,
+    SpecReply, SpecRequest,
     StepCommitted, TurnResult, WeightsHave,
 )
 from robustrl.model.tokenizer import CharTokenizer
@@ -78,7 +79,8 @@ class JobRunner:
         self.stats = {"redispatched": 0, "tokens_discarded": 0, "tool_failures": 0}
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._step_task: asyncio.Task[None] | None = None
+        self._step_task: asyncio.Task[BatchReady] | None = None
+        self._current: list[EpisodeRecord] = []
         self.paused = False
 
     # --- membership -------------------------------------------------------------------------
@@ -153,7 +155,7 @@ class JobRunner:
                 job_id=self.job_id, request_id=req_id, episode_id=ep.episode_id, step=step,
                 prefix_ids=ep.prefix_ids(), max_new_tokens=self.spec.rollout.max_new_tokens,
                 temperature=self.spec.rollout.temperature, top_p=self.spec.rollout.top_p,
-                seed=hash((self.spec.seed, ep.episode_id, len(ep.turns))) & 0x7FFFFFFF,
+                seed=tasks.request_seed(self.spec.seed, ep.episode_id, len(ep.turns)),
                 stop_on_call=action.stop_on_call, min_version=self._min_version(step))
             await self.bus.publish(subject(self.job_id, Verb.GENERATE, rep.member_id), msg)
             try:
@@ -236,15 +238,23 @@ class JobRunner:
         t0 = time.monotonic()
         timing = {"tool_wait_s": 0.0}
         await self.bus.emit_event(self.job_id, "step_started", {"step": step, "epoch": self.step_epoch})
+        # Sync/semi-sync: every serving replica must hold an allowed version before the step's
+        # turns go out (replicas still starting are not waited for: they join when loaded).
+        need = self._min_version(step)
+        await self._wait(lambda: any(r.alive and r.version >= need for r in self.replicas.values()) and all(
+            r.version >= need for r in self.replicas.values() if r.alive and r.version >= 0))
+        weight_sync_s = time.monotonic() - t0
         eps = await self._make_episodes(step)
+        self._current = eps
         todo = [ep for ep in eps if ep.status != "finished"]
         await asyncio.gather(*(self._run_episode(ep, step, timing) for ep in todo))
         rewards = [ep.reward or 0.0 for ep in eps]
         wall = time.monotonic() - t0
         n = max(1, len(eps))
         # Episodes overlap, so per-episode tool wait is averaged to give the step's share.
-        timing = {"rollout_s": wall, "tool_wait_s": timing["tool_wait_s"] / n,
-                  "generation_s": max(0.0, wall - timing["tool_wait_s"] / n)}
+        rollout_s = wall - weight_sync_s
+        timing = {"rollout_s": rollout_s, "tool_wait_s": timing["tool_wait_s"] / n,
+                  "generation_s": max(0.0, rollout_s - timing["tool_wait_s"] / n), "weight_sync_s": weight_sync_s}
         batch = BatchRecord(job_id=self.job_id, step=step, episode_ids=[e.episode_id for e in eps],
                             reward_mean=statistics.fmean(rewards), timings=timing)
         await self.batches.put(batch)
@@ -280,9 +290,10 @@ class JobRunner:
             self.step += 1
         log.info("job %s: all %d steps generated", self.job_id, self.spec.steps)
 
-    async def restart_step(self) -> None:
+    async def restart_step(self, fault_id: str | None = None) -> None:
         """Whole-job restart: drop the current step's in-flight work and generate it from scratch."""
         self.paused = True
+        lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")
         if self._step_task and not self._step_task.done():
             self._step_task.cancel()
             try:
@@ -299,6 +310,10 @@ class JobRunner:
         self.replicas.clear()
         n = await self.episodes.clear_step(self.step)
         self.step_epoch += 1
+        self._current = []
+        if fault_id:
+            await self.bus.emit_event(self.job_id, "work_lost", {"fault_id": fault_id, "tokens": lost,
+                                                                 "steps_redone": 0, "episodes": n})
         log.warning("job %s: step %d restarted from scratch (%d episodes dropped)", self.job_id, self.step, n)
 
     def start(self) -> None:
@@ -318,7 +333,8 @@ class RequestManager:
         self.bus = bus
         self.redis = redis
         self.jobs: dict[str, JobRunner] = {}
-        self._seq = 0
+        # Sequence numbers only grow, across restarts too (the detector drops older samples).
+        self._seq = int(time.time() * 1000)
 
     async def start(self) -> None:
         b = self.bus
@@ -328,6 +344,12 @@ class RequestManager:
         await b.subscribe(all_jobs(Verb.HELLO), MemberHello, self._route(lambda j, m: j.on_hello(m)))
         await b.subscribe(all_jobs_exact(Verb.COMMIT), StepCommitted, self._route(lambda j, m: j.on_commit(m)))
         await b.subscribe(all_jobs_exact(Verb.BATCH_GET), BatchGet, self._on_batch_get)
+        await b.subscribe(all_jobs_exact(Verb.PROBE, "request_manager"), ProbeRequest, self._on_probe)
+
+    async def _on_probe(self, msg: ProbeRequest, _subject: str, reply: str | None) -> None:
+        job = self.jobs.get(msg.job_id)
+        phase = "generating" if job and job.generating else "idle"
+        await self.bus.respond(reply, ProbeReply(member_id="request_manager", nonce=msg.nonce, phase=phase))
 
     def _route(self, fn: object):  # type: ignore[no-untyped-def]
         async def handler(msg, _subject, _reply):  # type: ignore[no-untyped-def]
@@ -377,12 +399,16 @@ class RequestManager:
             job = self.jobs.get(msg.job_id)
             if job:
                 n = job.replica_dead(str(msg.args["member_id"]))
+                # Each re-dispatched turn is regenerated at most once, at most max_new_tokens long.
+                await self.bus.emit_event(msg.job_id, "work_lost", {
+                    "fault_id": msg.args.get("fault_id"), "turns": n,
+                    "tokens": n * job.spec.rollout.max_new_tokens, "steps_redone": 0})
                 log.warning("job %s: replica %s dead, %d turns re-dispatched", msg.job_id,
                             msg.args["member_id"], n)
         elif msg.action == "restart_step":
             job = self.jobs.get(msg.job_id)
             if job:
-                await job.restart_step()
+                await job.restart_step(msg.args.get("fault_id"))
         elif msg.action == "pause":
             job = self.jobs.get(msg.job_id)
             if job:

@@ -45,7 +45,7 @@ class Replica:
         self.requests: queue.Queue[GenerateTurn] = queue.Queue()
         self.version = -1
         self.checksum = ""
-        self._pending_weights: tuple[int, str, dict[str, torch.Tensor]] | None = None
+        self._pending_weights: tuple[int, str, dict[str, torch.Tensor], threading.Event] | None = None
         self._swap_lock = threading.Lock()
         self._latest_announce: WeightsAnnounce | None = None
         self._pulling: asyncio.Task[None] | None = None
@@ -127,11 +127,11 @@ class Replica:
                 if self._latest_announce is not ann:
                     return
         state = unflatten(torch.from_numpy(buffer), manifest)
+        swapped = threading.Event()
         with self._swap_lock:
-            self._pending_weights = (manifest.version, ann.checksum, state)
-        # Swap happens in the engine thread between batches; wait until it took effect.
-        while self._pending_weights is not None:
-            await asyncio.sleep(0.005)
+            self._pending_weights = (manifest.version, ann.checksum, state, swapped)
+        # The swap happens in the engine thread between batches; wait until it took effect.
+        await asyncio.to_thread(swapped.wait)
         log.info("loaded v%d in %.2fs (%d B, from %s)", manifest.version, time.monotonic() - t0,
                  stats.bytes_received, stats.chunks_from)
         await self.member.set_phase("serving" if self.member.inflight else "idle")
@@ -149,13 +149,14 @@ class Replica:
             pending, self._pending_weights = self._pending_weights, None
         if pending is None:
             return
-        version, checksum, state = pending
+        version, checksum, state, swapped = pending
         self.engine.load_state_dict(state)
         got = weights_checksum(self.model)
         if got != checksum:
             log.error("weights v%d checksum mismatch after load: %s != %s", version, got, checksum)
         self.version, self.checksum = version, got
         self.member.weights_version = version
+        swapped.set()
 
     # --- generation -------------------------------------------------------------------------
 

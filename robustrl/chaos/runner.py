@@ -1,0 +1,79 @@
+"""Run one job through a scenario on a running stack and account for it from its event log.
+
+Used by ``robustrl demo``, ``robustrl chaos run`` and ``bench/ettr.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from robustrl.bus import Bus
+from robustrl.chaos.accounting import account
+from robustrl.chaos.harness import Harness
+from robustrl.chaos.scenario import Scenario, members_of, plan
+from robustrl.client import ApiClient
+from robustrl.config import Settings
+from robustrl.errors import RequestTimeout
+from robustrl.messages import Event
+
+POLL_S = 0.2
+TERMINAL = ("finished", "failed", "stopped")
+
+
+def job_spec_for(scenario: Scenario | None, base: dict[str, Any]) -> dict[str, Any]:
+    spec = dict(base)
+    if scenario is not None:
+        for key, value in scenario.job.items():
+            if isinstance(value, dict) and isinstance(spec.get(key), dict):
+                spec[key] = {**spec[key], **value}
+            else:
+                spec[key] = value
+        if scenario.policy:
+            spec["recovery"] = {**spec.get("recovery", {}), "policy": scenario.policy}
+    return spec
+
+
+async def run_job(settings: Settings, api: ApiClient, spec: dict[str, Any], scenario: Scenario | None,
+                  *, step_time_s: float = 1.5, timeout_s: float = 900.0,
+                  on_status: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Submit ``spec``, inject the scenario's faults, wait until the job ends, return its report."""
+    bus = await Bus.connect(settings.nats_url, "chaos-harness")
+    try:
+        job = await asyncio.to_thread(api.submit, spec)
+        job_id = job["job_id"]
+        planned = []
+        if scenario is not None and scenario.faults:
+            steps = int(spec.get("steps", 30))
+            counts = members_of(Scenario(job={k: v for k, v in spec.items() if k in ("trainer", "rollout")}))
+            planned = plan(scenario, steps, step_time_s=step_time_s, members=counts)
+        stop = asyncio.Event()
+        harness = Harness(bus, job_id, planned)
+        chaos_task = asyncio.create_task(harness.run(stop))
+        deadline = time.monotonic() + timeout_s
+        status = job
+        while True:
+            status = await asyncio.to_thread(api.job, job_id)
+            if on_status:
+                on_status(status)
+            if status["status"] in TERMINAL:
+                break
+            if time.monotonic() > deadline:
+                await asyncio.to_thread(api.stop, job_id)
+                raise RequestTimeout(f"job {job_id} not finished after {timeout_s:.0f}s (step {status['step']})")
+            await asyncio.sleep(POLL_S)
+        stop.set()
+        acks = await chaos_task
+        events = [Event.model_validate(e) for e in await asyncio.to_thread(api.events, job_id)]
+        report = account(events).to_dict()
+        report.update({
+            "job_id": job_id, "status": status["status"], "error": status.get("error"),
+            "policy": status["policy"], "reward_by_step": status["reward_by_step"],
+            "steps_completed": status["committed_step"] + 1, "injected": acks,
+            "weights_checksum": status.get("weights_checksum"),
+        })
+        return report
+    finally:
+        await bus.close()

@@ -1,0 +1,253 @@
+"""The ``robustrl`` command: up, down, submit, status, demo, chaos run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from robustrl.config import JobSpec, Settings
+from robustrl.errors import RobustRLError
+
+app = typer.Typer(add_completion=False, help="RobustRL: fault-tolerant RL post-training.")
+chaos_app = typer.Typer(add_completion=False, help="Chaos harness: run a job through a fault scenario.")
+app.add_typer(chaos_app, name="chaos")
+console = Console()
+DEFAULT_RUN_DIR = Path("runs/local")
+
+# The demo's injected faults: a trainer machine loss, a rollout machine loss mid tool turn,
+# and a tool outage; each recovered role-locally while the rest of the job keeps its state.
+DEMO_SCENARIO = """
+name: demo
+seed: 1
+faults:
+  - {kind: crash, role: trainer, member: 1, at_step: 8, within_step: random}
+  - {kind: crash, role: rollout, member: 0, at_step: 16, within_step: 0.3}
+  - {kind: tool_outage, role: request_manager, at_step: 22, duration_s: 0.5}
+"""
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(2)
+
+
+def _external_settings(nats: str | None, redis: str | None, s3: str | None) -> Settings | None:
+    if not (nats or redis or s3):
+        return None
+    if not (nats and redis and s3):
+        _fail(ValueError("give all of --nats-url, --redis-url and --s3-endpoint, or none (embedded)"))
+    env = {k: v for k, v in os.environ.items() if k.startswith("ROBUSTRL_")}
+    env.update({"ROBUSTRL_NATS_URL": nats or "", "ROBUSTRL_REDIS_URL": redis or "",
+                "ROBUSTRL_S3_ENDPOINT": s3 or ""})
+    return Settings.from_env(env)
+
+
+def _stack_client(run_dir: Path) -> Any:
+    from robustrl.client import ApiClient
+
+    path = run_dir / "stack.json"
+    if not path.exists():
+        _fail(FileNotFoundError(f"no running stack in {run_dir} (start one with: robustrl up --run-dir {run_dir})"))
+    state = json.loads(path.read_text())
+    return ApiClient(state["api_url"], state["token"])
+
+
+@app.command()
+def up(run_dir: Path = typer.Option(DEFAULT_RUN_DIR, help="Where logs, data and credentials go."),
+       api_port: int = typer.Option(8321, help="REST API port (loopback)."),
+       nats_url: str = typer.Option(None, help="External NATS instead of the embedded one."),
+       redis_url: str = typer.Option(None, help="External Redis."),
+       s3_endpoint: str = typer.Option(None, help="External S3/MinIO host:port (ROBUSTRL_S3_* for keys).")) -> None:
+    """Start the infrastructure (embedded unless URLs are given) and the control-plane services."""
+    from robustrl.stack import Stack
+
+    try:
+        stack = Stack(run_dir, external=_external_settings(nats_url, redis_url, s3_endpoint), api_port=api_port)
+        settings = stack.start()
+        stack.detach()
+    except RobustRLError as exc:
+        _fail(exc)
+    console.print(f"RobustRL is up: API {stack.api_url}  (token in {run_dir}/stack.json)")
+    console.print(f"dashboard: {stack.api_url}/dashboard   stop with: robustrl down --run-dir {run_dir}")
+    del settings
+
+
+@app.command()
+def down(run_dir: Path = typer.Option(DEFAULT_RUN_DIR)) -> None:
+    """Stop what ``up`` started."""
+    from robustrl.stack import stop_detached
+
+    stopped = stop_detached(run_dir)
+    console.print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
+
+
+@app.command()
+def submit(spec_file: Path = typer.Argument(None, help="Job spec (YAML or JSON); default: the reference job."),
+           run_dir: Path = typer.Option(DEFAULT_RUN_DIR), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Submit a job to the running stack."""
+    raw: dict[str, Any] = {}
+    if spec_file:
+        try:
+            raw = yaml.safe_load(spec_file.read_text()) or {}
+            JobSpec.parse(raw)
+        except (OSError, yaml.YAMLError, RobustRLError) as exc:
+            _fail(exc)
+    try:
+        job = _stack_client(run_dir).submit(raw)
+    except RobustRLError as exc:
+        _fail(exc)
+    console.print_json(json.dumps(job)) if as_json else console.print(f"submitted {job['job_id']}")
+
+
+@app.command()
+def status(job_id: str = typer.Argument(None), run_dir: Path = typer.Option(DEFAULT_RUN_DIR),
+           as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show jobs (or one job) of the running stack."""
+    client = _stack_client(run_dir)
+    try:
+        jobs = [client.job(job_id)] if job_id else client.jobs()
+    except RobustRLError as exc:
+        _fail(exc)
+    if as_json:
+        console.print_json(json.dumps(jobs))
+        return
+    table = Table("job", "status", "policy", "step", "reward", "members", "faults")
+    for j in jobs:
+        reward = f"{j['reward_by_step'][-1]:.3f}" if j["reward_by_step"] else "-"
+        live = sum(1 for m in j["members"] if m["state"] not in ("dead", "exited", "stopped"))
+        table.add_row(j["job_id"], j["status"], j["policy"], f"{j['committed_step'] + 1}/{j['steps_total']}",
+                      reward, str(live), str(len(j["faults"])))
+    console.print(table)
+
+
+def _print_step_lines(printed: set[str]) -> Any:
+    """One line per committed step (timings of the newest step), one per fault decision."""
+
+    def on_status(status: dict[str, Any]) -> None:
+        rewards = status["reward_by_step"]
+        t = status.get("last_step_timings") or {}
+        for k, reward in enumerate(rewards):
+            if f"s{k}" in printed:
+                continue
+            printed.add(f"s{k}")
+            line = f"step {k:3d}  reward {reward:.3f}"
+            if k == len(rewards) - 1:
+                line += (f"  gen {t.get('generation_s', 0):5.2f}s  tool {t.get('tool_wait_s', 0):5.2f}s  "
+                         f"train {t.get('training_s', 0):5.2f}s  ckpt {t.get('checkpoint_blocking_s', 0) * 1e3:5.1f}ms"
+                         f"  upload {t.get('upload_s', 0):5.2f}s  sync {t.get('weight_sync_s', 0):5.2f}s")
+            console.print(line)
+        for f in status["faults"]:
+            if f["fault_id"] not in printed:
+                printed.add(f["fault_id"])
+                console.print(f"[yellow]fault[/yellow] {f['kind']} of {f['role']} {f['member_id']} at step "
+                              f"{f['step']}: {(f.get('decision') or {}).get('reason', '')}")
+
+    return on_status
+
+
+def _write_report(out: Path, report: dict[str, Any], started: float) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    report["wall_s"] = time.time() - started
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(report["reward_by_step"], marker="o", ms=3)
+    for f in report.get("injected", []):
+        ax.axvline(f["step"], color="red", alpha=0.3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(f"{report.get('policy')} — ETTR {report.get('ettr', 0):.2f}")
+    fig.tight_layout()
+    fig.savefig(out / "reward.png", dpi=100)
+    plt.close(fig)
+
+
+def _summary(report: dict[str, Any]) -> None:
+    r = report["reward_by_step"]
+    first, last = r[:5], r[-5:]
+    console.print(f"\n[bold]report[/bold]: {report['status']}, {report['steps_completed']} steps in "
+                  f"{report['wall_s']:.1f}s, ETTR {report['ettr']:.3f}")
+    if first and last:
+        console.print(f"mean reward first 5 steps {sum(first) / len(first):.3f} -> last 5 {sum(last) / len(last):.3f}")
+    if report["faults"]:
+        table = Table("fault", "role", "detection s", "recovery s", "tokens regen", "steps redone")
+        for f in report["faults"]:
+            fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+            table.add_row(f["kind"], f["role"], fmt(f["detection_s"]), fmt(f["recovery_s"]),
+                          str(f["tokens_regenerated"]), str(f["steps_redone"]))
+        console.print(table)
+
+
+def _run(out: Path, spec: dict[str, Any], scenario: Any, run_dir: Path | None) -> dict[str, Any]:
+    from robustrl.chaos.runner import run_job
+    from robustrl.client import ApiClient
+    from robustrl.stack import Stack
+
+    started = time.time()
+    run_dir = run_dir or out / "run"
+    with Stack(run_dir) as stack:
+        assert stack.settings
+        console.print(f"stack up in {time.time() - started:.1f}s (run dir {run_dir}); API {stack.api_url}")
+        api = ApiClient(stack.api_url, stack.settings.api_token)
+        report = asyncio.run(run_job(stack.settings, api, spec, scenario, on_status=_print_step_lines(set())))
+    _write_report(out, report, started)
+    _summary(report)
+    console.print(f"wrote {out}/report.json and {out}/reward.png")
+    return report
+
+
+@app.command()
+def demo(out: Path = typer.Option(Path("out/demo"), help="Output directory."),
+         steps: int = typer.Option(30, min=1), seed: int = typer.Option(0, min=0),
+         faults: bool = typer.Option(True, help="Inject the demo faults."),
+         policy: str = typer.Option("role_local", help="role_local or whole_job")) -> None:
+    """Run the reference job on embedded infrastructure with injected faults; print its report."""
+    from robustrl.chaos.scenario import parse_scenario
+
+    spec = {"name": "demo", "steps": steps, "seed": seed, "recovery": {"policy": policy}}
+    try:
+        JobSpec.parse(spec)
+        scenario = parse_scenario(yaml.safe_load(DEMO_SCENARIO)) if faults else None
+        report = _run(out, spec, scenario, None)
+    except RobustRLError as exc:
+        _fail(exc)
+    if report["status"] != "finished":
+        raise typer.Exit(1)
+
+
+@chaos_app.command("run")
+def chaos_run(scenario_file: Path = typer.Argument(..., help="Scenario YAML."),
+              out: Path = typer.Option(Path("out/chaos")), steps: int = typer.Option(None),
+              seed: int = typer.Option(None)) -> None:
+    """Run a job through a fault scenario; write DIR/report.json."""
+    from robustrl.chaos.runner import job_spec_for
+    from robustrl.chaos.scenario import load_scenario
+
+    try:
+        scenario = load_scenario(scenario_file)
+        spec = job_spec_for(scenario, {"name": scenario.name.replace(".", "-")[:60]})
+        if steps:
+            spec["steps"] = steps
+        if seed is not None:
+            spec["seed"] = seed
+        JobSpec.parse(spec)
+        _run(out, spec, scenario, None)
+    except RobustRLError as exc:
+        _fail(exc)
+
+
+if __name__ == "__main__":
+    app()

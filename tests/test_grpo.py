@@ -1,0 +1,122 @@
+"""GRPO math against hand computations, sample building, one training step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from robustrl.config import ModelSpec
+from robustrl.model.policy import build_policy, weights_checksum
+from robustrl.model.tokenizer import CharTokenizer
+from robustrl.rl.grpo import (
+    build_samples,
+    collate,
+    group_advantages,
+    group_index,
+    grpo_loss,
+    token_logprobs,
+    train_on_samples,
+)
+from robustrl.rl.tasks import Prompt, Turn, tool_turn
+
+torch.set_num_threads(1)
+TOK = CharTokenizer.default()
+
+
+def test_group_advantages_by_hand() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2])
+    groups = torch.tensor([0, 0, 1, 1, 2])
+    adv = group_advantages(rewards, groups, eps=0.0 + 1e-6)
+    # group 0: mean 0.5, population std 0.5 -> +1, -1; group 1: std 0 -> 0; group 2: single -> 0
+    assert adv.tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0, 0.0], abs=1e-5)
+    mixed = group_advantages(torch.tensor([3.0, 1.0, 2.0]), torch.tensor([7, 7, 7]), eps=0.0)
+    std = math.sqrt(2 / 3)
+    assert mixed.tolist() == pytest.approx([1 / std, -1 / std, 0.0])
+    assert group_index(["b", "a", "b"]).tolist() == [0, 1, 0]
+
+
+def test_grpo_loss_by_hand() -> None:
+    old = torch.tensor([[0.0, -1.0, -1.0, -2.0]])
+    new = torch.tensor([[0.0, -1.0, -1.0 + math.log(1.5), -2.0 + math.log(0.5)]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
+    # ratios 1, 1.5, 0.5 with A = +2: min(r A, clip(r) A) = 2, 2.4, 1.0 -> loss = -(5.4) / 3
+    loss, stats = grpo_loss(new, old, torch.tensor([2.0]), mask, clip_eps=0.2)
+    assert float(loss) == pytest.approx(-5.4 / 3)
+    assert stats["clip_frac"] == pytest.approx(2 / 3)
+    assert stats["tokens"] == 3
+    # A = -1: min(-r, -clip(r)) = -1, -1.5, -0.8 -> loss = 3.3 / 3
+    loss, _ = grpo_loss(new, old, torch.tensor([-1.0]), mask, clip_eps=0.2)
+    assert float(loss) == pytest.approx(3.3 / 3)
+
+
+def test_grpo_loss_gradient_zero_when_clipped() -> None:
+    new = torch.tensor([[math.log(1.5)]], requires_grad=True)
+    loss, _ = grpo_loss(new, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1), clip_eps=0.2)
+    loss.backward()
+    assert new.grad is not None and float(new.grad) == 0.0
+
+
+def episode(reward: float, pid: str = "p0") -> tuple[Prompt, list[Turn], float]:
+    p = Prompt(pid, "lookup", "lookup abc:", "123", True, "lookup", {"key": "abc"})
+    q = TOK.encode("ab") + [TOK.call_id]
+    a = TOK.encode("12") + [TOK.eot_id]
+    turns = [Turn("assistant", q, [-0.5, -0.6, -0.7], 0, "tool_call"), tool_turn("123", TOK),
+             Turn("assistant", a, [-0.1, -0.2, -0.3], 0, "eot")]
+    return p, turns, reward
+
+
+def test_build_samples_masks_only_assistant_tokens() -> None:
+    s = build_samples([episode(0.7)], TOK)[0]
+    n_prompt = len("lookup abc:") + 2
+    assert len(s.token_ids) == len(s.loss_mask) == len(s.old_logprobs) == n_prompt + 3 + 5 + 3
+    assert s.loss_mask == [0] * n_prompt + [1, 1, 1] + [0] * 5 + [1, 1, 1]
+    assert s.old_logprobs[n_prompt:n_prompt + 3] == [-0.5, -0.6, -0.7]
+    assert s.old_logprobs[-3:] == [-0.1, -0.2, -0.3] and sum(s.old_logprobs[:n_prompt]) == 0
+    assert (s.episode_id, s.group_id, s.reward) == ("p0/0", "p0", 0.7)
+    ids = build_samples([episode(0.1), episode(0.2)], TOK, episode_ids=["x", "y"])
+    assert [t.episode_id for t in ids] == ["x", "y"]
+    bad_p, bad_turns, _ = episode(0.0)
+    bad_turns[0] = Turn("assistant", bad_turns[0].token_ids, [0.0], 0, "tool_call")
+    with pytest.raises(ValueError):
+        build_samples([(bad_p, bad_turns, 0.0)], TOK)
+
+
+def test_collate_pads_right() -> None:
+    samples = build_samples([episode(1.0, "a"), episode(0.0, "b")], TOK)
+    samples[1].token_ids = samples[1].token_ids[:-2]
+    samples[1].loss_mask = samples[1].loss_mask[:-2]
+    samples[1].old_logprobs = samples[1].old_logprobs[:-2]
+    batch = collate(samples, TOK.pad_id)
+    assert batch["input_ids"].shape == (2, len(samples[0].token_ids))
+    assert batch["input_ids"][1, -2:].tolist() == [TOK.pad_id] * 2
+    assert batch["attention_mask"][1].sum() == len(samples[1].token_ids)
+    assert batch["group_ids"].tolist() == [0, 1]
+
+
+def test_train_step_moves_toward_high_reward() -> None:
+    model = build_policy(ModelSpec(), TOK, seed=0)
+    before = weights_checksum(model)
+    eps = [episode(1.0), episode(0.0)]
+    # the two episodes differ in their answer so the advantage has something to prefer
+    eps[1][1][2] = Turn("assistant", TOK.encode("99") + [TOK.eot_id], [-4.6] * 3, 0, "eot")
+    samples = build_samples(eps, TOK)
+    batch = collate(samples, TOK.pad_id)
+    with torch.no_grad():
+        lp0 = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+    for s, row in zip(samples, lp0, strict=True):  # on-policy old logprobs
+        s.old_logprobs = [v if m else 0.0 for v, m in zip(row.tolist(), s.loss_mask, strict=True)]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    stats = train_on_samples(model, opt, samples, clip_eps=0.2, pad_id=TOK.pad_id)
+    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert stats["tokens"] == 12 and stats["advantage_abs_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert weights_checksum(model) != before
+    with torch.no_grad():
+        lp1 = token_logprobs(model, batch["input_ids"], batch["attention_mask"])
+    good = torch.tensor(samples[0].loss_mask, dtype=torch.bool)
+    bad = torch.tensor(samples[1].loss_mask, dtype=torch.bool)
+    assert float(lp1[0][good].sum()) > float(lp0[0][good].sum())
+    assert float(lp1[1][bad].sum()) < float(lp0[1][bad].sum())
+    with pytest.raises(ValueError):
+        train_on_samples(model, opt, samples, clip_eps=0.2, pad_id=0, advantages=torch.zeros(3))
