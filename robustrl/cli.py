@@ -20,7 +20,7 @@ from robustrl.errors import RobustRLError
 app = typer.Typer(add_completion=False, help="RobustRL: fault-tolerant RL post-training.")
 chaos_app = typer.Typer(add_completion=False, help="Chaos harness: run a job through a fault scenario.")
 app.add_typer(chaos_app, name="chaos")
-console = Console()
+console = Console(width=160)
 DEFAULT_RUN_DIR = Path("runs/local")
 
 # The demo's injected faults: a trainer machine loss, a rollout machine loss mid tool turn,

@@ -224,6 +224,7 @@ class StepCommitted(Wire):
     epoch: int
     reward_mean: float
     checksum: str
+    durable_step: int = -1  # newest checkpoint whose manifest is written
     timings: dict[str, float] = Field(default_factory=dict)
     checkpoint_bytes: int = 0
     ts: float = Field(default_factory=now)
@@ -249,7 +250,7 @@ class WeightsHave(Wire):
 # --- event log ------------------------------------------------------------------------------
 
 EventKind = Literal[
-    "job_submitted", "job_started", "job_finished", "job_failed", "job_stopped",
+    "job_submitted", "job_started", "job_ready", "job_finished", "job_failed", "job_stopped",
     "member_started", "member_ready", "member_exited", "member_stopped",
     "phase", "fault_injected", "fault_detected", "decision", "action", "recovered",
     "step_started", "step_committed", "batch_ready", "weights_published", "weights_loaded",

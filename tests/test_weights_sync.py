@@ -78,6 +78,13 @@ async def servers(kind: str) -> AsyncIterator[Callable[..., asyncio.Future[Weigh
             await server.close()
 
 
+def _add_partial(server: WeightServer, manifest: Manifest, buffer: torch.Tensor) -> None:
+    """Register all chunks but the last: a partial relay, which pullers prefer to the trainer."""
+    server.add_version(manifest, buffer, complete=False)
+    for index in range(manifest.num_chunks - 1):
+        server.mark_chunk(manifest.version, index)
+
+
 def _checksum(buf: np.ndarray, m: Manifest) -> str:
     view = memoryview(buf).cast("B")
     return version_checksum(chunk_checksum(view[c.offset:c.offset + c.nbytes]) for c in m.chunks)
@@ -121,7 +128,7 @@ async def test_relay_killed_mid_chunk(kind: str, version, servers) -> None:
     trainer = await servers()
     trainer.add_version(manifest, buffer)
     relay = await servers(Fault("die", after_bytes=CHUNK // 2, after_chunks=2))
-    relay.add_version(manifest, buffer)
+    _add_partial(relay, manifest, buffer)
     buf, stats = await pull(manifest, [relay.address, trainer.address], stall_timeout_s=5.0)
     assert _checksum(buf, manifest) == manifest.checksum
     assert stats.failed_sources == [relay.address]
@@ -132,7 +139,7 @@ async def test_relay_killed_mid_chunk(kind: str, version, servers) -> None:
 async def test_stalled_source_is_abandoned(kind: str, version, servers) -> None:
     buffer, manifest, _ = version
     stuck = await servers(Fault("stall", after_bytes=CHUNK // 4))
-    stuck.add_version(manifest, buffer)
+    _add_partial(stuck, manifest, buffer)
     good = await servers()
     good.add_version(manifest, buffer)
     buf, stats = await pull(manifest, [stuck.address, good.address], stall_timeout_s=0.5)
@@ -163,7 +170,7 @@ async def test_trainer_dies_mid_version_then_repull(kind: str, version, servers)
 async def test_corrupt_chunk_refetched_elsewhere(kind: str, version, servers) -> None:
     buffer, manifest, _ = version
     liar = await servers(Fault("corrupt", after_chunks=1))
-    liar.add_version(manifest, buffer)
+    _add_partial(liar, manifest, buffer)
     honest = await servers()
     honest.add_version(manifest, buffer)
     buf, stats = await pull(manifest, [liar.address, honest.address])
@@ -187,7 +194,8 @@ async def test_late_joiner_pulls_from_relays_only(kind: str, version, servers) -
     assert _checksum(buf, manifest) == manifest.checksum
     assert trainer.address not in stats.chunks_from
     assert sum(stats.chunks_from.values()) == manifest.num_chunks
-    assert stats.failed_sources == [trainer.address]
+    # TCP refuses the closed port at once; a UCX connect may still be pending when relays finish
+    assert set(stats.failed_sources) <= {trainer.address}
 
 
 async def test_manifest_mismatch_names_tensor(kind: str, version, servers) -> None:

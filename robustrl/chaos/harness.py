@@ -80,6 +80,6 @@ class Harness:
         except RequestTimeout as exc:
             rec = {"fault_id": pf.fault_id, "kind": pf.kind, "role": pf.role, "step": pf.step,
                    "member_id": None, "ok": False, "error": str(exc)}
-        log.warning("injected %s", rec)
+        log.info("injected %s", rec)
         self.acks.append(rec)
         return rec

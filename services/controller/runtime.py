@@ -215,6 +215,7 @@ class Controller:
         if not job or job.done or msg.epoch != job.epoch:
             return
         job.committed_step = max(job.committed_step, msg.step)
+        job.durable_step = max(job.durable_step, msg.durable_step)
         job.weights_version, job.weights_checksum = msg.weights_version, msg.checksum
         job.reward_by_step[msg.step] = msg.reward_mean
         job.last_step_timings = dict(msg.timings)

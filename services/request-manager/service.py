@@ -13,6 +13,8 @@ Never imports torch.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import statistics
 import time
@@ -81,6 +83,7 @@ class JobRunner:
         self._task: asyncio.Task[None] | None = None
         self._step_task: asyncio.Task[BatchReady] | None = None
         self._current: list[EpisodeRecord] = []
+        self._started_once = start_step > 0
         self.paused = False
 
     # --- membership -------------------------------------------------------------------------
@@ -163,9 +166,11 @@ class JobRunner:
             except Redispatch:
                 self.stats["redispatched"] += 1
                 ep.redispatches += 1
+                prefix = ep.prefix_ids()
                 await self.bus.emit_event(self.job_id, "episode_redispatched", {
                     "episode_id": ep.episode_id, "member_id": rep.member_id, "step": step,
-                    "prefix_turns": len(ep.turns)})
+                    "prefix_turns": len(ep.turns), "prefix_len": len(prefix),
+                    "prefix_sha": hashlib.sha256(json.dumps(prefix).encode()).hexdigest()})
 
     async def _run_episode(self, ep: EpisodeRecord, step: int, timing: dict[str, float]) -> None:
         prompt = tasks.Prompt.from_dict(ep.prompt)
@@ -237,13 +242,22 @@ class JobRunner:
         """Generate every episode of ``step``; hand the batch over (stored first, then announced)."""
         t0 = time.monotonic()
         timing = {"tool_wait_s": 0.0}
-        await self.bus.emit_event(self.job_id, "step_started", {"step": step, "epoch": self.step_epoch})
+        # The job's very first step starts once its members are up: start-up is the same for
+        # every recovery policy and is reported apart (job_ready), not as lost training time.
+        first = step == 0 and self.step_epoch == 0 and not self._started_once
+        if not first:
+            await self.bus.emit_event(self.job_id, "step_started", {"step": step, "epoch": self.step_epoch})
         # Sync/semi-sync: every serving replica must hold an allowed version before the step's
         # turns go out (replicas still starting are not waited for: they join when loaded).
         need = self._min_version(step)
         await self._wait(lambda: any(r.alive and r.version >= need for r in self.replicas.values()) and all(
             r.version >= need for r in self.replicas.values() if r.alive and r.version >= 0))
         weight_sync_s = time.monotonic() - t0
+        if first:
+            self._started_once = True
+            await self.bus.emit_event(self.job_id, "job_ready", {"startup_s": weight_sync_s})
+            await self.bus.emit_event(self.job_id, "step_started", {"step": step, "epoch": self.step_epoch})
+            t0, weight_sync_s = time.monotonic(), 0.0
         eps = await self._make_episodes(step)
         self._current = eps
         todo = [ep for ep in eps if ep.status != "finished"]

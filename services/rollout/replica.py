@@ -19,7 +19,6 @@ import time
 import torch
 
 from robustrl.config import Settings
-from robustrl.errors import WeightSyncError
 from robustrl.member import Identity, Member
 from robustrl.messages import GenerateTurn, TurnResult, WeightsAnnounce, WeightsHave, decode
 from robustrl.model.engine import GenerationEngine, GenRequest
@@ -35,6 +34,7 @@ from robustrl.weights.server import WeightServer
 log = logging.getLogger(__name__)
 BATCH_WAIT_S = 0.01
 PULL_RETRY_S = 0.5
+PULL_TIMEOUT_S = 30.0
 
 
 class Replica:
@@ -103,8 +103,15 @@ class Replica:
             return
         self._latest_announce = msg
         if self._pulling and not self._pulling.done():
+            log.info("v%d announced while pulling: superseding the running pull", msg.version)
             self._pulling.cancel()
         self._pulling = asyncio.create_task(self._pull(msg))
+        self._pulling.add_done_callback(self._pull_done)
+
+    @staticmethod
+    def _pull_done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("weight pull task failed: %r", task.exception())
 
     async def _pull(self, ann: WeightsAnnounce) -> None:
         manifest = Manifest.model_validate(ann.manifest)
@@ -116,12 +123,16 @@ class Replica:
             t0 = time.monotonic()
             try:
                 self.server.drop_version(manifest.version)  # never mix lineages of one version number
-                buffer, stats = await pull(manifest, self._sources, transport=spec.weights.transport,
-                                           relay=self.server, timeout_s=60.0, stall_timeout_s=3.0,
-                                           seed=hash(self.ident.member_id) & 0xFFFF)
+                log.info("pulling v%d from %s", manifest.version, self._sources())
+                buffer, stats = await asyncio.wait_for(
+                    pull(manifest, self._sources, transport=spec.weights.transport, relay=self.server,
+                         timeout_s=PULL_TIMEOUT_S, stall_timeout_s=3.0, seed=hash(self.ident.member_id) & 0xFFFF),
+                    PULL_TIMEOUT_S + 5.0)
                 break
-            except WeightSyncError as exc:
-                log.warning("pull of v%d failed (%s); retrying", manifest.version, exc)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # WeightSyncError, or a transport error the puller let through
+                log.warning("pull of v%d failed (%r); retrying", manifest.version, exc)
                 self.server.drop_version(manifest.version)
                 await asyncio.sleep(PULL_RETRY_S)  # back off before asking the sources again
                 if self._latest_announce is not ann:
@@ -141,7 +152,8 @@ class Replica:
             WeightsHave(job_id=self.ident.job_id, member_id=self.ident.member_id, version=self.version,
                         address=self.address, checksum=self.checksum))
         await self.member.bus.emit_event(self.ident.job_id, "weights_loaded", {
-            "member_id": self.ident.member_id, "version": self.version, "pull_s": time.monotonic() - t0,
+            "member_id": self.ident.member_id, "version": self.version, "checksum": self.checksum,
+            "pull_s": time.monotonic() - t0,
             "bytes": stats.bytes_received, "sources": len(stats.chunks_from)})
 
     def _apply_pending(self) -> None:

@@ -175,7 +175,8 @@ class TrainerWorker:
                 self.ckpt.snapshot, step, model_state=self.model.state_dict(), optim_state=self.opt.state_dict(),
                 rng=capture_rng(), data_cursor=step + 1, weights_version=self.version)
             durable = self.ckpt.durable_step
-            self.durable = -1 if durable is None else durable
+            if durable is not None:
+                self.durable = max(self.durable, durable)
             upload = self.ckpt.upload_stats
             await self.member.set_phase("publishing", step)
             t1 = time.monotonic()
@@ -188,7 +189,7 @@ class TrainerWorker:
                            "publish_s": publish_s, "loss": stats["loss"]}
                 commit = StepCommitted(job_id=job, step=step, weights_version=self.version,
                                        epoch=self.member.epoch, reward_mean=batch.reward_mean, checksum=checksum,
-                                       timings=timings, checkpoint_bytes=snap.bytes)
+                                       durable_step=self.durable, timings=timings, checkpoint_bytes=snap.bytes)
                 await bus.publish(subject(job, Verb.COMMIT), commit)
                 await bus.emit_event(job, "step_committed", {
                     "step": step, "epoch": self.member.epoch, "weights_version": self.version,
