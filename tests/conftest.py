@@ -34,3 +34,27 @@ def object_store(infra: Settings) -> Iterator[S3ObjectStore]:
         yield store
     finally:
         store.delete_prefix("")
+
+
+@pytest.fixture(scope="session")
+def stack(infra: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """Controller, detector and request manager as real processes on the session's servers."""
+    from robustrl.stack import Stack
+
+    st = Stack(tmp_path_factory.mktemp("stack"), external=infra)
+    st.start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+@pytest.fixture(scope="session")
+def api(stack: object) -> Iterator[object]:
+    from robustrl.client import ApiClient
+
+    client = ApiClient(stack.api_url, stack.settings.api_token)  # type: ignore[attr-defined]
+    try:
+        yield client
+    finally:
+        client.close()

@@ -85,10 +85,13 @@ def check_job(settings: Settings, status: dict[str, Any], events: list[dict[str,
     loaded = [e["data"] for e in events_of(events, "weights_loaded") if e["data"]["version"] == final["weights_version"]]
     for d in loaded:
         assert d["checksum"] == final["checksum"], f"{d['member_id']} serves a different v{d['version']}"
-    # Same version published twice (a redo) must have the same checksum: training is deterministic.
+    # Every version any replica loaded is one the trainer published (no mixed or torn weights).
     published: dict[int, set[str]] = defaultdict(set)
     for e in events_of(events, "weights_published"):
         published[e["data"]["version"]].add(e["data"]["checksum"])
+    for e in events_of(events, "weights_loaded"):
+        d = e["data"]
+        assert d["checksum"] in published[d["version"]], f"{d['member_id']} loaded v{d['version']} unpublished"
 
     # Resumed episodes continued from their saved prefix, token for token.
     for e in events_of(events, "episode_redispatched"):

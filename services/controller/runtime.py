@@ -33,6 +33,14 @@ TRAINER_MODULE = "robustrl.services.trainer"
 ROLLOUT_MODULE = "robustrl.services.rollout"
 
 
+LID_SEP = "--"
+
+
+def lid(job: JobRun, member_id: str) -> str:
+    """The launcher's key for a member: unique across jobs (member ids are unique per job)."""
+    return f"{job.job_id}{LID_SEP}{member_id}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,8 +136,8 @@ class Controller:
             env = self._member_env(job, mid, "trainer") | {
                 "ROBUSTRL_RANK": str(rank), "ROBUSTRL_WORLD_SIZE": str(job.spec.trainer.workers),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            await asyncio.to_thread(self.launcher.start, MemberSpec(job.job_id, mid, "trainer", TRAINER_MODULE, env))
-            job.members[mid] = MemberInfo(mid, "trainer", rank, job.epoch, pid=self.launcher.pid(mid))
+            await asyncio.to_thread(self.launcher.start, MemberSpec(job.job_id, lid(job, mid), "trainer", TRAINER_MODULE, env))
+            job.members[mid] = MemberInfo(mid, "trainer", rank, job.epoch, pid=self.launcher.pid(lid(job, mid)))
             ids.append(mid)
             await self.bus.emit_event(job.job_id, "member_started", {"member_id": mid, "role": "trainer",
                                                                      "epoch": job.epoch})
@@ -141,8 +149,8 @@ class Controller:
         job.slot_incarnation[slot] = inc
         mid = f"rollout-{slot}-i{inc}"
         env = self._member_env(job, mid, "rollout")
-        await asyncio.to_thread(self.launcher.start, MemberSpec(job.job_id, mid, "rollout", ROLLOUT_MODULE, env))
-        job.members[mid] = MemberInfo(mid, "rollout", slot, inc, pid=self.launcher.pid(mid))
+        await asyncio.to_thread(self.launcher.start, MemberSpec(job.job_id, lid(job, mid), "rollout", ROLLOUT_MODULE, env))
+        job.members[mid] = MemberInfo(mid, "rollout", slot, inc, pid=self.launcher.pid(lid(job, mid)))
         await self.bus.emit_event(job.job_id, "member_started", {"member_id": mid, "role": "rollout"})
         return mid
 
@@ -162,7 +170,7 @@ class Controller:
         ids = [m.member_id for m in job.live()]
         for m in job.live():
             m.state = "stopped"
-        await asyncio.to_thread(self.launcher.stop_many, ids, 3.0)
+        await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in ids], 3.0)
         await self._persist(job)
         kind = {"finished": "job_finished", "failed": "job_failed"}.get(status, "job_stopped")
         await self.bus.emit_event(job.job_id, kind, {"reason": reason, "steps": job.committed_step + 1})
@@ -228,10 +236,12 @@ class Controller:
     async def _supervise(self) -> None:
         while not self._stop.is_set():
             for info in await asyncio.to_thread(self.launcher.poll):
-                job = next((j for j in self.jobs.values() if info.member_id in j.members), None)
-                if job is None:
+                job_id, _, member_id = info.member_id.partition(LID_SEP)
+                job = self.jobs.get(job_id)
+                if job is None or member_id not in job.members:
                     continue
-                m = job.members[info.member_id]
+                info.member_id = member_id
+                m = job.members[member_id]
                 if m.state != "stopped":
                     m.state = "exited"
                 await self.bus.emit_event(job.job_id, "member_exited", {
@@ -291,7 +301,7 @@ class Controller:
             await self._restart_trainer(job, fault)
         elif name == "RedispatchEpisodes":
             mid = action.member_id
-            await asyncio.to_thread(self.launcher.kill, mid, True)
+            await asyncio.to_thread(self.launcher.kill, lid(job, mid), True)
             if mid in job.members:
                 job.members[mid].state = "dead"
             await self._control_rm(job, "replica_dead", {"member_id": mid, "fault_id": fault.fault_id})
@@ -316,7 +326,7 @@ class Controller:
 
     async def _restart_trainer(self, job: JobRun, fault: FaultReport) -> None:
         old = [m.member_id for m in job.current_trainers()]
-        await asyncio.to_thread(self.launcher.kill_many, old, True)
+        await asyncio.to_thread(self.launcher.kill_many, [lid(job, i) for i in old], True)
         for mid in old:
             job.members[mid].state = "dead"
         rec = self._begin_recovery(job, fault, "trainer", set(old))
@@ -327,7 +337,7 @@ class Controller:
         old = job.members.get(member_id)
         if old is None:
             return
-        await asyncio.to_thread(self.launcher.kill, member_id, True)
+        await asyncio.to_thread(self.launcher.kill, lid(job, member_id), True)
         old.state = "dead"
         rec = self._begin_recovery(job, fault, "replica", {member_id})
         rec.waiting_for = {await self._start_replica(job, old.index)}
@@ -337,7 +347,7 @@ class Controller:
         last checkpoint, regenerate the current step from scratch."""
         await self._control_rm(job, "restart_step", {"fault_id": fault.fault_id})
         ids = [m.member_id for m in job.live() if m.role in ("trainer", "rollout")]
-        await asyncio.to_thread(self.launcher.kill_many, ids, True)
+        await asyncio.to_thread(self.launcher.kill_many, [lid(job, i) for i in ids], True)
         for mid in ids:
             job.members[mid].state = "dead"
         job.recoveries.clear()  # a whole-job restart supersedes any local recovery in progress
@@ -421,9 +431,9 @@ class Controller:
         else:
             mid = self.resolve(job, req.role, req.member)
             if req.kind == "crash":
-                await asyncio.to_thread(self.launcher.kill, mid, False)
+                await asyncio.to_thread(self.launcher.kill, lid(job, mid), False)
             elif req.kind == "hang":
-                await asyncio.to_thread(self.launcher.suspend, mid)
+                await asyncio.to_thread(self.launcher.suspend, lid(job, mid))
             else:
                 await self.bus.publish(subject(job.job_id, Verb.CHAOS, mid), ChaosCommand(
                     job_id=job.job_id, fault_id=req.fault_id, kind=req.kind, member_id=mid,

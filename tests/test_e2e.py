@@ -1,0 +1,158 @@
+"""The RL job end to end as five real services, through the REST API, on real NATS/Redis/S3."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from consistency import check_job
+from jobs import kinds, small_job, wait_done, wait_step
+from support import eventually
+
+from robustrl.bus import Bus
+from robustrl.client import ApiClient
+from robustrl.stack import Stack
+from robustrl.subjects import Verb, subject
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_short_job_runs_end_to_end(stack, api, infra):
+    job = api.submit(small_job("e2e", steps=5))
+    status = wait_done(api, job["job_id"])
+    events = api.events(job["job_id"])
+    facts = check_job(infra, status, events)
+
+    assert status["committed_step"] == 4 and len(status["reward_by_step"]) == 5
+    assert all(0.0 <= r <= 1.0 for r in status["reward_by_step"])
+    # Real training happened: every step produced new weights (a new checksum per version).
+    checksums = [e["checksum"] for e in kinds(events, "step_committed")]
+    assert len(set(checksums)) == 5
+    # Both replicas served every version the steps needed, with the trainer's checksums.
+    loaded = {(d["member_id"], d["version"]) for d in kinds(events, "weights_loaded")}
+    assert {(m, v) for m in ("rollout-0-i0", "rollout-1-i0") for v in range(5)} <= loaded
+    assert facts["published"][4] == {checksums[3]}
+    # Tool turns really happened, and their prefixes were saved before the next turn.
+    tool_turns = sum(1 for ep in facts["episodes"].values() for t in ep.turns if t.role == "tool")
+    assert tool_turns > 0
+    # Per-step checkpoints exist (keep-K) and every step's timings were reported.
+    assert facts["manifests"], "no complete checkpoint in the object store"
+    timings = kinds(events, "step_committed")[-1]["timings"]
+    for key in ("generation_s", "tool_wait_s", "training_s", "checkpoint_blocking_s", "weight_sync_s"):
+        assert key in timings
+    assert not status["faults"], f"a fault-free job reported faults: {status['faults']}"
+
+
+def test_bad_rest_bodies_are_rejected_with_the_field_named(stack, api):
+    url = stack.api_url
+    token = {"Authorization": f"Bearer {stack.settings.api_token}"}
+    assert httpx.get(f"{url}/v1/jobs").status_code == 401
+    assert httpx.get(f"{url}/v1/jobs", headers={"Authorization": "Bearer nope"}).status_code == 401
+    r = httpx.post(f"{url}/v1/jobs", headers=token, content=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.text
+    r = httpx.post(f"{url}/v1/jobs", headers=token, json={"steps": 0, "mode": "warp", "bogus": 1})
+    assert r.status_code == 422
+    fields = {d["field"] for d in r.json()["detail"]}
+    assert {"steps", "mode", "bogus"} <= fields
+    r = httpx.post(f"{url}/v1/jobs", headers=token, json={"mode": "sync", "staleness": 2})
+    assert r.status_code == 422 and "staleness" in r.text
+    r = httpx.post(f"{url}/v1/jobs", headers=token, json=[1, 2])
+    assert r.status_code == 422
+    assert httpx.get(f"{url}/v1/jobs/nope", headers=token).status_code == 404
+    # Nothing was stored for the rejected requests.
+    assert all(j["name"] != "bogus" for j in api.jobs())
+    assert "/v1/jobs" in httpx.get(f"{url}/openapi.json").json()["paths"]
+
+
+def test_bad_fault_requests_are_rejected(stack, api):
+    job = api.submit(small_job("badfault", steps=2))
+    token = {"Authorization": f"Bearer {stack.settings.api_token}"}
+    base = f"{stack.api_url}/v1/jobs/{job['job_id']}/faults"
+    r = httpx.post(base, headers=token, json={"kind": "meteor", "role": "trainer"})
+    assert r.status_code == 422 and "kind" in r.text
+    r = httpx.post(base, headers=token, json={"kind": "crash", "role": "rollout", "member": 7})
+    assert r.status_code == 422 and "index 7" in r.text
+    assert httpx.post(base, json={"kind": "crash", "role": "trainer"}).status_code == 401
+    status = wait_done(api, job["job_id"])
+    assert not status["faults"]
+
+
+def test_garbage_on_subjects_is_dropped_and_the_job_finishes(stack, api, infra):
+    job = api.submit(small_job("garbage", steps=4))
+    jid = job["job_id"]
+    wait_step(api, jid, 0)
+
+    async def spray() -> None:
+        bus = await Bus.connect(infra.nats_url, "garbage")
+        try:
+            for verb in (Verb.METRICS, Verb.PHASE, Verb.HELLO, Verb.TURN, Verb.BATCH, Verb.COMMIT,
+                         Verb.WEIGHTS, Verb.HAVE, Verb.FAULT, Verb.EXIT, Verb.CONTROL, Verb.CHAOS, Verb.SPEC):
+                for payload in (b"\xff\xfe", b"[]", b'{"job_id": "x y"}', b'{"kind": "nope"}', b"null"):
+                    await bus.publish_raw(subject(jid, verb), payload)
+                    await bus.publish_raw(subject(jid, verb, "rollout-0-i0"), payload)
+                    await bus.publish_raw(subject(jid, verb, "request_manager"), payload)
+            await bus.client.flush()
+        finally:
+            await bus.close()
+
+    asyncio.run(spray())
+    status = wait_done(api, jid)
+    assert status["committed_step"] == 3
+    assert not status["faults"], f"garbage produced faults: {status['faults']}"
+    for name, proc in stack.procs.items():
+        assert proc.poll() is None, f"{name} died on garbage"
+
+
+def test_stop_everything_then_resume_from_checkpoint(infra, tmp_path):
+    """Kill every process (control plane and members), start again: the job resumes at the
+    step after its newest durable checkpoint, with the checkpoint's weights."""
+    spec = small_job("resume", steps=7)
+    st = Stack(tmp_path / "a", external=infra)
+    st.start()
+    api = ApiClient(st.api_url, st.settings.api_token)
+    try:
+        jid = api.submit(spec)["job_id"]
+        wait_step(api, jid, 3)
+        # Machine loss of everything: members first (the controller would otherwise stop them
+        # gracefully), then the control plane.
+        for m in api.job(jid)["members"]:
+            if m["pid"]:
+                st_pids = m["pid"]
+                try:
+                    import os
+                    import signal
+
+                    os.killpg(st_pids, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for name in list(st.procs):
+            st.kill_service(name)
+    finally:
+        api.close()
+        st.procs.clear()
+        st.stop()
+    events_before = None
+    st2 = Stack(tmp_path / "b", external=infra)
+    st2.start()
+    api2 = ApiClient(st2.api_url, st2.settings.api_token)
+    try:
+        eventually(lambda: any(j["job_id"] == jid for j in api2.jobs()), timeout=20, what="job restored")
+        status = wait_done(api2, jid)
+        events = api2.events(jid)
+        readies = kinds(events, "member_ready")
+        assert len(readies) >= 2, "the job was not relaunched"
+        resumed = readies[-1]
+        assert resumed["resume_step"] >= 1, "resumed from scratch instead of a checkpoint"
+        # The resumed weights are exactly the checkpointed version: same checksum as committed.
+        committed = {d["weights_version"]: d["checksum"] for d in kinds(events, "step_committed")
+                     if d["epoch"] < resumed["epoch"]}
+        republished = [d for d in kinds(events, "weights_published") if d["epoch"] == resumed["epoch"]][0]
+        assert republished["version"] == resumed["resume_step"]
+        assert republished["checksum"] == committed[republished["version"]]
+        assert status["committed_step"] == 6
+        check_job(infra, status, events)
+        del events_before
+    finally:
+        api2.close()
+        st2.stop()
