@@ -1,0 +1,174 @@
+"""Role-local recovery with real processes and servers: every fault kind, then the consistency
+checks of DESIGN section 4 (not only that the job finished)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from consistency import check_job
+from jobs import kinds, small_job, wait_done, wait_step
+from support import eventually
+
+from robustrl.storage.redis_stores import Keys, connect
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _decisions(events):
+    return [(d["fault_id"], d["actions"]) for d in kinds(events, "decision")]
+
+
+def _faults(events):
+    return kinds(events, "fault_detected")
+
+
+def test_trainer_worker_crash_restarts_only_the_trainer(api, infra):
+    jid = api.submit(small_job("tcrash", steps=6))["job_id"]
+    wait_step(api, jid, 1)
+    api.fault(jid, kind="crash", role="trainer", member=1)
+    status = wait_done(api, jid)
+    events = api.events(jid)
+    check_job(infra, status, events)
+
+    faults = _faults(events)
+    assert [f["kind"] for f in faults] == ["crash"] and faults[0]["role"] == "trainer"
+    actions = [a for _, acts in _decisions(events) for a in acts]
+    assert actions == ["RestartTrainerGang"]
+    # Rollouts kept their state: the original replicas served the whole job.
+    started = [d["member_id"] for d in kinds(events, "member_started")]
+    assert sorted(m for m in started if m.startswith("rollout")) == ["rollout-0-i0", "rollout-1-i0"]
+    assert {"trainer-e2-r0", "trainer-e2-r1"} <= set(started)
+    assert kinds(events, "recovered"), "no recovery recorded"
+    report = api.report(jid)
+    assert report["faults"][0]["detection_s"] is not None and report["faults"][0]["detection_s"] < 2.0
+
+
+def test_trainer_hang_is_detected_by_silence_and_recovered(api, infra):
+    jid = api.submit(small_job("thang", steps=5))["job_id"]
+    wait_step(api, jid, 1)
+    api.fault(jid, kind="hang", role="trainer", member=0)
+    status = wait_done(api, jid)
+    events = api.events(jid)
+    check_job(infra, status, events)
+    faults = [f for f in _faults(events) if f["role"] == "trainer"]
+    assert faults and faults[0]["kind"] in ("unresponsive", "hang")
+    assert ["RestartTrainerGang"] in [acts for _, acts in _decisions(events)]
+    spec_ = kinds(events, "job_submitted")[0]["spec"]["detector"]
+    report = api.report(jid)
+    delay = report["faults"][0]["detection_s"]
+    bound = max(spec_["silence_s"] + spec_["probe_timeout_s"], spec_["trainer_idle_s"]) + 2 * spec_["metrics_interval_s"]
+    assert delay is not None and delay <= bound + 0.5, f"detection {delay:.2f}s over {bound:.2f}s"
+
+
+def test_trainer_stall_in_training_phase_is_a_hang(api, infra):
+    jid = api.submit(small_job("tstall", steps=5))["job_id"]
+    wait_step(api, jid, 1)
+    # The stall takes effect at the next forward pass, i.e. inside the training phase.
+    api.fault(jid, kind="stall", role="trainer", member=0, duration_s=120)
+    status = wait_done(api, jid)
+    events = api.events(jid)
+    check_job(infra, status, events)
+    faults = [f for f in _faults(events) if f["role"] == "trainer"]
+    assert faults and faults[0]["kind"] == "hang", faults
+
+
+def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, infra):
+    spec = small_job("rcrash", steps=10, tools={"latency_s": 0.6}, data={"tasks": ["lookup"]})
+    jid = api.submit(spec)["job_id"]
+    wait_step(api, jid, 1)
+    step = api.job(jid)["step"]
+
+    async def first_prefix_of_step() -> None:
+        # A tool-turn prefix of the step in progress is in Redis: second turns are being
+        # dispatched right now, half of them to replica 0.
+        redis = connect(infra.redis_url)
+        try:
+            while True:
+                keys = await redis.keys(Keys.prefix(jid, f"s{step + 1}-*"))
+                if keys:
+                    return
+                await asyncio.sleep(0.005)
+        finally:
+            await redis.aclose()
+
+    wait_step(api, jid, step)  # the step after this one is generating now
+    asyncio.run(asyncio.wait_for(first_prefix_of_step(), 30))
+    api.fault(jid, kind="crash", role="rollout", member=0)
+    status = wait_done(api, jid)
+    events = api.events(jid)
+    facts = check_job(infra, status, events)
+
+    actions = [a for _, acts in _decisions(events) for a in acts]
+    assert actions == ["RedispatchEpisodes", "ReplaceReplica"]
+    redispatched = kinds(events, "episode_redispatched")
+    assert redispatched, "no in-flight turn was re-dispatched"
+    assert any(d["prefix_turns"] >= 2 for d in redispatched), "no episode resumed after its tool turn"
+    # At most one turn regenerated per affected episode, and no finished episode lost.
+    per_episode = {}
+    for d in redispatched:
+        per_episode[d["episode_id"]] = per_episode.get(d["episode_id"], 0) + 1
+    assert max(per_episode.values()) == 1
+    # The replacement joined and pulled the current weights; the trainer never restarted.
+    started = [d["member_id"] for d in kinds(events, "member_started")]
+    assert "rollout-0-i1" in started and "trainer-e2-r0" not in started
+    assert any(d["member_id"] == "rollout-0-i1" for d in kinds(events, "weights_loaded"))
+    del facts
+
+
+def test_rollout_stall_is_detected_and_replaced(api, infra):
+    spec = small_job("rstall", steps=5)
+    jid = api.submit(spec)["job_id"]
+    wait_step(api, jid, 1)
+    api.fault(jid, kind="stall", role="rollout", member=1, duration_s=120)
+    status = wait_done(api, jid)
+    events = api.events(jid)
+    check_job(infra, status, events)
+    faults = [f for f in _faults(events) if f["role"] == "rollout"]
+    assert faults and faults[0]["kind"] in ("hang", "unresponsive") and faults[0]["member_id"] == "rollout-1-i0"
+    assert "rollout-1-i1" in [d["member_id"] for d in kinds(events, "member_started")]
+
+
+def test_tool_outage_is_a_tool_fault_not_a_rollout_fault(api, infra):
+    spec = small_job("tool", steps=5, tools={"latency_s": 0.05, "retries": 1, "backoff_s": 0.05},
+                     data={"tasks": ["lookup"]})
+    jid = api.submit(spec)["job_id"]
+    wait_step(api, jid, 1)
+    api.fault(jid, kind="tool_outage", role="request_manager", duration_s=2.0)
+    status = wait_done(api, jid)
+    events = api.events(jid)
+    check_job(infra, status, events)
+    faults = _faults(events)
+    assert faults and all(f["kind"] == "tool_outage" for f in faults), faults
+    assert all(acts == ["ReportOnly"] for _, acts in _decisions(events))
+    assert kinds(events, "tool_fault"), "the outage produced no tool failure"
+    # Nobody was restarted for a tool fault.
+    assert len(kinds(events, "member_started")) == 4
+
+
+def test_fault_in_first_step_escalates_to_whole_job_restart(api, infra):
+    jid = api.submit(small_job("first", steps=3))["job_id"]
+    eventually(lambda: any(e["kind"] == "member_ready" for e in api.events(jid)), timeout=60, what="gang ready")
+    api.fault(jid, kind="crash", role="rollout", member=0)
+    status = wait_done(api, jid)
+    events = api.events(jid)
+    check_job(infra, status, events)
+    acts = [a for _, a in _decisions(events)]
+    assert ["RestartWholeJob"] in acts
+    assert "trainer-e2-r0" in [d["member_id"] for d in kinds(events, "member_started")]
+
+
+def test_whole_job_policy_restarts_everything_and_regenerates_the_step(api, infra):
+    jid = api.submit(small_job("whole", steps=5, recovery={"policy": "whole_job"}))["job_id"]
+    wait_step(api, jid, 1)
+    t0 = time.time()
+    api.fault(jid, kind="crash", role="trainer", member=0)
+    status = wait_done(api, jid)
+    events = api.events(jid)
+    check_job(infra, status, events)
+    assert [a for _, a in _decisions(events)] == [["RestartWholeJob"]]
+    started_after = [d["member_id"] for e in events if e["kind"] == "member_started" and e["ts"] > t0
+                     for d in [e["data"]]]
+    assert {"rollout-0-i1", "rollout-1-i1", "trainer-e2-r0", "trainer-e2-r1"} <= set(started_after)
+    assert kinds(events, "work_lost"), "whole-job restart did not account for lost work"
