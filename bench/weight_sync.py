@@ -26,13 +26,13 @@ os.environ.setdefault("UCX_TLS", "tcp")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
+import numpy as np
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from robustrl.weights import Fault, Manifest, TensorEntry, WeightServer, build_manifest, pull  # noqa: E402
-from robustrl.weights.puller import PullStats  # noqa: E402
-from robustrl.weights.transport import make_client  # noqa: E402
+from robustrl.weights import Fault, Manifest, TensorEntry, WeightServer, build_manifest, pull
+from robustrl.weights.puller import PullStats
+from robustrl.weights.transport import make_client
 
 GIB = 1 << 30
 
@@ -131,7 +131,7 @@ def point_to_point(kind: str, nbytes: int, chunk_bytes: int, rounds: int = 2) ->
                         await asyncio.sleep(0.005)
 
                 sampler = asyncio.create_task(sample())
-                buf, stats = await pull(manifest, [address], into=dest, per_source_inflight=2)
+                _buf, stats = await pull(manifest, [address], into=dest, per_source_inflight=2)
                 done.set()
                 await sampler
                 best = max(best, manifest.total_bytes / stats.wall_s / GIB)

@@ -148,9 +148,15 @@ class JobSpec(BaseModel):
             raise ConfigError(f"invalid job spec: {problems}", field=first) from exc
 
 
+REFERENCE_TOOL_LATENCY_S = 1.0
+
+
 def reference_job(steps: int = 30, seed: int = 0, **overrides: object) -> JobSpec:
-    """The reference job of DESIGN section 9 (tiny model, scaled-down thresholds)."""
-    raw: dict[str, object] = {"name": "reference", "steps": steps, "seed": seed}
+    """The reference job of DESIGN section 9: tiny model, scaled-down thresholds, and tools
+    with 1 s of latency (a search or sandbox call), so a step is mostly rollout and tool time
+    as in real agentic RL, not orchestration overhead."""
+    raw: dict[str, object] = {"name": "reference", "steps": steps, "seed": seed,
+                              "tools": {"latency_s": REFERENCE_TOOL_LATENCY_S}}
     raw.update(overrides)
     return JobSpec.parse(raw)
 

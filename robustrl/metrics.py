@@ -113,8 +113,8 @@ def render_prometheus(jobs: Iterable[Mapping[str, object]]) -> str:
     """Render job status dicts (the ``GET /v1/jobs/{id}`` body) as Prometheus text.
 
     Args:
-        jobs: job status dicts with keys ``job_id``, ``name``, ``status``, ``policy``, ``step``,
-            ``steps_total``, ``weights_version``, ``reward_by_step``, ``members``, ``faults``,
+        jobs: job status dicts with keys ``job_id``, ``name``, ``status``, ``policy``,
+            ``committed_step`` (or ``step``), ``durable_step``, ``restarts_total``, ``steps_total``, ``weights_version``, ``reward_by_step``, ``members``, ``faults``,
             ``ettr`` and ``last_step_timings``. Missing keys drop only their samples.
 
     Returns:
@@ -123,12 +123,16 @@ def render_prometheus(jobs: Iterable[Mapping[str, object]]) -> str:
     fam = {
         "jobs": _Family("robustrl_jobs", "gauge", "Jobs by status."),
         "info": _Family("robustrl_job_info", "gauge", "Constant 1 per job; labels carry name, policy, status."),
-        "step": _Family("robustrl_job_step", "gauge", "Last committed RL step of the job."),
+        "step": _Family("robustrl_job_step", "gauge", "Last committed RL step of the job (-1: none yet)."),
+        "durable": _Family("robustrl_job_durable_step", "gauge",
+                           "Newest step whose checkpoint is complete in the object store (-1: none)."),
         "steps": _Family("robustrl_job_steps_planned", "gauge", "Steps the job was submitted with."),
         "version": _Family("robustrl_job_weights_version", "gauge", "Trainer's announced weights version."),
         "reward": _Family("robustrl_job_reward_last", "gauge", "Mean reward of the last committed step."),
         "ettr": _Family("robustrl_job_ettr", "gauge",
                         "Effective training time ratio: productive time / wall time (0..1)."),
+        "restarts": _Family("robustrl_job_restarts_total", "counter",
+                            "Whole-job restarts (escalations and the whole-job baseline policy)."),
         "members": _Family("robustrl_members", "gauge", "Role members by role and launcher state."),
         "member_version": _Family("robustrl_member_weights_version", "gauge",
                                   "Weights version a member holds (rollouts: the version it serves)."),
@@ -153,8 +157,11 @@ def render_prometheus(jobs: Iterable[Mapping[str, object]]) -> str:
         jl: Labels = (("job_id", job_id),)
         fam["info"].add(jl + (("name", _text(job.get("name"))), ("policy", _text(job.get("policy"))),
                               ("status", status)), 1)
-        for key, name in (("step", "step"), ("steps_total", "steps"), ("weights_version", "version"),
-                          ("ettr", "ettr")):
+        # The controller's ``step`` is the step in progress; ``committed_step`` the last one done.
+        # Dicts without ``committed_step`` (older controllers) only have ``step`` to offer.
+        committed = "committed_step" if "committed_step" in job else "step"
+        for key, name in ((committed, "step"), ("durable_step", "durable"), ("steps_total", "steps"),
+                          ("weights_version", "version"), ("ettr", "ettr"), ("restarts_total", "restarts")):
             value = _number(job.get(key))
             if value is not None:
                 fam[name].add(jl, value)

@@ -6,6 +6,7 @@ the engine (no dockerd runs here). The fail-fast tests use real unix sockets and
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from pathlib import Path
@@ -122,11 +123,12 @@ def test_start_maps_to_containers_run(launcher: DockerLauncher, fake: FakeClient
     _, image, kw = run[0]
     assert image == "robustrl:test"
     assert kw["command"] == ["python", "-m", "robustrl.services.rollout", "--x", "1"]
-    assert kw["name"] == kw["hostname"] == container_name("job1", "rollout-0") == "rr-job1-rollout-0"
+    assert kw["name"] == kw["hostname"] == container_name("rollout-0") == "rr-rollout-0"
     assert kw["detach"] is True and kw["network"] == "robustrl"
-    # spec env wins over the base env, and both reach the container.
+    # spec env wins over the base env, and both reach the container; with no bind host given,
+    # the member binds and advertises its container name.
     assert kw["environment"] == {"ROBUSTRL_NATS_URL": "nats://nats:4222", "ROBUSTRL_ROLE": "rollout",
-                                 "ROBUSTRL_MEMBER_ID": "rollout-0"}
+                                 "ROBUSTRL_MEMBER_ID": "rollout-0", "ROBUSTRL_BIND_HOST": "rr-rollout-0"}
     assert kw["labels"]["robustrl.job"] == "job1" and kw["labels"][LABEL_MEMBER] == "rollout-0"
     assert kw["labels"]["com.example"] == "yes" and LABEL_LAUNCHER in kw["labels"]
     assert "device_requests" not in kw
@@ -139,10 +141,10 @@ def test_start_maps_to_containers_run(launcher: DockerLauncher, fake: FakeClient
 
 def test_restart_removes_stale_container(launcher: DockerLauncher, fake: FakeClient) -> None:
     launcher.start(_spec())
-    fake.by_name["rr-job1-rollout-0"].exit(1)
+    fake.by_name["rr-rollout-0"].exit(1)
     assert [(e.member_id, e.returncode, e.expected) for e in launcher.poll()] == [("rollout-0", 1, False)]
     launcher.start(_spec())  # same member again: the exited container is removed first
-    assert ("remove", "rr-job1-rollout-0", {"force": True}) in fake.calls
+    assert ("remove", "rr-rollout-0", {"force": True}) in fake.calls
     assert launcher.state("rollout-0") is MemberState.RUNNING
     assert launcher.poll() == []
 
@@ -157,9 +159,9 @@ def test_stop_kill_pause_map_to_container_calls(launcher: DockerLauncher, fake: 
     launcher.stop("rollout-0", grace_s=1.5)
     launcher.kill("rollout-1")
     ops = [(op, name, kw) for op, name, kw in fake.calls if op in {"pause", "unpause", "stop", "kill"}]
-    assert ops == [("pause", "rr-job1-rollout-0", {}), ("unpause", "rr-job1-rollout-0", {}),
-                   ("stop", "rr-job1-rollout-0", {"timeout": 2}),  # grace rounded up, never cut
-                   ("kill", "rr-job1-rollout-1", {})]
+    assert ops == [("pause", "rr-rollout-0", {}), ("unpause", "rr-rollout-0", {}),
+                   ("stop", "rr-rollout-0", {"timeout": 2}),  # grace rounded up, never cut
+                   ("kill", "rr-rollout-1", {})]
     assert launcher.state("rollout-0") is MemberState.STOPPED
     assert launcher.state("rollout-1") is MemberState.EXITED
     exits = sorted((e.member_id, e.returncode, e.expected) for e in launcher.poll())
@@ -179,15 +181,15 @@ def test_crash_and_external_removal_are_reported(launcher: DockerLauncher, fake:
     launcher.start(_spec("trainer-0", "trainer"))
     launcher.start(_spec("trainer-1", "trainer"))
     assert launcher.poll() == []
-    fake.by_name["rr-job1-trainer-0"].exit(3)
-    del fake.by_name["rr-job1-trainer-1"]  # docker rm -f behind the launcher's back
+    fake.by_name["rr-trainer-0"].exit(3)
+    del fake.by_name["rr-trainer-1"]  # docker rm -f behind the launcher's back
     exits = sorted((e.member_id, e.role, e.returncode, e.expected) for e in launcher.poll())
     assert exits == [("trainer-0", "trainer", 3, False), ("trainer-1", "trainer", None, False)]
     assert launcher.state("trainer-0") is MemberState.EXITED
     # Killing a container that exited meanwhile (409) or vanished (404) is not an error.
     launcher2 = DockerLauncher("robustrl:test", "robustrl", client=fake)
     launcher2.start(_spec("rollout-9"))
-    fake.by_name["rr-job1-rollout-9"].status = "exited"
+    fake.by_name["rr-rollout-9"].status = "exited"
     launcher2.kill("rollout-9")
 
 
@@ -195,10 +197,46 @@ def test_stop_many_and_close(launcher: DockerLauncher, fake: FakeClient) -> None
     for i in range(4):
         launcher.start(_spec(f"rollout-{i}"))
     launcher.stop_many(["rollout-0", "rollout-1", "unknown"], grace_s=0)
-    assert {name for op, name, _ in fake.calls if op == "stop"} == {"rr-job1-rollout-0", "rr-job1-rollout-1"}
+    assert {name for op, name, _ in fake.calls if op == "stop"} == {"rr-rollout-0", "rr-rollout-1"}
     launcher.close()
     assert fake.by_name == {}
-    assert {name for op, name, _ in fake.calls if op == "stop"} == {f"rr-job1-rollout-{i}" for i in range(4)}
+    assert {name for op, name, _ in fake.calls if op == "stop"} == {f"rr-rollout-{i}" for i in range(4)}
+
+
+def test_host_for_names_the_container_before_and_after_start(launcher: DockerLauncher,
+                                                             fake: FakeClient) -> None:
+    # The controller's launcher keys are "<job>--<member>"; it asks for rank 0's host first.
+    key = "reference-1a2b3c4d--trainer-e1-r0"
+    master = launcher.host_for(key)
+    assert master == "rr-reference-1a2b3c4d--trainer-e1-r0"
+    assert fake.calls == []  # a pure naming function: no engine call, works before start
+    launcher.start(MemberSpec("reference-1a2b3c4d", key, "trainer", "robustrl.services.trainer",
+                              env={"MASTER_ADDR": master}))
+    _, _, kw = fake.calls[-1]
+    assert kw["name"] == kw["hostname"] == master  # what the peers dial is what the engine named
+    assert launcher.host_for(key) == master  # stable across incarnations and calls
+    assert launcher.host_for("reference-1a2b3c4d--trainer-e1-r1") != master
+
+
+def test_long_member_ids_get_distinct_dns_safe_names() -> None:
+    job = "j" * 64 + "-1a2b3c4d"  # the longest job id a spec name allows
+    a, b = container_name(f"{job}--trainer-e1-r0"), container_name(f"{job}--trainer-e1-r1")
+    assert a != b
+    for name in (a, b):
+        assert len(name) <= 63 and re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*[a-zA-Z0-9]", name), name
+    assert container_name("odd id/with:chars") == "rr-odd-id-with-chars"
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    (None, "rr-rollout-0"), ("0.0.0.0", "rr-rollout-0"), ("127.0.0.1", "rr-rollout-0"),
+    ("10.1.2.3", "10.1.2.3"),  # an address the operator chose on purpose is kept
+])
+def test_bind_host_is_routable_from_other_containers(fake: FakeClient, given: str | None,
+                                                     expected: str) -> None:
+    env = {} if given is None else {"ROBUSTRL_BIND_HOST": given}
+    DockerLauncher("robustrl:test", "net", client=fake).start(
+        MemberSpec("job1", "rollout-0", "rollout", "robustrl.services.rollout", env=env))
+    assert fake.calls[-1][2]["environment"]["ROBUSTRL_BIND_HOST"] == expected
 
 
 def test_gpu_roles_and_errors(fake: FakeClient) -> None:

@@ -45,8 +45,8 @@ def parse(text: str) -> tuple[dict[str, str], list[tuple[str, dict[str, str], fl
     return types, samples
 
 
-def pick(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> list[float]:
-    return [v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items())]
+def pick(samples: list[tuple[str, dict[str, str], float]], metric: str, /, **labels: str) -> list[float]:
+    return [v for n, lab, v in samples if n == metric and all(lab.get(k) == x for k, x in labels.items())]
 
 
 def _job(**overrides: object) -> dict[str, object]:
@@ -103,6 +103,18 @@ def test_values_match_job_dicts() -> None:
     assert pick(samples, "robustrl_last_step_seconds", job_id="j1", part="weight_sync") == [0.04]
     assert pick(samples, "robustrl_last_step_seconds", job_id="j1", part="checkpoint_blocking") == [0.02]
     assert pick(samples, "robustrl_job_info", job_id="j1", policy="role_local", status="running") == [1]
+
+
+def test_controller_fields_committed_durable_restarts() -> None:
+    # The controller's ``step`` is the step in progress; the gauge reports the committed one.
+    job = _job(step=8, committed_step=7, durable_step=6, restarts_total=2)
+    types, samples = parse(render_prometheus([job, _job(job_id="j0", step=0, committed_step=-1)]))
+    assert pick(samples, "robustrl_job_step", job_id="j1") == [7]
+    assert pick(samples, "robustrl_job_step", job_id="j0") == [-1]
+    assert pick(samples, "robustrl_job_durable_step", job_id="j1") == [6]
+    assert types["robustrl_job_restarts_total"] == "counter"
+    assert pick(samples, "robustrl_job_restarts_total", job_id="j1") == [2]
+    assert pick(samples, "robustrl_job_restarts_total", job_id="j0") == []
 
 
 def test_histograms_are_cumulative_and_consistent() -> None:

@@ -23,6 +23,18 @@ POLL_S = 0.2
 TERMINAL = ("finished", "failed", "stopped")
 
 
+def step_durations(events: list[Event]) -> list[float]:
+    """Per committed step: its last start to its commit, in step order."""
+    started: dict[int, float] = {}
+    done: dict[int, float] = {}
+    for e in sorted(events, key=lambda e: e.ts):
+        if e.kind == "step_started":
+            started[int(e.data["step"])] = e.ts
+        elif e.kind == "step_committed":
+            done[int(e.data["step"])] = e.ts
+    return [round(done[k] - started[k], 3) for k in sorted(done) if k in started]
+
+
 def job_spec_for(scenario: Scenario | None, base: dict[str, Any]) -> dict[str, Any]:
     spec = dict(base)
     if scenario is not None:
@@ -68,6 +80,7 @@ async def run_job(settings: Settings, api: ApiClient, spec: dict[str, Any], scen
         acks = await chaos_task
         events = [Event.model_validate(e) for e in await asyncio.to_thread(api.events, job_id)]
         report = account(events).to_dict()
+        report["step_durations"] = step_durations(events)
         report.update({
             "job_id": job_id, "status": status["status"], "error": status.get("error"),
             "policy": status["policy"], "reward_by_step": status["reward_by_step"],

@@ -86,6 +86,11 @@ class Launcher(abc.ABC):
         for member_id in member_ids:
             self.stop(member_id, grace_s)
 
+    def host_for(self, member_id: str) -> str:
+        """The address other members use to reach ``member_id`` (e.g. the gang's MASTER_ADDR)."""
+        del member_id
+        return "127.0.0.1"
+
     def kill_many(self, member_ids: list[str], expected: bool = True) -> None:
         """Kill several members (gang or whole-job restart); implementations may do it in parallel."""
         for member_id in member_ids:

@@ -23,6 +23,7 @@ without it when the local launcher is used.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import re
 import threading
@@ -46,6 +47,10 @@ LABEL_ROLE = "robustrl.role"
 LABEL_LAUNCHER = "robustrl.launcher"
 
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_.-]")
+DNS_LABEL_MAX = 63
+# Addresses a member cannot advertise to its peers: the launcher replaces them with the
+# container's own name (see ``_member_env``).
+_UNROUTABLE = frozenset({"", "0.0.0.0", "::", "127.0.0.1", "localhost", "::1"})
 
 # Docker container status -> launcher state (exited/dead depend on whether we stopped it).
 _RUNNING_STATES = {
@@ -57,13 +62,20 @@ _RUNNING_STATES = {
 _ENDED = frozenset({"exited", "dead", "removing"})
 
 
-def container_name(job_id: str, member_id: str) -> str:
-    """Container (and host) name of a member: ``rr-<job>-<member>``.
+def container_name(member_id: str) -> str:
+    """Container name (and network host name) of a member: ``rr-<member_id>``.
 
-    The controller uses it as ``MASTER_ADDR`` for a trainer gang: on a user-defined Docker
-    network a container's name resolves to its address.
+    A function of the launcher's member id alone (unique per launcher: the controller prefixes it
+    with the job id), so :meth:`DockerLauncher.host_for` can name rank 0 before it is started.
+    On a user-defined Docker network the name resolves to the container's address. Names are kept
+    to one DNS label (63 characters, what glibc's resolver accepts): a longer id is cut and given a
+    hash suffix so that two long ids never share a name.
     """
-    return _NAME_OK.sub("-", f"rr-{job_id}-{member_id}")[:128]
+    name = _NAME_OK.sub("-", f"rr-{member_id}")
+    if len(name) <= DNS_LABEL_MAX:
+        return name
+    digest = hashlib.sha256(member_id.encode()).hexdigest()[:10]
+    return f"{name[:DNS_LABEL_MAX - len(digest) - 1].rstrip('-.')}-{digest}"
 
 
 def _status_code(exc: BaseException) -> int | None:
@@ -162,13 +174,13 @@ class DockerLauncher(Launcher):
             if old and self._refresh(old) in (MemberState.STARTING, MemberState.RUNNING,
                                               MemberState.SUSPENDED):
                 raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
-            name = container_name(spec.job_id, spec.member_id)
+            name = container_name(spec.member_id)
             self._remove_stale(name)
             kwargs: dict[str, Any] = {
                 "command": ["python", "-m", spec.module, *spec.args],
                 "name": name,
                 "hostname": name,
-                "environment": {**self.base_env, **spec.env},
+                "environment": _member_env(self.base_env, spec.env, name),
                 "labels": {**self.labels, LABEL_JOB: spec.job_id, LABEL_MEMBER: spec.member_id,
                            LABEL_ROLE: spec.role},
                 "network": self.network,
@@ -187,6 +199,14 @@ class DockerLauncher(Launcher):
                                       f"or pull it", member=spec.member_id) from exc
                 raise LaunchError(f"cannot start container {name}: {exc}", member=spec.member_id) from exc
             self._members[spec.member_id] = _Member(spec, container, MemberState.RUNNING)
+
+    def host_for(self, member_id: str) -> str:
+        """The member's container name: what peers (a trainer gang's ``MASTER_ADDR``) dial.
+
+        Valid before the member is started (the controller names rank 0's host first, then
+        starts the ranks), and the same name every incarnation of the member gets.
+        """
+        return container_name(member_id)
 
     def _remove_stale(self, name: str) -> None:
         """Remove a leftover container with this name (a previous incarnation of the member)."""
@@ -343,6 +363,20 @@ class DockerLauncher(Launcher):
             with contextlib.suppress(Exception):  # already removed is fine on shutdown
                 member.container.remove(force=True)
         self._members.clear()
+
+
+def _member_env(base: Mapping[str, str], env: Mapping[str, str], name: str) -> dict[str, str]:
+    """The container's environment: ``env`` over ``base``, with a routable bind/advertise host.
+
+    Members bind their weight server to ``ROBUSTRL_BIND_HOST`` and advertise that same address to
+    their peers, so a wildcard or loopback value inherited from the controller's own settings
+    would be unreachable from other containers. The container name resolves to the container's
+    address on the job network: binding to it works and peers can dial it.
+    """
+    out = {**base, **env}
+    if out.get("ROBUSTRL_BIND_HOST", "") in _UNROUTABLE:
+        out["ROBUSTRL_BIND_HOST"] = name
+    return out
 
 
 def _gpu_request() -> Any:

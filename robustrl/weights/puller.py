@@ -190,8 +190,8 @@ class _Pull:
             partial = [s for s in holders if len(s.have) < n]
             if partial:
                 holders = partial  # relays first: every chunk they serve is one the trainer doesn't
-            elif any(
-                    chunk in s.pending or chunk in s.have for s in everyone if len(s.have) < n):
+            elif any(chunk in s.pending or (chunk in s.have and chunk not in s.bad)
+                     for s in everyone if len(s.have) < n):
                 # a relay holds it (but is busy) or its replica is fetching it already: wait for
                 # the relay instead of making the trainer (a complete source) send it twice
                 continue
@@ -232,7 +232,7 @@ class _Pull:
         await asyncio.gather(*(self._ask(s) for s in others))
         mine = self.relay.address
         # re-filter: a relay that completed meanwhile is just another complete source
-        return any(chunk in s.have or (chunk in s.pending and s.address < mine)
+        return any((chunk in s.have and chunk not in s.bad) or (chunk in s.pending and s.address < mine)
                    for s in self._live() if len(s.have) < n)
 
     async def _fetch(self, chunk: int, source: _Source) -> None:

@@ -23,7 +23,15 @@ import numpy as np
 
 from robustrl.errors import WeightSyncError
 from robustrl.weights.manifest import Manifest
-from robustrl.weights.transport import Op, Reply, RequestHandler, Status, TransportServer, encode_have, make_server
+from robustrl.weights.transport import (
+    Op,
+    Reply,
+    RequestHandler,
+    Status,
+    TransportServer,
+    encode_have,
+    make_server,
+)
 
 
 class ServerStatus(enum.Enum):

@@ -64,6 +64,7 @@ class JobRun:
     restarts_total: int = 0
     error: str | None = None
     ettr: float | None = None
+    injected_at: dict[str, float] = field(default_factory=dict)  # member -> last chaos injection
 
     @property
     def policy(self) -> str:

@@ -124,18 +124,21 @@ class Controller:
         await self._control_rm(job, "resume", {"start_step": job.step, "committed": job.committed_step})
 
     def _member_env(self, job: JobRun, member_id: str, role: str) -> dict[str, str]:
-        return {**self.settings.to_env(), "ROBUSTRL_JOB_ID": job.job_id, "ROBUSTRL_MEMBER_ID": member_id,
+        # Members never call the REST API: they do not get its token.
+        env = {k: v for k, v in self.settings.to_env().items() if k != "ROBUSTRL_API_TOKEN"}
+        return {**env, "ROBUSTRL_API_TOKEN": "", "ROBUSTRL_JOB_ID": job.job_id, "ROBUSTRL_MEMBER_ID": member_id,
                 "ROBUSTRL_ROLE": role}
 
     async def _start_gang(self, job: JobRun) -> list[str]:
         job.epoch += 1
         port = free_port()
         ids = []
+        master = self.launcher.host_for(lid(job, f"trainer-e{job.epoch}-r0"))
         for rank in range(job.spec.trainer.workers):
             mid = f"trainer-e{job.epoch}-r{rank}"
             env = self._member_env(job, mid, "trainer") | {
                 "ROBUSTRL_RANK": str(rank), "ROBUSTRL_WORLD_SIZE": str(job.spec.trainer.workers),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+                "MASTER_ADDR": master, "MASTER_PORT": str(port)}
             await asyncio.to_thread(self.launcher.start, MemberSpec(job.job_id, lid(job, mid), "trainer", TRAINER_MODULE, env))
             job.members[mid] = MemberInfo(mid, "trainer", rank, job.epoch, pid=self.launcher.pid(lid(job, mid)))
             ids.append(mid)
@@ -266,8 +269,10 @@ class Controller:
         async with self._lock:
             now = time.time()
             current = job.is_current(fault.member_id) or fault.role == "request_manager"
+            injected_at = job.injected_at.pop(fault.member_id, None)
             record = {"fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role,
                       "member_id": fault.member_id, "step": job.step, "detected_at": fault.detected_at,
+                      "detection_s": None if injected_at is None else fault.detected_at - injected_at,
                       "evidence": fault.evidence, "recovery_s": None, "decision": None}
             if not current:
                 await self.bus.emit_event(job.job_id, "decision", {
@@ -427,17 +432,22 @@ class Controller:
             if req.kind != "tool_outage":
                 raise JobError(f"fault {req.kind} is not supported on the request manager", field="kind")
             mid = "request_manager"
-            await self._control_rm(job, "tool_outage", {"duration_s": req.duration_s or 5.0})
         else:
             mid = self.resolve(job, req.role, req.member)
-            if req.kind == "crash":
-                await asyncio.to_thread(self.launcher.kill, lid(job, mid), False)
-            elif req.kind == "hang":
-                await asyncio.to_thread(self.launcher.suspend, lid(job, mid))
-            else:
-                await self.bus.publish(subject(job.job_id, Verb.CHAOS, mid), ChaosCommand(
-                    job_id=job.job_id, fault_id=req.fault_id, kind=req.kind, member_id=mid,
-                    duration_s=req.duration_s, factor=req.factor))
+        # The injection is logged before it is carried out: a crash is detected within
+        # milliseconds, and the detection must not precede its cause in the log.
+        job.injected_at[mid] = time.time()
         await self.bus.emit_event(job.job_id, "fault_injected", {
-            "fault_id": req.fault_id, "kind": req.kind, "role": req.role, "member_id": mid, "step": job.step})
+            "fault_id": req.fault_id, "kind": req.kind, "role": req.role, "member_id": mid, "step": job.step,
+            "duration_s": req.duration_s})
+        if mid == "request_manager":
+            await self._control_rm(job, "tool_outage", {"duration_s": req.duration_s or 5.0})
+        elif req.kind == "crash":
+            await asyncio.to_thread(self.launcher.kill, lid(job, mid), False)
+        elif req.kind == "hang":
+            await asyncio.to_thread(self.launcher.suspend, lid(job, mid))
+        else:
+            await self.bus.publish(subject(job.job_id, Verb.CHAOS, mid), ChaosCommand(
+                job_id=job.job_id, fault_id=req.fault_id, kind=req.kind, member_id=mid,
+                duration_s=req.duration_s, factor=req.factor))
         return mid

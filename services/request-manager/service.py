@@ -377,8 +377,14 @@ class RequestManager:
         batch = await job.batches.get(msg.step) if job else None
         if batch is None:
             batch = await BatchStore(self.redis, msg.job_id).get(msg.step)  # type: ignore[arg-type]
-        if batch is None or not reply:
-            return  # not ready: the trainer waits for the BatchReady broadcast
+        if not reply:
+            return
+        if batch is None:
+            # Not ready: an empty answer at once, so the trainer goes back to waiting for the
+            # BatchReady broadcast instead of sitting in a request timeout.
+            await self.bus.respond(reply, BatchReady(job_id=msg.job_id, step=msg.step, episode_ids=[],
+                                                     reward_mean=0.0))
+            return
         await self.bus.respond(reply, BatchReady(job_id=batch.job_id, step=batch.step,
                                                  episode_ids=batch.episode_ids, reward_mean=batch.reward_mean,
                                                  timings=batch.timings))

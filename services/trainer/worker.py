@@ -35,7 +35,8 @@ from robustrl.weights.flat import flatten_state_dict
 from robustrl.weights.server import WeightServer
 
 log = logging.getLogger(__name__)
-BATCH_POLL_S = 1.0
+BATCH_POLL_S = 2.0
+BATCH_GET_TIMEOUT_S = 1.0
 DIST_TIMEOUT_S = 60.0
 
 
@@ -117,23 +118,29 @@ class TrainerWorker:
         self.batches_seen[msg.step] = msg
         self._batch_event.set()
 
-    async def _wait_batch(self, step: int) -> BatchReady:
+    async def _wait_batch(self, step: int) -> BatchReady | None:
         bus = self.member.bus
         assert bus
         while step not in self.batches_seen and not self.member.stopping.is_set():
+            # Ask once (a restarted gang re-fetches a batch handed over before it started),
+            # then wait for the broadcast; the request is repeated only as a safety net.
+            self._batch_event.clear()
             try:
                 got = await bus.request(subject(self.ident.job_id, Verb.BATCH_GET),
-                                        BatchGet(job_id=self.ident.job_id, step=step), BatchReady, timeout=0.5)
-                self.batches_seen[got.step] = got
-                break
+                                        BatchGet(job_id=self.ident.job_id, step=step), BatchReady,
+                                        timeout=BATCH_GET_TIMEOUT_S)
+                if got.episode_ids and got.step == step:
+                    self.batches_seen[got.step] = got
+                    break
             except RequestTimeout:
-                pass
-            self._batch_event.clear()
+                pass  # request manager busy or restarting: the broadcast still reaches us
+            if step in self.batches_seen:
+                break
             try:
                 await asyncio.wait_for(self._batch_event.wait(), BATCH_POLL_S)
             except asyncio.TimeoutError:
                 pass
-        return self.batches_seen[step]
+        return self.batches_seen.get(step)
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -153,7 +160,7 @@ class TrainerWorker:
             step = self.step
             await self.member.set_phase("waiting_batch", step)
             batch = await self._wait_batch(step)
-            if self.member.stopping.is_set():
+            if batch is None or self.member.stopping.is_set():
                 break
             if self.ident.rank == 0:
                 claim = await self.fence.claim(step, self.member.epoch, self.durable)

@@ -1,0 +1,168 @@
+"""ETTR benchmark: RobustRL role-local recovery vs whole-job restart, side by side in one run.
+
+    python bench/ettr.py --out bench/results/ettr.json [--steps 30] [--quick]
+
+On one embedded stack it runs the reference job
+  * fault-free,
+  * with a trainer crash every 10 steps at seeded random moments, under ``role_local`` and
+    under ``whole_job`` (same launcher, same checkpoints, parallel restarts),
+  * with rollout crashes during tool-heavy steps, under both policies,
+  * a benign scenario (tool waits longer than rollout_idle_s, trainer waiting longer than
+    trainer_idle_s, idle replicas, CPU load delaying heartbeats) that must produce no fault,
+  * one fault of every kind, for detection delays against their thresholds,
+and writes one JSON file. ETTR and recovery times come from each job's event log only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from robustrl.chaos.runner import run_job  # noqa: E402
+from robustrl.chaos.scenario import Faults, Scenario  # noqa: E402
+from robustrl.client import ApiClient  # noqa: E402
+from robustrl.config import reference_job  # noqa: E402
+from robustrl.stack import Stack  # noqa: E402
+
+
+def trainer_scenario(seed: int) -> Scenario:
+    return Faults("trainer-every-10", seed=seed).crash("trainer", member="random", every=10, start=5).build()
+
+
+def rollout_scenario(seed: int) -> Scenario:
+    return (Faults("rollout-crash", seed=seed)
+            .crash("rollout", member=0, at_step=6, within_step=1.3)
+            .crash("rollout", member=1, at_step=16, within_step=1.3)
+            .crash("rollout", member=0, at_step=26, within_step=1.3).build())
+
+
+def kinds_scenario(seed: int) -> Scenario:
+    return (Faults("every-kind", seed=seed)
+            .crash("trainer", member=1, at_step=3, within_step="random")
+            .hang("rollout", member=0, at_step=6, within_step=0.5)
+            .stall("rollout", member=1, at_step=10, within_step=0.5, duration_s=300)
+            .stall("trainer", member=0, at_step=14, within_step=0.0, duration_s=300)
+            .net_drop("rollout", member=0, at_step=18, within_step=0.5)
+            .tool_outage(at_step=22, within_step=0.2, duration_s=3.0).build())
+
+
+def _burn(stop_at: float) -> None:
+    x = 0
+    while time.time() < stop_at:
+        x += 1
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    faults = report["faults"]
+    rec = [f["recovery_s"] for f in faults if f["recovery_s"] is not None]
+    det = [f["detection_s"] for f in faults if f["detection_s"] is not None]
+    return {
+        "ettr": round(report["ettr"], 4), "completion_s": round(report["completion_s"], 2),
+        "steps": report["steps"], "status": report["status"], "faults": faults,
+        "recovery_s_median": statistics.median(rec) if rec else None,
+        "detection_s_max": max(det) if det else None,
+        "reward_first5": statistics.fmean(report["reward_by_step"][:5]) if report["reward_by_step"] else None,
+        "reward_last5": statistics.fmean(report["reward_by_step"][-5:]) if report["reward_by_step"] else None,
+    }
+
+
+async def run_one(stack: Stack, api: ApiClient, spec: dict[str, Any], scenario: Scenario | None,
+                  label: str) -> dict[str, Any]:
+    assert stack.settings
+    t0 = time.time()
+    report = await run_job(stack.settings, api, spec, scenario, step_time_s=2.0, timeout_s=900)
+    out = summarize(report)
+    print(f"{label:28s} ETTR {out['ettr']:.3f}  completion {out['completion_s']:6.1f}s  "
+          f"faults {len(out['faults'])}  recovery~{out['recovery_s_median']}  ({time.time() - t0:.0f}s)",
+          flush=True)
+    return out
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    spec_base = reference_job(steps=args.steps, seed=args.seed).model_dump(mode="json")
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                               "job": {"steps": args.steps, "tool_latency_s": spec_base["tools"]["latency_s"],
+                                       "detector": spec_base["detector"]}}
+    with tempfile.TemporaryDirectory(prefix="ettr-") as tmp, Stack(Path(tmp)) as stack:
+        assert stack.settings
+        api = ApiClient(stack.api_url, stack.settings.api_token)
+
+        def spec(policy: str) -> dict[str, Any]:
+            return {**spec_base, "name": f"ettr-{policy}", "recovery": {**spec_base["recovery"], "policy": policy}}
+
+        results["fault_free"] = await run_one(stack, api, spec("role_local"), None, "fault_free")
+        results["role_local"] = await run_one(stack, api, spec("role_local"), trainer_scenario(args.seed),
+                                              "role_local (trainer faults)")
+        results["whole_job"] = await run_one(stack, api, spec("whole_job"), trainer_scenario(args.seed),
+                                             "whole_job (trainer faults)")
+        for name in ("fault_free", "role_local", "whole_job"):
+            results[name]["completion_vs_fault_free"] = round(
+                results[name]["completion_s"] / results["fault_free"]["completion_s"], 3)
+        if not args.quick:
+            tool_heavy = {**spec_base, "data": {**spec_base["data"], "tasks": ["lookup"]}}
+            results["rollout_crash"] = {
+                pol: await run_one(stack, api, {**tool_heavy, "name": f"rcrash-{pol}",
+                                                "recovery": {**spec_base["recovery"], "policy": pol}},
+                                   rollout_scenario(args.seed), f"{pol} (rollout crashes)")
+                for pol in ("role_local", "whole_job")}
+            results["every_kind"] = await run_one(stack, api, spec("role_local"), kinds_scenario(args.seed),
+                                                  "role_local (every fault kind)")
+            # Benign: tools slower than rollout_idle_s, trainer waiting longer than trainer_idle_s,
+            # replicas idle while the trainer trains, and two CPU burners delaying heartbeats.
+            benign = {**spec_base, "name": "benign", "steps": 8,
+                      "tools": {**spec_base["tools"], "latency_s": 4.5},
+                      "data": {**spec_base["data"], "tasks": ["lookup"]}}
+            stop_at = time.time() + 60
+            burners = [multiprocessing.Process(target=_burn, args=(stop_at,), daemon=True) for _ in range(2)]
+            for b in burners:
+                b.start()
+            try:
+                results["benign"] = await run_one(stack, api, benign, None, "benign (no fault expected)")
+            finally:
+                for b in burners:
+                    b.terminate()
+        api.close()
+
+    rl, wj = results["role_local"], results["whole_job"]
+    trainer_rec = [f["recovery_s"] for f in rl["faults"] if f["role"] == "trainer" and f["recovery_s"]]
+    whole_rec = [f["recovery_s"] for f in wj["faults"] if f["recovery_s"]]
+    results["summary"] = {
+        "role_local_ettr": rl["ettr"], "whole_job_ettr": wj["ettr"], "fault_free_ettr": results["fault_free"]["ettr"],
+        "ettr_gain": round(rl["ettr"] - wj["ettr"], 4),
+        "trainer_recovery_s": statistics.median(trainer_rec) if trainer_rec else None,
+        "whole_job_restart_s": statistics.median(whole_rec) if whole_rec else None,
+    }
+    s = results["summary"]
+    if s["trainer_recovery_s"] and s["whole_job_restart_s"]:
+        s["recovery_ratio"] = round(s["trainer_recovery_s"] / s["whole_job_restart_s"], 3)
+    if "benign" in results:
+        s["benign_faults"] = len(results["benign"]["faults"])
+    if "every_kind" in results:
+        s["detection_by_kind"] = [{"kind": f["kind"], "role": f["role"], "detection_s": f["detection_s"]}
+                                  for f in results["every_kind"]["faults"]]
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/ettr.json"))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="Only the three trainer-fault runs.")
+    args = parser.parse_args()
+    res = asyncio.run(main(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2))
+    print(json.dumps(res["summary"], indent=2))
