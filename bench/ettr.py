@@ -43,9 +43,9 @@ def trainer_scenario(seed: int) -> Scenario:
 
 def rollout_scenario(seed: int) -> Scenario:
     return (Faults("rollout-crash", seed=seed)
-            .crash("rollout", member=0, at_step=6, within_step=1.3)
-            .crash("rollout", member=1, at_step=16, within_step=1.3)
-            .crash("rollout", member=0, at_step=26, within_step=1.3).build())
+            .crash("rollout", member=0, at_step=6, within_step=3.3)
+            .crash("rollout", member=1, at_step=16, within_step=3.3)
+            .crash("rollout", member=0, at_step=26, within_step=3.3).build())
 
 
 def kinds_scenario(seed: int) -> Scenario:
@@ -55,7 +55,7 @@ def kinds_scenario(seed: int) -> Scenario:
             .stall("rollout", member=1, at_step=10, within_step=0.5, duration_s=300)
             .stall("trainer", member=0, at_step=14, within_step=0.0, duration_s=300)
             .net_drop("rollout", member=0, at_step=18, within_step=0.5)
-            .tool_outage(at_step=22, within_step=0.2, duration_s=3.0).build())
+            .tool_outage(at_step=22, within_step=0.1, duration_s=13.0).build())
 
 
 def _burn(stop_at: float) -> None:
@@ -82,7 +82,7 @@ async def run_one(stack: Stack, api: ApiClient, spec: dict[str, Any], scenario: 
                   label: str) -> dict[str, Any]:
     assert stack.settings
     t0 = time.time()
-    report = await run_job(stack.settings, api, spec, scenario, step_time_s=2.0, timeout_s=900)
+    report = await run_job(stack.settings, api, spec, scenario, step_time_s=3.5, timeout_s=1200)
     out = summarize(report)
     print(f"{label:28s} ETTR {out['ettr']:.3f}  completion {out['completion_s']:6.1f}s  "
           f"faults {len(out['faults'])}  recovery~{out['recovery_s_median']}  ({time.time() - t0:.0f}s)",

@@ -30,8 +30,8 @@ name: demo
 seed: 1
 faults:
   - {kind: crash, role: trainer, member: 1, at_step: 8, within_step: random}
-  - {kind: crash, role: rollout, member: 0, at_step: 16, within_step: 0.3}
-  - {kind: tool_outage, role: request_manager, at_step: 22, duration_s: 0.5}
+  - {kind: crash, role: rollout, member: 0, at_step: 16, within_step: 3.3}
+  - {kind: tool_outage, role: request_manager, at_step: 22, within_step: 0.1, duration_s: 13}
 """
 
 
@@ -217,9 +217,10 @@ def demo(out: Path = typer.Option(Path("out/demo"), help="Output directory."),
     """Run the reference job on embedded infrastructure with injected faults; print its report."""
     from robustrl.chaos.scenario import parse_scenario
 
-    spec = {"name": "demo", "steps": steps, "seed": seed, "recovery": {"policy": policy}}
+    from robustrl.config import reference_job
+
     try:
-        JobSpec.parse(spec)
+        spec = reference_job(steps=steps, seed=seed, name="demo", recovery={"policy": policy}).model_dump(mode="json")
         scenario = parse_scenario(yaml.safe_load(DEMO_SCENARIO)) if faults else None
         report = _run(out, spec, scenario, None)
     except RobustRLError as exc:

@@ -148,15 +148,16 @@ class JobSpec(BaseModel):
             raise ConfigError(f"invalid job spec: {problems}", field=first) from exc
 
 
-REFERENCE_TOOL_LATENCY_S = 1.0
+REFERENCE_TOOL = {"latency_s": 3.0, "timeout_s": 10.0}
 
 
 def reference_job(steps: int = 30, seed: int = 0, **overrides: object) -> JobSpec:
-    """The reference job of DESIGN section 9: tiny model, scaled-down thresholds, and tools
-    with 1 s of latency (a search or sandbox call), so a step is mostly rollout and tool time
-    as in real agentic RL, not orchestration overhead."""
-    raw: dict[str, object] = {"name": "reference", "steps": steps, "seed": seed,
-                              "tools": {"latency_s": REFERENCE_TOOL_LATENCY_S}}
+    """The reference job of DESIGN section 9: tiny model, scaled-down thresholds, and a tool
+    call of 3 s (a sandbox or search call, scaled down like the thresholds), so that a step is
+    mostly rollout and tool time as in agentic RL, not orchestration overhead. The tool wait
+    is longer than ``rollout_idle_s`` on purpose: it is normal idleness the detector must
+    accept."""
+    raw: dict[str, object] = {"name": "reference", "steps": steps, "seed": seed, "tools": dict(REFERENCE_TOOL)}
     raw.update(overrides)
     return JobSpec.parse(raw)
 

@@ -22,7 +22,7 @@ from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import ConfigError, RequestTimeout
 from robustrl.messages import (
-    ChaosCommand, MemberHello, MetricsSample, PhaseChange, ProbeReply, ProbeRequest, SpecReply,
+    ChaosCommand, ControlCommand, MemberHello, MetricsSample, PhaseChange, ProbeReply, ProbeRequest, SpecReply,
     SpecRequest,
 )
 from robustrl.subjects import Verb, subject
@@ -30,6 +30,7 @@ from robustrl.subjects import Verb, subject
 log = logging.getLogger(__name__)
 SPEC_TIMEOUT_S = 3.0
 SPEC_ATTEMPTS = 20
+MEMBERS_TARGET = "members"  # control subject every member of a job listens on
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class Member:
                                  ProbeRequest, self._on_probe)
         await self.bus.subscribe(subject(self.ident.job_id, Verb.CHAOS, self.ident.member_id),
                                  ChaosCommand, self._on_chaos)
+        await self.bus.subscribe(subject(self.ident.job_id, Verb.CONTROL, MEMBERS_TARGET), ControlCommand,
+                                 self._on_control)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
@@ -167,6 +170,12 @@ class Member:
                 await asyncio.wait_for(self.stopping.wait(), interval)
             except asyncio.TimeoutError:
                 pass
+
+    async def _on_control(self, msg: ControlCommand, _subject: str, _reply: str | None) -> None:
+        # A restarted controller retires every member of the job's previous incarnation.
+        if msg.action == "stop":
+            log.warning("stopped by the controller: %s", msg.args.get("reason", ""))
+            self.stopping.set()
 
     async def _on_probe(self, msg: ProbeRequest, _subject: str, reply: str | None) -> None:
         assert self.bus

@@ -17,13 +17,14 @@ from robustrl.metrics import CONTENT_TYPE
 
 pytestmark = pytest.mark.timeout(240)
 
-STEPS = 30  # never reached: the job is stopped once the fault has recovered (keeps the test short)
+# Never reached: the job is stopped once the fault has recovered (keeps the test short). A short
+# job can end before a loaded machine has started the replacement, and then nothing recovers.
+STEPS = 60
 SCRAPE_TIMEOUT_S = 10.0
 
 
 def _job_spec() -> dict[str, Any]:
-    # Tool latency makes each step last long enough for the replacement replica to start and
-    # join before the job would end (as in test_recovery's rollout crash test).
+    # Tool calls with latency make the episodes multi-turn, as in the rollout-crash recovery test.
     return small_job("metrics", steps=STEPS, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]})
 
 

@@ -26,8 +26,10 @@ from robustrl.client import ApiClient
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 WAIT_S = 20.0  # one page refresh is 1 s; the machine may be loaded
-RECOVERY_WAIT_S = 60.0  # a replacement replica starts a Python process and pulls weights
-STEPS = 12
+RECOVERY_WAIT_S = 90.0  # a replacement replica starts a Python process and pulls weights
+# Never reached: the test stops the job once it has seen what it needs. A short job can end
+# before a loaded machine has started the replacement replica, and then nothing recovers.
+STEPS = 60
 
 
 def _missing() -> str | None:
@@ -108,7 +110,7 @@ def test_dashboard_shows_real_job_fault_and_recovery(stack: Any, api: ApiClient,
     from selenium.webdriver.common.by import By
 
     token = stack.settings.api_token
-    # Tool latency keeps steps long enough for the replacement replica to join before the end.
+    # Tool calls with latency make the episodes multi-turn, as in the rollout-crash recovery test.
     jid = api.submit(small_job("dash", steps=STEPS, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]}))["job_id"]
     try:
         browser.get(f"{stack.api_url}/dashboard")

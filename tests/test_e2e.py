@@ -108,6 +108,8 @@ def test_stop_everything_then_resume_from_checkpoint(infra, tmp_path):
     """Kill every process (control plane and members), start again: the job resumes at the
     step after its newest durable checkpoint, with the checkpoint's weights."""
     spec = small_job("resume", steps=7)
+    # A Redis database of its own: the restarted controller must find only this test's job.
+    infra = infra.model_copy(update={"redis_url": infra.redis_url.rsplit("/", 1)[0] + "/1"})
     st = Stack(tmp_path / "a", external=infra)
     st.start()
     api = ApiClient(st.api_url, st.settings.api_token)

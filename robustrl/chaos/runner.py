@@ -49,7 +49,7 @@ def job_spec_for(scenario: Scenario | None, base: dict[str, Any]) -> dict[str, A
 
 
 async def run_job(settings: Settings, api: ApiClient, spec: dict[str, Any], scenario: Scenario | None,
-                  *, step_time_s: float = 1.5, timeout_s: float = 900.0,
+                  *, step_time_s: float = 3.5, timeout_s: float = 900.0,
                   on_status: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Submit ``spec``, inject the scenario's faults, wait until the job ends, return its report."""
     bus = await Bus.connect(settings.nats_url, "chaos-harness")

@@ -18,6 +18,7 @@ from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import JobError, LaunchError
 from robustrl.launcher.base import Launcher, MemberSpec
+from robustrl.member import MEMBERS_TARGET
 from robustrl.messages import (
     ChaosAck, ChaosCommand, ChaosRequest, ControlCommand, FaultReport, MemberExited, MemberHello, PhaseChange,
     SpecReply, SpecRequest, StepCommitted, WeightsHave,
@@ -91,17 +92,23 @@ class Controller:
                 continue
             job = JobRun(job_id=job_id, spec=spec, created_at=rec.get("created_at", time.time()))
             job.epoch = int(rec.get("epoch", 0))
+            job.slot_incarnation = {int(k): int(v) for k, v in rec.get("slot_incarnation", {}).items()}
             job.committed_step = int(rec.get("committed_step", -1))
             job.reward_by_step = {int(k): v for k, v in rec.get("reward_by_step", {}).items()}
             self.jobs[job_id] = job
             log.warning("job %s: resuming after controller restart at step %d", job_id, job.step)
             await self.bus.emit_event(job_id, "note", {"text": "controller restarted; relaunching job"})
+            # Members of the previous incarnation that survived the controller's loss are
+            # retired first: the relaunched ones are the job's only members.
+            await self.bus.publish(subject(job_id, Verb.CONTROL, MEMBERS_TARGET), ControlCommand(
+                job_id=job_id, target=MEMBERS_TARGET, action="stop", args={"reason": "controller restarted"}))
             await self._launch_all(job)
 
     async def _persist(self, job: JobRun) -> None:
         await self.registry.put(job.job_id, {
             "spec": job.spec.model_dump(mode="json"), "status": job.status, "epoch": job.epoch,
             "committed_step": job.committed_step, "created_at": job.created_at,
+            "slot_incarnation": {str(k): v for k, v in job.slot_incarnation.items()},
             "reward_by_step": {str(k): v for k, v in job.reward_by_step.items()}})
 
     # --- jobs -------------------------------------------------------------------------------
