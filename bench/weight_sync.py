@@ -43,40 +43,34 @@ def _payload(nbytes: int, chunk_bytes: int, version: int = 1) -> tuple[np.ndarra
     return data, build_manifest(version, [entry], data, chunk_bytes)
 
 
-# -- raw socket baseline --------------------------------------------------------------------
+# -- point to point -------------------------------------------------------------------------
+# Every measurement has the same process layout: the bytes live in a source process and are
+# received by this process over loopback. The raw socket sender and one weight source per
+# transport stay up for the whole run and the measurements take turns round by round, so load
+# from other work on a shared machine hits all of them alike; each reports its best round.
 
-def _raw_sender(port: int, nbytes: int, rounds: int) -> None:
-    data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    for _ in range(rounds):
+def _raw_sender(nbytes: int, conn) -> None:  # type: ignore[no-untyped-def]
+    data, _ = _payload(nbytes, nbytes)
+    while (port := conn.recv()) is not None:
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(memoryview(data))
 
 
-def raw_socket_gibps(nbytes: int, rounds: int = 3) -> float:
-    """Best of ``rounds`` blocking sendall -> recv_into copies of ``nbytes`` over loopback."""
-    dest = np.empty(nbytes, dtype=np.uint8)
-    dest.fill(0)
+def _raw_round(listener: socket.socket, sender, dest: np.ndarray) -> float:  # type: ignore[no-untyped-def]
+    """One blocking sendall -> recv_into copy of ``dest.nbytes`` bytes; GiB/s."""
     view = memoryview(dest)
-    best = 0.0
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        proc = mp.get_context("spawn").Process(target=_raw_sender, args=(listener.getsockname()[1], nbytes, rounds))
-        proc.start()
-        for _ in range(rounds):
-            conn, _ = listener.accept()
-            with conn:
-                t0 = time.perf_counter()
-                pos = 0
-                while pos < nbytes:
-                    n = conn.recv_into(view[pos:])
-                    if n == 0:
-                        break
-                    pos += n
-                best = max(best, pos / (time.perf_counter() - t0) / GIB)
-        proc.join()
-    return best
+    sender.send(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    with conn:
+        t0 = time.perf_counter()
+        pos = 0
+        while pos < len(view):
+            n = conn.recv_into(view[pos:])
+            if n == 0:
+                raise ConnectionError("raw sender closed early")
+            pos += n
+        return pos / (time.perf_counter() - t0) / GIB
 
-
-# -- point to point -------------------------------------------------------------------------
 
 def _source_main(kind: str, nbytes: int, chunk_bytes: int, conn) -> None:  # type: ignore[no-untyped-def]
     async def serve() -> None:
@@ -91,8 +85,8 @@ def _source_main(kind: str, nbytes: int, chunk_bytes: int, conn) -> None:  # typ
     asyncio.run(serve())
 
 
-async def _bare_fetch(address: str, manifest: Manifest, dest: np.ndarray) -> float:
-    """Fetch every chunk on one connection, no verification: the transport alone."""
+async def _bare_round(address: str, manifest: Manifest, dest: np.ndarray) -> float:
+    """Fetch every chunk on one connection, no verification: the transport alone; GiB/s."""
     client = make_client(address)
     await client.connect()
     view = memoryview(dest)
@@ -104,66 +98,113 @@ async def _bare_fetch(address: str, manifest: Manifest, dest: np.ndarray) -> flo
     return manifest.total_bytes / dt / GIB
 
 
-def point_to_point(kind: str, nbytes: int, chunk_bytes: int, rounds: int = 2) -> dict[str, object]:
-    """Throughput of ``kind`` between two processes, best of ``rounds``, plus peak extra RSS."""
-    parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=_source_main, args=(kind, nbytes, chunk_bytes, child))
-    proc.start()
+async def _pull_round(kind: str, address: str, manifest: Manifest, dest: np.ndarray) -> tuple[float, int]:
+    """``pull`` as a rollout replica calls it (defaults, its own relay server, checksums on);
+    returns (GiB/s, peak extra RSS bytes while pulling)."""
+    relay = WeightServer(kind)
+    await relay.start()
+    rss = psutil.Process()
+    base = peak = rss.memory_info().rss
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, rss.memory_info().rss)
+            await asyncio.sleep(0.005)
+
+    sampler = asyncio.create_task(sample())
     try:
-        address, manifest_json = parent.recv()
-        manifest = Manifest.model_validate_json(manifest_json)
-        rss = psutil.Process()
-
-        async def measure() -> dict[str, object]:
-            dest = np.empty(manifest.total_bytes, dtype=np.uint8)
-            dest.fill(0)  # touch the pages: measure the transport, not page faults
-            bare = max([await _bare_fetch(address, manifest, dest) for _ in range(rounds)])
-            best, peak_extra = 0.0, 0
-            for _ in range(rounds):
-                base = rss.memory_info().rss
-                peak = base
-                done = asyncio.Event()
-
-                async def sample() -> None:
-                    nonlocal peak
-                    while not done.is_set():
-                        peak = max(peak, rss.memory_info().rss)
-                        await asyncio.sleep(0.005)
-
-                sampler = asyncio.create_task(sample())
-                _buf, stats = await pull(manifest, [address], into=dest, per_source_inflight=2)
-                done.set()
-                await sampler
-                best = max(best, manifest.total_bytes / stats.wall_s / GIB)
-                peak_extra = max(peak_extra, peak - base)
-            return {"pull_gibps": best, "transport_gibps": bare, "peak_extra_rss_bytes": peak_extra}
-
-        return asyncio.run(measure())
+        _buf, stats = await pull(manifest, [address], transport=kind, relay=relay, into=dest, seed=0)
     finally:
-        parent.send("stop")
-        proc.join(timeout=30)
+        done.set()
+        await sampler
+        await relay.close()
+    assert relay.requests == 0 and stats.bytes_resent == 0
+    return manifest.total_bytes / stats.wall_s / GIB, peak - base
+
+
+def point_to_point(kinds: list[str], nbytes: int, chunk_bytes: int, rounds: int) -> dict[str, object]:
+    """Raw socket, then for each transport the bare transport and ``pull``, interleaved."""
+    ctx = mp.get_context("spawn")
+    raw_parent, raw_child = ctx.Pipe()
+    procs = [ctx.Process(target=_raw_sender, args=(nbytes, raw_child))]
+    pipes = {}
+    for kind in kinds:
+        parent, child = ctx.Pipe()
+        pipes[kind] = parent
+        procs.append(ctx.Process(target=_source_main, args=(kind, nbytes, chunk_bytes, child)))
+    for proc in procs:
+        proc.start()
+    best: dict[str, float] = {}
+    rss: dict[str, int] = {}
+
+    def keep(key: str, value: float) -> None:
+        best[key] = max(best.get(key, 0.0), value)
+
+    try:
+        sources = {kind: pipe.recv() for kind, pipe in pipes.items()}
+        manifest = Manifest.model_validate_json(next(iter(sources.values()))[1])
+        dest = np.empty(nbytes, dtype=np.uint8)
+        dest.fill(0)  # touch the pages: measure the transport, not page faults
+
+        async def measure() -> None:
+            with socket.create_server(("127.0.0.1", 0)) as listener:
+                for _ in range(rounds):
+                    keep("raw_socket_gibps", _raw_round(listener, raw_parent, dest))
+                    for kind, (address, _) in sources.items():
+                        keep(f"{kind}_transport_gibps", await _bare_round(address, manifest, dest))
+                        gibps, extra = await _pull_round(kind, address, manifest, dest)
+                        keep(f"{kind}_gibps", gibps)
+                        rss[f"{kind}_peak_extra_rss_bytes"] = max(rss.get(f"{kind}_peak_extra_rss_bytes", 0), extra)
+
+        asyncio.run(measure())
+    finally:
+        raw_parent.send(None)
+        for pipe in pipes.values():
+            pipe.send("stop")
+        for proc in procs:
+            proc.join(timeout=30)
+    return {**best, **rss}
 
 
 # -- fan-out --------------------------------------------------------------------------------
 
-def simulate_cluster(schedules: list[list[tuple[int, int, int, float, int]]], link_bps: float) -> float:
-    """Replay recorded transfers on a cluster where each machine has its own full-duplex link.
+Transfer5 = tuple[int, int, int, float, int]
+"""(src_machine, dst_machine, chunk, recorded_start_s, nbytes); machine 0 is the trainer."""
 
-    ``schedules`` holds (src_machine, dst_machine, chunk, recorded_start_s, nbytes) per transfer;
-    machine 0 is the trainer. Transfers run in recorded order; one starts when its source holds
-    the chunk and both the source's uplink and the destination's downlink are free.
+
+def simulate_cluster(transfers: list[Transfer5], link_bps: float) -> float:
+    """Replay a recorded schedule as a dependency graph on a simulated cluster; returns its makespan.
+
+    The schedule fixes who sends which chunk to whom; the simulation decides when. Every machine
+    has one link of ``link_bps`` up and as much down, and each direction carries one transfer at
+    a time. A relay can send a chunk only once it has received it; the trainer holds every
+    chunk from the start. Transfers are list-scheduled: repeatedly start the one that can start
+    earliest (ties: recorded order), so a link never idles while a transfer it could carry is
+    ready. Recorded times only break ties: on one shared CPU they measure the test machine,
+    not the cluster.
     """
-    events = sorted((t for s in schedules for t in s), key=lambda t: t[3])
     up: dict[int, float] = {}
     down: dict[int, float] = {}
-    has: dict[tuple[int, int], float] = {}
+    has: dict[tuple[int, int], float] = {}  # (machine, chunk) -> when it arrived there
+    waiting = sorted(transfers, key=lambda t: t[3])
     end_all = 0.0
-    for src, dst, chunk, _, nbytes in events:
-        ready = 0.0 if src == 0 else has.get((src, chunk), 0.0)
-        start = max(ready, up.get(src, 0.0), down.get(dst, 0.0))
-        end = start + nbytes / link_bps
+    while waiting:
+        pick, pick_start = -1, float("inf")
+        for i, (src, dst, chunk, _, _) in enumerate(waiting):
+            ready = 0.0 if src == 0 else has.get((src, chunk))
+            if ready is None:
+                continue  # its relay has not received the chunk yet
+            start = max(ready, up.get(src, 0.0), down.get(dst, 0.0))
+            if start < pick_start:
+                pick, pick_start = i, start
+        if pick < 0:
+            raise ValueError("schedule has a transfer from a relay that never received the chunk")
+        src, dst, chunk, _, nbytes = waiting.pop(pick)
+        end = pick_start + nbytes / link_bps
         up[src] = down[dst] = end
-        has[(dst, chunk)] = min(end, has.get((dst, chunk), end))
+        has[(dst, chunk)] = end
         end_all = max(end_all, end)
     return end_all
 
@@ -183,13 +224,17 @@ async def fanout_run(kind: str, m: int, relay: bool, data: np.ndarray, manifest:
         pull(manifest, sources, relay=relays[i] if relay else None, seed=i, max_inflight=4)
         for i in range(m)))
     wall = time.perf_counter() - t0
-    schedules = [[(machine[t.source], i + 1, t.chunk, t.start_s, t.nbytes) for t in stats.schedule if t.ok]
-                 for i, (_, stats) in enumerate(results)]
+    transfers = [(machine[t.source], i + 1, t.chunk, t.start_s, t.nbytes)
+                 for i, (_, stats) in enumerate(results) for t in stats.schedule if t.ok]
     for buf, _ in results:
         assert np.array_equal(buf, data)
+    uploads = [sum(t[4] for t in transfers if t[0] == src) / manifest.total_bytes for src in range(1, m + 1)]
+    copy_s = manifest.total_bytes / link_bps
+    simulated = simulate_cluster(transfers, link_bps)
     out = {"m": m, "mode": "relay" if relay else "trainer_only", "trainer_bytes_sent": trainer.bytes_sent,
            "trainer_copies": trainer.bytes_sent / manifest.total_bytes, "wall_s": wall,
-           "simulated_cluster_s": simulate_cluster(schedules, link_bps)}
+           "simulated_cluster_s": simulated, "simulated_copies": simulated / copy_s,
+           "max_relay_upload_copies": max(uploads, default=0.0)}
     for server in [trainer, *relays]:
         await server.close()
     return out
@@ -216,37 +261,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--bytes", type=int, default=256 << 20, help="point-to-point buffer size")
-    ap.add_argument("--chunk-bytes", type=int, default=4 << 20)
+    ap.add_argument("--chunk-bytes", type=int, default=16 << 20, help="point-to-point chunk size")
+    ap.add_argument("--rounds", type=int, default=4, help="point-to-point rounds (best one counts)")
     ap.add_argument("--fanout-bytes", type=int, default=32 << 20)
     ap.add_argument("--fanout-chunk-bytes", type=int, default=1 << 20)
+    ap.add_argument("--fanout-m", default="1,2,4,8,16", help="replica counts for fan-out ('' skips it)")
     ap.add_argument("--link-gbps", type=float, default=100.0, help="simulated per-machine link")
     args = ap.parse_args()
     link_bps = args.link_gbps * 1e9 / 8
 
-    result: dict[str, object] = {"bytes": args.bytes, "chunk_bytes": args.chunk_bytes, "cpus": os.cpu_count()}
-    result["raw_socket_gibps"] = raw_socket_gibps(args.bytes)
-    tcp = point_to_point("tcp", args.bytes, args.chunk_bytes)
-    result.update(tcp_gibps=tcp["pull_gibps"], tcp_transport_gibps=tcp["transport_gibps"],
-                  tcp_peak_extra_rss_bytes=tcp["peak_extra_rss_bytes"])
+    result: dict[str, object] = {"bytes": args.bytes, "chunk_bytes": args.chunk_bytes, "cpus": os.cpu_count(),
+                                 "rounds": args.rounds}
+    kinds = ["tcp"]
     try:
         import ucxx  # noqa: F401
 
-        ucx = point_to_point("ucx", args.bytes, args.chunk_bytes)
-        result.update(ucx_gibps=ucx["pull_gibps"], ucx_transport_gibps=ucx["transport_gibps"],
-                      ucx_peak_extra_rss_bytes=ucx["peak_extra_rss_bytes"])
-    except Exception as exc:  # report why instead of failing the whole benchmark
+        kinds.append("ucx")
+    except Exception as exc:  # noqa: BLE001 - report why instead of failing the whole benchmark
         result.update(ucx_gibps=None, ucx_reason=repr(exc))
+    result.update(point_to_point(kinds, args.bytes, args.chunk_bytes, args.rounds))
     raw = result["raw_socket_gibps"]
     for key in ("tcp_gibps", "tcp_transport_gibps", "ucx_gibps", "ucx_transport_gibps"):
         if result.get(key):
             result[key.replace("gibps", "vs_raw")] = result[key] / raw  # type: ignore[operator]
+    print(json.dumps(result), flush=True)
 
     data, manifest = _payload(args.fanout_bytes, args.fanout_chunk_bytes, version=2)
     result["fanout_bytes"] = args.fanout_bytes
     result["fanout_chunk_bytes"] = args.fanout_chunk_bytes
     result["link_gbps"] = args.link_gbps
     fanout = []
-    for m in (1, 2, 4, 8):
+    for m in [int(x) for x in args.fanout_m.split(",") if x]:
         for relay in (True, False):
             fanout.append(asyncio.run(fanout_run("tcp", m, relay, data, manifest, link_bps)))
             print(json.dumps(fanout[-1]), flush=True)

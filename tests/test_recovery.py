@@ -148,8 +148,12 @@ def test_tool_outage_is_a_tool_fault_not_a_rollout_fault(api, infra):
 
 
 def test_fault_in_first_step_escalates_to_whole_job_restart(api, infra):
-    jid = api.submit(small_job("first", steps=3))["job_id"]
-    eventually(lambda: any(e["kind"] == "member_ready" for e in api.events(jid)), timeout=60, what="gang ready")
+    # Long tool calls keep step 0 running well after the members are up.
+    spec = small_job("first", steps=3, tools={"latency_s": 3.0, "timeout_s": 10.0}, data={"tasks": ["lookup"]})
+    jid = api.submit(spec)["job_id"]
+    eventually(lambda: any(e["kind"] == "job_ready" for e in api.events(jid)), timeout=90, interval=0.1,
+               what="members up")
+    assert api.job(jid)["committed_step"] == -1
     api.fault(jid, kind="crash", role="rollout", member=0)
     status = wait_done(api, jid)
     events = api.events(jid)

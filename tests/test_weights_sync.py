@@ -31,7 +31,7 @@ def _ucx_skip_reason() -> str | None:
         return "ucxx is not installed (pip install robustrl[ucx])"
     try:
         import ucxx  # noqa: F401
-    except Exception as exc:  # any import failure means the transport is unusable here
+    except Exception as exc:  # noqa: BLE001 - any import failure means the transport is unusable here
         return f"ucxx failed to import: {exc!r}"
     return None
 

@@ -8,8 +8,8 @@
 * picks the rarest chunk first (ties broken by a per-puller random order) and fetches it from
   the least-loaded source holding it, so concurrent pullers fetch different chunks from the
   trainer and each chunk leaves the trainer about once;
-* verifies each chunk's SHA-256 in a worker thread while the next chunk is on the wire; a bad
-  chunk is discarded and refetched from another source;
+* verifies each chunk's checksum (XXH3-128 inline; legacy SHA-256 manifests in a worker thread
+  while the next chunk is on the wire); a bad chunk is discarded and refetched elsewhere;
 * when a source dies or stalls mid-chunk it is dropped for the rest of the pull, completed
   chunks are kept, and the chunk in flight is refetched elsewhere;
 * marks each verified chunk into ``relay`` so this replica serves it onward at once;
@@ -75,6 +75,7 @@ class _Source:
     idle: list[TransportClient] = field(default_factory=list)
     control: TransportClient | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one HAVE at a time on `control`
+    tiebreak: float = 0.0  # per-puller random: equally loaded sources are picked in different orders
 
 
 def _with_scheme(address: str, transport: str) -> str:
@@ -105,6 +106,7 @@ class _Pull:
         self.have_interval_s = have_interval_s
         self.unavailable_grace_s = unavailable_grace_s
         rng = random.Random(seed)
+        self.rng = rng
         order = list(range(manifest.num_chunks))
         rng.shuffle(order)
         self.rank = {chunk: pos for pos, chunk in enumerate(order)}
@@ -125,7 +127,8 @@ class _Pull:
             address = _with_scheme(address, self.transport)
             if self.relay is not None and address == self.relay.address:
                 continue  # never pull from ourselves
-            self.sources.setdefault(address, _Source(address))
+            if address not in self.sources:
+                self.sources[address] = _Source(address, tiebreak=self.rng.random())
 
     def _live(self) -> list[_Source]:
         return [s for s in self.sources.values() if not s.dead]
@@ -198,7 +201,9 @@ class _Pull:
             rarity = sum(1 for s in everyone if chunk in s.have) + coming
             key = (rarity, self.rank[chunk])
             if best is None or key < best[0]:
-                source = min(holders, key=lambda s: (s.inflight + s.load, s.address))
+                # ties broken per puller, not by address: otherwise every puller would pick
+                # the same idle relay and its uplink would carry several copies
+                source = min(holders, key=lambda s: (s.inflight + s.load, s.tiebreak))
                 best = (key, chunk, source)
         return None if best is None else (best[1], best[2])
 
@@ -284,7 +289,12 @@ class _Pull:
             source.have = source.have - {chunk}  # it dropped the version or never had it
             return
         self.stats.bytes_received += entry.nbytes
-        good = await asyncio.to_thread(self.m.verify_chunk, chunk, dest)
+        if self.m.hash == "sha256":
+            # ~1.5 GiB/s and GIL-free: verify in a thread while the next chunk is on the wire
+            good = await asyncio.to_thread(self.m.verify_chunk, chunk, dest)
+        else:
+            # XXH3 runs at ~10x the wire speed; a thread hop would cost more than the hash
+            good = self.m.verify_chunk(chunk, dest)
         end = time.perf_counter() - self.t0
         self.stats.schedule.append(Transfer(chunk, source.address, start, end, entry.nbytes, good))
         if not good:

@@ -6,6 +6,13 @@ destination slice. UCX picks the fastest path it has (RDMA, CUDA IPC on GPU clus
 here with ``UCX_TLS=tcp``). A UCX message cannot be half-sent, so the "die mid-chunk" fault
 sends the header and then kills the source before the payload.
 
+UCX is initialised on first use with ``UCX_OPTIONS`` (larger TCP segments: UCX's defaults of
+8 KiB send / 64 KiB receive segments cost one progress-thread wakeup per segment and held a
+256 MiB pull to ~25% of a plain socket here; 1 MiB segments double that). ``UCX_*`` environment
+variables still win, and ``UCXPY_PROGRESS_MODE`` picks ucxx's progress mode: the default
+``thread`` sleeps in epoll when idle; ``polling`` moves ~2x the bytes on loopback but spins a
+core for as long as the process lives, which a rollout replica cannot spare.
+
 The UCX listener binds every interface (ucxx has no bind-address parameter); restrict it with
 ``UCX_NET_DEVICES`` (e.g. ``lo`` for loopback-only tests). This module imports ucxx at import
 time: only ``make_server``/``make_client`` import it, when a ``ucx://`` address is used.
@@ -32,6 +39,16 @@ from robustrl.weights.transport import (
     parse_address,
 )
 
+UCX_OPTIONS: dict[str, str] = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
+"""UCX configuration applied when this module initialises ucxx (environment variables win)."""
+
+
+def _ensure_init() -> None:
+    """Initialise ucxx with UCX_OPTIONS unless something in this process already did."""
+    if ucxx.core._ctx is None:  # ucxx has no public "is initialised" query
+        ucxx.init(options=UCX_OPTIONS, env_takes_precedence=True)
+
+
 # ucxx raises its own exception classes (UCXError subclasses) plus RuntimeError from the C++ side
 _UCX_ERRORS: tuple[type[BaseException], ...] = (ucxx.exceptions.UCXError, RuntimeError, OSError)
 
@@ -47,6 +64,8 @@ class UcxServer(TransportServer):
         self._closed = False
 
     async def start(self, host: str, port: int) -> str:
+        _ensure_init()
+
         def on_connect(ep: object) -> None:
             # ucxx calls this on the loop thread; run the endpoint under our own task so
             # close() can cancel it
@@ -113,6 +132,7 @@ class UcxClient(TransportClient):
         self._header = np.empty(HEADER.size, dtype=np.uint8)
 
     async def connect(self, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+        _ensure_init()
         try:
             self._ep = await asyncio.wait_for(
                 ucxx.create_endpoint(self._host, self._port, connect_timeout=timeout_s), timeout_s)
