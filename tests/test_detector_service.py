@@ -29,6 +29,19 @@ WAIT_S = 8.0
 
 
 @pytest.fixture(scope="module")
+def infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """Servers of this module's own: the session's stack runs a detector of its own, which
+    would report the same faults a second time on shared servers."""
+    from robustrl.infra.embedded import EmbeddedInfra
+
+    embedded = EmbeddedInfra(tmp_path_factory.mktemp("detector-infra"))
+    try:
+        yield embedded.start()
+    finally:
+        embedded.stop()
+
+
+@pytest.fixture(scope="module")
 def detector(infra: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[subprocess.Popen[bytes]]:
     """``python -m robustrl.services.detector`` as its own process."""
     log_path = Path(tmp_path_factory.mktemp("detector")) / "detector.log"
