@@ -111,7 +111,8 @@ class JobSpec(BaseModel):
     """Everything that defines one RL job. Submitted through ``POST /v1/jobs``."""
 
     model_config = _STRICT
-    name: str = Field("reference", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    # The job id is the name plus 9 characters and must fit a 64-character subject token.
+    name: str = Field("reference", min_length=1, max_length=55, pattern=r"^[A-Za-z0-9_-]+$")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     steps: int = Field(30, ge=1, le=1_000_000)
     mode: Literal["sync", "semi_sync", "async"] = "sync"

@@ -16,7 +16,7 @@ from typing import Any
 
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
-from robustrl.errors import JobError, LaunchError
+from robustrl.errors import JobError, LaunchError, RequestTimeout
 from robustrl.launcher.base import Launcher, MemberSpec
 from robustrl.member import MEMBERS_TARGET
 from robustrl.messages import (
@@ -30,6 +30,9 @@ from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)
 SUPERVISE_INTERVAL_S = 0.05
+RM_ACK_TIMEOUT_S = 2.0
+RM_ACK_ATTEMPTS = 10
+FINISH_GRACE_S = 30.0  # a finished job's trainer uploads its last checkpoint before it exits
 TRAINER_MODULE = "robustrl.services.trainer"
 ROLLOUT_MODULE = "robustrl.services.rollout"
 
@@ -164,10 +167,22 @@ class Controller:
         await self.bus.emit_event(job.job_id, "member_started", {"member_id": mid, "role": "rollout"})
         return mid
 
-    async def _control_rm(self, job: JobRun, action: str, args: dict[str, Any] | None = None) -> None:
-        await self.bus.publish(subject(job.job_id, Verb.CONTROL, "request_manager"),
-                               ControlCommand(job_id=job.job_id, target="request_manager", action=action,  # type: ignore[arg-type]
-                                              args=args or {}))
+    async def _control_rm(self, job: JobRun, action: str, args: dict[str, Any] | None = None,
+                          attempts: int = RM_ACK_ATTEMPTS) -> bool:
+        """Send a command to the request manager and wait for its acknowledgement, retrying:
+        a lost resume / restart_step / replica_dead would leave the job waiting forever."""
+        cmd = ControlCommand(job_id=job.job_id, target="request_manager", action=action,  # type: ignore[arg-type]
+                             args=args or {})
+        subj = subject(job.job_id, Verb.CONTROL, "request_manager")
+        for attempt in range(attempts):
+            try:
+                await self.bus.request(subj, cmd, ControlCommand, timeout=RM_ACK_TIMEOUT_S)
+                return True
+            except RequestTimeout:
+                log.warning("job %s: request manager did not acknowledge %s (attempt %d)", job.job_id, action,
+                            attempt + 1)
+        await self.bus.emit_event(job.job_id, "note", {"text": f"request manager never acknowledged {action}"})
+        return False
 
     async def stop_job(self, job_id: str, status: str = "stopped", reason: str | None = None) -> JobRun:
         job = self.get(job_id)
@@ -176,11 +191,12 @@ class Controller:
         job.status = status  # type: ignore[assignment]
         job.error = reason
         job.finished_at = time.time()
-        await self._control_rm(job, "stop")
+        await self._control_rm(job, "stop", attempts=1)
         ids = [m.member_id for m in job.live()]
         for m in job.live():
             m.state = "stopped"
-        await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in ids], 3.0)
+        grace = FINISH_GRACE_S if status == "finished" else 3.0
+        await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in ids], grace)
         await self._persist(job)
         kind = {"finished": "job_finished", "failed": "job_failed"}.get(status, "job_stopped")
         await self.bus.emit_event(job.job_id, kind, {"reason": reason, "steps": job.committed_step + 1})
@@ -245,27 +261,36 @@ class Controller:
 
     async def _supervise(self) -> None:
         while not self._stop.is_set():
-            for info in await asyncio.to_thread(self.launcher.poll):
-                job_id, _, member_id = info.member_id.partition(LID_SEP)
-                job = self.jobs.get(job_id)
-                if job is None or member_id not in job.members:
-                    continue
-                info.member_id = member_id
-                m = job.members[member_id]
-                if m.state != "stopped":
-                    m.state = "exited"
-                await self.bus.emit_event(job.job_id, "member_exited", {
-                    "member_id": info.member_id, "role": info.role, "returncode": info.returncode,
-                    "expected": info.expected})
-                await self.bus.publish(subject(job.job_id, Verb.EXIT, info.member_id), MemberExited(
-                    job_id=job.job_id, member_id=info.member_id, role=info.role,  # type: ignore[arg-type]
-                    returncode=info.returncode, expected=info.expected or job.done))
-            for job in list(self.jobs.values()):
-                await self._check_deadlines(job)
+            try:
+                await self._supervise_once()
+            except Exception:  # one bad round must not end exit detection and deadlines for good
+                log.exception("supervision round failed")
             try:
                 await asyncio.wait_for(self._stop.wait(), SUPERVISE_INTERVAL_S)
             except asyncio.TimeoutError:
                 pass
+
+    async def _supervise_once(self) -> None:
+        for info in await asyncio.to_thread(self.launcher.poll):
+            job_id, _, member_id = info.member_id.partition(LID_SEP)
+            job = self.jobs.get(job_id)
+            if job is None or member_id not in job.members:
+                continue
+            info.member_id = member_id
+            m = job.members[member_id]
+            # A member of a replaced incarnation (e.g. the gang peer that died of the crash
+            # of its partner) is not a new fault.
+            info.expected = info.expected or not job.is_current(member_id) or m.state == "dead"
+            if m.state != "stopped":
+                m.state = "exited"
+            await self.bus.emit_event(job.job_id, "member_exited", {
+                "member_id": info.member_id, "role": info.role, "returncode": info.returncode,
+                "expected": info.expected})
+            await self.bus.publish(subject(job.job_id, Verb.EXIT, info.member_id), MemberExited(
+                job_id=job.job_id, member_id=info.member_id, role=info.role,  # type: ignore[arg-type]
+                returncode=info.returncode, expected=info.expected or job.done))
+        for job in list(self.jobs.values()):
+            await self._check_deadlines(job)
 
     # --- faults and recovery ----------------------------------------------------------------
 
@@ -291,8 +316,26 @@ class Controller:
             job.faults.append(record)
             await self.bus.emit_event(job.job_id, "decision", {"fault_id": fault.fault_id, "actions": names,
                                                                "reason": decision.reason})
-            for action in decision.actions:
+            await self._execute_all(job, fault, decision.actions)
+
+    async def _execute_all(self, job: JobRun, fault: FaultReport, actions: list[Any]) -> None:
+        for action in actions:
+            try:
                 await self._execute(job, fault, action)
+            except Exception as exc:  # a recovery that fails outright escalates (or fails the job)
+                log.exception("job %s: %s failed", job.job_id, type(action).__name__)
+                rec = decide_mod.Recovery(role=fault.role, step=job.step, started_at=time.time(),
+                                          fault_id=fault.fault_id)
+                decision = decide_mod.recovery_failed(time.time(), self._view(job), rec, repr(exc),
+                                                      job.spec.recovery)
+                await self.bus.emit_event(job.job_id, "decision", {
+                    "fault_id": fault.fault_id, "actions": [type(a).__name__ for a in decision.actions],
+                    "reason": decision.reason})
+                if any(type(a).__name__ == type(action).__name__ for a in decision.actions):
+                    await self.stop_job(job.job_id, "failed", decision.reason)
+                    return
+                await self._execute_all(job, fault, decision.actions)
+                return
 
     def _view(self, job: JobRun) -> decide_mod.JobView:
         live = {m.member_id for m in job.current_trainers() + job.current_replicas()
@@ -329,6 +372,8 @@ class Controller:
         job.restarts_total += 1
         key = (fault.role, job.step)
         job.failures_by_step[key] = job.failures_by_step.get(key, 0) + 1
+        # A recovery waiting for a member that is now itself being replaced is superseded.
+        job.recoveries = [r for r in job.recoveries if not (r.waiting_for & replacing)]
         rec = Recovery(fault_id=fault.fault_id, role=fault.role, kind=kind, started_at=time.time(),
                        step=job.step, deadline_at=time.time() + job.spec.recovery.deadline_s,
                        replacing=replacing, committed_at_fault=job.committed_step)
@@ -372,6 +417,8 @@ class Controller:
 
     async def _progress_recovery(self, job: JobRun, member_id: str) -> None:
         for rec in list(job.recoveries):
+            if member_id not in rec.waiting_for:
+                continue  # progress of a member this recovery is not waiting for
             rec.waiting_for.discard(member_id)
             if rec.waiting_for:
                 continue
@@ -393,10 +440,13 @@ class Controller:
     async def _check_deadlines(self, job: JobRun) -> None:
         if job.done or not job.recoveries:
             return
-        decision = decide_mod.check_recovery(time.time(), self._view(job), job.spec.recovery)
-        if decision is None:
+        if decide_mod.check_recovery(time.time(), self._view(job), job.spec.recovery) is None:
             return
         async with self._lock:
+            # Decide again under the lock: a recovery may have finished or been replaced meanwhile.
+            decision = decide_mod.check_recovery(time.time(), self._view(job), job.spec.recovery)
+            if decision is None or not job.recoveries or job.done:
+                return
             late = min(job.recoveries, key=lambda r: r.started_at)
             fault = FaultReport(job_id=job.job_id, fault_id=f"{late.fault_id}-late", role=late.role,  # type: ignore[arg-type]
                                 member_id=next(iter(late.waiting_for), "controller"), kind="unresponsive",
@@ -404,8 +454,7 @@ class Controller:
             await self.bus.emit_event(job.job_id, "decision", {
                 "fault_id": late.fault_id, "actions": [type(a).__name__ for a in decision.actions],
                 "reason": decision.reason})
-            for action in decision.actions:
-                await self._execute(job, fault, action)
+            await self._execute_all(job, fault, decision.actions)
 
     # --- chaos ------------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)
 DISPATCH_WAIT_S = 0.05
+STEP_RETRY_S = 1.0
 
 
 class Redispatch(Exception):
@@ -71,6 +72,7 @@ class JobRunner:
         self.tok = CharTokenizer.default()
         self.tools = ToolService(spec.seed)
         self.replicas: dict[str, Replica] = {}
+        self.dead: set[str] = set()  # member ids are per incarnation: a dead one never comes back
         self.pending: dict[str, Pending] = {}
         self.step = start_step
         self.committed = start_step - 1
@@ -89,17 +91,20 @@ class JobRunner:
     # --- membership -------------------------------------------------------------------------
 
     def on_have(self, msg: WeightsHave) -> None:
+        if msg.member_id in self.dead:
+            return
         rep = self.replicas.setdefault(msg.member_id, Replica(msg.member_id))
         rep.version, rep.checksum, rep.alive = msg.version, msg.checksum, True
         self._changed.set()
 
     def on_hello(self, msg: MemberHello) -> None:
-        if msg.role == "rollout":
+        if msg.role == "rollout" and msg.member_id not in self.dead:
             self.replicas.setdefault(msg.member_id, Replica(msg.member_id))
             self._changed.set()
 
     def replica_dead(self, member_id: str) -> int:
         """Fail that replica's in-flight turns so their episodes re-dispatch from the prefix."""
+        self.dead.add(member_id)
         rep = self.replicas.get(member_id)
         if rep is None:
             rep = self.replicas[member_id] = Replica(member_id)
@@ -301,6 +306,11 @@ class JobRunner:
                 if self._task and self._task.cancelling():
                     raise
                 continue  # restart_step: same step again from scratch
+            except Exception:
+                # Redis or NATS trouble mid-step: the episodes resume from their saved prefixes.
+                log.exception("job %s: step %d failed; retrying from the saved prefixes", self.job_id, step)
+                await asyncio.sleep(STEP_RETRY_S)
+                continue
             self.step += 1
         log.info("job %s: all %d steps generated", self.job_id, self.spec.steps)
 
@@ -321,8 +331,10 @@ class JobRunner:
         for rep in self.replicas.values():
             rep.inflight.clear()
             rep.alive = False
+        self.dead.update(self.replicas)  # every member is being replaced
         self.replicas.clear()
         n = await self.episodes.clear_step(self.step)
+        await self.batches.delete(self.step)  # a batch handed over mid-restart must not survive
         self.step_epoch += 1
         self._current = []
         if fault_id:

@@ -140,6 +140,8 @@ class Replica:
         state = unflatten(torch.from_numpy(buffer), manifest)
         swapped = threading.Event()
         with self._swap_lock:
+            if self._pending_weights is not None:
+                self._pending_weights[3].set()  # superseded: release whoever waits for it
             self._pending_weights = (manifest.version, ann.checksum, state, swapped)
         # The swap happens in the engine thread between batches; wait until it took effect.
         await asyncio.to_thread(swapped.wait)
@@ -189,16 +191,17 @@ class Replica:
                     batch.append(self.requests.get_nowait())
                 except queue.Empty:
                     break
-            self.member.chaos.gate()
             ready = [m for m in batch if m.min_version <= self.version]
             for m in batch:
                 if m.min_version > self.version:
                     self.requests.put(m)  # too new for our weights: wait for the pull
             if not ready:
-                time.sleep(BATCH_WAIT_S)
+                time.sleep(BATCH_WAIT_S)  # a pull is under way; the requests wait for it
                 continue
+            # In flight before the chaos gate: a stalled replica holding work must look busy.
             self.member.inflight = len(ready)
             self.member.queue_depth = self.requests.qsize()
+            self.member.chaos.gate()
             self._run_batch(ready)
             self.member.inflight = 0
 

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Every benchmark, one after the other (they need the machine to themselves), JSON into bench/results/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+mkdir -p bench/results
+python bench/ettr.py --out bench/results/ettr.json
+python bench/step_profile.py --out bench/results/step_profile.json
+python bench/weight_sync.py --out bench/results/weight_sync.json
