@@ -12,6 +12,7 @@ from support import eventually
 
 from robustrl.bus import Bus
 from robustrl.client import ApiClient
+from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.stack import Stack
 from robustrl.subjects import Verb, subject
 
@@ -108,8 +109,10 @@ def test_stop_everything_then_resume_from_checkpoint(infra, tmp_path):
     """Kill every process (control plane and members), start again: the job resumes at the
     step after its newest durable checkpoint, with the checkpoint's weights."""
     spec = small_job("resume", steps=7)
-    # A Redis database of its own: the restarted controller must find only this test's job.
-    infra = infra.model_copy(update={"redis_url": infra.redis_url.rsplit("/", 1)[0] + "/1"})
+    # Servers of its own: the session's control plane must not serve this job too, and the
+    # restarted controller must find only this test's job in Redis.
+    own = EmbeddedInfra(tmp_path / "infra")
+    infra = own.start()
     st = Stack(tmp_path / "a", external=infra)
     st.start()
     api = ApiClient(st.api_url, st.settings.api_token)
@@ -158,3 +161,4 @@ def test_stop_everything_then_resume_from_checkpoint(infra, tmp_path):
     finally:
         api2.close()
         st2.stop()
+        own.stop()
