@@ -57,7 +57,7 @@ class Replica:
         torch.manual_seed(spec.seed)
         self.loop = asyncio.get_running_loop()
         self.tok = CharTokenizer.default()
-        self.model = build_policy(spec.model, self.tok, spec.seed)
+        self.model = await asyncio.to_thread(build_policy, spec.model, self.tok, spec.seed)
         self.layout = expected_layout(self.model)
         self.engine = GenerationEngine(self.model, self.tok, max_batch=spec.rollout.max_batch)
         self.server = WeightServer(spec.weights.transport, host=self.settings.bind_host, max_versions=2)

@@ -69,11 +69,13 @@ class TrainerWorker:
         torch.set_num_threads(1)
         await asyncio.to_thread(self._init_dist, spec.trainer.backend)
         self.tok = CharTokenizer.default()
-        self.model = build_policy(spec.model, self.tok, spec.seed)
+        # Heavy or collective work runs off the event loop, so metrics and probe answers keep
+        # flowing while the gang forms (a blocked loop would look like a dead member).
+        self.model = await asyncio.to_thread(build_policy, spec.model, self.tok, spec.seed)
         for layer in self.model.modules():
             if layer.__class__.__name__.endswith("DecoderLayer"):
                 layer.register_forward_hook(self._count_activity)
-        self.ddp = DDP(self.model) if self.ident.world_size > 1 else self.model
+        self.ddp = await asyncio.to_thread(DDP, self.model) if self.ident.world_size > 1 else self.model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.lr)
         store = open_object_store(self.settings)
         self.ckpt = Checkpointer(store, checkpoint_prefix(self.ident.job_id), keep=spec.trainer.checkpoint_keep)
@@ -207,12 +209,16 @@ class TrainerWorker:
         if self.step >= self.spec.steps:
             durable = await asyncio.to_thread(self.ckpt.wait_uploaded, 60.0)
             log.info("all steps trained; newest durable checkpoint %s", durable)
+            # Members live until the controller stops them: exiting on our own would look like
+            # a machine loss.
+            await self.member.stopping.wait()
 
     async def _publish(self, version: int) -> str:
         """Serve ``version`` from this rank; rank 0 announces it and records it for late joiners."""
-        buffer, manifest = flatten_state_dict(self.model.state_dict(), version, self.spec.weights.chunk_bytes)
+        buffer, manifest = await asyncio.to_thread(flatten_state_dict, self.model.state_dict(), version,
+                                                   self.spec.weights.chunk_bytes)
         self.server.add_version(manifest, buffer)
-        checksum = weights_checksum(self.model)
+        checksum = await asyncio.to_thread(weights_checksum, self.model)
         if self.ident.rank == 0:
             ann = WeightsAnnounce(job_id=self.ident.job_id, version=version, epoch=self.member.epoch,
                                   checksum=checksum, sources=self.sources, manifest=manifest.model_dump(mode="json"))

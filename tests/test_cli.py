@@ -1,0 +1,78 @@
+"""The ``robustrl`` command: up, submit, status, chaos-scenario validation, down."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import yaml
+from support import eventually
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _robustrl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "robustrl.cli", *args], capture_output=True, text=True,
+                          timeout=120, check=check)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_up_submit_status_down(tmp_path):
+    run_dir = tmp_path / "run"
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({"name": "cli", "steps": 2, "data": {"prompts_per_step": 2, "group_size": 4}}))
+    up = _robustrl("up", "--run-dir", str(run_dir), "--api-port", str(_free_port()))
+    try:
+        assert "RobustRL is up" in up.stdout
+        state = json.loads((run_dir / "stack.json").read_text())
+        assert oct((run_dir / "stack.json").stat().st_mode & 0o777) == "0o600"
+        sub = _robustrl("submit", str(spec), "--run-dir", str(run_dir), "--json")
+        job_id = json.loads(sub.stdout)["job_id"]
+
+        def finished() -> dict:
+            jobs = json.loads(_robustrl("status", job_id, "--run-dir", str(run_dir), "--json").stdout)
+            return jobs[0] if jobs[0]["status"] == "finished" else {}
+
+        job = eventually(finished, timeout=150, interval=1.0, what="cli job finished")
+        assert job["committed_step"] == 1
+        table = _robustrl("status", "--run-dir", str(run_dir)).stdout
+        assert job_id in table and "finished" in table
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(yaml.safe_dump({"steps": -1}))
+        rejected = _robustrl("submit", str(bad), "--run-dir", str(run_dir), check=False)
+        assert rejected.returncode == 2 and "steps" in rejected.stdout
+    finally:
+        down = _robustrl("down", "--run-dir", str(run_dir))
+    assert "controller" in down.stdout and "infra" in down.stdout
+    for pid in state["pids"].values():
+        eventually(lambda pid=pid: not _alive(pid), timeout=15, what=f"pid {pid} stopped")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_chaos_run_rejects_a_malformed_scenario(tmp_path):
+    scenario = tmp_path / "bad.yaml"
+    scenario.write_text(yaml.safe_dump({"name": "bad", "faults": [{"kind": "meteor", "role": "trainer"}]}))
+    res = _robustrl("chaos", "run", str(scenario), "--out", str(tmp_path / "out"), check=False)
+    assert res.returncode == 2 and "kind" in res.stdout
+
+
+def test_status_without_a_stack_says_what_to_do(tmp_path):
+    res = _robustrl("status", "--run-dir", str(tmp_path / "none"), check=False)
+    assert res.returncode == 2 and "robustrl up" in res.stdout
