@@ -75,7 +75,7 @@ def test_trainer_stall_in_training_phase_is_a_hang(api, infra):
 
 
 def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, infra):
-    spec = small_job("rcrash", steps=10, tools={"latency_s": 0.6}, data={"tasks": ["lookup"]})
+    spec = small_job("rcrash", steps=20, tools={"latency_s": 0.6}, data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
     wait_step(api, jid, 1)
     step = api.job(jid)["step"]
