@@ -1,0 +1,77 @@
+"""Pure kernel pieces: subjects, wire-message parsing, job-spec validation, Redis key layout."""
+
+from __future__ import annotations
+
+import pytest
+
+from robustrl import subjects
+from robustrl.config import JobSpec, Settings, reference_job
+from robustrl.errors import ConfigError, MessageError, SubjectError
+from robustrl.messages import ChaosRequest, GenerateTurn, MetricsSample, decode
+from robustrl.subjects import Verb
+
+
+def test_subjects_are_built_and_parsed_with_validated_tokens():
+    s = subjects.subject("job-1", Verb.GENERATE, "rollout-0-i1")
+    assert s == "rrl.job-1.gen.rollout-0-i1"
+    assert subjects.parse(s) == ("job-1", Verb.GENERATE, ["rollout-0-i1"])
+    assert subjects.wildcard("job-1", Verb.METRICS) == "rrl.job-1.metrics.>"
+    assert subjects.all_jobs_exact(Verb.PROBE, "request_manager") == "rrl.*.probe.request_manager"
+    for bad in ("a.b", "*", ">", "", "x" * 65, "sp ace"):
+        with pytest.raises(SubjectError):
+            subjects.subject(bad, Verb.METRICS)
+        with pytest.raises(SubjectError):
+            subjects.subject("job", Verb.METRICS, bad)
+    with pytest.raises(SubjectError):
+        subjects.parse("other.job.metrics")
+    with pytest.raises(SubjectError):
+        subjects.parse("rrl.job.nope")
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe", b"not json", b"[1,2]", b"null", b"{}",
+                                 b'{"job_id": "a.b", "member_id": "m", "role": "rollout", "seq": 1, "ts": 0, "phase": "x"}',
+                                 b'{"job_id": "j", "member_id": "m", "role": "wizard", "seq": 1, "ts": 0, "phase": "x"}',
+                                 b'{"job_id": "j", "member_id": "m", "role": "rollout", "seq": -1, "ts": 0, "phase": "x"}',
+                                 b'{"job_id": "j", "member_id": "m", "role": "rollout", "seq": 1, "ts": 0, "phase": "x", "extra": 1}'])
+def test_garbage_messages_raise_a_message_error_naming_the_subject(raw):
+    with pytest.raises(MessageError) as err:
+        decode(MetricsSample, raw, "rrl.j.metrics.m")
+    assert "rrl.j.metrics.m" in str(err.value)
+
+
+def test_message_round_trip_and_field_named():
+    msg = GenerateTurn(job_id="j", request_id="r", episode_id="e", step=3, prefix_ids=[1, 2], max_new_tokens=4,
+                       temperature=1.0, top_p=0.9, seed=7)
+    assert decode(GenerateTurn, msg.encode()) == msg
+    with pytest.raises(MessageError) as err:
+        decode(GenerateTurn, msg.encode().replace(b'"prefix_ids":[1,2]', b'"prefix_ids":[]'))
+    assert err.value.field == "prefix_ids"
+    with pytest.raises(MessageError):
+        decode(ChaosRequest, b'{"job_id": "j", "fault_id": "f", "kind": "meteor", "role": "trainer"}')
+
+
+def test_job_spec_validation_names_every_bad_field():
+    assert reference_job().steps == 30 and reference_job().detector.trainer_idle_s < 300
+    assert JobSpec().detector.trainer_idle_s < 300  # jobs default to the scaled-down profile
+    from robustrl.config import DetectorSpec
+
+    assert (DetectorSpec().trainer_idle_s, DetectorSpec().rollout_idle_s) == (300.0, 60.0)  # production
+    with pytest.raises(ConfigError) as err:
+        JobSpec.parse({"steps": 0, "mode": "warp", "model": {"hidden_size": 30, "num_heads": 4}, "x": 1})
+    text = str(err.value)
+    for field in ("steps", "mode", "x"):
+        assert field in text
+    with pytest.raises(ConfigError, match="staleness"):
+        JobSpec.parse({"mode": "sync", "staleness": 1})
+    with pytest.raises(ConfigError, match="hidden_size"):
+        JobSpec.parse({"model": {"hidden_size": 30, "num_heads": 4}})
+    assert JobSpec.parse({"mode": "async", "staleness": 3}).staleness == 3
+    with pytest.raises(ConfigError):
+        JobSpec.parse({"name": "n" * 56})  # the job id must still fit a subject token
+
+
+def test_settings_round_trip_through_the_environment():
+    s = Settings(nats_url="nats://u:p@127.0.0.1:1", api_port=1234, s3_secure=True)
+    assert Settings.from_env(s.to_env()) == s
+    with pytest.raises(ConfigError, match="ROBUSTRL_API_PORT"):
+        Settings.from_env({"ROBUSTRL_API_PORT": "not-a-port"})
