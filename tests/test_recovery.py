@@ -9,7 +9,7 @@ import time
 import pytest
 from consistency import check_job
 from jobs import kinds, small_job, wait_done, wait_step
-from support import eventually
+from support import eventually, eventually_async
 
 from robustrl.storage.redis_stores import Keys, connect
 
@@ -85,16 +85,13 @@ def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, inf
         # dispatched right now, half of them to replica 0.
         redis = connect(infra.redis_url)
         try:
-            while True:
-                keys = await redis.keys(Keys.prefix(jid, f"s{step + 1}-*"))
-                if keys:
-                    return
-                await asyncio.sleep(0.005)
+            await eventually_async(lambda: redis.keys(Keys.prefix(jid, f"s{step + 1}-*")), timeout=30,
+                                   interval=0.005, what="a tool-turn prefix of the running step")
         finally:
             await redis.aclose()
 
     wait_step(api, jid, step)  # the step after this one is generating now
-    asyncio.run(asyncio.wait_for(first_prefix_of_step(), 30))
+    asyncio.run(first_prefix_of_step())
     api.fault(jid, kind="crash", role="rollout", member=0)
     status = wait_done(api, jid)
     events = api.events(jid)
