@@ -25,7 +25,7 @@ def _faults(events):
 
 
 def test_trainer_worker_crash_restarts_only_the_trainer(api, infra):
-    jid = api.submit(small_job("tcrash", steps=6))["job_id"]
+    jid = api.submit(small_job("tcrash", steps=12))["job_id"]
     wait_step(api, jid, 1)
     api.fault(jid, kind="crash", role="trainer", member=1)
     status = wait_done(api, jid)
@@ -46,7 +46,7 @@ def test_trainer_worker_crash_restarts_only_the_trainer(api, infra):
 
 
 def test_trainer_hang_is_detected_by_silence_and_recovered(api, infra):
-    jid = api.submit(small_job("thang", steps=5))["job_id"]
+    jid = api.submit(small_job("thang", steps=12))["job_id"]
     wait_step(api, jid, 1)
     api.fault(jid, kind="hang", role="trainer", member=0)
     status = wait_done(api, jid)
@@ -63,7 +63,7 @@ def test_trainer_hang_is_detected_by_silence_and_recovered(api, infra):
 
 
 def test_trainer_stall_in_training_phase_is_a_hang(api, infra):
-    jid = api.submit(small_job("tstall", steps=5))["job_id"]
+    jid = api.submit(small_job("tstall", steps=12))["job_id"]
     wait_step(api, jid, 1)
     # The stall takes effect at the next forward pass, i.e. inside the training phase.
     api.fault(jid, kind="stall", role="trainer", member=0, duration_s=120)
@@ -115,7 +115,7 @@ def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, inf
 
 
 def test_rollout_stall_is_detected_and_replaced(api, infra):
-    spec = small_job("rstall", steps=5)
+    spec = small_job("rstall", steps=12)
     jid = api.submit(spec)["job_id"]
     wait_step(api, jid, 1)
     api.fault(jid, kind="stall", role="rollout", member=1, duration_s=120)
@@ -128,7 +128,7 @@ def test_rollout_stall_is_detected_and_replaced(api, infra):
 
 
 def test_tool_outage_is_a_tool_fault_not_a_rollout_fault(api, infra):
-    spec = small_job("tool", steps=5, tools={"latency_s": 0.05, "retries": 1, "backoff_s": 0.05},
+    spec = small_job("tool", steps=12, tools={"latency_s": 0.05, "retries": 1, "backoff_s": 0.05},
                      data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
     wait_step(api, jid, 1)
@@ -161,7 +161,7 @@ def test_fault_in_first_step_escalates_to_whole_job_restart(api, infra):
 
 
 def test_whole_job_policy_restarts_everything_and_regenerates_the_step(api, infra):
-    jid = api.submit(small_job("whole", steps=5, recovery={"policy": "whole_job"}))["job_id"]
+    jid = api.submit(small_job("whole", steps=12, recovery={"policy": "whole_job"}))["job_id"]
     wait_step(api, jid, 1)
     t0 = time.time()
     api.fault(jid, kind="crash", role="trainer", member=0)
