@@ -17,7 +17,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _decisions(events):
-    return [(d["fault_id"], d["actions"]) for d in kinds(events, "decision")]
+    """Decisions that acted (a report about a member already being replaced is ignored)."""
+    return [(d["fault_id"], d["actions"]) for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
 
 
 def _faults(events):
@@ -33,7 +34,7 @@ def test_trainer_worker_crash_restarts_only_the_trainer(api, infra):
     check_job(infra, status, events)
 
     faults = _faults(events)
-    assert [f["kind"] for f in faults] == ["crash"] and faults[0]["role"] == "trainer"
+    assert faults[0]["kind"] == "crash" and faults[0]["role"] == "trainer"
     actions = [a for _, acts in _decisions(events) for a in acts]
     assert actions == ["RestartTrainerGang"]
     # Rollouts kept their state: the original replicas served the whole job.
