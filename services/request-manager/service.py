@@ -36,7 +36,6 @@ from robustrl.storage.redis_stores import BatchRecord, BatchStore, EpisodeRecord
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)
-DISPATCH_WAIT_S = 0.05
 STEP_RETRY_S = 1.0
 
 

@@ -25,7 +25,7 @@ from robustrl.model.engine import GenerationEngine, GenRequest
 from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.model.tokenizer import CharTokenizer
 from robustrl.storage.redis_stores import WeightsPointer, connect
-from robustrl.subjects import Verb, subject
+from robustrl.subjects import Verb, subject, wildcard
 from robustrl.weights.flat import expected_layout, unflatten
 from robustrl.weights.manifest import Manifest
 from robustrl.weights.puller import pull
@@ -67,7 +67,7 @@ class Replica:
         job = self.ident.job_id
         await bus.subscribe(subject(job, Verb.GENERATE, self.ident.member_id), GenerateTurn, self._on_request)
         await bus.subscribe(subject(job, Verb.WEIGHTS), WeightsAnnounce, self._on_announce)
-        await bus.subscribe(f"{subject(job, Verb.HAVE)}.*", WeightsHave, self._on_have)
+        await bus.subscribe(wildcard(job, Verb.HAVE), WeightsHave, self._on_have)
         redis = connect(self.settings.redis_url)
         latest = await WeightsPointer(redis, job).get()
         await redis.aclose()
