@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 SUPERVISE_INTERVAL_S = 0.05
 RM_ACK_TIMEOUT_S = 2.0
 RM_ACK_ATTEMPTS = 10
-FINISH_GRACE_S = 30.0  # a finished job's trainer uploads its last checkpoint before it exits
+FINISH_GRACE_S = 15.0  # a finished job's trainer uploads its last checkpoint before it exits
 TRAINER_MODULE = "robustrl.services.trainer"
 ROLLOUT_MODULE = "robustrl.services.rollout"
 
@@ -191,6 +191,7 @@ class Controller:
         job.status = status  # type: ignore[assignment]
         job.error = reason
         job.finished_at = time.time()
+        await self._persist(job)
         await self._control_rm(job, "stop", attempts=1)
         ids = [m.member_id for m in job.live()]
         for m in job.live():
@@ -255,7 +256,10 @@ class Controller:
         job.last_step_timings = dict(msg.timings)
         await self._persist(job)
         if job.committed_step >= job.spec.steps - 1:
-            await self.stop_job(job.job_id, "finished")
+            # Stopping waits for members to exit (the trainer finishes its last upload): do it
+            # in a task, so this subscription keeps delivering other jobs' commits meanwhile.
+            task = asyncio.create_task(self.stop_job(job.job_id, "finished"))
+            self._tasks.append(task)
 
     # --- supervision: process exits ---------------------------------------------------------
 
