@@ -17,10 +17,10 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import DeliverPolicy, StreamConfig
+from nats.js.api import StreamConfig
 
 from robustrl import subjects
-from robustrl.errors import MessageError, RequestTimeout, SubjectError, TransportError
+from robustrl.errors import MessageError, RequestTimeout, TransportError
 from robustrl.messages import Event, Wire, decode
 
 log = logging.getLogger(__name__)
@@ -179,5 +179,3 @@ def _redact(url: str) -> str:
     scheme, _, rest = url.partition("://")
     return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
-
-__all__ = ["Bus", "DeliverPolicy", "SubjectError"]

@@ -59,11 +59,6 @@ def wildcard(job_id: str, verb: Verb) -> str:
     return ".".join([ROOT, token(job_id, "job_id"), Verb(verb).value, ">"])
 
 
-def verb_any(job_id: str, verb: Verb) -> str:
-    """Exact subject of ``verb`` with no member tokens (job-wide messages)."""
-    return subject(job_id, verb)
-
-
 def all_jobs(verb: Verb) -> str:
     """Subscription subject for ``verb`` across every job (control plane services)."""
     return ".".join([ROOT, "*", Verb(verb).value, ">"])

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 
 import httpx
 import pytest
@@ -123,21 +126,14 @@ def test_stop_everything_then_resume_from_checkpoint(infra, tmp_path):
         # gracefully), then the control plane.
         for m in api.job(jid)["members"]:
             if m["pid"]:
-                st_pids = m["pid"]
-                try:
-                    import os
-                    import signal
-
-                    os.killpg(st_pids, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(m["pid"], signal.SIGKILL)
         for name in list(st.procs):
             st.kill_service(name)
     finally:
         api.close()
         st.procs.clear()
         st.stop()
-    events_before = None
     st2 = Stack(tmp_path / "b", external=infra)
     st2.start()
     api2 = ApiClient(st2.api_url, st2.settings.api_token)
@@ -157,7 +153,6 @@ def test_stop_everything_then_resume_from_checkpoint(infra, tmp_path):
         assert republished["checksum"] == committed[republished["version"]]
         assert status["committed_step"] == 6
         check_job(infra, status, events)
-        del events_before
     finally:
         api2.close()
         st2.stop()
