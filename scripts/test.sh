@@ -3,10 +3,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Debian's Chromium drives the dashboard test; without it that one test is skipped (with the reason).
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
-    || echo "chromium could not be installed: the dashboard browser test will be skipped"
+# Debian packages for two tests; without them each is skipped (with the reason printed):
+#   chromium + chromium-driver: the dashboard in a real headless browser;
+#   docker.io + debootstrap: the compose stack on a private dockerd (test_compose_stack.py).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  missing=()
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium chromium-driver)
+  command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
+  command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
+  if [ "${#missing[@]}" -gt 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) \
+      || echo "could not install ${missing[*]}: the tests that need them will be skipped"
+  fi
 fi
 . .venv/bin/activate
 exec python -m pytest -q -ra "$@"

@@ -168,13 +168,17 @@ def test_stop_kill_pause_map_to_container_calls(launcher: DockerLauncher, fake: 
     assert exits == [("rollout-0", 143, True), ("rollout-1", 137, False)]
     assert launcher.poll() == []  # each exit reported once
     assert launcher.running() == ["rollout-2"] and launcher.running("other-job") == []
-    # Repeat calls on dead or unknown members are harmless (no API call at all).
+    # Repeat calls on stopped or unknown members are harmless (no API call at all).
     before = len(fake.calls)
     launcher.stop("rollout-0")
-    launcher.kill("rollout-1")
     launcher.suspend("nobody")
     launcher.resume("nobody")
     assert len(fake.calls) == before
+    # A member believed dead is killed again all the same (it may be running after all);
+    # the engine's "not running" answer is not an error and reports nothing new.
+    launcher.kill("rollout-1")
+    assert [op for op, name, _ in fake.calls[before:]] == ["kill"]
+    assert launcher.poll() == []
 
 
 def test_crash_and_external_removal_are_reported(launcher: DockerLauncher, fake: FakeClient) -> None:
@@ -191,6 +195,27 @@ def test_crash_and_external_removal_are_reported(launcher: DockerLauncher, fake:
     launcher2.start(_spec("rollout-9"))
     fake.by_name["rr-rollout-9"].status = "exited"
     launcher2.kill("rollout-9")
+
+
+def test_member_started_during_a_listing_is_not_reported(launcher: DockerLauncher,
+                                                          fake: FakeClient,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller polls on one thread while it starts members on another: a container
+    created after the engine answered the listing is absent from it, and must not be taken
+    for one removed behind the launcher's back (found against a real engine)."""
+    launcher.start(_spec("trainer-0", "trainer"))
+    real_list = fake.containers.list
+
+    def list_then_start(all: bool, filters: dict[str, str]) -> list[Any]:
+        answer = real_list(all=all, filters=filters)
+        launcher.start(_spec("trainer-1", "trainer"))  # lands between the listing and the check
+        return answer
+
+    monkeypatch.setattr(fake.containers, "list", list_then_start)
+    assert launcher.poll() == []
+    monkeypatch.setattr(fake.containers, "list", real_list)
+    assert launcher.poll() == []
+    assert launcher.state("trainer-1") is MemberState.RUNNING
 
 
 def test_stop_many_and_close(launcher: DockerLauncher, fake: FakeClient) -> None:

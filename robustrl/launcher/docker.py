@@ -45,6 +45,7 @@ LABEL_JOB = "robustrl.job"
 LABEL_MEMBER = "robustrl.member"
 LABEL_ROLE = "robustrl.role"
 LABEL_LAUNCHER = "robustrl.launcher"
+COMPOSE_SERVICE_LABEL = "com.docker.compose.service"
 
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_.-]")
 DNS_LABEL_MAX = 63
@@ -181,8 +182,11 @@ class DockerLauncher(Launcher):
                 "name": name,
                 "hostname": name,
                 "environment": _member_env(self.base_env, spec.env, name),
+                # An image built by `docker compose build` carries compose's project/service
+                # labels and containers inherit them: without this override compose would list
+                # every member as one more `controller` container.
                 "labels": {**self.labels, LABEL_JOB: spec.job_id, LABEL_MEMBER: spec.member_id,
-                           LABEL_ROLE: spec.role},
+                           LABEL_ROLE: spec.role, COMPOSE_SERVICE_LABEL: f"member-{spec.role}"},
                 "network": self.network,
                 "detach": True,
                 # tini as PID 1 forwards SIGTERM to python and reaps its children.
@@ -244,9 +248,11 @@ class DockerLauncher(Launcher):
     def kill(self, member_id: str, expected: bool = False) -> None:
         """``docker kill`` (SIGKILL to the whole container): a machine loss unless ``expected``."""
         member = self._members.get(member_id)
-        if member is None or member.state in (MemberState.EXITED, MemberState.STOPPED):
+        if member is None or member.state is MemberState.STOPPED:
             return
-        member.expected_exit = expected
+        # EXITED is not trusted: a kill asks the engine anyway (409/404 = already ended), so a
+        # container wrongly believed dead can never outlive its replacement.
+        member.expected_exit = member.expected_exit or expected
         try:
             member.container.kill()
         except Exception as exc:
@@ -284,7 +290,14 @@ class DockerLauncher(Launcher):
     # --- observation -------------------------------------------------------------------------
 
     def poll(self) -> list[ExitInfo]:
-        """Members whose container exited (or vanished) since the last call, each once."""
+        """Members whose container exited (or vanished) since the last call, each once.
+
+        Only members registered before the listing are judged: a member started while the
+        engine was being asked (``start`` runs on another thread) is not in that listing and
+        would otherwise look like a container removed behind our back.
+        """
+        with self._lock:
+            candidates = {mid: m for mid, m in self._members.items() if not m.reported}
         try:
             containers = self.client.containers.list(
                 all=True, filters={"label": f"{LABEL_LAUNCHER}={self.instance}"})
@@ -293,9 +306,9 @@ class DockerLauncher(Launcher):
         seen = {c.labels.get(LABEL_MEMBER): c for c in containers}
         out: list[ExitInfo] = []
         with self._lock:
-            for member_id, member in self._members.items():
-                if member.reported:
-                    continue
+            for member_id, member in candidates.items():
+                if member.reported or self._members.get(member_id) is not member:
+                    continue  # reported meanwhile, or replaced by a newer incarnation
                 container = seen.get(member_id)
                 if container is not None and container.id != member.container.id:
                     container = None  # a newer incarnation's container is not this one

