@@ -21,6 +21,7 @@ import psutil
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import ConfigError, RequestTimeout
+from robustrl.health import HealthServer, serve_health
 from robustrl.messages import (
     ChaosCommand, ControlCommand, MemberHello, MetricsSample, PhaseChange, ProbeReply, ProbeRequest, SpecReply,
     SpecRequest,
@@ -95,10 +96,16 @@ class Member:
         self._last_tokens = (time.monotonic(), 0)
         self._proc = psutil.Process()
         self._tasks: list[asyncio.Task[None]] = []
+        self._health: HealthServer | None = None
 
     async def start(self) -> JobSpec:
         """Connect, find the job through NATS (ask the controller for the spec), say hello."""
         self.bus = await Bus.connect(self.settings.nats_url, self.ident.member_id)
+        # Optional (ROBUSTRL_HEALTH_PORT): what a container health check asks.
+        self._health = await serve_health(
+            f"{self.ident.role}/{self.ident.member_id}",
+            {"nats": lambda: self.bus is not None and self.bus.connected,
+             "running": lambda: not self.stopping.is_set()}, os.environ)
         reply = None
         for attempt in range(SPEC_ATTEMPTS):
             try:
@@ -202,6 +209,8 @@ class Member:
         self.stopping.set()
         for task in self._tasks:
             task.cancel()
+        if self._health:
+            await self._health.close()
         if self.bus:
             await self.bus.close()
 

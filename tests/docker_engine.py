@@ -161,8 +161,10 @@ def ensure_base_image(engine: Engine) -> str:
 
 
 def build_context(dest: Path) -> Path:
-    """The repository's tracked files plus ``wheelhouse/`` with every wheel the image needs."""
-    listed = _run(["git", "ls-files", "-z"], "git ls-files", 60, cwd=ROOT).stdout.split("\0")
+    """The repository's files (tracked, or new and not ignored) plus ``wheelhouse/`` holding
+    every wheel the image needs."""
+    listed = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                  "git ls-files", 60, cwd=ROOT).stdout.split("\0")
     for rel in filter(None, listed):
         src = ROOT / rel
         if src.is_file():

@@ -29,6 +29,7 @@ import pytest
 from consistency import check_job
 from docker_engine import Engine, Unavailable, build_context, compose_cli, ensure_base_image
 from jobs import kinds, small_job, wait_done, wait_step
+from support import eventually
 
 from robustrl.client import ApiClient
 from robustrl.config import Settings
@@ -130,6 +131,11 @@ def _members(stack: Stack, job_id: str) -> dict[str, Any]:
     return {c.labels[LABEL_MEMBER].split("--", 1)[1]: c for c in found}
 
 
+def _health(container: Any) -> str | None:
+    container.reload()
+    return container.attrs["State"].get("Health", {}).get("Status")
+
+
 def test_compose_up_then_trainer_container_killed_recovers_role_locally(stack: Stack) -> None:
     # The API answers only with the token, and publishes on loopback only.
     api = ApiClient(f"http://127.0.0.1:{stack.api_port}", stack.secrets["ROBUSTRL_API_TOKEN"])
@@ -145,6 +151,14 @@ def test_compose_up_then_trainer_container_killed_recovers_role_locally(stack: S
         assert container.labels.get(LABEL_LAUNCHER) and container.labels[LABEL_ROLE] in ("trainer", "rollout")
         assert NETWORK in container.attrs["NetworkSettings"]["Networks"]
     rollouts = {m: c.id for m, c in before.items() if m.startswith("rollout")}
+    # Every service answers its own GET /healthz, read by the container health checks: compose's
+    # services (up --wait waited for them) and the members the launcher started.
+    for service in ("controller", "detector", "request-manager"):
+        (container,) = stack.engine.client.containers.list(filters={"label": [
+            f"com.docker.compose.project={PROJECT}", f"com.docker.compose.service={service}"]})
+        assert _health(container) == "healthy", service
+    eventually(lambda: _health(before["rollout-0-i0"]) == "healthy", timeout=60,
+               what="rollout container healthy")
 
     # A machine loss: SIGKILL to trainer rank 0's whole container, behind the controller's back.
     before["trainer-e1-r0"].kill()

@@ -40,6 +40,7 @@ DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
 CONNECT_TIMEOUT_S = 5.0
 """HTTP timeout of every Docker API call that has no longer wait of its own (stop adds its grace)."""
 STOP_GRACE_S = 2.0
+MEMBER_HEALTH_PORT = "8081"
 
 LABEL_JOB = "robustrl.job"
 LABEL_MEMBER = "robustrl.member"
@@ -191,6 +192,8 @@ class DockerLauncher(Launcher):
                 "detach": True,
                 # tini as PID 1 forwards SIGTERM to python and reaps its children.
                 "init": True,
+                # The member's GET /healthz (robustrl.health) on the container's loopback.
+                "healthcheck": _member_healthcheck(),
                 **self.run_kwargs,
             }
             if spec.role in self.gpu_roles:
@@ -386,10 +389,18 @@ def _member_env(base: Mapping[str, str], env: Mapping[str, str], name: str) -> d
     would be unreachable from other containers. The container name resolves to the container's
     address on the job network: binding to it works and peers can dial it.
     """
-    out = {**base, **env}
+    out = {"ROBUSTRL_HEALTH_PORT": MEMBER_HEALTH_PORT, **base, **env}
     if out.get("ROBUSTRL_BIND_HOST", "") in _UNROUTABLE:
         out["ROBUSTRL_BIND_HOST"] = name
     return out
+
+
+def _member_healthcheck() -> dict[str, Any]:
+    """Docker health check of a member container (durations in nanoseconds, as the API wants)."""
+    url = f"http://127.0.0.1:{MEMBER_HEALTH_PORT}/healthz"
+    second = 1_000_000_000
+    return {"test": ["CMD", "python", "-c", f"import urllib.request; urllib.request.urlopen('{url}', timeout=2)"],
+            "interval": 5 * second, "timeout": 3 * second, "retries": 6, "start_period": 30 * second}
 
 
 def _gpu_request() -> Any:

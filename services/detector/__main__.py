@@ -12,6 +12,7 @@ import signal
 
 from robustrl.bus import Bus
 from robustrl.config import Settings
+from robustrl.health import serve_health
 from robustrl.services.detector.service import MEMBER_NAME, DetectorService
 
 
@@ -22,9 +23,12 @@ async def serve(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    health = await serve_health(MEMBER_NAME, {"nats": lambda: bus.connected}, os.environ)
     try:
         await DetectorService(bus).run(stop)
     finally:
+        if health:
+            await health.close()
         await bus.close()
 
 

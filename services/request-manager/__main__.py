@@ -8,6 +8,7 @@ import signal
 
 from robustrl.bus import Bus
 from robustrl.config import Settings
+from robustrl.health import serve_health
 from robustrl.member import configure_logging
 from robustrl.services.request_manager.service import RequestManager
 from robustrl.storage.redis_stores import connect
@@ -27,8 +28,12 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    health = await serve_health("request_manager", {"nats": lambda: bus.connected, "redis": redis.ping},
+                                os.environ)
     print("request_manager ready", flush=True)
     await rm.metrics_loop(METRICS_INTERVAL_S, stop)
+    if health:
+        await health.close()
     await bus.close()
     await redis.aclose()
 

@@ -1,0 +1,89 @@
+"""The per-service health endpoint (robustrl.health) over a real loopback socket."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from robustrl.health import HealthServer, serve_health
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def _get(port: int, path: str = "/healthz", method: str = "GET") -> httpx.Response:
+    async with httpx.AsyncClient(timeout=5) as client:
+        return await client.request(method, f"http://127.0.0.1:{port}{path}")
+
+
+async def test_healthy_then_unhealthy_names_the_failing_check() -> None:
+    connected = {"nats": True}
+
+    async def redis_ping() -> bool:
+        return True
+
+    server = HealthServer("request_manager", {"nats": lambda: connected["nats"], "redis": redis_ping})
+    port = await server.start()
+    try:
+        ok = await _get(port)
+        assert ok.status_code == 200
+        assert ok.json() == {"service": "request_manager", "status": "ok",
+                             "checks": {"nats": True, "redis": True}}
+        connected["nats"] = False
+        bad = await _get(port)
+        assert bad.status_code == 503 and bad.json()["checks"] == {"nats": False, "redis": True}
+    finally:
+        await server.close()
+
+
+async def test_a_raising_or_hanging_check_is_reported_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("robustrl.health.CHECK_TIMEOUT_S", 0.2)
+
+    def boom() -> bool:
+        raise RuntimeError("redis down")
+
+    async def hang() -> bool:
+        await asyncio.Event().wait()
+        return True
+
+    server = HealthServer("svc", {"boom": boom, "hang": hang})
+    port = await server.start()
+    try:
+        resp = await _get(port)
+        assert resp.status_code == 503
+        checks = resp.json()["checks"]
+        assert "RuntimeError: redis down" in checks["boom"] and "TimeoutError" in checks["hang"]
+        # The server keeps answering after failing checks.
+        assert (await _get(port)).status_code == 503
+    finally:
+        await server.close()
+
+
+async def test_bad_requests_get_clear_errors_and_the_server_keeps_running() -> None:
+    server = HealthServer("svc", {"ok": lambda: True})
+    port = await server.start()
+    try:
+        missing = await _get(port, "/metrics")
+        assert missing.status_code == 404 and "/healthz" in missing.json()["error"]
+        assert (await _get(port, method="POST")).status_code == 405
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"garbage without a blank line\r\n\r\n")
+        await writer.drain()
+        assert (await reader.read()).startswith(b"HTTP/1.1 400")
+        writer.close()
+        assert (await _get(port)).status_code == 200
+    finally:
+        await server.close()
+
+
+async def test_serve_health_is_off_without_the_port_and_rejects_a_bad_one() -> None:
+    assert await serve_health("svc", {}, {}) is None
+    with pytest.raises(ValueError, match="ROBUSTRL_HEALTH_PORT.*'http'"):
+        await serve_health("svc", {}, {"ROBUSTRL_HEALTH_PORT": "http"})
+    server = await serve_health("svc", {"ok": lambda: True}, {"ROBUSTRL_HEALTH_PORT": "0"})
+    assert server is not None and server.port
+    try:
+        assert (await _get(server.port)).status_code == 200
+    finally:
+        await server.close()
