@@ -12,6 +12,7 @@ from typing import Any
 import typer
 import yaml
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from robustrl.config import JobSpec, Settings
@@ -129,7 +130,7 @@ def status(job_id: str = typer.Argument(None), run_dir: Path = typer.Option(DEFA
     console.print(table)
 
 
-def _print_step_lines(printed: set[str]) -> Any:
+def _print_step_lines(printed: set[str], console: Console) -> Any:
     """One line per committed step (timings of the newest step), one per fault decision."""
 
     def on_status(status: dict[str, Any]) -> None:
@@ -175,7 +176,7 @@ def _write_report(out: Path, report: dict[str, Any], started: float) -> None:
     plt.close(fig)
 
 
-def _summary(report: dict[str, Any]) -> None:
+def _summary(report: dict[str, Any], console: Console) -> None:
     r = report["reward_by_step"]
     first, last = r[:5], r[-5:]
     console.print(f"\n[bold]report[/bold]: {report['status']}, {report['steps_completed']} steps in "
@@ -191,21 +192,41 @@ def _summary(report: dict[str, Any]) -> None:
         console.print(table)
 
 
-def _run(out: Path, spec: dict[str, Any], scenario: Any, run_dir: Path | None) -> dict[str, Any]:
+def _run(out: Path, spec: dict[str, Any], scenario: Any, run_dir: Path | None,
+         as_json: bool = False) -> dict[str, Any]:
+    """Run one job on a fresh embedded stack with a progress bar; write and summarise its report.
+
+    With ``as_json`` the progress, step lines and summary go to stderr and stdout gets only
+    the report as JSON (for scripts).
+    """
     from robustrl.chaos.runner import run_job
     from robustrl.client import ApiClient
     from robustrl.stack import Stack
 
+    human = Console(stderr=True, width=160) if as_json else console
     started = time.time()
     run_dir = run_dir or out / "run"
     with Stack(run_dir) as stack:
         assert stack.settings
-        console.print(f"stack up in {time.time() - started:.1f}s (run dir {run_dir}); API {stack.api_url}")
+        human.print(f"stack up in {time.time() - started:.1f}s (run dir {run_dir}); API {stack.api_url}")
         api = ApiClient(stack.api_url, stack.settings.api_token)
-        report = asyncio.run(run_job(stack.settings, api, spec, scenario, on_status=_print_step_lines(set())))
+        columns = (TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("steps"), TimeElapsedColumn())
+        with Progress(*columns, console=human, transient=True) as progress:
+            bar = progress.add_task("starting", total=spec.get("steps"))
+            print_lines = _print_step_lines(set(), human)
+
+            def on_status(status: dict[str, Any]) -> None:
+                print_lines(status)
+                progress.update(bar, total=status["steps_total"], completed=status["committed_step"] + 1,
+                                description=status["status"])
+
+            report = asyncio.run(run_job(stack.settings, api, spec, scenario, on_status=on_status))
     _write_report(out, report, started)
-    _summary(report)
-    console.print(f"wrote {out}/report.json and {out}/reward.png")
+    _summary(report, human)
+    human.print(f"wrote {out}/report.json and {out}/reward.png")
+    if as_json:
+        print(json.dumps(report))
     return report
 
 
@@ -213,7 +234,8 @@ def _run(out: Path, spec: dict[str, Any], scenario: Any, run_dir: Path | None) -
 def demo(out: Path = typer.Option(Path("out/demo"), help="Output directory."),
          steps: int = typer.Option(30, min=1), seed: int = typer.Option(0, min=0),
          faults: bool = typer.Option(True, help="Inject the demo faults."),
-         policy: str = typer.Option("role_local", help="role_local or whole_job")) -> None:
+         policy: str = typer.Option("role_local", help="role_local or whole_job"),
+         as_json: bool = typer.Option(False, "--json", help="Print only the report, as JSON, on stdout.")) -> None:
     """Run the reference job on embedded infrastructure with injected faults; print its report."""
     from robustrl.chaos.scenario import parse_scenario
 
@@ -222,7 +244,7 @@ def demo(out: Path = typer.Option(Path("out/demo"), help="Output directory."),
     try:
         spec = reference_job(steps=steps, seed=seed, name="demo", recovery={"policy": policy}).model_dump(mode="json")
         scenario = parse_scenario(yaml.safe_load(DEMO_SCENARIO)) if faults else None
-        report = _run(out, spec, scenario, None)
+        report = _run(out, spec, scenario, None, as_json)
     except RobustRLError as exc:
         _fail(exc)
     if report["status"] != "finished":
@@ -232,7 +254,8 @@ def demo(out: Path = typer.Option(Path("out/demo"), help="Output directory."),
 @chaos_app.command("run")
 def chaos_run(scenario_file: Path = typer.Argument(..., help="Scenario YAML."),
               out: Path = typer.Option(Path("out/chaos")), steps: int = typer.Option(None),
-              seed: int = typer.Option(None)) -> None:
+              seed: int = typer.Option(None),
+              as_json: bool = typer.Option(False, "--json", help="Print only the report, as JSON, on stdout.")) -> None:
     """Run a job through a fault scenario; write DIR/report.json."""
     from robustrl.chaos.runner import job_spec_for
     from robustrl.chaos.scenario import load_scenario
@@ -245,7 +268,7 @@ def chaos_run(scenario_file: Path = typer.Argument(..., help="Scenario YAML."),
         if seed is not None:
             spec["seed"] = seed
         JobSpec.parse(spec)
-        _run(out, spec, scenario, None)
+        _run(out, spec, scenario, None, as_json)
     except RobustRLError as exc:
         _fail(exc)
 

@@ -76,3 +76,19 @@ def test_chaos_run_rejects_a_malformed_scenario(tmp_path):
 def test_status_without_a_stack_says_what_to_do(tmp_path):
     res = _robustrl("status", "--run-dir", str(tmp_path / "none"), check=False)
     assert res.returncode == 2 and "robustrl up" in res.stdout
+
+
+def test_chaos_run_json_prints_only_the_report_on_stdout(tmp_path):
+    scenario = tmp_path / "one-crash.yaml"
+    scenario.write_text(yaml.safe_dump({
+        "name": "cli-json", "seed": 2,
+        "job": {"steps": 4, "data": {"prompts_per_step": 2, "group_size": 4}, "tools": {"latency_s": 0.1}},
+        "faults": [{"kind": "crash", "role": "rollout", "member": 0, "at_step": 1, "within_step": 0.2}]}))
+    res = subprocess.run([sys.executable, "-m", "robustrl.cli", "chaos", "run", str(scenario), "--out",
+                          str(tmp_path / "out"), "--json"], capture_output=True, text=True, timeout=200, check=False)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads(res.stdout)  # nothing but the report: scripts can pipe it
+    assert report["status"] == "finished" and report["steps_completed"] == 4
+    assert [f["role"] for f in report["faults"]] == ["rollout"]
+    assert "report" in res.stderr and "ETTR" in res.stderr  # the human summary went to stderr
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["status"] == "finished"
