@@ -183,13 +183,16 @@ class EpisodeStore:
 class BatchStore:
     """Finished batches (kept until the checkpoint that consumed them is durable) and the fence."""
 
-    # Claim step k for gang `epoch`: free -> take it; same epoch -> idempotent; an older
-    # epoch that trained k but whose result never became durable (durable < k) -> redo allowed;
-    # otherwise refuse (it would train a batch twice in one durable lineage).
+    # Claim step k for gang `epoch`: free -> take it; same epoch -> idempotent; a NEWER gang
+    # than the holder, when the holder's result for k never became durable (durable < k) ->
+    # redo allowed; otherwise refuse: either it would train a batch twice in one durable
+    # lineage, or the claimant is a stale gang (an older epoch still running after its
+    # replacement claimed the step), which must never take the fence back.
     _CLAIM = """
     local cur = redis.call('GET', KEYS[1])
     if not cur then redis.call('SET', KEYS[1], ARGV[1]); return 1 end
     if cur == ARGV[1] then return 1 end
+    if tonumber(ARGV[1]) < tonumber(cur) then return 0 end
     if tonumber(ARGV[2]) < tonumber(ARGV[3]) then redis.call('SET', KEYS[1], ARGV[1]); return 2 end
     return 0
     """

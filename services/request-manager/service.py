@@ -76,6 +76,7 @@ class JobRunner:
         self.step = start_step
         self.committed = start_step - 1
         self.trainer_version = -1
+        self.gang_epoch = 0  # newest trainer gang heard from: commits of older gangs are stale
         self.step_epoch = 0  # bumped by restart_step: in-flight work of older epochs is discarded
         self.tool_waiting = 0
         self.generating = 0
@@ -97,6 +98,8 @@ class JobRunner:
         self._changed.set()
 
     def on_hello(self, msg: MemberHello) -> None:
+        if msg.role == "trainer":
+            self.gang_epoch = max(self.gang_epoch, msg.epoch)
         if msg.role == "rollout" and msg.member_id not in self.dead:
             self.replicas.setdefault(msg.member_id, Replica(msg.member_id))
             self._changed.set()
@@ -119,6 +122,13 @@ class JobRunner:
         return n
 
     def on_commit(self, msg: StepCommitted) -> None:
+        if msg.epoch < self.gang_epoch:
+            # An old gang still running after its replacement said hello (it is being stopped):
+            # its steps are not this lineage's and must not move the job on.
+            log.warning("ignoring step %d committed by stale gang %d (current gang %d)",
+                        msg.step, msg.epoch, self.gang_epoch)
+            return
+        self.gang_epoch = msg.epoch
         self.committed = max(self.committed, msg.step)
         self.trainer_version = max(self.trainer_version, msg.weights_version)
         self._changed.set()

@@ -167,7 +167,14 @@ class TrainerWorker:
             if self.ident.rank == 0:
                 claim = await self.fence.claim(step, self.member.epoch, self.durable)
                 if claim == "refused":
-                    log.error("batch %d already trained in this durable lineage; skipping", step)
+                    # A newer gang holds this step (we are stale), or the step is already trained
+                    # in this durable lineage: training it would apply the batch twice. Stop; the
+                    # controller replaces or has replaced this gang (our peers fail the next
+                    # collective and exit too).
+                    log.error("gang %d may not train batch %d (fence refused): stopping",
+                              self.member.epoch, step)
+                    self.member.stopping.set()
+                    break
             t0 = time.monotonic()
             await self.member.set_phase("training", step)
             eps = await self.episodes.get_many(batch.episode_ids)
