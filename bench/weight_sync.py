@@ -1,6 +1,6 @@
 """Weight-sync benchmark: point-to-point throughput, relay fan-out, failure cost, memory.
 
-    python bench/weight_sync.py --out results/weight_sync.json [--bytes N]
+    python bench/weight_sync.py --out results/weight_sync.json [--bytes N] [--only p2p] [--kinds ucx]
 
 Point-to-point runs the source and the puller in separate processes over loopback and compares
 TCP and UCX (``pull`` with checksum verification, and the bare transport without) against a
@@ -168,6 +168,40 @@ def point_to_point(kinds: list[str], nbytes: int, chunk_bytes: int, rounds: int)
     return {**best, **rss}
 
 
+# -- idle cost ------------------------------------------------------------------------------
+
+def _idle_main(kind: str, seconds: float, conn) -> None:  # type: ignore[no-untyped-def]
+    """In a fresh process: a weight source plus one connected client that has made a request,
+    then nothing for ``seconds``; sends back the CPU used as a fraction of one core."""
+    async def run() -> float:
+        server = WeightServer(kind)
+        address = await server.start()
+        client = make_client(address)
+        await client.connect()
+        await client.have(1, 1)  # the server now waits on the endpoint for the next request
+        proc = psutil.Process()
+        before, t0 = proc.cpu_times(), time.perf_counter()
+        await asyncio.sleep(seconds)
+        after, t1 = proc.cpu_times(), time.perf_counter()
+        await client.close()
+        await server.close()
+        return (after.user + after.system - before.user - before.system) / (t1 - t0)
+
+    conn.send(asyncio.run(run()))
+
+
+def idle_cpu(kind: str, seconds: float) -> float:
+    """CPU fraction of one core used by an idle process holding a listener and an endpoint."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_idle_main, args=(kind, seconds, child))
+    proc.start()
+    try:
+        return parent.recv()
+    finally:
+        proc.join(timeout=30)
+
+
 # -- fan-out --------------------------------------------------------------------------------
 
 Transfer5 = tuple[int, int, int, float, int]
@@ -267,24 +301,34 @@ def main() -> None:
     ap.add_argument("--fanout-chunk-bytes", type=int, default=1 << 20)
     ap.add_argument("--fanout-m", default="1,2,4,8,16", help="replica counts for fan-out ('' skips it)")
     ap.add_argument("--link-gbps", type=float, default=100.0, help="simulated per-machine link")
+    ap.add_argument("--kinds", default="tcp,ucx", help="point-to-point transports (ucx is skipped if missing)")
+    ap.add_argument("--idle-s", type=float, default=5.0, help="idle-CPU window for ucx_idle_cpu_fraction")
+    ap.add_argument("--only", choices=["all", "p2p"], default="all", help="p2p: skip fan-out and failure runs")
     args = ap.parse_args()
     link_bps = args.link_gbps * 1e9 / 8
 
     result: dict[str, object] = {"bytes": args.bytes, "chunk_bytes": args.chunk_bytes, "cpus": os.cpu_count(),
                                  "rounds": args.rounds}
-    kinds = ["tcp"]
-    try:
-        import ucxx  # noqa: F401
+    kinds = [k for k in args.kinds.split(",") if k and k != "ucx"]
+    if "ucx" in args.kinds.split(","):
+        try:
+            import ucxx  # noqa: F401
 
-        kinds.append("ucx")
-    except Exception as exc:  # noqa: BLE001 - report why instead of failing the whole benchmark
-        result.update(ucx_gibps=None, ucx_reason=repr(exc))
+            kinds.append("ucx")
+        except Exception as exc:  # noqa: BLE001 - report why instead of failing the whole benchmark
+            result.update(ucx_gibps=None, ucx_reason=repr(exc))
     result.update(point_to_point(kinds, args.bytes, args.chunk_bytes, args.rounds))
     raw = result["raw_socket_gibps"]
     for key in ("tcp_gibps", "tcp_transport_gibps", "ucx_gibps", "ucx_transport_gibps"):
         if result.get(key):
             result[key.replace("gibps", "vs_raw")] = result[key] / raw  # type: ignore[operator]
+    if "ucx" in kinds:
+        result["ucx_idle_cpu_fraction"] = idle_cpu("ucx", args.idle_s)
     print(json.dumps(result), flush=True)
+    if args.only == "p2p":
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        return
 
     data, manifest = _payload(args.fanout_bytes, args.fanout_chunk_bytes, version=2)
     result["fanout_bytes"] = args.fanout_bytes

@@ -68,6 +68,8 @@ class _Source:
     have: frozenset[int] = frozenset()
     pending: frozenset[int] = frozenset()  # chunks the source's own puller is fetching
     load: int = 0  # reported by the source in its last reply
+    served: int = 0  # chunks of this version it had uploaded at its last HAVE (all pullers)
+    fetched: int = 0  # chunks we fetched from it since that HAVE
     inflight: int = 0  # our requests on the wire to it
     dead: bool = False
     asked: bool = False  # answered at least one HAVE
@@ -166,6 +168,7 @@ class _Pull:
             source.have = have
             source.pending = source.control.pending
             source.load = source.control.load
+            source.served, source.fetched = source.control.served, 0
             source.asked = True
 
     async def _refresh(self) -> None:
@@ -203,9 +206,15 @@ class _Pull:
             if best is None or key < best[0]:
                 # ties broken per puller, not by address: otherwise every puller would pick
                 # the same idle relay and its uplink would carry several copies
-                source = min(holders, key=lambda s: (s.inflight + s.load, s.tiebreak))
+                source = min(holders, key=self._cost)
                 best = (key, chunk, source)
         return None if best is None else (best[1], best[2])
+
+    @staticmethod
+    def _cost(source: _Source) -> tuple[int, int, float]:
+        """Which holder to ask: the least busy now, then the one that has uploaded the least of
+        this version (so no relay's uplink carries much more than one copy), then per puller."""
+        return source.inflight + source.load, source.served + source.fetched, source.tiebreak
 
     def _check_available(self, now: float) -> None:
         live = self._live()
@@ -281,6 +290,7 @@ class _Pull:
         finally:
             source.inflight -= 1
         source.load = client.load
+        source.fetched += ok
         if source.dead:
             await client.close()
         else:

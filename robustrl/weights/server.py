@@ -29,7 +29,7 @@ from robustrl.weights.transport import (
     RequestHandler,
     Status,
     TransportServer,
-    encode_have,
+    encode_have_reply,
     make_server,
 )
 
@@ -70,6 +70,7 @@ class _Version:
     buffer: memoryview
     held: np.ndarray  # bool per chunk
     pending: np.ndarray  # bool per chunk: our puller is fetching it (advertised, never served)
+    served: int = 0  # chunk replies sent for this version (advertised: pullers spread uploads)
 
 
 def _byte_view(buffer: object) -> memoryview:
@@ -178,10 +179,11 @@ class WeightServer(RequestHandler):
         if op is Op.HAVE:
             if entry is None:
                 return Reply(Status.MISSING)
-            return Reply(Status.OK, encode_have(entry.held) + encode_have(entry.pending))
+            return Reply(Status.OK, encode_have_reply(entry.held, entry.pending, entry.served))
         if entry is None or index >= entry.manifest.num_chunks or not entry.held[index]:
             return Reply(Status.MISSING)
         self._inflight += 1
+        entry.served += 1
         chunk = entry.manifest.chunks[index]
         payload = entry.buffer[chunk.offset:chunk.offset + chunk.nbytes]
         fault = self.fault

@@ -23,7 +23,6 @@ from robustrl.weights.transport import (
     Status,
     TransportClient,
     TransportServer,
-    decode_have_reply,
     parse_address,
 )
 
@@ -182,8 +181,7 @@ class TcpClient(TransportClient):
         if status != Status.OK:
             self.pending = frozenset()
             return frozenset()
-        held, self.pending = decode_have_reply(bytes(bitmap), num_chunks)
-        return held
+        return self._read_have(bytes(bitmap), num_chunks)
 
     async def close(self) -> None:
         if self._sock is not None:

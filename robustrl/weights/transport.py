@@ -105,6 +105,14 @@ class TransportClient(abc.ABC):
         """Payload bytes received so far, including partial chunks (for resend accounting)."""
         self.pending: frozenset[int] = frozenset()
         """Chunks the source said (in its last HAVE) its own puller is fetching right now."""
+        self.served = 0
+        """Chunks of the asked version the source said (in its last HAVE) it has uploaded."""
+
+    def _read_have(self, payload: bytes, num_chunks: int) -> frozenset[int]:
+        """Take a HAVE payload: set ``pending`` and ``served``; return the held chunks."""
+        held, self.pending = decode_have_reply(payload, num_chunks)
+        self.served = decode_have_served(payload, num_chunks)
+        return held
 
     @abc.abstractmethod
     async def connect(self, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
@@ -140,10 +148,25 @@ def decode_have(bitmap: bytes, num_chunks: int) -> frozenset[int]:
     return frozenset(int(i) for i in np.flatnonzero(bits))
 
 
+HAVE_SERVED = struct.Struct("!Q")
+"""Trailer of a HAVE reply: chunks of that version the source has uploaded so far."""
+
+
+def encode_have_reply(held: np.ndarray, pending: np.ndarray, served: int) -> bytes:
+    """A HAVE payload: the held bitmap, the pending bitmap, then the served count."""
+    return encode_have(held) + encode_have(pending) + HAVE_SERVED.pack(served)
+
+
 def decode_have_reply(payload: bytes, num_chunks: int) -> tuple[frozenset[int], frozenset[int]]:
-    """(held, pending) from a HAVE payload: the held bitmap then the pending bitmap."""
-    half = len(payload) // 2
-    return decode_have(payload[:half], num_chunks), decode_have(payload[half:], num_chunks)
+    """(held, pending) from a HAVE payload made by :func:`encode_have_reply`."""
+    size = (num_chunks + 7) // 8
+    return decode_have(payload[:size], num_chunks), decode_have(payload[size:2 * size], num_chunks)
+
+
+def decode_have_served(payload: bytes, num_chunks: int) -> int:
+    """The served count of a HAVE payload (0 from a source that sends none)."""
+    tail = payload[2 * ((num_chunks + 7) // 8):]
+    return HAVE_SERVED.unpack(tail[:HAVE_SERVED.size])[0] if len(tail) >= HAVE_SERVED.size else 0
 
 
 def parse_address(address: str) -> tuple[str, str, int]:

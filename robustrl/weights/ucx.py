@@ -6,12 +6,31 @@ destination slice. UCX picks the fastest path it has (RDMA, CUDA IPC on GPU clus
 here with ``UCX_TLS=tcp``). A UCX message cannot be half-sent, so the "die mid-chunk" fault
 sends the header and then kills the source before the payload.
 
-UCX is initialised on first use with ``UCX_OPTIONS`` (larger TCP segments: UCX's defaults of
-8 KiB send / 64 KiB receive segments cost one progress-thread wakeup per segment and held a
-256 MiB pull to ~25% of a plain socket here; 1 MiB segments double that). ``UCX_*`` environment
-variables still win, and ``UCXPY_PROGRESS_MODE`` picks ucxx's progress mode: the default
-``thread`` sleeps in epoll when idle; ``polling`` moves ~2x the bytes on loopback but spins a
-core for as long as the process lives, which a rollout replica cannot spare.
+Progress. ucxx's own awaiting is the problem on a small host, not UCX: without its Python-future
+notifier, every ``await ep.send/recv`` is a ``while not done: await asyncio.sleep(0)`` loop, so
+a source waiting for the next request, or a puller waiting for a payload, spins its event loop
+at 100% of a core, in every ucxx progress mode (measured: 100% CPU idle with a listener + an
+endpoint, in ``thread``, ``blocking`` and ``polling`` alike). In the default ``thread`` mode
+that spin also fights the progress thread for the CPU: 4 busy threads on 2 cores during a pull,
+~50% of a plain socket. So this module initialises ucxx in ``blocking`` mode and waits on its
+requests itself (``_Driver``): the loop watches the worker's epoll fd; each event progresses
+the worker until it is out of work, resolves the futures of completed requests, and re-arms
+the worker. Moving bytes, the loop thread copies as the socket becomes ready (like ``polling``,
+one thread per process); idle it sleeps (a 50 ms safety tick while requests wait: <1% of a
+core). ucxx's ``enable_python_future`` also stops the idle spin (~2%) but adds two thread hops
+per completion (pull ~50% of raw), binds futures to the first event loop, and its notifier
+thread keeps the process from exiting unless stopped by hand.
+
+Measured (256 MiB pulls, 16 MiB chunks, source in a child process, 2 shared cores; ratio
+against a blocking socket copy in the same run; ``bench/weight_sync.py --only p2p``):
+``thread`` mode 0.47-0.52 (bare transport 0.49-0.52); ``polling`` 0.84-0.93 but a core spun
+for the process's life; this driver 0.85-0.93 (bare transport 1.2-1.3: UCX's 1 MiB writes
+beat Python's recv loop), idle CPU 0.3-0.8%. UCX_OPTIONS: 1 MiB TCP segments (defaults of
+8 KiB send / 64 KiB receive cost one progress pass per segment: 0.33 with the driver); 256 KiB
+and 4 MiB segments, RNDV_SCHEME put/get_zcopy and 8 MiB socket buffers measured the same as
+this within noise. ``UCX_*`` environment variables still win; ``UCXPY_PROGRESS_MODE`` is
+ignored. If ucxx was initialised elsewhere in the process in another progress mode, this
+module falls back to ucxx's own (spinning) waits.
 
 The UCX listener binds every interface (ucxx has no bind-address parameter); restrict it with
 ``UCX_NET_DEVICES`` (e.g. ``lo`` for loopback-only tests). This module imports ucxx at import
@@ -22,9 +41,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 
 import numpy as np
 import ucxx
+from ucxx._lib.arr import Array
+from ucxx.types import Tag, TagMaskFull
 
 from robustrl.errors import TransportError
 from robustrl.weights.transport import (
@@ -35,18 +57,125 @@ from robustrl.weights.transport import (
     Status,
     TransportClient,
     TransportServer,
-    decode_have_reply,
     parse_address,
 )
 
 UCX_OPTIONS: dict[str, str] = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
 """UCX configuration applied when this module initialises ucxx (environment variables win)."""
 
+_SAFETY_TICK_S = 0.05
+"""While requests wait, re-check them this often even without an event (ucxx's own blocking
+task also progresses the worker once a second, and that progress does not wake our waiters)."""
+
 
 def _ensure_init() -> None:
-    """Initialise ucxx with UCX_OPTIONS unless something in this process already did."""
+    """Initialise ucxx (blocking progress, UCX_OPTIONS) unless something in this process already did."""
     if ucxx.core._ctx is None:  # ucxx has no public "is initialised" query
-        ucxx.init(options=UCX_OPTIONS, env_takes_precedence=True)
+        ucxx.init(options=UCX_OPTIONS, env_takes_precedence=True, progress_mode="blocking")
+
+
+class _Driver:
+    """Progresses the UCX worker from one asyncio loop and wakes coroutines whose requests completed.
+
+    Event driven: the loop watches the worker's epoll fd; on an event (or after a request is
+    posted) one pass progresses the worker until it has nothing left, resolves the futures of
+    completed requests, and re-arms the worker (if arming fails, events are pending: pass again
+    at once). Idle, nothing runs; moving bytes, the loop thread does the copying as the socket
+    becomes ready, like ucxx's ``polling`` mode but without spinning.
+    """
+
+    def __init__(self, worker: object, loop: asyncio.AbstractEventLoop) -> None:
+        self._worker = worker
+        self._loop = loop
+        self._waiting: list[tuple[object, asyncio.Future[None]]] = []
+        self._scheduled = False
+        self._tick: asyncio.TimerHandle | None = None
+        # replaces the reader ucxx's BlockingMode put on the same fd (it progressed without
+        # telling anyone); its once-a-second fallback task stays and is harmless
+        loop.add_reader(worker.epoll_file_descriptor, self._schedule)  # type: ignore[attr-defined]
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._pass)
+
+    def _pass(self) -> None:
+        self._scheduled = False
+        self._worker.progress()  # type: ignore[attr-defined]
+        self._resolve()
+        if not self._worker.arm():  # type: ignore[attr-defined]
+            self._schedule()  # events arrived since the progress: go again before sleeping
+        self._arm_tick()
+
+    def _resolve(self) -> None:
+        still = []
+        for req, fut in self._waiting:
+            if fut.done():
+                continue  # the waiter was cancelled: forget its request
+            if req.completed:  # type: ignore[attr-defined]
+                fut.set_result(None)
+            else:
+                still.append((req, fut))
+        self._waiting = still
+
+    def _arm_tick(self) -> None:
+        if self._waiting and self._tick is None:
+            self._tick = self._loop.call_later(_SAFETY_TICK_S, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self._schedule()
+
+    async def wait(self, req: object) -> None:
+        """Until ``req`` completes; then raises its error, if any."""
+        if not req.completed:  # type: ignore[attr-defined]
+            fut = self._loop.create_future()
+            self._waiting.append((req, fut))
+            self._schedule()
+            await fut
+        req.check_error()  # type: ignore[attr-defined]
+
+
+_drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Driver] = weakref.WeakKeyDictionary()
+
+
+def _driver() -> _Driver | None:
+    """This loop's driver, or None if ucxx runs its own progress (initialised elsewhere)."""
+    ctx = ucxx.core._get_ctx()
+    if ctx.progress_mode != "blocking":
+        return None
+    loop = asyncio.get_running_loop()
+    driver = _drivers.get(loop)
+    if driver is None:
+        ctx.continuous_ucx_progress(loop)  # ucxx's BlockingMode first, so ours replaces its reader
+        driver = _drivers[loop] = _Driver(ctx.worker, loop)
+    return driver
+
+
+async def _send(ep: object | None, data: np.ndarray) -> None:
+    """``ep.send`` without ucxx's wait (a ``sleep(0)`` loop that spins the event loop)."""
+    raw = None if ep is None else ep._ep  # type: ignore[attr-defined]
+    if raw is None:  # closed under us (the puller drops a source while a request is on the wire)
+        raise ucxx.exceptions.UCXCloseError("Endpoint closed")
+    driver = _driver()
+    if driver is None:
+        await ep.send(data)  # type: ignore[union-attr]
+        return
+    raw.raise_on_error()
+    await driver.wait(raw.tag_send(Array(data), Tag(ep._tags["msg_send"])))  # type: ignore[attr-defined]
+
+
+async def _recv(ep: object | None, into: np.ndarray) -> None:
+    """``ep.recv`` without ucxx's spinning wait; see :func:`_send`."""
+    raw = None if ep is None else ep._ep  # type: ignore[attr-defined]
+    if raw is None:  # closed under us (the puller drops a source while a request is on the wire)
+        raise ucxx.exceptions.UCXCloseError("Endpoint closed")
+    driver = _driver()
+    if driver is None:
+        await ep.recv(into)  # type: ignore[union-attr]
+        return
+    raw.raise_on_error()
+    await driver.wait(raw.tag_recv(Array(into), Tag(ep._tags["msg_recv"]), TagMaskFull))  # type: ignore[attr-defined]
 
 
 # ucxx raises its own exception classes (UCXError subclasses) plus RuntimeError from the C++ side
@@ -81,16 +210,16 @@ class UcxServer(TransportServer):
         request = np.empty(HEADER.size, dtype=np.uint8)
         try:
             while True:
-                await ep.recv(request)  # type: ignore[attr-defined]
+                await _recv(ep, request)
                 op, index, version = HEADER.unpack(request.tobytes())
                 reply = self._handler.handle(Op(op), version, index)
                 sent = 0
                 try:
                     payload = memoryview(reply.payload).cast("B")
                     header = HEADER.pack(reply.status, self._handler.load(), len(payload))
-                    await ep.send(np.frombuffer(header, dtype=np.uint8))  # type: ignore[attr-defined]
+                    await _send(ep, np.frombuffer(header, dtype=np.uint8))
                     if reply.cut_after is None and len(payload):
-                        await ep.send(np.frombuffer(payload, dtype=np.uint8))  # type: ignore[attr-defined]
+                        await _send(ep, np.frombuffer(payload, dtype=np.uint8))
                         sent = len(payload)
                 finally:
                     self._handler.done(reply, sent)
@@ -143,8 +272,8 @@ class UcxClient(TransportClient):
         if self._ep is None:
             raise TransportError("weight-source connection is closed", address=self.address)
         try:
-            await self._ep.send(np.frombuffer(HEADER.pack(op, index, version), dtype=np.uint8))  # type: ignore[attr-defined]
-            await self._ep.recv(self._header)  # type: ignore[attr-defined]
+            await _send(self._ep, np.frombuffer(HEADER.pack(op, index, version), dtype=np.uint8))
+            await _recv(self._ep, self._header)
         except _UCX_ERRORS as exc:
             raise TransportError("weight source failed", address=self.address) from exc
         status, load, nbytes = HEADER.unpack(self._header.tobytes())
@@ -153,7 +282,7 @@ class UcxClient(TransportClient):
 
     async def _recv_payload(self, into: memoryview | np.ndarray, index: int) -> None:
         try:
-            await self._ep.recv(into)  # type: ignore[union-attr]
+            await _recv(self._ep, into)
         except _UCX_ERRORS as exc:
             raise TransportError("weight source failed mid-chunk", address=self.address, chunk=index) from exc
 
@@ -176,8 +305,7 @@ class UcxClient(TransportClient):
             return frozenset()
         bitmap = np.empty(nbytes, dtype=np.uint8)
         await self._recv_payload(bitmap, -1)
-        held, self.pending = decode_have_reply(bitmap.tobytes(), num_chunks)
-        return held
+        return self._read_have(bitmap.tobytes(), num_chunks)
 
     async def close(self) -> None:
         if self._ep is not None:

@@ -1,0 +1,72 @@
+"""UCX transport tuning: an idle process holding a UCX listener and an endpoint must not spin a
+core, and the event-driven progress must still move bytes (and raise on a dead peer)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+os.environ.setdefault("UCX_TLS", "tcp")
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed"),
+]
+
+from robustrl.errors import TransportError
+from robustrl.weights import Manifest, TensorEntry, WeightServer, build_manifest
+from robustrl.weights.transport import make_client
+
+IDLE_S = 2.0
+
+
+def _version(nbytes: int, chunk_bytes: int) -> tuple[np.ndarray, Manifest]:
+    data = np.random.default_rng(3).integers(0, 256, nbytes, dtype=np.uint8)
+    entry = TensorEntry(name="flat", dtype="uint8", shape=[nbytes], offset=0, nbytes=nbytes)
+    return data, build_manifest(5, [entry], data, chunk_bytes)
+
+
+async def test_idle_listener_and_endpoint_do_not_spin() -> None:
+    server = WeightServer("ucx")
+    client = make_client(await server.start())
+    try:
+        await client.connect()
+        await client.have(1, 1)  # the server now waits on the endpoint for the next request
+        proc = psutil.Process()
+        before, t0 = proc.cpu_times(), time.perf_counter()
+        await asyncio.sleep(IDLE_S)  # the measured thing is idleness itself
+        after, t1 = proc.cpu_times(), time.perf_counter()
+    finally:
+        await client.close()
+        await server.close()
+    fraction = (after.user + after.system - before.user - before.system) / (t1 - t0)
+    assert fraction < 0.05, f"idle UCX process used {fraction:.1%} of a core"
+
+
+async def test_chunks_arrive_intact_and_dead_source_raises() -> None:
+    data, manifest = _version(4 << 20, 1 << 20)
+    server = WeightServer("ucx")
+    address = await server.start()
+    server.add_version(manifest, data)
+    client = make_client(address)
+    dest = np.zeros_like(data)
+    try:
+        await client.connect()
+        view = memoryview(dest)
+        for c in manifest.chunks:
+            assert await client.fetch_chunk(manifest.version, c.index, view[c.offset:c.offset + c.nbytes])
+        assert np.array_equal(dest, data)
+        await server.close()
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(client.fetch_chunk(manifest.version, 0, view[:1 << 20]), 10)
+    finally:
+        await client.close()
+        await server.close()
