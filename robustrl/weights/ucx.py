@@ -152,31 +152,34 @@ def _driver() -> _Driver | None:
     return driver
 
 
-async def _send(ep: object | None, data: np.ndarray) -> None:
-    """``ep.send`` without ucxx's wait (a ``sleep(0)`` loop that spins the event loop)."""
+async def _transfer(ep: object | None, buf: np.ndarray, send: bool) -> None:
+    """``ep.send(buf)`` / ``ep.recv(buf)`` without ucxx's wait (a ``sleep(0)`` loop that spins
+    the event loop): post the tag request and let this loop's driver wake us."""
     raw = None if ep is None else ep._ep  # type: ignore[attr-defined]
     if raw is None:  # closed under us (the puller drops a source while a request is on the wire)
         raise ucxx.exceptions.UCXCloseError("Endpoint closed")
     driver = _driver()
     if driver is None:
-        await ep.send(data)  # type: ignore[union-attr]
+        await (ep.send(buf) if send else ep.recv(buf))  # type: ignore[union-attr]
         return
     raw.raise_on_error()
-    await driver.wait(raw.tag_send(Array(data), Tag(ep._tags["msg_send"])))  # type: ignore[attr-defined]
+    if send:
+        req = raw.tag_send(Array(buf), Tag(ep._tags["msg_send"]))  # type: ignore[attr-defined]
+    else:
+        req = raw.tag_recv(Array(buf), Tag(ep._tags["msg_recv"]), TagMaskFull)  # type: ignore[attr-defined]
+    await driver.wait(req)
+
+
+async def _send(ep: object | None, data: np.ndarray) -> None:
+    await _transfer(ep, data, send=True)
 
 
 async def _recv(ep: object | None, into: np.ndarray) -> None:
-    """``ep.recv`` without ucxx's spinning wait; see :func:`_send`."""
-    raw = None if ep is None else ep._ep  # type: ignore[attr-defined]
-    if raw is None:  # closed under us (the puller drops a source while a request is on the wire)
-        raise ucxx.exceptions.UCXCloseError("Endpoint closed")
-    driver = _driver()
-    if driver is None:
-        await ep.recv(into)  # type: ignore[union-attr]
-        return
-    raw.raise_on_error()
-    await driver.wait(raw.tag_recv(Array(into), Tag(ep._tags["msg_recv"]), TagMaskFull))  # type: ignore[attr-defined]
+    await _transfer(ep, into, send=False)
 
+
+_RETIRED: list[object] = []
+"""Closed listeners, kept alive on purpose (see ``UcxServer.close``)."""
 
 # ucxx raises its own exception classes (UCXError subclasses) plus RuntimeError from the C++ side
 _UCX_ERRORS: tuple[type[BaseException], ...] = (ucxx.exceptions.UCXError, RuntimeError, OSError)
@@ -196,6 +199,10 @@ class UcxServer(TransportServer):
         _ensure_init()
 
         def on_connect(ep: object) -> None:
+            if self._closed:  # a retired listener (see close): refuse, the puller fails over
+                with contextlib.suppress(*_UCX_ERRORS):
+                    ep.abort()  # type: ignore[attr-defined]
+                return
             # ucxx calls this on the loop thread; run the endpoint under our own task so
             # close() can cancel it
             task = asyncio.get_running_loop().create_task(self._serve(ep))
@@ -241,7 +248,13 @@ class UcxServer(TransportServer):
             return
         self._closed = True
         if self._listener is not None:
-            self._listener.close()  # type: ignore[attr-defined]
+            # Not destroyed: destroying a UCX listener while a connection request to it is in
+            # flight crashed the process (segfault in ucp_cm_server_conn_request_cb on UCX's
+            # async thread, seen twice in ~45 test-suite runs). A retired listener refuses every
+            # new endpoint (on_connect) and lives as long as the process: servers close at
+            # process exit in the services, and only tests create many.
+            _RETIRED.append(self._listener)
+            self._listener = None
         for ep in list(self._endpoints):
             with contextlib.suppress(*_UCX_ERRORS):
                 ep.abort()  # type: ignore[attr-defined]
