@@ -5,7 +5,9 @@
 On one embedded stack it runs the reference job
   * fault-free,
   * with a trainer crash every 10 steps at seeded random moments, under ``role_local`` and
-    under ``whole_job`` (same launcher, same checkpoints, parallel restarts),
+    under ``whole_job`` (same launcher, same checkpoints, parallel restarts), then both again
+    with warm spares (``recovery.warm_spares``: pre-started member processes, enough for a gang
+    or for every member of a whole-job restart),
   * with rollout crashes during tool-heavy steps, under both policies,
   * a benign scenario (tool waits longer than rollout_idle_s, trainer waiting longer than
     trainer_idle_s, idle replicas, CPU load delaying heartbeats) that must produce no fault,
@@ -107,7 +109,19 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                                               "role_local (trainer faults)")
         results["whole_job"] = await run_one(stack, api, spec("whole_job"), trainer_scenario(args.seed),
                                              "whole_job (trainer faults)")
-        for name in ("fault_free", "role_local", "whole_job"):
+        # Both policies again with warm spares (pre-started member processes, imports done):
+        # enough for a whole gang, and for every member of a whole-job restart.
+        def warm(policy: str, spares: int) -> dict[str, Any]:
+            base = spec(policy)
+            return {**base, "name": f"ettr-{policy}-warm", "recovery": {**base["recovery"], "warm_spares": spares}}
+
+        results["role_local_warm"] = await run_one(
+            stack, api, warm("role_local", spec_base["trainer"]["workers"]), trainer_scenario(args.seed),
+            "role_local + warm spares (trainer faults)")
+        results["whole_job_warm"] = await run_one(
+            stack, api, warm("whole_job", spec_base["trainer"]["workers"] + spec_base["rollout"]["replicas"]),
+            trainer_scenario(args.seed), "whole_job + warm spares (trainer faults)")
+        for name in ("fault_free", "role_local", "whole_job", "role_local_warm", "whole_job_warm"):
             results[name]["completion_vs_fault_free"] = round(
                 results[name]["completion_s"] / results["fault_free"]["completion_s"], 3)
         if not args.quick:
@@ -145,6 +159,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "whole_job_restart_s": statistics.median(whole_rec) if whole_rec else None,
     }
     s = results["summary"]
+    rlw, wjw = results["role_local_warm"], results["whole_job_warm"]
+    warm_rec = [f["recovery_s"] for f in rlw["faults"] if f["role"] == "trainer" and f["recovery_s"]]
+    warm_whole = [f["recovery_s"] for f in wjw["faults"] if f["recovery_s"]]
+    s.update({"role_local_warm_ettr": rlw["ettr"], "whole_job_warm_ettr": wjw["ettr"],
+              "ettr_gain_warm": round(rlw["ettr"] - wjw["ettr"], 4),
+              "trainer_recovery_warm_s": statistics.median(warm_rec) if warm_rec else None,
+              "whole_job_restart_warm_s": statistics.median(warm_whole) if warm_whole else None})
     if s["trainer_recovery_s"] and s["whole_job_restart_s"]:
         s["recovery_ratio"] = round(s["trainer_recovery_s"] / s["whole_job_restart_s"], 3)
     if "benign" in results:

@@ -105,6 +105,9 @@ class RecoverySpec(BaseModel):
     policy: Literal["role_local", "whole_job"] = "role_local"
     deadline_s: float = Field(120.0, gt=0.0, description="A local recovery slower than this escalates.")
     max_restarts: int = Field(20, ge=0, le=1000, description="Give up (job failed) after this many.")
+    warm_spares: int = Field(0, ge=0, le=64, description=(
+        "Member processes kept started ahead (imports done) while the job runs: a restart takes one "
+        "instead of a cold start. Local launcher only; 0 = every restart is a cold start."))
 
 
 class JobSpec(BaseModel):

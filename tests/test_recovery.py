@@ -192,3 +192,18 @@ def test_overlapped_modes_recover_a_trainer_crash_within_the_staleness_bound(api
             for t in facts["episodes"][eid].turns if t.role == "assistant"}
     assert max(lags) <= staleness
     assert max(lags) >= 1, "no step generated on an older version: rollout and training never overlapped"
+
+
+def test_trainer_crash_with_warm_spares_restarts_the_gang_from_spares(api, infra):
+    jid = api.submit(small_job("tspare", steps=12, recovery={"warm_spares": 2}))["job_id"]
+    wait_step(api, jid, 2)  # the spares have imported the member code by now
+    api.fault(jid, kind="crash", role="trainer", member=0)
+    status = wait_done(api, jid)
+    events = api.events(jid)
+    check_job(infra, status, events)
+    assert [["RestartTrainerGang"]] == [acts for _, acts in _decisions(events)]
+    started = {d["member_id"]: d.get("warm") for d in kinds(events, "member_started")}
+    # the first members started cold; the new gang came from the two warm spares
+    assert started["trainer-e1-r0"] is False and started["rollout-0-i0"] is False
+    assert started["trainer-e2-r0"] is True and started["trainer-e2-r1"] is True
+    assert api.report(jid)["faults"][0]["recovery_s"] is not None

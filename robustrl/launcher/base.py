@@ -96,5 +96,16 @@ class Launcher(abc.ABC):
         for member_id in member_ids:
             self.kill(member_id, expected)
 
+    def was_warm(self, member_id: str) -> bool:
+        """True when ``member_id`` was started from a warm spare (not a cold start)."""
+        del member_id
+        return False
+
+    def keep_spares(self, n: int) -> None:
+        """Keep ``n`` warm spare member processes ready for restarts (0: none).
+
+        Launchers without spares ignore it (every start is cold)."""
+        del n
+
     def close(self) -> None:
         """Stop everything this launcher started."""

@@ -1,7 +1,14 @@
-"""Local process launcher: each member is ``python -m module`` in its own process group."""
+"""Local process launcher: each member is ``python -m module`` in its own process group.
+
+Warm spares (``keep_spares``): processes of ``robustrl.launcher.spare`` that have already imported
+the member code. ``start`` hands a trainer or rollout member to a ready spare instead of starting
+a cold process, which saves the imports (about 4 s here) on every restart; the spare is restocked
+``SPARE_RESTOCK_DELAY_S`` later, so its imports do not compete with the recovery for the CPU.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +22,10 @@ from robustrl.errors import LaunchError
 from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState
 
 STOP_GRACE_S = 2.0
+SPARE_RESTOCK_DELAY_S = 10.0
+SPARE_MODULE = "robustrl.launcher.spare"
+SPARE_TARGETS = frozenset({"robustrl.services.trainer", "robustrl.services.rollout"})
+"""Member modules a spare can become (it preloads their imports; see robustrl.launcher.spare)."""
 
 
 @dataclass
@@ -24,6 +35,7 @@ class _Member:
     state: MemberState
     expected_exit: bool = False
     reported: bool = False
+    warm: bool = False  # started from a warm spare
 
 
 class LocalLauncher(Launcher):
@@ -35,6 +47,78 @@ class LocalLauncher(Launcher):
         self.base_env = dict(base_env if base_env is not None else os.environ)
         self._members: dict[str, _Member] = {}
         self._lock = threading.Lock()
+        self._spares: list[subprocess.Popen[bytes]] = []
+        self._spares_wanted = 0
+        self._spare_seq = 0
+        self.spares_used = 0
+        """Members started from a warm spare (the rest were cold starts)."""
+        self._closed = False
+
+    # --- warm spares -------------------------------------------------------------------------
+
+    def keep_spares(self, n: int) -> None:
+        """Keep ``n`` warm spare processes (0 releases them all)."""
+        with self._lock:
+            self._spares_wanted = max(0, n)
+            self._spares = [p for p in self._spares if p.poll() is None]
+            while len(self._spares) > self._spares_wanted:
+                self._release(self._spares.pop())
+            self._restock()
+
+    def _restock(self) -> None:
+        """Start spares up to the wanted count (lock held)."""
+        self._spares = [p for p in self._spares if p.poll() is None]
+        while not self._closed and len(self._spares) < self._spares_wanted:
+            self._spare_seq += 1
+            log = open(self.log_dir / f"spare-{self._spare_seq}.log", "ab")  # noqa: SIM115 - owned by the child
+            try:
+                self._spares.append(subprocess.Popen(
+                    [sys.executable, "-m", SPARE_MODULE], env=self.base_env, stdin=subprocess.PIPE,
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            except OSError:
+                return  # no spare: members start cold, which always works
+            finally:
+                log.close()
+
+    def _restock_later(self) -> None:
+        def restock() -> None:
+            with self._lock:
+                self._restock()
+
+        timer = threading.Timer(SPARE_RESTOCK_DELAY_S, restock)
+        timer.daemon = True
+        timer.start()
+
+    @staticmethod
+    def _release(spare: subprocess.Popen[bytes]) -> None:
+        try:
+            os.killpg(spare.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        spare.wait(timeout=5.0)
+
+    def _take_spare(self, spec: MemberSpec, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+        """Hand ``spec`` to a live spare (lock held); None when there is none for it."""
+        if spec.module not in SPARE_TARGETS:
+            return None
+        while self._spares:
+            spare = self._spares.pop(0)
+            if spare.poll() is not None or spare.stdin is None:
+                continue
+            order = {"module": spec.module, "args": list(spec.args), "env": env,
+                     "log": str(self.log_dir / f"{spec.member_id}.log")}
+            try:
+                spare.stdin.write(json.dumps(order).encode() + b"\n")
+                spare.stdin.close()
+            except OSError:
+                self._release(spare)
+                continue
+            self.spares_used += 1
+            self._restock_later()
+            return spare
+        return None
+
+    # --- members -----------------------------------------------------------------------------
 
     def start(self, spec: MemberSpec) -> None:
         with self._lock:
@@ -42,6 +126,10 @@ class LocalLauncher(Launcher):
             if old and old.proc.poll() is None:
                 raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
             env = {**self.base_env, **spec.env}
+            spare = self._take_spare(spec, env)
+            if spare is not None:
+                self._members[spec.member_id] = _Member(spec, spare, MemberState.RUNNING, warm=True)
+                return
             log = open(self.log_dir / f"{spec.member_id}.log", "ab")  # noqa: SIM115 - owned by the child
             try:
                 proc = subprocess.Popen(
@@ -136,9 +224,18 @@ class LocalLauncher(Launcher):
         m = self._members.get(member_id)
         return m.proc.pid if m else None
 
+    def was_warm(self, member_id: str) -> bool:
+        m = self._members.get(member_id)
+        return m is not None and m.warm
+
     def running(self, job_id: str | None = None) -> list[str]:
         return [mid for mid, m in self._members.items()
                 if m.proc.poll() is None and (job_id is None or m.spec.job_id == job_id)]
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            spares, self._spares = self._spares, []
+        for spare in spares:
+            self._release(spare)
         self.kill_many(self.running(), expected=True)

@@ -122,7 +122,14 @@ class Controller:
         self.jobs[job_id] = job
         await self.bus.emit_event(job_id, "job_submitted", {"spec": spec.model_dump(mode="json")})
         await self._launch_all(job)
+        # after the first members: spares warm up while the job starts, and serve restarts
+        await self._update_spares()
         return job
+
+    async def _update_spares(self) -> None:
+        """Keep as many warm spares as the running jobs ask for (RecoverySpec.warm_spares)."""
+        wanted = sum(j.spec.recovery.warm_spares for j in self.jobs.values() if not j.done)
+        await asyncio.to_thread(self.launcher.keep_spares, wanted)
 
     async def _launch_all(self, job: JobRun) -> None:
         job.status = "running"
@@ -152,8 +159,9 @@ class Controller:
             await asyncio.to_thread(self.launcher.start, MemberSpec(job.job_id, lid(job, mid), "trainer", TRAINER_MODULE, env))
             job.members[mid] = MemberInfo(mid, "trainer", rank, job.epoch, pid=self.launcher.pid(lid(job, mid)))
             ids.append(mid)
-            await self.bus.emit_event(job.job_id, "member_started", {"member_id": mid, "role": "trainer",
-                                                                     "epoch": job.epoch})
+            await self.bus.emit_event(job.job_id, "member_started", {
+                "member_id": mid, "role": "trainer", "epoch": job.epoch,
+                "warm": self.launcher.was_warm(lid(job, mid))})
         await self._persist(job)
         return ids
 
@@ -164,7 +172,8 @@ class Controller:
         env = self._member_env(job, mid, "rollout")
         await asyncio.to_thread(self.launcher.start, MemberSpec(job.job_id, lid(job, mid), "rollout", ROLLOUT_MODULE, env))
         job.members[mid] = MemberInfo(mid, "rollout", slot, inc, pid=self.launcher.pid(lid(job, mid)))
-        await self.bus.emit_event(job.job_id, "member_started", {"member_id": mid, "role": "rollout"})
+        await self.bus.emit_event(job.job_id, "member_started", {
+            "member_id": mid, "role": "rollout", "warm": self.launcher.was_warm(lid(job, mid))})
         return mid
 
     async def _control_rm(self, job: JobRun, action: str, args: dict[str, Any] | None = None,
@@ -198,6 +207,7 @@ class Controller:
             m.state = "stopped"
         grace = FINISH_GRACE_S if status == "finished" else 3.0
         await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in ids], grace)
+        await self._update_spares()
         await self._persist(job)
         kind = {"finished": "job_finished", "failed": "job_failed"}.get(status, "job_stopped")
         await self.bus.emit_event(job.job_id, kind, {"reason": reason, "steps": job.committed_step + 1})
