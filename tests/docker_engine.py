@@ -23,9 +23,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from support import eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "robustrl-base:bookworm-py311"
@@ -96,20 +97,24 @@ class Engine:
                 [dockerd, "--host", self.url, "--data-root", str(self.data_root),
                  "--exec-root", str(self.dir / "exec"), "--pidfile", str(self.dir / "dockerd.pid")],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise Unavailable(f"dockerd exited {self.proc.returncode}: {self._log_tail()}")
-            if self.socket.exists():
-                try:
-                    self.client = docker.DockerClient(base_url=self.url, timeout=120)
-                    self.client.ping()
-                    return
-                except Exception:  # noqa: BLE001 - not answering yet
-                    pass
-            time.sleep(0.2)  # bounded poll for a daemon that has no readiness event
-        self.stop()
-        raise Unavailable(f"dockerd did not answer within {timeout_s:g} s: {self._log_tail()}")
+        proc = self.proc
+
+        def answering() -> Any:
+            if proc.poll() is not None:
+                raise Unavailable(f"dockerd exited {proc.returncode}: {self._log_tail()}")
+            if not self.socket.exists():
+                return None
+            client = docker.DockerClient(base_url=self.url, timeout=120)
+            client.ping()  # raises while the daemon is still starting
+            return client
+
+        try:
+            self.client = eventually(answering, timeout=timeout_s, interval=0.2,
+                                     retry_on=(AssertionError, docker.errors.DockerException, OSError),
+                                     what="dockerd answering")
+        except AssertionError as exc:
+            self.stop()
+            raise Unavailable(f"dockerd did not answer within {timeout_s:g} s: {self._log_tail()}") from exc
 
     def _log_tail(self) -> str:
         try:

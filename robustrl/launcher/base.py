@@ -11,6 +11,12 @@ import enum
 from dataclasses import dataclass, field
 
 
+TRAINER_MODULE = "robustrl.services.trainer"
+ROLLOUT_MODULE = "robustrl.services.rollout"
+"""What a trainer worker / rollout replica runs (``python -m``): the launchers and the controller
+spell the member modules only here."""
+
+
 class MemberState(str, enum.Enum):
     STARTING = "starting"
     RUNNING = "running"

@@ -20,12 +20,11 @@ from pathlib import Path
 
 from robustrl.errors import LaunchError
 from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState
+from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 
 STOP_GRACE_S = 2.0
 SPARE_RESTOCK_DELAY_S = 10.0
 SPARE_MODULE = "robustrl.launcher.spare"
-SPARE_TARGETS = frozenset({"robustrl.services.trainer", "robustrl.services.rollout"})
-"""Member modules a spare can become (it preloads their imports; see robustrl.launcher.spare)."""
 
 
 @dataclass
@@ -60,14 +59,13 @@ class LocalLauncher(Launcher):
         """Keep ``n`` warm spare processes (0 releases them all)."""
         with self._lock:
             self._spares_wanted = max(0, n)
-            self._spares = [p for p in self._spares if p.poll() is None]
-            while len(self._spares) > self._spares_wanted:
-                self._release(self._spares.pop())
             self._restock()
 
     def _restock(self) -> None:
-        """Start spares up to the wanted count (lock held)."""
+        """Forget dead spares, release extra ones, start missing ones (lock held)."""
         self._spares = [p for p in self._spares if p.poll() is None]
+        while len(self._spares) > self._spares_wanted:
+            self._release(self._spares.pop())
         while not self._closed and len(self._spares) < self._spares_wanted:
             self._spare_seq += 1
             log = open(self.log_dir / f"spare-{self._spare_seq}.log", "ab")  # noqa: SIM115 - owned by the child

@@ -16,8 +16,11 @@ import os
 import runpy
 import sys
 
-PRELOAD = ("robustrl.services.trainer.worker", "robustrl.services.rollout.replica")
-"""What a spare imports ahead (the launcher gives spares only the members that need these)."""
+from robustrl.launcher.base import ROLLOUT_MODULE, TRAINER_MODULE
+
+TARGETS = frozenset({TRAINER_MODULE, ROLLOUT_MODULE})
+"""Member modules a spare can become: it imports their ``__main__`` ahead (not run: the name
+is not ``__main__`` then), which pulls in torch, transformers and the member code."""
 
 
 def _redirect(log: str) -> None:
@@ -33,8 +36,8 @@ def _redirect(log: str) -> None:
 
 
 def main() -> None:
-    for module in PRELOAD:
-        importlib.import_module(module)
+    for module in sorted(TARGETS):
+        importlib.import_module(f"{module}.__main__")
     print(f"spare {os.getpid()} ready", flush=True)
     line = sys.stdin.readline()
     if not line.strip():

@@ -17,7 +17,7 @@ from typing import Any
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import JobError, LaunchError, RequestTimeout
-from robustrl.launcher.base import Launcher, MemberSpec
+from robustrl.launcher.base import ROLLOUT_MODULE, TRAINER_MODULE, Launcher, MemberSpec
 from robustrl.member import MEMBERS_TARGET
 from robustrl.messages import (
     ChaosAck, ChaosCommand, ChaosRequest, ControlCommand, FaultReport, MemberExited, MemberHello, PhaseChange,
@@ -33,8 +33,6 @@ SUPERVISE_INTERVAL_S = 0.05
 RM_ACK_TIMEOUT_S = 2.0
 RM_ACK_ATTEMPTS = 10
 FINISH_GRACE_S = 15.0  # a finished job's trainer uploads its last checkpoint before it exits
-TRAINER_MODULE = "robustrl.services.trainer"
-ROLLOUT_MODULE = "robustrl.services.rollout"
 
 
 LID_SEP = "--"
