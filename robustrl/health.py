@@ -106,7 +106,8 @@ class HealthServer:
 
 async def serve_health(service: str, checks: Mapping[str, Check],
                        env: Mapping[str, str]) -> HealthServer | None:
-    """Start a HealthServer when ``ROBUSTRL_HEALTH_PORT`` is set in ``env``; else None.
+    """Start a HealthServer when ``ROBUSTRL_HEALTH_PORT`` is set in ``env``; else None (also
+    when the port is taken: logged, the service runs on without the endpoint).
 
     Raises:
         ValueError: the port is not an integer in 0..65535 (named in the message).
@@ -120,7 +121,14 @@ async def serve_health(service: str, checks: Mapping[str, Check],
             raise ValueError
     except ValueError:
         raise ValueError(f"{ENV_PORT} must be a port number 0..65535, got {raw!r}") from None
+    host = env.get(ENV_HOST, DEFAULT_HOST) or DEFAULT_HOST
     server = HealthServer(service, checks)
-    bound = await server.start(env.get(ENV_HOST, DEFAULT_HOST) or DEFAULT_HOST, port)
-    log.info("health endpoint on %s:%d/healthz", env.get(ENV_HOST, DEFAULT_HOST), bound)
+    try:
+        bound = await server.start(host, port)
+    except OSError as exc:
+        # e.g. several members on one host inheriting the same port: the member's work matters
+        # more than its health endpoint, so it runs on without one
+        log.warning("no health endpoint for %s: cannot listen on %s:%d (%s)", service, host, port, exc)
+        return None
+    log.info("health endpoint on %s:%d/healthz", host, bound)
     return server

@@ -87,3 +87,13 @@ async def test_serve_health_is_off_without_the_port_and_rejects_a_bad_one() -> N
         assert (await _get(server.port)).status_code == 200
     finally:
         await server.close()
+
+
+async def test_a_port_already_taken_leaves_the_service_running_without_the_endpoint() -> None:
+    first = await serve_health("svc", {"ok": lambda: True}, {"ROBUSTRL_HEALTH_PORT": "0"})
+    assert first is not None and first.port
+    try:
+        assert await serve_health("svc2", {}, {"ROBUSTRL_HEALTH_PORT": str(first.port)}) is None
+        assert (await _get(first.port)).status_code == 200
+    finally:
+        await first.close()
