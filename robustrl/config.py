@@ -85,12 +85,14 @@ class DetectorSpec(BaseModel):
     silence_s: float = Field(30.0, gt=0.0, description="No metrics at all from a member.")
     probe_timeout_s: float = Field(10.0, gt=0.0)
     metrics_interval_s: float = Field(5.0, gt=0.0)
+    weights_load_s: float = Field(600.0, gt=0.0, description=(
+        "A replica in phase loading_weights for longer than this is a fault (weights_load_timeout)."))
 
     @classmethod
     def reference(cls) -> DetectorSpec:
         """Scaled-down thresholds for the reference job on a 2-core machine."""
         return cls(trainer_idle_s=4.0, rollout_idle_s=2.0, silence_s=3.0, probe_timeout_s=1.0,
-                   metrics_interval_s=0.25)
+                   metrics_interval_s=0.25, weights_load_s=30.0)
 
 
 class WeightSyncSpec(BaseModel):
@@ -98,6 +100,11 @@ class WeightSyncSpec(BaseModel):
     transport: Literal["tcp", "ucx"] = "tcp"
     chunk_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
     relays: bool = True
+    pull_timeout_s: float = Field(30.0, gt=0.0, le=3600.0, description=(
+        "Deadline of one pull attempt of a version by a replica; past it the attempt fails."))
+    pull_attempts: int = Field(3, ge=1, le=100, description=(
+        "Failed attempts (deadline passed, or checksum mismatch) at one version before the replica "
+        "reports itself failed (phase weights_failed, which the detector turns into a fault)."))
 
 
 class RecoverySpec(BaseModel):

@@ -18,7 +18,7 @@ from robustrl.subjects import _TOKEN
 
 Role = Literal["trainer", "rollout", "request_manager", "controller", "detector"]
 TrainerPhase = Literal["starting", "idle", "waiting_batch", "training", "checkpointing", "publishing"]
-RolloutPhase = Literal["starting", "serving", "idle", "loading_weights"]
+RolloutPhase = Literal["starting", "serving", "idle", "loading_weights", "weights_failed"]
 FaultKind = Literal["crash", "hang", "unresponsive", "fail_slow", "tool_outage"]
 ChaosKind = Literal["crash", "hang", "stall", "slow", "tool_outage", "net_drop"]
 StopReason = Literal["eot", "tool_call", "length"]
@@ -121,7 +121,7 @@ class MetricsSample(Wire):
     activity: int = Field(0, ge=0)
     tokens_total: int = Field(0, ge=0)
     tokens_per_s: float = Field(0.0, ge=0)
-    queue_depth: int = Field(0, ge=0)
+    queue_depth: int = Field(0, ge=0)  # rollout: turns queued, including those waiting for a version
     inflight: int = Field(0, ge=0)
     tool_waiting: int = Field(0, ge=0)
     weights_version: int = -1
@@ -154,6 +154,11 @@ class FaultReport(Wire):
     detected_at: float
     step: int = -1
     last_progress_at: float | None = None
+    # When the evidence says the fault began (receiver's clock): the last metric before a
+    # silence, the first zero-progress sample of a stall, the launcher's exit time of a crash.
+    # detected_at - fault_at is the detection delay of a fault nobody injected.
+    fault_at: float | None = None
+    cause: str | None = None  # named cause, e.g. "queue_stalled", "weights_load_timeout"
 
 
 class ControlCommand(Wire):
@@ -254,6 +259,7 @@ EventKind = Literal[
     "member_started", "member_ready", "member_exited", "member_stopped",
     "phase", "fault_injected", "fault_detected", "decision", "action", "recovered",
     "step_started", "step_committed", "batch_ready", "weights_published", "weights_loaded",
+    "weights_rejected",
     "episode_redispatched", "tool_fault", "work_lost", "note",
 ]
 
