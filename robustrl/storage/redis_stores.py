@@ -93,6 +93,11 @@ class Keys:
         return f"rrl:{job}:weights:latest"
 
     @staticmethod
+    def job_pattern(job: str) -> str:
+        """SCAN pattern of every key of one job (the auditor sizes and reads them raw)."""
+        return f"rrl:{job}:*"
+
+    @staticmethod
     def jobs() -> str:
         return "rrl:jobs"
 
