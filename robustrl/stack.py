@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -14,18 +15,32 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from robustrl.config import Settings
 from robustrl.errors import LaunchError
+from robustrl.health import ENV_PORT
+from robustrl.infra import binaries
 from robustrl.infra.embedded import EmbeddedInfra
+from robustrl.supervisor import (
+    STOP_GRACE_S,
+    RestartPolicy,
+    ServiceSpec,
+    Supervisor,
+    read_restarts,
+    write_handover,
+)
 
 SERVICES = ("controller", "detector", "request_manager")
 READY_TIMEOUT_S = 60.0
 STACK_FILE = "stack.json"
+RESTART_READY_TIMEOUT_S = 30.0
+"""How long ``wait_restarted`` waits for a supervised service to be back."""
 
 
 def _free_port() -> int:
@@ -35,23 +50,43 @@ def _free_port() -> int:
 
 
 class Stack:
-    """Infra (embedded unless ``external`` settings are given) + controller, detector, request manager."""
+    """Infra (embedded unless ``external`` settings are given) + controller, detector, request manager.
+
+    The services run under a :class:`~robustrl.supervisor.Supervisor`: one that exits or stops
+    answering its health endpoint is started again (``supervise=False`` turns that off).
+    """
 
     def __init__(self, run_dir: Path | str, external: Settings | None = None, api_port: int = 0,
-                 extra_env: dict[str, str] | None = None, services: tuple[str, ...] = SERVICES) -> None:
+                 extra_env: dict[str, str] | None = None, services: tuple[str, ...] = SERVICES,
+                 supervise: bool = True, policy: RestartPolicy | None = None) -> None:
         self.services = services
         self.run_dir = Path(run_dir).resolve()
         self.external = external
         self.api_port = api_port
         self.extra_env = extra_env or {}
+        self.supervise = supervise
+        self.policy = policy or RestartPolicy()
         self.infra: EmbeddedInfra | None = None
         self.settings: Settings | None = None
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.supervisor: Supervisor | None = None
+        self._stop_supervision = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._supervisor_pid: int | None = None
 
     @property
     def api_url(self) -> str:
         assert self.settings
         return f"http://{self.settings.api_host}:{self.settings.api_port}"
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        """The services' current processes (a restart replaces an entry)."""
+        if self.supervisor is None:
+            return {}
+        return {n: p.popen for n, p in self.supervisor.procs.items() if p.popen is not None}
+
+    def pids(self) -> dict[str, int]:
+        return self.supervisor.pids() if self.supervisor else {}
 
     def start(self, detach: bool = False) -> Settings:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -65,34 +100,54 @@ class Stack:
         self.settings = base.model_copy(update={
             "api_token": token, "api_port": self.api_port or _free_port(), "run_dir": str(self.run_dir)})
         env = {**os.environ, **self.settings.to_env(), **self.extra_env}
+        self.supervisor = Supervisor(self.run_dir, self._specs(), env, self.policy,
+                                     on_change=lambda _pids: self._write_state())
         try:
             for name in self.services:
-                self.start_service(name, env)
+                self.supervisor.spawn(name)
             self.wait_ready()
         except BaseException:
             self.stop()
             raise
         self._write_state()
+        if self.supervise:
+            self._thread = threading.Thread(target=self.supervisor.run, args=(self._stop_supervision,),
+                                            name="stack-supervisor", daemon=True)
+            self._thread.start()
         return self.settings
 
+    def _specs(self) -> list[ServiceSpec]:
+        specs = []
+        for name in self.services:
+            spec = ServiceSpec(name=name, module=f"robustrl.services.{name}")
+            if name == "controller":
+                # Its health is its REST API's; a health port in its environment would be
+                # inherited by the members it launches.
+                spec.health_url = f"{self.api_url}/healthz"
+            else:
+                port = _free_port()
+                spec.env = {ENV_PORT: str(port)}
+                spec.health_url = f"http://127.0.0.1:{port}/healthz"
+            specs.append(spec)
+        return specs
+
     def start_service(self, name: str, env: dict[str, str] | None = None) -> None:
-        assert self.settings
-        env = env or {**os.environ, **self.settings.to_env(), **self.extra_env}
-        log = open(self.run_dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
-        try:
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", f"robustrl.services.{name}"], env=env, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            log.close()
+        """Start one service now (also one the stack was not started with)."""
+        assert self.settings and self.supervisor
+        if name not in self.supervisor.specs:
+            self.supervisor.specs[name] = ServiceSpec(name=name, module=f"robustrl.services.{name}")
+        if env:
+            self.supervisor.specs[name].env.update(env)
+        self.supervisor.resume(name)
+        self.supervisor.spawn(name)
+        self._write_state()
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        assert self.supervisor
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise LaunchError(f"{name} exited with {proc.returncode}; see {self.run_dir}/logs/{name}.log",
-                                      member=name)
+            for name, rc in self.supervisor.exited().items():
+                raise LaunchError(f"{name} exited with {rc}; see {self.run_dir}/logs/{name}.log", member=name)
             try:
                 if httpx.get(f"{self.api_url}/healthz", timeout=1.0).status_code == 200:
                     return
@@ -102,31 +157,72 @@ class Stack:
         raise LaunchError(f"controller not ready after {timeout_s:.0f}s; see {self.run_dir}/logs/controller.log")
 
     def detach(self) -> None:
-        """Leave everything running after this process exits (``robustrl up``)."""
+        """Leave everything running after this process exits (``robustrl up``): the services are
+        handed to a detached supervisor process that adopts them by pid."""
         if self.infra:
             atexit.unregister(self.infra.stop)
+        if not (self.supervise and self.supervisor and self.settings):
+            return
+        self._stop_supervision.set()
+        if self._thread:
+            self._thread.join()
+        write_handover(self.run_dir, list(self.supervisor.specs.values()), self.supervisor.pids(), self.policy)
+        env = {**os.environ, **self.settings.to_env(), **self.extra_env}
+        with open(self.run_dir / "logs" / "supervisor.log", "ab") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "robustrl.supervisor", str(self.run_dir)], env=env,
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        self._supervisor_pid = proc.pid
+        self._write_state()
 
-    def kill_service(self, name: str) -> None:
-        proc = self.procs.get(name)
-        if proc and proc.poll() is None:
+    # --- faults on the control plane (the chaos harness and the benchmarks use these) ---------
+
+    def kill_service(self, name: str, restart: bool = False) -> None:
+        """SIGKILL a service's process group; the supervisor restarts it only when ``restart``."""
+        assert self.supervisor
+        if not restart:
+            self.supervisor.pause(name)
+        proc = self.supervisor.procs.get(name)
+        if proc and proc.returncode() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+            if proc.popen is not None:
+                proc.popen.wait(5)
+
+    def crash_service(self, name: str) -> int:
+        """Machine loss of a control-plane service: SIGKILL; the supervisor restarts it. Returns the pid hit."""
+        pid = self.pids()[name]
+        self.kill_service(name, restart=True)
+        return pid
+
+    def hang_service(self, name: str, duration_s: float) -> int:
+        """SIGSTOP the service for ``duration_s`` then SIGCONT it (in a timer thread). Returns the pid hit.
+
+        If the supervisor meanwhile judged it hung and replaced it, the SIGCONT finds nothing to wake.
+        """
+        pid = self.pids()[name]
+        os.killpg(pid, signal.SIGSTOP)
+
+        def _wake() -> None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGCONT)
+
+        timer = threading.Timer(duration_s, _wake)
+        timer.daemon = True
+        timer.start()
+        return pid
+
+    def restarts(self) -> list[dict[str, object]]:
+        """Every supervisor restart so far (from ``logs/supervisor.jsonl``)."""
+        return read_restarts(self.run_dir)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop services (controller first, so it stops its members), then the infra. Idempotent."""
-        for name in list(self.procs):
-            proc = self.procs.get(name)
-            if proc and proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait(grace_s)
-                except (subprocess.TimeoutExpired, ProcessLookupError):
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    proc.wait(5)
-        self.procs.clear()
+        self._stop_supervision.set()
+        if self._thread:
+            self._thread.join()
+            self._thread = None
+        if self.supervisor:
+            self.supervisor.stop_all(grace_s=grace_s)
         if self.infra:
             self.infra.stop()
             self.infra = None
@@ -135,9 +231,10 @@ class Stack:
     def _write_state(self) -> None:
         assert self.settings
         path = self.run_dir / STACK_FILE
-        path.write_text(json.dumps({"api_url": self.api_url, "token": self.settings.api_token,
-                                    "pids": {n: p.pid for n, p in self.procs.items()}}))
-        path.chmod(0o600)
+        state = {"api_url": self.api_url, "token": self.settings.api_token, "pids": self.pids()}
+        if self._supervisor_pid:
+            state["supervisor_pid"] = self._supervisor_pid
+        binaries.write_private(path, json.dumps(state))
 
     def __enter__(self) -> Stack:
         self.start()
@@ -147,12 +244,28 @@ class Stack:
         self.stop()
 
 
+def update_pids(run_dir: Path, pids: dict[str, int]) -> None:
+    """A detached supervisor records the restarted services' pids for ``robustrl down``."""
+    path = run_dir / STACK_FILE
+    with contextlib.suppress(OSError, ValueError):
+        state = json.loads(path.read_text())
+        state["pids"] = pids
+        binaries.write_private(path, json.dumps(state))
+
+
 def stop_detached(run_dir: Path | str) -> list[str]:
     """``robustrl down``: stop services and infra recorded under ``run_dir``."""
     run_dir = Path(run_dir).resolve()
     stopped = []
     path = run_dir / STACK_FILE
     if path.exists():
+        sup_pid = json.loads(path.read_text()).get("supervisor_pid")
+        if sup_pid:
+            # The supervisor first, or it would start again what is stopped next.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(sup_pid, signal.SIGTERM)
+                _wait_pid_gone(sup_pid, STOP_GRACE_S)
+                stopped.append("supervisor")
         for name, pid in json.loads(path.read_text()).get("pids", {}).items():
             try:
                 os.killpg(pid, signal.SIGTERM)
@@ -167,3 +280,8 @@ def stop_detached(run_dir: Path | str) -> list[str]:
         except Exception:
             pass
     return stopped
+
+
+def _wait_pid_gone(pid: int, timeout: float) -> None:
+    with contextlib.suppress(psutil.Error):
+        psutil.Process(pid).wait(timeout)

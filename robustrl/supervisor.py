@@ -1,0 +1,343 @@
+"""Supervision of the control plane in the local stack: a lost service is started again.
+
+The controller, detector and request manager keep their state in Redis and JetStream and
+resume after a restart (DESIGN section 4b); something must still start them again. Under
+compose Docker does it (``restart: unless-stopped``); in the local stack (``robustrl up``,
+``robustrl demo``, the tests and the benchmarks) this module does, the way a process
+supervisor would:
+
+* **exit**: a service whose process exited is started again after a backoff that doubles
+  with each restart in the window (``RestartPolicy``); past ``max_restarts`` in ``window_s``
+  it stays down and the supervisor says so (a crash loop must not spin);
+* **hang**: a service that has not answered its ``/healthz`` for ``hang_timeout_s`` (any HTTP
+  answer counts, even a 503 while NATS is away: the event loop runs) is killed and then
+  restarted like an exit.
+
+Each restart is logged and appended as one JSON line to ``logs/supervisor.jsonl``. The
+supervisor runs as a thread of the process that owns the stack, or, after ``robustrl up``
+returns, as a detached process (``python -m robustrl.supervisor RUN_DIR``) that adopts the
+running services by pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+log = logging.getLogger("robustrl.supervisor")
+
+POLL_INTERVAL_S = 0.1
+"""How often the supervisor looks at the processes (an exit is seen within this)."""
+PROBE_INTERVAL_S = 1.0
+"""How often each service's ``/healthz`` is asked."""
+PROBE_TIMEOUT_S = 3.0
+"""One health probe; longer than a service's own check timeout (a Redis ping, 2 s)."""
+STOP_GRACE_S = 5.0
+"""SIGTERM to SIGKILL when the stack stops a service."""
+RESTART_LOG = "supervisor.jsonl"
+SUPERVISOR_FILE = "supervisor.json"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How a lost service is restarted.
+
+    Attributes:
+        backoff_s: delay before the first restart in a window; doubles with each further one.
+        backoff_max_s: cap on that delay.
+        max_restarts: restarts allowed per service within ``window_s``; one more and it stays down.
+        window_s: the sliding window for ``max_restarts``.
+        hang_timeout_s: no answer from ``/healthz`` for this long = hung (0 disables the probe).
+    """
+
+    backoff_s: float = 0.2
+    backoff_max_s: float = 10.0
+    max_restarts: int = 10
+    window_s: float = 600.0
+    hang_timeout_s: float = 8.0
+
+    def delay(self, recent: int) -> float:
+        """Backoff before a restart when ``recent`` restarts already happened in the window."""
+        return float(min(self.backoff_max_s, self.backoff_s * (2 ** recent)))
+
+    def allows(self, restarts_at: list[float], now: float) -> bool:
+        """Whether one more restart fits the budget."""
+        return sum(1 for t in restarts_at if now - t < self.window_s) < self.max_restarts
+
+
+@dataclass
+class ServiceSpec:
+    """How to (re)start one service: module, log file, extra env and where it answers health."""
+
+    name: str
+    module: str
+    env: dict[str, str] = field(default_factory=dict)
+    health_url: str | None = None
+    args: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RestartRecord:
+    """One restart, as logged."""
+
+    service: str
+    reason: str  # "exit" | "hang"
+    returncode: int | None
+    old_pid: int
+    new_pid: int
+    restart: int
+    backoff_s: float
+    ts: float
+
+
+class _Proc:
+    """A supervised process: our child (Popen) or adopted from another process (pid + start time)."""
+
+    def __init__(self, pid: int, popen: subprocess.Popen[bytes] | None = None,
+                 create_time: float | None = None) -> None:
+        self.pid = pid
+        self.popen = popen
+        self.create_time = create_time
+        if popen is None and create_time is None:
+            with contextlib.suppress(psutil.Error):
+                self.create_time = psutil.Process(pid).create_time()
+
+    def returncode(self) -> int | None:
+        """None while running; the exit code (or -1 when unknown) once gone."""
+        if self.popen is not None:
+            return self.popen.poll()
+        try:
+            proc = psutil.Process(self.pid)
+            if self.create_time and abs(proc.create_time() - self.create_time) > 0.01:
+                return -1
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return -1
+            return None
+        except psutil.Error:
+            return -1
+
+
+class Supervisor:
+    """Starts the services, watches them, restarts the lost ones (see the module doc)."""
+
+    def __init__(self, run_dir: Path, specs: list[ServiceSpec], base_env: Mapping[str, str],
+                 policy: RestartPolicy | None = None,
+                 on_change: Callable[[dict[str, int]], None] | None = None) -> None:
+        self.run_dir = run_dir
+        self.specs = {s.name: s for s in specs}
+        self.base_env = dict(base_env)
+        self.policy = policy or RestartPolicy()
+        self.on_change = on_change
+        self.procs: dict[str, _Proc] = {}
+        self.restarts: list[RestartRecord] = []
+        self.given_up: set[str] = set()
+        self._restart_times: dict[str, list[float]] = {}
+        self._pending: dict[str, tuple[float, float, str, int | None, int]] = {}  # (due, delay, reason, rc, pid)
+        self._last_answer: dict[str, float] = {}
+        self._last_probe = 0.0
+        self._lock = threading.RLock()
+        self._paused: set[str] = set()
+
+    # --- processes --------------------------------------------------------------------------
+
+    def spawn(self, name: str) -> int:
+        spec = self.specs[name]
+        env = {**self.base_env, **spec.env}
+        with open(self.run_dir / "logs" / f"{name}.log", "ab") as out:
+            popen = subprocess.Popen([sys.executable, "-m", spec.module, *spec.args], env=env, stdout=out,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        with self._lock:
+            self.procs[name] = _Proc(popen.pid, popen)
+            self._last_answer[name] = time.monotonic()
+        return popen.pid
+
+    def adopt(self, name: str, pid: int) -> None:
+        """Watch a service started by another process (``robustrl up`` hands over to a detached supervisor)."""
+        with self._lock:
+            self.procs[name] = _Proc(pid)
+            self._last_answer[name] = time.monotonic()
+
+    def pids(self) -> dict[str, int]:
+        with self._lock:
+            return {n: p.pid for n, p in self.procs.items()}
+
+    def exited(self) -> dict[str, int]:
+        """Services whose process is gone right now: name -> exit code."""
+        with self._lock:
+            return {n: rc for n, p in self.procs.items() if (rc := p.returncode()) is not None}
+
+    def pause(self, name: str) -> None:
+        """Stop supervising ``name`` (the stack is stopping it on purpose)."""
+        with self._lock:
+            self._paused.add(name)
+            self._pending.pop(name, None)
+
+    def resume(self, name: str) -> None:
+        with self._lock:
+            self._paused.discard(name)
+
+    def stop_all(self, names: list[str] | None = None, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM each (in order), SIGKILL after ``grace_s``; they are not restarted."""
+        for name in names or list(self.procs):
+            self.pause(name)
+            proc = self.procs.get(name)
+            if proc is None or proc.returncode() is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            if not _wait_gone(proc, grace_s):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                _wait_gone(proc, STOP_GRACE_S)
+
+    # --- supervision ------------------------------------------------------------------------
+
+    def poll_once(self, now: float | None = None) -> list[RestartRecord]:
+        """One round: notice exits and hangs, start the services whose backoff is over."""
+        now = time.monotonic() if now is None else now
+        if self.policy.hang_timeout_s > 0 and now - self._last_probe >= PROBE_INTERVAL_S:
+            self._last_probe = now
+            self._probe_all(now)
+        done: list[RestartRecord] = []
+        with self._lock:
+            for name, proc in list(self.procs.items()):
+                if name in self._paused or name in self._pending or name in self.given_up:
+                    continue
+                rc = proc.returncode()
+                if rc is not None:
+                    self._schedule(name, now, "exit", rc, proc.pid)
+                elif self._hung(name, now):
+                    log.warning("supervisor: %s (pid %d) has not answered /healthz for %.1f s: killing it",
+                                name, proc.pid, now - self._last_answer[name])
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    if proc.popen is not None:
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            proc.popen.wait(STOP_GRACE_S)
+                    self._schedule(name, now, "hang", None, proc.pid)
+            for name, (due, delay, reason, rc, old_pid) in list(self._pending.items()):
+                if due > now:
+                    continue
+                del self._pending[name]
+                new_pid = self.spawn(name)
+                times = self._restart_times.setdefault(name, [])
+                times.append(now)
+                rec = RestartRecord(service=name, reason=reason, returncode=rc, old_pid=old_pid, new_pid=new_pid,
+                                    restart=len(times), backoff_s=round(delay, 3),
+                                    ts=time.time())
+                self.restarts.append(rec)
+                done.append(rec)
+                log.warning("supervisor: restarted %s (%s, rc=%s): pid %d -> %d (restart %d)", name, reason, rc,
+                            old_pid, new_pid, rec.restart)
+                with open(self.run_dir / "logs" / RESTART_LOG, "a") as fh:
+                    fh.write(json.dumps(asdict(rec)) + "\n")
+        if done and self.on_change:
+            self.on_change(self.pids())
+        return done
+
+    def _schedule(self, name: str, now: float, reason: str, rc: int | None, old_pid: int) -> None:
+        times = self._restart_times.setdefault(name, [])
+        if not self.policy.allows(times, now):
+            self.given_up.add(name)
+            log.error("supervisor: %s lost (%s, rc=%s) after %d restarts in %.0f s: leaving it down", name, reason,
+                      rc, len(times), self.policy.window_s)
+            with open(self.run_dir / "logs" / RESTART_LOG, "a") as fh:
+                fh.write(json.dumps({"service": name, "reason": reason, "returncode": rc, "gave_up": True,
+                                     "ts": time.time()}) + "\n")
+            return
+        recent = sum(1 for t in times if now - t < self.policy.window_s)
+        delay = self.policy.delay(recent)
+        self._pending[name] = (now + delay, delay, reason, rc, old_pid)
+
+    def _hung(self, name: str, now: float) -> bool:
+        if self.policy.hang_timeout_s <= 0 or self.specs[name].health_url is None:
+            return False
+        return now - self._last_answer.get(name, now) > self.policy.hang_timeout_s
+
+    def _probe_all(self, now: float) -> None:
+        for name, spec in self.specs.items():
+            if spec.health_url is None or name not in self.procs:
+                continue
+            try:
+                httpx.get(spec.health_url, timeout=PROBE_TIMEOUT_S)
+            except httpx.HTTPError:
+                continue
+            # Any HTTP answer, even a 503 while NATS or Redis is away: the event loop runs.
+            self._last_answer[name] = time.monotonic()
+
+    def run(self, stop: threading.Event) -> None:
+        """Supervise until ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                self.poll_once()
+            except Exception:  # one bad round must not end supervision
+                log.exception("supervision round failed")
+            stop.wait(POLL_INTERVAL_S)
+
+
+def _wait_gone(proc: _Proc, timeout: float) -> bool:
+    if proc.popen is not None:
+        try:
+            proc.popen.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.returncode() is not None:
+            return True
+        time.sleep(POLL_INTERVAL_S)
+    return False
+
+
+def read_restarts(run_dir: Path | str) -> list[dict[str, object]]:
+    """The restarts logged under ``run_dir`` (``logs/supervisor.jsonl``), oldest first."""
+    path = Path(run_dir) / "logs" / RESTART_LOG
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --- detached mode (``robustrl up``) -----------------------------------------------------------
+
+
+def write_handover(run_dir: Path, specs: list[ServiceSpec], pids: dict[str, int], policy: RestartPolicy) -> None:
+    """What a detached supervisor needs (no secrets: those come in its environment)."""
+    path = run_dir / SUPERVISOR_FILE
+    path.write_text(json.dumps({"specs": [asdict(s) for s in specs], "pids": pids, "policy": asdict(policy)}))
+    path.chmod(0o600)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m robustrl.supervisor RUN_DIR``: adopt the services recorded there and supervise them."""
+    from robustrl.stack import update_pids
+
+    run_dir = Path(argv[0]).resolve()
+    raw = json.loads((run_dir / SUPERVISOR_FILE).read_text())
+    specs = [ServiceSpec(**s) for s in raw["specs"]]
+    sup = Supervisor(run_dir, specs, os.environ, RestartPolicy(**raw["policy"]),
+                     on_change=lambda pids: update_pids(run_dir, pids))
+    for name, pid in raw["pids"].items():
+        sup.adopt(name, int(pid))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    sup.run(stop)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s supervisor %(levelname)s: %(message)s")
+    main(sys.argv[1:])

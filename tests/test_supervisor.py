@@ -1,0 +1,149 @@
+"""The control-plane supervisor: lost services come back, hung ones are replaced, crash loops stop.
+
+Real processes (``python -m http.server`` stands in for a service: it answers HTTP on its port,
+so the hang probe sees it) — no infra needed, so these run in a second or two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from support import eventually
+
+from robustrl.supervisor import RestartPolicy, ServiceSpec, Supervisor, read_restarts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture
+def supervised(tmp_path: Path) -> Iterator[tuple[Supervisor, threading.Event]]:
+    (tmp_path / "logs").mkdir()
+    port = _free_port()
+    spec = ServiceSpec(name="svc", module="http.server", args=["--bind", "127.0.0.1", str(port)],
+                       health_url=f"http://127.0.0.1:{port}/")
+    sup = Supervisor(tmp_path, [spec], os.environ,
+                     RestartPolicy(backoff_s=0.05, backoff_max_s=0.2, max_restarts=3, window_s=60,
+                                   hang_timeout_s=2.0))
+    sup.spawn("svc")
+    stop = threading.Event()
+    thread = threading.Thread(target=sup.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield sup, stop
+    finally:
+        stop.set()
+        thread.join()
+        sup.stop_all(grace_s=2)
+
+
+def test_backoff_doubles_up_to_the_cap_and_budget_is_per_window() -> None:
+    policy = RestartPolicy(backoff_s=0.5, backoff_max_s=3.0, max_restarts=2, window_s=10)
+    assert [policy.delay(n) for n in range(4)] == [0.5, 1.0, 2.0, 3.0]
+    assert policy.allows([], now=100)
+    assert policy.allows([95.0], now=100)
+    assert not policy.allows([95.0, 99.0], now=100)
+    assert policy.allows([85.0, 99.0], now=100)  # the older restart left the window
+
+
+def test_killed_service_is_restarted_and_logged(supervised: tuple[Supervisor, threading.Event],
+                                                tmp_path: Path) -> None:
+    sup, _ = supervised
+    first = sup.pids()["svc"]
+    os.killpg(first, signal.SIGKILL)
+    eventually(lambda: sup.pids()["svc"] != first and _alive(sup.pids()["svc"]), timeout=10,
+               what="svc restarted")
+    logged = read_restarts(tmp_path)
+    assert [(r["service"], r["reason"], r["old_pid"], r["returncode"]) for r in logged] == [
+        ("svc", "exit", first, -signal.SIGKILL)]
+    assert logged[0]["new_pid"] == sup.pids()["svc"]
+
+
+def test_stopped_service_is_judged_hung_and_replaced(supervised: tuple[Supervisor, threading.Event],
+                                                     tmp_path: Path) -> None:
+    sup, _ = supervised
+    first = sup.pids()["svc"]
+    # Wait until the first probe has answered, so the hang clock starts from a live service.
+    eventually(lambda: sup.pids()["svc"] == first and _alive(first), timeout=5)
+    os.killpg(first, signal.SIGSTOP)
+    eventually(lambda: sup.pids()["svc"] != first, timeout=15, what="hung svc replaced")
+    assert not _alive(first), "the hung process was left behind"
+    assert [r["reason"] for r in read_restarts(tmp_path)] == ["hang"]
+
+
+def test_crash_loop_gives_up_after_the_budget(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    # A module that exits at once: every restart fails again.
+    spec = ServiceSpec(name="bad", module="robustrl.no_such_module")
+    sup = Supervisor(tmp_path, [spec], os.environ,
+                     RestartPolicy(backoff_s=0.01, backoff_max_s=0.05, max_restarts=3, window_s=60,
+                                   hang_timeout_s=0))
+    sup.spawn("bad")
+    stop = threading.Event()
+    thread = threading.Thread(target=sup.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        eventually(lambda: "bad" in sup.given_up, timeout=20, what="supervisor gave up")
+        logged = read_restarts(tmp_path)
+        assert sum(1 for r in logged if not r.get("gave_up")) == 3
+        assert logged[-1]["gave_up"] is True
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_paused_service_is_not_restarted(supervised: tuple[Supervisor, threading.Event], tmp_path: Path) -> None:
+    sup, _ = supervised
+    pid = sup.pids()["svc"]
+    sup.pause("svc")
+    os.killpg(pid, signal.SIGKILL)
+    sup.procs["svc"].popen.wait(5)  # type: ignore[union-attr]
+    # Several supervision rounds pass (each polls every 0.1 s); nothing may be restarted.
+    for _ in range(5):
+        sup.poll_once()
+    assert sup.pids()["svc"] == pid and read_restarts(tmp_path) == []
+
+
+def test_detached_supervisor_adopts_processes_it_did_not_start(tmp_path: Path) -> None:
+    """``robustrl up`` hands its services to ``python -m robustrl.supervisor``: it restarts them too."""
+    from robustrl.supervisor import write_handover
+
+    (tmp_path / "logs").mkdir()
+    port = _free_port()
+    spec = ServiceSpec(name="svc", module="http.server", args=["--bind", "127.0.0.1", str(port)])
+    orphan = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    (tmp_path / "stack.json").write_text('{"pids": {}}')
+    write_handover(tmp_path, [spec], {"svc": orphan.pid}, RestartPolicy(backoff_s=0.05, hang_timeout_s=0))
+    sup = subprocess.Popen([sys.executable, "-m", "robustrl.supervisor", str(tmp_path)], start_new_session=True)
+    try:
+        os.killpg(orphan.pid, signal.SIGKILL)
+        orphan.wait(5)
+        restarted = eventually(lambda: read_restarts(tmp_path), timeout=15, what="adopted svc restarted")
+        assert restarted[0]["old_pid"] == orphan.pid
+        assert json.loads((tmp_path / "stack.json").read_text())["pids"]["svc"] == restarted[0]["new_pid"]
+        new_pid = int(restarted[0]["new_pid"])
+    finally:
+        sup.terminate()
+        sup.wait(5)
+    os.killpg(new_pid, signal.SIGKILL)
