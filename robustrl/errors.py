@@ -62,6 +62,17 @@ class CheckpointError(StorageError):
     retryable = False
 
 
+class CheckpointLost(CheckpointError):
+    """Steps are committed but no checkpoint can reproduce them (``step``: the newest committed,
+    ``durable``: the newest checkpoint once durable). Training on from random weights would
+    silently rewrite a committed history, so the job must fail instead."""
+
+
+class StaleEpoch(RobustRLError):
+    """A write by an older trainer-gang epoch was refused: a newer gang (``newest``) has taken
+    over. The stale gang (``epoch``) must stop; retrying cannot help."""
+
+
 class WeightSyncError(RobustRLError):
     """A weight version could not be pulled or failed verification."""
 
