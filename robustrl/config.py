@@ -87,12 +87,24 @@ class DetectorSpec(BaseModel):
     metrics_interval_s: float = Field(5.0, gt=0.0)
     weights_load_s: float = Field(600.0, gt=0.0, description=(
         "A replica in phase loading_weights for longer than this is a fault (weights_load_timeout)."))
+    # Deadlines the request manager enforces (DESIGN section 4, "every wait is bounded"); it also
+    # bounds its wait for serving replicas to reach a step's weights version by weights_load_s.
+    turn_deadline_s: float = Field(600.0, gt=0.0, description=(
+        "A dispatched turn with no reply after this is re-dispatched from its prefix to another replica."))
+    step_deadline_s: float = Field(3600.0, gt=0.0, description=(
+        "A step not handed to the trainer after this is a fault naming what it still waits for."))
+
+    @model_validator(mode="after")
+    def _step_deadline_covers_its_parts(self) -> DetectorSpec:
+        if self.step_deadline_s < max(self.turn_deadline_s, self.weights_load_s):
+            raise ValueError("step_deadline_s must be >= turn_deadline_s and weights_load_s")
+        return self
 
     @classmethod
     def reference(cls) -> DetectorSpec:
         """Scaled-down thresholds for the reference job on a 2-core machine."""
         return cls(trainer_idle_s=4.0, rollout_idle_s=2.0, silence_s=3.0, probe_timeout_s=1.0,
-                   metrics_interval_s=0.25, weights_load_s=30.0)
+                   metrics_interval_s=0.25, weights_load_s=30.0, turn_deadline_s=10.0, step_deadline_s=180.0)
 
 
 class WeightSyncSpec(BaseModel):
