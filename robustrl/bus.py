@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -18,6 +19,13 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import StreamConfig
+from tenacity import (
+    AsyncRetrying,
+    before_sleep_log,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_random_exponential,
+)
 
 from robustrl import subjects
 from robustrl.errors import MessageError, RequestTimeout, TransportError
@@ -29,9 +37,21 @@ M = TypeVar("M", bound=Wire)
 Handler = Callable[[M, str, str | None], Awaitable[None]]
 
 CONNECT_TIMEOUT_S = 5.0
+"""One attempt to open the connection."""
+CONNECT_RETRY_S = 30.0
+"""How long a (re)starting service keeps trying to reach NATS, e.g. while the server restarts."""
+RECONNECT_WAIT_S = 0.2
+"""Pause between reconnect attempts once connected; attempts never stop (a job outlives a restart)."""
 REQUEST_TIMEOUT_S = 2.0
 DRAIN_TIMEOUT_S = 2.0
 EVENT_READ_TIMEOUT_S = 5.0
+EVENT_PUBLISH_RETRY_S = 30.0
+"""How long an event is retried while JetStream is away (server restart, leader change)."""
+RETRY_WAIT_INITIAL_S = 0.1
+RETRY_WAIT_MAX_S = 2.0
+MSG_ID_HEADER = "Nats-Msg-Id"
+"""JetStream drops a second publish with the same id (duplicate window), so a retry after a lost
+ack never stores an event twice."""
 
 
 class Bus:
@@ -44,24 +64,50 @@ class Bus:
         self.handler_errors = 0
         self._js = nc.jetstream()
         self._closed = False
+        self.disconnects = 0
+        self.reconnects = 0
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout: float = CONNECT_TIMEOUT_S,
-                      reconnect: bool = True) -> Bus:
-        """Connect with automatic reconnect; raise TransportError naming the URL if unreachable."""
+                      reconnect: bool = True, connect_retry_s: float | None = None) -> Bus:
+        """Connect with automatic reconnect (never giving up); raise TransportError naming the URL
+        if the server cannot be reached within ``connect_retry_s`` (default ``CONNECT_RETRY_S``
+        with ``reconnect``, one attempt without).
+
+        Subscriptions survive a reconnect (the client subscribes again), and publishes made
+        while disconnected are buffered and flushed on reconnect.
+        """
+        bus: Bus | None = None
 
         async def _err(exc: Exception) -> None:
             log.debug("nats %s: %s", name, exc)
 
+        async def _down() -> None:
+            if bus is not None:
+                bus.disconnects += 1
+            log.warning("nats %s: disconnected; reconnecting", name)
+
+        async def _up() -> None:
+            if bus is not None:
+                bus.reconnects += 1
+            log.warning("nats %s: reconnected", name)
+
+        budget = (CONNECT_RETRY_S if reconnect else 0.0) if connect_retry_s is None else connect_retry_s
         try:
-            nc = await nats.connect(
-                servers=[url], name=name, connect_timeout=connect_timeout,
-                allow_reconnect=reconnect, max_reconnect_attempts=-1 if reconnect else 0,
-                reconnect_time_wait=0.2, error_cb=_err,
-            )
+            async for attempt in AsyncRetrying(
+                    stop=stop_after_delay(budget), reraise=True,
+                    wait=wait_random_exponential(RETRY_WAIT_INITIAL_S, RETRY_WAIT_MAX_S),
+                    before_sleep=before_sleep_log(log, logging.WARNING)):
+                with attempt:
+                    nc = await nats.connect(
+                        servers=[url], name=name, connect_timeout=connect_timeout,
+                        allow_reconnect=reconnect, max_reconnect_attempts=-1 if reconnect else 0,
+                        reconnect_time_wait=RECONNECT_WAIT_S, error_cb=_err, disconnected_cb=_down,
+                        reconnected_cb=_up)
         except Exception as exc:  # nats raises several unrelated types here
             raise TransportError(f"cannot connect to NATS at {_redact(url)}: {exc}", url=_redact(url)) from exc
-        return cls(nc, name)
+        bus = cls(nc, name)
+        return bus
 
     @property
     def connected(self) -> bool:
@@ -119,15 +165,35 @@ class Bus:
             await self._js.add_stream(StreamConfig(name=subjects.EVENTS_STREAM, subjects=[subjects.EVENTS_ALL],
                                                    max_age=7 * 24 * 3600.0))
 
+    async def publish_durable(self, subject: str, data: bytes, *, msg_id: str | None = None,
+                              retry_s: float = EVENT_PUBLISH_RETRY_S) -> None:
+        """Publish to a JetStream stream and wait for its ack, retrying with backoff and jitter
+        for up to ``retry_s`` (a server restart or a reconnect in progress). The message id makes
+        the retries idempotent: JetStream stores it once.
+
+        Raises:
+            TransportError: not acknowledged within ``retry_s``.
+        """
+        headers = {MSG_ID_HEADER: msg_id or uuid.uuid4().hex}
+        try:
+            async for attempt in AsyncRetrying(
+                    stop=stop_after_delay(retry_s), reraise=True,
+                    wait=wait_random_exponential(RETRY_WAIT_INITIAL_S, RETRY_WAIT_MAX_S),
+                    retry=retry_if_exception_type(Exception)):
+                with attempt:
+                    await self._js.publish(subject, data, timeout=REQUEST_TIMEOUT_S, headers=headers)
+        except Exception as exc:
+            raise TransportError(f"{subject} not stored by JetStream within {retry_s:.0f}s: {exc}",
+                                 subject=subject) from exc
+
     async def emit_event(self, job_id: str, kind: str, data: dict[str, Any] | None = None,
                          ts: float | None = None) -> Event:
-        """Append one event to the job's log (acknowledged by JetStream)."""
+        """Append one event to the job's log (acknowledged by JetStream, retried through an outage)."""
         event = Event(job_id=job_id, kind=kind, data=data or {}, **({"ts": ts} if ts is not None else {}))
         try:
-            await self._js.publish(subjects.events(job_id, kind), event.encode(), timeout=REQUEST_TIMEOUT_S)
-        except Exception as exc:
-            # The log is best effort for the service that emits: it must not die because
-            # JetStream is briefly unavailable (e.g. during a reconnect).
+            await self.publish_durable(subjects.events(job_id, kind), event.encode())
+        except TransportError as exc:
+            # The service that emits must not die because JetStream stayed away past the retry budget.
             log.warning("%s: event %s for %s not stored: %s", self.name, kind, job_id, exc)
         return event
 

@@ -75,6 +75,7 @@ class EmbeddedInfra:
         self.settings: Settings | None = None
         self.records: list[ProcessRecord] = []
         self._popens: dict[int, subprocess.Popen[bytes]] = {}
+        self._services: dict[str, binaries.Service] = {}
         self._atexit_registered = False
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -96,6 +97,7 @@ class EmbeddedInfra:
         redis = binaries.RedisServer(self.run_dir, binaries.redis_server())
         s3 = binaries.S3Server(self.run_dir, binaries.rclone(), self.bucket)
         services: list[binaries.Service] = [nats, redis, s3]
+        self._services = {svc.name: svc for svc in services}
         self._register_atexit()
         try:
             # Spawn all first, then wait: the servers start in parallel.
@@ -129,6 +131,38 @@ class EmbeddedInfra:
         if self._atexit_registered:
             atexit.unregister(self.stop)
             self._atexit_registered = False
+
+    def restart(self, name: str) -> float:
+        """Stop one server (SIGTERM, so it flushes its data) and start it again on the SAME port,
+        credentials and data directory: clients reconnect to the same URL and find their state
+        (Redis keys from the AOF, JetStream streams from the store dir, S3 objects on disk).
+
+        Args:
+            name: ``nats``, ``redis`` or ``s3``.
+        Returns:
+            Seconds the server was unavailable (stop + start until it answers its ping).
+        Raises:
+            LaunchError: not started by this object (``load()`` cannot restart), unknown
+                name, or the server did not come back on its port.
+        """
+        svc = self._services.get(name)
+        record = next((r for r in self.records if r.name == name), None)
+        if svc is None or record is None:
+            raise LaunchError(f"cannot restart {name!r}: not a server this object started "
+                              f"(have {sorted(self._services)})", member=name)
+        t0 = time.monotonic()
+        self._terminate(record)
+        self.records = [r for r in self.records if r.pid != record.pid]
+        self._popens.pop(record.pid, None)
+        popen = self._spawn(svc, prepare=False)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not svc.ready():
+            if popen.poll() is not None or time.monotonic() > deadline:
+                raise LaunchError(f"{svc.binary.name} did not come back on its port after a restart; "
+                                  f"log {svc.log}:\n{_log_tail(svc.log)}", member=name)
+            time.sleep(_POLL_S)
+        self._write_infra_file()
+        return time.monotonic() - t0
 
     def __enter__(self) -> Settings:
         return self.start()
@@ -179,8 +213,9 @@ class EmbeddedInfra:
             atexit.register(self.stop)
             self._atexit_registered = True
 
-    def _spawn(self, svc: binaries.Service) -> subprocess.Popen[bytes]:
-        svc.prepare()
+    def _spawn(self, svc: binaries.Service, prepare: bool = True) -> subprocess.Popen[bytes]:
+        if prepare:  # a restart keeps the port and config of the first start
+            svc.prepare()
         argv, extra_env = svc.command()
         env = dict(os.environ)
         env.update(extra_env)

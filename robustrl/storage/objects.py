@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import re
 import uuid
@@ -20,6 +21,14 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlparse
+
+from tenacity import (
+    before_sleep_log,
+    retry,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_random_exponential,
+)
 
 from robustrl.config import Settings
 from robustrl.errors import ConfigError, StorageError
@@ -32,6 +41,11 @@ RETRIES = 2
 """Retries of one S3 request after a connection error or a 5xx answer (with back-off)."""
 PART_SIZE = 64 * 1024 * 1024
 """Multipart part size: objects up to this size go up in one PUT."""
+UNAVAILABLE_RETRY_S = 30.0
+"""How long an S3 call is retried (backoff with jitter) while the server cannot be reached at
+all, e.g. during its restart; every call here is idempotent (a PUT of the same key and bytes)."""
+
+log = logging.getLogger(__name__)
 
 _TMP_MARK = ".tmp-"
 
@@ -43,6 +57,15 @@ class ObjectNotFound(StorageError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return StorageError.__str__(self)
+
+
+class StoreUnavailable(StorageError):
+    """The S3 server could not be reached (refused, reset, timed out): retried by every call."""
+
+
+_retry_unavailable = retry(
+    retry=retry_if_exception_type(StoreUnavailable), stop=stop_after_delay(UNAVAILABLE_RETRY_S),
+    wait=wait_random_exponential(0.1, 2.0), reraise=True, before_sleep=before_sleep_log(log, logging.WARNING))
 
 
 def check_key(key: str) -> str:
@@ -161,15 +184,20 @@ class S3ObjectStore(ObjectStore):
             if code in ("NoSuchKey", "NoSuchObject"):
                 raise ObjectNotFound("no such object", key=key, bucket=self.bucket) from exc
             raise StorageError(f"S3 {op} failed: {code or exc}", key=key, bucket=self.bucket) from exc
-        except (MinioException, HTTPError, OSError, ValueError) as exc:
+        except (HTTPError, OSError) as exc:
+            raise StoreUnavailable(f"S3 {op} failed at {self.endpoint}: {exc}", key=key,
+                                   bucket=self.bucket) from exc
+        except (MinioException, ValueError) as exc:
             raise StorageError(f"S3 {op} failed at {self.endpoint}: {exc}", key=key,
                                bucket=self.bucket) from exc
 
+    @_retry_unavailable
     def put(self, key: str, data: bytes) -> None:
         check_key(key)
         with self._errors("put", key):
             self._client.put_object(self.bucket, key, io.BytesIO(data), len(data), part_size=self.part_size)
 
+    @_retry_unavailable
     def get(self, key: str) -> bytes:
         check_key(key)
         with self._errors("get", key):
@@ -180,6 +208,7 @@ class S3ObjectStore(ObjectStore):
                 resp.close()
                 resp.release_conn()
 
+    @_retry_unavailable
     def exists(self, key: str) -> bool:
         check_key(key)
         try:
@@ -189,12 +218,14 @@ class S3ObjectStore(ObjectStore):
             return False
         return True
 
+    @_retry_unavailable
     def list(self, prefix: str = "") -> list[str]:
         with self._errors("list", prefix):
             return sorted(o.object_name for o in self._client.list_objects(self.bucket, prefix=prefix,
                                                                            recursive=True)
                           if o.object_name is not None and not o.is_dir)
 
+    @_retry_unavailable
     def delete(self, key: str) -> None:
         check_key(key)
         with self._errors("delete", key):

@@ -102,10 +102,26 @@ class Keys:
         return "rrl:jobs"
 
 
+REDIS_RETRIES = 40
+"""Retries of one command on a connection error; with the backoff below about 30 s in all, so a
+Redis restart (the embedded server reloads its AOF in well under a second) costs a pause, not a job."""
+REDIS_BACKOFF_BASE_S = 0.05
+REDIS_BACKOFF_CAP_S = 1.0
+
+
 def connect(url: str) -> aioredis.Redis:
-    """An asyncio Redis client (lazy: the first command connects)."""
+    """An asyncio Redis client (lazy: the first command connects). Every command (pipelines and
+    scripts too) is retried on connection errors and timeouts with exponential backoff and full
+    jitter, reconnecting in between: redis-py's own retry layer, the one place a call can be
+    repeated on a fresh connection."""
+    from redis import exceptions as rexc
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialWithJitterBackoff
+
+    retry = Retry(ExponentialWithJitterBackoff(cap=REDIS_BACKOFF_CAP_S, base=REDIS_BACKOFF_BASE_S),
+                  REDIS_RETRIES, supported_errors=(rexc.ConnectionError, rexc.TimeoutError, rexc.BusyLoadingError))
     return aioredis.from_url(url, decode_responses=False, socket_connect_timeout=5.0,
-                             health_check_interval=10)
+                             health_check_interval=10, retry=retry)
 
 
 async def _call(coro: Any, what: str) -> Any:

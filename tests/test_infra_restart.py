@@ -1,0 +1,146 @@
+"""Infra faults: NATS, Redis and S3 servers restart under their clients, which ride through.
+
+Each test restarts a server of its own (``EmbeddedInfra.restart``: SIGTERM, then the same port,
+credentials and data directory) while a client is using it, and checks from the raw server
+afterwards that nothing was lost or stored twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+import redis
+from support import eventually_async
+
+from robustrl import subjects
+from robustrl.bus import Bus
+from robustrl.config import Settings
+from robustrl.infra.embedded import EmbeddedInfra
+from robustrl.messages import Event
+from robustrl.storage.objects import S3ObjectStore
+from robustrl.storage.redis_stores import connect
+
+
+@pytest.fixture(scope="module")
+def own_infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedInfra]:
+    """Servers of this module alone: restarting the session's would disturb other tests."""
+    infra = EmbeddedInfra(tmp_path_factory.mktemp("restart-infra"))
+    infra.start()
+    try:
+        yield infra
+    finally:
+        infra.stop()
+
+
+def _restart_in_thread(infra: EmbeddedInfra, name: str) -> tuple[threading.Thread, list[float]]:
+    took: list[float] = []
+    thread = threading.Thread(target=lambda: took.append(infra.restart(name)), daemon=True)
+    thread.start()
+    return thread, took
+
+
+def test_restart_keeps_port_credentials_and_data(own_infra: EmbeddedInfra) -> None:
+    settings = own_infra.settings
+    assert settings is not None
+    before = {r.name: r.pid for r in own_infra.records}
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=2)
+    client.set("restart:key", b"kept")  # written just before the stop: must be in the AOF
+    took = own_infra.restart("redis")
+    assert took < 10
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=2)  # same URL, same password
+    assert client.get("restart:key") == b"kept"
+    client.close()
+    after = {r.name: r.pid for r in own_infra.records}
+    assert after["redis"] != before["redis"] and after["nats"] == before["nats"]
+    assert own_infra.alive() == {"nats": True, "redis": True, "s3": True}
+    with pytest.raises(Exception, match="cannot restart"):
+        own_infra.restart("postgres")
+
+
+async def test_bus_rides_through_nats_restart(own_infra: EmbeddedInfra) -> None:
+    settings = own_infra.settings
+    assert settings is not None
+    bus = await Bus.connect(settings.nats_url, "restart-test")
+    await bus.ensure_event_stream()
+    got: list[str] = []
+
+    async def on_msg(msg: Event, _s: str, _r: str | None) -> None:
+        got.append(msg.data["n"])
+
+    await bus.subscribe("rrl-test.restart", Event, on_msg)
+    job = "nats-restart"
+    try:
+        thread, took = _restart_in_thread(own_infra, "nats")
+        # Events emitted while the server is going down and coming back: every one is stored, once.
+        for n in range(20):
+            await bus.emit_event(job, "note", {"n": n})
+            await asyncio.sleep(0.05)  # spread the emits over the restart window
+        await asyncio.to_thread(thread.join)
+        assert took, "restart did not finish"
+        assert bus.reconnects >= 1, "the client never saw the restart"
+        # The subscription was renewed on reconnect: a publish now reaches the handler.
+        await bus.publish("rrl-test.restart", Event(job_id=job, kind="note", data={"n": "after"}))
+        await eventually_async(lambda: "after" in got, timeout=10, what="message after reconnect")
+        events = await bus.read_events(job)
+        assert sorted(e.data["n"] for e in events) == list(range(20))
+    finally:
+        await bus.close()
+    # From the raw stream: exactly 20 messages on the job's subjects.
+    nc = await nats.connect(settings.nats_url)
+    try:
+        info = await nc.jetstream().stream_info(subjects.EVENTS_STREAM, subjects_filter=subjects.events_of(job))
+        assert sum((info.state.subjects or {}).values()) == 20
+    finally:
+        await nc.close()
+
+
+async def test_redis_commands_ride_through_restart(own_infra: EmbeddedInfra) -> None:
+    settings = own_infra.settings
+    assert settings is not None
+    r = connect(settings.redis_url)
+    try:
+        await r.ping()
+        thread, took = _restart_in_thread(own_infra, "redis")
+        n = 0
+        while thread.is_alive() or n < 10:
+            # a pipeline (MULTI/EXEC) and a plain command, as the stores use them
+            pipe = r.pipeline(transaction=True)
+            pipe.set(f"ride:{n}", n)
+            pipe.sadd("ride:set", n)
+            await pipe.execute()
+            await r.rpush("ride:list", n)
+            n += 1
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(thread.join)
+        assert took
+    finally:
+        await r.aclose()
+    raw = redis.Redis.from_url(settings.redis_url, socket_timeout=2)
+    try:
+        assert raw.scard("ride:set") == n
+        assert [int(x) for x in raw.lrange("ride:list", 0, -1)] == list(range(n))
+        assert all(raw.get(f"ride:{i}") == str(i).encode() for i in range(n))
+    finally:
+        raw.close()
+
+
+def test_s3_calls_ride_through_restart(own_infra: EmbeddedInfra, tmp_path: Path) -> None:
+    settings: Settings | None = own_infra.settings
+    assert settings is not None
+    store = S3ObjectStore(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key,
+                          bucket=settings.s3_bucket, connect_timeout_s=1.0)
+    thread, took = _restart_in_thread(own_infra, "s3")
+    n = 0
+    while thread.is_alive() or n < 5:
+        store.put(f"ride/{n:04d}", b"x" * (n + 1))
+        n += 1
+    thread.join()
+    assert took
+    keys = store.list("ride/")
+    assert keys == [f"ride/{i:04d}" for i in range(n)]
+    assert all(store.get(k) == b"x" * (i + 1) for i, k in enumerate(keys))
