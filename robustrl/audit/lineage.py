@@ -1,0 +1,209 @@
+"""Trainer-side invariants, judged from the raw trained log, the event log and the S3 listing.
+
+A *durable lineage* is the chain of gangs whose checkpoints the final model descends from: the
+last gang trained steps ``resume..final``; the checkpoint it resumed from (step ``resume - 1``)
+was written by the newest older gang that trained that step, and so on back to step 0. Every
+committed step must be trained exactly once along that chain. A step trained again by a later
+gang is allowed only when its first training never became durable (the later gang resumed
+before it); resuming before a checkpoint the trainer had reported durable rolls back durable
+progress and trains those batches twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from robustrl.audit.model import AuditInput, CheckResult
+from robustrl.audit.raw import RawEvent
+
+PROGRESS_KINDS = ("step_started", "batch_ready", "step_committed", "job_finished")
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What the event log says about the job's shape (parsed minimally from ``job_submitted``)."""
+
+    steps: int
+    episodes_per_step: int
+    staleness: int
+    final_step: int
+    """Highest committed step (-1: none)."""
+    finished: bool
+
+
+def _int(value: Any, default: int = -1) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def of_kind(events: list[RawEvent], *kinds: str) -> list[RawEvent]:
+    return [e for e in events if e.kind in kinds]
+
+
+def job_facts(events: list[RawEvent]) -> JobFacts:
+    submitted = next((e for e in events if e.kind == "job_submitted"), None)
+    spec: dict[str, Any] = (submitted.data.get("spec") or {}) if submitted else {}
+    data = spec.get("data") or {}
+    commits = of_kind(events, "step_committed")
+    return JobFacts(steps=_int(spec.get("steps"), 0),
+                    episodes_per_step=_int(data.get("prompts_per_step"), 8) * _int(data.get("group_size"), 8),
+                    staleness=_int(spec.get("staleness"), 0),
+                    final_step=max((_int(e.data.get("step")) for e in commits), default=-1),
+                    finished=any(e.kind == "job_finished" for e in events))
+
+
+def check_event_log(inp: AuditInput, facts: JobFacts) -> CheckResult:
+    res = CheckResult()
+    if not any(e.kind == "job_submitted" for e in inp.events):
+        res.violations.append("no job_submitted event: the job's log is missing or truncated")
+    if facts.finished and facts.final_step != facts.steps - 1:
+        res.violations.append(f"job_finished logged with final committed step {facts.final_step}, "
+                              f"spec has {facts.steps} steps")
+    res.passed = not res.violations
+    return res
+
+
+@dataclass
+class TrainingRecords:
+    """(step, epoch) trainings from the raw Redis log and from step_committed events."""
+
+    pairs: set[tuple[int, int]] = field(default_factory=set)
+    raw_dupes: list[tuple[int, int]] = field(default_factory=list)
+    commit_dupes: list[tuple[int, int]] = field(default_factory=list)
+    unparsable: int = 0
+    checksum_mismatch: list[str] = field(default_factory=list)
+
+
+def training_records(inp: AuditInput) -> TrainingRecords:
+    rec = TrainingRecords()
+    raw: Counter[tuple[int, int]] = Counter()
+    raw_sums: dict[tuple[int, int], str] = {}
+    for entry in inp.redis.trained:
+        if not isinstance(entry, dict) or _int(entry.get("step")) < 0 or _int(entry.get("epoch")) < 0:
+            rec.unparsable += 1
+            continue
+        pair = (int(entry["step"]), int(entry["epoch"]))
+        raw[pair] += 1
+        if isinstance(entry.get("checksum"), str):
+            raw_sums[pair] = entry["checksum"]
+    commits: Counter[tuple[int, int]] = Counter()
+    for e in of_kind(inp.events, "step_committed"):
+        pair = (_int(e.data.get("step")), _int(e.data.get("epoch")))
+        commits[pair] += 1
+        if pair in raw_sums and e.data.get("checksum") not in (None, raw_sums[pair]):
+            rec.checksum_mismatch.append(f"step {pair[0]} epoch {pair[1]}: trained log checksum "
+                                         f"{raw_sums[pair][:12]} != committed {str(e.data['checksum'])[:12]}")
+    rec.raw_dupes = sorted(p for p, n in raw.items() if n > 1)
+    rec.commit_dupes = sorted(p for p, n in commits.items() if n > 1)
+    rec.pairs = set(raw) | set(commits)
+    return rec
+
+
+def check_trained_once(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, int, int]:
+    """Returns (result, steps_trained_twice, steps_lost)."""
+    res = CheckResult()
+    rec = training_records(inp)
+    twice: set[int] = set()
+    lost: set[int] = set()
+    for step, epoch in rec.raw_dupes:
+        twice.add(step)
+        res.violations.append(f"step {step} recorded trained {'twice'} by gang {epoch} in the Redis trained log")
+    for step, epoch in rec.commit_dupes:
+        twice.add(step)
+        res.violations.append(f"step {step} committed more than once by gang {epoch} (step_committed events)")
+    if rec.unparsable:
+        res.violations.append(f"{rec.unparsable} trained-log entries do not parse")
+    res.violations.extend(rec.checksum_mismatch)
+
+    ready = {(_int(e.data.get("epoch"))): e for e in of_kind(inp.events, "member_ready")
+             if e.data.get("role", "trainer") == "trainer"}
+    by_epoch: dict[int, set[int]] = defaultdict(set)
+    for step, epoch in rec.pairs:
+        by_epoch[epoch].add(step)
+    resume = {ep: _int(ready[ep].data.get("resume_step"), min(steps)) if ep in ready else min(steps)
+              for ep, steps in by_epoch.items()}
+    for ep, e in ready.items():
+        if _int(e.data.get("weights_version")) != _int(e.data.get("resume_step")):
+            res.violations.append(f"gang {ep} resumed at step {e.data.get('resume_step')} with weights "
+                                  f"version {e.data.get('weights_version')}")
+        for step in sorted(s for s in by_epoch.get(ep, ()) if s < resume.get(ep, 0)):
+            twice.add(step)
+            res.violations.append(f"gang {ep} trained step {step} although it resumed at {resume[ep]}")
+
+    # Rolling back past a checkpoint the trainer had reported durable trains its batches again.
+    durable_before = -1
+    for e in inp.events:
+        if e.kind == "step_committed":
+            durable_before = max(durable_before, _int(e.data.get("durable_step")))
+        elif e.kind == "member_ready" and e in ready.values():
+            r = _int(e.data.get("resume_step"))
+            if 0 <= r <= durable_before:
+                retrained = [s for s in range(r, durable_before + 1)
+                             if any(s in steps for ep, steps in by_epoch.items() if ep < _int(e.data.get("epoch")))]
+                twice.update(retrained)
+                res.violations.append(
+                    f"gang {e.data.get('epoch')} resumed at step {r} though checkpoint {durable_before} had been "
+                    f"reported durable: steps {r}..{durable_before} rolled back and retrained")
+
+    # Walk the final durable lineage back from the last commit.
+    if facts.final_step >= 0:
+        commits = of_kind(inp.events, "step_committed")
+        last = max(commits, key=lambda e: (_int(e.data.get("step")), e.seq))
+        epoch, upper = _int(last.data.get("epoch")), facts.final_step
+        while upper >= 0:
+            start = resume.get(epoch, upper + 1)
+            for step in range(max(start, 0), upper + 1):
+                if (step, epoch) not in rec.pairs:
+                    lost.add(step)
+                    res.violations.append(f"step {step} of the final lineage has no training record by gang {epoch}")
+            upper = start - 1
+            if upper < 0:
+                break
+            older = [ep for ep in by_epoch if ep < epoch and upper in by_epoch[ep]]
+            if not older:
+                lost.update(range(upper + 1))
+                res.violations.append(f"gang {epoch} resumed after step {upper}, which no older gang trained "
+                                      f"(steps 0..{upper} have no lineage)")
+                break
+            epoch = max(older)
+    res.passed = not res.violations
+    return res, len(twice), len(lost)
+
+
+def check_checkpoints(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, int]:
+    """Every manifest loads and verifies; a job with commits keeps at least one loadable one."""
+    res = CheckResult()
+    bad = [ck for ck in inp.checkpoints if not ck.loadable]
+    for ck in bad:
+        res.violations.append(f"{ck.manifest_key}: " + "; ".join(ck.problems))
+    if facts.final_step >= 0 and not any(ck.loadable for ck in inp.checkpoints):
+        res.violations.append("steps were committed but no loadable checkpoint is left in the object store")
+    res.passed = not res.violations
+    return res, len(bad)
+
+
+def newest_loadable(inp: AuditInput) -> int:
+    return max((ck.step for ck in inp.checkpoints if ck.loadable and ck.step is not None), default=-1)
+
+
+def max_stuck_s(events: list[RawEvent]) -> float:
+    """Longest time between progress events (step started / batch handed over / step committed),
+    from the job's start to its end (or its last event)."""
+    if not events:
+        return 0.0
+    start = next((e.ts for e in events if e.kind in ("job_started", "step_started")), events[0].ts)
+    end = next((e.ts for e in events if e.kind in ("job_finished", "job_failed", "job_stopped")),
+               max(e.ts for e in events))
+    marks = sorted([start, end] + [e.ts for e in events if e.kind in PROGRESS_KINDS and start <= e.ts <= end])
+    return max((b - a for a, b in itertools.pairwise(marks)), default=0.0)
+
+
+def check_progress(inp: AuditInput, bound_s: float | None) -> tuple[CheckResult, float]:
+    res = CheckResult()
+    stuck = max_stuck_s(inp.events)
+    if bound_s is not None and stuck > bound_s:
+        res.violations.append(f"no progress event for {stuck:.1f}s (bound {bound_s:.1f}s)")
+    res.passed = not res.violations
+    return res, stuck

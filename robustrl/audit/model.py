@@ -1,0 +1,74 @@
+"""What the auditor reads (``AuditInput``), how it is told to judge (``AuditOptions``), and what
+it answers (``AuditReport``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from robustrl.audit.raw import RawCheckpoint, RawEvent, RawRedis
+
+REDIS_SLACK_STEPS = 2
+"""Steps older than the newest loadable checkpoint that Redis may still hold (GC runs after the
+checkpoint is durable, so it lags by a step or two)."""
+
+CHECKS = ("event_log", "trained_once", "checkpoints", "episodes", "prefixes", "weights", "redis_bounded",
+          "progress")
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    redis_bound: bool = True
+    """Judge Redis growth (keys of steps long durable must be gone)."""
+    redis_slack_steps: int = REDIS_SLACK_STEPS
+    max_stuck_s: float | None = None
+    """If set, a gap longer than this between progress events is a violation."""
+
+
+@dataclass
+class ObservedStep:
+    """A step's batch and episodes as read raw from Redis at hand-off (the campaign samples them
+    live, so steps whose keys were garbage-collected later can still be audited)."""
+
+    step: int
+    batch: dict[str, Any] | None
+    episodes: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    prefixes: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+
+
+@dataclass
+class AuditInput:
+    job_id: str
+    events: list[RawEvent]
+    redis: RawRedis
+    checkpoints: list[RawCheckpoint]
+    observed: dict[int, ObservedStep] = field(default_factory=dict)
+
+
+class CheckResult(BaseModel):
+    passed: bool = True
+    violations: list[str] = Field(default_factory=list)
+
+
+class AuditReport(BaseModel):
+    """The auditor's verdict. ``counters`` are the campaign's loss counters (all 0 when sound)."""
+
+    job_id: str
+    ok: bool
+    checks: dict[str, CheckResult]
+    steps_trained_twice: int = 0
+    steps_lost: int = 0
+    episodes_lost: int = 0
+    checkpoints_unloadable: int = 0
+    replicas_served_bad_weights: int = 0
+    facts: dict[str, Any] = Field(default_factory=dict)
+
+    def violations(self) -> list[str]:
+        return [f"{name}: {v}" for name, c in self.checks.items() for v in c.violations]
+
+    def counters(self) -> dict[str, int]:
+        return {"steps_trained_twice": self.steps_trained_twice, "steps_lost": self.steps_lost,
+                "episodes_lost": self.episodes_lost, "checkpoints_unloadable": self.checkpoints_unloadable,
+                "replicas_served_bad_weights": self.replicas_served_bad_weights}

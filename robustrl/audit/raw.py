@@ -1,0 +1,330 @@
+"""Raw readers for the auditor: the JetStream event log, the job's Redis keys, the S3 listing.
+
+Nothing here asks a RobustRL service anything or uses the services' store classes: the event
+log is read from the stream with a consumer of our own, Redis values are read as bytes and
+parsed with ``json`` alone, and every checkpoint blob is fetched and hashed here. Parsing is
+minimal on purpose: a value that does not parse is kept as ``None`` and reported by the checks,
+never repaired.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from robustrl import subjects
+from robustrl.errors import StorageError, TransportError
+from robustrl.storage.objects import ObjectStore
+from robustrl.storage.redis_stores import Keys
+
+CONNECT_TIMEOUT_S = 5.0
+"""How long to wait for NATS or Redis."""
+FETCH_TIMEOUT_S = 10.0
+"""How long one fetch of the event log may wait for messages the stream said it holds."""
+FETCH_BATCH = 1024
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class RawEvent:
+    """One event-log entry, parsed as JSON only. ``seq`` is the stream sequence (log order)."""
+
+    seq: int
+    kind: str
+    ts: float
+    data: dict[str, Any]
+
+
+@dataclass
+class RawEpisode:
+    """An episode record as stored (``None`` fields: the value did not parse)."""
+
+    key: str
+    value: dict[str, Any] | None
+
+
+@dataclass
+class RawRedis:
+    """Everything the auditor needs from Redis, read once."""
+
+    keys: list[str] = field(default_factory=list)
+    """Every key of the job (``rrl:<job>:*``)."""
+    bytes_by_key: dict[str, int] = field(default_factory=dict)
+    batches: dict[int, dict[str, Any] | None] = field(default_factory=dict)
+    """step -> batch record (None: the key exists but does not parse)."""
+    episodes: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    """episode id -> record, for every episode a batch or a step set names (missing: absent)."""
+    prefixes: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    trained: list[dict[str, Any] | None] = field(default_factory=list)
+    """The raw trained log, one entry per list element, in order."""
+    weights_pointer: dict[str, Any] | None = None
+    step_keys: dict[int, list[str]] = field(default_factory=dict)
+    """step -> keys that belong to that step (batch, fence, episode set, episodes, prefixes)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_key.values())
+
+
+@dataclass(frozen=True)
+class BlobCheck:
+    key: str
+    problem: str | None
+    """None when present with the manifest's size and sha256."""
+
+
+@dataclass
+class RawCheckpoint:
+    """One manifest found in the object store and what hashing its blobs showed."""
+
+    manifest_key: str
+    step: int | None
+    manifest: dict[str, Any] | None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def loadable(self) -> bool:
+        return self.manifest is not None and not self.problems
+
+
+def _json(raw: bytes | str | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+# -- event log --------------------------------------------------------------------------------------
+
+
+async def read_event_log(nats_url: str, job_id: str, *, fetch_timeout_s: float = FETCH_TIMEOUT_S) -> list[RawEvent]:
+    """Every event of ``job_id`` in the JetStream stream, in stream order, read to its end.
+
+    The consumer is created first and asked how many messages match; the read stops once that
+    many have arrived (never on a quiet period), so a long log is never truncated.
+
+    Raises:
+        TransportError: NATS unreachable, the stream missing, or a fetch got nothing for
+            ``fetch_timeout_s`` while messages were still due.
+    """
+    try:
+        nc = await nats.connect(servers=[nats_url], name="auditor", connect_timeout=CONNECT_TIMEOUT_S,
+                                allow_reconnect=False, max_reconnect_attempts=0)
+    except Exception as exc:  # nats raises several unrelated types here
+        raise TransportError(f"auditor cannot connect to NATS: {exc}") from exc
+    try:
+        js = nc.jetstream()
+        try:
+            sub = await js.pull_subscribe(
+                subjects.events_of(job_id), durable=None, stream=subjects.EVENTS_STREAM,
+                config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.EXPLICIT))
+        except Exception as exc:
+            raise TransportError(f"event stream {subjects.EVENTS_STREAM} unavailable: {exc}") from exc
+        try:
+            due = (await sub.consumer_info()).num_pending
+            out: list[RawEvent] = []
+            while len(out) < due:
+                try:
+                    msgs = await sub.fetch(min(FETCH_BATCH, due - len(out)), timeout=fetch_timeout_s)
+                except (TimeoutError, NatsTimeout) as exc:
+                    raise TransportError(f"event log of {job_id}: {len(out)} of {due} events after "
+                                         f"{fetch_timeout_s:.0f}s") from exc
+                for msg in msgs:
+                    await msg.ack()
+                    body = _json(msg.data) or {}
+                    out.append(RawEvent(seq=msg.metadata.sequence.stream, kind=str(body.get("kind", "?")),
+                                        ts=float(body.get("ts", 0.0)), data=body.get("data") or {}))
+            out.sort(key=lambda e: e.seq)
+            return out
+        finally:
+            await sub.unsubscribe()
+    finally:
+        await nc.close()
+
+
+# -- Redis ------------------------------------------------------------------------------------------
+
+
+async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
+    """Read the job's keys raw: every batch, episode set, episode and prefix of steps < ``steps``,
+    the trained log, the weights pointer, and the size of every key of the job.
+
+    Raises:
+        TransportError: Redis unreachable.
+    """
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    r = aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    out = RawRedis()
+    try:
+        keys = sorted([k.decode() async for k in r.scan_iter(match=Keys.job_pattern(job_id), count=1000)])
+        out.keys = keys
+        pipe = r.pipeline(transaction=False)
+        for k in keys:
+            pipe.memory_usage(k)
+        out.bytes_by_key = {k: int(v or 0) for k, v in zip(keys, await pipe.execute(), strict=True)}
+
+        pipe = r.pipeline(transaction=False)
+        for k in range(steps):
+            pipe.get(Keys.batch(job_id, k))
+            pipe.smembers(Keys.step_episodes(job_id, k))
+            pipe.exists(Keys.fence(job_id, k))
+        res = await pipe.execute()
+        ids_by_step: dict[int, set[str]] = {}
+        for k in range(steps):
+            raw_batch, members, fence = res[3 * k], res[3 * k + 1], res[3 * k + 2]
+            ids = {m.decode() for m in members}
+            step_keys = []
+            if raw_batch is not None:
+                batch = _json(raw_batch)
+                out.batches[k] = batch if isinstance(batch, dict) else None
+                step_keys.append(Keys.batch(job_id, k))
+                if isinstance(batch, dict) and isinstance(batch.get("episode_ids"), list):
+                    ids |= {str(e) for e in batch["episode_ids"]}
+            if members:
+                step_keys.append(Keys.step_episodes(job_id, k))
+            if fence:
+                step_keys.append(Keys.fence(job_id, k))
+            ids_by_step[k] = ids
+            out.step_keys[k] = step_keys
+
+        every = sorted({e for ids in ids_by_step.values() for e in ids})
+        pipe = r.pipeline(transaction=False)
+        for eid in every:
+            pipe.get(Keys.episode(job_id, eid))
+            pipe.get(Keys.prefix(job_id, eid))
+        res = await pipe.execute()
+        present = set()
+        for i, eid in enumerate(every):
+            ep, prefix = res[2 * i], res[2 * i + 1]
+            if ep is not None:
+                value = _json(ep)
+                out.episodes[eid] = value if isinstance(value, dict) else None
+                present.add(Keys.episode(job_id, eid))
+            if prefix is not None:
+                value = _json(prefix)
+                out.prefixes[eid] = value if isinstance(value, dict) else None
+                present.add(Keys.prefix(job_id, eid))
+        for k, ids in ids_by_step.items():
+            out.step_keys[k].extend(key for eid in sorted(ids)
+                                    for key in (Keys.episode(job_id, eid), Keys.prefix(job_id, eid))
+                                    if key in present)
+
+        trained_key = Keys.trained_log(job_id)
+        kind = (await r.type(trained_key)).decode()
+        if kind == "list":
+            out.trained = [_json(x) for x in await r.lrange(trained_key, 0, -1)]
+        elif kind == "hash":  # one record per field (a fenced log keyed by step)
+            out.trained = [_json(v) for _f, v in sorted((await r.hgetall(trained_key)).items())]
+        elif kind == "zset":
+            out.trained = [_json(m) for m in await r.zrange(trained_key, 0, -1)]
+        pointer = await r.get(Keys.weights_latest(job_id))
+        out.weights_pointer = _json(pointer) if pointer is not None else None
+    except RedisError as exc:
+        raise TransportError(f"auditor: redis read failed: {exc}") from exc
+    finally:
+        await r.aclose()
+    return out
+
+
+async def redis_job_bytes(redis_url: str, job_id: str) -> tuple[int, int]:
+    """(key count, bytes) of the job's keys right now (MEMORY USAGE summed over SCAN)."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    r = aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    try:
+        keys = [k async for k in r.scan_iter(match=Keys.job_pattern(job_id), count=1000)]
+        pipe = r.pipeline(transaction=False)
+        for k in keys:
+            pipe.memory_usage(k)
+        return len(keys), sum(int(v or 0) for v in await pipe.execute())
+    except RedisError as exc:
+        raise TransportError(f"auditor: redis read failed: {exc}") from exc
+    finally:
+        await r.aclose()
+
+
+# -- object store -----------------------------------------------------------------------------------
+
+
+def job_prefix(job_id: str) -> str:
+    """Everything a job keeps in the object store lives under this prefix."""
+    return f"jobs/{job_id}/"
+
+
+def _step_of(manifest_key: str, manifest: dict[str, Any] | None) -> int | None:
+    parent = manifest_key.rsplit("/", 2)[-2] if manifest_key.count("/") >= 1 else ""
+    if parent.isdigit():
+        return int(parent)
+    if manifest is not None and isinstance(manifest.get("step"), int):
+        return int(manifest["step"])
+    return None
+
+
+def _blob_key(manifest_key: str, blob: dict[str, Any]) -> str:
+    """A blob's object key: an explicit ``key`` if the manifest gives one, else its ``name``
+    (or ``path``) relative to the manifest's folder."""
+    if isinstance(blob.get("key"), str):
+        return str(blob["key"])
+    folder = manifest_key.rsplit("/", 1)[0]
+    return f"{folder}/{blob.get('name') or blob.get('path')}"
+
+
+def scan_checkpoints(store: ObjectStore, job_id: str) -> list[RawCheckpoint]:
+    """Every manifest under the job's prefix, each blob it names fetched and hashed here.
+
+    Raises:
+        StorageError: the store itself failed (listing or a read other than a missing key).
+    """
+    from robustrl.storage.objects import ObjectNotFound
+
+    out = []
+    for mkey in store.list(job_prefix(job_id)):
+        if not mkey.endswith("/" + MANIFEST):
+            continue
+        try:
+            manifest = _json(store.get(mkey))
+        except ObjectNotFound:
+            continue  # deleted between listing and reading (GC); it no longer vouches for anything
+        ck = RawCheckpoint(manifest_key=mkey, step=None, manifest=manifest if isinstance(manifest, dict) else None)
+        ck.step = _step_of(mkey, ck.manifest)
+        if ck.manifest is None:
+            ck.problems.append("manifest is not a JSON object")
+            out.append(ck)
+            continue
+        blobs = ck.manifest.get("blobs")
+        if not isinstance(blobs, list) or not blobs:
+            ck.problems.append("manifest names no blobs")
+        if ck.step is not None and isinstance(ck.manifest.get("step"), int) and ck.manifest["step"] != ck.step:
+            ck.problems.append(f"manifest says step {ck.manifest['step']} but sits under step {ck.step}")
+        for blob in blobs if isinstance(blobs, list) else []:
+            if not isinstance(blob, dict):
+                ck.problems.append(f"blob entry is not an object: {blob!r}")
+                continue
+            key = _blob_key(mkey, blob)
+            try:
+                data = store.get(key)
+            except ObjectNotFound:
+                ck.problems.append(f"blob missing: {key}")
+                continue
+            except StorageError:
+                raise
+            size, sha = blob.get("bytes", blob.get("size")), blob.get("sha256")
+            if size is not None and len(data) != int(size):
+                ck.problems.append(f"blob {key}: {len(data)} bytes, manifest says {size}")
+            elif sha is None:
+                ck.problems.append(f"blob {key}: manifest gives no sha256")
+            elif hashlib.sha256(data).hexdigest() != sha:
+                ck.problems.append(f"blob {key}: sha256 mismatch")
+        out.append(ck)
+    return out
