@@ -273,5 +273,50 @@ def chaos_run(scenario_file: Path = typer.Argument(..., help="Scenario YAML."),
         _fail(exc)
 
 
+def _infra_settings(run_dir: Path, nats: str | None, redis: str | None, s3: str | None) -> Settings:
+    """Where the stores are: explicit URLs, else ROBUSTRL_* in the environment, else ``up``'s infra."""
+    from robustrl.infra.embedded import EmbeddedInfra
+
+    external = _external_settings(nats, redis, s3)
+    if external is not None:
+        return external
+    if os.environ.get("ROBUSTRL_NATS_URL"):
+        return Settings.from_env(os.environ)
+    infra = EmbeddedInfra.load(run_dir / "infra")
+    assert infra.settings is not None
+    return infra.settings
+
+
+@app.command()
+def audit(job_id: str = typer.Argument(..., help="The job to audit."),
+          run_dir: Path = typer.Option(DEFAULT_RUN_DIR, help="Stack started by `robustrl up` (its infra)."),
+          nats_url: str = typer.Option(None), redis_url: str = typer.Option(None),
+          s3_endpoint: str = typer.Option(None, help="S3 host:port (ROBUSTRL_S3_* for keys)."),
+          max_stuck_s: float = typer.Option(None, help="Fail if progress stopped longer than this."),
+          redis_bound: bool = typer.Option(True, help="Judge Redis growth."),
+          as_json: bool = typer.Option(False, "--json", help="Print only the report, as JSON.")) -> None:
+    """Check a job's invariants from the raw stores (S3, Redis, event log); exit 1 on a violation."""
+    from robustrl.audit import AuditOptions
+    from robustrl.audit import audit as run_audit
+
+    try:
+        settings = _infra_settings(run_dir, nats_url, redis_url, s3_endpoint)
+        report = asyncio.run(run_audit(settings, job_id, AuditOptions(redis_bound=redis_bound,
+                                                                      max_stuck_s=max_stuck_s)))
+    except RobustRLError as exc:
+        _fail(exc)
+    if as_json:
+        print(report.model_dump_json(indent=1))
+    else:
+        table = Table("check", "result", "violations")
+        for name, check in report.checks.items():
+            table.add_row(name, "[green]pass[/green]" if check.passed else "[red]FAIL[/red]",
+                          "\n".join(check.violations[:5]) + (" ..." if len(check.violations) > 5 else ""))
+        console.print(table)
+        console.print(" ".join(f"{k}={v}" for k, v in {**report.counters(), **report.facts}.items()))
+    if not report.ok:
+        raise typer.Exit(1)
+
+
 if __name__ == "__main__":
     app()
