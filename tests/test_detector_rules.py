@@ -5,14 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pytest
+from pydantic import ValidationError
+
 from robustrl.config import DetectorSpec
 from robustrl.messages import Event, FaultReport, MemberExited, MetricsSample, PhaseChange
-from robustrl.services.detector.rules import (
-    JobMonitor, MemberHistory, Status, evaluate_member, fail_slow_rule,
-)
+from robustrl.services.detector.monitor import JobMonitor
+from robustrl.services.detector.rules import MemberHistory, Status, evaluate_member, fail_slow_rule
 
 CFG = DetectorSpec(trainer_idle_s=4.0, rollout_idle_s=2.0, silence_s=3.0, probe_timeout_s=1.0,
-                   metrics_interval_s=0.25)
+                   metrics_interval_s=0.25, weights_load_s=8.0)
 DT = 0.25
 JOB = "job1"
 
@@ -29,6 +31,7 @@ class Member:
     rate: float = 0.0
     inflight: int = 0
     tool_waiting: int = 0
+    queue: int = 0
     step: int = 3
     seq: int = 0
     skew_s: float = 0.0
@@ -39,7 +42,7 @@ class Member:
         msg = MetricsSample(job_id=JOB, member_id=self.member_id, role=self.role, seq=self.seq,
                             ts=now + self.skew_s, phase=self.phase, step=self.step, activity=self.activity,
                             tokens_total=self.tokens, tokens_per_s=self.rate, inflight=self.inflight,
-                            tool_waiting=self.tool_waiting)
+                            tool_waiting=self.tool_waiting, queue_depth=self.queue)
         self.sent.append(msg)
         return msg
 
@@ -184,9 +187,9 @@ def test_busy_clock_starts_when_work_arrives_not_at_last_token() -> None:
     assert run.probes == []
 
 
-def test_loading_weights_with_requests_is_not_a_stall() -> None:
-    run, r = Run(monitor()), Member("r0", "rollout", phase="loading_weights", inflight=5)
-    run.advance(10.0, [r])
+def test_loading_weights_with_requests_within_weights_load_s_is_not_a_stall() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout", phase="loading_weights", inflight=5, queue=3)
+    run.advance(CFG.weights_load_s - 1.0, [r])
     assert run.faults == [] and run.probes == []
 
 
@@ -365,3 +368,150 @@ def test_tool_fault_is_a_request_manager_fault_reported_once_per_outage() -> Non
 def test_evaluate_member_is_ok_for_fresh_member() -> None:
     h = MemberHistory(JOB, "r0", "rollout", first_seen=5.0)
     assert evaluate_member(6.0, h, CFG).status is Status.OK
+
+
+# --- queued work, bounded weight loads (issue 9 item 2) -----------------------------------
+
+
+def test_queued_work_with_nothing_in_flight_and_no_tokens_is_a_stall() -> None:
+    # A replica whose engine takes no work (dead engine thread, or requeueing turns for a
+    # version it never obtains) reports inflight=0 but a growing queue.
+    run, r = Run(monitor()), Member("r0", "rollout", phase="idle")
+    run.advance(1.0, [r], step=progressing)
+    r.rate, r.queue = 0.0, 4
+    start = run.now
+    run.advance(3 * CFG.rollout_idle_s, [r], answer_probes=True)
+    assert run.probes and run.probes[0][0] - start <= CFG.rollout_idle_s + DT
+    [(at, fault)] = run.faults
+    assert (fault.kind, fault.cause) == ("hang", "queue_stalled")
+    assert "queued" in fault.evidence
+    assert 2 * CFG.rollout_idle_s - DT <= at - start <= 2 * CFG.rollout_idle_s + DT
+    # the evidence time is the first sample that showed queued work and no progress
+    assert fault.fault_at == start + DT
+
+
+def test_queue_drained_by_progress_is_normal() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout", phase="serving", queue=6, inflight=2)
+    run.advance(20.0, [r], step=progressing)
+    assert run.faults == [] and run.probes == []
+
+
+def test_weight_load_longer_than_weights_load_s_is_a_named_fault() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout", phase="idle")
+    run.advance(1.0, [r])
+    r.phase = "loading_weights"
+    start = run.now
+    run.advance(2 * CFG.weights_load_s, [r], answer_probes=True)
+    [(at, fault)] = run.faults
+    assert (fault.kind, fault.cause) == ("hang", "weights_load_timeout")
+    assert "loading_weights" in fault.evidence
+    assert CFG.weights_load_s - DT <= at - start <= CFG.weights_load_s + DT
+    assert fault.fault_at == start + DT  # the sample that first showed the load
+
+
+def test_replica_reporting_weights_failed_is_a_fault_at_once() -> None:
+    mon = monitor()
+    run, r = Run(mon), Member("r0", "rollout", phase="loading_weights")
+    run.advance(1.0, [r])
+    mon.phase(PhaseChange(job_id=JOB, member_id="r0", role="rollout", phase="weights_failed", ts=0.0),
+              run.now + 0.1)
+    r.phase = "weights_failed"
+    run.advance(DT, [r])
+    [(_, fault)] = run.faults
+    assert (fault.kind, fault.cause) == ("hang", "weights_failed")
+    assert fault.fault_at == pytest.approx(1001.1)
+
+
+def test_detector_spec_validates_weights_load_s() -> None:
+    with pytest.raises(ValidationError):
+        DetectorSpec(weights_load_s=0.0)
+    assert DetectorSpec.reference().weights_load_s < DetectorSpec().weights_load_s
+
+
+# --- evidence times (issue 9 item 8) ------------------------------------------------------
+
+
+def test_silence_fault_at_is_the_last_metric_before_silence() -> None:
+    run, t = Run(monitor()), Member("t0", "trainer", phase="waiting_batch")
+    run.advance(1.0, [t])
+    last = run.now
+    run.advance(6.0, [t], send=False)
+    [(at, fault)] = run.faults
+    assert fault.fault_at == last and fault.cause == "silence"
+    assert at - fault.fault_at == CFG.silence_s + CFG.probe_timeout_s
+
+
+def test_stall_and_hang_fault_at_is_the_first_zero_progress_sample() -> None:
+    run, r = Run(monitor()), Member("r0", "rollout", inflight=4)
+    run.advance(1.0, [r], step=progressing)
+    last_progress = run.now
+    run.advance(5.0, [r])
+    [(_, fault)] = run.faults
+    assert fault.last_progress_at == last_progress and fault.fault_at == last_progress + DT
+
+    run, t = Run(monitor()), Member("t0", "trainer", phase="training")
+    run.advance(2.0, [t], step=progressing)
+    last_progress = run.now
+    run.advance(6.0, [t])
+    [(_, fault)] = run.faults
+    assert fault.fault_at == last_progress + DT and fault.cause == "training_stalled"
+
+
+def test_crash_fault_at_is_the_exit_time_the_launcher_stamped() -> None:
+    mon = monitor()
+    run, r = Run(mon), Member("r0", "rollout", inflight=2)
+    run.advance(1.0, [r], step=progressing)
+    fault = mon.exited(MemberExited(job_id=JOB, member_id="r0", role="rollout", returncode=-9,
+                                    ts=run.now - 0.4), run.now)
+    assert fault is not None and fault.fault_at == run.now - 0.4 and fault.cause == "exit"
+
+
+# --- the detector's own gap (issue 10) ----------------------------------------------------
+
+
+def _healthy_job() -> list[Member]:
+    return [Member("t0", "trainer", phase="training"), Member("r0", "rollout", inflight=3),
+            Member("r1", "rollout", phase="idle")]
+
+
+def test_frozen_detector_raises_nothing_from_its_own_gap() -> None:
+    # SIGSTOP of the detector: no ticks and no samples for much longer than every threshold.
+    # On SIGCONT its timer fires before the backlog of samples is read.
+    run, members = Run(monitor()), _healthy_job()
+    run.advance(2.0, members, step=progressing)
+    run.now += 3 * (CFG.silence_s + CFG.probe_timeout_s + CFG.trainer_idle_s)
+    for _ in range(3):
+        result = run.mon.tick(run.now)
+        assert result.faults == [] and result.probes == []
+        run.now += DT
+    run.advance(20.0, members, step=progressing)
+    assert run.faults == [] and run.probes == []
+
+
+def test_after_its_gap_a_silent_member_is_timed_from_the_detector_resuming() -> None:
+    run, members = Run(monitor()), _healthy_job()
+    run.advance(2.0, members, step=progressing)
+    run.now += 30.0
+    resumed = run.now
+    run.mon.tick(resumed)
+    # t0 and r0 speak again; r1 died while the detector was away and stays silent
+    run.advance(10.0, members[:2], step=progressing)
+    assert [p for _, p in run.probes] == ["r1"]
+    assert run.probes[0][0] - resumed == pytest.approx(CFG.silence_s, abs=DT)
+    [(_, fault)] = run.faults
+    assert (fault.member_id, fault.kind) == ("r1", "unresponsive")
+
+
+def test_restarted_detector_reports_a_known_fault_under_the_same_fault_id() -> None:
+    # The first detector reports a stuck replica, then dies; the new one rebuilds the member
+    # from its next samples and reports it again: the controller must see the same fault id.
+    ids = []
+    for _life in range(2):
+        run, r = Run(JobMonitor(JOB, CFG)), Member("r0", "rollout", inflight=4)
+        run.advance(5.0, [r])
+        [(_, fault)] = run.faults
+        ids.append(fault.fault_id)
+    assert ids[0] == ids[1]
+    other = Run(JobMonitor("job2", CFG))
+    other.advance(5.0, [Member("r0", "rollout", inflight=4)])
+    assert other.faults[0][1].fault_id != ids[0]  # another job, another fault

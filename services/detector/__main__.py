@@ -18,7 +18,7 @@ from robustrl.services.detector.service import MEMBER_NAME, DetectorService
 
 async def serve(settings: Settings) -> None:
     """Connect to NATS and run the detector until a termination signal arrives."""
-    bus = await Bus.connect(settings.nats_url, MEMBER_NAME)
+    bus = await Bus.connect(settings.nats_url, MEMBER_NAME, role="detector")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -5,7 +5,9 @@ the controller stopped is forgotten) and the event log (tool faults, job ends). 
 of a job it asks the controller for the job spec to learn its thresholds. A ticker evaluates
 the rules of :mod:`robustrl.services.detector.rules` every ``metrics_interval_s / 2``, sends
 heartbeat probes and publishes each :class:`FaultReport` on ``rrl.<job>.fault`` together with a
-``fault_detected`` event (data: fault_id, kind, role, member_id, step, detected_at, evidence).
+``fault_detected`` event (data: fault_id, kind, role, member_id, step, detected_at, fault_at,
+cause, evidence). A member's fault id is derived from (job, member), so a restarted detector
+that reports the same fault again sends the same id.
 
 Every time stamp the rules see is this process's clock at receipt, never a member's.
 """
@@ -28,7 +30,7 @@ from robustrl.messages import (
     ControlCommand, Event, FaultReport, MemberExited, MemberHello, MetricsSample, PhaseChange, ProbeReply,
     ProbeRequest, SpecReply, SpecRequest,
 )
-from robustrl.services.detector.rules import JobMonitor
+from robustrl.services.detector.monitor import JobMonitor
 from robustrl.subjects import EVENTS_ALL, Verb, all_jobs, all_jobs_exact, parse, subject
 
 log = logging.getLogger(__name__)
@@ -256,7 +258,7 @@ class DetectorService:
         await self.bus.emit_event(report.job_id, "fault_detected", {
             "fault_id": report.fault_id, "kind": report.kind, "role": report.role,
             "member_id": report.member_id, "step": report.step, "detected_at": report.detected_at,
-            "evidence": report.evidence})
+            "fault_at": report.fault_at, "cause": report.cause, "evidence": report.evidence})
 
 
 def detector_spec(raw: dict[str, object]) -> DetectorSpec:

@@ -1,0 +1,164 @@
+"""What the detector knows about one member: a :class:`MemberHistory` fed with messages
+stamped with the *receiver's* clock (``rx_time``), never the member's own ``ts``.
+
+Besides the last value of each progress counter and when it last changed, a history keeps
+the first sample *after* that change that showed no progress (``*_still_at``): that sample is
+the evidence of when a stall began, which a fault report carries as ``fault_at`` so detection
+delay can be measured for faults nobody injected.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from robustrl.messages import MemberExited, MetricsSample, PhaseChange
+
+# Samples kept per member for the fail-slow window (a bound on memory, not a tuning knob).
+MAX_WINDOW_SAMPLES = 512
+
+
+@dataclass(frozen=True)
+class RateSample:
+    rx: float
+    per_request_rate: float  # tokens/s divided by requests being generated
+    busy: bool
+    tokens_total: int
+
+
+@dataclass
+class MemberHistory:
+    """What the detector knows about one member, every time on the detector's clock.
+
+    ``busy_since``: requests are being generated (in flight, not waiting on a tool).
+    ``work_since``: the replica holds work at all - being generated or queued (including
+    turns queued for a weights version it does not hold yet). Zero tokens with work held is
+    a stall; queued work must count, or a replica whose engine takes no work looks idle.
+    """
+
+    job_id: str
+    member_id: str
+    role: str
+    first_seen: float
+    keep_s: float = 600.0
+    phase: str = "starting"
+    phase_since: float = 0.0
+    step: int = -1
+    last_seq: int = -1
+    last_heard: float | None = None
+    samples: int = 0
+    dropped: int = 0
+    activity: int = 0
+    activity_at: float = 0.0
+    activity_still_at: float | None = None
+    tokens_total: int = 0
+    tokens_at: float = 0.0
+    tokens_still_at: float | None = None
+    queue_depth: int = 0
+    busy_since: float | None = None
+    work_since: float | None = None
+    exited: bool = False
+    exit_code: int | None = None
+    exit_at: float | None = None
+    probe_nonce: str | None = None
+    probe_sent_at: float | None = None
+    probe_reply_at: float | None = None
+    window: deque[RateSample] = field(default_factory=lambda: deque(maxlen=MAX_WINDOW_SAMPLES))
+
+    def __post_init__(self) -> None:
+        self.phase_since = self.first_seen
+        self.activity_at = self.first_seen
+        self.tokens_at = self.first_seen
+
+    def observe_sample(self, sample: MetricsSample, rx_time: float) -> bool:
+        """Record one metrics sample; return False (and count it) if duplicated or out of order.
+
+        A restarted member gets a new member id, so within one history ``seq`` only grows.
+        """
+        if sample.seq <= self.last_seq:
+            self.dropped += 1
+            return False
+        first = self.samples == 0
+        self.last_seq = sample.seq
+        self.samples += 1
+        self.last_heard = rx_time
+        self._set_phase(sample.phase, rx_time)
+        if sample.step >= 0:
+            self.step = sample.step
+        if first or sample.activity != self.activity:
+            self.activity, self.activity_at, self.activity_still_at = sample.activity, rx_time, None
+        elif self.activity_still_at is None:
+            self.activity_still_at = rx_time
+        if first or sample.tokens_total != self.tokens_total:
+            self.tokens_total, self.tokens_at, self.tokens_still_at = sample.tokens_total, rx_time, None
+        elif self.tokens_still_at is None:
+            self.tokens_still_at = rx_time
+        active = sample.inflight - sample.tool_waiting
+        busy = active > 0
+        self.busy_since = None if not busy else rx_time if self.busy_since is None else self.busy_since
+        self.queue_depth = sample.queue_depth
+        has_work = busy or (self.role == "rollout" and sample.queue_depth > 0)
+        self.work_since = None if not has_work else rx_time if self.work_since is None else self.work_since
+        rate = sample.tokens_per_s / active if busy else 0.0
+        self.window.append(RateSample(rx_time, rate, busy, sample.tokens_total))
+        while self.window and self.window[0].rx < rx_time - self.keep_s:
+            self.window.popleft()
+        return True
+
+    def observe_phase(self, msg: PhaseChange, rx_time: float) -> None:
+        """Record a phase change (also a sign of life)."""
+        self.last_heard = rx_time
+        self._set_phase(msg.phase, rx_time)
+        if msg.step >= 0:
+            self.step = msg.step
+
+    def observe_exit(self, msg: MemberExited) -> None:
+        self.exited = True
+        self.exit_code = msg.returncode
+        self.exit_at = msg.ts
+
+    def start_probe(self, nonce: str, now: float) -> None:
+        self.probe_nonce, self.probe_sent_at = nonce, now
+
+    def observe_probe_reply(self, nonce: str, rx_time: float) -> bool:
+        """Record a probe answer; replies to an older probe than the last one sent are ignored."""
+        if nonce != self.probe_nonce:
+            return False
+        self.probe_reply_at = rx_time
+        return True
+
+    def rebase(self, now: float) -> None:
+        """Forget every time measured before ``now``: the detector was not watching (frozen,
+        suspended, or its loop starved), so the gap is no evidence about the member. Counter
+        values, phase and step are kept; their clocks restart at ``now`` and the next samples
+        rebuild the rest. A member that stays silent from here is timed from ``now``."""
+        self.first_seen = now
+        self.last_heard = None
+        self.phase_since = self.activity_at = self.tokens_at = now
+        self.activity_still_at = self.tokens_still_at = None
+        self.busy_since = now if self.busy_since is not None else None
+        self.work_since = now if self.work_since is not None else None
+        self.probe_nonce = self.probe_sent_at = self.probe_reply_at = None
+        self.window.clear()
+
+    def _set_phase(self, phase: str, rx_time: float) -> None:
+        if phase != self.phase:
+            self.phase, self.phase_since = phase, rx_time
+
+    def probe_pending(self, since: float) -> bool:
+        """A probe was sent at or after ``since`` and has not been answered."""
+        sent = self.probe_sent_at
+        return sent is not None and sent >= since and not self.probe_answered(since)
+
+    def probe_answered(self, since: float) -> bool:
+        """A probe sent at or after ``since`` was answered."""
+        sent, reply = self.probe_sent_at, self.probe_reply_at
+        return sent is not None and sent >= since and reply is not None and reply >= sent
+
+    def heard_at(self) -> float:
+        """When the member last showed any sign of life (first sight if never)."""
+        return self.last_heard if self.last_heard is not None else self.first_seen
+
+    def still_since(self, changed_at: float, still_at: float | None, since: float) -> float:
+        """The first sample at or after ``since`` that showed no progress (evidence time)."""
+        return max(still_at if still_at is not None else changed_at, since)

@@ -1,0 +1,190 @@
+"""One job's detector state: every member history and the bookkeeping around the rules
+(:mod:`robustrl.services.detector.rules`): probes in flight, faults already reported, members
+known to be gone, and the detector's own outages. Pure: no I/O, time comes in as ``now``.
+
+After the detector itself was not running - a restart (new process, empty state) or a
+freeze (SIGSTOP, a starved loop) - it judges nothing it did not observe: a restarted detector
+builds each history from the member's next message, and a monitor whose ticks stopped for
+longer than :func:`gap_bound_s` rebases every clock to the tick that found the gap. A member
+silent since before the outage is then timed from the detector's return.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from robustrl.config import DetectorSpec
+from robustrl.messages import Event, FaultReport, MemberExited, MemberHello, MetricsSample, PhaseChange, ProbeRequest
+from robustrl.services.detector.history import MemberHistory
+from robustrl.services.detector.rules import Cause, Status, Verdict, crash_rule, evaluate_member, fail_slow_rule
+from robustrl.subjects import _TOKEN
+
+_FAULT_NS = uuid.UUID("5f0e7a52-3c1d-4b7e-9a61-0d2c5e8b7f31")
+
+
+def new_fault_id() -> str:
+    """A random id: probe nonces, tool outages (one job may have many)."""
+    return uuid.uuid4().hex[:12]
+
+
+def member_fault_id(job_id: str, member_id: str) -> str:
+    """The id of the one fault a member incarnation can have (a restarted member gets a new
+    member id). Derived, not drawn: a detector that restarts and reports the same stuck member
+    again sends the same fault id, so the controller handles it once."""
+    return uuid.uuid5(_FAULT_NS, f"{job_id}/{member_id}").hex[:12]
+
+
+def gap_bound_s(cfg: DetectorSpec) -> float:
+    """Ticks further apart than this mean the detector itself was not running (frozen,
+    suspended, or its loop starved): what it measured across the gap is not evidence."""
+    return max(cfg.silence_s / 2, 4 * cfg.metrics_interval_s)
+
+
+@dataclass
+class TickResult:
+    probes: list[ProbeRequest] = field(default_factory=list)
+    faults: list[FaultReport] = field(default_factory=list)
+
+
+class JobMonitor:
+    """Every member history of one job, and the bookkeeping around the rules: probes in
+    flight, faults already reported (once per member incarnation), members known to be gone.
+
+    It performs no I/O: the service turns a :class:`TickResult` into messages.
+    """
+
+    def __init__(self, job_id: str, cfg: DetectorSpec | None = None, *,
+                 new_id: Callable[[], str] = new_fault_id) -> None:
+        self.job_id = job_id
+        self.cfg = cfg
+        self.members: dict[str, MemberHistory] = {}
+        self.gone: set[str] = set()
+        self.reported: set[str] = set()
+        self._new_id = new_id
+        self._tool_faults: dict[tuple[str, str], float] = {}  # (member, tool) -> last seen
+        self.last_tick: float | None = None
+        self.gaps = 0  # times the monitor found it had not been ticked (its own outage)
+
+    def configure(self, cfg: DetectorSpec) -> None:
+        """Set the thresholds (learned from the job spec); no rule runs before this."""
+        self.cfg = cfg
+        for h in self.members.values():
+            h.keep_s = self._keep_s()
+
+    def _keep_s(self) -> float:
+        return 2 * self.cfg.rollout_idle_s + 1.0 if self.cfg else 600.0
+
+    def _history(self, member_id: str, role: str, rx_time: float) -> MemberHistory | None:
+        if member_id in self.gone:
+            return None
+        h = self.members.get(member_id)
+        if h is None:
+            h = MemberHistory(self.job_id, member_id, role, first_seen=rx_time, keep_s=self._keep_s())
+            self.members[member_id] = h
+        return h
+
+    def hello(self, msg: MemberHello, rx_time: float) -> None:
+        h = self._history(msg.member_id, msg.role, rx_time)
+        if h is not None:
+            h.last_heard = rx_time
+
+    def sample(self, msg: MetricsSample, rx_time: float) -> bool:
+        """Feed a sample; False if it was dropped (gone member, duplicate, out of order)."""
+        h = self._history(msg.member_id, msg.role, rx_time)
+        return h.observe_sample(msg, rx_time) if h is not None else False
+
+    def phase(self, msg: PhaseChange, rx_time: float) -> None:
+        h = self._history(msg.member_id, msg.role, rx_time)
+        if h is not None:
+            h.observe_phase(msg, rx_time)
+
+    def exited(self, msg: MemberExited, rx_time: float) -> FaultReport | None:
+        """An expected exit forgets the member; an unexpected one is a crash, reported now."""
+        if msg.expected:
+            self.forget(msg.member_id)
+            return None
+        h = self._history(msg.member_id, msg.role, rx_time)
+        if h is None or msg.member_id in self.reported:
+            return None
+        h.observe_exit(msg)
+        verdict = crash_rule(h)
+        assert verdict is not None
+        return self._report(h, verdict, rx_time)
+
+    def probe_reply(self, member_id: str, nonce: str, rx_time: float) -> bool:
+        h = self.members.get(member_id)
+        return h.observe_probe_reply(nonce, rx_time) if h is not None else False
+
+    def forget(self, member_id: str) -> None:
+        """The member was stopped on purpose: drop it and ignore its late messages."""
+        self.members.pop(member_id, None)
+        self.gone.add(member_id)
+
+    def forget_role(self, role: str) -> None:
+        for member_id in [m for m, h in self.members.items() if h.role == role]:
+            self.forget(member_id)
+
+    def tool_fault(self, event: Event, rx_time: float) -> FaultReport | None:
+        """A tool failure reported by the request manager becomes one tool_outage report per
+        outage: repeats for the same tool are folded until it has been quiet for silence_s."""
+        member = str(event.data.get("member_id") or "request_manager")
+        tool = str(event.data.get("tool") or "tool")
+        key = (member, tool)
+        last = self._tool_faults.get(key)
+        self._tool_faults[key] = rx_time
+        quiet_s = self.cfg.silence_s if self.cfg else 30.0
+        if last is not None and rx_time - last < quiet_s:
+            return None
+        step = event.data.get("step", -1)
+        evidence = (f"tool {tool!r} failing after {event.data.get('attempts', '?')} attempts: "
+                    f"{event.data.get('error', 'unknown error')}")
+        return FaultReport(job_id=self.job_id, fault_id=self._new_id(), role="request_manager",
+                           member_id=member if _is_token(member) else "request_manager",
+                           kind="tool_outage", evidence=evidence, detected_at=rx_time,
+                           step=step if isinstance(step, int) else -1, cause=Cause.TOOL_OUTAGE.value,
+                           fault_at=rx_time if last is None else min(last, rx_time))
+
+    def tick(self, now: float) -> TickResult:
+        """Evaluate every member at ``now``: the probes to send and the faults to report."""
+        out = TickResult()
+        if self.cfg is None:
+            self.last_tick = now
+            return out
+        if self.last_tick is not None and now - self.last_tick > gap_bound_s(self.cfg):
+            # Our own outage, not the members': rebuild every clock from the next messages.
+            self.gaps += 1
+            for h in self.members.values():
+                h.rebase(now)
+        self.last_tick = now
+        healthy: list[MemberHistory] = []
+        for h in list(self.members.values()):
+            if h.member_id in self.reported:
+                continue
+            verdict = evaluate_member(now, h, self.cfg)
+            if verdict.status is Status.FAULT:
+                out.faults.append(self._report(h, verdict, now))
+            elif verdict.status is Status.SUSPECT:
+                if verdict.probe:
+                    nonce = self._new_id()
+                    h.start_probe(nonce, now)
+                    out.probes.append(ProbeRequest(job_id=self.job_id, member_id=h.member_id, nonce=nonce))
+            else:
+                healthy.append(h)
+        for member_id, verdict in fail_slow_rule(now, healthy, self.cfg).items():
+            out.faults.append(self._report(self.members[member_id], verdict, now))
+        return out
+
+    def _report(self, h: MemberHistory, verdict: Verdict, now: float) -> FaultReport:
+        self.reported.add(h.member_id)
+        assert verdict.kind is not None
+        return FaultReport(job_id=self.job_id, fault_id=member_fault_id(self.job_id, h.member_id),
+                           role=h.role, member_id=h.member_id, kind=verdict.kind,  # type: ignore[arg-type]
+                           evidence=verdict.evidence, detected_at=now, step=h.step,
+                           last_progress_at=verdict.last_progress_at,
+                           cause=verdict.cause.value if verdict.cause else None, fault_at=verdict.fault_at)
+
+
+def _is_token(text: str) -> bool:
+    return bool(_TOKEN.match(text))
