@@ -101,9 +101,49 @@ def test_kv_cache_greedy_equals_full_forward(engine: GenerationEngine) -> None:
             logits = engine.model(input_ids=torch.tensor([seq])).logits[0, -1]
             seq.append(int(logits.argmax()))
     assert res.token_ids == seq[len(ids):]
-    # the recorded logprobs are what the trainer recomputes (temperature-1 policy logprobs)
+    # greedy decoding samples from a point mass: every behaviour logprob is log 1
+    assert res.logprobs == [0.0] * len(res.token_ids)
+
+
+def test_logprobs_at_temperature_1_are_what_the_trainer_recomputes(engine: GenerationEngine) -> None:
+    ids = prompt("reverse abcd:")
+    res = engine.generate([GenRequest("s", ids, 10, temperature=1.0, top_p=1.0, seed=3)])[0]
+    seq = ids + res.token_ids
     full = token_logprobs(engine.model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long))
     assert res.logprobs == pytest.approx(full[0, len(ids):].tolist(), abs=1e-4)
+
+
+def _sampled_distribution_logprob(logits: torch.Tensor, temperature: float, top_p: float, token: int) -> float:
+    """Directly: scale by temperature, keep the smallest most-likely set with mass >= top_p,
+    renormalise, and read the token's log probability (-inf if it was not in the set)."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    order = sorted(range(len(probs)), key=lambda i: -float(probs[i]))
+    kept, mass = [], 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += float(probs[i])
+    return float(torch.log(probs[token] / mass)) if token in kept else float("-inf")
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.7, 1.0), (1.0, 0.8), (1.5, 0.6), (0.5, 0.9)])
+def test_behaviour_logprobs_are_of_the_distribution_sampled_from(
+        engine: GenerationEngine, temperature: float, top_p: float) -> None:
+    ids = prompt("reverse abcd:")
+    reqs = [GenRequest(f"s{k}", ids, 10, temperature=temperature, top_p=top_p, seed=k) for k in range(4)]
+    checked = 0
+    for res in engine.generate(reqs):
+        seq = list(ids)
+        with torch.no_grad():
+            for token, logprob in zip(res.token_ids, res.logprobs, strict=True):
+                logits = engine.model(input_ids=torch.tensor([seq])).logits[0, -1]
+                direct = _sampled_distribution_logprob(logits, temperature, top_p, token)
+                assert direct > float("-inf"), "sampled a token outside the top-p set"
+                assert logprob == pytest.approx(direct, abs=1e-4)
+                seq.append(token)
+                checked += 1
+    assert checked >= 8
 
 
 def test_callbacks_counter_chunks_and_abort(engine: GenerationEngine) -> None:

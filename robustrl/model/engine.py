@@ -58,10 +58,11 @@ class GenResult:
 class GenerationEngine:
     """Decodes batches of requests with the policy; thread-safe (one batch at a time).
 
-    Logprobs are of the sampled tokens under the *unmodified* policy: ``log_softmax`` of the
-    logits at temperature 1, before top-p. That is the distribution the trainer recomputes, so
-    GRPO uses them directly as old logprobs; the behaviour distribution differs only when
-    temperature != 1 or top_p < 1.
+    Logprobs are of the sampled tokens under the distribution actually sampled from (the
+    behaviour policy): logits scaled by the request's temperature, truncated to its top-p set
+    and renormalised. At temperature 1 and top_p 1 that is the policy the trainer recomputes;
+    otherwise GRPO's importance ratio needs exactly these. Greedy decoding samples from a point
+    mass, so its logprobs are 0.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: CharTokenizer, max_batch: int = 64) -> None:
@@ -213,8 +214,7 @@ class GenerationEngine:
         top_ps: torch.Tensor,
         gens: list[torch.Generator],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pick one token per row; return (tokens, their temperature-1 logprobs)."""
-        base_logp = torch.log_softmax(logits, dim=-1)
+        """Pick one token per row; return (tokens, their logprobs under the sampled distribution)."""
         greedy = temps <= 0
         scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(-1)
         probs = torch.softmax(scaled, dim=-1)
@@ -222,7 +222,8 @@ class GenerationEngine:
         # (the most likely token always survives).
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p
-        sorted_p = torch.where(before < top_ps.unsqueeze(-1), sorted_p, torch.zeros_like(sorted_p))
+        keep_sorted = before < top_ps.unsqueeze(-1)
+        sorted_p = torch.where(keep_sorted, sorted_p, torch.zeros_like(sorted_p))
         cdf = sorted_p.cumsum(-1)
         # One uniform per row from the row's own generator, even for inactive or greedy rows:
         # the draw count depends only on the step, never on the batch's other rows.
@@ -231,5 +232,10 @@ class GenerationEngine:
         pick_sorted = torch.searchsorted(cdf, u.unsqueeze(-1)).clamp(max=cdf.shape[-1] - 1)
         sampled = order.gather(-1, pick_sorted).squeeze(-1)
         chosen = torch.where(greedy, logits.argmax(dim=-1), sampled)
-        logps = base_logp.gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+        # log p(chosen) under the sampled distribution: the scaled logits restricted to the
+        # top-p set, renormalised there (logsumexp over the kept tokens only).
+        kept = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        masked = scaled.masked_fill(~kept, float("-inf"))
+        sampled_logp = masked.gather(-1, chosen.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(masked, dim=-1)
+        logps = torch.where(greedy, torch.zeros_like(sampled_logp), sampled_logp)
         return chosen.cpu(), logps.cpu()
