@@ -20,7 +20,11 @@ Role = Literal["trainer", "rollout", "request_manager", "controller", "detector"
 TrainerPhase = Literal["starting", "idle", "waiting_batch", "training", "checkpointing", "publishing"]
 RolloutPhase = Literal["starting", "serving", "idle", "loading_weights", "weights_failed"]
 FaultKind = Literal["crash", "hang", "unresponsive", "fail_slow", "tool_outage"]
-ChaosKind = Literal["crash", "hang", "stall", "slow", "tool_outage", "net_drop"]
+ChaosKind = Literal["crash", "hang", "stall", "slow", "tool_outage", "net_drop", "infra_restart"]
+ChaosRole = Literal["trainer", "rollout", "request_manager", "controller", "detector", "nats", "redis", "s3"]
+"""Where a fault can be injected: the job's roles, the control plane, and the infra servers
+(``infra_restart`` on ``nats | redis | s3``). Control-plane and infra faults are carried out by
+whoever owns those processes (the local stack), not by the controller."""
 StopReason = Literal["eot", "tool_call", "length"]
 
 _ID = Field(pattern=_TOKEN.pattern)
@@ -277,7 +281,7 @@ class ChaosRequest(Wire):
     job_id: str = _ID
     fault_id: str = _ID
     kind: ChaosKind
-    role: Literal["trainer", "rollout", "request_manager"]
+    role: ChaosRole
     member: int | str = 0
     duration_s: float = Field(0.0, ge=0, le=3600)
     factor: float = Field(4.0, ge=1.0, le=1000)

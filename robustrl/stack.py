@@ -211,6 +211,17 @@ class Stack:
         timer.start()
         return pid
 
+    def restart_infra(self, name: str) -> float:
+        """Restart an embedded server (``nats | redis | s3``) on its port and data dir; returns
+        how long it was away.
+
+        Raises:
+            LaunchError: the stack runs on external servers, which it does not own.
+        """
+        if self.infra is None:
+            raise LaunchError(f"cannot restart {name}: this stack uses external servers", member=name)
+        return self.infra.restart(name)
+
     def restarts(self) -> list[dict[str, object]]:
         """Every supervisor restart so far (from ``logs/supervisor.jsonl``)."""
         return read_restarts(self.run_dir)

@@ -78,6 +78,11 @@ def test_builder_matches_yaml_and_round_trips() -> None:
     ("faults: [{kind: tool_outage, role: rollout, at_step: 1, duration_s: 1}]", "faults[0].role"),
     ("faults: [{kind: crash, role: rollout, at_step: 1, colour: red}]", "faults[0].colour"),
     ("faults: [{kind: crash, role: rollout, at_step: 1}, {kind: crash, at_step: 1}]", "faults[1].role"),
+    ("faults: [{kind: infra_restart, role: rollout, at_step: 1}]", "faults[0].role"),
+    ("faults: [{kind: crash, role: redis, at_step: 1}]", "faults[0].role"),
+    ("faults: [{kind: slow, role: controller, at_step: 1}]", "faults[0].role"),
+    ("faults: [{kind: tool_outage, role: detector, at_step: 1, duration_s: 1}]", "faults[0].role"),
+    ("faults: [{kind: net_drop, role: request_manager, at_step: 1}]", "faults[0].role"),
     ("seed: -3\nfaults: []", "seed"),
     ("policy: yolo\nfaults: []", "policy"),
     ("fautls: []", "fautls"),
@@ -102,3 +107,53 @@ def test_plan_rejects_member_index_beyond_the_job() -> None:
 def test_builder_validates_like_a_file() -> None:
     with pytest.raises(ScenarioError, match="kind"):
         Faults().add("explode", "rollout", at_step=1)
+
+
+CONTROL_PLANE_TEXT = """
+name: cp
+seed: 4
+faults:
+  - {kind: crash, role: controller, at_step: 1}
+  - {kind: hang, role: detector, at_step: 2}
+  - {kind: hang, role: request_manager, at_step: 3, duration_s: 4}
+  - {kind: crash, role: request_manager, at_step: 3}
+  - {kind: infra_restart, role: nats, at_step: 4}
+  - {kind: infra_restart, role: redis, at_step: 5, within_step: 0.5}
+  - {kind: infra_restart, role: s3, at_step: 6}
+"""
+
+
+def test_control_plane_and_infra_faults_plan_and_route() -> None:
+    from robustrl.chaos.harness import is_local
+
+    sc = load_scenario(CONTROL_PLANE_TEXT)
+    assert load_scenario(sc.to_yaml()) == sc
+    planned = plan(sc, steps=8, step_time_s=2.0)
+    assert [(p.kind, p.role, p.step) for p in planned if p.step != 3] == [
+        ("crash", "controller", 1), ("hang", "detector", 2), ("infra_restart", "nats", 4),
+        ("infra_restart", "redis", 5), ("infra_restart", "s3", 6)]
+    assert all(p.member_index == 0 for p in planned)  # one of each: index 0
+    hangs = {p.role: p.duration_s for p in planned if p.kind == "hang"}
+    assert hangs == {"detector": 10.0, "request_manager": 4.0}  # a control-plane hang defaults to 10 s
+    # Every one of these is carried out by the stack (the controller cannot kill itself), while
+    # a tool outage of the request manager still goes to the controller.
+    assert all(is_local(p) for p in planned)
+    outage = plan(Faults().tool_outage(at_step=0, duration_s=1).build(), steps=1)[0]
+    assert not is_local(outage)
+    built = (Faults("cp", seed=4).crash("controller", at_step=1).hang("detector", at_step=2)
+             .infra_restart("redis", at_step=5).build())
+    assert [f.role for f in built.faults] == ["controller", "detector", "redis"]
+
+
+async def test_harness_without_a_stack_reports_local_faults_as_not_injected() -> None:
+    """No Stack handle (a detached ``robustrl up``): the fault is refused with a reason, never
+    silently sent to a controller that would misroute it."""
+    from robustrl.chaos.harness import Harness
+
+    class NoBus:
+        async def emit_event(self, *a: object, **k: object) -> None:
+            raise AssertionError("nothing may be logged for a fault that was not injected")
+
+    pf = plan(Faults().crash("controller", at_step=0).build(), steps=1)[0]
+    rec = await Harness(NoBus(), "job", [pf]).inject(pf)  # type: ignore[arg-type]
+    assert rec["ok"] is False and "needs the stack" in rec["error"]

@@ -4,6 +4,11 @@ It follows the job's progress on the event subjects (``step_started``), waits fo
 fault's step, sleeps the fault's seeded delay inside that step, and sends a ``ChaosRequest``
 to the controller on ``rrl.<job>.chaos``; the controller resolves the member and carries the
 fault out (kill the process group, SIGSTOP, or an in-process fault over NATS).
+
+Faults on the controller and detector (the controller cannot kill itself and does not own the
+detector's process) and infra restarts go to a :class:`LocalFaults` instead: the local stack,
+which started those processes. The harness logs their ``fault_injected`` itself. A request
+manager crash or hang goes there too; its tool outage still goes through the controller.
 """
 
 from __future__ import annotations
@@ -12,11 +17,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from robustrl.bus import Bus
-from robustrl.chaos.scenario import PlannedFault
-from robustrl.errors import RequestTimeout
+from robustrl.chaos.scenario import CONTROL_PLANE, INFRA, PlannedFault
+from robustrl.errors import LaunchError, RequestTimeout
 from robustrl.messages import ChaosAck, ChaosRequest, Event, StepCommitted
 from robustrl.subjects import Verb, events, subject
 
@@ -24,9 +29,26 @@ log = logging.getLogger(__name__)
 ACK_TIMEOUT_S = 5.0
 
 
+class LocalFaults(Protocol):
+    """Who owns the control-plane and infra processes (``robustrl.stack.Stack``)."""
+
+    def crash_service(self, name: str) -> int: ...
+
+    def hang_service(self, name: str, duration_s: float) -> int: ...
+
+    def restart_infra(self, name: str) -> float: ...
+
+
+def is_local(pf: PlannedFault) -> bool:
+    """Whether the harness carries ``pf`` out itself (through :class:`LocalFaults`)."""
+    return pf.role in INFRA or (pf.role in CONTROL_PLANE and pf.kind in ("crash", "hang"))
+
+
 class Harness:
-    def __init__(self, bus: Bus, job_id: str, planned: Sequence[PlannedFault]) -> None:
+    def __init__(self, bus: Bus, job_id: str, planned: Sequence[PlannedFault],
+                 local: LocalFaults | None = None) -> None:
         self.bus = bus
+        self.local = local
         self.job_id = job_id
         self.planned = sorted(planned, key=lambda p: (p.step, p.delay_s))
         self.step_started: dict[int, float] = {}
@@ -53,7 +75,7 @@ class Harness:
                     self._changed.clear()
                     try:
                         await asyncio.wait_for(self._changed.wait(), 0.5)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 if stop.is_set():
                     break
@@ -62,7 +84,7 @@ class Harness:
                     try:
                         await asyncio.wait_for(stop.wait(), wait)
                         break
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 await self.inject(pf)
         finally:
@@ -71,6 +93,8 @@ class Harness:
         return self.acks
 
     async def inject(self, pf: PlannedFault) -> dict[str, Any]:
+        if is_local(pf):
+            return await self.inject_local(pf)
         req = ChaosRequest(job_id=self.job_id, fault_id=pf.fault_id, kind=pf.kind, role=pf.role,  # type: ignore[arg-type]
                            member=pf.member_index, duration_s=pf.duration_s, factor=max(1.0, pf.factor))
         try:
@@ -80,6 +104,34 @@ class Harness:
         except RequestTimeout as exc:
             rec = {"fault_id": pf.fault_id, "kind": pf.kind, "role": pf.role, "step": pf.step,
                    "member_id": None, "ok": False, "error": str(exc)}
+        log.info("injected %s", rec)
+        self.acks.append(rec)
+        return rec
+
+    async def inject_local(self, pf: PlannedFault) -> dict[str, Any]:
+        """Crash or hang a control-plane process, or restart an infra server, through the stack."""
+        rec: dict[str, Any] = {"fault_id": pf.fault_id, "kind": pf.kind, "role": pf.role, "step": pf.step,
+                               "member_id": pf.role, "ok": False, "error": None}
+        if self.local is None:
+            rec["error"] = f"{pf.kind} on {pf.role} needs the stack that started it (run the job with a local Stack)"
+            self.acks.append(rec)
+            log.warning("not injected: %s", rec["error"])
+            return rec
+        # Logged before it is carried out, as the controller does: the detection of a crash must
+        # not precede its cause in the log. A NATS restart is logged before the server goes away.
+        await self.bus.emit_event(self.job_id, "fault_injected", {
+            "fault_id": pf.fault_id, "kind": pf.kind, "role": pf.role, "member_id": pf.role, "step": pf.step,
+            "duration_s": pf.duration_s})
+        try:
+            if pf.kind == "infra_restart":
+                rec["took_s"] = await asyncio.to_thread(self.local.restart_infra, pf.role)
+            elif pf.kind == "crash":
+                rec["pid"] = await asyncio.to_thread(self.local.crash_service, pf.role)
+            else:
+                rec["pid"] = await asyncio.to_thread(self.local.hang_service, pf.role, pf.duration_s)
+            rec["ok"] = True
+        except (LaunchError, KeyError, ProcessLookupError) as exc:
+            rec["error"] = f"{type(exc).__name__}: {exc}"
         log.info("injected %s", rec)
         self.acks.append(rec)
         return rec

@@ -12,7 +12,7 @@ from typing import Any
 
 from robustrl.bus import Bus
 from robustrl.chaos.accounting import account
-from robustrl.chaos.harness import Harness
+from robustrl.chaos.harness import Harness, LocalFaults
 from robustrl.chaos.scenario import Scenario, members_of, plan
 from robustrl.client import ApiClient
 from robustrl.config import Settings
@@ -50,8 +50,12 @@ def job_spec_for(scenario: Scenario | None, base: dict[str, Any]) -> dict[str, A
 
 async def run_job(settings: Settings, api: ApiClient, spec: dict[str, Any], scenario: Scenario | None,
                   *, step_time_s: float = 3.5, timeout_s: float = 900.0,
-                  on_status: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Submit ``spec``, inject the scenario's faults, wait until the job ends, return its report."""
+                  on_status: Callable[[dict[str, Any]], None] | None = None,
+                  local: LocalFaults | None = None) -> dict[str, Any]:
+    """Submit ``spec``, inject the scenario's faults, wait until the job ends, return its report.
+
+    ``local`` (the Stack) carries out faults on the controller, the detector and the infra servers.
+    """
     bus = await Bus.connect(settings.nats_url, "chaos-harness")
     try:
         job = await asyncio.to_thread(api.submit, spec)
@@ -62,7 +66,7 @@ async def run_job(settings: Settings, api: ApiClient, spec: dict[str, Any], scen
             counts = members_of(Scenario(job={k: v for k, v in spec.items() if k in ("trainer", "rollout")}))
             planned = plan(scenario, steps, step_time_s=step_time_s, members=counts)
         stop = asyncio.Event()
-        harness = Harness(bus, job_id, planned)
+        harness = Harness(bus, job_id, planned, local)
         chaos_task = asyncio.create_task(harness.run(stop))
         deadline = time.monotonic() + timeout_s
         status = job

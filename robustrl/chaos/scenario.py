@@ -11,6 +11,9 @@ A scenario file is YAML::
       - {kind: hang, role: trainer, member: random, every: 5, start: 5, within_step: 0.5}
       - {kind: slow, role: rollout, member: all, at_step: 4, duration_s: 10, factor: 8}
       - {kind: tool_outage, role: request_manager, at_step: 6, duration_s: 5}
+      - {kind: crash, role: controller, at_step: 7}               # control plane: crash | hang
+      - {kind: hang, role: detector, at_step: 8, duration_s: 10}  # SIGSTOP, SIGCONT after 10 s
+      - {kind: infra_restart, role: redis, at_step: 9}            # nats | redis | s3
 
 ``member`` is a member index, ``random`` (one drawn from the seed) or ``all``; ``within_step``
 is ``random`` (a moment drawn inside the step) or a delay in seconds after the step starts.
@@ -30,14 +33,20 @@ import yaml
 
 from robustrl.config import JobSpec
 from robustrl.errors import ConfigError, ScenarioError
-from robustrl.messages import ChaosKind
+from robustrl.messages import ChaosKind, ChaosRole
 
-ChaosRole = Literal["trainer", "rollout", "request_manager"]
 Policy = Literal["role_local", "whole_job"]
 Member = int | Literal["random", "all"]
 
 KINDS: tuple[str, ...] = get_args(ChaosKind)
 ROLES: tuple[str, ...] = get_args(ChaosRole)
+CONTROL_PLANE: tuple[str, ...] = ("controller", "detector", "request_manager")
+INFRA: tuple[str, ...] = ("nats", "redis", "s3")
+LOCAL_ROLES: tuple[str, ...] = ("controller", "detector", *INFRA)
+"""Roles whose faults the controller cannot carry out (it would be killing itself, or it does not
+own the process): the harness does, through the stack that started them."""
+DEFAULT_HANG_S = 10.0
+"""A control-plane hang without a duration: SIGSTOP, then SIGCONT after this long."""
 # A fail-slow fault must be slower than the detector's peer threshold (a quarter of the median)
 # to be detectable at all, so the default factor is well past it.
 DEFAULT_SLOW_FACTOR = 8.0
@@ -142,7 +151,7 @@ def parse_scenario(raw: object) -> Scenario:
     unknown = set(raw) - _TOP_KEYS
     if unknown:
         raise ScenarioError(f"unknown scenario key(s): {', '.join(sorted(map(str, unknown)))}",
-                            field=sorted(map(str, unknown))[0])
+                            field=min(map(str, unknown)))
     name = raw.get("name", "adhoc")
     if not isinstance(name, str) or not name:
         raise ScenarioError("name must be a non-empty string", field="name")
@@ -172,15 +181,16 @@ def parse_fault(entry: object, index: int = 0) -> FaultSpec:
         raise bad("<entry>", "each fault must be a mapping")
     unknown = set(entry) - _FAULT_KEYS
     if unknown:
-        raise bad(sorted(map(str, unknown))[0], "unknown key")
+        raise bad(min(map(str, unknown)), "unknown key")
     kind = entry.get("kind")
     if kind not in KINDS:
         raise bad("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
     role = entry.get("role", "request_manager" if kind == "tool_outage" else None)
     if role not in ROLES:
         raise bad("role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-    if kind == "tool_outage" and role != "request_manager":
-        raise bad("role", "a tool outage happens in the request manager's tools")
+    problem = target_problem(kind, role)
+    if problem:
+        raise bad("role", problem)
     member = entry.get("member", 0)
     if not (member in ("random", "all") or (_is_int(member) and member >= 0)):
         raise bad("member", f"must be an index >= 0, 'random' or 'all', got {member!r}")
@@ -199,7 +209,7 @@ def parse_fault(entry: object, index: int = 0) -> FaultSpec:
     within = entry.get("within_step", "random")
     if not (within == "random" or (_is_number(within) and within >= 0)):
         raise bad("within_step", f"must be 'random' or seconds >= 0, got {within!r}")
-    duration = entry.get("duration_s", 0.0)
+    duration = entry.get("duration_s", DEFAULT_HANG_S if kind == "hang" and role in CONTROL_PLANE else 0.0)
     if not (_is_number(duration) and duration >= 0):
         raise bad("duration_s", f"must be seconds >= 0, got {duration!r}")
     if kind == "tool_outage" and duration <= 0:
@@ -212,6 +222,21 @@ def parse_fault(entry: object, index: int = 0) -> FaultSpec:
     return FaultSpec(kind=kind, role=role, member=member, at_step=at_step, every=every, start=start,
                      within_step=within if within == "random" else float(within),
                      duration_s=float(duration), factor=float(factor))
+
+
+def target_problem(kind: str, role: str) -> str | None:
+    """Why ``kind`` cannot be injected on ``role`` (None if it can). Shared by the scenario
+    format and the REST API so both accept the same faults."""
+    if kind == "infra_restart" and role not in INFRA:
+        return f"infra_restart restarts an infra server: role must be one of {', '.join(INFRA)}"
+    if role in INFRA and kind != "infra_restart":
+        return f"the only fault of the {role} server is infra_restart"
+    if kind == "tool_outage" and role != "request_manager":
+        return "a tool outage happens in the request manager's tools"
+    if role in CONTROL_PLANE and kind not in ("crash", "hang") and not (
+            role == "request_manager" and kind == "tool_outage"):
+        return f"a {role} fault is crash or hang (the process), not {kind}"
+    return None
 
 
 def _is_int(value: object) -> bool:
@@ -231,7 +256,8 @@ def members_of(scenario: Scenario) -> dict[str, int]:
         spec = JobSpec.parse(dict(scenario.job))
     except ConfigError as exc:
         raise ScenarioError(f"job overrides: {exc.message}", field=f"job.{exc.fields.get('field')}") from exc
-    return {"trainer": spec.trainer.workers, "rollout": spec.rollout.replicas, "request_manager": 1}
+    return {"trainer": spec.trainer.workers, "rollout": spec.rollout.replicas,
+            **{role: 1 for role in (*CONTROL_PLANE, *INFRA)}}
 
 
 def plan(scenario: Scenario, steps: int, *, step_time_s: float = 1.0,
@@ -309,6 +335,10 @@ class Faults:
 
     def net_drop(self, role: str, **fields: Any) -> Faults:
         return self.add("net_drop", role, **fields)
+
+    def infra_restart(self, server: str, **fields: Any) -> Faults:
+        """Restart an infra server (``nats | redis | s3``) on its port and data dir."""
+        return self.add("infra_restart", server, **fields)
 
     def tool_outage(self, **fields: Any) -> Faults:
         return self.add("tool_outage", "request_manager", **fields)
