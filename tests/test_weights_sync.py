@@ -186,6 +186,30 @@ async def test_corrupt_chunk_refetched_elsewhere(kind: str, version, servers) ->
     assert stats.failed_sources == []
 
 
+async def test_failed_pull_says_whether_sources_are_gone_or_lying(kind: str, version, servers) -> None:
+    """A replica counts a pull that failed on corrupt data against the version (it reports the
+    failure after N), but not one whose sources are simply gone (the trainer died mid-version:
+    it waits for the re-announcement instead)."""
+    buffer, manifest, _ = version
+    liar = await servers(Fault("corrupt", chunk=3, times=100))
+    liar.add_version(manifest, buffer)
+    relay = await servers()
+    with pytest.raises(WeightSyncError) as info:
+        await pull(manifest, [liar.address], relay=relay, unavailable_grace_s=0.2)
+    assert info.value.reason == "corrupt" and info.value.chunk == 3
+    assert relay.versions() == []  # nothing of the version is served onward
+    dead = await servers(Fault("die", after_chunks=2))
+    dead.add_version(manifest, buffer)
+    with pytest.raises(WeightSyncError) as info:
+        await pull(manifest, [dead.address], unavailable_grace_s=0.2)
+    assert info.value.reason == "unavailable"
+    slow = await servers(Fault("stall", after_bytes=10, times=100))
+    slow.add_version(manifest, buffer)
+    with pytest.raises(WeightSyncError) as info:
+        await pull(manifest, [slow.address], timeout_s=0.5, stall_timeout_s=5.0)
+    assert info.value.reason == "timeout"
+
+
 async def test_late_joiner_pulls_from_relays_only(kind: str, version, servers) -> None:
     buffer, manifest, _ = version
     trainer = await servers()

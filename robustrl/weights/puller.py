@@ -13,8 +13,9 @@
 * when a source dies or stalls mid-chunk it is dropped for the rest of the pull, completed
   chunks are kept, and the chunk in flight is refetched elsewhere;
 * marks each verified chunk into ``relay`` so this replica serves it onward at once;
-* raises a retryable WeightSyncError when some chunk stays unavailable from every live source
-  (e.g. the trainer died mid-version and no relay completed that chunk).
+* raises a retryable WeightSyncError when some chunk stays unavailable from every live source,
+  with ``reason``: ``unavailable`` (e.g. the trainer died mid-version and no relay completed
+  that chunk), ``corrupt`` (the only copies on offer failed their checksum) or ``timeout``.
 """
 
 from __future__ import annotations
@@ -228,9 +229,13 @@ class _Pull:
         if self.unavailable_since is None:
             self.unavailable_since = now
         elif now - self.unavailable_since >= self.unavailable_grace_s:
-            raise WeightSyncError("no live source holds some chunks of this version",
-                                  version=self.m.version, chunk=min(missing), missing=len(missing),
-                                  failed_sources=list(self.stats.failed_sources))
+            # Sent corrupt by some source: the bytes on offer are wrong (a fault to count);
+            # otherwise nobody alive holds them (the publisher died: wait for a re-announcement).
+            lied = sorted(c for c in missing if any(c in s.bad for s in self.sources.values()))
+            reason = "corrupt" if lied else "unavailable"
+            raise WeightSyncError(f"no live source holds a good copy of some chunks of this version ({reason})",
+                                  version=self.m.version, chunk=(lied or [min(missing)])[0], missing=len(missing),
+                                  failed_sources=list(self.stats.failed_sources), reason=reason)
 
     async def _taken_elsewhere(self, chunk: int, source: _Source) -> bool:
         """Before taking a chunk from a complete source (the trainer), re-ask the partial
@@ -337,7 +342,7 @@ class _Pull:
             now = time.perf_counter()
             if now > deadline:
                 raise WeightSyncError(f"pull timed out after {timeout_s:.1f} s", version=self.m.version,
-                                      missing=len(self.pending))
+                                      missing=len(self.pending), reason="timeout")
             self._maybe_refresh(now)
             while len(self.inflight) < self.max_inflight and (pick := self._pick()) is not None:
                 chunk, source = pick
@@ -412,7 +417,8 @@ async def pull(
         (buffer, stats): buffer holds the version's bytes, every chunk verified.
 
     Raises:
-        WeightSyncError: (retryable) a chunk is held by no live source, or the pull timed out.
+        WeightSyncError: (retryable) a chunk is held by no live source, or the pull timed out;
+            ``reason`` is ``unavailable``, ``corrupt`` or ``timeout``.
     """
     state = _Pull(manifest, sources, transport, relay, into, stall_timeout_s, connect_timeout_s,
                   max_inflight, per_source_inflight, have_interval_s, unavailable_grace_s, seed)
