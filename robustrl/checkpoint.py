@@ -1,56 +1,82 @@
-"""Per-step checkpoint of the trainer: a blocking copy to host memory, then a background upload.
+"""Per-step checkpoint of a trainer gang: a blocking copy to host memory, then a background upload.
 
-``Checkpointer.snapshot`` copies every tensor of the model, optimizer and RNG state into
-preallocated host buffers that are reused from step to step, and returns; that copy is the
-only part on the training critical path. A background thread then serializes the buffers into
-blobs, uploads them, and writes the step's ``manifest.json`` last: a checkpoint exists only
-once its manifest does (DESIGN section 2, step 5). Old checkpoints beyond ``keep`` are then
-garbage-collected.
+``Checkpointer.snapshot`` copies every tensor of the rank's state into preallocated host buffers
+that are reused from step to step, and returns; that copy is the only part on the training
+critical path. A background thread then serializes the buffers into blobs and uploads them under
+keys of this rank and this gang epoch only (``robustrl.checkpoint_catalog`` has the layout).
 
-Layout under ``prefix``::
+One writer per key: rank 0 writes the replicated state (model, optimizer, data cursor), every
+other rank only its own state (RNG). A rank other than 0 finishes with a receipt naming its
+blobs; rank 0, the coordinator, waits for every receipt, reads each named blob back and checks its
+size and sha256, asks the gang's fence whether this epoch may still publish, and only then writes
+the manifest: a checkpoint exists once its manifest does (DESIGN section 2, step 5). Nothing is
+deleted before writing; GC (rank 0, after a manifest) keeps the newest ``keep`` checkpoints that
+verify and never deletes the newest loadable one.
 
-    <prefix>/<step:012d>/state.pt           structure with tensors replaced by references
-    <prefix>/<step:012d>/tensors-00000.pt   tensors, in shards of up to ``shard_bytes``
-    <prefix>/<step:012d>/manifest.json      step, versions, sha256 and size of every blob
-
-Loading verifies every blob's sha256 and unpickles with ``weights_only=True``; a corrupt or
-incomplete newest checkpoint makes ``load_latest`` fall back to the previous one.
+Loading verifies every blob's sha256 and unpickles with ``weights_only=True``; a corrupt,
+incomplete or superseded newest checkpoint makes ``load_latest`` fall back to the previous one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
-import random
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-import numpy as np
 import torch
+from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from robustrl.checkpoint_catalog import (
+    BlobEntry,
+    CheckpointRef,
+    Manifest,
+    ShardReceipt,
+    fetch_blob,
+    gc_deletions,
+    lineage,
+    manifest_bytes,
+    read_manifest,
+    read_receipt,
+    receipt_bytes,
+    scan,
+    verify,
+)
+from robustrl.checkpoint_reader import REF, STATE_BLOB, CheckpointState, read_checkpoint
 from robustrl.errors import CheckpointError
+from robustrl.rng import capture_rng, restore_rng, seed_rng
 from robustrl.storage.objects import ObjectNotFound, ObjectStore, check_key
+
+__all__ = ["CheckpointBusy", "CheckpointState", "Checkpointer", "ManifestFence", "SnapshotStats", "UploadStats",
+           "capture_rng", "restore_rng", "seed_rng"]
 
 log = logging.getLogger(__name__)
 
 UPLOAD_WAIT_S = 300.0
 """How long ``snapshot`` waits for the previous upload before giving up (``CheckpointBusy``)."""
+SHARD_WAIT_S = 120.0
+"""How long the coordinator waits for every other rank's receipt before giving up on a step."""
 SHARD_BYTES = 256 * 1024 * 1024
 """Largest tensor shard blob; bounds the memory one serialization needs."""
-MANIFEST = "manifest.json"
-STATE_BLOB = "state.pt"
-FORMAT = 1
-_REF = "__robustrl_tensor__"
 
 
 class CheckpointBusy(CheckpointError, TimeoutError):
     """The previous upload did not finish in time, so no new snapshot was taken."""
 
     retryable = True
+
+
+class ManifestFence(Protocol):
+    """The gang's fence as the upload thread sees it (blocking calls)."""
+
+    def admit(self, step: int) -> None:
+        """Raise ``StaleEpoch`` if this gang may no longer publish a checkpoint."""
+
+    def durable(self, step: int) -> None:
+        """Record ``step`` as this gang's newest durable checkpoint; raise ``StaleEpoch`` if refused."""
 
 
 @dataclass(frozen=True)
@@ -72,79 +98,12 @@ class UploadStats:
 
     step: int
     upload_s: float
-    """Serialize + upload + manifest, wall time."""
+    """Serialize + upload (+ verify shards + manifest on the coordinator), wall time."""
     bytes: int
-    """Bytes written to the object store."""
-
-
-@dataclass
-class CheckpointState:
-    """A loaded checkpoint; tensors are on CPU."""
-
-    step: int
-    weights_version: int
-    data_cursor: int
-    model_state: dict[str, torch.Tensor]
-    optim_state: dict[str, Any]
-    rng: dict[str, Any]
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-# -- RNG --------------------------------------------------------------------------------------------
-
-
-def capture_rng() -> dict[str, Any]:
-    """The state of Python's, NumPy's and torch's global generators (CUDA too when initialized)."""
-    np_state = np.random.get_state(legacy=False)
-    state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {
-            "bit_generator": np_state["bit_generator"],
-            # int64 keeps the uint32 key exact and loads under weights_only.
-            "key": torch.from_numpy(np.asarray(np_state["state"]["key"], dtype=np.int64)),
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    """Set the global generators from a ``capture_rng()`` result."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    np_state = state["numpy"]
-    np.random.set_state({
-        "bit_generator": np_state["bit_generator"],
-        "state": {"key": np.asarray(np_state["key"].numpy(), dtype=np.uint32), "pos": np_state["pos"]},
-        "has_gauss": np_state["has_gauss"],
-        "gauss": np_state["gauss"],
-    })
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    """Bytes this rank wrote to the object store."""
 
 
 # -- structure <-> tensors --------------------------------------------------------------------------
-
-
-def _restore(obj: Any, tensors: dict[int, torch.Tensor], key: str) -> Any:
-    if isinstance(obj, dict):
-        if len(obj) == 1 and _REF in obj:
-            try:
-                return tensors[obj[_REF]]
-            except KeyError:
-                raise CheckpointError(f"tensor {obj[_REF]} missing from shards", name=key) from None
-        return {k: _restore(v, tensors, key) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_restore(v, tensors, key) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_restore(v, tensors, key) for v in obj)
-    return obj
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -154,25 +113,34 @@ def _torch_bytes(obj: Any) -> bytes:
 
 
 class Checkpointer:
-    """Per-step checkpoints of one trainer under ``prefix`` in ``store``.
+    """Per-step checkpoints of one trainer rank under ``prefix`` in ``store``.
 
     Args:
         store: where blobs and manifests go.
         prefix: key prefix of this job's checkpoints, e.g. ``jobs/<job>/checkpoints``.
-        keep: complete checkpoints kept; older ones are deleted after each upload.
+        keep: verified checkpoints kept by GC (rank 0 only collects garbage).
+        rank, world_size: this rank in its gang; rank 0 coordinates and writes the manifest.
+        epoch: the gang's epoch; it names this gang's keys and is written in its manifests.
+        fence: asked before each manifest (rank 0); None when nothing fences this writer.
         shard_bytes: largest tensor blob.
         upload_wait_s: bound on how long ``snapshot`` waits for the previous upload.
+        shard_wait_s: bound on how long rank 0 waits for the other ranks' receipts.
     """
 
-    def __init__(self, store: ObjectStore, prefix: str, keep: int = 3, *, shard_bytes: int = SHARD_BYTES,
-                 upload_wait_s: float = UPLOAD_WAIT_S) -> None:
+    def __init__(self, store: ObjectStore, prefix: str, keep: int = 3, *, rank: int = 0, world_size: int = 1,
+                 epoch: int = 0, fence: ManifestFence | None = None, shard_bytes: int = SHARD_BYTES,
+                 upload_wait_s: float = UPLOAD_WAIT_S, shard_wait_s: float = SHARD_WAIT_S) -> None:
         if keep < 1:
             raise ValueError("keep must be >= 1")
+        if not 0 <= rank < world_size or epoch < 0:
+            raise ValueError(f"bad rank {rank} / world_size {world_size} / epoch {epoch}")
         self.store = store
         self.prefix = check_key(prefix.strip("/"))
         self.keep = keep
+        self.rank, self.world_size, self.epoch, self.fence = rank, world_size, epoch, fence
         self.shard_bytes = shard_bytes
         self.upload_wait_s = upload_wait_s
+        self.shard_wait_s = shard_wait_s
         self._buffers: list[torch.Tensor] = []
         self._idle = threading.Event()
         self._idle.set()
@@ -182,27 +150,29 @@ class Checkpointer:
         self._upload_stats: UploadStats | None = None
         self._error: BaseException | None = None
         self._pending_step: int | None = None
+        # Verification results by manifest sha256, so GC re-reads only checkpoints it has not seen.
+        self._verdicts: dict[tuple[CheckpointRef, str], bool] = {}
 
-    # -- keys -------------------------------------------------------------------------------------
-
-    def _dir(self, step: int) -> str:
-        return f"{self.prefix}/{step:012d}"
-
-    def manifest_key(self, step: int) -> str:
-        """Object key of step's manifest."""
-        return f"{self._dir(step)}/{MANIFEST}"
+    def manifest_key(self, step: int, epoch: int | None = None) -> str:
+        """Object key of the manifest of ``step`` written by ``epoch`` (default: this gang's)."""
+        return CheckpointRef(step, self.epoch if epoch is None else epoch).manifest_key(self.prefix)
 
     # -- snapshot (critical path) -----------------------------------------------------------------
 
-    def snapshot(self, step: int, *, model_state: dict[str, torch.Tensor], optim_state: dict[str, Any],
-                 rng: dict[str, Any], data_cursor: int, weights_version: int,
+    def snapshot(self, step: int, *, rng: dict[str, Any], data_cursor: int, weights_version: int,
+                 model_state: dict[str, torch.Tensor] | None = None, optim_state: dict[str, Any] | None = None,
                  extra: dict[str, Any] | None = None) -> SnapshotStats:
-        """Copy the state into host buffers and start the background upload of checkpoint ``step``.
+        """Copy this rank's state into host buffers and start the background upload of ``step``.
+
+        Rank 0 passes the replicated state (model, optimizer); other ranks pass only their own.
 
         Raises:
             CheckpointBusy: the previous upload was still running after ``upload_wait_s``.
             CheckpointError: the state holds a value that cannot be checkpointed.
+            ValueError: rank 0 without model/optimizer state, or another rank with it.
         """
+        if (self.rank == 0) != (model_state is not None and optim_state is not None):
+            raise ValueError("rank 0, and only rank 0, writes the replicated model and optimizer state")
         t0 = time.perf_counter()
         if not self._idle.wait(self.upload_wait_s):
             raise CheckpointBusy(f"previous checkpoint upload still running after {self.upload_wait_s:.0f} s",
@@ -210,13 +180,14 @@ class Checkpointer:
         t1 = time.perf_counter()
         tensors: list[torch.Tensor] = []
         with torch.no_grad():
-            structure = {
-                "model": self._capture(model_state, tensors, "model"),
-                "optim": self._capture(optim_state, tensors, "optim"),
+            structure: dict[str, Any] = {
                 "rng": self._capture(rng, tensors, "rng"),
                 "extra": self._capture(extra or {}, tensors, "extra"),
                 "step": step, "weights_version": weights_version, "data_cursor": data_cursor,
             }
+            if self.rank == 0:
+                structure["model"] = self._capture(model_state, tensors, "model")
+                structure["optim"] = self._capture(optim_state, tensors, "optim")
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # non_blocking device->host copies must land before we return
         blocking_s = time.perf_counter() - t1
@@ -236,7 +207,7 @@ class Checkpointer:
             buf = self._buffer(index, obj)
             buf.copy_(obj.detach(), non_blocking=obj.device.type != "cpu")
             tensors.append(buf)
-            return {_REF: index}
+            return {REF: index}
         if isinstance(obj, dict):
             return {k: self._capture(v, tensors, f"{path}.{k}") for k, v in obj.items()}
         if isinstance(obj, list):
@@ -265,39 +236,49 @@ class Checkpointer:
 
     def _upload(self, step: int, structure: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         t0 = time.perf_counter()
+        ref = CheckpointRef(step, self.epoch)
+        committed = False
         try:
-            blobs = self._write_blobs(step, structure, tensors)
-            manifest = {
-                "format": FORMAT, "step": step, "weights_version": structure["weights_version"],
-                "data_cursor": structure["data_cursor"], "created": time.time(), "blobs": blobs,
-            }
-            data = json.dumps(manifest, indent=1).encode()
-            self.store.put(self.manifest_key(step), data)  # last: now the checkpoint exists
+            own = self._write_blobs(ref, structure, tensors)
+            written = sum(b.bytes for b in own)
+            if self.rank != 0:
+                receipt = receipt_bytes(ShardReceipt(step=step, epoch=self.epoch, rank=self.rank, blobs=own))
+                self.store.put(ref.receipt_key(self.prefix, self.rank), receipt)  # last: the shard is whole
+                written += len(receipt)
+            else:
+                blobs = own + self._collect_shards(ref)
+                if self.fence is not None:
+                    self.fence.admit(step)
+                data = manifest_bytes(Manifest(step=step, epoch=self.epoch, world_size=self.world_size,
+                                               weights_version=structure["weights_version"],
+                                               data_cursor=structure["data_cursor"], created=time.time(),
+                                               blobs=blobs))
+                self.store.put(ref.manifest_key(self.prefix), data)  # last: now the checkpoint exists
+                written += len(data)
+                with self._lock:
+                    self._durable = step if self._durable is None else max(self._durable, step)
+                if self.fence is not None:
+                    self.fence.durable(step)
+                committed = True
             with self._lock:
-                if self._durable is None or step >= self._durable:
-                    self._durable = step
-                self._upload_stats = UploadStats(step, time.perf_counter() - t0,
-                                                 sum(b["bytes"] for b in blobs) + len(data))
+                self._upload_stats = UploadStats(step, time.perf_counter() - t0, written)
                 self._error = None
-        except Exception as exc:
-            log.error("checkpoint upload of step %d failed: %s", step, exc)
+        except Exception as exc:  # noqa: BLE001 - the thread records any failure for the trainer to see
+            log.error("checkpoint upload of step %d (rank %d, epoch %d) failed: %s", step, self.rank, self.epoch, exc)
             with self._lock:
                 self._error = exc
-            self._idle.set()
-            return
         try:
-            self._collect_garbage()
-        except Exception as exc:
+            if committed:
+                self._collect_garbage()
+        except Exception as exc:  # noqa: BLE001 - GC failing must not fail the checkpoint it follows
             log.warning("checkpoint gc after step %d failed: %s", step, exc)
         finally:
             self._idle.set()
 
-    def _write_blobs(self, step: int, structure: dict[str, Any],
-                     tensors: list[torch.Tensor]) -> list[dict[str, Any]]:
-        # A previous attempt at this step (a trainer that died mid-upload, or a redo) may have left
-        # a manifest and stale blobs: drop the manifest first so it never vouches for new blobs.
-        self.store.delete(self.manifest_key(step))
-        self.store.delete_prefix(self._dir(step) + "/")
+    def _write_blobs(self, ref: CheckpointRef, structure: dict[str, Any],
+                     tensors: list[torch.Tensor]) -> list[BlobEntry]:
+        # Keys of this rank and epoch only, never deleted first: a redo by a newer gang writes
+        # keys of its own, and a stale writer can clobber nothing but its own.
         shards: list[dict[int, torch.Tensor]] = [{}]
         size = 0
         for index, tensor in enumerate(tensors):
@@ -308,36 +289,68 @@ class Checkpointer:
             size += tensor.nbytes
         named = [(STATE_BLOB, structure)] + [(f"tensors-{i:05d}.pt", s) for i, s in enumerate(shards)]
         blobs = []
+        folder = f"r{self.rank:05d}"
         for name, obj in named:
             data = _torch_bytes(obj)
-            self.store.put(f"{self._dir(step)}/{name}", data)
-            blobs.append({"name": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
+            self.store.put(f"{ref.folder(self.prefix)}/{folder}/{name}", data)
+            blobs.append(BlobEntry(name=f"{folder}/{name}", sha256=hashlib.sha256(data).hexdigest(),
+                                   bytes=len(data), rank=self.rank))
         return blobs
 
-    def _collect_garbage(self) -> None:
-        """Keep the newest ``keep`` complete checkpoints; drop older ones and older partial uploads."""
-        complete, all_steps = self._scan()
-        if not complete:
-            return
-        kept = set(complete[-self.keep:])
-        for step in all_steps:
-            # Partial uploads newer than the newest complete one may still be in progress elsewhere.
-            if step in kept or step > complete[-1]:
-                continue
-            self.store.delete(self.manifest_key(step))  # invisible first, then the blobs
-            self.store.delete_prefix(self._dir(step) + "/")
+    def _collect_shards(self, ref: CheckpointRef) -> list[BlobEntry]:
+        """Every other rank's blobs, each read back and checked against its receipt.
 
-    def _scan(self) -> tuple[list[int], list[int]]:
-        complete: set[int] = set()
-        every: set[int] = set()
-        for key in self.store.list(self.prefix + "/"):
-            parts = key[len(self.prefix) + 1:].split("/")
-            if len(parts) != 2 or not parts[0].isdigit():
-                continue
-            every.add(int(parts[0]))
-            if parts[1] == MANIFEST:
-                complete.add(int(parts[0]))
-        return sorted(complete), sorted(every)
+        Raises:
+            CheckpointError: a rank reported nothing within ``shard_wait_s``, or a blob it
+                reported is missing or differs.
+        """
+        deadline = time.monotonic() + self.shard_wait_s
+        blobs: list[BlobEntry] = []
+        for rank in range(1, self.world_size):
+            waiting = Retrying(retry=retry_if_exception_type(ObjectNotFound),
+                               stop=stop_after_delay(max(0.0, deadline - time.monotonic())),
+                               wait=wait_exponential(multiplier=0.01, max=0.5))
+            try:
+                receipt = waiting(read_receipt, self.store, self.prefix, ref, rank)
+            except RetryError as exc:
+                raise CheckpointError(f"rank {rank} reported no shard within {self.shard_wait_s:.0f} s",
+                                      name=ref.receipt_key(self.prefix, rank), step=ref.step) from exc
+            for blob in receipt.blobs:
+                fetch_blob(self.store, self.prefix, ref, blob)
+            blobs.extend(receipt.blobs)
+        return blobs
+
+    # -- GC ---------------------------------------------------------------------------------------
+
+    def _verifies(self, ref: CheckpointRef) -> bool:
+        """Whether ``ref`` verifies (cached by manifest sha256). Store failures propagate."""
+        try:
+            _manifest, raw = read_manifest(self.store, self.prefix, ref)
+        except CheckpointError:
+            return False
+        key = (ref, hashlib.sha256(raw).hexdigest())
+        if key not in self._verdicts:
+            try:
+                verify(self.store, self.prefix, ref)
+                self._verdicts[key] = True
+            except CheckpointError as exc:
+                log.warning("checkpoint step %d epoch %d does not verify: %s", ref.step, ref.epoch, exc)
+                self._verdicts[key] = False
+        return self._verdicts[key]
+
+    def _collect_garbage(self) -> None:
+        """Keep the newest ``keep`` checkpoints that verify; drop what is older or bad below them."""
+        listing = scan(self.store, self.prefix)
+        kept: list[CheckpointRef] = []
+        for ref in lineage(listing.manifests):
+            if len(kept) == self.keep:
+                break
+            if self._verifies(ref):
+                kept.append(ref)
+        for ref in gc_deletions(listing, kept, self.epoch):
+            if ref in listing.manifests:
+                self.store.delete(ref.manifest_key(self.prefix))  # invisible first, then the blobs
+            self.store.delete_prefix(ref.folder(self.prefix) + "/")
 
     # -- upload status ----------------------------------------------------------------------------
 
@@ -353,7 +366,7 @@ class Checkpointer:
 
     @property
     def durable_step(self) -> int | None:
-        """Newest step this checkpointer has made durable (its manifest is written)."""
+        """Newest step whose manifest this (coordinating) checkpointer wrote."""
         with self._lock:
             return self._durable
 
@@ -376,62 +389,35 @@ class Checkpointer:
     # -- loading ----------------------------------------------------------------------------------
 
     def list_complete(self) -> list[int]:
-        """Steps whose manifest exists, oldest first."""
-        return self._scan()[0]
+        """Steps with a manifest that is not superseded (not yet verified), oldest first."""
+        return sorted(r.step for r in lineage(scan(self.store, self.prefix).manifests))
 
-    def load(self, step: int) -> CheckpointState:
-        """Load and verify checkpoint ``step``.
+    def load(self, step: int, epoch: int | None = None) -> CheckpointState:
+        """Load and verify checkpoint ``step`` (of ``epoch``; default: the one the lineage picks).
 
         Raises:
             CheckpointError: manifest or a blob is missing, has the wrong size or sha256, or
                 cannot be read; ``name`` is the object key.
             StorageError: the store itself failed (retry may help; nothing is known about the data).
         """
-        mkey = self.manifest_key(step)
-        try:
-            manifest = json.loads(self.store.get(mkey))
-            blobs = [(str(b["name"]), str(b["sha256"]), int(b["bytes"])) for b in manifest["blobs"]]
-            if int(manifest["step"]) != step:
-                raise ValueError(f"manifest is for step {manifest['step']}")
-        except ObjectNotFound as exc:
-            raise CheckpointError("checkpoint manifest missing", name=mkey, step=step) from exc
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"checkpoint manifest unreadable: {exc}", name=mkey, step=step) from exc
-        loaded: dict[str, Any] = {}
-        for name, sha, size in blobs:
-            key = f"{self._dir(step)}/{name}"
-            try:
-                data = self.store.get(key)
-            except ObjectNotFound as exc:
-                raise CheckpointError("checkpoint blob missing", name=key, step=step) from exc
-            if len(data) != size or hashlib.sha256(data).hexdigest() != sha:
-                raise CheckpointError("checkpoint blob corrupt: size or sha256 mismatch", name=key, step=step)
-            try:
-                loaded[name] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise CheckpointError(f"checkpoint blob unreadable: {exc}", name=key, step=step) from exc
-        skey = f"{self._dir(step)}/{STATE_BLOB}"
-        if STATE_BLOB not in loaded:
-            raise CheckpointError("checkpoint manifest lists no state blob", name=skey, step=step)
-        tensors: dict[int, torch.Tensor] = {}
-        for name, obj in loaded.items():
-            if name != STATE_BLOB:
-                tensors.update(obj)
-        state = _restore(loaded[STATE_BLOB], tensors, skey)
-        return CheckpointState(step=step, weights_version=int(state["weights_version"]),
-                               data_cursor=int(state["data_cursor"]), model_state=state["model"],
-                               optim_state=state["optim"], rng=state["rng"], extra=state["extra"])
+        if epoch is None:
+            chosen = [r for r in lineage(scan(self.store, self.prefix).manifests) if r.step == step]
+            epoch = chosen[0].epoch if chosen else self.epoch
+        ref = CheckpointRef(step, epoch)
+        state, manifest_sha = read_checkpoint(self.store, self.prefix, ref)
+        self._verdicts[(ref, manifest_sha)] = True
+        return state
 
     def load_latest(self) -> CheckpointState | None:
         """The newest checkpoint that loads and verifies, or None if there is none.
 
-        A corrupt or incomplete checkpoint is skipped (logged with its reason) and left as it is.
-        Store failures (``StorageError`` that is not a ``CheckpointError``) propagate: falling back
-        on a transient error would silently lose progress.
+        A corrupt, incomplete or superseded checkpoint is skipped (logged with its reason) and left
+        as it is. Store failures (``StorageError`` that is not a ``CheckpointError``) propagate:
+        falling back on a transient error would silently lose progress.
         """
-        for step in reversed(self.list_complete()):
+        for ref in lineage(scan(self.store, self.prefix).manifests):
             try:
-                return self.load(step)
+                return self.load(ref.step, ref.epoch)
             except CheckpointError as exc:
-                log.warning("skipping checkpoint step %d: %s", step, exc)
+                log.warning("skipping checkpoint step %d (epoch %d): %s", ref.step, ref.epoch, exc)
         return None

@@ -156,7 +156,7 @@ def test_damaged_newest_falls_back(file_store: FileObjectStore, caplog: pytest.L
         _train_step(model, opt)
         _snap(ck, step, model, opt)
         ck.wait_uploaded(30)
-    blob = "c/000000000002/tensors-00000.pt"
+    blob = "c/000000000002/e00000000/r00000/tensors-00000.pt"
     if damage == "corrupt":
         data = bytearray(file_store.get(blob))
         data[len(data) // 2] ^= 0xFF
@@ -195,7 +195,7 @@ def test_store_failure_is_not_treated_as_corruption(file_store: FileObjectStore,
 def test_gc_keeps_newest_k(file_store: FileObjectStore) -> None:
     model, opt = _trainer()
     ck = Checkpointer(file_store, "c", keep=2)
-    file_store.put("c/000000000000/tensors-00000.pt", b"orphan of a crashed upload")
+    file_store.put("c/000000000000/e00000000/r00000/tensors-00000.pt", b"orphan of a crashed upload")
     for step in range(1, 6):
         _snap(ck, step, model, opt)
         ck.wait_uploaded(30)

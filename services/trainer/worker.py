@@ -78,7 +78,8 @@ class TrainerWorker:
         self.ddp = await asyncio.to_thread(DDP, self.model) if self.ident.world_size > 1 else self.model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.lr)
         store = open_object_store(self.settings)
-        self.ckpt = Checkpointer(store, checkpoint_prefix(self.ident.job_id), keep=spec.trainer.checkpoint_keep)
+        self.ckpt = Checkpointer(store, checkpoint_prefix(self.ident.job_id), keep=spec.trainer.checkpoint_keep,
+                                 rank=self.ident.rank, world_size=self.ident.world_size, epoch=self.member.epoch)
         self.redis = connect(self.settings.redis_url)
         self.episodes = EpisodeStore(self.redis, self.ident.job_id)
         self.fence = BatchStore(self.redis, self.ident.job_id)
@@ -187,9 +188,12 @@ class TrainerWorker:
             self.version = step + 1
             self.member.weights_version = self.version
             await self.member.set_phase("checkpointing", step)
+            # One writer per key: rank 0 writes the replicated model and optimizer, every rank its RNG.
+            replicated = ({"model_state": self.model.state_dict(), "optim_state": self.opt.state_dict()}
+                          if self.ident.rank == 0 else {})
             snap = await asyncio.to_thread(
-                self.ckpt.snapshot, step, model_state=self.model.state_dict(), optim_state=self.opt.state_dict(),
-                rng=capture_rng(), data_cursor=step + 1, weights_version=self.version)
+                self.ckpt.snapshot, step, rng=capture_rng(), data_cursor=step + 1, weights_version=self.version,
+                **replicated)
             durable = self.ckpt.durable_step
             if durable is not None:
                 self.durable = max(self.durable, durable)

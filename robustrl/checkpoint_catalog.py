@@ -1,0 +1,223 @@
+"""What checkpoints exist in the object store, which of them verify, and which GC may delete.
+
+A checkpoint is one (step, gang epoch) folder. Every rank of the gang writes only its own keys
+under ``r<rank>/`` and, last, a receipt listing them; the coordinator (rank 0) verifies every
+rank's blobs and then writes the folder's ``manifest.json``. Keys never repeat across gangs, so a
+stale writer can add a folder of its own but never overwrite another gang's bytes::
+
+    <prefix>/<step:012d>/e<epoch:08d>/r<rank:05d>/state.pt          structure, tensors as references
+    <prefix>/<step:012d>/e<epoch:08d>/r<rank:05d>/tensors-00000.pt  tensors, in shards
+    <prefix>/<step:012d>/e<epoch:08d>/r<rank:05d>/receipt.json      that rank's blobs (written last)
+    <prefix>/<step:012d>/e<epoch:08d>/manifest.json                 coordinator, after every receipt
+
+Which manifest counts (``lineage``): a gang that wrote step s took over from a checkpoint older
+than s, so a manifest of an older epoch at step s or later was written by a gang already replaced
+(a zombie, or one whose write raced the takeover) and is *superseded*; it is never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from robustrl.errors import CheckpointError
+from robustrl.storage.objects import ObjectNotFound, ObjectStore
+
+MANIFEST = "manifest.json"
+RECEIPT = "receipt.json"
+FORMAT = 2
+
+
+class BlobEntry(BaseModel):
+    """One blob of a checkpoint, named relative to its checkpoint folder."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int = Field(ge=0)
+    rank: int = Field(ge=0)
+
+
+class ShardReceipt(BaseModel):
+    """What one rank wrote for one checkpoint; the coordinator verifies it before the manifest."""
+
+    model_config = ConfigDict(extra="forbid")
+    step: int
+    epoch: int
+    rank: int
+    blobs: list[BlobEntry]
+
+
+class Manifest(BaseModel):
+    """The manifest: a checkpoint exists once this is written."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: Literal[2] = FORMAT
+    step: int = Field(ge=0)
+    epoch: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    weights_version: int
+    data_cursor: int
+    created: float
+    blobs: list[BlobEntry] = Field(min_length=1)
+
+
+@dataclass(frozen=True, order=True)
+class CheckpointRef:
+    """One checkpoint folder: the step and the gang epoch that wrote it."""
+
+    step: int
+    epoch: int
+
+    def folder(self, prefix: str) -> str:
+        return f"{prefix}/{self.step:012d}/e{self.epoch:08d}"
+
+    def manifest_key(self, prefix: str) -> str:
+        return f"{self.folder(prefix)}/{MANIFEST}"
+
+    def rank_folder(self, prefix: str, rank: int) -> str:
+        return f"{self.folder(prefix)}/r{rank:05d}"
+
+    def receipt_key(self, prefix: str, rank: int) -> str:
+        return f"{self.rank_folder(prefix, rank)}/{RECEIPT}"
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A scan of the prefix: every checkpoint folder, and those with a manifest."""
+
+    folders: frozenset[CheckpointRef]
+    manifests: frozenset[CheckpointRef]
+
+
+def scan(store: ObjectStore, prefix: str) -> Listing:
+    """List the checkpoint folders under ``prefix`` (keys in any other shape are ignored)."""
+    folders: set[CheckpointRef] = set()
+    manifests: set[CheckpointRef] = set()
+    for key in store.list(prefix + "/"):
+        parts = key[len(prefix) + 1:].split("/")
+        if len(parts) < 3 or not parts[0].isdigit() or not (parts[1][:1] == "e" and parts[1][1:].isdigit()):
+            continue
+        ref = CheckpointRef(int(parts[0]), int(parts[1][1:]))
+        folders.add(ref)
+        if len(parts) == 3 and parts[2] == MANIFEST:
+            manifests.add(ref)
+    return Listing(frozenset(folders), frozenset(manifests))
+
+
+def lineage(manifests: Iterable[CheckpointRef]) -> list[CheckpointRef]:
+    """The manifests that may be loaded, newest step first (at most one per step).
+
+    ``(s, e)`` is superseded when some manifest ``(s2, e2)`` has ``e2 > e`` and ``s2 <= s``: gang
+    e2 resumed below s2, so epoch e's write at s came after e2 took over.
+    """
+    out: list[CheckpointRef] = []
+    newest_epoch_at_or_below = -1
+    for ref in sorted(manifests, key=lambda r: (r.step, -r.epoch)):
+        if ref.epoch >= newest_epoch_at_or_below and (not out or out[-1].step != ref.step):
+            out.append(ref)
+        newest_epoch_at_or_below = max(newest_epoch_at_or_below, ref.epoch)
+    return out[::-1]
+
+
+def read_manifest(store: ObjectStore, prefix: str, ref: CheckpointRef) -> tuple[Manifest, bytes]:
+    """Parse ``ref``'s manifest; return it with its raw bytes.
+
+    Raises:
+        CheckpointError: missing, unparsable, or naming another step or epoch (``name``: the key).
+        StorageError: the store itself failed.
+    """
+    key = ref.manifest_key(prefix)
+    try:
+        raw = store.get(key)
+    except ObjectNotFound as exc:
+        raise CheckpointError("checkpoint manifest missing", name=key, step=ref.step) from exc
+    try:
+        manifest = Manifest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise CheckpointError(f"checkpoint manifest unreadable: {exc.errors()[0]['msg']}", name=key,
+                              step=ref.step) from exc
+    if (manifest.step, manifest.epoch) != (ref.step, ref.epoch):
+        raise CheckpointError(f"manifest is for step {manifest.step} epoch {manifest.epoch}", name=key,
+                              step=ref.step)
+    return manifest, raw
+
+
+def fetch_blob(store: ObjectStore, prefix: str, ref: CheckpointRef, blob: BlobEntry) -> bytes:
+    """Read one blob and check its size and sha256.
+
+    Raises:
+        CheckpointError: the blob is missing or its size or sha256 differ (``name``: the key).
+    """
+    key = f"{ref.folder(prefix)}/{blob.name}"
+    try:
+        data = store.get(key)
+    except ObjectNotFound as exc:
+        raise CheckpointError("checkpoint blob missing", name=key, step=ref.step) from exc
+    if len(data) != blob.bytes or hashlib.sha256(data).hexdigest() != blob.sha256:
+        raise CheckpointError("checkpoint blob corrupt: size or sha256 mismatch", name=key, step=ref.step)
+    return data
+
+
+def verify(store: ObjectStore, prefix: str, ref: CheckpointRef) -> str:
+    """Check that ``ref``'s manifest parses and every blob it names matches; return the manifest's
+    sha256 (a later change to the manifest is then a different checkpoint).
+
+    Raises:
+        CheckpointError: it does not verify.
+        StorageError: the store failed (nothing is known about the checkpoint).
+    """
+    manifest, raw = read_manifest(store, prefix, ref)
+    for blob in manifest.blobs:
+        fetch_blob(store, prefix, ref, blob)  # one blob in memory at a time
+    return hashlib.sha256(raw).hexdigest()
+
+
+def read_receipt(store: ObjectStore, prefix: str, ref: CheckpointRef, rank: int) -> ShardReceipt:
+    """Parse a rank's receipt.
+
+    Raises:
+        ObjectNotFound: not written (yet).
+        CheckpointError: unparsable, or for another checkpoint or rank.
+    """
+    key = ref.receipt_key(prefix, rank)
+    raw = store.get(key)
+    try:
+        receipt = ShardReceipt.model_validate_json(raw)
+    except ValidationError as exc:
+        raise CheckpointError(f"shard receipt unreadable: {exc.errors()[0]['msg']}", name=key) from exc
+    if (receipt.step, receipt.epoch, receipt.rank) != (ref.step, ref.epoch, rank):
+        raise CheckpointError("shard receipt is for another checkpoint or rank", name=key)
+    if any(not b.name.startswith(f"r{rank:05d}/") or b.rank != rank for b in receipt.blobs):
+        raise CheckpointError("shard receipt names a key outside its rank's folder", name=key)
+    return receipt
+
+
+def receipt_bytes(receipt: ShardReceipt) -> bytes:
+    return receipt.model_dump_json().encode()
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    return json.dumps(manifest.model_dump(mode="json"), indent=1).encode()
+
+
+def gc_deletions(listing: Listing, kept: list[CheckpointRef], own_epoch: int) -> list[CheckpointRef]:
+    """Folders GC may delete, given the checkpoints it keeps (each verified).
+
+    Deleted: every folder at or below the newest kept step that is not kept (older complete
+    checkpoints beyond ``keep``, ones that failed verification, superseded ones, partial uploads
+    that can no longer complete). Never deleted: anything when nothing verified (so the newest
+    loadable checkpoint survives even a run of bad ones), folders above the newest kept step (an
+    upload may be running there), and folders of a newer epoch than ours (a stale GC must not
+    touch its replacement's keys).
+    """
+    if not kept:
+        return []
+    newest = max(r.step for r in kept)
+    keep = set(kept)
+    return sorted(r for r in listing.folders if r not in keep and r.step <= newest and r.epoch <= own_epoch)

@@ -1,0 +1,255 @@
+"""Checkpoints written by a gang of ranks: one writer per key, the manifest last and only after every
+rank's shard verified, GC that keeps what verifies, and the selection of which manifest counts.
+
+The race tests reproduce the bug of issue 9 item 1: on 2b13d92 every rank wrote (and first deleted)
+the same keys, and 24 of 60 checkpoints written by two ranks at once did not load.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from robustrl.checkpoint import Checkpointer, capture_rng, seed_rng
+from robustrl.checkpoint_catalog import CheckpointRef, Listing, gc_deletions, lineage, scan
+from robustrl.errors import CheckpointError, StaleEpoch
+from robustrl.storage.objects import FileObjectStore, ObjectStore, S3ObjectStore
+
+torch.set_num_threads(1)
+PREFIX = "jobs/j/checkpoints"
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _gang(store: ObjectStore, world: int, epoch: int, **kw: object) -> list[Checkpointer]:
+    return [Checkpointer(store, PREFIX, rank=r, world_size=world, epoch=epoch, **kw)  # type: ignore[arg-type]
+            for r in range(world)]
+
+
+def _snap_all(gang: list[Checkpointer], step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Every rank snapshots ``step`` at the same time (ranks' RNG states differ, as in a real gang)."""
+    go = threading.Barrier(len(gang))
+    rng_lock = threading.Lock()  # the generators are per process here, per rank in a real gang
+
+    def one(ck: Checkpointer) -> None:
+        with rng_lock:
+            seed_rng(7, step, ck.rank)
+            rng = capture_rng()
+        go.wait()
+        if ck.rank == 0:
+            ck.snapshot(step, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=rng,
+                        data_cursor=step + 1, weights_version=step + 1)
+        else:
+            ck.snapshot(step, rng=rng, data_cursor=step + 1, weights_version=step + 1)
+
+    threads = [threading.Thread(target=one, args=(ck,)) for ck in gang]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _wait_all(gang: list[Checkpointer]) -> None:
+    for ck in gang:
+        ck.wait_uploaded(60)
+
+
+def _ranks_race(store: ObjectStore, steps: int) -> None:
+    model, opt = _model()
+    gang = _gang(store, 2, epoch=1, keep=1000)
+    for step in range(steps):
+        _snap_all(gang, step, model, opt)
+        _wait_all(gang)
+        assert gang[0].last_error is None and gang[1].last_error is None
+    manifests = [k for k in store.list(PREFIX + "/") if k.endswith("manifest.json")]
+    assert len(manifests) == steps
+    reader = Checkpointer(store, PREFIX)
+    for step in range(steps):
+        state = reader.load(step)  # raises if any blob of any rank is missing or corrupt
+        assert state.epoch == 1 and state.data_cursor == step + 1
+        seed_rng(7, step, 1)
+        assert torch.equal(state.rng_for(1)["torch"], capture_rng()["torch"])  # rank 1's own RNG
+        assert all(torch.equal(state.model_state[k], v) for k, v in model.state_dict().items())
+    # One writer per key: every key sits under exactly one rank's folder (or is the manifest).
+    for key in store.list(PREFIX + "/"):
+        tail = key.split("/")[-2:]
+        assert tail[1] == "manifest.json" or tail[0] in ("r00000", "r00001"), key
+
+
+def test_two_ranks_writing_one_step_concurrently_file(tmp_path: Path) -> None:
+    _ranks_race(FileObjectStore(tmp_path), steps=30)
+
+
+def test_two_ranks_writing_one_step_concurrently_s3(object_store: S3ObjectStore) -> None:
+    _ranks_race(object_store, steps=8)
+
+
+def test_stale_and_new_gang_on_one_step_never_clobber_each_other(tmp_path: Path) -> None:
+    store = FileObjectStore(tmp_path)
+    model, opt = _model()
+    old, new = _gang(store, 2, epoch=3), _gang(store, 2, epoch=4)
+    _snap_all(old + new, 5, model, opt)  # four writers at once, two gangs, one step
+    _wait_all(old + new)
+    assert Checkpointer(store, PREFIX).load(5, 4).epoch == 4  # the stale gang clobbered nothing of it
+    assert Checkpointer(store, PREFIX).load_latest().epoch == 4  # type: ignore[union-attr]
+    # The new gang's GC may already have removed the superseded folder; nothing else is gone.
+    assert {r.epoch for r in scan(store, PREFIX).folders} <= {3, 4}
+    assert CheckpointRef(5, 4) in scan(store, PREFIX).manifests
+    # The stale gang goes on to step 6 after the new gang wrote step 5: that manifest is superseded.
+    _snap_all(old, 6, model, opt)
+    _wait_all(old)
+    assert store.exists(CheckpointRef(6, 3).manifest_key(PREFIX))
+    latest = Checkpointer(store, PREFIX).load_latest()
+    assert latest is not None and (latest.step, latest.epoch) == (5, 4)
+
+
+def test_rank_that_never_reports_means_no_manifest(tmp_path: Path) -> None:
+    store = FileObjectStore(tmp_path)
+    model, opt = _model()
+    coordinator = _gang(store, 2, epoch=1, shard_wait_s=0.3)[0]
+    coordinator.snapshot(1, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(),
+                         data_cursor=0, weights_version=1)
+    assert coordinator.wait_uploaded(30) is None
+    assert isinstance(coordinator.last_error, CheckpointError) and "rank 1" in str(coordinator.last_error)
+    assert not [k for k in store.list("") if k.endswith("manifest.json")]
+
+
+def test_rank_shard_corrupted_after_its_receipt_means_no_manifest(tmp_path: Path) -> None:
+    store = FileObjectStore(tmp_path)
+    model, opt = _model()
+    rank0, rank1 = _gang(store, 2, epoch=1, shard_wait_s=30)
+    rank1.snapshot(1, rng=capture_rng(), data_cursor=0, weights_version=1)
+    rank1.wait_uploaded(30)
+    receipt = json.loads(store.get(CheckpointRef(1, 1).receipt_key(PREFIX, 1)))
+    victim = f"{CheckpointRef(1, 1).folder(PREFIX)}/{receipt['blobs'][0]['name']}"
+    store.put(victim, store.get(victim) + b"!")
+    rank0.snapshot(1, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(),
+                   data_cursor=0, weights_version=1)
+    assert rank0.wait_uploaded(30) is None
+    assert isinstance(rank0.last_error, CheckpointError) and rank0.last_error.name == victim
+    assert not store.exists(CheckpointRef(1, 1).manifest_key(PREFIX))
+
+
+class _RefusingFence:
+    def __init__(self) -> None:
+        self.admitted: list[int] = []
+
+    def admit(self, step: int) -> None:
+        raise StaleEpoch("a newer gang took over", epoch=1, newest=2)
+
+    def durable(self, step: int) -> None:
+        raise AssertionError("durable() after a refused admit()")
+
+
+def test_fence_refusal_leaves_no_manifest(tmp_path: Path) -> None:
+    store = FileObjectStore(tmp_path)
+    model, opt = _model()
+    ck = Checkpointer(store, PREFIX, epoch=1, fence=_RefusingFence())
+    ck.snapshot(1, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(),
+                data_cursor=0, weights_version=1)
+    assert ck.wait_uploaded(30) is None and isinstance(ck.last_error, StaleEpoch)
+    assert not [k for k in store.list("") if k.endswith("manifest.json")]
+
+
+class _RottingStore(FileObjectStore):
+    """Stores tensor blobs of some steps with a flipped byte (a bad disk, or a racing writer)."""
+
+    def __init__(self, root: Path, bad_steps: set[int]) -> None:
+        super().__init__(root)
+        self.bad = {f"/{s:012d}/" for s in bad_steps}
+
+    def put(self, key: str, data: bytes) -> None:
+        if "/tensors-" in key and any(b in key for b in self.bad):
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])
+        super().put(key, data)
+
+
+def test_gc_keeps_last_good_checkpoint_through_a_run_of_bad_ones(tmp_path: Path) -> None:
+    # Old-API calls only, so the same test shows the bug on 2b13d92 (GC kept the 2 newest
+    # manifests, all bad, deleted the good ones, and load_latest returned None).
+    store = _RottingStore(tmp_path, bad_steps={3, 4, 5, 6})
+    model, opt = _model()
+    ck = Checkpointer(store, "c", keep=2)
+    for step in range(1, 7):
+        ck.snapshot(step, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(),
+                    data_cursor=step, weights_version=step)
+        ck.wait_uploaded(30)
+    state = Checkpointer(store, "c").load_latest()
+    assert state is not None and state.step == 2
+    steps_on_disk = {int(k.split("/")[1]) for k in store.list("c/")}
+    assert {1, 2} <= steps_on_disk
+    store.bad.clear()
+    ck.snapshot(7, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(),
+                data_cursor=7, weights_version=7)
+    ck.wait_uploaded(30)
+    assert {int(k.split("/")[1]) for k in store.list("c/")} == {2, 7}  # keep=2 verified; bad ones gone
+    assert Checkpointer(store, "c").load_latest().step == 7  # type: ignore[union-attr]
+
+
+def test_seed_rng_makes_a_redone_step_draw_the_same() -> None:
+    seed_rng(1, 5, 0)
+    first = capture_rng()["torch"].clone(), torch.rand(3)
+    torch.rand(100)
+    seed_rng(1, 5, 0)
+    assert torch.equal(capture_rng()["torch"], first[0]) and torch.equal(torch.rand(3), first[1])
+    seed_rng(1, 5, 1)
+    assert not torch.equal(torch.rand(3), first[1])  # ranks draw differently
+
+
+# -- pure selection ------------------------------------------------------------------------------
+
+
+def test_lineage_prefers_newest_epoch_and_drops_zombie_writes() -> None:
+    R = CheckpointRef
+    # gang 3 wrote 8..10; gang 4 resumed at 8 and rewrote 9; gang 3 (a zombie) then wrote 10 and 11.
+    got = lineage({R(8, 3), R(9, 3), R(9, 4), R(10, 3), R(11, 3)})
+    assert got == [R(9, 4), R(8, 3)]
+    assert lineage({R(1, 0), R(2, 0), R(3, 1), R(3, 2)}) == [R(3, 2), R(2, 0), R(1, 0)]
+    assert lineage(set()) == []
+
+
+refs = st.builds(CheckpointRef, st.integers(0, 12), st.integers(0, 4))
+
+
+@given(st.frozensets(refs, max_size=25), st.frozensets(refs, max_size=25), st.integers(1, 4), st.integers(0, 4))
+def test_gc_never_deletes_kept_newer_or_foreign_epoch(manifests: frozenset[CheckpointRef],
+                                                        partial: frozenset[CheckpointRef], keep: int,
+                                                        own_epoch: int) -> None:
+    listing = Listing(folders=manifests | partial, manifests=manifests)
+    kept = lineage(manifests)[:keep]
+    doomed = gc_deletions(listing, kept, own_epoch)
+    assert not set(doomed) & set(kept)
+    if not kept:
+        assert doomed == []
+    else:
+        newest = max(r.step for r in kept)
+        assert all(r.step <= newest and r.epoch <= own_epoch for r in doomed)
+        # Everything strictly older than the oldest kept step, of our epoch or older, goes.
+        oldest = min(r.step for r in kept)
+        assert {r for r in listing.folders if r.step < oldest and r.epoch <= own_epoch} <= set(doomed)
+
+
+def test_scan_ignores_keys_in_other_shapes(tmp_path: Path) -> None:
+    store = FileObjectStore(tmp_path)
+    for key in ("p/000000000001/manifest.json", "p/notastep/e00000001/manifest.json", "p/000000000002/x/manifest.json",
+                "p/000000000003/e00000002/manifest.json", "p/000000000003/e00000002/r00000/state.pt",
+                "p/000000000004/e00000001/r00001/receipt.json"):
+        store.put(key, b"{}")
+    listing = scan(store, "p")
+    assert listing.manifests == {CheckpointRef(3, 2)}
+    assert listing.folders == {CheckpointRef(3, 2), CheckpointRef(4, 1)}
+    with pytest.raises(CheckpointError, match="unreadable"):
+        Checkpointer(store, "p").load(3)
