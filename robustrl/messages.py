@@ -170,6 +170,9 @@ class ControlCommand(Wire):
     target: str = _ID  # member id or role name
     action: Literal["stop", "replica_dead", "pause", "resume", "restart_step", "tool_outage"]
     args: dict[str, Any] = Field(default_factory=dict)
+    # The sending controller's lease fencing token (0: not from a leased controller). A receiver
+    # that has seen a larger token refuses the command: it comes from a deposed leader.
+    fence: int = Field(0, ge=0)
 
 
 class ChaosCommand(Wire):

@@ -78,6 +78,11 @@ def events_of(job_id: str) -> str:
     return ".".join([ROOT, "events", token(job_id, "job_id"), ">"])
 
 
+def events_of_kind(kind: str) -> str:
+    """Event-log subject of one event kind across every job (a JetStream consumer's filter)."""
+    return ".".join([ROOT, "events", "*", token(kind, "event kind")])
+
+
 EVENTS_ALL = f"{ROOT}.events.>"
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from robustrl.config import RecoverySpec
 from robustrl.messages import FaultReport
 from robustrl.services.controller.decide import (
-    Decision, FailJob, Ignore, JobView, RedispatchEpisodes, Recovery, ReplaceReplica, ReportOnly,
-    RestartTrainerGang, RestartWholeJob, check_recovery, decide, recovery_failed,
+    Decision, FailJob, Ignore, JobView, RecoveryView, RedispatchEpisodes, ReplaceReplica, ReportOnly,
+    RestartTrainerGang, RestartWholeJob, ResumeService, check_recovery, decide, recovery_failed,
 )
 
 LOCAL = RecoverySpec(policy="role_local", deadline_s=60.0, max_restarts=5)
@@ -21,7 +21,7 @@ def fault(role: str = "rollout", member: str = "r1", kind: str = "crash") -> Fau
 
 def job(**kw: object) -> JobView:
     base: dict[str, object] = dict(job_id="j", step=5, committed_step=4, durable_step=3, rollout_replicas=3,
-                                   live_members=frozenset({"t0", "t1", "r0", "r1", "r2", "rm"}))
+                                   live_members=frozenset({"t0", "t1", "r0", "r1", "r2"}))
     base.update(kw)
     return JobView(**base)  # type: ignore[arg-type]
 
@@ -45,7 +45,7 @@ def test_rollout_fault_redispatches_then_replaces() -> None:
 
 def test_tool_outage_is_report_only_in_both_policies() -> None:
     for spec in (LOCAL, WHOLE):
-        d = decide(NOW, job(committed_step=-1), fault("request_manager", "rm", "tool_outage"), spec)
+        d = decide(NOW, job(committed_step=-1), fault("request_manager", "request_manager", "tool_outage"), spec)
         assert kinds(d) == [ReportOnly]
 
 
@@ -69,14 +69,14 @@ def test_same_step_failing_again_on_the_trainer_escalates() -> None:
 
 
 def test_trainer_dies_again_while_recovering_at_the_same_step() -> None:
-    rec = Recovery("trainer", step=5, started_at=NOW - 5, member_ids=frozenset({"t0", "t1"}))
+    rec = RecoveryView("trainer", step=5, started_at=NOW - 5, member_ids=frozenset({"t0", "t1"}))
     view = job(recovering=(rec,), live_members=frozenset({"t2", "t3", "r0", "r1", "r2"}))
     d = decide(NOW, view, fault("trainer", "t2", "crash"), LOCAL)
     assert kinds(d) == [RestartWholeJob]
 
 
 def test_rollout_dies_while_trainer_recovers_is_replaced_too() -> None:
-    rec = Recovery("trainer", step=5, started_at=NOW - 5, member_ids=frozenset({"t0", "t1"}))
+    rec = RecoveryView("trainer", step=5, started_at=NOW - 5, member_ids=frozenset({"t0", "t1"}))
     d = decide(NOW, job(recovering=(rec,)), fault("rollout", "r2"), LOCAL)
     assert d.actions == [RedispatchEpisodes("r2"), ReplaceReplica("r2")]
 
@@ -89,22 +89,47 @@ def test_two_replicas_lost_at_one_step_are_both_replaced_but_more_than_all_escal
 
 
 def test_fault_about_member_being_replaced_or_stale_is_ignored() -> None:
-    rec = Recovery("rollout", step=5, started_at=NOW - 1, member_ids=frozenset({"r1"}))
+    rec = RecoveryView("rollout", step=5, started_at=NOW - 1, member_ids=frozenset({"r1"}))
     d = decide(NOW, job(recovering=(rec,)), fault("rollout", "r1", "unresponsive"), LOCAL)
     assert kinds(d) == [Ignore] and "already being replaced" in d.reason
     d = decide(NOW, job(), fault("rollout", "r-old"), LOCAL)
     assert kinds(d) == [Ignore] and "current incarnation" in d.reason
 
 
-def test_control_plane_loss_escalates() -> None:
-    d = decide(NOW, job(), fault("request_manager", "rm", "crash"), LOCAL)
-    assert kinds(d) == [RestartWholeJob] and "control-plane" in d.reason
-    d = decide(NOW, job(control_plane_ok=False), fault("rollout", "r0"), LOCAL)
+def test_control_plane_loss_resumes_in_place_in_both_policies() -> None:
+    # live_members holds trainers and replicas only (as the runtime builds it): a control-plane
+    # fault must not be dismissed as "not a member of the current incarnation".
+    for spec in (LOCAL, WHOLE):
+        for kind in ("crash", "unresponsive", "hang"):
+            d = decide(NOW, job(), fault("request_manager", "request_manager", kind), spec)
+            assert d.actions == [ResumeService("request_manager")], (spec.policy, kind, d.reason)
+            assert d.restarts == 0
+    d = decide(NOW, job(step=0, committed_step=-1), fault("detector", "detector", "crash"), LOCAL)
+    assert d.actions == [ResumeService("detector")]
+
+
+def test_control_plane_lost_again_at_the_same_step_escalates() -> None:
+    d = decide(NOW, job(faults_per_step={("request_manager", 5): 1}),
+               fault("request_manager", "request_manager"), LOCAL)
+    assert kinds(d) == [RestartWholeJob] and "again" in d.reason
+
+
+def test_control_plane_fault_while_it_is_being_resumed_is_ignored() -> None:
+    rec = RecoveryView("request_manager", step=5, started_at=NOW - 1, member_ids=frozenset({"request_manager"}))
+    d = decide(NOW, job(recovering=(rec,)), fault("request_manager", "request_manager", "unresponsive"), LOCAL)
+    assert kinds(d) == [Ignore]
+
+
+def test_member_fault_while_the_request_manager_is_lost_escalates() -> None:
+    d = decide(NOW, job(control_plane_lost=frozenset({"request_manager"})), fault("rollout", "r0"), LOCAL)
     assert kinds(d) == [RestartWholeJob]
+    # the detector's loss does not stop local recovery: the controller sees exits itself
+    d = decide(NOW, job(control_plane_lost=frozenset({"detector"})), fault("rollout", "r0"), LOCAL)
+    assert kinds(d) == [RedispatchEpisodes, ReplaceReplica]
 
 
 def test_member_fault_during_whole_job_restart_restarts_again() -> None:
-    rec = Recovery("job", step=5, started_at=NOW - 3, member_ids=frozenset({"t0", "t1", "r0", "r1", "r2"}))
+    rec = RecoveryView("job", step=5, started_at=NOW - 3, member_ids=frozenset({"t0", "t1", "r0", "r1", "r2"}))
     view = job(recovering=(rec,), live_members=frozenset({"t5", "r5"}))
     assert kinds(decide(NOW, view, fault("rollout", "r0"), LOCAL)) == [Ignore]  # old incarnation
     assert kinds(decide(NOW, view, fault("rollout", "r5"), LOCAL)) == [RestartWholeJob]
@@ -118,12 +143,12 @@ def test_max_restarts_fails_the_job_with_a_clear_reason() -> None:
     d = decide(NOW, job(), fault("trainer", "t0"), RecoverySpec(max_restarts=0))
     assert kinds(d) == [FailJob]
     # report-only decisions never fail the job
-    d = decide(NOW, job(restarts_total=99), fault("request_manager", "rm", "tool_outage"), LOCAL)
+    d = decide(NOW, job(restarts_total=99), fault("request_manager", "request_manager", "tool_outage"), LOCAL)
     assert kinds(d) == [ReportOnly]
 
 
 def test_check_recovery_escalates_past_deadline() -> None:
-    rec = Recovery("trainer", step=5, started_at=NOW)
+    rec = RecoveryView("trainer", step=5, started_at=NOW)
     view = job(recovering=(rec,))
     assert check_recovery(NOW + LOCAL.deadline_s - 1, view, LOCAL) is None
     d = check_recovery(NOW + LOCAL.deadline_s + 1, view, LOCAL)
@@ -134,6 +159,6 @@ def test_check_recovery_escalates_past_deadline() -> None:
 
 
 def test_failed_local_recovery_escalates() -> None:
-    rec = Recovery("rollout", step=5, started_at=NOW, member_ids=frozenset({"r1"}))
+    rec = RecoveryView("rollout", step=5, started_at=NOW, member_ids=frozenset({"r1"}))
     d = recovery_failed(NOW + 2, job(recovering=(rec,)), rec, "replacement exited with 1", LOCAL)
     assert kinds(d) == [RestartWholeJob] and "replacement exited" in d.reason

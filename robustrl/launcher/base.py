@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import abc
 import enum
+import time
 from dataclasses import dataclass, field
-
+from typing import Any
 
 TRAINER_MODULE = "robustrl.services.trainer"
 ROLLOUT_MODULE = "robustrl.services.rollout"
@@ -43,10 +44,14 @@ class MemberSpec:
 
 @dataclass
 class ExitInfo:
+    """A member that ended. ``returncode`` is None when unknown (a re-attached process, a
+    container removed behind the launcher's back); ``exited_at`` is when the launcher saw it end."""
+
     member_id: str
     role: str
     returncode: int | None
     expected: bool
+    exited_at: float = field(default_factory=time.time)
 
 
 class Launcher(abc.ABC):
@@ -112,6 +117,24 @@ class Launcher(abc.ABC):
 
         Launchers without spares ignore it (every start is cold)."""
         del n
+
+    def handle(self, member_id: str) -> dict[str, Any] | None:
+        """What identifies the running member beyond this process's life (persisted by the
+        controller, given back to :meth:`adopt` after a restart); None if unknown."""
+        del member_id
+        return None
+
+    def adopt(self, job_id: str, member_id: str, role: str, handle: dict[str, Any]) -> bool:
+        """Re-attach to a member a previous controller started; True if it is still running and
+        is verifiably that member (not a recycled pid). Adopted members are then polled, stopped
+        and killed like members started here. Launchers that cannot re-attach return False."""
+        del job_id, member_id, role, handle
+        return False
+
+    def log_tail(self, member_id: str, lines: int = 20) -> str:
+        """The member's last ``lines`` lines of output (stdout and stderr), '' when unknown."""
+        del member_id, lines
+        return ""
 
     def close(self) -> None:
         """Stop everything this launcher started."""

@@ -146,6 +146,9 @@ class DockerLauncher(Launcher):
         base_env: environment every member gets; ``MemberSpec.env`` overrides it.
         gpu_roles: roles whose containers reserve all GPUs of the host (NVIDIA runtime).
         run_kwargs: extra ``containers.run`` keyword arguments (volumes, shm_size, ...).
+        instance: this launcher's label value; ``poll`` sees only containers carrying it. Give
+            the same value to the next controller's launcher so it can re-attach (``adopt``) to
+            the containers this one started; by default it is unique to this object.
 
     Raises:
         LaunchError: the engine cannot be reached (when ``client`` is omitted).
@@ -154,12 +157,13 @@ class DockerLauncher(Launcher):
     def __init__(self, image: str, network: str, client: Any = None,
                  labels: Mapping[str, str] | None = None, *, docker_url: str = DEFAULT_DOCKER_URL,
                  timeout_s: float = CONNECT_TIMEOUT_S, base_env: Mapping[str, str] | None = None,
-                 gpu_roles: Collection[str] = (), run_kwargs: Mapping[str, Any] | None = None) -> None:
+                 gpu_roles: Collection[str] = (), run_kwargs: Mapping[str, Any] | None = None,
+                 instance: str | None = None) -> None:
         self.image = image
         self.network = network
         self.client = client if client is not None else _connect(docker_url, timeout_s)
         # One id per launcher instance so that poll() never reports another controller's containers.
-        self.instance = f"{id(self):x}"
+        self.instance = instance or f"{id(self):x}"
         self.labels = {**(labels or {}), LABEL_LAUNCHER: self.instance}
         self.base_env = dict(base_env or {})
         self.gpu_roles = frozenset(gpu_roles)
@@ -371,6 +375,36 @@ class DockerLauncher(Launcher):
             return member.container.logs(tail=tail).decode(errors="replace")
         except Exception:  # noqa: BLE001 - logs are best effort diagnostics
             return ""
+
+    def log_tail(self, member_id: str, lines: int = 20) -> str:
+        return self.logs(member_id, tail=lines).rstrip("\n")
+
+    def handle(self, member_id: str) -> dict[str, Any] | None:
+        member = self._members.get(member_id)
+        return None if member is None else {"container": member.container.id}
+
+    def adopt(self, job_id: str, member_id: str, role: str, handle: dict[str, Any]) -> bool:
+        """Re-attach to the member's container, found by its labels (this launcher's instance and
+        the member id); True if it is running or paused. The recorded container id, when given,
+        must match: a newer incarnation under the same name is not this member."""
+        try:
+            found = self.client.containers.list(all=True, filters={"label": f"{LABEL_MEMBER}={member_id}"})
+        except Exception as exc:
+            raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
+        for container in found:
+            labels = container.labels or {}
+            if labels.get(LABEL_LAUNCHER) != self.instance or labels.get(LABEL_JOB) != job_id:
+                continue
+            if handle.get("container") not in (None, container.id):
+                continue
+            state = _RUNNING_STATES.get(container.status)
+            if state is None:
+                return False
+            spec = MemberSpec(job_id, member_id, role, module="", env={})
+            with self._lock:
+                self._members[member_id] = _Member(spec, container, state)
+            return True
+        return False
 
     def close(self) -> None:
         """Stop every member this launcher started and remove their containers."""

@@ -1,5 +1,11 @@
 """Local process launcher: each member is ``python -m module`` in its own process group.
 
+Re-attaching (``adopt``): members run in their own sessions, so they outlive a controller that is
+killed. A restarted controller hands back each member's ``handle`` (pid and the process's start
+time, persisted in Redis); the launcher checks both against ``psutil`` (a recycled pid has another
+start time) and then tracks, signals and polls the process like one it started, through
+:class:`_Adopted`. Its exit code is unknown (it is not our child): ``poll`` reports None.
+
 Warm spares (``keep_spares``): processes of ``robustrl.launcher.spare`` that have already imported
 the member code. ``start`` hands a trainer or rollout member to a ready spare instead of starting
 a cold process, which saves the imports (about 4 s here) on every restart; the spare is restocked
@@ -17,6 +23,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 from robustrl.errors import LaunchError
 from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState
@@ -25,12 +34,41 @@ from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 STOP_GRACE_S = 2.0
 SPARE_RESTOCK_DELAY_S = 10.0
 SPARE_MODULE = "robustrl.launcher.spare"
+ADOPTED_WAIT_POLL_S = 0.02
+"""Polling period while waiting for an adopted process to end (it is not our child: no waitpid)."""
+START_TIME_TOLERANCE_S = 0.05
+_GONE = -1  # what _Adopted.poll() returns once the process is gone (its real code is unknown)
+TAIL_BYTES = 64 * 1024
+
+
+class _Adopted:
+    """A member process this launcher did not start, with the part of Popen's interface it uses."""
+
+    def __init__(self, proc: psutil.Process) -> None:
+        self._proc = proc
+        self.pid = proc.pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        try:
+            alive = self._proc.is_running() and self._proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            alive = False
+        return None if alive else _GONE
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(ADOPTED_WAIT_POLL_S)  # not our child: nothing to block on
+        return None
 
 
 @dataclass
 class _Member:
     spec: MemberSpec
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | _Adopted
     state: MemberState
     expected_exit: bool = False
     reported: bool = False
@@ -207,7 +245,7 @@ class LocalLauncher(Launcher):
                     m.reported = True
                     if m.state not in (MemberState.STOPPED,):
                         m.state = MemberState.EXITED
-                    out.append(ExitInfo(mid, m.spec.role, rc, m.expected_exit))
+                    out.append(ExitInfo(mid, m.spec.role, m.proc.returncode, m.expected_exit))
         return out
 
     def state(self, member_id: str) -> MemberState | None:
@@ -221,6 +259,48 @@ class LocalLauncher(Launcher):
     def pid(self, member_id: str) -> int | None:
         m = self._members.get(member_id)
         return m.proc.pid if m else None
+
+    def handle(self, member_id: str) -> dict[str, Any] | None:
+        m = self._members.get(member_id)
+        if m is None:
+            return None
+        try:
+            return {"pid": m.proc.pid, "create_time": psutil.Process(m.proc.pid).create_time()}
+        except psutil.Error:
+            return None
+
+    def adopt(self, job_id: str, member_id: str, role: str, handle: dict[str, Any]) -> bool:
+        """Track a running member started by an earlier launcher (see the module docstring)."""
+        try:
+            pid, created = int(handle["pid"]), float(handle["create_time"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        try:
+            proc = psutil.Process(pid)
+            same = abs(proc.create_time() - created) <= START_TIME_TOLERANCE_S
+            alive = proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+        if not (same and alive):
+            return False
+        with self._lock:
+            current = self._members.get(member_id)
+            if current is not None and current.proc.poll() is None:
+                return current.proc.pid == pid
+            spec = MemberSpec(job_id, member_id, role, module="", env={})
+            self._members[member_id] = _Member(spec, _Adopted(proc), MemberState.RUNNING)
+        return True
+
+    def log_tail(self, member_id: str, lines: int = 20) -> str:
+        path = self.log_dir / f"{member_id}.log"
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - TAIL_BYTES))
+                data = f.read()
+        except OSError:
+            return ""
+        return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
 
     def was_warm(self, member_id: str) -> bool:
         m = self._members.get(member_id)

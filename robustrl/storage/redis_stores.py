@@ -101,6 +101,21 @@ class Keys:
     def jobs() -> str:
         return "rrl:jobs"
 
+    @staticmethod
+    def controller_lease() -> str:
+        """The controller leader lease: ``<owner>:<fencing token>``, with an expiry."""
+        return "rrl:controller:lease"
+
+    @staticmethod
+    def controller_fence() -> str:
+        """Counter of controller fencing tokens (INCR: each lease term gets a larger one)."""
+        return "rrl:controller:fence"
+
+    @staticmethod
+    def faults_handled(job: str) -> str:
+        """Fault ids the controller has handled for a job (at-least-once delivery, handled once)."""
+        return f"rrl:{job}:faults:handled"
+
 
 REDIS_RETRIES = 40
 """Retries of one command on a connection error; with the backoff below about 30 s in all, so a

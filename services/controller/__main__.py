@@ -19,6 +19,8 @@ from robustrl.services.controller.runtime import Controller
 from robustrl.storage.redis_stores import connect
 
 log = logging.getLogger("robustrl.controller")
+LOST_LEASE_EXIT_CODE = 3
+"""Exit status of a controller that stepped down because another one took the lease."""
 
 
 def make_launcher(settings: Settings, env: dict[str, str]):  # type: ignore[no-untyped-def]
@@ -26,8 +28,10 @@ def make_launcher(settings: Settings, env: dict[str, str]):  # type: ignore[no-u
     if env.get("ROBUSTRL_LAUNCHER", "local") == "docker":
         from robustrl.launcher.docker import DockerLauncher
 
+        # A stable instance label: a restarted controller re-attaches to the containers it started.
         return DockerLauncher(image=env.get("ROBUSTRL_IMAGE", "robustrl:latest"),
-                              network=env.get("ROBUSTRL_DOCKER_NETWORK", "robustrl"))
+                              network=env.get("ROBUSTRL_DOCKER_NETWORK", "robustrl"),
+                              instance=env.get("ROBUSTRL_LAUNCHER_INSTANCE", "robustrl-controller"))
     return LocalLauncher(Path(settings.run_dir) / "logs", base_env=env)
 
 
@@ -37,7 +41,8 @@ async def main() -> None:
     bus = await Bus.connect(settings.nats_url, "controller")
     redis = connect(settings.redis_url)
     await redis.ping()
-    controller = Controller(bus, redis, make_launcher(settings, env), settings)
+    ttl = float(env["ROBUSTRL_LEASE_TTL_S"]) if env.get("ROBUSTRL_LEASE_TTL_S") else None
+    controller = Controller(bus, redis, make_launcher(settings, env), settings, lease_ttl_s=ttl)
     await controller.start()
     app = create_app(controller, settings.api_token)
     config = uvicorn.Config(app, host=settings.api_host, port=settings.api_port, log_level="warning",
@@ -47,13 +52,25 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+
+    async def step_down() -> None:
+        # Another controller holds the lease: exit without touching the members (they are its
+        # now); the supervisor starts this process again as a standby.
+        await controller.lost_leadership.wait()
+        server.should_exit = True
+
+    watcher = asyncio.create_task(step_down())
     print(f"controller listening on http://{settings.api_host}:{settings.api_port}", flush=True)
     try:
         await server.serve()
     finally:
-        await controller.close()
+        watcher.cancel()
+        deposed = controller.lost_leadership.is_set()
+        await controller.close(stop_members=not deposed)
         await bus.close()
         await redis.aclose()
+    if deposed:
+        raise SystemExit(LOST_LEASE_EXIT_CODE)
 
 
 if __name__ == "__main__":

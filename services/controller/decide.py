@@ -11,7 +11,12 @@ Policies:
 * ``role_local``: a trainer fault restarts the trainer gang; a rollout fault re-dispatches the
   replica's episodes and replaces it. Escalate to a whole-job restart when the fault comes before
   the first committed step, when the same step fails again, when a local recovery fails or
-  overruns ``deadline_s``, or when a control-plane service (request manager) is lost.
+  overruns ``deadline_s``.
+
+A lost control-plane service (request manager, detector) keeps its state in Redis / JetStream, so
+in both policies it is resumed in place (``ResumeService``: restarted by its supervisor, then told
+to ``resume``) without touching trainer or rollout members; only a service that fails again at the
+same step, or a resume that overruns its deadline, escalates to a whole-job restart.
 
 In both policies a tool outage is reported only: a tool fault is not a machine fault. After
 ``max_restarts`` restarts the job is failed instead of restarted again.
@@ -32,11 +37,13 @@ CONTROL_PLANE_ROLES = frozenset({"request_manager", "controller", "detector"})
 
 
 @dataclass(frozen=True)
-class Recovery:
-    """One recovery in progress.
+class RecoveryView:
+    """One recovery in progress, as ``decide`` sees it (the runtime's mutable record is
+    ``jobs.ActiveRecovery``).
 
     Attributes:
-        role: what is being recovered: ``trainer``, ``rollout`` or ``job`` (whole-job restart).
+        role: what is being recovered: ``trainer``, ``rollout``, a control-plane role, or ``job``
+            (whole-job restart).
         step: the job step at which the fault happened.
         started_at: when the recovery began (controller clock).
         attempts: recoveries of this role at this step so far, this one included.
@@ -64,9 +71,11 @@ class JobView:
         recovering: every recovery in progress (empty when none).
         faults_per_step: (role, step) -> member faults already decided at that step.
         restarts_total: restarts performed so far (gang restarts, replacements, whole-job).
-        control_plane_ok: False while a control-plane service (request manager) is lost.
-        live_members: member ids of the current incarnation; None when not tracked. A fault
-            about a member outside this set is stale.
+        control_plane_lost: control-plane roles (``request_manager``, ``detector``) the
+            controller currently sees as lost (silent past their threshold, or exited).
+        live_members: trainer and rollout member ids of the current incarnation; None when not
+            tracked. A fault about such a member outside this set is stale. Control-plane services
+            are singletons, not incarnations: their liveness is ``control_plane_lost``.
         rollout_replicas: configured replica count.
     """
 
@@ -74,12 +83,16 @@ class JobView:
     step: int
     committed_step: int = -1
     durable_step: int = -1
-    recovering: tuple[Recovery, ...] = ()
+    recovering: tuple[RecoveryView, ...] = ()
     faults_per_step: Mapping[tuple[str, int], int] = field(default_factory=dict)
     restarts_total: int = 0
-    control_plane_ok: bool = True
+    control_plane_lost: frozenset[str] = frozenset()
     live_members: frozenset[str] | None = None
     rollout_replicas: int = 1
+
+    @property
+    def control_plane_ok(self) -> bool:
+        return not self.control_plane_lost
 
 
 # --- actions ------------------------------------------------------------------------------
@@ -127,6 +140,18 @@ class RestartWholeJob:
 
 
 @dataclass(frozen=True)
+class ResumeService:
+    """Resume a lost control-plane service in place: its supervisor restarts it (local stack,
+    compose restart policy) and the controller sends it ``resume`` until it acknowledges; it
+    continues from its state in Redis / JetStream. No trainer or rollout member is touched."""
+
+    role: str
+
+    def describe(self) -> str:
+        return f"resume_service({self.role})"
+
+
+@dataclass(frozen=True)
 class ReportOnly:
     """Record the fault; no restart (tool faults, faults that need no action)."""
 
@@ -154,8 +179,8 @@ class Ignore:
         return "ignore"
 
 
-Action = (RestartTrainerGang | RedispatchEpisodes | ReplaceReplica | RestartWholeJob | ReportOnly
-          | FailJob | Ignore)
+Action = (RestartTrainerGang | RedispatchEpisodes | ReplaceReplica | RestartWholeJob | ResumeService
+          | ReportOnly | FailJob | Ignore)
 RESTARTS = (RestartTrainerGang, ReplaceReplica, RestartWholeJob)
 
 
@@ -165,13 +190,22 @@ class Decision:
     reason: str
 
     def describe(self) -> list[str]:
-        """Action names for the ``decision`` event."""
+        """Action descriptions, with arguments."""
         return [a.describe() for a in self.actions]
+
+    def names(self) -> list[str]:
+        """Action class names, as the ``decision`` event records them (for readers, not dispatch)."""
+        return [action_name(a) for a in self.actions]
 
     @property
     def restarts(self) -> int:
         """How many restarts this decision performs (counted against ``max_restarts``)."""
         return sum(isinstance(a, RESTARTS) for a in self.actions)
+
+
+def action_name(action: Action) -> str:
+    """The name an action has in the event log (``RestartTrainerGang``, ...)."""
+    return action.__class__.__name__
 
 
 # --- decisions ----------------------------------------------------------------------------
@@ -197,6 +231,8 @@ def decide(now: float, job: JobView, fault: FaultReport, spec: RecoverySpec) -> 
     stale = _stale(job, fault)
     if stale is not None:
         return Decision([Ignore(stale)], stale)
+    if fault.role in CONTROL_PLANE_ROLES:
+        return _guarded(job, spec, _control_plane(job, fault))
     if spec.policy == "whole_job":
         return _guarded(job, spec, _whole_job(job, f"policy whole_job: {fault.kind} of {fault.role} "
                                                    f"{fault.member_id} at step {job.step}"))
@@ -204,7 +240,8 @@ def decide(now: float, job: JobView, fault: FaultReport, spec: RecoverySpec) -> 
 
 
 def _stale(job: JobView, fault: FaultReport) -> str | None:
-    if job.live_members is not None and fault.member_id not in job.live_members:
+    member_role = fault.role not in CONTROL_PLANE_ROLES
+    if member_role and job.live_members is not None and fault.member_id not in job.live_members:
         return f"{fault.member_id} is not a member of the current incarnation"
     for rec in job.recovering:
         if fault.member_id in rec.member_ids:
@@ -212,12 +249,21 @@ def _stale(job: JobView, fault: FaultReport) -> str | None:
     return None
 
 
+def _control_plane(job: JobView, fault: FaultReport) -> Decision:
+    """A control-plane service lost: resume it in place; a second loss at the same step (its
+    resume did not hold) escalates to a whole-job restart."""
+    what = f"{fault.kind} of {fault.role} at step {job.step}"
+    if job.faults_per_step.get((fault.role, job.step), 0) >= 1:
+        return _whole_job(job, f"{what}: the {fault.role} failed again at step {job.step} after its resume")
+    return Decision([ResumeService(fault.role)],
+                    f"{what}: resume it in place from its durable state; no member is restarted")
+
+
 def _role_local(job: JobView, fault: FaultReport) -> Decision:
     what = f"{fault.kind} of {fault.role} {fault.member_id} at step {job.step}"
-    if fault.role in CONTROL_PLANE_ROLES:
-        return _whole_job(job, f"{what}: control-plane service lost (no durable recovery yet)")
-    if not job.control_plane_ok:
-        return _whole_job(job, f"{what} while the control plane is down: nothing can reconnect it")
+    if "request_manager" in job.control_plane_lost:
+        # The detector's loss does not matter here: the controller sees member exits itself.
+        return _whole_job(job, f"{what} while the request manager is down: nothing can reconnect it")
     if job.committed_step < 0:
         return _whole_job(job, f"{what}: before the first committed step")
     whole = next((r for r in job.recovering if r.role == "job"), None)
@@ -268,7 +314,7 @@ def check_recovery(now: float, job: JobView, spec: RecoverySpec) -> Decision | N
     return None
 
 
-def recovery_failed(now: float, job: JobView, rec: Recovery, why: str, spec: RecoverySpec) -> Decision:
+def recovery_failed(now: float, job: JobView, rec: RecoveryView, why: str, spec: RecoverySpec) -> Decision:
     """A local recovery failed outright (a replacement could not start, a checkpoint load failed):
     escalate to a whole-job restart, or fail the job once restarts are used up."""
     del now

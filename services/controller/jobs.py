@@ -26,19 +26,45 @@ class MemberInfo:
     weights_version: int = -1
     pid: int | None = None
     started_at: float = field(default_factory=time.time)
+    handle: dict[str, Any] = field(default_factory=dict)  # launcher's re-attach handle (pid + start time, container)
+    adopted: bool = False  # re-attached by a restarted controller (its hello may predate this controller)
+
+    def to_record(self) -> dict[str, Any]:
+        return {"role": self.role, "index": self.index, "epoch": self.epoch, "state": self.state,
+                "weights_version": self.weights_version, "pid": self.pid, "started_at": self.started_at,
+                "handle": self.handle}
+
+    @classmethod
+    def from_record(cls, member_id: str, rec: dict[str, Any]) -> MemberInfo:
+        return cls(member_id, rec["role"], int(rec["index"]), int(rec["epoch"]), state=rec.get("state", "running"),
+                   weights_version=int(rec.get("weights_version", -1)), pid=rec.get("pid"),
+                   started_at=float(rec.get("started_at", time.time())), handle=dict(rec.get("handle") or {}))
 
 
 @dataclass
-class Recovery:
+class ActiveRecovery:
+    """A recovery the runtime is carrying out (``decide.RecoveryView`` is its snapshot)."""
+
     fault_id: str
     role: str
-    kind: str  # "trainer" | "replica" | "whole_job"
+    kind: str  # "trainer" | "replica" | "whole_job" | "service"
     started_at: float
     step: int
     deadline_at: float
     waiting_for: set[str] = field(default_factory=set)
     replacing: set[str] = field(default_factory=set)
     committed_at_fault: int = -1
+
+    def to_record(self) -> dict[str, Any]:
+        return {"fault_id": self.fault_id, "role": self.role, "kind": self.kind, "started_at": self.started_at,
+                "step": self.step, "deadline_at": self.deadline_at, "waiting_for": sorted(self.waiting_for),
+                "replacing": sorted(self.replacing), "committed_at_fault": self.committed_at_fault}
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> ActiveRecovery:
+        return cls(rec["fault_id"], rec["role"], rec["kind"], float(rec["started_at"]), int(rec["step"]),
+                   float(rec["deadline_at"]), set(rec.get("waiting_for", [])), set(rec.get("replacing", [])),
+                   int(rec.get("committed_at_fault", -1)))
 
 
 @dataclass
@@ -59,12 +85,16 @@ class JobRun:
     reward_by_step: dict[int, float] = field(default_factory=dict)
     last_step_timings: dict[str, float] = field(default_factory=dict)
     faults: list[dict[str, Any]] = field(default_factory=list)
-    recoveries: list[Recovery] = field(default_factory=list)
+    recoveries: list[ActiveRecovery] = field(default_factory=list)
     failures_by_step: dict[tuple[str, int], int] = field(default_factory=dict)
     restarts_total: int = 0
     error: str | None = None
     ettr: float | None = None
     injected_at: dict[str, float] = field(default_factory=dict)  # member -> last chaos injection
+    closing: bool = False  # stop_job under way: the final status is set once its event is durable
+    startup_failures: dict[tuple[str, int], int] = field(default_factory=dict)  # (role, slot) -> exits before hello
+    service_seen_at: dict[str, float] = field(default_factory=dict)  # control-plane role -> last sign of life
+    services_lost: set[str] = field(default_factory=set)  # control-plane roles seen lost, not yet resumed
 
     @property
     def policy(self) -> str:
@@ -77,7 +107,8 @@ class JobRun:
 
     @property
     def done(self) -> bool:
-        return self.status in ("finished", "failed", "stopped")
+        """Finished, failed or stopped, or being stopped (no more recovery, no more commits)."""
+        return self.closing or self.status in ("finished", "failed", "stopped")
 
     def live(self, role: str | None = None) -> list[MemberInfo]:
         return [m for m in self.members.values()

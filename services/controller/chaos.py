@@ -1,0 +1,74 @@
+"""Chaos injection: a fault request (NATS or REST) resolved to a member and carried out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from robustrl.errors import JobError, LaunchError
+from robustrl.messages import ChaosAck, ChaosCommand, ChaosRequest
+from robustrl.services.controller.jobs import JobRun
+from robustrl.services.controller.launching import lid
+from robustrl.subjects import Verb, subject
+
+if TYPE_CHECKING:
+    from robustrl.services.controller.runtime import Controller
+
+
+class ChaosInjector:
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    async def on_request(self, msg: ChaosRequest, _s: str, reply: str | None) -> None:
+        if not self.c.leading:
+            return  # the leader answers
+        try:
+            mid = await self.inject(msg)
+            ack = ChaosAck(fault_id=msg.fault_id, member_id=mid, ok=True)
+        except (JobError, LaunchError) as exc:
+            ack = ChaosAck(fault_id=msg.fault_id, member_id=None, ok=False, error=str(exc))
+        await self.c.bus.respond(reply, ack)
+
+    @staticmethod
+    def resolve(job: JobRun, role: str, member: int | str) -> str:
+        pool = job.current_trainers() if role == "trainer" else job.current_replicas() if role == "rollout" else []
+        pool = [m for m in pool if m.state not in ("dead", "exited", "stopped")]
+        if isinstance(member, str) and not member.isdigit():
+            if member in job.members and job.members[member].role == role:
+                return member
+            raise JobError(f"no {role} member {member!r} in job {job.job_id}", field="member")
+        idx = int(member)
+        match = [m for m in pool if m.index == idx]
+        if not match:
+            raise JobError(f"no live {role} with index {idx} in job {job.job_id}", field="member")
+        return match[0].member_id
+
+    async def inject(self, req: ChaosRequest) -> str:
+        """Carry out one fault; return the member it hit."""
+        job = self.c.get(req.job_id)
+        if job.done:
+            raise JobError(f"job {job.job_id} is {job.status}", job_id=job.job_id)
+        if req.kind == "tool_outage" or req.role == "request_manager":
+            if req.kind != "tool_outage":
+                raise JobError(f"fault {req.kind} is not supported on the request manager", field="kind")
+            mid = "request_manager"
+        else:
+            mid = self.resolve(job, req.role, req.member)
+        # The injection is logged before it is carried out: a crash is detected within
+        # milliseconds, and the detection must not precede its cause in the log.
+        job.injected_at[mid] = time.time()
+        await self.c.event(job, "fault_injected", {
+            "fault_id": req.fault_id, "kind": req.kind, "role": req.role, "member_id": mid, "step": job.step,
+            "duration_s": req.duration_s})
+        if mid == "request_manager":
+            await self.c.control_rm(job, "tool_outage", {"duration_s": req.duration_s or 5.0})
+        elif req.kind == "crash":
+            await asyncio.to_thread(self.c.launcher.kill, lid(job, mid), False)
+        elif req.kind == "hang":
+            await asyncio.to_thread(self.c.launcher.suspend, lid(job, mid))
+        else:
+            await self.c.bus.publish(subject(job.job_id, Verb.CHAOS, mid), ChaosCommand(
+                job_id=job.job_id, fault_id=req.fault_id, kind=req.kind, member_id=mid,
+                duration_s=req.duration_s, factor=req.factor))
+        return mid

@@ -1,0 +1,121 @@
+"""The controller's side of the JetStream event log: durable appends and the fault inbox.
+
+* :func:`emit_durable` appends an event and returns only once JetStream has acknowledged it,
+  retrying with backoff (idempotently: the message id makes JetStream drop a repeat). A job's
+  final status is set after its ``job_finished`` event is durable, so a client that reads the log
+  when it sees ``finished`` finds the event.
+* :class:`FaultInbox` reads every job's ``fault_detected`` events through a durable pull consumer:
+  a fault report is delivered at least once, across controller restarts and a lost plain publish,
+  and acknowledged only after the controller has handled it. Handling once is the handler's job
+  (a dedupe set of fault ids in Redis).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from pydantic import ValidationError
+
+from robustrl import subjects
+from robustrl.bus import Bus
+from robustrl.messages import Event, FaultReport
+
+log = logging.getLogger(__name__)
+
+DURABLE_EMIT_TIMEOUT_S = 30.0
+"""How long :func:`emit_durable` keeps retrying before it raises TransportError."""
+FAULT_CONSUMER = "controller-faults"
+FAULT_FETCH_TIMEOUT_S = 1.0
+"""One fetch of the fault inbox (an empty fetch just loops)."""
+FAULT_ACK_WAIT_S = 120.0
+"""A fault not acknowledged within this long (its handler died with the controller) is redelivered."""
+
+
+async def emit_durable(bus: Bus, job_id: str, kind: str, data: dict[str, Any] | None = None,
+                       timeout_s: float = DURABLE_EMIT_TIMEOUT_S) -> Event:
+    """Append one event and wait until JetStream has stored it; TransportError after ``timeout_s``
+    (``Bus.emit_event`` logs that case and goes on; a final status must not)."""
+    event = Event(job_id=job_id, kind=kind, data=data or {})  # type: ignore[arg-type]
+    await bus.publish_durable(subjects.events(job_id, kind, bus.role), event.encode(),
+                              msg_id=f"{job_id}-{kind}-{uuid.uuid4().hex}", retry_s=timeout_s)
+    return event
+
+
+def fault_from_event(event: Event) -> FaultReport | None:
+    """The FaultReport a ``fault_detected`` event records (None if the event is not one)."""
+    fields = {k: v for k, v in event.data.items() if k in FaultReport.model_fields}
+    try:
+        return FaultReport.model_validate({**fields, "job_id": event.job_id})
+    except ValidationError as exc:
+        log.warning("fault event of %s not understood: %s", event.job_id, exc.errors()[0]["msg"])
+        return None
+
+
+FaultHandler = Callable[[FaultReport], Awaitable[None]]
+
+
+class FaultInbox:
+    """Every job's fault reports, at least once, from the event log's durable consumer."""
+
+    def __init__(self, bus: Bus, handler: FaultHandler) -> None:
+        self.bus = bus
+        self.handler = handler
+        self._task: asyncio.Task[None] | None = None
+        self._sub: Any = None
+
+    async def start(self) -> None:
+        """Bind to the durable consumer (created on first use, from new events on) and pull."""
+        if self._task is not None:
+            return
+        js = self.bus.client.jetstream()
+        self._sub = await js.pull_subscribe(
+            subjects.events_of_kind("fault_detected"), durable=FAULT_CONSUMER, stream=subjects.EVENTS_STREAM,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.NEW, ack_policy=AckPolicy.EXPLICIT,
+                                  ack_wait=FAULT_ACK_WAIT_S, max_ack_pending=1024))
+        self._task = asyncio.create_task(self._pull())
+
+    async def _pull(self) -> None:
+        while True:
+            try:
+                batch = await self._sub.fetch(16, timeout=FAULT_FETCH_TIMEOUT_S)
+            except (TimeoutError, NatsTimeout):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # NATS reconnecting: the consumer keeps our place
+                log.warning("fault inbox: fetch failed: %s", exc)
+                await asyncio.sleep(FAULT_FETCH_TIMEOUT_S)
+                continue
+            for raw in batch:
+                try:
+                    event = Event.model_validate_json(raw.data)
+                except ValidationError:
+                    await raw.ack()  # malformed forever: never redeliver
+                    continue
+                fault = fault_from_event(event)
+                if fault is not None:
+                    try:
+                        await self.handler(fault)
+                    except Exception:
+                        # Not acknowledged: JetStream delivers it again after ack_wait.
+                        log.exception("fault %s: handler failed", fault.fault_id)
+                        continue
+                await raw.ack()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+            self._sub = None

@@ -1,0 +1,116 @@
+"""Starting a job's members through the launcher: their environment, trainer gangs, replicas,
+and re-attaching to members a previous controller started (after a restart or a failover)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+from robustrl.bus import Bus
+from robustrl.config import Settings
+from robustrl.launcher.base import ROLLOUT_MODULE, TRAINER_MODULE, Launcher, MemberSpec
+from robustrl.services.controller.jobs import JobRun, MemberInfo
+
+LID_SEP = "--"
+STDERR_TAIL_LINES = 20
+"""Lines of a member's log quoted in a start-up failure."""
+
+
+def lid(job: JobRun | str, member_id: str) -> str:
+    """The launcher's key for a member: unique across jobs (member ids are unique per job)."""
+    job_id = job if isinstance(job, str) else job.job_id
+    return f"{job_id}{LID_SEP}{member_id}"
+
+
+def split_lid(launcher_id: str) -> tuple[str, str]:
+    """(job id, member id) of a launcher key."""
+    job_id, _, member_id = launcher_id.partition(LID_SEP)
+    return job_id, member_id
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MemberStarter:
+    """Starts trainer gangs and rollout replicas for jobs and records them on the job."""
+
+    def __init__(self, bus: Bus, launcher: Launcher, settings: Settings,
+                 member_credentials: dict[str, dict[str, str]] | None = None) -> None:
+        self.bus = bus
+        self.launcher = launcher
+        self.settings = settings
+        self.member_credentials = member_credentials or {}
+
+    def member_env(self, job: JobRun, member_id: str, role: str) -> dict[str, str]:
+        # Members never call the REST API: they do not get its token. Each role gets its own
+        # bus / Redis / S3 credentials when the stack defines them (robustrl.infra.credentials).
+        env = {k: v for k, v in self.settings.to_env().items() if k != "ROBUSTRL_API_TOKEN"}
+        return {**env, **self.member_credentials.get(role, {}), "ROBUSTRL_API_TOKEN": "",
+                "ROBUSTRL_JOB_ID": job.job_id, "ROBUSTRL_MEMBER_ID": member_id, "ROBUSTRL_ROLE": role}
+
+    def _record(self, job: JobRun, info: MemberInfo) -> None:
+        key = lid(job, info.member_id)
+        info.pid = self.launcher.pid(key)
+        info.handle = self.launcher.handle(key) or {}
+        job.members[info.member_id] = info
+
+    async def start_gang(self, job: JobRun) -> list[str]:
+        """Start a new trainer gang (next epoch); return its member ids, rank 0 first."""
+        job.epoch += 1
+        port = free_port()
+        ids = []
+        master = self.launcher.host_for(lid(job, f"trainer-e{job.epoch}-r0"))
+        for rank in range(job.spec.trainer.workers):
+            mid = f"trainer-e{job.epoch}-r{rank}"
+            env = self.member_env(job, mid, "trainer") | {
+                "ROBUSTRL_RANK": str(rank), "ROBUSTRL_WORLD_SIZE": str(job.spec.trainer.workers),
+                "MASTER_ADDR": master, "MASTER_PORT": str(port)}
+            await asyncio.to_thread(self.launcher.start,
+                                    MemberSpec(job.job_id, lid(job, mid), "trainer", TRAINER_MODULE, env))
+            self._record(job, MemberInfo(mid, "trainer", rank, job.epoch))
+            ids.append(mid)
+            await self.bus.emit_event(job.job_id, "member_started", {
+                "member_id": mid, "role": "trainer", "epoch": job.epoch,
+                "warm": self.launcher.was_warm(lid(job, mid))})
+        return ids
+
+    async def start_replica(self, job: JobRun, slot: int) -> str:
+        """Start the next incarnation of rollout slot ``slot``; return its member id."""
+        inc = job.slot_incarnation.get(slot, -1) + 1
+        job.slot_incarnation[slot] = inc
+        mid = f"rollout-{slot}-i{inc}"
+        env = self.member_env(job, mid, "rollout")
+        await asyncio.to_thread(self.launcher.start,
+                                MemberSpec(job.job_id, lid(job, mid), "rollout", ROLLOUT_MODULE, env))
+        self._record(job, MemberInfo(mid, "rollout", slot, inc))
+        await self.bus.emit_event(job.job_id, "member_started", {
+            "member_id": mid, "role": "rollout", "warm": self.launcher.was_warm(lid(job, mid))})
+        return mid
+
+    async def start_all(self, job: JobRun) -> tuple[list[str], list[str]]:
+        """A new gang and a new incarnation of every replica slot, in parallel."""
+        started: list[Any] = await asyncio.gather(
+            self.start_gang(job), *(self.start_replica(job, i) for i in range(job.spec.rollout.replicas)))
+        return started[0], list(started[1:])
+
+    async def adopt(self, job: JobRun) -> tuple[list[str], list[str]]:
+        """Re-attach to the job's recorded live members; return (adopted, gone) member ids.
+
+        A member is adopted only if the launcher verifies it is the very process / container
+        that was started (pid and start time, container label), never a recycled pid.
+        """
+        adopted, gone = [], []
+        for m in job.members.values():
+            if m.state in ("exited", "stopped", "dead"):
+                continue
+            ok = await asyncio.to_thread(self.launcher.adopt, job.job_id, lid(job, m.member_id), m.role, m.handle)
+            (adopted if ok else gone).append(m.member_id)
+        return adopted, gone
+
+    def log_tail(self, job: JobRun, member_id: str, lines: int = STDERR_TAIL_LINES) -> str:
+        """The member's last output lines (its stderr goes to the same log), '' if none."""
+        return self.launcher.log_tail(lid(job, member_id), lines)

@@ -1,0 +1,165 @@
+"""The controller's leader lease: one controller acts at a time, a second waits as hot standby.
+
+The lease is a Redis key holding ``<owner>:<token>`` with an expiry (SET NX PX). Each term gets a
+fencing token from a counter (INCR) in the same Lua script, so tokens only grow: every action the
+leader takes carries its token, and a receiver that has seen a larger one refuses it (a controller
+that was frozen past its lease cannot act on stale state). Renewal is a compare-and-extend; a
+leader that finds the key gone re-acquires with a new, larger token; one that finds another
+owner's value has lost the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from robustrl.storage.redis_stores import Keys
+
+log = logging.getLogger(__name__)
+
+LEASE_TTL_S = 3.0
+"""How long a lease lives without renewal: a standby takes over at most this long after the
+leader stopped renewing (killed, frozen, partitioned)."""
+RENEW_FRACTION = 1 / 3
+"""The leader renews every ``ttl * RENEW_FRACTION``."""
+ACQUIRE_POLL_FRACTION = 1 / 6
+"""A standby tries to acquire every ``ttl * ACQUIRE_POLL_FRACTION``."""
+REDIS_OP_TIMEOUT_S = 1.0
+"""One lease operation on Redis; a slower answer counts as a failed renewal."""
+
+_ACQUIRE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local t = redis.call('INCR', KEYS[2])
+  redis.call('SET', KEYS[1], ARGV[1] .. ':' .. t, 'PX', ARGV[2])
+  return t
+end
+return 0
+"""
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class LeaseLost(Exception):
+    """Another controller holds the lease now."""
+
+
+class LeaderLease:
+    """Acquire, renew and release the controller lease.
+
+    Args:
+        redis: an asyncio Redis client.
+        owner: this controller's unique name (host, pid, random suffix).
+        ttl_s: lease lifetime without renewal.
+    """
+
+    def __init__(self, redis: Any, owner: str, ttl_s: float = LEASE_TTL_S) -> None:
+        self.r = redis
+        self.owner = owner
+        self.ttl_ms = max(100, int(ttl_s * 1000))
+        self.token = 0
+
+    @property
+    def ttl_s(self) -> float:
+        return self.ttl_ms / 1000
+
+    @property
+    def value(self) -> str:
+        return f"{self.owner}:{self.token}"
+
+    async def try_acquire(self) -> bool:
+        """One attempt; True (and a new ``token``) if this controller is the leader now."""
+        token = int(await asyncio.wait_for(
+            self.r.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), self.owner, self.ttl_ms),
+            REDIS_OP_TIMEOUT_S))
+        if token > 0:
+            self.token = token
+            return True
+        return False
+
+    async def acquire(self, stop: asyncio.Event | None = None) -> int:
+        """Wait (as hot standby) until this controller holds the lease; return the token."""
+        while stop is None or not stop.is_set():
+            try:
+                if await self.try_acquire():
+                    log.warning("controller %s is the leader (fencing token %d)", self.owner, self.token)
+                    return self.token
+            except Exception as exc:  # Redis briefly away: keep waiting, it is a standby's job
+                log.warning("lease: acquire failed: %s", exc)
+            await _pause(stop, self.ttl_s * ACQUIRE_POLL_FRACTION)
+        raise asyncio.CancelledError("stopped while waiting for the lease")
+
+    async def renew(self) -> bool:
+        """Extend the lease; False if this controller does not hold it any more."""
+        ok = await asyncio.wait_for(
+            self.r.eval(_RENEW, 1, Keys.controller_lease(), self.value, self.ttl_ms), REDIS_OP_TIMEOUT_S)
+        return bool(int(ok))
+
+    async def holder(self) -> str | None:
+        raw = await asyncio.wait_for(self.r.get(Keys.controller_lease()), REDIS_OP_TIMEOUT_S)
+        return None if raw is None else raw.decode()
+
+    async def keep(self, stop: asyncio.Event, on_new_token: Callable[[int], Awaitable[None]]) -> None:
+        """Renew until ``stop``; raise LeaseLost when another controller holds the lease.
+
+        A renewal that finds the key expired (this process was frozen, or Redis restarted) takes
+        the lease again with a new, larger token and tells ``on_new_token``.
+        """
+        loop = asyncio.get_running_loop()
+        renewed_at = loop.time()
+        while not stop.is_set():
+            await _pause(stop, self.ttl_s * RENEW_FRACTION)
+            if stop.is_set():
+                return
+            try:
+                if await self.renew():
+                    renewed_at = loop.time()
+                    continue
+                holder = await self.holder()
+                if holder is not None:
+                    raise LeaseLost(f"lease held by {holder} (this controller had token {self.token})")
+                if await self.try_acquire():
+                    renewed_at = loop.time()
+                    log.warning("lease had expired; re-acquired with fencing token %d", self.token)
+                    await on_new_token(self.token)
+                    continue
+                raise LeaseLost("lease taken by another controller while re-acquiring")
+            except LeaseLost:
+                raise
+            except Exception as exc:  # one failed renewal is not a loss; the ttl decides
+                log.warning("lease: renewal failed: %s", exc)
+                if loop.time() - renewed_at > self.ttl_s:
+                    # Redis unreachable for a lease lifetime: another controller may lead now.
+                    raise LeaseLost(f"lease not renewed for {loop.time() - renewed_at:.1f}s "
+                                    f"(ttl {self.ttl_s:g}s): {exc}") from exc
+
+    async def release(self) -> None:
+        """Give the lease up at once (graceful stop), so a standby need not wait for the expiry."""
+        if self.token:
+            try:
+                await asyncio.wait_for(self.r.eval(_RELEASE, 1, Keys.controller_lease(), self.value),
+                                       REDIS_OP_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("lease: release failed: %s", exc)
+
+
+async def _pause(stop: asyncio.Event | None, seconds: float) -> None:
+    """Wait ``seconds`` or until ``stop`` is set (a periodic timer, not a wait for a condition)."""
+    if stop is None:
+        await asyncio.sleep(seconds)
+        return
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        pass

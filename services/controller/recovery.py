@@ -1,0 +1,248 @@
+"""Carrying out recovery decisions: fault intake (handled once), the typed action executor, and
+recovery progress and deadlines.
+
+A fault report arrives at least once (the plain NATS publish, the event log's durable consumer,
+the controller's own exit and silence observations); :meth:`RecoveryExecutor.handle` handles it
+once, by fault id, with the ids persisted in Redis so a restarted controller does not act twice.
+The pure ``decide`` chooses; this module dispatches on the action's class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from robustrl.messages import FaultReport
+from robustrl.services.controller import decide as decide_mod
+from robustrl.services.controller.decide import (
+    Action, FailJob, Ignore, RedispatchEpisodes, ReplaceReplica, ReportOnly, RestartTrainerGang,
+    RestartWholeJob, ResumeService, action_name,
+)
+from robustrl.services.controller.jobs import ActiveRecovery, JobRun
+from robustrl.services.controller.launching import lid
+from robustrl.services.controller.view import job_view
+from robustrl.storage.redis_stores import Keys
+
+if TYPE_CHECKING:
+    from robustrl.services.controller.runtime import Controller
+
+log = logging.getLogger(__name__)
+
+HANDLED_TTL_S = 7 * 24 * 3600
+"""How long handled fault ids are kept (as long as the event log keeps events)."""
+SERVICE_RESUME_ATTEMPT_S = 2.0
+"""One ``resume`` request to a restarted control-plane service; repeated until its deadline."""
+
+
+class RecoveryExecutor:
+    """Turns fault reports into decisions and carries the actions out with the launcher."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+        self.lock = asyncio.Lock()
+        self._handled: set[str] = set()
+
+    # --- intake ------------------------------------------------------------------------------
+
+    async def _seen(self, job: JobRun, fault_id: str) -> bool:
+        if fault_id in self._handled:
+            return True
+        return bool(await self.c.redis.sismember(Keys.faults_handled(job.job_id), fault_id))
+
+    async def _mark(self, job: JobRun, fault_id: str) -> None:
+        self._handled.add(fault_id)
+        key = Keys.faults_handled(job.job_id)
+        await self.c.redis.sadd(key, fault_id)
+        await self.c.redis.expire(key, HANDLED_TTL_S)
+
+    async def handle(self, fault: FaultReport) -> None:
+        """Decide and act on one fault report, once per fault id."""
+        job = self.c.jobs.get(fault.job_id)
+        if job is None or job.done or not self.c.leading:
+            return
+        async with self.lock:
+            if job.done or await self._seen(job, fault.fault_id):
+                return
+            await self._handle_locked(job, fault)
+            await self._mark(job, fault.fault_id)
+            await self.c.persist(job)
+
+    async def _handle_locked(self, job: JobRun, fault: FaultReport) -> None:
+        now = time.time()
+        injected_at = job.injected_at.pop(fault.member_id, None)
+        began = injected_at if injected_at is not None else fault.fault_at
+        record = {"fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role,
+                  "member_id": fault.member_id, "step": job.step, "detected_at": fault.detected_at,
+                  "fault_at": fault.fault_at, "detection_s": None if began is None else fault.detected_at - began,
+                  "evidence": fault.evidence, "recovery_s": None, "decision": None}
+        decision = decide_mod.decide(now, job_view(job), fault, job.spec.recovery)
+        record["decision"] = {"actions": decision.names(), "reason": decision.reason}
+        if not all(isinstance(a, Ignore) for a in decision.actions):
+            job.faults.append(record)
+        await self.c.event(job, "decision", {"fault_id": fault.fault_id, "actions": decision.names(),
+                                             "reason": decision.reason})
+        await self.execute_all(job, fault, decision.actions)
+
+    # --- execution ---------------------------------------------------------------------------
+
+    async def execute_all(self, job: JobRun, fault: FaultReport, actions: list[Action]) -> None:
+        for action in actions:
+            try:
+                await self.execute(job, fault, action)
+            except Exception as exc:  # a recovery that fails outright escalates (or fails the job)
+                log.exception("job %s: %s failed", job.job_id, action_name(action))
+                rec = decide_mod.RecoveryView(role=fault.role, step=job.step, started_at=time.time(),
+                                              fault_id=fault.fault_id)
+                decision = decide_mod.recovery_failed(time.time(), job_view(job), rec, repr(exc), job.spec.recovery)
+                await self.c.event(job, "decision", {"fault_id": fault.fault_id, "actions": decision.names(),
+                                                     "reason": decision.reason})
+                if any(type(a) is type(action) for a in decision.actions):
+                    await self.c.stop_job(job.job_id, "failed", decision.reason)
+                    return
+                await self.execute_all(job, fault, decision.actions)
+                return
+
+    async def execute(self, job: JobRun, fault: FaultReport, action: Action) -> None:
+        """Carry out one action (recorded in the event log first)."""
+        await self.c.event(job, "action", {"fault_id": fault.fault_id, "action": action_name(action),
+                                           "member_id": getattr(action, "member_id", None)})
+        match action:
+            case RestartTrainerGang():
+                await self._restart_trainer(job, fault)
+            case RedispatchEpisodes(member_id=mid):
+                await asyncio.to_thread(self.c.launcher.kill, lid(job, mid), True)
+                if mid in job.members:
+                    job.members[mid].state = "dead"
+                await self.c.control_rm(job, "replica_dead", {"member_id": mid, "fault_id": fault.fault_id})
+            case ReplaceReplica(member_id=mid):
+                await self._replace_replica(job, fault, mid)
+            case RestartWholeJob():
+                await self._restart_whole_job(job, fault)
+            case ResumeService(role=role):
+                await self._resume_service(job, fault, role)
+            case FailJob(reason=reason):
+                await self.c.stop_job(job.job_id, "failed", reason)
+            case ReportOnly() | Ignore():
+                pass  # recorded in the event log; nothing to carry out
+
+    def _begin(self, job: JobRun, fault: FaultReport, kind: str, replacing: set[str]) -> ActiveRecovery:
+        if kind != "service":
+            job.restarts_total += 1
+        key = (fault.role, job.step)
+        job.failures_by_step[key] = job.failures_by_step.get(key, 0) + 1
+        # A recovery waiting for a member that is now itself being replaced is superseded.
+        job.recoveries = [r for r in job.recoveries if not (r.waiting_for & replacing)]
+        rec = ActiveRecovery(fault_id=fault.fault_id, role=fault.role, kind=kind, started_at=time.time(),
+                             step=job.step, deadline_at=time.time() + job.spec.recovery.deadline_s,
+                             replacing=replacing, committed_at_fault=job.committed_step)
+        job.recoveries.append(rec)
+        job.status = "recovering"
+        return rec
+
+    async def _restart_trainer(self, job: JobRun, fault: FaultReport) -> None:
+        old = [m.member_id for m in job.current_trainers()]
+        await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, i) for i in old], True)
+        for mid in old:
+            job.members[mid].state = "dead"
+        rec = self._begin(job, fault, "trainer", set(old))
+        new = await self.c.starter.start_gang(job)
+        rec.waiting_for = {new[0]}
+        await self.c.persist(job)
+
+    async def _replace_replica(self, job: JobRun, fault: FaultReport, member_id: str) -> None:
+        old = job.members.get(member_id)
+        if old is None:
+            return
+        await asyncio.to_thread(self.c.launcher.kill, lid(job, member_id), True)
+        old.state = "dead"
+        rec = self._begin(job, fault, "replica", {member_id})
+        rec.waiting_for = {await self.c.starter.start_replica(job, old.index)}
+        await self.c.persist(job)
+
+    async def _restart_whole_job(self, job: JobRun, fault: FaultReport) -> None:
+        """ByteRobust-style in-place restart: stop every role, restart all in parallel from the
+        last checkpoint, regenerate the current step from scratch."""
+        await self.c.control_rm(job, "restart_step", {"fault_id": fault.fault_id})
+        ids = [m.member_id for m in job.live() if m.role in ("trainer", "rollout")]
+        await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, i) for i in ids], True)
+        for mid in ids:
+            job.members[mid].state = "dead"
+        job.recoveries.clear()  # a whole-job restart supersedes any local recovery in progress
+        rec = self._begin(job, fault, "whole_job", set(ids))
+        gang, replicas = await self.c.starter.start_all(job)
+        rec.waiting_for = {gang[0], *replicas}
+        await self.c.persist(job)
+        await self.c.control_rm(job, "resume", {"start_step": job.step, "committed": job.committed_step})
+
+    async def _resume_service(self, job: JobRun, fault: FaultReport, role: str) -> None:
+        """The lost service is restarted by its supervisor; send it ``resume`` until it answers
+        (in a task: the deadline check escalates if it never does)."""
+        job.services_lost.add(role)
+        rec = self._begin(job, fault, "service", {role})
+        rec.waiting_for = {role}
+        if role == "request_manager":
+            self.c.spawn(self._resume_rm(job, rec))
+        else:
+            # The detector needs no command: it rebuilds its per-member state from the next
+            # metrics. It is back once it is heard from again (see Supervisor.watch_services).
+            pass
+
+    async def _resume_rm(self, job: JobRun, rec: ActiveRecovery) -> None:
+        while rec in job.recoveries and not job.done:
+            if await self.c.control_rm(job, "resume", {"start_step": job.step, "committed": job.committed_step},
+                                       attempts=1, timeout_s=SERVICE_RESUME_ATTEMPT_S, quiet=True):
+                await self.service_back(job, "request_manager")
+                return
+
+    async def service_back(self, job: JobRun, role: str) -> None:
+        """A lost control-plane service answers again."""
+        job.service_seen_at[role] = time.time()
+        if role in job.services_lost:
+            job.services_lost.discard(role)
+            await self.progress(job, role)
+
+    # --- progress and deadlines --------------------------------------------------------------
+
+    async def progress(self, job: JobRun, member_id: str) -> None:
+        """``member_id`` is ready (hello, current weights, service answering): finish the
+        recoveries that were waiting only for it."""
+        for rec in list(job.recoveries):
+            if member_id not in rec.waiting_for:
+                continue
+            rec.waiting_for.discard(member_id)
+            if rec.waiting_for:
+                continue
+            job.recoveries.remove(rec)
+            took = time.time() - rec.started_at
+            for f in job.faults:
+                if f["fault_id"] == rec.fault_id:
+                    f["recovery_s"] = time.time() - f["detected_at"]
+            await self.c.event(job, "recovered", {"fault_id": rec.fault_id, "role": rec.role, "kind": rec.kind,
+                                                  "took_s": took})
+            if rec.kind in ("trainer", "whole_job"):
+                # Steps that were committed but not durable are redone by the new gang.
+                redone = max(0, rec.committed_at_fault - job.durable_step)
+                await self.c.event(job, "work_lost", {"fault_id": rec.fault_id, "tokens": 0, "steps_redone": redone})
+            if not job.recoveries and job.status == "recovering":
+                job.status = "running"
+            await self.c.persist(job)
+
+    async def check_deadlines(self, job: JobRun) -> None:
+        if job.done or not job.recoveries:
+            return
+        if decide_mod.check_recovery(time.time(), job_view(job), job.spec.recovery) is None:
+            return
+        async with self.lock:
+            # Decide again under the lock: a recovery may have finished or been replaced meanwhile.
+            decision = decide_mod.check_recovery(time.time(), job_view(job), job.spec.recovery)
+            if decision is None or not job.recoveries or job.done:
+                return
+            late = min(job.recoveries, key=lambda r: r.started_at)
+            fault = FaultReport(job_id=job.job_id, fault_id=f"{late.fault_id}-late", role=late.role,  # type: ignore[arg-type]
+                                member_id=next(iter(late.waiting_for), "controller"), kind="unresponsive",
+                                evidence=decision.reason, detected_at=time.time(), step=job.step)
+            await self.c.event(job, "decision", {"fault_id": late.fault_id, "actions": decision.names(),
+                                                 "reason": decision.reason})
+            await self.execute_all(job, fault, decision.actions)

@@ -1,0 +1,148 @@
+"""Supervision: member exits the launcher sees, start-up crash loops, control-plane silences,
+recovery deadlines.
+
+The controller acts on an exit it saw itself (it does not wait for the detector, which may be
+down): an unexpected exit of a current member becomes a crash fault whose ``fault_at`` is the
+launcher's exit time, recorded as a ``fault_detected`` event and handled at once. The exit is
+then forwarded to the detector as handled (``expected``), so it is not reported twice.
+
+A member that exits before its hello ``STARTUP_FAILURES_MAX`` times in a row (per role slot)
+fails the job at once, with the last lines of its log in the fault evidence and the job error:
+a broken environment must not crash-loop through ``max_restarts``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from robustrl.launcher.base import ExitInfo
+from robustrl.messages import FaultReport, MemberExited
+from robustrl.services.controller.jobs import JobRun, MemberInfo
+from robustrl.services.controller.launching import split_lid
+from robustrl.subjects import Verb, subject
+
+if TYPE_CHECKING:
+    from robustrl.services.controller.runtime import Controller
+
+log = logging.getLogger(__name__)
+
+SUPERVISE_INTERVAL_S = 0.05
+STARTUP_FAILURES_MAX = 3
+"""Consecutive exits before hello, per role slot, that fail the job (a member that cannot start)."""
+WATCHED_SERVICES = ("request_manager",)
+"""Control-plane services whose silence the controller watches itself (their metrics)."""
+
+
+def exit_fault(job: JobRun, m: MemberInfo, info: ExitInfo, evidence: str) -> FaultReport:
+    return FaultReport(job_id=job.job_id, fault_id=f"exit-{m.member_id}", role=m.role,  # type: ignore[arg-type]
+                       member_id=m.member_id, kind="crash", evidence=evidence, detected_at=time.time(),
+                       step=job.step, fault_at=info.exited_at)
+
+
+class Supervisor:
+    """The controller's periodic round: exits, silences, deadlines."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if self.c.leading:
+                try:
+                    await self.once()
+                except Exception:  # one bad round must not end exit detection and deadlines for good
+                    log.exception("supervision round failed")
+            try:
+                await asyncio.wait_for(stop.wait(), SUPERVISE_INTERVAL_S)
+            except TimeoutError:
+                pass
+
+    async def once(self) -> None:
+        for info in await asyncio.to_thread(self.c.launcher.poll):
+            await self.on_exit(info)
+        for job in list(self.c.jobs.values()):
+            await self.watch_services(job)
+            await self.c.recovery.check_deadlines(job)
+
+    async def on_exit(self, info: ExitInfo) -> None:
+        job_id, member_id = split_lid(info.member_id)
+        job = self.c.jobs.get(job_id)
+        if job is None or member_id not in job.members:
+            return
+        m = job.members[member_id]
+        before_hello = m.state == "starting"
+        # A member of a replaced incarnation (e.g. the gang peer that died of the crash of its
+        # partner) is not a new fault.
+        expected = info.expected or not job.is_current(member_id) or m.state in ("dead", "stopped") or job.done
+        if m.state != "stopped":
+            m.state = "exited"
+        await self.c.event(job, "member_exited", {
+            "member_id": member_id, "role": info.role, "returncode": info.returncode, "expected": expected,
+            "exited_at": info.exited_at, "before_hello": before_hello})
+        if not expected:
+            await self._crashed(job, m, info, before_hello)
+        # Handled here: the detector forgets the member instead of reporting it once more.
+        await self.c.bus.publish(subject(job.job_id, Verb.EXIT, member_id), MemberExited(
+            job_id=job.job_id, member_id=member_id, role=info.role,  # type: ignore[arg-type]
+            returncode=info.returncode, ts=info.exited_at, expected=True))
+        await self.c.persist(job)
+
+    async def _crashed(self, job: JobRun, m: MemberInfo, info: ExitInfo, before_hello: bool) -> None:
+        code = "unknown code" if info.returncode is None else f"code {info.returncode}"
+        evidence = f"process exited with {code} (seen by the launcher)"
+        slot = (m.role, m.index)
+        if before_hello:
+            job.startup_failures[slot] = job.startup_failures.get(slot, 0) + 1
+            tail = self.c.starter.log_tail(job, m.member_id)
+            evidence = f"{evidence} before its hello; last output:\n{tail}" if tail else f"{evidence} before its hello"
+        fault = exit_fault(job, m, info, evidence)
+        await self.c.event(job, "fault_detected", {
+            "fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role, "member_id": fault.member_id,
+            "step": fault.step, "detected_at": fault.detected_at, "fault_at": fault.fault_at,
+            "evidence": fault.evidence, "source": "controller"})
+        failures = job.startup_failures.get(slot, 0) if before_hello else 0
+        if failures >= STARTUP_FAILURES_MAX:
+            reason = (f"{m.role} slot {m.index} exited before its hello {failures} times in a row: "
+                      f"it cannot start. {evidence}")
+            async with self.c.recovery.lock:
+                job.faults.append({"fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role,
+                                   "member_id": fault.member_id, "step": job.step, "detected_at": fault.detected_at,
+                                   "fault_at": fault.fault_at, "detection_s": fault.detected_at - info.exited_at,
+                                   "evidence": evidence, "recovery_s": None,
+                                   "decision": {"actions": ["FailJob"], "reason": reason}})
+                await self.c.event(job, "decision", {"fault_id": fault.fault_id, "actions": ["FailJob"],
+                                                     "reason": reason})
+            await self.c.stop_job(job.job_id, "failed", reason)
+            return
+        await self.c.recovery.handle(fault)
+
+    async def watch_services(self, job: JobRun) -> None:
+        """A watched control-plane service silent past ``silence_s`` is lost: a fault of its own
+        (the detector may be down too, so the controller does not wait for it)."""
+        if job.done or job.status == "pending":
+            return
+        now = time.time()
+        for role in WATCHED_SERVICES:
+            seen = job.service_seen_at.get(role)
+            if seen is None or role in job.services_lost:
+                continue
+            if any(role in r.replacing for r in job.recoveries):
+                continue
+            silent = now - seen
+            if silent <= job.spec.detector.silence_s:
+                continue
+            job.services_lost.add(role)
+            fault = FaultReport(job_id=job.job_id, fault_id=f"silent-{role}-{uuid.uuid4().hex[:8]}",
+                                role=role, member_id=role, kind="unresponsive",  # type: ignore[arg-type]
+                                evidence=f"no metrics from the {role} for {silent:.1f}s "
+                                         f"(silence_s={job.spec.detector.silence_s:g})",
+                                detected_at=now, step=job.step, fault_at=seen)
+            await self.c.event(job, "fault_detected", {
+                "fault_id": fault.fault_id, "kind": fault.kind, "role": role, "member_id": role,
+                "step": fault.step, "detected_at": now, "fault_at": seen, "evidence": fault.evidence,
+                "source": "controller"})
+            await self.c.recovery.handle(fault)

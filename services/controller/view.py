@@ -1,0 +1,25 @@
+"""The adapter that feeds the pure ``decide``: a :class:`JobView` snapshot of a running job."""
+
+from __future__ import annotations
+
+from robustrl.services.controller import decide as decide_mod
+from robustrl.services.controller.jobs import JobRun
+
+
+def job_view(job: JobRun) -> decide_mod.JobView:
+    """Snapshot ``job`` as ``decide`` sees it.
+
+    ``live_members`` holds the current incarnation's trainers and replicas (a fault about an
+    older one is stale); control-plane services are singletons whose liveness is tracked apart,
+    from their own signs of life (metrics, acknowledged commands) and silences, in
+    ``control_plane_lost``.
+    """
+    live = {m.member_id for m in job.current_trainers() + job.current_replicas() if job.is_current(m.member_id)}
+    return decide_mod.JobView(
+        job_id=job.job_id, step=job.step, committed_step=job.committed_step, durable_step=job.durable_step,
+        recovering=tuple(decide_mod.RecoveryView(role="job" if r.kind == "whole_job" else r.role, step=r.step,
+                                                 started_at=r.started_at, member_ids=frozenset(r.replacing),
+                                                 fault_id=r.fault_id) for r in job.recoveries),
+        faults_per_step=dict(job.failures_by_step), restarts_total=job.restarts_total,
+        control_plane_lost=frozenset(job.services_lost), live_members=frozenset(live),
+        rollout_replicas=job.spec.rollout.replicas)

@@ -1,0 +1,318 @@
+"""The controller runtime against real servers and real member processes, fed real messages.
+
+Members are stand-in processes (``idle_member``: they run until signalled) so that each test
+takes seconds, and a stand-in request manager answers control commands and publishes metrics
+while it is "alive". What is checked comes from outside the controller: the JetStream event log,
+the processes themselves (pids, /proc), and Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from support import eventually_async
+
+from robustrl.bus import Bus
+from robustrl.config import JobSpec, Settings
+from robustrl.infra.embedded import EmbeddedInfra
+from robustrl.launcher.local import LocalLauncher
+from robustrl.messages import ControlCommand, MemberHello, MetricsSample, StepCommitted
+from robustrl.services.controller import launching
+from robustrl.services.controller.runtime import Controller
+from robustrl.services.controller.view import job_view
+from robustrl.storage.redis_stores import Keys, connect
+from robustrl.subjects import Verb, all_jobs_exact, subject
+
+pytestmark = pytest.mark.timeout(120)
+TESTS = Path(__file__).resolve().parent
+LEASE_TTL_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def cp_infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """Servers of this module's own: the controllers here hold the one lease and registry."""
+    embedded = EmbeddedInfra(tmp_path_factory.mktemp("cp-infra"))
+    try:
+        yield embedded.start()
+    finally:
+        embedded.stop()
+
+
+@pytest.fixture(autouse=True)
+def idle_members(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launching, "TRAINER_MODULE", "idle_member")
+    monkeypatch.setattr(launching, "ROLLOUT_MODULE", "idle_member")
+
+
+class StandInRM:
+    """Answers the controller's request-manager commands and sends RM metrics while ``alive``."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.alive = True
+        self.commands: list[ControlCommand] = []
+        self.jobs: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.bus.subscribe(all_jobs_exact(Verb.CONTROL, "request_manager"), ControlCommand, self._on_control)
+        self._task = asyncio.create_task(self._metrics())
+
+    async def _on_control(self, msg: ControlCommand, _s: str, reply: str | None) -> None:
+        if not self.alive:
+            return
+        self.commands.append(msg)
+        self.jobs.add(msg.job_id)
+        await self.bus.respond(reply, msg)
+
+    async def _metrics(self) -> None:
+        seq = 0
+        while True:
+            await asyncio.sleep(0.1)
+            for job_id in list(self.jobs) if self.alive else []:
+                seq += 1
+                await self.bus.publish(subject(job_id, Verb.METRICS, "request_manager"), MetricsSample(
+                    job_id=job_id, member_id="request_manager", role="request_manager", seq=seq, ts=time.time(),
+                    phase="generating"))
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+
+class Rig:
+    """Controllers, a stand-in RM and a bus for the test's own messages, torn down in order."""
+
+    def __init__(self, settings: Settings, log_dir: Path) -> None:
+        self.settings = settings
+        self.log_dir = log_dir
+        self.controllers: list[Controller] = []
+        self.buses: list[Bus] = []
+        self.redis = connect(settings.redis_url)
+        self.rm: StandInRM | None = None
+        self.bus: Bus | None = None
+
+    async def start(self) -> None:
+        self.bus = await self.connect("test")
+        self.rm = StandInRM(await self.connect("stand-in-rm"))
+        await self.rm.start()
+        await self.redis.delete(Keys.controller_lease(), Keys.jobs())
+
+    async def connect(self, name: str, role: str | None = None) -> Bus:
+        bus = await Bus.connect(self.settings.nats_url, name, role=role)
+        self.buses.append(bus)
+        return bus
+
+    async def controller(self) -> Controller:
+        launcher = LocalLauncher(self.log_dir, base_env={**os.environ, "PYTHONPATH": str(TESTS)})
+        c = Controller(await self.connect("controller", "controller"), self.redis, launcher, self.settings,
+                       lease_ttl_s=LEASE_TTL_S)
+        await c.start()
+        self.controllers.append(c)
+        return c
+
+    async def hello_all(self, c: Controller, job_id: str) -> None:
+        assert self.bus
+        job = c.get(job_id)
+        for m in list(job.members.values()):
+            if m.state == "starting":
+                await self.bus.publish(subject(job_id, Verb.HELLO, m.member_id), MemberHello(
+                    job_id=job_id, member_id=m.member_id, role=m.role, pid=m.pid or 1, epoch=m.epoch))  # type: ignore[arg-type]
+        await eventually_async(lambda: all(m.state != "starting" for m in job.live()), what="members said hello")
+
+    async def commit(self, job_id: str, step: int, epoch: int = 1) -> None:
+        assert self.bus
+        await self.bus.publish(subject(job_id, Verb.COMMIT), StepCommitted(
+            job_id=job_id, step=step, weights_version=step + 1, epoch=epoch, reward_mean=0.5, checksum="x",
+            durable_step=step))
+
+    async def events(self, job_id: str) -> list[object]:
+        assert self.bus
+        return list(await self.bus.read_events(job_id))
+
+    async def close(self) -> None:
+        for c in self.controllers:
+            with contextlib.suppress(Exception):
+                await c.close(stop_members=True)
+        if self.rm:
+            await self.rm.close()
+        for b in self.buses:
+            with contextlib.suppress(Exception):
+                await b.close()
+        await self.redis.aclose()
+
+
+@pytest.fixture
+async def rig(cp_infra: Settings, tmp_path: Path) -> AsyncIterator[Rig]:
+    r = Rig(cp_infra, tmp_path / "logs")
+    await r.start()
+    try:
+        yield r
+    finally:
+        await r.close()
+
+
+def spec(name: str, steps: int = 5, silence_s: float = 1.0) -> JobSpec:
+    return JobSpec.parse({"name": name, "steps": steps, "rollout": {"replicas": 2},
+                          "detector": {"trainer_idle_s": 4.0, "rollout_idle_s": 2.0, "silence_s": silence_s,
+                                       "probe_timeout_s": 1.0, "metrics_interval_s": 0.25}})
+
+
+def of_kind(events: list[object], kind: str) -> list[dict[str, object]]:
+    return [e.data for e in events if e.kind == kind]  # type: ignore[attr-defined]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_view_of_the_real_runtime_sees_a_lost_request_manager_and_resumes_it(rig: Rig) -> None:
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cpview"))
+    await rig.hello_all(c, job.job_id)
+    view = job_view(job)
+    # trainers and replicas only: the request manager is not an incarnation member
+    assert view.live_members == {"trainer-e1-r0", "trainer-e1-r1", "rollout-0-i0", "rollout-1-i0"}
+    assert view.control_plane_ok
+    pids = {m.member_id: m.pid for m in job.members.values()}
+
+    assert rig.rm
+    rig.rm.alive = False  # silent and deaf, as if killed
+    await eventually_async(lambda: "request_manager" in job_view(job).control_plane_lost, timeout=10,
+                           what="controller saw the request manager lost")
+    events = await eventually_async(
+        lambda: _with_decision(rig, job.job_id, "ResumeService"), timeout=10, what="ResumeService decided")
+    fault = [f for f in of_kind(events, "fault_detected") if f["role"] == "request_manager"][0]
+    assert fault["fault_at"] is not None and fault["detected_at"] > fault["fault_at"]
+
+    rig.rm.alive = True  # restarted by its supervisor: it acknowledges the resume
+    await eventually_async(lambda: not job.recoveries and job_view(job).control_plane_ok, timeout=10,
+                           what="request manager resumed")
+    events = await rig.events(job.job_id)
+    recovered = of_kind(events, "recovered")
+    assert [r["kind"] for r in recovered] == ["service"]
+    # no member restarted, and every member process is the one started first
+    assert len(of_kind(events, "member_started")) == 4
+    assert {m.member_id: m.pid for m in job.members.values()} == pids
+    assert all(alive(p) for p in pids.values() if p)
+
+
+async def _with_decision(rig: Rig, job_id: str, action: str) -> list[object] | None:
+    events = await rig.events(job_id)
+    return events if any(d["actions"] == [action] for d in of_kind(events, "decision")) else None
+
+
+async def test_restarted_controller_adopts_running_members_and_restarts_none(rig: Rig) -> None:
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec("cpadopt"))
+    await rig.hello_all(a, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    pids = {m.member_id: m.pid for m in job.members.values()}
+    await a.close(stop_members=False)  # the controller goes; its members stay
+
+    # A commit while no controller listens: the next one catches up from the event log.
+    assert rig.bus
+    await rig.bus.emit_event(job.job_id, "step_committed", {"step": 1, "epoch": 1, "weights_version": 2,
+                                                            "checksum": "y", "durable_step": 1})
+    b = await rig.controller()
+    await b.wait_leading(10)
+    restored = b.get(job.job_id)
+    assert restored.committed_step == 1 and restored.durable_step == 1
+    assert {m.member_id: m.pid for m in restored.members.values()} == pids
+    assert sorted(b.launcher.running()) == sorted(launching.lid(job.job_id, m) for m in pids)  # type: ignore[attr-defined]
+    assert all(m.adopted for m in restored.members.values())
+
+    # An adopted member that dies is seen by the new controller's launcher (not its child).
+    victim = "rollout-1-i0"
+    os.killpg(pids[victim], signal.SIGKILL)  # type: ignore[arg-type]
+    events = await eventually_async(lambda: _with_decision_for(rig, job.job_id, f"exit-{victim}"), timeout=15,
+                                    what="crash of an adopted member handled")
+    started = [d["member_id"] for d in of_kind(events, "member_started")]
+    assert started[4:] == ["rollout-1-i1"], started  # only the replacement; no healthy member restarted
+    assert all(alive(p) for m, p in pids.items() if m != victim and p)
+    fault = [f for f in of_kind(events, "fault_detected") if f["fault_id"] == f"exit-{victim}"][0]
+    assert fault["detected_at"] - fault["fault_at"] < 1.0
+
+
+async def _with_decision_for(rig: Rig, job_id: str, fault_id: str) -> list[object] | None:
+    events = await rig.events(job_id)
+    return events if any(d["fault_id"] == fault_id for d in of_kind(events, "decision")) else None
+
+
+async def test_two_controllers_only_the_lease_holder_acts_and_the_standby_takes_over(rig: Rig) -> None:
+    a, b = await rig.controller(), await rig.controller()
+    await eventually_async(lambda: a.leading or b.leading, timeout=10, what="a leader")
+    await asyncio.sleep(LEASE_TTL_S)  # a full lease period: the standby must still not lead
+    assert a.leading != b.leading
+    leader, standby = (a, b) if a.leading else (b, a)
+    job = await leader.submit(spec("cptwo"))
+    await rig.hello_all(leader, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    first = leader.lease.token
+
+    victim = job.members["rollout-0-i0"]
+    os.killpg(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    await eventually_async(lambda: _with_decision_for(rig, job.job_id, "exit-rollout-0-i0"), timeout=10,
+                           what="decision")
+    t0 = time.monotonic()
+    await leader.close(stop_members=False)
+    await standby.wait_leading(LEASE_TTL_S + 2.0)
+    took = time.monotonic() - t0
+    assert took <= LEASE_TTL_S + 2.0
+    assert standby.lease.token > first
+    taken = standby.get(job.job_id)
+    victim2 = next(m for m in taken.current_replicas() if m.index == 1)
+    os.killpg(victim2.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    events = await eventually_async(lambda: _with_decision_for(rig, job.job_id, f"exit-{victim2.member_id}"),
+                                    timeout=10, what="decision by the new leader")
+    decisions = of_kind(events, "decision")
+    # one decision per fault, each by the leader of its time (its fencing token)
+    by_fault: dict[object, list[object]] = {}
+    for d in decisions:
+        by_fault.setdefault(d["fault_id"], []).append(d["fence"])
+    assert by_fault["exit-rollout-0-i0"] == [first]
+    assert by_fault[f"exit-{victim2.member_id}"] == [standby.lease.token]
+
+
+async def test_member_that_cannot_start_fails_the_job_fast_with_its_stderr(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launching, "ROLLOUT_MODULE", "broken_member")
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cpbroken"))
+    await eventually_async(lambda: job.status == "failed", timeout=60, what="job failed")
+    assert "No module named 'transformers'" in (job.error or "")
+    assert "before its hello 3 times" in (job.error or "")
+    assert job.restarts_total <= 2
+    events = await rig.events(job.job_id)
+    failed = of_kind(events, "job_failed")
+    assert failed and "No module named 'transformers'" in str(failed[0]["reason"])
+    assert any("No module named 'transformers'" in str(f["evidence"]) for f in job.faults)
+
+
+async def test_finished_status_only_once_job_finished_is_in_the_log_and_ettr_is_set(rig: Rig) -> None:
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cpfinish", steps=2))
+    await rig.hello_all(c, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await rig.commit(job.job_id, 1)
+    await eventually_async(lambda: job.status == "finished", timeout=30, what="finished")
+    events = await rig.events(job.job_id)  # read at once: the final event must already be there
+    assert of_kind(events, "job_finished")
+    assert job.ettr is not None
