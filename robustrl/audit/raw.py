@@ -236,6 +236,30 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
     return out
 
 
+async def observe_batch(redis_url: str, job_id: str, step: int) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """(batch, episodes, prefixes) of ``step`` read raw right now (the campaign samples each batch
+    at hand-off, so the audit can still judge steps whose keys were collected later)."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    r = aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    try:
+        batch = _json(await r.get(Keys.batch(job_id, step)))
+        ids = [str(e) for e in batch.get("episode_ids", [])] if isinstance(batch, dict) else []
+        eps: dict[str, Any] = {}
+        pre: dict[str, Any] = {}
+        if ids:
+            raws = await r.mget([Keys.episode(job_id, e) for e in ids])
+            eps = {e: _json(v) for e, v in zip(ids, raws, strict=True) if v is not None}
+            raws = await r.mget([Keys.prefix(job_id, e) for e in ids])
+            pre = {e: _json(v) for e, v in zip(ids, raws, strict=True) if v is not None}
+        return batch, eps, pre
+    except RedisError as exc:
+        raise TransportError(f"auditor: redis read failed: {exc}") from exc
+    finally:
+        await r.aclose()
+
+
 async def redis_job_bytes(redis_url: str, job_id: str) -> tuple[int, int]:
     """(key count, bytes) of the job's keys right now (MEMORY USAGE summed over SCAN)."""
     import redis.asyncio as aioredis

@@ -1,0 +1,323 @@
+"""The randomized fault campaign (``robustrl chaos campaign``, ``bench/campaign.py``).
+
+One seeded long job per mode, faults drawn by :mod:`robustrl.chaos.campaign_plan` and fired by
+:class:`CampaignDriver` at their triggers (random moments, phases, batch hand-off, recovery).
+While the job runs, each batch is read raw from Redis at hand-off (so the audit can judge steps
+whose keys are collected later) and the job's Redis size is sampled after warm-up. At the end the
+independent auditor runs on the raw stores, and the report counts what was lost, from there and
+from the event log alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from robustrl.audit import AuditOptions, ObservedStep, audit
+from robustrl.audit.raw import RawEvent, observe_batch, read_event_log, redis_job_bytes
+from robustrl.bus import Bus
+from robustrl.chaos.accounting import account
+from robustrl.chaos.campaign_plan import CampaignFault, draw
+from robustrl.chaos.harness import Harness, LocalFaults, is_local
+from robustrl.chaos.scenario import PlannedFault
+from robustrl.client import ApiClient
+from robustrl.config import Settings
+from robustrl.errors import RequestTimeout
+from robustrl.messages import ChaosAck, ChaosRequest, Event, PhaseChange
+from robustrl.subjects import Verb, events_of, subject, wildcard
+
+log = logging.getLogger(__name__)
+
+MODES = ("sync", "semi_sync", "async")
+STALENESS = {"sync": 0, "semi_sync": 1, "async": 2}
+ACK_TIMEOUT_S = 5.0
+"""How long the controller has to acknowledge one injection."""
+RETARGET_S = 15.0
+"""How long an injection is retried while its target is down (being replaced)."""
+TRIGGER_WAIT_S = 20.0
+"""How long a phase / hand-off / recovery trigger is awaited before the fault fires anyway."""
+POLL_S = 0.25
+TERMINAL = ("finished", "failed", "stopped")
+
+
+def campaign_spec(mode: str, steps: int, seed: int) -> dict[str, Any]:
+    """The campaign's job: the reference model with a short step (few, short episodes, fast tools)
+    and no cap on restarts (dozens of faults are the point)."""
+    return {"name": f"campaign-{mode.replace('_', '-')}", "steps": steps, "seed": seed, "mode": mode,
+            "staleness": STALENESS[mode],
+            "data": {"prompts_per_step": 2, "group_size": 2},
+            "rollout": {"replicas": 2, "max_new_tokens": 8, "max_turns": 2},
+            "tools": {"latency_s": 0.05, "timeout_s": 2.0},
+            "recovery": {"max_restarts": 1000, "warm_spares": 1}}
+
+
+@dataclass
+class Injection:
+    fault: CampaignFault
+    fired: str
+    """The trigger that actually fired (``fallback:<trigger>`` when it never came)."""
+    member_id: str | None
+    ok: bool
+    error: str | None
+    ts: float
+
+
+@dataclass
+class CampaignDriver:
+    """Follows one job on NATS and fires each planned fault at its trigger, one after another."""
+
+    bus: Bus
+    settings: Settings
+    job_id: str
+    faults: list[CampaignFault]
+    local: LocalFaults | None = None
+    """The stack that owns control-plane and infra processes (their faults go through it)."""
+    warmup_step: int = 2
+    step: int = -1
+    committed: int = -1
+    phases: dict[str, tuple[str, str, int]] = field(default_factory=dict)
+    open_recoveries: set[str] = field(default_factory=set)
+    injections: list[Injection] = field(default_factory=list)
+    observed: dict[int, ObservedStep] = field(default_factory=dict)
+    redis_bytes_start: int | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _marks: list[tuple[str, str, int]] = field(default_factory=list)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def _on_event(self, ev: Event, _s: str, _r: str | None) -> None:
+        step = ev.data.get("step")
+        if ev.kind == "step_started" and isinstance(step, int):
+            self.step = max(self.step, step)
+        elif ev.kind == "step_committed" and isinstance(step, int):
+            self.committed = max(self.committed, step)
+            if step >= self.warmup_step and self.redis_bytes_start is None:
+                self.redis_bytes_start = -1  # claimed; filled by the task
+                self._spawn(self._sample_start())
+        elif ev.kind == "batch_ready" and isinstance(step, int):
+            self._marks.append(("batch_handoff", "", step))
+            self._spawn(self._observe(step))
+        elif ev.kind == "decision" and ev.data.get("actions") not in (None, ["Ignore"]):
+            self.open_recoveries.add(str(ev.data.get("fault_id")))
+            self._marks.append(("recovery", "", self.step))
+        elif ev.kind == "recovered":
+            self.open_recoveries.discard(str(ev.data.get("fault_id")))
+        self._changed.set()
+
+    async def _on_phase(self, msg: PhaseChange, _s: str, _r: str | None) -> None:
+        self.phases[msg.member_id] = (msg.role, msg.phase, msg.step)
+        self._marks.append((f"phase:{msg.phase}", msg.member_id, msg.step))
+        self._changed.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _observe(self, step: int) -> None:
+        try:
+            batch, eps, pre = await observe_batch(self.settings.redis_url, self.job_id, step)
+            self.observed[step] = ObservedStep(step, batch, eps, pre)
+        except Exception as exc:  # noqa: BLE001 - an observation is a bonus for the audit, never fatal
+            log.warning("campaign: could not observe batch %d: %s", step, exc)
+
+    async def _sample_start(self) -> None:
+        self.redis_bytes_start = (await redis_job_bytes(self.settings.redis_url, self.job_id))[1]
+
+    async def _until(self, pred: Any, timeout_s: float, stop: asyncio.Event) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not pred():
+            if stop.is_set() or time.monotonic() > deadline:
+                return False
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), POLL_S)
+            except TimeoutError:
+                pass
+        return True
+
+    def _mark_after(self, start: int, trigger: str, role: str) -> tuple[str, str, int] | None:
+        for mark in self._marks[start:]:
+            name, member, _step = mark
+            if name != trigger:
+                continue
+            if name.startswith("phase:") and self.phases.get(member, ("", "", 0))[0] != role:
+                continue
+            return mark
+        return None
+
+    async def run(self, stop: asyncio.Event) -> list[Injection]:
+        subs = [await self.bus.subscribe(events_of(self.job_id), Event, self._on_event),
+                await self.bus.subscribe(wildcard(self.job_id, Verb.PHASE), PhaseChange, self._on_phase)]
+        try:
+            for f in sorted(self.faults, key=lambda f: (f.step, f.fault_id)):
+                if not await self._until(lambda f=f: self.step >= f.step, float("inf"), stop):
+                    break
+                fired, member = await self._await_trigger(f, stop)
+                if stop.is_set():
+                    break
+                await self._inject(f, fired, member)
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()
+            for task in list(self._tasks):
+                await asyncio.gather(task, return_exceptions=True)
+        return self.injections
+
+    async def _await_trigger(self, f: CampaignFault, stop: asyncio.Event) -> tuple[str, str | int]:
+        if f.trigger == "time":
+            started = time.monotonic()
+            await self._until(lambda: time.monotonic() - started >= f.delay_s, f.delay_s + 1, stop)
+            return "time", f.member
+        if f.trigger == "recovery" and self.open_recoveries:
+            await asyncio.sleep(f.delay_s)
+            return "recovery", f.member
+        start = len(self._marks)
+        got = await self._until(lambda: self._mark_after(start, f.trigger, f.role) is not None, TRIGGER_WAIT_S, stop)
+        if not got:
+            return f"fallback:{f.trigger}", f.member
+        mark = self._mark_after(start, f.trigger, f.role)
+        assert mark is not None
+        await asyncio.sleep(f.delay_s)
+        # A phase trigger hits the member that entered the phase.
+        return f.trigger, mark[1] if mark[1] and f.trigger.startswith("phase:") else f.member
+
+    async def _inject(self, f: CampaignFault, fired: str, member: str | int) -> None:
+        pf = PlannedFault(step=f.step, delay_s=f.delay_s, kind=f.kind, role=f.role, member_index=f.member,
+                          duration_s=f.duration_s, factor=f.factor, fault_id=f.fault_id)
+        if is_local(pf):
+            rec = await Harness(self.bus, self.job_id, [], local=self.local).inject_local(pf)
+            self.injections.append(Injection(f, fired, rec.get("member_id"), bool(rec["ok"]), rec.get("error"),
+                                             time.time()))
+            return
+        deadline = time.monotonic() + RETARGET_S
+        while True:
+            req = ChaosRequest(job_id=self.job_id, fault_id=f.fault_id, kind=f.kind, role=f.role,  # type: ignore[arg-type]
+                               member=member, duration_s=f.duration_s, factor=f.factor)
+            try:
+                ack = await self.bus.request(subject(self.job_id, Verb.CHAOS), req, ChaosAck, timeout=ACK_TIMEOUT_S)
+                ok, mid, err = ack.ok, ack.member_id, ack.error
+            except RequestTimeout as exc:
+                ok, mid, err = False, None, str(exc)
+            # The target may be down being replaced: retry on the same index for a while.
+            if ok or time.monotonic() > deadline or "not supported" in (err or ""):
+                break
+            member = f.member
+            await asyncio.sleep(0.5)
+        self.injections.append(Injection(f, fired, mid, ok, err, time.time()))
+        log.info("campaign: %s %s/%s on %s via %s: %s", f.fault_id, f.kind, f.role, mid, fired, "ok" if ok else err)
+
+
+def _events(raw: list[RawEvent], job_id: str) -> list[Event]:
+    out = []
+    for e in raw:
+        try:
+            out.append(Event.model_validate({"job_id": job_id, "kind": e.kind, "ts": e.ts, "data": e.data}))
+        except ValueError:  # pydantic's ValidationError: a kind this accounting does not know
+            continue
+    return out
+
+
+def _by_kind_role(injections: list[Injection], raw: list[RawEvent], faults: list[Any]) -> dict[str, Any]:
+    """Per kind/role: injected (acknowledged), detected, and recovered: a ``recovered`` event for
+    its detection, or, for a fault nothing had to repair (timed, or absorbed), a step committed
+    after it ended."""
+    commits = [e.ts for e in raw if e.kind == "step_committed"]
+    acct = {f.fault_id: f for f in faults if f.injected}
+    out: dict[str, dict[str, int]] = defaultdict(lambda: {"injected": 0, "detected": 0, "recovered": 0,
+                                                          "refused": 0})
+    for inj in injections:
+        row = out[f"{inj.fault.kind}/{inj.fault.role}"]
+        if not inj.ok:
+            row["refused"] += 1
+            continue
+        row["injected"] += 1
+        a = acct.get(inj.fault.fault_id)
+        if a is not None and a.detection_s is not None:
+            row["detected"] += 1
+        if (a is not None and a.recovery_s is not None) or any(t > inj.ts + inj.fault.duration_s for t in commits):
+            row["recovered"] += 1
+    return dict(sorted(out.items()))
+
+
+async def run_mode(settings: Settings, api: ApiClient, mode: str, steps: int, faults: int, seed: int, *,
+                   local: LocalFaults | None = None, exclude: tuple[str, ...] = (),
+                   timeout_s: float | None = None) -> dict[str, Any]:
+    """Run one campaign job in ``mode``; return its line of the campaign report."""
+    spec = campaign_spec(mode, steps, seed)
+    members = {"trainer": 2, "rollout": spec["rollout"]["replicas"], "request_manager": 1}
+    plan = draw(steps, faults, seed, members, exclude=exclude, name=f"c{seed}")
+    t0 = time.time()
+    job_id = (await asyncio.to_thread(api.submit, spec))["job_id"]
+    bus = await Bus.connect(settings.nats_url, "campaign")
+    stop = asyncio.Event()
+    driver = CampaignDriver(bus, settings, job_id, plan, local=local, warmup_step=max(2, steps // 10))
+    task = asyncio.create_task(driver.run(stop))
+    deadline = time.monotonic() + (timeout_s or 60.0 + steps * 6.0 + faults * 12.0)
+    status: dict[str, Any] = {}
+    try:
+        while True:
+            status = await asyncio.to_thread(api.job, job_id)
+            if status["status"] in TERMINAL or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(POLL_S * 4)
+        if status["status"] not in TERMINAL:
+            await asyncio.to_thread(api.stop, job_id)
+        stop.set()
+        injections = await task
+    finally:
+        stop.set()
+        await bus.close()
+    raw = await read_event_log(settings.nats_url, job_id)
+    report = account(_events(raw, job_id))
+    verdict = await audit(settings, job_id, AuditOptions(), driver.observed)
+    _keys, redis_end = await redis_job_bytes(settings.redis_url, job_id)
+    return {
+        "job_id": job_id, "status": status.get("status"), "error": status.get("error"),
+        "steps": steps, "steps_committed": verdict.facts.get("final_step", -1) + 1, "wall_s": round(time.time() - t0, 1),
+        "faults_planned": len(plan), "faults_injected": sum(1 for i in injections if i.ok),
+        "by_kind_role": _by_kind_role(injections, raw, report.faults),
+        "by_trigger": _count(i.fired for i in injections if i.ok),
+        "job_completed": status.get("status") == "finished", **verdict.counters(),
+        "max_stuck_s": verdict.facts.get("max_stuck_s"),
+        "redis_bytes_start": driver.redis_bytes_start, "redis_bytes_end": redis_end,
+        "ettr": round(report.ettr, 4), "audit_ok": verdict.ok, "violations": verdict.violations()[:30],
+        "audit_facts": verdict.facts,
+        "injections": [{"fault_id": i.fault.fault_id, "kind": i.fault.kind, "role": i.fault.role, "fired": i.fired,
+                        "member_id": i.member_id, "ok": i.ok, "error": i.error} for i in injections],
+    }
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for x in items:
+        out[x] += 1
+    return dict(sorted(out.items()))
+
+
+async def run_campaign(settings: Settings, api: ApiClient, *, modes: tuple[str, ...] = MODES, steps: int = 100,
+                       faults: int = 50, seed: int = 0, local: LocalFaults | None = None,
+                       exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The campaign report: ``{"modes": {mode: {...}}, "config": {...}}``."""
+    out: dict[str, Any] = {"config": {"steps": steps, "faults": faults, "seed": seed, "modes": list(modes),
+                                      "exclude": list(exclude)}, "modes": {}}
+    for mode in modes:
+        out["modes"][mode] = await run_mode(settings, api, mode, steps, faults, seed, local=local,
+                                             exclude=exclude)
+    return out
+
+
+def run_on_fresh_stack(run_dir: Any, **kwargs: Any) -> dict[str, Any]:
+    """Start an embedded stack under ``run_dir``, run the campaign on it, stop it."""
+    from robustrl.stack import Stack
+
+    with Stack(run_dir) as stack:
+        assert stack.settings is not None
+        api = ApiClient(stack.api_url, stack.settings.api_token)
+        try:
+            return asyncio.run(run_campaign(stack.settings, api, local=stack, **kwargs))
+        finally:
+            api.close()
