@@ -18,7 +18,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 from tenacity import (
     AsyncRetrying,
     before_sleep_log,
@@ -29,7 +29,7 @@ from tenacity import (
 
 from robustrl import subjects
 from robustrl.errors import MessageError, RequestTimeout, TransportError
-from robustrl.messages import Event, Wire, decode
+from robustrl.messages import Event, EventLog, Wire, decode, decode_event
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ RECONNECT_WAIT_S = 0.2
 REQUEST_TIMEOUT_S = 2.0
 DRAIN_TIMEOUT_S = 2.0
 EVENT_READ_TIMEOUT_S = 5.0
+EVENT_FETCH_TIMEOUT_S = 1.0
+"""One fetch while reading the event log; an empty fetch ends the read."""
 EVENT_PUBLISH_RETRY_S = 30.0
 """How long an event is retried while JetStream is away (server restart, leader change)."""
 RETRY_WAIT_INITIAL_S = 0.1
@@ -57,9 +59,10 @@ ack never stores an event twice."""
 class Bus:
     """One NATS connection for one service or member."""
 
-    def __init__(self, nc: NatsClient, name: str) -> None:
+    def __init__(self, nc: NatsClient, name: str, role: str | None = None) -> None:
         self._nc = nc
         self.name = name
+        self.role = role  # the principal whose credentials it holds: the event kinds it may write
         self.dropped = 0
         self.handler_errors = 0
         self._js = nc.jetstream()
@@ -69,7 +72,8 @@ class Bus:
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout: float = CONNECT_TIMEOUT_S,
-                      reconnect: bool = True, connect_retry_s: float | None = None) -> Bus:
+                      reconnect: bool = True, connect_retry_s: float | None = None,
+                      role: str | None = None) -> Bus:
         """Connect with automatic reconnect (never giving up); raise TransportError naming the URL
         if the server cannot be reached within ``connect_retry_s`` (default ``CONNECT_RETRY_S``
         with ``reconnect``, one attempt without).
@@ -80,7 +84,9 @@ class Bus:
         bus: Bus | None = None
 
         async def _err(exc: Exception) -> None:
-            log.debug("nats %s: %s", name, exc)
+            # A permissions violation means the role's NATS user lacks a subject it uses: loud.
+            level = logging.WARNING if "permission" in str(exc).lower() else logging.DEBUG
+            log.log(level, "nats %s: %s", name, exc)
 
         async def _down() -> None:
             if bus is not None:
@@ -106,7 +112,7 @@ class Bus:
                         reconnected_cb=_up)
         except Exception as exc:  # nats raises several unrelated types here
             raise TransportError(f"cannot connect to NATS at {_redact(url)}: {exc}", url=_redact(url)) from exc
-        bus = cls(nc, name)
+        bus = cls(nc, name, role)
         return bus
 
     @property
@@ -147,7 +153,7 @@ class Bus:
         """Request/reply; raise RequestTimeout saying how long it waited."""
         try:
             raw = await self._nc.request(subject, msg.encode(), timeout=timeout)
-        except (NatsTimeout, asyncio.TimeoutError, NoRespondersError) as exc:
+        except (TimeoutError, NatsTimeout, NoRespondersError) as exc:
             raise RequestTimeout(f"no reply on {subject} within {timeout:.1f}s", subject=subject) from exc
         return decode(reply_model, raw.data, subject)
 
@@ -191,35 +197,41 @@ class Bus:
         """Append one event to the job's log (acknowledged by JetStream, retried through an outage)."""
         event = Event(job_id=job_id, kind=kind, data=data or {}, **({"ts": ts} if ts is not None else {}))
         try:
-            await self.publish_durable(subjects.events(job_id, kind), event.encode())
+            # events() refuses a kind this bus's role does not own (SubjectError, raised).
+            await self.publish_durable(subjects.events(job_id, kind, self.role), event.encode())
         except TransportError as exc:
             # The service that emits must not die because JetStream stayed away past the retry budget.
             log.warning("%s: event %s for %s not stored: %s", self.name, kind, job_id, exc)
         return event
 
-    async def read_events(self, job_id: str, timeout: float = EVENT_READ_TIMEOUT_S) -> list[Event]:
-        """Every event of a job, in log order."""
+    async def read_events(self, job_id: str, timeout: float = EVENT_READ_TIMEOUT_S) -> EventLog:
+        """Every event of a job, in log order. An envelope that cannot be parsed, or whose subject
+        names a role that does not own its kind, is skipped and counted in ``EventLog.skipped``."""
         try:
             info = await self._js.stream_info(subjects.EVENTS_STREAM)
         except Exception as exc:
             raise TransportError(f"event stream unavailable: {exc}") from exc
         if info.state.messages == 0:
-            return []
+            return EventLog()
+        # No acks: a read-only pass over the log (garbage in the log must not cost one ack each).
         sub = await self._js.pull_subscribe(subjects.events_of(job_id), durable=None,
-                                            stream=subjects.EVENTS_STREAM)
-        events: list[Event] = []
+                                            stream=subjects.EVENTS_STREAM,
+                                            config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+        events = EventLog()
         try:
+            # To the end of the log, however long: each message says how many are still pending
+            # after it. ``timeout`` bounds one fetch (no message at all within it: nothing left).
             deadline = asyncio.get_running_loop().time() + timeout
             while True:
                 try:
                     batch = await sub.fetch(512, timeout=0.3)
-                except (NatsTimeout, asyncio.TimeoutError):
+                except (TimeoutError, NatsTimeout):
                     break
                 for raw in batch:
-                    await raw.ack()
                     try:
-                        events.append(decode(Event, raw.data, raw.subject))
+                        events.append(decode_event(raw.data, raw.subject))
                     except MessageError as exc:
+                        events.skipped += 1
                         log.warning("skipping bad event: %s", exc)
                 if asyncio.get_running_loop().time() > deadline:
                     break

@@ -100,7 +100,7 @@ class Member:
 
     async def start(self) -> JobSpec:
         """Connect, find the job through NATS (ask the controller for the spec), say hello."""
-        self.bus = await Bus.connect(self.settings.nats_url, self.ident.member_id)
+        self.bus = await Bus.connect(self.settings.nats_url, self.ident.member_id, role=self.ident.role)
         # Optional (ROBUSTRL_HEALTH_PORT): what a container health check asks.
         self._health = await serve_health(
             f"{self.ident.role}/{self.ident.member_id}",

@@ -8,13 +8,15 @@ Encoding and decoding never await.
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from robustrl.errors import MessageError
-from robustrl.subjects import _TOKEN
+from robustrl.errors import MessageError, SubjectError
+from robustrl.subjects import _TOKEN, parse_event_subject
 
 Role = Literal["trainer", "rollout", "request_manager", "controller", "detector"]
 TrainerPhase = Literal["starting", "idle", "waiting_batch", "training", "checkpointing", "publishing"]
@@ -42,12 +44,70 @@ class Wire(BaseModel):
 M = TypeVar("M", bound=Wire)
 
 
-def decode(model: type[M], data: bytes, subject: str = "?") -> M:
-    """Parse bytes into ``model``; raise MessageError naming the subject and bad field."""
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+"""Largest payload decoded (the compose NATS ``max_payload``); bigger ones are refused unparsed."""
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays/objects decoded; the messages themselves need fewer than 8 levels."""
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_PAIRS = (b"[]", b"{}")
+
+
+def json_too_deep(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``data`` nests arrays/objects deeper than ``max_depth`` (or has unbalanced brackets).
+
+    Checked before parsing, at C speed: strings are cut out, everything but brackets deleted, and
+    innermost ``[]``/``{}`` pairs removed once per level; anything left after ``max_depth`` rounds
+    is too deep (or not JSON at all, which the parser would refuse anyway).
+    """
+    if data.count(b"[") + data.count(b"{") <= max_depth:
+        return False
+    rest = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    for _ in range(max_depth):
+        if not rest:
+            return False
+        shorter = rest.replace(_PAIRS[0], b"").replace(_PAIRS[1], b"")
+        if len(shorter) == len(rest):
+            return True
+        rest = shorter
+    return bool(rest)
+
+
+def loads_bounded(data: bytes | str, *, max_bytes: int = MAX_MESSAGE_BYTES,
+                  max_depth: int = MAX_JSON_DEPTH, what: str = "payload") -> Any:
+    """``json.loads`` that refuses oversized or too deeply nested input before parsing it, and
+    non-finite numbers (``NaN``, ``Infinity``, ``1e999``) while parsing. Raises MessageError."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if len(raw) > max_bytes:
+        raise MessageError(f"{what} of {len(raw)} bytes exceeds the limit of {max_bytes} bytes",
+                           field="<root>")
+    if json_too_deep(raw, max_depth):
+        raise MessageError(f"{what} nests too deep (more than {max_depth} levels)", field="<root>")
     try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MessageError(f"not JSON on {subject}: {exc}", subject=subject) from exc
+        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise MessageError(f"{what} is not JSON: {exc}", field="<root>") from exc
+
+
+def _refuse_constant(name: str) -> float:
+    raise json.JSONDecodeError(f"non-finite number {name}", name, 0)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise json.JSONDecodeError(f"non-finite number {text[:40]}", text, 0)
+    return value
+
+
+def decode(model: type[M], data: bytes, subject: str = "?") -> M:
+    """Parse bytes into ``model``; raise MessageError naming the subject and bad field.
+
+    Size and nesting are checked before parsing (``loads_bounded``), so garbage cannot blow the
+    parser's stack or memory.
+    """
+    raw = loads_bounded(data, what=f"message on {subject[:200]}")
     if not isinstance(raw, dict):
         raise MessageError(f"expected a JSON object on {subject}", subject=subject)
     try:
@@ -58,6 +118,8 @@ def decode(model: type[M], data: bytes, subject: str = "?") -> M:
         raise MessageError(
             f"bad {model.__name__} on {subject}: {field}: {err['msg']}", subject=subject, field=field
         ) from exc
+    except RecursionError as exc:  # belt and braces: validators of nested Any data
+        raise MessageError(f"bad {model.__name__} on {subject}: too deep", subject=subject) from exc
 
 
 def now() -> float:
@@ -130,6 +192,7 @@ class MetricsSample(Wire):
     tool_waiting: int = Field(0, ge=0)
     weights_version: int = -1
     rss_bytes: int = Field(0, ge=0)
+    episodes_outstanding: int = Field(0, ge=0)  # request manager: episodes of the step not finished
 
 
 class ProbeRequest(Wire):
@@ -268,14 +331,123 @@ EventKind = Literal[
     "step_started", "step_committed", "batch_ready", "weights_published", "weights_loaded",
     "weights_rejected",
     "episode_redispatched", "tool_fault", "work_lost", "note",
+    "turn_regenerated", "turn_dropped", "deadline_passed", "rm_resumed",
 ]
 
 
+class EventData(BaseModel):
+    """Base of an event's ``data``: the fields readers rely on are typed, others pass through."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+
+
+class StepData(EventData):
+    step: int
+    epoch: int = 0
+
+
+class StepCommittedData(StepData):
+    weights_version: int
+
+
+class FaultData(EventData):
+    fault_id: str
+    kind: str
+    role: str
+    member_id: str = ""
+    step: int = -1
+    duration_s: float = 0.0
+
+
+class FaultRefData(EventData):
+    fault_id: str | None = None
+
+
+class DecisionData(FaultRefData):
+    actions: list[str] = Field(default_factory=list)
+    reason: str = ""
+
+
+class RecoveredData(FaultRefData):
+    role: str = ""
+
+
+class WorkLostData(FaultRefData):
+    tokens: int = Field(0, ge=0)
+    steps_redone: int = Field(0, ge=0)
+
+
+class MemberData(EventData):
+    member_id: str = ""
+    role: str = ""
+    epoch: int = 0
+
+
+EVENT_DATA: dict[str, type[EventData]] = {
+    "step_started": StepData, "step_committed": StepCommittedData,
+    "fault_injected": FaultData, "fault_detected": FaultData, "decision": DecisionData,
+    "action": FaultRefData, "recovered": RecoveredData, "work_lost": WorkLostData,
+    "member_started": MemberData, "member_ready": MemberData, "member_exited": MemberData,
+}
+"""Typed ``data`` of the event kinds that accounting, the report and the dashboard read; other
+kinds carry any JSON object. Checked where an event is written and again where it is read."""
+
+
 class Event(Wire):
+    """One entry of a job's event log (JetStream ``RRL_EVENTS``, subject ``rrl.events.<job>.<role>.<kind>``)."""
+
     job_id: str = _ID
     kind: EventKind
-    ts: float = Field(default_factory=now)
+    ts: float = Field(default_factory=now, allow_inf_nan=False)
     data: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _data_fits_kind(self) -> Event:
+        schema = EVENT_DATA.get(self.kind)
+        if schema is not None:
+            try:
+                schema.model_validate(self.data)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                field = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"data.{field} of a {self.kind} event: {err['msg']}") from None
+        return self
+
+
+class EventLog(list[Event]):
+    """Events read from the log, in log order; ``skipped`` counts envelopes that could not be
+    parsed (bad JSON, too deep, wrong types, a kind written by a role that does not own it)."""
+
+    def __init__(self, events: list[Event] | None = None, skipped: int = 0) -> None:
+        super().__init__(events or [])
+        self.skipped = skipped
+
+
+def decode_event(data: bytes, subject: str) -> Event:
+    """Parse one event-log envelope and check it against its subject: the subject's job and kind
+    must match the envelope's, and the subject's role must own the kind. Raises MessageError."""
+    event = decode(Event, data, subject)
+    parts = subject.split(".")
+    try:
+        if len(parts) == 4:  # rrl.events.<job>.<kind>: logs written before roles were a level
+            job_id, kind = parts[2], parts[3]
+        else:
+            job_id, _role, kind = parse_event_subject(subject)
+    except SubjectError as exc:
+        raise MessageError(f"event on {subject[:200]}: {exc.message}", subject=subject, field="kind") from exc
+    if (job_id, kind) != (event.job_id, event.kind):
+        raise MessageError(f"event on {subject[:200]} carries job {event.job_id!r} kind {event.kind!r}",
+                           subject=subject, field="kind")
+    return event
+
+
+def usable_event(event: Event) -> bool:
+    """Whether an Event object (perhaps built without validation) passes validation now."""
+    try:
+        Event.model_validate({"job_id": event.job_id, "kind": event.kind, "ts": event.ts, "data": event.data})
+    except (ValidationError, TypeError, ValueError, AttributeError, RecursionError):
+        return False
+    return True
 
 
 class ChaosRequest(Wire):

@@ -26,6 +26,7 @@ from robustrl.config import Settings
 from robustrl.errors import LaunchError
 from robustrl.health import ENV_PORT
 from robustrl.infra import binaries
+from robustrl.infra.credentials import service_env
 from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.supervisor import (
     STOP_GRACE_S,
@@ -128,6 +129,9 @@ class Stack:
                 port = _free_port()
                 spec.env = {ENV_PORT: str(port)}
                 spec.health_url = f"http://127.0.0.1:{port}/healthz"
+            # Each service holds only its role's credentials (robustrl.infra.credentials).
+            assert self.settings is not None
+            spec.env.update(service_env(self.settings, name))
             specs.append(spec)
         return specs
 

@@ -69,9 +69,72 @@ def all_jobs_exact(verb: Verb, *tokens: str) -> str:
     return ".".join([ROOT, "*", Verb(verb).value, *(token(t) for t in tokens)])
 
 
-def events(job_id: str, kind: str) -> str:
-    """Event-log subject, captured by the JetStream stream ``EVENTS_STREAM``."""
-    return ".".join([ROOT, "events", token(job_id, "job_id"), token(kind, "event kind")])
+class Principal(str, Enum):
+    """Who holds bus credentials: the roles of a job plus the chaos harness (and CLI)."""
+
+    CONTROLLER = "controller"
+    DETECTOR = "detector"
+    REQUEST_MANAGER = "request_manager"
+    TRAINER = "trainer"
+    ROLLOUT = "rollout"
+    HARNESS = "harness"
+
+
+_C, _D, _RM, _T, _R, _H = (Principal.CONTROLLER, Principal.DETECTOR, Principal.REQUEST_MANAGER,
+                          Principal.TRAINER, Principal.ROLLOUT, Principal.HARNESS)
+
+EVENT_OWNERS: dict[str, frozenset[Principal]] = {
+    kind: frozenset(owners) for kind, owners in {
+        "job_submitted": (_C,), "job_started": (_C,), "job_finished": (_C,), "job_failed": (_C,),
+        "job_stopped": (_C,), "member_started": (_C,), "member_exited": (_C,), "member_stopped": (_C,),
+        "fault_injected": (_C, _H), "decision": (_C,), "action": (_C,), "recovered": (_C,), "note": (_C,),
+        "fault_detected": (_D, _C), "phase": (_D,),
+        "job_ready": (_RM,), "step_started": (_RM,), "batch_ready": (_RM,), "episode_redispatched": (_RM,),
+        "tool_fault": (_RM,), "turn_regenerated": (_RM,), "turn_dropped": (_RM,),
+        "deadline_passed": (_RM,), "rm_resumed": (_RM,),
+        "work_lost": (_RM, _C),
+        "member_ready": (_T, _R), "step_committed": (_T,), "weights_published": (_T,),
+        "weights_loaded": (_R,), "weights_rejected": (_R,),
+    }.items()
+}
+"""Which principals may write each event kind. The writer (``Bus.emit_event``) refuses a kind its
+role does not own, the NATS permissions (``robustrl.infra.credentials``) let a role publish only on
+its own kinds' subjects, and readers refuse an envelope whose subject names a non-owner."""
+
+
+def event_owner(kind: str, role: str | None = None) -> Principal:
+    """The principal that writes ``kind``: ``role`` if it owns the kind, the sole owner if ``role``
+    is None and there is only one. Raises SubjectError otherwise."""
+    owners = EVENT_OWNERS.get(kind)
+    if owners is None:
+        raise SubjectError(f"unknown event kind {kind!r}", field="kind")
+    if role is None:
+        if len(owners) == 1:
+            return next(iter(owners))
+        raise SubjectError(f"event kind {kind!r} has several owners; the writer must say which",
+                           field="role")
+    try:
+        principal = Principal(role)
+    except ValueError as exc:
+        raise SubjectError(f"unknown role {role!r}", field="role") from exc
+    if principal not in owners:
+        raise SubjectError(f"{principal.value} may not write {kind!r} events "
+                           f"(owners: {sorted(o.value for o in owners)})", field="kind")
+    return principal
+
+
+def events(job_id: str, kind: str, role: str | None = None) -> str:
+    """Event-log subject ``rrl.events.<job>.<role>.<kind>``, captured by the stream ``EVENTS_STREAM``.
+
+    The writer's role is a subject level so that NATS permissions can say who may write what.
+    """
+    owner = event_owner(kind, role)
+    return ".".join([ROOT, "events", token(job_id, "job_id"), owner.value, token(kind, "event kind")])
+
+
+def events_kind(job_id: str, kind: str) -> str:
+    """Subscription subject for one event kind of a job, whoever wrote it."""
+    return ".".join([ROOT, "events", token(job_id, "job_id"), "*", token(kind, "event kind")])
 
 
 def events_of(job_id: str) -> str:
@@ -80,10 +143,88 @@ def events_of(job_id: str) -> str:
 
 def events_of_kind(kind: str) -> str:
     """Event-log subject of one event kind across every job (a JetStream consumer's filter)."""
-    return ".".join([ROOT, "events", "*", token(kind, "event kind")])
+    return ".".join([ROOT, "events", "*", "*", token(kind, "event kind")])
+
+
+def parse_event_subject(subject_text: str) -> tuple[str, str, str]:
+    """Split ``rrl.events.<job>.<role>.<kind>`` into (job_id, role, kind); SubjectError if it is
+    not one, or if ``role`` does not own ``kind``."""
+    parts = subject_text.split(".")
+    if len(parts) != 5 or parts[:2] != [ROOT, "events"]:
+        raise SubjectError(f"not an event subject: {subject_text[:200]!r}", field="subject")
+    job_id, role, kind = parts[2:]
+    event_owner(kind, role)
+    return token(job_id, "job_id"), role, kind
 
 
 EVENTS_ALL = f"{ROOT}.events.>"
+
+# --- who may publish and subscribe what (rendered into NATS permissions) ---------------------
+
+EXACT, MEMBER = "exact", "member"
+"""Subject shapes of a verb: ``rrl.<job>.<verb>`` (EXACT) and ``rrl.<job>.<verb>.<token>`` (MEMBER)."""
+_BOTH = (EXACT, MEMBER)
+
+# verb -> (publishers, subscribers), each principal with the shapes it may use. A requester needs
+# only to publish (replies come to its _INBOX); a responder only to subscribe (its reply is allowed
+# by ``allow_responses``).
+VERB_ACCESS: dict[Verb, tuple[dict[Principal, tuple[str, ...]], dict[Principal, tuple[str, ...]]]] = {
+    Verb.HELLO: ({_T: (MEMBER,), _R: (MEMBER,)}, {_C: (MEMBER,), _D: (MEMBER,), _RM: (MEMBER,)}),
+    Verb.SPEC: ({_T: (EXACT,), _R: (EXACT,), _D: (EXACT,), _RM: (EXACT,)}, {_C: (EXACT,)}),
+    Verb.PHASE: ({_T: (MEMBER,), _R: (MEMBER,)}, {_C: (MEMBER,), _D: (MEMBER,)}),
+    Verb.METRICS: ({_T: (MEMBER,), _R: (MEMBER,), _RM: (MEMBER,)}, {_D: (MEMBER,), _RM: (MEMBER,), _C: (MEMBER,)}),
+    Verb.PROBE: ({_D: (MEMBER,)}, {_T: (MEMBER,), _R: (MEMBER,), _RM: (MEMBER,)}),
+    Verb.EXIT: ({_C: (MEMBER,)}, {_D: (MEMBER,)}),
+    Verb.FAULT: ({_D: (EXACT,), _RM: (EXACT,)}, {_C: (EXACT,)}),  # RM: a deadline passed (stuck step)
+    Verb.GENERATE: ({_RM: (MEMBER,)}, {_R: (MEMBER,)}),
+    Verb.TURN: ({_R: (EXACT,)}, {_RM: (EXACT,)}),
+    Verb.BATCH: ({_RM: (EXACT,)}, {_T: (EXACT,)}),
+    Verb.BATCH_GET: ({_T: (EXACT,)}, {_RM: (EXACT,)}),
+    Verb.COMMIT: ({_T: (EXACT,)}, {_C: (EXACT,), _RM: (EXACT,), _H: (EXACT,)}),
+    Verb.WEIGHTS: ({_T: (EXACT,)}, {_R: (EXACT,)}),
+    Verb.HAVE: ({_R: (MEMBER,)}, {_R: (MEMBER,), _C: (MEMBER,), _RM: (MEMBER,)}),
+    Verb.CONTROL: ({_C: _BOTH}, {_T: _BOTH, _R: _BOTH, _RM: _BOTH, _D: _BOTH}),
+    # The harness asks the controller (EXACT); only the controller reaches a member (MEMBER).
+    Verb.CHAOS: ({_H: (EXACT,), _C: (MEMBER,)}, {_C: (EXACT,), _T: (MEMBER,), _R: (MEMBER,),
+                                                  _RM: (MEMBER,)}),
+    Verb.STATE: ({_RM: (EXACT,), _C: (EXACT,)}, {_RM: (EXACT,), _C: (EXACT,)}),
+}
+
+INBOX = "_INBOX.>"
+JS_API = "$JS.API.>"
+JS_ACK = f"$JS.ACK.{EVENTS_STREAM}.>"
+_EVENT_READERS = (_D, _H)  # core subscriptions on the log; the controller reads it through JetStream
+_JETSTREAM_USERS = (_C,)  # creates the stream, reads the log with pull consumers (fault inbox)
+# Whoever starts first creates the event stream (ensure_event_stream): that much JetStream API only.
+_STREAM_CREATORS = (_RM,)
+JS_STREAM_ENSURE = (f"$JS.API.STREAM.INFO.{EVENTS_STREAM}", f"$JS.API.STREAM.CREATE.{EVENTS_STREAM}")
+
+
+def _shape_subject(verb: Verb, shape: str) -> str:
+    return ".".join([ROOT, "*", verb.value] + ([">"] if shape == MEMBER else []))
+
+
+def permissions(principal: Principal | str) -> tuple[list[str], list[str]]:
+    """(publish, subscribe) subject patterns ``principal`` may use, least privilege.
+
+    Every principal may publish its own event kinds (through JetStream, whose acks come to its
+    inbox) and subscribe to its inbox for replies.
+    """
+    who = Principal(principal)
+    publish: list[str] = []
+    subscribe: list[str] = [INBOX]
+    for verb, (pubs, subs) in VERB_ACCESS.items():
+        publish += [_shape_subject(verb, shape) for shape in pubs.get(who, ())]
+        subscribe += [_shape_subject(verb, shape) for shape in subs.get(who, ())]
+    publish += [".".join([ROOT, "events", "*", who.value, kind])
+                for kind, owners in EVENT_OWNERS.items() if who in owners]
+    if who in _EVENT_READERS:
+        subscribe.append(EVENTS_ALL)
+    if who in _JETSTREAM_USERS:
+        publish += [JS_API, JS_ACK]
+    elif who in _STREAM_CREATORS:
+        publish += list(JS_STREAM_ENSURE)
+    return sorted(set(publish)), sorted(set(subscribe))
 
 
 def parse(subject_text: str) -> tuple[str, Verb, list[str]]:

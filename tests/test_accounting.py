@@ -107,7 +107,7 @@ def test_detection_before_injection_is_not_matched() -> None:
 
 def test_to_json_has_exactly_the_report_keys() -> None:
     data = json.loads(account(clean_log(2)).to_json())
-    assert set(data) == {"ettr", "completion_s", "steps", "faults"}
+    assert set(data) == {"ettr", "completion_s", "steps", "faults", "events_skipped"}
     log = clean_log(2) + [ev("fault_injected", 0.5, fault_id="c", kind="crash", role="rollout",
                              member_id="r0", step=0)]
     [fault] = json.loads(account(log).to_json())["faults"]
@@ -118,3 +118,20 @@ def test_empty_and_unfinished_logs() -> None:
     assert account([]).ettr == 0.0
     report = account(clean_log(3)[:-1])  # no job_finished: wall time runs to the last event
     assert report.completion_s == pytest.approx(3.0) and report.ettr == pytest.approx(1.0)
+
+
+def test_envelopes_with_wrong_inner_types_are_skipped_and_counted() -> None:
+    """Issue 11: ``{"tokens": "many"}`` in a work_lost event made the report raise ValueError."""
+    log = clean_log(3)
+    bad = [Event.model_construct(job_id="j", kind="work_lost", ts=T0 + 1.5,
+                                 data={"fault_id": "d1", "tokens": "many", "steps_redone": 0}),
+           Event.model_construct(job_id="j", kind="step_committed", ts=T0 + 1.6, data={"step": "two"}),
+           Event.model_construct(job_id="j", kind="fault_detected", ts="soon", data={})]
+    log += [ev("fault_detected", 1.0, fault_id="d1", kind="crash", role="rollout", member_id="r0", step=1,
+               detected_at=T0 + 1.0), *bad]
+    report = account(log)
+    assert report.events_skipped == len(bad)
+    assert report.steps == 3
+    [fault] = report.faults
+    assert fault.tokens_regenerated == 0
+    assert report.to_dict()["events_skipped"] == len(bad)

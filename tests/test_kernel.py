@@ -55,7 +55,8 @@ def test_job_spec_validation_names_every_bad_field():
     assert JobSpec().detector.trainer_idle_s < 300  # jobs default to the scaled-down profile
     from robustrl.config import DetectorSpec
 
-    assert (DetectorSpec().trainer_idle_s, DetectorSpec().rollout_idle_s) == (300.0, 60.0)  # production
+    production = DetectorSpec(profile="production")
+    assert (production.trainer_idle_s, production.rollout_idle_s) == (300.0, 60.0)
     with pytest.raises(ConfigError) as err:
         JobSpec.parse({"steps": 0, "mode": "warp", "model": {"hidden_size": 30, "num_heads": 4}, "x": 1})
     text = str(err.value)
@@ -75,3 +76,32 @@ def test_settings_round_trip_through_the_environment():
     assert Settings.from_env(s.to_env()) == s
     with pytest.raises(ConfigError, match="ROBUSTRL_API_PORT"):
         Settings.from_env({"ROBUSTRL_API_PORT": "not-a-port"})
+
+
+# --- bounded parsing (issue 11: a deep array raised RecursionError in the controller) ----------
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,
+                                 b'{"a":' * 50_000 + b"1" + b"}" * 50_000,
+                                 b'{"job_id": "j", "kind": "note", "data": {"x": ' + b"[" * 5000 + b"]" * 5000 + b"}}"])
+def test_deeply_nested_json_is_a_message_error_not_a_recursion_error(raw):
+    from robustrl.messages import Event
+
+    with pytest.raises(MessageError, match="deep"):
+        decode(Event, raw, "rrl.events.j.controller.note")
+
+
+def test_oversized_payload_is_refused_before_parsing():
+    from robustrl.messages import MAX_MESSAGE_BYTES, Event
+
+    raw = b'{"job_id": "j", "kind": "note", "data": {"x": "' + b"a" * MAX_MESSAGE_BYTES + b'"}}'
+    with pytest.raises(MessageError, match="bytes"):
+        decode(Event, raw, "rrl.events.j.controller.note")
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    from robustrl.messages import Event
+
+    text = "[" * 10_000 + "{" * 10_000
+    raw = b'{"job_id": "j", "kind": "note", "data": {"text": "' + text.encode() + b'"}}'
+    assert decode(Event, raw, "s").data["text"] == text

@@ -15,6 +15,9 @@ Event data contracts (the services emit exactly these; ``Event.ts`` is when it h
 * ``work_lost {fault_id, tokens, steps_redone}`` — tokens regenerated and steps redone.
 * ``job_finished {}``
 
+The typed fields above are checked by ``robustrl.messages.EVENT_DATA`` where an event is written
+and again here: an entry that does not validate is skipped and counted, never fatal.
+
 An injected fault is matched to the first unclaimed detection of the same member at or after
 its injection; failing that, of the same role (a hung trainer worker may be noticed on a peer
 of its gang first). A fault is *open* from its injection (or detection, when not injected) until
@@ -36,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from robustrl.messages import Event
+from robustrl.messages import Event, usable_event
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,12 @@ class JobReport:
     completion_s: float
     steps: int
     faults: list[FaultAccount] = field(default_factory=list)
+    events_skipped: int = 0
+    """Log entries left out because they could not be parsed or validated."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"ettr": self.ettr, "completion_s": self.completion_s, "steps": self.steps,
-                "faults": [asdict(f) for f in self.faults]}
+                "faults": [asdict(f) for f in self.faults], "events_skipped": self.events_skipped}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -78,11 +83,24 @@ class _Fault:
     steps_redone: int = 0
 
 
-def account(events: Iterable[Event]) -> JobReport:
-    """Compute the job report from its event log (any order; sorted by ts here)."""
-    log = sorted(events, key=lambda e: e.ts)
+def account(events: Iterable[Event], skipped: int | None = None) -> JobReport:
+    """Compute the job report from its event log (any order; sorted by ts here).
+
+    An event that does not validate (wrong inner types, a non-finite time) is skipped and counted
+    in ``events_skipped``, together with ``skipped`` (envelopes the reader could not parse; taken
+    from an ``EventLog``'s own count when not given).
+    """
+    if skipped is None:
+        skipped = getattr(events, "skipped", 0)
+    log: list[Event] = []
+    for e in events:
+        if usable_event(e):
+            log.append(e)
+        else:
+            skipped += 1
+    log.sort(key=lambda e: e.ts)
     if not log:
-        return JobReport(ettr=0.0, completion_s=0.0, steps=0)
+        return JobReport(ettr=0.0, completion_s=0.0, steps=0, events_skipped=skipped)
     starts = [e for e in log if e.kind == "step_started"]
     finished = next((e for e in log if e.kind == "job_finished"), None)
     t0 = starts[0].ts if starts else log[0].ts
@@ -97,7 +115,7 @@ def account(events: Iterable[Event]) -> JobReport:
     effective = sum(min(d, reference) for _, _, d in durations.values())
     ettr = effective / completion if completion > 0 else 0.0
     return JobReport(ettr=min(1.0, ettr), completion_s=completion, steps=len(durations),
-                     faults=[_account_one(f) for f in faults])
+                     faults=[_account_one(f) for f in faults], events_skipped=skipped)
 
 
 def _step_durations(log: list[Event]) -> dict[int, tuple[float, float, float]]:

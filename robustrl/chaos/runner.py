@@ -56,7 +56,7 @@ async def run_job(settings: Settings, api: ApiClient, spec: dict[str, Any], scen
 
     ``local`` (the Stack) carries out faults on the controller, the detector and the infra servers.
     """
-    bus = await Bus.connect(settings.nats_url, "chaos-harness")
+    bus = await Bus.connect(settings.nats_url, "chaos-harness", role="harness")
     try:
         job = await asyncio.to_thread(api.submit, spec)
         job_id = job["job_id"]

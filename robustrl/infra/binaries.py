@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from robustrl.errors import LaunchError
+from robustrl.infra.credentials import Credentials, render_nats_users, render_redis_acl
 
 
 @dataclass(frozen=True)
@@ -166,10 +167,14 @@ class Service:
 
 
 class NatsServer(Service):
+    """nats-server with JetStream: the operator's user may do anything; with ``credentials``, one
+    user per role limited to that role's subjects (``robustrl.infra.credentials``)."""
+
     name = "nats"
 
-    def __init__(self, run_dir: Path, binary: Binary) -> None:
+    def __init__(self, run_dir: Path, binary: Binary, credentials: Credentials | None = None) -> None:
         super().__init__(run_dir, binary)
+        self.credentials = credentials
         self.user = "rr_" + secrets.token_hex(4)
         self.password = secrets.token_hex(16)
         self.port = self.http_port = 0
@@ -184,7 +189,8 @@ class NatsServer(Service):
             # Monitoring (healthz, varz) only on loopback; it redacts credentials.
             f'http: "127.0.0.1:{self.http_port}"\n'
             f"jetstream {{ store_dir: {json.dumps(str(store))} }}\n"
-            f'authorization {{ user: "{self.user}", password: "{self.password}" }}\n',
+            + (render_nats_users(self.credentials, self.user, self.password) if self.credentials else
+               f'authorization {{ user: "{self.user}", password: "{self.password}" }}\n'),
         )
 
     def command(self) -> tuple[list[str], dict[str, str]]:
@@ -208,10 +214,14 @@ class NatsServer(Service):
 
 
 class RedisServer(Service):
+    """A Redis-protocol server: the default user (``requirepass``) is the operator's; with
+    ``credentials``, one ACL user per role that uses Redis, limited to its keys and commands."""
+
     name = "redis"
 
-    def __init__(self, run_dir: Path, binary: Binary) -> None:
+    def __init__(self, run_dir: Path, binary: Binary, credentials: Credentials | None = None) -> None:
         super().__init__(run_dir, binary)
+        self.credentials = credentials
         self.password = secrets.token_hex(16)
         self.port = 0
 
@@ -230,7 +240,8 @@ class RedisServer(Service):
             # No RDB snapshots: AOF is the durable copy and a fork per snapshot is costly on 2 cores.
             'save ""\n'
             'logfile ""\n'
-            "daemonize no\n",
+            "daemonize no\n"
+            + "".join(line + "\n" for line in (render_redis_acl(self.credentials) if self.credentials else [])),
         )
 
     def command(self) -> tuple[list[str], dict[str, str]]:
@@ -247,10 +258,14 @@ class RedisServer(Service):
 
 
 class S3Server(Service):
+    """``rclone serve s3``. It takes several key pairs, but each has full access (no policies):
+    with ``credentials`` the roles in ``S3_ROLES`` get a pair of their own, the others none."""
+
     name = "s3"
 
-    def __init__(self, run_dir: Path, binary: Binary, bucket: str) -> None:
+    def __init__(self, run_dir: Path, binary: Binary, bucket: str, credentials: Credentials | None = None) -> None:
         super().__init__(run_dir, binary)
+        self.credentials = credentials
         self.access_key = "rr" + secrets.token_hex(8)
         self.secret_key = secrets.token_hex(20)
         self.bucket = bucket
@@ -273,10 +288,17 @@ class S3Server(Service):
         ]
         env = {
             # CSV-encoded "access,secret" pair; the environment keeps it out of ``ps``.
-            "RCLONE_AUTH_KEY": f'"{self.access_key},{self.secret_key}"',
+            "RCLONE_AUTH_KEY": ",".join(f'"{access},{secret}"' for access, secret in self.key_pairs()),
             "RCLONE_CONFIG": str(self.conf_dir / "rclone.conf"),
         }
         return argv, env
+
+    def key_pairs(self) -> list[tuple[str, str]]:
+        pairs = [(self.access_key, self.secret_key)]
+        if self.credentials:
+            pairs += [(c.s3_access_key, c.s3_secret_key) for c in self.credentials.roles.values()
+                      if c.s3_access_key and c.s3_secret_key]
+        return pairs
 
     def ready(self) -> bool:
         from minio import Minio  # local: only needed while starting

@@ -27,7 +27,7 @@ import psutil
 
 from robustrl.config import Settings
 from robustrl.errors import ConfigError, LaunchError
-from robustrl.infra import binaries
+from robustrl.infra import binaries, credentials
 
 START_TIMEOUT_S = 20.0
 """How long one server may take to answer its protocol-level ping after being spawned."""
@@ -39,6 +39,7 @@ _POLL_S = 0.02
 _LOG_TAIL = 2000
 
 INFRA_FILE = "infra.json"
+CREDENTIALS_FILE = "credentials.json"
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class EmbeddedInfra:
         self._popens: dict[int, subprocess.Popen[bytes]] = {}
         self._services: dict[str, binaries.Service] = {}
         self._atexit_registered = False
+        self.credentials: credentials.Credentials | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -93,9 +95,14 @@ class EmbeddedInfra:
         for sub in ("logs", "conf"):
             (self.run_dir / sub).mkdir(parents=True, exist_ok=True)
         (self.run_dir / "conf").chmod(0o700)
-        nats = binaries.NatsServer(self.run_dir, binaries.nats_server())
-        redis = binaries.RedisServer(self.run_dir, binaries.redis_server())
-        s3 = binaries.S3Server(self.run_dir, binaries.rclone(), self.bucket)
+        # One user per role on each server, limited to what the role owns; the Settings returned
+        # are the operator's (unrestricted), the roles' are in conf/credentials.json (0600).
+        self.credentials = credentials.generate()
+        creds_file = self.run_dir / "conf" / CREDENTIALS_FILE
+        self.credentials.save(creds_file)
+        nats = binaries.NatsServer(self.run_dir, binaries.nats_server(), self.credentials)
+        redis = binaries.RedisServer(self.run_dir, binaries.redis_server(), self.credentials)
+        s3 = binaries.S3Server(self.run_dir, binaries.rclone(), self.bucket, self.credentials)
         services: list[binaries.Service] = [nats, redis, s3]
         self._services = {svc.name: svc for svc in services}
         self._register_atexit()
@@ -110,7 +117,7 @@ class EmbeddedInfra:
         self.settings = Settings(
             nats_url=nats.url, redis_url=redis.url, s3_endpoint=f"127.0.0.1:{s3.port}",
             s3_access_key=s3.access_key, s3_secret_key=s3.secret_key, s3_bucket=self.bucket,
-            s3_secure=False, run_dir=str(self.run_dir),
+            s3_secure=False, run_dir=str(self.run_dir), credentials_file=str(creds_file),
         )
         self._write_infra_file()
         return self.settings

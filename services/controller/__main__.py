@@ -12,6 +12,7 @@ import uvicorn
 
 from robustrl.bus import Bus
 from robustrl.config import Settings
+from robustrl.infra.credentials import MEMBER_ROLES, credentials_for, without_role_credentials
 from robustrl.launcher.local import LocalLauncher
 from robustrl.member import configure_logging
 from robustrl.services.controller.api import create_app
@@ -38,11 +39,14 @@ def make_launcher(settings: Settings, env: dict[str, str]):  # type: ignore[no-u
 async def main() -> None:
     env = dict(os.environ)
     settings = Settings.from_env(env)
-    bus = await Bus.connect(settings.nats_url, "controller")
+    bus = await Bus.connect(settings.nats_url, "controller", role="controller")
     redis = connect(settings.redis_url)
     await redis.ping()
+    # Members get their role's credentials, never the controller's or the other roles'.
+    members = {role.value: credentials_for(role, env) for role in MEMBER_ROLES}
     ttl = float(env["ROBUSTRL_LEASE_TTL_S"]) if env.get("ROBUSTRL_LEASE_TTL_S") else None
-    controller = Controller(bus, redis, make_launcher(settings, env), settings, lease_ttl_s=ttl)
+    controller = Controller(bus, redis, make_launcher(settings, without_role_credentials(env)), settings,
+                            member_credentials=members, lease_ttl_s=ttl)
     await controller.start()
     app = create_app(controller, settings.api_token)
     config = uvicorn.Config(app, host=settings.api_host, port=settings.api_port, log_level="warning",

@@ -1,0 +1,216 @@
+"""Least privilege on the bus, in Redis and in the object store: one set of credentials per role.
+
+Every principal (``robustrl.subjects.Principal``: controller, detector, request_manager, trainer,
+rollout, harness) gets
+
+* a NATS user whose publish/subscribe permissions are ``robustrl.subjects.permissions(role)``:
+  the subjects of the verbs it owns, its own event kinds, its inbox, and JetStream's API only for
+  the controller (``render_nats_users``);
+* a Redis ACL user limited to the key patterns and command categories it needs, or none at all
+  (``REDIS_ACCESS``, ``render_redis_acl``);
+* the S3 key pair only if it reads or writes checkpoints (``S3_ROLES``). ``rclone serve s3`` (the
+  embedded S3 server) accepts several key pairs but every pair has full access to every bucket: it
+  has no per-key policies, so the only S3 restriction here is who holds a key at all.
+
+The embedded stack generates these per start (``generate``) and writes them 0600 under its run
+directory; compose reads the passwords from ``compose/.env``. The controller hands each member the
+credentials of its role through the member's environment (``credentials_for``); a service gets
+only its own. On one host, processes of one user can read each other's environment: this confines
+bugs and misbehaving members, it is not isolation from a local attacker.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from pydantic import BaseModel, ConfigDict
+
+from robustrl.config import Settings
+from robustrl.errors import ConfigError
+from robustrl.storage.redis_stores import Keys
+from robustrl.subjects import Principal, permissions
+
+S3_ROLES = frozenset({Principal.CONTROLLER, Principal.TRAINER})
+"""Who holds an S3 key: the trainer writes checkpoints, the controller (and its auditor) reads them."""
+
+_ANY = "*"
+_JOB_KEYS_RW = " ".join(f"~{pattern}" for pattern in (
+    Keys.episode(_ANY, _ANY), Keys.prefix(_ANY, _ANY), Keys.step_episodes(_ANY, _ANY),  # type: ignore[arg-type]
+    Keys.batch(_ANY, _ANY), Keys.fence(_ANY, _ANY), Keys.trained_log(_ANY),  # type: ignore[arg-type]
+    Keys.weights_latest(_ANY), Keys.gang(_ANY)))
+_SAFE_COMMANDS = "+@read +@write +@scripting +@transaction +@connection +select -@dangerous -@admin"
+
+REDIS_ACCESS: dict[Principal, str | None] = {
+    # The control plane keeps its state in Redis under rrl:* (job registry, lease, per-job state).
+    Principal.CONTROLLER: f"~rrl:* {_SAFE_COMMANDS}",
+    Principal.REQUEST_MANAGER: f"~rrl:* {_SAFE_COMMANDS}",
+    # The trainer: episodes it trains on, the batch fence and trained log, the weights pointer,
+    # the gang record. A new key the trainer writes must be added to _JOB_KEYS_RW.
+    Principal.TRAINER: f"{_JOB_KEYS_RW} {_SAFE_COMMANDS}",
+    # A replica only reads the weights pointer when it starts.
+    Principal.ROLLOUT: f"%R~{Keys.weights_latest('*')} +@read +@connection +select -@dangerous -@admin",
+    Principal.DETECTOR: None,
+    Principal.HARNESS: None,
+}
+"""Redis ACL rules per role (after ``on >password``); None: the role gets no Redis user."""
+
+# Environment variables through which the controller receives the members' credentials.
+MEMBER_ROLES = (Principal.TRAINER, Principal.ROLLOUT)
+_FIELDS = {"nats_url": "NATS_URL", "redis_url": "REDIS_URL", "s3_access_key": "S3_ACCESS_KEY",
+           "s3_secret_key": "S3_SECRET_KEY"}
+
+
+class RoleCredentials(BaseModel):
+    """One role's secrets. ``redis_password``/``s3`` None: the role gets no access there."""
+
+    model_config = ConfigDict(frozen=True)
+    nats_user: str
+    nats_password: str
+    redis_user: str | None = None
+    redis_password: str | None = None
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+
+
+class Credentials(BaseModel):
+    """Every role's credentials, as written 0600 to ``credentials.json`` by the embedded stack."""
+
+    model_config = ConfigDict(frozen=True)
+    roles: dict[Principal, RoleCredentials]
+
+    def of(self, role: Principal | str) -> RoleCredentials:
+        return self.roles[Principal(role)]
+
+    def save(self, path: Path) -> None:
+        from robustrl.infra.binaries import write_private
+
+        write_private(path, self.model_dump_json(indent=2))
+
+    @classmethod
+    def load(cls, path: Path | str) -> Credentials:
+        try:
+            return cls.model_validate_json(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read role credentials from {path}: {exc}",
+                              field="credentials_file") from exc
+
+
+def generate() -> Credentials:
+    """Fresh random credentials for every role (hex secrets: safe in URLs and config files)."""
+    roles = {}
+    for role in Principal:
+        redis = REDIS_ACCESS[role] is not None
+        s3 = role in S3_ROLES
+        roles[role] = RoleCredentials(
+            nats_user=role.value, nats_password=secrets.token_hex(16),
+            redis_user=role.value if redis else None, redis_password=secrets.token_hex(16) if redis else None,
+            s3_access_key=f"rr{role.value.replace('_', '')[:10]}{secrets.token_hex(4)}" if s3 else None,
+            s3_secret_key=secrets.token_hex(20) if s3 else None)
+    return Credentials(roles=roles)
+
+
+# --- server configuration ---------------------------------------------------------------------
+
+
+def nats_user_entry(role: Principal, user: str, password: str) -> str:
+    """One entry of ``authorization { users = [...] }``; ``password`` may be a ``$VARIABLE``."""
+    publish, subscribe = permissions(role)
+    pw = password if password.startswith("$") else json.dumps(password)
+    return (f"    {{user: {json.dumps(user)}, password: {pw}, permissions: {{\n"
+            f"      publish: {{allow: {json.dumps(publish)}}},\n"
+            f"      subscribe: {{allow: {json.dumps(subscribe)}}},\n"
+            # A responder may answer the requests it received, and nothing else on _INBOX.
+            f"      allow_responses: true}}}}")
+
+
+def render_nats_users(creds: Credentials, admin_user: str, admin_password: str) -> str:
+    """The ``authorization`` block: an unrestricted operator user plus one user per role."""
+    entries = [f"    {{user: {json.dumps(admin_user)}, password: {json.dumps(admin_password)}}}"]
+    entries += [nats_user_entry(role, c.nats_user, c.nats_password) for role, c in creds.roles.items()]
+    return "authorization {\n  users = [\n" + "\n".join(entries) + "\n  ]\n}\n"
+
+
+def redis_acl_rule(role: Principal) -> str | None:
+    return REDIS_ACCESS[role]
+
+
+def render_redis_acl(creds: Credentials) -> list[str]:
+    """``user`` lines for redis.conf (the default user keeps ``requirepass``: the operator's)."""
+    lines = []
+    for role, c in creds.roles.items():
+        rule = REDIS_ACCESS[role]
+        if rule is not None and c.redis_user and c.redis_password:
+            lines.append(f"user {c.redis_user} on >{c.redis_password} resetchannels {rule}")
+    return lines
+
+
+# --- what each process gets -------------------------------------------------------------------
+
+
+def _with_user(url: str, user: str | None, password: str | None) -> str:
+    parts = urlsplit(url)
+    host = parts.hostname or "127.0.0.1"
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    if user is not None and password is not None:
+        netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{netloc}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def role_settings(base: Settings, creds: Credentials, role: Principal | str) -> Settings:
+    """``base`` (the operator's settings) with ``role``'s credentials in place of the operator's.
+
+    A role without Redis gets an empty ``redis_url`` and one without S3 empty keys; no role gets
+    the credentials file.
+    """
+    c = creds.of(role)
+    redis_url = _with_user(base.redis_url, c.redis_user, c.redis_password) if c.redis_user else ""
+    return base.model_copy(update={
+        "nats_url": _with_user(base.nats_url, c.nats_user, c.nats_password), "redis_url": redis_url,
+        "s3_access_key": c.s3_access_key or "", "s3_secret_key": c.s3_secret_key or "",
+        "credentials_file": ""})
+
+
+def service_env(base: Settings, role: Principal | str) -> dict[str, str]:
+    """Environment overrides for a control-plane process of ``role``, started with ``base``.
+
+    With no ``credentials_file`` in ``base`` (external servers, one set of credentials), empty:
+    every process uses the shared credentials. The controller also gets the members' credentials
+    (``ROBUSTRL_<ROLE>_NATS_URL`` ...), which it hands out with ``credentials_for``.
+    """
+    if not base.credentials_file:
+        return {}
+    creds = Credentials.load(base.credentials_file)
+    env = role_settings(base, creds, role).to_env()
+    if Principal(role) is Principal.CONTROLLER:
+        for member in MEMBER_ROLES:
+            settings = role_settings(base, creds, member)
+            for field, suffix in _FIELDS.items():
+                env[f"ROBUSTRL_{member.value.upper()}_{suffix}"] = str(getattr(settings, field))
+    return env
+
+
+def credentials_for(role: Principal | str, env: Mapping[str, str]) -> dict[str, str]:
+    """The environment overrides that give a member of ``role`` its own credentials.
+
+    Read from the controller's environment (``ROBUSTRL_TRAINER_NATS_URL``, ``..._REDIS_URL``,
+    ``..._S3_ACCESS_KEY``, ``..._S3_SECRET_KEY``; compose sets them from ``compose/.env``, the
+    embedded stack from its generated credentials). A variable left empty means no access there.
+    If none is set for the role, returns {} and the member shares the controller's credentials
+    (external servers with a single user).
+    """
+    prefix = f"ROBUSTRL_{Principal(role).value.upper()}_"
+    if not any(prefix + suffix in env for suffix in _FIELDS.values()):
+        return {}
+    out = {f"ROBUSTRL_{suffix}": env.get(prefix + suffix, "") for suffix in _FIELDS.values()}
+    out["ROBUSTRL_CREDENTIALS_FILE"] = ""
+    return out
+
+
+def without_role_credentials(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` minus every role's credential variables (what a launcher may pass on to anything)."""
+    drop = {f"ROBUSTRL_{r.value.upper()}_{suffix}" for r in MEMBER_ROLES for suffix in _FIELDS.values()}
+    return {k: v for k, v in env.items() if k not in drop and k != "ROBUSTRL_CREDENTIALS_FILE"}

@@ -1,0 +1,272 @@
+"""Least privilege: each role's NATS, Redis and S3 credentials allow what it owns and nothing else.
+
+The policy checks (first half) are pure: they read the permission table the servers are
+configured from and assert the rules of issue 11 on it. The server checks (second half) try every
+publish, subscribe and Redis command with each role's real credentials against the session's
+embedded servers, and count what the server let through, seen from an unrestricted subscriber.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import typing
+import uuid
+from urllib.parse import urlparse
+
+import nats
+import pytest
+import redis
+from minio import Minio
+from minio.error import InvalidResponseError, S3Error
+
+from robustrl import subjects
+from robustrl.config import Settings
+from robustrl.infra.credentials import REDIS_ACCESS, S3_ROLES, Credentials, role_settings
+from robustrl.messages import EventKind
+from robustrl.subjects import EVENT_OWNERS, Principal, Verb, permissions
+
+ROLES = list(Principal)
+JOB = "permjob-" + uuid.uuid4().hex[:6]
+MEMBER = "m1"
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` one token, ``>`` one or more trailing tokens."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def _allowed(patterns: list[str], subject: str) -> bool:
+    return any(_matches(p, subject) for p in patterns)
+
+
+def probe_subjects() -> list[str]:
+    out = []
+    for verb in Verb:
+        out += [subjects.subject(JOB, verb), subjects.subject(JOB, verb, MEMBER)]
+    for kind in EVENT_OWNERS:
+        out += [f"rrl.events.{JOB}.{role.value}.{kind}" for role in Principal]
+        out.append(f"rrl.events.{JOB}.{kind}")  # the old shape, without the writer's role
+    out += ["$JS.API.STREAM.INFO.RRL_EVENTS", "_INBOX.someone-elses-reply", "other.subject"]
+    return out
+
+
+# --- the policy, on the table itself ----------------------------------------------------------
+
+
+def test_every_verb_and_event_kind_has_owners():
+    assert set(subjects.VERB_ACCESS) == set(Verb)
+    assert set(EVENT_OWNERS) == set(typing.get_args(EventKind))
+    for verb, (pubs, subs) in subjects.VERB_ACCESS.items():
+        assert pubs and subs, f"{verb} has no publisher or no subscriber"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_only_the_controller_publishes_control_exit_and_member_chaos(role):
+    publish, _ = permissions(role)
+    for subj in (subjects.subject(JOB, Verb.CONTROL), subjects.subject(JOB, Verb.CONTROL, "request_manager"),
+                 subjects.subject(JOB, Verb.EXIT, MEMBER)):
+        assert _allowed(publish, subj) == (role is Principal.CONTROLLER), (role, subj)
+    assert not _allowed(publish, subjects.subject(JOB, Verb.EXIT))
+    # A member's chaos subject: the controller only. The harness asks the controller.
+    assert _allowed(publish, subjects.subject(JOB, Verb.CHAOS, MEMBER)) == (role is Principal.CONTROLLER)
+    assert _allowed(publish, subjects.subject(JOB, Verb.CHAOS)) == (role is Principal.HARNESS)
+    # Fault reports: the detector, and the request manager when a step's deadline passes.
+    assert _allowed(publish, subjects.subject(JOB, Verb.FAULT)) == (
+        role in (Principal.DETECTOR, Principal.REQUEST_MANAGER))
+    assert _allowed(publish, "$JS.API.STREAM.DELETE.RRL_EVENTS") == (role is Principal.CONTROLLER)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_role_writes_only_the_event_kinds_it_owns_under_its_own_name(role):
+    publish, _ = permissions(role)
+    for kind, owners in EVENT_OWNERS.items():
+        for writer in Principal:
+            allowed = _allowed(publish, f"rrl.events.{JOB}.{writer.value}.{kind}")
+            assert allowed == (writer is role and role in owners), (role, writer, kind)
+        assert not _allowed(publish, f"rrl.events.{JOB}.{kind}")
+
+
+def test_the_rollout_role_in_particular():
+    publish, subscribe = permissions(Principal.ROLLOUT)
+    for forbidden in (Verb.CONTROL, Verb.FAULT, Verb.EXIT, Verb.CHAOS, Verb.GENERATE, Verb.BATCH,
+                      Verb.COMMIT, Verb.WEIGHTS, Verb.PROBE):
+        assert not _allowed(publish, subjects.subject(JOB, forbidden, MEMBER))
+        assert not _allowed(publish, subjects.subject(JOB, forbidden))
+    assert not _allowed(subscribe, f"rrl.events.{JOB}.controller.decision")
+    assert not _allowed(subscribe, subjects.subject(JOB, Verb.FAULT))
+    assert REDIS_ACCESS[Principal.ROLLOUT] is not None and "%R~" in REDIS_ACCESS[Principal.ROLLOUT]
+    assert Principal.ROLLOUT not in S3_ROLES and Principal.DETECTOR not in S3_ROLES
+
+
+# --- the servers enforce it -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def creds(infra: Settings) -> Credentials:
+    assert infra.credentials_file, "the embedded infra must generate role credentials"
+    return Credentials.load(infra.credentials_file)
+
+
+async def _publish_sweep(infra: Settings, role_url: str, probes: list[str], sentinel: str) -> set[str]:
+    """Publish every probe with the role's credentials; return the probes an unrestricted
+    subscriber received (the sentinel, allowed, is published last: order is kept per connection)."""
+    admin = await nats.connect(infra.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    role = await nats.connect(role_url, connect_timeout=2, max_reconnect_attempts=0, error_cb=on_error)
+    got: set[str] = set()
+    done = asyncio.Event()
+
+    async def on_msg(msg: typing.Any) -> None:
+        if msg.data == b"sentinel":
+            done.set()
+        elif msg.data.startswith(b"probe:"):
+            got.add(msg.data[len(b"probe:"):].decode())
+
+    try:
+        for pattern in ("rrl.>", "$JS.API.>", "_INBOX.someone-elses-reply", "other.subject"):
+            await admin.subscribe(pattern, cb=on_msg)
+        await admin.flush()
+        for subj in probes:
+            await role.publish(subj, b"probe:" + subj.encode())
+        await role.publish(sentinel, b"sentinel")
+        await role.flush()
+        await asyncio.wait_for(done.wait(), 5.0)
+    finally:
+        await role.close()
+        await admin.close()
+    refused = {p for p in probes if p not in got}
+    if refused:
+        assert any("ermission" in e for e in errors), "refused publishes were not reported to the client"
+    return got
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_nats_refuses_every_publish_outside_the_role(infra, creds, role):
+    url = role_settings(infra, creds, role).nats_url
+    publish, _ = permissions(role)
+    probes = probe_subjects()
+    sentinel = next(p for p in probes if _allowed(publish, p) and p.startswith("rrl.") and "events" not in p)
+    got = asyncio.run(_publish_sweep(infra, url, probes, sentinel))
+    accepted_forbidden = sorted(p for p in got if not _allowed(publish, p))
+    refused_allowed = sorted(p for p in probes if _allowed(publish, p) and p not in got
+                             and not p.startswith("$JS"))
+    assert not accepted_forbidden, f"{role.value} could publish {accepted_forbidden}"
+    assert not refused_allowed, f"{role.value} could not publish {refused_allowed}"
+    assert len(got) < len(probes) // 4  # every role is refused most of the protocol
+
+
+async def _subscribe_sweep(infra: Settings, role_url: str, probes: list[str]) -> set[str]:
+    admin = await nats.connect(infra.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    async def quiet(exc: Exception) -> None:  # the refused subscriptions are reported here
+        pass
+
+    role = await nats.connect(role_url, connect_timeout=2, max_reconnect_attempts=0, error_cb=quiet)
+    got: set[str] = set()
+    done = asyncio.Event()
+    sentinel = "_INBOX.sentinel-" + uuid.uuid4().hex
+
+    async def on_msg(msg: typing.Any) -> None:
+        if msg.subject == sentinel:
+            done.set()
+        else:
+            got.add(msg.subject)
+
+    try:
+        for subj in [*probes, sentinel]:
+            await role.subscribe(subj, cb=on_msg)
+        await role.flush()
+        for subj in probes:
+            await admin.publish(subj, b"x")
+        await admin.publish(sentinel, b"x")
+        await admin.flush()
+        await asyncio.wait_for(done.wait(), 5.0)
+    finally:
+        await role.close()
+        await admin.close()
+    return got
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_nats_delivers_only_the_subjects_a_role_may_subscribe_to(infra, creds, role):
+    url = role_settings(infra, creds, role).nats_url
+    _, subscribe = permissions(role)
+    probes = [p for p in probe_subjects() if p.startswith("rrl.")]
+    got = asyncio.run(_subscribe_sweep(infra, url, probes))
+    assert not sorted(p for p in got if not _allowed(subscribe, p)), f"{role.value} received forbidden subjects"
+    assert got == {p for p in probes if _allowed(subscribe, p)}
+
+
+# --- Redis ------------------------------------------------------------------------------------
+
+
+def _redis(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=2)
+
+
+def test_redis_acl_per_role(infra, creds):
+    job = "acl-" + uuid.uuid4().hex[:6]
+    admin = _redis(infra.redis_url)
+    admin.set(f"rrl:{job}:weights:latest", b"{}")
+    admin.hset("rrl:jobs", "acl-probe", "{}")
+
+    trainer = _redis(role_settings(infra, creds, Principal.TRAINER).redis_url)
+    assert trainer.set(f"rrl:{job}:batch:3", b"b") and trainer.get(f"rrl:{job}:batch:3") == b"b"
+    assert trainer.eval("return redis.call('incr', KEYS[1])", 1, f"rrl:{job}:fence:3") == 1
+    trainer.set(f"rrl:{job}:weights:latest", b"{}")
+    for forbidden in (lambda: trainer.hset("rrl:jobs", "x", "1"), lambda: trainer.get("rrl:controller:lease"),
+                      lambda: trainer.flushall(), lambda: trainer.config_get("*"), lambda: trainer.keys("*"),
+                      lambda: trainer.eval("return redis.call('get', 'rrl:jobs')", 0)):
+        with pytest.raises(redis.exceptions.ResponseError):  # NoPermissionError is a ResponseError
+            forbidden()
+
+    rollout = _redis(role_settings(infra, creds, Principal.ROLLOUT).redis_url)
+    assert rollout.get(f"rrl:{job}:weights:latest") == b"{}"
+    for forbidden in (lambda: rollout.set(f"rrl:{job}:weights:latest", b"x"),
+                      lambda: rollout.get(f"rrl:{job}:ep:e1"), lambda: rollout.delete(f"rrl:{job}:weights:latest"),
+                      lambda: rollout.hgetall("rrl:jobs"), lambda: rollout.flushdb()):
+        with pytest.raises(redis.exceptions.ResponseError):
+            forbidden()
+
+    for role in (Principal.CONTROLLER, Principal.REQUEST_MANAGER):
+        client = _redis(role_settings(infra, creds, role).redis_url)
+        assert client.hget("rrl:jobs", "acl-probe") == b"{}"
+        for forbidden in (lambda c=client: c.flushall(), lambda c=client: c.config_set("appendonly", "no"),
+                          lambda c=client: c.set("other:key", "1"), lambda c=client: c.acl_list(),
+                          lambda c=client: c.shutdown()):
+            with pytest.raises(redis.exceptions.ResponseError):
+                forbidden()
+
+    for role in (Principal.DETECTOR, Principal.HARNESS):
+        assert role_settings(infra, creds, role).redis_url == ""
+        port = urlparse(infra.redis_url).port
+        with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)):
+            redis.Redis(host="127.0.0.1", port=port, username=role.value, password=creds.of(role).nats_password,
+                        socket_timeout=2).ping()
+    admin.hdel("rrl:jobs", "acl-probe")
+
+
+# --- S3 ---------------------------------------------------------------------------------------
+
+
+def test_only_trainer_and_controller_hold_s3_keys(infra, creds):
+    for role in Principal:
+        s = role_settings(infra, creds, role)
+        assert bool(s.s3_access_key) == (role in S3_ROLES)
+        if role not in S3_ROLES:
+            continue
+        client = Minio(s.s3_endpoint, access_key=s.s3_access_key, secret_key=s.s3_secret_key, secure=False,
+                       region="us-east-1")
+        assert client.bucket_exists(infra.s3_bucket)
+    anonymous = Minio(infra.s3_endpoint, secure=False, region="us-east-1")
+    with pytest.raises((S3Error, InvalidResponseError)):  # rclone answers an unsigned request oddly
+        list(anonymous.list_objects(infra.s3_bucket))
