@@ -1,5 +1,5 @@
-"""The Redis stores against the session's real valkey server: the batch fence, prefixes, and
-corrupt records (named errors, nothing overwritten)."""
+"""The Redis stores against the session's real valkey server: prefixes and corrupt records (named
+errors, nothing overwritten). The gang fence (batch claims, trained log, pointer) is tests/test_fencing.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from robustrl.config import Settings
 from robustrl.errors import StorageError
-from robustrl.storage.redis_stores import BatchStore, EpisodeRecord, EpisodeStore, Keys, TurnRecord, connect
+from robustrl.storage.redis_stores import EpisodeRecord, EpisodeStore, Keys, TurnRecord, connect
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -21,20 +21,6 @@ async def redis(infra: Settings):  # type: ignore[no-untyped-def]
         yield client
     finally:
         await client.aclose()
-
-
-async def test_fence_never_lets_a_batch_be_trained_twice_in_one_lineage(redis) -> None:  # type: ignore[no-untyped-def]
-    fence = BatchStore(redis, f"fence-{uuid.uuid4().hex[:8]}")
-    # gang 1 takes step 5; asking again is idempotent
-    assert await fence.claim(5, epoch=1, durable_step=4) == "new"
-    assert await fence.claim(5, epoch=1, durable_step=4) == "new"
-    # gang 1 died before step 5's checkpoint became durable: gang 2 may redo it
-    assert await fence.claim(5, epoch=2, durable_step=4) == "redo"
-    # gang 1 is still alive somewhere (a zombie): it may not take the step back
-    assert await fence.claim(5, epoch=1, durable_step=4) == "refused"
-    # step 5 is durable: a newer gang may not train it again
-    assert await fence.claim(5, epoch=3, durable_step=5) == "refused"
-    assert await redis.get(Keys.fence(fence.job, 5)) == b"2"
 
 
 async def test_prefix_round_trip_and_corrupt_records_are_named(redis) -> None:  # type: ignore[no-untyped-def]

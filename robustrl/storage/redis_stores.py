@@ -93,6 +93,11 @@ class Keys:
         return f"rrl:{job}:weights:latest"
 
     @staticmethod
+    def gang(job: str) -> str:
+        """Hash: newest trainer-gang epoch seen, newest durable checkpoint step (storage.fencing)."""
+        return f"rrl:{job}:gang"
+
+    @staticmethod
     def job_pattern(job: str) -> str:
         """SCAN pattern of every key of one job (the auditor sizes and reads them raw)."""
         return f"rrl:{job}:*"
@@ -217,26 +222,12 @@ class EpisodeStore:
 
 
 class BatchStore:
-    """Finished batches (kept until the checkpoint that consumed them is durable) and the fence."""
-
-    # Claim step k for gang `epoch`: free -> take it; same epoch -> idempotent; a NEWER gang
-    # than the holder, when the holder's result for k never became durable (durable < k) ->
-    # redo allowed; otherwise refuse: either it would train a batch twice in one durable
-    # lineage, or the claimant is a stale gang (an older epoch still running after its
-    # replacement claimed the step), which must never take the fence back.
-    _CLAIM = """
-    local cur = redis.call('GET', KEYS[1])
-    if not cur then redis.call('SET', KEYS[1], ARGV[1]); return 1 end
-    if cur == ARGV[1] then return 1 end
-    if tonumber(ARGV[1]) < tonumber(cur) then return 0 end
-    if tonumber(ARGV[2]) < tonumber(ARGV[3]) then redis.call('SET', KEYS[1], ARGV[1]); return 2 end
-    return 0
-    """
+    """Finished batches (kept until the checkpoint that consumed them is durable) and the trained
+    log. The trainer's writes (batch claims, the trained log) are fenced: ``storage.fencing``."""
 
     def __init__(self, client: aioredis.Redis, job_id: str) -> None:
         self.r = client
         self.job = job_id
-        self._claim = self.r.register_script(self._CLAIM)
 
     async def put(self, batch: BatchRecord) -> None:
         key = Keys.batch(self.job, batch.step)
@@ -250,18 +241,6 @@ class BatchStore:
     async def delete(self, step: int) -> None:
         await _call(self.r.delete(Keys.batch(self.job, step)), Keys.batch(self.job, step))
 
-    async def claim(self, step: int, epoch: int, durable_step: int) -> Literal["new", "redo", "refused"]:
-        """Fence: may gang ``epoch`` train batch ``step``, given the newest durable checkpoint?"""
-        key = Keys.fence(self.job, step)
-        res = await _call(self._claim(keys=[key], args=[str(epoch), str(durable_step), str(step)]), key)
-        return {1: "new", 2: "redo", 0: "refused"}[int(res)]
-
-    async def record_trained(self, step: int, epoch: int, checksum: str) -> None:
-        """Append to the training log (the tests check no batch is trained twice per lineage)."""
-        key = Keys.trained_log(self.job)
-        entry = json.dumps({"step": step, "epoch": epoch, "checksum": checksum})
-        await _call(self.r.rpush(key, entry), key)
-
     async def trained_log(self) -> list[dict[str, Any]]:
         key = Keys.trained_log(self.job)
         return [json.loads(x) for x in await _call(self.r.lrange(key, 0, -1), key)]
@@ -274,10 +253,8 @@ class WeightsPointer:
         self.r = client
         self.key = Keys.weights_latest(job_id)
 
-    async def set(self, announce_json: bytes) -> None:
-        await _call(self.r.set(self.key, announce_json), self.key)
-
     async def get(self) -> bytes | None:
+        """The announcement (set only by a gang's fenced write: ``GangFence.set_pointer``)."""
         return await _call(self.r.get(self.key), self.key)
 
 

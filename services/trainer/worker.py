@@ -14,22 +14,25 @@ import asyncio
 import datetime
 import logging
 import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
+from robustrl.services.trainer.lineage import LoopFence, read_history, resume_step
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from robustrl.checkpoint import Checkpointer, capture_rng, restore_rng
+from robustrl.checkpoint import Checkpointer, capture_rng, restore_rng, seed_rng
 from robustrl.config import Settings
-from robustrl.errors import RequestTimeout
+from robustrl.errors import CheckpointLost, RequestTimeout, StaleEpoch
 from robustrl.member import Identity, Member
 from robustrl.messages import BatchGet, BatchReady, StepCommitted, WeightsAnnounce
 from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.model.tokenizer import CharTokenizer
 from robustrl.rl import grpo, tasks
+from robustrl.storage.fencing import GangFence
 from robustrl.storage.objects import open_object_store
-from robustrl.storage.redis_stores import BatchStore, EpisodeStore, WeightsPointer, connect
+from robustrl.storage.redis_stores import EpisodeStore, connect
 from robustrl.subjects import Verb, subject
 from robustrl.weights.flat import flatten_state_dict
 from robustrl.weights.server import WeightServer
@@ -38,6 +41,8 @@ log = logging.getLogger(__name__)
 BATCH_POLL_S = 2.0
 BATCH_GET_TIMEOUT_S = 1.0
 DIST_TIMEOUT_S = 60.0
+EXIT_CHECKPOINT_LOST = 65
+"""Exit status (EX_DATAERR) of a trainer that refuses to start: committed steps, no checkpoint."""
 
 
 def checkpoint_prefix(job_id: str) -> str:
@@ -78,26 +83,22 @@ class TrainerWorker:
         self.ddp = await asyncio.to_thread(DDP, self.model) if self.ident.world_size > 1 else self.model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.lr)
         store = open_object_store(self.settings)
-        self.ckpt = Checkpointer(store, checkpoint_prefix(self.ident.job_id), keep=spec.trainer.checkpoint_keep,
-                                 rank=self.ident.rank, world_size=self.ident.world_size, epoch=self.member.epoch)
         self.redis = connect(self.settings.redis_url)
         self.episodes = EpisodeStore(self.redis, self.ident.job_id)
-        self.fence = BatchStore(self.redis, self.ident.job_id)
+        # Every write of this gang to Redis carries its epoch; a newer gang's first write makes
+        # ours refused (StaleEpoch), and this gang stops.
+        self.gang = GangFence(self.redis, self.ident.job_id, self.member.epoch)
+        fence = LoopFence(self.gang, asyncio.get_running_loop()) if self.ident.rank == 0 else None
+        self.ckpt = Checkpointer(store, checkpoint_prefix(self.ident.job_id), keep=spec.trainer.checkpoint_keep,
+                                 rank=self.ident.rank, world_size=self.ident.world_size, epoch=self.member.epoch,
+                                 fence=fence)
         self.server = WeightServer(spec.weights.transport, host=self.settings.bind_host, max_versions=2)
         self.address = await self.server.start()
         bus = self.member.bus
         assert bus
         await bus.subscribe(subject(self.ident.job_id, Verb.BATCH), BatchReady, self._on_batch)
 
-        state = await asyncio.to_thread(self.ckpt.load_latest)
-        if state is not None:
-            self.model.load_state_dict(state.model_state)
-            self.opt.load_state_dict(state.optim_state)
-            restore_rng(state.rng)
-            self.step, self.version, self.durable = state.step + 1, state.weights_version, state.step
-            log.info("resumed from checkpoint step %d (version %d)", state.step, state.weights_version)
-        else:
-            self.step, self.version, self.durable = 0, 0, -1
+        await self._resume()
         self.member.weights_version = self.version
         addresses = [None] * self.ident.world_size
         await asyncio.to_thread(dist.all_gather_object, addresses, self.address)
@@ -110,10 +111,41 @@ class TrainerWorker:
                 "resume_step": self.step, "weights_version": self.version})
         try:
             await self._loop()
+        except StaleEpoch as exc:
+            # A newer gang has taken over (we are a zombie of a replaced gang): write nothing more.
+            log.error("gang %d is stale, stopping: %s", self.member.epoch, exc)
+            self.member.stopping.set()
         finally:
             await asyncio.to_thread(self.ckpt.close)
             await self.server.close()
             await self.member.close()
+
+    async def _resume(self) -> None:
+        """Enter the fence, load the newest checkpoint that verifies, and check that the history
+        after it can be redone (else ``CheckpointLost``: never train over a committed history)."""
+        record = await self.gang.enter()
+        state = await asyncio.to_thread(self.ckpt.load_latest)
+        loaded = None if state is None else state.step
+        history = await read_history(self.redis, self.ident.job_id, record, loaded)
+        try:
+            resume_step(loaded, history)
+        except CheckpointLost as exc:
+            if self.ident.rank == 0 and self.member.bus:
+                await self.member.bus.emit_event(self.ident.job_id, "note", {
+                    "member_id": self.ident.member_id, "role": "trainer", "epoch": self.member.epoch,
+                    "fatal": "checkpoint_lost", "reason": str(exc)})
+            raise
+        if state is not None:
+            self.model.load_state_dict(state.model_state)
+            self.opt.load_state_dict(state.optim_state)
+            restore_rng(state.rng_for(self.ident.rank) or state.rng)
+            self.step, self.version, self.durable = state.step + 1, state.weights_version, state.step
+            if self.ident.rank == 0:
+                await self.gang.durable(state.step)  # this gang's lineage starts here
+            log.info("resumed from checkpoint step %d epoch %d (version %d)", state.step, state.epoch,
+                     state.weights_version)
+        else:
+            self.step, self.version, self.durable = 0, 0, -1
 
     # --- batches ----------------------------------------------------------------------------
 
@@ -141,7 +173,7 @@ class TrainerWorker:
                 break
             try:
                 await asyncio.wait_for(self._batch_event.wait(), BATCH_POLL_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self.batches_seen.get(step)
 
@@ -165,8 +197,9 @@ class TrainerWorker:
             batch = await self._wait_batch(step)
             if batch is None or self.member.stopping.is_set():
                 break
+            seed_rng(self.spec.seed, step, self.ident.rank)  # a redo of this step draws the same
             if self.ident.rank == 0:
-                claim = await self.fence.claim(step, self.member.epoch, self.durable)
+                claim = await self.gang.claim(step, self.durable)
                 if claim == "refused":
                     # A newer gang holds this step (we are stale), or the step is already trained
                     # in this durable lineage: training it would apply the batch twice. Stop; the
@@ -194,6 +227,8 @@ class TrainerWorker:
             snap = await asyncio.to_thread(
                 self.ckpt.snapshot, step, rng=capture_rng(), data_cursor=step + 1, weights_version=self.version,
                 **replicated)
+            if isinstance(self.ckpt.last_error, StaleEpoch):
+                raise self.ckpt.last_error  # the previous manifest was refused: a newer gang took over
             durable = self.ckpt.durable_step
             if durable is not None:
                 self.durable = max(self.durable, durable)
@@ -203,7 +238,7 @@ class TrainerWorker:
             checksum = await self._publish(self.version)
             publish_s = time.monotonic() - t1
             if self.ident.rank == 0:
-                await self.fence.record_trained(step, self.member.epoch, checksum)
+                await self.gang.record_trained(step, checksum)
                 timings = {**batch.timings, "training_s": train_s, "checkpoint_blocking_s": snap.blocking_s,
                            "checkpoint_wait_s": snap.wait_s, "upload_s": upload.upload_s if upload else 0.0,
                            "publish_s": publish_s, "loss": stats["loss"]}
@@ -233,7 +268,7 @@ class TrainerWorker:
         if self.ident.rank == 0:
             ann = WeightsAnnounce(job_id=self.ident.job_id, version=version, epoch=self.member.epoch,
                                   checksum=checksum, sources=self.sources, manifest=manifest.model_dump(mode="json"))
-            await WeightsPointer(self.redis, self.ident.job_id).set(ann.encode())
+            await self.gang.set_pointer(ann.encode())  # fenced: a stale gang cannot point late joiners back
             assert self.member.bus
             await self.member.bus.publish(subject(self.ident.job_id, Verb.WEIGHTS), ann)
             await self.member.bus.emit_event(self.ident.job_id, "weights_published", {
@@ -248,4 +283,8 @@ def main() -> None:
     ident = Identity.from_env(os.environ)
     configure_logging(ident.member_id)
     settings = Settings.from_env(os.environ)
-    asyncio.run(TrainerWorker(ident, settings).run())
+    try:
+        asyncio.run(TrainerWorker(ident, settings).run())
+    except CheckpointLost as exc:
+        log.critical("trainer cannot start: %s", exc)
+        sys.exit(EXIT_CHECKPOINT_LOST)

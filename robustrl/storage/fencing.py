@@ -1,0 +1,145 @@
+"""The trainer gang's fence in Redis: every side effect of a gang carries its epoch, and Redis
+refuses a write from an epoch older than the newest it has seen, atomically (one Lua script per
+write: compare, then write).
+
+The job's gang record (``Keys.gang``) is a hash: ``epoch``, the newest gang epoch seen by any fenced
+write, and ``durable``/``durable_epoch``, the newest checkpoint made durable in the current lineage
+and the gang that made it. A newer gang raises ``epoch`` with its first fenced write (``enter`` at
+start); from then on every write of an older gang is refused with ``StaleEpoch`` and that gang
+stops. Fenced here: entering, the checkpoint manifest (asked just before it is written) and its
+durable record, batch claims, the trained log, and the weights pointer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import redis.asyncio as aioredis
+
+from robustrl.errors import StaleEpoch
+from robustrl.storage.redis_stores import Keys, _call
+
+# Shared prefix of every fenced script: KEYS[1] is the gang record, ARGV[1] the writer's epoch.
+# Returns the newest epoch when the writer is older (refused), nil when it may write; a newer
+# writer raises the record's epoch first, so from then on its predecessors are refused.
+_GUARD = """
+local epoch = tonumber(ARGV[1])
+local cur = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '-1')
+if epoch < cur then return {0, cur} end
+if epoch > cur then redis.call('HSET', KEYS[1], 'epoch', ARGV[1]) end
+"""
+
+_ENTER = _GUARD + """
+return {1, tonumber(redis.call('HGET', KEYS[1], 'durable') or '-1')}
+"""
+
+_ADMIT = _GUARD + "return {1, epoch}"
+
+# ARGV[2]: the step made durable. A newer gang's first record starts its own lineage (it may
+# resume below the old durable step when that checkpoint no longer verifies); within one gang
+# the durable step only grows.
+_DURABLE = _GUARD + """
+local step = tonumber(ARGV[2])
+local by = tonumber(redis.call('HGET', KEYS[1], 'durable_epoch') or '-1')
+local d = tonumber(redis.call('HGET', KEYS[1], 'durable') or '-1')
+if epoch > by or step > d then
+  redis.call('HSET', KEYS[1], 'durable', ARGV[2], 'durable_epoch', ARGV[1])
+end
+return {1, epoch}
+"""
+
+# KEYS[2]: the step's fence. Free -> take it; same epoch -> idempotent; a newer gang than the
+# holder, when the holder's result never became durable (ARGV[2] durable < ARGV[3] step) -> redo;
+# otherwise refuse: the batch would be trained twice in one durable lineage.
+_CLAIM = _GUARD + """
+local holder = redis.call('GET', KEYS[2])
+if not holder then redis.call('SET', KEYS[2], ARGV[1]); return {1, epoch} end
+if tonumber(holder) == epoch then return {1, epoch} end
+if tonumber(holder) > epoch then return {0, tonumber(holder)} end
+if tonumber(ARGV[2]) < tonumber(ARGV[3]) then redis.call('SET', KEYS[2], ARGV[1]); return {2, epoch} end
+return {3, epoch}
+"""
+
+_APPEND = _GUARD + "redis.call('RPUSH', KEYS[2], ARGV[2]); return {1, epoch}"
+
+_SET = _GUARD + "redis.call('SET', KEYS[2], ARGV[2]); return {1, epoch}"
+
+Claim = Literal["new", "redo", "refused"]
+
+
+@dataclass(frozen=True)
+class GangRecord:
+    """The job's gang record as stored."""
+
+    epoch: int
+    """Newest gang epoch any fenced write has carried (-1: none yet)."""
+    durable: int
+    """Newest durable checkpoint step of the current lineage (-1: none)."""
+
+
+class GangFence:
+    """The fenced writes of trainer gang ``epoch`` of one job.
+
+    Every method raises ``StaleEpoch`` (and writes nothing) when a newer gang has written.
+    """
+
+    def __init__(self, client: aioredis.Redis, job_id: str, epoch: int) -> None:
+        if epoch < 0:
+            raise ValueError("epoch must be >= 0")
+        self.r = client
+        self.job = job_id
+        self.epoch = epoch
+        self.key = Keys.gang(job_id)
+        self._scripts = {name: client.register_script(src) for name, src in (
+            ("enter", _ENTER), ("admit", _ADMIT), ("durable", _DURABLE), ("claim", _CLAIM),
+            ("append", _APPEND), ("set", _SET))}
+
+    async def _run(self, name: str, what: str, keys: list[str], *args: Any) -> tuple[int, int]:
+        res = await _call(self._scripts[name](keys=[self.key, *keys], args=[str(self.epoch), *map(str, args)]),
+                          keys[0] if keys else self.key)
+        code, value = int(res[0]), int(res[1])
+        if code == 0:
+            raise StaleEpoch(f"gang {self.epoch} may not {what}: gang {value} has taken over", epoch=self.epoch,
+                             newest=value, key=keys[0] if keys else self.key)
+        return code, value
+
+    async def enter(self) -> GangRecord:
+        """Announce this gang (raising the record's epoch); return the record it found."""
+        _, durable = await self._run("enter", "start", [])
+        return GangRecord(self.epoch, durable)
+
+    async def admit(self) -> None:
+        """Check that no newer gang has written (asked just before a checkpoint manifest)."""
+        await self._run("admit", "publish a checkpoint", [])
+
+    async def durable(self, step: int) -> None:
+        """Record ``step`` as the newest durable checkpoint of this gang's lineage."""
+        await self._run("durable", f"record checkpoint {step} durable", [], step)
+
+    async def claim(self, step: int, durable_step: int) -> Claim:
+        """May this gang train batch ``step``, given its newest durable checkpoint?
+
+        Returns ``"new"`` (first claim, or ours already), ``"redo"`` (an older gang's result never
+        became durable) or ``"refused"`` (trained in this durable lineage already).
+        """
+        code, _ = await self._run("claim", f"claim batch {step}", [Keys.fence(self.job, step)], durable_step, step)
+        return {1: "new", 2: "redo", 3: "refused"}[code]  # type: ignore[return-value]
+
+    async def record_trained(self, step: int, checksum: str) -> None:
+        """Append to the trained log (the auditor checks no batch is trained twice per lineage)."""
+        entry = json.dumps({"step": step, "epoch": self.epoch, "checksum": checksum})
+        await self._run("append", f"record step {step} trained", [Keys.trained_log(self.job)], entry)
+
+    async def set_pointer(self, announce_json: bytes | str) -> None:
+        """Point late joiners at this gang's newest announced weights."""
+        payload = announce_json.decode() if isinstance(announce_json, bytes) else announce_json
+        await self._run("set", "set the weights pointer", [Keys.weights_latest(self.job)], payload)
+
+
+async def read_gang(client: aioredis.Redis, job_id: str) -> GangRecord:
+    """The job's gang record (for readers: resume checks, rollout GC, the auditor)."""
+    key = Keys.gang(job_id)
+    raw = await _call(client.hmget(key, ["epoch", "durable"]), key)
+    return GangRecord(*(int(v) if v is not None else -1 for v in raw))

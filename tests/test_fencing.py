@@ -1,0 +1,205 @@
+"""Every side effect of a trainer gang is fenced by its epoch where it lands (issue 9 items 1, 3).
+
+Against the session's real Redis and S3 servers; every check reads the raw keys or the S3 listing.
+On 2b13d92 (read in the code) the batch claim accepted any epoch on a step nobody had claimed yet,
+and the trained log append, the weights pointer SET and the manifest put looked at no epoch at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import torch
+from robustrl.services.trainer.lineage import History, LoopFence, read_history, resume_step
+
+from robustrl.checkpoint import Checkpointer, capture_rng
+from robustrl.config import Settings
+from robustrl.errors import CheckpointLost, StaleEpoch
+from robustrl.storage.fencing import GangFence, read_gang
+from robustrl.storage.objects import S3ObjectStore
+from robustrl.storage.redis_stores import BatchRecord, BatchStore, Keys, connect
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def redis(infra: Settings) -> AsyncIterator[object]:
+    client = connect(infra.redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def _job() -> str:
+    return f"fence-{uuid.uuid4().hex[:8]}"
+
+
+async def test_batch_claims_follow_the_durable_lineage_and_refuse_stale_gangs(redis) -> None:  # type: ignore[no-untyped-def]
+    job = _job()
+    g1, g2, g3 = (GangFence(redis, job, e) for e in (1, 2, 3))
+    assert await g1.claim(5, durable_step=4) == "new"
+    assert await g1.claim(5, durable_step=4) == "new"  # idempotent
+    assert await g2.claim(5, durable_step=4) == "redo"  # gang 1's step 5 never became durable
+    with pytest.raises(StaleEpoch) as err:
+        await g1.claim(5, durable_step=4)  # the zombie may not take it back
+    assert err.value.newest == 2
+    # On 2b13d92 the zombie could take a step nobody had claimed yet ("new").
+    with pytest.raises(StaleEpoch):
+        await g1.claim(6, durable_step=5)
+    assert await redis.get(Keys.fence(job, 6)) is None
+    assert await g3.claim(5, durable_step=5) == "refused"  # durable: training it again = twice
+    assert await redis.get(Keys.fence(job, 5)) == b"2"
+
+
+async def test_stale_gang_cannot_log_training_or_move_the_pointer(redis) -> None:  # type: ignore[no-untyped-def]
+    job = _job()
+    old, new = GangFence(redis, job, 4), GangFence(redis, job, 5)
+    await old.enter()
+    await old.record_trained(7, "aaa")
+    await old.set_pointer(json.dumps({"version": 8, "epoch": 4}))
+    await new.enter()
+    await new.set_pointer(json.dumps({"version": 6, "epoch": 5}))  # a redo: lower version, newer gang
+    for write in (old.record_trained(8, "bbb"), old.set_pointer(json.dumps({"version": 9, "epoch": 4})),
+                  old.durable(8), old.admit()):
+        with pytest.raises(StaleEpoch):
+            await write
+    raw_log = [json.loads(x) for x in await redis.lrange(Keys.trained_log(job), 0, -1)]
+    assert raw_log == [{"step": 7, "epoch": 4, "checksum": "aaa"}]
+    assert json.loads(await redis.get(Keys.weights_latest(job))) == {"version": 6, "epoch": 5}
+    assert await redis.hget(Keys.gang(job), "epoch") == b"5"
+
+
+async def test_durable_record_is_per_lineage(redis) -> None:  # type: ignore[no-untyped-def]
+    job = _job()
+    g1, g2 = GangFence(redis, job, 1), GangFence(redis, job, 2)
+    assert (await g1.enter()).durable == -1
+    await g1.durable(5)
+    await g1.durable(4)  # never backwards within a gang
+    assert (await read_gang(redis, job)).durable == 5
+    assert (await g2.enter()).durable == 5
+    await g2.durable(3)  # gang 2 resumed below 5 (checkpoint 5 no longer verified): its lineage
+    assert await redis.hmget(Keys.gang(job), ["epoch", "durable", "durable_epoch"]) == [b"2", b"3", b"2"]
+
+
+async def test_no_stale_write_lands_after_the_newer_gang_entered(redis) -> None:  # type: ignore[no-untyped-def]
+    """Hundreds of racing writes: in the raw log, nothing of gang 1 follows gang 2's entry."""
+    job = _job()
+    g1, g2 = GangFence(redis, job, 1), GangFence(redis, job, 2)
+    in_flight = asyncio.Semaphore(16)  # within the client's connection pool
+
+    async def zombie(i: int) -> None:
+        async with in_flight:
+            try:
+                await g1.record_trained(i, "z")
+            except StaleEpoch:
+                pass
+
+    async def takeover() -> None:
+        await asyncio.sleep(0)
+        await g2.enter()
+        await g2.record_trained(-1, "marker")
+
+    await asyncio.gather(*[zombie(i) for i in range(150)], takeover(), *[zombie(i) for i in range(150, 300)])
+    epochs = [json.loads(x)["epoch"] for x in await redis.lrange(Keys.trained_log(job), 0, -1)]
+    assert epochs[-1] == 2 and 2 not in epochs[:-1]
+    assert len(epochs) < 301  # the fence refused some
+
+
+@pytest.fixture
+def loop_thread() -> Iterator[asyncio.AbstractEventLoop]:
+    """An event loop in a thread of its own, as the trainer's loop is to its upload thread."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_stale_gang_writes_no_manifest_to_s3(infra: Settings, object_store: S3ObjectStore,
+                                             loop_thread: asyncio.AbstractEventLoop) -> None:
+    job = _job()
+    prefix = f"jobs/{job}/checkpoints"
+    client = connect(infra.redis_url)
+
+    def on_loop(coro):  # type: ignore[no-untyped-def]
+        return asyncio.run_coroutine_threadsafe(coro, loop_thread).result(30)
+
+    old, new = GangFence(client, job, 1), GangFence(client, job, 2)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    ck = Checkpointer(object_store, prefix, epoch=1, fence=LoopFence(old, loop_thread))
+    try:
+        on_loop(old.enter())
+
+        def snap(step: int) -> None:
+            ck.snapshot(step, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(),
+                        data_cursor=step, weights_version=step)
+            ck.wait_uploaded(30)
+
+        snap(1)
+        assert ck.last_error is None and on_loop(read_gang(client, job)).durable == 1
+        on_loop(new.enter())
+        snap(2)  # on 2b13d92 this manifest landed
+        assert isinstance(ck.last_error, StaleEpoch)
+        manifests = [k for k in object_store.list(prefix + "/") if k.endswith("manifest.json")]
+        assert manifests == [f"{prefix}/000000000001/e00000001/manifest.json"]
+        assert json.loads(object_store.get(manifests[0]))["epoch"] == 1
+        assert on_loop(read_gang(client, job)).durable == 1
+    finally:
+        on_loop(client.aclose())
+
+
+# -- resuming over a committed history --------------------------------------------------------------
+
+
+def test_resume_step_refuses_to_train_over_a_committed_history() -> None:
+    # Checkpoint 4 was durable and nothing loads: never start from random weights (step 0).
+    with pytest.raises(CheckpointLost) as err:
+        resume_step(None, History(durable=4, trained=frozenset({5, 6}), batches=frozenset(range(10))))
+    assert (err.value.step, err.value.durable) == (6, 4)
+    # Newest loadable is 2, steps 3..6 committed, batch 4 already deleted: cannot redo.
+    with pytest.raises(CheckpointLost, match=r"\[4\]"):
+        resume_step(2, History(durable=4, trained=frozenset({5, 6}), batches=frozenset({3, 5, 6})))
+    # Redo is sound when every batch after the checkpoint is still there.
+    assert resume_step(2, History(durable=4, trained=frozenset({5, 6}), batches=frozenset({3, 4, 5, 6}))) == 3
+    # A gang died before step 0's checkpoint was durable: redo from the seeded init.
+    assert resume_step(None, History(durable=-1, trained=frozenset({0}), batches=frozenset({0}))) == 0
+    assert resume_step(None, History(durable=-1, trained=frozenset(), batches=frozenset())) == 0
+    assert resume_step(9, History(durable=7, trained=frozenset({8}), batches=frozenset())) == 10
+
+
+async def test_fresh_gang_with_committed_history_and_no_loadable_checkpoint_raises(
+        redis, object_store: S3ObjectStore) -> None:  # type: ignore[no-untyped-def]
+    job = _job()
+    prefix = f"jobs/{job}/checkpoints"
+    old = GangFence(redis, job, 1)
+    await old.enter()
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters())
+    ck = Checkpointer(object_store, prefix, epoch=1)
+    ck.snapshot(3, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(),
+                data_cursor=3, weights_version=4)
+    assert await asyncio.to_thread(ck.wait_uploaded, 30) == 3
+    await old.durable(3)
+    await old.record_trained(4, "c4")
+    await BatchStore(redis, job).put(BatchRecord(job_id=job, step=4, episode_ids=["e"], reward_mean=0.0))
+    # The only checkpoint rots.
+    blob = next(k for k in object_store.list(prefix + "/") if k.endswith("tensors-00000.pt"))
+    object_store.put(blob, object_store.get(blob)[:-1])
+    new = GangFence(redis, job, 2)
+    record = await new.enter()
+    state = await asyncio.to_thread(Checkpointer(object_store, prefix, epoch=2).load_latest)
+    assert state is None
+    history = await read_history(redis, job, record, None)
+    assert history.committed == 4
+    with pytest.raises(CheckpointLost, match="no checkpoint loads"):
+        resume_step(None, history)
