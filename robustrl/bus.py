@@ -221,10 +221,9 @@ class Bus:
         try:
             # To the end of the log, however long: each message says how many are still pending
             # after it. ``timeout`` bounds one fetch (no message at all within it: nothing left).
-            deadline = asyncio.get_running_loop().time() + timeout
             while True:
                 try:
-                    batch = await sub.fetch(512, timeout=0.3)
+                    batch = await sub.fetch(512, timeout=min(timeout, EVENT_FETCH_TIMEOUT_S))
                 except (TimeoutError, NatsTimeout):
                     break
                 for raw in batch:
@@ -233,7 +232,7 @@ class Bus:
                     except MessageError as exc:
                         events.skipped += 1
                         log.warning("skipping bad event: %s", exc)
-                if asyncio.get_running_loop().time() > deadline:
+                if not batch or batch[-1].metadata.num_pending == 0:
                     break
         finally:
             await sub.unsubscribe()

@@ -100,7 +100,8 @@ class Rig:
         self.bus: Bus | None = None
 
     async def start(self) -> None:
-        self.bus = await self.connect("test")
+        self.bus = await self.connect("test", "controller")
+        await self.bus.ensure_event_stream()
         self.rm = StandInRM(await self.connect("stand-in-rm"))
         await self.rm.start()
         await self.redis.delete(Keys.controller_lease(), Keys.jobs())
@@ -225,8 +226,8 @@ async def test_restarted_controller_adopts_running_members_and_restarts_none(rig
     await a.close(stop_members=False)  # the controller goes; its members stay
 
     # A commit while no controller listens: the next one catches up from the event log.
-    assert rig.bus
-    await rig.bus.emit_event(job.job_id, "step_committed", {"step": 1, "epoch": 1, "weights_version": 2,
+    trainer = await rig.connect("test-trainer", "trainer")
+    await trainer.emit_event(job.job_id, "step_committed", {"step": 1, "epoch": 1, "weights_version": 2,
                                                             "checksum": "y", "durable_step": 1})
     b = await rig.controller()
     await b.wait_leading(10)
@@ -316,3 +317,13 @@ async def test_finished_status_only_once_job_finished_is_in_the_log_and_ettr_is_
     events = await rig.events(job.job_id)  # read at once: the final event must already be there
     assert of_kind(events, "job_finished")
     assert job.ettr is not None
+
+
+async def test_event_log_is_read_to_its_end_not_to_a_time_budget(rig: Rig) -> None:
+    assert rig.bus
+    job_id = f"cplong-{os.getpid()}"
+    n = 1300
+    await asyncio.gather(*(rig.bus.emit_event(job_id, "note", {"i": i}) for i in range(n)))
+    # A per-fetch bound far below the time the whole read takes: the read still reaches the end.
+    events = await rig.bus.read_events(job_id, timeout=0.2)
+    assert sorted(e.data["i"] for e in events) == list(range(n))
