@@ -43,6 +43,8 @@ BATCH_GET_TIMEOUT_S = 1.0
 DIST_TIMEOUT_S = 60.0
 EXIT_CHECKPOINT_LOST = 65
 """Exit status (EX_DATAERR) of a trainer that refuses to start: committed steps, no checkpoint."""
+EXIT_STALE = 75
+"""Exit status (EX_TEMPFAIL) of a trainer whose gang a newer gang replaced before it started."""
 
 
 def checkpoint_prefix(job_id: str) -> str:
@@ -288,3 +290,6 @@ def main() -> None:
     except CheckpointLost as exc:
         log.critical("trainer cannot start: %s", exc)
         sys.exit(EXIT_CHECKPOINT_LOST)
+    except StaleEpoch as exc:
+        log.error("trainer gang replaced before it started, exiting: %s", exc)
+        sys.exit(EXIT_STALE)
