@@ -270,3 +270,62 @@ def test_only_trainer_and_controller_hold_s3_keys(infra, creds):
     anonymous = Minio(infra.s3_endpoint, secure=False, region="us-east-1")
     with pytest.raises((S3Error, InvalidResponseError)):  # rclone answers an unsigned request oddly
         list(anonymous.list_objects(infra.s3_bucket))
+
+
+# --- a real job under per-role credentials ----------------------------------------------------
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def _assert_holds_only(env: dict[str, str], role: Principal, creds: Credentials) -> None:
+    nats_user = urlparse(env["ROBUSTRL_NATS_URL"]).username
+    assert nats_user == role.value, f"{role.value} connects to NATS as {nats_user}"
+    redis_url = env.get("ROBUSTRL_REDIS_URL", "")
+    assert (urlparse(redis_url).username if redis_url else None) == creds.of(role).redis_user
+    assert bool(env.get("ROBUSTRL_S3_SECRET_KEY")) == (role in S3_ROLES)
+    assert not env.get("ROBUSTRL_CREDENTIALS_FILE")
+    others = [k for k in env if k.startswith(("ROBUSTRL_TRAINER_", "ROBUSTRL_ROLLOUT_"))]
+    assert not others or role is Principal.CONTROLLER, f"{role.value} holds {others}"
+
+
+async def _raw_event_subjects(infra: Settings, job_id: str) -> list[str]:
+    nc = await nats.connect(infra.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        js = nc.jetstream()
+        sub = await js.pull_subscribe(subjects.events_of(job_id), durable=None, stream=subjects.EVENTS_STREAM)
+        out: list[str] = []
+        while True:
+            try:
+                batch = await sub.fetch(256, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                return out
+            out += [m.subject for m in batch]
+    finally:
+        await nc.close()
+
+
+def test_a_job_runs_with_each_process_holding_only_its_roles_credentials(stack, api, infra, creds):
+    from jobs import wait_done, wait_step
+
+    jid = api.submit({"name": "roles", "steps": 3, "seed": 3, "data": {"prompts_per_step": 4, "group_size": 4},
+                      "rollout": {"replicas": 2}})["job_id"]
+    wait_step(api, jid, 0)
+    for name, pid in stack.pids().items():
+        _assert_holds_only(_environ(pid), Principal(name), creds)
+    members = [m for m in api.job(jid)["members"] if m.get("pid") and m.get("alive", True)]
+    assert {m["role"] for m in members} == {"trainer", "rollout"}
+    for m in members:
+        _assert_holds_only(_environ(m["pid"]), Principal(m["role"]), creds)
+    status = wait_done(api, jid)
+    assert status["committed_step"] == 2
+    # From the raw log: every event sits under a writer that owns its kind.
+    written = asyncio.run(_raw_event_subjects(infra, jid))
+    writers = {(s.split(".")[3], s.split(".")[4]) for s in written}
+    assert {("request_manager", "step_started"), ("trainer", "step_committed"),
+            ("controller", "job_finished")} <= writers
+    for role, kind in writers:
+        assert Principal(role) in EVENT_OWNERS[kind], (role, kind)
+    assert api.report(jid)["events_skipped"] == 0
