@@ -188,12 +188,49 @@ def test_max_stuck_is_the_longest_gap_between_progress_events():
 # -- against real stores --------------------------------------------------------------------------
 
 
+async def _run_capturing_keys(api, infra, spec) -> tuple[str, dict[bytes, bytes]]:
+    """Run a job to its end while taking a raw DUMP of every key of the job at each hand-off and
+    commit; returns the job id and the newest dump of every key ever seen. The request manager
+    deletes the keys of durable steps, so the test puts them back to have something to corrupt."""
+    import nats
+    import redis.asyncio as aioredis
+
+    from robustrl import subjects
+
+    r = aioredis.from_url(infra.redis_url)
+    nc = await nats.connect(infra.nats_url)
+    dumps: dict[bytes, bytes] = {}
+    job: dict[str, str] = {}
+
+    async def capture(msg) -> None:
+        body = json.loads(msg.data)
+        if body.get("job_id") != job.get("id") or body.get("kind") not in ("batch_ready", "step_committed"):
+            return
+        async for key in r.scan_iter(match=Keys.job_pattern(job["id"])):
+            value = await r.dump(key)
+            if value is not None:
+                dumps[key] = value
+
+    sub = await nc.subscribe(subjects.EVENTS_ALL, cb=capture)
+    try:
+        job["id"] = (await asyncio.to_thread(api.submit, spec))["job_id"]
+        await asyncio.to_thread(wait_done, api, job["id"])
+        await nc.flush()
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
+    for key, value in dumps.items():
+        await r.restore(key, 0, value, replace=True)
+    await r.aclose()
+    return job["id"], dumps
+
+
 @pytest.mark.timeout(300)
 def test_auditor_catches_each_corruption_of_the_raw_stores(stack, api, infra):
     # One trainer rank: the clean baseline must not depend on the rank checkpoint race (issue 9
     # item 1), which the recovery tests' audits catch with two ranks.
-    job_id = api.submit(small_job("audit", steps=3, trainer={"workers": 1}))["job_id"]
-    wait_done(api, job_id)
+    job_id, dumps = asyncio.run(_run_capturing_keys(api, infra, small_job("audit", steps=3, trainer={"workers": 1})))
+    assert dumps, "no key of the job was ever seen"
     options = AuditOptions(redis_bound=False)
 
     def run() -> object:
@@ -227,8 +264,12 @@ def test_auditor_catches_each_corruption_of_the_raw_stores(stack, api, infra):
     assert report.episodes_lost >= 1 and not report.checks["episodes"].passed
     r.set(ekey, saved)
 
-    # 3. A duplicate trained record.
-    entry = r.lindex(Keys.trained_log(job_id), 0)
+    # 3. A duplicate trained record (of a step the log still holds, else of the last commit).
+    entry = r.lindex(Keys.trained_log(job_id), -1)
+    if entry is None:
+        last = [e for e in api.events(job_id) if e["kind"] == "step_committed"][-1]["data"]
+        entry = json.dumps({"step": last["step"], "epoch": last["epoch"], "checksum": last["checksum"]})
+        r.rpush(Keys.trained_log(job_id), entry)
     r.rpush(Keys.trained_log(job_id), entry)
     report = run()
     assert report.steps_trained_twice == 1 and not report.checks["trained_once"].passed

@@ -97,7 +97,10 @@ def training_records(inp: AuditInput) -> TrainingRecords:
                                          f"{raw_sums[pair][:12]} != committed {str(e.data['checksum'])[:12]}")
     rec.raw_dupes = sorted(p for p, n in raw.items() if n > 1)
     rec.commit_dupes = sorted(p for p, n in commits.items() if n > 1)
-    rec.pairs = set(raw) | set(commits)
+    # A checkpoint that verifies was written by the gang that trained its step (it names it).
+    written = {(ck.step, ck.epoch) for ck in inp.checkpoints if ck.loadable and ck.step is not None
+               and ck.epoch is not None}
+    rec.pairs = set(raw) | set(commits) | written  # type: ignore[arg-type]
     return rec
 
 

@@ -86,6 +86,7 @@ class RawCheckpoint:
     manifest_key: str
     step: int | None
     manifest: dict[str, Any] | None
+    epoch: int | None = None
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -286,13 +287,16 @@ def job_prefix(job_id: str) -> str:
     return f"jobs/{job_id}/"
 
 
-def _step_of(manifest_key: str, manifest: dict[str, Any] | None) -> int | None:
-    parent = manifest_key.rsplit("/", 2)[-2] if manifest_key.count("/") >= 1 else ""
-    if parent.isdigit():
-        return int(parent)
-    if manifest is not None and isinstance(manifest.get("step"), int):
-        return int(manifest["step"])
-    return None
+def _folder_ref(manifest_key: str) -> tuple[int | None, int | None]:
+    """(step, epoch) named by a manifest's folder: ``.../<step:012d>[/e<epoch:08d>]/manifest.json``."""
+    parts = manifest_key.split("/")[:-1]
+    step = epoch = None
+    if parts and parts[-1][:1] == "e" and parts[-1][1:].isdigit():
+        epoch = int(parts[-1][1:])
+        parts = parts[:-1]
+    if parts and parts[-1].isdigit():
+        step = int(parts[-1])
+    return step, epoch
 
 
 def _blob_key(manifest_key: str, blob: dict[str, Any]) -> str:
@@ -320,8 +324,9 @@ def scan_checkpoints(store: ObjectStore, job_id: str) -> list[RawCheckpoint]:
             manifest = _json(store.get(mkey))
         except ObjectNotFound:
             continue  # deleted between listing and reading (GC); it no longer vouches for anything
-        ck = RawCheckpoint(manifest_key=mkey, step=None, manifest=manifest if isinstance(manifest, dict) else None)
-        ck.step = _step_of(mkey, ck.manifest)
+        step, epoch = _folder_ref(mkey)
+        ck = RawCheckpoint(manifest_key=mkey, step=step, epoch=epoch,
+                           manifest=manifest if isinstance(manifest, dict) else None)
         if ck.manifest is None:
             ck.problems.append("manifest is not a JSON object")
             out.append(ck)
@@ -329,8 +334,12 @@ def scan_checkpoints(store: ObjectStore, job_id: str) -> list[RawCheckpoint]:
         blobs = ck.manifest.get("blobs")
         if not isinstance(blobs, list) or not blobs:
             ck.problems.append("manifest names no blobs")
-        if ck.step is not None and isinstance(ck.manifest.get("step"), int) and ck.manifest["step"] != ck.step:
-            ck.problems.append(f"manifest says step {ck.manifest['step']} but sits under step {ck.step}")
+        for name, folder in (("step", ck.step), ("epoch", ck.epoch)):
+            named = ck.manifest.get(name)
+            if folder is None:
+                ck.step = named if name == "step" and isinstance(named, int) else ck.step
+            elif named != folder:
+                ck.problems.append(f"manifest names {name} {named} but sits in the folder of {name} {folder}")
         for blob in blobs if isinstance(blobs, list) else []:
             if not isinstance(blob, dict):
                 ck.problems.append(f"blob entry is not an object: {blob!r}")
