@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from consistency import check_job
 from docker_engine import Engine, Unavailable, build_context, compose_cli, ensure_base_image
 from jobs import kinds, small_job, wait_done, wait_step
 from support import eventually
 
+from robustrl.audit import audit_job
 from robustrl.client import ApiClient
 from robustrl.config import Settings
 from robustrl.errors import JobError
@@ -184,8 +184,8 @@ def test_compose_up_then_trainer_container_killed_recovers_role_locally(stack: S
     assert {m: after[m].id for m in rollouts} == rollouts
 
     # The same invariants as the process-level recovery tests, on the stack's own stores.
-    facts = check_job(stack.settings(), status, events)
-    assert facts["manifests"], "no checkpoint reached the stack's S3 server"
+    report = audit_job(stack.settings(), jid)
+    assert report.facts["manifests"], "no checkpoint reached the stack's S3 server"
     # Nothing was injected (no chaos record), so there is no detection delay to report, but the
     # recovery was timed from detection to the new gang being ready.
     fault = api.report(jid)["faults"][0]

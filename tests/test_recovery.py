@@ -1,5 +1,5 @@
-"""Role-local recovery with real processes and servers: every fault kind, then the consistency
-checks of DESIGN section 4 (not only that the job finished)."""
+"""Role-local recovery with real processes and servers: every fault kind, then the independent
+auditor's checks of DESIGN section 4 on the raw stores (not only that the job finished)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import asyncio
 import time
 
 import pytest
-from consistency import check_job
 from jobs import kinds, small_job, wait_done, wait_step
 from support import eventually, eventually_async
 
+from robustrl.audit import audit_job
 from robustrl.storage.redis_stores import Keys, connect
 
 pytestmark = pytest.mark.timeout(240)
@@ -29,9 +29,9 @@ def test_trainer_worker_crash_restarts_only_the_trainer(api, infra):
     jid = api.submit(small_job("tcrash", steps=12))["job_id"]
     wait_step(api, jid, 1)
     api.fault(jid, kind="crash", role="trainer", member=1)
-    status = wait_done(api, jid)
+    wait_done(api, jid)
     events = api.events(jid)
-    check_job(infra, status, events)
+    audit_job(infra, jid)
 
     faults = _faults(events)
     assert faults[0]["kind"] == "crash" and faults[0]["role"] == "trainer"
@@ -50,9 +50,9 @@ def test_trainer_hang_is_detected_by_silence_and_recovered(api, infra):
     jid = api.submit(small_job("thang", steps=12))["job_id"]
     wait_step(api, jid, 1)
     api.fault(jid, kind="hang", role="trainer", member=0)
-    status = wait_done(api, jid)
+    wait_done(api, jid)
     events = api.events(jid)
-    check_job(infra, status, events)
+    audit_job(infra, jid)
     faults = [f for f in _faults(events) if f["role"] == "trainer"]
     assert faults and faults[0]["kind"] in ("unresponsive", "hang")
     assert ["RestartTrainerGang"] in [acts for _, acts in _decisions(events)]
@@ -68,9 +68,9 @@ def test_trainer_stall_in_training_phase_is_a_hang(api, infra):
     wait_step(api, jid, 1)
     # The stall takes effect at the next forward pass, i.e. inside the training phase.
     api.fault(jid, kind="stall", role="trainer", member=0, duration_s=120)
-    status = wait_done(api, jid)
+    wait_done(api, jid)
     events = api.events(jid)
-    check_job(infra, status, events)
+    audit_job(infra, jid)
     faults = [f for f in _faults(events) if f["role"] == "trainer"]
     assert faults and faults[0]["kind"] == "hang", faults
 
@@ -94,9 +94,9 @@ def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, inf
     wait_step(api, jid, step)  # the step after this one is generating now
     asyncio.run(first_prefix_of_step())
     api.fault(jid, kind="crash", role="rollout", member=0)
-    status = wait_done(api, jid)
+    wait_done(api, jid)
     events = api.events(jid)
-    facts = check_job(infra, status, events)
+    audit_job(infra, jid)
 
     actions = [a for _, acts in _decisions(events) for a in acts]
     assert actions == ["RedispatchEpisodes", "ReplaceReplica"]
@@ -112,7 +112,6 @@ def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, inf
     started = [d["member_id"] for d in kinds(events, "member_started")]
     assert "rollout-0-i1" in started and "trainer-e2-r0" not in started
     assert any(d["member_id"] == "rollout-0-i1" for d in kinds(events, "weights_loaded"))
-    del facts
 
 
 def test_rollout_stall_is_detected_and_replaced(api, infra):
@@ -120,9 +119,9 @@ def test_rollout_stall_is_detected_and_replaced(api, infra):
     jid = api.submit(spec)["job_id"]
     wait_step(api, jid, 1)
     api.fault(jid, kind="stall", role="rollout", member=1, duration_s=120)
-    status = wait_done(api, jid)
+    wait_done(api, jid)
     events = api.events(jid)
-    check_job(infra, status, events)
+    audit_job(infra, jid)
     faults = [f for f in _faults(events) if f["role"] == "rollout"]
     assert faults and faults[0]["kind"] in ("hang", "unresponsive") and faults[0]["member_id"] == "rollout-1-i0"
     assert "rollout-1-i1" in [d["member_id"] for d in kinds(events, "member_started")]
@@ -134,9 +133,9 @@ def test_tool_outage_is_a_tool_fault_not_a_rollout_fault(api, infra):
     jid = api.submit(spec)["job_id"]
     wait_step(api, jid, 1)
     api.fault(jid, kind="tool_outage", role="request_manager", duration_s=2.0)
-    status = wait_done(api, jid)
+    wait_done(api, jid)
     events = api.events(jid)
-    check_job(infra, status, events)
+    audit_job(infra, jid)
     faults = _faults(events)
     assert faults and all(f["kind"] == "tool_outage" for f in faults), faults
     assert all(acts == ["ReportOnly"] for _, acts in _decisions(events))
@@ -153,9 +152,9 @@ def test_fault_in_first_step_escalates_to_whole_job_restart(api, infra):
                what="members up")
     assert api.job(jid)["committed_step"] == -1
     api.fault(jid, kind="crash", role="rollout", member=0)
-    status = wait_done(api, jid)
+    wait_done(api, jid)
     events = api.events(jid)
-    check_job(infra, status, events)
+    audit_job(infra, jid)
     acts = [a for _, a in _decisions(events)]
     assert ["RestartWholeJob"] in acts
     assert "trainer-e2-r0" in [d["member_id"] for d in kinds(events, "member_started")]
@@ -166,9 +165,9 @@ def test_whole_job_policy_restarts_everything_and_regenerates_the_step(api, infr
     wait_step(api, jid, 1)
     t0 = time.time()
     api.fault(jid, kind="crash", role="trainer", member=0)
-    status = wait_done(api, jid)
+    wait_done(api, jid)
     events = api.events(jid)
-    check_job(infra, status, events)
+    audit_job(infra, jid)
     assert [a for _, a in _decisions(events)] == [["RestartWholeJob"]]
     started_after = [d["member_id"] for e in events if e["kind"] == "member_started" and e["ts"] > t0
                      for d in [e["data"]]]
@@ -184,23 +183,24 @@ def test_overlapped_modes_recover_a_trainer_crash_within_the_staleness_bound(api
     jid = api.submit(small_job(mode.replace("_", "-"), steps=12, mode=mode, staleness=staleness))["job_id"]
     wait_step(api, jid, 2)
     api.fault(jid, kind="crash", role="trainer", member=0)
-    status = wait_done(api, jid)
+    wait_done(api, jid)
     events = api.events(jid)
-    facts = check_job(infra, status, events)  # includes: every turn within the staleness bound
+    audit_job(infra, jid)  # includes: every turn it can still see is within the staleness bound
     assert ["RestartTrainerGang"] in [acts for _, acts in _decisions(events)]
-    lags = {k - t.weights_version for k, b in facts["batches"].items() for eid in b.episode_ids
-            for t in facts["episodes"][eid].turns if t.role == "assistant"}
-    assert max(lags) <= staleness
-    assert max(lags) >= 1, "no step generated on an older version: rollout and training never overlapped"
+    # Overlap, from the log: some step started before the step before it was committed.
+    started = {d["step"]: e["ts"] for e in events if e["kind"] == "step_started" for d in [e["data"]]}
+    committed = {e["data"]["step"]: e["ts"] for e in events if e["kind"] == "step_committed"}
+    assert any(started[k] < committed[k - 1] for k in started if k - 1 in committed), (
+        "no step generated on an older version: rollout and training never overlapped")
 
 
 def test_trainer_crash_with_warm_spares_restarts_the_gang_from_spares(api, infra):
     jid = api.submit(small_job("tspare", steps=12, recovery={"warm_spares": 2}))["job_id"]
     wait_step(api, jid, 2)  # the spares have imported the member code by now
     api.fault(jid, kind="crash", role="trainer", member=0)
-    status = wait_done(api, jid)
+    wait_done(api, jid)
     events = api.events(jid)
-    check_job(infra, status, events)
+    audit_job(infra, jid)
     assert [["RestartTrainerGang"]] == [acts for _, acts in _decisions(events)]
     started = {d["member_id"]: d.get("warm") for d in kinds(events, "member_started")}
     # the first members started cold; the new gang came from the two warm spares

@@ -66,7 +66,7 @@ def judge(inp: AuditInput, options: AuditOptions | None = None) -> AuditReport:
     checks["weights"], bad_weights = check_weights(inp, views)
     checks["redis_bounded"], redis_facts = check_redis_bounded(inp, durable, opts.redis_slack_steps, opts.redis_bound)
     checks["progress"], stuck = check_progress(inp, opts.max_stuck_s)
-    return AuditReport(
+    report = AuditReport(
         job_id=inp.job_id, ok=all(c.passed for c in checks.values()), checks=checks,
         steps_trained_twice=twice, steps_lost=steps_lost, episodes_lost=episodes_lost,
         checkpoints_unloadable=unloadable, replicas_served_bad_weights=bad_weights,
@@ -74,6 +74,8 @@ def judge(inp: AuditInput, options: AuditOptions | None = None) -> AuditReport:
                "newest_loadable_checkpoint": durable, "manifests": len(inp.checkpoints),
                "steps_unverified": unverified, "max_stuck_s": round(stuck, 3), "events": len(inp.events),
                "steps_observed_live": len(inp.observed), **redis_facts})
+    report._raw = inp
+    return report
 
 
 async def audit(settings: Settings, job_id: str, options: AuditOptions | None = None,

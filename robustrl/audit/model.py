@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from robustrl.audit.raw import RawCheckpoint, RawEvent, RawRedis
 
@@ -64,6 +64,12 @@ class AuditReport(BaseModel):
     checkpoints_unloadable: int = 0
     replicas_served_bad_weights: int = 0
     facts: dict[str, Any] = Field(default_factory=dict)
+    _raw: AuditInput | None = PrivateAttr(None)
+
+    @property
+    def raw(self) -> AuditInput | None:
+        """What the auditor read (tests assert more on it); not part of the JSON report."""
+        return self._raw
 
     def violations(self) -> list[str]:
         return [f"{name}: {v}" for name, c in self.checks.items() for v in c.violations]
