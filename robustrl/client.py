@@ -12,6 +12,14 @@ from robustrl.errors import JobError, RequestTimeout, TransportError
 HTTP_TIMEOUT_S = 10.0
 
 
+def _error_text(resp: httpx.Response) -> str:
+    """The message of the API's ErrorBody (it names every bad field); the raw text otherwise."""
+    try:
+        return str(resp.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return resp.text[:2000]
+
+
 class ApiClient:
     def __init__(self, base_url: str, token: str, timeout: float = HTTP_TIMEOUT_S) -> None:
         self.base_url = base_url.rstrip("/")
@@ -25,7 +33,7 @@ class ApiClient:
             raise TransportError(f"controller at {self.base_url} unreachable: {exc}; is the stack up "
                                  "(robustrl up)?", url=self.base_url) from exc
         if resp.status_code >= 400:
-            raise JobError(f"{method} {path} -> {resp.status_code}: {resp.text}", status=resp.status_code)
+            raise JobError(f"{method} {path} -> {resp.status_code}: {_error_text(resp)}", status=resp.status_code)
         return resp.json()
 
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:

@@ -8,26 +8,30 @@ passed in explicitly (nothing reads ``os.environ`` later).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, model_validator
 
 from robustrl.errors import ConfigError
 
-_STRICT = ConfigDict(extra="forbid", frozen=True)
+# Numbers in a job spec are JSON numbers: strings ("5", a 400-digit "999...") and booleans are
+# refused, as are NaN and +-Infinity (Python's json accepts them, and ``1e999`` parses to inf), so
+# what the OpenAPI schema promises is what the server accepts.
+_STRICT = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSpec(BaseModel):
     """Policy network: a tiny Qwen3-architecture model (random init) or a local directory."""
 
     model_config = _STRICT
-    hidden_size: int = Field(64, ge=8, le=8192, description="Transformer width.")
-    num_layers: int = Field(2, ge=1, le=128)
-    num_heads: int = Field(4, ge=1, le=128)
-    num_kv_heads: int = Field(2, ge=1, le=128)
-    intermediate_size: int = Field(128, ge=8, le=65536)
-    max_positions: int = Field(256, ge=32, le=65536, description="Longest prompt + response.")
-    path: str | None = Field(None, description="Local model directory to load instead of random init.")
+    hidden_size: StrictInt = Field(64, ge=8, le=8192, description="Transformer width.")
+    num_layers: StrictInt = Field(2, ge=1, le=128)
+    num_heads: StrictInt = Field(4, ge=1, le=128)
+    num_kv_heads: StrictInt = Field(2, ge=1, le=128)
+    intermediate_size: StrictInt = Field(128, ge=8, le=65536)
+    max_positions: StrictInt = Field(256, ge=32, le=65536, description="Longest prompt + response.")
+    path: str | None = Field(None, max_length=4096,
+                             description="Local model directory to load instead of random init.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:
@@ -43,56 +47,95 @@ class DataSpec(BaseModel):
 
     model_config = _STRICT
     tasks: list[Literal["reverse", "copy", "lookup", "calc"]] = Field(
-        default_factory=lambda: ["reverse", "lookup"], min_length=1
+        default_factory=lambda: ["reverse", "lookup"], min_length=1, max_length=16
     )
-    prompts_per_step: int = Field(8, ge=1, le=4096)
-    group_size: int = Field(8, ge=2, le=256, description="GRPO samples per prompt.")
+    prompts_per_step: StrictInt = Field(8, ge=1, le=4096)
+    group_size: StrictInt = Field(8, ge=2, le=256, description="GRPO samples per prompt.")
 
 
 class RolloutSpec(BaseModel):
     model_config = _STRICT
-    replicas: int = Field(2, ge=1, le=64)
-    max_new_tokens: int = Field(12, ge=1, le=4096, description="Length limit of one turn.")
-    max_turns: int = Field(3, ge=1, le=32)
-    temperature: float = Field(1.0, gt=0.0, le=10.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_batch: int = Field(64, ge=1, le=4096, description="Episodes decoded together per replica.")
+    replicas: StrictInt = Field(2, ge=1, le=64)
+    max_new_tokens: StrictInt = Field(12, ge=1, le=4096, description="Length limit of one turn.")
+    max_turns: StrictInt = Field(3, ge=1, le=32)
+    temperature: StrictFloat = Field(1.0, gt=0.0, le=10.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
+    max_batch: StrictInt = Field(64, ge=1, le=4096, description="Episodes decoded together per replica.")
 
 
 class TrainerSpec(BaseModel):
     model_config = _STRICT
-    workers: int = Field(2, ge=1, le=64)
+    workers: StrictInt = Field(2, ge=1, le=64)
     backend: Literal["gloo", "nccl"] = "gloo"
-    lr: float = Field(1e-2, gt=0.0, le=1.0)
-    clip_eps: float = Field(0.2, gt=0.0, le=1.0)
-    checkpoint_keep: int = Field(3, ge=1, le=100, description="Complete checkpoints kept.")
+    lr: StrictFloat = Field(1e-2, gt=0.0, le=1.0)
+    clip_eps: StrictFloat = Field(0.2, gt=0.0, le=1.0)
+    checkpoint_keep: StrictInt = Field(3, ge=1, le=100, description="Complete checkpoints kept.")
 
 
 class ToolSpec(BaseModel):
     model_config = _STRICT
-    latency_s: float = Field(0.15, ge=0.0, le=600.0, description="Simulated service latency per call.")
-    timeout_s: float = Field(2.0, gt=0.0, le=3600.0)
-    retries: int = Field(3, ge=0, le=20)
-    backoff_s: float = Field(0.1, ge=0.0, le=60.0)
+    latency_s: StrictFloat = Field(0.15, ge=0.0, le=600.0, description="Simulated service latency per call.")
+    timeout_s: StrictFloat = Field(2.0, gt=0.0, le=3600.0)
+    retries: StrictInt = Field(3, ge=0, le=20)
+    backoff_s: StrictFloat = Field(0.1, ge=0.0, le=60.0)
+
+
+MAX_THRESHOLD_S = 7 * 24 * 3600.0
+"""Upper bound of every detector threshold: finite values only, and none a timer cannot hold."""
+
+DETECTOR_PROFILES: dict[str, dict[str, float]] = {
+    # The reference job on a 2-core machine (DESIGN section 9): thresholds in seconds, not minutes.
+    "scaled": {"trainer_idle_s": 4.0, "rollout_idle_s": 2.0, "silence_s": 3.0, "probe_timeout_s": 1.0,
+               "metrics_interval_s": 0.25, "weights_load_s": 30.0, "turn_deadline_s": 10.0,
+               "step_deadline_s": 180.0},
+    # The paper's values for real clusters.
+    "production": {"trainer_idle_s": 300.0, "rollout_idle_s": 60.0, "silence_s": 30.0, "probe_timeout_s": 10.0,
+                   "metrics_interval_s": 5.0, "weights_load_s": 600.0, "turn_deadline_s": 600.0,
+                   "step_deadline_s": 3600.0},
+}
+"""Defaults of the detector thresholds per ``DetectorSpec.profile``."""
+_SCALED = DETECTOR_PROFILES["scaled"]
+
+
+def _threshold(name: str, description: str, *, minimum: float = 0.0) -> object:
+    prod = DETECTOR_PROFILES["production"][name]
+    return Field(_SCALED[name], gt=minimum, le=MAX_THRESHOLD_S,
+                 description=f"{description} Default: {_SCALED[name]:g} s (scaled) / {prod:g} s (production).")
 
 
 class DetectorSpec(BaseModel):
-    """Fault thresholds. Defaults are the paper's production values."""
+    """Fault thresholds. ``profile`` picks the defaults of every threshold the spec does not set:
+    ``scaled`` (the default: the reference job on a small machine) or ``production`` (the paper's
+    values). A spec that sets one threshold keeps its profile's values for the others."""
 
     model_config = _STRICT
-    trainer_idle_s: float = Field(300.0, gt=0.0, description="Training phase with no compute activity.")
-    rollout_idle_s: float = Field(60.0, gt=0.0, description="Zero token throughput with work queued.")
-    silence_s: float = Field(30.0, gt=0.0, description="No metrics at all from a member.")
-    probe_timeout_s: float = Field(10.0, gt=0.0)
-    metrics_interval_s: float = Field(5.0, gt=0.0)
-    weights_load_s: float = Field(600.0, gt=0.0, description=(
+    profile: Literal["scaled", "production"] = Field("scaled", description=(
+        "Where unset thresholds come from: scaled (seconds, for the reference job) or production "
+        "(trainer idle 300 s, rollout idle 60 s, probe 10 s)."))
+    trainer_idle_s: StrictFloat = _threshold("trainer_idle_s", "Training phase with no compute activity.")
+    rollout_idle_s: StrictFloat = _threshold("rollout_idle_s", "Zero token throughput with work queued.")
+    silence_s: StrictFloat = _threshold("silence_s", "No metrics at all from a member.")
+    probe_timeout_s: StrictFloat = _threshold("probe_timeout_s", "A heartbeat probe unanswered this long fails.")
+    metrics_interval_s: StrictFloat = _threshold("metrics_interval_s", "How often members report metrics.",
+                                                 minimum=0.01)
+    weights_load_s: StrictFloat = _threshold("weights_load_s", (
         "A replica in phase loading_weights for longer than this is a fault (weights_load_timeout)."))
     # Deadlines the request manager enforces (DESIGN section 4, "every wait is bounded"); it also
     # bounds its wait for serving replicas to reach a step's weights version by weights_load_s.
-    turn_deadline_s: float = Field(600.0, gt=0.0, description=(
+    turn_deadline_s: StrictFloat = _threshold("turn_deadline_s", (
         "A dispatched turn with no reply after this is re-dispatched from its prefix to another replica."))
-    step_deadline_s: float = Field(3600.0, gt=0.0, description=(
+    step_deadline_s: StrictFloat = _threshold("step_deadline_s", (
         "A step not handed to the trainer after this is a fault naming what it still waits for."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _profile_defaults(cls, raw: Any) -> Any:
+        # Unset thresholds come from the named profile; an unknown profile fails on its field.
+        if isinstance(raw, dict):
+            profile = raw.get("profile", "scaled")
+            if isinstance(profile, str) and profile in DETECTOR_PROFILES:
+                return {**DETECTOR_PROFILES[profile], **raw}
+        return raw
 
     @model_validator(mode="after")
     def _step_deadline_covers_its_parts(self) -> DetectorSpec:
@@ -102,19 +145,23 @@ class DetectorSpec(BaseModel):
 
     @classmethod
     def reference(cls) -> DetectorSpec:
-        """Scaled-down thresholds for the reference job on a 2-core machine."""
-        return cls(trainer_idle_s=4.0, rollout_idle_s=2.0, silence_s=3.0, probe_timeout_s=1.0,
-                   metrics_interval_s=0.25, weights_load_s=30.0, turn_deadline_s=10.0, step_deadline_s=180.0)
+        """Scaled-down thresholds for the reference job on a 2-core machine (profile ``scaled``)."""
+        return cls(profile="scaled")
+
+    @classmethod
+    def production(cls) -> DetectorSpec:
+        """The paper's thresholds (profile ``production``)."""
+        return cls(profile="production")
 
 
 class WeightSyncSpec(BaseModel):
     model_config = _STRICT
     transport: Literal["tcp", "ucx"] = "tcp"
-    chunk_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    chunk_bytes: StrictInt = Field(1 << 20, ge=1024, le=1 << 30)
     relays: bool = True
-    pull_timeout_s: float = Field(30.0, gt=0.0, le=3600.0, description=(
+    pull_timeout_s: StrictFloat = Field(30.0, gt=0.0, le=3600.0, description=(
         "Deadline of one pull attempt of a version by a replica; past it the attempt fails."))
-    pull_attempts: int = Field(3, ge=1, le=100, description=(
+    pull_attempts: StrictInt = Field(3, ge=1, le=100, description=(
         "Failed attempts (deadline passed, or checksum mismatch) at one version before the replica "
         "reports itself failed (phase weights_failed, which the detector turns into a fault)."))
 
@@ -122,9 +169,9 @@ class WeightSyncSpec(BaseModel):
 class RecoverySpec(BaseModel):
     model_config = _STRICT
     policy: Literal["role_local", "whole_job"] = "role_local"
-    deadline_s: float = Field(120.0, gt=0.0, description="A local recovery slower than this escalates.")
-    max_restarts: int = Field(20, ge=0, le=1000, description="Give up (job failed) after this many.")
-    warm_spares: int = Field(0, ge=0, le=64, description=(
+    deadline_s: StrictFloat = Field(120.0, gt=0.0, le=MAX_THRESHOLD_S, description="A local recovery slower than this escalates.")
+    max_restarts: StrictInt = Field(20, ge=0, le=1000, description="Give up (job failed) after this many.")
+    warm_spares: StrictInt = Field(0, ge=0, le=64, description=(
         "Member processes kept started ahead (imports done) while the job runs: a restart takes one "
         "instead of a cold start. Local launcher only; 0 = every restart is a cold start."))
 
@@ -135,16 +182,16 @@ class JobSpec(BaseModel):
     model_config = _STRICT
     # The job id is the name plus 9 characters and must fit a 64-character subject token.
     name: str = Field("reference", min_length=1, max_length=55, pattern=r"^[A-Za-z0-9_-]+$")
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    steps: int = Field(30, ge=1, le=1_000_000)
+    seed: StrictInt = Field(0, ge=0, le=2**31 - 1)
+    steps: StrictInt = Field(30, ge=1, le=1_000_000)
     mode: Literal["sync", "semi_sync", "async"] = "sync"
-    staleness: int = Field(0, ge=0, le=64, description="Max versions a turn may lag the trainer.")
+    staleness: StrictInt = Field(0, ge=0, le=64, description="Max versions a turn may lag the trainer.")
     model: ModelSpec = Field(default_factory=ModelSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     tools: ToolSpec = Field(default_factory=ToolSpec)
-    detector: DetectorSpec = Field(default_factory=DetectorSpec.reference)
+    detector: DetectorSpec = Field(default_factory=DetectorSpec)
     weights: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
 
@@ -202,6 +249,8 @@ class Settings(BaseModel):
     api_port: int = 8321
     run_dir: str = "runs/default"
     bind_host: str = "127.0.0.1"
+    credentials_file: str = Field("", description="Per-role credentials (0600 JSON) of the embedded "
+                                  "servers; only the operator's settings carry it (robustrl.infra.credentials).")
 
     _ENV: ClassVar[dict[str, str]] = {
         "nats_url": "ROBUSTRL_NATS_URL",
@@ -217,6 +266,7 @@ class Settings(BaseModel):
         "api_port": "ROBUSTRL_API_PORT",
         "run_dir": "ROBUSTRL_RUN_DIR",
         "bind_host": "ROBUSTRL_BIND_HOST",
+        "credentials_file": "ROBUSTRL_CREDENTIALS_FILE",
     }
 
     @classmethod

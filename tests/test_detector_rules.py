@@ -425,7 +425,7 @@ def test_replica_reporting_weights_failed_is_a_fault_at_once() -> None:
 def test_detector_spec_validates_weights_load_s() -> None:
     with pytest.raises(ValidationError):
         DetectorSpec(weights_load_s=0.0)
-    assert DetectorSpec.reference().weights_load_s < DetectorSpec().weights_load_s
+    assert DetectorSpec.reference().weights_load_s < DetectorSpec.production().weights_load_s
 
 
 # --- evidence times (issue 9 item 8) ------------------------------------------------------

@@ -56,7 +56,7 @@ def test_bad_rest_bodies_are_rejected_with_the_field_named(stack, api):
     assert r.status_code == 400 and "JSON" in r.text
     r = httpx.post(f"{url}/v1/jobs", headers=token, json={"steps": 0, "mode": "warp", "bogus": 1})
     assert r.status_code == 422
-    fields = {d["field"] for d in r.json()["detail"]}
+    fields = {d["field"] for d in r.json()["error"]["fields"]}
     assert {"steps", "mode", "bogus"} <= fields
     r = httpx.post(f"{url}/v1/jobs", headers=token, json={"mode": "sync", "staleness": 2})
     assert r.status_code == 422 and "staleness" in r.text

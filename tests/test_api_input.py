@@ -1,0 +1,292 @@
+"""Hostile input on the REST API, sent from outside over HTTP (raw sockets where a client library
+would refuse to send it): each reported bug of issue 11, and the one error shape everywhere."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from rest_target import ControllerTarget, serve_controller
+
+pytestmark = pytest.mark.timeout(180)
+
+HTTP_TIMEOUT_S = 15.0
+STALL_TIMEOUT_S = 10.0  # how long the client waits for an answer after it stopped sending
+MiB = 1 << 20
+SMALL_JOB = {"name": "victim", "steps": 2, "data": {"prompts_per_step": 1, "group_size": 2},
+             "rollout": {"replicas": 1}, "trainer": {"workers": 1}}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerTarget]:
+    with serve_controller(tmp_path_factory.mktemp("api-input")) as t:
+        yield t
+
+
+def _post(t: ControllerTarget, path: str, content: bytes | str, content_type: str | None = "application/json",
+          ) -> httpx.Response:
+    headers = dict(t.headers)
+    if content_type:
+        headers["Content-Type"] = content_type
+    return httpx.post(f"{t.base_url}{path}", content=content, headers=headers, timeout=HTTP_TIMEOUT_S)
+
+
+def _error(resp: httpx.Response) -> dict[str, Any]:
+    """The one error body: ``{"error": {"code", "message", "fields": [{"field", "error"}]}}``."""
+    assert resp.headers["content-type"].startswith("application/json"), resp.headers
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"code", "message", "fields"}, err
+    assert isinstance(err["code"], str) and err["code"] and isinstance(err["message"], str) and err["message"]
+    assert all(set(f) == {"field", "error"} for f in err["fields"]), err
+    return err
+
+
+def _fields(resp: httpx.Response) -> set[str]:
+    return {f["field"] for f in _error(resp)["fields"]}
+
+
+def _job_ids(t: ControllerTarget) -> set[str]:
+    resp = httpx.get(f"{t.base_url}/v1/jobs", headers=t.headers, timeout=HTTP_TIMEOUT_S)
+    assert resp.status_code == 200, resp.text
+    return {j["job_id"] for j in resp.json()}
+
+
+def _alive(t: ControllerTarget) -> None:
+    assert httpx.get(f"{t.base_url}/healthz", timeout=HTTP_TIMEOUT_S).json()["ok"] is True
+
+
+# --- deep nesting (was: RecursionError -> 500) ---------------------------------------------------
+
+DEPTH = 50_000
+
+
+@pytest.mark.parametrize("body", [
+    "[" * DEPTH + "]" * DEPTH,
+    '{"a":' * DEPTH + "1" + "}" * DEPTH,
+    '{"detector": ' + "[" * DEPTH + "]" * DEPTH + "}",
+    '{"name": "x", "model": {"path": "' + "[" * 1000 + '"}, "tools": ' + "{" * DEPTH + "}" * DEPTH + "}",
+], ids=["arrays", "objects", "inside-a-field", "after-a-string-of-brackets"])
+def test_deeply_nested_job_body_is_refused_not_a_500(target: ControllerTarget, body: str) -> None:
+    before = _job_ids(target)
+    resp = _post(target, "/v1/jobs", body)
+    assert resp.status_code == 400, resp.text[:300]
+    assert "nest" in _error(resp)["message"]
+    assert _job_ids(target) == before
+    _alive(target)
+
+
+def test_deeply_nested_fault_body_is_refused(target: ControllerTarget) -> None:
+    job = httpx.post(f"{target.base_url}/v1/jobs", json=SMALL_JOB, headers=target.headers,
+                     timeout=HTTP_TIMEOUT_S).json()
+    resp = _post(target, f"/v1/jobs/{job['job_id']}/faults", '{"member":' + "[" * DEPTH + "]" * DEPTH + "}")
+    assert resp.status_code == 400, resp.text[:300]
+    _error(resp)
+
+
+def test_strings_full_of_brackets_are_not_nesting(target: ControllerTarget) -> None:
+    """The depth check skips string contents (escaped quotes included)."""
+    resp = _post(target, "/v1/jobs", json.dumps({**SMALL_JOB, "name": "ok", "model": {"path": '\\"[' * 1000}}))
+    assert resp.status_code == 201, resp.text[:300]
+
+
+# --- identifiers (was: a superscript digit -> int() ValueError -> 500) ---------------------------
+
+@pytest.mark.parametrize("member", ["²", "0²", "١", "𝟘", "rollout-①", "rollout-0-i0\n", " 0", "-1", "", "x" * 200])
+def test_fault_member_must_be_the_documented_ascii_form(target: ControllerTarget, member: str) -> None:
+    job = httpx.post(f"{target.base_url}/v1/jobs", json=SMALL_JOB, headers=target.headers,
+                     timeout=HTTP_TIMEOUT_S).json()
+    resp = httpx.post(f"{target.base_url}/v1/jobs/{job['job_id']}/faults", headers=target.headers,
+                      json={"kind": "crash", "role": "rollout", "member": member}, timeout=HTTP_TIMEOUT_S)
+    assert resp.status_code == 422, resp.text
+    assert "member" in _fields(resp)
+    _alive(target)
+
+
+def test_fault_member_by_index_and_by_id_still_work(target: ControllerTarget) -> None:
+    job = httpx.post(f"{target.base_url}/v1/jobs", json=SMALL_JOB, headers=target.headers,
+                     timeout=HTTP_TIMEOUT_S).json()
+    url = f"{target.base_url}/v1/jobs/{job['job_id']}/faults"
+    for member, expect in ((0, "rollout-0-i0"), ("0", "rollout-0-i0"), ("rollout-0-i0", "rollout-0-i0")):
+        resp = httpx.post(url, headers=target.headers, json={"kind": "stall", "role": "rollout", "member": member},
+                          timeout=HTTP_TIMEOUT_S)
+        assert resp.status_code == 202, resp.text
+        assert resp.json()["member_id"] == expect
+
+
+# --- non-finite numbers (was: accepted with 201, members then crash-loop) ------------------------
+
+NON_FINITE = ["Infinity", "-Infinity", "NaN", "1e999", "-1e999", '"' + "9" * 400 + '"', '"inf"', '"nan"',
+              "1" + "0" * 400]
+
+
+@pytest.mark.parametrize("path", ["detector.silence_s", "detector.trainer_idle_s", "detector.rollout_idle_s",
+                                  "tools.latency_s", "rollout.temperature", "trainer.lr", "recovery.deadline_s"])
+@pytest.mark.parametrize("value", NON_FINITE)
+def test_non_finite_numbers_are_rejected_naming_the_field(target: ControllerTarget, path: str, value: str) -> None:
+    section, field = path.split(".")
+    body = json.dumps({**SMALL_JOB, section: {field: "@@"}}).replace('"@@"', value)
+    before = _job_ids(target)
+    resp = _post(target, "/v1/jobs", body)
+    assert resp.status_code in (400, 422), f"{path}={value[:20]}: {resp.status_code} {resp.text[:300]}"
+    err = _error(resp)
+    assert path in _fields(resp) or "digits" in err["message"], err
+    assert _job_ids(target) == before
+
+
+def test_non_finite_fault_numbers_are_rejected(target: ControllerTarget) -> None:
+    job = httpx.post(f"{target.base_url}/v1/jobs", json=SMALL_JOB, headers=target.headers,
+                     timeout=HTTP_TIMEOUT_S).json()
+    for field in ("duration_s", "factor"):
+        for value in ("Infinity", "NaN", "1e999"):
+            resp = _post(target, f"/v1/jobs/{job['job_id']}/faults",
+                         f'{{"kind": "slow", "role": "rollout", "{field}": {value}}}')
+            assert resp.status_code == 422, resp.text
+            assert field in _fields(resp)
+
+
+# --- body size (was: a 64 MiB body read whole before the 1 MiB limit applied) --------------------
+
+def _raw_request(t: ControllerTarget, head: str, body_chunks: Iterator[bytes]) -> tuple[bytes, int]:
+    """Send a request over a raw socket, stop sending once the server answers (or the chunks run
+    out), then wait for the answer. Returns (answer, bytes of body sent)."""
+    host, port = t.base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=HTTP_TIMEOUT_S)
+    sent = 0
+    try:
+        sock.sendall(head.encode())
+        sock.setblocking(False)
+        answer = b""
+        for chunk in body_chunks:
+            try:
+                answer += sock.recv(65536)
+            except BlockingIOError:
+                pass
+            except ConnectionError:
+                break
+            if answer:
+                break
+            try:
+                sock.setblocking(True)
+                sock.settimeout(1.0)
+                sock.sendall(chunk)
+                sent += len(chunk)
+            except (ConnectionError, TimeoutError):
+                break
+            finally:
+                sock.setblocking(False)
+        # The client stalls here: a server that waits for the rest of the body never answers.
+        sock.setblocking(True)
+        sock.settimeout(STALL_TIMEOUT_S)
+        deadline = time.monotonic() + STALL_TIMEOUT_S
+        while not _complete(answer) and time.monotonic() < deadline:
+            try:
+                data = sock.recv(65536)
+            except TimeoutError:
+                break
+            if not data:
+                break
+            answer += data
+        return answer, sent
+    finally:
+        sock.close()
+
+
+def _complete(answer: bytes) -> bool:
+    head, sep, body = answer.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(body) >= int(value)
+    return False
+
+
+def _status(answer: bytes) -> int | None:
+    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else None
+
+
+def test_body_over_the_limit_is_refused_while_streaming(target: ControllerTarget) -> None:
+    """A 64 MiB chunked body (no Content-Length): the server answers 413 after about 1 MiB,
+    while the client is still sending, instead of reading all 64 MiB first."""
+    head = (f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {target.token}\r\n"
+            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    piece = b" " * (256 * 1024)
+    chunks = (f"{len(piece):x}\r\n".encode() + piece + b"\r\n" for _ in range(64 * MiB // len(piece)))
+    answer, sent = _raw_request(target, head, chunks)
+    assert _status(answer) == 413, (answer[:300], sent)
+    assert sent < 8 * MiB, f"the client could send {sent} bytes before the refusal"
+    _alive(target)
+
+
+def test_declared_length_over_the_limit_is_refused_before_reading(target: ControllerTarget) -> None:
+    head = (f"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {target.token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {64 * MiB}\r\n\r\n")
+    answer, _ = _raw_request(target, head, iter([b"{"]))  # one byte, then the client stalls
+    assert _status(answer) == 413, answer[:300]
+    body = json.loads(answer.split(b"\r\n\r\n", 1)[1] or b"{}")
+    assert body["error"]["code"] == "body_too_large"
+    _alive(target)
+
+
+def test_pathological_strings_are_scanned_in_linear_time(target: ControllerTarget) -> None:
+    """Unterminated strings full of escaped quotes: a string pattern that backtracks to every later
+    quote takes hours on this body; the guard answers at once."""
+    body = "[" * 40 + '"' + '\\"' * 400_000
+    started = time.monotonic()
+    resp = _post(target, "/v1/jobs", body)
+    assert resp.status_code == 400, resp.text[:300]
+    assert time.monotonic() - started < 5.0
+    _alive(target)
+
+
+def test_body_just_under_the_limit_is_parsed(target: ControllerTarget) -> None:
+    body = json.dumps({**SMALL_JOB, "name": "padded"}) + " " * (MiB - 1000)
+    resp = _post(target, "/v1/jobs", body)
+    assert resp.status_code == 201, resp.text[:300]
+
+
+# --- empty body (was: starts the default 30-step job) --------------------------------------------
+
+@pytest.mark.parametrize("content,content_type", [(b"", "application/json"), (b"", None), (b"  \n", "application/json")])
+def test_empty_job_body_is_422_naming_the_spec(target: ControllerTarget, content: bytes,
+                                               content_type: str | None) -> None:
+    before = _job_ids(target)
+    resp = _post(target, "/v1/jobs", content, content_type)
+    assert resp.status_code in (400, 422), resp.text
+    err = _error(resp)
+    assert "job spec" in err["message"], err
+    assert _job_ids(target) == before
+
+
+def test_explicit_empty_object_still_means_all_defaults(target: ControllerTarget) -> None:
+    """The CLI's ``robustrl submit`` without a file sends ``{}``: every default, on purpose."""
+    resp = _post(target, "/v1/jobs", b"{}")
+    assert resp.status_code == 201, resp.text
+    assert resp.json()["name"] == "reference"
+
+
+# --- one error shape for every status ------------------------------------------------------------
+
+def test_every_error_has_the_one_shape(target: ControllerTarget) -> None:
+    url, h = target.base_url, target.headers
+    cases = {
+        401: httpx.get(f"{url}/v1/jobs", timeout=HTTP_TIMEOUT_S),
+        404: httpx.get(f"{url}/v1/jobs/no-such-job", headers=h, timeout=HTTP_TIMEOUT_S),
+        405: httpx.delete(f"{url}/v1/jobs", headers=h, timeout=HTTP_TIMEOUT_S),
+        400: _post(target, "/v1/jobs", b"{not json"),
+        422: _post(target, "/v1/jobs", json.dumps({"steps": 0, "mode": "warp", "bogus": 1})),
+    }
+    for status, resp in cases.items():
+        assert resp.status_code == status, (status, resp.text)
+        _error(resp)
+    assert {"steps", "mode", "bogus"} <= _fields(cases[422])
+    assert "allow" in cases[405].headers
+    assert cases[401].headers.get("www-authenticate") == "Bearer"

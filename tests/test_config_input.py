@@ -1,0 +1,152 @@
+"""Property tests of job-spec parsing (pure logic, no servers): whatever arrives, parsing either
+returns a spec that survives the trip to the members (strict JSON, finite numbers, same spec back)
+or raises the typed validation error; detector thresholds come from the named profile."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from robustrl.services.controller.api import MEMBER_ID_PATTERN, FaultBody
+
+from robustrl.config import DETECTOR_PROFILES, DetectorSpec, JobSpec
+from robustrl.errors import ConfigError
+
+PROPERTY = settings(max_examples=400, derandomize=True, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+NASTY_SCALARS = st.sampled_from([
+    math.inf, -math.inf, math.nan, 1e308, -0.0, 10**400, -(10**400), 2**63, "9" * 400, "1e999", "Infinity", "NaN",
+    "²", "١", "𝟘", "", " ", "\x00", "0x10", "1_0", True, False, None, 0, -1, 0.5,
+])
+JSON_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
+                        st.text(max_size=20), NASTY_SCALARS)
+JSON_VALUES = st.recursive(JSON_LEAVES, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)), max_leaves=12)
+
+VALID = JobSpec().model_dump(mode="json")
+
+
+def _paths(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = []
+    for key, value in tree.items():
+        out.append((*prefix, key))
+        if isinstance(value, dict):
+            out.extend(_paths(value, (*prefix, key)))
+    return out
+
+
+PATHS = _paths(VALID)
+
+
+@st.composite
+def mutated_specs(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid spec with one to three fields replaced by garbage (or deleted, or a key added)."""
+    spec = json.loads(json.dumps(VALID))
+    for _ in range(draw(st.integers(1, 3))):
+        path = draw(st.sampled_from(PATHS))
+        node = spec
+        for key in path[:-1]:
+            if not isinstance(node.get(key), dict):
+                break
+            node = node[key]
+        else:
+            action = draw(st.sampled_from(["replace", "delete", "add"]))
+            if action == "replace":
+                node[path[-1]] = draw(JSON_VALUES)
+            elif action == "delete":
+                node.pop(path[-1], None)
+            else:
+                node[draw(st.text(max_size=8))] = draw(JSON_VALUES)
+    return spec
+
+
+def _accepted_spec_is_sound(spec: JobSpec) -> None:
+    wire = json.dumps(spec.model_dump(mode="json"), allow_nan=False)  # what members receive
+    assert JobSpec.parse(json.loads(wire)) == spec
+    det = spec.detector
+    assert all(math.isfinite(getattr(det, f)) and getattr(det, f) > 0 for f in DETECTOR_PROFILES["scaled"])
+
+
+@PROPERTY
+@given(raw=st.one_of(mutated_specs(), JSON_VALUES))
+def test_parse_returns_a_sound_spec_or_raises_config_error(raw: Any) -> None:
+    if not isinstance(raw, dict):
+        with pytest.raises(ConfigError):
+            JobSpec.parse(raw)  # type: ignore[arg-type]
+        return
+    try:
+        spec = JobSpec.parse(raw)
+    except ConfigError as exc:
+        assert exc.field is not None or "invalid job spec" in str(exc)
+        return
+    _accepted_spec_is_sound(spec)
+
+
+@PROPERTY
+@given(raw=mutated_specs())
+def test_non_finite_or_stringly_numbers_never_pass(raw: dict[str, Any]) -> None:
+    def numbers(node: Any) -> list[Any]:
+        if isinstance(node, dict):
+            return [v for value in node.values() for v in numbers(value)]
+        if isinstance(node, list):
+            return [v for value in node for v in numbers(value)]
+        return [node]
+
+    try:
+        spec = JobSpec.parse(raw)
+    except ConfigError:
+        return
+    dumped = numbers(spec.model_dump(mode="json"))
+    assert all(math.isfinite(v) for v in dumped if isinstance(v, float))
+
+
+FIELDS = list(DETECTOR_PROFILES["scaled"])
+
+
+@PROPERTY
+@given(profile=st.sampled_from([None, "scaled", "production"]),
+       chosen=st.dictionaries(st.sampled_from(FIELDS), st.floats(0.5, 3600.0), max_size=len(FIELDS)))
+def test_detector_thresholds_not_set_come_from_the_profile(profile: str | None, chosen: dict[str, float]) -> None:
+    raw: dict[str, Any] = dict(chosen)
+    if profile is not None:
+        raw["profile"] = profile
+    try:
+        det = JobSpec.parse({"detector": raw}).detector
+    except ConfigError as exc:
+        assert "step_deadline_s" in str(exc)  # the one cross-field rule
+        return
+    defaults = DETECTOR_PROFILES[profile or "scaled"]
+    for field in FIELDS:
+        assert getattr(det, field) == chosen.get(field, defaults[field]), field
+    assert det.profile == (profile or "scaled")
+
+
+def test_profiles_are_what_the_readme_says() -> None:
+    assert JobSpec().detector == DetectorSpec.reference() == DetectorSpec()
+    prod = DetectorSpec.production()
+    assert (prod.trainer_idle_s, prod.rollout_idle_s, prod.probe_timeout_s) == (300.0, 60.0, 10.0)
+    # One threshold set: the others stay on the job's profile, not on production values.
+    assert JobSpec.parse({"detector": {"silence_s": 5.0}}).detector.rollout_idle_s == 2.0
+    assert JobSpec.parse({"detector": {"profile": "production", "silence_s": 5.0}}).detector.rollout_idle_s == 60.0
+
+
+@PROPERTY
+@given(member=st.one_of(st.text(max_size=40), st.integers(-10, 2000), NASTY_SCALARS,
+                        st.from_regex(MEMBER_ID_PATTERN, fullmatch=True)))
+def test_fault_member_accepts_only_the_documented_ascii_forms(member: Any) -> None:
+    from pydantic import ValidationError
+
+    try:
+        body = FaultBody.model_validate({"kind": "crash", "role": "rollout", "member": member})
+    except ValidationError as exc:
+        assert [e["loc"] for e in exc.errors()] == [("member",)]
+        return
+    if isinstance(body.member, int):
+        assert 0 <= body.member <= 999 and not isinstance(member, bool)
+    else:
+        assert body.member.isascii() and not body.member.isdigit() and "-" in body.member
