@@ -240,8 +240,11 @@ async def test_restarted_controller_adopts_running_members_and_restarts_none(rig
     # An adopted member that dies is seen by the new controller's launcher (not its child).
     victim = "rollout-1-i0"
     os.killpg(pids[victim], signal.SIGKILL)  # type: ignore[arg-type]
-    events = await eventually_async(lambda: _with_decision_for(rig, job.job_id, f"exit-{victim}"), timeout=15,
-                                    what="crash of an adopted member handled")
+    await eventually_async(lambda: _with_decision_for(rig, job.job_id, f"exit-{victim}"), timeout=15,
+                           what="crash of an adopted member decided")
+    await eventually_async(lambda: rig.redis.sismember(Keys.faults_handled(job.job_id), f"exit-{victim}"),
+                           timeout=15, what="crash of an adopted member handled")
+    events = await rig.events(job.job_id)
     started = [d["member_id"] for d in of_kind(events, "member_started")]
     assert started[4:] == ["rollout-1-i1"], started  # only the replacement; no healthy member restarted
     assert all(alive(p) for m, p in pids.items() if m != victim and p)
@@ -270,6 +273,10 @@ async def test_two_controllers_only_the_lease_holder_acts_and_the_standby_takes_
     os.killpg(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
     await eventually_async(lambda: _with_decision_for(rig, job.job_id, "exit-rollout-0-i0"), timeout=10,
                            what="decision")
+    # Handled (recorded in Redis once the actions are carried out) before the leader goes: a
+    # leader lost in the middle of a recovery leaves the fault to its successor, by design.
+    await eventually_async(lambda: rig.redis.sismember(Keys.faults_handled(job.job_id), "exit-rollout-0-i0"),
+                           timeout=10, what="fault marked handled")
     t0 = time.monotonic()
     await leader.close(stop_members=False)
     await standby.wait_leading(LEASE_TTL_S + 2.0)

@@ -311,3 +311,26 @@ def test_dead_or_silent_engine_fails_within_timeout(tmp_path: Path) -> None:
     finally:
         dead.close()
         silent.close()
+
+
+def test_a_new_launcher_with_the_same_instance_adopts_running_containers(fake: FakeClient) -> None:
+    """A restarted controller re-attaches to its containers by label; it never adopts another
+    launcher's container, an ended one, or a newer incarnation under the same name."""
+    first = DockerLauncher("robustrl:test", "robustrl", client=fake, instance="ctl")
+    first.start(_spec("rollout-0"))
+    first.start(_spec("rollout-1"))
+    first.start(_spec("trainer-0", "trainer"))
+    handles = {m: first.handle(m) for m in ("rollout-0", "rollout-1", "trainer-0")}
+    fake.by_name["rr-rollout-1"].exit(137)  # died while no controller watched
+
+    second = DockerLauncher("robustrl:test", "robustrl", client=fake, instance="ctl")
+    assert second.adopt("job1", "rollout-0", "rollout", handles["rollout-0"]) is True
+    assert second.adopt("job1", "rollout-1", "rollout", handles["rollout-1"]) is False
+    assert second.adopt("job1", "trainer-0", "trainer", {"container": "some-other-id"}) is False
+    assert second.adopt("job2", "rollout-0", "rollout", handles["rollout-0"]) is False  # another job's
+    other = DockerLauncher("robustrl:test", "robustrl", client=fake, instance="someone-else")
+    assert other.adopt("job1", "rollout-0", "rollout", handles["rollout-0"]) is False
+    assert second.running() == ["rollout-0"] and second.log_tail("rollout-0") == "hello"
+    # an adopted member is polled, killed and reported like one started here
+    second.kill("rollout-0", expected=False)
+    assert [(e.member_id, e.returncode, e.expected) for e in second.poll()] == [("rollout-0", 137, False)]

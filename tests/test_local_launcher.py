@@ -46,3 +46,31 @@ def test_a_member_started_from_a_warm_spare(tmp_path: Path, monkeypatch: pytest.
         assert launcher._spares == []
     finally:
         launcher.close()
+
+
+def test_a_new_launcher_adopts_a_running_member_and_only_that_process(tmp_path: Path) -> None:
+    """After a controller restart: the member is re-attached by pid and start time (a recycled pid
+    has another start time), then stopped, killed and polled like one started here."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    first = LocalLauncher(tmp_path, base_env=env)
+    first.start(MemberSpec(job_id="j", member_id="j--a", role="rollout", module="idle_member"))
+    first.start(MemberSpec(job_id="j", member_id="j--b", role="rollout", module="idle_member"))
+    handle_a, handle_b = first.handle("j--a"), first.handle("j--b")
+    assert handle_a and handle_b
+    second = LocalLauncher(tmp_path, base_env=env)
+    try:
+        assert second.adopt("j", "j--a", "rollout", {**handle_a, "create_time": handle_a["create_time"] - 30}) is False
+        assert second.adopt("j", "j--a", "rollout", {"pid": 2**22 + 7, "create_time": 0.0}) is False
+        assert second.adopt("j", "j--a", "rollout", handle_a) is True
+        assert second.adopt("j", "j--b", "rollout", handle_b) is True
+        assert second.pid("j--a") == handle_a["pid"] and sorted(second.running()) == ["j--a", "j--b"]
+        second.kill("j--a", expected=False)  # not our child: no waitpid, the exit is still seen
+        second.stop("j--b", grace_s=5.0)
+        exits = {e.member_id: (e.returncode, e.expected) for e in eventually(second.poll, timeout=10, what="exits")}
+        assert exits["j--a"] == (None, False)
+        exits.update({e.member_id: (e.returncode, e.expected) for e in second.poll()})
+        assert exits["j--b"] == (None, True)
+        assert second.running() == []
+    finally:
+        second.close()
+        first.close()

@@ -35,6 +35,9 @@ STARTUP_FAILURES_MAX = 3
 """Consecutive exits before hello, per role slot, that fail the job (a member that cannot start)."""
 WATCHED_SERVICES = ("request_manager",)
 """Control-plane services whose silence the controller watches itself (their metrics)."""
+OWN_GAP_S = 1.0
+"""A supervision round this much later than due means this controller itself was away (frozen,
+starved): silences it did not watch are not held against the services."""
 
 
 def exit_fault(job: JobRun, m: MemberInfo, info: ExitInfo, evidence: str) -> FaultReport:
@@ -48,6 +51,7 @@ class Supervisor:
 
     def __init__(self, controller: Controller) -> None:
         self.c = controller
+        self._last_round: float | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -62,6 +66,13 @@ class Supervisor:
                 pass
 
     async def once(self) -> None:
+        now = time.time()
+        if self._last_round is not None and now - self._last_round > SUPERVISE_INTERVAL_S + OWN_GAP_S:
+            # No false fault from our own gap: what we did not watch starts from now.
+            for job in self.c.jobs.values():
+                for role, seen in job.service_seen_at.items():
+                    job.service_seen_at[role] = max(seen, now)
+        self._last_round = now
         for info in await asyncio.to_thread(self.c.launcher.poll):
             await self.on_exit(info)
         for job in list(self.c.jobs.values()):
