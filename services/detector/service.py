@@ -30,7 +30,7 @@ from robustrl.messages import (
     ControlCommand, Event, FaultReport, MemberExited, MemberHello, MetricsSample, PhaseChange, ProbeReply,
     ProbeRequest, SpecReply, SpecRequest,
 )
-from robustrl.services.detector.monitor import JobMonitor
+from robustrl.services.detector.monitor import JobMonitor, gap_bound_s
 from robustrl.subjects import EVENTS_ALL, Verb, all_jobs, all_jobs_exact, parse, subject
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,11 @@ class DetectorService:
         """Evaluate every job once: send the probes and report the faults the rules ask for."""
         now = self.clock()
         for mon in list(self.jobs.values()):
+            gaps = mon.gaps
             result = mon.tick(now)
+            if mon.gaps != gaps:
+                log.warning("job %s: the detector did not run for a while (ticks more than %.1fs apart); "
+                            "member clocks restart now", mon.job_id, gap_bound_s(mon.cfg) if mon.cfg else 0.0)
             for probe in result.probes:
                 self.stats.probes_sent += 1
                 assert mon.cfg is not None

@@ -3,8 +3,15 @@
 Turn requests queue up; a worker thread decodes whatever is queued as one batch (many
 episodes at once, KV cache), publishing each turn tagged with the weights version that
 produced it. A new version is pulled in the background from the trainer ranks and from
-other replicas (relays), verified chunk by chunk, swapped in between batches, and then
-served onward. A replica never serves a version that mixes two versions.
+other replicas (relays), verified chunk by chunk and as a whole, swapped in between batches,
+and then served onward (:mod:`robustrl.services.rollout.loader`). A replica never serves a
+version that mixes two versions or that failed verification.
+
+Liveness: the metrics sample reports every queued turn (``queue_depth``, including turns
+waiting for a version the replica does not hold yet), so a replica whose engine takes no work
+is a stall to the detector, not idleness; the phase says ``loading_weights`` while a pull runs
+(bounded by the detector's ``weights_load_s``) and ``weights_failed`` once the pulls of the
+followed version failed ``weights.pull_attempts`` times.
 """
 
 from __future__ import annotations
@@ -15,41 +22,61 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from robustrl.config import Settings
 from robustrl.member import Identity, Member
-from robustrl.messages import GenerateTurn, TurnResult, WeightsAnnounce, WeightsHave, decode
+from robustrl.messages import GenerateTurn, MetricsSample, TurnResult, WeightsAnnounce, WeightsHave, decode
 from robustrl.model.engine import GenerationEngine, GenRequest
 from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.model.tokenizer import CharTokenizer
+from robustrl.services.rollout.loader import WeightLoader
 from robustrl.storage.redis_stores import WeightsPointer, connect
 from robustrl.subjects import Verb, subject, wildcard
-from robustrl.weights.flat import expected_layout, unflatten
-from robustrl.weights.manifest import Manifest
-from robustrl.weights.puller import pull
+from robustrl.weights.flat import expected_layout
 from robustrl.weights.server import WeightServer
 
 log = logging.getLogger(__name__)
 BATCH_WAIT_S = 0.01
-PULL_RETRY_S = 0.5
-PULL_TIMEOUT_S = 30.0
+
+
+class ReplicaMember(Member):
+    """A member whose metrics sample counts the replica's queued turns at sampling time, so the
+    count stays true even when the engine thread that takes turns is dead."""
+
+    queued: Callable[[], int] = staticmethod(lambda: 0)  # type: ignore[assignment]
+
+    def sample(self) -> MetricsSample:
+        self.queue_depth = self.queued()
+        return super().sample()
+
+
+@dataclass
+class PendingWeights:
+    """A verified state dict waiting for the engine thread to swap it in between batches."""
+
+    version: int
+    checksum: str
+    state: dict[str, torch.Tensor]
+    swapped: threading.Event
+    loaded: str | None = None  # checksum the engine computed after loading
 
 
 class Replica:
     def __init__(self, ident: Identity, settings: Settings) -> None:
         self.ident = ident
         self.settings = settings
-        self.member = Member(ident, settings)
+        self.member = ReplicaMember(ident, settings)
         self.requests: queue.Queue[GenerateTurn] = queue.Queue()
+        self.member.queued = self.requests.qsize
         self.version = -1
         self.checksum = ""
-        self._pending_weights: tuple[int, str, dict[str, torch.Tensor], threading.Event] | None = None
+        self._pending: PendingWeights | None = None
         self._swap_lock = threading.Lock()
-        self._latest_announce: WeightsAnnounce | None = None
-        self._pulling: asyncio.Task[None] | None = None
-        self._peers: dict[str, tuple[int, str, str]] = {}  # member -> (version, checksum, address)
+        self._working = False
 
     async def run(self) -> None:
         spec = await self.member.start()
@@ -58,10 +85,13 @@ class Replica:
         self.loop = asyncio.get_running_loop()
         self.tok = CharTokenizer.default()
         self.model = await asyncio.to_thread(build_policy, spec.model, self.tok, spec.seed)
-        self.layout = expected_layout(self.model)
         self.engine = GenerationEngine(self.model, self.tok, max_batch=spec.rollout.max_batch)
         self.server = WeightServer(spec.weights.transport, host=self.settings.bind_host, max_versions=2)
         self.address = await self.server.start()
+        self.loader = WeightLoader(spec.weights, self.ident.member_id, self.server, expected_layout(self.model),
+                                   install=self._install, emit=self._emit, on_change=self._refresh_phase,
+                                   held=lambda: (self.version, self.checksum),
+                                   seed=hash(self.ident.member_id) & 0xFFFF)
         bus = self.member.bus
         assert bus
         job = self.ident.job_id
@@ -77,106 +107,95 @@ class Replica:
         worker.start()
         if latest:
             # A late joiner or replacement: pull the current version from any relay.
-            await self._on_announce(decode(WeightsAnnounce, latest), "", None)
+            self.loader.offer(decode(WeightsAnnounce, latest))
         await self.member.stopping.wait()
+        await self.loader.close()
         await self.server.close()
         await self.member.close()
 
-    # --- weights ----------------------------------------------------------------------------
+    # --- phase -------------------------------------------------------------------------------
 
-    def _sources(self) -> list[str]:
-        ann = self._latest_announce
-        if ann is None:
-            return []
-        peers = [addr for (v, c, addr) in self._peers.values() if v == ann.version and c == ann.checksum]
-        return [*peers, *ann.sources]
+    def _phase(self) -> str:
+        """One phase from the replica's state: a reported failure wins, then serving (tokens
+        flow, so progress is visible), then loading, else idle."""
+        if self.loader.state.failed:
+            return "weights_failed"
+        if self._working:
+            return "serving"
+        return "loading_weights" if self.loader.state.loading else "idle"
+
+    async def _refresh_phase(self) -> None:
+        await self.member.set_phase(self._phase())
+
+    def _refresh_phase_from_thread(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._refresh_phase(), self.loop)
+
+    # --- weights ----------------------------------------------------------------------------
 
     async def _on_have(self, msg: WeightsHave, _s: str, _r: str | None) -> None:
         if msg.member_id != self.ident.member_id:
-            self._peers[msg.member_id] = (msg.version, msg.checksum, msg.address)
+            self.loader.peer_has(msg.member_id, msg.version, msg.checksum, msg.address)
 
     async def _on_announce(self, msg: WeightsAnnounce, _s: str, _r: str | None) -> None:
-        if msg.version == self.version and msg.checksum == self.checksum:
-            return
-        cur = self._latest_announce
-        if cur and (cur.version, cur.epoch) > (msg.version, msg.epoch):
-            return
-        self._latest_announce = msg
-        if self._pulling and not self._pulling.done():
-            log.info("v%d announced while pulling: superseding the running pull", msg.version)
-            self._pulling.cancel()
-        self._pulling = asyncio.create_task(self._pull(msg))
-        self._pulling.add_done_callback(self._pull_done)
+        self.loader.offer(msg)
 
-    @staticmethod
-    def _pull_done(task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("weight pull task failed: %r", task.exception())
-
-    async def _pull(self, ann: WeightsAnnounce) -> None:
-        manifest = Manifest.model_validate(ann.manifest)
-        manifest.check_matches(self.layout)
-        spec = self.member.spec
-        assert spec
-        while True:
-            await self.member.set_phase("loading_weights")
-            t0 = time.monotonic()
-            try:
-                self.server.drop_version(manifest.version)  # never mix lineages of one version number
-                log.info("pulling v%d from %s", manifest.version, self._sources())
-                buffer, stats = await asyncio.wait_for(
-                    pull(manifest, self._sources, transport=spec.weights.transport, relay=self.server,
-                         timeout_s=PULL_TIMEOUT_S, stall_timeout_s=3.0, seed=hash(self.ident.member_id) & 0xFFFF),
-                    PULL_TIMEOUT_S + 5.0)
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # WeightSyncError, or a transport error the puller let through
-                log.warning("pull of v%d failed (%r); retrying", manifest.version, exc)
-                self.server.drop_version(manifest.version)
-                await asyncio.sleep(PULL_RETRY_S)  # back off before asking the sources again
-                if self._latest_announce is not ann:
-                    return
-        state = unflatten(torch.from_numpy(buffer), manifest)
-        swapped = threading.Event()
-        with self._swap_lock:
-            if self._pending_weights is not None:
-                self._pending_weights[3].set()  # superseded: release whoever waits for it
-            self._pending_weights = (manifest.version, ann.checksum, state, swapped)
-        # The swap happens in the engine thread between batches; wait until it took effect.
-        await asyncio.to_thread(swapped.wait)
-        log.info("loaded v%d in %.2fs (%d B, from %s)", manifest.version, time.monotonic() - t0,
-                 stats.bytes_received, stats.chunks_from)
-        await self.member.set_phase("serving" if self.member.inflight else "idle")
+    async def _emit(self, kind: str, data: dict[str, object]) -> None:
         assert self.member.bus
-        await self.member.bus.publish(
-            subject(self.ident.job_id, Verb.HAVE, self.ident.member_id),
-            WeightsHave(job_id=self.ident.job_id, member_id=self.ident.member_id, version=self.version,
-                        address=self.address, checksum=self.checksum))
-        await self.member.bus.emit_event(self.ident.job_id, "weights_loaded", {
-            "member_id": self.ident.member_id, "version": self.version, "checksum": self.checksum,
-            "pull_s": time.monotonic() - t0,
-            "bytes": stats.bytes_received, "sources": len(stats.chunks_from)})
+        await self.member.bus.emit_event(self.ident.job_id, kind, data)
+
+    async def _install(self, version: int, checksum: str, state: dict[str, torch.Tensor],
+                       timeout_s: float) -> str | None:
+        """Hand verified weights to the engine thread; wait (bounded) until it swapped them in.
+
+        Returns:
+            The checksum of the engine's weights after the swap, or None if the engine did not
+            take them within ``timeout_s`` (they are withdrawn then).
+        """
+        mine = PendingWeights(version, checksum, state, threading.Event())
+        with self._swap_lock:
+            if self._pending is not None:
+                self._pending.swapped.set()  # superseded: release whoever waits for it
+            self._pending = mine
+        try:
+            swapped = await asyncio.to_thread(mine.swapped.wait, timeout_s)
+        finally:
+            with self._swap_lock:
+                if self._pending is mine:  # cancelled or timed out before the engine took it
+                    self._pending = None
+        if not swapped:
+            return None
+        if mine.loaded == checksum:
+            assert self.member.bus
+            await self.member.bus.publish(
+                subject(self.ident.job_id, Verb.HAVE, self.ident.member_id),
+                WeightsHave(job_id=self.ident.job_id, member_id=self.ident.member_id, version=version,
+                            address=self.address, checksum=checksum))
+        return mine.loaded
 
     def _apply_pending(self) -> None:
+        """Engine thread, between batches: swap in the pending weights and check them again."""
         with self._swap_lock:
-            pending, self._pending_weights = self._pending_weights, None
+            pending, self._pending = self._pending, None
         if pending is None:
             return
-        version, checksum, state, swapped = pending
-        self.engine.load_state_dict(state)
+        self.engine.load_state_dict(pending.state)
         got = weights_checksum(self.model)
-        if got != checksum:
-            log.error("weights v%d checksum mismatch after load: %s != %s", version, got, checksum)
-        self.version, self.checksum = version, got
-        self.member.weights_version = version
-        swapped.set()
+        if got == pending.checksum:
+            self.version, self.checksum = pending.version, got
+        else:
+            # The state verified before loading, so the load itself went wrong: serve nothing
+            # rather than these weights (every turn needs a version >= 0) until a pull succeeds.
+            log.error("weights v%d checksum mismatch after load: %s != %s", pending.version, got,
+                      pending.checksum)
+            self.version, self.checksum = -1, ""
+        self.member.weights_version = self.version
+        pending.loaded = got
+        pending.swapped.set()
 
     # --- generation -------------------------------------------------------------------------
 
     async def _on_request(self, msg: GenerateTurn, _s: str, _r: str | None) -> None:
         self.requests.put(msg)
-        self.member.queue_depth = self.requests.qsize()
 
     def _worker(self) -> None:
         while not self.member.stopping.is_set():
@@ -194,13 +213,15 @@ class Replica:
             ready = [m for m in batch if m.min_version <= self.version]
             for m in batch:
                 if m.min_version > self.version:
-                    self.requests.put(m)  # too new for our weights: wait for the pull
+                    self.requests.put(m)  # too new for our weights: wait for the pull (counted as queued)
             if not ready:
+                if self._working:
+                    self._working = False  # nothing servable: loading or idle, not serving
+                    self._refresh_phase_from_thread()
                 time.sleep(BATCH_WAIT_S)  # a pull is under way; the requests wait for it
                 continue
             # In flight before the chaos gate: a stalled replica holding work must look busy.
             self.member.inflight = len(ready)
-            self.member.queue_depth = self.requests.qsize()
             self.member.chaos.gate()
             self._run_batch(ready)
             self.member.inflight = 0
@@ -214,7 +235,8 @@ class Replica:
             time.sleep(delay)
 
     def _run_batch(self, batch: list[GenerateTurn]) -> None:
-        asyncio.run_coroutine_threadsafe(self.member.set_phase("serving"), self.loop)
+        self._working = True
+        self._refresh_phase_from_thread()
         t0 = time.monotonic()
         reqs = [GenRequest(m.request_id, m.prefix_ids, m.max_new_tokens, m.temperature, m.top_p, m.seed,
                            m.stop_on_call) for m in batch]
@@ -229,7 +251,8 @@ class Replica:
             asyncio.run_coroutine_threadsafe(
                 self.member.bus.publish(subject(m.job_id, Verb.TURN), out), self.loop)
         if self.requests.empty():
-            asyncio.run_coroutine_threadsafe(self.member.set_phase("idle"), self.loop)
+            self._working = False
+            self._refresh_phase_from_thread()
 
 
 def main() -> None:

@@ -1,0 +1,267 @@
+"""A replica's weight loading: which announcement to follow, bounded pulls, verification.
+
+A version is loaded only after its bytes verify twice: every chunk against the manifest (in
+the puller, before the chunk is relayed onward) and the whole state dict against the
+checksum the trainer announced (here, before the engine sees it). A version that fails is
+never loaded and never relayed (its chunks are dropped from the relay server), and the
+replica re-pulls, preferring other sources and relaying nothing of that version until it
+verified. Every attempt has a deadline
+(``weights.pull_timeout_s``); after ``weights.pull_attempts`` failed attempts at one version the
+replica reports itself failed (phase ``weights_failed``, which the detector turns into a fault:
+workers report, the controller decides) and keeps retrying more slowly.
+
+A pull that fails because no live source holds the version (the publisher died mid-version and
+no relay completed it) is not the replica's fault and is not counted: the replica goes back to
+what it was doing and retries when a source shows up (a re-announcement, a relay's HAVE) or
+after a back-off.
+
+Events for the auditor: ``weights_loaded`` (only after both checks) and ``weights_rejected``
+``{member_id, version, epoch, expected, got?, reason, error?, attempt, attempts_allowed}``
+with reason ``corrupt | timeout | checksum_mismatch | load_mismatch | layout | error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from robustrl.config import WeightSyncSpec
+from robustrl.errors import RobustRLError, TransportError, WeightSyncError
+from robustrl.messages import WeightsAnnounce
+from robustrl.model.policy import weights_checksum
+from robustrl.services.rollout.announce import Announcements, Offer
+from robustrl.weights.flat import unflatten
+from robustrl.weights.manifest import Manifest
+from robustrl.weights.puller import PullStats, pull
+from robustrl.weights.server import WeightServer
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 0.5
+"""First pause between attempts; doubles up to MAX_RETRY_S."""
+MAX_RETRY_S = 5.0
+STALL_TIMEOUT_S = 3.0
+"""Limit for one chunk or HAVE answer from one source (then the source counts as dead)."""
+PULL_GRACE_S = 5.0
+"""Extra time over pull_timeout_s before the pull task itself is cancelled (the puller's own
+deadline should fire first)."""
+
+Emit = Callable[[str, dict[str, object]], Awaitable[None]]
+Install = Callable[[int, str, dict[str, torch.Tensor], float], Awaitable[str | None]]
+
+
+@dataclass
+class Peer:
+    version: int
+    checksum: str
+    address: str
+
+
+@dataclass
+class LoaderState:
+    """What the replica's phase and metrics need to know about loading."""
+
+    loading: bool = False
+    failed: bool = False
+    failures: int = 0  # failed attempts at the version followed now
+    sources_changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _norm(address: str, transport: str) -> str:
+    return address if "://" in address else f"{transport}://{address}"
+
+
+class WeightLoader:
+    """Follows announcements and loads each followed version into the engine, bounded.
+
+    Args:
+        cfg: the job's weight-sync settings (transport, deadline, attempts).
+        member_id: for events.
+        server: this replica's relay server (pulled chunks are served onward from it).
+        layout: tensor name -> (dtype, shape) the engine's model expects.
+        install: hands a verified state dict to the engine and waits for the swap; returns the
+            checksum the engine computed after loading, or None if the swap timed out.
+        emit: appends an event to the job's log.
+        on_change: called when loading/failed changes (the replica republishes its phase).
+        held: the (version, checksum) the engine serves now.
+    """
+
+    def __init__(self, cfg: WeightSyncSpec, member_id: str, server: WeightServer,
+                 layout: dict[str, tuple[str, list[int]]], install: Install, emit: Emit,
+                 on_change: Callable[[], Awaitable[None]], held: Callable[[], tuple[int, str]],
+                 seed: int = 0) -> None:
+        self.cfg = cfg
+        self.member_id = member_id
+        self.server = server
+        self.layout = layout
+        self._install = install
+        self._emit = emit
+        self._on_change = on_change
+        self._held = held
+        self._seed = seed
+        self.announcements = Announcements()
+        self.peers: dict[str, Peer] = {}
+        self.state = LoaderState()
+        self._task: asyncio.Task[None] | None = None
+
+    # --- inputs ------------------------------------------------------------------------
+
+    def offer(self, msg: WeightsAnnounce) -> None:
+        """An announcement arrived (or was read from the weights pointer at start)."""
+        verdict = self.announcements.offer(msg)
+        if verdict in (Offer.STALE_EPOCH, Offer.OLDER):
+            log.warning("ignoring v%d of epoch %d (%s; following epoch %d)", msg.version, msg.epoch,
+                        verdict.value, self.announcements.newest_epoch)
+            return
+        if (msg.version, msg.checksum) == self._held():
+            return
+        if verdict is Offer.REPEAT and self._task is not None and not self._task.done():
+            self.state.sources_changed.set()  # the running pull re-reads the sources
+            return
+        if self._task is not None and not self._task.done():
+            log.info("v%d (epoch %d) announced while pulling: superseding the running pull", msg.version,
+                     msg.epoch)
+            self._task.cancel("superseded by a newer announcement")
+        self._task = asyncio.create_task(self._follow(msg), name=f"pull-v{msg.version}")
+        self._task.add_done_callback(self._done)
+
+    def peer_has(self, member_id: str, version: int, checksum: str, address: str) -> None:
+        """Another replica holds a version completely (a relay)."""
+        self.peers[member_id] = Peer(version, checksum, address)
+        target = self.announcements.target
+        if target is not None and (version, checksum) == (target.version, target.checksum):
+            self.state.sources_changed.set()
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel("replica stopping")
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    @staticmethod
+    def _done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("weight pull task failed: %r", task.exception())
+
+    # --- one version -------------------------------------------------------------------
+
+    def _sources(self, ann: WeightsAnnounce, avoid: set[str]) -> list[str]:
+        transport = self.cfg.transport
+        peers = [p.address for p in self.peers.values() if (p.version, p.checksum) == (ann.version, ann.checksum)]
+        every = [_norm(a, transport) for a in [*peers, *ann.sources]]
+        preferred = [a for a in every if a not in avoid]
+        return preferred or every  # never none at all: retrying the suspects beats waiting forever
+
+    async def _follow(self, ann: WeightsAnnounce) -> None:
+        st = self.state
+        st.failures = 0
+        avoid: set[str] = set()
+        relay: WeightServer | None = self.server  # None once the version failed as a whole
+        retry_s = RETRY_S
+        try:
+            manifest = Manifest.model_validate(ann.manifest)
+            manifest.check_matches(self.layout)
+        except (ValueError, RobustRLError) as exc:
+            # a layout this model cannot load: no retry can help
+            await self._reject(ann, "layout", error=str(exc), final=True)
+            await self._set(loading=False, failed=True)
+            return
+        while True:
+            target = self.announcements.target
+            if target is not None and (target.version, target.checksum) == (ann.version, ann.checksum):
+                ann = target  # a repeat may carry newer sources
+            await self._set(loading=True)
+            t0 = time.monotonic()
+            self.server.drop_version(manifest.version)  # never mix lineages of one version number
+            try:
+                buffer, stats = await asyncio.wait_for(
+                    pull(manifest, lambda a=ann: self._sources(a, avoid), transport=self.cfg.transport,
+                         relay=relay, timeout_s=self.cfg.pull_timeout_s,
+                         stall_timeout_s=min(STALL_TIMEOUT_S, self.cfg.pull_timeout_s), seed=self._seed),
+                    self.cfg.pull_timeout_s + PULL_GRACE_S)
+            except (WeightSyncError, TransportError, TimeoutError, OSError) as exc:
+                self.server.drop_version(manifest.version)  # never relay a version we gave up on
+                reason = str(getattr(exc, "reason", "")) or ("timeout" if isinstance(exc, TimeoutError) else "error")
+                if reason == "unavailable":
+                    log.warning("v%d: no live source holds it (%s); waiting for one", manifest.version, exc)
+                    await self._set(loading=False)
+                    await self._wait_sources(retry_s)
+                    retry_s = min(2 * retry_s, MAX_RETRY_S)
+                    continue
+                await self._failed_attempt(ann, reason, error=str(exc))
+            else:
+                if await self._verify_and_install(ann, manifest, buffer, stats, t0, avoid):
+                    return
+                relay = None  # its chunks match a manifest whose weights do not: relay none of them
+            await self._wait_sources(retry_s)
+            retry_s = min(2 * retry_s, MAX_RETRY_S)
+
+    async def _verify_and_install(self, ann: WeightsAnnounce, manifest: Manifest, buffer: np.ndarray,
+                                  stats: PullStats, t0: float, avoid: set[str]) -> bool:
+        state = unflatten(torch.from_numpy(buffer), manifest)
+        got = await asyncio.to_thread(weights_checksum, state)
+        if got != ann.checksum:
+            # Every chunk matched the manifest, yet these are not the announced weights: drop
+            # them from the relay, and prefer other sources next time.
+            self.server.drop_version(manifest.version)
+            avoid.update(stats.chunks_from)
+            await self._failed_attempt(ann, "checksum_mismatch", got=got, sources=sorted(stats.chunks_from))
+            return False
+        if not self.server.is_complete(manifest.version):
+            # pulled without relaying (a retry after a mismatch): it verified now, serve it onward
+            self.server.add_version(manifest, buffer)
+        loaded = await self._install(manifest.version, ann.checksum, state, self.cfg.pull_timeout_s)
+        if loaded != ann.checksum:
+            self.server.drop_version(manifest.version)
+            await self._failed_attempt(ann, "load_mismatch" if loaded else "timeout", got=loaded,
+                                       error=None if loaded else "the engine did not swap the weights in time")
+            return False
+        await self._set(loading=False, failed=False)
+        await self._emit("weights_loaded", {
+            "member_id": self.member_id, "version": manifest.version, "epoch": ann.epoch,
+            "checksum": loaded, "verified": True, "pull_s": time.monotonic() - t0,
+            "bytes": stats.bytes_received, "sources": len(stats.chunks_from),
+            "corrupt_chunks": stats.corrupt_chunks})
+        log.info("loaded v%d (epoch %d) in %.2fs (%d B, from %s)", manifest.version, ann.epoch,
+                 time.monotonic() - t0, stats.bytes_received, stats.chunks_from)
+        return True
+
+    async def _failed_attempt(self, ann: WeightsAnnounce, reason: str, **data: object) -> None:
+        self.state.failures += 1
+        final = self.state.failures >= self.cfg.pull_attempts
+        log.error("v%d attempt %d/%d failed: %s %s", ann.version, self.state.failures, self.cfg.pull_attempts,
+                  reason, data)
+        await self._reject(ann, reason, final=final, **data)
+        if final and not self.state.failed:
+            await self._set(failed=True)  # the report; the controller decides what to do
+
+    async def _reject(self, ann: WeightsAnnounce, reason: str, *, final: bool, **data: object) -> None:
+        await self._emit("weights_rejected", {
+            "member_id": self.member_id, "version": ann.version, "epoch": ann.epoch, "expected": ann.checksum,
+            "reason": reason, "attempt": self.state.failures, "attempts_allowed": self.cfg.pull_attempts,
+            "final": final, **{k: v for k, v in data.items() if v is not None}})
+
+    async def _wait_sources(self, delay_s: float) -> None:
+        """Until a source may have appeared (a repeat announcement, a relay's HAVE) or
+        ``delay_s`` passed: a back-off that ends early for a reason."""
+        ev = self.state.sources_changed
+        ev.clear()
+        try:
+            await asyncio.wait_for(ev.wait(), delay_s)
+        except TimeoutError:
+            pass
+
+    async def _set(self, *, loading: bool | None = None, failed: bool | None = None) -> None:
+        st = self.state
+        changed = False
+        if loading is not None and loading != st.loading:
+            st.loading, changed = loading, True
+        if failed is not None and failed != st.failed:
+            st.failed, changed = failed, True
+        if changed:
+            await self._on_change()

@@ -1,0 +1,246 @@
+"""A real rollout replica process against real NATS / Redis and real weight servers: it never
+loads, serves or relays weights that fail verification, reports itself failed after N attempts,
+counts queued turns in its metrics, and follows the newest gang epoch, not the highest version.
+
+Everything is observed from outside: the JetStream event log, the replica's metrics and phase
+messages, its HAVE announcements, its own weight server (as another replica would ask it), and
+the turns it sends back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from support import eventually_async
+
+from robustrl.bus import Bus
+from robustrl.config import DetectorSpec, Settings, reference_job
+from robustrl.messages import (
+    Event, GenerateTurn, MemberHello, MetricsSample, PhaseChange, SpecReply, SpecRequest, TurnResult,
+    WeightsAnnounce, WeightsHave,
+)
+from robustrl.model.policy import build_policy, weights_checksum
+from robustrl.model.tokenizer import CharTokenizer
+from robustrl.subjects import Verb, subject, wildcard
+from robustrl.weights import Fault, Manifest, WeightServer
+from robustrl.weights.flat import flatten_state_dict
+from robustrl.weights.transport import make_client
+
+pytestmark = pytest.mark.timeout(600)
+
+WAIT_S = 60.0  # one condition; the machine is shared by many test runs
+START_S = 240.0  # a replica process imports torch and transformers on a loaded 2-core machine
+CHUNK = 16 << 10
+ATTEMPTS = 2
+TOK = CharTokenizer.default()
+
+
+@dataclass
+class Version:
+    version: int
+    buffer: torch.Tensor
+    manifest: Manifest
+    checksum: str
+
+
+@dataclass
+class Replica:
+    """A replica process and everything it says on the bus."""
+
+    bus: Bus
+    job_id: str
+    member_id: str
+    proc: subprocess.Popen[bytes]
+    hello: list[MemberHello] = field(default_factory=list)
+    samples: list[MetricsSample] = field(default_factory=list)
+    phases: list[str] = field(default_factory=list)
+    haves: list[WeightsHave] = field(default_factory=list)
+    turns: list[TurnResult] = field(default_factory=list)
+
+    async def events(self, kind: str) -> list[Event]:
+        return [e for e in await self.bus.read_events(self.job_id, timeout=1.0) if e.kind == kind]
+
+    async def announce(self, v: Version, epoch: int, sources: list[str], checksum: str | None = None) -> None:
+        await self.bus.publish(subject(self.job_id, Verb.WEIGHTS), WeightsAnnounce(
+            job_id=self.job_id, version=v.version, epoch=epoch, checksum=checksum or v.checksum,
+            sources=sources, manifest=v.manifest.model_dump(mode="json")))
+
+    async def relay_holds(self, v: Version) -> frozenset[int]:
+        """Ask the replica's own weight server, as another replica pulling from it would."""
+        client = make_client(self.hello[-1].address or "")
+        await client.connect(5.0)
+        try:
+            return await client.have(v.version, v.manifest.num_chunks)
+        finally:
+            await client.close()
+
+
+def make_version(version: int, seed: int) -> Version:
+    model = build_policy(reference_job().model, TOK, seed)
+    buffer, manifest = flatten_state_dict(model.state_dict(), version, CHUNK)
+    assert manifest.num_chunks >= 4
+    return Version(version, buffer, manifest, weights_checksum(model))
+
+
+@pytest.fixture
+async def replica(infra: Settings, tmp_path: Path) -> AsyncIterator[Replica]:
+    job_id = f"rep{uuid.uuid4().hex[:8]}"
+    member_id = "rollout-0-i0"
+    spec = reference_job(steps=3).model_copy(update={
+        "detector": DetectorSpec.reference().model_copy(update={"metrics_interval_s": 0.1}),
+        "weights": reference_job().weights.model_copy(update={"pull_timeout_s": 3.0, "pull_attempts": ATTEMPTS}),
+    }).model_dump(mode="json")
+    bus = await Bus.connect(infra.nats_url, "test-controller")
+    await bus.ensure_event_stream()
+
+    async def on_spec(msg: SpecRequest, _s: str, reply: str | None) -> None:
+        await bus.respond(reply, SpecReply(job_id=msg.job_id, spec=spec, epoch=0))
+
+    await bus.subscribe(subject(job_id, Verb.SPEC), SpecRequest, on_spec)
+    log_path = tmp_path / "replica.log"
+    env = {**os.environ, **infra.to_env(), "ROBUSTRL_JOB_ID": job_id, "ROBUSTRL_MEMBER_ID": member_id,
+           "ROBUSTRL_ROLE": "rollout"}
+    env.pop("ROBUSTRL_HEALTH_PORT", None)
+    proc = _spawn(env, log_path)
+    rep = Replica(bus, job_id, member_id, proc)
+
+    async def keep(store: list, msg: object, _s: str, _r: str | None) -> None:
+        store.append(msg)
+
+    async def on_phase(msg: PhaseChange, _s: str, _r: str | None) -> None:
+        rep.phases.append(msg.phase)
+
+    await bus.subscribe(subject(job_id, Verb.HELLO, member_id), MemberHello, lambda m, s, r: keep(rep.hello, m, s, r))
+    await bus.subscribe(subject(job_id, Verb.METRICS, member_id), MetricsSample,
+                        lambda m, s, r: keep(rep.samples, m, s, r))
+    await bus.subscribe(subject(job_id, Verb.PHASE, member_id), PhaseChange, on_phase)
+    await bus.subscribe(wildcard(job_id, Verb.HAVE), WeightsHave, lambda m, s, r: keep(rep.haves, m, s, r))
+    await bus.subscribe(subject(job_id, Verb.TURN), TurnResult, lambda m, s, r: keep(rep.turns, m, s, r))
+    try:
+        await eventually_async(lambda: rep.hello and rep.samples and rep.samples[-1].phase == "idle",
+                               timeout=START_S, what="replica up and idle")
+        yield rep
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        await bus.close()
+        print(log_path.read_text()[-6000:])
+
+
+def _spawn(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """``python -m robustrl.services.rollout`` as its own process (as the local launcher runs it)."""
+    with log_path.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "robustrl.services.rollout"], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+async def _served(server: WeightServer, v: Version) -> WeightServer:
+    await server.start()
+    server.add_version(v.manifest, v.buffer)
+    return server
+
+
+async def test_replica_never_loads_serves_or_relays_weights_that_fail_verification(replica: Replica) -> None:
+    servers: list[WeightServer] = []
+    try:
+        # 1. The only source sends chunk 2 corrupt every time: never loaded, failed after N.
+        v1 = make_version(1, seed=11)
+        liar = await _served(WeightServer(fault=Fault("corrupt", chunk=2, times=10_000)), v1)
+        servers.append(liar)
+        await replica.announce(v1, epoch=1, sources=[liar.address or ""])
+        # a turn that needs v1 waits in the replica's queue, and the metrics say so
+        await replica.bus.publish(subject(replica.job_id, Verb.GENERATE, replica.member_id), GenerateTurn(
+            job_id=replica.job_id, request_id="t1", episode_id="e1", step=1, prefix_ids=[TOK.bos_id, 5, 6],
+            max_new_tokens=4, temperature=1.0, top_p=1.0, seed=1, min_version=1))
+        rejected = await eventually_async(
+            lambda: _at_least(replica.events("weights_rejected"), ATTEMPTS), timeout=WAIT_S,
+            what=f"{ATTEMPTS} weights_rejected events for v1")
+        assert {e.data["version"] for e in rejected} == {1}
+        assert all(e.data["reason"] == "corrupt" for e in rejected)
+        await eventually_async(lambda: "weights_failed" in replica.phases, timeout=WAIT_S,
+                               what="replica reports phase weights_failed")
+        await eventually_async(lambda: replica.samples[-1].queue_depth >= 1, timeout=WAIT_S,
+                               what="the waiting turn counted in queue_depth")
+        assert replica.samples[-1].inflight == 0 and replica.samples[-1].weights_version == -1
+        assert 2 not in await replica.relay_holds(v1)  # the corrupt chunk is never relayed onward
+
+        # 2. Chunks verify against the manifest, but the announced weights checksum differs
+        # (a publisher whose bytes are not the weights it announced): rejected, never loaded.
+        v2 = make_version(2, seed=12)
+        honest2 = await _served(WeightServer(), v2)
+        servers.append(honest2)
+        wrong = make_version(2, seed=99).checksum
+        await replica.announce(v2, epoch=1, sources=[honest2.address or ""], checksum=wrong)
+        mismatch = await eventually_async(
+            lambda: _matching(replica.events("weights_rejected"), version=2), timeout=WAIT_S,
+            what="weights_rejected for v2")
+        assert mismatch[0].data["reason"] == "checksum_mismatch"
+        assert mismatch[0].data["expected"] == wrong and mismatch[0].data["got"] == v2.checksum
+        assert await replica.relay_holds(v2) == frozenset()
+
+        # 3. A good version loads; the queued turn is served with it, and only it.
+        v3 = make_version(3, seed=13)
+        honest3 = await _served(WeightServer(), v3)
+        servers.append(honest3)
+        await replica.announce(v3, epoch=1, sources=[honest3.address or ""])
+        await eventually_async(lambda: replica.turns, timeout=WAIT_S, what="the queued turn served")
+        assert [(t.request_id, t.weights_version) for t in replica.turns] == [("t1", 3)]
+        loaded = await replica.events("weights_loaded")
+        assert [(e.data["version"], e.data["checksum"]) for e in loaded] == [(3, v3.checksum)]
+        assert [(h.version, h.checksum) for h in replica.haves] == [(3, v3.checksum)]
+        await eventually_async(lambda: replica.samples[-1].weights_version == 3
+                               and replica.samples[-1].queue_depth == 0
+                               and replica.samples[-1].phase in ("idle", "serving"),
+                               timeout=WAIT_S, what="metrics show v3, an empty queue, a healthy phase")
+        assert len(await replica.relay_holds(v3)) == v3.manifest.num_chunks
+    finally:
+        for server in servers:
+            await server.close()
+
+
+async def test_replica_follows_the_newest_gang_epoch_not_the_highest_version(replica: Replica) -> None:
+    servers: list[WeightServer] = []
+    try:
+        v5, v9, v6 = make_version(5, seed=5), make_version(9, seed=9), make_version(6, seed=6)
+        for v in (v5, v9, v6):
+            servers.append(await _served(WeightServer(), v))
+        await replica.announce(v5, epoch=2, sources=[servers[0].address or ""])
+        await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=5), timeout=WAIT_S,
+                               what="v5 of epoch 2 loaded")
+        # the old gang (epoch 1), not yet dead on another host, announces a higher version
+        await replica.announce(v9, epoch=1, sources=[servers[1].address or ""])
+        # the new gang (epoch 3) resumed from an older checkpoint and redoes step 6
+        await replica.announce(v6, epoch=3, sources=[servers[2].address or ""])
+        await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=6), timeout=WAIT_S,
+                               what="v6 of epoch 3 loaded")
+        loaded = await replica.events("weights_loaded")
+        assert [(e.data["version"], e.data["epoch"]) for e in loaded] == [(5, 2), (6, 3)]
+        assert servers[1].bytes_sent == 0  # the stale gang was not even asked
+        await eventually_async(lambda: replica.samples[-1].weights_version == 6, timeout=WAIT_S,
+                               what="metrics show v6")
+    finally:
+        for server in servers:
+            await server.close()
+
+
+async def _at_least(events: asyncio.Future[list[Event]] | object, n: int) -> list[Event] | None:
+    got = await events  # type: ignore[misc]
+    return got if len(got) >= n else None
+
+
+async def _matching(events: object, **data: object) -> list[Event]:
+    got = await events  # type: ignore[misc]
+    return [e for e in got if all(e.data.get(k) == v for k, v in data.items())]
