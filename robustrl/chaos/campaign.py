@@ -252,7 +252,7 @@ async def run_mode(settings: Settings, api: ApiClient, mode: str, steps: int, fa
     plan = draw(steps, faults, seed, members, exclude=exclude, name=f"c{seed}")
     t0 = time.time()
     job_id = (await asyncio.to_thread(api.submit, spec))["job_id"]
-    bus = await Bus.connect(settings.nats_url, "campaign")
+    bus = await Bus.connect(settings.nats_url, "campaign", role="harness")
     stop = asyncio.Event()
     driver = CampaignDriver(bus, settings, job_id, plan, local=local, warmup_step=max(2, steps // 10))
     task = asyncio.create_task(driver.run(stop))

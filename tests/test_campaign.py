@@ -1,0 +1,70 @@
+"""The randomized fault campaign: its plan (pure, seeded) and a reduced run on real servers.
+
+The reduced run is the campaign of ``bench/campaign.py`` at test size: one sync job on its own
+embedded stack (so infra restarts hit only its servers), >= 20 faults drawn over every fault kind
+x role the harness knows, a fixed seed; it ends with the independent auditor and asserts the job
+completed and every loss counter is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from robustrl.chaos.campaign_plan import catalog, draw
+from robustrl.chaos.scenario import parse_fault
+
+MEMBERS = {"trainer": 2, "rollout": 2, "request_manager": 1}
+CAMPAIGN_STEPS = int(os.environ.get("ROBUSTRL_TEST_CAMPAIGN_STEPS", "24"))
+CAMPAIGN_FAULTS = int(os.environ.get("ROBUSTRL_TEST_CAMPAIGN_FAULTS", "20"))
+CAMPAIGN_SEED = 7
+
+
+def test_catalog_is_every_pair_the_scenario_format_accepts():
+    pairs = catalog()
+    assert ("crash", "trainer") in pairs and ("tool_outage", "request_manager") in pairs
+    assert ("tool_outage", "trainer") not in pairs
+    for kind, role in pairs:  # each one really parses as a scenario entry
+        parse_fault({"kind": kind, "role": role, "at_step": 1, "duration_s": 1.0})
+    assert ("crash", "trainer") not in catalog(exclude=("crash/trainer",))
+    assert not any(k == "slow" for k, _ in catalog(exclude=("slow",)))
+
+
+def test_draw_is_seeded_covers_every_pair_and_spreads_over_the_job():
+    plan = draw(100, 50, seed=3, members=MEMBERS)
+    assert plan == draw(100, 50, seed=3, members=MEMBERS)
+    assert plan != draw(100, 50, seed=4, members=MEMBERS)
+    assert len(plan) == 50 and len({f.fault_id for f in plan}) == 50
+    assert {(f.kind, f.role) for f in plan} == set(catalog())  # 50 >= pairs: each at least once
+    steps = sorted(f.step for f in plan)
+    assert steps[0] >= 1 and steps[-1] <= 99
+    # Stratified: every tenth of the job gets its share of faults.
+    for tenth in range(10):
+        assert sum(1 for s in steps if 1 + tenth * 10 <= s < 11 + tenth * 10) >= 3
+    triggers = {f.trigger for f in plan}
+    assert {"time", "recovery"} <= triggers and any(t.startswith("phase:") for t in triggers)
+    for f in plan:
+        assert f.member < MEMBERS.get(f.role, 1)
+        if f.kind in ("stall", "slow", "tool_outage"):
+            assert f.duration_s > 0, f  # timed kinds end by themselves
+        if f.trigger.startswith("phase:checkpointing") or f.trigger == "batch_handoff":
+            assert f.role == "trainer"
+
+
+@pytest.mark.timeout(600)
+def test_reduced_campaign_loses_nothing(tmp_path):
+    from robustrl.chaos.campaign import run_on_fresh_stack
+
+    report = run_on_fresh_stack(tmp_path / "run", modes=("sync",), steps=CAMPAIGN_STEPS, faults=CAMPAIGN_FAULTS,
+                                seed=CAMPAIGN_SEED)
+    (tmp_path / "campaign.json").write_text(json.dumps(report, indent=1))
+    r = report["modes"]["sync"]
+    assert r["faults_injected"] >= 20, [i for i in r["injections"] if not i["ok"]]
+    assert r["job_completed"], (r["status"], r["error"])
+    assert {k: r[k] for k in ("steps_trained_twice", "steps_lost", "episodes_lost", "checkpoints_unloadable",
+                              "replicas_served_bad_weights")} == dict.fromkeys(
+        ("steps_trained_twice", "steps_lost", "episodes_lost", "checkpoints_unloadable",
+         "replicas_served_bad_weights"), 0), r["violations"]
+    assert r["audit_ok"], r["violations"]
