@@ -59,8 +59,9 @@ class Stack:
 
     def __init__(self, run_dir: Path | str, external: Settings | None = None, api_port: int = 0,
                  extra_env: dict[str, str] | None = None, services: tuple[str, ...] = SERVICES,
-                 supervise: bool = True, policy: RestartPolicy | None = None) -> None:
-        self.services = services
+                 supervise: bool = True, policy: RestartPolicy | None = None, controllers: int = 1) -> None:
+        # A second controller is a hot standby (leader lease): "controller-2", its own API port.
+        self.services = services + tuple(f"controller-{i}" for i in range(2, controllers + 1))
         self.run_dir = Path(run_dir).resolve()
         self.external = external
         self.api_port = api_port
@@ -120,18 +121,23 @@ class Stack:
     def _specs(self) -> list[ServiceSpec]:
         specs = []
         for name in self.services:
-            spec = ServiceSpec(name=name, module=f"robustrl.services.{name}")
+            role = role_of(name)
+            spec = ServiceSpec(name=name, module=f"robustrl.services.{role}")
             if name == "controller":
                 # Its health is its REST API's; a health port in its environment would be
                 # inherited by the members it launches.
                 spec.health_url = f"{self.api_url}/healthz"
+            elif role == "controller":
+                port = _free_port()
+                spec.env = {"ROBUSTRL_API_PORT": str(port)}
+                spec.health_url = f"http://{self.settings.api_host if self.settings else '127.0.0.1'}:{port}/healthz"
             else:
                 port = _free_port()
                 spec.env = {ENV_PORT: str(port)}
                 spec.health_url = f"http://127.0.0.1:{port}/healthz"
             # Each service holds only its role's credentials (robustrl.infra.credentials).
             assert self.settings is not None
-            spec.env.update(service_env(self.settings, name))
+            spec.env = {**service_env(self.settings, role), **spec.env}  # its own port wins
             specs.append(spec)
         return specs
 
@@ -257,6 +263,12 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def role_of(name: str) -> str:
+    """The service a stack entry runs: ``controller-2`` is a second ``controller``."""
+    base, _, index = name.rpartition("-")
+    return base if base and index.isdigit() else name
 
 
 def update_pids(run_dir: Path, pids: dict[str, int]) -> None:

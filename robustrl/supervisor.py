@@ -44,7 +44,11 @@ POLL_INTERVAL_S = 0.1
 PROBE_INTERVAL_S = 1.0
 """How often each service's ``/healthz`` is asked."""
 PROBE_TIMEOUT_S = 3.0
-"""One health probe; longer than a service's own check timeout (a Redis ping, 2 s)."""
+"""One health probe; longer than a service's own check timeout (a Redis ping, 2 s). Each service
+has its own prober thread, so a frozen service's probes never delay another's."""
+STARTUP_GRACE_S = 30.0
+"""A (re)started service that has not answered yet is judged hung only after this long: a
+restarted controller re-adopts its members before its API answers."""
 STOP_GRACE_S = 5.0
 """SIGTERM to SIGKILL when the stack stops a service."""
 RESTART_LOG = "supervisor.jsonl"
@@ -147,7 +151,7 @@ class Supervisor:
         self._restart_times: dict[str, list[float]] = {}
         self._pending: dict[str, tuple[float, float, str, int | None, int]] = {}  # (due, delay, reason, rc, pid)
         self._last_answer: dict[str, float] = {}
-        self._last_probe = 0.0
+        self._answered: set[str] = set()  # answered since its last spawn
         self._lock = threading.RLock()
         self._paused: set[str] = set()
 
@@ -162,6 +166,7 @@ class Supervisor:
         with self._lock:
             self.procs[name] = _Proc(popen.pid, popen)
             self._last_answer[name] = time.monotonic()
+            self._answered.discard(name)
         return popen.pid
 
     def adopt(self, name: str, pid: int) -> None:
@@ -169,6 +174,7 @@ class Supervisor:
         with self._lock:
             self.procs[name] = _Proc(pid)
             self._last_answer[name] = time.monotonic()
+            self._answered.add(name)  # it was running before: no startup grace
 
     def pids(self) -> dict[str, int]:
         with self._lock:
@@ -208,9 +214,6 @@ class Supervisor:
     def poll_once(self, now: float | None = None) -> list[RestartRecord]:
         """One round: notice exits and hangs, start the services whose backoff is over."""
         now = time.monotonic() if now is None else now
-        if self.policy.hang_timeout_s > 0 and now - self._last_probe >= PROBE_INTERVAL_S:
-            self._last_probe = now
-            self._probe_all(now)
         done: list[RestartRecord] = []
         with self._lock:
             for name, proc in list(self.procs.items()):
@@ -265,21 +268,42 @@ class Supervisor:
     def _hung(self, name: str, now: float) -> bool:
         if self.policy.hang_timeout_s <= 0 or self.specs[name].health_url is None:
             return False
-        return now - self._last_answer.get(name, now) > self.policy.hang_timeout_s
+        limit = self.policy.hang_timeout_s if name in self._answered else max(
+            STARTUP_GRACE_S, self.policy.hang_timeout_s)
+        return now - self._last_answer.get(name, now) > limit
 
-    def _probe_all(self, now: float) -> None:
-        for name, spec in self.specs.items():
-            if spec.health_url is None or name not in self.procs:
-                continue
-            try:
-                httpx.get(spec.health_url, timeout=PROBE_TIMEOUT_S)
-            except httpx.HTTPError:
-                continue
-            # Any HTTP answer, even a 503 while NATS or Redis is away: the event loop runs.
+    def probe(self, name: str) -> bool:
+        """Ask ``name``'s ``/healthz`` once; any HTTP answer (even a 503 while NATS or Redis is
+        away) means its event loop runs. Records the answer time."""
+        url = self.specs[name].health_url
+        if url is None:
+            return False
+        try:
+            httpx.get(url, timeout=PROBE_TIMEOUT_S)
+        except httpx.HTTPError:
+            return False
+        with self._lock:
             self._last_answer[name] = time.monotonic()
+            self._answered.add(name)
+        return True
+
+    def answered(self, name: str) -> bool:
+        """Whether ``name`` has answered a health probe since it was last (re)started."""
+        with self._lock:
+            return name in self._answered
+
+    def _probe_loop(self, name: str, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.probe(name)
+            stop.wait(PROBE_INTERVAL_S)
 
     def run(self, stop: threading.Event) -> None:
-        """Supervise until ``stop`` is set."""
+        """Supervise until ``stop`` is set (one prober thread per service with a health URL)."""
+        if self.policy.hang_timeout_s > 0:
+            for name, spec in self.specs.items():
+                if spec.health_url is not None:
+                    threading.Thread(target=self._probe_loop, args=(name, stop), name=f"probe-{name}",
+                                     daemon=True).start()
         while not stop.is_set():
             try:
                 self.poll_once()

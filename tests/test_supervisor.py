@@ -83,10 +83,10 @@ def test_stopped_service_is_judged_hung_and_replaced(supervised: tuple[Superviso
                                                      tmp_path: Path) -> None:
     sup, _ = supervised
     first = sup.pids()["svc"]
-    # Wait until the first probe has answered, so the hang clock starts from a live service.
-    eventually(lambda: sup.pids()["svc"] == first and _alive(first), timeout=5)
+    # Wait until a probe has answered: before that a starting service gets the startup grace.
+    eventually(lambda: sup.answered("svc"), timeout=10, what="first health answer")
     os.killpg(first, signal.SIGSTOP)
-    eventually(lambda: sup.pids()["svc"] != first, timeout=15, what="hung svc replaced")
+    eventually(lambda: sup.pids()["svc"] != first, timeout=40, what="hung svc replaced")
     assert not _alive(first), "the hung process was left behind"
     assert [r["reason"] for r in read_restarts(tmp_path)] == ["hang"]
 
@@ -139,7 +139,7 @@ def test_detached_supervisor_adopts_processes_it_did_not_start(tmp_path: Path) -
     try:
         os.killpg(orphan.pid, signal.SIGKILL)
         orphan.wait(5)
-        restarted = eventually(lambda: read_restarts(tmp_path), timeout=15, what="adopted svc restarted")
+        restarted = eventually(lambda: read_restarts(tmp_path), timeout=40, what="adopted svc restarted")
         assert restarted[0]["old_pid"] == orphan.pid
         assert json.loads((tmp_path / "stack.json").read_text())["pids"]["svc"] == restarted[0]["new_pid"]
         new_pid = int(restarted[0]["new_pid"])

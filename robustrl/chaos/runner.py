@@ -16,11 +16,22 @@ from robustrl.chaos.harness import Harness, LocalFaults
 from robustrl.chaos.scenario import Scenario, members_of, plan
 from robustrl.client import ApiClient
 from robustrl.config import Settings
-from robustrl.errors import RequestTimeout
+from robustrl.errors import JobError, RequestTimeout, TransportError
 from robustrl.messages import Event
 
 POLL_S = 0.2
+EVENTS_GRACE_S = 30.0
+"""How long past the job's deadline the runner keeps trying to read its log (controller restarting)."""
 TERMINAL = ("finished", "failed", "stopped")
+
+
+async def _tolerant(call: Callable[[str], Any], job_id: str) -> Any:
+    """``call(job_id)`` in a thread; None while the controller is unreachable or does not know the
+    job yet (a restarted controller restores its jobs before it answers for them)."""
+    try:
+        return await asyncio.to_thread(call, job_id)
+    except (TransportError, JobError):
+        return None
 
 
 def step_durations(events: list[Event]) -> list[float]:
@@ -71,18 +82,26 @@ async def run_job(settings: Settings, api: ApiClient, spec: dict[str, Any], scen
         deadline = time.monotonic() + timeout_s
         status = job
         while True:
-            status = await asyncio.to_thread(api.job, job_id)
-            if on_status:
-                on_status(status)
-            if status["status"] in TERMINAL:
-                break
+            # The controller may be the fault (restarting, or not yet leading again): keep asking.
+            polled = await _tolerant(api.job, job_id)
+            if polled is not None:
+                status = polled
+                if on_status:
+                    on_status(status)
+                if status["status"] in TERMINAL:
+                    break
             if time.monotonic() > deadline:
-                await asyncio.to_thread(api.stop, job_id)
+                await _tolerant(api.stop, job_id)
                 raise RequestTimeout(f"job {job_id} not finished after {timeout_s:.0f}s (step {status['step']})")
             await asyncio.sleep(POLL_S)
         stop.set()
         acks = await chaos_task
-        events = [Event.model_validate(e) for e in await asyncio.to_thread(api.events, job_id)]
+        raw_events = None
+        while raw_events is None and time.monotonic() < deadline + EVENTS_GRACE_S:
+            raw_events = await _tolerant(api.events, job_id)
+            if raw_events is None:
+                await asyncio.sleep(POLL_S)
+        events = [Event.model_validate(e) for e in raw_events or []]
         report = account(events).to_dict()
         report["step_durations"] = step_durations(events)
         report.update({
