@@ -334,3 +334,29 @@ async def test_event_log_is_read_to_its_end_not_to_a_time_budget(rig: Rig) -> No
     # A per-fetch bound far below the time the whole read takes: the read still reaches the end.
     events = await rig.bus.read_events(job_id, timeout=0.2)
     assert sorted(e.data["i"] for e in events) == list(range(n))
+
+
+async def test_a_fault_reported_while_no_controller_leads_is_handled_once_by_the_next(rig: Rig) -> None:
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec("cpinbox"))
+    await rig.hello_all(a, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    await a.close(stop_members=False)
+
+    # The detector reports a hang twice (a retry) while no controller runs: only the event log has it.
+    detector = await rig.connect("test-detector", "detector")
+    report = {"fault_id": "hang-r0", "kind": "hang", "role": "rollout", "member_id": "rollout-0-i0", "step": 1,
+              "detected_at": time.time(), "evidence": "no tokens for 2 s", "fault_at": time.time() - 2}
+    await detector.emit_event(job.job_id, "fault_detected", report)
+    await detector.emit_event(job.job_id, "fault_detected", report)
+
+    b = await rig.controller()
+    await b.wait_leading(10)
+    await eventually_async(lambda: rig.redis.sismember(Keys.faults_handled(job.job_id), "hang-r0"), timeout=15,
+                           what="fault delivered to the new leader and handled")
+    events = await rig.events(job.job_id)
+    assert [d["actions"] for d in of_kind(events, "decision") if d["fault_id"] == "hang-r0"] == [
+        ["RedispatchEpisodes", "ReplaceReplica"]]
+    assert [d["member_id"] for d in of_kind(events, "member_started")][4:] == ["rollout-0-i1"]
