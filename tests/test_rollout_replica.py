@@ -189,6 +189,7 @@ async def test_replica_never_loads_serves_or_relays_weights_that_fail_verificati
             what="weights_rejected for v2")
         assert mismatch[0].data["reason"] == "checksum_mismatch"
         assert mismatch[0].data["expected"] == wrong and mismatch[0].data["got"] == v2.checksum
+        assert mismatch[0].data["checksum"] == v2.checksum  # the auditor's key: the bytes rejected
         assert await replica.relay_holds(v2) == frozenset()
 
         # 3. A good version loads; the queued turn is served with it, and only it.

@@ -16,7 +16,8 @@ what it was doing and retries when a source shows up (a re-announcement, a relay
 after a back-off.
 
 Events for the auditor: ``weights_loaded`` (only after both checks) and ``weights_rejected``
-``{member_id, version, epoch, expected, got?, reason, error?, attempt, attempts_allowed}``
+``{member_id, version, epoch, expected, got?, checksum?, reason, error?, attempt, attempts_allowed,
+final}`` (``checksum``: of the bytes rejected, when they were all pulled)
 with reason ``corrupt | timeout | checksum_mismatch | load_mismatch | layout | error``.
 """
 
@@ -210,7 +211,8 @@ class WeightLoader:
             # them from the relay, and prefer other sources next time.
             self.server.drop_version(manifest.version)
             avoid.update(stats.chunks_from)
-            await self._failed_attempt(ann, "checksum_mismatch", got=got, sources=sorted(stats.chunks_from))
+            await self._failed_attempt(ann, "checksum_mismatch", got=got, checksum=got,
+                                       sources=sorted(stats.chunks_from))
             return False
         if not self.server.is_complete(manifest.version):
             # pulled without relaying (a retry after a mismatch): it verified now, serve it onward
@@ -218,7 +220,7 @@ class WeightLoader:
         loaded = await self._install(manifest.version, ann.checksum, state, self.cfg.pull_timeout_s)
         if loaded != ann.checksum:
             self.server.drop_version(manifest.version)
-            await self._failed_attempt(ann, "load_mismatch" if loaded else "timeout", got=loaded,
+            await self._failed_attempt(ann, "load_mismatch" if loaded else "timeout", got=loaded, checksum=loaded,
                                        error=None if loaded else "the engine did not swap the weights in time")
             return False
         await self._set(loading=False, failed=False)
@@ -245,6 +247,8 @@ class WeightLoader:
             "member_id": self.member_id, "version": ann.version, "epoch": ann.epoch, "expected": ann.checksum,
             "reason": reason, "attempt": self.state.failures, "attempts_allowed": self.cfg.pull_attempts,
             "final": final, **{k: v for k, v in data.items() if v is not None}})
+        # ``checksum`` (auditor's key) is that of the bytes rejected, when they were all pulled:
+        # a later load of the announced weights from a good source is then no violation.
 
     async def _wait_sources(self, delay_s: float) -> None:
         """Until a source may have appeared (a repeat announcement, a relay's HAVE) or
