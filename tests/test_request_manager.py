@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from robustrl.config import JobSpec
 from robustrl.messages import MemberHello, StepCommitted
-from robustrl.services.request_manager.service import JobRunner
+from robustrl.services.request_manager.batching import JobRunner
 from robustrl.storage.redis_stores import connect
 
 

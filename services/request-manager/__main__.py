@@ -6,11 +6,12 @@ import asyncio
 import os
 import signal
 
+from robustrl.services.request_manager.service import RequestManager
+
 from robustrl.bus import Bus
 from robustrl.config import Settings
 from robustrl.health import serve_health
 from robustrl.member import configure_logging
-from robustrl.services.request_manager.service import RequestManager
 from robustrl.storage.redis_stores import connect
 
 METRICS_INTERVAL_S = 0.25
@@ -18,7 +19,7 @@ METRICS_INTERVAL_S = 0.25
 
 async def main() -> None:
     settings = Settings.from_env(os.environ)
-    bus = await Bus.connect(settings.nats_url, "request_manager")
+    bus = await Bus.connect(settings.nats_url, "request_manager", role="request_manager")
     await bus.ensure_event_stream()
     redis = connect(settings.redis_url)
     await redis.ping()
@@ -32,6 +33,7 @@ async def main() -> None:
                                 os.environ)
     print("request_manager ready", flush=True)
     await rm.metrics_loop(METRICS_INTERVAL_S, stop)
+    await rm.close()
     if health:
         await health.close()
     await bus.close()

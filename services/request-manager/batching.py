@@ -1,0 +1,297 @@
+"""Batching: assembling each step from its episodes, handing the batch to the trainer, bounding the
+step, and deleting rollout state the trainer can no longer need.
+
+The one home of the step rules:
+
+* a step's episodes run under one task group: when one fails, every sibling is cancelled *and
+  awaited* before the step is retried, so no episode ever has two runs; the retry continues each
+  episode from its saved record (finished ones are kept);
+* a step that was handed over before (request-manager restart) is handed over again, not generated;
+* a step not handed over within ``detector.step_deadline_s`` is a fault naming what it waits for
+  (turns on a replica, a weights version, tools), reported again each further deadline;
+* once checkpoint D is durable, every rollout key of steps <= D is deleted (episodes, prefixes,
+  dispatches, batch, fence, trained-log entries): Redis holds only what recovery can still need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from robustrl.services.request_manager.dispatch import Dispatcher
+from robustrl.services.request_manager.episodes import EpisodeRunner
+from robustrl.services.request_manager.faults import report_deadline
+
+from robustrl.bus import Bus
+from robustrl.config import JobSpec
+from robustrl.messages import BatchReady, MemberHello, MetricsSample, StepCommitted
+from robustrl.storage.redis_stores import (
+    BatchRecord,
+    BatchStore,
+    DispatchStore,
+    EpisodeRecord,
+    EpisodeStore,
+    RolloutGC,
+)
+from robustrl.subjects import Verb, subject
+
+log = logging.getLogger(__name__)
+STEP_RETRY_S = 1.0
+"""Pause before a failed step (Redis or NATS trouble) is tried again from the saved records."""
+WAIT_WAKE_S = 1.0
+
+
+class JobRunner:
+    """Drives one job's steps on the request-manager side."""
+
+    def __init__(self, bus: Bus, redis: object, job_id: str, spec: JobSpec, start_step: int,
+                 resumed: bool = False) -> None:
+        self.bus = bus
+        self.job_id = job_id
+        self.spec = spec
+        self.store = EpisodeStore(redis, job_id)  # type: ignore[arg-type]
+        self.dispatches = DispatchStore(redis, job_id)  # type: ignore[arg-type]
+        self.batches = BatchStore(redis, job_id)  # type: ignore[arg-type]
+        self.gc = RolloutGC(redis, job_id)  # type: ignore[arg-type]
+        self.dispatcher = Dispatcher(bus, job_id, spec, self.dispatches)
+        self.episodes = EpisodeRunner(bus, job_id, spec, self.store, self.dispatches, self.dispatcher)
+        self.step = start_step
+        self.committed = start_step - 1
+        self.durable = -1
+        self.trainer_version = -1
+        self.gang_epoch = 0  # newest trainer gang heard from: commits of older gangs are stale
+        self.step_epoch = 0  # bumped by restart_step: in-flight work of older epochs is discarded
+        self.resumed = resumed  # this runner took over a job after a request-manager restart
+        self.paused = False
+        self.changed = self.dispatcher.changed
+        self._task: asyncio.Task[None] | None = None
+        self._step_task: asyncio.Task[BatchReady] | None = None
+        self._gc_task: asyncio.Task[None] | None = None
+        self._current: list[EpisodeRecord] = []
+        self._started_once = start_step > 0
+
+    @property
+    def tools(self):  # type: ignore[no-untyped-def]
+        return self.episodes.tools
+
+    @property
+    def generating(self) -> int:
+        return self.episodes.generating
+
+    # --- what the trainer and members say --------------------------------------------------
+
+    def on_hello(self, msg: MemberHello) -> None:
+        if msg.role == "trainer":
+            self.gang_epoch = max(self.gang_epoch, msg.epoch)
+            if msg.resume_step is not None:  # a gang resumes after its newest durable checkpoint
+                self._durable(msg.resume_step - 1)
+        self.dispatcher.on_hello(msg)
+
+    def on_commit(self, msg: StepCommitted) -> None:
+        if msg.epoch < self.gang_epoch:
+            # An old gang still running after its replacement said hello (it is being stopped):
+            # its steps are not this lineage's and must not move the job on.
+            log.warning("ignoring step %d committed by stale gang %d (current gang %d)",
+                        msg.step, msg.epoch, self.gang_epoch)
+            return
+        self.gang_epoch = msg.epoch
+        self.committed = max(self.committed, msg.step)
+        self.trainer_version = max(self.trainer_version, msg.weights_version)
+        self._durable(msg.durable_step)
+        self.changed.set()
+
+    # --- garbage collection ----------------------------------------------------------------
+
+    def _durable(self, step: int) -> None:
+        if step > self.durable:
+            self.durable = step
+            if self._task is not None and (self._gc_task is None or self._gc_task.done()):
+                self._gc_task = asyncio.get_running_loop().create_task(self._collect())
+
+    async def _collect(self) -> None:
+        """Delete rollout state of every step the newest durable checkpoint has consumed."""
+        try:
+            done = await self.gc.collected()
+            while done < min(self.durable, self.committed, self.step - 1):
+                done += 1
+                n = await self.gc.collect(done)
+                log.debug("job %s: step %d collected (%d episodes)", self.job_id, done, n)
+        except Exception as exc:  # the next durable step tries again
+            log.warning("job %s: rollout GC failed: %s", self.job_id, exc)
+
+    # --- steps -----------------------------------------------------------------------------
+
+    async def run_step(self, step: int) -> BatchReady:
+        """Generate every episode of ``step``; hand the batch over (stored first, then announced)."""
+        handed = await self.batches.get(step)
+        if handed is not None:
+            # Handed over before this life (or before a retry): announce it again, generate nothing.
+            ready = BatchReady(job_id=self.job_id, step=step, episode_ids=handed.episode_ids,
+                               reward_mean=handed.reward_mean, timings=handed.timings)
+            await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
+            return ready
+        t0 = time.monotonic()
+        watchdog = asyncio.create_task(self._watch(step, time.time()))
+        try:
+            return await self._generate_step(step, t0)
+        finally:
+            watchdog.cancel()
+
+    async def _generate_step(self, step: int, t0: float) -> BatchReady:
+        timing = {"tool_wait_s": 0.0}
+        started = bool(await self.store.step_episode_ids(step))
+        # The job's very first step starts once its members are up: start-up is the same for
+        # every recovery policy and is reported apart (job_ready), not as lost training time.
+        first = step == 0 and self.step_epoch == 0 and not self._started_once and not started
+        if not first and not started:
+            await self.bus.emit_event(self.job_id, "step_started", {"step": step, "epoch": self.step_epoch})
+        # Sync/semi-sync: serving replicas must hold an allowed version before the turns go out.
+        await self.dispatcher.wait_version(step)
+        weight_sync_s = time.monotonic() - t0
+        if first:
+            await self.bus.emit_event(self.job_id, "job_ready", {"startup_s": weight_sync_s})
+            await self.bus.emit_event(self.job_id, "step_started", {"step": step, "epoch": self.step_epoch})
+            t0, weight_sync_s = time.monotonic(), 0.0
+        self._started_once = True
+        eps, resumed = await self.episodes.make_episodes(step)
+        self._current = eps
+        todo = [ep for ep in eps if ep.status != "finished"]
+        self.dispatcher.load_adoptable(await self.dispatches.all(), {ep.episode_id for ep in todo})
+        if resumed and self.resumed:
+            self.resumed = False
+            await self.bus.emit_event(self.job_id, "rm_resumed", {
+                "step": step, "finished": len(eps) - len(todo), "unfinished": len(todo),
+                "dispatched": len(self.dispatcher.adoptable)})
+        # One task group: a failing episode cancels and awaits its siblings before the step fails.
+        async with asyncio.TaskGroup() as group:
+            for ep in todo:
+                group.create_task(self.episodes.run(ep, step, timing))
+        self.episodes.finished.clear()
+        return await self._hand_over(step, eps, t0, weight_sync_s, timing)
+
+    async def _hand_over(self, step: int, eps: list[EpisodeRecord], t0: float, weight_sync_s: float,
+                         timing: dict[str, float]) -> BatchReady:
+        rewards = [ep.reward or 0.0 for ep in eps]
+        wall = time.monotonic() - t0
+        n = max(1, len(eps))
+        # Episodes overlap, so per-episode tool wait is averaged to give the step's share.
+        rollout_s = wall - weight_sync_s
+        timings = {"rollout_s": rollout_s, "tool_wait_s": timing["tool_wait_s"] / n,
+                   "generation_s": max(0.0, rollout_s - timing["tool_wait_s"] / n), "weight_sync_s": weight_sync_s}
+        batch = BatchRecord(job_id=self.job_id, step=step, episode_ids=[e.episode_id for e in eps],
+                            reward_mean=statistics.fmean(rewards), timings=timings)
+        await self.batches.put(batch)
+        ready = BatchReady(job_id=self.job_id, step=step, episode_ids=batch.episode_ids,
+                           reward_mean=batch.reward_mean, timings=timings)
+        await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
+        await self.bus.emit_event(self.job_id, "batch_ready", {"step": step, "reward_mean": batch.reward_mean,
+                                                               **timings})
+        return ready
+
+    async def _watch(self, step: int, since: float) -> None:
+        """Report the step each time ``step_deadline_s`` passes without its batch handed over."""
+        bound = self.spec.detector.step_deadline_s
+        while True:
+            await asyncio.sleep(bound)
+            role, member, kind, what = self._stuck_on(step)
+            await report_deadline(self.bus, self.job_id, role=role, member_id=member, kind=kind,  # type: ignore[arg-type]
+                                  cause="step_deadline", step=step, since=since,
+                                  evidence=f"step {step} not handed over after {time.time() - since:.1f}s "
+                                           f"(step_deadline_s={bound:g}): {what}")
+
+    def _stuck_on(self, step: int) -> tuple[str, str, str, str]:
+        """(role, member, kind, what) of the work a stuck step still waits for."""
+        d = self.dispatcher
+        open_eps = sum(1 for e in self._current if e.status != "finished")
+        owners = Counter(p.member_id for p in d.pending.values())
+        if owners:
+            member, n = owners.most_common(1)[0]
+            return "rollout", member, "hang", f"{n} turns outstanding on {member} ({open_eps} episodes open)"
+        need = d.min_version(step)
+        lagging = sorted(r.member_id for r in d.replicas.values() if d.live(r) and r.version < need)
+        if d.waiting and lagging:
+            return "rollout", lagging[0], "hang", f"{d.waiting} turns wait for v{need}, which {lagging} lack"
+        if self.episodes.tool_waiting:
+            return ("request_manager", "request_manager", "tool_outage",
+                    f"{self.episodes.tool_waiting} episodes waiting for tools")
+        what = f"{d.waiting} turns wait for a live replica holding v{need}" if d.waiting else (
+            f"{open_eps} episodes open")
+        return "request_manager", "request_manager", "hang", what
+
+    async def _wait(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), WAIT_WAKE_S)
+            except TimeoutError:
+                pass
+
+    async def run(self) -> None:
+        """Sync/semi-sync/async loop: step k starts once its weights are available (staleness bound)."""
+        while self.step < self.spec.steps:
+            step = self.step
+            # The trainer must have committed step k - 1 - staleness (bounded lag between rollout
+            # and training); a trainer that stops committing is the detector's to report.
+            await self._wait(lambda k=step: self.committed >= k - 1 - self.spec.staleness and not self.paused)
+            self._step_task = asyncio.create_task(self.run_step(step))
+            try:
+                await self._step_task
+            except asyncio.CancelledError:
+                if self._task and self._task.cancelling():
+                    raise
+                continue  # restart_step: same step again from scratch
+            except Exception:
+                # Redis or NATS trouble mid-step: every sibling has stopped; the episodes resume
+                # from their saved records.
+                log.exception("job %s: step %d failed; retrying from the saved records", self.job_id, step)
+                await asyncio.sleep(STEP_RETRY_S)
+                continue
+            self.step += 1
+        log.info("job %s: all %d steps generated", self.job_id, self.spec.steps)
+
+    async def restart_step(self, fault_id: str | None = None) -> None:
+        """Whole-job restart: drop the current step's in-flight work and generate it from scratch."""
+        self.paused = True
+        lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")
+        if self._step_task and not self._step_task.done():
+            self._step_task.cancel()
+            try:
+                await self._step_task
+            except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - it is being dropped
+                log.debug("job %s: step task ended with %r", self.job_id, exc)
+        self.dispatcher.reset()
+        ids = await self.store.step_episode_ids(self.step)
+        n = await self.store.clear_step(self.step)
+        await self.dispatches.forget(ids)
+        await self.batches.delete(self.step)  # a batch handed over mid-restart must not survive
+        self.step_epoch += 1
+        self._current = []
+        self.episodes.finished.clear()
+        if fault_id:
+            await self.bus.emit_event(self.job_id, "work_lost", {"fault_id": fault_id, "tokens": lost,
+                                                                 "steps_redone": 0, "episodes": n})
+        log.warning("job %s: step %d restarted from scratch (%d episodes dropped)", self.job_id, self.step, n)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run())
+
+    async def stop(self) -> None:
+        for task in (self._task, self._gc_task):
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - stopping it
+                    log.debug("job %s: task ended with %r", self.job_id, exc)
+
+    def sample(self, seq: int) -> MetricsSample:
+        d = self.dispatcher
+        return MetricsSample(job_id=self.job_id, member_id="request_manager", role="request_manager", seq=seq,
+                             ts=time.time(), phase="generating" if self.generating else "idle", step=self.step,
+                             inflight=len(d.pending), queue_depth=d.waiting,
+                             tool_waiting=self.episodes.tool_waiting,
+                             episodes_outstanding=sum(1 for e in self._current if e.status != "finished"))

@@ -1,0 +1,364 @@
+"""Turn dispatch: which replica generates an episode's next turn, and how long it may take.
+
+The one home of the dispatch rules:
+
+* a turn goes to the least-loaded *live* replica holding an allowed weights version (live: not
+  declared dead, heard from within ``silence_s + probe_timeout_s``);
+* every dispatched turn has a deadline (``detector.turn_deadline_s``); past it the turn is
+  re-dispatched from the episode's saved prefix to another live replica, and a replica that lets
+  ``TIMEOUTS_BEFORE_FAULT`` turns in a row pass their deadline is reported;
+* a replica declared dead, or silent past the liveness window, fails its turns at once;
+* work is idempotent by (episode, turn number): a reply is applied only while its request is the
+  episode's current one; a late reply for a turn already applied or re-dispatched is dropped
+  (``turn_dropped`` event), never applied twice;
+* each dispatch is recorded in Redis until its turn is applied, so a restarted request manager (or
+  a retried step) *adopts* a turn whose replica still works on it instead of generating it again,
+  and re-dispatches only turns with no live owner (owner gone, or idle with the reply lost);
+* the wait for serving replicas to reach a step's weights version is bounded by
+  ``detector.weights_load_s``; a replica still below it is reported and not waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from robustrl.services.request_manager.faults import report_deadline
+
+from robustrl.bus import Bus
+from robustrl.config import JobSpec
+from robustrl.errors import RobustRLError
+from robustrl.messages import GenerateTurn, MemberHello, MetricsSample, TurnResult, WeightsHave
+from robustrl.rl import tasks
+from robustrl.storage.redis_stores import DispatchStore, EpisodeRecord
+from robustrl.subjects import Verb, subject
+
+log = logging.getLogger(__name__)
+
+WAKE_S = 1.0
+"""Longest sleep of a wait for replicas (liveness changes with time, not only with messages)."""
+POLL_S = 0.5
+"""How often a turn in flight checks that its owner is still live."""
+ADOPT_WAIT_S = 2.0
+"""How long a resumed step waits to hear from the owner of a turn dispatched before it resumed."""
+TIMEOUTS_BEFORE_FAULT = 3
+"""Turn deadlines passed in a row, with no reply in between, before a replica is reported."""
+
+
+class Redispatch(RobustRLError):
+    """The turn's replica was declared dead (or went silent): dispatch it again from the prefix."""
+
+    retryable = True
+
+
+class TurnTimeout(RobustRLError):
+    """No reply within ``turn_deadline_s``."""
+
+    retryable = True
+
+
+@dataclass
+class Replica:
+    member_id: str
+    version: int = -1
+    checksum: str = ""
+    inflight: set[str] = field(default_factory=set)
+    alive: bool = True
+    seen_at: float = field(default_factory=time.monotonic)
+    busy: bool = True  # its last metrics showed work in flight or queued
+    busy_at: float = 0.0  # when that sample was received (monotonic)
+    timeouts: int = 0  # turn deadlines passed in a row with no reply in between
+    reported: bool = False  # reported for timeouts; dispatched to only if nobody else can serve
+    reported_version: int = -1  # reported for not reaching this version in time
+
+
+@dataclass
+class Pending:
+    request_id: str
+    episode_id: str
+    turn: int
+    member_id: str
+    sent_at: float  # wall clock: dispatch records outlive the process
+    future: asyncio.Future[TurnResult]
+    adopted_at: float | None = None  # monotonic; set when taken over from a record in Redis
+
+
+class Dispatcher:
+    """Dispatch of one job's turns to its replicas."""
+
+    def __init__(self, bus: Bus, job_id: str, spec: JobSpec, dispatches: DispatchStore) -> None:
+        self.bus = bus
+        self.job_id = job_id
+        self.spec = spec
+        self.records = dispatches
+        self.replicas: dict[str, Replica] = {}
+        self.dead: set[str] = set()  # member ids are per incarnation: a dead one never comes back
+        self.pending: dict[str, Pending] = {}
+        self.adoptable: dict[str, dict[str, Any]] = {}  # episode id -> dispatch record of a past life
+        self.waiting = 0  # turns waiting for a replica that can take them
+        self.stats = {"redispatched": 0, "late_dropped": 0, "tokens_regenerated": 0, "turn_timeouts": 0}
+        self.changed = asyncio.Event()
+        det = spec.detector
+        self.liveness_s = det.silence_s + det.probe_timeout_s
+
+    # --- what the replicas say -------------------------------------------------------------
+
+    def _heard(self, member_id: str) -> Replica | None:
+        if member_id in self.dead:
+            return None
+        rep = self.replicas.setdefault(member_id, Replica(member_id))
+        rep.seen_at = time.monotonic()
+        self.changed.set()
+        return rep
+
+    def on_hello(self, msg: MemberHello) -> None:
+        if msg.role == "rollout":
+            self._heard(msg.member_id)
+
+    def on_have(self, msg: WeightsHave) -> None:
+        rep = self._heard(msg.member_id)
+        if rep:
+            rep.version, rep.checksum = max(rep.version, msg.version), msg.checksum
+
+    def on_metrics(self, msg: MetricsSample) -> None:
+        if msg.role != "rollout":
+            return
+        rep = self._heard(msg.member_id)
+        if rep:
+            rep.version = max(rep.version, msg.weights_version)
+            rep.busy, rep.busy_at = msg.inflight > 0 or msg.queue_depth > 0, time.monotonic()
+
+    def live(self, rep: Replica) -> bool:
+        return (rep.alive and rep.member_id not in self.dead
+                and time.monotonic() - rep.seen_at <= self.liveness_s)
+
+    def replica_dead(self, member_id: str, fault_id: str | None = None) -> int:
+        """Fail that replica's in-flight turns so their episodes re-dispatch from the prefix."""
+        self.dead.add(member_id)
+        rep = self.replicas.setdefault(member_id, Replica(member_id))
+        rep.alive = False
+        n = 0
+        for req_id in list(rep.inflight):
+            pend = self.pending.get(req_id)
+            if pend and not pend.future.done():
+                pend.future.set_exception(Redispatch(f"{member_id} declared dead", member=member_id,
+                                                     fault_id=fault_id))
+                n += 1
+        self.changed.set()
+        return n
+
+    def reset(self) -> None:
+        """Whole-job restart: every replica is being replaced; every turn in flight is dropped."""
+        for pend in self.pending.values():
+            if not pend.future.done():
+                pend.future.cancel()
+        self.pending.clear()
+        self.adoptable.clear()
+        self.dead.update(self.replicas)
+        self.replicas.clear()
+        self.changed.set()
+
+    async def on_turn(self, msg: TurnResult) -> None:
+        rep = self.replicas.get(msg.member_id)
+        if rep is not None and msg.member_id not in self.dead:
+            rep.seen_at, rep.timeouts, rep.reported = time.monotonic(), 0, False
+        pend = self.pending.get(msg.request_id)
+        if pend is None or pend.future.done() or pend.episode_id != msg.episode_id:
+            # Late: its turn was applied, or re-dispatched, or the step was restarted.
+            self.stats["late_dropped"] += 1
+            await self.bus.emit_event(self.job_id, "turn_dropped", {
+                "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id,
+                "tokens": len(msg.token_ids)})
+            return
+        pend.future.set_result(msg)
+        self.changed.set()
+
+    # --- choosing a replica ----------------------------------------------------------------
+
+    def min_version(self, step: int) -> int:
+        return max(0, step - self.spec.staleness)
+
+    def ready(self, step: int) -> list[Replica]:
+        need = self.min_version(step)
+        return [r for r in self.replicas.values() if self.live(r) and r.version >= need]
+
+    async def _changed_wait(self, timeout: float) -> None:
+        self.changed.clear()
+        try:
+            await asyncio.wait_for(self.changed.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def pick(self, step: int, avoid: set[str]) -> Replica:
+        """The least-loaded ready replica, preferring ones not in ``avoid`` and not reported;
+        waits (bounded by the step deadline) while none is ready."""
+        self.waiting += 1
+        try:
+            while True:
+                ready = self.ready(step)
+                if ready:
+                    good = [r for r in ready if r.member_id not in avoid and not r.reported]
+                    return min(good or ready, key=lambda r: (len(r.inflight), r.member_id))
+                await self._changed_wait(WAKE_S)
+        finally:
+            self.waiting -= 1
+
+    async def wait_version(self, step: int) -> None:
+        """Until every live serving replica holds the step's version (at least one must), or
+        ``weights_load_s`` passed: then the replicas still below it are reported and not waited for.
+        Replicas still starting (no version yet) are not waited for: they join when loaded."""
+        need = self.min_version(step)
+        t0, since = time.monotonic(), time.time()
+        bound = self.spec.detector.weights_load_s
+        while True:
+            live = [r for r in self.replicas.values() if self.live(r)]
+            lagging = [r for r in live if 0 <= r.version < need and r.reported_version < need]
+            if any(r.version >= need for r in live) and not lagging:
+                return
+            waited = time.monotonic() - t0
+            if waited > bound:
+                for r in lagging:
+                    r.reported_version = need
+                    await report_deadline(
+                        self.bus, self.job_id, role="rollout", member_id=r.member_id, kind="hang",
+                        cause="weights_deadline", step=step, since=since,
+                        evidence=f"{r.member_id} holds v{r.version}, step {step} needs v{need}; "
+                                 f"waited {waited:.1f}s (weights_load_s={bound:g})")
+                continue
+            await self._changed_wait(min(WAKE_S, max(0.05, bound - waited)))
+
+    # --- one turn --------------------------------------------------------------------------
+
+    def load_adoptable(self, records: dict[str, dict[str, Any]], episode_ids: set[str]) -> None:
+        """Dispatch records of a past life (request-manager restart, retried step) for these episodes."""
+        self.adoptable = {e: r for e, r in records.items() if e in episode_ids}
+
+    async def generate(self, ep: EpisodeRecord, step: int, stop_on_call: bool) -> tuple[TurnResult, str]:
+        """The episode's next turn, from whichever replica answers within the deadline.
+
+        Returns the result and the id of the request it answered.
+        """
+        turn = len(ep.turns)
+        avoid: set[str] = set()
+        cause: str | None = None
+        fault_id: str | None = None
+        record = self.adoptable.pop(ep.episode_id, None)
+        while True:
+            pend = None
+            if record is not None and record.get("turn") == turn:
+                pend = await self._adopt(ep, record)
+            record = None
+            if pend is None:
+                pend = await self._dispatch(ep, step, stop_on_call, avoid)
+            try:
+                res = await self._await(pend)
+            except (Redispatch, TurnTimeout) as exc:
+                cause = await self._failed(ep, step, pend, exc)
+                fault_id = getattr(exc, "fault_id", None) or fault_id
+                avoid.add(pend.member_id)
+                continue
+            finally:
+                self._forget(pend)
+            if cause is not None:
+                self.stats["tokens_regenerated"] += len(res.token_ids)
+                await self.bus.emit_event(self.job_id, "turn_regenerated", {
+                    "fault_id": fault_id, "cause": cause, "episode_id": ep.episode_id, "step": step,
+                    "turn": turn, "member_id": res.member_id, "tokens": len(res.token_ids)})
+            return res, pend.request_id
+
+    def _register(self, request_id: str, ep: EpisodeRecord, member_id: str, sent_at: float,
+                  adopted: bool = False) -> Pending:
+        fut: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
+        pend = Pending(request_id, ep.episode_id, len(ep.turns), member_id, sent_at, fut,
+                       time.monotonic() if adopted else None)
+        self.pending[request_id] = pend
+        self.replicas.setdefault(member_id, Replica(member_id)).inflight.add(request_id)
+        return pend
+
+    def _forget(self, pend: Pending) -> None:
+        self.pending.pop(pend.request_id, None)
+        rep = self.replicas.get(pend.member_id)
+        if rep:
+            rep.inflight.discard(pend.request_id)
+
+    async def _adopt(self, ep: EpisodeRecord, record: dict[str, Any]) -> Pending | None:
+        """Take over a turn dispatched in a past life if its owner is live; None to dispatch anew."""
+        member = str(record.get("member_id"))
+        deadline = time.monotonic() + ADOPT_WAIT_S
+        while member not in self.dead and time.monotonic() < deadline:
+            rep = self.replicas.get(member)
+            if rep is not None and self.live(rep):
+                return self._register(str(record["request_id"]), ep, member, float(record["sent_at"]), True)
+            await self._changed_wait(min(WAKE_S, max(0.05, deadline - time.monotonic())))
+        return None
+
+    async def _dispatch(self, ep: EpisodeRecord, step: int, stop_on_call: bool, avoid: set[str]) -> Pending:
+        rep = await self.pick(step, avoid)
+        req_id = uuid.uuid4().hex[:16]
+        pend = self._register(req_id, ep, rep.member_id, time.time())
+        # Recorded before it is sent: a restarted request manager knows whom to wait for.
+        await self.records.record(ep.episode_id, {"turn": pend.turn, "request_id": req_id,
+                                                  "member_id": rep.member_id, "sent_at": pend.sent_at,
+                                                  "step": step})
+        msg = GenerateTurn(
+            job_id=self.job_id, request_id=req_id, episode_id=ep.episode_id, step=step,
+            prefix_ids=ep.prefix_ids(), max_new_tokens=self.spec.rollout.max_new_tokens,
+            temperature=self.spec.rollout.temperature, top_p=self.spec.rollout.top_p,
+            seed=tasks.request_seed(self.spec.seed, ep.episode_id, len(ep.turns)),
+            stop_on_call=stop_on_call, min_version=self.min_version(step))
+        await self.bus.publish(subject(self.job_id, Verb.GENERATE, rep.member_id), msg)
+        return pend
+
+    async def _await(self, pend: Pending) -> TurnResult:
+        """The reply, or Redispatch / TurnTimeout once the turn has no live owner or ran past its
+        deadline."""
+        deadline = pend.sent_at + self.spec.detector.turn_deadline_s
+        interval = self.spec.detector.metrics_interval_s
+        while True:
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                raise TurnTimeout(f"no reply within turn_deadline_s={self.spec.detector.turn_deadline_s:g}",
+                                  member=pend.member_id)
+            try:
+                return await asyncio.wait_for(asyncio.shield(pend.future), min(remaining, POLL_S))
+            except TimeoutError:
+                pass
+            rep = self.replicas.get(pend.member_id)
+            if rep is None or not self.live(rep):
+                raise Redispatch(f"{pend.member_id} silent for over {self.liveness_s:g}s", member=pend.member_id)
+            if (pend.adopted_at is not None and not rep.busy
+                    and rep.busy_at > pend.adopted_at + 2 * interval):
+                # Dispatched before this life; its owner is idle now: the reply was lost meanwhile.
+                raise Redispatch(f"{pend.member_id} idle: the reply was lost", member=pend.member_id)
+
+    async def _failed(self, ep: EpisodeRecord, step: int, pend: Pending, exc: Exception) -> str:
+        """Account a turn that must be dispatched again; returns its cause."""
+        self.stats["redispatched"] += 1
+        ep.redispatches += 1
+        if isinstance(exc, TurnTimeout):
+            cause = "turn_deadline"
+            self.stats["turn_timeouts"] += 1
+            rep = self.replicas.get(pend.member_id)
+            if rep is not None:
+                rep.timeouts += 1
+                if rep.timeouts >= TIMEOUTS_BEFORE_FAULT and not rep.reported:
+                    rep.reported = True
+                    await report_deadline(
+                        self.bus, self.job_id, role="rollout", member_id=rep.member_id, kind="unresponsive",
+                        cause="turn_deadline", step=step, since=pend.sent_at,
+                        evidence=f"{rep.timeouts} turns in a row got no reply from {rep.member_id} within "
+                                 f"turn_deadline_s={self.spec.detector.turn_deadline_s:g}")
+        else:
+            cause = "replica_dead" if pend.member_id in self.dead else "owner_lost"
+        prefix = ep.prefix_ids()
+        await self.bus.emit_event(self.job_id, "episode_redispatched", {
+            "episode_id": ep.episode_id, "member_id": pend.member_id, "step": step, "cause": cause,
+            "request_id": pend.request_id, "prefix_turns": len(ep.turns), "prefix_len": len(prefix),
+            "prefix_sha": hashlib.sha256(json.dumps(prefix).encode()).hexdigest()})
+        return cause

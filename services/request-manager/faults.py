@@ -1,0 +1,46 @@
+"""Faults the request manager raises itself: a deadline passed (DESIGN section 4, "every wait is
+bounded ... a deadline passed is a fault with a named cause, never silence").
+
+They travel like the detector's reports: a :class:`FaultReport` on ``rrl.<job>.fault`` for the
+controller, and an event in the job's log (``deadline_passed``, the request manager's own kind,
+with the same fields as ``fault_detected``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Literal
+
+from robustrl.bus import Bus
+from robustrl.messages import FaultKind, FaultReport, Role
+from robustrl.subjects import Verb, subject
+
+log = logging.getLogger(__name__)
+
+Cause = Literal["turn_deadline", "weights_deadline", "step_deadline"]
+
+
+async def report_deadline(bus: Bus, job_id: str, *, role: Role, member_id: str, kind: FaultKind, cause: Cause,
+                          evidence: str, step: int, since: float | None = None) -> FaultReport:
+    """Publish one fault for a passed deadline and record it in the event log.
+
+    Args:
+        role, member_id: who holds the work that did not finish (a replica, or the request
+            manager itself when nobody else does).
+        cause: the deadline that passed; ``evidence`` says what was still outstanding.
+        since: wall-clock time the wait began (the report's ``fault_at``).
+    """
+    report = FaultReport(job_id=job_id, fault_id=f"rm-{uuid.uuid4().hex[:12]}", role=role, member_id=member_id,
+                         kind=kind, evidence=f"{cause}: {evidence}", detected_at=time.time(), step=step,
+                         fault_at=since, cause=cause)
+    log.warning("job %s: %s of %s %s: %s", job_id, cause, role, member_id, evidence)
+    try:
+        await bus.publish(subject(job_id, Verb.FAULT), report)
+    except Exception as exc:  # the event below still records it
+        log.error("could not publish fault %s: %s", report.fault_id, exc)
+    await bus.emit_event(job_id, "deadline_passed", {
+        "fault_id": report.fault_id, "kind": kind, "role": role, "member_id": member_id, "step": step,
+        "detected_at": report.detected_at, "fault_at": since, "cause": cause, "evidence": report.evidence})
+    return report

@@ -1,0 +1,194 @@
+"""Request-manager bounds and idempotency against real NATS + Redis with scripted replicas
+(tests/rm_harness.py): a turn past its deadline, a replica that never reaches the step's weights,
+a stuck step, a step retried mid-flight, a request manager killed mid-step. Each checks the
+outcome from outside: requests the replicas received, raw Redis keys, the event log, fault reports.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+import pytest
+from rm_harness import Harness, rm_spec
+from support import eventually_async
+
+from robustrl.config import Settings
+from robustrl.infra.embedded import EmbeddedInfra
+from robustrl.storage.redis_stores import Keys
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """Private servers: the request manager under test must not meet another stack's jobs."""
+    infra = EmbeddedInfra(tmp_path_factory.mktemp("rm-infra"))
+    try:
+        yield infra.start()
+    finally:
+        infra.stop()
+
+
+def _per_turn(h: Harness) -> collections.Counter[tuple[str, int]]:
+    """(episode, turn seed) -> how many GenerateTurn requests the replicas received for it."""
+    return collections.Counter((m.episode_id, m.seed) for m in h.requests())
+
+
+async def test_a_turn_past_its_deadline_goes_to_another_replica_and_its_late_reply_is_dropped(servers):
+    async with Harness(servers, rm_spec("deadline", turn_deadline_s=1.0)) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        a.hold = lambda msg: True  # a dropped reply: replica a never answers on its own
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=20, what="step 0 handed over")
+        assert a.held, "replica a was never given a turn"
+        # The held turns were generated again by b, once each.
+        held_eps = {m.episode_id for m in a.held}
+        assert held_eps <= {m.episode_id for m in b.received}
+        # Now a's replies arrive, late: they are dropped, never applied over the episode.
+        late = await a.release()
+        dropped = await eventually_async(lambda: _dropped(h, len(late)), timeout=10, what="late replies dropped")
+        assert {d["request_id"] for d in dropped} == {m.request_id for m in late}
+        episodes = await h.episodes.get_many(h.batches[0].episode_ids)
+        for ep in episodes:
+            assistant = [t for t in ep.turns if t.role == "assistant"]
+            assert ep.status == "finished" and len(assistant) == 1, ep
+            if ep.episode_id in held_eps:
+                assert assistant[0].member_id == b.member_id
+                assert assistant[0].request_id not in {m.request_id for m in late}
+        # Measured, not estimated: each regenerated turn's real token count is in the log.
+        regen = await h.events("turn_regenerated")
+        assert sorted(d["episode_id"] for d in regen) == sorted(held_eps)
+        assert all(d["cause"] == "turn_deadline" and d["tokens"] == 2 for d in regen)
+
+
+async def _dropped(h: Harness, n: int) -> list[dict]:
+    got = await h.events("turn_dropped")
+    return got if len(got) >= n else []
+
+
+async def test_a_replica_that_never_reaches_the_step_version_is_reported_and_not_waited_for(servers):
+    async with Harness(servers, rm_spec("version", steps=2, weights_load_s=1.5, step_deadline_s=30)) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=20, what="step 0 handed over")
+        await h.commit(0)
+        await b.set_version(1)  # a never gets v1 (its pull never succeeds)
+        await eventually_async(lambda: 1 in h.batches, timeout=20, what="step 1 handed over without a")
+        faults = [f for f in h.faults if f.cause == "weights_deadline"]
+        assert [(f.role, f.member_id, f.kind) for f in faults] == [("rollout", a.member_id, "hang")]
+        assert all(m.step == 0 for m in a.received), "a was given a turn of step 1 on old weights"
+
+
+async def test_a_stuck_step_is_a_fault_naming_its_cause(servers):
+    spec = rm_spec("stuck", turn_deadline_s=1.0, step_deadline_s=3.0, weights_load_s=1.0)
+    async with Harness(servers, spec) as h:
+        for mid in ("rollout-0-i0", "rollout-1-i0"):
+            (await h.replica(mid)).hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: any(f.cause == "step_deadline" for f in h.faults), timeout=20,
+                               what="a step_deadline fault")
+        stuck = next(f for f in h.faults if f.cause == "step_deadline")
+        assert stuck.role == "rollout" and stuck.member_id in h.replicas and "outstanding" in stuck.evidence
+        # Replicas that let turns pass their deadline again and again are reported too.
+        assert any(f.cause == "turn_deadline" and f.kind == "unresponsive" for f in h.faults)
+        assert 0 not in h.batches
+        logged = await h.events("deadline_passed")
+        assert {d["fault_id"] for d in logged} >= {f.fault_id for f in h.faults}
+
+
+async def test_a_failed_step_stops_every_episode_before_retrying_and_runs_none_twice(servers):
+    async with Harness(servers, rm_spec("retry")) as h:
+        a = await h.replica("rollout-0-i0")
+        a.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: len(a.held) == 4, timeout=20, what="4 turns in flight")
+        ids = sorted(m.episode_id for m in a.held)
+        # Redis trouble mid-step: the step's episode set becomes unusable, so the first episode
+        # that finishes fails the step (its own record is written; the set update is refused).
+        await h.redis.set(Keys.step_episodes(h.job_id, 0), b"broken")
+        first = a.held.pop(0)
+        mark = len(h.rm_samples)
+        await a.answer(first)
+        await eventually_async(lambda: _finished(h, first.episode_id), timeout=10, what="first episode saved")
+        await h.redis.delete(Keys.step_episodes(h.job_id, 0))
+        await h.redis.sadd(Keys.step_episodes(h.job_id, 0), *ids)
+        # The failed step stopped all its episodes (none awaits a turn any more) before the retry
+        # took over the three turns still in flight at the replica.
+        await eventually_async(lambda: any(s.inflight == 0 for s in h.rm_samples[mark:]), timeout=10,
+                               what="every sibling episode stopped")
+        await eventually_async(lambda: h.rm_samples[-1].inflight == 3, timeout=10, what="the retry adopted 3 turns")
+        a.hold = lambda msg: False
+        await a.release()
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the retry")
+        # Every turn was asked for once: the retry adopted the turns still in flight instead of
+        # starting the episodes again next to their first runs.
+        assert max(_per_turn(h).values()) == 1, _per_turn(h)
+        for ep in await h.episodes.get_many(ids):
+            assert ep.status == "finished" and sum(t.role == "assistant" for t in ep.turns) == 1
+
+
+async def _finished(h: Harness, episode_id: str) -> bool:
+    ep = await h.episodes.get(episode_id)
+    return ep is not None and ep.status == "finished"
+
+
+async def test_a_restarted_request_manager_keeps_finished_work_and_redispatches_only_orphaned_turns(servers):
+    async with Harness(servers, rm_spec("resume")) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        a.hold = b.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: len(a.held) + len(b.held) == 4, timeout=20, what="4 turns in flight")
+        done = await a.release()  # a's turns finish before the crash
+        await eventually_async(lambda: _all_finished(h, [m.episode_id for m in done]), timeout=10,
+                               what="a's episodes finished")
+        await h.kill_rm()
+        # b finishes one turn while no request manager listens (its reply is lost) and still
+        # works on the other when the new one starts.
+        lost = b.held.pop(0)
+        kept = b.held[0]
+        a.hold = b.hold = lambda msg: False
+        await h.start_rm(send_resume=False)  # nobody tells it: it finds the job in the registry
+        resumed = await eventually_async(lambda: h.events("rm_resumed"), timeout=20, what="rm_resumed")
+        assert resumed[0]["finished"] == len(done) and resumed[0]["unfinished"] == 2
+        await b.release()  # the kept turn is answered to the new life: adopted, not regenerated
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the restart")
+        per_turn = _per_turn(h)
+        assert all(per_turn[(m.episode_id, m.seed)] == 1 for m in [*done, kept]), per_turn
+        assert per_turn[(lost.episode_id, lost.seed)] == 2, "the orphaned turn was not dispatched again"
+        eps = {ep.episode_id: ep for ep in await h.episodes.get_many(h.batches[0].episode_ids)}
+        assert len(eps) == 4 and all(ep.status == "finished" for ep in eps.values())
+        for m in [*done, kept]:
+            assert eps[m.episode_id].turns[0].request_id == m.request_id
+
+
+async def _all_finished(h: Harness, ids: list[str]) -> bool:
+    return all([await _finished(h, e) for e in ids])
+
+
+async def test_rollout_state_is_deleted_once_its_checkpoint_is_durable(servers):
+    async with Harness(servers, rm_spec("gc", steps=3)) as h:
+        a = await h.replica("rollout-0-i0")
+        await h.start_rm()
+        for k in range(3):
+            await eventually_async(lambda k=k: k in h.batches, timeout=20, what=f"step {k} handed over")
+            await h.redis.set(Keys.fence(h.job_id, k), b"1")
+            await h.redis.rpush(Keys.trained_log(h.job_id), f'{{"step": {k}, "epoch": 1, "checksum": "c"}}')
+            await h.commit(k, durable=k - 1)  # checkpoint of step k is still uploading
+            await a.set_version(k + 1)
+        await eventually_async(lambda: _gone(h, steps=(0, 1)), timeout=10, what="steps 0 and 1 collected")
+        keys = await h.raw_keys()
+        assert Keys.batch(h.job_id, 2) in keys and Keys.fence(h.job_id, 2) in keys
+        assert len(await h.episode_keys(2)) == 4
+        trained = [e for e in await h.redis.lrange(Keys.trained_log(h.job_id), 0, -1)]
+        assert len(trained) == 1 and b'"step": 2' in trained[0]
+
+
+async def _gone(h: Harness, steps: tuple[int, ...]) -> bool:
+    keys = await h.raw_keys()
+    for k in steps:
+        if {Keys.batch(h.job_id, k), Keys.fence(h.job_id, k), Keys.step_episodes(h.job_id, k)} & set(keys):
+            return False
+        if await h.episode_keys(k):
+            return False
+    return True
