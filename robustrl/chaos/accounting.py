@@ -13,6 +13,10 @@ Event data contracts (the services emit exactly these; ``Event.ts`` is when it h
 * ``recovered {fault_id, role}`` — ts = recovery done (trainer back in training / replacement
   replica serving / whole job running again).
 * ``work_lost {fault_id, tokens, steps_redone}`` — tokens regenerated and steps redone.
+* ``turn_regenerated {fault_id, tokens, cause, episode_id}`` — request manager: a turn generated
+  again after a fault, with the tokens it really took (measured, not turns x max_new_tokens).
+* ``deadline_passed {fault_id, kind, role, member_id, step, cause, evidence}`` — request manager:
+  a bounded wait ran out (turn, weights version, step); a detection like ``fault_detected``.
 * ``job_finished {}``
 
 The typed fields above are checked by ``robustrl.messages.EVENT_DATA`` where an event is written
@@ -135,7 +139,7 @@ def _step_durations(log: list[Event]) -> dict[int, tuple[float, float, float]]:
 
 
 def _match_faults(log: list[Event]) -> list[_Fault]:
-    detections = [e for e in log if e.kind == "fault_detected"]
+    detections = [e for e in log if e.kind in ("fault_detected", "deadline_passed")]
     claimed: set[int] = set()
     faults: list[_Fault] = []
     for inj in (e for e in log if e.kind == "fault_injected"):
@@ -156,6 +160,8 @@ def _match_faults(log: list[Event]) -> list[_Fault]:
         elif e.kind == "work_lost":
             f.tokens += int(e.data.get("tokens", 0) or 0)
             f.steps_redone += int(e.data.get("steps_redone", 0) or 0)
+        elif e.kind == "turn_regenerated":
+            f.tokens += int(e.data.get("tokens", 0) or 0)
     faults.sort(key=lambda f: (f.injected or f.detected).ts)  # type: ignore[union-attr]
     return faults
 
