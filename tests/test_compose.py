@@ -27,7 +27,13 @@ MAIN = COMPOSE / "docker-compose.yml"
 AIRGAP = COMPOSE / "docker-compose.airgap.yml"
 SECRETS = ("NATS_PASSWORD", "REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY", "ROBUSTRL_API_TOKEN",
            "GRAFANA_ADMIN_PASSWORD")
-TEST_ENV = {"NATS_USER": "u", "NATS_PASSWORD": "natspw", "REDIS_PASSWORD": "redispw",
+ROLE_SECRETS = ("NATS_CONTROLLER_PASSWORD", "NATS_DETECTOR_PASSWORD", "NATS_REQUEST_MANAGER_PASSWORD",
+                "NATS_TRAINER_PASSWORD", "NATS_ROLLOUT_PASSWORD", "NATS_HARNESS_PASSWORD",
+                "REDIS_CONTROLLER_PASSWORD", "REDIS_REQUEST_MANAGER_PASSWORD", "REDIS_TRAINER_PASSWORD",
+                "REDIS_ROLLOUT_PASSWORD", "S3_TRAINER_SECRET_KEY", "S3_CONTROLLER_SECRET_KEY")
+SECRETS += ROLE_SECRETS
+TEST_ENV = {**{k: k.lower().replace("_", "") for k in ROLE_SECRETS},
+            "NATS_USER": "u", "NATS_PASSWORD": "natspw", "REDIS_PASSWORD": "redispw",
             "S3_ACCESS_KEY": "access", "S3_SECRET_KEY": "secret123", "ROBUSTRL_API_TOKEN": "tok",
             "GRAFANA_ADMIN_PASSWORD": "graf", "DOCKER_GID": "998"}
 
@@ -83,8 +89,19 @@ def test_compose_config_is_valid_with_every_profile(tmp_path: Path) -> None:
             "trainer", "rollout", "trainer-gpu", "rollout-gpu", "prometheus", "grafana"} <= set(services)
     # Secrets reach services only from the env file.
     ctl = services["controller"]["environment"]
-    assert ctl["ROBUSTRL_NATS_URL"] == "nats://u:natspw@nats:4222"
-    assert ctl["ROBUSTRL_REDIS_URL"] == "redis://:redispw@redis:6379/0"
+    # Each service connects as its own role (least privilege); the operator's users are nobody's.
+    assert ctl["ROBUSTRL_NATS_URL"] == "nats://controller:natscontrollerpassword@nats:4222"
+    assert ctl["ROBUSTRL_REDIS_URL"] == "redis://controller:rediscontrollerpassword@redis:6379/0"
+    assert ctl["ROBUSTRL_TRAINER_NATS_URL"].startswith("nats://trainer:")
+    assert services["detector"]["environment"]["ROBUSTRL_REDIS_URL"] == ""
+    assert "ROBUSTRL_S3_SECRET_KEY" not in services["detector"]["environment"]
+    assert "ROBUSTRL_S3_SECRET_KEY" not in services["rollout"]["environment"]
+    assert services["rollout"]["environment"]["ROBUSTRL_NATS_URL"].startswith("nats://rollout:")
+    assert services["trainer"]["environment"]["ROBUSTRL_S3_ACCESS_KEY"] == "robustrl-trainer"
+    for name, svc in services.items():
+        if name != "minio-init":
+            assert "natspw" not in json.dumps(svc.get("environment", {})).replace("NATS_PASSWORD", "") or \
+                name == "nats", f"{name} holds the operator's NATS password"
     assert ctl["ROBUSTRL_API_TOKEN"] == "tok" and ctl["ROBUSTRL_LAUNCHER"] == "docker"
     assert services["controller"]["group_add"] == ["998"]
     # Health checks and restart policies.

@@ -329,3 +329,20 @@ def test_a_job_runs_with_each_process_holding_only_its_roles_credentials(stack, 
     for role, kind in writers:
         assert Principal(role) in EVENT_OWNERS[kind], (role, kind)
     assert api.report(jid)["events_skipped"] == 0
+
+
+def test_compose_servers_get_the_same_rules():
+    """compose/nats.conf and the compose redis command carry exactly the generated rules."""
+    from pathlib import Path
+
+    from robustrl.infra.credentials import render_compose_nats_users, render_compose_redis_acl
+
+    compose = Path(__file__).resolve().parents[1] / "compose"
+    nats_conf = (compose / "nats.conf").read_text()
+    block = nats_conf.split("# BEGIN generated users\n")[1].split("# END generated users")[0]
+    assert block == render_compose_nats_users(), "run python -m robustrl.infra.credentials"
+    text = (compose / "docker-compose.yml").read_text()
+    for line in render_compose_redis_acl():
+        assert line in text, line
+    for role in Principal:
+        assert f"${'NATS_' + role.name}_PASSWORD" in nats_conf

@@ -230,3 +230,83 @@ async def spray(nats_url: str, items: Iterator[Garbage] | list[Garbage], *, flus
     finally:
         await bus.close()
     return stats
+
+
+# --- forbidden publishes: each role's credentials against the whole protocol ------------------
+
+
+def _nats_match(pattern: str, subj: str) -> bool:
+    p, s = pattern.split("."), subj.split(".")
+    for i, tok in enumerate(p):
+        if tok == ">":
+            return len(s) > i
+        if i >= len(s) or (tok != "*" and tok != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def probe_subjects(job: str, member: str = "m1") -> list[str]:
+    """One subject per verb and shape, each event kind under every role and the old shape, and a
+    few outside the protocol (JetStream API, another client's inbox)."""
+    from robustrl.subjects import Principal
+
+    out = []
+    for verb in Verb:
+        out += [subject(job, verb), subject(job, verb, member)]
+    for kind in EVENT_OWNERS:
+        out += [f"rrl.events.{job}.{role.value}.{kind}" for role in Principal]
+        out.append(f"rrl.events.{job}.{kind}")
+    out += ["$JS.API.STREAM.INFO.RRL_EVENTS", "_INBOX.someone-elses-reply", "other.subject"]
+    return out
+
+
+@dataclass
+class ProbeResult:
+    tried: int
+    accepted: list[str]
+
+
+async def probe_forbidden_publishes(admin_url: str, role_url: str, role: str, job: str,
+                                    timeout_s: float = 10.0) -> ProbeResult:
+    """Publish, with ``role``'s credentials, on every probe subject its permissions forbid, then on
+    one it may use (a sentinel: a connection's messages arrive in order); return how many were
+    tried and which an unrestricted subscriber received (should be none)."""
+    import asyncio
+
+    import nats
+
+    from robustrl.subjects import permissions
+
+    publish, _ = permissions(role)
+    probes = probe_subjects(job)
+    forbidden = [p for p in probes if not any(_nats_match(a, p) for a in publish)]
+    sentinel = next(p for p in probes if p.startswith("rrl.") and "events" not in p
+                    and any(_nats_match(a, p) for a in publish))
+    admin = await nats.connect(admin_url, connect_timeout=2, max_reconnect_attempts=0)
+
+    async def quiet(exc: Exception) -> None:  # the server's permission errors land here
+        pass
+
+    client = await nats.connect(role_url, connect_timeout=2, max_reconnect_attempts=0, error_cb=quiet)
+    got: set[str] = set()
+    done = asyncio.Event()
+
+    async def on_msg(msg: Any) -> None:
+        if msg.data == b"sentinel":
+            done.set()
+        elif msg.data.startswith(b"probe:"):
+            got.add(msg.data[6:].decode())
+
+    try:
+        for pattern in ("rrl.>", "$JS.API.>", "_INBOX.someone-elses-reply", "other.subject"):
+            await admin.subscribe(pattern, cb=on_msg)
+        await admin.flush()
+        for subj in forbidden:
+            await client.publish(subj, b"probe:" + subj.encode())
+        await client.publish(sentinel, b"sentinel")
+        await client.flush()
+        await asyncio.wait_for(done.wait(), timeout_s)
+    finally:
+        await client.close()
+        await admin.close()
+    return ProbeResult(tried=len(forbidden), accepted=sorted(got))

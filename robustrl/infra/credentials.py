@@ -214,3 +214,38 @@ def without_role_credentials(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` minus every role's credential variables (what a launcher may pass on to anything)."""
     drop = {f"ROBUSTRL_{r.value.upper()}_{suffix}" for r in MEMBER_ROLES for suffix in _FIELDS.values()}
     return {k: v for k, v in env.items() if k not in drop and k != "ROBUSTRL_CREDENTIALS_FILE"}
+
+
+# --- compose: the same rules, passwords from compose/.env ---------------------------------------
+
+
+def compose_password_var(service: str, role: Principal) -> str:
+    """The compose/.env variable holding ``role``'s password for ``service`` (NATS or REDIS)."""
+    return f"{service}_{role.value.upper()}_PASSWORD"
+
+
+def render_compose_nats_users() -> str:
+    """compose/nats.conf's ``authorization`` block: nats-server resolves the ``$VARIABLES`` from the
+    container's environment at load time."""
+    entries = ["    {user: $NATS_USER, password: $NATS_PASSWORD}"]
+    entries += [nats_user_entry(role, role.value, "$" + compose_password_var("NATS", role)) for role in Principal]
+    return "authorization {\n  users = [\n" + "\n".join(entries) + "\n  ]\n}\n"
+
+
+def render_compose_redis_acl() -> list[str]:
+    """Shell lines for compose's redis command: one ``user`` line per role with Redis access,
+    appended to the 0600 config with the password from the environment (not argv)."""
+    lines = []
+    for role in Principal:
+        rule = REDIS_ACCESS[role]
+        if rule is None:
+            continue
+        var = compose_password_var("REDIS", role)
+        fmt = f"user {role.value} on >%s resetchannels {rule}".replace("%R", "%%R")
+        lines.append(f"printf '{fmt}\\n' \"$${var}\" >> /tmp/redis.conf")
+    return lines
+
+
+if __name__ == "__main__":  # python -m robustrl.infra.credentials: the compose blocks to paste
+    print(render_compose_nats_users())
+    print("\n".join(render_compose_redis_acl()))
