@@ -11,6 +11,7 @@ from the event log alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -25,8 +26,8 @@ from robustrl.chaos.campaign_plan import CampaignFault, draw
 from robustrl.chaos.harness import Harness, LocalFaults, is_local
 from robustrl.chaos.scenario import PlannedFault
 from robustrl.client import ApiClient
-from robustrl.config import Settings
-from robustrl.errors import RequestTimeout
+from robustrl.config import JobSpec, Settings
+from robustrl.errors import JobError, RequestTimeout, TransportError
 from robustrl.messages import ChaosAck, ChaosRequest, Event, PhaseChange
 from robustrl.subjects import Verb, events_of, subject, wildcard
 
@@ -38,9 +39,11 @@ ACK_TIMEOUT_S = 5.0
 """How long the controller has to acknowledge one injection."""
 RETARGET_S = 15.0
 """How long an injection is retried while its target is down (being replaced)."""
-TRIGGER_WAIT_S = 20.0
+TRIGGER_WAIT_S = 8.0
 """How long a phase / hand-off / recovery trigger is awaited before the fault fires anyway."""
 POLL_S = 0.25
+STUCK_LIMIT_S = 420.0
+"""A campaign job with no step committed for this long is stopped and reported not completed."""
 TERMINAL = ("finished", "failed", "stopped")
 
 
@@ -105,12 +108,12 @@ class CampaignDriver:
             self._marks.append(("recovery", "", self.step))
         elif ev.kind == "recovered":
             self.open_recoveries.discard(str(ev.data.get("fault_id")))
-        self._changed.set()
+        self._notify()
 
     async def _on_phase(self, msg: PhaseChange, _s: str, _r: str | None) -> None:
         self.phases[msg.member_id] = (msg.role, msg.phase, msg.step)
         self._marks.append((f"phase:{msg.phase}", msg.member_id, msg.step))
-        self._changed.set()
+        self._notify()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -127,17 +130,23 @@ class CampaignDriver:
     async def _sample_start(self) -> None:
         self.redis_bytes_start = (await redis_job_bytes(self.settings.redis_url, self.job_id))[1]
 
+    def _notify(self) -> None:
+        """Wake every waiter (each waits on the event current when it looked)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     async def _until(self, pred: Any, timeout_s: float, stop: asyncio.Event) -> bool:
         deadline = time.monotonic() + timeout_s
-        while not pred():
+        while True:
+            changed = self._changed
+            if pred():
+                return True
             if stop.is_set() or time.monotonic() > deadline:
                 return False
-            self._changed.clear()
             try:
-                await asyncio.wait_for(self._changed.wait(), POLL_S)
+                await asyncio.wait_for(changed.wait(), POLL_S)
             except TimeoutError:
                 pass
-        return True
 
     def _mark_after(self, start: int, trigger: str, role: str) -> tuple[str, str, int] | None:
         for mark in self._marks[start:]:
@@ -150,22 +159,25 @@ class CampaignDriver:
         return None
 
     async def run(self, stop: asyncio.Event) -> list[Injection]:
+        """Arm every fault at once: each waits for its step, then its trigger, then fires, so faults
+        overlap each other's recoveries as they would in a real cluster."""
         subs = [await self.bus.subscribe(events_of(self.job_id), Event, self._on_event),
                 await self.bus.subscribe(wildcard(self.job_id, Verb.PHASE), PhaseChange, self._on_phase)]
         try:
-            for f in sorted(self.faults, key=lambda f: (f.step, f.fault_id)):
-                if not await self._until(lambda f=f: self.step >= f.step, float("inf"), stop):
-                    break
-                fired, member = await self._await_trigger(f, stop)
-                if stop.is_set():
-                    break
-                await self._inject(f, fired, member)
+            await asyncio.gather(*(self._one(f, stop) for f in self.faults))
         finally:
             for sub in subs:
                 await sub.unsubscribe()
             for task in list(self._tasks):
                 await asyncio.gather(task, return_exceptions=True)
         return self.injections
+
+    async def _one(self, f: CampaignFault, stop: asyncio.Event) -> None:
+        if not await self._until(lambda: self.step >= f.step, float("inf"), stop):
+            return
+        fired, member = await self._await_trigger(f, stop)
+        if not stop.is_set():
+            await self._inject(f, fired, member)
 
     async def _await_trigger(self, f: CampaignFault, stop: asyncio.Event) -> tuple[str, str | int]:
         if f.trigger == "time":
@@ -189,9 +201,11 @@ class CampaignDriver:
         pf = PlannedFault(step=f.step, delay_s=f.delay_s, kind=f.kind, role=f.role, member_index=f.member,
                           duration_s=f.duration_s, factor=f.factor, fault_id=f.fault_id)
         if is_local(pf):
+            t = time.time()
             rec = await Harness(self.bus, self.job_id, [], local=self.local).inject_local(pf)
-            self.injections.append(Injection(f, fired, rec.get("member_id"), bool(rec["ok"]), rec.get("error"),
-                                             time.time()))
+            self.injections.append(Injection(f, fired, rec.get("member_id"), bool(rec["ok"]), rec.get("error"), t))
+            log.info("campaign: %s %s/%s via %s at step %d (committed %d): %s", f.fault_id, f.kind, f.role, fired,
+                     self.step, self.committed, "ok" if rec["ok"] else rec.get("error"))
             return
         deadline = time.monotonic() + RETARGET_S
         while True:
@@ -208,7 +222,8 @@ class CampaignDriver:
             member = f.member
             await asyncio.sleep(0.5)
         self.injections.append(Injection(f, fired, mid, ok, err, time.time()))
-        log.info("campaign: %s %s/%s on %s via %s: %s", f.fault_id, f.kind, f.role, mid, fired, "ok" if ok else err)
+        log.info("campaign: %s %s/%s on %s via %s at step %d (committed %d): %s", f.fault_id, f.kind, f.role, mid,
+                 fired, self.step, self.committed, "ok" if ok else err)
 
 
 def _events(raw: list[RawEvent], job_id: str) -> list[Event]:
@@ -223,9 +238,9 @@ def _events(raw: list[RawEvent], job_id: str) -> list[Event]:
 
 def _by_kind_role(injections: list[Injection], raw: list[RawEvent], faults: list[Any]) -> dict[str, Any]:
     """Per kind/role: injected (acknowledged), detected, and recovered: a ``recovered`` event for
-    its detection, or, for a fault nothing had to repair (timed, or absorbed), a step committed
-    after it ended."""
-    commits = [e.ts for e in raw if e.kind == "step_committed"]
+    its detection, or, for a fault nothing had to repair (timed, ridden through, or absorbed), a
+    step committed (or the job finished) after it ended."""
+    progress = [e.ts for e in raw if e.kind in ("step_committed", "job_finished")]
     acct = {f.fault_id: f for f in faults if f.injected}
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"injected": 0, "detected": 0, "recovered": 0,
                                                           "refused": 0})
@@ -238,14 +253,14 @@ def _by_kind_role(injections: list[Injection], raw: list[RawEvent], faults: list
         a = acct.get(inj.fault.fault_id)
         if a is not None and a.detection_s is not None:
             row["detected"] += 1
-        if (a is not None and a.recovery_s is not None) or any(t > inj.ts + inj.fault.duration_s for t in commits):
+        if (a is not None and a.recovery_s is not None) or any(t > inj.ts + inj.fault.duration_s for t in progress):
             row["recovered"] += 1
     return dict(sorted(out.items()))
 
 
 async def run_mode(settings: Settings, api: ApiClient, mode: str, steps: int, faults: int, seed: int, *,
                    local: LocalFaults | None = None, exclude: tuple[str, ...] = (),
-                   timeout_s: float | None = None) -> dict[str, Any]:
+                   timeout_s: float | None = None, stuck_limit_s: float = STUCK_LIMIT_S) -> dict[str, Any]:
     """Run one campaign job in ``mode``; return its line of the campaign report."""
     spec = campaign_spec(mode, steps, seed)
     members = {"trainer": 2, "rollout": spec["rollout"]["replicas"], "request_manager": 1}
@@ -256,16 +271,32 @@ async def run_mode(settings: Settings, api: ApiClient, mode: str, steps: int, fa
     stop = asyncio.Event()
     driver = CampaignDriver(bus, settings, job_id, plan, local=local, warmup_step=max(2, steps // 10))
     task = asyncio.create_task(driver.run(stop))
-    deadline = time.monotonic() + (timeout_s or 60.0 + steps * 6.0 + faults * 12.0)
+    # The job is given up only when it stops making progress (no step committed for
+    # ``stuck_limit_s``), or past ``timeout_s`` if given: a busy machine makes it slow, not stuck.
+    deadline = time.monotonic() + timeout_s if timeout_s else float("inf")
     status: dict[str, Any] = {}
+    progress = (-2, time.monotonic())
     try:
         while True:
-            status = await asyncio.to_thread(api.job, job_id)
-            if status["status"] in TERMINAL or time.monotonic() > deadline:
+            try:
+                status = await asyncio.to_thread(api.job, job_id)
+            except (TransportError, JobError) as exc:
+                # The controller may be the fault (crashed, frozen, restoring): keep waiting.
+                log.info("campaign: job status unavailable (%s)", exc)
+                status = {**status, "status": status.get("status", "unknown")}
+                if time.monotonic() - progress[1] > stuck_limit_s:
+                    break
+                await asyncio.sleep(POLL_S * 4)
+                continue
+            now = time.monotonic()
+            if status.get("committed_step") != progress[0]:
+                progress = (status.get("committed_step", -2), now)
+            if status.get("status") in TERMINAL or now > deadline or now - progress[1] > stuck_limit_s:
                 break
             await asyncio.sleep(POLL_S * 4)
-        if status["status"] not in TERMINAL:
-            await asyncio.to_thread(api.stop, job_id)
+        if status.get("status") not in TERMINAL:
+            with contextlib.suppress(TransportError, JobError):
+                await asyncio.to_thread(api.stop, job_id)
         stop.set()
         injections = await task
     finally:
@@ -283,6 +314,7 @@ async def run_mode(settings: Settings, api: ApiClient, mode: str, steps: int, fa
         "by_trigger": _count(i.fired for i in injections if i.ok),
         "job_completed": status.get("status") == "finished", **verdict.counters(),
         "max_stuck_s": verdict.facts.get("max_stuck_s"),
+        "step_deadline_s": getattr(JobSpec.parse(spec).detector, "step_deadline_s", None),
         "redis_bytes_start": driver.redis_bytes_start, "redis_bytes_end": redis_end,
         "ettr": round(report.ettr, 4), "audit_ok": verdict.ok, "violations": verdict.violations()[:30],
         "audit_facts": verdict.facts,
