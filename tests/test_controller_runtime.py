@@ -195,7 +195,7 @@ async def test_view_of_the_real_runtime_sees_a_lost_request_manager_and_resumes_
                            what="controller saw the request manager lost")
     events = await eventually_async(
         lambda: _with_decision(rig, job.job_id, "ResumeService"), timeout=10, what="ResumeService decided")
-    fault = [f for f in of_kind(events, "fault_detected") if f["role"] == "request_manager"][0]
+    fault = next(f for f in of_kind(events, "fault_detected") if f["role"] == "request_manager")
     assert fault["fault_at"] is not None and fault["detected_at"] > fault["fault_at"]
 
     rig.rm.alive = True  # restarted by its supervisor: it acknowledges the resume
@@ -248,7 +248,7 @@ async def test_restarted_controller_adopts_running_members_and_restarts_none(rig
     started = [d["member_id"] for d in of_kind(events, "member_started")]
     assert started[4:] == ["rollout-1-i1"], started  # only the replacement; no healthy member restarted
     assert all(alive(p) for m, p in pids.items() if m != victim and p)
-    fault = [f for f in of_kind(events, "fault_detected") if f["fault_id"] == f"exit-{victim}"][0]
+    fault = next(f for f in of_kind(events, "fault_detected") if f["fault_id"] == f"exit-{victim}")
     assert fault["detected_at"] - fault["fault_at"] < 1.0
 
 

@@ -116,6 +116,6 @@ class FaultInbox:
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
-            except Exception:
-                pass
+            except Exception as exc:  # the connection may be gone already; the consumer is durable
+                log.debug("fault inbox: unsubscribe failed: %s", exc)
             self._sub = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from robustrl.bus import Bus
@@ -39,11 +40,14 @@ class MemberStarter:
     """Starts trainer gangs and rollout replicas for jobs and records them on the job."""
 
     def __init__(self, bus: Bus, launcher: Launcher, settings: Settings,
-                 member_credentials: dict[str, dict[str, str]] | None = None) -> None:
+                 member_credentials: dict[str, dict[str, str]] | None = None,
+                 fence: Callable[[], int] = lambda: 0) -> None:
         self.bus = bus
         self.launcher = launcher
         self.settings = settings
         self.member_credentials = member_credentials or {}
+        self.fence = fence
+        """The leader's current fencing token, stamped on the events of the members it starts."""
 
     def member_env(self, job: JobRun, member_id: str, role: str) -> dict[str, str]:
         # Members never call the REST API: they do not get its token. Each role gets its own
@@ -75,7 +79,7 @@ class MemberStarter:
             ids.append(mid)
             await self.bus.emit_event(job.job_id, "member_started", {
                 "member_id": mid, "role": "trainer", "epoch": job.epoch,
-                "warm": self.launcher.was_warm(lid(job, mid))})
+                "warm": self.launcher.was_warm(lid(job, mid)), "fence": self.fence()})
         return ids
 
     async def start_replica(self, job: JobRun, slot: int) -> str:
@@ -88,7 +92,8 @@ class MemberStarter:
                                 MemberSpec(job.job_id, lid(job, mid), "rollout", ROLLOUT_MODULE, env))
         self._record(job, MemberInfo(mid, "rollout", slot, inc))
         await self.bus.emit_event(job.job_id, "member_started", {
-            "member_id": mid, "role": "rollout", "warm": self.launcher.was_warm(lid(job, mid))})
+            "member_id": mid, "role": "rollout", "warm": self.launcher.was_warm(lid(job, mid)),
+            "fence": self.fence()})
         return mid
 
     async def start_all(self, job: JobRun) -> tuple[list[str], list[str]]:

@@ -63,7 +63,7 @@ class Controller:
         self.leading = False
         self.lost_leadership = asyncio.Event()
         """Set when another controller took the lease: this process must stop acting (exit)."""
-        self.starter = MemberStarter(bus, launcher, settings, member_credentials)
+        self.starter = MemberStarter(bus, launcher, settings, member_credentials, fence=lambda: self.lease.token)
         self.recovery = RecoveryExecutor(self)
         self.supervisor = Supervisor(self)
         self.chaos = ChaosInjector(self)
