@@ -105,3 +105,34 @@ def test_brackets_inside_strings_do_not_count_as_nesting():
     text = "[" * 10_000 + "{" * 10_000
     raw = b'{"job_id": "j", "kind": "note", "data": {"text": "' + text.encode() + b'"}}'
     assert decode(Event, raw, "s").data["text"] == text
+
+
+def test_event_subjects_name_an_owner_and_readers_check_it():
+    from robustrl.messages import Event, decode_event
+
+    assert subjects.events("j", "decision") == "rrl.events.j.controller.decision"
+    assert subjects.events("j", "work_lost", "request_manager") == "rrl.events.j.request_manager.work_lost"
+    with pytest.raises(SubjectError):
+        subjects.events("j", "work_lost")  # two owners: the writer must say which it is
+    with pytest.raises(SubjectError):
+        subjects.events("j", "decision", "rollout")  # a rollout does not decide
+    with pytest.raises(SubjectError):
+        subjects.events("j", "no_such_kind")
+    raw = Event(job_id="j", kind="decision", data={"fault_id": "f", "actions": [], "reason": "r"}).encode()
+    assert decode_event(raw, "rrl.events.j.controller.decision").kind == "decision"
+    for forged in ("rrl.events.j.rollout.decision", "rrl.events.other.controller.decision",
+                   "rrl.events.j.controller.note", "rrl.events.j.decision.x.y"):
+        with pytest.raises(MessageError):
+            decode_event(raw, forged)
+
+
+def test_event_data_is_typed_where_it_is_written():
+    from robustrl.messages import Event
+
+    with pytest.raises(ValueError, match="data.tokens"):
+        Event(job_id="j", kind="work_lost", data={"tokens": "many"})
+    with pytest.raises(ValueError):
+        Event(job_id="j", kind="step_committed", data={"step": 1})  # weights_version missing
+    with pytest.raises(ValueError):
+        Event(job_id="j", kind="note", ts=float("inf"))
+    assert Event(job_id="j", kind="note", data={"anything": [1, {"x": None}]}).data["anything"][0] == 1
