@@ -14,7 +14,6 @@ import asyncio
 import datetime
 import logging
 import os
-import sys
 import time
 
 import torch
@@ -129,14 +128,7 @@ class TrainerWorker:
         state = await asyncio.to_thread(self.ckpt.load_latest)
         loaded = None if state is None else state.step
         history = await read_history(self.redis, self.ident.job_id, record, loaded)
-        try:
-            resume_step(loaded, history)
-        except CheckpointLost as exc:
-            if self.ident.rank == 0 and self.member.bus:
-                await self.member.bus.emit_event(self.ident.job_id, "note", {
-                    "member_id": self.ident.member_id, "role": "trainer", "epoch": self.member.epoch,
-                    "fatal": "checkpoint_lost", "reason": str(exc)})
-            raise
+        resume_step(loaded, history)  # raises CheckpointLost: main() exits with its reason
         if state is not None:
             self.model.load_state_dict(state.model_state)
             self.opt.load_state_dict(state.optim_state)
@@ -288,8 +280,16 @@ def main() -> None:
     try:
         asyncio.run(TrainerWorker(ident, settings).run())
     except CheckpointLost as exc:
+        # The last lines of a member's log become the fault evidence and the job's error.
         log.critical("trainer cannot start: %s", exc)
-        sys.exit(EXIT_CHECKPOINT_LOST)
+        _exit_now(EXIT_CHECKPOINT_LOST)
     except StaleEpoch as exc:
         log.error("trainer gang replaced before it started, exiting: %s", exc)
-        sys.exit(EXIT_STALE)
+        _exit_now(EXIT_STALE)
+
+
+def _exit_now(code: int) -> None:
+    # Not sys.exit: interpreter shutdown can block on the process group's threads, and a member
+    # that neither runs nor exits looks like a hang instead of the failure it is.
+    logging.shutdown()
+    os._exit(code)
