@@ -34,6 +34,9 @@ from robustrl.storage.redis_stores import connect
 SERVE_START_TIMEOUT_S = 30.0
 SERVE_STOP_TIMEOUT_S = 30.0
 TOKEN = "rest-fuzz-token"
+LEASE_TTL_S = 60.0
+"""The leader lease of the controller under test: long, so a loaded machine cannot make it lapse
+(a standby controller refuses every submission)."""
 
 
 class LedgerLauncher(Launcher):
@@ -101,8 +104,9 @@ def serve_controller(run_dir: Path, token: str = TOKEN) -> Iterator[ControllerTa
         bus = await Bus.connect(settings.nats_url, "controller")
         redis = connect(settings.redis_url)
         launcher = LedgerLauncher()
-        controller = Controller(bus, redis, launcher, settings)
+        controller = Controller(bus, redis, launcher, settings, lease_ttl_s=LEASE_TTL_S)
         await controller.start()
+        await controller.wait_leading(SERVE_START_TIMEOUT_S)
         server = uvicorn.Server(uvicorn.Config(create_app(controller, token), host="127.0.0.1", port=0,
                                                log_level="warning", lifespan="off"))
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

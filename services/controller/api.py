@@ -23,15 +23,24 @@ from fastapi import Body, Depends, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictFloat, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictFloat,
+    WithJsonSchema,
+    model_validator,
+)
 from robustrl.services.controller.runtime import Controller
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from robustrl.chaos.scenario import target_problem
 from robustrl.config import JobSpec
 from robustrl.errors import ConfigError, JobError, LaunchError
-from robustrl.messages import ChaosKind, ChaosRequest
+from robustrl.messages import ChaosKind, ChaosRequest, ChaosRole
 
 log = logging.getLogger(__name__)
 STATIC = FilePath(__file__).parent / "static"
@@ -67,7 +76,8 @@ class ErrorBody(BaseModel):
 CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 409: "conflict",
          413: "body_too_large", 422: "validation_error", 503: "unavailable"}
 DESCRIPTIONS = {400: "Body is not JSON, or nests too deep", 401: "Missing or wrong bearer token",
-                404: "No such job", 405: "Method not allowed on this path", 409: "The job's state forbids it",
+                404: "No such job", 405: "Method not allowed on this path",
+                409: "The job's state forbids it, or this controller is a standby",
                 413: f"Body larger than {MAX_BODY_BYTES} bytes", 422: "A field is invalid; each bad field is named",
                 503: "Members could not be launched"}
 
@@ -107,10 +117,17 @@ class FaultBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     kind: ChaosKind
-    role: str = Field(pattern=r"^(trainer|rollout|request_manager)$")
+    role: ChaosRole
     member: MemberRef = Field(0, description="Member index within the role, or member id.")
     duration_s: StrictFloat = Field(0.0, ge=0, le=3600)
     factor: StrictFloat = Field(4.0, ge=1.0, le=1000)
+
+    @model_validator(mode="after")
+    def _kind_fits_role(self) -> FaultBody:
+        problem = target_problem(self.kind, self.role)  # the scenario format's rule
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 class FaultAccepted(BaseModel):
@@ -334,7 +351,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
 
     @app.post("/v1/jobs", status_code=201, **guarded,
               responses={201: {"model": JobStatus, "description": "The job, started"},
-                         **_errors(*ALWAYS, 422, 503)})
+                         **_errors(*ALWAYS, 409, 422, 503)})
     async def submit(spec: Annotated[JobSpec, Body(description="The job spec; {} selects every default.")]
                      ) -> dict[str, Any]:
         try:
