@@ -30,12 +30,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from robustrl.chaos.garbage import draw_garbage, probe_forbidden_publishes, spray, subjects_for  # noqa: E402
-from robustrl.client import ApiClient  # noqa: E402
-from robustrl.infra.credentials import Credentials, role_settings  # noqa: E402
-from robustrl.stack import Stack  # noqa: E402
-from robustrl.subjects import Principal  # noqa: E402
-from robustrl.supervisor import read_restarts  # noqa: E402
+from robustrl.chaos.garbage import draw_garbage, probe_forbidden_publishes, spray, subjects_for
+from robustrl.client import ApiClient
+from robustrl.infra.credentials import Credentials, role_settings
+from robustrl.stack import Stack
+from robustrl.subjects import Principal
+from robustrl.supervisor import read_restarts
 
 JOB_TIMEOUT_S = 900.0
 POLL_S = 0.5

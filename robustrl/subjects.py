@@ -216,7 +216,7 @@ def permissions(principal: Principal | str) -> tuple[list[str], list[str]]:
     for verb, (pubs, subs) in VERB_ACCESS.items():
         publish += [_shape_subject(verb, shape) for shape in pubs.get(who, ())]
         subscribe += [_shape_subject(verb, shape) for shape in subs.get(who, ())]
-    publish += [".".join([ROOT, "events", "*", who.value, kind])
+    publish += [f"{ROOT}.events.*.{who.value}.{kind}"
                 for kind, owners in EVENT_OWNERS.items() if who in owners]
     if who in _EVENT_READERS:
         subscribe.append(EVENTS_ALL)

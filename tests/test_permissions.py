@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import typing
 import uuid
+from pathlib import Path
 from urllib.parse import urlparse
 
 import nats
@@ -276,7 +277,7 @@ def test_only_trainer_and_controller_hold_s3_keys(infra, creds):
 
 
 def _environ(pid: int) -> dict[str, str]:
-    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
@@ -333,8 +334,6 @@ def test_a_job_runs_with_each_process_holding_only_its_roles_credentials(stack, 
 
 def test_compose_servers_get_the_same_rules():
     """compose/nats.conf and the compose redis command carry exactly the generated rules."""
-    from pathlib import Path
-
     from robustrl.infra.credentials import render_compose_nats_users, render_compose_redis_acl
 
     compose = Path(__file__).resolve().parents[1] / "compose"

@@ -185,7 +185,7 @@ def draw_garbage(job: str, subjects: list[str], n: int, seed: int = 0) -> Iterat
                   phases=[Phase.generate], suppress_health_check=list(HealthCheck))
         @given(garbage_strategy(job, subjects))
         def collect(item: Garbage) -> None:
-            batch.append(item)
+            batch.append(item)  # noqa: B023 - called right below, within this iteration
 
         collect()
         for item in batch:
