@@ -192,21 +192,33 @@ async def test_replica_never_loads_serves_or_relays_weights_that_fail_verificati
         assert mismatch[0].data["checksum"] == v2.checksum  # the auditor's key: the bytes rejected
         assert await replica.relay_holds(v2) == frozenset()
 
-        # 3. A good version loads; the queued turn is served with it, and only it.
-        v3 = make_version(3, seed=13)
-        honest3 = await _served(WeightServer(), v3)
-        servers.append(honest3)
-        await replica.announce(v3, epoch=1, sources=[honest3.address or ""])
+        # 3. The only source dies mid-version (the publisher crashed) and nobody re-announces:
+        # not the replica's fault, but no wait without end either.
+        v7 = make_version(7, seed=17)
+        dying = await _served(WeightServer(fault=Fault("die", after_chunks=2)), v7)
+        servers.append(dying)
+        await replica.announce(v7, epoch=1, sources=[dying.address or ""])
+        gone = await eventually_async(
+            lambda: _matching(replica.events("weights_rejected"), version=7, final=True), timeout=WAIT_S,
+            what="weights_rejected (final) for v7")
+        assert gone[0].data["reason"] == "unavailable" and gone[0].data["waited_s"] >= 3.0 * ATTEMPTS
+        assert _matching_now(await replica.events("weights_rejected"), version=7, final=False) == []
+
+        # 4. A good version loads; the queued turn is served with it, and only it.
+        v8 = make_version(8, seed=13)
+        honest8 = await _served(WeightServer(), v8)
+        servers.append(honest8)
+        await replica.announce(v8, epoch=1, sources=[honest8.address or ""])
         await eventually_async(lambda: replica.turns, timeout=WAIT_S, what="the queued turn served")
-        assert [(t.request_id, t.weights_version) for t in replica.turns] == [("t1", 3)]
+        assert [(t.request_id, t.weights_version) for t in replica.turns] == [("t1", 8)]
         loaded = await replica.events("weights_loaded")
-        assert [(e.data["version"], e.data["checksum"]) for e in loaded] == [(3, v3.checksum)]
-        assert [(h.version, h.checksum) for h in replica.haves] == [(3, v3.checksum)]
-        await eventually_async(lambda: replica.samples[-1].weights_version == 3
+        assert [(e.data["version"], e.data["checksum"]) for e in loaded] == [(8, v8.checksum)]
+        assert [(h.version, h.checksum) for h in replica.haves] == [(8, v8.checksum)]
+        await eventually_async(lambda: replica.samples[-1].weights_version == 8
                                and replica.samples[-1].queue_depth == 0
                                and replica.samples[-1].phase in ("idle", "serving"),
-                               timeout=WAIT_S, what="metrics show v3, an empty queue, a healthy phase")
-        assert len(await replica.relay_holds(v3)) == v3.manifest.num_chunks
+                               timeout=WAIT_S, what="metrics show v8, an empty queue, a healthy phase")
+        assert len(await replica.relay_holds(v8)) == v8.manifest.num_chunks
     finally:
         for server in servers:
             await server.close()
@@ -243,5 +255,8 @@ async def _at_least(events: asyncio.Future[list[Event]] | object, n: int) -> lis
 
 
 async def _matching(events: object, **data: object) -> list[Event]:
-    got = await events  # type: ignore[misc]
-    return [e for e in got if all(e.data.get(k) == v for k, v in data.items())]
+    return _matching_now(await events, **data)  # type: ignore[misc]
+
+
+def _matching_now(events: list[Event], **data: object) -> list[Event]:
+    return [e for e in events if all(e.data.get(k) == v for k, v in data.items())]

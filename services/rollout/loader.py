@@ -13,12 +13,13 @@ workers report, the controller decides) and keeps retrying more slowly.
 A pull that fails because no live source holds the version (the publisher died mid-version and
 no relay completed it) is not the replica's fault and is not counted: the replica goes back to
 what it was doing and retries when a source shows up (a re-announcement, a relay's HAVE) or
-after a back-off.
+after a back-off. That wait is bounded too: still without the version ``pull_timeout_s x
+pull_attempts`` after its announcement (and no newer one), the replica reports weights_failed.
 
 Events for the auditor: ``weights_loaded`` (only after both checks) and ``weights_rejected``
 ``{member_id, version, epoch, expected, got?, checksum?, reason, error?, attempt, attempts_allowed,
 final}`` (``checksum``: of the bytes rejected, when they were all pulled)
-with reason ``corrupt | timeout | checksum_mismatch | load_mismatch | layout | error``.
+with reason ``corrupt | timeout | checksum_mismatch | load_mismatch | layout | unavailable | error``.
 """
 
 from __future__ import annotations
@@ -164,6 +165,9 @@ class WeightLoader:
         avoid: set[str] = set()
         relay: WeightServer | None = self.server  # None once the version failed as a whole
         retry_s = RETRY_S
+        started = time.monotonic()
+        give_up_s = self.cfg.pull_timeout_s * self.cfg.pull_attempts
+        gave_up = False
         try:
             manifest = Manifest.model_validate(ann.manifest)
             manifest.check_matches(self.layout)
@@ -191,6 +195,13 @@ class WeightLoader:
                 if reason == "unavailable":
                     log.warning("v%d: no live source holds it (%s); waiting for one", manifest.version, exc)
                     await self._set(loading=False)
+                    if time.monotonic() - started >= give_up_s and not gave_up:
+                        # Not our fault, but still a wait without end: past every attempt's time
+                        # together the replica reports it (a re-announcement starts a new clock).
+                        gave_up = True
+                        await self._reject(ann, "unavailable", error=str(exc), final=True,
+                                           waited_s=round(time.monotonic() - started, 3))
+                        await self._set(failed=True)
                     await self._wait_sources(retry_s)
                     retry_s = min(2 * retry_s, MAX_RETRY_S)
                     continue
