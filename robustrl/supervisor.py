@@ -105,6 +105,7 @@ class RestartRecord:
     restart: int
     backoff_s: float
     ts: float
+    detail: str | None = None  # for a hang: the last probe's error
 
 
 class _Proc:
@@ -152,6 +153,7 @@ class Supervisor:
         self._pending: dict[str, tuple[float, float, str, int | None, int]] = {}  # (due, delay, reason, rc, pid)
         self._last_answer: dict[str, float] = {}
         self._answered: set[str] = set()  # answered since its last spawn
+        self.last_probe_error: dict[str, str] = {}
         self._lock = threading.RLock()
         self._paused: set[str] = set()
 
@@ -223,8 +225,9 @@ class Supervisor:
                 if rc is not None:
                     self._schedule(name, now, "exit", rc, proc.pid)
                 elif self._hung(name, now):
-                    log.warning("supervisor: %s (pid %d) has not answered /healthz for %.1f s: killing it",
-                                name, proc.pid, now - self._last_answer[name])
+                    log.warning("supervisor: %s (pid %d) has not answered /healthz for %.1f s (last probe: %s): "
+                                "killing it", name, proc.pid, now - self._last_answer[name],
+                                self.last_probe_error.get(name))
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(proc.pid, signal.SIGKILL)
                     if proc.popen is not None:
@@ -240,7 +243,7 @@ class Supervisor:
                 times.append(now)
                 rec = RestartRecord(service=name, reason=reason, returncode=rc, old_pid=old_pid, new_pid=new_pid,
                                     restart=len(times), backoff_s=round(delay, 3),
-                                    ts=time.time())
+                                    ts=time.time(), detail=self.last_probe_error.get(name) if reason == "hang" else None)
                 self.restarts.append(rec)
                 done.append(rec)
                 log.warning("supervisor: restarted %s (%s, rc=%s): pid %d -> %d (restart %d)", name, reason, rc,
@@ -280,7 +283,8 @@ class Supervisor:
             return False
         try:
             httpx.get(url, timeout=PROBE_TIMEOUT_S)
-        except httpx.HTTPError:
+        except Exception as exc:  # noqa: BLE001 - whatever the probe hits, the prober lives on
+            self.last_probe_error[name] = f"{type(exc).__name__}: {exc}"[:200]
             return False
         with self._lock:
             self._last_answer[name] = time.monotonic()

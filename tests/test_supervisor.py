@@ -147,3 +147,28 @@ def test_detached_supervisor_adopts_processes_it_did_not_start(tmp_path: Path) -
         sup.terminate()
         sup.wait(5)
     os.killpg(new_pid, signal.SIGKILL)
+
+
+_SELF_FAULT_CHILD = """
+import asyncio, sys, time
+from robustrl.chaos.self_fault import schedule_self_fault
+async def main():
+    schedule_self_fault(sys.argv[1], float(sys.argv[2]))
+    t0 = time.monotonic()
+    await asyncio.sleep(3.0)
+    print(f"slept {time.monotonic() - t0:.2f}", flush=True)
+asyncio.run(main())
+"""
+
+
+def test_self_fault_crash_kills_and_hang_freezes_then_wakes() -> None:
+    """The controller's crash / hang through its own API: SIGKILL itself, or SIGSTOP with a waker."""
+    crash = subprocess.run([sys.executable, "-c", _SELF_FAULT_CHILD, "crash", "0"], capture_output=True,
+                           text=True, timeout=30)
+    assert crash.returncode == -signal.SIGKILL and "slept" not in crash.stdout
+    hang = subprocess.Popen([sys.executable, "-c", _SELF_FAULT_CHILD, "hang", "2"], stdout=subprocess.PIPE,
+                            text=True)
+    eventually(lambda: psutil.Process(hang.pid).status() == psutil.STATUS_STOPPED, timeout=10,
+               what="child stopped itself")
+    out, _ = hang.communicate(timeout=30)  # woken by the waker, it finishes its sleep
+    assert hang.returncode == 0 and out.startswith("slept")

@@ -6,6 +6,7 @@ Used by ``robustrl demo``, ``robustrl chaos run`` and ``bench/ettr.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,6 +69,7 @@ async def run_job(settings: Settings, api: ApiClient, spec: dict[str, Any], scen
     ``local`` (the Stack) carries out faults on the controller, the detector and the infra servers.
     """
     bus = await Bus.connect(settings.nats_url, "chaos-harness", role="harness")
+    chaos_task: asyncio.Task[list[dict[str, Any]]] | None = None
     try:
         job = await asyncio.to_thread(api.submit, spec)
         job_id = job["job_id"]
@@ -112,4 +114,8 @@ async def run_job(settings: Settings, api: ApiClient, spec: dict[str, Any], scen
         })
         return report
     finally:
+        if chaos_task is not None and not chaos_task.done():
+            chaos_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await chaos_task
         await bus.close()

@@ -6,10 +6,13 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from robustrl.errors import JobError, LaunchError
-from robustrl.messages import ChaosAck, ChaosCommand, ChaosRequest
 from robustrl.services.controller.jobs import JobRun
 from robustrl.services.controller.launching import lid
+
+from robustrl.chaos.scenario import LOCAL_ROLES, target_problem
+from robustrl.chaos.self_fault import schedule_self_fault
+from robustrl.errors import JobError, LaunchError
+from robustrl.messages import ChaosAck, ChaosCommand, ChaosRequest
 from robustrl.subjects import Verb, subject
 
 if TYPE_CHECKING:
@@ -34,7 +37,7 @@ class ChaosInjector:
     def resolve(job: JobRun, role: str, member: int | str) -> str:
         pool = job.current_trainers() if role == "trainer" else job.current_replicas() if role == "rollout" else []
         pool = [m for m in pool if m.state not in ("dead", "exited", "stopped")]
-        if isinstance(member, str) and not member.isdigit():
+        if isinstance(member, str) and not (member.isascii() and member.isdigit()):  # '²'.isdigit() is True
             if member in job.members and job.members[member].role == role:
                 return member
             raise JobError(f"no {role} member {member!r} in job {job.job_id}", field="member")
@@ -49,6 +52,18 @@ class ChaosInjector:
         job = self.c.get(req.job_id)
         if job.done:
             raise JobError(f"job {job.job_id} is {job.status}", job_id=job.job_id)
+        problem = target_problem(req.kind, req.role)
+        if problem:
+            raise JobError(problem, field="role")
+        if req.role == "controller":  # carried out on itself once the answer has left
+            await self.c.event(job, "fault_injected", {
+                "fault_id": req.fault_id, "kind": req.kind, "role": "controller", "member_id": "controller",
+                "step": job.step, "duration_s": req.duration_s})
+            schedule_self_fault(req.kind, req.duration_s)
+            return "controller"
+        if req.role in LOCAL_ROLES or (req.role == "request_manager" and req.kind != "tool_outage"):
+            raise JobError(f"{req.kind} on {req.role} is carried out by the stack that started that process "
+                           "(the chaos harness with a local Stack), not by the controller", field="role")
         if req.kind == "tool_outage" or req.role == "request_manager":
             if req.kind != "tool_outage":
                 raise JobError(f"fault {req.kind} is not supported on the request manager", field="kind")
