@@ -354,9 +354,9 @@ class FaultData(EventData):
     fault_id: str
     kind: str
     role: str
-    member_id: str = ""
-    step: int = -1
-    duration_s: float = 0.0
+    member_id: str | None = ""
+    step: int | None = -1
+    duration_s: float | None = Field(0.0, ge=0)
 
 
 class FaultRefData(EventData):
