@@ -130,16 +130,18 @@ class Controller:
         """Stop acting. ``stop_members`` (a graceful stop of the stack) also stops every member;
         a controller that lost its lease leaves them to the new leader."""
         self._stop.set()
+        was_leading, self.leading = self.leading, False  # handlers act no more
+        if stop_members:
+            # First: the supervisor's grace before SIGKILL may be short, and members of a
+            # controller that is gone keep running (by design: a restart re-adopts them).
+            await asyncio.to_thread(self.launcher.close)
         await self.inbox.close()
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel("controller closing")
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self.leading:
+        if was_leading:
             await self.lease.release()
-        self.leading = False
-        if stop_members:
-            await asyncio.to_thread(self.launcher.close)
 
     # --- the registry and restoring ---------------------------------------------------------
 
