@@ -6,7 +6,8 @@ from robustrl.config import RecoverySpec
 from robustrl.messages import FaultReport
 from robustrl.services.controller.decide import (
     Decision, FailJob, Ignore, JobView, RecoveryView, RedispatchEpisodes, ReplaceReplica, ReportOnly,
-    RestartTrainerGang, RestartWholeJob, ResumeService, check_recovery, decide, recovery_failed,
+    RestartTrainerGang, RestartWholeJob, ResumeService, SERVICE_RESUMES_PER_STEP, check_recovery, decide,
+    recovery_failed,
 )
 
 LOCAL = RecoverySpec(policy="role_local", deadline_s=60.0, max_restarts=5)
@@ -108,10 +109,13 @@ def test_control_plane_loss_resumes_in_place_in_both_policies() -> None:
     assert d.actions == [ResumeService("detector")]
 
 
-def test_control_plane_lost_again_at_the_same_step_escalates() -> None:
-    d = decide(NOW, job(faults_per_step={("request_manager", 5): 1}),
+def test_control_plane_lost_again_and_again_at_one_step_escalates() -> None:
+    d = decide(NOW, job(faults_per_step={("request_manager", 5): SERVICE_RESUMES_PER_STEP - 1}),
                fault("request_manager", "request_manager"), LOCAL)
-    assert kinds(d) == [RestartWholeJob] and "again" in d.reason
+    assert d.actions == [ResumeService("request_manager")]
+    d = decide(NOW, job(faults_per_step={("request_manager", 5): SERVICE_RESUMES_PER_STEP}),
+               fault("request_manager", "request_manager"), LOCAL)
+    assert kinds(d) == [RestartWholeJob] and "times at step 5" in d.reason
 
 
 def test_control_plane_fault_while_it_is_being_resumed_is_ignored() -> None:
@@ -120,12 +124,13 @@ def test_control_plane_fault_while_it_is_being_resumed_is_ignored() -> None:
     assert kinds(d) == [Ignore]
 
 
-def test_member_fault_while_the_request_manager_is_lost_escalates() -> None:
-    d = decide(NOW, job(control_plane_lost=frozenset({"request_manager"})), fault("rollout", "r0"), LOCAL)
-    assert kinds(d) == [RestartWholeJob]
-    # the detector's loss does not stop local recovery: the controller sees exits itself
-    d = decide(NOW, job(control_plane_lost=frozenset({"detector"})), fault("rollout", "r0"), LOCAL)
-    assert kinds(d) == [RedispatchEpisodes, ReplaceReplica]
+def test_member_fault_while_a_control_plane_service_is_lost_is_still_local() -> None:
+    # the request manager learns of the dead replica from its resume; the controller sees exits itself
+    for lost in ("request_manager", "detector"):
+        d = decide(NOW, job(control_plane_lost=frozenset({lost})), fault("rollout", "r0"), LOCAL)
+        assert kinds(d) == [RedispatchEpisodes, ReplaceReplica], lost
+        d = decide(NOW, job(control_plane_lost=frozenset({lost})), fault("trainer", "t0"), LOCAL)
+        assert kinds(d) == [RestartTrainerGang], lost
 
 
 def test_member_fault_during_whole_job_restart_restarts_again() -> None:

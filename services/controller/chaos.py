@@ -35,7 +35,8 @@ class ChaosInjector:
 
     @staticmethod
     def resolve(job: JobRun, role: str, member: int | str) -> str:
-        pool = job.current_trainers() if role == "trainer" else job.current_replicas() if role == "rollout" else []
+        pool = (job.current_trainers() if role == "trainer" else job.current_replicas() if role == "rollout"
+                else [])
         pool = [m for m in pool if m.state not in ("dead", "exited", "stopped")]
         if isinstance(member, str) and not (member.isascii() and member.isdigit()):  # '²'.isdigit() is True
             if member in job.members and job.members[member].role == role:

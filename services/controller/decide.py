@@ -15,8 +15,10 @@ Policies:
 
 A lost control-plane service (request manager, detector) keeps its state in Redis / JetStream, so
 in both policies it is resumed in place (``ResumeService``: restarted by its supervisor, then told
-to ``resume``) without touching trainer or rollout members; only a service that fails again at the
-same step, or a resume that overruns its deadline, escalates to a whole-job restart.
+to ``resume``) without touching trainer or rollout members; only a service lost again and again at
+one step, or a resume that overruns its deadline, escalates to a whole-job restart. A member fault
+while the request manager is away is still recovered locally: the new members wait for it, and
+its ``resume`` names the replicas that died meanwhile.
 
 In both policies a tool outage is reported only: a tool fault is not a machine fault. After
 ``max_restarts`` restarts the job is failed instead of restarted again.
@@ -31,6 +33,8 @@ from robustrl.config import RecoverySpec
 from robustrl.messages import FaultReport
 
 CONTROL_PLANE_ROLES = frozenset({"request_manager", "controller", "detector"})
+SERVICE_RESUMES_PER_STEP = 3
+"""Resumes in place of one control-plane service at one step before a whole-job restart."""
 
 
 # --- the job as the controller sees it ----------------------------------------------------
@@ -250,20 +254,19 @@ def _stale(job: JobView, fault: FaultReport) -> str | None:
 
 
 def _control_plane(job: JobView, fault: FaultReport) -> Decision:
-    """A control-plane service lost: resume it in place; a second loss at the same step (its
-    resume did not hold) escalates to a whole-job restart."""
+    """A control-plane service lost: resume it in place. Only when its resumes keep failing at one
+    step (``SERVICE_RESUMES_PER_STEP``: its state for that step may be what kills it) does a
+    whole-job restart, which regenerates the step from scratch, follow."""
     what = f"{fault.kind} of {fault.role} at step {job.step}"
-    if job.faults_per_step.get((fault.role, job.step), 0) >= 1:
-        return _whole_job(job, f"{what}: the {fault.role} failed again at step {job.step} after its resume")
+    previous = job.faults_per_step.get((fault.role, job.step), 0)
+    if previous >= SERVICE_RESUMES_PER_STEP:
+        return _whole_job(job, f"{what}: the {fault.role} was lost {previous + 1} times at step {job.step}")
     return Decision([ResumeService(fault.role)],
                     f"{what}: resume it in place from its durable state; no member is restarted")
 
 
 def _role_local(job: JobView, fault: FaultReport) -> Decision:
     what = f"{fault.kind} of {fault.role} {fault.member_id} at step {job.step}"
-    if "request_manager" in job.control_plane_lost:
-        # The detector's loss does not matter here: the controller sees member exits itself.
-        return _whole_job(job, f"{what} while the request manager is down: nothing can reconnect it")
     if job.committed_step < 0:
         return _whole_job(job, f"{what}: before the first committed step")
     whole = next((r for r in job.recovering if r.role == "job"), None)

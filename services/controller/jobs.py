@@ -26,7 +26,8 @@ class MemberInfo:
     weights_version: int = -1
     pid: int | None = None
     started_at: float = field(default_factory=time.time)
-    handle: dict[str, Any] = field(default_factory=dict)  # launcher's re-attach handle (pid + start time, container)
+    # The launcher's re-attach handle (pid + start time, or container id), persisted for a restart.
+    handle: dict[str, Any] = field(default_factory=dict)
     adopted: bool = False  # re-attached by a restarted controller (its hello may predate this controller)
 
     def to_record(self) -> dict[str, Any]:
@@ -36,9 +37,10 @@ class MemberInfo:
 
     @classmethod
     def from_record(cls, member_id: str, rec: dict[str, Any]) -> MemberInfo:
-        return cls(member_id, rec["role"], int(rec["index"]), int(rec["epoch"]), state=rec.get("state", "running"),
-                   weights_version=int(rec.get("weights_version", -1)), pid=rec.get("pid"),
-                   started_at=float(rec.get("started_at", time.time())), handle=dict(rec.get("handle") or {}))
+        return cls(member_id, rec["role"], int(rec["index"]), int(rec["epoch"]),
+                   state=rec.get("state", "running"), weights_version=int(rec.get("weights_version", -1)),
+                   pid=rec.get("pid"), started_at=float(rec.get("started_at", time.time())),
+                   handle=dict(rec.get("handle") or {}))
 
 
 @dataclass
@@ -56,9 +58,10 @@ class ActiveRecovery:
     committed_at_fault: int = -1
 
     def to_record(self) -> dict[str, Any]:
-        return {"fault_id": self.fault_id, "role": self.role, "kind": self.kind, "started_at": self.started_at,
-                "step": self.step, "deadline_at": self.deadline_at, "waiting_for": sorted(self.waiting_for),
-                "replacing": sorted(self.replacing), "committed_at_fault": self.committed_at_fault}
+        return {"fault_id": self.fault_id, "role": self.role, "kind": self.kind,
+                "started_at": self.started_at, "step": self.step, "deadline_at": self.deadline_at,
+                "waiting_for": sorted(self.waiting_for), "replacing": sorted(self.replacing),
+                "committed_at_fault": self.committed_at_fault}
 
     @classmethod
     def from_record(cls, rec: dict[str, Any]) -> ActiveRecovery:
@@ -92,7 +95,8 @@ class JobRun:
     ettr: float | None = None
     injected_at: dict[str, float] = field(default_factory=dict)  # member -> last chaos injection
     closing: bool = False  # stop_job under way: the final status is set once its event is durable
-    startup_failures: dict[tuple[str, int], int] = field(default_factory=dict)  # (role, slot) -> exits before hello
+    # (role, slot) -> exits before the hello in a row
+    startup_failures: dict[tuple[str, int], int] = field(default_factory=dict)
     service_seen_at: dict[str, float] = field(default_factory=dict)  # control-plane role -> last sign of life
     services_lost: set[str] = field(default_factory=set)  # control-plane roles seen lost, not yet resumed
 

@@ -112,7 +112,8 @@ class MemberStarter:
         for m in job.members.values():
             if m.state in ("exited", "stopped", "dead"):
                 continue
-            ok = await asyncio.to_thread(self.launcher.adopt, job.job_id, lid(job, m.member_id), m.role, m.handle)
+            ok = await asyncio.to_thread(self.launcher.adopt, job.job_id, lid(job, m.member_id), m.role,
+                                         m.handle)
             (adopted if ok else gone).append(m.member_id)
         return adopted, gone
 

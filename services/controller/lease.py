@@ -81,7 +81,8 @@ class LeaderLease:
     async def try_acquire(self) -> bool:
         """One attempt; True (and a new ``token``) if this controller is the leader now."""
         token = int(await asyncio.wait_for(
-            self.r.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), self.owner, self.ttl_ms),
+            self.r.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), self.owner,
+                        self.ttl_ms),
             REDIS_OP_TIMEOUT_S))
         if token > 0:
             self.token = token

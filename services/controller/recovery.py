@@ -75,7 +75,8 @@ class RecoveryExecutor:
         began = injected_at if injected_at is not None else fault.fault_at
         record = {"fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role,
                   "member_id": fault.member_id, "step": job.step, "detected_at": fault.detected_at,
-                  "fault_at": fault.fault_at, "detection_s": None if began is None else fault.detected_at - began,
+                  "fault_at": fault.fault_at,
+                  "detection_s": None if began is None else fault.detected_at - began,
                   "evidence": fault.evidence, "recovery_s": None, "decision": None}
         decision = decide_mod.decide(now, job_view(job), fault, job.spec.recovery)
         record["decision"] = {"actions": decision.names(), "reason": decision.reason}
@@ -95,7 +96,8 @@ class RecoveryExecutor:
                 log.exception("job %s: %s failed", job.job_id, action_name(action))
                 rec = decide_mod.RecoveryView(role=fault.role, step=job.step, started_at=time.time(),
                                               fault_id=fault.fault_id)
-                decision = decide_mod.recovery_failed(time.time(), job_view(job), rec, repr(exc), job.spec.recovery)
+                decision = decide_mod.recovery_failed(time.time(), job_view(job), rec, repr(exc),
+                                                      job.spec.recovery)
                 await self.c.event(job, "decision", {"fault_id": fault.fault_id, "actions": decision.names(),
                                                      "reason": decision.reason})
                 if any(type(a) is type(action) for a in decision.actions):
@@ -191,8 +193,12 @@ class RecoveryExecutor:
 
     async def _resume_rm(self, job: JobRun, rec: ActiveRecovery) -> None:
         while rec in job.recoveries and not job.done:
-            if await self.c.control_rm(job, "resume", {"start_step": job.step, "committed": job.committed_step},
-                                       attempts=1, timeout_s=SERVICE_RESUME_ATTEMPT_S, quiet=True):
+            # Replicas that died while it was away: it must not dispatch to them.
+            dead = sorted(m.member_id for m in job.members.values()
+                          if m.role == "rollout" and not job.is_current(m.member_id))
+            args = {"start_step": job.step, "committed": job.committed_step, "replicas_dead": dead}
+            if await self.c.control_rm(job, "resume", args, attempts=1, timeout_s=SERVICE_RESUME_ATTEMPT_S,
+                                       quiet=True):
                 await self.service_back(job, "request_manager")
                 return
 
@@ -219,12 +225,13 @@ class RecoveryExecutor:
             for f in job.faults:
                 if f["fault_id"] == rec.fault_id:
                     f["recovery_s"] = time.time() - f["detected_at"]
-            await self.c.event(job, "recovered", {"fault_id": rec.fault_id, "role": rec.role, "kind": rec.kind,
-                                                  "took_s": took})
+            await self.c.event(job, "recovered", {"fault_id": rec.fault_id, "role": rec.role,
+                                                  "kind": rec.kind, "took_s": took})
             if rec.kind in ("trainer", "whole_job"):
                 # Steps that were committed but not durable are redone by the new gang.
                 redone = max(0, rec.committed_at_fault - job.durable_step)
-                await self.c.event(job, "work_lost", {"fault_id": rec.fault_id, "tokens": 0, "steps_redone": redone})
+                await self.c.event(job, "work_lost", {"fault_id": rec.fault_id, "tokens": 0,
+                                                      "steps_redone": redone})
             if not job.recoveries and job.status == "recovering":
                 job.status = "running"
             await self.c.persist(job)

@@ -63,7 +63,8 @@ class Controller:
         self.leading = False
         self.lost_leadership = asyncio.Event()
         """Set when another controller took the lease: this process must stop acting (exit)."""
-        self.starter = MemberStarter(bus, launcher, settings, member_credentials, fence=lambda: self.lease.token)
+        self.starter = MemberStarter(bus, launcher, settings, member_credentials,
+                                     fence=lambda: self.lease.token)
         self.recovery = RecoveryExecutor(self)
         self.supervisor = Supervisor(self)
         self.chaos = ChaosInjector(self)
@@ -113,7 +114,8 @@ class Controller:
     async def _on_new_token(self, token: int) -> None:
         for job in self.jobs.values():
             if not job.done:
-                await self.event(job, "note", {"text": f"controller lease re-acquired (fencing token {token})"})
+                text = f"controller lease re-acquired (fencing token {token})"
+                await self.event(job, "note", {"owner": self.owner, "text": text})
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -160,7 +162,8 @@ class Controller:
 
     @staticmethod
     def _job_from_record(job_id: str, rec: dict[str, Any]) -> JobRun:
-        job = JobRun(job_id=job_id, spec=JobSpec.parse(rec["spec"]), created_at=rec.get("created_at", time.time()))
+        job = JobRun(job_id=job_id, spec=JobSpec.parse(rec["spec"]),
+                     created_at=rec.get("created_at", time.time()))
         job.status = rec.get("status", "running")
         job.started_at = rec.get("started_at")
         job.epoch = int(rec.get("epoch", 0))
@@ -341,7 +344,8 @@ class Controller:
     async def _inbox_fault(self, fault: FaultReport) -> None:
         if not self.leading:
             # Not acknowledged: the consumer delivers it again, to whoever leads then.
-            raise LeaseLost(f"controller {self.owner} does not lead; fault {fault.fault_id} left for the leader")
+            raise LeaseLost(f"controller {self.owner} does not lead; fault {fault.fault_id} is left "
+                            f"for the leader")
         await self.recovery.handle(fault)
 
     async def _on_hello(self, msg: MemberHello, _s: str, _r: str | None) -> None:

@@ -88,7 +88,8 @@ class Supervisor:
         before_hello = m.state == "starting"
         # A member of a replaced incarnation (e.g. the gang peer that died of the crash of its
         # partner) is not a new fault.
-        expected = info.expected or not job.is_current(member_id) or m.state in ("dead", "stopped") or job.done
+        expected = (info.expected or not job.is_current(member_id) or m.state in ("dead", "stopped")
+                    or job.done)
         if m.state != "stopped":
             m.state = "exited"
         await self.c.event(job, "member_exited", {
@@ -109,7 +110,7 @@ class Supervisor:
         if before_hello:
             job.startup_failures[slot] = job.startup_failures.get(slot, 0) + 1
             tail = self.c.starter.log_tail(job, m.member_id)
-            evidence = f"{evidence} before its hello; last output:\n{tail}" if tail else f"{evidence} before its hello"
+            evidence = f"{evidence} before its hello" + (f"; last output:\n{tail}" if tail else "")
         fault = exit_fault(job, m, info, evidence)
         await self.c.event(job, "fault_detected", {
             "fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role, "member_id": fault.member_id,
@@ -121,8 +122,9 @@ class Supervisor:
                       f"it cannot start. {evidence}")
             async with self.c.recovery.lock:
                 job.faults.append({"fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role,
-                                   "member_id": fault.member_id, "step": job.step, "detected_at": fault.detected_at,
-                                   "fault_at": fault.fault_at, "detection_s": fault.detected_at - info.exited_at,
+                                   "member_id": fault.member_id, "step": job.step,
+                                   "detected_at": fault.detected_at, "fault_at": fault.fault_at,
+                                   "detection_s": fault.detected_at - info.exited_at,
                                    "evidence": evidence, "recovery_s": None,
                                    "decision": {"actions": ["FailJob"], "reason": reason}})
                 await self.c.event(job, "decision", {"fault_id": fault.fault_id, "actions": ["FailJob"],

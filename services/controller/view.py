@@ -14,7 +14,8 @@ def job_view(job: JobRun) -> decide_mod.JobView:
     from their own signs of life (metrics, acknowledged commands) and silences, in
     ``control_plane_lost``.
     """
-    live = {m.member_id for m in job.current_trainers() + job.current_replicas() if job.is_current(m.member_id)}
+    members = job.current_trainers() + job.current_replicas()
+    live = {m.member_id for m in members if job.is_current(m.member_id)}
     return decide_mod.JobView(
         job_id=job.job_id, step=job.step, committed_step=job.committed_step, durable_step=job.durable_step,
         recovering=tuple(decide_mod.RecoveryView(role="job" if r.kind == "whole_job" else r.role, step=r.step,
