@@ -13,14 +13,24 @@ import time
 import uuid
 from typing import Any
 
+from robustrl.services.request_manager.service import RequestManager
+
 from robustrl.bus import Bus
 from robustrl.errors import RequestTimeout
 from robustrl.messages import (
-    BatchReady, ControlCommand, FaultReport, GenerateTurn, MemberHello, MetricsSample, SpecReply, SpecRequest,
-    StepCommitted, TurnResult, WeightsHave,
+    BatchReady,
+    ControlCommand,
+    FaultReport,
+    GenerateTurn,
+    MemberHello,
+    MetricsSample,
+    SpecReply,
+    SpecRequest,
+    StepCommitted,
+    TurnResult,
+    WeightsHave,
 )
 from robustrl.model.tokenizer import CharTokenizer
-from robustrl.services.request_manager.service import RequestManager
 from robustrl.storage.redis_stores import EpisodeStore, JobRegistry, Keys, connect
 from robustrl.subjects import Verb, subject
 

@@ -48,8 +48,7 @@ WAIT_WAKE_S = 1.0
 class JobRunner:
     """Drives one job's steps on the request-manager side."""
 
-    def __init__(self, bus: Bus, redis: object, job_id: str, spec: JobSpec, start_step: int,
-                 resumed: bool = False) -> None:
+    def __init__(self, bus: Bus, redis: object, job_id: str, spec: JobSpec, start_step: int) -> None:
         self.bus = bus
         self.job_id = job_id
         self.spec = spec
@@ -65,7 +64,7 @@ class JobRunner:
         self.trainer_version = -1
         self.gang_epoch = 0  # newest trainer gang heard from: commits of older gangs are stale
         self.step_epoch = 0  # bumped by restart_step: in-flight work of older epochs is discarded
-        self.resumed = resumed  # this runner took over a job after a request-manager restart
+        self.first_of_life = True  # this runner's first step: found started in Redis = a resume
         self.paused = False
         self.changed = self.dispatcher.changed
         self._task: asyncio.Task[None] | None = None
@@ -161,11 +160,12 @@ class JobRunner:
         self._current = eps
         todo = [ep for ep in eps if ep.status != "finished"]
         self.dispatcher.load_adoptable(await self.dispatches.all(), {ep.episode_id for ep in todo})
-        if resumed and self.resumed:
-            self.resumed = False
+        if resumed and self.first_of_life:
+            # A new life of the request manager found the step under way: it continues it.
             await self.bus.emit_event(self.job_id, "rm_resumed", {
                 "step": step, "finished": len(eps) - len(todo), "unfinished": len(todo),
                 "dispatched": len(self.dispatcher.adoptable)})
+        self.first_of_life = False
         # One task group: a failing episode cancels and awaits its siblings before the step fails.
         async with asyncio.TaskGroup() as group:
             for ep in todo:

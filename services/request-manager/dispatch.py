@@ -124,14 +124,14 @@ class Dispatcher:
     def on_have(self, msg: WeightsHave) -> None:
         rep = self._heard(msg.member_id)
         if rep:
-            rep.version, rep.checksum = max(rep.version, msg.version), msg.checksum
+            rep.version, rep.checksum = msg.version, msg.checksum  # a redo may load a lower version
 
     def on_metrics(self, msg: MetricsSample) -> None:
         if msg.role != "rollout":
             return
         rep = self._heard(msg.member_id)
         if rep:
-            rep.version = max(rep.version, msg.weights_version)
+            rep.version = msg.weights_version
             rep.busy, rep.busy_at = msg.inflight > 0 or msg.queue_depth > 0, time.monotonic()
 
     def live(self, rep: Replica) -> bool:
@@ -222,16 +222,19 @@ class Dispatcher:
             if any(r.version >= need for r in live) and not lagging:
                 return
             waited = time.monotonic() - t0
-            if waited > bound:
-                for r in lagging:
-                    r.reported_version = need
-                    await report_deadline(
-                        self.bus, self.job_id, role="rollout", member_id=r.member_id, kind="hang",
-                        cause="weights_deadline", step=step, since=since,
-                        evidence=f"{r.member_id} holds v{r.version}, step {step} needs v{need}; "
-                                 f"waited {waited:.1f}s (weights_load_s={bound:g})")
+            if waited <= bound:
+                await self._changed_wait(min(WAKE_S, max(0.05, bound - waited)))
                 continue
-            await self._changed_wait(min(WAKE_S, max(0.05, bound - waited)))
+            for r in lagging:
+                r.reported_version = need
+                await report_deadline(
+                    self.bus, self.job_id, role="rollout", member_id=r.member_id, kind="hang",
+                    cause="weights_deadline", step=step, since=since,
+                    evidence=f"{r.member_id} holds v{r.version}, step {step} needs v{need}; "
+                             f"waited {waited:.1f}s (weights_load_s={bound:g})")
+            if not lagging:
+                # Nobody serves the version yet (replicas still starting): the step deadline bounds this.
+                await self._changed_wait(WAKE_S)
 
     # --- one turn --------------------------------------------------------------------------
 

@@ -144,11 +144,11 @@ class RequestManager:
                 except RequestTimeout:
                     continue
             if reply is None:
-                log.error("job %s: controller did not send the spec", job_id)
+                log.warning("job %s: controller did not send the spec (not running there)", job_id)
                 return None
             spec = JobSpec.parse(reply.spec)
             step = start_step if start_step is not None else (reply.resume_step or 0)
-            job = self.jobs[job_id] = JobRunner(self.bus, self.redis, job_id, spec, step, resumed=resumed)
+            job = self.jobs[job_id] = JobRunner(self.bus, self.redis, job_id, spec, step)
             job.gang_epoch = reply.epoch
             return job
 
