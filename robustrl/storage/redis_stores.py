@@ -27,6 +27,7 @@ class TurnRecord(BaseModel):
     weights_version: int = -1
     stop_reason: str | None = None
     member_id: str | None = None
+    request_id: str | None = None  # the dispatch that produced an assistant turn (idempotency, audit)
 
 
 class EpisodeRecord(BaseModel):
@@ -120,6 +121,16 @@ class Keys:
     def faults_handled(job: str) -> str:
         """Fault ids the controller has handled for a job (at-least-once delivery, handled once)."""
         return f"rrl:{job}:faults:handled"
+
+    @staticmethod
+    def dispatches(job: str) -> str:
+        """Hash episode id -> the turn dispatched for it and not yet applied (request manager)."""
+        return f"rrl:{job}:dispatch"
+
+    @staticmethod
+    def rollout_gc(job: str) -> str:
+        """Newest step whose rollout state the request manager has deleted (its checkpoint is durable)."""
+        return f"rrl:{job}:rm:gc"
 
 
 REDIS_RETRIES = 40
@@ -219,6 +230,86 @@ class EpisodeStore:
             return EpisodeRecord.model_validate(json.loads(raw)["episode"])
         except (ValueError, KeyError, ValidationError) as exc:
             raise StorageError(f"corrupt prefix at {key}", key=key) from exc
+
+
+class DispatchStore:
+    """Turns dispatched and not yet applied, one per episode, so that a restarted request manager
+    adopts a turn whose replica still works on it instead of generating it twice."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        self.r = client
+        self.key = Keys.dispatches(job_id)
+        self.job = job_id
+
+    async def record(self, episode_id: str, entry: dict[str, Any]) -> None:
+        await _call(self.r.hset(self.key, episode_id, json.dumps(entry)), self.key)
+
+    async def applied(self, ep: EpisodeRecord) -> None:
+        """Save the episode with its new turn and forget the dispatch, atomically."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.set(Keys.episode(self.job, ep.episode_id), ep.model_dump_json())
+        pipe.hdel(self.key, ep.episode_id)
+        await _call(pipe.execute(), self.key)
+
+    async def forget(self, episode_ids: list[str]) -> None:
+        if episode_ids:
+            await _call(self.r.hdel(self.key, *episode_ids), self.key)
+
+    async def all(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for k, v in (await _call(self.r.hgetall(self.key), self.key)).items():
+            try:
+                out[k.decode()] = json.loads(v)
+            except ValueError:
+                continue  # damaged: the turn is simply dispatched again
+        return out
+
+
+class RolloutGC:
+    """Deletes a step's rollout state once the checkpoint that consumed it is durable: episodes,
+    prefixes, the step's episode set, pending dispatches, the batch, its fence, and the entries of
+    the trained log up to that step. Redis then holds only what recovery can still need."""
+
+    # Pop trained-log entries from the head while their step is <= ARGV[1] (the log is appended
+    # in step order; a redo appends an older step later and is popped once the head reaches it).
+    _TRIM = """
+    local n = 0
+    while true do
+      local head = redis.call('LINDEX', KEYS[1], 0)
+      if not head then break end
+      local ok, e = pcall(cjson.decode, head)
+      if not ok or type(e) ~= 'table' or tonumber(e['step']) == nil then break end
+      if tonumber(e['step']) > tonumber(ARGV[1]) then break end
+      redis.call('LPOP', KEYS[1]); n = n + 1
+    end
+    return n
+    """
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        self.r = client
+        self.job = job_id
+        self._trim = self.r.register_script(self._TRIM)
+
+    async def collected(self) -> int:
+        """Newest step already deleted (-1 if none)."""
+        raw = await _call(self.r.get(Keys.rollout_gc(self.job)), Keys.rollout_gc(self.job))
+        return -1 if raw is None else int(raw)
+
+    async def collect(self, step: int) -> int:
+        """Delete every rollout key of ``step`` and trim the trained log through it; returns the
+        number of episodes deleted. Idempotent."""
+        j = self.job
+        ids = [m.decode() for m in await _call(self.r.smembers(Keys.step_episodes(j, step)), f"gc {step}")]
+        keys = [Keys.episode(j, e) for e in ids] + [Keys.prefix(j, e) for e in ids]
+        keys += [Keys.step_episodes(j, step), Keys.batch(j, step), Keys.fence(j, step)]
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(*keys)
+        if ids:
+            pipe.hdel(Keys.dispatches(j), *ids)
+        pipe.set(Keys.rollout_gc(j), str(step))
+        await _call(pipe.execute(), f"gc step {step}")
+        await _call(self._trim(keys=[Keys.trained_log(j)], args=[str(step)]), Keys.trained_log(j))
+        return len(ids)
 
 
 class BatchStore:
