@@ -347,10 +347,12 @@ class Checkpointer:
                 break
             if self._verifies(ref):
                 kept.append(ref)
-        for ref in gc_deletions(listing, kept, self.epoch):
+        doomed = set(gc_deletions(listing, kept, self.epoch))
+        for ref in sorted(doomed):
             if ref in listing.manifests:
                 self.store.delete(ref.manifest_key(self.prefix))  # invisible first, then the blobs
             self.store.delete_prefix(ref.folder(self.prefix) + "/")
+        self._verdicts = {k: v for k, v in self._verdicts.items() if k[0] not in doomed}
 
     # -- upload status ----------------------------------------------------------------------------
 
