@@ -52,6 +52,8 @@ restarted controller re-adopts its members before its API answers."""
 STOP_GRACE_S = 5.0
 """SIGTERM to SIGKILL when the stack stops a service."""
 RESTART_LOG = "supervisor.jsonl"
+PROBE_LOG = "supervisor-probes.log"
+"""Failed health probes, one line each (why a service was judged hung)."""
 SUPERVISOR_FILE = "supervisor.json"
 
 
@@ -276,20 +278,34 @@ class Supervisor:
         return now - self._last_answer.get(name, now) > limit
 
     def probe(self, name: str) -> bool:
-        """Ask ``name``'s ``/healthz`` once; any HTTP answer (even a 503 while NATS or Redis is
-        away) means its event loop runs. Records the answer time."""
+        """Ask ``name``'s ``/healthz`` once. Any HTTP answer (even a 503 while NATS or Redis is
+        away) means its event loop runs. Only a probe that *times out* is evidence of a hang: a
+        frozen process still completes the TCP handshake (the kernel does) but never answers.
+        A refused connection means nothing listens (starting, or running without its endpoint):
+        not a hang, and an exit is seen by the process watch."""
         url = self.specs[name].health_url
         if url is None:
             return False
         try:
             httpx.get(url, timeout=PROBE_TIMEOUT_S)
+        except httpx.TimeoutException as exc:
+            self.last_probe_error[name] = f"{type(exc).__name__}: {exc}"[:200]
+            self._log_probe(name)
+            return False
         except Exception as exc:  # noqa: BLE001 - whatever the probe hits, the prober lives on
             self.last_probe_error[name] = f"{type(exc).__name__}: {exc}"[:200]
+            self._log_probe(name)
+            with self._lock:
+                self._last_answer[name] = time.monotonic()  # no evidence of a hang
             return False
         with self._lock:
             self._last_answer[name] = time.monotonic()
             self._answered.add(name)
         return True
+
+    def _log_probe(self, name: str) -> None:
+        with contextlib.suppress(OSError), open(self.run_dir / "logs" / PROBE_LOG, "a") as fh:
+            fh.write(f"{time.time():.3f} {name} {self.last_probe_error.get(name)}\n")
 
     def answered(self, name: str) -> bool:
         """Whether ``name`` has answered a health probe since it was last (re)started."""
