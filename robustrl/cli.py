@@ -221,7 +221,8 @@ def _run(out: Path, spec: dict[str, Any], scenario: Any, run_dir: Path | None,
                 progress.update(bar, total=status["steps_total"], completed=status["committed_step"] + 1,
                                 description=status["status"])
 
-            report = asyncio.run(run_job(stack.settings, api, spec, scenario, on_status=on_status))
+            report = asyncio.run(run_job(stack.settings, api, spec, scenario, on_status=on_status,
+                                         local=stack))
     _write_report(out, report, started)
     _summary(report, human)
     human.print(f"wrote {out}/report.json and {out}/reward.png")
