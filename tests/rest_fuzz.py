@@ -2,7 +2,7 @@
 generated requests (positive and negative data for every operation in ``/openapi.json``, with
 the bearer token) and runs schemathesis's conformance checks on each answer.
 
-Pass means: no 5xx, and every answer conforms to the OpenAPI document (its status code is
+Pass means: every request answered, no 5xx, and every answer conforms to the OpenAPI document (its status code is
 declared for the operation, its content type is the declared one, its body validates against the
 declared schema, declared headers are present) and negative data is refused with a 4xx. Used by
 ``tests/test_api_fuzz.py`` (small, seeded) and by ``bench/fuzz.py`` (>= 5,000 requests).
@@ -53,6 +53,8 @@ class RestFuzzResult:
     requests: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
     server_errors: int = 0
+    no_answer: int = 0
+    """Requests that got no answer within REQUEST_TIMEOUT_S (or a dropped connection)."""
     schema_violations: int = 0
     violations_by_check: dict[str, int] = field(default_factory=dict)
     by_operation: dict[str, int] = field(default_factory=dict)
@@ -104,10 +106,17 @@ class _Fuzzer:
     def send(self, label: str, mode: GenerationMode, case: Any) -> None:
         if self.job_ids and "job_id" in (case.path_parameters or {}) and self.chooser.random() < 0.5:
             case.path_parameters["job_id"] = self.chooser.choice(self.job_ids)
-        response = case.call(base_url=self.base_url, session=self.session, headers=self.auth,
-                             timeout=REQUEST_TIMEOUT_S)
         result = self.result
         result.requests += 1
+        try:
+            response = case.call(base_url=self.base_url, session=self.session, headers=self.auth,
+                                 timeout=REQUEST_TIMEOUT_S)
+        except requests.RequestException as exc:
+            result.no_answer += 1
+            self.statuses["no answer"] += 1
+            if len(result.failures) < MAX_FAILURES_KEPT:
+                result.failures.append(f"{label} [{mode.value}] -> no answer: {str(exc)[:500]}")
+            return
         self.statuses[str(response.status_code)] += 1
         self.operations[label] += 1
         if response.status_code >= 500:

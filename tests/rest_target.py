@@ -101,7 +101,7 @@ def serve_controller(run_dir: Path, token: str = TOKEN) -> Iterator[ControllerTa
     box: dict[str, object] = {}
 
     async def main() -> None:
-        bus = await Bus.connect(settings.nats_url, "controller")
+        bus = await Bus.connect(settings.nats_url, "controller", role="controller")
         redis = connect(settings.redis_url)
         launcher = LedgerLauncher()
         controller = Controller(bus, redis, launcher, settings, lease_ttl_s=LEASE_TTL_S)

@@ -35,6 +35,7 @@ def test_rest_api_conforms_to_its_openapi_document_under_fuzzing(target: Control
     report = "\n\n".join(result.failures)
     assert result.requests == REQUESTS
     assert result.server_errors == 0, report
+    assert result.no_answer == 0, report
     assert result.schema_violations == 0, report
     # The generated requests reached every operation, both accepted and refused.
     operations = set(result.by_operation)
