@@ -10,7 +10,7 @@ never repaired.
 from __future__ import annotations
 
 import hashlib
-import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,8 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from robustrl import subjects
-from robustrl.errors import StorageError, TransportError
+from robustrl.errors import MessageError, StorageError, TransportError
+from robustrl.messages import loads_bounded
 from robustrl.storage.objects import ObjectStore
 from robustrl.storage.redis_stores import Keys
 
@@ -97,9 +98,9 @@ class RawCheckpoint:
 def _json(raw: bytes | str | None) -> Any:
     if raw is None:
         return None
-    try:
-        return json.loads(raw)
-    except ValueError:
+    try:  # bounded: garbage in the log (deep nesting) must not blow the auditor's stack
+        return loads_bounded(raw, what="stored value")
+    except MessageError:
         return None
 
 
@@ -140,9 +141,12 @@ async def read_event_log(nats_url: str, job_id: str, *, fetch_timeout_s: float =
                                          f"{fetch_timeout_s:.0f}s") from exc
                 for msg in msgs:
                     await msg.ack()
-                    body = _json(msg.data) or {}
+                    body = _json(msg.data)
+                    body = body if isinstance(body, dict) else {}
+                    ts, data = body.get("ts"), body.get("data")
                     out.append(RawEvent(seq=msg.metadata.sequence.stream, kind=str(body.get("kind", "?")),
-                                        ts=float(body.get("ts", 0.0)), data=body.get("data") or {}))
+                                        ts=float(ts) if isinstance(ts, int | float) and math.isfinite(ts) else 0.0,
+                                        data=data if isinstance(data, dict) else {}))
             out.sort(key=lambda e: e.seq)
             return out
         finally:
