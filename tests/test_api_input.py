@@ -273,6 +273,18 @@ def test_explicit_empty_object_still_means_all_defaults(target: ControllerTarget
     assert resp.json()["name"] == "reference"
 
 
+def test_body_without_content_type_is_json_and_other_media_types_are_415(target: ControllerTarget) -> None:
+    """``curl --data`` sends form-urlencoded; a client that names no type gets JSON parsing."""
+    resp = _post(target, "/v1/jobs", json.dumps({**SMALL_JOB, "name": "untyped"}), content_type=None)
+    assert resp.status_code == 201, resp.text
+    resp = _post(target, "/v1/jobs", b'{"detector": {"silence_s": Infinity}}', content_type=None)
+    assert resp.status_code == 422 and "detector.silence_s" in _fields(resp), resp.text
+    for media in ("application/x-www-form-urlencoded", "text/plain"):
+        resp = _post(target, "/v1/jobs", json.dumps(SMALL_JOB), content_type=media)
+        assert resp.status_code == 415, resp.text
+        assert "application/json" in _error(resp)["message"]
+
+
 # --- one error shape for every status ------------------------------------------------------------
 
 def test_every_error_has_the_one_shape(target: ControllerTarget) -> None:

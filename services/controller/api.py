@@ -171,7 +171,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
 
     @app.post("/v1/jobs", status_code=201, **guarded,
               responses={201: {"model": JobStatus, "description": "The job, started"},
-                         **_errors(*ALWAYS, 409, 422, 503)})
+                         **_errors(*ALWAYS, 409, 415, 422)})
     async def submit(spec: Annotated[JobSpec, Body(description="The job spec; {} selects every default.")]
                      ) -> dict[str, Any]:
         try:
@@ -207,13 +207,13 @@ def create_app(controller: Controller, token: str) -> FastAPI:
                 "error": job.error}
 
     @app.post("/v1/jobs/{job_id}/stop", **guarded,
-              responses={200: {"model": JobStatus}, **_errors(*ALWAYS, 404, 409, 422)})
+              responses={200: {"model": JobStatus}, **_errors(*ALWAYS, 404, 409, 415, 422)})
     async def stop(job_id: JobId) -> dict[str, Any]:
         job_or_404(job_id)
         return (await controller.stop_job(job_id, "stopped", "stopped through the API")).status_dict()
 
     @app.post("/v1/jobs/{job_id}/faults", status_code=202, **guarded,
-              responses={202: {"model": FaultAccepted}, **_errors(*ALWAYS, 404, 409, 422)})
+              responses={202: {"model": FaultAccepted}, **_errors(*ALWAYS, 404, 409, 415, 422)})
     async def inject(job_id: JobId, fault: Annotated[FaultBody, Body()]) -> dict[str, Any]:
         job_or_404(job_id)
         req = ChaosRequest(job_id=job_id, fault_id=f"api-{uuid.uuid4().hex[:8]}", kind=fault.kind,

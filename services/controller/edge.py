@@ -50,11 +50,12 @@ class ErrorBody(BaseModel):
 
 
 CODES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 409: "conflict",
-         413: "body_too_large", 422: "validation_error", 503: "unavailable"}
+         413: "body_too_large", 415: "unsupported_media_type", 422: "validation_error", 503: "unavailable"}
 DESCRIPTIONS = {400: "Body is not JSON, or nests too deep", 401: "Missing or wrong bearer token",
                 404: "No such job", 405: "Method not allowed on this path",
                 409: "The job's state forbids it, or this controller is a standby",
-                413: f"Body larger than {MAX_BODY_BYTES} bytes", 422: "A field is invalid; each bad field is named",
+                413: f"Body larger than {MAX_BODY_BYTES} bytes", 415: "A body that is not JSON",
+                422: "A field is invalid; each bad field is named",
                 503: "Members could not be launched, or NATS / Redis did not answer in time"}
 
 
@@ -134,10 +135,14 @@ class RequestGuard:
         if refusal is None:
             raw = b"".join(chunks)
             raw = b"" if not raw.strip() else raw  # whitespace only is an empty body
-            refusal = self._refuse_json(raw, headers)
+            refusal = self._refuse_json(scope, raw, headers)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
+        if raw and "content-type" not in headers:
+            # A body without a Content-Type is JSON (as the API always took it), whatever FastAPI's
+            # version assumes.
+            scope = {**scope, "headers": [*scope["headers"], (b"content-type", b"application/json")]}
         replay: list[Message] = [{"type": "http.request", "body": raw, "more_body": False}]
 
         async def replayed() -> Message:
@@ -155,9 +160,13 @@ class RequestGuard:
             return error_response(413, f"body of {int(length)} bytes is larger than {self.max_bytes} bytes")
         return None
 
-    def _refuse_json(self, raw: bytes, headers: Headers) -> JSONResponse | None:
+    def _refuse_json(self, scope: Scope, raw: bytes, headers: Headers) -> JSONResponse | None:
         media = headers.get("content-type", "application/json").split(";")[0].strip().lower()
-        if not raw or not (media == "application/json" or media.endswith("+json")):
+        if not raw:
+            return None
+        if not (media == "application/json" or media.endswith("+json")):
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                return error_response(415, f"the body must be JSON (Content-Type: application/json), not {media!r}")
             return None
         if json_too_deep(raw, self.max_depth):
             return error_response(400, f"body nests arrays/objects deeper than {self.max_depth} levels",
