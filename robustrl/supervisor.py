@@ -43,7 +43,7 @@ POLL_INTERVAL_S = 0.1
 """How often the supervisor looks at the processes (an exit is seen within this)."""
 PROBE_INTERVAL_S = 1.0
 """How often each service's ``/healthz`` is asked."""
-PROBE_TIMEOUT_S = 3.0
+PROBE_TIMEOUT_S = 5.0
 """One health probe; longer than a service's own check timeout (a Redis ping, 2 s). Each service
 has its own prober thread, so a frozen service's probes never delay another's."""
 STARTUP_GRACE_S = 30.0
@@ -67,13 +67,15 @@ class RestartPolicy:
         max_restarts: restarts allowed per service within ``window_s``; one more and it stays down.
         window_s: the sliding window for ``max_restarts``.
         hang_timeout_s: no answer from ``/healthz`` for this long = hung (0 disables the probe).
+            Longer than a 10 s SIGSTOP (the chaos ``hang``), which a service resumes from by
+            itself, and than the event-loop stalls of a loaded 2-core machine.
     """
 
     backoff_s: float = 0.2
     backoff_max_s: float = 10.0
     max_restarts: int = 10
     window_s: float = 600.0
-    hang_timeout_s: float = 8.0
+    hang_timeout_s: float = 20.0
 
     def delay(self, recent: int) -> float:
         """Backoff before a restart when ``recent`` restarts already happened in the window."""

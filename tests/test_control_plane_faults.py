@@ -1,0 +1,119 @@
+"""The control plane survives its own faults and infra restarts without restarting the job.
+
+One supervised stack on servers of its own, one job that carries several faults in sequence
+(the suite stays short): SIGKILL and SIGSTOP of the detector and the request manager mid-step,
+then restarts of NATS, Redis and S3. The verdict comes from outside: the event log (no trainer
+or rollout member started after the first fault, no step committed twice) and the auditor over
+the raw stores. Controller faults are tested with the controller's lease (helper tests there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from jobs import small_job
+
+from robustrl.audit import audit_job
+from robustrl.chaos.impact import impacts
+from robustrl.chaos.runner import run_job
+from robustrl.chaos.scenario import Faults
+from robustrl.client import ApiClient
+from robustrl.messages import Event
+from robustrl.stack import Stack
+from robustrl.supervisor import RestartPolicy
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Embedded servers and a supervised control plane of this module alone: the faults here
+    restart servers and services that other tests' jobs must not share."""
+    st = Stack(tmp_path_factory.mktemp("cp-stack"), policy=RestartPolicy(hang_timeout_s=12.0))
+    st.start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def _run(stack: Stack, spec: dict, scenario) -> tuple[dict, list[Event]]:  # type: ignore[no-untyped-def]
+    assert stack.settings is not None
+    api = ApiClient(stack.api_url, stack.settings.api_token)
+    try:
+        report = asyncio.run(run_job(stack.settings, api, spec, scenario, step_time_s=2.0, timeout_s=400,
+                                     local=stack))
+        events = [Event.model_validate(e) for e in api.events(report["job_id"])]
+    finally:
+        api.close()
+    return report, events
+
+
+def _assert_rode_through(stack: Stack, report: dict, events: list[Event], n_faults: int) -> None:
+    assert report["status"] == "finished", report.get("error")
+    assert all(a["ok"] for a in report["injected"]), report["injected"]
+    assert len(report["injected"]) == n_faults
+    first_fault = min(e.ts for e in events if e.kind == "fault_injected")
+    restarted = [e.data for e in events if e.kind == "member_started" and e.ts >= first_fault]
+    assert restarted == [], f"members restarted after a control-plane/infra fault: {restarted}"
+    assert not [e for e in events if e.kind in ("job_started",) and e.ts >= first_fault], "job relaunched"
+    for imp in impacts(events):
+        assert imp.members_restarted == 0 and imp.steps_redone == 0, imp
+    assert stack.settings is not None
+    audit_job(stack.settings, report["job_id"])
+
+
+def test_detector_and_request_manager_killed_and_frozen_mid_step(own_stack: Stack) -> None:
+    spec = small_job("cpfaults", steps=9)
+    scenario = (Faults("cp", seed=11)
+                .crash("detector", at_step=1, within_step=0.3)
+                .crash("request_manager", at_step=2, within_step=0.5)
+                .hang("detector", at_step=4, within_step=0.2, duration_s=4)
+                .hang("request_manager", at_step=5, within_step=0.5, duration_s=4)
+                # past the supervisor's hang timeout: killed while frozen, then restarted
+                .hang("request_manager", at_step=7, within_step=0.5, duration_s=20)
+                .build())
+    before = {r["service"] for r in own_stack.restarts()}
+    report, events = _run(own_stack, spec, scenario)
+    _assert_rode_through(own_stack, report, events, n_faults=5)
+    reasons = [(r["service"], r["reason"]) for r in own_stack.restarts() if r["service"] not in before]
+    assert ("detector", "exit") in reasons and ("request_manager", "exit") in reasons
+    assert ("request_manager", "hang") in reasons, reasons
+
+
+def test_nats_redis_and_s3_restart_mid_job(own_stack: Stack) -> None:
+    spec = small_job("infrafaults", steps=7)
+    scenario = (Faults("infra", seed=5)
+                .infra_restart("redis", at_step=1, within_step=0.5)
+                .infra_restart("nats", at_step=3, within_step=0.5)
+                .infra_restart("s3", at_step=5, within_step=0.2)
+                .build())
+    report, events = _run(own_stack, spec, scenario)
+    _assert_rode_through(own_stack, report, events, n_faults=3)
+    assert [e.data["role"] for e in events if e.kind == "fault_injected"] == ["redis", "nats", "s3"]
+
+
+def test_impact_accounting_from_a_synthetic_log() -> None:
+    """Pure: the per-fault cost is computed from the log the way the bench reports it."""
+    def ev(kind: str, ts: float, /, **data: object) -> Event:
+        return Event(job_id="j", kind=kind, ts=ts, data=data)  # type: ignore[arg-type]
+
+    log = [ev("member_started", 0.0, role="trainer", member_id="t0")]
+    for k in range(5):
+        log += [ev("step_started", 10.0 * k, step=k), ev("step_committed", 10.0 * k + 4, step=k, weights_version=k + 1)]
+    # step 2 is hit at ts 21 and takes 9 s instead of 4; step 4 is redone later with a new member
+    log = [e for e in log if not (e.kind == "step_committed" and e.data["step"] == 2)]
+    log += [ev("fault_injected", 21.0, role="request_manager", kind="crash", fault_id="f1", step=2),
+            ev("step_committed", 29.0, step=2, weights_version=3),
+            ev("turn_regenerated", 23.0, tokens=7),
+            ev("fault_injected", 45.0, role="trainer", kind="crash", fault_id="f2", step=4),
+            ev("member_started", 46.0, role="trainer", member_id="t1"),
+            ev("member_started", 46.0, role="request_manager", member_id="rm"),
+            ev("step_committed", 50.0, step=4, weights_version=5), ev("job_finished", 51.0)]
+    first, second = impacts(log)
+    assert (first.role, first.members_restarted, first.steps_redone, first.tokens_regenerated) == (
+        "request_manager", 0, 0, 7)
+    assert first.clean_step_s == 4.0 and first.faulted_step_s == 9.0 and first.stall_s == 5.0
+    assert (second.members_restarted, second.steps_redone, second.job_completed) == (1, 1, True)
