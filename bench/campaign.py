@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--exclude", default="", help="comma-separated kind or kind/role to leave out")
     ap.add_argument("--run-dir", type=Path, default=None)
+    ap.add_argument("--timeout-s", type=float, default=None,
+                    help="stop each mode's job after this long and audit what it did (partial numbers)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="campaign-"))
     t0 = time.time()
     report = run_on_fresh_stack(run_dir, modes=modes, steps=args.steps, faults=args.faults, seed=args.seed,
-                                exclude=tuple(x for x in args.exclude.split(",") if x))
+                                exclude=tuple(x for x in args.exclude.split(",") if x), timeout_s=args.timeout_s)
     report["config"]["wall_s"] = round(time.time() - t0, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
