@@ -14,6 +14,7 @@ schema-valid spec may rightly get 422.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import Counter
@@ -46,6 +47,8 @@ REQUEST_TIMEOUT_S = 30.0
 EXAMPLES_PER_ROUND = 25
 """Examples per (operation, mode) in one round; rounds repeat with new seeds until N requests."""
 MAX_FAILURES_KEPT = 20
+PROGRESS_EVERY = 250
+log = logging.getLogger("rest_fuzz")
 
 
 @dataclass
@@ -108,6 +111,9 @@ class _Fuzzer:
             case.path_parameters["job_id"] = self.chooser.choice(self.job_ids)
         result = self.result
         result.requests += 1
+        if result.requests % PROGRESS_EVERY == 0:
+            log.info("rest fuzz: %d requests, %d server errors, %d schema violations", result.requests,
+                     result.server_errors, result.schema_violations)
         try:
             response = case.call(base_url=self.base_url, session=self.session, headers=self.auth,
                                  timeout=REQUEST_TIMEOUT_S)
@@ -199,19 +205,57 @@ def fuzz_controller(run_dir: Path, *, requests_total: int, seed_value: int = 0, 
                          job_ids=job_ids)
 
 
+def merge(results: list[RestFuzzResult]) -> RestFuzzResult:
+    """One result from several runs (e.g. parallel workers with different seeds)."""
+    total = RestFuzzResult()
+    counters: dict[str, Counter[str]] = {"by_status": Counter(), "violations_by_check": Counter(),
+                                         "by_operation": Counter()}
+    for r in results:
+        total.requests += r.requests
+        total.server_errors += r.server_errors
+        total.no_answer += r.no_answer
+        total.schema_violations += r.schema_violations
+        total.failures.extend(r.failures[:MAX_FAILURES_KEPT - len(total.failures)])
+        total.seconds = max(total.seconds, r.seconds)
+        for name, counter in counters.items():
+            counter.update(getattr(r, name))
+    total.by_status = dict(sorted(counters["by_status"].items()))
+    total.violations_by_check = dict(counters["violations_by_check"])
+    total.by_operation = dict(counters["by_operation"])
+    return total
+
+
+def _worker(args: tuple[str, int, int]) -> RestFuzzResult:
+    run_dir, requests_total, seed_value = args
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    log.setLevel(logging.INFO)
+    return fuzz_controller(Path(run_dir), requests_total=requests_total, seed_value=seed_value)
+
+
 def main() -> None:
-    """``python tests/rest_fuzz.py --requests 5000 --out FILE``: one full-size run, JSON out."""
+    """``python tests/rest_fuzz.py --requests 5000 [--workers 4] --out FILE``: one full-size run
+    (workers: separate processes, each with its own controller and seed; results summed)."""
     import argparse
     import json
+    import multiprocessing
     import tempfile
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rest-fuzz-") as tmp:
-        result = fuzz_controller(Path(tmp), requests_total=args.requests, seed_value=args.seed).to_dict()
+        shares = [args.requests // args.workers + (i < args.requests % args.workers) for i in range(args.workers)]
+        jobs = [(f"{tmp}/w{i}", share, args.seed * 100 + i) for i, share in enumerate(shares)]
+        if args.workers == 1:
+            results = [_worker(jobs[0])]
+        else:
+            with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+                results = pool.map(_worker, jobs)
+    result = merge(results).to_dict()
+    result["workers"] = args.workers
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")
