@@ -112,7 +112,7 @@ def check_trained_once(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, i
     lost: set[int] = set()
     for step, epoch in rec.raw_dupes:
         twice.add(step)
-        res.violations.append(f"step {step} recorded trained {'twice'} by gang {epoch} in the Redis trained log")
+        res.violations.append(f"step {step} recorded trained twice by gang {epoch} in the Redis trained log")
     for step, epoch in rec.commit_dupes:
         twice.add(step)
         res.violations.append(f"step {step} committed more than once by gang {epoch} (step_committed events)")
