@@ -222,8 +222,7 @@ class GenerationEngine:
         # (the most likely token always survives).
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p
-        keep_sorted = before < top_ps.unsqueeze(-1)
-        sorted_p = torch.where(keep_sorted, sorted_p, torch.zeros_like(sorted_p))
+        sorted_p = torch.where(before < top_ps.unsqueeze(-1), sorted_p, torch.zeros_like(sorted_p))
         cdf = sorted_p.cumsum(-1)
         # One uniform per row from the row's own generator, even for inactive or greedy rows:
         # the draw count depends only on the step, never on the batch's other rows.
@@ -232,10 +231,10 @@ class GenerationEngine:
         pick_sorted = torch.searchsorted(cdf, u.unsqueeze(-1)).clamp(max=cdf.shape[-1] - 1)
         sampled = order.gather(-1, pick_sorted).squeeze(-1)
         chosen = torch.where(greedy, logits.argmax(dim=-1), sampled)
-        # log p(chosen) under the sampled distribution: the scaled logits restricted to the
-        # top-p set, renormalised there (logsumexp over the kept tokens only).
-        kept = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        masked = scaled.masked_fill(~kept, float("-inf"))
-        sampled_logp = masked.gather(-1, chosen.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(masked, dim=-1)
+        # log p(chosen) under the sampled distribution: the temperature-scaled policy, truncated
+        # to the top-p set and renormalised there (the kept mass is the cdf's last value; the
+        # sampled token is always in the set).
+        sampled_logp = (torch.log_softmax(scaled, dim=-1).gather(-1, chosen.unsqueeze(-1)).squeeze(-1)
+                        - torch.log(cdf[:, -1]))
         logps = torch.where(greedy, torch.zeros_like(sampled_logp), sampled_logp)
         return chosen.cpu(), logps.cpu()
