@@ -21,6 +21,7 @@ from support import eventually_async
 
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
+from robustrl.errors import RequestTimeout
 from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.launcher.local import LocalLauncher
 from robustrl.messages import ControlCommand, MemberHello, MetricsSample, StepCommitted
@@ -362,3 +363,22 @@ async def test_a_fault_reported_while_no_controller_leads_is_handled_once_by_the
     assert [d["actions"] for d in of_kind(events, "decision") if d["fault_id"] == "hang-r0"] == [
         ["RedispatchEpisodes", "ReplaceReplica"]]
     assert [d["member_id"] for d in of_kind(events, "member_started")][4:] == ["rollout-0-i1"]
+
+
+async def test_request_manager_refuses_commands_of_a_deposed_controller(rig: Rig) -> None:
+    from robustrl.services.request_manager.service import RequestManager
+
+    rm = RequestManager(await rig.connect("request_manager", "request_manager"), rig.redis)
+    await rm.start(resume=False)
+    assert rig.rm and rig.bus
+    rig.rm.alive = False  # the stand-in stays out of this
+    subj = subject("cpfence", Verb.CONTROL, "request_manager")
+
+    def cmd(fence: int) -> ControlCommand:
+        return ControlCommand(job_id="cpfence", target="request_manager", action="pause", fence=fence)
+
+    assert (await rig.bus.request(subj, cmd(5), ControlCommand, timeout=5.0)).fence == 5
+    with pytest.raises(RequestTimeout):
+        await rig.bus.request(subj, cmd(4), ControlCommand, timeout=1.0)  # an older leader's
+    assert (await rig.bus.request(subj, cmd(6), ControlCommand, timeout=5.0)).fence == 6
+    await rm.close()

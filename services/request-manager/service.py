@@ -58,6 +58,7 @@ class RequestManager:
         self.jobs: dict[str, JobRunner] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._creating: dict[str, asyncio.Lock] = {}
+        self._fence: dict[str, int] = {}  # job -> largest controller fencing token seen
         # Sequence numbers only grow, across restarts too (the detector drops older samples).
         self._seq = int(time.time() * 1000)
 
@@ -153,6 +154,13 @@ class RequestManager:
             return job
 
     async def _on_control(self, msg: ControlCommand, _subject: str, reply: str | None) -> None:
+        if msg.fence < self._fence.get(msg.job_id, 0):
+            # From a deposed controller (one leader at a time, under a lease): not acted on, not
+            # acknowledged.
+            log.warning("job %s: %s refused: fencing token %d is older than %d", msg.job_id, msg.action,
+                        msg.fence, self._fence[msg.job_id])
+            return
+        self._fence[msg.job_id] = msg.fence
         job = self.jobs.get(msg.job_id)
         if msg.action == "resume":
             job = await self._ensure_job(msg.job_id, msg.args.get("start_step"))
