@@ -91,7 +91,8 @@ async def test_a_stuck_step_is_a_fault_naming_its_cause(servers):
         stuck = next(f for f in h.faults if f.cause == "step_deadline")
         assert stuck.role == "rollout" and stuck.member_id in h.replicas and "outstanding" in stuck.evidence
         # Replicas that let turns pass their deadline again and again are reported too.
-        assert any(f.cause == "turn_deadline" and f.kind == "unresponsive" for f in h.faults)
+        await eventually_async(lambda: any(f.cause == "turn_deadline" and f.kind == "unresponsive"
+                                           for f in h.faults), timeout=20, what="an unresponsive replica reported")
         assert 0 not in h.batches
         logged = await h.events("deadline_passed")
         assert {d["fault_id"] for d in logged} >= {f.fault_id for f in h.faults}
@@ -151,7 +152,11 @@ async def test_a_restarted_request_manager_keeps_finished_work_and_redispatches_
         await h.start_rm(send_resume=False)  # nobody tells it: it finds the job in the registry
         resumed = await eventually_async(lambda: h.events("rm_resumed"), timeout=20, what="rm_resumed")
         assert resumed[0]["finished"] == len(done) and resumed[0]["unfinished"] == 2
-        await b.release()  # the kept turn is answered to the new life: adopted, not regenerated
+        # It took over both turns b owns (its metrics count them in flight) ...
+        mark = len(h.rm_samples)
+        await eventually_async(lambda: any(x.inflight == 2 for x in h.rm_samples[mark:]), timeout=10,
+                               what="the new life adopted b's two turns")
+        await b.release()  # ... so the kept turn's reply is applied, not regenerated
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the restart")
         per_turn = _per_turn(h)
         assert all(per_turn[(m.episode_id, m.seed)] == 1 for m in [*done, kept]), per_turn
@@ -192,3 +197,25 @@ async def _gone(h: Harness, steps: tuple[int, ...]) -> bool:
         if await h.episode_keys(k):
             return False
     return True
+
+
+async def test_gc_trims_the_trained_log_through_the_durable_step_even_after_a_redo(servers):
+    from robustrl.storage.redis_stores import RolloutGC, connect
+
+    r = connect(servers.redis_url)
+    job = "gclog-1"
+    try:
+        # step 1 was redone by a newer gang after step 2 was logged
+        for step, epoch in [(0, 1), (1, 1), (2, 1), (1, 2), (3, 2)]:
+            await r.rpush(Keys.trained_log(job), f'{{"step": {step}, "epoch": {epoch}, "checksum": "c"}}')
+        gc = RolloutGC(r, job)
+        await gc.collect(0)
+        await gc.collect(1)
+        steps = [int(x.split(b'"step": ')[1].split(b",")[0]) for x in await r.lrange(Keys.trained_log(job), 0, -1)]
+        assert steps == [2, 1, 3]  # the redo entry goes once the head reaches it
+        await gc.collect(2)
+        steps = [int(x.split(b'"step": ')[1].split(b",")[0]) for x in await r.lrange(Keys.trained_log(job), 0, -1)]
+        assert steps == [3] and await gc.collected() == 2
+    finally:
+        await r.delete(Keys.trained_log(job), Keys.rollout_gc(job))
+        await r.aclose()

@@ -104,12 +104,16 @@ class Dispatcher:
         self.waiting = 0  # turns waiting for a replica that can take them
         self.stats = {"redispatched": 0, "late_dropped": 0, "tokens_regenerated": 0, "turn_timeouts": 0}
         self.changed = asyncio.Event()
+        # When this service last heard any member: silence is judged against it, so a request
+        # manager that was itself frozen (SIGSTOP) does not take everyone for silent when it wakes.
+        self.heard_any = time.monotonic()
         det = spec.detector
         self.liveness_s = det.silence_s + det.probe_timeout_s
 
     # --- what the replicas say -------------------------------------------------------------
 
     def _heard(self, member_id: str) -> Replica | None:
+        self.heard_any = time.monotonic()
         if member_id in self.dead:
             return None
         rep = self.replicas.setdefault(member_id, Replica(member_id))
@@ -128,6 +132,7 @@ class Dispatcher:
 
     def on_metrics(self, msg: MetricsSample) -> None:
         if msg.role != "rollout":
+            self.heard_any = time.monotonic()
             return
         rep = self._heard(msg.member_id)
         if rep:
@@ -136,7 +141,7 @@ class Dispatcher:
 
     def live(self, rep: Replica) -> bool:
         return (rep.alive and rep.member_id not in self.dead
-                and time.monotonic() - rep.seen_at <= self.liveness_s)
+                and self.heard_any - rep.seen_at <= self.liveness_s)
 
     def replica_dead(self, member_id: str, fault_id: str | None = None) -> int:
         """Fail that replica's in-flight turns so their episodes re-dispatch from the prefix."""
@@ -325,13 +330,14 @@ class Dispatcher:
         interval = self.spec.detector.metrics_interval_s
         while True:
             remaining = deadline - time.time()
-            if remaining <= 0:
-                raise TurnTimeout(f"no reply within turn_deadline_s={self.spec.detector.turn_deadline_s:g}",
-                                  member=pend.member_id)
             try:
-                return await asyncio.wait_for(asyncio.shield(pend.future), min(remaining, POLL_S))
+                # Past the deadline, one more short wait: a reply already received but not yet
+                # processed (this service was frozen) is applied, not thrown away.
+                return await asyncio.wait_for(asyncio.shield(pend.future), min(max(remaining, 0.0) or POLL_S, POLL_S))
             except TimeoutError:
-                pass
+                if remaining <= 0:
+                    raise TurnTimeout(f"no reply within turn_deadline_s={self.spec.detector.turn_deadline_s:g}",
+                                      member=pend.member_id) from None
             rep = self.replicas.get(pend.member_id)
             if rep is None or not self.live(rep):
                 raise Redispatch(f"{pend.member_id} silent for over {self.liveness_s:g}s", member=pend.member_id)
