@@ -9,9 +9,10 @@ supervisor would:
 * **exit**: a service whose process exited is started again after a backoff that doubles
   with each restart in the window (``RestartPolicy``); past ``max_restarts`` in ``window_s``
   it stays down and the supervisor says so (a crash loop must not spin);
-* **hang**: a service that has not answered its ``/healthz`` for ``hang_timeout_s`` (any HTTP
-  answer counts, even a 503 while NATS is away: the event loop runs) is killed and then
-  restarted like an exit.
+* **hang**: a service whose ``/healthz`` probes all timed out for ``hang_timeout_s`` is killed
+  and then restarted like an exit. A frozen process still completes the TCP handshake (the
+  kernel does) but never answers; any HTTP answer, even a 503 while NATS is away, means its
+  event loop runs, and a refused connection (nothing listening yet) is no evidence either.
 
 Each restart is logged and appended as one JSON line to ``logs/supervisor.jsonl``. The
 supervisor runs as a thread of the process that owns the stack, or, after ``robustrl up``
@@ -46,6 +47,9 @@ PROBE_INTERVAL_S = 1.0
 PROBE_TIMEOUT_S = 5.0
 """One health probe; longer than a service's own check timeout (a Redis ping, 2 s). Each service
 has its own prober thread, so a frozen service's probes never delay another's."""
+STALE_PROBE_SLACK_S = 2.0
+"""A run of timed-out probes whose latest ended longer ago than interval + timeout + this is stale:
+the prober is not running (its own process is starved), so it proves nothing about the service."""
 STARTUP_GRACE_S = 30.0
 """A (re)started service that has not answered yet is judged hung only after this long: a
 restarted controller re-adopts its members before its API answers."""
@@ -157,6 +161,8 @@ class Supervisor:
         self._pending: dict[str, tuple[float, float, str, int | None, int]] = {}  # (due, delay, reason, rc, pid)
         self._last_answer: dict[str, float] = {}
         self._answered: set[str] = set()  # answered since its last spawn
+        # The current run of timed-out probes: (start of the first, end of the latest).
+        self._timeouts: dict[str, tuple[float, float]] = {}
         self.last_probe_error: dict[str, str] = {}
         self._lock = threading.RLock()
         self._paused: set[str] = set()
@@ -173,6 +179,7 @@ class Supervisor:
             self.procs[name] = _Proc(popen.pid, popen)
             self._last_answer[name] = time.monotonic()
             self._answered.discard(name)
+            self._timeouts.pop(name, None)
         return popen.pid
 
     def adopt(self, name: str, pid: int) -> None:
@@ -181,6 +188,7 @@ class Supervisor:
             self.procs[name] = _Proc(pid)
             self._last_answer[name] = time.monotonic()
             self._answered.add(name)  # it was running before: no startup grace
+            self._timeouts.pop(name, None)
 
     def pids(self) -> dict[str, int]:
         with self._lock:
@@ -229,8 +237,8 @@ class Supervisor:
                 if rc is not None:
                     self._schedule(name, now, "exit", rc, proc.pid)
                 elif self._hung(name, now):
-                    log.warning("supervisor: %s (pid %d) has not answered /healthz for %.1f s (last probe: %s): "
-                                "killing it", name, proc.pid, now - self._last_answer[name],
+                    log.warning("supervisor: %s (pid %d): /healthz probes timed out for %.1f s (last: %s): "
+                                "killing it", name, proc.pid, now - self._timeouts[name][0],
                                 self.last_probe_error.get(name))
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(proc.pid, signal.SIGKILL)
@@ -275,9 +283,16 @@ class Supervisor:
     def _hung(self, name: str, now: float) -> bool:
         if self.policy.hang_timeout_s <= 0 or self.specs[name].health_url is None:
             return False
+        run = self._timeouts.get(name)
+        if run is None:
+            return False
+        first, latest = run
+        if now - latest > PROBE_INTERVAL_S + PROBE_TIMEOUT_S + STALE_PROBE_SLACK_S:
+            # The prober itself has not run lately (this process starved of CPU): no evidence.
+            return False
         limit = self.policy.hang_timeout_s if name in self._answered else max(
             STARTUP_GRACE_S, self.policy.hang_timeout_s)
-        return now - self._last_answer.get(name, now) > limit
+        return latest - first >= limit
 
     def probe(self, name: str) -> bool:
         """Ask ``name``'s ``/healthz`` once. Any HTTP answer (even a 503 while NATS or Redis is
@@ -288,21 +303,26 @@ class Supervisor:
         url = self.specs[name].health_url
         if url is None:
             return False
+        started = time.monotonic()
         try:
             httpx.get(url, timeout=PROBE_TIMEOUT_S)
         except httpx.TimeoutException as exc:
             self.last_probe_error[name] = f"{type(exc).__name__}: {exc}"[:200]
             self._log_probe(name)
+            with self._lock:
+                first = self._timeouts.get(name, (started, started))[0]
+                self._timeouts[name] = (first, time.monotonic())
             return False
         except Exception as exc:  # noqa: BLE001 - whatever the probe hits, the prober lives on
             self.last_probe_error[name] = f"{type(exc).__name__}: {exc}"[:200]
             self._log_probe(name)
             with self._lock:
-                self._last_answer[name] = time.monotonic()  # no evidence of a hang
+                self._timeouts.pop(name, None)  # no evidence of a hang
             return False
         with self._lock:
             self._last_answer[name] = time.monotonic()
             self._answered.add(name)
+            self._timeouts.pop(name, None)
         return True
 
     def _log_probe(self, name: str) -> None:
