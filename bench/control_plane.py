@@ -46,7 +46,7 @@ from robustrl.storage.redis_stores import Keys, connect
 
 LEASE_TTL_S = 3.0
 FAILOVER_TIMEOUT_S = 60.0
-JOB_TIMEOUT_S = 600.0
+JOB_TIMEOUT_S = 900.0
 
 
 def job_spec(name: str, steps: int) -> dict[str, Any]:
@@ -55,14 +55,18 @@ def job_spec(name: str, steps: int) -> dict[str, Any]:
             "rollout": {"replicas": 2}}
 
 
+FAULT_STEPS = (2, 4, 6)
+"""One fault per step here, a clean step between each (for the median clean step)."""
+
+
 def _scenario(kind: str, seed: int) -> Scenario:
-    """Three faults of one kind, on steps 2, 5 and 8 (clean steps between them for the median)."""
+    """Three faults of one kind, on ``FAULT_STEPS``, each at a seeded random moment of its step."""
     f = Faults(f"cp-{kind}", seed=seed)
     if kind == "infra_restart":
-        for step, server in zip((2, 5, 8), ("nats", "redis", "s3"), strict=True):
+        for step, server in zip(FAULT_STEPS, ("nats", "redis", "s3"), strict=True):
             f.infra_restart(server, at_step=step)
     else:
-        for step, role in zip((2, 5, 8), ("controller", "detector", "request_manager"), strict=True):
+        for step, role in zip(FAULT_STEPS, ("controller", "detector", "request_manager"), strict=True):
             f.add(kind, role, at_step=step, **({"duration_s": 10.0} if kind == "hang" else {}))
     return f.build()
 
@@ -201,7 +205,7 @@ def run_failover(steps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=11)
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--only", choices=("crash", "hang", "infra_restart", "failover"), action="append")
     args = parser.parse_args(argv)
