@@ -91,6 +91,7 @@ def json_too_deep(data: bytes, max_depth: int) -> bool:
         rest = shorter
     return True
 
+
 class RequestGuard:
     """ASGI middleware: token first (an anonymous client cannot make the server buffer anything),
     then the body limit from Content-Length and again while the body streams in (a 64 MiB body is
@@ -180,7 +181,9 @@ class RequestGuard:
 
 # --- error handlers ------------------------------------------------------------------------------
 
-_BRANCH_TAG = re.compile(r"^(int|str|float|bool|none|list\[.*|dict\[.*|.*-.*|function-.*)$")
+# The union branch pydantic adds to a location ("constrained-int", "function-after[...]", "str"):
+# not a field, so not part of the field's name.
+_BRANCH_TAG = re.compile(r"^(int|str|float|bool|none|(constrained|function|json-or-python|lax|strict)-.*|\w+\[.*\])$")
 
 
 def _field_name(loc: Sequence[int | str]) -> str:
