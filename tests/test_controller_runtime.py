@@ -382,3 +382,18 @@ async def test_request_manager_refuses_commands_of_a_deposed_controller(rig: Rig
         await rig.bus.request(subj, cmd(4), ControlCommand, timeout=1.0)  # an older leader's
     assert (await rig.bus.request(subj, cmd(6), ControlCommand, timeout=5.0)).fence == 6
     await rm.close()
+
+
+async def test_commands_to_a_request_manager_that_is_down_span_their_attempts(rig: Rig) -> None:
+    """With no request manager at all NATS answers "no responders" at once: the retries must still
+    cover attempts x timeout (a restart of the service), not burn out in milliseconds."""
+    from robustrl.services.controller.jobs import JobRun
+
+    c = await rig.controller()
+    await c.wait_leading(10)
+    assert rig.rm
+    await rig.rm.bus.close()  # nobody listens on the request manager's subject now
+    job = JobRun(job_id="cpnorm", spec=spec("cpnorm"))
+    t0 = time.monotonic()
+    assert await c.control_rm(job, "pause", attempts=3, timeout_s=0.5, quiet=True) is False
+    assert time.monotonic() - t0 >= 3 * 0.5 - 0.05

@@ -268,7 +268,9 @@ class Controller:
         cmd = ControlCommand(job_id=job.job_id, target="request_manager", action=action,  # type: ignore[arg-type]
                              args=args or {}, fence=self.lease.token)
         subj = subject(job.job_id, Verb.CONTROL, "request_manager")
+        loop = asyncio.get_running_loop()
         for attempt in range(attempts):
+            began = loop.time()
             try:
                 await self.bus.request(subj, cmd, ControlCommand, timeout=timeout_s)
                 job.service_seen_at["request_manager"] = time.time()
@@ -276,6 +278,9 @@ class Controller:
             except RequestTimeout:
                 log.warning("job %s: request manager did not acknowledge %s (attempt %d)", job.job_id, action,
                             attempt + 1)
+            # "No responders" fails at once while the service is down: each attempt still spans
+            # timeout_s, so the attempts cover a restart of the service instead of a few ms.
+            await asyncio.sleep(max(0.0, began + timeout_s - loop.time()))
         if not quiet:
             await self.event(job, "note", {"text": f"request manager never acknowledged {action}"})
         return False
