@@ -32,12 +32,16 @@ from robustrl.supervisor import RestartPolicy
 pytestmark = pytest.mark.timeout(300)
 UNREACHABLE = (AssertionError, TransportError, JobError)  # controller restarting / standby
 AUDIT = AuditOptions(redis_bound=False)
+TOLERANT = {"detector": {"trainer_idle_s": 8.0, "rollout_idle_s": 5.0, "silence_s": 8.0, "probe_timeout_s": 3.0,
+                         "metrics_interval_s": 0.5}}
+"""Thresholds for a shared machine: these tests are about the controller, not false member faults."""
 
 
 @pytest.fixture(scope="module")
 def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Servers and a supervised control plane of this module alone: its controllers hold the lease."""
-    st = Stack(tmp_path_factory.mktemp("ctl-stack"), policy=RestartPolicy(hang_timeout_s=8.0))
+    # A starved scheduler (2 shared cores at load 20-45) must not read as a hang of a service.
+    st = Stack(tmp_path_factory.mktemp("ctl-stack"), policy=RestartPolicy(hang_timeout_s=20.0))
     st.start()
     try:
         yield st
@@ -76,12 +80,12 @@ def _done(api: ApiClient, job_id: str) -> dict[str, Any]:
 
 def test_controller_killed_then_frozen_mid_step_restarts_no_member(own_stack: Stack) -> None:
     api = _api(own_stack.api_url, own_stack)
-    jid = api.submit(small_job("ctlkill", steps=8))["job_id"]
+    jid = api.submit(small_job("ctlkill", steps=8, **TOLERANT))["job_id"]
     first = _members(_mid_step(api, jid, 1))
 
     own_stack.crash_service("controller")  # SIGKILL; the supervisor starts it again
     _mid_step(api, jid, 3)
-    own_stack.hang_service("controller", 5.0)  # SIGSTOP 5 s (past its lease), then SIGCONT
+    own_stack.hang_service("controller", 6.0)  # SIGSTOP 6 s (past its lease), then SIGCONT
     status = _done(api, jid)
     events = api.events(jid)
     api.close()
@@ -123,7 +127,7 @@ def _two_controllers(own_stack: Stack, port: int) -> None:
     api_b = _api(f"http://127.0.0.1:{port}", own_stack)
     eventually(lambda: api_b.jobs() == [], timeout=60, retry_on=UNREACHABLE, what="controller-b serving")
 
-    jid = api_a.submit(small_job("ctltwo", steps=8))["job_id"]
+    jid = api_a.submit(small_job("ctltwo", steps=8, **TOLERANT))["job_id"]
     first = _members(_mid_step(api_a, jid, 1))
     api_a.fault(jid, kind="crash", role="rollout", member=1)
     status = _mid_step(api_a, jid, 3)
