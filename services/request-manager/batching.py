@@ -134,7 +134,7 @@ class JobRunner:
             await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
             return ready
         t0 = time.monotonic()
-        watchdog = asyncio.create_task(self._watch(step, time.time()))
+        watchdog = asyncio.create_task(self._watch(step))
         try:
             return await self._generate_step(step, t0)
         finally:
@@ -192,9 +192,12 @@ class JobRunner:
                                                                **timings})
         return ready
 
-    async def _watch(self, step: int, since: float) -> None:
-        """Report the step each time ``step_deadline_s`` passes without its batch handed over."""
+    async def _watch(self, step: int) -> None:
+        """Report the step each time ``step_deadline_s`` passes without its batch handed over.
+        The job's start-up (members starting before the first step) is not part of a step."""
         bound = self.spec.detector.step_deadline_s
+        await self._wait(lambda: self._started_once)
+        since = time.time()
         while True:
             await asyncio.sleep(bound)
             role, member, kind, what = self._stuck_on(step)
@@ -213,13 +216,12 @@ class JobRunner:
             return "rollout", member, "hang", f"{n} turns outstanding on {member} ({open_eps} episodes open)"
         need = d.min_version(step)
         lagging = sorted(r.member_id for r in d.replicas.values() if d.live(r) and r.version < need)
-        if d.waiting and lagging:
-            return "rollout", lagging[0], "hang", f"{d.waiting} turns wait for v{need}, which {lagging} lack"
+        if lagging and not d.ready(step):
+            return "rollout", lagging[0], "hang", f"no live replica holds v{need}; {lagging} lack it"
         if self.episodes.tool_waiting:
             return ("request_manager", "request_manager", "tool_outage",
                     f"{self.episodes.tool_waiting} episodes waiting for tools")
-        what = f"{d.waiting} turns wait for a live replica holding v{need}" if d.waiting else (
-            f"{open_eps} episodes open")
+        what = f"no live replica holds v{need}" if not d.ready(step) else f"{open_eps} episodes open"
         return "request_manager", "request_manager", "hang", what
 
     async def _wait(self, predicate: Callable[[], bool]) -> None:
