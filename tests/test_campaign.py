@@ -53,7 +53,7 @@ def test_draw_is_seeded_covers_every_pair_and_spreads_over_the_job():
             assert f.role == "trainer"
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_reduced_campaign_loses_nothing(tmp_path):
     from robustrl.chaos.campaign import run_on_fresh_stack
 
