@@ -1,10 +1,12 @@
 """Where a trainer gang resumes, and the gang's fence as its checkpoint upload thread sees it.
 
 A new gang resumes after the newest checkpoint that loads (L) and redoes the steps after it from
-their batches. That is only sound when the history after L can be reproduced: every committed step
-(the trained log) and the newest checkpoint once durable (the gang record) must be L or later, or
-have its batch still in Redis. Otherwise the gang would train from older (or random) weights over
-a committed history; it raises ``CheckpointLost`` instead and the job fails loudly.
+their batches. Steps after the newest checkpoint once durable (D, in the gang record) are redone
+as usual: the request manager keeps their batches, or regenerates the step it was working on. But
+steps up to D have had their batches deleted once D was durable, so resuming below D is sound only
+while those batches happen to remain; and with D >= 0 and nothing loading, the gang would train
+from random weights over a committed history. In both cases it raises ``CheckpointLost`` and the
+job fails loudly.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class History:
     trained: frozenset[int]
     """Steps in the trained log (a gang trained and published them)."""
     batches: frozenset[int]
-    """Steps after the loaded checkpoint whose batch is still in Redis."""
+    """Durable steps after the loaded checkpoint whose batch is still in Redis."""
 
     @property
     def committed(self) -> int:
@@ -42,29 +44,28 @@ def resume_step(loaded: int | None, history: History) -> int:
     """The first step this gang trains, given the newest checkpoint that loaded (None: none).
 
     Raises:
-        CheckpointLost: a checkpoint was durable but none loads, or a committed step after the
-            loaded checkpoint can no longer be redone (its batch is gone).
+        CheckpointLost: a checkpoint was durable but none loads, or the loaded one is older than
+            the durable one and a batch in between is gone (those steps cannot be redone).
     """
     start = -1 if loaded is None else loaded
     if loaded is None and history.durable >= 0:
         raise CheckpointLost(f"checkpoint {history.durable} was durable but no checkpoint loads: "
                              f"refusing to train from random weights over {history.committed + 1} committed steps",
                              step=history.committed, durable=history.durable)
-    missing = [s for s in range(start + 1, history.committed + 1) if s not in history.batches]
+    missing = [s for s in range(start + 1, history.durable + 1) if s not in history.batches]
     if missing:
-        raise CheckpointLost(f"steps {start + 1}..{history.committed} are committed but the newest loadable "
-                             f"checkpoint is {start} and the batches of steps {missing} are gone",
+        raise CheckpointLost(f"checkpoint {history.durable} was durable but the newest that loads is {start}, "
+                             f"and the batches of steps {missing} are gone: they cannot be redone",
                              step=history.committed, durable=history.durable)
     return start + 1
 
 
 async def read_history(client: aioredis.Redis, job_id: str, record: GangRecord, loaded: int | None) -> History:
-    """Read the trained log and the batches a redo after ``loaded`` would need."""
+    """Read the trained log and the batches of durable steps a redo after ``loaded`` would need."""
     batches = BatchStore(client, job_id)
     trained = frozenset(int(e["step"]) for e in await batches.trained_log())
-    committed = max(trained | {record.durable})
     start = -1 if loaded is None else loaded
-    present = [s for s in range(start + 1, committed + 1) if await batches.get(s) is not None]
+    present = [s for s in range(start + 1, record.durable + 1) if await batches.get(s) is not None]
     return History(durable=record.durable, trained=trained, batches=frozenset(present))
 
 
