@@ -515,3 +515,31 @@ def test_restarted_detector_reports_a_known_fault_under_the_same_fault_id() -> N
     other = Run(JobMonitor("job2", CFG))
     other.advance(5.0, [Member("r0", "rollout", inflight=4)])
     assert other.faults[0][1].fault_id != ids[0]  # another job, another fault
+
+
+def test_a_detector_that_keeps_stalling_still_reports_a_silent_member() -> None:
+    # Under heavy load every tick may come late; a rebase per late tick would postpone the
+    # silence rule forever. At most one rebase per silence window.
+    t = Member("t0", "trainer", phase="waiting_batch")
+    for spacing in (2.0, 5.0, 11.0):  # every tick beyond gap_bound_s (1.5 s here), some far beyond
+        mon = monitor()
+        now = 1000.0
+        mon.sample(t.sample(now), now)
+        mon.tick(now)
+        faults = []
+        for _ in range(20):
+            now += spacing
+            result = mon.tick(now)
+            for probe in result.probes:
+                assert probe.member_id == "t0"  # never answered
+            faults += result.faults
+        assert [f.member_id for f in faults] == ["t0"], spacing
+    # late and on-time ticks alternating: still at most one rebase per two windows
+    mon = monitor()
+    now = 1000.0
+    mon.sample(t.sample(now), now)
+    faults = []
+    for i in range(40):
+        now += 2.0 if i % 2 else 0.25
+        faults += mon.tick(now).faults
+    assert [f.member_id for f in faults] == ["t0"]

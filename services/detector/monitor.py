@@ -65,6 +65,8 @@ class JobMonitor:
         self._new_id = new_id
         self._tool_faults: dict[tuple[str, str], float] = {}  # (member, tool) -> last seen
         self.last_tick: float | None = None
+        self.last_rebase: float | None = None
+        self._was_late = False
         self.gaps = 0  # times the monitor found it had not been ticked (its own outage)
 
     def configure(self, cfg: DetectorSpec) -> None:
@@ -152,11 +154,19 @@ class JobMonitor:
         if self.cfg is None:
             self.last_tick = now
             return out
-        if self.last_tick is not None and now - self.last_tick > gap_bound_s(self.cfg):
+        late = self.last_tick is not None and now - self.last_tick > gap_bound_s(self.cfg)
+        # A gap after ticking normally, and at most one per two silence-and-probe windows: a
+        # detector whose ticks keep coming late (a loaded machine) must still judge eventually,
+        # not postpone every rule forever.
+        window = 2 * (self.cfg.silence_s + self.cfg.probe_timeout_s)
+        if (late and not self._was_late
+                and (self.last_rebase is None or now - self.last_rebase >= window)):
             # Our own outage, not the members': rebuild every clock from the next messages.
             self.gaps += 1
+            self.last_rebase = now
             for h in self.members.values():
                 h.rebase(now)
+        self._was_late = late
         self.last_tick = now
         healthy: list[MemberHistory] = []
         for h in list(self.members.values()):
