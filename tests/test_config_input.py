@@ -16,7 +16,7 @@ from robustrl.services.controller.api import MEMBER_ID_PATTERN, FaultBody
 from robustrl.config import DETECTOR_PROFILES, DetectorSpec, JobSpec
 from robustrl.errors import ConfigError
 
-PROPERTY = settings(max_examples=400, derandomize=True, deadline=None,
+PROPERTY = settings(max_examples=200, derandomize=True, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 NASTY_SCALARS = st.sampled_from([
