@@ -392,6 +392,8 @@ async def test_commands_to_a_request_manager_that_is_down_span_their_attempts(ri
     c = await rig.controller()
     await c.wait_leading(10)
     assert rig.rm
+    rig.rm.alive = False
+    await rig.rm.close()
     await rig.rm.bus.close()  # nobody listens on the request manager's subject now
     job = JobRun(job_id="cpnorm", spec=spec("cpnorm"))
     t0 = time.monotonic()
