@@ -88,7 +88,7 @@ EVENT_OWNERS: dict[str, frozenset[Principal]] = {
         "job_submitted": (_C,), "job_started": (_C,), "job_finished": (_C,), "job_failed": (_C,),
         "job_stopped": (_C,), "member_started": (_C,), "member_exited": (_C,), "member_stopped": (_C,),
         "fault_injected": (_C, _H), "decision": (_C,), "action": (_C,), "recovered": (_C,), "note": (_C,),
-        "fault_detected": (_D, _C), "phase": (_D,),
+        "fault_detected": (_D, _C, _RM), "phase": (_D,),
         "job_ready": (_RM,), "step_started": (_RM,), "batch_ready": (_RM,), "episode_redispatched": (_RM,),
         "tool_fault": (_RM,), "turn_regenerated": (_RM,), "turn_dropped": (_RM,),
         "deadline_passed": (_RM,), "rm_resumed": (_RM,),

@@ -15,8 +15,6 @@ Event data contracts (the services emit exactly these; ``Event.ts`` is when it h
 * ``work_lost {fault_id, tokens, steps_redone}`` — tokens regenerated and steps redone.
 * ``turn_regenerated {fault_id, tokens, cause, episode_id}`` — request manager: a turn generated
   again after a fault, with the tokens it really took (measured, not turns x max_new_tokens).
-* ``deadline_passed {fault_id, kind, role, member_id, step, cause, evidence}`` — request manager:
-  a bounded wait ran out (turn, weights version, step); a detection like ``fault_detected``.
 * ``job_finished {}``
 
 The typed fields above are checked by ``robustrl.messages.EVENT_DATA`` where an event is written
@@ -139,7 +137,7 @@ def _step_durations(log: list[Event]) -> dict[int, tuple[float, float, float]]:
 
 
 def _match_faults(log: list[Event]) -> list[_Fault]:
-    detections = [e for e in log if e.kind in ("fault_detected", "deadline_passed")]
+    detections = [e for e in log if e.kind == "fault_detected"]
     claimed: set[int] = set()
     faults: list[_Fault] = []
     for inj in (e for e in log if e.kind == "fault_injected"):

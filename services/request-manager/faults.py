@@ -2,8 +2,8 @@
 bounded ... a deadline passed is a fault with a named cause, never silence").
 
 They travel like the detector's reports: a :class:`FaultReport` on ``rrl.<job>.fault`` for the
-controller, and an event in the job's log (``deadline_passed``, the request manager's own kind,
-with the same fields as ``fault_detected``).
+controller, and a ``fault_detected`` event in the job's log, which the controller's durable fault
+inbox delivers at least once (and accounting counts like any detection).
 """
 
 from __future__ import annotations
@@ -40,7 +40,5 @@ async def report_deadline(bus: Bus, job_id: str, *, role: Role, member_id: str, 
         await bus.publish(subject(job_id, Verb.FAULT), report)
     except Exception as exc:  # the event below still records it
         log.error("could not publish fault %s: %s", report.fault_id, exc)
-    await bus.emit_event(job_id, "deadline_passed", {
-        "fault_id": report.fault_id, "kind": kind, "role": role, "member_id": member_id, "step": step,
-        "detected_at": report.detected_at, "fault_at": since, "cause": cause, "evidence": report.evidence})
+    await bus.emit_event(job_id, "fault_detected", report.model_dump(mode="json", exclude={"job_id"}))
     return report
