@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import time
@@ -29,6 +30,7 @@ from robustrl.services.controller import launching
 from robustrl.services.controller.runtime import Controller
 from robustrl.services.controller.supervision import STARTUP_FAILURES_MAX
 from robustrl.services.controller.view import job_view
+from robustrl.storage.fencing import GangFence
 from robustrl.storage.redis_stores import Keys, connect
 from robustrl.subjects import Verb, all_jobs_exact, subject
 
@@ -399,3 +401,27 @@ async def test_commands_to_a_request_manager_that_is_down_span_their_attempts(ri
     t0 = time.monotonic()
     assert await c.control_rm(job, "pause", attempts=3, timeout_s=0.5, quiet=True) is False
     assert time.monotonic() - t0 >= 3 * 0.5 - 0.05
+
+
+async def test_a_new_gang_takes_an_epoch_above_the_fence_and_saves_it_before_it_starts(rig: Rig) -> None:
+    """A gang epoch the controller forgot (a restart, a standby taking over) must not be reused:
+    the fence in Redis has seen a newer gang, and would refuse one at or below it at its start."""
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cpepoch"))
+    await rig.hello_all(c, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    # A gang of epoch 4 entered the fence (started by a controller whose record of it was lost).
+    await GangFence(rig.redis, job.job_id, 4).enter()
+    old = {m.member_id: m.pid for m in job.members.values() if m.role == "trainer"}
+    os.killpg(old["trainer-e1-r0"], signal.SIGKILL)  # type: ignore[arg-type]
+
+    async def new_gang() -> list[dict[str, object]] | None:
+        started = [d for d in of_kind(await rig.events(job.job_id), "member_started") if d["role"] == "trainer"]
+        return started[2:] or None
+
+    started = await eventually_async(new_gang, timeout=20, what="a new trainer gang started")
+    assert {d["epoch"] for d in started} == {5}, started
+    raw = json.loads(await rig.redis.hget(Keys.jobs(), job.job_id))
+    assert raw["epoch"] == 5

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from robustrl.bus import Bus
@@ -41,8 +41,14 @@ class MemberStarter:
 
     def __init__(self, bus: Bus, launcher: Launcher, settings: Settings,
                  member_credentials: dict[str, dict[str, str]] | None = None,
-                 fence: Callable[[], int] = lambda: 0) -> None:
+                 fence: Callable[[], int] = lambda: 0,
+                 newest_epoch: Callable[[JobRun], Awaitable[int]] | None = None,
+                 persist: Callable[[JobRun], Awaitable[None]] | None = None) -> None:
         self.bus = bus
+        self.newest_epoch = newest_epoch
+        """The newest gang epoch the job's fence in Redis has seen (a new gang must be above it)."""
+        self.persist = persist
+        """Makes the job record durable (the new epoch is saved before its gang is launched)."""
         self.launcher = launcher
         self.settings = settings
         self.member_credentials = member_credentials or {}
@@ -63,8 +69,17 @@ class MemberStarter:
         job.members[info.member_id] = info
 
     async def start_gang(self, job: JobRun) -> list[str]:
-        """Start a new trainer gang (next epoch); return its member ids, rank 0 first."""
-        job.epoch += 1
+        """Start a new trainer gang (next epoch); return its member ids, rank 0 first.
+
+        The epoch is above both the one this controller remembers and the newest the gang fence in
+        Redis has seen, and it is saved before any rank starts: a controller restarted (or a
+        standby taking over) between the two can neither reuse an epoch nor pick one the fence
+        refuses (a crash loop of gangs rejected at their start).
+        """
+        floor = await self.newest_epoch(job) if self.newest_epoch else -1
+        job.epoch = max(job.epoch, floor) + 1
+        if self.persist:
+            await self.persist(job)
         port = free_port()
         ids = []
         master = self.launcher.host_for(lid(job, f"trainer-e{job.epoch}-r0"))

@@ -37,6 +37,7 @@ from robustrl.services.controller.launching import MemberStarter, lid
 from robustrl.services.controller.lease import LeaderLease, LeaseLost
 from robustrl.services.controller.recovery import RecoveryExecutor
 from robustrl.services.controller.supervision import Supervisor
+from robustrl.storage.fencing import read_gang
 from robustrl.storage.redis_stores import JobRegistry
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
@@ -64,7 +65,8 @@ class Controller:
         self.lost_leadership = asyncio.Event()
         """Set when another controller took the lease: this process must stop acting (exit)."""
         self.starter = MemberStarter(bus, launcher, settings, member_credentials,
-                                     fence=lambda: self.lease.token)
+                                     fence=lambda: self.lease.token, newest_epoch=self._fenced_epoch,
+                                     persist=self.persist)
         self.recovery = RecoveryExecutor(self)
         self.supervisor = Supervisor(self)
         self.chaos = ChaosInjector(self)
@@ -146,6 +148,9 @@ class Controller:
             await self.lease.release()
 
     # --- the registry and restoring ---------------------------------------------------------
+
+    async def _fenced_epoch(self, job: JobRun) -> int:
+        return (await read_gang(self.redis, job.job_id)).epoch
 
     async def persist(self, job: JobRun) -> None:
         await self.registry.put(job.job_id, {
