@@ -68,6 +68,11 @@ class CheckpointLost(CheckpointError):
     silently rewrite a committed history, so the job must fail instead."""
 
 
+EXIT_CHECKPOINT_LOST = 65
+"""Exit status (EX_DATAERR) of a trainer that refuses to start because of ``CheckpointLost``: the
+controller fails the job at once instead of restarting gangs that would refuse again."""
+
+
 class StaleEpoch(RobustRLError):
     """A write by an older trainer-gang epoch was refused: a newer gang (``newest``) has taken
     over. The stale gang (``epoch``) must stop; retrying cannot help."""

@@ -425,3 +425,17 @@ async def test_a_new_gang_takes_an_epoch_above_the_fence_and_saves_it_before_it_
     assert {d["epoch"] for d in started} == {5}, started
     raw = json.loads(await rig.redis.hget(Keys.jobs(), job.job_id))
     assert raw["epoch"] == 5
+
+
+async def test_a_trainer_that_finds_its_checkpoints_lost_fails_the_job_at_once(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launching, "TRAINER_MODULE", "checkpoint_lost_member")
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cplost"))
+    await eventually_async(lambda: job.status == "failed", timeout=60, what="job failed")
+    assert "checkpoint lost" in (job.error or "") and "no checkpoint at or below it verifies" in (job.error or "")
+    events = await rig.events(job.job_id)
+    # one gang only: a gang that would refuse again is never restarted
+    assert [d["epoch"] for d in of_kind(events, "member_started") if d["role"] == "trainer"] == [1, 1]
+    assert "checkpoint lost" in str(of_kind(events, "job_failed")[0]["reason"])

@@ -19,6 +19,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from robustrl.errors import EXIT_CHECKPOINT_LOST
 from robustrl.launcher.base import ExitInfo
 from robustrl.messages import FaultReport, MemberExited
 from robustrl.services.controller.jobs import JobRun, MemberInfo
@@ -117,9 +118,15 @@ class Supervisor:
             "step": fault.step, "detected_at": fault.detected_at, "fault_at": fault.fault_at,
             "evidence": fault.evidence, "source": "controller"})
         failures = job.startup_failures.get(slot, 0) if before_hello else 0
-        if failures >= STARTUP_FAILURES_MAX:
+        reason = None
+        if m.role == "trainer" and info.returncode == EXIT_CHECKPOINT_LOST:
+            tail = self.c.starter.log_tail(job, m.member_id)
+            reason = ("the trainer found committed steps that no checkpoint can reproduce (checkpoint lost); "
+                      "training on would rewrite the job's history" + (f"; last output:\n{tail}" if tail else ""))
+        elif failures >= STARTUP_FAILURES_MAX:
             reason = (f"{m.role} slot {m.index} exited before its hello {failures} times in a row: "
                       f"it cannot start. {evidence}")
+        if reason is not None:
             async with self.c.recovery.lock:
                 job.faults.append({"fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role,
                                    "member_id": fault.member_id, "step": job.step,

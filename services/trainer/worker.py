@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from robustrl.checkpoint import Checkpointer, capture_rng, restore_rng, seed_rng
 from robustrl.config import Settings
-from robustrl.errors import CheckpointLost, RequestTimeout, StaleEpoch
+from robustrl.errors import EXIT_CHECKPOINT_LOST, CheckpointLost, RequestTimeout, StaleEpoch
 from robustrl.member import Identity, Member
 from robustrl.messages import BatchGet, BatchReady, StepCommitted, WeightsAnnounce
 from robustrl.model.policy import build_policy, weights_checksum
@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 BATCH_POLL_S = 2.0
 BATCH_GET_TIMEOUT_S = 1.0
 DIST_TIMEOUT_S = 60.0
-EXIT_CHECKPOINT_LOST = 65
-"""Exit status (EX_DATAERR) of a trainer that refuses to start: committed steps, no checkpoint."""
 EXIT_STALE = 75
 """Exit status (EX_TEMPFAIL) of a trainer whose gang a newer gang replaced before it started."""
 
