@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from nats.js.errors import APIError as JsAPIError
 from tenacity import (
     AsyncRetrying,
     before_sleep_log,
@@ -45,6 +46,9 @@ RECONNECT_WAIT_S = 0.2
 REQUEST_TIMEOUT_S = 2.0
 DRAIN_TIMEOUT_S = 2.0
 EVENT_READ_TIMEOUT_S = 5.0
+EVENT_FETCH_RETRIES = 8
+"""Fetches of the event log JetStream may refuse as unavailable (503) before a read gives up."""
+EVENT_FETCH_RETRY_WAIT_S = 0.25
 EVENT_FETCH_TIMEOUT_S = 1.0
 """One fetch while reading the event log; an empty fetch ends the read."""
 EVENT_PUBLISH_RETRY_S = 30.0
@@ -218,6 +222,7 @@ class Bus:
                                             stream=subjects.EVENTS_STREAM,
                                             config=ConsumerConfig(ack_policy=AckPolicy.NONE))
         events = EventLog()
+        unavailable = 0
         try:
             # To the end of the log, however long: each message says how many are still pending
             # after it. ``timeout`` bounds one fetch (no message at all within it: nothing left).
@@ -226,6 +231,12 @@ class Bus:
                     batch = await sub.fetch(512, timeout=min(timeout, EVENT_FETCH_TIMEOUT_S))
                 except (TimeoutError, NatsTimeout):
                     break
+                except JsAPIError as exc:  # JetStream busy (503 on a loaded host): retry, bounded
+                    unavailable += 1
+                    if unavailable > EVENT_FETCH_RETRIES:
+                        raise TransportError(f"event log of {job_id} unavailable: {exc}") from exc
+                    await asyncio.sleep(EVENT_FETCH_RETRY_WAIT_S * unavailable)
+                    continue
                 for raw in batch:
                     try:
                         events.append(decode_event(raw.data, raw.subject))
