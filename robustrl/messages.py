@@ -7,14 +7,12 @@ Encoding and decoding never await.
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import time
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from robustrl import jsonlimits
 from robustrl.errors import MessageError, SubjectError
 from robustrl.subjects import _TOKEN, parse_event_subject
 
@@ -49,56 +47,10 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 """Deepest nesting of arrays/objects decoded; the messages themselves need fewer than 8 levels."""
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
-_PAIRS = (b"[]", b"{}")
-
-
-def json_too_deep(data: bytes, max_depth: int = MAX_JSON_DEPTH) -> bool:
-    """Whether ``data`` nests arrays/objects deeper than ``max_depth`` (or has unbalanced brackets).
-
-    Checked before parsing, at C speed: strings are cut out, everything but brackets deleted, and
-    innermost ``[]``/``{}`` pairs removed once per level; anything left after ``max_depth`` rounds
-    is too deep (or not JSON at all, which the parser would refuse anyway).
-    """
-    if data.count(b"[") + data.count(b"{") <= max_depth:
-        return False
-    rest = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
-    for _ in range(max_depth):
-        if not rest:
-            return False
-        shorter = rest.replace(_PAIRS[0], b"").replace(_PAIRS[1], b"")
-        if len(shorter) == len(rest):
-            return True
-        rest = shorter
-    return bool(rest)
-
-
 def loads_bounded(data: bytes | str, *, max_bytes: int = MAX_MESSAGE_BYTES,
                   max_depth: int = MAX_JSON_DEPTH, what: str = "payload") -> Any:
-    """``json.loads`` that refuses oversized or too deeply nested input before parsing it, and
-    non-finite numbers (``NaN``, ``Infinity``, ``1e999``) while parsing. Raises MessageError."""
-    raw = data.encode() if isinstance(data, str) else bytes(data)
-    if len(raw) > max_bytes:
-        raise MessageError(f"{what} of {len(raw)} bytes exceeds the limit of {max_bytes} bytes",
-                           field="<root>")
-    if json_too_deep(raw, max_depth):
-        raise MessageError(f"{what} nests too deep (more than {max_depth} levels)", field="<root>")
-    try:
-        return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise MessageError(f"{what} is not JSON: {exc}", field="<root>") from exc
-
-
-def _refuse_constant(name: str) -> float:
-    raise json.JSONDecodeError(f"non-finite number {name}", name, 0)
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise json.JSONDecodeError(f"non-finite number {text[:40]}", text, 0)
-    return value
+    """The bus's bounded ``json.loads`` (robustrl.jsonlimits) with the bus's limits."""
+    return jsonlimits.loads_bounded(data, max_bytes=max_bytes, max_depth=max_depth, what=what)
 
 
 def decode(model: type[M], data: bytes, subject: str = "?") -> M:

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from robustrl.errors import JobError, TransportError
+from robustrl.jsonlimits import json_too_deep
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20
@@ -67,30 +68,6 @@ def error_response(status: int, message: str, fields: Sequence[FieldError] = (),
 
 
 # --- the guard in front of every route -----------------------------------------------------------
-
-# A string runs to its closing quote or, unterminated, to the end of the body: a pattern that must
-# find the closing quote retries from every later quote and is quadratic (1 MiB of \" = hours).
-_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+\\?(?:"|\Z)', re.DOTALL)
-_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
-_INNERMOST = re.compile(rb"\[\]|\{\}")
-
-
-def json_too_deep(data: bytes, max_depth: int) -> bool:
-    """Whether ``data`` nests arrays/objects deeper than ``max_depth`` (or its brackets do not
-    pair up), decided at C speed without parsing: strings are cut out, everything but brackets
-    deleted, and the innermost ``[]``/``{}`` pairs removed once per level."""
-    if data.count(b"[") + data.count(b"{") <= max_depth:
-        return False
-    rest = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
-    for _ in range(max_depth):
-        shorter = _INNERMOST.sub(b"", rest)  # one pass: exactly one level per round
-        if not shorter:
-            return False
-        if len(shorter) == len(rest):
-            return True
-        rest = shorter
-    return True
-
 
 class RequestGuard:
     """ASGI middleware: token first (an anonymous client cannot make the server buffer anything),
