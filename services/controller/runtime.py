@@ -262,7 +262,9 @@ class Controller:
         await self.event(job, "job_started", {"policy": job.policy, "resume_step": job.step})
         await self.starter.start_all(job)
         await self.persist(job)
-        await self.control_rm(job, "resume", {"start_step": job.step, "committed": job.committed_step})
+        # The submitter gets its answer without waiting for the request manager's acknowledgement
+        # (retried for up to RM_ACK_ATTEMPTS x RM_ACK_TIMEOUT_S while the service restarts).
+        self.spawn(self.control_rm(job, "resume", {"start_step": job.step, "committed": job.committed_step}))
 
     async def control_rm(self, job: JobRun, action: str, args: dict[str, Any] | None = None,
                          attempts: int = RM_ACK_ATTEMPTS, timeout_s: float = RM_ACK_TIMEOUT_S,
