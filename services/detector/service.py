@@ -191,7 +191,13 @@ class DetectorService:
             if isinstance(member, str):
                 mon.forget(member)
         elif msg.action == "stop":
-            if msg.target in ROLE_NAMES:
+            if msg.target == "request_manager":
+                # Sent only when the controller stops the whole job (stop_job), before it stops the
+                # members: their silence from now on is the job ending (the job's final event comes
+                # only after every member is gone, up to the trainer's last-upload grace later).
+                for role in ROLE_NAMES:
+                    mon.forget_role(role)
+            elif msg.target in ROLE_NAMES:
                 mon.forget_role(msg.target)
             else:
                 mon.forget(msg.target)
