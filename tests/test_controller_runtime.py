@@ -439,3 +439,18 @@ async def test_a_trainer_that_finds_its_checkpoints_lost_fails_the_job_at_once(
     # one gang only: a gang that would refuse again is never restarted
     assert [d["epoch"] for d in of_kind(events, "member_started") if d["role"] == "trainer"] == [1, 1]
     assert "checkpoint lost" in str(of_kind(events, "job_failed")[0]["reason"])
+
+
+async def test_the_same_member_crashing_in_two_jobs_is_two_faults(rig: Rig) -> None:
+    """Exit fault ids name the member (``exit-trainer-e1-r0``), and every job has that member: the
+    second job's crash must still be decided (it was taken for the first job's, already handled)."""
+    c = await rig.controller()
+    await c.wait_leading(10)
+    for name in ("cptwice-a", "cptwice-b"):
+        job = await c.submit(spec(name))
+        await rig.hello_all(c, job.job_id)
+        await rig.commit(job.job_id, 0)
+        await eventually_async(lambda job=job: job.committed_step == 0, what="commit seen")
+        os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+        await eventually_async(lambda job=job: _with_decision_for(rig, job.job_id, "exit-trainer-e1-r0"),
+                               timeout=20, what=f"crash in {name} decided")

@@ -42,17 +42,19 @@ class RecoveryExecutor:
     def __init__(self, controller: Controller) -> None:
         self.c = controller
         self.lock = asyncio.Lock()
-        self._handled: set[str] = set()
+        self._handled: set[tuple[str, str]] = set()
+        """(job id, fault id) handled by this process. Fault ids are unique within a job only
+        (``exit-trainer-e1-r0`` names a member, and every job has one)."""
 
     # --- intake ------------------------------------------------------------------------------
 
     async def _seen(self, job: JobRun, fault_id: str) -> bool:
-        if fault_id in self._handled:
+        if (job.job_id, fault_id) in self._handled:
             return True
         return bool(await self.c.redis.sismember(Keys.faults_handled(job.job_id), fault_id))
 
     async def _mark(self, job: JobRun, fault_id: str) -> None:
-        self._handled.add(fault_id)
+        self._handled.add((job.job_id, fault_id))
         key = Keys.faults_handled(job.job_id)
         await self.c.redis.sadd(key, fault_id)
         await self.c.redis.expire(key, HANDLED_TTL_S)
