@@ -21,7 +21,7 @@ from typing import Any
 
 from robustrl import messages as m
 from robustrl.errors import MessageError
-from robustrl.subjects import EVENT_OWNERS, Verb, subject
+from robustrl.subjects import EVENT_OWNERS, Verb, events, subject
 
 MODELS: dict[Verb, tuple[type[m.Wire], ...]] = {
     Verb.HELLO: (m.MemberHello,), Verb.SPEC: (m.SpecRequest,), Verb.PHASE: (m.PhaseChange,),
@@ -100,7 +100,7 @@ def subjects_for(job: str, members: list[str]) -> list[str]:
         out.append(subject(job, verb))
         out += [subject(job, verb, t) for t in [*members, "request_manager", "members"]]
     for kind, owners in EVENT_OWNERS.items():
-        out += [f"rrl.events.{job}.{owner.value}.{kind}" for owner in owners]
+        out += [events(job, kind, owner.value) for owner in owners]
     return out
 
 
@@ -254,6 +254,8 @@ def probe_subjects(job: str, member: str = "m1") -> list[str]:
     for verb in Verb:
         out += [subject(job, verb), subject(job, verb, member)]
     for kind in EVENT_OWNERS:
+        # Spelled by hand on purpose: most of these name a role that does not own the kind (or the
+        # old 4-level shape), which subjects.events refuses to build; the servers must refuse them.
         out += [f"rrl.events.{job}.{role.value}.{kind}" for role in Principal]
         out.append(f"rrl.events.{job}.{kind}")
     out += ["$JS.API.STREAM.INFO.RRL_EVENTS", "_INBOX.someone-elses-reply", "other.subject"]
