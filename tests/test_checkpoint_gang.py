@@ -100,7 +100,10 @@ def test_two_ranks_writing_one_step_concurrently_s3(object_store: S3ObjectStore)
 def test_stale_and_new_gang_on_one_step_never_clobber_each_other(tmp_path: Path) -> None:
     store = FileObjectStore(tmp_path)
     model, opt = _model()
-    old, new = _gang(store, 2, epoch=3), _gang(store, 2, epoch=4)
+    # The new gang's GC may delete the stale gang's step-5 folder, receipts included, while the stale
+    # coordinator still waits for them: that upload then fails after shard_wait_s, which is correct (a
+    # stale gang's checkpoint is worth nothing), so the wait is kept shorter than _wait_all's bound.
+    old, new = _gang(store, 2, epoch=3, shard_wait_s=10), _gang(store, 2, epoch=4)
     _snap_all(old + new, 5, model, opt)  # four writers at once, two gangs, one step
     _wait_all(old + new)
     assert Checkpointer(store, PREFIX).load(5, 4).epoch == 4  # the stale gang clobbered nothing of it

@@ -339,7 +339,7 @@ def test_compose_servers_get_the_same_rules():
     compose = Path(__file__).resolve().parents[1] / "compose"
     nats_conf = (compose / "nats.conf").read_text()
     block = nats_conf.split("# BEGIN generated users\n")[1].split("# END generated users")[0]
-    assert block == render_compose_nats_users(), "run python -m robustrl.infra.credentials"
+    assert block == render_compose_nats_users(), "run python -m robustrl.infra.credentials --write"
     text = (compose / "docker-compose.yml").read_text()
     for line in render_compose_redis_acl():
         assert line in text, line

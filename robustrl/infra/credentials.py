@@ -246,6 +246,27 @@ def render_compose_redis_acl() -> list[str]:
     return lines
 
 
-if __name__ == "__main__":  # python -m robustrl.infra.credentials: the compose blocks to paste
+def write_compose_nats_users(compose_dir: Path) -> bool:
+    """Rewrite the generated users block of ``compose_dir/nats.conf``; return whether it changed."""
+    conf = compose_dir / "nats.conf"
+    text = conf.read_text()
+    head, rest = text.split("# BEGIN generated users\n", 1)
+    _, tail = rest.split("# END generated users", 1)
+    updated = f"{head}# BEGIN generated users\n{render_compose_nats_users()}# END generated users{tail}"
+    if updated != text:
+        conf.write_text(updated)
+    return updated != text
+
+
+if __name__ == "__main__":  # python -m robustrl.infra.credentials [--write]
+    import sys
+
+    if "--write" in sys.argv[1:]:
+        compose = Path(__file__).resolve().parents[2] / "compose"
+        print("compose/nats.conf", "rewritten" if write_compose_nats_users(compose) else "already current")
+        missing = [line for line in render_compose_redis_acl() if line not in (compose / "docker-compose.yml").read_text()]
+        for line in missing:
+            print("compose/docker-compose.yml lacks:", line)
+        sys.exit(1 if missing else 0)
     print(render_compose_nats_users())
     print("\n".join(render_compose_redis_acl()))

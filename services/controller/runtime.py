@@ -73,6 +73,7 @@ class Controller:
         self.inbox = FaultInbox(bus, self._inbox_fault)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._persist_locks: dict[str, asyncio.Lock] = {}
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -153,7 +154,17 @@ class Controller:
         return (await read_gang(self.redis, job.job_id)).epoch
 
     async def persist(self, job: JobRun) -> None:
-        await self.registry.put(job.job_id, {
+        """Write the job's record. One write per job at a time, each built from the state at its turn:
+        two concurrent writes on separate Redis connections can land in either order, and a record
+        built before a member was started, landing last, dropped that member from what a restarted
+        controller adopts (test_controller_killed_then_frozen_mid_step_restarts_no_member)."""
+        lock = self._persist_locks.setdefault(job.job_id, asyncio.Lock())
+        async with lock:
+            await self.registry.put(job.job_id, self._record_of(job))
+
+    @staticmethod
+    def _record_of(job: JobRun) -> dict[str, Any]:
+        return {
             "spec": job.spec.model_dump(mode="json"), "status": job.status, "epoch": job.epoch,
             "committed_step": job.committed_step, "durable_step": job.durable_step,
             "weights_version": job.weights_version, "weights_checksum": job.weights_checksum,
@@ -163,7 +174,7 @@ class Controller:
             "slot_incarnation": {str(k): v for k, v in job.slot_incarnation.items()},
             "reward_by_step": {str(k): v for k, v in job.reward_by_step.items()},
             "members": {mid: m.to_record() for mid, m in job.members.items()},
-            "recoveries": [r.to_record() for r in job.recoveries], "faults": job.faults[-200:]})
+            "recoveries": [r.to_record() for r in job.recoveries], "faults": job.faults[-200:]}
 
     @staticmethod
     def _job_from_record(job_id: str, rec: dict[str, Any]) -> JobRun:
