@@ -61,7 +61,9 @@ ROLE_USERS = {  # access-key variable -> (secret variable, allowed S3 actions on
 
 def create_role_users(bucket: str) -> None:
     """MinIO users for the roles that use S3, each with a policy on the job bucket only."""
-    admin = MinioAdmin(os.environ["ROBUSTRL_S3_ENDPOINT"],
+    # Keywords only: minio >= 7.2.16 takes no positional arguments here (a positional endpoint raised
+    # TypeError on every attempt and failed the compose stack's start).
+    admin = MinioAdmin(endpoint=os.environ["ROBUSTRL_S3_ENDPOINT"],
                        credentials=StaticProvider(os.environ["ROBUSTRL_S3_ACCESS_KEY"],
                                                   os.environ["ROBUSTRL_S3_SECRET_KEY"]),
                        secure=os.environ.get("ROBUSTRL_S3_SECURE", "false").lower() == "true")
