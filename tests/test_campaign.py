@@ -17,7 +17,9 @@ from robustrl.chaos.campaign_plan import catalog, draw
 from robustrl.chaos.scenario import parse_fault
 
 MEMBERS = {"trainer": 2, "rollout": 2, "request_manager": 1}
-CAMPAIGN_STEPS = int(os.environ.get("ROBUSTRL_TEST_CAMPAIGN_STEPS", "24"))
+# 60 steps for 20 faults: at ~1.5 s a step, a 24-step job ended while faults queued behind two
+# controller outages were still being retried (CI: 12 of 20 fired, the rest got "job is finished").
+CAMPAIGN_STEPS = int(os.environ.get("ROBUSTRL_TEST_CAMPAIGN_STEPS", "60"))
 CAMPAIGN_FAULTS = int(os.environ.get("ROBUSTRL_TEST_CAMPAIGN_FAULTS", "20"))
 CAMPAIGN_SEED = 7
 

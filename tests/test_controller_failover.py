@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from jobs import kinds, small_job
 from support import eventually
@@ -125,15 +126,18 @@ def test_two_controllers_one_acts_and_the_standby_takes_over(own_stack: Stack, t
 def _two_controllers(own_stack: Stack, port: int) -> None:
     api_a = _api(own_stack.api_url, own_stack)
     api_b = _api(f"http://127.0.0.1:{port}", own_stack)
-    eventually(lambda: api_b.jobs() == [], timeout=60, retry_on=UNREACHABLE, what="controller-b serving")
+    # controller-b serves, as a standby: its job routes answer 503 (never "no such job" for a live job)
+    eventually(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json()["leading"] is False,
+               timeout=60, retry_on=(httpx.HTTPError,), what="controller-b serving")
 
     jid = api_a.submit(small_job("ctltwo", steps=8, **TOLERANT))["job_id"]
     first = _members(_mid_step(api_a, jid, 1))
     api_a.fault(jid, kind="crash", role="rollout", member=1)
     status = _mid_step(api_a, jid, 3)
     # the standby holds no job and acts on none
-    with pytest.raises(JobError):
+    with pytest.raises(JobError) as refused:
         api_b.job(jid)
+    assert refused.value.status == 503 and "not leading" in str(refused.value)
 
     t_kill = time.time()
     own_stack.kill_service("controller")  # SIGKILL, not restarted: the standby must take over

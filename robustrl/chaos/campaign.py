@@ -37,8 +37,10 @@ MODES = ("sync", "semi_sync", "async")
 STALENESS = {"sync": 0, "semi_sync": 1, "async": 2}
 ACK_TIMEOUT_S = 5.0
 """How long the controller has to acknowledge one injection."""
-RETARGET_S = 15.0
-"""How long an injection is retried while its target is down (being replaced)."""
+RETARGET_S = 45.0
+"""How long an injection is retried while its target is down (being replaced), or while the
+controller that carries it out is itself down (a campaign crashes and freezes the controller too:
+its restart, plus the wait for the dead one's lease to expire, took 10-20 s on 2 cores)."""
 TRIGGER_WAIT_S = 8.0
 """How long a phase / hand-off / recovery trigger is awaited before the fault fires anyway."""
 POLL_S = 0.25

@@ -75,8 +75,8 @@ def catalog(exclude: tuple[str, ...] = ()) -> list[tuple[str, str]]:
 
 def draw(steps: int, faults: int, seed: int, members: dict[str, int], *,
          exclude: tuple[str, ...] = (), step_time_s: float = 2.0, name: str = "campaign") -> list[CampaignFault]:
-    """Draw ``faults`` faults over steps ``1..steps-1`` (step 0 is start-up: a fault there restarts
-    the whole job by design), covering every pair of :func:`catalog` before repeating one."""
+    """Draw ``faults`` faults over steps ``1..steps-3`` (step 0 is start-up: a fault there restarts
+    the whole job by design; the last two steps may end before a trigger comes), covering every pair of :func:`catalog` before repeating one."""
     if steps < 3:
         raise ScenarioError("a campaign needs at least 3 steps", field="steps")
     rng = random.Random(seed)
@@ -89,12 +89,14 @@ def draw(steps: int, faults: int, seed: int, members: dict[str, int], *,
         rng.shuffle(batch)
         order.extend(batch)
     order = order[:faults]
-    span = steps - 1  # steps 1..steps-1
+    # Steps 1..steps-3: a fault drawn in the job's last step or two can find the job finished before
+    # its trigger comes (seen: a stall drawn at step 59 of 60 fired after the job ended).
+    span = steps - 1 if steps < 6 else steps - 3
     out = []
     for i, (kind, role) in enumerate(order):
         lo = 1 + (i * span) // faults
         hi = max(lo, 1 + ((i + 1) * span) // faults - 1)
-        step = min(steps - 1, rng.randint(lo, hi))
+        step = min(span, rng.randint(lo, hi))
         triggers = PHASE_TRIGGERS.get(role, ("recovery",))
         trigger = "time" if rng.random() < TIME_SHARE else rng.choice(triggers)
         delay = rng.random() * step_time_s if trigger == "time" else rng.random() * 0.3

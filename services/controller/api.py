@@ -125,6 +125,8 @@ class Health(BaseModel):
     ok: bool
     nats: bool
     jobs: int
+    leading: bool
+    """False on a standby or while a restarted controller restores its jobs: job routes answer 503."""
 
 
 BEARER = HTTPBearer(auto_error=False)
@@ -151,6 +153,14 @@ def create_app(controller: Controller, token: str) -> FastAPI:
         if creds is None or not hmac.compare_digest(creds.credentials.encode(), token.encode()):
             raise HTTPException(401, detail="missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
+    def leading_or_503() -> None:
+        # A standby, or a restarted controller still restoring its jobs from the registry, holds
+        # no jobs yet: "no such job" from it would tell a client a live job is gone (seen in the
+        # campaign: a 404 for the running job while the controller restarted).
+        if not controller.leading:
+            raise HTTPException(503, detail="this controller is not leading (a standby, or restoring its jobs "
+                                            "after a restart); retry shortly", headers={"Retry-After": "1"})
+
     def job_or_404(job_id: str) -> Any:
         try:
             return controller.get(job_id)
@@ -163,11 +173,12 @@ def create_app(controller: Controller, token: str) -> FastAPI:
         except TimeoutError as exc:
             raise HTTPException(503, detail=f"event log not read within {EVENTS_READ_DEADLINE_S:g}s") from exc
 
-    guarded: dict[str, Any] = {"dependencies": [Depends(auth)], "response_model": None}
+    guarded: dict[str, Any] = {"dependencies": [Depends(auth), Depends(leading_or_503)], "response_model": None}
 
     @app.get("/healthz", response_model=None, responses={200: {"model": Health}, **_errors(400, 405, 413)})
     async def healthz() -> dict[str, Any]:
-        return {"ok": True, "nats": controller.bus.connected, "jobs": len(controller.jobs)}
+        return {"ok": True, "nats": controller.bus.connected, "jobs": len(controller.jobs),
+                "leading": controller.leading}
 
     @app.post("/v1/jobs", status_code=201, **guarded,
               responses={201: {"model": JobStatus, "description": "The job, started"},
@@ -227,7 +238,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
             return error_response(status, str(exc), [FieldError(field=field, error=exc.message)] if field else ())
         return {"fault_id": req.fault_id, "member_id": member, "kind": req.kind}
 
-    @app.get("/metrics", response_class=PlainTextResponse, **guarded,
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(auth)], response_model=None,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "Prometheus text exposition format 0.0.4"},
                         **_errors(*ALWAYS)})
