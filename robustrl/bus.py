@@ -73,6 +73,10 @@ class Bus:
         self._closed = False
         self.disconnects = 0
         self.reconnects = 0
+        self.on_reconnect: list[Callable[[], Awaitable[None]]] = []
+        """Called (each in a task of its own) after every reconnect: core NATS dropped whatever was
+        published while this connection was down, so a subscriber that keeps state re-reads it."""
+        self._reconnect_tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def connect(cls, url: str, name: str, *, connect_timeout: float = CONNECT_TIMEOUT_S,
@@ -100,6 +104,10 @@ class Bus:
         async def _up() -> None:
             if bus is not None:
                 bus.reconnects += 1
+                for hook in bus.on_reconnect:
+                    task = asyncio.get_running_loop().create_task(hook())
+                    bus._reconnect_tasks.add(task)
+                    task.add_done_callback(bus._reconnect_done)
             log.warning("nats %s: reconnected", name)
 
         budget = (CONNECT_RETRY_S if reconnect else 0.0) if connect_retry_s is None else connect_retry_s
@@ -118,6 +126,11 @@ class Bus:
             raise TransportError(f"cannot connect to NATS at {_redact(url)}: {exc}", url=_redact(url)) from exc
         bus = cls(nc, name, role)
         return bus
+
+    def _reconnect_done(self, task: asyncio.Task[None]) -> None:
+        self._reconnect_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("nats %s: reconnect hook failed: %s", self.name, task.exception())
 
     @property
     def connected(self) -> bool:

@@ -454,3 +454,29 @@ async def test_the_same_member_crashing_in_two_jobs_is_two_faults(rig: Rig) -> N
         os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
         await eventually_async(lambda job=job: _with_decision_for(rig, job.job_id, "exit-trainer-e1-r0"),
                                timeout=20, what=f"crash in {name} decided")
+
+
+async def test_a_request_manager_resumes_at_the_step_the_event_log_says_not_a_stale_one(rig: Rig) -> None:
+    """Commits travel on core NATS, which drops what is published while the controller is
+    disconnected or frozen; the event log keeps them. A restarted request manager must be told to
+    resume after the newest step the log shows committed, or it regenerates trained steps and the
+    job stalls (campaign: told step 40 while step 47 was committed)."""
+    from robustrl.messages import SpecReply, SpecRequest
+
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cpmissed", steps=10))
+    await rig.hello_all(c, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="step 0 committed")
+    trainer = await rig.connect("trainer-log", "trainer")
+    for step in (1, 2, 3):  # in the durable log only: the controller never saw these commits
+        await trainer.emit_event(job.job_id, "step_committed", {
+            "step": step, "epoch": job.epoch, "weights_version": step + 1, "reward_mean": 0.5, "checksum": "x",
+            "timings": {}, "checkpoint_bytes": 0, "durable_step": step})
+    assert rig.bus
+    reply = await rig.bus.request(subject(job.job_id, Verb.SPEC), SpecRequest(
+        job_id=job.job_id, member_id="request_manager"), SpecReply, timeout=10)
+    assert reply.resume_step == 4
+    record = json.loads(await rig.redis.hget(Keys.jobs(), job.job_id))
+    assert record["committed_step"] == 3  # and the registry a successor reads says so too

@@ -194,6 +194,7 @@ class RecoveryExecutor:
             pass
 
     async def _resume_rm(self, job: JobRun, rec: ActiveRecovery) -> None:
+        await self.c.reconcile(job, "request manager lost")
         while rec in job.recoveries and not job.done:
             # Replicas that died while it was away: it must not dispatch to them.
             dead = sorted(m.member_id for m in job.members.values()

@@ -42,6 +42,9 @@ from robustrl.storage.redis_stores import JobRegistry
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)
+
+RECONCILE_TIMEOUT_S = 10.0
+"""Bound on reading a job's event log to catch up (after a reconnect, a lease re-acquire)."""
 RM_ACK_TIMEOUT_S = 2.0
 RM_ACK_ATTEMPTS = 10
 FINISH_GRACE_S = 15.0  # a finished job's trainer uploads its last checkpoint before it exits
@@ -80,6 +83,7 @@ class Controller:
     async def start(self) -> None:
         """Subscribe, then lead (now, or later as hot standby); returns at once."""
         b = self.bus
+        b.on_reconnect.append(self._after_reconnect)
         await b.ensure_event_stream()
         await b.subscribe(all_jobs_exact(Verb.SPEC), SpecRequest, self._on_spec)
         await b.subscribe(all_jobs_exact(Verb.FAULT), FaultReport, self._on_fault)
@@ -115,6 +119,9 @@ class Controller:
             self.lost_leadership.set()
 
     async def _on_new_token(self, token: int) -> None:
+        # The lease had expired (this process was frozen, or Redis restarted): commits may have
+        # gone by unseen meanwhile.
+        await self.reconcile_all("lease re-acquired")
         for job in self.jobs.values():
             if not job.done:
                 text = f"controller lease re-acquired (fencing token {token})"
@@ -226,6 +233,32 @@ class Controller:
             gone_exits += [ExitInfo(lid(job, mid), job.members[mid].role, None, False) for mid in gone]
             await self.persist(job)
         return gone_exits
+
+    async def reconcile(self, job: JobRun, why: str) -> None:
+        """Bring the job's progress up to the durable event log. Commits arrive on core NATS, which
+        drops what is published while this process is disconnected or frozen: a controller that
+        missed steps 40-47 that way handed a restarted request manager step 40 to resume at (seen
+        in the campaign), and the job stalled on a step already trained."""
+        if job.done:
+            return
+        before = job.committed_step
+        try:
+            await asyncio.wait_for(self._catch_up(job), RECONCILE_TIMEOUT_S)
+        except (TransportError, TimeoutError) as exc:
+            log.warning("job %s: event log not read after %s (%s)", job.job_id, why, exc)
+            return
+        if job.committed_step != before:
+            log.warning("job %s: %s: caught up from step %d to %d from the event log", job.job_id, why,
+                        before, job.committed_step)
+            await self.persist(job)
+
+    async def _after_reconnect(self) -> None:
+        if self.leading:
+            await self.reconcile_all("NATS reconnect")
+
+    async def reconcile_all(self, why: str) -> None:
+        for job in list(self.jobs.values()):
+            await self.reconcile(job, why)
 
     async def _catch_up(self, job: JobRun) -> None:
         """Apply what the event log recorded while no controller was listening: commits, and the
@@ -358,6 +391,8 @@ class Controller:
         job = self.jobs.get(msg.job_id)
         if job is None or job.done or not self.leading:
             return
+        if msg.member_id == "request_manager":  # it resumes at the step named here: make it current
+            await self.reconcile(job, "request manager asked for the spec")
         await self.bus.respond(reply, SpecReply(job_id=job.job_id, spec=job.spec.model_dump(mode="json"),
                                                 epoch=job.epoch, resume_step=job.step))
 
