@@ -219,3 +219,25 @@ async def test_gc_trims_the_trained_log_through_the_durable_step_even_after_a_re
     finally:
         await r.delete(Keys.trained_log(job), Keys.rollout_gc(job))
         await r.aclose()
+
+
+async def test_a_commit_message_lost_on_the_bus_costs_seconds_not_the_job(servers):
+    """The trainer records step 0 trained in Redis but its commit message never reaches the request
+    manager (core NATS drops what is published while a subscriber is disconnected). Nothing else
+    would notice: the trainer waits for batch 1, its normal idleness. The request manager must
+    learn the commit from the trained log and hand over step 1."""
+    import json
+
+    from robustrl.services.request_manager.batching import COMMIT_RECHECK_S
+
+    async with Harness(servers, rm_spec("lostcommit", steps=3)) as h:
+        reps = [await h.replica(mid) for mid in ("rollout-0-i0", "rollout-1-i0")]
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="batch 0 handed over")
+        # The trainer's durable record, without the commit message.
+        await h.redis.rpush(Keys.trained_log(h.job_id), json.dumps({"step": 0, "epoch": 1, "checksum": "c"}))
+        for rep in reps:
+            await rep.set_version(1)
+        await eventually_async(lambda: 1 in h.batches, timeout=COMMIT_RECHECK_S * 3 + 10,
+                               what="batch 1 handed over without a commit message")
+        assert not any(f.cause == "step_deadline" for f in h.faults)

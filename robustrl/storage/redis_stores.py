@@ -336,6 +336,20 @@ class BatchStore:
         key = Keys.trained_log(self.job)
         return [json.loads(x) for x in await _call(self.r.lrange(key, 0, -1), key)]
 
+    async def newest_trained(self, min_epoch: int, tail: int = 64) -> int:
+        """The newest step a gang of epoch >= ``min_epoch`` recorded trained (-1 if none), from the
+        log's last ``tail`` entries: the durable record of what commit messages announce."""
+        key = Keys.trained_log(self.job)
+        newest = -1
+        for raw in await _call(self.r.lrange(key, -tail, -1), key):
+            try:
+                entry = json.loads(raw)
+                if int(entry["epoch"]) >= min_epoch:
+                    newest = max(newest, int(entry["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue  # a damaged entry is the auditor's to report, not a reason to stall
+        return newest
+
 
 class WeightsPointer:
     """The latest announced weights version, so a late joiner finds it without the trainer."""

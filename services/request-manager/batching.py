@@ -28,6 +28,7 @@ from robustrl.services.request_manager.faults import report_deadline
 
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
+from robustrl.errors import TransportError
 from robustrl.messages import BatchReady, MemberHello, MetricsSample, StepCommitted
 from robustrl.storage.redis_stores import (
     BatchRecord,
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 STEP_RETRY_S = 1.0
 """Pause before a failed step (Redis or NATS trouble) is tried again from the saved records."""
 WAIT_WAKE_S = 1.0
+COMMIT_RECHECK_S = 5.0
+"""While waiting for a commit, how often the trained log in Redis is read in case a commit
+message was lost."""
 
 
 class JobRunner:
@@ -232,13 +236,39 @@ class JobRunner:
             except TimeoutError:
                 pass
 
+    async def _wait_committed(self, needed: int) -> None:
+        """Wait until step ``needed`` is committed (and the job not paused). Commit messages travel
+        on core NATS, which drops what is published while this process is disconnected: every
+        ``COMMIT_RECHECK_S`` of waiting, the trained log in Redis is read instead, so a lost commit
+        message costs seconds, not the job (nothing else would notice: the trainer waits for the
+        next batch, which is its normal idleness)."""
+        waited_since = time.monotonic()
+        while not (self.committed >= needed and not self.paused):
+            if self.committed < needed and time.monotonic() - waited_since >= COMMIT_RECHECK_S:
+                waited_since = time.monotonic()
+                try:
+                    trained = await self.batches.newest_trained(self.gang_epoch)
+                except TransportError as exc:
+                    log.warning("job %s: trained log not read: %s", self.job_id, exc)
+                    trained = -1
+                if trained > self.committed:
+                    log.warning("job %s: commits up to step %d were not heard; the trained log has them",
+                                self.job_id, trained)
+                    self.committed = trained
+                    continue
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), WAIT_WAKE_S)
+            except TimeoutError:
+                pass
+
     async def run(self) -> None:
         """Sync/semi-sync/async loop: step k starts once its weights are available (staleness bound)."""
         while self.step < self.spec.steps:
             step = self.step
             # The trainer must have committed step k - 1 - staleness (bounded lag between rollout
             # and training); a trainer that stops committing is the detector's to report.
-            await self._wait(lambda k=step: self.committed >= k - 1 - self.spec.staleness and not self.paused)
+            await self._wait_committed(step - 1 - self.spec.staleness)
             self._step_task = asyncio.create_task(self.run_step(step))
             try:
                 await self._step_task
