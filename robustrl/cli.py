@@ -1,4 +1,4 @@
-"""The ``robustrl`` command: up, down, submit, status, demo, chaos run."""
+"""The ``robustrl`` command: up, down, submit, status, demo, chaos run, testbed up/down/list."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from robustrl.errors import RobustRLError
 app = typer.Typer(add_completion=False, help="RobustRL: fault-tolerant RL post-training.")
 chaos_app = typer.Typer(add_completion=False, help="Chaos harness: run a job through a fault scenario.")
 app.add_typer(chaos_app, name="chaos")
+testbed_app = typer.Typer(add_completion=False, help="Multi-host testbed: network namespaces with shaped links.")
+app.add_typer(testbed_app, name="testbed")
 console = Console(width=160)
 DEFAULT_RUN_DIR = Path("runs/local")
 
@@ -350,6 +352,58 @@ def audit(job_id: str = typer.Argument(..., help="The job to audit."),
         console.print(" ".join(f"{k}={v}" for k, v in {**report.counters(), **report.facts}.items()))
     if not report.ok:
         raise typer.Exit(1)
+
+
+@testbed_app.command("up")
+def testbed_up(hosts: int = typer.Option(3, min=1, help="Number of hosts (namespaces h0..hN-1)."),
+               link: str = typer.Option(None, help="Each host's link rate, tc units (2gbit, 200mbit); default unshaped."),
+               delay: str = typer.Option(None, help="Added per link crossing (0.2ms); needs the kernel's netem."),
+               subnet: str = typer.Option(None, help="The hosts' /24; default: a free one in 10.213.0.0/16.")) -> None:
+    """Build a testbed that stays up after this command (until `robustrl testbed down`); print its
+    state as JSON."""
+    from robustrl.testbed import Testbed
+
+    try:
+        tb = Testbed(hosts=hosts, link=link, delay=delay, subnet=subnet, detached=True)
+        tb.up()
+    except RobustRLError as exc:
+        _fail(exc)
+    print(json.dumps(tb.describe(), indent=1))
+
+
+@testbed_app.command("down")
+def testbed_down(tags: list[str] = typer.Argument(None, help="Testbeds to remove (default: every detached one "
+                                                            "and every one whose owner died)."),
+                 everything: bool = typer.Option(False, "--all", help="Remove every testbed, even those whose "
+                                                                      "owner process still runs.")) -> None:
+    """Remove testbeds: their processes, links, qdiscs, namespaces and state files."""
+    from robustrl.testbed import sweep
+    from robustrl.testbed.state import read_states
+    from robustrl.testbed.teardown import teardown
+
+    removed: list[str] = []
+    try:
+        if tags:
+            known = {s.tag: s for s in read_states()}
+            for tag in tags:
+                if tag not in known:
+                    _fail(ValueError(f"no testbed {tag!r} (known: {', '.join(sorted(known)) or 'none'})"))
+                teardown(known[tag])
+                removed.append(tag)
+        else:
+            report = sweep(detached=True, everything=everything)
+            removed = report.testbeds + report.orphans
+    except RobustRLError as exc:
+        _fail(exc)
+    console.print(f"removed: {', '.join(removed) or 'nothing'}")
+
+
+@testbed_app.command("list")
+def testbed_list() -> None:
+    """Print every testbed's state as JSON, each with whether its owner is alive."""
+    from robustrl.testbed.state import read_states
+
+    print(json.dumps([{**s.to_json(), "owner_alive": s.owner_alive()} for s in read_states()], indent=1))
 
 
 if __name__ == "__main__":

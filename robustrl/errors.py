@@ -94,3 +94,15 @@ class JobError(RobustRLError):
 
 class ScenarioError(ConfigError):
     """A chaos scenario file or fault request is malformed."""
+
+
+class TestbedError(RobustRLError):
+    """An ``ip``/``tc`` command of the network-namespace testbed failed; ``command`` and
+    ``stderr`` say which and why."""
+
+    __test__ = False  # not a pytest test class despite the name
+
+
+class TestbedUnavailable(TestbedError):
+    """The testbed cannot run here (not root, no ``ip``/``tc``, a kernel without a needed qdisc);
+    the message says which. Retrying cannot help."""

@@ -10,7 +10,7 @@ import abc
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 TRAINER_MODULE = "robustrl.services.trainer"
 ROLLOUT_MODULE = "robustrl.services.rollout"
@@ -31,7 +31,9 @@ class MemberSpec:
     """What to run for one role member.
 
     ``module`` is a Python module run as ``python -m module``; ``env`` is the complete
-    extra environment (infrastructure settings, job id, member id, rank).
+    extra environment (infrastructure settings, job id, member id, rank). ``host`` places the
+    member on a host of the launcher's :class:`Placement` (a testbed host such as ``"h1"``);
+    None runs it where the launcher runs.
     """
 
     job_id: str
@@ -40,6 +42,19 @@ class MemberSpec:
     module: str
     env: dict[str, str] = field(default_factory=dict)
     args: tuple[str, ...] = ()
+    host: str | None = None
+
+
+class Placement(Protocol):
+    """Hosts a launcher can place members on (``robustrl.testbed.Testbed`` is one)."""
+
+    def exec_prefix(self, host: str) -> list[str]:
+        """The argv prefix that runs a command on ``host``; raises RobustRLError for an unknown host."""
+        ...
+
+    def address(self, host: str) -> str:
+        """The address other members use to reach ``host``."""
+        ...
 
 
 @dataclass

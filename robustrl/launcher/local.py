@@ -10,6 +10,12 @@ Warm spares (``keep_spares``): processes of ``robustrl.launcher.spare`` that hav
 the member code. ``start`` hands a trainer or rollout member to a ready spare instead of starting
 a cold process, which saves the imports (about 4 s here) on every restart; the spare is restocked
 ``SPARE_RESTOCK_DELAY_S`` later, so its imports do not compete with the recovery for the CPU.
+
+Placement (``placement``, e.g. a ``robustrl.testbed.Testbed``): a member whose spec names a
+``host`` starts as ``<placement.exec_prefix(host)> python -m module`` -- for a testbed,
+``ip netns exec <ns> python ...``, which enters the namespace and execs Python in the same process,
+so the pid, the process group and the signals are those of the member itself. Placed members always
+start cold (the spares run outside every host).
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ from typing import Any
 
 import psutil
 
-from robustrl.errors import LaunchError
-from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState
+from robustrl.errors import LaunchError, RobustRLError
+from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState, Placement
 from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 
 STOP_GRACE_S = 2.0
@@ -76,10 +82,13 @@ class _Member:
 
 
 class LocalLauncher(Launcher):
-    """Starts members as local processes; logs go to ``log_dir/<member>.log``."""
+    """Starts members as local processes; logs go to ``log_dir/<member>.log``. With a
+    ``placement``, members whose spec names a host run on that host (module docstring)."""
 
-    def __init__(self, log_dir: Path, base_env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_dir: Path, base_env: dict[str, str] | None = None,
+                 placement: Placement | None = None) -> None:
         self.log_dir = Path(log_dir)
+        self.placement = placement
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.base_env = dict(base_env if base_env is not None else os.environ)
         self._members: dict[str, _Member] = {}
@@ -162,14 +171,15 @@ class LocalLauncher(Launcher):
             if old and old.proc.poll() is None:
                 raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
             env = {**self.base_env, **spec.env}
-            spare = self._take_spare(spec, env)
+            prefix = self._host_prefix(spec)
+            spare = None if spec.host else self._take_spare(spec, env)
             if spare is not None:
                 self._members[spec.member_id] = _Member(spec, spare, MemberState.RUNNING, warm=True)
                 return
             log = open(self.log_dir / f"{spec.member_id}.log", "ab")  # noqa: SIM115 - owned by the child
             try:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", spec.module, *spec.args], env=env, stdout=log,
+                    [*prefix, sys.executable, "-m", spec.module, *spec.args], env=env, stdout=log,
                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                 )
             except OSError as exc:
@@ -177,6 +187,26 @@ class LocalLauncher(Launcher):
             finally:
                 log.close()
             self._members[spec.member_id] = _Member(spec, proc, MemberState.RUNNING)
+
+    def _host_prefix(self, spec: MemberSpec) -> list[str]:
+        """The argv prefix that places ``spec`` on its host ([] without one)."""
+        if spec.host is None:
+            return []
+        if self.placement is None:
+            raise LaunchError(f"{spec.member_id} is placed on host {spec.host!r} but the launcher has no "
+                              "placement (testbed)", member=spec.member_id)
+        try:
+            return self.placement.exec_prefix(spec.host)
+        except RobustRLError as exc:
+            raise LaunchError(f"cannot place {spec.member_id} on {spec.host!r}: {exc}",
+                              member=spec.member_id) from exc
+
+    def host_for(self, member_id: str) -> str:
+        """The member's host address when it is placed on one, else loopback."""
+        m = self._members.get(member_id)
+        if m is not None and m.spec.host is not None and self.placement is not None:
+            return self.placement.address(m.spec.host)
+        return super().host_for(member_id)
 
     def _signal_group(self, member: _Member, sig: int) -> None:
         try:
@@ -265,9 +295,12 @@ class LocalLauncher(Launcher):
         if m is None:
             return None
         try:
-            return {"pid": m.proc.pid, "create_time": psutil.Process(m.proc.pid).create_time()}
+            handle: dict[str, Any] = {"pid": m.proc.pid, "create_time": psutil.Process(m.proc.pid).create_time()}
         except psutil.Error:
             return None
+        if m.spec.host is not None:
+            handle["host"] = m.spec.host
+        return handle
 
     def adopt(self, job_id: str, member_id: str, role: str, handle: dict[str, Any]) -> bool:
         """Track a running member started by an earlier launcher (see the module docstring)."""
@@ -287,7 +320,9 @@ class LocalLauncher(Launcher):
             current = self._members.get(member_id)
             if current is not None and current.proc.poll() is None:
                 return current.proc.pid == pid
-            spec = MemberSpec(job_id, member_id, role, module="", env={})
+            host = handle.get("host")
+            spec = MemberSpec(job_id, member_id, role, module="", env={},
+                              host=host if isinstance(host, str) else None)
             self._members[member_id] = _Member(spec, _Adopted(proc), MemberState.RUNNING)
         return True
 

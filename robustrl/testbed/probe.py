@@ -1,0 +1,124 @@
+"""TCP probes run inside testbed hosts: a sink that times what it receives, a source, and a
+reachability check. Standard library only, so a probe starts in a few tens of milliseconds.
+
+    python -m robustrl.testbed.probe sink [--port P] [--tuned]         prints {"port"} when ready,
+                                                                        then {"bytes", "seconds"}
+    python -m robustrl.testbed.probe source HOST PORT BYTES [--tuned]
+    python -m robustrl.testbed.probe listen [--port P]                 accepts and closes, forever
+    python -m robustrl.testbed.probe reach HOST PORT [--timeout S]     exit 0 if a connection opens
+
+``--tuned`` sets what the weight transport sets (4 MiB socket buffers, TCP_NODELAY); without it
+the kernel's defaults apply, so the two can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+
+TUNED_BUFFER_BYTES = 4 * 1024 * 1024
+CHUNK_BYTES = 1024 * 1024
+ACCEPT_TIMEOUT_S = 30.0
+REACH_TIMEOUT_S = 1.0
+MODULE = "robustrl.testbed.probe"
+
+
+def tune(sock: socket.socket) -> None:
+    """The weight transport's socket options."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, TUNED_BUFFER_BYTES)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, TUNED_BUFFER_BYTES)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _listener(port: int, tuned: bool) -> socket.socket:
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if tuned:
+        tune(srv)  # accepted sockets inherit the buffers (the window is set at SYN time)
+    srv.bind(("0.0.0.0", port))
+    srv.listen(64)
+    return srv
+
+
+def sink(port: int, tuned: bool) -> dict[str, float]:
+    """Accept one connection, read it to EOF; the time runs from the first byte to EOF."""
+    with _listener(port, tuned) as srv:
+        print(json.dumps({"port": srv.getsockname()[1]}), flush=True)
+        srv.settimeout(ACCEPT_TIMEOUT_S)
+        conn, _ = srv.accept()
+    with conn:
+        buf = bytearray(CHUNK_BYTES)
+        total, first = 0, None
+        while n := conn.recv_into(buf):
+            first = first or time.perf_counter()
+            total += n
+        end = time.perf_counter()
+    return {"bytes": total, "seconds": end - (first or end)}
+
+
+def source(host: str, port: int, nbytes: int, tuned: bool) -> dict[str, float]:
+    """Connect and send ``nbytes`` zero bytes."""
+    with socket.socket() as sock:
+        if tuned:
+            tune(sock)
+        sock.connect((host, port))
+        chunk = bytes(CHUNK_BYTES)
+        start, left = time.perf_counter(), nbytes
+        while left > 0:
+            sock.sendall(chunk[: min(left, CHUNK_BYTES)])
+            left -= CHUNK_BYTES
+        sock.shutdown(socket.SHUT_WR)
+        sock.recv(1)  # the sink closes after EOF: everything has arrived
+        return {"bytes": nbytes, "seconds": time.perf_counter() - start}
+
+
+def listen(port: int) -> None:
+    with _listener(port, False) as srv:
+        print(json.dumps({"port": srv.getsockname()[1]}), flush=True)
+        while True:
+            conn, _ = srv.accept()
+            conn.close()
+
+
+def reach(host: str, port: int, timeout: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("sink")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--tuned", action="store_true")
+    p = sub.add_parser("source")
+    p.add_argument("host")
+    p.add_argument("port", type=int)
+    p.add_argument("bytes", type=int)
+    p.add_argument("--tuned", action="store_true")
+    p = sub.add_parser("listen")
+    p.add_argument("--port", type=int, default=0)
+    p = sub.add_parser("reach")
+    p.add_argument("host")
+    p.add_argument("port", type=int)
+    p.add_argument("--timeout", type=float, default=REACH_TIMEOUT_S)
+    args = parser.parse_args(argv)
+    if args.cmd == "sink":
+        print(json.dumps(sink(args.port, args.tuned)), flush=True)
+    elif args.cmd == "source":
+        print(json.dumps(source(args.host, args.port, args.bytes, args.tuned)), flush=True)
+    elif args.cmd == "listen":
+        listen(args.port)
+    else:
+        return 0 if reach(args.host, args.port, args.timeout) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
