@@ -26,6 +26,7 @@ from robustrl.launcher.local import LocalLauncher
 from robustrl.testbed import CutMode, Testbed, leftovers, links, sweep
 from robustrl.testbed import commands as tb_commands
 from robustrl.testbed.probe import MODULE as PROBE
+from robustrl.testbed.probe import transfer
 from robustrl.testbed.state import STATE_DIR, TestbedState, read_states, tag_of
 from robustrl.testbed.teardown import teardown
 
@@ -145,19 +146,10 @@ def test_hosts_have_their_own_namespace_and_address_and_reach_each_other(listene
 
 @needs_testbed
 def test_a_shaped_link_limits_throughput(healed: Testbed) -> None:
-    sink = _probe(healed, "h1", "sink", "--tuned")
-    try:
-        port = int(_first_json(sink)["port"])
-        src = healed.run("h0", [sys.executable, "-m", PROBE, "source", healed.address("h1"), str(port),
-                                str(TRANSFER_BYTES), "--tuned"], capture_output=True, text=True, timeout=30)
-        assert src.returncode == 0, src.stderr
-        got = _first_json(sink)
-    finally:
-        sink.kill()
-        sink.wait()
-    assert got["bytes"] == TRANSFER_BYTES
-    rate = got["bytes"] * 8 / got["seconds"]
-    assert 0.6 * LINK_BPS <= rate <= 1.1 * LINK_BPS, f"{rate / 1e6:.0f} Mbit/s on a {LINK} link"
+    got = transfer(healed, "h0", "h1", TRANSFER_BYTES, tuned=True)
+    assert got.nbytes == TRANSFER_BYTES
+    assert 0.6 * LINK_BPS <= got.bits_per_s <= 1.1 * LINK_BPS, f"{got.bits_per_s / 1e6:.0f} Mbit/s on a {LINK} link"
+    assert got.sink_cpu_fraction < 0.5  # the link, not the CPU, set the rate
 
 
 @needs_testbed
@@ -301,6 +293,14 @@ def test_delay_is_applied_or_refused_with_the_reason() -> None:
         assert rtt >= 0.008
     finally:
         tb.down()
+
+
+def test_unavailable_without_ip_says_why(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("not root: the root check answers first")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ip, no tc
+    with pytest.raises(TestbedUnavailable, match="`ip`"):
+        Testbed(hosts=1).up()
 
 
 def test_unavailable_without_root_says_why() -> None:

@@ -103,6 +103,7 @@ class TestbedState:
     owner_pid: int | None
     owner_start: float | None
     reaper_pid: int | None = None
+    reaper_start: float | None = None
     created_at: float = field(default=0.0)
     processes: tuple[tuple[int, float], ...] = ()
     """(pid, start time) of the processes started through ``Testbed.popen``: killed on teardown

@@ -75,9 +75,10 @@ def teardown(state: TestbedState, state_dir: Path = STATE_DIR) -> None:
     for ns in namespaces:
         commands.run(["ip", "netns", "del", ns], missing_ok=True)
     state_path(state.tag, state_dir).unlink(missing_ok=True)
-    if state.reaper_pid and state.reaper_pid != os.getpid():
+    reaper = state.reaper_pid
+    if reaper and reaper != os.getpid() and process_alive(reaper, state.reaper_start):  # not a recycled pid
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(state.reaper_pid, signal.SIGKILL)
+            os.kill(reaper, signal.SIGKILL)
 
 
 def _remove_orphans(state_dir: Path, everything: bool) -> list[str]:

@@ -47,6 +47,7 @@ from robustrl.testbed.state import (
 from robustrl.testbed.teardown import sweep, teardown
 
 LOCK_FILE = ".lock"
+REAPER_EXIT_TIMEOUT_S = 5.0
 """Taken while a testbed picks its subnet and writes its state, so two cannot pick the same one."""
 
 
@@ -98,6 +99,7 @@ class Testbed:
         self.status = Status.NEW
         self._state: TestbedState | None = None
         self._cut_down: set[str] = set()
+        self._reaper: subprocess.Popen[bytes] | None = None
         self.faults: list[dict[str, Any]] = []
         """The faults in force (``cut`` / ``partition``), emptied by ``heal``."""
 
@@ -126,10 +128,15 @@ class Testbed:
         try:
             self._create(state)
             if self.reaper:
-                state = dataclasses.replace(state, reaper_pid=self._start_reaper(state))
+                reaper = self._start_reaper(state)
+                state = dataclasses.replace(state, reaper_pid=reaper.pid,
+                                            reaper_start=psutil.Process(reaper.pid).create_time())
                 write_state(state, self.state_dir)
         except BaseException:
             teardown(state, self.state_dir)
+            if self._reaper is not None:
+                self._reaper.kill()
+                self._reaper.wait(timeout=REAPER_EXIT_TIMEOUT_S)
             self.status = Status.DOWN
             raise
         self._state, self.status = state, Status.UP
@@ -176,11 +183,11 @@ class Testbed:
                 for cmd in links.shape_commands(end, self.shape):
                     run(cmd)
 
-    def _start_reaper(self, state: TestbedState) -> int:
-        proc = subprocess.Popen([sys.executable, "-m", REAPER_MODULE, str(self.state_dir), state.tag],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-        return proc.pid
+    def _start_reaper(self, state: TestbedState) -> subprocess.Popen[bytes]:
+        self._reaper = subprocess.Popen([sys.executable, "-m", REAPER_MODULE, str(self.state_dir), state.tag],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, start_new_session=True)
+        return self._reaper
 
     def down(self) -> None:
         """Remove everything (processes in the hosts, links, qdiscs, namespaces, bridge, state
@@ -188,7 +195,9 @@ class Testbed:
         if self.status is not Status.UP or self._state is None:
             self.status = Status.DOWN
             return
-        teardown(self._state, self.state_dir)
+        teardown(self._state, self.state_dir)  # kills the reaper too
+        if self._reaper is not None:
+            self._reaper.wait(timeout=REAPER_EXIT_TIMEOUT_S)  # reap it: no zombie for our lifetime
         self.status = Status.DOWN
         self.faults.clear()
 
