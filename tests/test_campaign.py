@@ -20,7 +20,9 @@ MEMBERS = {"trainer": 2, "rollout": 2, "request_manager": 1}
 # 60 steps for 20 faults: at ~1.5 s a step, a 24-step job ended while faults queued behind two
 # controller outages were still being retried (CI: 12 of 20 fired, the rest got "job is finished").
 CAMPAIGN_STEPS = int(os.environ.get("ROBUSTRL_TEST_CAMPAIGN_STEPS", "60"))
-CAMPAIGN_FAULTS = int(os.environ.get("ROBUSTRL_TEST_CAMPAIGN_FAULTS", "20"))
+# 22 planned for >= 20 injected: a fault whose trigger comes after the job's last step is not
+# injected (the job is finished), which is no loss; the assertion is on faults really injected.
+CAMPAIGN_FAULTS = int(os.environ.get("ROBUSTRL_TEST_CAMPAIGN_FAULTS", "22"))
 CAMPAIGN_SEED = 7
 
 

@@ -41,8 +41,10 @@ RETARGET_S = 45.0
 """How long an injection is retried while its target is down (being replaced), or while the
 controller that carries it out is itself down (a campaign crashes and freezes the controller too:
 its restart, plus the wait for the dead one's lease to expire, took 10-20 s on 2 cores)."""
-TRIGGER_WAIT_S = 8.0
-"""How long a phase / hand-off / recovery trigger is awaited before the fault fires anyway."""
+TRIGGER_WAIT_S = 3.0
+"""How long a phase / hand-off / recovery trigger is awaited before the fault fires anyway (a
+fault-free step of the campaign job takes ~0.3-0.6 s: a longer wait lets the job run far past the
+fault's step, and faults drawn late in the job found it finished)."""
 POLL_S = 0.25
 STUCK_LIMIT_S = 420.0
 """A campaign job with no step committed for this long is stopped and reported not completed."""
@@ -65,7 +67,7 @@ def campaign_spec(mode: str, steps: int, seed: int) -> dict[str, Any]:
             "staleness": STALENESS[mode],
             "data": {"prompts_per_step": 2, "group_size": 2},
             "rollout": {"replicas": 2, "max_new_tokens": 8, "max_turns": 2},
-            "tools": {"latency_s": 0.05, "timeout_s": 2.0},
+            "tools": {"latency_s": 0.3, "timeout_s": 2.0},
             "detector": dict(CAMPAIGN_DETECTOR), "recovery": {"max_restarts": 1000, "warm_spares": 1, "deadline_s": 600.0}}
 
 
