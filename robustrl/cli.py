@@ -1,4 +1,4 @@
-"""The ``robustrl`` command: up, down, submit, status, demo, chaos run, testbed up/down/list."""
+"""The ``robustrl`` command: up, down, submit, status, demo, chaos run, testbed up/down/cut/partition/heal/list."""
 
 from __future__ import annotations
 
@@ -396,6 +396,51 @@ def testbed_down(tags: list[str] = typer.Argument(None, help="Testbeds to remove
     except RobustRLError as exc:
         _fail(exc)
     console.print(f"removed: {', '.join(removed) or 'nothing'}")
+
+
+def _attached(tag: str) -> Any:
+    from robustrl.testbed import Testbed
+
+    try:
+        return Testbed.attach(tag)
+    except RobustRLError as exc:
+        _fail(exc)
+
+
+@testbed_app.command("cut")
+def testbed_cut(tag: str = typer.Argument(..., help="The testbed."),
+                host: str = typer.Argument(..., help="The host to take off the network (h0, h1, ...)."),
+                mode: str = typer.Option("drop", help="drop: packets vanish silently; down: the link goes down.")) -> None:
+    """Cut a host's link until `robustrl testbed heal`."""
+    from robustrl.testbed import CutMode
+
+    try:
+        _attached(tag).cut(host, CutMode(mode))
+    except (RobustRLError, ValueError) as exc:
+        _fail(exc)
+    console.print(f"cut {host} ({mode}) on {tag}")
+
+
+@testbed_app.command("partition")
+def testbed_partition(tag: str = typer.Argument(..., help="The testbed."),
+                      group_a: str = typer.Argument(..., help="Hosts on one side, comma-separated (h0,h1)."),
+                      group_b: str = typer.Argument(..., help="Hosts on the other side.")) -> None:
+    """Drop all traffic between two groups of hosts until `robustrl testbed heal`."""
+    try:
+        _attached(tag).partition(group_a.split(","), group_b.split(","))
+    except RobustRLError as exc:
+        _fail(exc)
+    console.print(f"partitioned {group_a} | {group_b} on {tag}")
+
+
+@testbed_app.command("heal")
+def testbed_heal(tag: str = typer.Argument(..., help="The testbed.")) -> None:
+    """Undo every cut and partition of a testbed (the link shaping stays)."""
+    try:
+        _attached(tag).heal()
+    except RobustRLError as exc:
+        _fail(exc)
+    console.print(f"healed {tag}")
 
 
 @testbed_app.command("list")

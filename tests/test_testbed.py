@@ -334,10 +334,25 @@ def test_cli_up_leaves_a_detached_testbed_that_down_removes() -> None:
         assert tag in [t["tag"] for t in json.loads(_cli("list").stdout)]
         sweep()  # a plain sweep keeps detached testbeds
         assert len(leftovers(tag)) == 4
+        # faults from other processes, through an attached handle
+        attached = Testbed.attach(tag)
+        server = attached.popen("h1", [sys.executable, "-m", PROBE, "listen"], stdout=subprocess.PIPE, text=True)
+        port = int(_first_json(server)["port"])
+        assert _reach(attached, "h0", attached.address("h1"), port)
+        assert _cli("cut", tag, "h1", "--mode", "down").returncode == 0
+        assert not _reach(attached, "h0", attached.address("h1"), port)
+        assert _cli("heal", tag).returncode == 0
+        assert eventually(lambda: _reach(attached, "h0", attached.address("h1"), port), timeout=10, what="healed")
+        assert _cli("partition", tag, "h0", "h1").returncode == 0
+        assert not _reach(attached, "h0", attached.address("h1"), port)
+        assert _cli("cut", tag, "h7").returncode == 2  # no such host, said so
+        attached.down()  # lets go: the testbed stays
+        assert len(leftovers(tag)) == 4
         down = _cli("down", tag)
         assert down.returncode == 0 and tag in down.stdout
         assert leftovers(tag) == [] and not (STATE_DIR / f"{tag}.json").exists()
         assert _cli("down", tag).returncode == 2  # unknown now, said so
+        assert server.wait(timeout=5) == -signal.SIGKILL  # the process inside went with it
     finally:
         for state in read_states():
             if state.tag == tag:

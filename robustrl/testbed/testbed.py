@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -98,12 +98,29 @@ class Testbed:
         self.state_dir = Path(state_dir)
         self.status = Status.NEW
         self._state: TestbedState | None = None
-        self._cut_down: set[str] = set()
         self._reaper: subprocess.Popen[bytes] | None = None
+        self._owned = True
         self.faults: list[dict[str, Any]] = []
         """The faults in force (``cut`` / ``partition``), emptied by ``heal``."""
 
     # --- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    def attach(cls, tag: str, state_dir: Path = STATE_DIR) -> Testbed:
+        """A handle on a running testbed that another process built (``robustrl testbed up``, a
+        bench): hosts, placement and faults work through it; its ``down()`` only lets go, the
+        testbed stays.
+
+        Raises:
+            TestbedError: no testbed ``tag`` in ``state_dir``.
+        """
+        state = next((s for s in read_states(Path(state_dir)) if s.tag == tag), None)
+        if state is None:
+            raise TestbedError(f"no testbed {tag!r} in {state_dir}")
+        tb = cls(hosts=len(state.hosts), link=state.link, delay=state.delay, subnet=state.subnet, reaper=False,
+                 state_dir=state_dir)
+        tb._state, tb.status, tb._owned = state, Status.UP, False
+        return tb
 
     @property
     def state(self) -> TestbedState:
@@ -144,11 +161,9 @@ class Testbed:
 
     def _plan(self) -> TestbedState:
         """Name everything and write the state file before creating anything."""
-        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         owner = None if self.detached else os.getpid()
         owner_start = psutil.Process(owner).create_time() if owner else None
-        with open(self.state_dir / LOCK_FILE, "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with self._lock():
             subnet = self.subnet or free_subnet({s.subnet for s in read_states(self.state_dir)})
             state = TestbedState.plan(new_tag(), subnet, self.n_hosts, self.link, self.delay,
                                       owner_pid=owner, owner_start=owner_start, created_at=time.time())
@@ -191,8 +206,8 @@ class Testbed:
 
     def down(self) -> None:
         """Remove everything (processes in the hosts, links, qdiscs, namespaces, bridge, state
-        file, reaper). Repeat calls do nothing."""
-        if self.status is not Status.UP or self._state is None:
+        file, reaper); an attached handle only lets go. Repeat calls do nothing."""
+        if self.status is not Status.UP or self._state is None or not self._owned:
             self.status = Status.DOWN
             return
         teardown(self._state, self.state_dir)  # kills the reaper too
@@ -246,10 +261,24 @@ class Testbed:
         the state file, so teardown kills it even if it has not entered the namespace yet."""
         proc = subprocess.Popen([*self.exec_prefix(host), *argv], **kwargs)
         with contextlib.suppress(psutil.Error):
-            start = psutil.Process(proc.pid).create_time()
-            self._state = dataclasses.replace(self.state, processes=(*self.state.processes, (proc.pid, start)))
-            write_state(self._state, self.state_dir)
+            self._record_process(proc.pid, psutil.Process(proc.pid).create_time())
         return proc
+
+    def _record_process(self, pid: int, start: float) -> None:
+        """Add a process to the state file; read again under the lock, since an attached handle
+        in another process may write it too."""
+        with self._lock():
+            current = next((s for s in read_states(self.state_dir) if s.tag == self.state.tag), self.state)
+            self._state = dataclasses.replace(current, processes=(*current.processes, (pid, start)))
+            write_state(self._state, self.state_dir)
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        """The state directory's lock (subnet choice, state file updates)."""
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(self.state_dir / LOCK_FILE, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
 
     def run(self, host: HostRef, argv: list[str], *, check: bool = False,
             **kwargs: Any) -> subprocess.CompletedProcess[Any]:
@@ -272,7 +301,6 @@ class Testbed:
         h = self.host(host)
         if mode is CutMode.DOWN:
             commands.run(["ip", "-n", self.state.switch_netns, "link", "set", h.bridge_port, "down"])
-            self._cut_down.add(h.name)
         else:
             for end in self._ends(h):
                 for cmd in links.cut_commands(end):
@@ -297,9 +325,8 @@ class Testbed:
             for end in self._ends(h):
                 for cmd in links.heal_commands(end):
                     commands.run(cmd, missing_ok=True)
-        for name in sorted(self._cut_down):
-            commands.run(["ip", "-n", self.state.switch_netns, "link", "set", self.host(name).bridge_port, "up"])
-        self._cut_down.clear()
+            # every port, not only those cut here: a fault may come from another handle (attach)
+            commands.run(["ip", "-n", self.state.switch_netns, "link", "set", h.bridge_port, "up"])
         self.faults.clear()
 
     def describe(self) -> dict[str, Any]:
