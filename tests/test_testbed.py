@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -176,6 +177,57 @@ def test_partition_separates_two_groups_until_healed(listener: tuple[str, int], 
         healed.partition(["h0"], ["h0", "h2"])
     healed.heal()
     assert _reach(healed, "h0", addr, port)
+
+
+_ECHO_CLIENT = """
+import socket, sys
+sock = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5)
+sock.settimeout(None)
+for line in sys.stdin:
+    sock.sendall(line.encode())
+    got = b""
+    while not got.endswith(b"\\n"):
+        got += sock.recv(4096)
+    print(got.decode().strip(), flush=True)
+"""
+
+
+def _answered(client: subprocess.Popen[str], msg: str, timeout: float) -> bool:
+    """Send ``msg`` over the client's open connection; True if its echo comes back in time."""
+    assert client.stdin is not None and client.stdout is not None
+    client.stdin.write(msg + "\n")
+    client.stdin.flush()
+    ready, _, _ = select.select([client.stdout], [], [], timeout)
+    return bool(ready) and client.stdout.readline().strip() == msg
+
+
+@needs_testbed
+@pytest.mark.parametrize("fault", ["cut_drop", "cut_down", "partition"])
+def test_a_fault_stalls_an_open_connection_and_heal_resumes_it(healed: Testbed, fault: str) -> None:
+    """What a replica sees: the connection is not reset, nothing passes while the fault lasts, and
+    after heal the same connection carries what was sent during the fault."""
+    server = _probe(healed, "h1", "echo")
+    client = None
+    try:
+        port = int(_first_json(server)["port"])
+        client = healed.popen("h0", [sys.executable, "-c", _ECHO_CLIENT, healed.address("h1"), str(port)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert _answered(client, "before", timeout=10)
+        if fault == "partition":
+            healed.partition(["h0"], ["h1", "h2"])
+        else:
+            healed.cut("h1", CutMode.DROP if fault == "cut_drop" else CutMode.DOWN)
+        assert not _answered(client, "during", timeout=1.0)
+        healed.heal()
+        assert client.stdout is not None
+        ready, _, _ = select.select([client.stdout], [], [], 15)  # a retransmission carries it
+        assert ready and client.stdout.readline().strip() == "during"
+        assert _answered(client, "after", timeout=5) and client.poll() is None
+    finally:
+        for proc in (client, server):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
 
 
 @needs_testbed

@@ -5,6 +5,7 @@ reachability check. Standard library only, so a probe starts in a few tens of mi
                                                                         then {"bytes", "seconds", "cpu_s"}
     python -m robustrl.testbed.probe source HOST PORT BYTES [--tuned]
     python -m robustrl.testbed.probe listen [--port P]                 accepts and closes, forever
+    python -m robustrl.testbed.probe echo [--port P]                   echoes one connection's bytes
     python -m robustrl.testbed.probe reach HOST PORT [--timeout S]     exit 0 if a connection opens
 
 ``--tuned`` sets what the weight transport sets (4 MiB socket buffers, TCP_NODELAY); without it
@@ -91,6 +92,16 @@ def listen(port: int) -> None:
             conn.close()
 
 
+def echo(port: int) -> None:
+    """Send back whatever one connection sends, until it closes."""
+    with _listener(port, False) as srv:
+        print(json.dumps({"port": srv.getsockname()[1]}), flush=True)
+        conn, _ = srv.accept()
+    with conn:
+        while data := conn.recv(CHUNK_BYTES):
+            conn.sendall(data)
+
+
 def reach(host: str, port: int, timeout: float) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):
@@ -163,6 +174,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tuned", action="store_true")
     p = sub.add_parser("listen")
     p.add_argument("--port", type=int, default=0)
+    p = sub.add_parser("echo")
+    p.add_argument("--port", type=int, default=0)
     p = sub.add_parser("reach")
     p.add_argument("host")
     p.add_argument("port", type=int)
@@ -174,6 +187,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps(source(args.host, args.port, args.bytes, args.tuned)), flush=True)
     elif args.cmd == "listen":
         listen(args.port)
+    elif args.cmd == "echo":
+        echo(args.port)
     else:
         return 0 if reach(args.host, args.port, args.timeout) else 1
     return 0
