@@ -1,6 +1,6 @@
 """Weight-sync benchmark: point-to-point throughput, relay fan-out, failure cost, memory.
 
-    python bench/weight_sync.py --out results/weight_sync.json [--bytes N] [--only p2p] [--kinds ucx]
+    python bench/weight_sync.py --out results/weight_sync.json [--bytes N] [--only p2p|scale] [--kinds ucx]
 
 Point-to-point runs the source and the puller in separate processes over loopback and compares
 TCP and UCX (``pull`` with checksum verification, and the bare transport without) against a
@@ -8,6 +8,9 @@ plain blocking socket copy of the same bytes measured in the same run. Fan-out r
 source and M replicas in one process, records which chunk came from which source when, and
 replays that schedule on a simulated cluster where every machine has its own link of
 ``--link-gbps``: relays should make cluster time grow slowly with M, trainer-only ~linearly.
+Every simulated figure is named ``simulated_*``; the rest are measured. Scale runs a real relayed
+pull of an 8,000-chunk manifest (7 relaying pullers + the trainer = 8 sources) and reports the
+measured pick time and HAVE requests per chunk.
 """
 
 from __future__ import annotations
@@ -265,10 +268,39 @@ async def fanout_run(kind: str, m: int, relay: bool, data: np.ndarray, manifest:
     uploads = [sum(t[4] for t in transfers if t[0] == src) / manifest.total_bytes for src in range(1, m + 1)]
     copy_s = manifest.total_bytes / link_bps
     simulated = simulate_cluster(transfers, link_bps)
+    received = sum(sum(stats.chunks_from.values()) for _, stats in results)
     out = {"m": m, "mode": "relay" if relay else "trainer_only", "trainer_bytes_sent": trainer.bytes_sent,
+           "control_msgs_per_chunk": sum(stats.control_msgs for _, stats in results) / max(1, received),
            "trainer_copies": trainer.bytes_sent / manifest.total_bytes, "wall_s": wall,
            "simulated_cluster_s": simulated, "simulated_copies": simulated / copy_s,
            "max_relay_upload_copies": max(uploads, default=0.0)}
+    for server in [trainer, *relays]:
+        await server.close()
+    return out
+
+
+async def scale_run(m: int, chunks: int, chunk_bytes: int) -> dict[str, object]:
+    """A real relayed pull of a manifest with ``chunks`` chunks (small ones, so the scheduling and
+    control cost shows, not the bytes): pick time per chunk and HAVE requests per chunk received."""
+    data, manifest = _payload(chunks * chunk_bytes, chunk_bytes, version=3)
+    trainer = WeightServer("tcp")
+    await trainer.start()
+    trainer.add_version(manifest, data)
+    relays = [WeightServer("tcp") for _ in range(m)]
+    for r in relays:
+        await r.start()
+    sources = [trainer.address, *(r.address for r in relays)]
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(pull(manifest, sources, relay=relays[i], seed=i) for i in range(m)))
+    wall = time.perf_counter() - t0
+    for buf, _ in results:
+        assert np.array_equal(buf, data)
+    picks = sorted(x for _, stats in results for x in stats.pick_s)
+    received = sum(sum(stats.chunks_from.values()) for _, stats in results)
+    out = {"chunks": manifest.num_chunks, "chunk_bytes": chunk_bytes, "m": m, "sources": m + 1, "wall_s": wall,
+           "pick_ms_p50": picks[len(picks) // 2] * 1e3, "pick_ms_p99": picks[int(len(picks) * 0.99)] * 1e3,
+           "control_msgs_per_chunk": sum(stats.control_msgs for _, stats in results) / received,
+           "trainer_copies": trainer.bytes_sent / manifest.total_bytes}
     for server in [trainer, *relays]:
         await server.close()
     return out
@@ -303,12 +335,23 @@ def main() -> None:
     ap.add_argument("--link-gbps", type=float, default=100.0, help="simulated per-machine link")
     ap.add_argument("--kinds", default="tcp,ucx", help="point-to-point transports (ucx is skipped if missing)")
     ap.add_argument("--idle-s", type=float, default=5.0, help="idle-CPU window for ucx_idle_cpu_fraction")
-    ap.add_argument("--only", choices=["all", "p2p"], default="all", help="p2p: skip fan-out and failure runs")
+    ap.add_argument("--only", choices=["all", "p2p", "scale"], default="all",
+                    help="p2p: skip fan-out and failure runs; scale: only the 8,000-chunk scheduling run")
+    ap.add_argument("--scale-chunks", type=int, default=8000)
+    ap.add_argument("--scale-m", type=int, default=7, help="relaying pullers (+1 trainer = sources)")
     args = ap.parse_args()
     link_bps = args.link_gbps * 1e9 / 8
 
     result: dict[str, object] = {"bytes": args.bytes, "chunk_bytes": args.chunk_bytes, "cpus": os.cpu_count(),
                                  "rounds": args.rounds}
+    scale = asyncio.run(scale_run(args.scale_m, args.scale_chunks, 4096))
+    result.update(scale=scale, pick_ms_p50=scale["pick_ms_p50"],
+                  control_msgs_per_chunk=scale["control_msgs_per_chunk"])
+    print(json.dumps({"scale": scale}), flush=True)
+    if args.only == "scale":
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        return
     kinds = [k for k in args.kinds.split(",") if k and k != "ucx"]
     if "ucx" in args.kinds.split(","):
         try:

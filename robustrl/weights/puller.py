@@ -3,11 +3,16 @@
 ``pull`` fetches every chunk of a manifest from whichever source holds it: trainer ranks
 (complete) or other replicas relaying the same version (partial, growing). It
 
-* asks every source which chunks it holds (HAVE) and re-asks every ``have_interval_s`` so it
-  discovers chunks that relays completed meanwhile, and new sources from a callable;
+* asks every source which chunks it holds (HAVE); re-asks only the partial ones (relays: a
+  complete source's answer cannot change), no sooner than ``have_interval_s`` apart, backing
+  off while answers do not change, and while chunks are arriving only as often as they arrive
+  (so control messages stay a small constant per chunk, ``PullStats.control_msgs``); new
+  sources come from a callable;
 * picks the rarest chunk first (ties broken by a per-puller random order) and fetches it from
   the least-loaded source holding it, so concurrent pullers fetch different chunks from the
-  trainer and each chunk leaves the trainer about once;
+  trainer and each chunk leaves the trainer about once. Picking is O(sources x log chunks):
+  each source keeps a heap of the pending chunks it holds keyed by rarity, kept current from
+  HAVE differences (:class:`_Index`), instead of scanning every chunk x source per pick;
 * verifies each chunk's checksum (XXH3-128 inline; legacy SHA-256 manifests in a worker thread
   while the next chunk is on the wire); a bad chunk is discarded and refetched elsewhere;
 * when a source dies or stalls mid-chunk it is dropped for the rest of the pull, completed
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import random
 import time
 from collections.abc import Callable
@@ -61,13 +67,17 @@ class PullStats:
     failed_sources: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     schedule: list[Transfer] = field(default_factory=list)
+    control_msgs: int = 0
+    """HAVE requests this puller sent (chunks received: ``sum(chunks_from.values())``)."""
+    pick_s: list[float] = field(default_factory=list)
+    """Seconds each chunk pick took (the scheduling cost per chunk)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Source:
     address: str
-    have: frozenset[int] = frozenset()
-    pending: frozenset[int] = frozenset()  # chunks the source's own puller is fetching
+    have: set[int] = field(default_factory=set)
+    pending: set[int] = field(default_factory=set)  # chunks the source's own puller is fetching
     load: int = 0  # reported by the source in its last reply
     served: int = 0  # chunks of this version it had uploaded at its last HAVE (all pullers)
     fetched: int = 0  # chunks we fetched from it since that HAVE
@@ -79,6 +89,188 @@ class _Source:
     control: TransportClient | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one HAVE at a time on `control`
     tiebreak: float = 0.0  # per-puller random: equally loaded sources are picked in different orders
+    heap: list[tuple[int, int, int]] = field(default_factory=list)  # (rarity, rank, chunk), see _Index
+    complete: bool = False  # holds every chunk: never asked again, never a relay to wait for
+    bits: tuple[np.ndarray, np.ndarray] | None = None  # last HAVE bitmaps (held, pending), unpacked
+
+
+HAVE_INTERVAL_MAX_S = 0.25
+"""Longest gap between HAVE rounds while nothing changes (the backoff's ceiling)."""
+POLLS_PER_CHUNK = 0.5
+"""While chunks arrive, a HAVE round to k partial sources waits for k x this many chunks received
+(so the HAVE requests per chunk received stay <= about 2)."""
+
+
+def _bitmap_changes(old: np.ndarray | None, new: np.ndarray) -> tuple[list[int], list[int]]:
+    """(set, cleared) indices between two unpacked 0/1 bitmaps: O(chunks) in numpy, not Python."""
+    if old is None:
+        return np.flatnonzero(new).tolist(), []
+    changed = np.flatnonzero(old != new)
+    if changed.size == 0:
+        return [], []
+    now = new[changed].astype(bool)
+    return changed[now].tolist(), changed[~now].tolist()
+
+
+class _Index:
+    """Which chunk to fetch next: rarity counts kept from HAVE differences, and per source a heap
+    of the chunks it holds keyed by (rarity, this puller's rank of the chunk).
+
+    A HAVE answer costs O(chunks that changed) here (the bitmaps are compared in numpy). Heap
+    entries go stale as rarity changes; a stale entry is re-keyed when it reaches the top (rarity
+    only grows while a version spreads; when it drops - a source died or lost a chunk - fresh
+    entries are pushed to the remaining holders). A complete source (the trainer) does not offer
+    a chunk that some relay holds or is fetching (``cover``); when that cover drops to zero the
+    chunk is offered to the complete sources again.
+    """
+
+    def __init__(self, n: int, rank: dict[int, int]) -> None:
+        self.n = n
+        self.rank = rank
+        self.holders = [0] * n
+        self.coming = [0] * n
+        self.cover = [0] * n
+        self.sources: list[_Source] = []
+
+    def key(self, chunk: int) -> int:
+        return self.holders[chunk] + self.coming[chunk]
+
+    def _push(self, source: _Source, chunk: int) -> None:
+        heapq.heappush(source.heap, (self.key(chunk), self.rank[chunk], chunk))
+
+    @staticmethod
+    def _covers(source: _Source, chunk: int) -> bool:
+        """Does this source count as a relay that holds (a good copy of) or is fetching ``chunk``?"""
+        return (not source.complete and not source.dead
+                and ((chunk in source.have and chunk not in source.bad) or chunk in source.pending))
+
+    def _covered(self, source: _Source) -> set[int]:
+        if source.complete or source.dead:
+            return set()
+        return (source.have - source.bad) | source.pending
+
+    def answer(self, source: _Source, payload: bytes) -> bool:
+        """Take a source's HAVE payload (``encode_have_reply``); return whether anything changed."""
+        size = (self.n + 7) // 8
+        raw = np.frombuffer(payload, dtype=np.uint8)
+        held = np.unpackbits(raw[:size], bitorder="little")[:self.n]
+        fetching = np.unpackbits(raw[size:2 * size], bitorder="little")[:self.n]
+        if fetching.size < self.n:  # a source that sends no pending bitmap
+            fetching = np.zeros(self.n, dtype=np.uint8)
+        old = source.bits
+        if old is None and (source.have or source.pending):  # after update(): compare with its sets
+            old = (np.zeros(self.n, dtype=np.uint8), np.zeros(self.n, dtype=np.uint8))
+            old[0][list(source.have)] = 1
+            old[1][list(source.pending)] = 1
+        source.bits = (held, fetching)
+        add_h, rm_h = _bitmap_changes(old[0] if old else None, held)
+        add_p, rm_p = _bitmap_changes(old[1] if old else None, fetching)
+        return self.apply(source, add_h, rm_h, add_p, rm_p)
+
+    def update(self, source: _Source, have: set[int] | frozenset[int], pending: set[int] | frozenset[int]) -> bool:
+        """Take a source's holdings as whole sets (tests, a MISSING answer); see :meth:`answer`."""
+        source.bits = None  # the next HAVE answer is compared against these sets, from scratch
+        return self.apply(source, list(set(have) - source.have), list(source.have - set(have)),
+                          list(set(pending) - source.pending), list(source.pending - set(pending)))
+
+    def apply(self, source: _Source, add_h: list[int], rm_h: list[int], add_p: list[int], rm_p: list[int]) -> bool:
+        if source not in self.sources:
+            self.sources.append(source)
+        if not (add_h or rm_h or add_p or rm_p):
+            return False
+        becomes_complete = len(source.have) + len(add_h) - len(rm_h) >= self.n
+        if becomes_complete and not source.complete:
+            before = self._covered(source)  # all of its cover goes (once per source and version)
+        else:
+            before = {c for c in (*add_h, *rm_h, *add_p, *rm_p) if self._covers(source, c)}
+        for c in add_h:
+            self.holders[c] += 1
+        for c in rm_h:
+            self.holders[c] -= 1
+        for c in add_p:
+            self.coming[c] += 1
+        for c in rm_p:
+            self.coming[c] -= 1
+        source.have.update(add_h)
+        source.have.difference_update(rm_h)
+        source.pending.update(add_p)
+        source.pending.difference_update(rm_p)
+        source.complete = becomes_complete
+        after = {c for c in (*add_h, *rm_h, *add_p, *rm_p) if self._covers(source, c)}
+        self._recover(before, after)
+        for c in add_h:
+            self._push(source, c)
+        self._refresh_holders(rm_h)
+        return True
+
+    def drop(self, source: _Source) -> None:
+        """A source died: it holds and fetches nothing any more."""
+        before = self._covered(source)
+        for c in source.have:
+            self.holders[c] -= 1
+        for c in source.pending:
+            self.coming[c] -= 1
+        lost = list(source.have)
+        source.have, source.pending, source.heap, source.bits = set(), set(), [], None
+        source.dead = True
+        self._recover(before, set())
+        self._refresh_holders(lost)
+
+    def mark_bad(self, source: _Source, chunk: int) -> None:
+        before = {chunk} if self._covers(source, chunk) else set()
+        source.bad.add(chunk)
+        self._recover(before, {chunk} if self._covers(source, chunk) else set())
+
+    def requeue(self, chunk: int) -> None:
+        """A fetch of ``chunk`` did not bring it: offer it again to every holder."""
+        for s in self.sources:
+            if not s.dead and chunk in s.have and chunk not in s.bad:
+                self._push(s, chunk)
+
+    def _recover(self, old: set[int], new: set[int]) -> None:
+        for c in new - old:
+            self.cover[c] += 1
+        freed = []
+        for c in old - new:
+            self.cover[c] -= 1
+            if self.cover[c] == 0:
+                freed.append(c)
+        if freed:
+            for s in self.sources:
+                if s.complete and not s.dead:
+                    for c in freed:
+                        self._push(s, c)
+
+    def _refresh_holders(self, chunks: list[int]) -> None:
+        """Rarity of ``chunks`` dropped: entries in holders' heaps are keyed too high; push fresh ones."""
+        if not chunks:
+            return
+        for s in self.sources:
+            if s.dead:
+                continue
+            for c in chunks:
+                if c in s.have:
+                    self._push(s, c)
+
+    def top(self, source: _Source, pending: set[int], busy: set[int]) -> int | None:
+        """The best chunk ``source`` can send now, or None."""
+        heap = source.heap
+        while heap:
+            key, rank, c = heap[0]
+            if c not in pending or c in busy or c not in source.have or c in source.bad:
+                heapq.heappop(heap)  # fetched, in flight (requeued if that fails), or not held
+                continue
+            current = self.key(c)
+            if key != current:
+                heapq.heapreplace(heap, (current, rank, c))
+                continue
+            if source.complete and self.cover[c] > 0:
+                # a relay holds it (but is busy) or is fetching it: wait for the relay rather than
+                # make the trainer send it twice (offered again if that cover goes away)
+                heapq.heappop(heap)
+                continue
+            return c
+        return None
 
 
 def _with_scheme(address: str, transport: str) -> str:
@@ -121,6 +313,11 @@ class _Pull:
         self.unavailable_since: float | None = None
         self.refresh_task: asyncio.Task[None] | None = None
         self.last_refresh = -1e9
+        self.index = _Index(manifest.num_chunks, self.rank)
+        self.interval = have_interval_s  # grows while HAVE answers do not change
+        self.changed = False  # some answer of the running round changed
+        self.received_at_refresh = 0  # chunks received when the last round started
+        self.asked_last = 0  # sources asked in the last round
 
     # -- sources ----------------------------------------------------------------------------
 
@@ -139,8 +336,7 @@ class _Pull:
     async def _kill(self, source: _Source) -> None:
         if source.dead:
             return
-        source.dead = True
-        source.have = frozenset()
+        self.index.drop(source)
         self.stats.failed_sources.append(source.address)
         clients = [*source.idle, *([source.control] if source.control else [])]
         source.idle.clear()
@@ -160,56 +356,71 @@ class _Pull:
                     return
                 if source.control is None:
                     source.control = await self._connect(source.address)
+                    source.control.decode_have = False  # the index compares the raw bitmaps
+                self.stats.control_msgs += 1
                 have = await asyncio.wait_for(source.control.have(self.m.version, self.m.num_chunks),
                                               self.stall_timeout_s)
         except (TransportError, TimeoutError, OSError):
             await self._kill(source)
             return
         if not source.dead and source.control is not None:
-            source.have = have
-            source.pending = source.control.pending
+            payload = source.control.have_payload
+            changed = (self.index.answer(source, payload) if payload is not None
+                       else self.index.update(source, have, frozenset()))  # MISSING: holds none of it
+            self.changed = self.changed or changed
             source.load = source.control.load
             source.served, source.fetched = source.control.served, 0
             source.asked = True
 
     async def _refresh(self) -> None:
         self._list_sources()
-        await asyncio.gather(*(self._ask(s) for s in self._live()))
+        # A complete source's answer cannot change (its load comes with every chunk it sends).
+        asked = [s for s in self._live() if not (s.asked and s.complete)]
+        self.asked_last = len(asked)
+        self.changed = False
+        await asyncio.gather(*(self._ask(s) for s in asked))
+        # Back off while nothing changes; answer changes at once when something does.
+        self.interval = self.have_interval_s if self.changed else min(self.interval * 2, HAVE_INTERVAL_MAX_S)
+
+    def _received(self) -> int:
+        return sum(self.stats.chunks_from.values())
 
     def _maybe_refresh(self, now: float) -> None:
-        if self.refresh_task is None and now - self.last_refresh >= self.have_interval_s:
-            self.last_refresh = now
-            self.refresh_task = asyncio.create_task(self._refresh(), name="weights-have")
+        if self.refresh_task is not None or now - self.last_refresh < self.interval:
+            return
+        # While chunks are arriving, a round waits for its share of them: HAVE requests per chunk
+        # received stay bounded however many relays there are. With nothing in flight (waiting for
+        # a relay to get something), the interval alone decides.
+        if self.inflight and self._received() - self.received_at_refresh < self.asked_last * POLLS_PER_CHUNK:
+            return
+        self.last_refresh = now
+        self.received_at_refresh = self._received()
+        self.refresh_task = asyncio.create_task(self._refresh(), name="weights-have")
 
     # -- scheduling -------------------------------------------------------------------------
 
     def _pick(self) -> tuple[int, _Source] | None:
+        t0 = time.perf_counter()
         busy = set(self.inflight.values())
-        everyone = self._live()
-        n = self.m.num_chunks
-        live = [s for s in everyone if s.inflight < self.per_source_inflight]
-        best: tuple[tuple[int, int], int, _Source] | None = None
-        for chunk in self.pending - busy:
-            holders = [s for s in live if chunk in s.have and chunk not in s.bad]
-            if not holders:
+        free = [s for s in self._live() if s.inflight < self.per_source_inflight]
+        best: tuple[tuple[int, int], int] | None = None
+        for source in free:
+            chunk = self.index.top(source, self.pending, busy)
+            if chunk is None:
                 continue
-            coming = sum(1 for s in everyone if chunk in s.pending)
-            partial = [s for s in holders if len(s.have) < n]
-            if partial:
-                holders = partial  # relays first: every chunk they serve is one the trainer doesn't
-            elif any(chunk in s.pending or (chunk in s.have and chunk not in s.bad)
-                     for s in everyone if len(s.have) < n):
-                # a relay holds it (but is busy) or its replica is fetching it already: wait for
-                # the relay instead of making the trainer (a complete source) send it twice
-                continue
-            rarity = sum(1 for s in everyone if chunk in s.have) + coming
-            key = (rarity, self.rank[chunk])
+            key = (self.index.key(chunk), self.rank[chunk])
             if best is None or key < best[0]:
-                # ties broken per puller, not by address: otherwise every puller would pick
-                # the same idle relay and its uplink would carry several copies
-                source = min(holders, key=self._cost)
-                best = (key, chunk, source)
-        return None if best is None else (best[1], best[2])
+                best = (key, chunk)
+        picked = None
+        if best is not None:
+            chunk = best[1]
+            holders = [s for s in free if chunk in s.have and chunk not in s.bad]
+            partial = [s for s in holders if not s.complete]
+            # relays first: every chunk they serve is one the trainer doesn't; ties broken per
+            # puller, not by address, so pullers do not all pick the same idle relay
+            picked = (chunk, min(partial or holders, key=self._cost))
+        self.stats.pick_s.append(time.perf_counter() - t0)
+        return picked
 
     @staticmethod
     def _cost(source: _Source) -> tuple[int, int, float]:
@@ -221,8 +432,9 @@ class _Pull:
         live = self._live()
         if any(not s.asked for s in live):
             return  # still waiting for first answers
+        holders, any_bad = self.index.holders, any(s.bad for s in live)
         missing = [c for c in self.pending
-                   if not any(c in s.have and c not in s.bad for s in live)]
+                   if holders[c] == 0 or (any_bad and not any(c in s.have and c not in s.bad for s in live))]
         if not missing:
             self.unavailable_since = None
             return
@@ -238,28 +450,25 @@ class _Pull:
                                   failed_sources=list(self.stats.failed_sources), reason=reason)
 
     async def _taken_elsewhere(self, chunk: int, source: _Source) -> bool:
-        """Before taking a chunk from a complete source (the trainer), re-ask the partial
-        sources (relays): if one holds it, or is fetching it and wins the tie (lower
-        address), leave it to them. We advertised our own fetch first, so of two replicas
-        racing for a chunk at least one sees the other."""
-        n = self.m.num_chunks
-        if self.relay is None or self.relay.address is None or len(source.have) < n:
+        """Before taking a chunk from a complete source (the trainer): if a relay holds it, or is
+        fetching it and wins the tie (lower address), leave it to them. Judged on the relays'
+        latest HAVE answers, which the adaptive rounds keep fresh while chunks move: re-asking
+        every relay before every such chunk cost relays x chunks control messages. We advertised
+        our own fetch first, so of two replicas racing for a chunk the later one sees the other."""
+        if self.relay is None or self.relay.address is None or not source.complete:
             return False
-        others = [s for s in self._live() if s is not source and len(s.have) < n]
-        if not others:
-            return False
-        await asyncio.gather(*(self._ask(s) for s in others))
         mine = self.relay.address
-        # re-filter: a relay that completed meanwhile is just another complete source
         return any((chunk in s.have and chunk not in s.bad) or (chunk in s.pending and s.address < mine)
-                   for s in self._live() if len(s.have) < n)
+                   for s in self._live() if not s.complete and s is not source)
 
     async def _fetch(self, chunk: int, source: _Source) -> None:
         try:
             await self._fetch_once(chunk, source)
         finally:
-            if self.relay is not None and chunk in self.pending:
-                self.relay.mark_pending(self.m.version, chunk, False)
+            if chunk in self.pending:  # not brought (failed, taken elsewhere, corrupt): offer it again
+                if self.relay is not None:
+                    self.relay.mark_pending(self.m.version, chunk, False)
+                self.index.requeue(chunk)
 
     async def _fetch_once(self, chunk: int, source: _Source) -> None:
         entry = self.m.chunks[chunk]
@@ -301,7 +510,8 @@ class _Pull:
         else:
             source.idle.append(client)  # free the connection before verifying: pipelining
         if not ok:
-            source.have = source.have - {chunk}  # it dropped the version or never had it
+            if not source.dead:  # it dropped the version or never had it
+                self.index.apply(source, [], [chunk] if chunk in source.have else [], [], [])
             return
         self.stats.bytes_received += entry.nbytes
         if self.m.hash == "sha256":
@@ -315,7 +525,7 @@ class _Pull:
         if not good:
             self.stats.corrupt_chunks += 1
             self.stats.bytes_resent += entry.nbytes
-            source.bad.add(chunk)
+            self.index.mark_bad(source, chunk)
             return
         self.pending.discard(chunk)
         self.stats.chunks_from[source.address] = self.stats.chunks_from.get(source.address, 0) + 1
@@ -353,9 +563,9 @@ class _Pull:
             if self.refresh_task is not None:
                 waitables.add(self.refresh_task)
             if not waitables:
-                await asyncio.sleep(max(0.0, self.last_refresh + self.have_interval_s - now))
+                await asyncio.sleep(max(0.0, self.last_refresh + self.interval - now))
                 continue
-            done, _ = await asyncio.wait(waitables, timeout=self.have_interval_s,
+            done, _ = await asyncio.wait(waitables, timeout=self.interval,
                                          return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task is self.refresh_task:

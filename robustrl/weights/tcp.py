@@ -179,7 +179,7 @@ class TcpClient(TransportClient):
         except OSError as exc:
             raise TransportError("weight source failed", address=self.address) from exc
         if status != Status.OK:
-            self.pending = frozenset()
+            self.pending, self.have_payload = frozenset(), None
             return frozenset()
         return self._read_have(bytes(bitmap), num_chunks)
 

@@ -108,10 +108,20 @@ class TransportClient(abc.ABC):
         self.served = 0
         """Chunks of the asked version the source said (in its last HAVE) it has uploaded."""
 
+    decode_have = True
+    """False: ``have`` returns an empty set and leaves ``pending`` alone, keeping the raw reply in
+    ``have_payload`` (a puller that tracks differences of the bitmaps itself sets this: decoding
+    every reply into sets costs O(chunks) per HAVE)."""
+    have_payload: bytes | None = None
+    """The last HAVE reply's payload (``encode_have_reply``); None after a MISSING answer."""
+
     def _read_have(self, payload: bytes, num_chunks: int) -> frozenset[int]:
         """Take a HAVE payload: set ``pending`` and ``served``; return the held chunks."""
-        held, self.pending = decode_have_reply(payload, num_chunks)
+        self.have_payload = payload
         self.served = decode_have_served(payload, num_chunks)
+        if not self.decode_have:
+            return frozenset()
+        held, self.pending = decode_have_reply(payload, num_chunks)
         return held
 
     @abc.abstractmethod
@@ -145,7 +155,7 @@ def encode_have(held: np.ndarray) -> bytes:
 def decode_have(bitmap: bytes, num_chunks: int) -> frozenset[int]:
     """Chunk indices set in a bitmap made by :func:`encode_have`."""
     bits = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), bitorder="little")[:num_chunks]
-    return frozenset(int(i) for i in np.flatnonzero(bits))
+    return frozenset(np.flatnonzero(bits).tolist())
 
 
 HAVE_SERVED = struct.Struct("!Q")

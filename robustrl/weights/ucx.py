@@ -314,7 +314,7 @@ class UcxClient(TransportClient):
     async def have(self, version: int, num_chunks: int) -> frozenset[int]:
         status, nbytes = await self._request(Op.HAVE, version, 0)
         if status != Status.OK or nbytes == 0:
-            self.pending = frozenset()
+            self.pending, self.have_payload = frozenset(), None
             return frozenset()
         bitmap = np.empty(nbytes, dtype=np.uint8)
         await self._recv_payload(bitmap, -1)
