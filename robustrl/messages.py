@@ -263,7 +263,18 @@ class WeightsAnnounce(Wire):
     epoch: int
     checksum: str
     sources: list[str]
-    manifest: dict[str, Any]  # robustrl.weights.manifest.Manifest, validated by the puller
+    manifest: dict[str, Any] | None = None
+    """The manifest inline (robustrl.weights.manifest.Manifest, validated by the puller); absent in
+    announcements by reference, the default: ~90 B per chunk outgrows one NATS message."""
+    manifest_digest: str = ""
+    """SHA-256 of the manifest's bytes: pullers fetch it from a source (MANIFEST) and check it."""
+    manifest_bytes: int = 0
+
+    @model_validator(mode="after")
+    def _names_a_manifest(self) -> WeightsAnnounce:
+        if self.manifest is None and not self.manifest_digest:
+            raise ValueError("an announcement carries its manifest or the manifest's digest")
+        return self
 
 
 class WeightsHave(Wire):

@@ -159,9 +159,12 @@ class Stack:
             for name, rc in self.supervisor.exited().items():
                 raise LaunchError(f"{name} exited with {rc}; see {self.run_dir}/logs/{name}.log", member=name)
             try:
-                if httpx.get(f"{self.api_url}/healthz", timeout=1.0).status_code == 200:
+                health = httpx.get(f"{self.api_url}/healthz", timeout=1.0)
+                # Ready = leading: until it holds the lease (a killed predecessor's lease runs out
+                # first) and has restored its jobs, its job routes answer 503.
+                if health.status_code == 200 and health.json().get("leading", True):
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.1)  # polling a process that is starting; bounded by the deadline
         raise LaunchError(f"controller not ready after {timeout_s:.0f}s; see {self.run_dir}/logs/controller.log")

@@ -69,10 +69,13 @@ class Replica:
     async def events(self, kind: str) -> list[Event]:
         return [e for e in await self.bus.read_events(self.job_id, timeout=1.0) if e.kind == kind]
 
-    async def announce(self, v: Version, epoch: int, sources: list[str], checksum: str | None = None) -> None:
+    async def announce(self, v: Version, epoch: int, sources: list[str], checksum: str | None = None,
+                       inline: bool = False) -> None:
+        """As the trainer announces: the manifest by digest (fetched from a source), or inline."""
         await self.bus.publish(subject(self.job_id, Verb.WEIGHTS), WeightsAnnounce(
             job_id=self.job_id, version=v.version, epoch=epoch, checksum=checksum or v.checksum,
-            sources=sources, manifest=v.manifest.model_dump(mode="json")))
+            sources=sources, **({"manifest": v.manifest.model_dump(mode="json")} if inline
+                                else {"manifest_digest": v.manifest.digest()})))
 
     async def relay_holds(self, v: Version) -> frozenset[int]:
         """Ask the replica's own weight server, as another replica pulling from it would."""
@@ -230,7 +233,7 @@ async def test_replica_follows_the_newest_gang_epoch_not_the_highest_version(rep
         v5, v9, v6 = make_version(5, seed=5), make_version(9, seed=9), make_version(6, seed=6)
         for v in (v5, v9, v6):
             servers.append(await _served(WeightServer(), v))
-        await replica.announce(v5, epoch=2, sources=[servers[0].address or ""])
+        await replica.announce(v5, epoch=2, sources=[servers[0].address or ""], inline=True)  # older trainers
         await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=5), timeout=WAIT_S,
                                what="v5 of epoch 2 loaded")
         # the old gang (epoch 1), not yet dead on another host, announces a higher version
@@ -260,3 +263,29 @@ async def _matching(events: object, **data: object) -> list[Event]:
 
 def _matching_now(events: list[Event], **data: object) -> list[Event]:
     return [e for e in events if all(e.data.get(k) == v for k, v in data.items())]
+
+
+async def test_replica_fetches_the_manifest_by_digest_and_never_pulls_against_a_forged_one(
+        replica: Replica) -> None:
+    """Announcements carry the manifest's digest; the manifest comes from a source. A source that
+    serves another manifest under the announced version (another lineage's v3, or a lie) is never
+    used to pull: nothing is loaded from it, the replica reports it, and loads from an honest one."""
+    servers: list[WeightServer] = []
+    try:
+        v3, forged = make_version(3, seed=13), make_version(3, seed=14)
+        servers.append(await _served(WeightServer(), forged))
+        await replica.announce(v3, epoch=0, sources=[servers[0].address or ""])
+        rejected = await eventually_async(lambda: _matching(replica.events("weights_rejected"), version=3),
+                                          timeout=WAIT_S, what="the forged manifest reported")
+        assert rejected[0].data["reason"] == "corrupt" and rejected[0].data["final"]
+        assert servers[0].bytes_sent == 0  # not one chunk pulled against it
+        servers.append(await _served(WeightServer(), v3))
+        await replica.announce(v3, epoch=0, sources=[servers[0].address or "", servers[1].address or ""])
+        loaded = await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=3),
+                                        timeout=WAIT_S, what="v3 loaded from the honest source")
+        # The liar also holds chunks of "v3": those it sent failed their checksums (chunk checks
+        # against the honest manifest) and were fetched again from the honest source.
+        assert loaded[0].data["checksum"] == v3.checksum
+    finally:
+        for server in servers:
+            await server.close()

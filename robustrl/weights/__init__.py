@@ -5,7 +5,7 @@ Importing this package needs neither torch nor ucxx: ``manifest`` and ``plan`` a
 """
 
 from robustrl.weights.manifest import ChunkEntry, Manifest, TensorEntry, build_manifest, chunk_checksum
-from robustrl.weights.puller import PullStats, Transfer, pull
+from robustrl.weights.puller import PullStats, Transfer, fetch_manifest, pull
 from robustrl.weights.server import Fault, WeightServer
 
 __all__ = [
@@ -18,5 +18,6 @@ __all__ = [
     "WeightServer",
     "build_manifest",
     "chunk_checksum",
+    "fetch_manifest",
     "pull",
 ]

@@ -102,6 +102,26 @@ class Manifest(BaseModel):
                 raise ValueError(f"tensor {tensor.name!r} runs past the end of the buffer")
         return self
 
+    def encode(self) -> bytes:
+        """The manifest as it travels (served on MANIFEST; its SHA-256 is :meth:`digest`)."""
+        return self.model_dump_json().encode()
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.encode()).hexdigest()
+
+    @classmethod
+    def decode(cls, data: bytes, digest: str) -> Manifest:
+        """Parse manifest bytes fetched from a source, refusing any whose SHA-256 is not ``digest``
+        (the announcement's): a source cannot make a replica pull against another manifest."""
+        got = hashlib.sha256(data).hexdigest()
+        if got != digest:
+            raise WeightSyncError("manifest bytes do not match the announced digest", want=digest, got=got,
+                                  reason="corrupt")
+        try:
+            return cls.model_validate_json(data)
+        except ValueError as exc:
+            raise WeightSyncError(f"manifest unreadable: {exc}", reason="corrupt") from exc
+
     @property
     def num_chunks(self) -> int:
         """How many chunks the buffer is cut into."""

@@ -633,3 +633,38 @@ async def pull(
     state = _Pull(manifest, sources, transport, relay, into, stall_timeout_s, connect_timeout_s,
                   max_inflight, per_source_inflight, have_interval_s, unavailable_grace_s, seed)
     return await state.run(timeout_s)
+
+
+async def fetch_manifest(sources: list[str], version: int, digest: str, *, transport: str = "tcp",
+                         timeout_s: float = 10.0, seed: int | None = None) -> Manifest:
+    """The manifest of ``version`` from the first source that serves one matching ``digest``.
+
+    Sources are tried in a per-caller random order (replicas spread these requests); one that is
+    down, lacks the version or serves other bytes is skipped.
+
+    Raises:
+        WeightSyncError: (retryable) no source served it; ``reason`` ``corrupt`` if some served
+            bytes that did not match the digest, else ``unavailable``.
+    """
+    order = [_with_scheme(a, transport) for a in sources]
+    random.Random(seed).shuffle(order)
+    lied = False
+    for address in order:
+        client = make_client(address)
+        try:
+            await asyncio.wait_for(client.connect(timeout_s), timeout_s)
+            data = await asyncio.wait_for(client.manifest(version), timeout_s)
+        except (TransportError, TimeoutError, OSError):
+            continue
+        finally:
+            with contextlib.suppress(Exception):
+                await client.close()
+        if data is None:
+            continue
+        try:
+            return Manifest.decode(data, digest)
+        except WeightSyncError:
+            lied = True
+    reason = "corrupt" if lied else "unavailable"
+    raise WeightSyncError(f"no source served the manifest of v{version} ({reason})", version=version,
+                          sources=len(order), reason=reason)

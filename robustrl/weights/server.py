@@ -71,6 +71,7 @@ class _Version:
     held: np.ndarray  # bool per chunk
     pending: np.ndarray  # bool per chunk: our puller is fetching it (advertised, never served)
     served: int = 0  # chunk replies sent for this version (advertised: pullers spread uploads)
+    manifest_json: bytes = b""  # served on MANIFEST (relays serve the manifest of what they relay)
 
 
 def _byte_view(buffer: object) -> memoryview:
@@ -135,7 +136,8 @@ class WeightServer(RequestHandler):
         held = np.full(manifest.num_chunks, complete, dtype=bool)
         self._versions.pop(manifest.version, None)
         self._versions[manifest.version] = _Version(manifest, view, held,
-                                                    np.zeros(manifest.num_chunks, dtype=bool))
+                                                    np.zeros(manifest.num_chunks, dtype=bool),
+                                                    manifest_json=manifest.encode())
         while len(self._versions) > self.max_versions:
             self._versions.popitem(last=False)
 
@@ -180,6 +182,8 @@ class WeightServer(RequestHandler):
             if entry is None:
                 return Reply(Status.MISSING)
             return Reply(Status.OK, encode_have_reply(entry.held, entry.pending, entry.served))
+        if op is Op.MANIFEST:
+            return Reply(Status.MISSING) if entry is None else Reply(Status.OK, entry.manifest_json)
         if entry is None or index >= entry.manifest.num_chunks or not entry.held[index]:
             return Reply(Status.MISSING)
         self._inflight += 1

@@ -183,6 +183,15 @@ class TcpClient(TransportClient):
             return frozenset()
         return self._read_have(bytes(bitmap), num_chunks)
 
+    async def manifest(self, version: int) -> bytes | None:
+        status, nbytes = await self._request(Op.MANIFEST, version, 0)
+        payload = bytearray(nbytes)
+        try:
+            await _recv_exactly(asyncio.get_running_loop(), self._sock, memoryview(payload))  # type: ignore[arg-type]
+        except OSError as exc:
+            raise TransportError("weight source failed", address=self.address) from exc
+        return bytes(payload) if status == Status.OK else None
+
     async def close(self) -> None:
         if self._sock is not None:
             self._sock.close()

@@ -4,7 +4,8 @@ A transport moves chunks of a flat weight buffer between a source (``WeightServe
 trainer rank or a relaying replica) and a puller. It knows two requests:
 
 * ``FETCH(version, index)`` -> the chunk's bytes, written straight into the caller's buffer;
-* ``HAVE(version)`` -> which chunks of that version the source holds (a bitmap).
+* ``HAVE(version)`` -> which chunks of that version the source holds (a bitmap);
+* ``MANIFEST(version)`` -> the version's manifest (JSON bytes).
 
 Every reply starts with a fixed 16-byte header carrying a status, the source's current load
 (requests in flight), and the payload length, so a puller learns the load of its sources
@@ -34,6 +35,10 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 class Op(enum.IntEnum):
     FETCH = 1
     HAVE = 2
+    MANIFEST = 3
+    """The version's manifest (its JSON, ``Manifest.encode``): a manifest grows ~90 B per chunk and
+    no longer fits one NATS message at real model sizes, so announcements carry its digest and
+    pullers fetch it from a source."""
 
 
 class Status(enum.IntEnum):
@@ -141,6 +146,10 @@ class TransportClient(abc.ABC):
         """Indices of the chunks of ``version`` this source holds (empty if none).
 
         Also sets ``self.pending`` from the reply (chunks the source is fetching itself)."""
+
+    @abc.abstractmethod
+    async def manifest(self, version: int) -> bytes | None:
+        """The manifest JSON of ``version`` this source serves (None if it has not that version)."""
 
     @abc.abstractmethod
     async def close(self) -> None:

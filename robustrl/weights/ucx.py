@@ -320,6 +320,14 @@ class UcxClient(TransportClient):
         await self._recv_payload(bitmap, -1)
         return self._read_have(bitmap.tobytes(), num_chunks)
 
+    async def manifest(self, version: int) -> bytes | None:
+        status, nbytes = await self._request(Op.MANIFEST, version, 0)
+        if status != Status.OK or nbytes == 0:
+            return None
+        payload = np.empty(nbytes, dtype=np.uint8)
+        await self._recv_payload(payload, -1)
+        return payload.tobytes()
+
     async def close(self) -> None:
         if self._ep is not None:
             with contextlib.suppress(*_UCX_ERRORS):

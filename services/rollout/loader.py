@@ -40,7 +40,7 @@ from robustrl.model.policy import weights_checksum
 from robustrl.services.rollout.announce import Announcements, Offer
 from robustrl.weights.flat import unflatten
 from robustrl.weights.manifest import Manifest
-from robustrl.weights.puller import PullStats, pull
+from robustrl.weights.puller import PullStats, fetch_manifest, pull
 from robustrl.weights.server import WeightServer
 
 log = logging.getLogger(__name__)
@@ -168,8 +168,11 @@ class WeightLoader:
         started = time.monotonic()
         give_up_s = self.cfg.pull_timeout_s * self.cfg.pull_attempts
         gave_up = False
+        got = await self._manifest(ann, avoid, started, give_up_s)
+        if got is None:
+            return
         try:
-            manifest = Manifest.model_validate(ann.manifest)
+            manifest = got if isinstance(got, Manifest) else Manifest.model_validate(got)
             manifest.check_matches(self.layout)
         except (ValueError, RobustRLError) as exc:
             # a layout this model cannot load: no retry can help
@@ -210,6 +213,30 @@ class WeightLoader:
                 if await self._verify_and_install(ann, manifest, buffer, stats, t0, avoid):
                     return
                 relay = None  # its chunks match a manifest whose weights do not: relay none of them
+            await self._wait_sources(retry_s)
+            retry_s = min(2 * retry_s, MAX_RETRY_S)
+
+    async def _manifest(self, ann: WeightsAnnounce, avoid: set[str], started: float,
+                        give_up_s: float) -> Manifest | dict[str, object] | None:
+        """The announced version's manifest: inline, or fetched from a source and checked against
+        the announced digest. Retried with back-off while no source serves it (the trainer may be
+        restarting); past the pull attempts' time together the replica reports it and gives up
+        (None). A re-announcement starts a new follow."""
+        if ann.manifest is not None:
+            return ann.manifest
+        retry_s = RETRY_S
+        while True:
+            try:
+                return await fetch_manifest(self._sources(ann, avoid), ann.version, ann.manifest_digest,
+                                            transport=self.cfg.transport,
+                                            timeout_s=min(STALL_TIMEOUT_S, self.cfg.pull_timeout_s), seed=self._seed)
+            except WeightSyncError as exc:
+                log.warning("v%d: manifest not fetched (%s)", ann.version, exc)
+                if time.monotonic() - started >= give_up_s:
+                    await self._reject(ann, str(getattr(exc, "reason", "unavailable")), error=str(exc), final=True,
+                                       waited_s=round(time.monotonic() - started, 3))
+                    await self._set(loading=False, failed=True)
+                    return None
             await self._wait_sources(retry_s)
             retry_s = min(2 * retry_s, MAX_RETRY_S)
 

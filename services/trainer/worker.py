@@ -258,8 +258,12 @@ class TrainerWorker:
         self.server.add_version(manifest, buffer)
         checksum = await asyncio.to_thread(weights_checksum, self.model)
         if self.ident.rank == 0:
+            # By reference: the manifest (~90 B per chunk) is served by every source on MANIFEST;
+            # inline it passed the bus's 1 MB message limit at about 11 GiB of weights.
+            encoded = manifest.encode()
             ann = WeightsAnnounce(job_id=self.ident.job_id, version=version, epoch=self.member.epoch,
-                                  checksum=checksum, sources=self.sources, manifest=manifest.model_dump(mode="json"))
+                                  checksum=checksum, sources=self.sources, manifest_digest=manifest.digest(),
+                                  manifest_bytes=len(encoded))
             await self.gang.set_pointer(ann.encode())  # fenced: a stale gang cannot point late joiners back
             assert self.member.bus
             await self.member.bus.publish(subject(self.ident.job_id, Verb.WEIGHTS), ann)
