@@ -44,10 +44,28 @@ def trainer_scenario(seed: int) -> Scenario:
 
 
 def rollout_scenario(seed: int) -> Scenario:
+    """Rollout crashes at seeded random moments of the step (mid-decode or mid tool turn, wherever
+    they land): a crash placed at the end of the tool wait, as before, never caught a turn in
+    flight and re-dispatched nothing."""
     return (Faults("rollout-crash", seed=seed)
-            .crash("rollout", member=0, at_step=6, within_step=3.3)
-            .crash("rollout", member=1, at_step=16, within_step=3.3)
-            .crash("rollout", member=0, at_step=26, within_step=3.3).build())
+            .crash("rollout", member=0, at_step=6, within_step="random")
+            .crash("rollout", member=1, at_step=11, within_step="random")
+            .crash("rollout", member=0, at_step=16, within_step="random")
+            .crash("rollout", member=1, at_step=21, within_step="random")
+            .crash("rollout", member=0, at_step=26, within_step="random").build())
+
+
+def redispatch_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """What the rollout crashes cost in generation, measured from the event log."""
+    crashes = [f for f in report["faults"] if f["role"] == "rollout"]
+    return {"crashes": len(crashes),
+            "tokens_regenerated": sum(f["tokens_regenerated"] for f in crashes),
+            "turns_redispatched": sum(f["turns_redispatched"] for f in crashes),
+            "turns_regenerated": sum(f["turns_regenerated"] for f in crashes),
+            "episodes_regenerated": sum(f["episodes_regenerated"] for f in crashes),
+            "max_turns_regenerated_per_episode": max(
+                (f["turns_regenerated"] / f["episodes_regenerated"] for f in crashes if f["episodes_regenerated"]),
+                default=0.0)}
 
 
 def kinds_scenario(seed: int) -> Scenario:
@@ -131,6 +149,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                                                 "recovery": {**spec_base["recovery"], "policy": pol}},
                                    rollout_scenario(args.seed), f"{pol} (rollout crashes)")
                 for pol in ("role_local", "whole_job")}
+            for pol in ("role_local", "whole_job"):
+                results["rollout_crash"][pol]["redispatch"] = redispatch_summary(results["rollout_crash"][pol])
             results["every_kind"] = await run_one(stack, api, spec("role_local"), kinds_scenario(args.seed),
                                                   "role_local (every fault kind)")
             # Benign: tools slower than rollout_idle_s, trainer waiting longer than trainer_idle_s,

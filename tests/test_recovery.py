@@ -108,6 +108,12 @@ def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, inf
     for d in redispatched:
         per_episode[d["episode_id"]] = per_episode.get(d["episode_id"], 0) + 1
     assert max(per_episode.values()) == 1
+    # The report (from the event log) counts what was generated again: turns and their tokens,
+    # at most one turn per affected episode.
+    crash = [f for f in api.report(jid)["faults"] if f["role"] == "rollout" and f["injected"]]
+    assert len(crash) == 1, crash
+    assert crash[0]["turns_regenerated"] >= 1 and crash[0]["tokens_regenerated"] > 0, crash
+    assert crash[0]["turns_regenerated"] == crash[0]["episodes_regenerated"], crash
     # The replacement joined and pulled the current weights; the trainer never restarted.
     started = [d["member_id"] for d in kinds(events, "member_started")]
     assert "rollout-0-i1" in started and "trainer-e2-r0" not in started

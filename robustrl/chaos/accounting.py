@@ -57,6 +57,12 @@ class FaultAccount:
     member_id: str = ""
     fault_id: str = ""
     injected: bool = True
+    turns_redispatched: int = 0
+    """Turns in flight on the failed member that the request manager sent elsewhere (work_lost)."""
+    turns_regenerated: int = 0
+    """Turns actually generated again because of this fault (turn_regenerated events)."""
+    episodes_regenerated: int = 0
+    """Distinct episodes those turns belong to (<= one turn each: only the lost turn is redone)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,9 @@ class _Fault:
     recovered: Event | None = None
     tokens: int = 0
     steps_redone: int = 0
+    turns: int = 0
+    regenerated: int = 0
+    episodes: set[str] = field(default_factory=set)
 
 
 def account(events: Iterable[Event], skipped: int | None = None) -> JobReport:
@@ -158,8 +167,11 @@ def _match_faults(log: list[Event]) -> list[_Fault]:
         elif e.kind == "work_lost":
             f.tokens += int(e.data.get("tokens", 0) or 0)
             f.steps_redone += int(e.data.get("steps_redone", 0) or 0)
+            f.turns += int(e.data.get("turns", 0) or 0)
         elif e.kind == "turn_regenerated":
             f.tokens += int(e.data.get("tokens", 0) or 0)
+            f.regenerated += 1
+            f.episodes.add(str(e.data.get("episode_id", "")))
     faults.sort(key=lambda f: (f.injected or f.detected).ts)  # type: ignore[union-attr]
     return faults
 
@@ -197,4 +209,6 @@ def _account_one(f: _Fault) -> FaultAccount:
     return FaultAccount(kind=str(src.data.get("kind", "?")), role=str(src.data.get("role", "?")),
                         detection_s=detection, recovery_s=recovery, tokens_regenerated=f.tokens,
                         steps_redone=f.steps_redone, member_id=str(src.data.get("member_id", "")),
-                        fault_id=str(src.data.get("fault_id", "")), injected=f.injected is not None)
+                        fault_id=str(src.data.get("fault_id", "")), injected=f.injected is not None,
+                        turns_redispatched=f.turns, turns_regenerated=f.regenerated,
+                        episodes_regenerated=len(f.episodes))
