@@ -69,6 +69,9 @@ class TrainerSpec(BaseModel):
     backend: Literal["gloo", "nccl"] = "gloo"
     lr: StrictFloat = Field(1e-2, gt=0.0, le=1.0)
     clip_eps: StrictFloat = Field(0.2, gt=0.0, le=1.0)
+    is_cap: StrictFloat | None = Field(2.0, ge=1.0, le=100.0, description=(
+        "Truncation of the importance weight pi_old / pi_behaviour applied to off-policy turns when "
+        "staleness > 0 (null: no correction, the clipped ratio is taken against the behaviour policy)."))
     checkpoint_keep: StrictInt = Field(3, ge=1, le=100, description="Complete checkpoints kept.")
 
 

@@ -58,6 +58,42 @@ def test_grpo_loss_gradient_zero_when_clipped() -> None:
     assert new.grad is not None and float(new.grad) == 0.0
 
 
+def test_truncated_importance_weight_by_hand() -> None:
+    """Off-policy turns: the ratio is taken against the proximal policy and each token weighted by
+    min(pi_prox / pi_behaviour, cap), a constant of the gradient."""
+    behaviour = torch.tensor([[-1.0, -1.0, -1.0]])
+    prox = torch.tensor([[-1.0, -1.0 + math.log(1.5), -1.0 + math.log(4.0)]])  # w = 1, 1.5, 4 -> cap 2
+    new = (prox + torch.tensor([[0.0, math.log(1.1), math.log(0.5)]])).requires_grad_(True)  # r = 1, 1.1, 0.5
+    mask = torch.ones(1, 3)
+    loss, stats = grpo_loss(new, prox, torch.tensor([1.0]), mask, clip_eps=0.2,
+                            behaviour_logprobs=behaviour, is_cap=2.0)
+    # per token -w * min(r A, clip(r) A): -1*min(1, 1), -1.5*min(1.1, 1.1), -2*min(0.5, 0.8)
+    assert float(loss) == pytest.approx(-(1.0 + 1.65 + 1.0) / 3)
+    assert stats["is_weight_mean"] == pytest.approx((1 + 1.5 + 2) / 3)
+    assert stats["is_truncated_frac"] == pytest.approx(1 / 3)
+    loss.backward()
+    # d/dnew of -w r A / 3 = -w r / 3 where the unclipped term is the min (here every token)
+    assert new.grad is not None
+    assert new.grad.tolist()[0] == pytest.approx([-1 / 3, -1.5 * 1.1 / 3, -2 * 0.5 / 3], rel=1e-5)
+    # without a cap the weight is the raw ratio; without behaviour logprobs, plain GRPO
+    uncapped, _ = grpo_loss(new.detach(), prox, torch.tensor([1.0]), mask, clip_eps=0.2,
+                            behaviour_logprobs=behaviour, is_cap=None)
+    assert float(uncapped) == pytest.approx(-(1.0 + 1.65 + 4 * 0.5) / 3)
+    plain, _ = grpo_loss(new.detach(), prox, torch.tensor([1.0]), mask, clip_eps=0.2)
+    assert float(plain) == pytest.approx(-(1.0 + 1.1 + 0.5) / 3)
+
+
+def test_train_step_with_off_policy_correction_runs_one_extra_forward_and_reports_weights() -> None:
+    model = build_policy(ModelSpec(), TOK, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    samples = build_samples([episode(1.0, "p0"), episode(0.0, "p0")], TOK)
+    stats = train_on_samples(model, opt, samples, clip_eps=0.2, pad_id=TOK.pad_id, is_cap=2.0)
+    # the behaviour logprobs above are made up (not the model's): weights differ from 1 and some
+    # are truncated at the cap
+    assert stats["is_weight_mean"] > 0 and 0.0 <= stats["is_truncated_frac"] <= 1.0
+    assert math.isfinite(stats["loss"])
+
+
 def episode(reward: float, pid: str = "p0") -> tuple[Prompt, list[Turn], float]:
     p = Prompt(pid, "lookup", "lookup abc:", "123", True, "lookup", {"key": "abc"})
     q = TOK.encode("ab") + [TOK.call_id]

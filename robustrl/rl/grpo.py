@@ -2,8 +2,14 @@
 
 Each episode is one sequence: prompt, assistant turns and tool turns concatenated. Only tokens
 the policy generated are trained on (``loss_mask``); prompt and tool-result tokens are context.
-Old logprobs are the ones the rollout engine recorded (temperature-1 policy logprobs), so the
-first update's ratio is 1 up to numerics and the clip bounds how far a stale turn can pull.
+Old logprobs are the ones the rollout engine recorded (the logprobs of the distribution it sampled
+from), so in sync mode the first update's ratio is 1 up to numerics and the clip bounds how far a
+turn can pull. With staleness > 0 (semi-sync, async) a turn may come from an older policy than the
+one being updated: ``train_on_samples(..., is_cap=C)`` then takes the clipped ratio against the
+current policy before the update (the proximal policy, one extra forward pass without gradient)
+and weights each token by the truncated importance ratio ``min(pi_prox / pi_behaviour, C)``
+(decoupled PPO with truncated importance sampling), so a stale turn is neither trusted as on-policy
+nor allowed an unbounded weight.
 """
 
 from __future__ import annotations
@@ -137,15 +143,21 @@ def grpo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float,
+    behaviour_logprobs: torch.Tensor | None = None,
+    is_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-ratio surrogate, averaged over the masked tokens of the whole batch.
 
-    ``loss = -sum(mask * min(r * A, clip(r, 1 - eps, 1 + eps) * A)) / sum(mask)`` with
-    ``r = exp(new - old)`` per token and ``A`` the episode's advantage ([B] or [B, T]).
+    ``loss = -sum(mask * w * min(r * A, clip(r, 1 - eps, 1 + eps) * A)) / sum(mask)`` with
+    ``r = exp(new - old)`` per token and ``A`` the episode's advantage ([B] or [B, T]). Without
+    ``behaviour_logprobs`` ``w = 1`` (``old`` is the behaviour policy); with them, ``old`` is the
+    proximal policy and ``w = min(exp(old - behaviour), is_cap)`` (no cap if ``is_cap`` is None),
+    a constant of the gradient.
 
     Returns:
-        (loss, stats) with ``clip_frac``, ``ratio_mean``, ``approx_kl`` (mean of old - new) and
-        ``tokens`` over the mask.
+        (loss, stats) with ``clip_frac``, ``ratio_mean``, ``approx_kl`` (mean of old - new),
+        ``tokens`` over the mask, and with behaviour logprobs ``is_weight_mean`` and
+        ``is_truncated_frac``.
     """
     mask = mask.to(new_logprobs.dtype)
     adv = advantages.to(new_logprobs.dtype)
@@ -155,6 +167,12 @@ def grpo_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    weight = None
+    if behaviour_logprobs is not None:
+        with torch.no_grad():
+            raw = torch.exp(old_logprobs - behaviour_logprobs.to(old_logprobs.dtype))
+            weight = raw if is_cap is None else torch.clamp(raw, max=is_cap)
+        per_token = per_token * weight
     tokens = mask.sum().clamp(min=1.0)
     loss = (per_token * mask).sum() / tokens
     with torch.no_grad():
@@ -165,6 +183,10 @@ def grpo_loss(
             "approx_kl": float(((old_logprobs - new_logprobs) * mask).sum() / tokens),
             "tokens": float(mask.sum()),
         }
+        if weight is not None:
+            stats["is_weight_mean"] = float((weight * mask).sum() / tokens)
+            truncated = (raw > is_cap).to(mask.dtype) if is_cap is not None else torch.zeros_like(mask)
+            stats["is_truncated_frac"] = float((truncated * mask).sum() / tokens)
     return loss, stats
 
 
@@ -177,6 +199,7 @@ def train_on_samples(
     pad_id: int,
     advantages: torch.Tensor | None = None,
     max_grad_norm: float | None = 1.0,
+    is_cap: float | None = None,
 ) -> dict[str, float]:
     """One optimizer step on ``samples``.
 
@@ -186,6 +209,9 @@ def train_on_samples(
             one rank's share of a batch, computed over the whole batch. Default: computed here
             from the samples' own groups.
         max_grad_norm: clip the gradient norm (None: no clipping).
+        is_cap: off-policy correction (module docstring): the ratio is taken against the policy
+            before this update and tokens are weighted by the importance ratio to the behaviour
+            policy, truncated at ``is_cap``. None: the ratio is taken against the behaviour policy.
 
     Returns:
         loss, grad_norm, reward_mean, advantage_abs_mean and the :func:`grpo_loss` stats.
@@ -200,9 +226,17 @@ def train_on_samples(
     device = next(model.parameters()).device
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    new = token_logprobs(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-    loss, stats = grpo_loss(new, batch["old_logprobs"].to(device), advantages.to(device),
-                            batch["loss_mask"].to(device), clip_eps)
+    ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    behaviour = batch["old_logprobs"].to(device)
+    if is_cap is not None:
+        with torch.no_grad():
+            proximal = token_logprobs(model, ids, attn)
+        new = token_logprobs(model, ids, attn)
+        loss, stats = grpo_loss(new, proximal, advantages.to(device), batch["loss_mask"].to(device), clip_eps,
+                                behaviour_logprobs=behaviour, is_cap=is_cap)
+    else:
+        new = token_logprobs(model, ids, attn)
+        loss, stats = grpo_loss(new, behaviour, advantages.to(device), batch["loss_mask"].to(device), clip_eps)
     loss.backward()
     grad_norm = 0.0
     if max_grad_norm is not None:

@@ -177,7 +177,9 @@ class TrainerWorker:
         mine = list(range(self.ident.rank, len(samples), self.ident.world_size))
         return grpo.train_on_samples(self.ddp, self.opt, [samples[i] for i in mine],
                                      clip_eps=self.spec.trainer.clip_eps, pad_id=self.tok.pad_id,
-                                     advantages=adv[mine])
+                                     advantages=adv[mine],
+                                     # off-policy turns exist only with staleness > 0 (semi-sync, async)
+                                     is_cap=self.spec.trainer.is_cap if self.spec.staleness > 0 else None)
 
     async def _loop(self) -> None:
         bus = self.member.bus
