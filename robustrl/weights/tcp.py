@@ -171,26 +171,26 @@ class TcpClient(TransportClient):
             raise TransportError("weight source failed mid-chunk", address=self.address, chunk=index) from exc
         return True
 
-    async def have(self, version: int, num_chunks: int) -> frozenset[int]:
-        status, nbytes = await self._request(Op.HAVE, version, 0)
-        bitmap = bytearray(nbytes)
-        try:
-            await _recv_exactly(asyncio.get_running_loop(), self._sock, memoryview(bitmap))  # type: ignore[arg-type]
-        except OSError as exc:
-            raise TransportError("weight source failed", address=self.address) from exc
-        if status != Status.OK:
-            self.pending, self.have_payload = frozenset(), None
-            return frozenset()
-        return self._read_have(bytes(bitmap), num_chunks)
-
-    async def manifest(self, version: int) -> bytes | None:
-        status, nbytes = await self._request(Op.MANIFEST, version, 0)
+    async def _reply(self, op: Op, version: int) -> tuple[Status, bytes]:
+        """One request whose whole reply payload is read (HAVE, MANIFEST)."""
+        status, nbytes = await self._request(op, version, 0)
         payload = bytearray(nbytes)
         try:
             await _recv_exactly(asyncio.get_running_loop(), self._sock, memoryview(payload))  # type: ignore[arg-type]
         except OSError as exc:
             raise TransportError("weight source failed", address=self.address) from exc
-        return bytes(payload) if status == Status.OK else None
+        return status, bytes(payload)
+
+    async def have(self, version: int, num_chunks: int) -> frozenset[int]:
+        status, payload = await self._reply(Op.HAVE, version)
+        if status != Status.OK:
+            self.pending, self.have_payload = frozenset(), None
+            return frozenset()
+        return self._read_have(payload, num_chunks)
+
+    async def manifest(self, version: int) -> bytes | None:
+        status, payload = await self._reply(Op.MANIFEST, version)
+        return payload if status == Status.OK else None
 
     async def close(self) -> None:
         if self._sock is not None:
