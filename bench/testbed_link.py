@@ -50,21 +50,27 @@ def _summary(rounds: list[Transfer], link_bps: int | None) -> dict[str, Any]:
     }
 
 
-def run(link: str | None, nbytes: int, rounds: int) -> dict[str, Any]:
+def measure(tb: Testbed, nbytes: int, rounds: int, src: str = "h0", dst: str = "h1") -> dict[str, Any]:
+    """Tuned and default rounds, alternating, from ``src`` to ``dst`` on a testbed that is up."""
     started = time.time()
-    with Testbed(hosts=2, link=link) as tb:
-        results: dict[bool, list[Transfer]] = {True: [], False: []}
-        for _ in range(rounds):
-            for tuned in (True, False):
-                results[tuned].append(transfer(tb, "h0", "h1", nbytes, tuned=tuned))
+    results: dict[bool, list[Transfer]] = {True: [], False: []}
+    for _ in range(rounds):
+        for tuned in (True, False):
+            results[tuned].append(transfer(tb, src, dst, nbytes, tuned=tuned))
+    link = tb.link
     link_bps = parse_rate(link) if link else None
-    tuned, default = _summary(results[True], link_bps), _summary(results[False], link_bps)
+    tuned_s, default_s = _summary(results[True], link_bps), _summary(results[False], link_bps)
     return {
         "link": link, "link_gbps": link_bps / 1e9 if link_bps else None, "bytes": nbytes, "rounds": rounds,
-        "tuned": tuned, "default": default,
-        "raw_tuned_gibps": tuned["best_gibps"], "raw_default_gibps": default["best_gibps"],
+        "tuned": tuned_s, "default": default_s,
+        "raw_tuned_gibps": tuned_s["best_gibps"], "raw_default_gibps": default_s["best_gibps"],
         "wall_s": round(time.time() - started, 2),
     }
+
+
+def run(link: str | None, nbytes: int, rounds: int) -> dict[str, Any]:
+    with Testbed(hosts=2, link=link) as tb:
+        return measure(tb, nbytes, rounds)
 
 
 def main() -> int:

@@ -11,6 +11,14 @@ replays that schedule on a simulated cluster where every machine has its own lin
 Every simulated figure is named ``simulated_*``; the rest are measured. Scale runs a real relayed
 pull of an 8,000-chunk manifest (7 relaying pullers + the trainer = 8 sources) and reports the
 measured pick time and HAVE requests per chunk.
+
+    python bench/weight_sync.py --testbed --out bench/results/weight_sync_testbed.json [--link 200mbit,100mbit]
+
+``--testbed`` measures the fan-out instead of simulating it: the trainer and each replica run in
+their own process on their own testbed host (network namespace, link shaped to ``--link``), see
+``bench/testbed_fanout.py``; next to it the raw TCP rate between two hosts at the same link rate
+(tuned like the transport and with defaults, ``bench/testbed_link.py``), the scale run and the
+relay-failure run. Needs root; exits 2 with the reason without it.
 """
 
 from __future__ import annotations
@@ -339,7 +347,15 @@ def main() -> None:
                     help="p2p: skip fan-out and failure runs; scale: only the 8,000-chunk scheduling run")
     ap.add_argument("--scale-chunks", type=int, default=8000)
     ap.add_argument("--scale-m", type=int, default=7, help="relaying pullers (+1 trainer = sources)")
+    ap.add_argument("--testbed", action="store_true",
+                    help="measure the fan-out on testbed hosts with shaped links (root); see --link")
+    ap.add_argument("--link", default="200mbit",
+                    help="--testbed: per-host link rate(s), tc units, comma-separated (one testbed each)")
+    ap.add_argument("--raw-bytes", type=int, default=32 << 20, help="--testbed: raw TCP baseline bytes")
+    ap.add_argument("--raw-rounds", type=int, default=2, help="--testbed: raw TCP baseline rounds per mode")
     args = ap.parse_args()
+    if args.testbed:
+        sys.exit(testbed_main(args))
     link_bps = args.link_gbps * 1e9 / 8
 
     result: dict[str, object] = {"bytes": args.bytes, "chunk_bytes": args.chunk_bytes, "cpus": os.cpu_count(),
@@ -387,6 +403,72 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+
+
+def testbed_main(args: argparse.Namespace) -> int:
+    """``--testbed``: the measured fan-out and raw baselines per link rate, then the scale and
+    relay-failure runs (on loopback: they measure scheduling and recovery, not links)."""
+    import testbed_fanout
+    import testbed_link
+
+    from robustrl.errors import TestbedUnavailable
+    from robustrl.testbed import Testbed
+    from robustrl.testbed.links import parse_rate
+
+    ms = [int(x) for x in args.fanout_m.split(",") if x]
+    result: dict[str, object] = {"mode": "testbed", "cpus": os.cpu_count(), "fanout_bytes": args.fanout_bytes,
+                                 "fanout_chunk_bytes": args.fanout_chunk_bytes, "fanout_m": ms}
+    fanout: list[dict[str, object]] = []
+    raw: dict[str, dict[str, object]] = {}
+    started = time.time()
+    try:
+        for link in [x for x in args.link.split(",") if x]:
+            link_bps = parse_rate(link)
+            with Testbed(hosts=2, link=link) as tb:
+                raw[link] = testbed_link.measure(tb, args.raw_bytes, args.raw_rounds)
+            print(json.dumps({"raw": raw[link]}), flush=True)
+            fanout += testbed_fanout.run_testbed(link, ms, args.fanout_bytes, args.fanout_chunk_bytes, link_bps,
+                                                 log=lambda rec: print(json.dumps(rec), flush=True))
+    except TestbedUnavailable as exc:
+        print(f"testbed unavailable: {exc}", file=sys.stderr)
+        return 2
+    first = next(iter(raw.values()))
+    result.update(
+        link=args.link, fanout=fanout, raw_by_link=raw,
+        raw_units="GiB/s of payload over one shaped link (link-limited, not the machine's socket rate)",
+        raw_tuned_gibps=first["raw_tuned_gibps"], raw_default_gibps=first["raw_default_gibps"],
+        fanout_wall_s=round(time.time() - started, 1))
+    one = next((r for r in fanout if r["m"] == 1 and r["mode"] == "trainer_only"), None)
+    if one is not None:  # the transport's pull next to a raw socket over the same kind of link
+        pull_gibps = args.fanout_bytes / one["wall_s"] / GIB  # type: ignore[operator]
+        result.update(testbed_tcp_pull_gibps=round(pull_gibps, 4),
+                      testbed_tcp_pull_vs_raw_tuned=round(pull_gibps / first["raw_tuned_gibps"], 3))  # type: ignore[operator]
+    result["targets"] = _testbed_targets(fanout)
+    scale = asyncio.run(scale_run(args.scale_m, args.scale_chunks, 4096))
+    result.update(scale=scale, pick_ms_p50=scale["pick_ms_p50"], control_msgs_per_chunk=scale["control_msgs_per_chunk"])
+    data, manifest = _payload(args.fanout_bytes, args.fanout_chunk_bytes, version=2)
+    result["relay_failure"] = asyncio.run(relay_failure("tcp", data, manifest))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "fanout"}, indent=2))
+    return 0
+
+
+def _testbed_targets(fanout: list[dict[str, object]]) -> list[dict[str, object]]:
+    """The issue's fan-out targets at the largest M, per link rate, against what was measured."""
+    out = []
+    for link_gbps in sorted({r["link_gbps"] for r in fanout}, reverse=True):  # type: ignore[type-var]
+        rows = [r for r in fanout if r["link_gbps"] == link_gbps]
+        m = max(r["m"] for r in rows)  # type: ignore[type-var]
+        relay = next(r for r in rows if r["m"] == m and r["mode"] == "relay")
+        only = next(r for r in rows if r["m"] == m and r["mode"] == "trainer_only")
+        out.append({"link_gbps": link_gbps, "m": m,
+                    "relay_wall_over_copy": relay["wall_over_copy"], "relay_target": "<= 2.5",
+                    "relay_met": relay["wall_over_copy"] <= 2.5,  # type: ignore[operator]
+                    "trainer_only_wall_over_copy": only["wall_over_copy"], "trainer_only_expected": f"~{m}",
+                    "relay_trainer_copies": relay["trainer_copies"], "trainer_copies_target": "~1",
+                    "cpu_limited": bool(relay["cpu_limited"] or only["cpu_limited"])})
+    return out
 
 
 if __name__ == "__main__":
