@@ -52,8 +52,8 @@ PULL_CONNECT_TIMEOUT_S = 30.0
 PULL_STALL_TIMEOUT_S = 30.0
 """``pull``'s defaults (5 s connect, 10 s per chunk or HAVE answer) are for a LAN. On a shaped
 link the sender's queue is the host's whole backlog: with 16 trainer-only flows of 4 MiB socket
-buffers a SYN-ACK or a HAVE answer from the trainer can wait seconds behind it (at 100 Mbit/s a
-replica that connected late was declared dead by the 5 s / 10 s limits and its pull failed), so
+buffers a SYN-ACK or a HAVE answer from the trainer can wait seconds behind it (at 200 Mbit/s,
+M=16 trainer-only, a replica that started late lost the trainer to those limits and failed), so
 the benchmark gives the pulls longer and records the limits it used."""
 
 

@@ -417,7 +417,7 @@ def testbed_main(args: argparse.Namespace) -> int:
 
     ms = [int(x) for x in args.fanout_m.split(",") if x]
     result: dict[str, object] = {"mode": "testbed", "cpus": os.cpu_count(), "fanout_bytes": args.fanout_bytes,
-                                 "fanout_chunk_bytes": args.fanout_chunk_bytes, "fanout_m": ms}
+                                 "fanout_chunk_bytes": args.fanout_chunk_bytes, "fanout_m": ms, **_provenance()}
     fanout: list[dict[str, object]] = []
     raw: dict[str, dict[str, object]] = {}
     started = time.time()
@@ -452,6 +452,19 @@ def testbed_main(args: argparse.Namespace) -> int:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "fanout"}, indent=2))
     return 0
+
+
+def _provenance() -> dict[str, object]:
+    """The commit measured, and whether the weight code differed from it (the workers import the
+    working tree)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    git = ["git", "-C", str(root)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run([*git, "status", "--porcelain", "robustrl/weights", "bench"], check=True,
+                           capture_output=True, text=True).stdout.split("\n")
+    return {"git_head": head, "git_uncommitted": [line[3:] for line in dirty if line.strip()]}
 
 
 def _testbed_targets(fanout: list[dict[str, object]]) -> list[dict[str, object]]:
