@@ -65,6 +65,7 @@ class Stack:
                          "REDIS_TRAINER_PASSWORD", "REDIS_ROLLOUT_PASSWORD", "S3_TRAINER_SECRET_KEY",
                          "S3_CONTROLLER_SECRET_KEY")}
         self.api_port, self.redis_port, self.s3_port = _free_port(), _free_port(), _free_port()
+        self.nats_port = _free_port()
         env = {
             **self.secrets, "NATS_USER": "robustrl", "S3_ACCESS_KEY": "rrl" + secrets.token_hex(6),
             "DOCKER_GID": str(engine.socket.stat().st_gid), "DOCKER_SOCKET": str(engine.socket),
@@ -73,10 +74,11 @@ class Stack:
         }
         self.env = env
         (ctx / "compose" / ".env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
-        # Test only: publish Redis and the S3 server on loopback so the consistency checks can
-        # read the job's stores (the shipped compose file publishes nothing but the API).
+        # Test only: publish NATS, Redis and the S3 server on loopback so the auditor can read the
+        # job's raw stores (the shipped compose file publishes nothing but the API).
         (ctx / "compose" / "test-ports.yml").write_text(
             f"services:\n"
+            f"  nats:\n    ports: [\"127.0.0.1:{self.nats_port}:4222\"]\n"
             f"  redis:\n    ports: [\"127.0.0.1:{self.redis_port}:6379\"]\n"
             f"  minio:\n    ports: [\"127.0.0.1:{self.s3_port}:9000\"]\n")
         self.cli = [*compose_cli(), "-p", PROJECT, "--project-directory", str(ctx / "compose"),
@@ -97,8 +99,9 @@ class Stack:
         return done.stdout[-6000:]
 
     def settings(self) -> Settings:
-        """Settings that reach the stack's Redis and S3 server from the host."""
-        return Settings(redis_url=f"redis://:{self.secrets['REDIS_PASSWORD']}@127.0.0.1:{self.redis_port}/0",
+        """Settings that reach the stack's NATS, Redis and S3 server from the host (operator users)."""
+        return Settings(nats_url=f"nats://{self.env['NATS_USER']}:{self.secrets['NATS_PASSWORD']}@127.0.0.1:{self.nats_port}",
+                        redis_url=f"redis://:{self.secrets['REDIS_PASSWORD']}@127.0.0.1:{self.redis_port}/0",
                         s3_endpoint=f"127.0.0.1:{self.s3_port}", s3_access_key=self.env["S3_ACCESS_KEY"],
                         s3_secret_key=self.secrets["S3_SECRET_KEY"], s3_secure=False)
 

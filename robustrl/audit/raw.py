@@ -9,6 +9,8 @@ never repaired.
 
 from __future__ import annotations
 
+import asyncio
+
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -117,11 +119,18 @@ async def read_event_log(nats_url: str, job_id: str, *, fetch_timeout_s: float =
         TransportError: NATS unreachable, the stream missing, or a fetch got nothing for
             ``fetch_timeout_s`` while messages were still due.
     """
+    async def _quiet(_exc: Exception) -> None:
+        return None  # the outcome is the TransportError below, not a traceback per attempt
+
     try:
-        nc = await nats.connect(servers=[nats_url], name="auditor", connect_timeout=CONNECT_TIMEOUT_S,
-                                allow_reconnect=False, max_reconnect_attempts=0)
-    except Exception as exc:  # nats raises several unrelated types here
-        raise TransportError(f"auditor cannot connect to NATS: {exc}") from exc
+        # Bounded: nats-py's initial connect to a refused port retried forever here (the compose
+        # test's auditor hung 25 min on a NATS URL it could not reach).
+        nc = await asyncio.wait_for(
+            nats.connect(servers=[nats_url], name="auditor", connect_timeout=CONNECT_TIMEOUT_S,
+                         allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet),
+            CONNECT_TIMEOUT_S * 3)
+    except Exception as exc:  # nats raises several unrelated types here; TimeoutError from the bound
+        raise TransportError(f"auditor cannot connect to NATS at {_redacted(nats_url)}: {exc!r}") from exc
     try:
         js = nc.jetstream()
         try:
@@ -365,3 +374,14 @@ def scan_checkpoints(store: ObjectStore, job_id: str) -> list[RawCheckpoint]:
                 ck.problems.append(f"blob {key}: sha256 mismatch")
         out.append(ck)
     return out
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password (error messages end up in logs)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
