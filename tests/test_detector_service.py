@@ -16,6 +16,7 @@ from support import eventually_async
 
 from robustrl.bus import Bus
 from robustrl.config import DetectorSpec, Settings, reference_job
+from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.messages import (
     ControlCommand, FaultReport, MemberExited, MetricsSample, ProbeReply, ProbeRequest, SpecReply, SpecRequest,
 )
@@ -29,16 +30,21 @@ WAIT_S = 8.0
 
 
 @pytest.fixture(scope="module")
-def infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedInfra]:
     """Servers of this module's own: the session's stack runs a detector of its own, which
     would report the same faults a second time on shared servers."""
-    from robustrl.infra.embedded import EmbeddedInfra
-
-    embedded = EmbeddedInfra(tmp_path_factory.mktemp("detector-infra"))
+    servers = EmbeddedInfra(tmp_path_factory.mktemp("detector-infra"))
     try:
-        yield embedded.start()
+        servers.start()
+        yield servers
     finally:
-        embedded.stop()
+        servers.stop()
+
+
+@pytest.fixture(scope="module")
+def infra(embedded: EmbeddedInfra) -> Settings:
+    assert embedded.settings
+    return embedded.settings
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +194,17 @@ async def test_crash_is_reported_and_stopped_members_are_forgotten(job: Job) -> 
     await eventually_async(lambda: job.faults_of("r-witness"), timeout=WAIT_S, what="witness reported")
     assert job.faults_of("r-witness")[0].kind == "unresponsive"
     assert job.faults_of("r-ok") == [] and job.faults_of("r-dead") == []
+
+
+async def test_a_nats_outage_is_not_blamed_on_the_members(job: Job, embedded: EmbeddedInfra) -> None:
+    """NATS down for longer than silence + probe: every member falls silent to the detector, and
+    its probes cannot reach them. That is the detector's own outage, not the members' (it replaced
+    both replicas after a NATS restart before this)."""
+    for member_id in ("rollout-0-i0", "rollout-1-i0"):
+        await job.member(member_id, progress=True, answer_probes=True)
+    await asyncio.sleep(1.0)  # the members run normally for a while first
+    outage_s = 3 * (THRESHOLDS.silence_s + THRESHOLDS.probe_timeout_s)
+    await asyncio.to_thread(embedded.restart, "nats", outage_s)
+    await asyncio.sleep(3 * (THRESHOLDS.silence_s + THRESHOLDS.probe_timeout_s))  # window for a false report
+    logged = [e for e in await job.bus.read_events(job.job_id) if e.kind == "fault_detected"]
+    assert job.faults == [] and logged == [], (job.faults, logged)

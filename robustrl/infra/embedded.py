@@ -139,13 +139,14 @@ class EmbeddedInfra:
             atexit.unregister(self.stop)
             self._atexit_registered = False
 
-    def restart(self, name: str) -> float:
+    def restart(self, name: str, down_s: float = 0.0) -> float:
         """Stop one server (SIGTERM, so it flushes its data) and start it again on the SAME port,
         credentials and data directory: clients reconnect to the same URL and find their state
         (Redis keys from the AOF, JetStream streams from the store dir, S3 objects on disk).
 
         Args:
             name: ``nats``, ``redis`` or ``s3``.
+            down_s: keep it stopped this long before starting it again (an outage of that length).
         Returns:
             Seconds the server was unavailable (stop + start until it answers its ping).
         Raises:
@@ -161,6 +162,8 @@ class EmbeddedInfra:
         self._terminate(record)
         self.records = [r for r in self.records if r.pid != record.pid]
         self._popens.pop(record.pid, None)
+        if down_s > 0:
+            time.sleep(down_s)  # the outage itself (fault injection), not a wait for a condition
         popen = self._spawn(svc, prepare=False)
         deadline = time.monotonic() + self.start_timeout_s
         while not svc.ready():

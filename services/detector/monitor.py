@@ -148,6 +148,14 @@ class JobMonitor:
                            step=step if isinstance(step, int) else -1, cause=Cause.TOOL_OUTAGE.value,
                            fault_at=rx_time if last is None else min(last, rx_time))
 
+    def own_outage(self, now: float) -> None:
+        """The detector's own connection to the bus was down: members' silence meanwhile is no
+        evidence (their metrics could not reach us, nor our probes them). Every clock restarts."""
+        self.gaps += 1
+        self.last_rebase = now
+        for h in self.members.values():
+            h.rebase(now)
+
     def tick(self, now: float) -> TickResult:
         """Evaluate every member at ``now``: the probes to send and the faults to report."""
         out = TickResult()

@@ -72,6 +72,8 @@ class DetectorService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._subs: list[object] = []
         self._started = False
+        self._bus_was_down = False
+        self._disconnects_seen = getattr(bus, "disconnects", 0)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -231,8 +233,21 @@ class DetectorService:
                 log.exception("detector tick failed")
 
     async def tick(self) -> None:
-        """Evaluate every job once: send the probes and report the faults the rules ask for."""
+        """Evaluate every job once: send the probes and report the faults the rules ask for.
+
+        Not while this detector's own NATS connection is down (a server restart): every member
+        falls silent to it then, and judging them would report the whole job unresponsive (seen:
+        both replicas replaced after a NATS restart). Once it is back, member clocks restart."""
         now = self.clock()
+        if not getattr(self.bus, "connected", True):
+            self._bus_was_down = True
+            return
+        disconnects = getattr(self.bus, "disconnects", 0)
+        if self._bus_was_down or disconnects != self._disconnects_seen:  # down, even between two ticks
+            self._bus_was_down, self._disconnects_seen = False, disconnects
+            for mon in self.jobs.values():
+                mon.own_outage(now)
+            log.warning("NATS connection was down: member clocks restart now")
         for mon in list(self.jobs.values()):
             gaps = mon.gaps
             result = mon.tick(now)
