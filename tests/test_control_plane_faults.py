@@ -57,7 +57,9 @@ def _assert_rode_through(stack: Stack, report: dict, events: list[Event], n_faul
     assert len(report["injected"]) == n_faults
     first_fault = min(e.ts for e in events if e.kind == "fault_injected")
     restarted = [e.data for e in events if e.kind == "member_started" and e.ts >= first_fault]
-    assert restarted == [], f"members restarted after a control-plane/infra fault: {restarted}"
+    detected = [{k: e.data.get(k) for k in ("member_id", "kind", "cause", "evidence")}
+                for e in events if e.kind == "fault_detected"]
+    assert restarted == [], f"members restarted after a control-plane/infra fault: {restarted}; detected: {detected}"
     assert not [e for e in events if e.kind in ("job_started",) and e.ts >= first_fault], "job relaunched"
     for imp in impacts(events):
         assert imp.members_restarted == 0 and imp.steps_redone == 0, imp

@@ -129,10 +129,10 @@ def test_request_manager_killed_mid_step_resumes_the_step_without_rerunning_fini
 
 
 def test_redis_memory_stays_flat_over_a_long_job(api, infra):
-    steps, warm = 45, 10
+    steps, warm = 200, 20  # issue 9: a 200-step job, flat after warm-up
     jid = api.submit(small_job("rmflat", steps=steps))["job_id"]
     with Observer(infra.redis_url, jid) as obs:
-        status = wait_done(api, jid, timeout=400)
+        status = wait_done(api, jid, timeout=600)
     _full_batches(obs, status["committed_step"], 16)
     warm_bytes, warm_keys = obs.memory[warm]
     later = {k: v for k, v in obs.memory.items() if k >= warm}

@@ -49,6 +49,9 @@ ADOPT_WAIT_S = 2.0
 """How long a resumed step waits to hear from the owner of a turn dispatched before it resumed."""
 TIMEOUTS_BEFORE_FAULT = 3
 """Turn deadlines passed in a row, with no reply in between, before a replica is reported."""
+RECONNECT_GRACE_S = 5.0
+"""Turns sent within this long after this service's own NATS reconnect do not count against the
+replica: it may still be reconnecting, and what was sent to it meanwhile is lost on the bus."""
 
 
 class Redispatch(RobustRLError):
@@ -87,6 +90,7 @@ class Pending:
     sent_at: float  # wall clock: dispatch records outlive the process
     future: asyncio.Future[TurnResult]
     adopted_at: float | None = None  # monotonic; set when taken over from a record in Redis
+    bus_disconnects: int = 0  # this service's NATS disconnects when it was sent (see _failed)
 
 
 class Dispatcher:
@@ -284,7 +288,7 @@ class Dispatcher:
                   adopted: bool = False) -> Pending:
         fut: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
         pend = Pending(request_id, ep.episode_id, len(ep.turns), member_id, sent_at, fut,
-                       time.monotonic() if adopted else None)
+                       time.monotonic() if adopted else None, getattr(self.bus, "disconnects", 0))
         self.pending[request_id] = pend
         self.replicas.setdefault(member_id, Replica(member_id)).inflight.add(request_id)
         return pend
@@ -354,6 +358,13 @@ class Dispatcher:
             cause = "turn_deadline"
             self.stats["turn_timeouts"] += 1
             rep = self.replicas.get(pend.member_id)
+            reconnected_at = float(getattr(self.bus, "reconnected_at", 0.0))
+            if (getattr(self.bus, "disconnects", 0) != pend.bus_disconnects
+                    or pend.sent_at < reconnected_at + RECONNECT_GRACE_S):
+                # NATS went away while the turn was out (a server restart): the request or its reply
+                # was lost on the bus, which is no evidence against the replica (seen: both replicas
+                # reported unresponsive and replaced after a NATS restart).
+                rep = None
             if rep is not None:
                 rep.timeouts += 1
                 if rep.timeouts >= TIMEOUTS_BEFORE_FAULT and not rep.reported:
