@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from robustrl.errors import TestbedUnavailable
 from robustrl.testbed import Testbed, leftovers
 from robustrl.testbed import commands as tb_commands
 
@@ -30,11 +29,7 @@ def test_cpu_busy_counts_idle_and_iowait_as_not_busy():
 
 
 def _unavailable() -> str | None:
-    try:
-        tb_commands.check_available()
-    except TestbedUnavailable as exc:
-        return str(exc)
-    return None
+    return tb_commands.unavailable_reason()
 
 
 @pytest.mark.skipif(_unavailable() is not None, reason=f"testbed unavailable: {_unavailable()}")

@@ -39,11 +39,7 @@ TRANSFER_BYTES = 20 * 1024 * 1024
 
 
 def _unavailable() -> str | None:
-    try:
-        tb_commands.check_available()
-    except TestbedUnavailable as exc:
-        return str(exc)
-    return None
+    return tb_commands.unavailable_reason()
 
 
 needs_testbed = pytest.mark.skipif(_unavailable() is not None, reason=f"testbed unavailable: {_unavailable()}")

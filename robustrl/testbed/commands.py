@@ -53,6 +53,15 @@ def check_available() -> None:
             raise TestbedUnavailable(f"the testbed needs `{tool}` (iproute2) on PATH")
 
 
+def unavailable_reason() -> str | None:
+    """Why a testbed cannot be built here (None if it can): for skips with a printed reason."""
+    try:
+        check_available()
+    except TestbedUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def netns_list() -> list[str]:
     """Names from ``ip netns list`` (the first word of each line)."""
     return [line.split()[0] for line in run(["ip", "netns", "list"]).splitlines() if line.strip()]
