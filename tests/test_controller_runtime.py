@@ -301,13 +301,20 @@ async def test_two_controllers_only_the_lease_holder_acts_and_the_standby_takes_
     assert by_fault[f"exit-{victim2.member_id}"] == [standby.lease.token]
 
 
-async def test_member_that_cannot_start_fails_the_job_fast_with_its_stderr(
-        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launching, "ROLLOUT_MODULE", "broken_member")
+async def _job_whose_member_fails(rig: Rig, monkeypatch: pytest.MonkeyPatch, module_attr: str, module: str,
+                                  name: str) -> object:
+    """Submit a job whose trainer or rollout members run ``module``; return it once it failed."""
+    monkeypatch.setattr(launching, module_attr, module)
     c = await rig.controller()
     await c.wait_leading(10)
-    job = await c.submit(spec("cpbroken"))
+    job = await c.submit(spec(name))
     await eventually_async(lambda: job.status == "failed", timeout=60, what="job failed")
+    return job
+
+
+async def test_member_that_cannot_start_fails_the_job_fast_with_its_stderr(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = await _job_whose_member_fails(rig, monkeypatch, "ROLLOUT_MODULE", "broken_member", "cpbroken")
     assert "No module named 'transformers'" in (job.error or "")
     assert "before its hello 3 times" in (job.error or "")
     # fails within a few restarts (each slot's third failure), not after max_restarts (20)
@@ -429,11 +436,7 @@ async def test_a_new_gang_takes_an_epoch_above_the_fence_and_saves_it_before_it_
 
 async def test_a_trainer_that_finds_its_checkpoints_lost_fails_the_job_at_once(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launching, "TRAINER_MODULE", "checkpoint_lost_member")
-    c = await rig.controller()
-    await c.wait_leading(10)
-    job = await c.submit(spec("cplost"))
-    await eventually_async(lambda: job.status == "failed", timeout=60, what="job failed")
+    job = await _job_whose_member_fails(rig, monkeypatch, "TRAINER_MODULE", "checkpoint_lost_member", "cplost")
     assert "checkpoint lost" in (job.error or "") and "no checkpoint at or below it verifies" in (job.error or "")
     events = await rig.events(job.job_id)
     # one gang only: a gang that would refuse again is never restarted

@@ -73,7 +73,7 @@ class DetectorService:
         self._subs: list[object] = []
         self._started = False
         self._bus_was_down = False
-        self._disconnects_seen = getattr(bus, "disconnects", 0)
+        self._disconnects_seen = bus.disconnects
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -239,10 +239,10 @@ class DetectorService:
         falls silent to it then, and judging them would report the whole job unresponsive (seen:
         both replicas replaced after a NATS restart). Once it is back, member clocks restart."""
         now = self.clock()
-        if not getattr(self.bus, "connected", True):
+        if not self.bus.connected:
             self._bus_was_down = True
             return
-        disconnects = getattr(self.bus, "disconnects", 0)
+        disconnects = self.bus.disconnects
         if self._bus_was_down or disconnects != self._disconnects_seen:  # down, even between two ticks
             self._bus_was_down, self._disconnects_seen = False, disconnects
             for mon in self.jobs.values():

@@ -288,7 +288,7 @@ class Dispatcher:
                   adopted: bool = False) -> Pending:
         fut: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
         pend = Pending(request_id, ep.episode_id, len(ep.turns), member_id, sent_at, fut,
-                       time.monotonic() if adopted else None, getattr(self.bus, "disconnects", 0))
+                       time.monotonic() if adopted else None, self.bus.disconnects)
         self.pending[request_id] = pend
         self.replicas.setdefault(member_id, Replica(member_id)).inflight.add(request_id)
         return pend
@@ -358,9 +358,8 @@ class Dispatcher:
             cause = "turn_deadline"
             self.stats["turn_timeouts"] += 1
             rep = self.replicas.get(pend.member_id)
-            reconnected_at = float(getattr(self.bus, "reconnected_at", 0.0))
-            if (getattr(self.bus, "disconnects", 0) != pend.bus_disconnects
-                    or pend.sent_at < reconnected_at + RECONNECT_GRACE_S):
+            if (self.bus.disconnects != pend.bus_disconnects
+                    or pend.sent_at < self.bus.reconnected_at + RECONNECT_GRACE_S):
                 # NATS went away while the turn was out (a server restart): the request or its reply
                 # was lost on the bus, which is no evidence against the replica (seen: both replicas
                 # reported unresponsive and replaced after a NATS restart).
