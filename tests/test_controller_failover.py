@@ -81,7 +81,7 @@ def _done(api: ApiClient, job_id: str) -> dict[str, Any]:
 
 def test_controller_killed_then_frozen_mid_step_restarts_no_member(own_stack: Stack) -> None:
     api = _api(own_stack.api_url, own_stack)
-    jid = api.submit(small_job("ctlkill", steps=8, **TOLERANT))["job_id"]
+    jid = api.submit(small_job("ctlkill", steps=16, **TOLERANT))["job_id"]
     first = _members(_mid_step(api, jid, 1))
 
     own_stack.crash_service("controller")  # SIGKILL; the supervisor starts it again

@@ -257,6 +257,53 @@ async def test_restarted_controller_adopts_running_members_and_restarts_none(rig
     assert fault["detected_at"] - fault["fault_at"] < 1.0
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (members of a closed launcher stay this process's children)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_a_controller_back_after_the_last_step_adopts_every_member_before_it_stops_them(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data plane finished the job while no controller ran: the one that takes over must
+    re-attach every member before it ends the job, or the ones not yet re-attached keep running,
+    unknown to any launcher (the stop raced the adoption, and members leaked, in CI)."""
+    slow_adopt = LocalLauncher.adopt
+
+    def adopt(self: LocalLauncher, *args: object) -> bool:
+        time.sleep(0.3)  # a loaded machine: reading each process's start time is slow
+        return slow_adopt(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LocalLauncher, "adopt", adopt)
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec("cplate", steps=3))
+    await rig.hello_all(a, job.job_id)
+    pids = {m.member_id: m.pid for m in job.members.values()}
+    await a.close(stop_members=False)
+
+    trainer = await rig.connect("test-trainer", "trainer")
+    for step in range(3):  # every step committed while no controller listens
+        await trainer.emit_event(job.job_id, "step_committed", {"step": step, "epoch": 1, "weights_version": step + 1,
+                                                                "checksum": "y", "durable_step": step})
+    b = await rig.controller()
+    await b.wait_leading(10)
+    events = await eventually_async(lambda: _with_kind(rig, job.job_id, "job_finished"), timeout=30,
+                                    what="the job ended by the controller that took over")
+    takeover = next(n for n in of_kind(events, "note") if "took over" in str(n["text"]))
+    assert sorted(takeover["adopted"]) == sorted(pids) and takeover["gone"] == []  # type: ignore[arg-type]
+    await eventually_async(lambda: not any(running(p) for p in pids.values() if p), timeout=30,
+                           what="every member of the finished job stopped")
+
+
+async def _with_kind(rig: Rig, job_id: str, kind: str) -> list[object] | None:
+    events = await rig.events(job_id)
+    return events if of_kind(events, kind) else None
+
+
 async def _with_decision_for(rig: Rig, job_id: str, fault_id: str) -> list[object] | None:
     events = await rig.events(job_id)
     return events if any(d["fault_id"] == fault_id for d in of_kind(events, "decision")) else None

@@ -167,6 +167,8 @@ class LocalLauncher(Launcher):
 
     def start(self, spec: MemberSpec) -> None:
         with self._lock:
+            if self._closed:  # a launch racing close() would leave a process nobody stops
+                raise LaunchError(f"cannot start {spec.member_id}: the launcher is closed", member=spec.member_id)
             old = self._members.get(spec.member_id)
             if old and old.proc.poll() is None:
                 raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)

@@ -232,6 +232,9 @@ class Controller:
             job.service_seen_at["request_manager"] = time.time()
             gone_exits += [ExitInfo(lid(job, mid), job.members[mid].role, None, False) for mid in gone]
             await self.persist(job)
+            # Only now: a stop started before the members were re-attached would leave the ones not
+            # yet adopted running, unknown to the launcher (it raced adopt() and won, in CI).
+            self._finish_if_trained(job)
         return gone_exits
 
     async def reconcile(self, job: JobRun, why: str) -> None:
@@ -247,6 +250,7 @@ class Controller:
         except (TransportError, TimeoutError) as exc:
             log.warning("job %s: event log not read after %s (%s)", job.job_id, why, exc)
             return
+        self._finish_if_trained(job)
         if job.committed_step != before:
             log.warning("job %s: %s: caught up from step %d to %d from the event log", job.job_id, why,
                         before, job.committed_step)
@@ -277,7 +281,10 @@ class Controller:
                 job.status = {"job_finished": "finished", "job_failed": "failed"}.get(e.kind, "stopped")  # type: ignore[assignment]
         if job.done:
             await self.persist(job)
-        elif job.committed_step >= job.spec.steps - 1:
+
+    def _finish_if_trained(self, job: JobRun) -> None:
+        """Every step committed while no controller was listening: end the job now."""
+        if not job.done and job.committed_step >= job.spec.steps - 1:
             self.spawn(self.stop_job(job.job_id, "finished"))
 
     # --- jobs -------------------------------------------------------------------------------
