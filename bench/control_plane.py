@@ -55,8 +55,11 @@ def job_spec(name: str, steps: int) -> dict[str, Any]:
             "rollout": {"replicas": 2}}
 
 
-FAULT_STEPS = (2, 4, 6)
-"""One fault per step here, a clean step between each (for the median clean step)."""
+FAULT_STEPS = (2, 5, 8)
+"""One fault per step here, clean steps between them (for the median clean step)."""
+STEP_TIME_S = 0.4
+"""About one fault-free step of this job here (0.37-0.45 s): each fault lands at a random moment
+of its own step. (3.0 put them up to 6 steps late, and two of three after the last commit.)"""
 
 
 def _scenario(kind: str, seed: int) -> Scenario:
@@ -80,7 +83,7 @@ def run_kind(kind: str, seed: int, steps: int) -> dict[str, Any]:
             api = ApiClient(stack.api_url, stack.settings.api_token)
             t0 = time.time()
             report = asyncio.run(run_job(stack.settings, api, job_spec(f"cp{kind.replace('_', '')}", steps),
-                                         _scenario(kind, seed), step_time_s=3.0, timeout_s=JOB_TIMEOUT_S,
+                                         _scenario(kind, seed), step_time_s=STEP_TIME_S, timeout_s=JOB_TIMEOUT_S,
                                          local=stack))
             events = [Event.model_validate(e) for e in api.events(report["job_id"])]
             api.close()
@@ -205,7 +208,7 @@ def run_failover(steps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=11)
     parser.add_argument("--seed", type=int, default=17)
     parser.add_argument("--only", choices=("crash", "hang", "infra_restart", "failover"), action="append")
     args = parser.parse_args(argv)

@@ -105,9 +105,16 @@ class Stack:
         self.supervisor = Supervisor(self.run_dir, self._specs(), env, self.policy,
                                      on_change=lambda _pids: self._write_state())
         try:
+            # Standby controllers start once the first one leads: started together, any of them
+            # may win the lease, and the stack's API (the first one's) would answer 503.
+            standbys = [n for n in self.services if n.startswith("controller-")]
             for name in self.services:
-                self.supervisor.spawn(name)
+                if name not in standbys:
+                    self.supervisor.spawn(name)
             self.wait_ready()
+            for name in standbys:
+                self.supervisor.spawn(name)
+                self._wait_serving(name)
         except BaseException:
             self.stop()
             raise
@@ -168,6 +175,22 @@ class Stack:
                 pass
             time.sleep(0.1)  # polling a process that is starting; bounded by the deadline
         raise LaunchError(f"controller not ready after {timeout_s:.0f}s; see {self.run_dir}/logs/controller.log")
+
+    def _wait_serving(self, name: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """A standby controller answers its health check (as a standby: not leading)."""
+        assert self.supervisor
+        url = self.supervisor.specs[name].health_url
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if name in self.supervisor.exited():
+                raise LaunchError(f"{name} exited; see {self.run_dir}/logs/{name}.log", member=name)
+            try:
+                if url and httpx.get(url, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)  # polling a process that is starting; bounded by the deadline
+        raise LaunchError(f"{name} not serving after {timeout_s:.0f}s; see {self.run_dir}/logs/{name}.log")
 
     def detach(self) -> None:
         """Leave everything running after this process exits (``robustrl up``): the services are

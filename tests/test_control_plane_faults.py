@@ -105,8 +105,10 @@ def test_impact_accounting_from_a_synthetic_log() -> None:
     log = [ev("member_started", 0.0, role="trainer", member_id="t0")]
     for k in range(5):
         log += [ev("step_started", 10.0 * k, step=k), ev("step_committed", 10.0 * k + 4, step=k, weights_version=k + 1)]
-    # step 2 is hit at ts 21 and takes 9 s instead of 4; step 4 is redone later with a new member
-    log = [e for e in log if not (e.kind == "step_committed" and e.data["step"] == 2)]
+    # step 2 is hit at ts 21 and takes 9 s instead of 4, and the next step 7 s (the fault's cost
+    # lands on it too); step 4 is redone later with a new member
+    log = [e for e in log if not (e.kind == "step_committed" and e.data["step"] in (2, 3))]
+    log.append(ev("step_committed", 37.0, step=3, weights_version=4))
     log += [ev("fault_injected", 21.0, role="request_manager", kind="crash", fault_id="f1", step=2),
             ev("step_committed", 29.0, step=2, weights_version=3),
             ev("turn_regenerated", 23.0, tokens=7),
@@ -117,5 +119,5 @@ def test_impact_accounting_from_a_synthetic_log() -> None:
     first, second = impacts(log)
     assert (first.role, first.members_restarted, first.steps_redone, first.tokens_regenerated) == (
         "request_manager", 0, 0, 7)
-    assert first.clean_step_s == 4.0 and first.faulted_step_s == 9.0 and first.stall_s == 5.0
+    assert first.clean_step_s == 4.0 and first.faulted_step_s == 9.0 and first.stall_s == 5.0 + 3.0
     assert (second.members_restarted, second.steps_redone, second.job_completed) == (1, 1, True)

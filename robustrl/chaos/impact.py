@@ -9,8 +9,11 @@ Used by ``bench/control_plane.py`` and the control-plane fault tests. For a faul
   redone step is trained twice: once before the fault, once after).
 * ``tokens_regenerated``: tokens of turns generated again (``turn_regenerated``) in the window;
   when none are logged, the ``work_lost`` estimates there.
-* ``stall_s``: how much longer the faulted step (the first one to commit after the fault) took
-  than the median step without a fault: the time the fault cost the job's progress.
+* ``stall_s``: how much longer than the median step without a fault the steps that commit in
+  the window took, summed: the time the fault cost the job's progress (a fault's cost can land
+  on the step after the one it hit, e.g. a request manager killed once that step's batch was
+  handed to the trainer: it costs the next step's generation).
+* ``faulted_step_s``: how long the first step to commit after the fault took.
 """
 
 from __future__ import annotations
@@ -97,8 +100,8 @@ def impacts(events: Sequence[Event], settle_s: float = 0.0) -> list[FaultImpact]
             step = after[0][1]
             if step in started:
                 step_s = after[0][0] - started[step]
-                if clean_s is not None:
-                    stall = max(0.0, step_s - clean_s)
+            if clean_s is not None:
+                stall = sum(max(0.0, ts - started[k] - clean_s) for ts, k in after if ts < t1 and k in started)
         out.append(FaultImpact(
             role=str(f.data.get("role")), kind=str(f.data.get("kind")), fault_id=str(f.data.get("fault_id")),
             step=step, job_completed=finished, members_restarted=members, steps_redone=redone,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import heapq
 import random
 import time
@@ -91,6 +92,7 @@ class _Source:
     tiebreak: float = 0.0  # per-puller random: equally loaded sources are picked in different orders
     heap: list[tuple[int, int, int]] = field(default_factory=list)  # (rarity, rank, chunk), see _Index
     complete: bool = False  # holds every chunk: never asked again, never a relay to wait for
+    origin: bool = False  # a publisher of the version (a trainer rank), not a relay
     bits: tuple[np.ndarray, np.ndarray] | None = None  # last HAVE bitmaps (held, pending), unpacked
 
 
@@ -99,6 +101,30 @@ HAVE_INTERVAL_MAX_S = 0.25
 POLLS_PER_CHUNK = 0.5
 """While chunks arrive, a HAVE round to k partial sources waits for k x this many chunks received
 (so the HAVE requests per chunk received stay <= about 2)."""
+
+
+OWNER_WAIT_S = 2.0
+"""With relays sharing the pull, a puller fetches from the publisher (trainer) only the chunks it
+owns and the rest from their owners' relays. If it then waits this long with nothing in flight
+and nothing received (views of who takes part disagree, an owner is slow to start), it takes
+any chunk from the publisher again."""
+
+_MIX1, _MIX2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
+
+
+def owners(addresses: list[str], num_chunks: int) -> np.ndarray:
+    """Index into ``addresses`` of each chunk's owner: rendezvous hashing (the highest score of
+    (address, chunk) wins), so pullers that list the same members agree with no coordination,
+    each member owns about 1/len of the chunks, and a member leaving moves only its own chunks."""
+    chunks = np.arange(num_chunks, dtype=np.uint64)
+    scores = np.empty((len(addresses), num_chunks), dtype=np.uint64)
+    for i, address in enumerate(addresses):
+        seed = np.uint64(int.from_bytes(hashlib.blake2b(address.encode(), digest_size=8).digest(), "little"))
+        z = chunks * _GOLDEN + seed  # splitmix64 of (chunk, address): uint64 arithmetic wraps
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+        scores[i] = z ^ (z >> np.uint64(31))
+    return scores.argmax(axis=0)
 
 
 def _bitmap_changes(old: np.ndarray | None, new: np.ndarray) -> tuple[list[int], list[int]]:
@@ -131,6 +157,8 @@ class _Index:
         self.coming = [0] * n
         self.cover = [0] * n
         self.sources: list[_Source] = []
+        self.mine: np.ndarray | None = None
+        """Chunks this puller may take from an origin (None: any); see ``OWNER_WAIT_S``."""
 
     def key(self, chunk: int) -> int:
         return self.holders[chunk] + self.coming[chunk]
@@ -241,6 +269,17 @@ class _Index:
                     for c in freed:
                         self._push(s, c)
 
+    def set_mine(self, mine: np.ndarray | None, pending: set[int]) -> None:
+        """Change which chunks this puller may take from origins; offer the ones it gains."""
+        old, self.mine = self.mine, mine
+        if old is None:
+            return
+        gained = [c for c in pending if not old[c] and (mine is None or mine[c])]
+        for s in self.sources:
+            if s.origin and not s.dead:
+                for c in gained:
+                    self._push(s, c)
+
     def _refresh_holders(self, chunks: list[int]) -> None:
         """Rarity of ``chunks`` dropped: entries in holders' heaps are keyed too high; push fresh ones."""
         if not chunks:
@@ -264,6 +303,10 @@ class _Index:
             if key != current:
                 heapq.heapreplace(heap, (current, rank, c))
                 continue
+            if source.origin and self.mine is not None and not self.mine[c]:
+                # another relay's to take from the publisher: ours to take from that relay
+                heapq.heappop(heap)  # pushed again if ownership moves here (set_mine)
+                continue
             if source.complete and self.cover[c] > 0:
                 # a relay holds it (but is busy) or is fetching it: wait for the relay rather than
                 # make the trainer send it twice (offered again if that cover goes away)
@@ -283,8 +326,12 @@ class _Pull:
     def __init__(self, manifest: Manifest, sources: Sources, transport: str, relay: WeightServer | None,
                  into: np.ndarray | None, stall_timeout_s: float, connect_timeout_s: float,
                  max_inflight: int, per_source_inflight: int, have_interval_s: float,
-                 unavailable_grace_s: float, seed: int | None) -> None:
+                 unavailable_grace_s: float, seed: int | None, origins: list[str] | None = None) -> None:
         self.m = manifest
+        self.origins = None if origins is None else {_with_scheme(a, transport) for a in origins}
+        self.members: list[str] = []  # relays sharing the pull, this one included (sorted)
+        self.sharing = relay is not None
+        self.last_progress = time.perf_counter()
         self.sources_arg = sources
         self.transport = transport
         self.relay = relay
@@ -368,6 +415,9 @@ class _Pull:
             changed = (self.index.answer(source, payload) if payload is not None
                        else self.index.update(source, have, frozenset()))  # MISSING: holds none of it
             self.changed = self.changed or changed
+            if not source.asked:  # its first answer: a publisher, or a relay of this version?
+                source.origin = (source.address in self.origins if self.origins is not None
+                                 else source.complete)
             source.load = source.control.load
             source.served, source.fetched = source.control.served, 0
             source.asked = True
@@ -379,8 +429,25 @@ class _Pull:
         self.asked_last = len(asked)
         self.changed = False
         await asyncio.gather(*(self._ask(s) for s in asked))
+        self._share()
         # Back off while nothing changes; answer changes at once when something does.
         self.interval = self.have_interval_s if self.changed else min(self.interval * 2, HAVE_INTERVAL_MAX_S)
+
+    def _share(self) -> None:
+        """Split the chunks to take from the publisher among the live relays of this version."""
+        if not self.sharing or self.relay is None or self.relay.address is None:
+            return
+        members = sorted({self.relay.address, *(s.address for s in self._live() if s.asked and not s.origin)})
+        if members == self.members:
+            return
+        self.members = members
+        mine = owners(members, self.m.num_chunks) == members.index(self.relay.address)
+        self.index.set_mine(mine if len(members) > 1 else None, self.pending)
+
+    def _stop_sharing(self) -> None:
+        self.sharing = False
+        self.members = []
+        self.index.set_mine(None, self.pending)
 
     def _received(self) -> int:
         return sum(self.stats.chunks_from.values())
@@ -528,6 +595,7 @@ class _Pull:
             self.index.mark_bad(source, chunk)
             return
         self.pending.discard(chunk)
+        self.last_progress = time.perf_counter()
         self.stats.chunks_from[source.address] = self.stats.chunks_from.get(source.address, 0) + 1
         if self.relay is not None:
             self.relay.mark_chunk(self.m.version, chunk)
@@ -558,6 +626,9 @@ class _Pull:
                 chunk, source = pick
                 self.inflight[asyncio.create_task(self._fetch(chunk, source))] = chunk
             if not self.inflight:
+                if self.index.mine is not None and now - self.last_progress > OWNER_WAIT_S:
+                    self._stop_sharing()  # waited on other owners with nothing to do: take any
+                    continue
                 self._check_available(now)
             waitables: set[asyncio.Task[None]] = set(self.inflight)
             if self.refresh_task is not None:
@@ -602,6 +673,7 @@ async def pull(
     have_interval_s: float = 0.01,
     unavailable_grace_s: float = 1.0,
     seed: int | None = None,
+    origins: list[str] | None = None,
 ) -> tuple[np.ndarray, PullStats]:
     """Pull every chunk of ``manifest`` from ``sources`` and verify it.
 
@@ -622,6 +694,11 @@ async def pull(
         have_interval_s: how often sources are re-asked which chunks they hold.
         unavailable_grace_s: how long a chunk may be held by no live source before giving up.
         seed: seeds this puller's chunk order (pullers with different orders spread load).
+        origins: the publishers' addresses (the trainer ranks that announced the version). With a
+            ``relay``, the chunks to take from them are split among the relays of the version
+            (each takes its share from the publisher and the rest from the other relays), so
+            each chunk leaves the publisher about once. None: a source that holds the whole
+            version at its first answer counts as a publisher.
 
     Returns:
         (buffer, stats): buffer holds the version's bytes, every chunk verified.
@@ -631,7 +708,7 @@ async def pull(
             ``reason`` is ``unavailable``, ``corrupt`` or ``timeout``.
     """
     state = _Pull(manifest, sources, transport, relay, into, stall_timeout_s, connect_timeout_s,
-                  max_inflight, per_source_inflight, have_interval_s, unavailable_grace_s, seed)
+                  max_inflight, per_source_inflight, have_interval_s, unavailable_grace_s, seed, origins)
     return await state.run(timeout_s)
 
 

@@ -190,7 +190,8 @@ class WeightLoader:
                 buffer, stats = await asyncio.wait_for(
                     pull(manifest, lambda a=ann: self._sources(a, avoid), transport=self.cfg.transport,
                          relay=relay, timeout_s=self.cfg.pull_timeout_s,
-                         stall_timeout_s=min(STALL_TIMEOUT_S, self.cfg.pull_timeout_s), seed=self._seed),
+                         stall_timeout_s=min(STALL_TIMEOUT_S, self.cfg.pull_timeout_s), seed=self._seed,
+                         origins=[_norm(a, self.cfg.transport) for a in ann.sources]),
                     self.cfg.pull_timeout_s + PULL_GRACE_S)
             except (WeightSyncError, TransportError, TimeoutError, OSError) as exc:
                 self.server.drop_version(manifest.version)  # never relay a version we gave up on
