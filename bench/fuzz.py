@@ -114,8 +114,18 @@ def run_bus(payloads: int, seed: int, steps: int, work: Path) -> tuple[dict[str,
         crashed = [r for r in restarts if r.get("returncode") is not None]
         dead = [name for name, proc in stack.procs.items() if proc.poll() is not None]
         headers = {"Authorization": f"Bearer {settings.api_token}"}
-        events = httpx.get(f"{stack.api_url}/v1/jobs/{jid}/events", headers=headers, timeout=60)
+        tries: list[dict[str, Any]] = []
+        for _ in range(3):  # a client honours 503 + Retry-After (a read past the API's bound)
+            t_get = time.monotonic()
+            events = httpx.get(f"{stack.api_url}/v1/jobs/{jid}/events", headers=headers, timeout=60)
+            tries.append({"status": events.status_code, "s": round(time.monotonic() - t_get, 2),
+                          **({"detail": events.text[:300]} if events.status_code != 200 else {})})
+            if events.status_code != 503:
+                break
+            time.sleep(float(events.headers.get("Retry-After") or 1))
+        t_get = time.monotonic()
         report = httpx.get(f"{stack.api_url}/v1/jobs/{jid}/report", headers=headers, timeout=60)
+        report_s = round(time.monotonic() - t_get, 2)
         member_crashes = []
         if events.status_code == 200:
             member_crashes = [e["data"] for e in events.json() if e["kind"] == "member_exited"
@@ -130,6 +140,7 @@ def run_bus(payloads: int, seed: int, steps: int, work: Path) -> tuple[dict[str,
             "members_crashed": len(member_crashes),
             "job_status": status["status"], "steps_committed": status["committed_step"] + 1,
             "events_status": events.status_code, "events_unreadable": int(events.status_code != 200),
+            "events_tries": tries, "report_s": report_s,
             "events_read": len(events.json()) if events.status_code == 200 else None,
             "events_garbage_sent": stats.events_payloads, "events_skipped": skipped,
             "report_status": report.status_code,

@@ -12,30 +12,31 @@ import math
 import re
 from typing import Any
 
+import numpy as np
+
 from robustrl.errors import MessageError
 
 # A string runs to its closing quote or, unterminated, to the end of the input: a pattern that must
 # find the closing quote retries from every later quote and is quadratic (1 MiB of \" = hours).
 _JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+\\?(?:"|\Z)', re.DOTALL)
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
-_INNERMOST = re.compile(rb"\[\]|\{\}")
+_STEP = np.zeros(256, dtype=np.int32)  # depth change of each bracket byte
+_STEP[list(b"[{")], _STEP[list(b"]}")] = 1, -1
 
 
 def json_too_deep(data: bytes, max_depth: int) -> bool:
     """Whether ``data`` nests arrays/objects deeper than ``max_depth`` (or its brackets do not
     pair up), decided at C speed without parsing: strings are cut out, everything but brackets
-    deleted, and the innermost ``[]``/``{}`` pairs removed once per level."""
+    deleted, and the depth after each bracket is a running sum (numpy), linear in the input.
+    (Removing the innermost pairs once per level cost 0.16 s per 600 KB of nested garbage, and
+    10 s to read back an event log that 2,400 such envelopes had been published into.)"""
     if data.count(b"[") + data.count(b"{") <= max_depth:
         return False
     rest = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
-    for _ in range(max_depth):
-        shorter = _INNERMOST.sub(b"", rest)  # one pass: exactly one level per round
-        if not shorter:
-            return False
-        if len(shorter) == len(rest):
-            return True
-        rest = shorter
-    return True
+    if not rest:
+        return False
+    depth = np.cumsum(_STEP[np.frombuffer(rest, dtype=np.uint8)])
+    return bool(depth.max() > max_depth or depth.min() < 0 or depth[-1] != 0)
 
 
 def loads_bounded(data: bytes | str, *, max_bytes: int, max_depth: int, what: str = "payload") -> Any:
