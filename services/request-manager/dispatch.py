@@ -349,6 +349,14 @@ class Dispatcher:
                     and rep.busy_at > pend.adopted_at + 2 * interval):
                 # Dispatched before this life; its owner is idle now: the reply was lost meanwhile.
                 raise Redispatch(f"{pend.member_id} idle: the reply was lost", member=pend.member_id)
+            if self.bus.disconnects != pend.bus_disconnects and self.bus.connected and not rep.busy:
+                # NATS went away while the turn was out; its owner reports idle since we are back:
+                # the request or the reply was lost with the server. Again now, not at the turn's
+                # deadline (a NATS restart stalled the job for the whole 10 s deadline).
+                back = time.monotonic() - max(0.0, time.time() - self.bus.reconnected_at)
+                if rep.busy_at > back + 2 * interval:
+                    raise Redispatch(f"{pend.member_id} idle after a NATS outage: the turn was lost on the bus",
+                                     member=pend.member_id, cause="bus_outage")
 
     async def _failed(self, ep: EpisodeRecord, step: int, pend: Pending, exc: Exception) -> str:
         """Account a turn that must be dispatched again; returns its cause."""
@@ -364,6 +372,12 @@ class Dispatcher:
                 # was lost on the bus, which is no evidence against the replica (seen: both replicas
                 # reported unresponsive and replaced after a NATS restart).
                 rep = None
+            if pend.adopted_at is not None:
+                # Sent by a past life of this service: the reply may have come while no request
+                # manager listened (killed, or frozen until its supervisor killed it). Seen: a
+                # restarted request manager adopted turns whose deadline had passed while it was
+                # down, struck both replicas 3 times within 0.5 s and had them replaced.
+                rep = None
             if rep is not None:
                 rep.timeouts += 1
                 if rep.timeouts >= TIMEOUTS_BEFORE_FAULT and not rep.reported:
@@ -374,7 +388,7 @@ class Dispatcher:
                         evidence=f"{rep.timeouts} turns in a row got no reply from {rep.member_id} within "
                                  f"turn_deadline_s={self.spec.detector.turn_deadline_s:g}")
         else:
-            cause = "replica_dead" if pend.member_id in self.dead else "owner_lost"
+            cause = "replica_dead" if pend.member_id in self.dead else str(getattr(exc, "cause", "owner_lost"))
         prefix = ep.prefix_ids()
         await self.bus.emit_event(self.job_id, "episode_redispatched", {
             "episode_id": ep.episode_id, "member_id": pend.member_id, "step": step, "cause": cause,
