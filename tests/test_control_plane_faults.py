@@ -103,21 +103,25 @@ def test_impact_accounting_from_a_synthetic_log() -> None:
         return Event(job_id="j", kind=kind, ts=ts, data=data)  # type: ignore[arg-type]
 
     log = [ev("member_started", 0.0, role="trainer", member_id="t0")]
-    for k in range(5):
-        log += [ev("step_started", 10.0 * k, step=k), ev("step_committed", 10.0 * k + 4, step=k, weights_version=k + 1)]
-    # step 2 is hit at ts 21 and takes 9 s instead of 4, and the next step 7 s (the fault's cost
-    # lands on it too); step 4 is redone later with a new member
-    log = [e for e in log if not (e.kind == "step_committed" and e.data["step"] in (2, 3))]
-    log.append(ev("step_committed", 37.0, step=3, weights_version=4))
-    log += [ev("fault_injected", 21.0, role="request_manager", kind="crash", fault_id="f1", step=2),
-            ev("step_committed", 29.0, step=2, weights_version=3),
-            ev("turn_regenerated", 23.0, tokens=7),
-            ev("fault_injected", 45.0, role="trainer", kind="crash", fault_id="f2", step=4),
-            ev("member_started", 46.0, role="trainer", member_id="t1"),
-            ev("member_started", 46.0, role="request_manager", member_id="rm"),
-            ev("step_committed", 50.0, step=4, weights_version=5), ev("job_finished", 51.0)]
+    # Steps of 4 s back to back. Step 2 is hit at ts 9 and commits 9 s after step 1; step 3 then
+    # commits 7 s later (the fault's cost lands on it too). Step 4 is redone later by a new member.
+    commits = {0: 4.0, 1: 8.0, 2: 17.0, 3: 24.0, 4: 28.0}
+    for k, ts in commits.items():
+        log += [ev("step_started", 0.0 if k == 0 else commits[k - 1], step=k),
+                ev("step_committed", ts, step=k, weights_version=k + 1)]
+    log += [ev("fault_injected", 9.0, role="request_manager", kind="crash", fault_id="f1", step=2),
+            ev("turn_regenerated", 11.0, tokens=7),
+            ev("fault_injected", 30.0, role="trainer", kind="crash", fault_id="f2", step=4),
+            ev("member_started", 31.0, role="trainer", member_id="t1"),
+            ev("member_started", 31.0, role="request_manager", member_id="rm"),
+            ev("step_committed", 34.0, step=4, weights_version=5), ev("job_finished", 35.0)]
     first, second = impacts(log)
     assert (first.role, first.members_restarted, first.steps_redone, first.tokens_regenerated) == (
         "request_manager", 0, 0, 7)
     assert first.clean_step_s == 4.0 and first.faulted_step_s == 9.0 and first.stall_s == 5.0 + 3.0
+    # a stop between two steps: step 3 starts late (frozen after step 2's commit), its own
+    # start-to-commit is clean but the time since step 2's commit is not
+    gap = [e for e in log if not (e.kind == "step_started" and e.data["step"] == 3)]
+    gap.append(ev("step_started", 21.0, step=3))
+    assert impacts(gap)[0].stall_s == 5.0 + 3.0
     assert (second.members_restarted, second.steps_redone, second.job_completed) == (1, 1, True)

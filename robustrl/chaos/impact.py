@@ -10,7 +10,9 @@ Used by ``bench/control_plane.py`` and the control-plane fault tests. For a faul
 * ``tokens_regenerated``: tokens of turns generated again (``turn_regenerated``) in the window;
   when none are logged, the ``work_lost`` estimates there.
 * ``stall_s``: how much longer than the median step without a fault the steps that commit in
-  the window took, summed: the time the fault cost the job's progress (a fault's cost can land
+  the window took, summed; a step's time runs from the previous step's commit (its own start for
+  the first step) to its commit, so a stop between two steps counts too (a request manager frozen
+  after one step's commit delays the next step's start, not its duration): the time the fault cost the job's progress (a fault's cost can land
   on the step after the one it hit, e.g. a request manager killed once that step's batch was
   handed to the trainer: it costs the next step's generation).
 * ``faulted_step_s``: how long the first step to commit after the fault took.
@@ -49,7 +51,8 @@ class FaultImpact:
 
 
 def _steps(events: Sequence[Event]) -> tuple[dict[int, float], dict[int, float]]:
-    """First start and first commit of each step."""
+    """When each step's time began (the previous step's first commit, else its own first start)
+    and its first commit."""
     started: dict[int, float] = {}
     committed: dict[int, float] = {}
     for e in events:
@@ -57,7 +60,9 @@ def _steps(events: Sequence[Event]) -> tuple[dict[int, float], dict[int, float]]
             started.setdefault(int(e.data["step"]), e.ts)
         elif e.kind == "step_committed":
             committed.setdefault(int(e.data["step"]), e.ts)
-    return started, committed
+    began = {k: committed[k - 1] if k - 1 in committed and committed[k - 1] <= ts else started[k]
+             for k, ts in committed.items() if k - 1 in committed or k in started}
+    return began, committed
 
 
 def _overlaps(a0: float, a1: float, windows: Sequence[tuple[float, float]]) -> bool:
