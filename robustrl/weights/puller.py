@@ -330,7 +330,7 @@ class _Pull:
         self.m = manifest
         self.origins = None if origins is None else {_with_scheme(a, transport) for a in origins}
         self.members: list[str] = []  # relays sharing the pull, this one included (sorted)
-        self.sharing = relay is not None
+        self.sharing = relay is not None and relay.address is not None
         self.last_progress = time.perf_counter()
         self.sources_arg = sources
         self.transport = transport
@@ -361,6 +361,11 @@ class _Pull:
         self.refresh_task: asyncio.Task[None] | None = None
         self.last_refresh = -1e9
         self.index = _Index(manifest.num_chunks, self.rank)
+        if self.sharing:
+            # Nothing from a publisher until the first HAVE round has shown who shares the pull:
+            # each puller's first pick from the trainer, made before the relays answered, was a
+            # chunk the trainer sent again (0.6 of a copy at 16 replicas of 32 chunks).
+            self.index.mine = np.zeros(manifest.num_chunks, dtype=bool)
         self.interval = have_interval_s  # grows while HAVE answers do not change
         self.changed = False  # some answer of the running round changed
         self.received_at_refresh = 0  # chunks received when the last round started
