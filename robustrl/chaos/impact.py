@@ -60,8 +60,12 @@ def _steps(events: Sequence[Event]) -> tuple[dict[int, float], dict[int, float]]
             started.setdefault(int(e.data["step"]), e.ts)
         elif e.kind == "step_committed":
             committed.setdefault(int(e.data["step"]), e.ts)
-    began = {k: committed[k - 1] if k - 1 in committed and committed[k - 1] <= ts else started[k]
-             for k, ts in committed.items() if k - 1 in committed or k in started}
+    began = {}
+    for k, ts in committed.items():
+        if k - 1 in committed and committed[k - 1] <= ts:
+            began[k] = committed[k - 1]
+        elif k in started:
+            began[k] = started[k]
     return began, committed
 
 

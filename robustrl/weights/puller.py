@@ -93,6 +93,7 @@ class _Source:
     heap: list[tuple[int, int, int]] = field(default_factory=list)  # (rarity, rank, chunk), see _Index
     complete: bool = False  # holds every chunk: never asked again, never a relay to wait for
     origin: bool = False  # a publisher of the version (a trainer rank), not a relay
+    missing: bool = False  # its last answer: it does not hold or pull this version at all
     bits: tuple[np.ndarray, np.ndarray] | None = None  # last HAVE bitmaps (held, pending), unpacked
 
 
@@ -107,6 +108,9 @@ POLLS_PER_CHUNK = 0.5
 (so the HAVE requests per chunk received stay <= about 2)."""
 
 
+FIRST_ROUND_WAIT_S = 0.5
+"""How long the first split waits for every source's first HAVE answer (a frozen peer answers
+late or never); the split is then made among the relays that answered."""
 OWNER_WAIT_S = 2.0
 """With relays sharing the pull, a puller fetches from the publisher (trainer) only the chunks it
 owns and the rest from their owners' relays. If it then waits this long with nothing in flight
@@ -425,6 +429,7 @@ class _Pull:
             changed = (self.index.answer(source, payload) if payload is not None
                        else self.index.update(source, have, frozenset()))  # MISSING: holds none of it
             self.changed = self.changed or changed
+            source.missing = payload is None
             if not source.asked:  # its first answer: a publisher, or a relay of this version?
                 source.origin = (source.address in self.origins if self.origins is not None
                                  else source.complete)
@@ -447,7 +452,11 @@ class _Pull:
         """Split the chunks to take from the publisher among the live relays of this version."""
         if not self.sharing or self.relay is None or self.relay.address is None:
             return
-        members = sorted({self.relay.address, *(s.address for s in self._live() if s.asked and not s.origin)})
+        # Relays of this version: not a publisher, and holding or pulling it (a peer that answers
+        # MISSING - it dropped the version, or pulls without relaying - would own chunks nobody
+        # takes from the trainer).
+        members = sorted({self.relay.address, *(s.address for s in self._live()
+                                                 if s.asked and not s.origin and not s.missing)})
         if members == self.members:
             return
         self.members = members
@@ -634,12 +643,14 @@ class _Pull:
             if now > deadline:
                 raise WeightSyncError(f"pull timed out after {timeout_s:.1f} s", version=self.m.version,
                                       missing=len(self.pending), reason="timeout")
+            if self.sharing and not self.members and now - self.t0 > FIRST_ROUND_WAIT_S:
+                self._share()  # the first round is still out (a frozen peer): split among who answered
             self._maybe_refresh(now)
             while len(self.inflight) < self.max_inflight and (pick := self._pick()) is not None:
                 chunk, source = pick
                 self.inflight[asyncio.create_task(self._fetch(chunk, source))] = chunk
             if not self.inflight:
-                if self.index.mine is not None and now - self.last_progress > OWNER_WAIT_S:
+                if self.index.mine is not None and now - self.last_progress > max(OWNER_WAIT_S, 4 * self.chunk_s):
                     self._stop_sharing()  # waited on other owners with nothing to do: take any
                     continue
                 self._check_available(now)
@@ -647,7 +658,9 @@ class _Pull:
             if self.refresh_task is not None:
                 waitables.add(self.refresh_task)
             if not waitables:
-                await asyncio.sleep(max(0.0, self.last_refresh + self.interval - now))
+                # nothing in flight: until the next HAVE round may go (a sleep(0) here spun a core)
+                gap = max(self.interval, WAIT_POLL_CHUNKS * self.chunk_s)
+                await asyncio.sleep(max(0.001, self.last_refresh + gap - now))
                 continue
             done, _ = await asyncio.wait(waitables, timeout=self.interval,
                                          return_when=asyncio.FIRST_COMPLETED)

@@ -349,7 +349,8 @@ class Dispatcher:
                     and rep.busy_at > pend.adopted_at + 2 * interval):
                 # Dispatched before this life; its owner is idle now: the reply was lost meanwhile.
                 raise Redispatch(f"{pend.member_id} idle: the reply was lost", member=pend.member_id)
-            if self.bus.disconnects != pend.bus_disconnects and self.bus.connected and not rep.busy:
+            if (self.bus.disconnects != pend.bus_disconnects and self.bus.connected and not rep.busy
+                    and self.bus.reconnected_at > pend.sent_at):  # this outage's reconnect is recorded
                 # NATS went away while the turn was out; its owner reports idle since we are back:
                 # the request or the reply was lost with the server. Again now, not at the turn's
                 # deadline (a NATS restart stalled the job for the whole 10 s deadline).
