@@ -127,7 +127,7 @@ class Bus:
                         reconnect_time_wait=RECONNECT_WAIT_S, error_cb=_err, disconnected_cb=_down,
                         reconnected_cb=_up)
         except Exception as exc:  # nats raises several unrelated types here
-            raise TransportError(f"cannot connect to NATS at {_redact(url)}: {exc}", url=_redact(url)) from exc
+            raise TransportError(f"cannot connect to NATS at {redact_url(url)}: {exc}", url=redact_url(url)) from exc
         bus = cls(nc, name, role)
         return bus
 
@@ -277,7 +277,7 @@ class Bus:
             await self._nc.close()
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
     """Hide credentials in a URL before it goes to a log or an error message."""
     if "@" not in url:
         return url

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from robustrl.weights import WeightServer, pull
 from robustrl.weights.manifest import Manifest, TensorEntry, build_manifest
-from robustrl.weights.puller import _Pull, _Source, owners
+from robustrl.weights.puller import PullStats, _Pull, _Source, owners
 from robustrl.weights.transport import encode_have_reply
 
 
@@ -159,23 +159,32 @@ def test_pick_costs_well_under_a_millisecond_at_8000_chunks_and_8_sources() -> N
     # the brute-force scan this replaces took ~69 ms per pick here
 
 
-async def test_relayed_pull_sends_few_control_messages_per_chunk() -> None:
-    data, manifest = _manifest(2000, chunk_bytes=8 << 10)
+async def _relayed_pulls(data: np.ndarray, manifest: Manifest, m: int, name_origins: bool = False
+                         ) -> tuple[WeightServer, list[WeightServer], list[tuple[np.ndarray, PullStats]]]:
+    """``m`` relayed pullers of one version from one trainer (named as the publisher when
+    ``name_origins``), every buffer checked; the servers are closed (byte counts stay readable)."""
     trainer = WeightServer("tcp")
     await trainer.start()
     trainer.add_version(manifest, data)
-    relays = [WeightServer("tcp") for _ in range(4)]
+    relays = [WeightServer("tcp") for _ in range(m)]
     for r in relays:
         await r.start()
     sources = [trainer.address, *(r.address for r in relays)]
     try:
         results = await asyncio.wait_for(asyncio.gather(*(
-            pull(manifest, sources, relay=relays[i], seed=i) for i in range(4))), 120)
+            pull(manifest, sources, relay=relays[i], seed=i, origins=[trainer.address] if name_origins else None)
+            for i in range(m))), 120)
     finally:
         for server in [trainer, *relays]:
             await server.close()
     for buf, _stats in results:
         assert np.array_equal(buf, data)
+    return trainer, relays, list(results)
+
+
+async def test_relayed_pull_sends_few_control_messages_per_chunk() -> None:
+    data, manifest = _manifest(2000, chunk_bytes=8 << 10)
+    trainer, _relays, results = await _relayed_pulls(data, manifest, 4)
     received = sum(sum(s.chunks_from.values()) for _, s in results)
     control = sum(s.control_msgs for _, s in results)
     assert received == 4 * manifest.num_chunks
@@ -202,21 +211,7 @@ async def test_relays_split_the_publisher_so_each_chunk_leaves_it_about_once() -
     from the other relays. Without the split the trainer sent 1.1 copies here (and 3.75 at
     16 replicas on the testbed), each puller racing the others for the rarest chunks."""
     data, manifest = _manifest(1600, chunk_bytes=8 << 10)
-    trainer = WeightServer("tcp")
-    await trainer.start()
-    trainer.add_version(manifest, data)
-    relays = [WeightServer("tcp") for _ in range(8)]
-    for r in relays:
-        await r.start()
-    sources = [trainer.address, *(r.address for r in relays)]
-    try:
-        results = await asyncio.wait_for(asyncio.gather(*(
-            pull(manifest, sources, relay=relays[i], seed=i, origins=[trainer.address]) for i in range(8))), 120)
-    finally:
-        for server in [trainer, *relays]:
-            await server.close()
-    for buf, _stats in results:
-        assert np.array_equal(buf, data)
+    trainer, relays, _results = await _relayed_pulls(data, manifest, 8, name_origins=True)
     copies = trainer.bytes_sent / manifest.total_bytes
     assert copies <= 1.03, f"the trainer sent {copies:.2f} copies"
     uplinks = [r.bytes_sent / manifest.total_bytes for r in relays]

@@ -10,7 +10,6 @@ never repaired.
 from __future__ import annotations
 
 import asyncio
-
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from robustrl import subjects
+from robustrl.bus import redact_url
 from robustrl.errors import MessageError, StorageError, TransportError
 from robustrl.messages import loads_bounded
 from robustrl.storage.objects import ObjectStore
@@ -130,7 +130,7 @@ async def read_event_log(nats_url: str, job_id: str, *, fetch_timeout_s: float =
                          allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet),
             CONNECT_TIMEOUT_S * 3)
     except Exception as exc:  # nats raises several unrelated types here; TimeoutError from the bound
-        raise TransportError(f"auditor cannot connect to NATS at {_redacted(nats_url)}: {exc!r}") from exc
+        raise TransportError(f"auditor cannot connect to NATS at {redact_url(nats_url)}: {exc!r}") from exc
     try:
         js = nc.jetstream()
         try:
@@ -375,13 +375,3 @@ def scan_checkpoints(store: ObjectStore, job_id: str) -> list[RawCheckpoint]:
         out.append(ck)
     return out
 
-
-def _redacted(url: str) -> str:
-    """The URL without its password (error messages end up in logs)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))

@@ -9,12 +9,12 @@ Used by ``bench/control_plane.py`` and the control-plane fault tests. For a faul
   redone step is trained twice: once before the fault, once after).
 * ``tokens_regenerated``: tokens of turns generated again (``turn_regenerated``) in the window;
   when none are logged, the ``work_lost`` estimates there.
-* ``stall_s``: how much longer than the median step without a fault the steps that commit in
-  the window took, summed; a step's time runs from the previous step's commit (its own start for
-  the first step) to its commit, so a stop between two steps counts too (a request manager frozen
-  after one step's commit delays the next step's start, not its duration): the time the fault cost the job's progress (a fault's cost can land
-  on the step after the one it hit, e.g. a request manager killed once that step's batch was
-  handed to the trainer: it costs the next step's generation).
+* ``stall_s``: the time the fault cost the job's progress: how much longer than the median step
+  without a fault the steps that commit in the window took, summed (a fault's cost can land on
+  the step after the one it hit, e.g. a request manager killed once that step's batch was handed
+  to the trainer costs the next step's generation). A step's time runs from the previous step's
+  commit (its own start for the first step) to its commit, so a stop between two steps counts
+  too (a request manager frozen after one commit delays the next step's start, not its duration).
 * ``faulted_step_s``: how long the first step to commit after the fault took.
 """
 
@@ -84,12 +84,12 @@ def impacts(events: Sequence[Event], settle_s: float = 0.0) -> list[FaultImpact]
     ordered = sorted(events, key=lambda e: e.ts)
     faults = [e for e in ordered if e.kind == "fault_injected"]
     finished = any(e.kind == "job_finished" for e in ordered)
-    started, committed = _steps(ordered)
+    began, committed = _steps(ordered)
     end = ordered[-1].ts if ordered else 0.0
     disturbed = [(f.ts, f.ts + float(f.data.get("duration_s") or 0.0) + settle_s) for f in faults]
     # A step is clean when no fault happened between its start and its commit.
-    clean = [committed[k] - started[k] for k in committed if k in started
-             and not _overlaps(started[k], committed[k], disturbed)]
+    clean = [committed[k] - began[k] for k in committed if k in began
+             and not _overlaps(began[k], committed[k], disturbed)]
     clean_s = statistics.median(clean) if clean else None
     out = []
     for i, f in enumerate(faults):
@@ -107,10 +107,10 @@ def impacts(events: Sequence[Event], settle_s: float = 0.0) -> list[FaultImpact]
         step = int(f.data.get("step", -1))
         if after:
             step = after[0][1]
-            if step in started:
-                step_s = after[0][0] - started[step]
+            if step in began:
+                step_s = after[0][0] - began[step]
             if clean_s is not None:
-                stall = sum(max(0.0, ts - started[k] - clean_s) for ts, k in after if ts < t1 and k in started)
+                stall = sum(max(0.0, ts - began[k] - clean_s) for ts, k in after if ts < t1 and k in began)
         out.append(FaultImpact(
             role=str(f.data.get("role")), kind=str(f.data.get("kind")), fault_id=str(f.data.get("fault_id")),
             step=step, job_completed=finished, members_restarted=members, steps_redone=redone,

@@ -450,8 +450,9 @@ class _Pull:
 
     def _share(self) -> None:
         """Split the chunks to take from the publisher among the live relays of this version."""
-        if not self.sharing or self.relay is None or self.relay.address is None:
+        if not self.sharing:
             return
+        assert self.relay is not None and self.relay.address is not None  # sharing needs both
         # Relays of this version: not a publisher, and holding or pulling it (a peer that answers
         # MISSING - it dropped the version, or pulls without relaying - would own chunks nobody
         # takes from the trainer).
@@ -468,18 +469,21 @@ class _Pull:
         self.members = []
         self.index.set_mine(None, self.pending)
 
+    def _round_gap(self) -> float:
+        """Least time between two HAVE rounds: the interval, and with nothing in flight at least
+        ``WAIT_POLL_CHUNKS`` chunk times."""
+        return self.interval if self.inflight else max(self.interval, WAIT_POLL_CHUNKS * self.chunk_s)
+
     def _received(self) -> int:
         return sum(self.stats.chunks_from.values())
 
     def _maybe_refresh(self, now: float) -> None:
-        if self.refresh_task is not None or now - self.last_refresh < self.interval:
+        if self.refresh_task is not None or now - self.last_refresh < self._round_gap():
             return
         # While chunks are arriving, a round waits for its share of them: HAVE requests per chunk
         # received stay bounded however many relays there are. With nothing in flight (waiting for
         # a relay to get something), the interval alone decides.
         if self.inflight and self._received() - self.received_at_refresh < self.asked_last * POLLS_PER_CHUNK:
-            return
-        if not self.inflight and now - self.last_refresh < WAIT_POLL_CHUNKS * self.chunk_s:
             return
         self.last_refresh = now
         self.received_at_refresh = self._received()
@@ -659,8 +663,7 @@ class _Pull:
                 waitables.add(self.refresh_task)
             if not waitables:
                 # nothing in flight: until the next HAVE round may go (a sleep(0) here spun a core)
-                gap = max(self.interval, WAIT_POLL_CHUNKS * self.chunk_s)
-                await asyncio.sleep(max(0.001, self.last_refresh + gap - now))
+                await asyncio.sleep(max(0.001, self.last_refresh + self._round_gap() - now))
                 continue
             done, _ = await asyncio.wait(waitables, timeout=self.interval,
                                          return_when=asyncio.FIRST_COMPLETED)

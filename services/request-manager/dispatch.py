@@ -92,6 +92,10 @@ class Pending:
     adopted_at: float | None = None  # monotonic; set when taken over from a record in Redis
     bus_disconnects: int = 0  # this service's NATS disconnects when it was sent (see _failed)
 
+    def outlived_a_bus_outage(self, bus: Bus) -> bool:
+        """This service's NATS connection went down since the turn was sent."""
+        return bus.disconnects != self.bus_disconnects
+
 
 class Dispatcher:
     """Dispatch of one job's turns to its replicas."""
@@ -349,7 +353,7 @@ class Dispatcher:
                     and rep.busy_at > pend.adopted_at + 2 * interval):
                 # Dispatched before this life; its owner is idle now: the reply was lost meanwhile.
                 raise Redispatch(f"{pend.member_id} idle: the reply was lost", member=pend.member_id)
-            if (self.bus.disconnects != pend.bus_disconnects and self.bus.connected and not rep.busy
+            if (pend.outlived_a_bus_outage(self.bus) and self.bus.connected and not rep.busy
                     and self.bus.reconnected_at > pend.sent_at):  # this outage's reconnect is recorded
                 # NATS went away while the turn was out; its owner reports idle since we are back:
                 # the request or the reply was lost with the server. Again now, not at the turn's
@@ -367,7 +371,7 @@ class Dispatcher:
             cause = "turn_deadline"
             self.stats["turn_timeouts"] += 1
             rep = self.replicas.get(pend.member_id)
-            if (self.bus.disconnects != pend.bus_disconnects
+            if (pend.outlived_a_bus_outage(self.bus)
                     or pend.sent_at < self.bus.reconnected_at + RECONNECT_GRACE_S):
                 # NATS went away while the turn was out (a server restart): the request or its reply
                 # was lost on the bus, which is no evidence against the replica (seen: both replicas
