@@ -283,6 +283,10 @@ class WeightsHave(Wire):
     version: int
     address: str
     checksum: str
+    complete: bool = True
+    """False: the replica has only started pulling this version and relays the chunks it holds
+    (peers pulling at the same moment find each other and split the publisher); it neither
+    serves nor holds the version yet, so dispatch and readiness ignore such announcements."""
 
 
 # --- event log ------------------------------------------------------------------------------

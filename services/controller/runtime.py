@@ -453,8 +453,8 @@ class Controller:
 
     async def _on_have(self, msg: WeightsHave, _s: str, _r: str | None) -> None:
         job = self.jobs.get(msg.job_id)
-        if not job or msg.member_id not in job.members or not self.leading:
-            return
+        if not msg.complete or not job or msg.member_id not in job.members or not self.leading:
+            return  # a partial announcement is a pull under way, not a replica ready at that version
         m = job.members[msg.member_id]
         m.weights_version = msg.version
         m.state = "ready"

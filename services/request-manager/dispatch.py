@@ -134,6 +134,8 @@ class Dispatcher:
             self._heard(msg.member_id)
 
     def on_have(self, msg: WeightsHave) -> None:
+        if not msg.complete:
+            return  # a pull under way (relay announcement): the replica cannot serve that version
         rep = self._heard(msg.member_id)
         if rep:
             rep.version, rep.checksum = msg.version, msg.checksum  # a redo may load a lower version

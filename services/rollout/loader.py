@@ -16,6 +16,13 @@ what it was doing and retries when a source shows up (a re-announcement, a relay
 after a back-off. That wait is bounded too: still without the version ``pull_timeout_s x
 pull_attempts`` after its announcement (and no newer one), the replica reports weights_failed.
 
+Partial announcements: when the replica starts following a version it announces ``WeightsHave``
+with ``complete: false`` (``have``), so replicas pulling the same version at the same moment list
+each other as relays and split the publisher among themselves (``robustrl.weights.puller``); a
+peer's partial announcement makes it a source of this version, a complete one supersedes it. The
+request manager and the controller ignore partial announcements (the replica cannot serve that
+version yet).
+
 Events for the auditor: ``weights_loaded`` (only after both checks) and ``weights_rejected``
 ``{member_id, version, epoch, expected, got?, checksum?, reason, error?, attempt, attempts_allowed,
 final}`` (``checksum``: of the bytes rejected, when they were all pulled)
@@ -56,6 +63,8 @@ deadline should fire first)."""
 
 Emit = Callable[[str, dict[str, object]], Awaitable[None]]
 Install = Callable[[int, str, dict[str, torch.Tensor], float], Awaitable[str | None]]
+Have = Callable[[int, str, bool], Awaitable[None]]
+"""Announces (version, checksum, complete) to the job's replicas (WeightsHave)."""
 
 
 @dataclass
@@ -63,6 +72,7 @@ class Peer:
     version: int
     checksum: str
     address: str
+    complete: bool = True  # False: it is pulling that version and relays what it holds so far
 
 
 @dataclass
@@ -92,12 +102,14 @@ class WeightLoader:
         emit: appends an event to the job's log.
         on_change: called when loading/failed changes (the replica republishes its phase).
         held: the (version, checksum) the engine serves now.
+        have: announces a pull this replica starts (``complete=False``) to the other replicas;
+            None announces nothing (the replica then relays only to peers that ask anyway).
     """
 
     def __init__(self, cfg: WeightSyncSpec, member_id: str, server: WeightServer,
                  layout: dict[str, tuple[str, list[int]]], install: Install, emit: Emit,
                  on_change: Callable[[], Awaitable[None]], held: Callable[[], tuple[int, str]],
-                 seed: int = 0) -> None:
+                 seed: int = 0, have: Have | None = None) -> None:
         self.cfg = cfg
         self.member_id = member_id
         self.server = server
@@ -107,6 +119,7 @@ class WeightLoader:
         self._on_change = on_change
         self._held = held
         self._seed = seed
+        self._have = have
         self.announcements = Announcements()
         self.peers: dict[str, Peer] = {}
         self.state = LoaderState()
@@ -133,9 +146,14 @@ class WeightLoader:
         self._task = asyncio.create_task(self._follow(msg), name=f"pull-v{msg.version}")
         self._task.add_done_callback(self._done)
 
-    def peer_has(self, member_id: str, version: int, checksum: str, address: str) -> None:
-        """Another replica holds a version completely (a relay)."""
-        self.peers[member_id] = Peer(version, checksum, address)
+    def peer_has(self, member_id: str, version: int, checksum: str, address: str, complete: bool = True) -> None:
+        """Another replica holds a version completely, or has started pulling it (``complete``
+        False): either way a relay of that version."""
+        old = self.peers.get(member_id)
+        if (not complete and old is not None and old.complete
+                and (old.version, old.checksum, old.address) == (version, checksum, address)):
+            return  # a late partial announcement must not hide that it completed
+        self.peers[member_id] = Peer(version, checksum, address, complete)
         target = self.announcements.target
         if target is not None and (version, checksum) == (target.version, target.checksum):
             self.state.sources_changed.set()
@@ -168,6 +186,13 @@ class WeightLoader:
         started = time.monotonic()
         give_up_s = self.cfg.pull_timeout_s * self.cfg.pull_attempts
         gave_up = False
+        if self._have is not None:
+            # Before the manifest's round trip, so peers pulling the same version know each other
+            # by the time their first HAVE round splits the publisher.
+            try:
+                await self._have(ann.version, ann.checksum, False)
+            except Exception as exc:  # the pull works without it, only with less sharing
+                log.warning("v%d: partial announcement not sent: %s", ann.version, exc)
         got = await self._manifest(ann, avoid, started, give_up_s)
         if got is None:
             return
@@ -267,6 +292,8 @@ class WeightLoader:
             "member_id": self.member_id, "version": manifest.version, "epoch": ann.epoch,
             "checksum": loaded, "verified": True, "pull_s": time.monotonic() - t0,
             "bytes": stats.bytes_received, "sources": len(stats.chunks_from),
+            "chunks": manifest.num_chunks, "origin_chunks": sum(
+                n for a, n in stats.chunks_from.items() if a in {_norm(o, self.cfg.transport) for o in ann.sources}),
             "corrupt_chunks": stats.corrupt_chunks})
         log.info("loaded v%d (epoch %d) in %.2fs (%d B, from %s)", manifest.version, ann.epoch,
                  time.monotonic() - t0, stats.bytes_received, stats.chunks_from)

@@ -91,7 +91,7 @@ class Replica:
         self.loader = WeightLoader(spec.weights, self.ident.member_id, self.server, expected_layout(self.model),
                                    install=self._install, emit=self._emit, on_change=self._refresh_phase,
                                    held=lambda: (self.version, self.checksum),
-                                   seed=hash(self.ident.member_id) & 0xFFFF)
+                                   seed=hash(self.ident.member_id) & 0xFFFF, have=self._publish_have)
         bus = self.member.bus
         assert bus
         job = self.ident.job_id
@@ -134,7 +134,14 @@ class Replica:
 
     async def _on_have(self, msg: WeightsHave, _s: str, _r: str | None) -> None:
         if msg.member_id != self.ident.member_id:
-            self.loader.peer_has(msg.member_id, msg.version, msg.checksum, msg.address)
+            self.loader.peer_has(msg.member_id, msg.version, msg.checksum, msg.address, msg.complete)
+
+    async def _publish_have(self, version: int, checksum: str, complete: bool) -> None:
+        assert self.member.bus
+        await self.member.bus.publish(
+            subject(self.ident.job_id, Verb.HAVE, self.ident.member_id),
+            WeightsHave(job_id=self.ident.job_id, member_id=self.ident.member_id, version=version,
+                        address=self.address, checksum=checksum, complete=complete))
 
     async def _on_announce(self, msg: WeightsAnnounce, _s: str, _r: str | None) -> None:
         self.loader.offer(msg)
@@ -165,11 +172,7 @@ class Replica:
         if not swapped:
             return None
         if mine.loaded == checksum:
-            assert self.member.bus
-            await self.member.bus.publish(
-                subject(self.ident.job_id, Verb.HAVE, self.ident.member_id),
-                WeightsHave(job_id=self.ident.job_id, member_id=self.ident.member_id, version=version,
-                            address=self.address, checksum=checksum))
+            await self._publish_have(version, checksum, True)
         return mine.loaded
 
     def _apply_pending(self) -> None:
