@@ -30,8 +30,11 @@ class ModelSpec(BaseModel):
     num_kv_heads: StrictInt = Field(2, ge=1, le=128)
     intermediate_size: StrictInt = Field(128, ge=8, le=65536)
     max_positions: StrictInt = Field(256, ge=32, le=65536, description="Longest prompt + response.")
-    path: str | None = Field(None, max_length=4096,
-                             description="Local model directory to load instead of random init.")
+    path: str | None = Field(None, max_length=4096, description=(
+        "Local model directory to load instead of random init: one written by save_policy (char "
+        "tokenizer) or any Hugging Face causal LM directory with its own tokenizer.json and chat template."))
+    device: Literal["cpu", "cuda"] = Field("cpu", description=(
+        "Where trainer and torch rollout engine keep the model and optimizer (cuda: GPU path, NCCL)."))
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:
@@ -61,6 +64,9 @@ class RolloutSpec(BaseModel):
     temperature: StrictFloat = Field(1.0, gt=0.0, le=10.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     max_batch: StrictInt = Field(64, ge=1, le=4096, description="Episodes decoded together per replica.")
+    engine: Literal["torch", "vllm"] = Field("torch", description=(
+        "Generation engine of the replicas: torch (built-in KV-cache decoder) or vllm (vLLM AsyncLLM, run "
+        "from its own environment: scripts/setup.sh --vllm)."))
 
 
 class TrainerSpec(BaseModel):

@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 
 from robustrl.errors import RobustRLError
+from robustrl.model.engines.base import Engine
 from robustrl.model.tokenizer import CharTokenizer
 
 StopReason = Literal["eot", "tool_call", "length"]
@@ -55,8 +56,10 @@ class GenResult:
     stop_reason: StopReason
 
 
-class GenerationEngine:
+class GenerationEngine(Engine):
     """Decodes batches of requests with the policy; thread-safe (one batch at a time).
+
+    The ``torch`` rollout engine (:class:`~robustrl.model.engines.base.Engine`).
 
     Logprobs are of the sampled tokens under the distribution actually sampled from (the
     behaviour policy): logits scaled by the request's temperature, truncated to its top-p set
@@ -64,6 +67,8 @@ class GenerationEngine:
     otherwise GRPO's importance ratio needs exactly these. Greedy decoding samples from a point
     mass, so its logprobs are 0.
     """
+
+    name = "torch"
 
     def __init__(self, model: torch.nn.Module, tokenizer: CharTokenizer, max_batch: int = 64) -> None:
         if max_batch < 1:
@@ -73,6 +78,7 @@ class GenerationEngine:
         self.max_batch = max_batch
         self.tokens_generated = 0
         self._lock = threading.Lock()
+        self._abort = threading.Event()
         config = getattr(model, "config", None)
         self.max_positions: int = int(getattr(config, "max_position_embeddings", 1 << 30))
         # transformers 5 names the KV cache argument ``cache``; 4.x calls it ``past_key_values``.
@@ -83,6 +89,22 @@ class GenerationEngine:
         """Swap in new weights (strict: every parameter must be present), between batches."""
         with self._lock, torch.no_grad():
             self.model.load_state_dict(dict(state_dict), strict=True)
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int = -1) -> str:
+        """In place, between batches; returns the checksum read back from the model."""
+        from robustrl.model.policy import weights_checksum
+
+        self.load_state_dict(state)
+        return weights_checksum(self.model)
+
+    def layout(self) -> dict[str, tuple[str, list[int]]]:
+        from robustrl.weights.flat import expected_layout
+
+        return expected_layout(self.model)
+
+    def abort(self) -> None:
+        """The running ``generate`` raises GenerationAborted before its next decode step."""
+        self._abort.set()
 
     def generate(
         self,
@@ -101,7 +123,13 @@ class GenerationEngine:
             GenerationAborted: ``should_abort`` asked to stop.
         """
         results: list[GenResult] = []
+        asked = should_abort
+
+        def should_abort() -> bool:
+            return self._abort.is_set() or (asked is not None and asked())
+
         with self._lock, torch.inference_mode():
+            self._abort.clear()
             for start in range(0, len(requests), self.max_batch):
                 chunk = list(requests[start:start + self.max_batch])
                 results.extend(self._generate_chunk(chunk, on_token, should_abort))

@@ -9,9 +9,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from robustrl.config import ModelSpec
 from robustrl.errors import ConfigError
@@ -40,7 +41,7 @@ def policy_config(spec: ModelSpec, tokenizer: CharTokenizer) -> Qwen3Config:
     )
 
 
-def build_policy(spec: ModelSpec, tokenizer: CharTokenizer, seed: int) -> torch.nn.Module:
+def build_policy(spec: ModelSpec, tokenizer: CharTokenizer | Any, seed: int) -> torch.nn.Module:
     """Build the policy: random init seeded by ``seed``, or loaded from ``spec.path``.
 
     Args:
@@ -54,8 +55,9 @@ def build_policy(spec: ModelSpec, tokenizer: CharTokenizer, seed: int) -> torch.
     if spec.path:
         path = Path(spec.path)
         try:
-            model = Qwen3ForCausalLM.from_pretrained(str(path), local_files_only=True)
-        except (OSError, ValueError) as exc:
+            # Any causal LM architecture transformers knows (Qwen3, Llama, ...), from disk only.
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
             raise ConfigError(f"cannot load policy from {path}: {exc}", field="model.path") from exc
         if model.config.vocab_size < tokenizer.vocab_size:
             raise ConfigError(f"model vocabulary {model.config.vocab_size} is smaller than the "

@@ -92,6 +92,30 @@ class CharTokenizer:
             parts.append(self._id_to_text[tid])
         return "".join(parts)
 
+    # --- the episode-tokenizer interface (shared with hf.ChatTokenizer) -------------------
+
+    kind = "char"
+
+    def prompt_ids(self, text: str, tool: str | None) -> list[int]:
+        """``<bos> text <eot>``: the prefix of the first assistant turn (``tool`` is not shown)."""
+        return [self.bos_id, *self.encode(text), self.eot_id]
+
+    def tool_result_ids(self, text: str) -> list[int]:
+        """``<result> text <eot>``; unknown characters become ``?``."""
+        return [self.result_id, *self.encode(text, errors="replace"), self.eot_id]
+
+    def tool_argument(self, ids: Iterable[int]) -> str:
+        """The tool argument an assistant turn stands for: its text, specials dropped, stripped."""
+        return self.decode(ids, skip_special=True).strip()
+
+    def turn_text(self, ids: Iterable[int]) -> str:
+        """The turn's text for scoring: the final eot/call dropped, other specials shown as NUL
+        (so a policy cannot pad its answers with them for free)."""
+        ids = list(ids)
+        if ids and ids[-1] in (self.eot_id, self.call_id):
+            ids.pop()
+        return "".join("\x00" if self.is_special(t) else self.decode([t]) for t in ids)
+
     def save(self, directory: str | Path) -> Path:
         """Write ``tokenizer.json`` into ``directory`` (created if needed); return its path."""
         path = Path(directory) / _FILE

@@ -152,8 +152,9 @@ def sample_prompts(tasks: Sequence[str], step: int, n: int, seed: int) -> list[P
 
 
 def initial_prompt_ids(prompt: Prompt, tokenizer: CharTokenizer) -> list[int]:
-    """``<bos> text <eot>``: the prefix of the first assistant turn."""
-    return [tokenizer.bos_id, *tokenizer.encode(prompt.text), tokenizer.eot_id]
+    """The prefix of the first assistant turn: ``<bos> text <eot>`` for the char tokenizer, the
+    chat template's user message (with the tool's schema) for a Hugging Face one."""
+    return tokenizer.prompt_ids(prompt.text, prompt.tool)
 
 
 def episode_ids(prompt: Prompt, turns: Sequence[Turn], tokenizer: CharTokenizer) -> list[int]:
@@ -176,9 +177,9 @@ def request_seed(job_seed: int, episode_id: str, turn_index: int) -> int:
 
 def tool_turn_ids(result_text: str, tokenizer: CharTokenizer,
                   max_chars: int = TOOL_RESULT_MAX_CHARS) -> list[int]:
-    """``<result> text <eot>``; text cut to ``max_chars``, unknown characters become ``?``."""
-    return [tokenizer.result_id, *tokenizer.encode(result_text[:max_chars], errors="replace"),
-            tokenizer.eot_id]
+    """``<result> text <eot>`` (char tokenizer) or the chat template's tool message; text cut to
+    ``max_chars``, unknown characters become ``?``."""
+    return tokenizer.tool_result_ids(result_text[:max_chars])
 
 
 def tool_turn(result_text: str, tokenizer: CharTokenizer) -> Turn:
@@ -192,15 +193,13 @@ def turn_text(turn: Turn, tokenizer: CharTokenizer) -> str:
     Specials inside the text count as wrong characters (rather than vanishing), so a policy
     cannot pad its answers with them for free.
     """
-    ids = list(turn.token_ids)
-    if ids and ids[-1] in (tokenizer.eot_id, tokenizer.call_id):
-        ids.pop()
-    return "".join("\x00" if tokenizer.is_special(t) else tokenizer.decode([t]) for t in ids)
+    return tokenizer.turn_text(turn.token_ids)
 
 
 def tool_argument(turn: Turn, tokenizer: CharTokenizer) -> str:
-    """The tool argument an assistant turn stands for: its text, specials dropped, stripped."""
-    return tokenizer.decode(turn.token_ids, skip_special=True).strip()
+    """The tool argument an assistant turn stands for: its text, specials dropped, stripped (a
+    chat tokenizer reads the argument out of the template's tool-call JSON)."""
+    return tokenizer.tool_argument(turn.token_ids)
 
 
 def next_action(prompt: Prompt, turns: Sequence[Turn], tokenizer: CharTokenizer, max_turns: int) -> Action:
