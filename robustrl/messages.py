@@ -8,9 +8,9 @@ Encoding and decoding never await.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from robustrl import jsonlimits
 from robustrl.errors import MessageError, SubjectError
@@ -20,7 +20,7 @@ Role = Literal["trainer", "rollout", "request_manager", "controller", "detector"
 TrainerPhase = Literal["starting", "idle", "waiting_batch", "training", "checkpointing", "publishing"]
 RolloutPhase = Literal["starting", "serving", "idle", "loading_weights", "weights_failed"]
 FaultKind = Literal["crash", "hang", "unresponsive", "fail_slow", "tool_outage"]
-ChaosKind = Literal["crash", "hang", "stall", "slow", "tool_outage", "net_drop", "infra_restart"]
+ChaosKind = Literal["crash", "hang", "stall", "slow", "tool_outage", "net_drop", "partition", "infra_restart"]
 ChaosRole = Literal["trainer", "rollout", "request_manager", "controller", "detector", "nats", "redis", "s3"]
 """Where a fault can be injected: the job's roles, the control plane, and the infra servers
 (``infra_restart`` on ``nats | redis | s3``). Control-plane and infra faults are carried out by
@@ -427,6 +427,10 @@ class ChaosRequest(Wire):
     member: int | str = 0
     duration_s: float = Field(0.0, ge=0, le=3600)
     factor: float = Field(4.0, ge=1.0, le=1000)
+    against: list[Annotated[str, StringConstraints(pattern=r"^(h\d{1,3}|gw)$")]] = Field(default_factory=list,
+                                                                                         max_length=250)
+    """``partition`` on a testbed: the hosts the member's host is cut from (``gw``: the infra and
+    control plane); empty: every other host and ``gw``."""
 
 
 class ChaosAck(Wire):

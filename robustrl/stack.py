@@ -2,6 +2,12 @@
 
 ``robustrl up`` / ``robustrl demo``, the tests and the benchmarks all start RobustRL through
 :class:`Stack`, so they exercise the same processes a user runs.
+
+On a testbed (``Stack(run_dir, testbed=tb, placement={"trainer": ["h0"], "rollout": ["h1", "h2"]})``)
+the infra and the control plane run in the root namespace, the embedded servers listening on the
+testbed's gateway address (the only address the hosts reach them at; loopback otherwise), and
+the controller's launcher starts each member inside its role's hosts
+(``robustrl.testbed.placement``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
@@ -36,6 +43,9 @@ from robustrl.supervisor import (
     read_restarts,
     write_handover,
 )
+
+if TYPE_CHECKING:
+    from robustrl.testbed.testbed import Testbed
 
 SERVICES = ("controller", "detector", "request_manager")
 READY_TIMEOUT_S = 60.0
@@ -59,13 +69,23 @@ class Stack:
 
     def __init__(self, run_dir: Path | str, external: Settings | None = None, api_port: int = 0,
                  extra_env: dict[str, str] | None = None, services: tuple[str, ...] = SERVICES,
-                 supervise: bool = True, policy: RestartPolicy | None = None, controllers: int = 1) -> None:
+                 supervise: bool = True, policy: RestartPolicy | None = None, controllers: int = 1,
+                 testbed: Testbed | None = None, placement: dict[str, list[str]] | None = None) -> None:
         # A second controller is a hot standby (leader lease): "controller-2", its own API port.
         self.services = services + tuple(f"controller-{i}" for i in range(2, controllers + 1))
         self.run_dir = Path(run_dir).resolve()
         self.external = external
         self.api_port = api_port
         self.extra_env = extra_env or {}
+        self.testbed = testbed
+        if testbed is not None:
+            from robustrl.testbed.placement import RolePlacement
+
+            # validated now (a bad host name is a ConfigError here, not a member that never starts)
+            self.placement = RolePlacement.parse(testbed, placement or {})
+            self.extra_env = {**self.placement.to_env(), **self.extra_env}
+        elif placement:
+            raise LaunchError("a placement needs a testbed (Stack(testbed=...))", member="placement")
         self.supervise = supervise
         self.policy = policy or RestartPolicy()
         self.infra: EmbeddedInfra | None = None
@@ -94,7 +114,8 @@ class Stack:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
         if self.external is None:
-            self.infra = EmbeddedInfra(self.run_dir / "infra")
+            host = self.testbed.gateway if self.testbed is not None else "127.0.0.1"
+            self.infra = EmbeddedInfra(self.run_dir / "infra", host=host)
             base = self.infra.start()
         else:
             base = self.external

@@ -96,7 +96,8 @@ class Harness:
         if is_local(pf):
             return await self.inject_local(pf)
         req = ChaosRequest(job_id=self.job_id, fault_id=pf.fault_id, kind=pf.kind, role=pf.role,  # type: ignore[arg-type]
-                           member=pf.member_index, duration_s=pf.duration_s, factor=max(1.0, pf.factor))
+                           member=pf.member_index, duration_s=pf.duration_s, factor=max(1.0, pf.factor),
+                           against=list(pf.against))
         try:
             ack = await self.bus.request(subject(self.job_id, Verb.CHAOS), req, ChaosAck, timeout=ACK_TIMEOUT_S)
             rec = {"fault_id": pf.fault_id, "kind": pf.kind, "role": pf.role, "step": pf.step,

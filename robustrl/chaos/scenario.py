@@ -14,6 +14,15 @@ A scenario file is YAML::
       - {kind: crash, role: controller, at_step: 7}               # control plane: crash | hang
       - {kind: hang, role: detector, at_step: 8, duration_s: 10}  # SIGSTOP, SIGCONT after 10 s
       - {kind: infra_restart, role: redis, at_step: 9}            # nats | redis | s3
+      - {kind: partition, role: rollout, member: 1, at_step: 10, duration_s: 5}  # testbed only
+      - {kind: partition, role: rollout, member: 0, at_step: 11, against: [h2]}  # between two hosts
+      - {kind: net_drop, role: rollout, member: 0, at_step: 12, duration_s: 5}   # cut its host's link
+
+On a testbed (``robustrl.testbed``) ``net_drop`` and ``partition`` act on the member's host's
+link with tc (``robustrl.chaos.network``): ``net_drop`` drops everything to and from the host,
+``partition`` cuts it from the hosts in ``against`` (default: every other host and ``gw``, the
+infra and control plane); ``duration_s`` > 0 heals it after that long. Without a testbed
+``net_drop`` closes the member's NATS connection and ``partition`` is refused.
 
 ``member`` is a member index, ``random`` (one drawn from the seed) or ``all``; ``within_step``
 is ``random`` (a moment drawn inside the step) or a delay in seconds after the step starts.
@@ -24,6 +33,7 @@ The same faults come from the builder: ``Faults().crash("rollout", member=1, at_
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +60,11 @@ DEFAULT_HANG_S = 10.0
 # A fail-slow fault must be slower than the detector's peer threshold (a quarter of the median)
 # to be detectable at all, so the default factor is well past it.
 DEFAULT_SLOW_FACTOR = 8.0
-_FAULT_KEYS = {"kind", "role", "member", "at_step", "every", "start", "within_step", "duration_s", "factor"}
+_FAULT_KEYS = {"kind", "role", "member", "at_step", "every", "start", "within_step", "duration_s", "factor",
+               "against"}
+HOST_RE = re.compile(r"h\d{1,3}|gw")
+"""A testbed host name (``h0``...) or ``gw`` (the infra and control plane behind the gateway)."""
+NETWORK_ROLES = ("trainer", "rollout")
 _TOP_KEYS = {"name", "seed", "policy", "job", "faults"}
 
 
@@ -67,6 +81,7 @@ class FaultSpec:
     within_step: float | Literal["random"] = "random"
     duration_s: float = 0.0
     factor: float = 1.0
+    against: tuple[str, ...] = ()
 
     def steps(self, steps: int) -> list[int]:
         """The steps (0-based, < ``steps``) at which this entry fires."""
@@ -82,6 +97,8 @@ class FaultSpec:
         else:
             out.update(every=self.every, start=self.start)
         out.update(within_step=self.within_step, duration_s=self.duration_s, factor=self.factor)
+        if self.against:
+            out["against"] = list(self.against)
         return out
 
 
@@ -119,6 +136,7 @@ class PlannedFault:
     duration_s: float
     factor: float
     fault_id: str
+    against: tuple[str, ...] = ()
 
 
 # --- parsing ------------------------------------------------------------------------------
@@ -219,9 +237,14 @@ def parse_fault(entry: object, index: int = 0) -> FaultSpec:
         raise bad("factor", f"must be a number >= 1, got {factor!r}")
     if kind == "slow" and factor <= 1.0:
         raise bad("factor", "a slow fault needs a factor > 1")
+    against = entry.get("against", [])
+    if against and kind != "partition":
+        raise bad("against", "only a partition has a group to be cut from")
+    if not isinstance(against, list) or not all(isinstance(h, str) and HOST_RE.fullmatch(h) for h in against):
+        raise bad("against", f"must be a list of testbed host names like h1, or gw, got {against!r}")
     return FaultSpec(kind=kind, role=role, member=member, at_step=at_step, every=every, start=start,
                      within_step=within if within == "random" else float(within),
-                     duration_s=float(duration), factor=float(factor))
+                     duration_s=float(duration), factor=float(factor), against=tuple(against))
 
 
 def target_problem(kind: str, role: str) -> str | None:
@@ -233,6 +256,8 @@ def target_problem(kind: str, role: str) -> str | None:
         return f"the only fault of the {role} server is infra_restart"
     if kind == "tool_outage" and role != "request_manager":
         return "a tool outage happens in the request manager's tools"
+    if kind == "partition" and role not in NETWORK_ROLES:
+        return f"a partition cuts a member's host: role must be one of {', '.join(NETWORK_ROLES)}"
     if role in CONTROL_PLANE and kind not in ("crash", "hang") and not (
             role == "request_manager" and kind == "tool_outage"):
         return f"a {role} fault is crash or hang (the process), not {kind}"
@@ -296,7 +321,7 @@ def plan(scenario: Scenario, steps: int, *, step_time_s: float = 1.0,
             for member in targets:
                 out.append(PlannedFault(step=step, delay_s=delay, kind=f.kind, role=f.role,
                                         member_index=member, duration_s=f.duration_s, factor=f.factor,
-                                        fault_id=f"{scenario.name}-{i}-s{step}-m{member}"))
+                                        fault_id=f"{scenario.name}-{i}-s{step}-m{member}", against=f.against))
     out.sort(key=lambda p: (p.step, p.delay_s, p.fault_id))
     return out
 
@@ -335,6 +360,10 @@ class Faults:
 
     def net_drop(self, role: str, **fields: Any) -> Faults:
         return self.add("net_drop", role, **fields)
+
+    def partition(self, role: str, **fields: Any) -> Faults:
+        """Cut a member's host from ``against`` (default: every other host and the infra); testbed only."""
+        return self.add("partition", role, **fields)
 
     def infra_restart(self, server: str, **fields: Any) -> Faults:
         """Restart an infra server (``nats | redis | s3``) on its port and data dir."""

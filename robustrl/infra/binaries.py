@@ -107,10 +107,13 @@ def rclone() -> Binary:
 # -- how to run each server ----------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the server may still lose a race for it)."""
+LOOPBACK = "127.0.0.1"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port of ``host`` that was free a moment ago (the server may still lose a race for it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
@@ -125,10 +128,10 @@ def write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _socket_exchange(port: int, send: bytes, expect: bytes, *, read_first: bool) -> bool:
+def _socket_exchange(host: str, port: int, send: bytes, expect: bytes, *, read_first: bool) -> bool:
     """Send ``send`` and report whether the reply (read until ``expect`` or close) contains it."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+        with socket.create_connection((host, port), timeout=1.0) as sock:
             if read_first:
                 sock.recv(4096)  # the NATS INFO line
             sock.sendall(send)
@@ -151,6 +154,9 @@ class Service:
     def __init__(self, run_dir: Path, binary: Binary) -> None:
         self.run_dir = run_dir
         self.binary = binary
+        self.host = LOOPBACK
+        """The address the server listens on and clients are given (a testbed's gateway address
+        when members on testbed hosts must reach it; loopback otherwise)."""
         self.log = run_dir / "logs" / f"{self.name}.log"
         self.conf_dir = run_dir / "conf"
 
@@ -180,12 +186,12 @@ class NatsServer(Service):
         self.port = self.http_port = 0
 
     def prepare(self) -> None:
-        self.port, self.http_port = free_port(), free_port()
+        self.port, self.http_port = free_port(self.host), free_port()
         store = self.run_dir / "nats"
         store.mkdir(parents=True, exist_ok=True)
         write_private(
             self.conf_dir / "nats.conf",
-            f'listen: "127.0.0.1:{self.port}"\n'
+            f'listen: "{self.host}:{self.port}"\n'
             # Monitoring (healthz, varz) only on loopback; it redacts credentials.
             f'http: "127.0.0.1:{self.http_port}"\n'
             f"jetstream {{ store_dir: {json.dumps(str(store))} }}\n"
@@ -198,7 +204,7 @@ class NatsServer(Service):
 
     def ready(self) -> bool:
         connect = json.dumps({"user": self.user, "pass": self.password, "verbose": False})
-        if not _socket_exchange(self.port, f"CONNECT {connect}\r\nPING\r\n".encode(), b"PONG",
+        if not _socket_exchange(self.host, self.port, f"CONNECT {connect}\r\nPING\r\n".encode(), b"PONG",
                                 read_first=True):
             return False
         try:
@@ -210,7 +216,7 @@ class NatsServer(Service):
 
     @property
     def url(self) -> str:
-        return f"nats://{self.user}:{self.password}@127.0.0.1:{self.port}"
+        return f"nats://{self.user}:{self.password}@{self.host}:{self.port}"
 
 
 class RedisServer(Service):
@@ -226,12 +232,12 @@ class RedisServer(Service):
         self.port = 0
 
     def prepare(self) -> None:
-        self.port = free_port()
+        self.port = free_port(self.host)
         data = self.run_dir / "redis"
         data.mkdir(parents=True, exist_ok=True)
         write_private(
             self.conf_dir / "redis.conf",
-            "bind 127.0.0.1\n"
+            f"bind {self.host}\n"
             f"port {self.port}\n"
             f"requirepass {self.password}\n"
             f"dir {data}\n"
@@ -249,12 +255,12 @@ class RedisServer(Service):
 
     def ready(self) -> bool:
         # PONG only comes once the AOF is loaded; before that the server answers -LOADING.
-        return _socket_exchange(self.port, f"AUTH {self.password}\r\nPING\r\n".encode(), b"+PONG",
+        return _socket_exchange(self.host, self.port, f"AUTH {self.password}\r\nPING\r\n".encode(), b"+PONG",
                                 read_first=False)
 
     @property
     def url(self) -> str:
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
 
 class S3Server(Service):
@@ -272,7 +278,7 @@ class S3Server(Service):
         self.port = 0
 
     def prepare(self) -> None:
-        self.port = free_port()
+        self.port = free_port(self.host)
         # rclone serves each top-level folder as a bucket; creating it here means the job's
         # bucket exists before the first client connects.
         (self.run_dir / "s3" / self.bucket).mkdir(parents=True, exist_ok=True)
@@ -281,7 +287,7 @@ class S3Server(Service):
     def command(self) -> tuple[list[str], dict[str, str]]:
         argv = [
             str(self.binary.path), "serve", "s3", str(self.run_dir / "s3"),
-            "--addr", f"127.0.0.1:{self.port}",
+            "--addr", f"{self.host}:{self.port}",
             # VFS cache off: PUTs go to a temp file renamed into place (atomic) and large
             # multipart uploads stream to disk instead of being buffered in memory.
             "--vfs-cache-mode", "off",
@@ -304,7 +310,7 @@ class S3Server(Service):
         from minio import Minio  # local: only needed while starting
         from urllib3 import PoolManager, Timeout
 
-        client = Minio(f"127.0.0.1:{self.port}", access_key=self.access_key, secret_key=self.secret_key,
+        client = Minio(f"{self.host}:{self.port}", access_key=self.access_key, secret_key=self.secret_key,
                        secure=False, region="us-east-1",
                        http_client=PoolManager(timeout=Timeout(1.0), retries=False))
         try:

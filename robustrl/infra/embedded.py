@@ -69,8 +69,11 @@ class EmbeddedInfra:
     """
 
     def __init__(self, run_dir: Path | str, *, bucket: str = "robustrl",
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = START_TIMEOUT_S, host: str = binaries.LOOPBACK) -> None:
         self.run_dir = Path(run_dir).resolve()
+        self.host = host
+        """Where the servers listen: loopback, or an address hosts elsewhere reach (a testbed's
+        gateway, ``robustrl.testbed``); one address, never every interface."""
         self.bucket = bucket
         self.start_timeout_s = start_timeout_s
         self.settings: Settings | None = None
@@ -104,6 +107,8 @@ class EmbeddedInfra:
         redis = binaries.RedisServer(self.run_dir, binaries.redis_server(), self.credentials)
         s3 = binaries.S3Server(self.run_dir, binaries.rclone(), self.bucket, self.credentials)
         services: list[binaries.Service] = [nats, redis, s3]
+        for svc in services:
+            svc.host = self.host
         self._services = {svc.name: svc for svc in services}
         self._register_atexit()
         try:
@@ -115,7 +120,7 @@ class EmbeddedInfra:
             self.stop()
             raise
         self.settings = Settings(
-            nats_url=nats.url, redis_url=redis.url, s3_endpoint=f"127.0.0.1:{s3.port}",
+            nats_url=nats.url, redis_url=redis.url, s3_endpoint=f"{self.host}:{s3.port}",
             s3_access_key=s3.access_key, s3_secret_key=s3.secret_key, s3_bucket=self.bucket,
             s3_secure=False, run_dir=str(self.run_dir), credentials_file=str(creds_file),
         )

@@ -27,7 +27,8 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +87,12 @@ class LocalLauncher(Launcher):
     ``placement``, members whose spec names a host run on that host (module docstring)."""
 
     def __init__(self, log_dir: Path, base_env: dict[str, str] | None = None,
-                 placement: Placement | None = None) -> None:
+                 placement: Placement | None = None,
+                 assign: Callable[[MemberSpec], str | None] | None = None) -> None:
         self.log_dir = Path(log_dir)
         self.placement = placement
+        self.assign = assign
+        """Picks a host for a member whose spec names none (``robustrl.testbed.placement``)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.base_env = dict(base_env if base_env is not None else os.environ)
         self._members: dict[str, _Member] = {}
@@ -166,6 +170,7 @@ class LocalLauncher(Launcher):
     # --- members -----------------------------------------------------------------------------
 
     def start(self, spec: MemberSpec) -> None:
+        spec = self._placed(spec)
         with self._lock:
             if self._closed:  # a launch racing close() would leave a process nobody stops
                 raise LaunchError(f"cannot start {spec.member_id}: the launcher is closed", member=spec.member_id)
@@ -189,6 +194,18 @@ class LocalLauncher(Launcher):
             finally:
                 log.close()
             self._members[spec.member_id] = _Member(spec, proc, MemberState.RUNNING)
+
+    def _placed(self, spec: MemberSpec) -> MemberSpec:
+        """``spec`` with its host (the one it names, else ``assign``'s choice); a placed member
+        binds its servers on its host's address, which members on other hosts reach."""
+        host = spec.host if spec.host is not None or self.assign is None else self.assign(spec)
+        if host is None or self.placement is None:
+            return spec  # not placed, or _host_prefix says why it cannot be
+        try:
+            address = self.placement.address(host)
+        except RobustRLError:
+            return replace(spec, host=host)  # _host_prefix names the bad host
+        return replace(spec, host=host, env={**spec.env, "ROBUSTRL_BIND_HOST": address})
 
     def _host_prefix(self, spec: MemberSpec) -> list[str]:
         """The argv prefix that places ``spec`` on its host ([] without one)."""

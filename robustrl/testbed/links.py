@@ -126,6 +126,12 @@ def drop_to_commands(end: LinkEnd, addresses: list[str]) -> list[list[str]]:
                    "u32", "match", "ip", "dst", f"{addr}/32", "flowid", DROP_CLASS) for addr in addresses]
 
 
+def drop_from_commands(end: LinkEnd, addresses: list[str]) -> list[list[str]]:
+    """Drop IPv4 packets leaving through ``end`` that come from any of ``addresses``."""
+    return [end.tc("filter", "add", "dev", end.dev, "parent", "1:", "protocol", "ip", "prio", str(PARTITION_PRIO),
+                   "u32", "match", "ip", "src", f"{addr}/32", "flowid", DROP_CLASS) for addr in addresses]
+
+
 def heal_commands(end: LinkEnd) -> list[list[str]]:
     """Remove every fault filter of ``end`` (the shaping stays)."""
     return [end.tc("filter", "del", "dev", end.dev, "parent", "1:")]

@@ -69,6 +69,9 @@ class CutMode(str, enum.Enum):
 
 HostRef = str | int | HostInfo
 """A host by name (``"h1"``), index (1) or the HostInfo itself."""
+GATEWAY = "gw"
+"""In a partition's group: the root namespace behind the gateway address (where the stack runs
+the infra and the control plane)."""
 
 
 class Testbed:
@@ -309,15 +312,44 @@ class Testbed:
 
     def partition(self, group_a: Iterable[HostRef], group_b: Iterable[HostRef]) -> None:
         """Drop all traffic between the hosts of ``group_a`` and those of ``group_b``; each group
-        still reaches itself, and both reach the hosts in neither group and the gateway."""
-        a, b = [self.host(r) for r in group_a], [self.host(r) for r in group_b]
-        if not a or not b or {h.name for h in a} & {h.name for h in b}:
+        still reaches itself, and both reach the hosts in neither group and the gateway. A group
+        may hold ``GATEWAY`` (``"gw"``): the root namespace (infra, control plane) is then cut
+        from the other group's hosts too."""
+        refs_a, refs_b = list(group_a), list(group_b)
+        gw_a, gw_b = GATEWAY in refs_a, GATEWAY in refs_b
+        a = [self.host(r) for r in refs_a if r != GATEWAY]
+        b = [self.host(r) for r in refs_b if r != GATEWAY]
+        if (not a and not gw_a) or (not b and not gw_b) or (gw_a and gw_b) or {h.name for h in a} & {h.name for h in b}:
             raise ConfigError("a partition needs two non-empty groups with no host in both", field="group")
-        for mine, theirs in ((a, b), (b, a)):
+        for mine, theirs, gw in ((a, b, gw_b), (b, a, gw_a)):
             for h in mine:
-                for cmd in links.drop_to_commands(links.LinkEnd(h.dev, h.netns), [t.address for t in theirs]):
+                targets = [t.address for t in theirs] + ([self.gateway] if gw else [])
+                for cmd in links.drop_to_commands(links.LinkEnd(h.dev, h.netns), targets):
                     commands.run(cmd)
-        self.faults.append({"kind": "partition", "a": [h.name for h in a], "b": [h.name for h in b]})
+                if gw:  # what the root namespace sends to h: dropped at the switch's port to h
+                    port = links.LinkEnd(h.bridge_port, self.state.switch_netns)
+                    for cmd in links.drop_from_commands(port, [self.gateway]):
+                        commands.run(cmd)
+        self.faults.append({"kind": "partition", "a": [h.name for h in a] + ([GATEWAY] if gw_a else []),
+                            "b": [h.name for h in b] + ([GATEWAY] if gw_b else [])})
+
+    def isolate(self, hosts: Iterable[HostRef]) -> None:
+        """Partition ``hosts`` from every other host and from the gateway (infra, control plane)."""
+        group = [self.host(r).name for r in hosts]
+        rest = [h.name for h in self.hosts if h.name not in group]
+        self.partition(group, [*rest, GATEWAY])
+
+    def heal_fault(self, fault: dict[str, Any]) -> None:
+        """Undo one fault of ``faults`` (the others stay): heal all, then apply the rest again."""
+        rest = [f for f in self.faults if f != fault]
+        if len(rest) == len(self.faults):
+            return  # not in force (healed already)
+        self.heal()
+        for f in rest:
+            if f["kind"] == "cut":
+                self.cut(f["host"], CutMode(f["mode"]))
+            else:
+                self.partition(f["a"], f["b"])
 
     def heal(self) -> None:
         """Undo every ``cut`` and ``partition``; the shaping stays. Harmless without faults."""

@@ -33,6 +33,13 @@ def make_launcher(settings: Settings, env: dict[str, str]):  # type: ignore[no-u
         return DockerLauncher(image=env.get("ROBUSTRL_IMAGE", "robustrl:latest"),
                               network=env.get("ROBUSTRL_DOCKER_NETWORK", "robustrl"),
                               instance=env.get("ROBUSTRL_LAUNCHER_INSTANCE", "robustrl-controller"))
+    from robustrl.testbed.placement import RolePlacement
+
+    # On a testbed (robustrl.testbed.placement): members start inside their role's hosts.
+    placement = RolePlacement.from_env(env)
+    if placement is not None:
+        return LocalLauncher(Path(settings.run_dir) / "logs", base_env=env, placement=placement,
+                             assign=placement.assign)
     return LocalLauncher(Path(settings.run_dir) / "logs", base_env=env)
 
 

@@ -25,6 +25,7 @@ from pydantic import (
     Field,
     PlainValidator,
     StrictFloat,
+    StringConstraints,
     WithJsonSchema,
     model_validator,
 )
@@ -86,6 +87,10 @@ class FaultBody(BaseModel):
     member: MemberRef = Field(0, description="Member index within the role, or member id.")
     duration_s: StrictFloat = Field(0.0, ge=0, le=3600)
     factor: StrictFloat = Field(4.0, ge=1.0, le=1000)
+    against: list[Annotated[str, StringConstraints(pattern=r"^(h\d{1,3}|gw)$")]] = Field(
+        default_factory=list, max_length=250,
+        description="partition on a testbed: the hosts cut from the member's host (gw: infra and control "
+                    "plane); empty: every other host and gw.")
 
     @model_validator(mode="after")
     def _kind_fits_role(self) -> FaultBody:
@@ -229,7 +234,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
         job_or_404(job_id)
         req = ChaosRequest(job_id=job_id, fault_id=f"api-{uuid.uuid4().hex[:8]}", kind=fault.kind,
                            role=fault.role, member=fault.member, duration_s=fault.duration_s,  # type: ignore[arg-type]
-                           factor=fault.factor)
+                           factor=fault.factor, against=fault.against)
         try:
             member = await controller.inject(req)
         except JobError as exc:

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING
 from robustrl.services.controller.jobs import JobRun
 from robustrl.services.controller.launching import lid
 
+from robustrl.chaos.network import NETWORK_KINDS, for_launcher
 from robustrl.chaos.scenario import LOCAL_ROLES, target_problem
 from robustrl.chaos.self_fault import schedule_self_fault
-from robustrl.errors import JobError, LaunchError
+from robustrl.errors import ConfigError, JobError, LaunchError, TestbedError
 from robustrl.messages import ChaosAck, ChaosCommand, ChaosRequest
 from robustrl.subjects import Verb, subject
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
 class ChaosInjector:
     def __init__(self, controller: Controller) -> None:
         self.c = controller
+        self.network = for_launcher(controller.launcher)
+        """Real network faults when members run on testbed hosts (``robustrl.chaos.network``)."""
 
     async def on_request(self, msg: ChaosRequest, _s: str, reply: str | None) -> None:
         if not self.c.leading:
@@ -71,13 +74,19 @@ class ChaosInjector:
             mid = "request_manager"
         else:
             mid = self.resolve(job, req.role, req.member)
+        host = self._network_host(job, req, mid)
         # The injection is logged before it is carried out: a crash is detected within
         # milliseconds, and the detection must not precede its cause in the log.
         job.injected_at[mid] = time.time()
         await self.c.event(job, "fault_injected", {
             "fault_id": req.fault_id, "kind": req.kind, "role": req.role, "member_id": mid, "step": job.step,
-            "duration_s": req.duration_s})
-        if mid == "request_manager":
+            "duration_s": req.duration_s, **({"host": host, "against": req.against} if host else {})})
+        if host is not None and self.network is not None:
+            try:
+                await asyncio.to_thread(self.network.inject, req.kind, host, req.duration_s, req.against)
+            except (ConfigError, TestbedError) as exc:
+                raise JobError(f"{req.kind} on {host}: {exc}", field="against") from exc
+        elif mid == "request_manager":
             await self.c.control_rm(job, "tool_outage", {"duration_s": req.duration_s or 5.0})
         elif req.kind == "crash":
             await asyncio.to_thread(self.c.launcher.kill, lid(job, mid), False)
@@ -88,3 +97,19 @@ class ChaosInjector:
                 job_id=job.job_id, fault_id=req.fault_id, kind=req.kind, member_id=mid,
                 duration_s=req.duration_s, factor=req.factor))
         return mid
+
+    def _network_host(self, job: JobRun, req: ChaosRequest, mid: str) -> str | None:
+        """The testbed host a network fault acts on (None: not a network fault on a testbed)."""
+        if req.kind not in NETWORK_KINDS:
+            return None
+        handle = self.c.launcher.handle(lid(job, mid)) or {}
+        host = handle.get("host") if self.network is not None else None
+        if host is None:
+            if req.kind == "partition":
+                raise JobError(f"a partition acts on testbed links, and {mid} runs on no testbed host", field="kind")
+            return None  # net_drop without a testbed: the member closes its NATS connection
+        try:
+            self.network.check_hosts(req.against)  # type: ignore[union-attr]
+        except ConfigError as exc:
+            raise JobError(f"{req.kind} against {req.against}: {exc.message}", field="against") from exc
+        return str(host)

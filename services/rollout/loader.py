@@ -39,12 +39,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from robustrl.services.rollout.announce import Announcements, Offer
 
 from robustrl.config import WeightSyncSpec
 from robustrl.errors import RobustRLError, TransportError, WeightSyncError
 from robustrl.messages import WeightsAnnounce
 from robustrl.model.policy import weights_checksum
-from robustrl.services.rollout.announce import Announcements, Offer
 from robustrl.weights.flat import unflatten
 from robustrl.weights.manifest import Manifest
 from robustrl.weights.puller import PullStats, fetch_manifest, pull
@@ -191,7 +191,7 @@ class WeightLoader:
             # by the time their first HAVE round splits the publisher.
             try:
                 await self._have(ann.version, ann.checksum, False)
-            except Exception as exc:  # the pull works without it, only with less sharing
+            except (RobustRLError, OSError, TimeoutError) as exc:  # the pull works without it, sharing less
                 log.warning("v%d: partial announcement not sent: %s", ann.version, exc)
         got = await self._manifest(ann, avoid, started, give_up_s)
         if got is None:

@@ -1,0 +1,125 @@
+"""Placing a job's members on testbed hosts: which role runs on which hosts.
+
+A :class:`RolePlacement` maps a role to hosts, e.g. ``{"trainer": ["h0"], "rollout": ["h1", "h2"]}``.
+The local launcher asks it for a host (``assign``) when it starts a member whose spec names none:
+
+* rollout replicas go round-robin over the role's hosts, in start order, so a replacement lands
+  on the next host rather than on the one its predecessor died on;
+* a trainer gang goes to one host (the next of the role's hosts for each new gang): its ranks
+  meet at ``MASTER_ADDR``, which the controller fixes before rank 0 has a host, and a gang on one
+  host is one multi-GPU node.
+
+Roles without hosts run where the launcher runs. The stack hands the placement to the controller
+process through its environment (``to_env`` / ``from_env``); infra and the control plane stay in
+the root namespace, reached from the hosts through the testbed's gateway address.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from robustrl.errors import ConfigError, TestbedError
+from robustrl.launcher.base import MemberSpec
+from robustrl.testbed.state import STATE_DIR
+from robustrl.testbed.testbed import Testbed
+
+ENV_TESTBED = "ROBUSTRL_TESTBED"
+"""The testbed's tag: the controller attaches to it (``Testbed.attach``)."""
+ENV_TESTBED_DIR = "ROBUSTRL_TESTBED_DIR"
+ENV_PLACEMENT = "ROBUSTRL_PLACEMENT"
+"""JSON ``{role: [host, ...]}``."""
+ENV_BIND_HOST = "ROBUSTRL_BIND_HOST"
+PLACED_ROLES = ("trainer", "rollout")
+
+
+@dataclass
+class RolePlacement:
+    """Hosts per role on one testbed; also a launcher ``Placement`` (``exec_prefix``, ``address``)."""
+
+    testbed: Testbed
+    roles: dict[str, tuple[str, ...]]
+    _next: dict[str, int] = field(default_factory=dict)
+    _gang_host: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def parse(cls, testbed: Testbed, raw: Mapping[str, Sequence[str]]) -> RolePlacement:
+        """Validate ``{role: [host, ...]}`` against the testbed.
+
+        Raises:
+            ConfigError: not a mapping of lists, an unknown role, an empty list, or a host the
+                testbed does not have (the message lists the hosts it has).
+        """
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"placement must map roles to host lists, got {raw!r}", field="placement")
+        roles: dict[str, tuple[str, ...]] = {}
+        for role, hosts in raw.items():
+            if role not in PLACED_ROLES:
+                raise ConfigError(f"placement: unknown role {role!r} (placed roles: {', '.join(PLACED_ROLES)})",
+                                  field=f"placement.{role}")
+            if isinstance(hosts, str) or not isinstance(hosts, Sequence) or not hosts:
+                raise ConfigError(f"placement.{role} must be a non-empty list of hosts, got {hosts!r}",
+                                  field=f"placement.{role}")
+            try:
+                roles[role] = tuple(testbed.host(h).name for h in hosts)
+            except ConfigError as exc:
+                raise ConfigError(f"placement.{role}: {exc.message}", field=f"placement.{role}") from exc
+        return cls(testbed, roles)
+
+    # --- the launcher's Placement --------------------------------------------------------------
+
+    def exec_prefix(self, host: str) -> list[str]:
+        return self.testbed.exec_prefix(host)
+
+    def address(self, host: str) -> str:
+        return self.testbed.address(host)
+
+    def assign(self, spec: MemberSpec) -> str | None:
+        """The host for a member about to start (None: not placed); see the module docstring."""
+        hosts = self.roles.get(spec.role)
+        if not hosts:
+            return None
+        with self._lock:
+            if spec.role == "trainer" and spec.env.get("ROBUSTRL_RANK", "0") != "0" and self._gang_host:
+                return self._gang_host  # the rest of the gang joins rank 0's host
+            n = self._next.get(spec.role, 0)
+            self._next[spec.role] = n + 1
+            host = hosts[n % len(hosts)]
+            if spec.role == "trainer":
+                self._gang_host = host
+            return host
+
+    def member_env(self, host: str) -> dict[str, str]:
+        """What a member placed on ``host`` needs: its servers bind on the host's address, which
+        members on other hosts reach (the host's loopback is its own)."""
+        return {ENV_BIND_HOST: self.address(host)}
+
+    # --- through the environment ---------------------------------------------------------------
+
+    def to_env(self) -> dict[str, str]:
+        return {ENV_TESTBED: self.testbed.state.tag, ENV_TESTBED_DIR: str(self.testbed.state_dir),
+                ENV_PLACEMENT: json.dumps({r: list(h) for r, h in self.roles.items()})}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> RolePlacement | None:
+        """The placement the stack put in ``env`` (None when there is no testbed).
+
+        Raises:
+            ConfigError: the testbed named is not up, or the placement is malformed.
+        """
+        tag = env.get(ENV_TESTBED)
+        if not tag:
+            return None
+        try:
+            tb = Testbed.attach(tag, Path(env.get(ENV_TESTBED_DIR) or STATE_DIR))
+        except TestbedError as exc:  # the testbed is gone
+            raise ConfigError(f"{ENV_TESTBED}={tag}: {exc}", field=ENV_TESTBED) from exc
+        try:
+            raw = json.loads(env.get(ENV_PLACEMENT) or "{}")
+        except ValueError as exc:
+            raise ConfigError(f"{ENV_PLACEMENT} is not JSON: {exc}", field=ENV_PLACEMENT) from exc
+        return cls.parse(tb, raw)
