@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from rm_harness import Harness, rm_spec
+from robustrl.services.rollout.loader import WeightLoader
 from support import eventually_async
 
 from robustrl.bus import Bus
@@ -24,7 +25,6 @@ from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.messages import WeightsAnnounce, WeightsHave
 from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.model.tokenizer import CharTokenizer
-from robustrl.services.rollout.loader import WeightLoader
 from robustrl.subjects import Verb, subject, wildcard
 from robustrl.weights.flat import expected_layout, flatten_state_dict
 from robustrl.weights.server import WeightServer
