@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator, model_validator,
+)
 
 from robustrl.errors import ConfigError
 
@@ -183,6 +185,26 @@ class RecoverySpec(BaseModel):
     warm_spares: StrictInt = Field(0, ge=0, le=64, description=(
         "Member processes kept started ahead (imports done) while the job runs: a restart takes one "
         "instead of a cold start. Local launcher only; 0 = every restart is a cold start."))
+    borrow: Literal["overlapped", "always", "never"] = Field("overlapped", description=(
+        "Warm standby from the rollout pool: a trainer gang restart may take ready rollout replicas, "
+        "which switch role in place (model built, weights in memory) and join the new gang. "
+        "overlapped: in semi_sync/async only (sync has no spare rollout capacity); always: also in "
+        "sync; never: no borrowing. Launchers that cannot switch a process in place start cold."))
+    min_replicas_kept: StrictInt = Field(1, ge=1, le=64, description=(
+        "Replicas that keep generating during a trainer recovery: borrowing never leaves fewer."))
+    standby_order: list[Literal["spare", "borrowed", "cold"]] = Field(
+        default_factory=lambda: ["spare", "borrowed", "cold"], min_length=1, max_length=3, description=(
+            "Where each rank of a new trainer gang comes from, first choice first: a warm spare "
+            "process, a borrowed rollout replica, a cold start. Must name cold (always possible)."))
+
+    @field_validator("standby_order")
+    @classmethod
+    def _standby_order_valid(cls, order: list[str]) -> list[str]:
+        if len(set(order)) != len(order):
+            raise ValueError("standby_order names a source twice")
+        if "cold" not in order:
+            raise ValueError("standby_order must include cold (the start that is always possible)")
+        return order
 
 
 class JobSpec(BaseModel):

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from robustrl.errors import LaunchError
+
 TRAINER_MODULE = "robustrl.services.trainer"
 ROLLOUT_MODULE = "robustrl.services.rollout"
 """What a trainer worker / rollout replica runs (``python -m``): the launchers and the controller
@@ -132,6 +134,28 @@ class Launcher(abc.ABC):
 
         Launchers without spares ignore it (every start is cold)."""
         del n
+
+    def spares_ready(self) -> int:
+        """Warm spare processes ready to take a member now (0 for launchers without spares)."""
+        return 0
+
+    def can_relabel(self) -> bool:
+        """Whether :meth:`relabel` can switch a running member's role in place."""
+        return False
+
+    def relabel(self, member_id: str, spec: MemberSpec) -> None:
+        """Switch the running member ``member_id`` in place to the member ``spec`` describes (a
+        rollout replica borrowed as a trainer rank): hand the process ``spec``'s environment, and
+        from now on track, poll, stop and kill it as ``spec.member_id`` (its exit is reported
+        under that id and role). The process keeps its pid, memory and loaded model.
+
+        Raises:
+            LaunchError: the member is not running here, or this launcher cannot switch a process
+                in place (the default: a container or actor runs one fixed command per member).
+        """
+        del spec
+        raise LaunchError(f"{type(self).__name__} cannot switch member {member_id} to another role in place",
+                          member=member_id)
 
     def handle(self, member_id: str) -> dict[str, Any] | None:
         """What identifies the running member beyond this process's life (persisted by the

@@ -20,6 +20,7 @@ start cold (the spares run outside every host).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -36,6 +37,8 @@ import psutil
 
 from robustrl.errors import LaunchError, RobustRLError
 from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState, Placement
+from robustrl.launcher.base import ROLLOUT_MODULE
+from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, write_handoff
 from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 
 STOP_GRACE_S = 2.0
@@ -177,7 +180,7 @@ class LocalLauncher(Launcher):
             old = self._members.get(spec.member_id)
             if old and old.proc.poll() is None:
                 raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
-            env = {**self.base_env, **spec.env}
+            env = {**self.base_env, **spec.env, HANDOFF_ENV: str(self.log_dir)}
             prefix = self._host_prefix(spec)
             spare = None if spec.host else self._take_spare(spec, env)
             if spare is not None:
@@ -206,6 +209,41 @@ class LocalLauncher(Launcher):
         except RobustRLError:
             return replace(spec, host=host)  # _host_prefix names the bad host
         return replace(spec, host=host, env={**spec.env, "ROBUSTRL_BIND_HOST": address})
+
+    def spares_ready(self) -> int:
+        with self._lock:
+            return sum(1 for p in self._spares if p.poll() is None)
+
+    def can_relabel(self) -> bool:
+        return True
+
+    def relabel(self, member_id: str, spec: MemberSpec) -> None:
+        """Hand a running rollout replica over to ``spec`` (a trainer rank) in place: write the
+        hand-off (``robustrl.launcher.spare``), signal the process, and track it under
+        ``spec.member_id`` from now on (same process, pid and group; it stays on its host)."""
+        with self._lock:
+            m = self._members.get(member_id)
+            if m is None or m.proc.poll() is not None:
+                raise LaunchError(f"cannot borrow {member_id}: it is not running", member=member_id)
+            if m.spec.role != "rollout" or (m.spec.module not in ("", ROLLOUT_MODULE)):
+                raise LaunchError(f"cannot borrow {member_id}: only a rollout replica switches role in place",
+                                  member=member_id)
+            new = self._members.get(spec.member_id)
+            if new is not None and new.proc.poll() is None:
+                raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
+            env = {**self.base_env, **spec.env, HANDOFF_ENV: str(self.log_dir)}
+            try:
+                write_handoff(self.log_dir, m.proc.pid, env, str(self.log_dir / f"{spec.member_id}.log"))
+            except OSError as exc:
+                raise LaunchError(f"cannot hand {member_id} over to {spec.member_id}: {exc}",
+                                  member=member_id) from exc
+            del self._members[member_id]
+            placed = dataclasses.replace(spec, host=m.spec.host)
+            self._members[spec.member_id] = _Member(placed, m.proc, MemberState.RUNNING, warm=True)
+            try:
+                os.kill(m.proc.pid, HANDOFF_SIGNAL)
+            except ProcessLookupError:
+                pass  # it died meanwhile: poll() reports the exit under the new id
 
     def _host_prefix(self, spec: MemberSpec) -> list[str]:
         """The argv prefix that places ``spec`` on its host ([] without one)."""

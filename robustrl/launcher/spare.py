@@ -6,6 +6,12 @@ about 4 s of a cold start here), then blocks on one JSON line on stdin:
 sends its output to the member's log, and runs ``python -m module`` in place, so the launcher's
 process handle, pid and process group stay valid. End of input (the launcher let it go) exits
 quietly. See ``LocalLauncher.keep_spares``.
+
+The same module holds the hand-off of a *running* member to another role (a rollout replica
+borrowed as a trainer rank, ``LocalLauncher.relabel``): the launcher writes the new member's
+environment to ``handoff-<pid>.json`` in the directory the member's ``ROBUSTRL_HANDOFF_DIR``
+names (0600: it carries the new role's credentials), then sends ``SIGUSR1``; the member reads and
+deletes it (``robustrl.services.rollout.standby``).
 """
 
 from __future__ import annotations
@@ -14,22 +20,66 @@ import importlib
 import json
 import os
 import runpy
+import signal
 import sys
+from pathlib import Path
 
 from robustrl.launcher.base import ROLLOUT_MODULE, TRAINER_MODULE
+
+HANDOFF_ENV = "ROBUSTRL_HANDOFF_DIR"
+"""Set by the local launcher on every member: where a role hand-off for the process is written."""
+HANDOFF_SIGNAL = signal.SIGUSR1
+"""Tells a running member that its hand-off is written (``LocalLauncher.relabel``)."""
+
+
+def handoff_path(directory: str | os.PathLike[str], pid: int) -> Path:
+    """Where the hand-off of process ``pid`` is written."""
+    return Path(directory) / f"handoff-{pid}.json"
+
+
+def write_handoff(directory: str | os.PathLike[str], pid: int, env: dict[str, str], log: str) -> Path:
+    """Write the hand-off (the new member's environment and log) readable by its owner only: it
+    carries the new role's credentials. Written whole, then renamed, so a reader never sees half."""
+    path = handoff_path(directory, pid)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"env": env, "log": log}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def take_handoff(directory: str | os.PathLike[str], pid: int) -> dict[str, object] | None:
+    """Read and delete this process's hand-off; None if there is none (yet)."""
+    path = handoff_path(directory, pid)
+    try:
+        with open(path) as f:
+            order = json.load(f)
+    except (OSError, ValueError):
+        return None
+    path.unlink(missing_ok=True)
+    return order if isinstance(order, dict) and isinstance(order.get("env"), dict) else None
+
+
+def redirect_output(log: str) -> None:
+    """Send this process's stdout and stderr to ``log`` (the member's log under its new id)."""
+    _redirect(log, stdin=False)
+
 
 TARGETS = frozenset({TRAINER_MODULE, ROLLOUT_MODULE})
 """Member modules a spare can become: it imports their ``__main__`` ahead (not run: the name
 is not ``__main__`` then), which pulls in torch, transformers and the member code."""
 
 
-def _redirect(log: str) -> None:
+def _redirect(log: str, stdin: bool = True) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    if not stdin:
+        return
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)

@@ -33,6 +33,9 @@ class TrainSample:
     loss_mask: list[int]
     old_logprobs: list[float]
     reward: float
+    stale_turns: int = 0
+    """Assistant turns older than the staleness bound: kept as context, not trained on."""
+    stale_tokens: int = 0
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -61,12 +64,21 @@ def build_samples(
     episodes: Sequence[tuple[Prompt, Sequence[Turn], float]],
     tokenizer: CharTokenizer,
     episode_ids: Sequence[str] | None = None,
+    min_version: int | None = None,
 ) -> list[TrainSample]:
     """Turn finished episodes into samples; group = prompt id.
+
+    Every assistant turn carries its behaviour version (``weights_version``) and logprobs; an
+    episode's turns may come from different versions (a partial rollout continued across a weights
+    update), and each is judged on its own.
 
     Args:
         episodes: (prompt, turns, reward) per episode.
         episode_ids: ids to carry; default ``<prompt_id>/<index of the episode in its group>``.
+        min_version: oldest behaviour version the staleness bound admits (the step minus the
+            staleness). An assistant turn of an older version is dropped from the loss (its
+            tokens stay in the context, masked out) and counted in ``stale_turns`` /
+            ``stale_tokens``. None: no bound.
 
     Raises:
         ValueError: an assistant turn's logprobs do not match its tokens.
@@ -77,13 +89,17 @@ def build_samples(
         ids = initial_prompt_ids(prompt, tokenizer)
         mask = [0] * len(ids)
         old = [0.0] * len(ids)
+        stale_turns = stale_tokens = 0
         for turn in turns:
             ids.extend(turn.token_ids)
             if turn.role == "assistant":
                 if len(turn.logprobs) != len(turn.token_ids):
                     raise ValueError(f"episode {n}: assistant turn has {len(turn.token_ids)} tokens "
                                      f"but {len(turn.logprobs)} logprobs")
-                mask.extend([1] * len(turn.token_ids))
+                stale = min_version is not None and turn.weights_version < min_version
+                stale_turns += stale
+                stale_tokens += len(turn.token_ids) if stale else 0
+                mask.extend([0 if stale else 1] * len(turn.token_ids))
                 old.extend(float(x) for x in turn.logprobs)
             else:
                 mask.extend([0] * len(turn.token_ids))
@@ -91,7 +107,7 @@ def build_samples(
         index = seen.get(prompt.prompt_id, 0)
         seen[prompt.prompt_id] = index + 1
         eid = episode_ids[n] if episode_ids is not None else f"{prompt.prompt_id}/{index}"
-        samples.append(TrainSample(eid, prompt.prompt_id, ids, mask, old, float(reward)))
+        samples.append(TrainSample(eid, prompt.prompt_id, ids, mask, old, float(reward), stale_turns, stale_tokens))
     return samples
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from robustrl.config import RecoverySpec
 from robustrl.messages import FaultReport
 
+SPARE, BORROWED, COLD = "spare", "borrowed", "cold"
+"""Where a rank of a new trainer gang comes from (``RecoverySpec.standby_order``)."""
 CONTROL_PLANE_ROLES = frozenset({"request_manager", "controller", "detector"})
 SERVICE_RESUMES_PER_STEP = 3
 """Resumes in place of one control-plane service at one step before a whole-job restart."""
@@ -81,6 +83,11 @@ class JobView:
             tracked. A fault about such a member outside this set is stale. Control-plane services
             are singletons, not incarnations: their liveness is ``control_plane_lost``.
         rollout_replicas: configured replica count.
+        mode: the job's mode (``sync | semi_sync | async``): borrowing is for overlapped modes.
+        trainer_workers: ranks of a trainer gang.
+        spares_ready: warm spare processes the launcher holds now.
+        borrowable: current rollout replicas that hold weights and may be borrowed, best first.
+        can_borrow: whether the launcher can switch a process's role in place.
     """
 
     job_id: str
@@ -93,6 +100,11 @@ class JobView:
     control_plane_lost: frozenset[str] = frozenset()
     live_members: frozenset[str] | None = None
     rollout_replicas: int = 1
+    mode: str = "sync"
+    trainer_workers: int = 1
+    spares_ready: int = 0
+    borrowable: tuple[str, ...] = ()
+    can_borrow: bool = False
 
     @property
     def control_plane_ok(self) -> bool:
@@ -104,12 +116,23 @@ class JobView:
 
 @dataclass(frozen=True)
 class RestartTrainerGang:
-    """Stop every trainer worker, start a new gang from checkpoint ``resume_from``."""
+    """Stop every trainer worker, start a new gang from checkpoint ``resume_from``.
+
+    ``sources`` names where each rank comes from (index = rank): ``spare``, ``cold``, or
+    ``borrowed:<replica member id>`` (that replica is drained and switches role in place).
+    Empty: every rank is started by the launcher (a spare when it has one, else cold)."""
 
     resume_from: int
+    sources: tuple[str, ...] = ()
+
+    @property
+    def borrowed(self) -> dict[int, str]:
+        """rank -> replica member id to borrow for it."""
+        return {r: s.split(":", 1)[1] for r, s in enumerate(self.sources) if s.startswith(BORROWED + ":")}
 
     def describe(self) -> str:
-        return f"restart_trainer_gang(resume_from={self.resume_from})"
+        extra = f", sources={list(self.sources)}" if self.sources else ""
+        return f"restart_trainer_gang(resume_from={self.resume_from}{extra})"
 
 
 @dataclass(frozen=True)
@@ -240,7 +263,7 @@ def decide(now: float, job: JobView, fault: FaultReport, spec: RecoverySpec) -> 
     if spec.policy == "whole_job":
         return _guarded(job, spec, _whole_job(job, f"policy whole_job: {fault.kind} of {fault.role} "
                                                    f"{fault.member_id} at step {job.step}"))
-    return _guarded(job, spec, _role_local(job, fault))
+    return _guarded(job, spec, _role_local(job, fault, spec))
 
 
 def _stale(job: JobView, fault: FaultReport) -> str | None:
@@ -265,7 +288,7 @@ def _control_plane(job: JobView, fault: FaultReport) -> Decision:
                     f"{what}: resume it in place from its durable state; no member is restarted")
 
 
-def _role_local(job: JobView, fault: FaultReport) -> Decision:
+def _role_local(job: JobView, fault: FaultReport, spec: RecoverySpec) -> Decision:
     what = f"{fault.kind} of {fault.role} {fault.member_id} at step {job.step}"
     if job.committed_step < 0:
         return _whole_job(job, f"{what}: before the first committed step")
@@ -278,8 +301,9 @@ def _role_local(job: JobView, fault: FaultReport) -> Decision:
         again = any(r.role == "trainer" and r.step == job.step for r in job.recovering)
         if previous >= 1 or again:
             return _whole_job(job, f"{what}: step {job.step} failed again on the trainer")
-        return Decision([RestartTrainerGang(job.durable_step)],
-                        f"{what}: restart the trainer gang from checkpoint {job.durable_step}")
+        sources, why = plan_gang(job, spec)
+        return Decision([RestartTrainerGang(job.durable_step, sources)],
+                        f"{what}: restart the trainer gang from checkpoint {job.durable_step} ({why})")
     if fault.role == "rollout":
         # Independent replica losses at one step are replaced one by one; more losses than
         # there are replica slots means replacements themselves die: a systemic problem.
@@ -291,6 +315,57 @@ def _role_local(job: JobView, fault: FaultReport) -> Decision:
             reason = f"{what}: re-dispatch its episodes and replace it"
         return Decision([RedispatchEpisodes(fault.member_id), ReplaceReplica(fault.member_id)], reason)
     return Decision([ReportOnly(f"no recovery for role {fault.role}")], f"{what}: no recovery for this role")
+
+
+def may_borrow(job: JobView, spec: RecoverySpec) -> str | None:
+    """None if the job may borrow rollout replicas for its trainer gang, else why not."""
+    if spec.borrow == "never":
+        return "borrowing disabled (recovery.borrow=never)"
+    if spec.borrow == "overlapped" and job.mode == "sync":
+        return "sync mode has no spare rollout capacity (recovery.borrow=overlapped)"
+    if not job.can_borrow:
+        return "the launcher cannot switch a process's role in place"
+    return None
+
+
+def plan_gang(job: JobView, spec: RecoverySpec) -> tuple[tuple[str, ...], str]:
+    """Where each rank of a new gang comes from, following ``spec.standby_order`` (empty when
+    no rank is borrowed: the launcher then starts every rank, from a spare while it holds one).
+
+    A spare is taken while the launcher holds one; a replica is borrowed while more than
+    ``spec.min_replicas_kept`` replicas would still generate; a cold start is always possible.
+
+    Returns:
+        (source per rank, a short reason).
+    """
+    spares = job.spares_ready
+    refused = may_borrow(job, spec)
+    pool = [] if refused else list(job.borrowable)
+    keep = spec.min_replicas_kept
+    generating = len(job.borrowable)
+    sources: list[str] = []
+    for _rank in range(max(1, job.trainer_workers)):
+        for source in spec.standby_order:
+            if source == SPARE and spares > 0:
+                spares -= 1
+                sources.append(SPARE)
+                break
+            if source == BORROWED and pool and generating - 1 >= keep:
+                generating -= 1
+                sources.append(f"{BORROWED}:{pool.pop(0)}")
+                break
+            if source == COLD:
+                sources.append(COLD)
+                break
+        else:  # unreachable: the config requires cold in standby_order
+            sources.append(COLD)
+    counts = {s: sum(x.split(":")[0] == s for x in sources) for s in (SPARE, BORROWED, COLD)}
+    why = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    if refused and BORROWED in spec.standby_order:
+        why += f"; no borrowing: {refused}"
+    if not counts[BORROWED]:
+        return (), why  # every rank is the launcher's to start (a spare while it has one, else cold)
+    return tuple(sources), why
 
 
 def _whole_job(job: JobView, reason: str) -> Decision:

@@ -68,8 +68,11 @@ class MemberStarter:
         info.handle = self.launcher.handle(key) or {}
         job.members[info.member_id] = info
 
-    async def start_gang(self, job: JobRun) -> list[str]:
+    async def start_gang(self, job: JobRun, borrowed: dict[int, str] | None = None) -> list[str]:
         """Start a new trainer gang (next epoch); return its member ids, rank 0 first.
+
+        ``borrowed`` maps ranks to rollout replicas (already drained) that the launcher switches
+        to that rank in place (``Launcher.relabel``) instead of starting a process.
 
         The epoch is above both the one this controller remembers and the newest the gang fence in
         Redis has seen, and it is saved before any rank starts: a controller restarted (or a
@@ -82,19 +85,27 @@ class MemberStarter:
             await self.persist(job)
         port = free_port()
         ids = []
-        master = self.launcher.host_for(lid(job, f"trainer-e{job.epoch}-r0"))
+        borrowed = borrowed or {}
+        # Rank 0's host is the gang's rendezvous: a borrowed rank 0 stays where its replica ran.
+        master = self.launcher.host_for(lid(job, borrowed[0]) if 0 in borrowed
+                                        else lid(job, f"trainer-e{job.epoch}-r0"))
         for rank in range(job.spec.trainer.workers):
             mid = f"trainer-e{job.epoch}-r{rank}"
             env = self.member_env(job, mid, "trainer") | {
                 "ROBUSTRL_RANK": str(rank), "ROBUSTRL_WORLD_SIZE": str(job.spec.trainer.workers),
                 "MASTER_ADDR": master, "MASTER_PORT": str(port)}
-            await asyncio.to_thread(self.launcher.start,
-                                    MemberSpec(job.job_id, lid(job, mid), "trainer", TRAINER_MODULE, env))
+            member = MemberSpec(job.job_id, lid(job, mid), "trainer", TRAINER_MODULE, env)
+            if rank in borrowed:
+                await asyncio.to_thread(self.launcher.relabel, lid(job, borrowed[rank]), member)
+                source = "borrowed"
+            else:
+                await asyncio.to_thread(self.launcher.start, member)
+                source = "spare" if self.launcher.was_warm(lid(job, mid)) else "cold"
             self._record(job, MemberInfo(mid, "trainer", rank, job.epoch))
             ids.append(mid)
             await self.bus.emit_event(job.job_id, "member_started", {
-                "member_id": mid, "role": "trainer", "epoch": job.epoch,
-                "warm": self.launcher.was_warm(lid(job, mid)), "fence": self.fence()})
+                "member_id": mid, "role": "trainer", "epoch": job.epoch, "warm": source != "cold",
+                "source": source, "borrowed_from": borrowed.get(rank), "fence": self.fence()})
         return ids
 
     async def start_replica(self, job: JobRun, slot: int) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from robustrl.messages import FaultReport
@@ -36,12 +37,28 @@ SERVICE_RESUME_ATTEMPT_S = 2.0
 """One ``resume`` request to a restarted control-plane service; repeated until its deadline."""
 
 
+@dataclass
+class GangStart:
+    """Where the ranks of a new gang came from, and the rollout slots it borrowed."""
+
+    sources: list[str]
+    borrowed_slots: list[int]
+
+    @property
+    def source(self) -> str:
+        """The recovery's source, named after its slowest kind of start: cold > borrowed > spare."""
+        return next((s for s in ("cold", "borrowed", "spare") if s in self.sources), "cold")
+
+
 class RecoveryExecutor:
     """Turns fault reports into decisions and carries the actions out with the launcher."""
 
     def __init__(self, controller: Controller) -> None:
         self.c = controller
         self.lock = asyncio.Lock()
+        self._gangs: dict[tuple[str, str], GangStart] = {}
+        """(job id, fault id) -> how the gang of a trainer recovery in progress was started (in memory: a
+        restarted controller reports such a recovery without its source, and restocks no slot)."""
         self._handled: set[tuple[str, str]] = set()
         """(job id, fault id) handled by this process. Fault ids are unique within a job only
         (``exit-trainer-e1-r0`` names a member, and every job has one)."""
@@ -80,7 +97,8 @@ class RecoveryExecutor:
                   "fault_at": fault.fault_at,
                   "detection_s": None if began is None else fault.detected_at - began,
                   "evidence": fault.evidence, "recovery_s": None, "decision": None}
-        decision = decide_mod.decide(now, job_view(job), fault, job.spec.recovery)
+        view = job_view(job, spares_ready=self.c.launcher.spares_ready(), can_borrow=self.c.launcher.can_relabel())
+        decision = decide_mod.decide(now, view, fault, job.spec.recovery)
         record["decision"] = {"actions": decision.names(), "reason": decision.reason}
         if not all(isinstance(a, Ignore) for a in decision.actions):
             job.faults.append(record)
@@ -114,7 +132,7 @@ class RecoveryExecutor:
                                            "member_id": getattr(action, "member_id", None)})
         match action:
             case RestartTrainerGang():
-                await self._restart_trainer(job, fault)
+                await self._restart_trainer(job, fault, action)
             case RedispatchEpisodes(member_id=mid):
                 await asyncio.to_thread(self.c.launcher.kill, lid(job, mid), True)
                 if mid in job.members:
@@ -145,14 +163,55 @@ class RecoveryExecutor:
         job.status = "recovering"
         return rec
 
-    async def _restart_trainer(self, job: JobRun, fault: FaultReport) -> None:
+    async def _restart_trainer(self, job: JobRun, fault: FaultReport, action: RestartTrainerGang) -> None:
         old = [m.member_id for m in job.current_trainers()]
         await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, i) for i in old], True)
         for mid in old:
             job.members[mid].state = "dead"
         rec = self._begin(job, fault, "trainer", set(old))
-        new = await self.c.starter.start_gang(job)
+        # Slots borrowed by a gang whose recovery this one supersedes still need their replacement.
+        active = {(job.job_id, r.fault_id) for r in job.recoveries}
+        owed = [slot for key in [k for k in self._gangs if k[0] == job.job_id and k not in active]
+                for slot in self._gangs.pop(key).borrowed_slots]
+        borrowed = await self._drain(job, fault, action.borrowed)
+        new = await self.c.starter.start_gang(job, borrowed)
+        sources = ["borrowed" if r in borrowed else
+                   "spare" if self.c.launcher.was_warm(lid(job, mid)) else "cold" for r, mid in enumerate(new)]
+        self._gangs[(job.job_id, fault.fault_id)] = GangStart(
+            sources, owed + [job.members[b].index for b in borrowed.values() if b in job.members])
         rec.waiting_for = {new[0]}
+        await self.c.persist(job)
+
+    async def _drain(self, job: JobRun, fault: FaultReport, borrowed: dict[int, str]) -> dict[int, str]:
+        """Take the replicas a gang borrows out of the rollout pool: the request manager
+        re-dispatches their in-flight turns from the saved prefixes and never dispatches to them
+        again (the same path as a dead replica), before their processes switch role.
+
+        Returns:
+            rank -> replica, for the replicas still running (the others' ranks start as usual).
+        """
+        taken = {r: mid for r, mid in borrowed.items()
+                 if (m := job.members.get(mid)) is not None and m.state not in ("exited", "stopped", "dead")}
+        for rank, mid in taken.items():
+            job.members[mid].state = "dead"  # no longer a rollout member: faults about it are stale
+            await self.c.event(job, "replica_borrowed", {"fault_id": fault.fault_id, "member_id": mid,
+                                                         "rank": rank, "epoch": job.epoch + 1})
+        await asyncio.gather(*(self.c.control_rm(job, "replica_dead", {"member_id": mid, "fault_id": fault.fault_id,
+                                                                        "reason": "borrowed"})
+                               for mid in taken.values()))
+        return taken
+
+    async def _replace_borrowed(self, job: JobRun, slots: list[int]) -> None:
+        """The pool returns to its size: one new incarnation per borrowed slot, started once the
+        gang is ready (so its imports do not compete with the recovery for the CPU)."""
+        for slot in slots:
+            if job.done:
+                return
+            mid = await self.c.starter.start_replica(job, slot)
+            if job.done:  # the job ended while it started: stop_job may not have seen it
+                await asyncio.to_thread(self.c.launcher.stop, lid(job, mid), 1.0)
+                return
+            await self.c.event(job, "replica_restocked", {"member_id": mid, "slot": slot})
         await self.c.persist(job)
 
     async def _replace_replica(self, job: JobRun, fault: FaultReport, member_id: str) -> None:
@@ -174,6 +233,8 @@ class RecoveryExecutor:
         for mid in ids:
             job.members[mid].state = "dead"
         job.recoveries.clear()  # a whole-job restart supersedes any local recovery in progress
+        for key in [k for k in self._gangs if k[0] == job.job_id]:
+            del self._gangs[key]  # every replica slot gets a new incarnation below
         rec = self._begin(job, fault, "whole_job", set(ids))
         gang, replicas = await self.c.starter.start_all(job)
         rec.waiting_for = {gang[0], *replicas}
@@ -198,7 +259,7 @@ class RecoveryExecutor:
         while rec in job.recoveries and not job.done:
             # Replicas that died while it was away: it must not dispatch to them.
             dead = sorted(m.member_id for m in job.members.values()
-                          if m.role == "rollout" and not job.is_current(m.member_id))
+                          if m.role == "rollout" and (not job.is_current(m.member_id) or m.state == "dead"))
             args = {"start_step": job.step, "committed": job.committed_step, "replicas_dead": dead}
             if await self.c.control_rm(job, "resume", args, attempts=1, timeout_s=SERVICE_RESUME_ATTEMPT_S,
                                        quiet=True):
@@ -225,11 +286,19 @@ class RecoveryExecutor:
                 continue
             job.recoveries.remove(rec)
             took = time.time() - rec.started_at
+            gang = self._gangs.pop((job.job_id, rec.fault_id), None)
+            recovery_s = None
             for f in job.faults:
                 if f["fault_id"] == rec.fault_id:
-                    f["recovery_s"] = time.time() - f["detected_at"]
+                    f["recovery_s"] = recovery_s = time.time() - f["detected_at"]
+                    if gang is not None:
+                        f["source"] = gang.source
+            extra = {} if gang is None else {"source": gang.source, "sources": gang.sources,
+                                             "recovery_s": recovery_s if recovery_s is not None else took}
             await self.c.event(job, "recovered", {"fault_id": rec.fault_id, "role": rec.role,
-                                                  "kind": rec.kind, "took_s": took})
+                                                  "kind": rec.kind, "took_s": took, **extra})
+            if gang is not None and gang.borrowed_slots:
+                self.c.spawn(self._replace_borrowed(job, gang.borrowed_slots))
             if rec.kind in ("trainer", "whole_job"):
                 # Steps that were committed but not durable are redone by the new gang.
                 redone = max(0, rec.committed_at_fault - job.durable_step)

@@ -6,7 +6,7 @@ from robustrl.services.controller import decide as decide_mod
 from robustrl.services.controller.jobs import JobRun
 
 
-def job_view(job: JobRun) -> decide_mod.JobView:
+def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False) -> decide_mod.JobView:
     """Snapshot ``job`` as ``decide`` sees it.
 
     ``live_members`` holds the current incarnation's trainers and replicas (a fault about an
@@ -15,7 +15,11 @@ def job_view(job: JobRun) -> decide_mod.JobView:
     ``control_plane_lost``.
     """
     members = job.current_trainers() + job.current_replicas()
-    live = {m.member_id for m in members if job.is_current(m.member_id)}
+    # A replica borrowed by a trainer gang (state dead) is no longer a rollout member.
+    live = {m.member_id for m in members if job.is_current(m.member_id) and m.state != "dead"}
+    borrowable = [m for m in job.current_replicas()
+                  if m.member_id in live and m.state == "ready" and m.weights_version >= 0]
+    borrowable.sort(key=lambda m: (-m.weights_version, -m.index))
     return decide_mod.JobView(
         job_id=job.job_id, step=job.step, committed_step=job.committed_step, durable_step=job.durable_step,
         recovering=tuple(decide_mod.RecoveryView(role="job" if r.kind == "whole_job" else r.role, step=r.step,
@@ -23,4 +27,6 @@ def job_view(job: JobRun) -> decide_mod.JobView:
                                                  fault_id=r.fault_id) for r in job.recoveries),
         faults_per_step=dict(job.failures_by_step), restarts_total=job.restarts_total,
         control_plane_lost=frozenset(job.services_lost), live_members=frozenset(live),
-        rollout_replicas=job.spec.rollout.replicas)
+        rollout_replicas=job.spec.rollout.replicas, mode=job.spec.mode,
+        trainer_workers=job.spec.trainer.workers, spares_ready=spares_ready,
+        borrowable=tuple(m.member_id for m in borrowable), can_borrow=can_borrow)

@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,7 @@ from robustrl.model.engine import GenerationEngine, GenRequest
 from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.model.tokenizer import CharTokenizer
 from robustrl.services.rollout.loader import WeightLoader
+from robustrl.services.rollout.standby import StandbyHook, become_trainer
 from robustrl.storage.redis_stores import WeightsPointer, connect
 from robustrl.subjects import Verb, subject, wildcard
 from robustrl.weights.flat import expected_layout
@@ -66,7 +67,7 @@ class PendingWeights:
 
 
 class Replica:
-    def __init__(self, ident: Identity, settings: Settings) -> None:
+    def __init__(self, ident: Identity, settings: Settings, env: Mapping[str, str] | None = None) -> None:
         self.ident = ident
         self.settings = settings
         self.member = ReplicaMember(ident, settings)
@@ -77,9 +78,13 @@ class Replica:
         self._pending: PendingWeights | None = None
         self._swap_lock = threading.Lock()
         self._working = False
+        self.standby = StandbyHook(env or {}, self.member.stopping.set)
+        """Warm standby: the launcher may hand this process over to a trainer rank (standby.py)."""
+        self.engine_thread: threading.Thread | None = None
 
     async def run(self) -> None:
         spec = await self.member.start()
+        self.standby.install(asyncio.get_running_loop())
         torch.set_num_threads(1)
         torch.manual_seed(spec.seed)
         self.loop = asyncio.get_running_loop()
@@ -105,6 +110,7 @@ class Replica:
         await self.member.set_phase("idle")
         worker = threading.Thread(target=self._worker, name="engine", daemon=True)
         worker.start()
+        self.engine_thread = worker
         if latest:
             # A late joiner or replacement: pull the current version from any relay.
             self.loader.offer(decode(WeightsAnnounce, latest))
@@ -264,4 +270,7 @@ def main() -> None:
     ident = Identity.from_env(os.environ)
     configure_logging(ident.member_id)
     settings = Settings.from_env(os.environ)
-    asyncio.run(Replica(ident, settings).run())
+    replica = Replica(ident, settings, dict(os.environ))
+    asyncio.run(replica.run())
+    if replica.standby.handoff is not None:  # borrowed: the same process goes on as a trainer rank
+        become_trainer(replica.standby.handoff, replica.model, replica.engine_thread, ident.member_id)

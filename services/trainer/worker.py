@@ -67,7 +67,15 @@ class TrainerWorker:
         self.member.chaos.gate()
         self.member.activity += 1
 
-    async def run(self) -> None:
+    async def run(self, model: torch.nn.Module | None = None, borrowed_from: str | None = None) -> None:
+        """Join the gang, resume from the newest complete checkpoint, train until the last step.
+
+        Args:
+            model: an already-built policy (a borrowed rollout replica hands over the one it served
+                from; its weights are replaced by the checkpoint's at resume). None: build it.
+            borrowed_from: the replica member this process was before the switch (for the log).
+        """
+        began = time.monotonic()
         spec = await self.member.start()
         self.spec = spec
         torch.set_num_threads(1)
@@ -75,7 +83,11 @@ class TrainerWorker:
         self.tok = CharTokenizer.default()
         # Heavy or collective work runs off the event loop, so metrics and probe answers keep
         # flowing while the gang forms (a blocked loop would look like a dead member).
-        self.model = await asyncio.to_thread(build_policy, spec.model, self.tok, spec.seed)
+        if model is None:
+            self.model = await asyncio.to_thread(build_policy, spec.model, self.tok, spec.seed)
+        else:
+            self.model = model
+            self.model.requires_grad_(True)
         for layer in self.model.modules():
             if layer.__class__.__name__.endswith("DecoderLayer"):
                 layer.register_forward_hook(self._count_activity)
@@ -108,6 +120,10 @@ class TrainerWorker:
             await bus.emit_event(self.ident.job_id, "member_ready", {
                 "member_id": self.ident.member_id, "role": "trainer", "epoch": self.member.epoch,
                 "resume_step": self.step, "weights_version": self.version})
+        if borrowed_from is not None:
+            await bus.emit_event(self.ident.job_id, "role_switched", {
+                "member_id": self.ident.member_id, "from_member": borrowed_from, "role": "trainer",
+                "rank": self.ident.rank, "epoch": self.member.epoch, "join_s": time.monotonic() - began})
         try:
             await self._loop()
         except StaleEpoch as exc:
@@ -209,7 +225,14 @@ class TrainerWorker:
             samples = grpo.build_samples(
                 [(tasks.Prompt.from_dict(e.prompt),
                   [tasks.Turn(t.role, t.token_ids, t.logprobs, t.weights_version, t.stop_reason) for t in e.turns],
-                  float(e.reward or 0.0)) for e in eps], self.tok, [e.episode_id for e in eps])
+                  float(e.reward or 0.0)) for e in eps], self.tok, [e.episode_id for e in eps],
+                # the request manager honours the bound at dispatch; this holds it at training too
+                min_version=max(0, step - self.spec.staleness))
+            stale_turns = sum(s.stale_turns for s in samples)
+            if stale_turns and self.ident.rank == 0:
+                await bus.emit_event(job, "stale_turns_dropped", {
+                    "step": step, "epoch": self.member.epoch, "turns": stale_turns,
+                    "tokens": sum(s.stale_tokens for s in samples), "min_version": max(0, step - self.spec.staleness)})
             stats = await asyncio.to_thread(self._train, samples)
             train_s = time.monotonic() - t0
             self.version = step + 1
@@ -235,7 +258,7 @@ class TrainerWorker:
                 await self.gang.record_trained(step, checksum)
                 timings = {**batch.timings, "training_s": train_s, "checkpoint_blocking_s": snap.blocking_s,
                            "checkpoint_wait_s": snap.wait_s, "upload_s": upload.upload_s if upload else 0.0,
-                           "publish_s": publish_s, "loss": stats["loss"]}
+                           "publish_s": publish_s, "loss": stats["loss"], "stale_turns_dropped": float(stale_turns)}
                 commit = StepCommitted(job_id=job, step=step, weights_version=self.version,
                                        epoch=self.member.epoch, reward_mean=batch.reward_mean, checksum=checksum,
                                        durable_step=self.durable, timings=timings, checkpoint_bytes=snap.bytes)
@@ -281,8 +304,15 @@ def main() -> None:
     ident = Identity.from_env(os.environ)
     configure_logging(ident.member_id)
     settings = Settings.from_env(os.environ)
+    run_member(ident, settings)
+
+
+def run_member(ident: Identity, settings: Settings, model: torch.nn.Module | None = None,
+               borrowed_from: str | None = None) -> None:
+    """Run one trainer worker to its end; exit with the status the controller reads on a start
+    that cannot succeed (``EXIT_CHECKPOINT_LOST``, ``EXIT_STALE``)."""
     try:
-        asyncio.run(TrainerWorker(ident, settings).run())
+        asyncio.run(TrainerWorker(ident, settings).run(model, borrowed_from))
     except CheckpointLost as exc:
         # The last lines of a member's log become the fault evidence and the job's error.
         log.critical("trainer cannot start: %s", exc)

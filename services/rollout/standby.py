@@ -1,0 +1,102 @@
+"""Warm standby from the rollout pool: a replica that switches role in place to a trainer rank.
+
+On a trainer fault the controller may borrow a ready replica (``decide.plan_gang``): it tells the
+request manager that the replica is gone (its in-flight turns are re-dispatched from their saved
+prefixes), then asks the launcher to ``relabel`` the process, which writes the new member's
+environment (``robustrl.launcher.spare.write_handoff``) and sends ``SIGUSR1``.
+
+Here, inside the replica: the signal takes the hand-off and stops the replica (no new turns, the
+engine thread finishes its batch, the relay server and the bus connection close, so the process no
+longer exists as a replica on the bus). Then, in the same process, with torch initialised, the
+model built and the served weights in memory, it becomes the trainer rank the hand-off names: it
+joins the new gang, loads model and optimizer state from the newest complete checkpoint (the
+trainer's usual resume; the replica's weights may be of a newer, not yet durable version), and
+trains. Its output goes to the new member's log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from robustrl.config import Settings
+from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, redirect_output, take_handoff
+from robustrl.member import Identity
+
+log = logging.getLogger(__name__)
+
+ENGINE_JOIN_S = 10.0
+"""How long the switch waits for the engine thread to finish the batch it is decoding."""
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """The member this process is to become."""
+
+    env: dict[str, str]
+    log: str
+
+    @property
+    def member_id(self) -> str:
+        return self.env.get("ROBUSTRL_MEMBER_ID", "?")
+
+
+class StandbyHook:
+    """Listens for the launcher's hand-off signal in a running replica.
+
+    Args:
+        env: the replica's start environment (``ROBUSTRL_HANDOFF_DIR`` says where the hand-off
+            is written; absent: the launcher cannot hand over, and the hook does nothing).
+        stop: stops the replica (it then returns from its run loop).
+    """
+
+    def __init__(self, env: Mapping[str, str], stop: Callable[[], None]) -> None:
+        self.directory = env.get(HANDOFF_ENV)
+        self._stop = stop
+        self.handoff: Handoff | None = None
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.directory:
+            loop.add_signal_handler(HANDOFF_SIGNAL, self._on_signal)
+
+    def _on_signal(self) -> None:
+        if self.handoff is not None or not self.directory:
+            return
+        order = take_handoff(self.directory, os.getpid())
+        if order is None:
+            log.warning("hand-off signal without a hand-off file in %s: ignored", self.directory)
+            return
+        env = {str(k): str(v) for k, v in dict(order["env"]).items()}  # type: ignore[call-overload]
+        self.handoff = Handoff(env, str(order.get("log", "")))
+        log.warning("borrowed as %s: draining and switching role in place", self.handoff.member_id)
+        self._stop()
+
+
+def become_trainer(handoff: Handoff, model: torch.nn.Module, engine_thread: threading.Thread | None,
+                   borrowed_from: str) -> None:
+    """Run the rest of this process as the trainer rank ``handoff`` names (blocks until it ends)."""
+    if engine_thread is not None:
+        engine_thread.join(ENGINE_JOIN_S)
+    if handoff.log:
+        redirect_output(handoff.log)
+    # torch.distributed's env:// rendezvous reads MASTER_ADDR / MASTER_PORT from the environment.
+    os.environ.clear()
+    os.environ.update(handoff.env)
+    from robustrl.services.trainer.worker import run_member
+
+    ident = Identity.from_env(handoff.env)
+    settings = Settings.from_env(handoff.env)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    from robustrl.member import configure_logging
+
+    configure_logging(ident.member_id)
+    log.warning("%s continues as %s (rank %d of %d)", borrowed_from, ident.member_id, ident.rank, ident.world_size)
+    run_member(ident, settings, model=model, borrowed_from=borrowed_from)

@@ -1,0 +1,238 @@
+"""Warm standby from the rollout pool (issue 13), with real processes and servers.
+
+A trainer fault in an overlapped mode is repaired by borrowing ready rollout replicas: each is
+drained (its in-flight turns re-dispatched from their prefixes), switches role in place and
+joins the new gang as rank r; a replacement replica restocks the pool. Checked from the raw
+event log, a raw NATS observer and the auditor, never from the controller's own state. Plus the
+off-policy loss against a hand computation, and the stale-turn drop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from typing import Any
+
+import nats
+import pytest
+import torch
+from jobs import TERMINAL, kinds, small_job, wait_done, wait_step
+from support import eventually
+
+from robustrl.audit import audit_job
+from robustrl.messages import MetricsSample, decode
+from robustrl.rl import grpo
+from robustrl.rl.tasks import Prompt, Turn
+from robustrl.subjects import Verb, wildcard
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class BusObserver:
+    """Records every message on some subjects of a job, with its arrival time, from a thread of
+    its own (a raw view of the bus: what was really sent, not what a service says it sent)."""
+
+    def __init__(self, url: str, subjects: list[str]) -> None:
+        self.url, self.subjects = url, subjects
+        self.seen: list[tuple[float, str, bytes]] = []
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        nc = await nats.connect(self.url)
+
+        async def record(msg: Any) -> None:
+            self.seen.append((time.time(), msg.subject, msg.data))
+
+        for s in self.subjects:
+            await nc.subscribe(s, cb=record)
+        await nc.flush()
+        self._ready.set()
+        await self._stop.wait()
+        await nc.close()
+
+    def __enter__(self) -> BusObserver:
+        self._thread.start()
+        assert self._ready.wait(10), "observer did not connect"
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        assert self._loop and self._stop
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+def _ts(events: list[dict[str, Any]], kind: str) -> list[tuple[float, dict[str, Any]]]:
+    return [(e["ts"], e["data"]) for e in events if e["kind"] == kind]
+
+
+def test_borrowed_replicas_become_trainer_ranks_and_the_pool_is_restocked(api, infra):
+    # Tool calls of 0.5 s make steps long enough for a cold replacement to start before the end.
+    spec = small_job("borrow", steps=16, mode="semi_sync", staleness=1, rollout={"replicas": 3},
+                     recovery={"min_replicas_kept": 1}, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]})
+    jid = api.submit(spec)["job_id"]
+    with BusObserver(infra.nats_url, [wildcard(jid, Verb.GENERATE)]) as gen:
+        wait_step(api, jid, 2)
+        api.fault(jid, kind="crash", role="trainer", member=0)
+
+        def restocked() -> bool:
+            events = api.events(jid)
+            new = {d["member_id"] for d in kinds(events, "replica_restocked")}
+            return len(new) == 2 and new <= {d["member_id"] for d in kinds(events, "weights_loaded")}
+
+        eventually(lambda: restocked() or api.job(jid)["status"] in TERMINAL, timeout=120, interval=0.25,
+                   what="both borrowed slots restocked and loaded")
+        assert restocked(), "the job ended before the pool was back to its size"
+        wait_done(api, jid)
+    events = api.events(jid)
+    audit_job(infra, jid)
+
+    decisions = [d for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
+    assert [d["actions"] for d in decisions] == [["RestartTrainerGang"]], decisions
+    borrowed = {d["member_id"]: d["rank"] for d in kinds(events, "replica_borrowed")}
+    assert len(borrowed) == 2, borrowed  # 3 replicas, 1 kept generating: both ranks borrowed
+    # Each borrowed process joined the new gang as the rank it was given, in place.
+    switched = {d["from_member"]: d for d in kinds(events, "role_switched")}
+    assert set(switched) == set(borrowed)
+    for replica, rank in borrowed.items():
+        assert switched[replica]["member_id"] == f"trainer-e2-r{rank}" and switched[replica]["rank"] == rank
+    started = {d["member_id"]: d for d in kinds(events, "member_started")}
+    assert {started[f"trainer-e2-r{r}"]["source"] for r in (0, 1)} == {"borrowed"}
+    recovered = [d for d in kinds(events, "recovered") if d["kind"] == "trainer"]
+    assert recovered and recovered[0]["source"] == "borrowed" and recovered[0]["recovery_s"] > 0
+    # The pool is back to its size: a new incarnation of every borrowed slot started and loaded
+    # weights (raw event log).
+    loaded = {d["member_id"] for d in kinds(events, "weights_loaded")}
+    for replica in borrowed:
+        slot = replica.split("-")[1]
+        assert f"rollout-{slot}-i1" in started and f"rollout-{slot}-i1" in loaded, (slot, sorted(loaded))
+    # Fencing: once drained, a borrowed replica is never sent a turn again (raw bus).
+    drained_at = min(ts for ts, d in _ts(events, "replica_borrowed"))
+    late = [(t, s) for t, s, _ in gen.seen if t > drained_at + 0.5 and s.rsplit(".", 1)[-1] in borrowed]
+    assert not late, late
+    assert any(s.rsplit(".", 1)[-1] in borrowed for _, s, _ in gen.seen), "observer saw no turn to them at all"
+
+
+def test_async_job_keeps_generating_during_a_trainer_recovery(api, infra):
+    spec = small_job("asyncgen", steps=9, mode="async", staleness=2, rollout={"replicas": 3})
+    jid = api.submit(spec)["job_id"]
+    with BusObserver(infra.nats_url, [wildcard(jid, Verb.METRICS)]) as obs:
+        wait_step(api, jid, 2)
+        api.fault(jid, kind="crash", role="trainer", member=1)
+        wait_done(api, jid)
+    events = api.events(jid)
+    audit_job(infra, jid)
+    detected = min(ts for ts, d in _ts(events, "fault_detected") if d["role"] == "trainer")
+    done = min(ts for ts, d in _ts(events, "recovered") if d["kind"] == "trainer")
+    # Tokens decoded by the replicas that were not borrowed, from their raw metrics samples.
+    borrowed = {d["member_id"] for d in kinds(events, "replica_borrowed")}
+    per_member: dict[str, list[tuple[float, int]]] = {}
+    for t, subj, data in obs.seen:
+        m = decode(MetricsSample, data, subj)
+        if m.role == "rollout" and m.member_id not in borrowed:
+            per_member.setdefault(m.member_id, []).append((t, m.tokens_total))
+
+    def tokens_at(t: float) -> int:
+        return sum(max((n for ts, n in s if ts <= t), default=0) for s in per_member.values())
+
+    assert done > detected
+    rose = tokens_at(done) - tokens_at(detected)
+    assert rose > 0, f"no token decoded during the {done - detected:.2f}s recovery"
+
+
+# --- off-policy correctness (unit) --------------------------------------------------------
+
+
+def test_truncated_importance_ratio_loss_matches_a_hand_computation():
+    # Two tokens of one episode, advantage +1; clip eps 0.2, IS cap 2.
+    new = torch.tensor([[0.0, math.log(0.5), math.log(0.4)]], requires_grad=True)
+    prox = torch.tensor([[0.0, math.log(0.5), math.log(0.5)]])
+    behaviour = torch.tensor([[0.0, math.log(0.1), math.log(0.5)]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    loss, stats = grpo.grpo_loss(new, prox, torch.tensor([1.0]), mask, 0.2, behaviour_logprobs=behaviour, is_cap=2.0)
+    # token 1: r = 0.5/0.5 = 1 -> min(1, clip 1) * A = 1; w = min(0.5/0.1 = 5, 2) = 2 -> -2
+    # token 2: r = 0.4/0.5 = 0.8 -> min(0.8, clip(0.8) = 0.8) = 0.8; w = min(0.5/0.5 = 1, 2) = 1 -> -0.8
+    assert loss.item() == pytest.approx(-(2 * 1.0 + 1 * 0.8) / 2, rel=1e-6)
+    assert stats["is_weight_mean"] == pytest.approx(1.5) and stats["is_truncated_frac"] == pytest.approx(0.5)
+    loss.backward()
+    # d/d new of -w * r * A = -w * r: token 1: -2 * 1 / 2 tokens; token 2: -1 * 0.8 / 2
+    assert new.grad[0, 1].item() == pytest.approx(-1.0) and new.grad[0, 2].item() == pytest.approx(-0.4)
+
+
+def test_turns_staler_than_the_bound_are_dropped_and_counted():
+    from robustrl.model.tokenizer import CharTokenizer
+
+    tok = CharTokenizer.default()
+    prompt = Prompt("p0", "copy", "ab", "ab", needs_tool=False, tool=None)
+    turns = [Turn("assistant", tok.encode("a"), [-0.5], 3, "call"),  # version 3: too old for min 4
+             Turn("tool", tok.encode("x"), [], -1, None),
+             Turn("assistant", tok.encode("b"), [-0.25], 5, "stop")]  # partial rollout: a newer version
+    samples = grpo.build_samples([(prompt, turns, 1.0)], tok, min_version=4)
+    s = samples[0]
+    n_prompt = len(s.token_ids) - 3
+    assert s.loss_mask[n_prompt:] == [0, 0, 1]  # the stale turn is context, not trained on
+    assert s.stale_turns == 1 and s.stale_tokens == 1
+    fresh = grpo.build_samples([(prompt, turns, 1.0)], tok, min_version=3)[0]
+    assert fresh.loss_mask[n_prompt:] == [1, 0, 1] and fresh.stale_turns == 0
+
+
+# --- the standby plan (pure) ---------------------------------------------------------------
+
+
+def _view(**kw: Any):
+    from robustrl.services.controller.decide import JobView
+
+    base = dict(job_id="j", step=5, committed_step=4, durable_step=3, mode="async", trainer_workers=2,
+                rollout_replicas=3, borrowable=("rollout-2-i0", "rollout-1-i0", "rollout-0-i0"), can_borrow=True)
+    return JobView(**{**base, **kw})
+
+
+def _rec(**kw: Any):
+    from robustrl.config import RecoverySpec
+
+    return RecoverySpec(**kw)
+
+
+def test_plan_takes_spares_first_then_borrows_down_to_the_replicas_kept_then_cold():
+    from robustrl.services.controller.decide import plan_gang
+
+    assert plan_gang(_view(spares_ready=1), _rec())[0] == ("spare", "borrowed:rollout-2-i0")
+    assert plan_gang(_view(), _rec())[0] == ("borrowed:rollout-2-i0", "borrowed:rollout-1-i0")
+    # keeping 2 of 3 replicas generating leaves one to borrow; the other rank starts cold
+    assert plan_gang(_view(), _rec(min_replicas_kept=2))[0] == ("borrowed:rollout-2-i0", "cold")
+    # borrowed before spares when the order says so
+    order = _rec(standby_order=["borrowed", "spare", "cold"], min_replicas_kept=2)
+    assert plan_gang(_view(spares_ready=2), order)[0] == ("borrowed:rollout-2-i0", "spare")
+
+
+def test_plan_borrows_nothing_in_sync_unless_allowed_nor_when_denied_or_impossible():
+    from robustrl.services.controller.decide import plan_gang
+
+    sources, why = plan_gang(_view(mode="sync"), _rec())
+    assert sources == () and "sync" in why
+    assert plan_gang(_view(mode="sync"), _rec(borrow="always"))[0][0].startswith("borrowed:")
+    assert plan_gang(_view(), _rec(borrow="never"))[0] == ()
+    sources, why = plan_gang(_view(can_borrow=False), _rec())
+    assert sources == () and "in place" in why  # e.g. the Docker launcher
+    assert plan_gang(_view(), _rec(standby_order=["cold"]))[0] == ()
+
+
+@pytest.mark.parametrize(("knobs", "field"), [
+    ({"standby_order": ["spare", "spare", "cold"]}, "recovery.standby_order"),
+    ({"standby_order": ["spare", "borrowed"]}, "recovery.standby_order"),
+    ({"standby_order": ["warm", "cold"]}, "recovery.standby_order.0"),
+    ({"min_replicas_kept": 0}, "recovery.min_replicas_kept"),
+    ({"borrow": "sometimes"}, "recovery.borrow"),
+])
+def test_bad_standby_knobs_are_a_config_error_naming_the_field(knobs, field):
+    from robustrl.config import JobSpec
+    from robustrl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        JobSpec.parse({"recovery": knobs})
+    assert err.value.field == field
