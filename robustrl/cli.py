@@ -23,6 +23,8 @@ chaos_app = typer.Typer(add_completion=False, help="Chaos harness: run a job thr
 app.add_typer(chaos_app, name="chaos")
 testbed_app = typer.Typer(add_completion=False, help="Multi-host testbed: network namespaces with shaped links.")
 app.add_typer(testbed_app, name="testbed")
+k8s_app = typer.Typer(add_completion=False, help="Kubernetes manifests rendered from a job's member specs.")
+app.add_typer(k8s_app, name="k8s")
 console = Console(width=160)
 DEFAULT_RUN_DIR = Path("runs/local")
 
@@ -69,12 +71,20 @@ def up(run_dir: Path = typer.Option(DEFAULT_RUN_DIR, help="Where logs, data and 
        api_port: int = typer.Option(8321, help="REST API port (loopback)."),
        nats_url: str = typer.Option(None, help="External NATS instead of the embedded one."),
        redis_url: str = typer.Option(None, help="External Redis."),
-       s3_endpoint: str = typer.Option(None, help="External S3/MinIO host:port (ROBUSTRL_S3_* for keys).")) -> None:
+       s3_endpoint: str = typer.Option(None, help="External S3/MinIO host:port (ROBUSTRL_S3_* for keys)."),
+       launcher: str = typer.Option("local", help="How members start: local, docker or ray."),
+       ray_address: str = typer.Option(None, help="GCS address (host:port) of the Ray cluster for --launcher ray.")) -> None:
     """Start the infrastructure (embedded unless URLs are given) and the control-plane services."""
     from robustrl.stack import Stack
 
+    if launcher not in ("local", "docker", "ray"):
+        _fail(ValueError(f"--launcher must be local, docker or ray, got {launcher!r}"))
+    if (launcher == "ray") != bool(ray_address):
+        _fail(ValueError("--launcher ray and --ray-address go together"))
+    extra = {"ROBUSTRL_LAUNCHER": launcher} | ({"ROBUSTRL_RAY_ADDRESS": ray_address} if ray_address else {})
     try:
-        stack = Stack(run_dir, external=_external_settings(nats_url, redis_url, s3_endpoint), api_port=api_port)
+        stack = Stack(run_dir, external=_external_settings(nats_url, redis_url, s3_endpoint), api_port=api_port,
+                      extra_env=extra)
         settings = stack.start()
         stack.detach()
     except RobustRLError as exc:
@@ -453,3 +463,25 @@ def testbed_list() -> None:
 
 if __name__ == "__main__":
     app()
+
+
+@k8s_app.command("render")
+def k8s_render(job: Path = typer.Argument(..., help="Job spec (YAML or JSON), as for submit."),
+               image: str = typer.Option("robustrl:latest", help="The RobustRL image the pods run."),
+               namespace: str = typer.Option("default", help="Namespace of every manifest."),
+               out: Path = typer.Option(None, help="Write the manifests here instead of stdout.")) -> None:
+    """Render the job's trainer gang (pods + rendezvous Service) and rollout pool (Deployment +
+    Service) as Kubernetes manifests (multi-document YAML). Nothing is applied to a cluster."""
+    from robustrl.k8s import render_job
+
+    try:
+        spec = JobSpec.parse(yaml.safe_load(job.read_text()) or {})
+        docs = render_job(spec, image=image, namespace=namespace)
+    except (OSError, yaml.YAMLError, RobustRLError) as exc:
+        _fail(exc)
+    text = yaml.safe_dump_all(docs, sort_keys=False)
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        console.print(f"wrote {len(docs)} manifests to {out}")

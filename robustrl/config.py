@@ -8,7 +8,7 @@ passed in explicitly (nothing reads ``os.environ`` later).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator, model_validator,
@@ -58,6 +58,38 @@ class DataSpec(BaseModel):
     group_size: StrictInt = Field(8, ge=2, le=256, description="GRPO samples per prompt.")
 
 
+_K8S_LABEL = r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+_K8S_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
+
+
+class ResourceSpec(BaseModel):
+    """What each member of a role reserves on its node. Honoured by the Ray launcher and the
+    Kubernetes renderer (requests = limits), by the Docker launcher as container limits; the local
+    launcher logs that it ignores them (processes share one machine)."""
+
+    model_config = _STRICT
+    cpus: StrictFloat | None = Field(None, ge=0.0, le=1024.0, description=(
+        "CPUs per member (fractions allowed); null: the launcher's default (Ray: 1)."))
+    gpus: StrictFloat = Field(0.0, ge=0.0, le=64.0, description="GPUs per member.")
+    memory_mb: StrictInt | None = Field(None, ge=1, le=16 * 1024 * 1024, description=(
+        "Memory per member in MiB; null: no reservation."))
+
+
+class PlacementSpec(BaseModel):
+    """Where a role's members may run (launchers that place members on several nodes)."""
+
+    model_config = _STRICT
+    strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = Field("PACK", description=(
+        "Trainer gang: ranks packed on few nodes (PACK) or each on its own node (STRICT_SPREAD); "
+        "a Ray placement-group strategy. Ignored for rollout replicas."))
+    anti_affinity: Literal["none", "preferred", "required"] = Field("none", description=(
+        "Rollout replicas of a job on distinct nodes: preferred (when a node is free) or required "
+        "(a start fails without one). Ignored for trainer ranks (see strategy)."))
+    node_labels: dict[Annotated[str, Field(pattern=_K8S_LABEL, max_length=317)],
+                      Annotated[str, Field(pattern=_K8S_VALUE, max_length=63)]] = Field(
+        default_factory=dict, max_length=16, description="Labels every node of the role must carry.")
+
+
 class RolloutSpec(BaseModel):
     model_config = _STRICT
     replicas: StrictInt = Field(2, ge=1, le=64)
@@ -66,6 +98,8 @@ class RolloutSpec(BaseModel):
     temperature: StrictFloat = Field(1.0, gt=0.0, le=10.0)
     top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     max_batch: StrictInt = Field(64, ge=1, le=4096, description="Episodes decoded together per replica.")
+    resources: ResourceSpec = Field(default_factory=ResourceSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
     engine: Literal["torch", "vllm"] = Field("torch", description=(
         "Generation engine of the replicas: torch (built-in KV-cache decoder) or vllm (vLLM AsyncLLM, run "
         "from its own environment: scripts/setup.sh --vllm)."))
@@ -81,6 +115,8 @@ class TrainerSpec(BaseModel):
         "Truncation of the importance weight pi_old / pi_behaviour applied to off-policy turns when "
         "staleness > 0 (null: no correction, the clipped ratio is taken against the behaviour policy)."))
     checkpoint_keep: StrictInt = Field(3, ge=1, le=100, description="Complete checkpoints kept.")
+    resources: ResourceSpec = Field(default_factory=ResourceSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
 
 
 class ToolSpec(BaseModel):

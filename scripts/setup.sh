@@ -22,4 +22,4 @@ step() {
 echo "setting up .venv (details in $log)"
 step python -m pip install -q --upgrade pip
 step python -m pip install -q "torch==2.13.0"
-step python -m pip install -q -e ".[ml,test,ucx,docker]"
+step python -m pip install -q -e ".[ml,test,ucx,docker,ray]"

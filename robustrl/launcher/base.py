@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import abc
 import enum
+import logging
+import math
+import re
+import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from robustrl.errors import LaunchError
+
+log = logging.getLogger(__name__)
 
 TRAINER_MODULE = "robustrl.services.trainer"
 ROLLOUT_MODULE = "robustrl.services.rollout"
@@ -28,14 +35,94 @@ class MemberState(str, enum.Enum):
     STOPPED = "stopped"
 
 
+GANG_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
+"""How a trainer gang's ranks are laid on nodes (Ray placement-group strategies; Kubernetes
+renders PACK as pod affinity and STRICT_SPREAD as pod anti-affinity on the hostname)."""
+ANTI_AFFINITY = ("none", "preferred", "required")
+"""Between members of one ``PlacementHint.group``: none, on distinct nodes when possible, or
+only on distinct nodes (a start that cannot honour it fails)."""
+MAX_CPUS = 1024.0
+MAX_GPUS = 64.0
+_LABEL = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_./-]{0,251}[A-Za-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one member reserves. ``cpus`` None: the launcher's default; ``memory_mb`` None: no
+    memory reservation. Launchers that cannot reserve say so in their log (``ignored``)."""
+
+    cpus: float | None = None
+    gpus: float = 0.0
+    memory_mb: int | None = None
+
+
+@dataclass(frozen=True)
+class PlacementHint:
+    """Where a member may run, beyond ``MemberSpec.host``.
+
+    ``node_labels``: the node must carry every label (Ray ``--labels``, Kubernetes node labels).
+    ``group`` + ``anti_affinity``: members of one group spread over nodes (rollout replicas of a
+    job; the ranks of a gang use ``strategy`` instead). ``gang``/``gang_rank``/``gang_size``: the
+    member is rank ``gang_rank`` of a gang placed as a whole (one Ray placement group) with
+    ``strategy``.
+    """
+
+    node_labels: Mapping[str, str] = field(default_factory=dict)
+    group: str | None = None
+    anti_affinity: str = "none"
+    gang: str | None = None
+    gang_rank: int = 0
+    gang_size: int = 1
+    strategy: str = "PACK"
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_spec(spec: MemberSpec) -> None:
+    """Validate a spec's resources and placement; raise LaunchError naming the bad field."""
+    def bad(fld: str, why: str) -> LaunchError:
+        return LaunchError(f"member {spec.member_id}: {fld} {why}", member=spec.member_id, field=fld)
+
+    r, p = spec.resources, spec.placement
+    if r.cpus is not None and not (_finite(r.cpus) and 0 <= r.cpus <= MAX_CPUS):
+        raise bad("resources.cpus", f"must be a number in [0, {MAX_CPUS:g}], got {r.cpus!r}")
+    if not (_finite(r.gpus) and 0 <= r.gpus <= MAX_GPUS):
+        raise bad("resources.gpus", f"must be a number in [0, {MAX_GPUS:g}], got {r.gpus!r}")
+    if r.memory_mb is not None and not (isinstance(r.memory_mb, int) and not isinstance(r.memory_mb, bool)
+                                        and r.memory_mb > 0):
+        raise bad("resources.memory_mb", f"must be a positive integer, got {r.memory_mb!r}")
+    if p.strategy not in GANG_STRATEGIES:
+        raise bad("placement.strategy", f"must be one of {', '.join(GANG_STRATEGIES)}, got {p.strategy!r}")
+    if p.anti_affinity not in ANTI_AFFINITY:
+        raise bad("placement.anti_affinity", f"must be one of {', '.join(ANTI_AFFINITY)}, got {p.anti_affinity!r}")
+    for key, value in dict(p.node_labels).items():
+        if not (isinstance(key, str) and _LABEL.match(key) and isinstance(value, str)
+                and (value == "" or _LABEL.match(value))):
+            raise bad("placement.node_labels", f"has an invalid label {key!r}={value!r}")
+    if p.gang is not None and not (isinstance(p.gang_size, int) and p.gang_size >= 1
+                                   and isinstance(p.gang_rank, int) and 0 <= p.gang_rank < p.gang_size):
+        raise bad("placement.gang_rank", f"must be in [0, gang_size={p.gang_size!r}), got {p.gang_rank!r}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (the caller binds it soon after)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 @dataclass(frozen=True)
 class MemberSpec:
     """What to run for one role member.
 
     ``module`` is a Python module run as ``python -m module``; ``env`` is the complete
     extra environment (infrastructure settings, job id, member id, rank). ``host`` places the
-    member on a host of the launcher's :class:`Placement` (a testbed host such as ``"h1"``);
-    None runs it where the launcher runs.
+    member on a host of the launcher's :class:`Placement` (a testbed host such as ``"h1"``; a
+    node IP or node id for the Ray launcher); None runs it where the launcher runs.
+    ``resources`` and ``placement`` are honoured by launchers that place members on several nodes
+    (Ray, the Kubernetes renderer); the others log what they ignore and why (``ignored``).
     """
 
     job_id: str
@@ -45,6 +132,8 @@ class MemberSpec:
     env: dict[str, str] = field(default_factory=dict)
     args: tuple[str, ...] = ()
     host: str | None = None
+    resources: Resources = field(default_factory=Resources)
+    placement: PlacementHint = field(default_factory=PlacementHint)
 
 
 class Placement(Protocol):
@@ -118,6 +207,23 @@ class Launcher(abc.ABC):
         """The address other members use to reach ``member_id`` (e.g. the gang's MASTER_ADDR)."""
         del member_id
         return "127.0.0.1"
+
+    def rendezvous(self, spec: MemberSpec) -> tuple[str, int]:
+        """MASTER_ADDR and MASTER_PORT for the gang whose rank 0 is ``spec`` (not started yet).
+
+        Default: rank 0's host (``host_for``) and a port free on the caller's loopback, which is
+        right when every member runs on this machine; launchers that place members on other
+        nodes choose both on rank 0's own node."""
+        return self.host_for(spec.member_id), free_port()
+
+    def ignored(self, spec: MemberSpec, what: str, why: str) -> None:
+        """Log once per launcher and field that ``spec`` asks for ``what``, which this launcher
+        does not honour, and ``why`` (resources on a launcher that cannot reserve them...)."""
+        seen: set[str] = self.__dict__.setdefault("_ignored_logged", set())
+        if what not in seen:
+            seen.add(what)
+            log.warning("%s ignores %s of %s (and of later members): %s", type(self).__name__, what,
+                        spec.member_id, why)
 
     def kill_many(self, member_ids: list[str], expected: bool = True) -> None:
         """Kill several members (gang or whole-job restart); implementations may do it in parallel."""

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from robustrl.errors import LaunchError
-from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState
+from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState, check_spec
 
 DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
 CONNECT_TIMEOUT_S = 5.0
@@ -202,6 +202,7 @@ class DockerLauncher(Launcher):
             }
             if spec.role in self.gpu_roles:
                 kwargs["device_requests"] = [_gpu_request()]
+            kwargs.update(self._resource_kwargs(spec))
             try:
                 container = self.client.containers.run(self.image, **kwargs)
             except Exception as exc:
@@ -210,6 +211,23 @@ class DockerLauncher(Launcher):
                                       f"or pull it", member=spec.member_id) from exc
                 raise LaunchError(f"cannot start container {name}: {exc}", member=spec.member_id) from exc
             self._members[spec.member_id] = _Member(spec, container, MemberState.RUNNING)
+
+    def _resource_kwargs(self, spec: MemberSpec) -> dict[str, Any]:
+        """The spec's resources as container limits; node placement is logged as ignored (one engine
+        is one node)."""
+        check_spec(spec)
+        r, out = spec.resources, {}
+        if r.cpus:
+            out["nano_cpus"] = int(r.cpus * 1e9)
+        if r.memory_mb:
+            out["mem_limit"] = f"{r.memory_mb}m"
+        if r.gpus and spec.role not in self.gpu_roles:
+            out["device_requests"] = [_gpu_request(max(1, math.ceil(r.gpus)))]
+        p = spec.placement
+        if p.node_labels or p.anti_affinity != "none" or (p.gang and p.strategy != "PACK"):
+            self.ignored(spec, "node placement (labels, anti-affinity, gang strategy)",
+                         "one Docker engine is one node: every container runs on it")
+        return out
 
     def host_for(self, member_id: str) -> str:
         """The member's container name: what peers (a trainer gang's ``MASTER_ADDR``) dial.
@@ -437,8 +455,8 @@ def _member_healthcheck() -> dict[str, Any]:
             "interval": 5 * second, "timeout": 3 * second, "retries": 6, "start_period": 30 * second}
 
 
-def _gpu_request() -> Any:
-    """``--gpus all`` as the SDK spells it."""
+def _gpu_request(count: int = -1) -> Any:
+    """``--gpus all`` (or ``--gpus <count>``) as the SDK spells it."""
     from docker.types import DeviceRequest  # local: optional extra
 
-    return DeviceRequest(count=-1, capabilities=[["gpu"]])
+    return DeviceRequest(count=count, capabilities=[["gpu"]])

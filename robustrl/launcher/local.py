@@ -36,8 +36,16 @@ from typing import Any
 import psutil
 
 from robustrl.errors import LaunchError, RobustRLError
-from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState, Placement
-from robustrl.launcher.base import ROLLOUT_MODULE
+from robustrl.launcher.base import (
+    ROLLOUT_MODULE,
+    ExitInfo,
+    Launcher,
+    MemberSpec,
+    MemberState,
+    Placement,
+    Resources,
+    check_spec,
+)
 from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, write_handoff
 from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 
@@ -172,7 +180,18 @@ class LocalLauncher(Launcher):
 
     # --- members -----------------------------------------------------------------------------
 
+    def _note_ignored(self, spec: MemberSpec) -> None:
+        """Resources and node placement mean nothing to processes sharing this machine."""
+        if spec.resources != Resources():
+            self.ignored(spec, "resources", "local processes share this machine and reserve nothing")
+        p = spec.placement
+        if p.node_labels or p.anti_affinity != "none" or (p.gang and p.strategy != "PACK"):
+            self.ignored(spec, "node placement (labels, anti-affinity, gang strategy)",
+                         "every member runs on this machine (or on the host named by spec.host)")
+
     def start(self, spec: MemberSpec) -> None:
+        check_spec(spec)
+        self._note_ignored(spec)
         spec = self._placed(spec)
         with self._lock:
             if self._closed:  # a launch racing close() would leave a process nobody stops

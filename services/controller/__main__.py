@@ -12,6 +12,7 @@ import uvicorn
 
 from robustrl.bus import Bus
 from robustrl.config import Settings
+from robustrl.errors import ConfigError
 from robustrl.infra.credentials import MEMBER_ROLES, credentials_for, without_role_credentials
 from robustrl.launcher.local import LocalLauncher
 from robustrl.member import configure_logging
@@ -20,13 +21,29 @@ from robustrl.services.controller.runtime import Controller
 from robustrl.storage.redis_stores import connect
 
 log = logging.getLogger("robustrl.controller")
+LAUNCHERS = ("local", "docker", "ray")
 LOST_LEASE_EXIT_CODE = 3
 """Exit status of a controller that stepped down because another one took the lease."""
 
 
 def make_launcher(settings: Settings, env: dict[str, str]):  # type: ignore[no-untyped-def]
-    """Local processes by default; Docker containers when ROBUSTRL_LAUNCHER=docker."""
-    if env.get("ROBUSTRL_LAUNCHER", "local") == "docker":
+    """Local processes by default; Docker containers when ROBUSTRL_LAUNCHER=docker; detached
+    actors on the Ray cluster at ROBUSTRL_RAY_ADDRESS when ROBUSTRL_LAUNCHER=ray."""
+    kind = env.get("ROBUSTRL_LAUNCHER", "local")
+    if kind not in LAUNCHERS:
+        raise ConfigError(f"ROBUSTRL_LAUNCHER must be one of {', '.join(LAUNCHERS)}, got {kind!r}",
+                          field="ROBUSTRL_LAUNCHER")
+    if kind == "ray":
+        from robustrl.launcher.ray import RayLauncher
+
+        if not env.get("ROBUSTRL_RAY_ADDRESS"):
+            raise ConfigError("ROBUSTRL_LAUNCHER=ray needs ROBUSTRL_RAY_ADDRESS (the cluster's GCS host:port)",
+                              field="ROBUSTRL_RAY_ADDRESS")
+        # A stable instance name: a restarted controller re-attaches to the actors it started.
+        return RayLauncher(env["ROBUSTRL_RAY_ADDRESS"], Path(settings.run_dir) / "logs", base_env=env,
+                           namespace=env.get("ROBUSTRL_RAY_NAMESPACE", "robustrl"),
+                           instance=env.get("ROBUSTRL_LAUNCHER_INSTANCE", "robustrl-controller"))
+    if kind == "docker":
         from robustrl.launcher.docker import DockerLauncher
 
         # A stable instance label: a restarted controller re-attaches to the containers it started.

@@ -10,7 +10,14 @@ from typing import Any
 
 from robustrl.bus import Bus
 from robustrl.config import Settings
-from robustrl.launcher.base import ROLLOUT_MODULE, TRAINER_MODULE, Launcher, MemberSpec
+from robustrl.launcher.base import (
+    ROLLOUT_MODULE,
+    TRAINER_MODULE,
+    Launcher,
+    MemberSpec,
+    PlacementHint,
+    Resources,
+)
 from robustrl.services.controller.jobs import JobRun, MemberInfo
 
 LID_SEP = "--"
@@ -62,6 +69,24 @@ class MemberStarter:
         return {**env, **self.member_credentials.get(role, {}), "ROBUSTRL_API_TOKEN": "",
                 "ROBUSTRL_JOB_ID": job.job_id, "ROBUSTRL_MEMBER_ID": member_id, "ROBUSTRL_ROLE": role}
 
+    def trainer_spec(self, job: JobRun, rank: int, env: dict[str, str]) -> MemberSpec:
+        """Rank ``rank`` of the job's current gang: its resources and its place in the gang (one
+        placement group per gang and epoch, laid out with the job's strategy)."""
+        t = job.spec.trainer
+        return MemberSpec(job.job_id, lid(job, f"trainer-e{job.epoch}-r{rank}"), "trainer", TRAINER_MODULE, env,
+                          resources=Resources(t.resources.cpus, t.resources.gpus, t.resources.memory_mb),
+                          placement=PlacementHint(node_labels=dict(t.placement.node_labels),
+                                                  gang=lid(job, f"trainer-e{job.epoch}"), gang_rank=rank,
+                                                  gang_size=t.workers, strategy=t.placement.strategy))
+
+    def replica_spec(self, job: JobRun, member_id: str, env: dict[str, str]) -> MemberSpec:
+        """A rollout replica: its resources, and anti-affinity among the job's replicas."""
+        r = job.spec.rollout
+        return MemberSpec(job.job_id, lid(job, member_id), "rollout", ROLLOUT_MODULE, env,
+                          resources=Resources(r.resources.cpus, r.resources.gpus, r.resources.memory_mb),
+                          placement=PlacementHint(node_labels=dict(r.placement.node_labels),
+                                                  group=lid(job, "rollout"), anti_affinity=r.placement.anti_affinity))
+
     def _record(self, job: JobRun, info: MemberInfo) -> None:
         key = lid(job, info.member_id)
         info.pid = self.launcher.pid(key)
@@ -83,18 +108,20 @@ class MemberStarter:
         job.epoch = max(job.epoch, floor) + 1
         if self.persist:
             await self.persist(job)
-        port = free_port()
         ids = []
         borrowed = borrowed or {}
-        # Rank 0's host is the gang's rendezvous: a borrowed rank 0 stays where its replica ran.
-        master = self.launcher.host_for(lid(job, borrowed[0]) if 0 in borrowed
-                                        else lid(job, f"trainer-e{job.epoch}-r0"))
+        # The gang's rendezvous (MASTER_ADDR/PORT) is on rank 0's own node, chosen by the launcher
+        # (the Ray launcher places rank 0 first); a borrowed rank 0 stays where its replica ran.
+        if 0 in borrowed:
+            master, port = self.launcher.host_for(lid(job, borrowed[0])), free_port()
+        else:
+            master, port = await asyncio.to_thread(self.launcher.rendezvous, self.trainer_spec(job, 0, {}))
         for rank in range(job.spec.trainer.workers):
             mid = f"trainer-e{job.epoch}-r{rank}"
             env = self.member_env(job, mid, "trainer") | {
                 "ROBUSTRL_RANK": str(rank), "ROBUSTRL_WORLD_SIZE": str(job.spec.trainer.workers),
                 "MASTER_ADDR": master, "MASTER_PORT": str(port)}
-            member = MemberSpec(job.job_id, lid(job, mid), "trainer", TRAINER_MODULE, env)
+            member = self.trainer_spec(job, rank, env)
             if rank in borrowed:
                 await asyncio.to_thread(self.launcher.relabel, lid(job, borrowed[rank]), member)
                 source = "borrowed"
@@ -114,8 +141,7 @@ class MemberStarter:
         job.slot_incarnation[slot] = inc
         mid = f"rollout-{slot}-i{inc}"
         env = self.member_env(job, mid, "rollout")
-        await asyncio.to_thread(self.launcher.start,
-                                MemberSpec(job.job_id, lid(job, mid), "rollout", ROLLOUT_MODULE, env))
+        await asyncio.to_thread(self.launcher.start, self.replica_spec(job, mid, env))
         self._record(job, MemberInfo(mid, "rollout", slot, inc))
         await self.bus.emit_event(job.job_id, "member_started", {
             "member_id": mid, "role": "rollout", "warm": self.launcher.was_warm(lid(job, mid)),

@@ -1,0 +1,194 @@
+"""A real multi-node Ray cluster on one machine, for tests and benchmarks (not for production).
+
+    with LocalRayCluster(Path("/tmp/rr-ray"), workers=2, worker_cpus=2) as cluster:
+        launcher = RayLauncher(cluster.address, ...)
+        cluster.kill_node(1)          # node loss: its raylet, agents, actors and members at once
+
+Each node is one ``ray start --block`` process in its own session: the head (GCS; 0 CPUs, so no
+member is placed on it) and ``workers`` worker nodes on loopback addresses 127.0.0.2,
+127.0.0.3, ... (so every node has its own address). Ray's own gRPC servers bind every interface
+of the machine (Ray offers no loopback-only bind), which is why the head gets no members and the
+fixture tears the whole cluster down (``stop``), then checks that none of its processes is left.
+Node loss is detected quickly: the head's GCS health check runs every 500 ms and fails a node after
+3 misses (``HEALTH_CHECK``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import psutil
+
+from robustrl.errors import LaunchError
+from robustrl.launcher.base import free_port
+
+HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
+                "health_check_initial_delay_ms": 0}
+OBJECT_STORE_BYTES = 80 * 1024 * 1024
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+
+
+def _ray_bin() -> str:
+    found = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
+    if found is None:
+        raise LaunchError("the ray command is not installed (pip install 'robustrl[ray]')", field="launcher")
+    return found
+
+
+class LocalRayCluster:
+    """Head + ``workers`` worker nodes as local processes (module docstring)."""
+
+    def __init__(self, temp_dir: Path, workers: int = 2, worker_cpus: float = 2,
+                 labels: list[dict[str, str]] | None = None) -> None:
+        # Ray's unix sockets live under temp_dir: keep the path short (108-byte socket paths).
+        self.temp_dir = Path(temp_dir)
+        self.workers = workers
+        self.worker_cpus = worker_cpus
+        self.labels = labels or [{"robustrl.io/node": f"w{i + 1}"} for i in range(workers)]
+        self.port = 0
+        self.nodes: list[subprocess.Popen[bytes]] = []
+        """The ``ray start --block`` process of each node: head first."""
+        self.node_ips: list[str] = []
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
+
+    def _spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
+        log = open(self.temp_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        try:
+            return subprocess.Popen([_ray_bin(), "start", "--block", "--disable-usage-stats",
+                                     "--include-log-monitor=false", f"--temp-dir={self.temp_dir}",
+                                     f"--object-store-memory={OBJECT_STORE_BYTES}", *args],
+                                    env=self._env(), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            log.close()
+
+    def start(self) -> LocalRayCluster:
+        self.temp_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        try:
+            self.nodes.append(self._spawn(
+                ["--head", "--node-ip-address=127.0.0.1", f"--port={self.port}", "--num-cpus=0",
+                 "--include-dashboard=false", f"--system-config={json.dumps(HEALTH_CHECK)}",
+                 '--labels={"robustrl.io/node": "head"}'], "head"))
+            self._wait_port()
+            for i in range(self.workers):
+                ip = f"127.0.0.{i + 2}"
+                self.node_ips.append(ip)
+                self.nodes.append(self._spawn(
+                    [f"--address={self.address}", f"--node-ip-address={ip}", f"--num-cpus={self.worker_cpus}",
+                     f"--labels={json.dumps(self.labels[i])}"], f"worker-{i + 1}"))
+            self.wait_nodes(self.workers + 1)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_port(self) -> None:
+        import socket
+
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.nodes[0].poll() is not None:
+                raise LaunchError(f"the Ray head exited: see {self.temp_dir / 'head.log'}")
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            time.sleep(0.05)
+        raise LaunchError(f"the Ray head did not listen on {self.port} within {READY_TIMEOUT_S:g} s")
+
+    def alive_nodes(self) -> list[dict[str, Any]]:
+        """The GCS's live nodes (through a short-lived ``ray`` driver of its own if none is up)."""
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.address, namespace="robustrl", log_to_driver=False, configure_logging=False)
+        return [n for n in ray.nodes() if n.get("Alive")]
+
+    def wait_nodes(self, n: int, timeout_s: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.alive_nodes()) != n:
+            for i, p in enumerate(self.nodes):
+                if p.poll() is not None and i == 0:
+                    raise LaunchError(f"the Ray head exited: see {self.temp_dir / 'head.log'}")
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{len(self.alive_nodes())} of {n} Ray nodes up after {timeout_s:g} s")
+            time.sleep(0.1)
+
+    def node_id(self, index: int) -> str:
+        """The Ray node id of node ``index`` (0 = head) by its address."""
+        ip = "127.0.0.1" if index == 0 else self.node_ips[index - 1]
+        for n in self.alive_nodes():
+            if n["NodeManagerAddress"] == ip or (index == 0 and n.get("Labels", {}).get("robustrl.io/node") == "head"):
+                return str(n["NodeID"])
+        raise LaunchError(f"no live Ray node {index} ({ip})")
+
+    def _tree(self, proc: subprocess.Popen[bytes]) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+    def kill_node(self, index: int) -> list[int]:
+        """A machine loss: SIGKILL node ``index``'s whole process tree at once (raylet, agents, the
+        actors' workers and the members they started). Returns the pids killed."""
+        procs = self._tree(self.nodes[index])
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.nodes[index].pid, signal.SIGKILL)
+        self.nodes[index].wait(timeout=STOP_TIMEOUT_S)
+        psutil.wait_procs(procs, timeout=STOP_TIMEOUT_S)
+        return [p.pid for p in procs]
+
+    def leftovers(self) -> list[str]:
+        """Processes of this cluster still running (its temp dir in their command line)."""
+        out = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if str(self.temp_dir) in cmd:
+                out.append(f"{p.info['pid']} {cmd[:120]}")
+        return out
+
+    def stop(self) -> None:
+        """Disconnect this process's driver, kill every node's tree, and check nothing is left."""
+        with contextlib.suppress(Exception):
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        # Workers first (their raylets would otherwise log the head's loss), head last.
+        for i in reversed(range(len(self.nodes))):
+            if self.nodes[i].poll() is None or self._tree(self.nodes[i]):
+                self.kill_node(i)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            for line in left:
+                with contextlib.suppress(psutil.Error, ValueError):
+                    psutil.Process(int(line.split()[0])).kill()
+            time.sleep(0.1)
+
+    def __enter__(self) -> LocalRayCluster:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

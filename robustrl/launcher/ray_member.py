@@ -1,0 +1,161 @@
+"""The Ray actor that owns one member process on its node (``robustrl.launcher.ray``).
+
+A member is ``python -m module`` started by this actor on the node Ray placed the actor on. The
+actor is detached with ``max_restarts=0``: Ray never restarts it and no driver's exit takes it
+down, so only the RobustRL controller decides what happens after a fault. The member process
+fate-shares with its actor the other way round: it is started with ``PR_SET_PDEATHSIG`` = SIGKILL
+from the thread that waits on it, so an actor that dies (``ray.kill``, its worker killed, its
+raylet lost with the node) takes its member with it; a member never runs on unseen, owned by no one.
+
+Only the standard library is imported here: Ray workers import this module to run the actor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+TAIL_BYTES = 64 * 1024
+LAUNCH_TIMEOUT_S = 30.0
+"""How long ``launch`` waits for the member process to exist (fork + exec)."""
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the thread that started it ends (Linux only)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def psutil_error() -> type[BaseException]:
+    try:
+        import psutil
+    except ImportError:
+        return OSError
+    return psutil.Error
+
+
+def _node() -> tuple[str, str]:
+    import ray  # the actor runs in a Ray worker: ray is imported already
+
+    return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+
+
+def _tail(path: str | None, lines: int) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - TAIL_BYTES))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+
+
+class MemberProcess:
+    """Starts, signals and waits on one member process; every method is safe to call again."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started = threading.Event()
+        self._done = threading.Event()
+        self._error: str | None = None
+        self._log: str | None = None
+        self.returncode: int | None = None
+        self.create_time: float | None = None
+
+    def where(self) -> dict[str, Any]:
+        """This node's address and id, and a port free on that address now (a gang's
+        MASTER_PORT is chosen here, on rank 0's own node)."""
+        ip, node_id = _node()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            port = int(s.getsockname()[1])
+        return {"node_ip": ip, "node_id": node_id, "port": port}
+
+    def launch(self, module: str, args: list[str], env: dict[str, str], log_path: str,
+               bind_node_ip: bool) -> dict[str, Any]:
+        """Start ``python -m module args`` (once); return its pid, start time and node."""
+        ip, node_id = _node()
+        if self._proc is None and self._error is None:
+            env = dict(env)
+            if bind_node_ip:
+                env["ROBUSTRL_BIND_HOST"] = ip  # peers on other nodes reach it at its node's address
+            # Ray decides which accelerators this actor holds; the member gets exactly those.
+            for var in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "NEURON_RT_VISIBLE_CORES"):
+                if var in os.environ:
+                    env[var] = os.environ[var]
+            self._log = log_path
+            threading.Thread(target=self._run, args=([sys.executable, "-m", module, *args], env, log_path),
+                             name="member", daemon=True).start()
+            self._started.wait(LAUNCH_TIMEOUT_S)
+        if self._error is not None:
+            raise RuntimeError(self._error)
+        assert self._proc is not None
+        return {"pid": self._proc.pid, "create_time": self.create_time, "node_ip": ip, "node_id": node_id}
+
+    def _run(self, argv: list[str], env: dict[str, str], log_path: str) -> None:
+        # This thread starts the member and lives exactly as long as it: the member's parent-death
+        # signal is tied to this thread, not to the actor's task threads, which Ray may recycle.
+        try:
+            os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+            with open(log_path, "ab") as log:
+                self._proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True,
+                                              preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only
+
+            try:
+                import psutil
+
+                self.create_time = psutil.Process(self._proc.pid).create_time()
+            except (ImportError, OSError, psutil_error()):
+                self.create_time = time.time()
+        except OSError as exc:
+            self._error = f"cannot start {argv[2:]}: {exc}"
+            self._started.set()
+            self._done.set()
+            return
+        self._started.set()
+        self.returncode = self._proc.wait()
+        self._done.set()
+
+    def wait(self) -> tuple[int | None, str]:
+        """Block until the member exits; its return code and the last lines of its log."""
+        self._done.wait()
+        return self.returncode, _tail(self._log, 40)
+
+    def signal(self, sig: int) -> bool:
+        """Signal the member's process group; False if it is not running."""
+        if self._proc is None or self._done.is_set():
+            return False
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+        return True
+
+    def terminate(self, grace_s: float) -> int | None:
+        """SIGTERM (after SIGCONT: a stopped process cannot handle it), SIGKILL after ``grace_s``."""
+        if self.signal(signal.SIGCONT):
+            self.signal(signal.SIGTERM)
+            if not self._done.wait(grace_s):
+                self.signal(signal.SIGKILL)
+                self._done.wait(5.0)
+        return self.returncode
+
+    def info(self) -> dict[str, Any]:
+        ip, node_id = _node()
+        return {"pid": self._proc.pid if self._proc else None, "create_time": self.create_time,
+                "running": self._started.is_set() and not self._done.is_set(), "returncode": self.returncode,
+                "node_ip": ip, "node_id": node_id}
+
+    def tail(self, lines: int) -> str:
+        return _tail(self._log, lines)

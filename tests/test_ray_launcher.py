@@ -1,0 +1,243 @@
+"""The Ray launcher on a real three-node Ray cluster (head + 2 workers) started on this machine.
+
+The nodes are ``ray start --block`` processes on loopback addresses (head 127.0.0.1 with 0 CPUs,
+workers 127.0.0.2 and 127.0.0.3, 2 CPUs each), not testbed namespaces: each namespace would need a
+driver inside it (Ray drivers join through a raylet on their own node) and costs more start-up
+than these tests can spend on 2 cores. What is checked comes from outside the launcher: the GCS
+(actors by name, nodes), the member processes (/proc), the job's event log and the auditor.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import kinds, small_job, wait_done
+from support import eventually
+
+try:
+    import ray
+except ImportError:  # pragma: no cover - the README's test command installs it
+    ray = None
+
+if ray is None:
+    print("tests/test_ray_launcher.py skipped: ray is not installed (pip install -e '.[ray]')")
+    pytest.skip("ray is not installed (pip install -e '.[ray]')", allow_module_level=True)
+
+from robustrl.config import Settings
+from robustrl.errors import ConfigError, LaunchError
+from robustrl.launcher.base import MemberSpec, PlacementHint, Resources, free_port
+from robustrl.launcher.ray import RayLauncher
+from robustrl.launcher.ray_cluster import LocalRayCluster
+
+pytestmark = pytest.mark.timeout(240)
+TESTS = Path(__file__).resolve().parent
+INSTANCE = "rr-test"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalRayCluster]:
+    # A short temp dir: Ray's unix socket paths must fit 108 bytes.
+    c = LocalRayCluster(Path(tempfile.mkdtemp(prefix="rr-ray-", dir="/tmp")), workers=2, worker_cpus=2)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+        left = c.leftovers()
+        assert left == [], f"Ray processes left after teardown: {left}"
+
+
+def idle(member: str, **kw: Any) -> MemberSpec:
+    return MemberSpec("j", f"j--{member}", kw.pop("role", "rollout"), "idle_member", **kw)
+
+
+def member_env(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.split("=", 1) for item in f.read().decode().split("\0") if "=" in item)
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_bad_input_is_refused_with_the_field_named(cluster: LocalRayCluster, tmp_path: Path) -> None:
+    with pytest.raises(LaunchError) as err:
+        RayLauncher(f"127.0.0.1:{free_port()}", tmp_path, connect_timeout_s=2)
+    assert err.value.fields["field"] == "ray_address" and "unreachable" in str(err.value)
+    with pytest.raises(LaunchError) as err:
+        RayLauncher("no-port-here", tmp_path)
+    assert err.value.fields["field"] == "ray_address"
+    from robustrl.services.controller.__main__ import make_launcher
+
+    for env, fld in (({"ROBUSTRL_LAUNCHER": "kubernetes"}, "ROBUSTRL_LAUNCHER"),
+                     ({"ROBUSTRL_LAUNCHER": "ray"}, "ROBUSTRL_RAY_ADDRESS")):
+        with pytest.raises(ConfigError) as cerr:
+            make_launcher(Settings(run_dir=str(tmp_path)), env)
+        assert cerr.value.fields["field"] == fld
+    launcher = RayLauncher(cluster.address, tmp_path, instance="rr-bad", place_timeout_s=3)
+    try:
+        for spec, fld in ((idle("a", resources=Resources(cpus=-1)), "resources.cpus"),
+                          (idle("b", resources=Resources(gpus=float("nan"))), "resources.gpus"),
+                          (idle("c", resources=Resources(memory_mb=0)), "resources.memory_mb"),
+                          (idle("d", placement=PlacementHint(strategy="EVERYWHERE")), "placement.strategy"),
+                          (idle("e", placement=PlacementHint(anti_affinity="sometimes")), "placement.anti_affinity"),
+                          (idle("f", placement=PlacementHint(node_labels={"bad key!": "x"})), "placement.node_labels"),
+                          (idle("g", host="10.9.9.9"), "host")):
+            with pytest.raises(LaunchError) as err:
+                launcher.start(spec)
+            assert err.value.fields["field"] == fld, err.value
+        # More than the cluster has: refused once Ray cannot place it (bounded), nothing left behind.
+        with pytest.raises(LaunchError) as err:
+            launcher.start(idle("big", resources=Resources(cpus=64)))
+        assert err.value.fields["field"] == "resources" and "cpus=64" in str(err.value)
+        assert launcher.running() == []
+    finally:
+        launcher.close()
+    assert not [n for n in ray.util.list_named_actors(all_namespaces=True) if n["name"].startswith("rr-bad:")]
+
+
+def test_gangs_replicas_and_labels_are_placed_across_nodes(cluster: LocalRayCluster, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    launcher = RayLauncher(cluster.address, tmp_path, base_env=env, instance="rr-place", place_timeout_s=4)
+    try:
+        # A gang of 2 spread over 2 nodes; its rendezvous is on rank 0's node, picked before any rank runs.
+        gang = [idle(f"trainer-e1-r{r}", role="trainer", resources=Resources(cpus=0.25),
+                     placement=PlacementHint(gang="j--trainer-e1", gang_rank=r, gang_size=2, strategy="STRICT_SPREAD"))
+                for r in range(2)]
+        master, port = launcher.rendezvous(gang[0])
+        started = time.monotonic()
+        for spec in gang:
+            launcher.start(replace(spec, env={"MASTER_ADDR": master, "MASTER_PORT": str(port)}))
+        start_s = (time.monotonic() - started) / 2
+        nodes = [launcher.host_for(s.member_id) for s in gang]
+        assert sorted(nodes) == sorted(cluster.node_ips), nodes
+        assert master == nodes[0]
+        rank0 = member_env(launcher.pid(gang[0].member_id) or 0)
+        assert (rank0["MASTER_ADDR"], rank0["MASTER_PORT"]) == (master, str(port))
+        assert rank0["ROBUSTRL_BIND_HOST"] == master  # it serves on its node's address
+        # STRICT_SPREAD of 3 on 2 worker nodes (the head has no CPU) cannot be placed: refused, named.
+        with pytest.raises(LaunchError) as err:
+            launcher.rendezvous(idle("trainer-e2-r0", role="trainer", resources=Resources(cpus=0.25),
+                                     placement=PlacementHint(gang="j--trainer-e2", gang_size=3,
+                                                             strategy="STRICT_SPREAD")))
+        assert err.value.fields["field"] == "placement.strategy"
+        # Required anti-affinity: one replica per node, a third is refused with the field named.
+        group = PlacementHint(group="j--rollout", anti_affinity="required")
+        for i in range(2):
+            launcher.start(idle(f"rollout-{i}-i0", resources=Resources(cpus=0.25), placement=group))
+        assert {launcher.host_for(f"j--rollout-{i}-i0") for i in range(2)} == set(cluster.node_ips)
+        with pytest.raises(LaunchError) as err:
+            launcher.start(idle("rollout-2-i0", resources=Resources(cpus=0.25), placement=group))
+        assert err.value.fields["field"] == "placement.anti_affinity"
+        # Node labels (ray start --labels): only the node labelled w2 (127.0.0.3).
+        launcher.start(idle("labelled", resources=Resources(cpus=0.25),
+                            placement=PlacementHint(node_labels={"robustrl.io/node": "w2"})))
+        assert launcher.host_for("j--labelled") == cluster.node_ips[1]
+        # An actor killed behind the launcher (not by it) is an unexpected exit, and its member
+        # process dies with it (it never runs on, unowned).
+        pid = launcher.pid("j--rollout-0-i0")
+        assert pid
+        ray.kill(ray.get_actor("rr-place:j--rollout-0-i0", namespace="robustrl"), no_restart=True)
+        exits = eventually(launcher.poll, timeout=15, what="killed actor reported")
+        assert [(e.member_id, e.returncode, e.expected) for e in exits] == [("j--rollout-0-i0", None, False)]
+        eventually(lambda: gone(pid), timeout=10, what="member of the killed actor gone")
+        # kill / stop map onto the member process; each exit reported once with its code.
+        launcher.kill("j--rollout-1-i0", expected=True)
+        launcher.stop("j--labelled", grace_s=5)
+        got = {e.member_id: (e.returncode, e.expected) for e in eventually(launcher.poll, timeout=10, what="exits")}
+        got.update({e.member_id: (e.returncode, e.expected) for e in launcher.poll()})
+        assert got == {"j--rollout-1-i0": (-signal.SIGKILL, True), "j--labelled": (0, True)}
+        assert launcher.poll() == []
+        print(f"ray member start: {start_s:.2f} s per member (idle member, actor + process)")
+    finally:
+        launcher.close()
+    assert launcher.running() == []
+    assert not [n for n in ray.util.list_named_actors(all_namespaces=True) if n["name"].startswith("rr-place:")]
+    assert not [pg for pg in ray.util.placement_group_table().values()
+                if pg["name"].startswith("rr-place:") and pg["state"] != "REMOVED"]
+
+
+def _actor_node(job_id: str, member_id: str) -> str:
+    actor = ray.get_actor(f"{INSTANCE}:{job_id}--{member_id}", namespace="robustrl")
+    return str(ray.get(actor.info.remote(), timeout=10)["node_ip"])
+
+
+def _live(status: dict[str, Any], role: str) -> list[dict[str, Any]]:
+    return [m for m in status["members"] if m["role"] == role and m["state"] not in ("exited", "stopped", "dead")]
+
+
+def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_restart(
+        cluster: LocalRayCluster, infra: Settings, tmp_path: Path) -> None:
+    from robustrl.audit import audit_job
+    from robustrl.client import ApiClient
+    from robustrl.stack import Stack
+
+    stack = Stack(tmp_path / "stack", external=infra, extra_env={
+        "ROBUSTRL_LAUNCHER": "ray", "ROBUSTRL_RAY_ADDRESS": cluster.address, "ROBUSTRL_LAUNCHER_INSTANCE": INSTANCE})
+    stack.start()
+    api = ApiClient(stack.api_url, stack.settings.api_token)  # type: ignore[union-attr]
+    try:
+        spec = small_job("ray", steps=9, trainer={"resources": {"cpus": 0.5}},
+                         rollout={"replicas": 2, "resources": {"cpus": 0.5}, "placement": {"anti_affinity": "preferred"}})
+        job_id = api.submit(spec)["job_id"]
+        status = api.wait(job_id, lambda s: s["committed_step"] >= 1, timeout_s=150)
+        # Across nodes: the replicas on both workers; the gang's MASTER_ADDR is rank 0's node.
+        replicas = {_actor_node(job_id, m["member_id"]) for m in _live(status, "rollout")}
+        assert replicas == set(cluster.node_ips), replicas
+        rank0 = next(m for m in _live(status, "trainer") if m["index"] == 0)
+        assert member_env(rank0["pid"])["MASTER_ADDR"] == _actor_node(job_id, rank0["member_id"])
+
+        # 1. A trainer rank's actor killed through Ray: seen, the gang restarted, the job goes on.
+        victim = next(m for m in _live(status, "trainer") if m["index"] == 1)
+        at = status["committed_step"]
+        ray.kill(ray.get_actor(f"{INSTANCE}:{job_id}--{victim['member_id']}", namespace="robustrl"), no_restart=True)
+        status = api.wait(job_id, lambda s: s["committed_step"] > at and all(
+            m["epoch"] > victim["epoch"] for m in _live(s, "trainer")), timeout_s=120)
+        assert gone(victim["pid"])
+        events = api.events(job_id)
+        assert any(f["member_id"] == victim["member_id"] for f in kinds(events, "fault_detected"))
+
+        # 2. A worker node lost (its raylet and everything on it, SIGKILL): role-local recovery.
+        rank0 = next(m for m in _live(status, "trainer") if m["index"] == 0)
+        lost_ip = _actor_node(job_id, rank0["member_id"])
+        on_lost = [m for m in _live(status, "trainer") + _live(status, "rollout")
+                   if _actor_node(job_id, m["member_id"]) == lost_ip]
+        at, epoch = status["committed_step"], rank0["epoch"]
+        cluster.kill_node(1 + cluster.node_ips.index(lost_ip))
+        status = api.wait(job_id, lambda s: s["committed_step"] > at + 1 and all(
+            m["epoch"] > epoch for m in _live(s, "trainer")) and len(_live(s, "rollout")) == 2, timeout_s=150)
+        survivors = [m for m in _live(status, "trainer") + _live(status, "rollout")]
+        assert {_actor_node(job_id, m["member_id"]) for m in survivors} == set(cluster.node_ips) - {lost_ip}
+        faults = {f["member_id"] for f in kinds(api.events(job_id), "fault_detected")}
+        assert {m["member_id"] for m in on_lost} & faults, (on_lost, faults)
+
+        # 3. The controller killed: the restarted one re-attaches to the running actors and
+        #    restarts none of them.
+        live = {m["member_id"]: m["pid"] for m in survivors}
+        n_started = len(kinds(api.events(job_id), "member_started"))
+        old = stack.pids()["controller"]
+        os.kill(old, signal.SIGKILL)
+        eventually(lambda: stack.pids().get("controller") not in (None, old), timeout=30, what="controller restarted")
+        note = eventually(lambda: [d for d in kinds(api.events(job_id), "note") if d.get("adopted")], timeout=60,
+                          retry_on=(AssertionError, OSError, Exception), what="controller re-attached")[-1]
+        assert set(note["adopted"]) == set(live) and note["gone"] == [], note
+        status = wait_done(api, job_id, timeout=150)
+        assert len(kinds(api.events(job_id), "member_started")) == n_started  # nobody restarted
+        assert status["committed_step"] == 8
+        report = audit_job(infra, job_id)
+        assert report.episodes_lost == 0 and report.steps_trained_twice == 0
+    finally:
+        api.close()
+        stack.stop()
