@@ -21,7 +21,7 @@ from robustrl.services.request_manager.dispatch import Dispatcher
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
 from robustrl.errors import RobustRLError
-from robustrl.model.tokenizer import CharTokenizer
+from robustrl.model.hf import load_tokenizer
 from robustrl.rl import tasks
 from robustrl.rl.tools import ToolService
 from robustrl.storage.redis_stores import DispatchStore, EpisodeRecord, EpisodeStore, TurnRecord
@@ -42,7 +42,8 @@ class EpisodeRunner:
         self.store = store
         self.dispatches = dispatches
         self.dispatcher = dispatcher
-        self.tok = CharTokenizer.default()
+        # The char tokenizer, or the model directory's own tokenizer + chat template (no torch).
+        self.tok = load_tokenizer(spec.model)
         self.tools = ToolService(spec.seed)
         self.running: set[str] = set()
         self.finished: set[str] = set()  # finished in this life, current step: never run again

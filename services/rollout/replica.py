@@ -30,14 +30,12 @@ import torch
 from robustrl.config import Settings
 from robustrl.member import Identity, Member
 from robustrl.messages import GenerateTurn, MetricsSample, TurnResult, WeightsAnnounce, WeightsHave, decode
-from robustrl.model.engine import GenerationEngine, GenRequest
-from robustrl.model.policy import build_policy, weights_checksum
-from robustrl.model.tokenizer import CharTokenizer
+from robustrl.model.engine import GenRequest
+from robustrl.model.engines import make_engine
 from robustrl.services.rollout.loader import WeightLoader
 from robustrl.services.rollout.standby import StandbyHook, become_trainer
 from robustrl.storage.redis_stores import WeightsPointer, connect
 from robustrl.subjects import Verb, subject, wildcard
-from robustrl.weights.flat import expected_layout
 from robustrl.weights.server import WeightServer
 
 log = logging.getLogger(__name__)
@@ -88,12 +86,13 @@ class Replica:
         torch.set_num_threads(1)
         torch.manual_seed(spec.seed)
         self.loop = asyncio.get_running_loop()
-        self.tok = CharTokenizer.default()
-        self.model = await asyncio.to_thread(build_policy, spec.model, self.tok, spec.seed)
-        self.engine = GenerationEngine(self.model, self.tok, max_batch=spec.rollout.max_batch)
+        # rollout.engine picks the engine (torch | vllm); the factory also loads the tokenizer.
+        self.engine, self.tok = await asyncio.to_thread(make_engine, spec)
+        # The torch engine's model (None for vLLM, whose model lives in vLLM's engine process).
+        self.model = getattr(self.engine, "model", None)
         self.server = WeightServer(spec.weights.transport, host=self.settings.bind_host, max_versions=2)
         self.address = await self.server.start()
-        self.loader = WeightLoader(spec.weights, self.ident.member_id, self.server, expected_layout(self.model),
+        self.loader = WeightLoader(spec.weights, self.ident.member_id, self.server, self.engine.layout(),
                                    install=self._install, emit=self._emit, on_change=self._refresh_phase,
                                    held=lambda: (self.version, self.checksum),
                                    seed=hash(self.ident.member_id) & 0xFFFF, have=self._publish_have)
@@ -117,6 +116,7 @@ class Replica:
         await self.member.stopping.wait()
         await self.loader.close()
         await self.server.close()
+        await asyncio.to_thread(self.engine.close)
         await self.member.close()
 
     # --- phase -------------------------------------------------------------------------------
@@ -187,8 +187,11 @@ class Replica:
             pending, self._pending = self._pending, None
         if pending is None:
             return
-        self.engine.load_state_dict(pending.state)
-        got = weights_checksum(self.model)
+        try:
+            got = self.engine.load_weights(pending.state, pending.version)
+        except Exception as exc:  # noqa: BLE001 - any engine failure: serve nothing from it
+            log.error("weights v%d: the engine failed to load them: %r", pending.version, exc)
+            got = ""
         if got == pending.checksum:
             self.version, self.checksum = pending.version, got
         else:

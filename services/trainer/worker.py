@@ -23,11 +23,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from robustrl.checkpoint import Checkpointer, capture_rng, restore_rng, seed_rng
 from robustrl.config import Settings
-from robustrl.errors import EXIT_CHECKPOINT_LOST, CheckpointLost, RequestTimeout, StaleEpoch
+from robustrl.errors import EXIT_CHECKPOINT_LOST, ConfigError, CheckpointLost, RequestTimeout, StaleEpoch
 from robustrl.member import Identity, Member
 from robustrl.messages import BatchGet, BatchReady, StepCommitted, WeightsAnnounce
 from robustrl.model.policy import build_policy, weights_checksum
-from robustrl.model.tokenizer import CharTokenizer
+from robustrl.model.hf import load_tokenizer
 from robustrl.rl import grpo, tasks
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.objects import open_object_store
@@ -62,6 +62,17 @@ class TrainerWorker:
         dist.init_process_group(backend, rank=self.ident.rank, world_size=self.ident.world_size,
                                 timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
 
+    def _place(self, device: str) -> torch.device:
+        """Move the model to ``model.device`` (GPU path: one CUDA device per rank on the machine)."""
+        if device != "cuda":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise ConfigError("model.device is cuda but torch sees no CUDA device", field="model.device")
+        dev = torch.device("cuda", self.ident.rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        self.model.to(dev)
+        return dev
+
     def _count_activity(self, *_args: object) -> None:
         # Bumped from inside forward passes: a hung or stalled process cannot fake it.
         self.member.chaos.gate()
@@ -80,7 +91,8 @@ class TrainerWorker:
         self.spec = spec
         torch.set_num_threads(1)
         await asyncio.to_thread(self._init_dist, spec.trainer.backend)
-        self.tok = CharTokenizer.default()
+        # The char tokenizer, or a Hugging Face model directory's own tokenizer + chat template.
+        self.tok = load_tokenizer(spec.model)
         # Heavy or collective work runs off the event loop, so metrics and probe answers keep
         # flowing while the gang forms (a blocked loop would look like a dead member).
         if model is None:
@@ -91,7 +103,10 @@ class TrainerWorker:
         for layer in self.model.modules():
             if layer.__class__.__name__.endswith("DecoderLayer"):
                 layer.register_forward_hook(self._count_activity)
-        self.ddp = await asyncio.to_thread(DDP, self.model) if self.ident.world_size > 1 else self.model
+        self.device = self._place(spec.model.device)
+        ddp_kw = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+        self.ddp = (await asyncio.to_thread(lambda: DDP(self.model, **ddp_kw)) if self.ident.world_size > 1
+                    else self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.lr)
         store = open_object_store(self.settings)
         self.redis = connect(self.settings.redis_url)
