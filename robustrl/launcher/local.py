@@ -48,6 +48,7 @@ from robustrl.launcher.base import (
 )
 from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, write_handoff
 from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
+from robustrl.model.engines.envs import interpreter
 
 STOP_GRACE_S = 2.0
 SPARE_RESTOCK_DELAY_S = 10.0
@@ -201,14 +202,19 @@ class LocalLauncher(Launcher):
                 raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
             env = {**self.base_env, **spec.env, HANDOFF_ENV: str(self.log_dir)}
             prefix = self._host_prefix(spec)
-            spare = None if spec.host else self._take_spare(spec, env)
+            try:
+                python = interpreter(spec.env)  # rollout.engine vllm: the vLLM environment's Python
+            except RobustRLError as exc:
+                raise LaunchError(str(exc), member=spec.member_id) from exc
+            # A spare runs the launcher's own interpreter: members of another environment start cold.
+            spare = None if spec.host or python != sys.executable else self._take_spare(spec, env)
             if spare is not None:
                 self._members[spec.member_id] = _Member(spec, spare, MemberState.RUNNING, warm=True)
                 return
             log = open(self.log_dir / f"{spec.member_id}.log", "ab")  # noqa: SIM115 - owned by the child
             try:
                 proc = subprocess.Popen(
-                    [*prefix, sys.executable, "-m", spec.module, *spec.args], env=env, stdout=log,
+                    [*prefix, python, "-m", spec.module, *spec.args], env=env, stdout=log,
                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                 )
             except OSError as exc:

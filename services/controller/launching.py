@@ -18,6 +18,7 @@ from robustrl.launcher.base import (
     PlacementHint,
     Resources,
 )
+from robustrl.model.engines.envs import ENGINE_ENV
 from robustrl.services.controller.jobs import JobRun, MemberInfo
 
 LID_SEP = "--"
@@ -82,6 +83,7 @@ class MemberStarter:
     def replica_spec(self, job: JobRun, member_id: str, env: dict[str, str]) -> MemberSpec:
         """A rollout replica: its resources, and anti-affinity among the job's replicas."""
         r = job.spec.rollout
+        env = {**env, ENGINE_ENV: r.engine}  # the launcher picks the engine's interpreter from it
         return MemberSpec(job.job_id, lid(job, member_id), "rollout", ROLLOUT_MODULE, env,
                           resources=Resources(r.resources.cpus, r.resources.gpus, r.resources.memory_mb),
                           placement=PlacementHint(node_labels=dict(r.placement.node_labels),
