@@ -13,7 +13,7 @@ import asyncio
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 import nats
 import pytest
@@ -56,7 +56,7 @@ class BusObserver:
         await self._stop.wait()
         await nc.close()
 
-    def __enter__(self) -> BusObserver:
+    def __enter__(self) -> Self:
         self._thread.start()
         assert self._ready.wait(10), "observer did not connect"
         return self
@@ -187,8 +187,9 @@ def test_turns_staler_than_the_bound_are_dropped_and_counted():
 def _view(**kw: Any):
     from robustrl.services.controller.decide import JobView
 
-    base = dict(job_id="j", step=5, committed_step=4, durable_step=3, mode="async", trainer_workers=2,
-                rollout_replicas=3, borrowable=("rollout-2-i0", "rollout-1-i0", "rollout-0-i0"), can_borrow=True)
+    base: dict[str, Any] = {"job_id": "j", "step": 5, "committed_step": 4, "durable_step": 3, "mode": "async",
+                            "trainer_workers": 2, "rollout_replicas": 3, "can_borrow": True,
+                            "borrowable": ("rollout-2-i0", "rollout-1-i0", "rollout-0-i0")}
     return JobView(**{**base, **kw})
 
 

@@ -15,15 +15,24 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from robustrl.messages import FaultReport
 from robustrl.services.controller import decide as decide_mod
 from robustrl.services.controller.decide import (
-    Action, FailJob, Ignore, RedispatchEpisodes, ReplaceReplica, ReportOnly, RestartTrainerGang,
-    RestartWholeJob, ResumeService, action_name,
+    Action,
+    FailJob,
+    Ignore,
+    RedispatchEpisodes,
+    ReplaceReplica,
+    ReportOnly,
+    RestartTrainerGang,
+    RestartWholeJob,
+    ResumeService,
+    action_name,
 )
 from robustrl.services.controller.jobs import ActiveRecovery, JobRun
 from robustrl.services.controller.launching import lid
 from robustrl.services.controller.view import job_view
+
+from robustrl.messages import FaultReport
 from robustrl.storage.redis_stores import Keys
 
 if TYPE_CHECKING:

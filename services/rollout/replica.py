@@ -114,6 +114,9 @@ class Replica:
             # A late joiner or replacement: pull the current version from any relay.
             self.loader.offer(decode(WeightsAnnounce, latest))
         await self.member.stopping.wait()
+        with self._swap_lock:  # the engine thread takes no more weights: release a waiting install
+            if self._pending is not None:
+                self._pending.swapped.set()
         await self.loader.close()
         await self.server.close()
         await asyncio.to_thread(self.engine.close)
