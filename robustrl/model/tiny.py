@@ -19,20 +19,20 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</too
             "<tool_response>", "</tool_response>")
 
 CHAT_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nTools:\n"
-    "{%- for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{%- endfor %}\n"
-    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
-    "</tool_response><|im_end|>\n"
-    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{% if tools %}<|im_start|>system{{ '\\n' }}Tools:"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>{{ '\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}<|im_start|>user{{ '\\n' }}<tool_response>{{ '\\n' }}{{ message.content }}"
+    "{{ '\\n' }}</tool_response><|im_end|>{{ '\\n' }}"
+    "{% else %}<|im_start|>{{ message.role }}{{ '\\n' }}{{ message.content }}<|im_end|>{{ '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
 )
 """Qwen's layout, shortened: the tool schemas in a system turn, tool results as a user turn in
-``<tool_response>``. The lines end with ``\\n`` inside the tags so the text does not depend on
-the jinja whitespace options."""
+``<tool_response>``. Newlines are jinja expressions so the text does not depend on the whitespace
+options (``trim_blocks`` eats a newline written right after a tag)."""
 
 
 def bpe_model_file() -> Path:

@@ -1,0 +1,144 @@
+"""A Hugging Face model directory with its own BPE tokenizer and chat template, end to end.
+
+The directory is made offline (``robustrl.model.tiny``): ``save_pretrained`` of a random-init
+Qwen3 model and of a fast tokenizer converted from the SentencePiece BPE model that the
+``mistral-common`` package ships, with Qwen's chat specials and a tool-calling template.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import kinds, small_job, wait_done
+
+from robustrl.config import JobSpec, ModelSpec
+from robustrl.errors import ConfigError
+from robustrl.model.engine import GenerationEngine, GenRequest
+from robustrl.model.engines import make_engine
+from robustrl.model.hf import TOOL_SCHEMAS, ChatTokenizer, load_tokenizer
+from robustrl.model.policy import build_policy, weights_checksum
+from robustrl.model.tiny import make_tiny_hf_model
+from robustrl.rl import tasks
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny-hf"))
+
+
+def test_tokenizer_is_real_bpe_and_matches_autotokenizer(hf_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = load_tokenizer(ModelSpec(path=str(hf_dir)))
+    assert isinstance(tok, ChatTokenizer) and tok.vocab_size > 32000
+    ids = tok.encode("lookup abc: the quick brown fox")
+    assert len(ids) < len("lookup abc: the quick brown fox") / 2  # merges, not characters
+    ref = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    for tool in ("lookup", None):
+        got = tok.prompt_ids("lookup abc:", tool)
+        want = ref.apply_chat_template([{"role": "user", "content": "lookup abc:"}], add_generation_prompt=True,
+                                       tools=[TOOL_SCHEMAS[tool]] if tool else None, tokenize=True)
+        want = list(want["input_ids"]) if hasattr(want, "keys") else list(want)
+        assert got == want
+    # A whole tool episode laid out turn by turn is the template's rendering of the conversation.
+    call = '<tool_call>{"name": "lookup", "arguments": {"key": "abc"}}</tool_call>'
+    episode = tok.prompt_ids("lookup abc:", "lookup") + tok.encode(call) + tok.tool_result_ids("123")
+    text = ref.apply_chat_template([{"role": "user", "content": "lookup abc:"},
+                                    {"role": "assistant", "content": call},
+                                    {"role": "tool", "content": "123"}],
+                                   tools=[TOOL_SCHEMAS["lookup"]], add_generation_prompt=True, tokenize=False)
+    assert episode == ref.encode(text, add_special_tokens=False)
+
+
+def test_tool_call_in_the_templates_format_drives_the_episode(hf_dir: Path) -> None:
+    tok = ChatTokenizer(hf_dir)
+    prompt = tasks.sample_prompts(["lookup"], 0, 1, seed=0)[0]
+    call = tok.encode('<tool_call>{"name": "lookup", "arguments": {"key": "cab"}}</tool_call>')
+    assert call[-1] == tok.call_id
+    turn = tasks.Turn("assistant", call, [0.0] * len(call), 0, "tool_call")
+    assert tasks.next_action(prompt, [turn], tok, 3) == tasks.CallTool("lookup", "cab")
+    # Not a well-formed call: the turn's plain text is the argument (as with the char tokenizer).
+    plain = tasks.Turn("assistant", tok.encode(" abd ") + [tok.eot_id], [], 0, "eot")
+    assert tasks.next_action(prompt, [plain], tok, 3) == tasks.CallTool("lookup", "abd")
+    result = tasks.tool_turn("417", tok)
+    assert "<tool_response>\n417\n</tool_response>" in tok.decode(result.token_ids)
+    assert tok.decode(result.token_ids).endswith("<|im_start|>assistant\n")
+    answer = tasks.Turn("assistant", tok.encode(prompt.answer) + [tok.eot_id], [], 0, "eot")
+    assert tasks.score(prompt, [turn, result, answer], tok) > 0.5
+
+
+def test_bad_model_input_names_the_field(hf_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(ModelSpec(path=str(tmp_path / "nope")))
+    assert e.value.fields.get("field") == "model.path"
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((hf_dir / "config.json").read_text())
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        load_tokenizer(ModelSpec(path=str(bare)))
+    no_template = tmp_path / "no-template"
+    no_template.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (no_template / f).write_text((hf_dir / f).read_text())
+    with pytest.raises(ConfigError, match="chat template"):
+        load_tokenizer(ModelSpec(path=str(no_template)))
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        JobSpec.parse({"rollout": {"engine": "tgi"}})
+    with pytest.raises(ConfigError, match="model.path"):
+        make_engine(JobSpec.parse({"rollout": {"engine": "vllm"}}))  # vllm needs an HF directory
+
+
+def _marker_tokenizer(tok: ChatTokenizer, call_id: int) -> ChatTokenizer:
+    """The same tokenizer with another token as the tool-call marker: a random model never emits
+    ``</tool_call>`` on its own, but it does emit its greedy tokens."""
+    other = copy.copy(tok)
+    other.call_id = call_id
+    return other
+
+
+def test_torch_engine_on_the_hf_model_stops_on_the_marker_and_loads_in_place(hf_dir: Path) -> None:
+    tok = ChatTokenizer(hf_dir)
+    model = build_policy(ModelSpec(path=str(hf_dir)), tok, 0)
+    engine = GenerationEngine(model, tok, max_batch=4)
+    prompt = tok.prompt_ids("lookup abc:", "lookup")
+    greedy = engine.generate([GenRequest("g", prompt, 8, temperature=0.0, stop_on_call=False)])[0]
+    assert greedy.stop_reason == "length" and len(greedy.token_ids) == 8
+    k = next(i for i in range(2, 8) if greedy.token_ids[i] not in greedy.token_ids[:i])
+    marked = GenerationEngine(model, _marker_tokenizer(tok, greedy.token_ids[k]), max_batch=4)
+    got = marked.generate([GenRequest("m", prompt, 8, temperature=0.0, stop_on_call=True)])[0]
+    assert got.stop_reason == "tool_call" and got.token_ids == greedy.token_ids[:k + 1]
+    # In place: other weights change the output; the old ones restore it exactly.
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        other = {n: t + 0.05 * torch.randn_like(t) for n, t in before.items()}
+    assert engine.load_weights(other) == weights_checksum(other)
+    assert engine.generate([GenRequest("g", prompt, 8, temperature=0.0, stop_on_call=False)])[0].token_ids \
+        != greedy.token_ids
+    assert engine.load_weights(before) == weights_checksum(before)
+    assert engine.generate([GenRequest("g", prompt, 8, temperature=0.0, stop_on_call=False)])[0].token_ids \
+        == greedy.token_ids
+
+
+def test_a_job_trains_the_hf_model_through_trainer_rm_and_replicas(stack, api, infra, hf_dir: Path) -> None:
+    """Two steps of GRPO on the HF directory: the request manager renders the chat template, the
+    replicas generate with the torch engine, the trainer gang trains and publishes, the replicas
+    load every version."""
+    from robustrl.audit import audit_job
+
+    spec = small_job("hf", steps=2, model={"path": str(hf_dir), "max_positions": 512},
+                     data={"tasks": ["lookup", "reverse"], "prompts_per_step": 2, "group_size": 2},
+                     rollout={"replicas": 1, "max_new_tokens": 8})
+    job = api.submit(spec)
+    status = wait_done(api, job["job_id"], timeout=240.0)
+    events = api.events(job["job_id"])
+    assert status["committed_step"] == 1
+    checksums = [e["checksum"] for e in kinds(events, "step_committed")]
+    assert len(set(checksums)) == 2  # each step trained the model into new weights
+    loaded = {d["version"] for d in kinds(events, "weights_loaded")}
+    assert {0, 1} <= loaded
+    assert any(d["tool_wait_s"] > 0 for d in kinds(events, "batch_ready")), "no tool turn"
+    audit_job(infra, job["job_id"])  # raises naming every violation
