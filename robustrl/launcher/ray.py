@@ -125,6 +125,7 @@ class RayLauncher(Launcher):
         self.place_timeout_s = place_timeout_s
         self._members: dict[str, _Member] = {}
         self._pending: dict[str, _Member] = {}  # rank-0 actors created by rendezvous, not started yet
+        self._placing: dict[str, _Member] = {}  # node reservations of members being started
         self._gangs: dict[str, _Gang] = {}
         self._lock = threading.RLock()
         self._nodes_checked = 0.0
@@ -220,18 +221,20 @@ class RayLauncher(Launcher):
                               member=spec.member_id, field="host")
         if p.anti_affinity == "none" or p.group is None:
             return None
-        with self._lock:
-            taken: dict[str, int] = {}
-            for m in self._members.values():
-                if m.spec.placement.group == p.group and m.node_id and not m.reported:
-                    taken[m.node_id] = taken.get(m.node_id, 0) + 1
         available = self._available()
         fitting = [n for n in self._nodes() if self._fits(n, spec, available)]
-        free = [n for n in fitting if n["NodeID"] not in taken]
-        if free:
-            # The node with the most CPUs left over for the job's other members.
-            return str(max(free, key=lambda n: available.get(n["NodeID"], n.get("Resources", {})).get("CPU", 0.0))
-                       ["NodeID"])
+        with self._lock:  # replicas start in parallel: a node picked is reserved until it runs
+            taken: dict[str, int] = {}
+            for m in [*self._members.values(), *self._placing.values()]:
+                if m.spec.placement.group == p.group and m.node_id and not m.reported:
+                    taken[m.node_id] = taken.get(m.node_id, 0) + 1
+            free = [n for n in fitting if n["NodeID"] not in taken]
+            if free:
+                # The node with the most CPUs left over for the job's other members.
+                node = str(max(free, key=lambda n: available.get(n["NodeID"], n.get("Resources", {}))
+                               .get("CPU", 0.0))["NodeID"])
+                self._placing[spec.member_id] = _Member(spec, "", None, node_id=node)
+                return node
         if p.anti_affinity == "required":
             raise LaunchError(f"{spec.member_id}: anti_affinity required but every fitting node "
                               f"({len(fitting)}) already runs a member of {p.group}", member=spec.member_id,
@@ -316,6 +319,13 @@ class RayLauncher(Launcher):
             if old is not None and not old.reported and old.state is not MemberState.EXITED:
                 raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
             m = self._pending.pop(spec.member_id, None)
+        try:
+            self._start(spec, m)
+        finally:
+            with self._lock:
+                self._placing.pop(spec.member_id, None)
+
+    def _start(self, spec: MemberSpec, m: _Member | None) -> None:
         if m is None:
             m = self._create(spec)
         m.spec = spec

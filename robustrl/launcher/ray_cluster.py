@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import psutil
 
@@ -36,6 +36,7 @@ HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_threshold":
                 "health_check_initial_delay_ms": 0}
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
 READY_TIMEOUT_S = 60.0
+START_ATTEMPTS = 2
 STOP_TIMEOUT_S = 10.0
 
 
@@ -79,7 +80,7 @@ class LocalRayCluster:
         finally:
             log.close()
 
-    def start(self) -> LocalRayCluster:
+    def start(self) -> Self:
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         try:
@@ -88,13 +89,24 @@ class LocalRayCluster:
                  "--include-dashboard=false", f"--system-config={json.dumps(HEALTH_CHECK)}",
                  '--labels={"robustrl.io/node": "head"}'], "head"))
             self._wait_port()
+            self.wait_nodes(1)
+            # One worker at a time, each retried once: on a loaded machine a raylet can miss the
+            # 30 s registration deadline of `ray start` (seen with 2 cores and a load of 10).
             for i in range(self.workers):
                 ip = f"127.0.0.{i + 2}"
                 self.node_ips.append(ip)
-                self.nodes.append(self._spawn(
-                    [f"--address={self.address}", f"--node-ip-address={ip}", f"--num-cpus={self.worker_cpus}",
-                     f"--labels={json.dumps(self.labels[i])}"], f"worker-{i + 1}"))
-            self.wait_nodes(self.workers + 1)
+                for attempt in range(START_ATTEMPTS):
+                    self.nodes.append(self._spawn(
+                        [f"--address={self.address}", f"--node-ip-address={ip}", f"--num-cpus={self.worker_cpus}",
+                         f"--labels={json.dumps(self.labels[i])}"], f"worker-{i + 1}"))
+                    try:
+                        self.wait_nodes(i + 2, watch=self.nodes[-1])
+                        break
+                    except LaunchError:
+                        self._kill_strays(ip)
+                        self.nodes.pop()
+                        if attempt == START_ATTEMPTS - 1:
+                            raise
         except BaseException:
             self.stop()
             raise
@@ -121,15 +133,26 @@ class LocalRayCluster:
             ray.init(address=self.address, namespace="robustrl", log_to_driver=False, configure_logging=False)
         return [n for n in ray.nodes() if n.get("Alive")]
 
-    def wait_nodes(self, n: int, timeout_s: float = READY_TIMEOUT_S) -> None:
+    def wait_nodes(self, n: int, timeout_s: float = READY_TIMEOUT_S,
+                   watch: subprocess.Popen[bytes] | None = None) -> None:
+        """Wait until the GCS counts ``n`` live nodes; fail early if the head (or ``watch``) exits."""
         deadline = time.monotonic() + timeout_s
         while len(self.alive_nodes()) != n:
-            for i, p in enumerate(self.nodes):
-                if p.poll() is not None and i == 0:
-                    raise LaunchError(f"the Ray head exited: see {self.temp_dir / 'head.log'}")
+            if self.nodes[0].poll() is not None:
+                raise LaunchError(f"the Ray head exited: see {self.temp_dir / 'head.log'}")
+            if watch is not None and watch.poll() is not None:
+                raise LaunchError(f"a Ray worker's `ray start` exited ({watch.returncode}) before its node registered")
             if time.monotonic() > deadline:
                 raise LaunchError(f"{len(self.alive_nodes())} of {n} Ray nodes up after {timeout_s:g} s")
             time.sleep(0.1)
+
+    def _kill_strays(self, ip: str) -> None:
+        """Kill what a failed ``ray start`` of node ``ip`` left running (its raylet, agents)."""
+        for p in psutil.process_iter(["cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if str(self.temp_dir) in cmd and f"={ip}" in cmd:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
 
     def node_id(self, index: int) -> str:
         """The Ray node id of node ``index`` (0 = head) by its address."""
@@ -186,7 +209,7 @@ class LocalRayCluster:
                     psutil.Process(int(line.split()[0])).kill()
             time.sleep(0.1)
 
-    def __enter__(self) -> LocalRayCluster:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
