@@ -246,6 +246,7 @@ def test_placement_puts_a_gang_on_one_host_and_replicas_round_robin(testbed: Tes
 
     assert [p.assign(spec("trainer", r)) for r in range(3)] == ["h0", "h0", "h0"]
     assert [p.assign(spec("trainer", r)) for r in range(2)] == ["h1", "h1"]  # the next gang, next host
+    assert p.assign(MemberSpec("other", "trainer-0", "trainer", "m")) == "h0"  # another job starts over
     assert [p.assign(spec("rollout")) for _ in range(3)] == ["h1", "h2", "h1"]
     assert p.assign(spec("request_manager")) is None
     assert p.member_env("h2") == {"ROBUSTRL_BIND_HOST": testbed.address("h2")}
@@ -267,39 +268,51 @@ def test_network_fault_requests_are_validated(stack: Stack, api: ApiClient) -> N
 
 
 @needs_testbed
-def test_a_partitioned_replica_host_is_detected_healed_and_the_job_completes(testbed: Testbed, stack: Stack,
-                                                                           api: ApiClient) -> None:
-    job = api.submit(small_job("tbpart", steps=6, detector=FAST_DETECTOR))
+@pytest.mark.parametrize("kind", ["partition", "net_drop"])
+def test_a_cut_off_replica_host_is_detected_healed_and_the_job_completes(testbed: Testbed, stack: Stack,
+                                                                        api: ApiClient, kind: str) -> None:
+    """partition: h2 is cut from the other hosts and the infra, healed by the test once the
+    detector reported the replica; net_drop: h2's link drops everything for 8 s, healed by the
+    controller's timer."""
+    job = api.submit(small_job(f"tb{kind.replace('_', '')}", steps=6, detector=FAST_DETECTOR))
     job_id = job["job_id"]
     eventually(lambda: api.job(job_id)["committed_step"] >= 1, timeout=90, what="step 1 committed")
-    with pytest.raises(JobError, match=r"h9.*hosts: h0, h1, h2"):  # a host the testbed has not
-        api.fault(job_id, kind="partition", role="rollout", member=1, against=["h9"])
-    hit = api.fault(job_id, kind="partition", role="rollout", member=1)
+    if kind == "partition":
+        with pytest.raises(JobError, match=r"h9.*hosts: h0, h1, h2"):  # a host the testbed has not
+            api.fault(job_id, kind="partition", role="rollout", member=1, against=["h9"])
+    hit = api.fault(job_id, kind=kind, role="rollout", member=1, duration_s=8.0 if kind == "net_drop" else 0.0)
     assert hit["member_id"] == "rollout-1-i0"
-    # the fault is in the links, not in the process: h2 is cut from the other hosts and the gateway
-    gw_hex = "".join(f"{int(b):02x}" for b in testbed.gateway.split("."))
-    filters = tb_commands.run(["tc", "-n", testbed.host("h2").netns, "filter", "show", "dev", "eth0"])
-    assert f"match {gw_hex}/ffffffff at 16" in filters  # h2 -> gateway dropped (dst)
+    injected = eventually(lambda: [d for d in kinds(api.events(job_id), "fault_injected") if d["kind"] == kind],
+                          timeout=10, what="fault_injected in the log")
+    host = injected[0]["host"]
+    assert host == "h2" and injected[0]["member_id"] == "rollout-1-i0"  # replica 1 of the job: 2nd rollout host
+    # the fault is in the links, not in the process
+    filters = tb_commands.run(["tc", "-n", testbed.host(host).netns, "filter", "show", "dev", "eth0"])
     port = tb_commands.run(["tc", "-n", testbed.state.switch_netns, "filter", "show", "dev",
-                            testbed.host("h2").bridge_port])
-    assert f"match {gw_hex}/ffffffff at 12" in port  # gateway -> h2 dropped at the switch (src)
-    assert _reach_gateway(testbed, "h2", stack) is False
+                            testbed.host(host).bridge_port])
+    if kind == "partition":
+        gw_hex = "".join(f"{int(b):02x}" for b in testbed.gateway.split("."))
+        assert f"match {gw_hex}/ffffffff at 16" in filters  # h2 -> gateway dropped (dst)
+        assert f"match {gw_hex}/ffffffff at 12" in port  # gateway -> h2 dropped at the switch (src)
+    else:
+        assert "match 00000000/00000000 at 0" in filters and "match 00000000/00000000 at 0" in port
+    assert _reach_gateway(testbed, host, stack) is False
     assert _reach_gateway(testbed, "h1", stack) is True
     detected = eventually(lambda: [d for d in kinds(api.events(job_id), "fault_detected")
                                    if d.get("member_id") == "rollout-1-i0"], timeout=30,
-                          what="the detector reports the partitioned replica")
-    testbed.heal()
-    assert "match" not in tb_commands.run(["tc", "-n", testbed.host("h2").netns, "filter", "show", "dev", "eth0"])
-    assert _reach_gateway(testbed, "h2", stack) is True
+                          what="the detector reports the cut-off replica")
+    if kind == "partition":
+        testbed.heal()
+    eventually(lambda: "match" not in tb_commands.run(["tc", "-n", testbed.host(host).netns, "filter", "show",
+                                                       "dev", "eth0"]), timeout=15, what="healed")
+    assert _reach_gateway(testbed, host, stack) is True
     _note_processes(testbed)
     status = wait_done(api, job_id, timeout=120)
     events = api.events(job_id)
-    injected = [d for d in kinds(events, "fault_injected") if d["kind"] == "partition"]
-    assert injected and injected[0]["host"] == "h2" and injected[0]["member_id"] == "rollout-1-i0"
     assert detected[0]["role"] == "rollout"
     assert status["committed_step"] == 5
     assert any(d["member_id"].startswith("rollout-1-i") and d["member_id"] != "rollout-1-i0"
-               for d in kinds(events, "member_started")), "no replacement for the partitioned replica"
+               for d in kinds(events, "member_started")), "no replacement for the cut-off replica"
 
 
 def _reach_gateway(tb: Testbed, host: str, stack: Stack) -> bool:

@@ -3,9 +3,9 @@
 A :class:`RolePlacement` maps a role to hosts, e.g. ``{"trainer": ["h0"], "rollout": ["h1", "h2"]}``.
 The local launcher asks it for a host (``assign``) when it starts a member whose spec names none:
 
-* rollout replicas go round-robin over the role's hosts, in start order, so a replacement lands
-  on the next host rather than on the one its predecessor died on;
-* a trainer gang goes to one host (the next of the role's hosts for each new gang): its ranks
+* rollout replicas go round-robin over the role's hosts, in the job's start order, so a
+  replacement lands on the next host rather than on the one its predecessor died on;
+* a trainer gang goes to one host (the next of the role's hosts for each new gang of the job): its ranks
   meet at ``MASTER_ADDR``, which the controller fixes before rank 0 has a host, and a gang on one
   host is one multi-GPU node.
 
@@ -42,8 +42,8 @@ class RolePlacement:
 
     testbed: Testbed
     roles: dict[str, tuple[str, ...]]
-    _next: dict[str, int] = field(default_factory=dict)
-    _gang_host: str | None = None
+    _next: dict[tuple[str, str], int] = field(default_factory=dict)  # (job, role) -> members placed
+    _gang_host: dict[str, str] = field(default_factory=dict)  # job -> its current gang's host
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -84,13 +84,14 @@ class RolePlacement:
         if not hosts:
             return None
         with self._lock:
-            if spec.role == "trainer" and spec.env.get("ROBUSTRL_RANK", "0") != "0" and self._gang_host:
-                return self._gang_host  # the rest of the gang joins rank 0's host
-            n = self._next.get(spec.role, 0)
-            self._next[spec.role] = n + 1
+            gang = self._gang_host.get(spec.job_id)
+            if spec.role == "trainer" and spec.env.get("ROBUSTRL_RANK", "0") != "0" and gang:
+                return gang  # the rest of the gang joins rank 0's host
+            n = self._next.get((spec.job_id, spec.role), 0)
+            self._next[(spec.job_id, spec.role)] = n + 1
             host = hosts[n % len(hosts)]
             if spec.role == "trainer":
-                self._gang_host = host
+                self._gang_host[spec.job_id] = host
             return host
 
     def member_env(self, host: str) -> dict[str, str]:

@@ -108,6 +108,8 @@ class TestbedState:
     processes: tuple[tuple[int, float], ...] = ()
     """(pid, start time) of the processes started through ``Testbed.popen``: killed on teardown
     even if they are still on their way into a namespace (``ip netns exec`` before its setns)."""
+    faults: tuple[dict[str, object], ...] = ()
+    """The faults in force (``Testbed.cut`` / ``partition``), from any handle or process."""
 
     @classmethod
     def plan(cls, tag: str, subnet: str, n_hosts: int, link: str | None, delay: str | None,
@@ -144,7 +146,8 @@ class TestbedState:
         try:
             hosts = tuple(HostInfo(**h) for h in raw["hosts"])  # type: ignore[union-attr, arg-type]
             procs = tuple((int(p), float(t)) for p, t in raw.get("processes", ()))  # type: ignore[union-attr]
-            return cls(**{**raw, "hosts": hosts, "processes": procs})  # type: ignore[arg-type]
+            faults = tuple(dict(f) for f in raw.get("faults", ()))  # type: ignore[union-attr]
+            return cls(**{**raw, "hosts": hosts, "processes": procs, "faults": faults})  # type: ignore[arg-type]
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"testbed state is malformed: {exc}", field="hosts") from exc
 

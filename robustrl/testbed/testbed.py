@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -103,8 +103,6 @@ class Testbed:
         self._state: TestbedState | None = None
         self._reaper: subprocess.Popen[bytes] | None = None
         self._owned = True
-        self.faults: list[dict[str, Any]] = []
-        """The faults in force (``cut`` / ``partition``), emptied by ``heal``."""
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -217,7 +215,6 @@ class Testbed:
         if self._reaper is not None:
             self._reaper.wait(timeout=REAPER_EXIT_TIMEOUT_S)  # reap it: no zombie for our lifetime
         self.status = Status.DOWN
-        self.faults.clear()
 
     def __enter__(self) -> Self:
         self.up()
@@ -271,9 +268,27 @@ class Testbed:
         """Add a process to the state file; read again under the lock, since an attached handle
         in another process may write it too."""
         with self._lock():
-            current = next((s for s in read_states(self.state_dir) if s.tag == self.state.tag), self.state)
+            current = self._current()
             self._state = dataclasses.replace(current, processes=(*current.processes, (pid, start)))
             write_state(self._state, self.state_dir)
+
+    def _current(self) -> TestbedState:
+        """The state as the state file has it now (another handle may have changed it)."""
+        return next((s for s in read_states(self.state_dir) if s.tag == self.state.tag), self.state)
+
+    def _set_faults(self, change: Callable[[list[dict[str, Any]]], list[dict[str, Any]]]) -> None:
+        with self._lock():
+            current = self._current()
+            self._state = dataclasses.replace(current, faults=tuple(change([dict(f) for f in current.faults])))
+            write_state(self._state, self.state_dir)
+
+    @property
+    def faults(self) -> list[dict[str, Any]]:
+        """The faults in force (``cut`` / ``partition``), emptied by ``heal``. Kept in the state
+        file: every handle on the testbed (``attach`` in another process, the CLI) sees the same."""
+        if self._state is None or self.status is not Status.UP:
+            return []
+        return [dict(f) for f in self._current().faults]
 
     @contextlib.contextmanager
     def _lock(self) -> Iterator[None]:
@@ -308,7 +323,8 @@ class Testbed:
             for end in self._ends(h):
                 for cmd in links.cut_commands(end):
                     commands.run(cmd)
-        self.faults.append({"kind": "cut", "host": h.name, "mode": mode.value})
+        fault = {"kind": "cut", "host": h.name, "mode": mode.value}
+        self._set_faults(lambda faults: [*faults, fault])
 
     def partition(self, group_a: Iterable[HostRef], group_b: Iterable[HostRef]) -> None:
         """Drop all traffic between the hosts of ``group_a`` and those of ``group_b``; each group
@@ -330,8 +346,9 @@ class Testbed:
                     port = links.LinkEnd(h.bridge_port, self.state.switch_netns)
                     for cmd in links.drop_from_commands(port, [self.gateway]):
                         commands.run(cmd)
-        self.faults.append({"kind": "partition", "a": [h.name for h in a] + ([GATEWAY] if gw_a else []),
-                            "b": [h.name for h in b] + ([GATEWAY] if gw_b else [])})
+        fault = {"kind": "partition", "a": [h.name for h in a] + ([GATEWAY] if gw_a else []),
+                 "b": [h.name for h in b] + ([GATEWAY] if gw_b else [])}
+        self._set_faults(lambda faults: [*faults, fault])
 
     def isolate(self, hosts: Iterable[HostRef]) -> None:
         """Partition ``hosts`` from every other host and from the gateway (infra, control plane)."""
@@ -341,9 +358,10 @@ class Testbed:
 
     def heal_fault(self, fault: dict[str, Any]) -> None:
         """Undo one fault of ``faults`` (the others stay): heal all, then apply the rest again."""
-        rest = [f for f in self.faults if f != fault]
-        if len(rest) == len(self.faults):
-            return  # not in force (healed already)
+        current = self.faults
+        rest = [f for f in current if f != fault]
+        if len(rest) == len(current):
+            return  # not in force (healed already, maybe by another handle)
         self.heal()
         for f in rest:
             if f["kind"] == "cut":
@@ -359,7 +377,7 @@ class Testbed:
                     commands.run(cmd, missing_ok=True)
             # every port, not only those cut here: a fault may come from another handle (attach)
             commands.run(["ip", "-n", self.state.switch_netns, "link", "set", h.bridge_port, "up"])
-        self.faults.clear()
+        self._set_faults(lambda _faults: [])
 
     def describe(self) -> dict[str, Any]:
         """The state as JSON-ready data, with the faults in force."""
