@@ -184,7 +184,7 @@ def test_a_relay_killed_mid_transfer_on_its_host_leaves_the_pull_to_the_others(t
                                                                               tmp_path: Path) -> None:
     """Trainer on h0, relays on h1 and h2 (the bench's worker processes, real transport). h1 is
     killed with SIGKILL once it has sent chunks onward; h2's pull completes, every byte verified."""
-    nbytes, chunk = 16 << 20, 256 << 10  # 0.67 s a copy at 200 Mbit/s
+    nbytes, chunk = 32 << 20, 256 << 10  # 1.3 s a copy at 200 Mbit/s
     port = 7300
     addr = {h.name: testbed.address(h.name) for h in testbed.hosts}
     sources = [f"tcp://{addr[h]}:{port}" for h in ("h0", "h1", "h2")]
@@ -208,9 +208,13 @@ def test_a_relay_killed_mid_transfer_on_its_host_leaves_the_pull_to_the_others(t
         # mid-transfer: h1 has sent at least two chunks onward (to h2) and h2 is not done
         eventually(lambda: fanout.host_tx_bytes(testbed)["h1"] - tx0["h1"] >= 2 * chunk, timeout=30,
                    interval=0.01, what="h1 relaying")
+        killed_at = time.time()
         victim.proc.send_signal(signal.SIGKILL)
         assert victim.proc.wait(timeout=10) == -signal.SIGKILL
+        assert victim.proc.stdout is not None and "done" not in victim.proc.stdout.read(), \
+            "the relay had finished its pull before it was killed"
         done = fanout.ReplicaDone.from_json(survivor.read(time.monotonic() + 60))
+        assert done.end_t > killed_at, "h2 had finished before the relay was killed"
         assert done.verified, "h2's bytes differ from the version"
         assert done.chunks_from.get(sources[1], 0) >= 1, f"h2 took nothing from the relay: {done.chunks_from}"
         assert done.chunks_from.get(sources[0], 0) >= 1
