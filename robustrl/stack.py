@@ -45,6 +45,7 @@ from robustrl.supervisor import (
 )
 
 if TYPE_CHECKING:
+    from robustrl.testbed.placement import RolePlacement
     from robustrl.testbed.testbed import Testbed
 
 SERVICES = ("controller", "detector", "request_manager")
@@ -78,6 +79,8 @@ class Stack:
         self.api_port = api_port
         self.extra_env = extra_env or {}
         self.testbed = testbed
+        self.placement: RolePlacement | None = None
+        """Which hosts each role's members run on (``robustrl.testbed.placement``), with a testbed."""
         if testbed is not None:
             from robustrl.testbed.placement import RolePlacement
 
