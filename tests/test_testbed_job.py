@@ -174,8 +174,14 @@ def test_a_job_runs_across_testbed_hosts(testbed: Testbed, stack: Stack, api: Ap
     assert testbed.address("h1") in complete["rollout-0-i0"] and testbed.address("h2") in complete["rollout-1-i0"]
     # partial announcements went out when each pull began, and the replicas pulled from each other
     assert {m.member_id for m in seen if not m.complete} == {"rollout-0-i0", "rollout-1-i0"}
-    assert any(d["origin_chunks"] < d["chunks"] for d in kinds(events, "weights_loaded")), \
-        "no replica took any chunk from the other"
+    # the trainer gang sent about one copy of each version in all (two copies without the split;
+    # measured 22-24 of 22 chunks per version for the two replicas)
+    per_version: dict[int, list[dict]] = {}
+    for d in kinds(events, "weights_loaded"):
+        per_version.setdefault(d["version"], []).append(d)
+    for version, loads in per_version.items():
+        from_trainer = sum(d["origin_chunks"] for d in loads)
+        assert from_trainer <= 1.5 * loads[0]["chunks"], f"v{version}: {from_trainer} chunks from the trainer"
     assert not status["faults"], f"a fault-free job reported faults: {status['faults']}"
 
 
