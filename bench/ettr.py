@@ -13,6 +13,15 @@ On one embedded stack it runs the reference job
     trainer_idle_s, idle replicas, CPU load delaying heartbeats) that must produce no fault,
   * one fault of every kind, for detection delays against their thresholds,
 and writes one JSON file. ETTR and recovery times come from each job's event log only.
+
+    python bench/ettr.py --launcher ray --out bench/results/ettr-ray.json [--steps 30] [--quick]
+
+runs instead, on a three-node Ray cluster started on this machine (head + 2 workers on
+127.0.0.2/.3, ``robustrl.launcher.ray_cluster``), the same job with a trainer crash every 10 steps
+under the local launcher and under the Ray launcher (role_local, then whole_job unless
+``--quick``), one role_local run on Ray where a worker node is killed mid-job (its raylet and
+everything on it, SIGKILL) followed by the auditor, and the time one launcher ``start`` takes
+(local process vs Ray actor + process).
 """
 
 from __future__ import annotations
@@ -196,14 +205,135 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+RAY_INSTANCE = "bench-ettr"
+
+
+def _ray_spec(spec_base: dict[str, Any], policy: str, launcher: str) -> dict[str, Any]:
+    # Half a CPU per member: a gang and both replicas fit one 2-CPU worker after a node loss.
+    return {**spec_base, "name": f"ettr-{launcher}-{policy}".replace("_", "-"),
+            "recovery": {**spec_base["recovery"], "policy": policy},
+            "trainer": {**spec_base["trainer"], "resources": {"cpus": 0.5}},
+            "rollout": {**spec_base["rollout"], "resources": {"cpus": 0.5}, "placement": {"anti_affinity": "preferred"}}}
+
+
+def start_times(cluster: Any, log_dir: Path, n: int = 5) -> dict[str, Any]:
+    """Seconds one ``Launcher.start`` takes: a local process vs a Ray actor that starts the process."""
+    from robustrl.launcher.base import MemberSpec, Resources
+    from robustrl.launcher.local import LocalLauncher
+    from robustrl.launcher.ray import RayLauncher
+
+    out: dict[str, Any] = {}
+    for name, launcher in (("local", LocalLauncher(log_dir / "local", base_env=dict(os.environ))),
+                           ("ray", RayLauncher(cluster.address, log_dir / "ray", base_env=dict(os.environ),
+                                               instance="bench-start"))):
+        took = []
+        try:
+            for i in range(n):
+                spec = MemberSpec("s", f"s--m{i}", "rollout", "http.server", args=("0", "--bind", "127.0.0.1"),
+                                  resources=Resources(cpus=0.1))
+                t0 = time.perf_counter()
+                launcher.start(spec)
+                took.append(time.perf_counter() - t0)
+        finally:
+            launcher.close()
+        out[name] = {"median_s": round(statistics.median(took), 4), "max_s": round(max(took), 4), "n": n}
+    return out
+
+
+async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
+    from robustrl.audit import audit
+    from robustrl.launcher.ray_cluster import LocalRayCluster
+
+    spec_base = reference_job(steps=args.steps, seed=args.seed).model_dump(mode="json")
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                               "job": {"steps": args.steps, "tool_latency_s": spec_base["tools"]["latency_s"]},
+                               "cluster": "head (0 CPUs) + 2 workers (2 CPUs each) on 127.0.0.1-3, one machine"}
+    with tempfile.TemporaryDirectory(prefix="rr-ettr-", dir="/tmp") as tmp:
+        cluster = LocalRayCluster(Path(tmp) / "ray", workers=2, worker_cpus=2).start()
+        try:
+            results["member_start"] = start_times(cluster, Path(tmp) / "start")
+            print(f"member start: {results['member_start']}", flush=True)
+            policies = ("role_local",) if args.quick else ("role_local", "whole_job")
+            for launcher in ("local", "ray"):
+                env = {"ROBUSTRL_LAUNCHER": launcher}
+                if launcher == "ray":
+                    env |= {"ROBUSTRL_RAY_ADDRESS": cluster.address, "ROBUSTRL_LAUNCHER_INSTANCE": RAY_INSTANCE}
+                with Stack(Path(tmp) / f"stack-{launcher}", extra_env=env) as stack:
+                    assert stack.settings
+                    api = ApiClient(stack.api_url, stack.settings.api_token)
+                    for policy in policies:
+                        results[f"{launcher}_{policy}"] = await run_one(
+                            stack, api, _ray_spec(spec_base, policy, launcher), trainer_scenario(args.seed),
+                            f"{launcher} {policy} (trainer faults)")
+                    if launcher == "ray":
+                        results["ray_node_loss"] = await _node_loss_run(stack, api, cluster, spec_base, audit)
+                    api.close()
+        finally:
+            cluster.stop()
+            results["ray_processes_left"] = cluster.leftovers()
+    s = results["summary"] = {
+        "local_role_local_ettr": results["local_role_local"]["ettr"],
+        "ray_role_local_ettr": results["ray_role_local"]["ettr"],
+        "ettr_gap_ray_vs_local": round(results["ray_role_local"]["ettr"] - results["local_role_local"]["ettr"], 4),
+        "member_start_median_s": {k: v["median_s"] for k, v in results["member_start"].items()},
+        "node_loss": {k: results["ray_node_loss"][k] for k in ("ettr", "status", "node_lost_at_step",
+                                                               "recovery_s", "audit_ok", "episodes_lost")},
+    }
+    if not args.quick:
+        s["ray_whole_job_ettr"] = results["ray_whole_job"]["ettr"]
+        s["local_whole_job_ettr"] = results["local_whole_job"]["ettr"]
+    return results
+
+
+async def _node_loss_run(stack: Stack, api: ApiClient, cluster: Any, spec_base: dict[str, Any],
+                         audit: Any) -> dict[str, Any]:
+    """role_local on Ray, no injected fault: the worker node running trainer rank 0 is killed when
+    the job is half done; then the auditor reads the raw stores."""
+    import ray
+
+    assert stack.settings
+    lost: dict[str, Any] = {}
+
+    def kill_half_way(status: dict[str, Any]) -> None:
+        if lost or status["committed_step"] < args_steps // 2:
+            return
+        rank0 = next((m for m in status["members"] if m["role"] == "trainer" and m["index"] == 0
+                      and m["state"] not in ("exited", "stopped", "dead")), None)
+        if rank0 is None:
+            return
+        actor = ray.get_actor(f"{RAY_INSTANCE}:{status['job_id']}--{rank0['member_id']}", namespace="robustrl")
+        ip = ray.get(actor.info.remote(), timeout=10)["node_ip"]
+        lost.update({"node": ip, "at_step": status["committed_step"], "at": time.time()})
+        cluster.kill_node(1 + cluster.node_ips.index(ip))
+        print(f"killed node {ip} at step {status['committed_step']}", flush=True)
+
+    args_steps = int(spec_base["steps"])
+    t0 = time.time()
+    report = await run_job(stack.settings, api, _ray_spec(spec_base, "role_local", "ray"), None,
+                           step_time_s=3.5, timeout_s=1200, on_status=kill_half_way)
+    out = summarize(report)
+    verdict = await audit(stack.settings, report["job_id"]) if "job_id" in report else None
+    node_faults = [f for f in out["faults"] if f["recovery_s"] is not None]
+    out.update({"node_lost": lost.get("node"), "node_lost_at_step": lost.get("at_step"),
+                "recovery_s": max((f["recovery_s"] for f in node_faults), default=None),
+                "audit_ok": None if verdict is None else verdict.ok,
+                "episodes_lost": None if verdict is None else verdict.episodes_lost,
+                "audit_violations": [] if verdict is None else verdict.violations()[:20]})
+    print(f"ray node loss: ETTR {out['ettr']:.3f} recovery {out['recovery_s']} audit ok {out['audit_ok']} "
+          f"({time.time() - t0:.0f}s)", flush=True)
+    return out
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/ettr.json"))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="Only the three trainer-fault runs.")
+    parser.add_argument("--launcher", choices=("local", "ray"), default="local",
+                        help="ray: local vs Ray launcher on a 3-node Ray cluster on this machine (module docstring).")
     args = parser.parse_args()
-    res = asyncio.run(main(args))
+    res = asyncio.run(main_ray(args) if args.launcher == "ray" else main(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
     print(json.dumps(res["summary"], indent=2))
