@@ -55,10 +55,13 @@ class CampaignFault:
         return asdict(self)
 
 
-def catalog(exclude: tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """Every (kind, role) pair the scenario format accepts, minus ``exclude`` ("kind/role" or "kind")."""
+def catalog(exclude: tuple[str, ...] = (), testbed: bool = False) -> list[tuple[str, str]]:
+    """Every (kind, role) pair the scenario format accepts, minus ``exclude`` ("kind/role" or "kind");
+    the kinds that need a testbed (``partition``) only with ``testbed``."""
     pairs = []
     for kind in scenario.KINDS:
+        if kind in scenario.TESTBED_KINDS and not testbed:
+            continue
         for role in scenario.ROLES:
             if kind in exclude or f"{kind}/{role}" in exclude:
                 continue

@@ -65,6 +65,8 @@ _FAULT_KEYS = {"kind", "role", "member", "at_step", "every", "start", "within_st
 HOST_RE = re.compile(r"h\d{1,3}|gw")
 """A testbed host name (``h0``...) or ``gw`` (the infra and control plane behind the gateway)."""
 NETWORK_ROLES = ("trainer", "rollout")
+TESTBED_KINDS = ("partition",)
+"""Kinds that act on testbed links only (refused on a stack without a testbed)."""
 _TOP_KEYS = {"name", "seed", "policy", "job", "faults"}
 
 
