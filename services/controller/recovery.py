@@ -48,7 +48,7 @@ SERVICE_RESUME_ATTEMPT_S = 2.0
 
 @dataclass
 class GangStart:
-    """Where the ranks of a new gang came from, and the rollout slots it borrowed."""
+    """Where the ranks of a new gang came from, and the rollout slots it borrowed (restocked)."""
 
     sources: list[str]
     borrowed_slots: list[int]
@@ -178,16 +178,21 @@ class RecoveryExecutor:
         for mid in old:
             job.members[mid].state = "dead"
         rec = self._begin(job, fault, "trainer", set(old))
-        # Slots borrowed by a gang whose recovery this one supersedes still need their replacement.
-        active = {(job.job_id, r.fault_id) for r in job.recoveries}
-        owed = [slot for key in [k for k in self._gangs if k[0] == job.job_id and k not in active]
-                for slot in self._gangs.pop(key).borrowed_slots]
+        for key in [k for k in self._gangs if k[0] == job.job_id]:
+            if key[1] not in {r.fault_id for r in job.recoveries}:
+                del self._gangs[key]  # a recovery this one supersedes
         borrowed = await self._drain(job, fault, action.borrowed)
         new = await self.c.starter.start_gang(job, borrowed)
         sources = ["borrowed" if r in borrowed else
                    "spare" if self.c.launcher.was_warm(lid(job, mid)) else "cold" for r, mid in enumerate(new)]
-        self._gangs[(job.job_id, fault.fault_id)] = GangStart(
-            sources, owed + [job.members[b].index for b in borrowed.values() if b in job.members])
+        slots = [job.members[b].index for b in borrowed.values() if b in job.members]
+        self._gangs[(job.job_id, fault.fault_id)] = GangStart(sources, slots)
+        if slots:
+            # Restock at once: a borrowed rank needs little CPU to join (no imports, no model
+            # build), and faults can come faster than a cold replica starts (tried: restocking
+            # once the gang was ready, a fault 10 steps later found the replacements still
+            # loading and the next gang started cold).
+            self.c.spawn(self._replace_borrowed(job, {slot: job.slot_incarnation.get(slot, 0) for slot in slots}))
         rec.waiting_for = {new[0]}
         await self.c.persist(job)
 
@@ -210,12 +215,15 @@ class RecoveryExecutor:
                                for mid in taken.values()))
         return taken
 
-    async def _replace_borrowed(self, job: JobRun, slots: list[int]) -> None:
-        """The pool returns to its size: one new incarnation per borrowed slot, started once the
-        gang is ready (so its imports do not compete with the recovery for the CPU)."""
-        for slot in slots:
+    async def _replace_borrowed(self, job: JobRun, slots: dict[int, int]) -> None:
+        """The pool returns to its size: one new incarnation per borrowed slot (slot -> the
+        borrowed incarnation), started in the background while the borrowed ranks join their gang.
+        A slot restarted meanwhile (a whole-job restart) is left alone."""
+        for slot, borrowed_inc in slots.items():
             if job.done:
                 return
+            if job.slot_incarnation.get(slot, 0) != borrowed_inc:
+                continue
             mid = await self.c.starter.start_replica(job, slot)
             if job.done:  # the job ended while it started: stop_job may not have seen it
                 await asyncio.to_thread(self.c.launcher.stop, lid(job, mid), 1.0)
@@ -243,7 +251,7 @@ class RecoveryExecutor:
             job.members[mid].state = "dead"
         job.recoveries.clear()  # a whole-job restart supersedes any local recovery in progress
         for key in [k for k in self._gangs if k[0] == job.job_id]:
-            del self._gangs[key]  # every replica slot gets a new incarnation below
+            del self._gangs[key]  # superseded
         rec = self._begin(job, fault, "whole_job", set(ids))
         gang, replicas = await self.c.starter.start_all(job)
         rec.waiting_for = {gang[0], *replicas}
@@ -306,8 +314,7 @@ class RecoveryExecutor:
                                              "recovery_s": recovery_s if recovery_s is not None else took}
             await self.c.event(job, "recovered", {"fault_id": rec.fault_id, "role": rec.role,
                                                   "kind": rec.kind, "took_s": took, **extra})
-            if gang is not None and gang.borrowed_slots:
-                self.c.spawn(self._replace_borrowed(job, gang.borrowed_slots))
+
             if rec.kind in ("trainer", "whole_job"):
                 # Steps that were committed but not durable are redone by the new gang.
                 redone = max(0, rec.committed_at_fault - job.durable_step)
