@@ -221,6 +221,24 @@ def test_plan_borrows_nothing_in_sync_unless_allowed_nor_when_denied_or_impossib
     sources, why = plan_gang(_view(can_borrow=False), _rec())
     assert sources == () and "in place" in why  # e.g. the Docker launcher
     assert plan_gang(_view(), _rec(standby_order=["cold"]))[0] == ()
+    sources, why = plan_gang(_view(replica_fits_trainer=False), _rec())
+    assert sources == () and "resources" in why
+
+
+def test_a_replica_fits_a_trainer_rank_only_if_it_reserves_as_much():
+    from robustrl.services.controller.jobs import JobRun
+    from robustrl.services.controller.view import replica_fits_trainer
+
+    from robustrl.config import JobSpec
+
+    def fits(rollout: dict[str, Any], trainer: dict[str, Any]) -> bool:
+        spec = JobSpec.parse({"rollout": {"resources": rollout}, "trainer": {"resources": trainer}})
+        return replica_fits_trainer(JobRun("j", spec))
+
+    assert fits({}, {})  # nothing reserved (the local launcher): any replica fits
+    assert not fits({"gpus": 0.5}, {"gpus": 1.0})
+    assert fits({"gpus": 1.0, "cpus": 4.0}, {"gpus": 1.0, "cpus": 2.0})
+    assert not fits({}, {"cpus": 2.0}) and not fits({"memory_mb": 1024}, {"memory_mb": 2048})
 
 
 @pytest.mark.parametrize(("knobs", "field"), [

@@ -88,6 +88,8 @@ class JobView:
         spares_ready: warm spare processes the launcher holds now.
         borrowable: current rollout replicas that hold weights and may be borrowed, best first.
         can_borrow: whether the launcher can switch a process's role in place.
+        replica_fits_trainer: whether a rollout replica's reservation covers a trainer rank's
+            (``resources`` of both roles; nothing reserved fits anything).
     """
 
     job_id: str
@@ -105,6 +107,7 @@ class JobView:
     spares_ready: int = 0
     borrowable: tuple[str, ...] = ()
     can_borrow: bool = False
+    replica_fits_trainer: bool = True
 
     @property
     def control_plane_ok(self) -> bool:
@@ -325,6 +328,8 @@ def may_borrow(job: JobView, spec: RecoverySpec) -> str | None:
         return "sync mode has no spare rollout capacity (recovery.borrow=overlapped)"
     if not job.can_borrow:
         return "the launcher cannot switch a process's role in place"
+    if not job.replica_fits_trainer:
+        return "a rollout replica reserves less than a trainer rank needs (rollout/trainer resources)"
     return None
 
 

@@ -29,4 +29,16 @@ def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False) -> de
         control_plane_lost=frozenset(job.services_lost), live_members=frozenset(live),
         rollout_replicas=job.spec.rollout.replicas, mode=job.spec.mode,
         trainer_workers=job.spec.trainer.workers, spares_ready=spares_ready,
-        borrowable=tuple(m.member_id for m in borrowable), can_borrow=can_borrow)
+        borrowable=tuple(m.member_id for m in borrowable), can_borrow=can_borrow,
+        replica_fits_trainer=replica_fits_trainer(job))
+
+
+def replica_fits_trainer(job: JobRun) -> bool:
+    """Whether a rollout replica's reservation covers a trainer rank's: GPUs, and CPUs and memory
+    where the trainer reserves them (replicas are homogeneous, so one answer holds for all)."""
+    r, t = job.spec.rollout.resources, job.spec.trainer.resources
+    if r.gpus < t.gpus:
+        return False
+    if t.cpus is not None and (r.cpus is None or r.cpus < t.cpus):
+        return False
+    return t.memory_mb is None or (r.memory_mb is not None and r.memory_mb >= t.memory_mb)
