@@ -1,0 +1,97 @@
+"""Run by ``tests/test_vllm_engine.py`` under the vLLM environment's Python (``.venv-vllm``).
+
+Drives the real ``VllmEngine`` on the small HF directory and writes what it saw as JSON: greedy
+and seeded generations, the stop on the tool-call marker, logprobs, the token counter, abort of
+in-flight requests, and in-place weight loads through vLLM's weight transfer (the ``robustrl``
+plugin). vLLM spawns its engine process, hence the ``__main__`` guard.
+
+    python tests/vllm_probe.py MODEL_DIR OUT.json
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import threading
+import time
+
+
+def main(model_dir: str, out: str) -> None:
+    import torch
+
+    from robustrl.config import ModelSpec
+    from robustrl.model.engine import GenerationAborted, GenRequest
+    from robustrl.model.engines.vllm import VllmEngine
+    from robustrl.model.hf import ChatTokenizer
+    from robustrl.model.policy import build_policy, weights_checksum
+
+    res: dict[str, object] = {}
+    tok = ChatTokenizer(model_dir)
+    t0 = time.monotonic()
+    engine = VllmEngine(model_dir, tok, max_batch=8, max_model_len=512, seed=0)
+    res["start_s"] = time.monotonic() - t0
+    prompt = tok.prompt_ids("lookup abc:", "lookup")
+
+    def greedy(n: int = 8, stop: bool = False) -> object:
+        return engine.generate([GenRequest("g", prompt, n, temperature=0.0, stop_on_call=stop)])[0]
+
+    g = greedy()
+    res["greedy"] = g.token_ids
+    res["greedy_reason"] = g.stop_reason
+    k = next(i for i in range(2, 8) if g.token_ids[i] not in g.token_ids[:i])
+    engine.tokenizer = copy.copy(tok)
+    engine.tokenizer.call_id = g.token_ids[k]  # a token this random model does emit, as the marker
+    m = greedy(stop=True)
+    res["marker_k"] = k
+    res["marked"] = m.token_ids
+    res["marked_reason"] = m.stop_reason
+    engine.tokenizer = tok
+
+    before = engine.tokens_generated
+    reqs = [GenRequest(f"s{i}", prompt, 12, temperature=1.0, top_p=0.9, seed=100 + i, stop_on_call=True)
+            for i in range(6)]
+    counted: list[int] = []
+    sampled = engine.generate(reqs, on_token=counted.append)
+    again = engine.generate(reqs[:2])
+    res["sampled"] = [r.token_ids for r in sampled]
+    res["sampled_logprobs"] = [r.logprobs for r in sampled]
+    res["sampled_again"] = [r.token_ids for r in again]
+    res["counter_delta"] = engine.tokens_generated - before
+    res["on_token_sum"] = sum(counted)
+
+    # Abort of in-flight requests: a long turn, aborted from another thread.
+    long = [GenRequest("long", prompt, 400, temperature=1.0, seed=7, stop_on_call=False)]
+    timer = threading.Timer(0.5, engine.abort)
+    timer.start()
+    t1 = time.monotonic()
+    try:
+        engine.generate(long)
+        res["aborted"] = False
+    except GenerationAborted:
+        res["aborted"] = True
+    res["abort_s"] = time.monotonic() - t1
+    res["after_abort"] = greedy().token_ids  # the engine still serves
+
+    # In place: other weights through the weight-transfer plugin, then the original ones back.
+    model = build_policy(ModelSpec(path=model_dir), tok, 0)
+    original = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        other = {n: t + 0.05 * torch.randn_like(t) for n, t in original.items()}
+    t2 = time.monotonic()
+    res["other_loaded"] = engine.load_weights(other, 1)
+    res["load_s"] = time.monotonic() - t2
+    res["other_checksum"] = weights_checksum(other)
+    res["greedy_other"] = greedy().token_ids
+    res["original_loaded"] = engine.load_weights(original, 2)
+    res["original_checksum"] = weights_checksum(original)
+    res["greedy_restored"] = greedy().token_ids
+    res["weight_bytes"] = sum(t.numel() * t.element_size() for t in original.values())
+    engine.close()
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
