@@ -64,7 +64,7 @@ def measure(kind: str, model_dir: str, n_prompts: int, n_tokens: int, rounds: in
     for _ in range(rounds):
         first: list[float] = []
         t = time.monotonic()
-        out = engine.generate(reqs, on_token=lambda n, t=t: first or first.append(time.monotonic() - t))
+        out = engine.generate(reqs, on_token=lambda n, t=t, first=first: first or first.append(time.monotonic() - t))
         wall = time.monotonic() - t
         tokens = sum(len(r.token_ids) for r in out)
         best_tps = max(best_tps, tokens / wall)
@@ -122,7 +122,7 @@ def main() -> None:
                 continue
             run = subprocess.run([python, __file__, "--child", kind, "--model", model_dir, "--prompts",
                                   str(args.prompts), "--tokens", str(args.tokens), "--rounds", str(args.rounds)],
-                                 capture_output=True, text=True, timeout=1800)
+                                 check=False, capture_output=True, text=True, timeout=1800)
             lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
             if run.returncode != 0 or not lines:
                 results[kind] = {"error": (run.stderr or run.stdout)[-1500:]}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -34,6 +35,7 @@ from robustrl.errors import ConfigError, WeightSyncError
 from robustrl.model.engine import GenerationAborted, GenRequest, GenResult, StopReason
 from robustrl.model.engines.base import Engine
 
+log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
 LOAD_TIMEOUT_S = 300.0
 _POLL_S = 0.05
@@ -157,9 +159,7 @@ class VllmEngine(Engine):
         reason: StopReason = "length"
         if ids and ids[-1] == self.tokenizer.call_id and r.stop_on_call:
             reason = "tool_call"
-        elif ids and ids[-1] == self.tokenizer.eot_id:
-            reason = "eot"
-        elif finish == "stop":
+        elif (ids and ids[-1] == self.tokenizer.eot_id) or finish == "stop":
             reason = "eot"
         return GenResult(r.request_id, ids, lps, reason)
 
@@ -208,7 +208,7 @@ class VllmEngine(Engine):
         from robustrl.weights.flat import flatten_state_dict
 
         checksum = weights_checksum(state)
-        tag = version if version >= 0 else 0
+        tag = max(version, 0)
         buffer, manifest = flatten_state_dict(state, tag, self.chunk_bytes)
         try:
             self._call(self._swap(manifest, buffer, checksum), LOAD_TIMEOUT_S)
@@ -239,11 +239,11 @@ class VllmEngine(Engine):
         self._closed = True
         try:
             self._call(self.server.close(), 10.0)
-        except Exception:
-            pass
+        except Exception as exc:  # noqa: BLE001 - closing: report and go on
+            log.warning("closing the vLLM engine's weight server: %r", exc)
         try:
             self.llm.shutdown()
-        except Exception:
-            pass
+        except Exception as exc:  # noqa: BLE001 - closing: report and go on
+            log.warning("shutting vLLM down: %r", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5.0)

@@ -97,7 +97,7 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
 
         async def fetch() -> tuple[Any, Any]:
             manifest = await fetch_manifest(info.sources, info.version, info.digest, transport=info.transport)
-            buffer, stats = await pull(manifest, info.sources, transport=info.transport, timeout_s=info.timeout_s)
+            buffer, _stats = await pull(manifest, info.sources, transport=info.transport, timeout_s=info.timeout_s)
             return manifest, buffer
 
         # collective_rpc runs in the engine core's thread; the pull gets an event loop of its own.
@@ -106,7 +106,7 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
         def run() -> None:
             try:
                 box["out"] = asyncio.run(fetch())
-            except BaseException as exc:  # handed to the calling thread below
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread below
                 box["err"] = exc
 
         t = threading.Thread(target=run, name="robustrl-weight-pull")
