@@ -215,10 +215,12 @@ class _Index:
         if not (add_h or rm_h or add_p or rm_p):
             return False
         becomes_complete = len(source.have) + len(add_h) - len(rm_h) >= self.n
-        if becomes_complete and not source.complete:
-            before = self._covered(source)  # all of its cover goes (once per source and version)
-        else:
-            before = {c for c in (*add_h, *rm_h, *add_p, *rm_p) if self._covers(source, c)}
+        # A source that turns complete stops covering anything (relays' chunks are not left to
+        # it); one that stops being complete (it dropped a chunk or the version) covers all it
+        # holds or fetches again, and offers every chunk it holds as a relay.
+        flips = becomes_complete != source.complete
+        changed = (*add_h, *rm_h, *add_p, *rm_p)
+        before = self._covered(source) if flips else {c for c in changed if self._covers(source, c)}
         for c in add_h:
             self.holders[c] += 1
         for c in rm_h:
@@ -232,9 +234,9 @@ class _Index:
         source.pending.update(add_p)
         source.pending.difference_update(rm_p)
         source.complete = becomes_complete
-        after = {c for c in (*add_h, *rm_h, *add_p, *rm_p) if self._covers(source, c)}
+        after = self._covered(source) if flips else {c for c in changed if self._covers(source, c)}
         self._recover(before, after)
-        for c in add_h:
+        for c in (source.have if flips and not becomes_complete else add_h):
             self._push(source, c)
         self._refresh_holders(rm_h)
         return True
