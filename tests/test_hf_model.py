@@ -123,6 +123,30 @@ def test_torch_engine_on_the_hf_model_stops_on_the_marker_and_loads_in_place(hf_
         == greedy.token_ids
 
 
+def test_torch_engine_abort_ends_the_generation_in_flight(hf_dir: Path) -> None:
+    import threading
+
+    from robustrl.model.engine import GenerationAborted
+
+    tok = ChatTokenizer(hf_dir)
+    engine = GenerationEngine(build_policy(ModelSpec(path=str(hf_dir)), tok, 0), tok, max_batch=2)
+    prompt = tok.prompt_ids("reverse abc:", None)
+    produced: list[int] = []
+
+    def on_token(n: int) -> None:
+        produced.append(n)
+        if len(produced) == 3:  # in flight: abort from another thread, as the replica would
+            t = threading.Thread(target=engine.abort)
+            t.start()
+            t.join()
+
+    with pytest.raises(GenerationAborted):
+        engine.generate([GenRequest("long", prompt, 400, stop_on_call=False)], on_token=on_token)
+    assert len(produced) == 3  # stopped before the next decode step, not at the length limit
+    # The next call is not aborted (abort ends what is in flight, nothing later).
+    assert len(engine.generate([GenRequest("next", prompt, 4, stop_on_call=False)])[0].token_ids) == 4
+
+
 def test_a_job_trains_the_hf_model_through_trainer_rm_and_replicas(stack, api, infra, hf_dir: Path) -> None:
     """Two steps of GRPO on the HF directory: the request manager renders the chat template, the
     replicas generate with the torch engine, the trainer gang trains and publishes, the replicas
