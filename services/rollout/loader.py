@@ -247,11 +247,17 @@ class WeightLoader:
         """The announced version's manifest: inline, or fetched from a source and checked against
         the announced digest. Retried with back-off while no source serves it (the trainer may be
         restarting); past the pull attempts' time together the replica reports it and gives up
-        (None). A re-announcement starts a new follow."""
+        (None). A re-announcement (maybe with new sources) starts the clock again, also one that
+        arrives while the replica is reporting that it gave up (it would find the follow still
+        running and only wake it: it was lost)."""
         if ann.manifest is not None:
             return ann.manifest
         retry_s = RETRY_S
         while True:
+            target = self.announcements.target
+            if target is not None and target is not ann and (target.version, target.checksum) == (
+                    ann.version, ann.checksum):
+                ann, started, retry_s = target, time.monotonic(), RETRY_S
             try:
                 return await fetch_manifest(self._sources(ann, avoid), ann.version, ann.manifest_digest,
                                             transport=self.cfg.transport,
@@ -262,7 +268,10 @@ class WeightLoader:
                     await self._reject(ann, str(getattr(exc, "reason", "unavailable")), error=str(exc), final=True,
                                        waited_s=round(time.monotonic() - started, 3))
                     await self._set(loading=False, failed=True)
-                    return None
+                    now = self.announcements.target
+                    if now is ann or now is None or (now.version, now.checksum) != (ann.version, ann.checksum):
+                        return None
+                    continue  # re-announced meanwhile: try its sources
             await self._wait_sources(retry_s)
             retry_s = min(2 * retry_s, MAX_RETRY_S)
 
