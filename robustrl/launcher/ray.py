@@ -32,7 +32,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +124,7 @@ class RayLauncher(Launcher):
         self.bind_node_ip = bind_node_ip
         self.place_timeout_s = place_timeout_s
         self._members: dict[str, _Member] = {}
-        self._pending: dict[str, _Member] = {}  # rank-0 actors created by rendezvous, not started yet
+        self._pending: dict[str, _Member] = {}  # actors of a gang created by rendezvous (by actor name)
         self._placing: dict[str, _Member] = {}  # node reservations of members being started
         self._gangs: dict[str, _Gang] = {}
         self._lock = threading.RLock()
@@ -157,8 +157,14 @@ class RayLauncher(Launcher):
             raise LaunchError(f"cannot join the Ray cluster at ray_address {self.address}: {exc}",
                               field="ray_address") from exc
 
-    def _actor_name(self, member_id: str) -> str:
-        return f"{self.instance}:{member_id}"
+    def _actor_name(self, spec: MemberSpec) -> str:
+        """``<instance>:<member>``; a gang rank's actor is named by its gang and rank
+        (``<instance>:<gang>/r<rank>``): ``rendezvous`` creates it before the rank's member id is
+        started, together with its peers."""
+        p = spec.placement
+        if p.gang is not None:
+            return f"{self.instance}:{p.gang}/r{p.gang_rank}"
+        return f"{self.instance}:{spec.member_id}"
 
     # --- placement ---------------------------------------------------------------------------
 
@@ -189,7 +195,7 @@ class RayLauncher(Launcher):
 
         r, p = spec.resources, spec.placement
         opts: dict[str, Any] = {
-            "name": self._actor_name(spec.member_id), "namespace": self.namespace, "lifetime": "detached",
+            "name": self._actor_name(spec), "namespace": self.namespace, "lifetime": "detached",
             "max_restarts": 0, "max_task_retries": 0, "max_concurrency": 8,
             "num_cpus": self.default_cpus if r.cpus is None else r.cpus, "num_gpus": r.gpus}
         if r.memory_mb:
@@ -275,8 +281,14 @@ class RayLauncher(Launcher):
         return gang
 
     def _drop_gang(self, gang_id: str) -> None:
+        """Remove the gang's placement group (Ray ends the actors in it) and forget its ranks'
+        actors that were never started."""
         with self._lock:
             gang = self._gangs.pop(gang_id, None)
+            unused = [n for n, m in self._pending.items() if m.spec.placement.gang == gang_id]
+            unused_members = [self._pending.pop(n) for n in unused]
+        for m in unused_members:
+            self._kill_actor(m)
         if gang is not None:
             try:
                 self.ray.util.remove_placement_group(gang.pg)
@@ -294,21 +306,34 @@ class RayLauncher(Launcher):
         return _Member(spec, opts["name"], actor)
 
     def rendezvous(self, spec: MemberSpec) -> tuple[str, int]:
-        """Place rank 0 (``spec``) first and pick MASTER_ADDR / MASTER_PORT on its node."""
+        """Place the gang of rank 0 (``spec``) and pick MASTER_ADDR / MASTER_PORT on rank 0's node.
+
+        Every rank's actor is created here at once, in its bundle (``start`` then only launches
+        its process): starting a gang costs one actor start, not one per rank. That matters
+        because the controller handles an exit, and starts the new gang, before it polls again."""
         check_spec(spec)
-        m = self._create(spec)
+        p = spec.placement
+        ranks = [spec] if p.gang is None else [
+            replace(spec, placement=replace(p, gang_rank=r)) for r in range(p.gang_size)]
+        created: list[_Member] = []
         try:
-            where = self.ray.get(m.actor.where.remote(), timeout=self.place_timeout_s)
-        except self._errors as exc:
-            self._kill_actor(m)
-            if spec.placement.gang:
-                self._drop_gang(spec.placement.gang)
-            raise LaunchError(f"cannot place {spec.member_id} (rank 0) within {self.place_timeout_s:g} s: {exc}",
+            for r in ranks:
+                created.append(self._create(r))
+            answers = self.ray.get([m.actor.where.remote() for m in created], timeout=self.place_timeout_s)
+        except (LaunchError, *self._errors) as exc:
+            for m in created:
+                self._kill_actor(m)
+            if p.gang:
+                self._drop_gang(p.gang)
+            if isinstance(exc, LaunchError):
+                raise
+            raise LaunchError(f"cannot place the gang of {spec.member_id} within {self.place_timeout_s:g} s: {exc}",
                               member=spec.member_id, field="resources") from exc
-        m.node_id, m.node_ip = where["node_id"], where["node_ip"]
         with self._lock:
-            self._pending[spec.member_id] = m
-        return str(where["node_ip"]), int(where["port"])
+            for m, where in zip(created, answers, strict=True):
+                m.node_id, m.node_ip = where["node_id"], where["node_ip"]
+                self._pending[m.name] = m
+        return str(answers[0]["node_ip"]), int(answers[0]["port"])
 
     def start(self, spec: MemberSpec) -> None:
         check_spec(spec)
@@ -318,7 +343,7 @@ class RayLauncher(Launcher):
             old = self._members.get(spec.member_id)
             if old is not None and not old.reported and old.state is not MemberState.EXITED:
                 raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
-            m = self._pending.pop(spec.member_id, None)
+            m = self._pending.pop(self._actor_name(spec), None)
         try:
             self._start(spec, m)
         finally:
@@ -352,7 +377,8 @@ class RayLauncher(Launcher):
 
     def host_for(self, member_id: str) -> str:
         """The node address of the member (or of a rank 0 placed by ``rendezvous``)."""
-        m = self._members.get(member_id) or self._pending.get(member_id)
+        m = self._members.get(member_id) or next(
+            (p for p in list(self._pending.values()) if p.spec.member_id == member_id), None)
         if m is not None and m.node_ip:
             return m.node_ip
         return super().host_for(member_id)
