@@ -148,13 +148,22 @@ def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+BASELINE_S = 10.0
+"""Pool token rate before a fault is taken over this long: generation here comes in bursts between
+1 s tool calls, so a window as short as a borrowed recovery (~1 s) lands on a burst or a tool wait
+and says more about the phase than the rate (both are recorded)."""
+
+
 def throughput(tap: TokenTap, job_id: str, window: list[float]) -> dict[str, float]:
-    """Pool tokens/s during ``window`` and during as long just before it."""
+    """Pool tokens/s during ``window``, over ``BASELINE_S`` before it, and over as long as the
+    window just before it."""
     a, b = window
     span = max(0.25, b - a)
     during = (tap.tokens_at(job_id, a + span) - tap.tokens_at(job_id, a)) / span
-    before = (tap.tokens_at(job_id, a) - tap.tokens_at(job_id, a - span)) / span
-    return {"before_tok_s": round(before, 1), "during_tok_s": round(during, 1), "span_s": round(span, 3)}
+    before = (tap.tokens_at(job_id, a) - tap.tokens_at(job_id, a - BASELINE_S)) / BASELINE_S
+    same_span = (tap.tokens_at(job_id, a) - tap.tokens_at(job_id, a - span)) / span
+    return {"before_tok_s": round(before, 1), "during_tok_s": round(during, 1), "span_s": round(span, 3),
+            "baseline_s": BASELINE_S, "before_same_span_tok_s": round(same_span, 1)}
 
 
 async def run(stack: Stack, api: ApiClient, tap: TokenTap, spec: dict[str, Any], scenario: Scenario | None,
@@ -194,10 +203,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     borrowed = recs("semi_sync", "borrowed") + recs("async", "borrowed")
     cold_same_mode = recs("async_cold", "cold") if "async_cold" in results["modes"] else []
     cold_all = cold_same_mode + recs("sync", "cold")
-    def tp_ratio(source: str | None) -> float | None:
+    def tp_ratio(source: str | None, baseline: str = "before_tok_s") -> float | None:
         tps = [r["throughput"] for run_ in results["modes"]["async"]["faulted_runs"] for r in run_["recoveries"]
                if source is None or r["source"] == source]
-        before = sum(t["before_tok_s"] * t["span_s"] for t in tps)
+        before = sum(t[baseline] * t["span_s"] for t in tps)
         during = sum(t["during_tok_s"] * t["span_s"] for t in tps)
         return round(during / before, 3) if before > 0 else None
 
@@ -206,6 +215,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
          "standby_vs_cold_recovery_ratio": (round(statistics.median(borrowed) / statistics.median(cold_all), 3)
                                             if borrowed and cold_all else None),
          "throughput_during_recovery_ratio": tp_ratio(None),
+         "throughput_during_recovery_ratio_vs_same_span_before": tp_ratio(None, "before_same_span_tok_s"),
          "throughput_during_recovery_ratio_by_source": {src: tp_ratio(src) for src in ("borrowed", "cold", "spare")},
          "ettr_faulted": {m: results["modes"][m]["faulted"]["ettr"] for m in results["modes"]},
          "ettr_faulted_to_last_commit": {m: results["modes"][m]["faulted"]["ettr_to_last_commit"]

@@ -255,3 +255,21 @@ def test_bad_standby_knobs_are_a_config_error_naming_the_field(knobs, field):
     with pytest.raises(ConfigError) as err:
         JobSpec.parse({"recovery": knobs})
     assert err.value.field == field
+
+
+def test_a_launcher_without_in_place_switching_refuses_to_borrow_with_its_reason():
+    from robustrl.errors import LaunchError
+    from robustrl.launcher.base import Launcher, MemberSpec
+    from robustrl.launcher.docker import DockerLauncher
+    from robustrl.launcher.local import LocalLauncher
+
+    # Docker (and Ray) inherit the refusal: a container or actor runs one fixed command per member.
+    assert DockerLauncher.relabel is Launcher.relabel and DockerLauncher.can_relabel is Launcher.can_relabel
+    assert LocalLauncher.can_relabel is not Launcher.can_relabel
+
+    class Bare(Launcher):
+        start = stop = kill = suspend = resume = poll = state = pid = lambda *a, **k: None  # type: ignore[assignment]
+
+    with pytest.raises(LaunchError, match="cannot switch member j--rollout-0-i0 to another role in place"):
+        Bare().relabel("j--rollout-0-i0", MemberSpec("j", "j--trainer-e2-r0", "trainer", "m"))
+    assert Bare().can_relabel() is False
