@@ -90,6 +90,7 @@ class JobView:
         can_borrow: whether the launcher can switch a process's role in place.
         replica_fits_trainer: whether a rollout replica's reservation covers a trainer rank's
             (``resources`` of both roles; nothing reserved fits anything).
+        rollout_engine: the replicas' engine (only a torch engine holds the model in-process).
     """
 
     job_id: str
@@ -108,6 +109,7 @@ class JobView:
     borrowable: tuple[str, ...] = ()
     can_borrow: bool = False
     replica_fits_trainer: bool = True
+    rollout_engine: str = "torch"
 
     @property
     def control_plane_ok(self) -> bool:
@@ -328,6 +330,9 @@ def may_borrow(job: JobView, spec: RecoverySpec) -> str | None:
         return "sync mode has no spare rollout capacity (recovery.borrow=overlapped)"
     if not job.can_borrow:
         return "the launcher cannot switch a process's role in place"
+    if job.rollout_engine != "torch":
+        return (f"a {job.rollout_engine} replica's model lives in its engine's own process and "
+                "environment, not in the replica process (rollout.engine)")
     if not job.replica_fits_trainer:
         return "a rollout replica reserves less than a trainer rank needs (rollout/trainer resources)"
     return None

@@ -30,7 +30,7 @@ def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False) -> de
         rollout_replicas=job.spec.rollout.replicas, mode=job.spec.mode,
         trainer_workers=job.spec.trainer.workers, spares_ready=spares_ready,
         borrowable=tuple(m.member_id for m in borrowable), can_borrow=can_borrow,
-        replica_fits_trainer=replica_fits_trainer(job))
+        replica_fits_trainer=replica_fits_trainer(job), rollout_engine=job.spec.rollout.engine)
 
 
 def replica_fits_trainer(job: JobRun) -> bool:
