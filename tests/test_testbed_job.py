@@ -175,10 +175,13 @@ def test_a_job_runs_across_testbed_hosts(testbed: Testbed, stack: Stack, api: Ap
     # partial announcements went out when each pull began, and the replicas pulled from each other
     assert {m.member_id for m in seen if not m.complete} == {"rollout-0-i0", "rollout-1-i0"}
     # the trainer gang sent about one copy of each version in all (two copies without the split;
-    # measured 22-24 of 22 chunks per version for the two replicas)
+    # measured 22-24 of 22 chunks per version for the two replicas). Not v0: the replicas start
+    # pulling it when each is up, often not at the same moment (34 of 22 seen under load).
     per_version: dict[int, list[dict]] = {}
     for d in kinds(events, "weights_loaded"):
-        per_version.setdefault(d["version"], []).append(d)
+        if d["version"] >= 1:
+            per_version.setdefault(d["version"], []).append(d)
+    assert sorted(per_version) == [1, 2]
     for version, loads in per_version.items():
         from_trainer = sum(d["origin_chunks"] for d in loads)
         assert from_trainer <= 1.5 * loads[0]["chunks"], f"v{version}: {from_trainer} chunks from the trainer"
