@@ -249,12 +249,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), sharey=True)
     for ax, mode in zip(axes, modes, strict=True):
         r = results["modes"][mode]
-        for i, run_ in enumerate(r["fault_free_runs"]):
+        # the cold baseline (async, borrow=never) is drawn against async's fault-free seeds
+        free = r["fault_free_runs"] or results["modes"].get(r["mode"], {}).get("fault_free_runs", [])
+        for i, run_ in enumerate(free):
             ax.plot(run_["reward_by_step"], color="tab:blue", alpha=0.45, label="fault-free (seeds)" if i == 0 else None)
         for i, run_ in enumerate(r["faulted_runs"]):
             ax.plot(run_["reward_by_step"], color="tab:red", lw=2,
                     label="trainer fault every 10 steps" if i == 0 else None)
-        ax.set_title(f"{mode} (ETTR faulted {r['faulted']['ettr']:.2f})")
+        knobs = "".join(f", {k}={v}" for k, v in r.get("recovery", {}).items())
+        sources = "/".join(sorted({x["source"] for run_ in r["faulted_runs"] for x in run_.get("recoveries", [])}))
+        ax.set_title(f"{r['mode']}{knobs}: ETTR faulted {r['faulted']['ettr']:.2f} ({sources})", fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("mean reward")
@@ -311,7 +315,11 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", type=int, default=3, help="Seeds of the fault-free spread (>= 3).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="20 steps; faulted runs on the first seed only.")
+    parser.add_argument("--plot-only", action="store_true", help="Redraw the PNG from an existing --out JSON.")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        sys.exit(0)
     res = asyncio.run(main(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # The shape at the top level: {mode: {fault_free, faulted}, ratios}.
