@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -301,7 +302,8 @@ async def _node_loss_run(stack: Stack, api: ApiClient, cluster: Any, spec_base: 
                       and m["state"] not in ("exited", "stopped", "dead")), None)
         if rank0 is None:
             return
-        actor = ray.get_actor(f"{RAY_INSTANCE}:{status['job_id']}--{rank0['member_id']}", namespace="robustrl")
+        gang_rank = re.sub(r"-r([0-9]+)$", r"/r\1", rank0["member_id"])  # the launcher's actor name
+        actor = ray.get_actor(f"{RAY_INSTANCE}:{status['job_id']}--{gang_rank}", namespace="robustrl")
         ip = ray.get(actor.info.remote(), timeout=10)["node_ip"]
         lost.update({"node": ip, "at_step": status["committed_step"], "at": time.time()})
         cluster.kill_node(1 + cluster.node_ips.index(ip))
