@@ -22,10 +22,10 @@ from jobs import TERMINAL, kinds, small_job, wait_done, wait_step
 from support import eventually
 
 from robustrl.audit import audit_job
-from robustrl.messages import MetricsSample, decode
+from robustrl.messages import MetricsSample, TurnResult, decode
 from robustrl.rl import grpo
 from robustrl.rl.tasks import Prompt, Turn
-from robustrl.subjects import Verb, wildcard
+from robustrl.subjects import Verb, subject, wildcard
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -121,7 +121,7 @@ def test_borrowed_replicas_become_trainer_ranks_and_the_pool_is_restocked(api, i
 def test_async_job_keeps_generating_during_a_trainer_recovery(api, infra):
     spec = small_job("asyncgen", steps=9, mode="async", staleness=2, rollout={"replicas": 3})
     jid = api.submit(spec)["job_id"]
-    with BusObserver(infra.nats_url, [wildcard(jid, Verb.METRICS)]) as obs:
+    with BusObserver(infra.nats_url, [wildcard(jid, Verb.METRICS), subject(jid, Verb.TURN)]) as obs:
         wait_step(api, jid, 2)
         api.fault(jid, kind="crash", role="trainer", member=1)
         wait_done(api, jid)
@@ -132,7 +132,13 @@ def test_async_job_keeps_generating_during_a_trainer_recovery(api, infra):
     # Tokens decoded by the replicas that were not borrowed, from their raw metrics samples.
     borrowed = {d["member_id"] for d in kinds(events, "replica_borrowed")}
     per_member: dict[str, list[tuple[float, int]]] = {}
+    turns = [decode(TurnResult, data, subj) for _, subj, data in obs.seen if subj.endswith(".turn")]
+    assert turns, "no turn observed"
+    # Every generated turn carries its behaviour version and one logprob per token.
+    assert all(t.weights_version >= 0 and len(t.logprobs) == len(t.token_ids) for t in turns)
     for t, subj, data in obs.seen:
+        if subj.endswith(".turn"):
+            continue
         m = decode(MetricsSample, data, subj)
         if m.role == "rollout" and m.member_id not in borrowed:
             per_member.setdefault(m.member_id, []).append((t, m.tokens_total))
