@@ -316,7 +316,7 @@ async def _node_loss_run(stack: Stack, api: ApiClient, cluster: Any, spec_base: 
     out = summarize(report)
     verdict = await audit(stack.settings, report["job_id"]) if "job_id" in report else None
     node_faults = [f for f in out["faults"] if f["recovery_s"] is not None]
-    out.update({"node_lost": lost.get("node"), "node_lost_at_step": lost.get("at_step"),
+    out.update({"error": report.get("error"), "node_lost": lost.get("node"), "node_lost_at_step": lost.get("at_step"),
                 "recovery_s": max((f["recovery_s"] for f in node_faults), default=None),
                 "audit_ok": None if verdict is None else verdict.ok,
                 "episodes_lost": None if verdict is None else verdict.episodes_lost,
