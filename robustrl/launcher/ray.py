@@ -82,6 +82,7 @@ class _Member:
     tail: str = ""
     cause: str | None = None
     rc: int | None = None
+    released: bool = False  # its actor killed and its gang updated (resources free)
 
 
 @dataclass
@@ -430,6 +431,8 @@ class RayLauncher(Launcher):
                 self._kill_actor(m)
             m.state = MemberState.STOPPED
         self._wait_done(members, EXIT_WAIT_S)
+        for m in members:
+            self._reap(m)
 
     def kill(self, member_id: str, expected: bool = False) -> None:
         self.kill_many([member_id], expected)
@@ -442,6 +445,7 @@ class RayLauncher(Launcher):
         self._wait_done(members, EXIT_WAIT_S)
         for m in members:
             m.state = MemberState.EXITED
+            self._reap(m)
 
     def suspend(self, member_id: str) -> None:
         members = self._live([member_id])
@@ -495,7 +499,15 @@ class RayLauncher(Launcher):
         return out
 
     def _reap(self, m: _Member) -> None:
-        """Free an ended member's actor, and its gang's placement group once every rank ended."""
+        """Free an ended member's actor, and its gang's placement group once every rank ended.
+
+        Also called right after a kill or stop, before ``poll`` reports the exit: the controller
+        starts replacements before it polls again, and they must find the CPUs free (holding them
+        until the next poll made a whole-job restart wait for its own resources)."""
+        with self._lock:
+            if m.released:
+                return
+            m.released = True
         self._kill_actor(m)
         gang_id = m.spec.placement.gang
         if gang_id is None:
