@@ -51,7 +51,8 @@ class GangStart:
     """Where the ranks of a new gang came from, and the rollout slots it borrowed (restocked)."""
 
     sources: list[str]
-    borrowed_slots: list[int]
+    borrowed_slots: dict[int, int]
+    """slot -> the incarnation borrowed from it (restocked unless the slot was restarted since)."""
 
     @property
     def source(self) -> str:
@@ -178,21 +179,20 @@ class RecoveryExecutor:
         for mid in old:
             job.members[mid].state = "dead"
         rec = self._begin(job, fault, "trainer", set(old))
+        # Slots borrowed by a gang whose recovery this one supersedes still owe their replacement.
+        owed: dict[int, int] = {}
         for key in [k for k in self._gangs if k[0] == job.job_id]:
             if key[1] not in {r.fault_id for r in job.recoveries}:
-                del self._gangs[key]  # a recovery this one supersedes
+                owed.update(self._gangs.pop(key).borrowed_slots)
         borrowed = await self._drain(job, fault, action.borrowed)
         new = await self.c.starter.start_gang(job, borrowed)
         sources = ["borrowed" if r in borrowed else
                    "spare" if self.c.launcher.was_warm(lid(job, mid)) else "cold" for r, mid in enumerate(new)]
-        slots = [job.members[b].index for b in borrowed.values() if b in job.members]
-        self._gangs[(job.job_id, fault.fault_id)] = GangStart(sources, slots)
-        if slots:
-            # Restock at once: a borrowed rank needs little CPU to join (no imports, no model
-            # build), and faults can come faster than a cold replica starts (tried: restocking
-            # once the gang was ready, a fault 10 steps later found the replacements still
-            # loading and the next gang started cold).
-            self.c.spawn(self._replace_borrowed(job, {slot: job.slot_incarnation.get(slot, 0) for slot in slots}))
+        slots = {job.members[b].index: job.members[b].epoch for b in borrowed.values() if b in job.members}
+        # Restocked once the gang is ready (``progress``): a borrowed recovery takes about a second,
+        # and the replacements' cold imports would otherwise take the CPU from the replicas still
+        # generating and from the gang forming (on a cluster a replacement gets its own machine).
+        self._gangs[(job.job_id, fault.fault_id)] = GangStart(sources, {**owed, **slots})
         rec.waiting_for = {new[0]}
         await self.c.persist(job)
 
@@ -217,8 +217,8 @@ class RecoveryExecutor:
 
     async def _replace_borrowed(self, job: JobRun, slots: dict[int, int]) -> None:
         """The pool returns to its size: one new incarnation per borrowed slot (slot -> the
-        borrowed incarnation), started in the background while the borrowed ranks join their gang.
-        A slot restarted meanwhile (a whole-job restart) is left alone."""
+        borrowed incarnation), started in the background once the gang is ready. A slot restarted
+        meanwhile (a whole-job restart) is left alone."""
         for slot, borrowed_inc in slots.items():
             if job.done:
                 return
@@ -314,12 +314,13 @@ class RecoveryExecutor:
                                              "recovery_s": recovery_s if recovery_s is not None else took}
             await self.c.event(job, "recovered", {"fault_id": rec.fault_id, "role": rec.role,
                                                   "kind": rec.kind, "took_s": took, **extra})
-
             if rec.kind in ("trainer", "whole_job"):
                 # Steps that were committed but not durable are redone by the new gang.
                 redone = max(0, rec.committed_at_fault - job.durable_step)
                 await self.c.event(job, "work_lost", {"fault_id": rec.fault_id, "tokens": 0,
                                                       "steps_redone": redone})
+            if gang is not None and gang.borrowed_slots:
+                self.c.spawn(self._replace_borrowed(job, gang.borrowed_slots))
             if not job.recoveries and job.status == "recovering":
                 job.status = "running"
             await self.c.persist(job)
