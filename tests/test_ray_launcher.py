@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import tempfile
 import time
@@ -54,6 +55,7 @@ def cluster() -> Iterator[LocalRayCluster]:
     finally:
         c.stop()
         left = c.leftovers()
+        shutil.rmtree(c.temp_dir, ignore_errors=True)
         assert left == [], f"Ray processes left after teardown: {left}"
 
 
