@@ -22,7 +22,8 @@ from jobs import TERMINAL, kinds, small_job, wait_done, wait_step
 from support import eventually
 
 from robustrl.audit import audit_job
-from robustrl.messages import MetricsSample, TurnResult, decode
+from robustrl.bus import Bus
+from robustrl.messages import MetricsSample, TurnResult, WeightsHave, decode
 from robustrl.rl import grpo
 from robustrl.rl.tasks import Prompt, Turn
 from robustrl.subjects import Verb, subject, wildcard
@@ -67,6 +68,15 @@ class BusObserver:
         self._thread.join(10)
 
 
+async def _publish_have(url: str, job_id: str, member_id: str) -> None:
+    bus = await Bus.connect(url, "test-ghost-have")
+    try:
+        await bus.publish(subject(job_id, Verb.HAVE, member_id), WeightsHave(
+            job_id=job_id, member_id=member_id, version=10_000, address="127.0.0.1:9", checksum="x"))
+    finally:  # close drains: the HAVE has left
+        await bus.close()
+
+
 def _ts(events: list[dict[str, Any]], kind: str) -> list[tuple[float, dict[str, Any]]]:
     return [(e["ts"], e["data"]) for e in events if e["kind"] == kind]
 
@@ -88,7 +98,13 @@ def test_borrowed_replicas_become_trainer_ranks_and_the_pool_is_restocked(api, i
         eventually(lambda: restocked() or api.job(jid)["status"] in TERMINAL, timeout=120, interval=0.25,
                    what="both borrowed slots restocked and loaded")
         assert restocked(), "the job ended before the pool was back to its size"
+        # A late, complete HAVE in a borrowed replica's name (a pull that finished as it was
+        # drained) must not bring it back into the pool; the job goes on for steps after it.
+        ghost = next(d["member_id"] for d in kinds(api.events(jid), "replica_borrowed"))
+        asyncio.run(_publish_have(infra.nats_url, jid, ghost))
         wait_done(api, jid)
+    states = {m["member_id"]: m["state"] for m in api.job(jid)["members"]}
+    assert states[ghost] == "dead", states
     events = api.events(jid)
     audit_job(infra, jid)
 
@@ -131,6 +147,9 @@ def test_async_job_keeps_generating_during_a_trainer_recovery(api, infra):
     done = min(ts for ts, d in _ts(events, "recovered") if d["kind"] == "trainer")
     # Tokens decoded by the replicas that were not borrowed, from their raw metrics samples.
     borrowed = {d["member_id"] for d in kinds(events, "replica_borrowed")}
+    # The recovery under test is the borrowed one (a cold gang would leave every replica generating).
+    assert borrowed, "no replica was borrowed"
+    assert [d["source"] for d in kinds(events, "recovered") if d["kind"] == "trainer"][:1] == ["borrowed"]
     per_member: dict[str, list[tuple[float, int]]] = {}
     turns = [decode(TurnResult, data, subj) for _, subj, data in obs.seen if subj.endswith(".turn")]
     assert turns, "no turn observed"

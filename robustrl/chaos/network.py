@@ -37,6 +37,23 @@ class NetworkFaults:
         """Host names as the testbed spells them; ConfigError naming a host it does not have."""
         return [GATEWAY if h == GATEWAY else self.testbed.host(h).name for h in hosts]
 
+    def check(self, kind: str, host: str, against: Sequence[str] = ()) -> tuple[str, list[str]]:
+        """Validate a fault before anything is done or logged: ``host`` and the hosts it is cut
+        from, as the testbed spells them. Raises ConfigError (see ``inject``)."""
+        if kind not in NETWORK_KINDS:
+            raise ConfigError(f"{kind!r} is not a network fault ({', '.join(NETWORK_KINDS)})", field="kind")
+        name = self.testbed.host(host).name
+        if kind == "net_drop":
+            if against:
+                raise ConfigError("net_drop cuts the host from everyone: 'against' is for partition",
+                                  field="against")
+            return name, []
+        other = self.check_hosts(against) if against else \
+            [*(h.name for h in self.testbed.hosts if h.name != name), GATEWAY]
+        if name in other:
+            raise ConfigError(f"{name} cannot be partitioned from itself", field="against")
+        return name, other
+
     def inject(self, kind: str, host: str, duration_s: float = 0.0,
                against: Sequence[str] = ()) -> dict[str, Any]:
         """Cut (``net_drop``) or partition ``host``; returns the fault as the testbed records it.
@@ -44,20 +61,11 @@ class NetworkFaults:
         Raises:
             ConfigError: an unknown kind or host, or ``host`` also in ``against``.
         """
-        if kind not in NETWORK_KINDS:
-            raise ConfigError(f"{kind!r} is not a network fault ({', '.join(NETWORK_KINDS)})", field="kind")
+        name, other = self.check(kind, host, against)
         with self._lock:
-            name = self.testbed.host(host).name
             if kind == "net_drop":
-                if against:
-                    raise ConfigError("net_drop cuts the host from everyone: 'against' is for partition",
-                                      field="against")
                 self.testbed.cut(name, CutMode.DROP)
             else:
-                other = self.check_hosts(against) if against else \
-                    [*(h.name for h in self.testbed.hosts if h.name != name), GATEWAY]
-                if name in other:
-                    raise ConfigError(f"{name} cannot be partitioned from itself", field="against")
                 self.testbed.partition([name], other)
             fault = dict(self.testbed.faults[-1])
         if duration_s > 0:

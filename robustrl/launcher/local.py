@@ -256,14 +256,15 @@ class LocalLauncher(Launcher):
             new = self._members.get(spec.member_id)
             if new is not None and new.proc.poll() is None:
                 raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
-            env = {**self.base_env, **spec.env, HANDOFF_ENV: str(self.log_dir)}
+            # The rank stays on the replica's host: it binds there, as a member started on it would.
+            placed = self._placed(dataclasses.replace(spec, host=m.spec.host)) if m.spec.host else spec
+            env = {**self.base_env, **placed.env, HANDOFF_ENV: str(self.log_dir)}
             try:
                 write_handoff(self.log_dir, m.proc.pid, env, str(self.log_dir / f"{spec.member_id}.log"))
             except OSError as exc:
                 raise LaunchError(f"cannot hand {member_id} over to {spec.member_id}: {exc}",
                                   member=member_id) from exc
             del self._members[member_id]
-            placed = dataclasses.replace(spec, host=m.spec.host)
             self._members[spec.member_id] = _Member(placed, m.proc, MemberState.RUNNING, warm=True)
             try:
                 os.kill(m.proc.pid, HANDOFF_SIGNAL)

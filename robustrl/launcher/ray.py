@@ -362,6 +362,13 @@ class RayLauncher(Launcher):
                                 timeout=self.place_timeout_s)
         except self._errors as exc:
             self._kill_actor(m)
+            gang = spec.placement.gang
+            with self._lock:
+                started = bool(gang and gang in self._gangs and self._gangs[gang].members)
+            if gang and not started:
+                # No rank of this gang runs: its placement group and the other ranks' actors
+                # (made by rendezvous) would otherwise hold the gang's resources for good.
+                self._drop_gang(gang)
             r = spec.resources
             raise LaunchError(
                 f"cannot start {spec.member_id} on the Ray cluster within {self.place_timeout_s:g} s "

@@ -74,6 +74,8 @@ class ChaosInjector:
             mid = "request_manager"
         else:
             mid = self.resolve(job, req.role, req.member)
+        if req.against and req.kind != "partition":
+            raise JobError(f"'against' is for partition only, not {req.kind}", field="against")
         host = self._network_host(job, req, mid)
         # The injection is logged before it is carried out: a crash is detected within
         # milliseconds, and the detection must not precede its cause in the log.
@@ -108,8 +110,8 @@ class ChaosInjector:
             if req.kind == "partition":
                 raise JobError(f"a partition acts on testbed links, and {mid} runs on no testbed host", field="kind")
             return None  # net_drop without a testbed: the member closes its NATS connection
-        try:
-            self.network.check_hosts(req.against)  # type: ignore[union-attr]
-        except ConfigError as exc:
-            raise JobError(f"{req.kind} against {req.against}: {exc.message}", field="against") from exc
+        try:  # every refusal before the fault is logged as injected
+            self.network.check(req.kind, str(host), req.against)  # type: ignore[union-attr]
+        except (ConfigError, TestbedError) as exc:
+            raise JobError(f"{req.kind} on {host} against {req.against}: {exc}", field="against") from exc
         return str(host)

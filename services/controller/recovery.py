@@ -185,7 +185,14 @@ class RecoveryExecutor:
             if key[1] not in {r.fault_id for r in job.recoveries}:
                 owed.update(self._gangs.pop(key).borrowed_slots)
         borrowed = await self._drain(job, fault, action.borrowed)
-        new = await self.c.starter.start_gang(job, borrowed)
+        try:
+            new = await self.c.starter.start_gang(job, borrowed)
+        except BaseException:
+            # A drained replica is 'dead' to every later stop (whole-job restart, stop_job, adopt):
+            # one the gang start never switched would run on untracked. Those switched already
+            # run under their trainer ids and are gone from these launcher ids (kill is a no-op).
+            await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, mid) for mid in borrowed.values()], True)
+            raise
         sources = ["borrowed" if r in borrowed else
                    "spare" if self.c.launcher.was_warm(lid(job, mid)) else "cold" for r, mid in enumerate(new)]
         slots = {job.members[b].index: job.members[b].epoch for b in borrowed.values() if b in job.members}
@@ -220,16 +227,23 @@ class RecoveryExecutor:
         borrowed incarnation), started in the background once the gang is ready. A slot restarted
         meanwhile (a whole-job restart) is left alone."""
         for slot, borrowed_inc in slots.items():
-            if job.done:
-                return
-            if job.slot_incarnation.get(slot, 0) != borrowed_inc:
-                continue
-            mid = await self.c.starter.start_replica(job, slot)
-            if job.done:  # the job ended while it started: stop_job may not have seen it
-                await asyncio.to_thread(self.c.launcher.stop, lid(job, mid), 1.0)
-                return
-            await self.c.event(job, "replica_restocked", {"member_id": mid, "slot": slot})
-        await self.c.persist(job)
+            # Under the recovery lock: a whole-job restart carried out meanwhile restarts every
+            # slot itself, and must not find a restocked incarnation it does not know of.
+            async with self.lock:
+                if job.done:
+                    return
+                if job.slot_incarnation.get(slot, 0) != borrowed_inc:
+                    continue
+                try:
+                    mid = await self.c.starter.start_replica(job, slot)
+                except Exception:  # the other slots are still owed theirs
+                    log.exception("job %s: restocking rollout slot %d failed", job.job_id, slot)
+                    continue
+                if job.done:  # the job ended while it started: stop_job may not have seen it
+                    await asyncio.to_thread(self.c.launcher.stop, lid(job, mid), 1.0)
+                    return
+                await self.c.event(job, "replica_restocked", {"member_id": mid, "slot": slot})
+                await self.c.persist(job)
 
     async def _replace_replica(self, job: JobRun, fault: FaultReport, member_id: str) -> None:
         old = job.members.get(member_id)

@@ -456,6 +456,8 @@ class Controller:
         if not msg.complete or not job or msg.member_id not in job.members or not self.leading:
             return  # a partial announcement is a pull under way, not a replica ready at that version
         m = job.members[msg.member_id]
+        if m.state in ("dead", "exited", "stopped") or not job.is_current(m.member_id):
+            return  # a late HAVE of a replaced or borrowed replica must not bring it back to the pool
         m.weights_version = msg.version
         m.state = "ready"
         if msg.version >= job.weights_version:

@@ -30,7 +30,7 @@ import torch
 from robustrl.config import Settings
 from robustrl.member import Identity, Member
 from robustrl.messages import GenerateTurn, MetricsSample, TurnResult, WeightsAnnounce, WeightsHave, decode
-from robustrl.model.engine import GenRequest
+from robustrl.model.engine import GenerationAborted, GenRequest
 from robustrl.model.engines import make_engine
 from robustrl.services.rollout.loader import WeightLoader
 from robustrl.services.rollout.standby import StandbyHook, become_trainer
@@ -114,6 +114,10 @@ class Replica:
             # A late joiner or replacement: pull the current version from any relay.
             self.loader.offer(decode(WeightsAnnounce, latest))
         await self.member.stopping.wait()
+        if self.standby.handoff is not None:
+            # The model is about to train: the batch being decoded on it ends now (its turns were
+            # re-dispatched when the replica was drained).
+            self.engine.abort()
         with self._swap_lock:  # the engine thread takes no more weights: release a waiting install
             if self._pending is not None:
                 self._pending.swapped.set()
@@ -238,7 +242,12 @@ class Replica:
             # In flight before the chaos gate: a stalled replica holding work must look busy.
             self.member.inflight = len(ready)
             self.member.chaos.gate()
-            self._run_batch(ready)
+            try:
+                self._run_batch(ready)
+            except GenerationAborted:
+                if self.member.stopping.is_set():
+                    return  # borrowed or stopping: the request manager re-dispatches these turns
+                raise
             self.member.inflight = 0
 
     def _on_token(self, n: int) -> None:
@@ -255,7 +264,8 @@ class Replica:
         t0 = time.monotonic()
         reqs = [GenRequest(m.request_id, m.prefix_ids, m.max_new_tokens, m.temperature, m.top_p, m.seed,
                            m.stop_on_call) for m in batch]
-        results = self.engine.generate(reqs, on_token=self._on_token)
+        results = self.engine.generate(reqs, on_token=self._on_token,
+                                       should_abort=lambda: self.standby.handoff is not None)
         dt = time.monotonic() - t0
         version = self.version
         for m, r in zip(batch, results, strict=True):

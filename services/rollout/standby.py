@@ -83,6 +83,11 @@ def become_trainer(handoff: Handoff, model: torch.nn.Module, engine_thread: thre
     """Run the rest of this process as the trainer rank ``handoff`` names (blocks until it ends)."""
     if engine_thread is not None:
         engine_thread.join(ENGINE_JOIN_S)
+        if engine_thread.is_alive():
+            # Still decoding on the model (stalled, or deaf to the abort): training on the same
+            # module would race it. Exit instead; the controller sees the rank exit and recovers.
+            log.error("the engine thread did not stop within %.0f s: not switching role", ENGINE_JOIN_S)
+            os._exit(1)
     if handoff.log:
         redirect_output(handoff.log)
     # torch.distributed's env:// rendezvous reads MASTER_ADDR / MASTER_PORT from the environment.
