@@ -163,6 +163,12 @@ def test_a_job_runs_across_testbed_hosts(testbed: Testbed, stack: Stack, api: Ap
         assert sum("robustrl.services.trainer" in c for c in placed["h0"]) == 2  # the gang, on one host
         assert sum("robustrl.services.rollout" in c for c in placed["h1"]) == 1
         assert sum("robustrl.services.rollout" in c for c in placed["h2"]) == 1
+        # Network faults the testbed would refuse are refused before anything is logged as injected.
+        for bad in ({"kind": "partition", "against": ["h1"]},   # rollout-0 runs on h1: not from itself
+                    {"kind": "net_drop", "against": ["h2"]},    # against is for partition only
+                    {"kind": "crash", "against": ["h2"]}):
+            with pytest.raises(JobError, match=r"-> 4\d\d"):
+                api.fault(job_id, role="rollout", member=0, **bad)
         status = wait_done(api, job_id, timeout=120)
         seen = [m for m in haves.pump() if m.job_id == job_id]
     assert status["committed_step"] == 2
@@ -186,6 +192,7 @@ def test_a_job_runs_across_testbed_hosts(testbed: Testbed, stack: Stack, api: Ap
         from_trainer = sum(d["origin_chunks"] for d in loads)
         assert from_trainer <= 1.5 * loads[0]["chunks"], f"v{version}: {from_trainer} chunks from the trainer"
     assert not status["faults"], f"a fault-free job reported faults: {status['faults']}"
+    assert not kinds(events, "fault_injected"), "a refused network fault was logged as injected"
 
 
 @needs_testbed
