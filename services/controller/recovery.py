@@ -217,10 +217,19 @@ class RecoveryExecutor:
             job.members[mid].state = "dead"  # no longer a rollout member: faults about it are stale
             await self.c.event(job, "replica_borrowed", {"fault_id": fault.fault_id, "member_id": mid,
                                                          "rank": rank, "epoch": job.epoch + 1})
-        await asyncio.gather(*(self.c.control_rm(job, "replica_dead", {"member_id": mid, "fault_id": fault.fault_id,
-                                                                        "reason": "borrowed"})
-                               for mid in taken.values()))
-        return taken
+        acked = await asyncio.gather(*(self.c.control_rm(job, "replica_dead", {"member_id": mid,
+                                                                               "fault_id": fault.fault_id,
+                                                                               "reason": "borrowed"})
+                                       for mid in taken.values()))
+        # A replica the request manager did not hear is gone from the pool may still be sent
+        # turns: it must not train on the same model. It is killed (the request manager learns of
+        # it as of any dead replica: resume's replicas_dead, turn deadlines) and its rank starts.
+        unheard = [r for r, ok in zip(taken, acked, strict=True) if not ok]
+        if unheard:
+            await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, taken[r]) for r in unheard], True)
+            self.c.spawn(self._replace_borrowed(job, {job.members[taken[r]].index: job.members[taken[r]].epoch
+                                                      for r in unheard}))
+        return {r: mid for r, mid in taken.items() if r not in unheard}
 
     async def _replace_borrowed(self, job: JobRun, slots: dict[int, int]) -> None:
         """The pool returns to its size: one new incarnation per borrowed slot (slot -> the
