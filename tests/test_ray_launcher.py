@@ -191,12 +191,14 @@ def _live(status: dict[str, Any], role: str) -> list[dict[str, Any]]:
 
 
 def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_restart(
-        cluster: LocalRayCluster, infra: Settings, tmp_path: Path) -> None:
+        cluster: LocalRayCluster, tmp_path: Path) -> None:
     from robustrl.audit import audit_job
     from robustrl.client import ApiClient
     from robustrl.stack import Stack
 
-    stack = Stack(tmp_path / "stack", external=infra, extra_env={
+    # Its own servers: on the session's, the session stack's controller (started by earlier
+    # tests) holds the controller lease in the same Redis, and this one would only stand by.
+    stack = Stack(tmp_path / "stack", extra_env={
         "ROBUSTRL_LAUNCHER": "ray", "ROBUSTRL_RAY_ADDRESS": cluster.address, "ROBUSTRL_LAUNCHER_INSTANCE": INSTANCE})
     stack.start()
     api = ApiClient(stack.api_url, stack.settings.api_token)  # type: ignore[union-attr]
@@ -255,7 +257,8 @@ def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_
         print(f"job finished at {time.monotonic() - t0:.1f} s")
         assert len(kinds(api.events(job_id), "member_started")) == n_started  # nobody restarted
         assert status["committed_step"] == STEPS - 1
-        report = audit_job(infra, job_id)
+        assert stack.settings is not None
+        report = audit_job(stack.settings, job_id)
         assert report.episodes_lost == 0 and report.steps_trained_twice == 0
     finally:
         api.close()
