@@ -10,6 +10,7 @@ import abc
 import enum
 import logging
 import math
+import os
 import re
 import socket
 import time
@@ -104,6 +105,24 @@ def check_spec(spec: MemberSpec) -> None:
     if p.gang is not None and not (isinstance(p.gang_size, int) and p.gang_size >= 1
                                    and isinstance(p.gang_rank, int) and 0 <= p.gang_rank < p.gang_size):
         raise bad("placement.gang_rank", f"must be in [0, gang_size={p.gang_size!r}), got {p.gang_rank!r}")
+
+
+TAIL_BYTES = 64 * 1024
+"""How much of the end of a member's log ``log_tail`` reads."""
+
+
+def log_tail(path: str | None, lines: int) -> str:
+    """The last ``lines`` lines of the log at ``path`` ("" without one, or unreadable)."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - TAIL_BYTES))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -45,6 +45,7 @@ from robustrl.launcher.base import (
     Placement,
     Resources,
     check_spec,
+    log_tail,
 )
 from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, write_handoff
 from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
@@ -57,7 +58,6 @@ ADOPTED_WAIT_POLL_S = 0.02
 """Polling period while waiting for an adopted process to end (it is not our child: no waitpid)."""
 START_TIME_TOLERANCE_S = 0.05
 _GONE = -1  # what _Adopted.poll() returns once the process is gone (its real code is unknown)
-TAIL_BYTES = 64 * 1024
 
 
 class _Adopted:
@@ -410,15 +410,7 @@ class LocalLauncher(Launcher):
         return True
 
     def log_tail(self, member_id: str, lines: int = 20) -> str:
-        path = self.log_dir / f"{member_id}.log"
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - TAIL_BYTES))
-                data = f.read()
-        except OSError:
-            return ""
-        return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+        return log_tail(str(self.log_dir / f"{member_id}.log"), lines)
 
     def was_warm(self, member_id: str) -> bool:
         m = self._members.get(member_id)

@@ -23,8 +23,9 @@ import threading
 import time
 from typing import Any
 
+from robustrl.launcher.base import log_tail
+
 PR_SET_PDEATHSIG = 1
-TAIL_BYTES = 64 * 1024
 LAUNCH_TIMEOUT_S = 30.0
 """How long ``launch`` waits for the member process to exist (fork + exec)."""
 
@@ -49,17 +50,6 @@ def _node() -> tuple[str, str]:
     return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
 
-def _tail(path: str | None, lines: int) -> str:
-    if not path:
-        return ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - TAIL_BYTES))
-            data = f.read()
-    except OSError:
-        return ""
-    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
 
 
 class MemberProcess:
@@ -132,7 +122,7 @@ class MemberProcess:
     def wait(self) -> tuple[int | None, str]:
         """Block until the member exits; its return code and the last lines of its log."""
         self._done.wait()
-        return self.returncode, _tail(self._log, 40)
+        return self.returncode, log_tail(self._log, 40)
 
     def signal(self, sig: int) -> bool:
         """Signal the member's process group; False if it is not running."""
@@ -158,4 +148,4 @@ class MemberProcess:
                 "node_ip": ip, "node_id": node_id}
 
     def tail(self, lines: int) -> str:
-        return _tail(self._log, lines)
+        return log_tail(self._log, lines)
