@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, Self, TypeVar
+
+import nats
 
 T = TypeVar("T")
 
@@ -69,3 +72,40 @@ async def eventually_async(fn: Callable[[], T | Awaitable[T]], *, timeout: float
         if time.monotonic() >= deadline:
             raise _fail(what, timeout, last) from last_exc
         await asyncio.sleep(interval)
+
+
+class BusObserver:
+    """Records every message on some subjects of a job, with its arrival time, from a thread of
+    its own (a raw view of the bus: what was really sent, not what a service says it sent)."""
+
+    def __init__(self, url: str, subjects: list[str]) -> None:
+        self.url, self.subjects = url, subjects
+        self.seen: list[tuple[float, str, bytes]] = []
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        nc = await nats.connect(self.url)
+
+        async def record(msg: Any) -> None:
+            self.seen.append((time.time(), msg.subject, msg.data))
+
+        for s in self.subjects:
+            await nc.subscribe(s, cb=record)
+        await nc.flush()
+        self._ready.set()
+        await self._stop.wait()
+        await nc.close()
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        assert self._ready.wait(10), "observer did not connect"
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        assert self._loop and self._stop
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
-import time
-from typing import Any, Self
+from typing import Any
 
-import nats
 import pytest
 import torch
 from jobs import TERMINAL, kinds, small_job, wait_done, wait_step
-from support import eventually
+from support import BusObserver, eventually
 
 from robustrl.audit import audit_job
 from robustrl.bus import Bus
@@ -29,43 +26,6 @@ from robustrl.rl.tasks import Prompt, Turn
 from robustrl.subjects import Verb, subject, wildcard
 
 pytestmark = pytest.mark.timeout(240)
-
-
-class BusObserver:
-    """Records every message on some subjects of a job, with its arrival time, from a thread of
-    its own (a raw view of the bus: what was really sent, not what a service says it sent)."""
-
-    def __init__(self, url: str, subjects: list[str]) -> None:
-        self.url, self.subjects = url, subjects
-        self.seen: list[tuple[float, str, bytes]] = []
-        self._ready = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-
-    async def _run(self) -> None:
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        nc = await nats.connect(self.url)
-
-        async def record(msg: Any) -> None:
-            self.seen.append((time.time(), msg.subject, msg.data))
-
-        for s in self.subjects:
-            await nc.subscribe(s, cb=record)
-        await nc.flush()
-        self._ready.set()
-        await self._stop.wait()
-        await nc.close()
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        assert self._ready.wait(10), "observer did not connect"
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        assert self._loop and self._stop
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
 
 
 async def _publish_have(url: str, job_id: str, member_id: str) -> None:

@@ -11,7 +11,6 @@ Skipped, with the reason, where the testbed cannot run (not root, no ip/tc)."""
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import sys
 import time
@@ -23,14 +22,13 @@ import pytest
 import yaml
 from jobs import kinds, small_job, wait_done
 from pydantic import ValidationError
-from support import eventually
+from support import BusObserver, eventually
 
-from robustrl.bus import Bus
 from robustrl.chaos.scenario import Faults, parse_scenario, plan
 from robustrl.client import ApiClient
 from robustrl.errors import ConfigError, JobError, ScenarioError, TestbedUnavailable
 from robustrl.launcher.base import MemberSpec
-from robustrl.messages import ChaosRequest, WeightsHave
+from robustrl.messages import ChaosRequest, WeightsHave, decode
 from robustrl.stack import Stack
 from robustrl.subjects import Verb, all_jobs
 from robustrl.testbed import Testbed, leftovers
@@ -38,7 +36,6 @@ from robustrl.testbed import commands as tb_commands
 from robustrl.testbed.placement import RolePlacement
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from typing import Self
 
 import testbed_fanout as fanout
 
@@ -115,38 +112,6 @@ def api(stack: Stack) -> Iterator[ApiClient]:
         client.close()
 
 
-class _Haves:
-    """Every HAVE message on the bus, read by a client of our own (the raw bus)."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.seen: list[WeightsHave] = []
-        self.loop = asyncio.new_event_loop()
-        self.bus: Bus | None = None
-
-    def __enter__(self) -> Self:
-        async def start() -> None:
-            self.bus = await Bus.connect(self.url, "test-haves")
-
-            async def keep(msg: WeightsHave, _s: str, _r: str | None) -> None:
-                self.seen.append(msg)
-
-            await self.bus.subscribe(all_jobs(Verb.HAVE), WeightsHave, keep)
-            await self.bus.client.flush()
-
-        self.loop.run_until_complete(start())
-        return self
-
-    def pump(self) -> list[WeightsHave]:
-        self.loop.run_until_complete(asyncio.sleep(0.05))  # deliver what arrived meanwhile
-        return self.seen
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bus is not None:
-            self.loop.run_until_complete(self.bus.close())
-        self.loop.close()
-
-
 @needs_testbed
 def test_a_job_runs_across_testbed_hosts(testbed: Testbed, stack: Stack, api: ApiClient) -> None:
     assert stack.settings is not None
@@ -154,7 +119,7 @@ def test_a_job_runs_across_testbed_hosts(testbed: Testbed, stack: Stack, api: Ap
     # the servers listen on the testbed's gateway address, nowhere else
     for url in (stack.settings.nats_url, stack.settings.redis_url, stack.settings.s3_endpoint):
         assert f"@{gw}:" in url or url.startswith(f"{gw}:"), url
-    with _Haves(stack.settings.nats_url) as haves:
+    with BusObserver(stack.settings.nats_url, [all_jobs(Verb.HAVE)]) as haves:
         job = api.submit(small_job("tbjob", steps=3, detector=FAST_DETECTOR,
                                    weights={"chunk_bytes": 16384}))
         job_id = job["job_id"]
@@ -170,7 +135,7 @@ def test_a_job_runs_across_testbed_hosts(testbed: Testbed, stack: Stack, api: Ap
             with pytest.raises(JobError, match=r"-> 4\d\d"):
                 api.fault(job_id, role="rollout", member=0, **bad)
         status = wait_done(api, job_id, timeout=120)
-        seen = [m for m in haves.pump() if m.job_id == job_id]
+        seen = [m for _, subj, data in haves.seen if (m := decode(WeightsHave, data, subj)).job_id == job_id]
     assert status["committed_step"] == 2
     events = api.events(job_id)
     # each replica served every version, from the addresses of their hosts
