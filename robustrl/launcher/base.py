@@ -235,6 +235,15 @@ class Launcher(abc.ABC):
         nodes choose both on rank 0's own node."""
         return self.host_for(spec.member_id), free_port()
 
+    def rendezvous_on(self, member_id: str) -> tuple[str, int]:
+        """MASTER_ADDR and MASTER_PORT for a gang whose rank 0 is the running member
+        ``member_id`` (a rollout replica borrowed as rank 0, ``relabel``).
+
+        Default: the member's host (``host_for``) and a port free on the caller's loopback, right
+        when every member runs on this machine; launchers that place members on other nodes pick
+        the port on the member's own node (the Ray launcher asks the member's actor)."""
+        return self.host_for(member_id), free_port()
+
     def ignored(self, spec: MemberSpec, what: str, why: str) -> None:
         """Log once per launcher and field that ``spec`` asks for ``what``, which this launcher
         does not honour, and ``why`` (resources on a launcher that cannot reserve them...)."""
