@@ -364,13 +364,34 @@ class WeightsPointer:
 
 
 class JobRegistry:
-    """Job records, so a restarted controller finds its jobs again."""
+    """Job records, so a restarted controller finds its jobs again.
+
+    A write with a ``fence`` (the writing controller's lease token) is refused once a newer
+    lease term has begun (the fencing counter is above it): a controller frozen past its lease
+    must not overwrite, with its stale view, the record the new leader acts on (e.g. the rollout
+    slots still owed a replacement after a borrow)."""
+
+    _FENCED_PUT = """
+local newest = tonumber(redis.call('GET', KEYS[2]) or '0')
+if newest > tonumber(ARGV[3]) then
+  return 0
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.r = client
 
-    async def put(self, job_id: str, record: dict[str, Any]) -> None:
-        await _call(self.r.hset(Keys.jobs(), job_id, json.dumps(record)), Keys.jobs())
+    async def put(self, job_id: str, record: dict[str, Any], fence: int | None = None) -> bool:
+        """Write ``job_id``'s record; False (nothing written) if ``fence`` is older than the newest
+        controller lease term. Without a fence the write is unconditional."""
+        if fence is None:
+            await _call(self.r.hset(Keys.jobs(), job_id, json.dumps(record)), Keys.jobs())
+            return True
+        ok = await _call(self.r.eval(self._FENCED_PUT, 2, Keys.jobs(), Keys.controller_fence(), job_id,
+                                     json.dumps(record), int(fence)), Keys.jobs())
+        return bool(int(ok))
 
     async def all(self) -> dict[str, dict[str, Any]]:
         raw = await _call(self.r.hgetall(Keys.jobs()), Keys.jobs())

@@ -71,6 +71,30 @@ class ActiveRecovery:
 
 
 @dataclass
+class GangStart:
+    """Where the ranks of a trainer recovery's new gang came from, and the rollout slots it
+    borrowed. Kept in the job's durable record: a controller that fails over mid-recovery hands
+    the slots still owed a replacement to the next leader."""
+
+    sources: list[str]
+    borrowed_slots: dict[int, int]
+    """slot -> the incarnation borrowed from it (restocked unless the slot was restarted since)."""
+
+    @property
+    def source(self) -> str:
+        """The recovery's source, named after its slowest kind of start: cold > borrowed > spare."""
+        return next((s for s in ("cold", "borrowed", "spare") if s in self.sources), "cold")
+
+    def to_record(self) -> dict[str, Any]:
+        return {"sources": list(self.sources), "borrowed_slots": {str(k): v for k, v in self.borrowed_slots.items()}}
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> GangStart:
+        return cls([str(s) for s in rec.get("sources", [])],
+                   {int(k): int(v) for k, v in (rec.get("borrowed_slots") or {}).items()})
+
+
+@dataclass
 class JobRun:
     job_id: str
     spec: JobSpec
@@ -99,6 +123,11 @@ class JobRun:
     startup_failures: dict[tuple[str, int], int] = field(default_factory=dict)
     service_seen_at: dict[str, float] = field(default_factory=dict)  # control-plane role -> last sign of life
     services_lost: set[str] = field(default_factory=set)  # control-plane roles seen lost, not yet resumed
+    gang_starts: dict[str, GangStart] = field(default_factory=dict)
+    """fault id -> how the gang of a trainer recovery in progress was started (persisted)."""
+    restock_owed: dict[int, int] = field(default_factory=dict)
+    """Rollout slots owed a replacement replica now (slot -> the incarnation borrowed from it),
+    persisted until the replacement is started: a new leader restocks them (``RecoveryExecutor.restock``)."""
 
     @property
     def policy(self) -> str:

@@ -115,7 +115,7 @@ class MemberStarter:
         # The gang's rendezvous (MASTER_ADDR/PORT) is on rank 0's own node, chosen by the launcher
         # (the Ray launcher places rank 0 first); a borrowed rank 0 stays where its replica ran.
         if 0 in borrowed:
-            master, port = self.launcher.host_for(lid(job, borrowed[0])), free_port()
+            master, port = await asyncio.to_thread(self.launcher.rendezvous_on, lid(job, borrowed[0]))
         else:
             master, port = await asyncio.to_thread(self.launcher.rendezvous, self.trainer_spec(job, 0, {}))
         for rank in range(job.spec.trainer.workers):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from robustrl.services.controller import decide as decide_mod
@@ -28,7 +27,8 @@ from robustrl.services.controller.decide import (
     ResumeService,
     action_name,
 )
-from robustrl.services.controller.jobs import ActiveRecovery, JobRun
+from robustrl.services.controller import failpoints
+from robustrl.services.controller.jobs import ActiveRecovery, GangStart, JobRun
 from robustrl.services.controller.launching import lid
 from robustrl.services.controller.view import job_view
 
@@ -46,29 +46,12 @@ SERVICE_RESUME_ATTEMPT_S = 2.0
 """One ``resume`` request to a restarted control-plane service; repeated until its deadline."""
 
 
-@dataclass
-class GangStart:
-    """Where the ranks of a new gang came from, and the rollout slots it borrowed (restocked)."""
-
-    sources: list[str]
-    borrowed_slots: dict[int, int]
-    """slot -> the incarnation borrowed from it (restocked unless the slot was restarted since)."""
-
-    @property
-    def source(self) -> str:
-        """The recovery's source, named after its slowest kind of start: cold > borrowed > spare."""
-        return next((s for s in ("cold", "borrowed", "spare") if s in self.sources), "cold")
-
-
 class RecoveryExecutor:
     """Turns fault reports into decisions and carries the actions out with the launcher."""
 
     def __init__(self, controller: Controller) -> None:
         self.c = controller
         self.lock = asyncio.Lock()
-        self._gangs: dict[tuple[str, str], GangStart] = {}
-        """(job id, fault id) -> how the gang of a trainer recovery in progress was started (in memory: a
-        restarted controller reports such a recovery without its source, and restocks no slot)."""
         self._handled: set[tuple[str, str]] = set()
         """(job id, fault id) handled by this process. Fault ids are unique within a job only
         (``exit-trainer-e1-r0`` names a member, and every job has one)."""
@@ -181,9 +164,8 @@ class RecoveryExecutor:
         rec = self._begin(job, fault, "trainer", set(old))
         # Slots borrowed by a gang whose recovery this one supersedes still owe their replacement.
         owed: dict[int, int] = {}
-        for key in [k for k in self._gangs if k[0] == job.job_id]:
-            if key[1] not in {r.fault_id for r in job.recoveries}:
-                owed.update(self._gangs.pop(key).borrowed_slots)
+        for fid in [f for f in job.gang_starts if f not in {r.fault_id for r in job.recoveries}]:
+            owed.update(job.gang_starts.pop(fid).borrowed_slots)
         borrowed = await self._drain(job, fault, action.borrowed)
         try:
             new = await self.c.starter.start_gang(job, borrowed)
@@ -196,12 +178,13 @@ class RecoveryExecutor:
         sources = ["borrowed" if r in borrowed else
                    "spare" if self.c.launcher.was_warm(lid(job, mid)) else "cold" for r, mid in enumerate(new)]
         slots = {job.members[b].index: job.members[b].epoch for b in borrowed.values() if b in job.members}
-        # Restocked once the gang is ready (``progress``): a borrowed recovery takes about a second,
-        # and the replacements' cold imports would otherwise take the CPU from the replicas still
-        # generating and from the gang forming (on a cluster a replacement gets its own machine).
-        self._gangs[(job.job_id, fault.fault_id)] = GangStart(sources, {**owed, **slots})
+        # In the job's durable record: a controller that fails over before the gang is ready hands
+        # the slots owed a replacement to the next leader (and the recovery's source).
+        job.gang_starts[fault.fault_id] = GangStart(sources, {**owed, **slots})
         rec.waiting_for = {new[0]}
         await self.c.persist(job)
+        if slots:
+            await failpoints.hit("gang_borrowed")
 
     async def _drain(self, job: JobRun, fault: FaultReport, borrowed: dict[int, str]) -> dict[int, str]:
         """Take the replicas a gang borrows out of the rollout pool: the request manager
@@ -227,32 +210,58 @@ class RecoveryExecutor:
         unheard = [r for r, ok in zip(taken, acked, strict=True) if not ok]
         if unheard:
             await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, taken[r]) for r in unheard], True)
-            self.c.spawn(self._replace_borrowed(job, {job.members[taken[r]].index: job.members[taken[r]].epoch
-                                                      for r in unheard}))
+            await self.owe(job, {job.members[taken[r]].index: job.members[taken[r]].epoch for r in unheard})
         return {r: mid for r, mid in taken.items() if r not in unheard}
 
-    async def _replace_borrowed(self, job: JobRun, slots: dict[int, int]) -> None:
-        """The pool returns to its size: one new incarnation per borrowed slot (slot -> the
-        borrowed incarnation), started in the background once the gang is ready. A slot restarted
-        meanwhile (a whole-job restart) is left alone."""
-        for slot, borrowed_inc in slots.items():
+    async def owe(self, job: JobRun, slots: dict[int, int]) -> None:
+        """Rollout slots are owed a replacement replica now (slot -> the incarnation borrowed from
+        it): recorded durably first, then restocked in the background."""
+        if not slots:
+            return
+        job.restock_owed.update(slots)
+        await self.c.persist(job)
+        self.c.spawn(self.restock(job))
+
+    async def restock(self, job: JobRun) -> None:
+        """The pool returns to its size: one new incarnation per slot in ``job.restock_owed``. A
+        slot restarted meanwhile (a whole-job restart) is left alone. Each slot leaves the owed
+        record only once its replacement has started (a new leader restocks what is still in it;
+        a slot whose start failed stays owed for the next attempt)."""
+        await failpoints.hit("restock")
+        for slot, borrowed_inc in sorted(job.restock_owed.items()):
             # Under the recovery lock: a whole-job restart carried out meanwhile restarts every
             # slot itself, and must not find a restocked incarnation it does not know of.
             async with self.lock:
-                if job.done:
+                if job.done or not self.c.leading:
                     return
+                if job.restock_owed.get(slot) != borrowed_inc:
+                    continue  # restocked by a concurrent pass (or owed again, for a newer borrow)
                 if job.slot_incarnation.get(slot, 0) != borrowed_inc:
+                    del job.restock_owed[slot]
+                    await self.c.persist(job)
                     continue
                 try:
                     mid = await self.c.starter.start_replica(job, slot)
                 except Exception:  # the other slots are still owed theirs
                     log.exception("job %s: restocking rollout slot %d failed", job.job_id, slot)
                     continue
+                job.restock_owed.pop(slot, None)
                 if job.done:  # the job ended while it started: stop_job may not have seen it
                     await asyncio.to_thread(self.c.launcher.stop, lid(job, mid), 1.0)
                     return
                 await self.c.event(job, "replica_restocked", {"member_id": mid, "slot": slot})
                 await self.c.persist(job)
+
+    def resume_restock(self, job: JobRun) -> None:
+        """After a takeover: restock the slots the previous leader still owed, including those of
+        a gang whose recovery ended without its slots being moved to the owed record."""
+        active = {r.fault_id for r in job.recoveries}
+        for fid in [f for f in job.gang_starts if f not in active]:
+            job.restock_owed.update(job.gang_starts.pop(fid).borrowed_slots)
+        if job.restock_owed and not job.done:
+            log.warning("job %s: restocking rollout slots %s owed by the previous leader", job.job_id,
+                        sorted(job.restock_owed))
+            self.c.spawn(self.restock(job))
 
     async def _replace_replica(self, job: JobRun, fault: FaultReport, member_id: str) -> None:
         old = job.members.get(member_id)
@@ -273,8 +282,8 @@ class RecoveryExecutor:
         for mid in ids:
             job.members[mid].state = "dead"
         job.recoveries.clear()  # a whole-job restart supersedes any local recovery in progress
-        for key in [k for k in self._gangs if k[0] == job.job_id]:
-            del self._gangs[key]  # superseded
+        job.gang_starts.clear()  # superseded: start_all starts a new incarnation of every slot
+        job.restock_owed.clear()
         rec = self._begin(job, fault, "whole_job", set(ids))
         gang, replicas = await self.c.starter.start_all(job)
         rec.waiting_for = {gang[0], *replicas}
@@ -326,7 +335,7 @@ class RecoveryExecutor:
                 continue
             job.recoveries.remove(rec)
             took = time.time() - rec.started_at
-            gang = self._gangs.pop((job.job_id, rec.fault_id), None)
+            gang = job.gang_starts.pop(rec.fault_id, None)
             recovery_s = None
             for f in job.faults:
                 if f["fault_id"] == rec.fault_id:
@@ -342,11 +351,14 @@ class RecoveryExecutor:
                 redone = max(0, rec.committed_at_fault - job.durable_step)
                 await self.c.event(job, "work_lost", {"fault_id": rec.fault_id, "tokens": 0,
                                                       "steps_redone": redone})
-            if gang is not None and gang.borrowed_slots:
-                self.c.spawn(self._replace_borrowed(job, gang.borrowed_slots))
             if not job.recoveries and job.status == "recovering":
                 job.status = "running"
             await self.c.persist(job)
+            if gang is not None and gang.borrowed_slots:
+                # Restocked once the gang is ready: a borrowed recovery takes about a second, and the
+                # replacements' cold imports would otherwise take the CPU from the replicas still
+                # generating and from the gang forming (on a cluster a replacement gets its own machine).
+                await self.owe(job, gang.borrowed_slots)
 
     async def check_deadlines(self, job: JobRun) -> None:
         if job.done or not job.recoveries:

@@ -32,7 +32,7 @@ from robustrl.messages import (
 )
 from robustrl.services.controller.chaos import ChaosInjector
 from robustrl.services.controller.eventlog import FaultInbox, emit_durable
-from robustrl.services.controller.jobs import ActiveRecovery, JobRun, MemberInfo
+from robustrl.services.controller.jobs import ActiveRecovery, GangStart, JobRun, MemberInfo
 from robustrl.services.controller.launching import MemberStarter, lid
 from robustrl.services.controller.lease import LeaderLease, LeaseLost
 from robustrl.services.controller.recovery import RecoveryExecutor
@@ -110,6 +110,9 @@ class Controller:
         await self.inbox.start()
         for info in gone:  # members that ended while no controller watched: crashes, handled now
             await self.supervisor.on_exit(info)
+        for job in list(self.jobs.values()):  # rollout slots a previous leader still owed
+            if not job.done:
+                self.recovery.resume_restock(job)
         self.spawn(self.supervisor.run(self._stop))
         try:
             await self.lease.keep(self._stop, self._on_new_token)
@@ -167,7 +170,10 @@ class Controller:
         controller adopts (test_controller_killed_then_frozen_mid_step_restarts_no_member)."""
         lock = self._persist_locks.setdefault(job.job_id, asyncio.Lock())
         async with lock:
-            await self.registry.put(job.job_id, self._record_of(job))
+            # Fenced: once a newer leader holds the lease, this process's view is stale.
+            if not await self.registry.put(job.job_id, self._record_of(job), fence=self.lease.token or None):
+                log.error("job %s: record not written: a newer controller lease term (> token %d) has begun",
+                          job.job_id, self.lease.token)
 
     @staticmethod
     def _record_of(job: JobRun) -> dict[str, Any]:
@@ -181,7 +187,9 @@ class Controller:
             "slot_incarnation": {str(k): v for k, v in job.slot_incarnation.items()},
             "reward_by_step": {str(k): v for k, v in job.reward_by_step.items()},
             "members": {mid: m.to_record() for mid, m in job.members.items()},
-            "recoveries": [r.to_record() for r in job.recoveries], "faults": job.faults[-200:]}
+            "recoveries": [r.to_record() for r in job.recoveries], "faults": job.faults[-200:],
+            "gang_starts": {fid: g.to_record() for fid, g in job.gang_starts.items()},
+            "restock_owed": {str(k): v for k, v in job.restock_owed.items()}}
 
     @staticmethod
     def _job_from_record(job_id: str, rec: dict[str, Any]) -> JobRun:
@@ -201,6 +209,8 @@ class Controller:
         job.members = {mid: MemberInfo.from_record(mid, m) for mid, m in rec.get("members", {}).items()}
         job.recoveries = [ActiveRecovery.from_record(r) for r in rec.get("recoveries", [])]
         job.faults = list(rec.get("faults", []))
+        job.gang_starts = {fid: GangStart.from_record(g) for fid, g in (rec.get("gang_starts") or {}).items()}
+        job.restock_owed = {int(k): int(v) for k, v in (rec.get("restock_owed") or {}).items()}
         return job
 
     async def _restore_jobs(self) -> list[ExitInfo]:

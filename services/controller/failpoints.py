@@ -1,0 +1,38 @@
+"""Named points in the controller where a test can freeze it (a failpoint), to kill it at the
+worst moment of a multi-step action instead of racing it from outside.
+
+``ROBUSTRL_CONTROLLER_FAILPOINTS=name[,name...]`` (read at import; unset in production) makes the
+controller process send itself ``SIGSTOP`` the first time it reaches each named point, after the
+writes that precede the point are done (the job record persisted, the events appended). The test
+sees the process stopped (state ``T``), checks the raw stores, and SIGKILLs it; a standby
+controller then takes over from exactly that state.
+
+Points: ``gang_borrowed`` (a trainer gang with borrowed ranks started and recorded, not yet
+ready, no slot restocked), ``restock`` (the gang is ready, the borrowed slots are recorded as
+owed a replacement, none started yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+log = logging.getLogger(__name__)
+
+ENV = "ROBUSTRL_CONTROLLER_FAILPOINTS"
+POINTS = frozenset({"gang_borrowed", "restock"})
+_armed: set[str] = {p.strip() for p in os.environ.get(ENV, "").split(",") if p.strip()}
+
+
+async def hit(name: str) -> None:
+    """Freeze this process at ``name`` if that point is armed (once per process)."""
+    if name not in _armed:
+        return
+    _armed.discard(name)
+    log.warning("failpoint %s: stopping controller process %d", name, os.getpid())
+    for h in logging.getLogger().handlers:
+        h.flush()
+    await asyncio.sleep(0)  # let writes already handed to the event loop leave
+    os.kill(os.getpid(), signal.SIGSTOP)

@@ -1,0 +1,171 @@
+"""A controller that fails over in the middle of a borrowed trainer recovery loses no rollout slot.
+
+Real servers, a supervised control plane of this module's own, real member processes. The leading
+controller is frozen by a failpoint at the worst moment of a borrow (``gang_borrowed``: the new
+gang with borrowed ranks started, not ready; ``restock``: the gang ready, the borrowed slots owed
+a replacement, none started), SIGKILLed there, and a hot-standby controller takes over. Verdict
+from outside the controllers: the raw job record in Redis at the moment of the kill, the event log
+(who restocked which slot under which fencing token), the raw metrics the replicas publish (the
+pool back to its size) and the auditor.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import redis as redis_sync
+from jobs import TERMINAL, kinds, small_job
+from support import BusObserver, eventually
+
+from robustrl.audit import audit_job
+from robustrl.audit.model import AuditOptions
+from robustrl.client import ApiClient
+from robustrl.errors import JobError, TransportError
+from robustrl.messages import MetricsSample, decode
+from robustrl.services.controller.failpoints import ENV as FAILPOINTS_ENV
+from robustrl.stack import Stack
+from robustrl.storage.redis_stores import Keys
+from robustrl.subjects import Verb, wildcard
+from robustrl.supervisor import RestartPolicy
+
+pytestmark = pytest.mark.timeout(300)
+UNREACHABLE = (AssertionError, TransportError, JobError)
+AUDIT = AuditOptions(redis_bound=False)
+TOLERANT = {"detector": {"trainer_idle_s": 8.0, "rollout_idle_s": 5.0, "silence_s": 8.0, "probe_timeout_s": 3.0,
+                         "metrics_interval_s": 0.5}}
+
+
+@pytest.fixture(scope="module")
+def two_controllers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Servers of this module alone (its controllers hold the lease), two controllers."""
+    st = Stack(tmp_path_factory.mktemp("standby-failover"), controllers=2, policy=RestartPolicy(hang_timeout_s=30.0))
+    st.start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def _raw_record(stack: Stack, job_id: str) -> dict[str, Any]:
+    assert stack.settings
+    r = redis_sync.Redis.from_url(stack.settings.redis_url)
+    try:
+        raw = r.hget(Keys.jobs(), job_id)
+    finally:
+        r.close()
+    assert raw is not None, f"no record of {job_id} in Redis"
+    return dict(json.loads(raw))
+
+
+def _lead_with_failpoint(stack: Stack, point: str) -> None:
+    """'controller' leads with ``point`` armed, 'controller-2' stands by (started after it leads)."""
+    assert stack.supervisor
+    stack.kill_service("controller-2")
+    stack.kill_service("controller")
+    stack.start_service("controller", env={FAILPOINTS_ENV: point})
+    health = f"{stack.api_url}/healthz"
+    eventually(lambda: httpx.get(health, timeout=2).json()["leading"] is True, timeout=60, interval=0.1,
+               retry_on=(httpx.HTTPError, AssertionError), what="the armed controller leading")
+    stack.start_service("controller-2")
+    standby = stack.supervisor.specs["controller-2"].health_url
+    assert standby
+    eventually(lambda: httpx.get(standby, timeout=2).json()["leading"] is False, timeout=60, interval=0.1,
+               retry_on=(httpx.HTTPError,), what="controller-2 serving as a standby")
+
+
+@pytest.mark.parametrize("point", ["gang_borrowed", "restock"])
+def test_controller_killed_mid_borrow_the_standby_restocks_the_pool(two_controllers: Stack, point: str) -> None:
+    stack = two_controllers
+    assert stack.settings and stack.supervisor
+    _lead_with_failpoint(stack, point)
+    api_a = ApiClient(stack.api_url, stack.settings.api_token)
+    port_b = stack.supervisor.specs["controller-2"].env["ROBUSTRL_API_PORT"]
+    api_b = ApiClient(f"http://127.0.0.1:{port_b}", stack.settings.api_token)
+    replicas = 3
+    # Tool calls of 1 s make steps (~1.5 s) long enough for the takeover and the cold replacements
+    # (8-10 s on two shared cores) to finish before the job does.
+    spec = small_job(f"fo-{point.replace('_', '')}", steps=30, mode="semi_sync", staleness=1,
+                     rollout={"replicas": replicas}, recovery={"min_replicas_kept": 1},
+                     tools={"latency_s": 1.0}, data={"tasks": ["lookup"]}, **TOLERANT)
+    jid = api_a.submit(spec)["job_id"]
+    leader = stack.pids()["controller"]
+    with BusObserver(stack.settings.nats_url, [wildcard(jid, Verb.METRICS)]) as metrics:
+        eventually(lambda: api_a.job(jid)["committed_step"] >= 2, timeout=120, interval=0.1, what="step 2")
+        api_a.fault(jid, kind="crash", role="trainer", member=0)
+
+        # The leader freezes itself at the failpoint: this is the moment it is killed.
+        eventually(lambda: psutil.Process(leader).status() == psutil.STATUS_STOPPED, timeout=90, interval=0.02,
+                   what=f"controller stopped at failpoint {point}")
+        record = _raw_record(stack, jid)
+        t_kill = time.time()
+        stack.kill_service("controller")  # SIGKILL, not restarted: the standby must take over
+        assert not psutil.pid_exists(leader) or psutil.Process(leader).status() == psutil.STATUS_ZOMBIE
+
+        borrowed_slots: dict[int, int] = {}
+        if point == "restock":
+            # the gang was ready; the borrowed slots were durably owed, none started
+            borrowed_slots = {int(k): v for k, v in record["restock_owed"].items()}
+            assert not record["gang_starts"], record["gang_starts"]
+        else:
+            gangs = list(record["gang_starts"].values())
+            assert len(gangs) == 1 and gangs[0]["sources"] == ["borrowed", "borrowed"], gangs
+            borrowed_slots = {int(k): v for k, v in gangs[0]["borrowed_slots"].items()}
+            assert not record.get("restock_owed")
+        assert len(borrowed_slots) == 2, record
+        assert all(inc == 0 for inc in borrowed_slots.values())
+        assert {int(k): v for k, v in record["slot_incarnation"].items()} == {i: 0 for i in range(replicas)}
+
+        def pool_back() -> bool:
+            events = api_b.events(jid)
+            new = {d["member_id"] for d in kinds(events, "replica_restocked")}
+            want = {f"rollout-{s}-i1" for s in borrowed_slots}
+            loaded = {d["member_id"] for d in kinds(events, "weights_loaded")}
+            return new == want and want <= loaded
+
+        eventually(lambda: pool_back() or api_b.job(jid)["status"] in TERMINAL, timeout=150, interval=0.25,
+                   retry_on=UNREACHABLE, what="the new leader restocked both borrowed slots")
+        assert pool_back(), "the job ended before the pool was back to its size"
+
+        # The pool is back to its size, seen in the replicas' own metrics: every slot has a live
+        # rollout member publishing (the borrowed processes publish as trainers now).
+        def publishing() -> set[str]:
+            since = time.time() - 2.0
+            return {m.member_id for t, s, d in list(metrics.seen) if t > since
+                    and (m := decode(MetricsSample, d, s)).role == "rollout"}
+
+        want_pool = {f"rollout-{s}-i{1 if s in borrowed_slots else 0}" for s in range(replicas)}
+        eventually(lambda: publishing() == want_pool, timeout=30, interval=0.25,
+                   what=f"rollout members publishing == {sorted(want_pool)}")
+        status = eventually(lambda: (s := api_b.job(jid))["status"] in TERMINAL and s, timeout=240, interval=0.25,
+                            retry_on=UNREACHABLE, what="job ended")
+    assert status["status"] == "finished", status.get("error")
+    events = api_b.events(jid)
+    api_a.close()
+    api_b.close()
+
+    takeover = [d for d in kinds(events, "note") if "took over" in d["text"]]
+    assert len(takeover) == 1, takeover
+    new_fence = takeover[0]["fence"]
+    restocked = [(e["ts"], e["data"]) for e in events if e["kind"] == "replica_restocked"]
+    # each borrowed slot restocked exactly once, by the new leader, after the kill
+    assert sorted(d["slot"] for _, d in restocked) == sorted(borrowed_slots), restocked
+    assert all(ts > t_kill and d["fence"] == new_fence for ts, d in restocked), (t_kill, restocked)
+    started = {d["member_id"]: d for d in kinds(events, "member_started")}
+    assert not [m for m in started if m.endswith("-i2")], sorted(started)  # no slot started twice
+    # the borrowed ranks were the gang's (the recovery was a borrowed one, completed)
+    assert {started[f"trainer-e2-r{r}"]["source"] for r in (0, 1)} == {"borrowed"}
+    recovered = [d for d in kinds(events, "recovered") if d["kind"] == "trainer"]
+    assert recovered, "the trainer recovery never completed"
+    if point == "gang_borrowed":  # completed by the new leader, which knows its source from the record
+        assert recovered[0]["fence"] == new_fence and recovered[0]["source"] == "borrowed", recovered
+    assert len([d for d in kinds(events, "decision") if "RestartTrainerGang" in d["actions"]]) == 1
+    # nothing is owed any more in the durable record
+    final = _raw_record(stack, jid)
+    assert not final["restock_owed"] and not final["gang_starts"], final
+    audit_job(stack.settings, jid, AUDIT)
