@@ -16,10 +16,15 @@ tuning; only the mode (and, for the baseline, the borrow knob) differs.
 
 Measured, never simulated: rewards (commits), recovery_s and its source (the controller's
 ``recovered`` events: fault detected -> new gang ready), ETTR (event-log accounting), and the
-replicas' token throughput during each trainer recovery against the same length of time just
-before it, from the replicas' own ``tokens_total`` counters as they were published on the bus
-(``metrics`` subjects, sampled every ``detector.metrics_interval_s``; interpolated linearly
-between samples).
+rollout pool's token throughput during each trainer recovery against the same length of time just
+before the fault, from the replicas' own ``tokens_total`` counters as they were published on the
+bus (``metrics`` subjects, sampled every ``detector.metrics_interval_s``; interpolated linearly
+between samples). The window (``THROUGHPUT_WINDOW``, also written into the JSON) runs from the
+fault's detection to the new gang's first committed step, at least ``WINDOW_FLOOR_S``.
+
+Every seed runs fault-free and faulted in every mode; the reward check is per seed: each faulted
+curve's tail mean against the spread of the fault-free seeds' tail means (and step by step against
+the fault-free envelope).
 
 ``--quick``: fewer steps (20), faulted runs on the first seed only (the fault-free spread still
 over ``--seeds``). Writes the JSON and a PNG with every reward curve next to it.
@@ -133,44 +138,58 @@ def ettr_to_last_commit(events: list[dict[str, Any]]) -> float:
 
 
 def recoveries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Trainer recoveries from the controller's events: source, recovery_s, and their window."""
-    detected = {e["data"]["fault_id"]: e["ts"] for e in events if e["kind"] == "fault_detected"
+    """Trainer recoveries from the controller's events: source, recovery_s, and the instants the
+    throughput window is built from (the fault, its detection, the new gang's first commit)."""
+    detected = {e["data"]["fault_id"]: e for e in events if e["kind"] == "fault_detected"
                 and "fault_id" in e["data"]}
+    commits = [(e["ts"], int(e["data"].get("epoch", -1))) for e in events if e["kind"] == "step_committed"]
     out = []
     for e in events:
         d = e["data"]
         if e["kind"] == "recovered" and d.get("kind") == "trainer":
-            rec_s = d.get("recovery_s", d.get("took_s"))
-            began = detected.get(d["fault_id"], e["ts"] - float(rec_s or 0.0))
+            rec_s = float(d.get("recovery_s", d.get("took_s")) or 0.0)
+            det = detected.get(d["fault_id"])
+            detected_at = det["ts"] if det else e["ts"] - rec_s
+            fault_at = (det["data"].get("fault_at") if det else None) or detected_at
+            # The new gang's first committed step: the first commit after the detection by an epoch
+            # newer than the one committing at the fault.
+            epoch_at_fault = max((ep for ts, ep in commits if ts <= detected_at), default=-1)
+            first = min((ts for ts, ep in commits if ts > detected_at and ep > epoch_at_fault), default=None)
             out.append({"fault_id": d["fault_id"], "source": d.get("source", "cold"),
-                        "sources": d.get("sources"), "recovery_s": round(float(rec_s), 3),
-                        "window": [began, e["ts"]]})
+                        "sources": d.get("sources"), "recovery_s": round(rec_s, 3),
+                        "fault_at": fault_at, "detected_at": detected_at, "recovered_at": e["ts"],
+                        "first_commit_at": first})
     return out
 
 
-BASELINE_S = 10.0
-"""Pool token rate before a fault is taken over this long: generation here comes in bursts between
-1 s tool calls, so a window as short as a borrowed recovery (~1 s) lands on a burst or a tool wait
-and says more about the phase than the rate (both are recorded)."""
+WINDOW_FLOOR_S = 4.0
+"""The throughput window during a recovery lasts at least this long: a borrowed recovery (fault
+detected -> new gang ready) takes ~0.3 s here, about one metrics interval (0.25 s), and generation
+comes in bursts between 1 s tool calls, so a shorter window lands on a burst or a tool wait and
+says more about the phase than about the rate."""
+THROUGHPUT_WINDOW = (
+    "during = [fault detected, max(new gang's first committed step, detected + WINDOW_FLOOR_S)]; "
+    "before = the same length ending at the fault (its injection, else its detection); rate = tokens "
+    "decoded by the rollout pool (sum of every rollout member's published tokens_total counter, "
+    "linearly interpolated between samples; a borrowed replica's counter stops when it leaves the pool, "
+    "a restocked one's starts when it joins) / window length; ratio = sum of tokens during / sum of "
+    "tokens before over the async faulted runs' recoveries (windows of equal length, so a ratio of rates)")
 
 
-AFTER_S = 5.0
-
-
-def throughput(tap: TokenTap, job_id: str, window: list[float]) -> dict[str, float]:
-    """Pool tokens/s during ``window``, over ``BASELINE_S`` before it, and over as long as the
-    window just before it."""
-    a, b = window
-    span = max(0.25, b - a)
-    during = (tap.tokens_at(job_id, a + span) - tap.tokens_at(job_id, a)) / span
-    before = (tap.tokens_at(job_id, a) - tap.tokens_at(job_id, a - BASELINE_S)) / BASELINE_S
-    same_span = (tap.tokens_at(job_id, a) - tap.tokens_at(job_id, a - span)) / span
-    # A borrowed recovery can be as short as one metrics interval: the rate over the 5 s from the
-    # fault's detection (the recovery and what follows it) is the steadier figure.
-    after = (tap.tokens_at(job_id, a + AFTER_S) - tap.tokens_at(job_id, a)) / AFTER_S
-    return {"before_tok_s": round(before, 1), "during_tok_s": round(during, 1), "span_s": round(span, 3),
-            "baseline_s": BASELINE_S, "before_same_span_tok_s": round(same_span, 1),
-            "after_detection_tok_s": round(after, 1), "after_s": AFTER_S}
+def throughput(tap: TokenTap, job_id: str, rec: dict[str, Any]) -> dict[str, Any]:
+    """Pool tokens during a recovery's window and the same length just before the fault
+    (``THROUGHPUT_WINDOW``)."""
+    a = rec["detected_at"]
+    end = rec["first_commit_at"] or rec["recovered_at"]
+    span = max(WINDOW_FLOOR_S, end - a)
+    before_end = min(rec["fault_at"], a)
+    during = tap.tokens_at(job_id, a + span) - tap.tokens_at(job_id, a)
+    before = tap.tokens_at(job_id, before_end) - tap.tokens_at(job_id, before_end - span)
+    return {"window_s": round(span, 3), "to_first_commit_s": None if rec["first_commit_at"] is None
+            else round(rec["first_commit_at"] - a, 3), "floored": span > end - a,
+            "tokens_during": round(during, 1), "tokens_before": round(before, 1),
+            "during_tok_s": round(during / span, 1), "before_tok_s": round(before / span, 1),
+            "ratio": round(during / before, 3) if before > 0 else None}
 
 
 async def run(stack: Stack, api: ApiClient, tap: TokenTap, spec: dict[str, Any], scenario: Scenario | None,
@@ -187,7 +206,9 @@ async def run(stack: Stack, api: ApiClient, tap: TokenTap, spec: dict[str, Any],
     if scenario is not None:
         recs = recoveries(events)
         for r in recs:
-            r["throughput"] = throughput(tap, report["job_id"], r.pop("window"))
+            r["throughput"] = throughput(tap, report["job_id"], r)
+            for k in ("fault_at", "detected_at", "recovered_at", "first_commit_at"):
+                r.pop(k)
         out["recoveries"] = recs
         out["stale_turns_dropped"] = sum(e["data"].get("turns", 0) for e in events
                                          if e["kind"] == "stale_turns_dropped")
@@ -210,42 +231,66 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     borrowed = recs("semi_sync", "borrowed") + recs("async", "borrowed")
     cold_same_mode = recs("async_cold", "cold") if "async_cold" in results["modes"] else []
     cold_all = cold_same_mode + recs("sync", "cold")
-    def tp_ratio(source: str | None, baseline: str = "before_tok_s", during_key: str = "during_tok_s",
-                 span_key: str = "span_s") -> float | None:
+    def tp_ratio(source: str | None) -> float | None:
         tps = [r["throughput"] for run_ in results["modes"]["async"]["faulted_runs"] for r in run_["recoveries"]
                if source is None or r["source"] == source]
-        before = sum(t[baseline] * t[span_key] for t in tps)
-        during = sum(t[during_key] * t[span_key] for t in tps)
-        return round(during / before, 3) if before > 0 else None
+        before = sum(t["tokens_before"] for t in tps)
+        return round(sum(t["tokens_during"] for t in tps) / before, 3) if before > 0 else None
 
+    async_tps = [r["throughput"] for run_ in results["modes"]["async"]["faulted_runs"] for r in run_["recoveries"]]
     s = {"borrowed_recovery_s_median": _median(borrowed), "cold_recovery_s_median": _median(cold_all),
          "cold_recovery_s_median_async_no_borrow": _median(cold_same_mode),
          "standby_vs_cold_recovery_ratio": (round(statistics.median(borrowed) / statistics.median(cold_all), 3)
                                             if borrowed and cold_all else None),
          "throughput_during_recovery_ratio": tp_ratio(None),
-         "throughput_during_recovery_ratio_vs_same_span_before": tp_ratio(None, "before_same_span_tok_s"),
-         "throughput_5s_after_detection_ratio": tp_ratio(None, during_key="after_detection_tok_s",
-                                                         span_key="after_s"),
+         "throughput_window": THROUGHPUT_WINDOW, "throughput_window_floor_s": WINDOW_FLOOR_S,
+         "throughput_during_recovery_ratio_per_recovery": [t["ratio"] for t in async_tps],
+         "throughput_window_s_per_recovery": [t["window_s"] for t in async_tps],
          "throughput_during_recovery_ratio_by_source": {src: tp_ratio(src) for src in ("borrowed", "cold", "spare")},
-         "ettr_faulted": {m: results["modes"][m]["faulted"]["ettr"] for m in results["modes"]},
+         "ettr_faulted": {m: round(statistics.fmean(x["ettr"] for x in results["modes"][m]["faulted_runs"]), 4)
+                          for m in results["modes"]},
+         "ettr_faulted_per_seed": {m: {x["seed"]: x["ettr"] for x in results["modes"][m]["faulted_runs"]}
+                                   for m in results["modes"]},
+         "ettr_faulted_first_seed": {m: results["modes"][m]["faulted"]["ettr"] for m in results["modes"]},
          "ettr_faulted_to_last_commit": {m: results["modes"][m]["faulted"]["ettr_to_last_commit"]
                                          for m in results["modes"]},
          "ettr_fault_free_to_last_commit": {m: results["modes"][m]["fault_free"]["ettr_to_last_commit"]
                                             for m in results["modes"] if "fault_free" in results["modes"][m]}}
-    # Reward: is each faulted curve within the fault-free seed-to-seed spread (mean of the last
-    # third of the steps)?
+    # Reward, per seed: is each faulted curve within the fault-free seed-to-seed spread? Judged on
+    # the mean of the last third of the steps, and step by step against the fault-free envelope.
+    within_all = []
     for r in results["modes"].values():
-        free = [run_["reward_by_step"] for run_ in r["fault_free_runs"]]
+        free_runs = r["fault_free_runs"] or results["modes"].get(r["mode"], {}).get("fault_free_runs", [])
+        free = [run_["reward_by_step"] for run_ in free_runs if run_["reward_by_step"]]
         if not free:
             continue
         tail = max(1, len(free[0]) // 3)
-        means = [statistics.fmean(c[-tail:]) for c in free if c]
-        faulted = [statistics.fmean(run_["reward_by_step"][-tail:]) for run_ in r["faulted_runs"]
-                   if run_["reward_by_step"]]
-        r["reward_tail_spread"] = {"fault_free_min": round(min(means), 4), "fault_free_max": round(max(means), 4),
-                                   "fault_free_mean": round(statistics.fmean(means), 4),
-                                   "faulted": [round(x, 4) for x in faulted],
-                                   "faulted_within_spread": all(min(means) <= x <= max(means) for x in faulted)}
+        means = [statistics.fmean(c[-tail:]) for c in free]
+        lo, hi = min(means), max(means)
+        per_seed = []
+        for run_ in r["faulted_runs"]:
+            c = run_["reward_by_step"]
+            if not c:
+                continue
+            x = statistics.fmean(c[-tail:])
+            same = next((statistics.fmean(f["reward_by_step"][-tail:]) for f in free_runs
+                         if f["seed"] == run_["seed"] and f["reward_by_step"]), None)
+            n = min(len(c), *(len(f) for f in free))
+            inside = sum(1 for i in range(n) if min(f[i] for f in free) <= c[i] <= max(f[i] for f in free))
+            per_seed.append({"seed": run_["seed"], "faulted_tail_mean": round(x, 4),
+                             "fault_free_same_seed_tail_mean": None if same is None else round(same, 4),
+                             "minus_same_seed": None if same is None else round(x - same, 4),
+                             "within_spread": lo <= x <= hi,
+                             "steps_within_fault_free_envelope": f"{inside}/{n}"})
+        within_all += [p["within_spread"] for p in per_seed]
+        r["reward_tail_spread"] = {"tail_steps": tail, "fault_free_tail_means": [round(m, 4) for m in means],
+                                   "fault_free_min": round(lo, 4), "fault_free_max": round(hi, 4),
+                                   "fault_free_spread": round(hi - lo, 4),
+                                   "fault_free_mean": round(statistics.fmean(means), 4), "per_seed": per_seed,
+                                   "faulted_within_spread": all(p["within_spread"] for p in per_seed)}
+    s["reward_faulted_within_spread"] = {k: r["reward_tail_spread"]["faulted_within_spread"]
+                                         for k, r in results["modes"].items() if "reward_tail_spread" in r}
+    s["reward_faulted_seeds_within_spread"] = f"{sum(within_all)}/{len(within_all)}"
     return s
 
 
@@ -261,18 +306,28 @@ def plot(results: dict[str, Any], path: Path) -> None:
         r = results["modes"][mode]
         # the cold baseline (async, borrow=never) is drawn against async's fault-free seeds
         free = r["fault_free_runs"] or results["modes"].get(r["mode"], {}).get("fault_free_runs", [])
-        for i, run_ in enumerate(free):
-            ax.plot(run_["reward_by_step"], color="tab:blue", alpha=0.45, label="fault-free (seeds)" if i == 0 else None)
+        curves = [run_["reward_by_step"] for run_ in free if run_["reward_by_step"]]
+        if curves:
+            n = min(len(c) for c in curves)
+            ax.fill_between(range(n), [min(c[i] for c in curves) for i in range(n)],
+                            [max(c[i] for c in curves) for i in range(n)], color="tab:blue", alpha=0.12,
+                            label="fault-free envelope")
+        for run_ in free:
+            ax.plot(run_["reward_by_step"], color="tab:blue", alpha=0.5, lw=1, ls=":",
+                    label=f"fault-free seed {run_['seed']}")
+        reds = ["tab:red", "darkred", "tab:orange", "tab:pink", "tab:brown"]
         for i, run_ in enumerate(r["faulted_runs"]):
-            ax.plot(run_["reward_by_step"], color="tab:red", lw=2,
-                    label="trainer fault every 10 steps" if i == 0 else None)
+            ax.plot(run_["reward_by_step"], color=reds[i % len(reds)], lw=1.6,
+                    label=f"faulted seed {run_['seed']} (trainer crash every 10 steps)")
         knobs = "".join(f", {k}={v}" for k, v in r.get("recovery", {}).items())
         sources = "/".join(sorted({x["source"] for run_ in r["faulted_runs"] for x in run_.get("recoveries", [])}))
-        ax.set_title(f"{r['mode']}{knobs}: ETTR faulted {r['faulted']['ettr']:.2f} ({sources})", fontsize=10)
+        ettr = statistics.fmean(x["ettr"] for x in r["faulted_runs"])
+        ax.set_title(f"{r['mode']}{knobs}: ETTR faulted {ettr:.2f} mean of {len(r['faulted_runs'])} ({sources})",
+                     fontsize=9)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("mean reward")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     fig.suptitle("bench/modes.py: measured reward curves (same seeded job per mode)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
