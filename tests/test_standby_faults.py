@@ -1,0 +1,169 @@
+"""A borrow that goes wrong at its worst moment, with real processes and servers (issue 13).
+
+* The gang start fails after its replicas were drained and before they switched role: the drained
+  replicas are killed (not left running untracked, 'dead' to every later stop), and the job
+  recovers by escalating.
+* The request manager never acknowledges a drain (it is frozen through every attempt): the replica
+  it may still send turns to is killed instead of training on the same model, its rank starts
+  cold, and its rollout slot is restocked.
+
+Verdict from outside the controller: the member processes themselves (psutil), the raw event log,
+and the auditor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psutil
+import pytest
+from jobs import TERMINAL, kinds, small_job
+from support import eventually
+
+from robustrl.audit import audit_job
+from robustrl.audit.model import AuditOptions
+from robustrl.client import ApiClient
+from robustrl.launcher.spare import handoff_path
+from robustrl.services.controller.runtime import RM_ACK_ATTEMPTS, RM_ACK_TIMEOUT_S
+from robustrl.stack import Stack
+from robustrl.supervisor import RestartPolicy
+
+pytestmark = pytest.mark.timeout(300)
+AUDIT = AuditOptions(redis_bound=False)
+TOLERANT = {"detector": {"trainer_idle_s": 8.0, "rollout_idle_s": 5.0, "silence_s": 8.0, "probe_timeout_s": 3.0,
+                         "metrics_interval_s": 0.5}}
+
+
+@pytest.fixture(scope="module")
+def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """Servers and a control plane of this module alone; a frozen request manager is not judged
+    hung (and replaced) before the controller's acknowledgement attempts have all run out."""
+    st = Stack(tmp_path_factory.mktemp("standby-faults"), policy=RestartPolicy(hang_timeout_s=90.0))
+    st.start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+@pytest.fixture(scope="module")
+def api(own_stack: Stack) -> Iterator[ApiClient]:
+    assert own_stack.settings
+    client = ApiClient(own_stack.api_url, own_stack.settings.api_token)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _replica_pids(status: dict[str, Any]) -> dict[str, int]:
+    return {m["member_id"]: m["pid"] for m in status["members"]
+            if m["role"] == "rollout" and m["state"] not in ("dead", "exited", "stopped")}
+
+
+def _wait(api: ApiClient, jid: str, step: int) -> dict[str, Any]:
+    return eventually(lambda: (s := api.job(jid))["committed_step"] >= step and s, timeout=120, interval=0.1,
+                      what=f"step {step}")
+
+
+def _done(api: ApiClient, jid: str) -> dict[str, Any]:
+    status = eventually(lambda: (s := api.job(jid))["status"] in TERMINAL and s, timeout=240, interval=0.25,
+                        what="job ended")
+    assert status["status"] == "finished", status.get("error")
+    return status
+
+
+def test_a_gang_start_failing_after_the_drain_kills_the_drained_replicas(own_stack: Stack, api: ApiClient) -> None:
+    spec = small_job("borrowfail", steps=14, mode="semi_sync", staleness=1, rollout={"replicas": 3},
+                     recovery={"min_replicas_kept": 1}, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
+                     **TOLERANT)
+    jid = api.submit(spec)["job_id"]
+    pids = _replica_pids(_wait(api, jid, 2))
+    assert len(pids) == 3, pids
+    # The worst moment: every replica is drained (the request manager re-dispatches its turns and
+    # never sends it another) and the hand-off that would switch it cannot be written (a directory
+    # stands where the file goes), so the gang start fails with the replicas drained, unswitched.
+    log_dir = own_stack.run_dir / "logs"
+    blockers = [handoff_path(log_dir, pid) for pid in pids.values()]
+    for b in blockers:
+        b.mkdir()
+    try:
+        api.fault(jid, kind="crash", role="trainer", member=0)
+
+        def drained_then_failed() -> list[dict[str, Any]] | None:
+            events = api.events(jid)
+            return kinds(events, "replica_borrowed") and [
+                d for d in kinds(events, "decision") if "RestartWholeJob" in d["actions"]] or None
+
+        eventually(drained_then_failed, timeout=60, interval=0.1, what="borrow, failed start, escalation")
+        borrowed = [d["member_id"] for d in kinds(api.events(jid), "replica_borrowed")]
+        assert len(borrowed) == 2, borrowed
+        # Killed when the start failed: none of the drained processes runs on, untracked.
+        eventually(lambda: not any(_alive(pids[m]) for m in borrowed), timeout=10, interval=0.05,
+                   what="the drained replicas killed")
+        status = _done(api, jid)
+    finally:
+        for b in blockers:
+            with contextlib.suppress(OSError):
+                b.rmdir()
+    events = api.events(jid)
+    assert not kinds(events, "role_switched"), kinds(events, "role_switched")
+    assert not any(_alive(p) for p in pids.values())  # the whole-job restart replaced the third one too
+    # the job ran on other processes: a new incarnation of every slot, none of them the old pids
+    now = {m["member_id"]: m["pid"] for m in status["members"]}
+    assert {f"rollout-{s}-i1" for s in range(3)} <= set(now)
+    assert not set(pids.values()) & {now[f"rollout-{s}-i1"] for s in range(3)}
+    assert own_stack.settings
+    audit_job(own_stack.settings, jid, AUDIT)
+
+
+def test_a_drain_the_request_manager_never_acknowledges_kills_the_replica_and_restocks(
+        own_stack: Stack, api: ApiClient) -> None:
+    spec = small_job("borrowunacked", steps=22, mode="semi_sync", staleness=1, rollout={"replicas": 3},
+                     recovery={"min_replicas_kept": 1}, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
+                     detector={"trainer_idle_s": 60.0, "rollout_idle_s": 60.0, "silence_s": 60.0,
+                               "probe_timeout_s": 3.0, "metrics_interval_s": 0.5})
+    jid = api.submit(spec)["job_id"]
+    pids = _replica_pids(_wait(api, jid, 2))
+    # The worst moment: the request manager is frozen from just before the trainer fault, through
+    # every acknowledgement attempt of the drain, so it never hears that the replicas left the pool.
+    freeze_s = RM_ACK_ATTEMPTS * RM_ACK_TIMEOUT_S + 6.0
+    t_freeze = time.time()
+    rm_pid = own_stack.hang_service("request_manager", freeze_s)
+    api.fault(jid, kind="crash", role="trainer", member=0)
+    eventually(lambda: kinds(api.events(jid), "replica_borrowed"), timeout=30, interval=0.1, what="a borrow")
+    borrowed = [d["member_id"] for d in kinds(api.events(jid), "replica_borrowed")]
+    assert len(borrowed) == 2, borrowed
+    # Killed once the attempts ran out, while the request manager is still frozen.
+    eventually(lambda: not any(_alive(pids[m]) for m in borrowed), timeout=freeze_s + 10, interval=0.1,
+               what="the unacknowledged replicas killed")
+    killed_at = time.time()
+    assert killed_at < t_freeze + freeze_s + 1.0, "killed only after the request manager woke"
+    assert psutil.Process(rm_pid).status() == psutil.STATUS_STOPPED  # the same frozen process
+    status = _done(api, jid)
+    events = api.events(jid)
+    assert own_stack.pids()["request_manager"] == rm_pid, "the request manager was restarted"
+    notes = [d["text"] for d in kinds(events, "note")]
+    assert "request manager never acknowledged replica_dead" in notes, notes
+    assert not kinds(events, "role_switched")  # neither switched role: both ranks started cold
+    started = {d["member_id"]: d for d in kinds(events, "member_started")}
+    assert {started[f"trainer-e2-r{r}"]["source"] for r in (0, 1)} == {"cold"}, started
+    # Each killed replica's slot restocked once, and the new incarnation loaded weights.
+    slots = sorted(int(m.split("-")[1]) for m in borrowed)
+    assert sorted(d["slot"] for d in kinds(events, "replica_restocked")) == slots
+    loaded = {d["member_id"] for d in kinds(events, "weights_loaded")}
+    assert {f"rollout-{s}-i1" for s in slots} <= loaded, sorted(loaded)
+    assert {f"rollout-{s}-i1" for s in slots} <= {m["member_id"] for m in status["members"]}
+    assert own_stack.settings
+    audit_job(own_stack.settings, jid, AUDIT)
+
