@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import kinds, small_job, wait_done
+from jobs import TERMINAL, kinds, small_job, wait_done
 from support import eventually
 
 try:
@@ -263,3 +263,162 @@ def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_
     finally:
         api.close()
         stack.stop()
+
+
+# --- warm spares and borrowing on Ray (one stack for both jobs) ------------------------------------
+
+STANDBY_INSTANCE = "rr-standby"
+
+
+@pytest.fixture(scope="module")
+def standby_stack(cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    from robustrl.client import ApiClient
+    from robustrl.stack import Stack
+
+    stack = Stack(tmp_path_factory.mktemp("ray-standby") / "stack", extra_env={
+        "ROBUSTRL_LAUNCHER": "ray", "ROBUSTRL_RAY_ADDRESS": cluster.address,
+        "ROBUSTRL_LAUNCHER_INSTANCE": STANDBY_INSTANCE})
+    stack.start()
+    api = ApiClient(stack.api_url, stack.settings.api_token)  # type: ignore[union-attr]
+    try:
+        yield stack, api
+    finally:
+        api.close()
+        stack.stop()
+    # The stack's graceful stop releases every actor of its launcher, spares included.
+    left = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
+            if n["name"].startswith(f"{STANDBY_INSTANCE}:")]
+    assert left == [], f"actors left after the stack stopped: {left}"
+
+
+def _actor_info(name: str) -> dict[str, Any] | None:
+    try:
+        return dict(ray.get(ray.get_actor(name, namespace="robustrl").info.remote(), timeout=10))
+    except (ValueError, ray.exceptions.RayError):
+        return None
+
+
+def waiting_spares() -> dict[str, dict[str, Any]]:
+    """The Ray launcher's spares waiting for a member, from the GCS and their actors: name -> info."""
+    out = {}
+    for n in ray.util.list_named_actors(all_namespaces=True):
+        info = _actor_info(n["name"]) if n["name"].startswith(f"{STANDBY_INSTANCE}:spare-") else None
+        if info and info["spare"] and info["running"]:
+            out[n["name"]] = info
+    return out
+
+
+def _member_actor(job_id: str, member_id: str) -> dict[str, Any]:
+    """The actor running ``member_id`` now, found in the GCS by its member process's pid."""
+    status = next(m for m in _status_members(job_id) if m["member_id"] == member_id)
+    for n in ray.util.list_named_actors(all_namespaces=True):
+        info = _actor_info(n["name"]) if n["name"].startswith(f"{STANDBY_INSTANCE}:") else None
+        if info and info["pid"] == status["pid"] and info["running"]:
+            return {"name": n["name"], **info}
+    raise AssertionError(f"no live actor runs {member_id} (pid {status['pid']})")
+
+
+_API: list[Any] = []
+
+
+def _status_members(job_id: str) -> list[dict[str, Any]]:
+    return list(_API[0].job(job_id)["members"])
+
+
+def test_a_trainer_rank_restarts_from_a_ray_warm_spare(cluster: LocalRayCluster,
+                                                       standby_stack: tuple[Any, Any]) -> None:
+    from robustrl.audit import audit_job
+
+    stack, api = standby_stack
+    _API[:] = [api]
+    spec = small_job("rayspare", steps=16, trainer={"resources": {"cpus": 0.5}},
+                     rollout={"replicas": 2, "resources": {"cpus": 0.5}}, recovery={"warm_spares": 2})
+    job_id = api.submit(spec)["job_id"]
+    # Two spare actors, each running `python -m robustrl.launcher.spare` and waiting for a member.
+    spares = eventually(lambda: len(s := waiting_spares()) == 2 and s, timeout=90, interval=0.5,
+                        what="2 warm spares waiting")
+    assert {s["node_ip"] for s in spares.values()} <= set(cluster.node_ips)
+    status = api.wait(job_id, lambda s: s["committed_step"] >= 1, timeout_s=150)
+    spares = waiting_spares()
+    assert len(spares) == 2
+    victim = next(m for m in _live(status, "trainer") if m["index"] == 1)
+    ray.kill(ray.get_actor(actor_name(job_id, victim["member_id"]).replace(INSTANCE, STANDBY_INSTANCE),
+                           namespace="robustrl"), no_restart=True)
+    recovered = eventually(lambda: [d for d in kinds(api.events(job_id), "recovered") if d["kind"] == "trainer"],
+                           timeout=120, interval=0.25, what="trainer recovery")
+    assert recovered[0]["source"] == "spare", recovered
+    events = api.events(job_id)
+    new = {d["member_id"]: d for d in kinds(events, "member_started") if d["member_id"].startswith("trainer-e2-")}
+    assert {d["source"] for d in new.values()} == {"spare"} and len(new) == 2, new
+    # The new ranks are the very spare processes (same pids, same actors) that waited before the fault.
+    status = api.job(job_id)
+    pids = {m["member_id"]: m["pid"] for m in _live(status, "trainer")}
+    assert set(pids.values()) <= {s["pid"] for s in spares.values()}, (pids, spares)
+    for mid in pids:
+        assert _member_actor(job_id, mid)["name"] in spares
+    assert gone(victim["pid"])
+    # The pool is back to its size (replaced SPARE_RESTOCK_DELAY_S after the take), while the job runs.
+    restocked = eventually(lambda: len(s := waiting_spares()) == 2 and s, timeout=60, interval=0.5,
+                           what="the spare pool back to 2")
+    assert not set(restocked) & set(spares)
+    assert api.job(job_id)["status"] not in TERMINAL, "the job ended before the pool was restocked"
+    status = wait_done(api, job_id, timeout=150)
+    assert status["committed_step"] == 15
+    audit_job(stack.settings, job_id)
+    # The job's end released its spares (no other job asks for any).
+    eventually(lambda: waiting_spares() == {}, timeout=30, what="spares released at the job's end")
+
+
+def test_a_trainer_rank_is_a_borrowed_replica_actor_switched_in_place(cluster: LocalRayCluster,
+                                                                     standby_stack: tuple[Any, Any]) -> None:
+    from robustrl.audit import audit_job
+
+    stack, api = standby_stack
+    _API[:] = [api]
+    # semi_sync: borrowing is for overlapped modes; 3 replicas, 1 kept generating: both ranks borrowed.
+    spec = small_job("rayborrow", steps=16, mode="semi_sync", staleness=1, trainer={"resources": {"cpus": 0.5}},
+                     rollout={"replicas": 3, "resources": {"cpus": 0.5}}, recovery={"min_replicas_kept": 1},
+                     tools={"latency_s": 0.5}, data={"tasks": ["lookup"]})
+    job_id = api.submit(spec)["job_id"]
+    status = api.wait(job_id, lambda s: s["committed_step"] >= 2, timeout_s=150)
+    replicas = {m["member_id"]: m for m in _live(status, "rollout")}
+    replica_actor = {mid: actor_name(job_id, mid).replace(INSTANCE, STANDBY_INSTANCE) for mid in replicas}
+    victim = next(m for m in _live(status, "trainer") if m["index"] == 0)
+    ray.kill(ray.get_actor(actor_name(job_id, victim["member_id"]).replace(INSTANCE, STANDBY_INSTANCE),
+                           namespace="robustrl"), no_restart=True)
+    recovered = eventually(lambda: [d for d in kinds(api.events(job_id), "recovered") if d["kind"] == "trainer"],
+                           timeout=120, interval=0.25, what="trainer recovery")
+    assert recovered[0]["source"] == "borrowed", recovered
+    events = api.events(job_id)
+    borrowed = {d["member_id"]: d["rank"] for d in kinds(events, "replica_borrowed")}
+    assert len(borrowed) == 2 and set(borrowed) <= set(replicas), borrowed
+    started = {d["member_id"]: d for d in kinds(events, "member_started") if d["member_id"].startswith("trainer-e2-")}
+    assert {d["source"] for d in started.values()} == {"borrowed"}, started
+    switches = eventually(lambda: len(s := kinds(api.events(job_id), "role_switched")) == 2 and s, timeout=60,
+                          what="both borrowed replicas switched role")
+    switched = {d["from_member"]: d for d in switches}
+    assert set(switched) == set(borrowed)
+    # In place: each rank is the replica's own process, still owned by the replica's actor (the
+    # process's /proc environ is its start environment: the hand-off changed it in memory only).
+    status = api.job(job_id)
+    ranks = {m["member_id"]: m for m in _live(status, "trainer")}
+    for replica, rank in borrowed.items():
+        mid = f"trainer-e2-r{rank}"
+        assert ranks[mid]["pid"] == replicas[replica]["pid"], (mid, replica)
+        actor = _member_actor(job_id, mid)
+        assert actor["name"] == replica_actor[replica]
+    rank0 = next(mid for mid in ranks if mid.endswith("-r0"))
+    # The pool is back to its size: a new incarnation of each borrowed slot.
+    eventually(lambda: len(kinds(api.events(job_id), "replica_restocked")) == 2, timeout=90, interval=0.5,
+               what="both borrowed slots restocked")
+    status = api.wait(job_id, lambda s: len(_live(s, "rollout")) == 3, timeout_s=60)
+    # Its exit is the trainer rank's: the borrowed rank's actor killed is a trainer fault under its new id.
+    at = status["committed_step"]
+    assert at < 13, "the job is too far along for a second fault"
+    ray.kill(ray.get_actor(_member_actor(job_id, rank0)["name"], namespace="robustrl"), no_restart=True)
+    faults = eventually(lambda: [f for f in kinds(api.events(job_id), "fault_detected") if f["member_id"] == rank0],
+                        timeout=60, what="the borrowed rank's exit reported under its trainer id")
+    assert faults[0]["role"] == "trainer", faults
+    status = wait_done(api, job_id, timeout=180)
+    assert status["committed_step"] == 15
+    audit_job(stack.settings, job_id)

@@ -8,15 +8,32 @@ the next controller to re-attach to (``adopt``, by the actor's name and the memb
 time).
 
 Placement (``MemberSpec.resources`` / ``.placement``):
-  * a trainer gang (``placement.gang``) is one placement group, one bundle per rank, with the
-    gang's strategy (PACK, STRICT_SPREAD, ...); rank r's actor is pinned to bundle r. The gang's
-    rendezvous (``rendezvous``) runs on rank 0's actor before any rank starts: MASTER_ADDR is
-    rank 0's node address and MASTER_PORT a port free on that node;
+  * a trainer gang (``placement.gang``) is one placement group with one bundle per rank started
+    cold, with the gang's strategy (PACK, STRICT_SPREAD, ...); such a rank's actor is pinned to its
+    bundle. The gang's rendezvous (``rendezvous``) runs on rank 0's actor before any rank starts:
+    MASTER_ADDR is rank 0's node address and MASTER_PORT a port free on that node;
   * ``placement.host`` pins to one node (its IP, node id or node name);
   * ``anti_affinity`` within ``placement.group`` (rollout replicas of a job): this launcher picks a
     fitting node that holds no live member of the group and pins the actor to it; ``required``
     fails the start when there is none, ``preferred`` then lets Ray choose;
   * ``node_labels``: Ray label selectors (``ray start --labels``).
+
+Warm spares (``keep_spares``): a spare is a member actor started ahead, whose process runs
+``python -m robustrl.launcher.spare`` (member code imported, waiting for its order on stdin). A
+spare reserves its own resources -- those of the newest trainer rank started (CPUs, GPUs, memory,
+node labels), or ``spare_resources`` -- and Ray spreads spares over the nodes. ``start`` (and
+``rendezvous``, for rank 0) hands a member to a ready spare when the placement allows it: the
+spare reserves at least the member's CPUs and memory and exactly its GPUs, its node carries the
+member's labels (and is its ``host``, when one is named), a replica's required anti-affinity holds
+on it, and the member is no rank of a ``STRICT_PACK``/``STRICT_SPREAD`` gang (a spare runs outside
+the gang's placement group, so it cannot be held to a strict layout; ``PACK``/``SPREAD`` are
+preferences, followed when choosing among spares). A gang's placement group then only holds the
+ranks started cold. Each spare taken is replaced ``SPARE_RESTOCK_DELAY_S`` later.
+
+Borrowing (``relabel``): a running rollout replica switches in place to a trainer rank; its actor
+writes the hand-off and signals its process (``MemberProcess.handoff``), and the launcher tracks the
+actor under the trainer rank's id from then on. The rank stays on the replica's node, in the
+replica's reservation, outside the gang's placement group.
 
 Exits: every member has one pending ``wait()`` call on its actor; ``poll`` checks them without
 blocking (``ray.wait(timeout=0)``): a member that ended returns its code, an actor that died (killed,
@@ -32,13 +49,24 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from robustrl.errors import LaunchError
-from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState, PlacementHint, check_spec
+from robustrl.launcher.base import (
+    ROLLOUT_MODULE,
+    ExitInfo,
+    Launcher,
+    MemberSpec,
+    MemberState,
+    PlacementHint,
+    Resources,
+    check_spec,
+)
 from robustrl.launcher.ray_member import MemberProcess
+from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +83,13 @@ START_TIME_TOLERANCE_S = 0.05
 DEFAULT_CPUS = 1.0
 MIN_BUNDLE_CPUS = 0.01
 """A placement-group bundle must reserve something: a rank asking for 0 CPUs reserves this much."""
+SPARE_RESTOCK_DELAY_S = 10.0
+"""A spare taken is replaced this much later (as the local launcher does): the new spare's imports
+would otherwise compete with the recovery that took it for the CPU."""
+SPARE_PREFIX = "spare-"
+"""Spare actors are named ``<instance>:spare-<id>``; a member started from one keeps that name."""
+SOFT_STRATEGIES = ("PACK", "SPREAD")
+"""Gang strategies a rank from a spare (or a borrowed replica) may follow only as a preference."""
 
 
 def _ray() -> Any:
@@ -64,6 +99,35 @@ def _ray() -> Any:
         raise LaunchError("the Ray launcher needs the ray package: pip install 'robustrl[ray]'",
                           field="launcher") from exc
     return ray
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a spare's actor reserves, and the node labels it was placed by."""
+
+    cpus: float
+    gpus: float = 0.0
+    memory_mb: int | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def fits(self, spec: MemberSpec, default_cpus: float, node_labels: dict[str, str]) -> bool:
+        """The spare may run ``spec``: at least its CPUs and memory, exactly its GPUs (a member
+        must not sit on accelerators it did not ask for), on a node carrying its labels."""
+        r = spec.resources
+        cpus = default_cpus if r.cpus is None else r.cpus
+        return (self.cpus >= cpus and self.gpus == r.gpus and (r.memory_mb or 0) <= (self.memory_mb or 0)
+                and all(node_labels.get(k) == v for k, v in spec.placement.node_labels.items()))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cpus": self.cpus, "gpus": self.gpus, "memory_mb": self.memory_mb, "labels": dict(self.labels)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> _Shape | None:
+        try:
+            return cls(float(d["cpus"]), float(d["gpus"]), None if d["memory_mb"] is None else int(d["memory_mb"]),
+                       tuple(sorted((str(k), str(v)) for k, v in dict(d["labels"]).items())))
+        except (KeyError, TypeError, ValueError):
+            return None
 
 
 @dataclass
@@ -83,11 +147,16 @@ class _Member:
     cause: str | None = None
     rc: int | None = None
     released: bool = False  # its actor killed and its gang updated (resources free)
+    warm: bool = False  # a spare, a member started from one, or a replica switched in place
+    shape: _Shape | None = None  # a spare's reservation (None: not a spare)
+    ready: Any = None  # a spare's pending start_spare() ObjectRef, until it answered
 
 
 @dataclass
 class _Gang:
-    pg: Any
+    pg: Any = None  # None until a rank is started cold (ranks from spares or borrowed run outside it)
+    bundles: dict[int, int] = field(default_factory=dict)  # rank -> bundle index in ``pg``
+    outside: set[int] = field(default_factory=set)  # ranks that run (or will run) outside ``pg``
     members: set[str] = field(default_factory=set)
 
 
@@ -105,6 +174,8 @@ class RayLauncher(Launcher):
         bind_node_ip: members bind and advertise their node's address (not loopback), so peers
             on other nodes reach them.
         place_timeout_s: bound on placing one member or gang (LaunchError past it).
+        spare_resources: what each warm spare reserves; None: what the newest trainer rank
+            started reserves (and its node labels), or ``default_cpus`` before any.
 
     Raises:
         LaunchError: ray is not installed, or the address is malformed or unreachable
@@ -114,7 +185,8 @@ class RayLauncher(Launcher):
     def __init__(self, address: str, log_dir: Path, base_env: dict[str, str] | None = None, *,
                  namespace: str = "robustrl", instance: str = "robustrl-controller",
                  default_cpus: float = DEFAULT_CPUS, bind_node_ip: bool = True,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S, place_timeout_s: float = PLACE_TIMEOUT_S) -> None:
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, place_timeout_s: float = PLACE_TIMEOUT_S,
+                 spare_resources: Resources | None = None) -> None:
         self.ray = _ray()
         self.address = address
         self.log_dir = Path(log_dir)
@@ -124,13 +196,22 @@ class RayLauncher(Launcher):
         self.default_cpus = default_cpus
         self.bind_node_ip = bind_node_ip
         self.place_timeout_s = place_timeout_s
+        self.spare_resources = spare_resources
         self._members: dict[str, _Member] = {}
-        self._pending: dict[str, _Member] = {}  # actors of a gang created by rendezvous (by actor name)
+        self._pending: dict[str, _Member] = {}  # actors of a gang made ahead by rendezvous (by gang rank name)
         self._placing: dict[str, _Member] = {}  # node reservations of members being started
         self._gangs: dict[str, _Gang] = {}
         self._lock = threading.RLock()
         self._nodes_checked = 0.0
         self._closed = False
+        self._spares: list[_Member] = []
+        self._spares_wanted = 0
+        self._spares_found = False  # a predecessor's spares looked up (once)
+        self._restock_lock = threading.Lock()
+        self._timers: set[threading.Timer] = set()
+        self._trainer_shape: _Shape | None = None
+        self.spares_used = 0
+        """Members started from a warm spare (the rest were cold starts or borrowed replicas)."""
         self._errors: tuple[type[BaseException], ...] = (self.ray.exceptions.RayError, TimeoutError, ValueError)
         """What a call to Ray raises when an actor, a node or the cluster is gone (or a name unknown)."""
         self._connect(connect_timeout_s)
@@ -161,7 +242,7 @@ class RayLauncher(Launcher):
     def _actor_name(self, spec: MemberSpec) -> str:
         """``<instance>:<member>``; a gang rank's actor is named by its gang and rank
         (``<instance>:<gang>/r<rank>``): ``rendezvous`` creates it before the rank's member id is
-        started, together with its peers."""
+        started, together with its peers. (A member started from a spare keeps the spare's name.)"""
         p = spec.placement
         if p.gang is not None:
             return f"{self.instance}:{p.gang}/r{p.gang_rank}"
@@ -202,12 +283,14 @@ class RayLauncher(Launcher):
         if r.memory_mb:
             opts["memory"] = r.memory_mb * 1024 * 1024
         if p.gang is not None:
-            gang = self._gang(spec)
-            if p.gang_rank >= len(gang.pg.bundle_specs):
-                raise LaunchError(f"{spec.member_id}: gang_rank {p.gang_rank} outside its gang of "
-                                  f"{len(gang.pg.bundle_specs)}", member=spec.member_id, field="placement.gang_rank")
+            gang = self._gang_pg(spec)
+            bundle = gang.bundles.get(p.gang_rank)
+            if bundle is None or p.gang_rank >= p.gang_size:
+                raise LaunchError(f"{spec.member_id}: gang_rank {p.gang_rank} has no bundle in its gang's placement "
+                                  f"group (ranks {sorted(gang.bundles)})", member=spec.member_id,
+                                  field="placement.gang_rank")
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                gang.pg, placement_group_bundle_index=p.gang_rank)
+                gang.pg, placement_group_bundle_index=bundle)
             opts["num_cpus"] = max(opts["num_cpus"], MIN_BUNDLE_CPUS)
             return opts
         node = self._pick_node(spec)
@@ -216,6 +299,16 @@ class RayLauncher(Launcher):
         elif p.node_labels:
             opts["label_selector"] = dict(p.node_labels)
         return opts
+
+    def _group_nodes(self, group: str | None) -> dict[str, int]:
+        """Live members (and members being placed) of ``group`` per node id (lock held)."""
+        taken: dict[str, int] = {}
+        if group is None:
+            return taken
+        for m in [*self._members.values(), *self._placing.values()]:
+            if m.spec.placement.group == group and m.node_id and not m.reported:
+                taken[m.node_id] = taken.get(m.node_id, 0) + 1
+        return taken
 
     def _pick_node(self, spec: MemberSpec) -> str | None:
         """The node this launcher pins ``spec`` to (host, anti-affinity), None to let Ray choose."""
@@ -231,10 +324,7 @@ class RayLauncher(Launcher):
         available = self._available()
         fitting = [n for n in self._nodes() if self._fits(n, spec, available)]
         with self._lock:  # replicas start in parallel: a node picked is reserved until it runs
-            taken: dict[str, int] = {}
-            for m in [*self._members.values(), *self._placing.values()]:
-                if m.spec.placement.group == p.group and m.node_id and not m.reported:
-                    taken[m.node_id] = taken.get(m.node_id, 0) + 1
+            taken = self._group_nodes(p.group)
             free = [n for n in fitting if n["NodeID"] not in taken]
             if free:
                 # The node with the most CPUs left over for the job's other members.
@@ -248,15 +338,24 @@ class RayLauncher(Launcher):
                               field="placement.anti_affinity")
         return None
 
-    def _gang(self, spec: MemberSpec) -> _Gang:
-        """The gang's placement group, created and waited for on its first member."""
+    def _gang_record(self, gang_id: str) -> _Gang:
+        """The launcher's record of a gang, made on first use (lock held)."""
+        gang = self._gangs.get(gang_id)
+        if gang is None:
+            gang = self._gangs[gang_id] = _Gang()
+        return gang
+
+    def _gang_pg(self, spec: MemberSpec) -> _Gang:
+        """The gang with its placement group: made (and waited for) on the first rank started
+        cold, with one bundle per rank that does not run outside it (spares, borrowed replicas)."""
         ray = self.ray
         p, r = spec.placement, spec.resources
         assert p.gang is not None
         with self._lock:
-            gang = self._gangs.get(p.gang)
-            if gang is not None:
+            gang = self._gang_record(p.gang)
+            if gang.pg is not None:
                 return gang
+            ranks = [q for q in range(p.gang_size) if q not in gang.outside or q == p.gang_rank]
             cpus = max(self.default_cpus if r.cpus is None else r.cpus, MIN_BUNDLE_CPUS)
             bundle: dict[str, float] = {"CPU": cpus}
             if r.gpus:
@@ -265,17 +364,16 @@ class RayLauncher(Launcher):
                 bundle["memory"] = float(r.memory_mb * 1024 * 1024)
             kwargs: dict[str, Any] = {}
             if p.node_labels:
-                kwargs["bundle_label_selector"] = [dict(p.node_labels)] * p.gang_size
-            pg = ray.util.placement_group([dict(bundle) for _ in range(p.gang_size)], strategy=p.strategy,
+                kwargs["bundle_label_selector"] = [dict(p.node_labels)] * len(ranks)
+            pg = ray.util.placement_group([dict(bundle) for _ in ranks], strategy=p.strategy,
                                           name=f"{self.instance}:{p.gang}", lifetime="detached", **kwargs)
-            gang = _Gang(pg)
-            self._gangs[p.gang] = gang
+            gang.pg, gang.bundles = pg, {q: i for i, q in enumerate(ranks)}
         try:
             ray.get(pg.ready(), timeout=self.place_timeout_s)
         except self._errors as exc:
             self._drop_gang(p.gang)
             raise LaunchError(
-                f"gang {p.gang}: Ray could not place {p.gang_size} x {bundle} with strategy {p.strategy}"
+                f"gang {p.gang}: Ray could not place {len(ranks)} x {bundle} with strategy {p.strategy}"
                 f"{' on nodes labelled ' + str(dict(p.node_labels)) if p.node_labels else ''} within "
                 f"{self.place_timeout_s:g} s ({type(exc).__name__})", member=spec.member_id,
                 field="placement.strategy") from exc
@@ -283,18 +381,251 @@ class RayLauncher(Launcher):
 
     def _drop_gang(self, gang_id: str) -> None:
         """Remove the gang's placement group (Ray ends the actors in it) and forget its ranks'
-        actors that were never started."""
+        actors that were never started (a spare made ready for one of them is released too)."""
         with self._lock:
             gang = self._gangs.pop(gang_id, None)
             unused = [n for n, m in self._pending.items() if m.spec.placement.gang == gang_id]
             unused_members = [self._pending.pop(n) for n in unused]
         for m in unused_members:
             self._kill_actor(m)
-        if gang is not None:
+        if gang is not None and gang.pg is not None:
             try:
                 self.ray.util.remove_placement_group(gang.pg)
             except self._errors as exc:  # gone already (a restarted cluster): nothing to free
                 log.debug("placement group of %s not removed: %s", gang_id, exc)
+
+    # --- warm spares ---------------------------------------------------------------------------
+
+    def _spare_shape(self) -> _Shape:
+        """What a new spare reserves (``spare_resources``, else the newest trainer rank's)."""
+        if self.spare_resources is not None:
+            r = self.spare_resources
+            return _Shape(self.default_cpus if r.cpus is None else r.cpus, r.gpus, r.memory_mb)
+        return self._trainer_shape or _Shape(self.default_cpus)
+
+    def _note_trainer(self, spec: MemberSpec) -> None:
+        """Spares are sized (and labelled) after the newest trainer rank started."""
+        if spec.role == "trainer":
+            r = spec.resources
+            self._trainer_shape = _Shape(self.default_cpus if r.cpus is None else r.cpus, r.gpus, r.memory_mb,
+                                         tuple(sorted(spec.placement.node_labels.items())))
+
+    def keep_spares(self, n: int) -> None:
+        """Keep ``n`` warm spare actors ready (0 releases them all). The first call also takes
+        over the waiting spares a previous controller of this instance left (its actors are
+        detached): they are kept when they fit, else released."""
+        with self._lock:
+            self._spares_wanted = max(0, n)
+        self._find_spares()
+        self._restock()
+
+    def was_warm(self, member_id: str) -> bool:
+        m = self._members.get(member_id)
+        return m is not None and m.warm
+
+    def spares_ready(self) -> int:
+        self._check_spares()
+        with self._lock:
+            return sum(1 for s in self._spares if s.pid is not None)
+
+    def _find_spares(self) -> None:
+        """Adopt the waiting spares of a previous controller of this instance (once)."""
+        with self._lock:
+            if self._spares_found:
+                return
+            self._spares_found = True
+            known = {m.name for m in [*self._spares, *self._members.values(), *self._pending.values()]}
+        prefix = f"{self.instance}:{SPARE_PREFIX}"
+        try:
+            names = [a["name"] for a in self.ray.util.list_named_actors(all_namespaces=True)
+                     if a.get("namespace") == self.namespace and a["name"].startswith(prefix)]
+        except self._errors as exc:
+            log.warning("cannot list the spares of an earlier controller: %s", exc)
+            return
+        for name in names:
+            if name in known:
+                continue
+            try:
+                actor = self.ray.get_actor(name, namespace=self.namespace)
+                info = self.ray.get(actor.info.remote(), timeout=CALL_TIMEOUT_S)
+            except self._errors:
+                continue
+            shape = _Shape.from_dict(info.get("shape"))
+            if not (info.get("spare") and info.get("running")) or shape is None:
+                continue  # a member started from a spare: adopted (or not) through its handle
+            spare = _Member(MemberSpec("", name, "spare", "robustrl.launcher.spare"), name, actor, MemberState.RUNNING,
+                            actor.wait.remote(), info["pid"], info["create_time"], info["node_id"], info["node_ip"],
+                            warm=True, shape=shape)
+            with self._lock:
+                self._spares.append(spare)
+            log.info("adopted waiting spare %s of an earlier controller", name)
+
+    def _restock(self) -> None:
+        """Forget dead spares, release extra (or mis-sized) ones, start missing ones."""
+        with self._restock_lock:
+            self._check_spares()
+            shape = self._spare_shape()
+            with self._lock:
+                wanted = 0 if self._closed else self._spares_wanted
+                keep = [s for s in self._spares if s.shape == shape]
+                drop = [s for s in self._spares if s.shape != shape] + keep[wanted:]
+                self._spares = keep[:wanted]
+                missing = wanted - len(self._spares)
+            for s in drop:
+                self._kill_actor(s)
+            for _ in range(missing):
+                spare = self._new_spare(shape)
+                if spare is None:
+                    return  # members start cold, which always works
+                with self._lock:
+                    self._spares.append(spare)
+
+    def _new_spare(self, shape: _Shape) -> _Member | None:
+        name = f"{self.instance}:{SPARE_PREFIX}{uuid.uuid4().hex[:12]}"
+        opts: dict[str, Any] = {
+            "name": name, "namespace": self.namespace, "lifetime": "detached", "max_restarts": 0,
+            "max_task_retries": 0, "max_concurrency": 8, "num_cpus": shape.cpus, "num_gpus": shape.gpus}
+        if shape.memory_mb:
+            opts["memory"] = shape.memory_mb * 1024 * 1024
+        if shape.labels:
+            opts["label_selector"] = dict(shape.labels)
+        else:
+            opts["scheduling_strategy"] = "SPREAD"  # a node's loss takes few spares with it
+        try:
+            actor = self._actor_cls.options(**opts).remote()
+            ready = actor.start_spare.remote(dict(self.base_env), str(self.log_dir / f"{name.split(':')[-1]}.log"),
+                                             shape.as_dict())
+        except (TypeError, *self._errors) as exc:
+            log.warning("cannot start a warm spare: %s", exc)
+            return None
+        return _Member(MemberSpec("", name, "spare", "robustrl.launcher.spare"), name, actor, warm=True,
+                       shape=shape, ready=ready)
+
+    def _restock_later(self) -> None:
+        def restock() -> None:
+            with self._lock:
+                self._timers.discard(timer)
+            self._restock()
+
+        timer = threading.Timer(SPARE_RESTOCK_DELAY_S, restock)
+        timer.daemon = True
+        with self._lock:
+            if self._closed:
+                return
+            self._timers.add(timer)
+        timer.start()
+
+    def _check_spares(self, alive: set[str] | None = None) -> None:
+        """Note spares whose process started; drop those that ended or whose node is gone (their
+        replacement comes ``SPARE_RESTOCK_DELAY_S`` later). ``alive``: live node ids, if known."""
+        ray = self.ray
+        with self._lock:
+            spares = list(self._spares)
+        if not spares:
+            return
+        dead: list[_Member] = []
+        starting = {s.ready: s for s in spares if s.ready is not None}
+        if starting:
+            ready, _ = ray.wait(list(starting), num_returns=len(starting), timeout=0, fetch_local=True)
+            for ref in ready:
+                s = starting[ref]
+                try:
+                    info = ray.get(ref, timeout=CALL_TIMEOUT_S)
+                except self._errors as exc:
+                    log.warning("warm spare %s did not start: %s", s.name, _cause(exc))
+                    dead.append(s)
+                    continue
+                s.pid, s.create_time = int(info["pid"]), info["create_time"]
+                s.node_id, s.node_ip = info["node_id"], info["node_ip"]
+                s.done, s.ready, s.state = s.actor.wait.remote(), None, MemberState.RUNNING
+        running = {s.done: s for s in spares if s.done is not None and s.ready is None}
+        if running:
+            ended, _ = ray.wait(list(running), num_returns=len(running), timeout=0, fetch_local=False)
+            dead.extend(running[ref] for ref in ended)
+        if alive is None and any(s.node_id for s in spares):
+            alive = {n["NodeID"] for n in self._nodes()}
+        if alive is not None:
+            dead.extend(s for s in spares if s.node_id and s.node_id not in alive and s not in dead)
+        if not dead:
+            return
+        with self._lock:
+            self._spares = [s for s in self._spares if s not in dead]
+        for s in dead:
+            self._kill_actor(s)
+        self._restock_later()
+
+    def _may_use_spare(self, spec: MemberSpec) -> bool:
+        p = spec.placement
+        return spec.module in SPARE_TARGETS and not (p.gang is not None and p.strategy not in SOFT_STRATEGIES)
+
+    def _take_spare(self, spec: MemberSpec) -> _Member | None:
+        """Take the ready spare that suits ``spec`` best (module docstring), out of the pool; None
+        when none may run it. Its replacement is started ``SPARE_RESTOCK_DELAY_S`` later."""
+        if not self._may_use_spare(spec):
+            return None
+        with self._lock:
+            if not self._spares:
+                return None
+        self._check_spares()
+        nodes = {str(n["NodeID"]): n for n in self._nodes()}
+        p = spec.placement
+        with self._lock:
+            fitting = [s for s in self._spares if s.pid is not None and s.shape is not None and s.node_id in nodes
+                       and s.shape.fits(spec, self.default_cpus, nodes[s.node_id].get("Labels", {}) or {})
+                       and (spec.host is None or spec.host in (s.node_ip, s.node_id,
+                                                               nodes[s.node_id].get("NodeName")))]
+            taken = self._group_nodes(p.group)
+            if p.anti_affinity == "required":
+                fitting = [s for s in fitting if s.node_id not in taken]
+            peers = set()
+            if p.gang is not None:  # nodes of the gang's ranks placed so far
+                peers = {m.node_id for m in [*self._members.values(), *self._pending.values()]
+                         if m.spec.placement.gang == p.gang and not m.reported}
+            if not fitting:
+                return None
+
+            def cost(s: _Member) -> tuple[int, int]:
+                crowded = int(s.node_id in taken)  # anti-affinity: preferred (required filtered above)
+                if p.strategy == "PACK":
+                    return crowded, int(bool(peers) and s.node_id not in peers)
+                return crowded, int(s.node_id in peers)  # SPREAD
+
+            spare = min(fitting, key=cost)
+            self._spares.remove(spare)
+            if p.group is not None:  # replicas start in parallel: this node is taken from now on
+                self._placing[spec.member_id] = _Member(spec, "", None, node_id=spare.node_id)
+        self._restock_later()
+        return spare
+
+    def _assign(self, spec: MemberSpec, spare: _Member) -> None:
+        """Hand ``spec`` to ``spare`` (its order on stdin) and track it as ``spec.member_id``."""
+        env = {**self.base_env, **spec.env}
+        log_path = str(self.log_dir / f"{spec.member_id}.log")
+        try:
+            info = self.ray.get(spare.actor.assign.remote(spec.module, list(spec.args), env, log_path,
+                                                          self.bind_node_ip), timeout=CALL_TIMEOUT_S)
+        except self._errors as exc:
+            self._kill_actor(spare)
+            raise LaunchError(f"warm spare {spare.name} could not take {spec.member_id}: {_cause(exc)}",
+                              member=spec.member_id) from exc
+        self._register(spec, spare, info)
+        with self._lock:
+            self.spares_used += 1
+
+    def _register(self, spec: MemberSpec, m: _Member, info: dict[str, Any]) -> None:
+        m.spec = spec
+        m.pid, m.create_time = int(info["pid"]), info["create_time"]
+        m.node_id, m.node_ip = info["node_id"], info["node_ip"]
+        if m.done is None:
+            m.done = m.actor.wait.remote()
+        m.state, m.shape, m.ready = MemberState.RUNNING, None, None
+        with self._lock:
+            self._members[spec.member_id] = m
+            if spec.placement.gang:
+                gang = self._gang_record(spec.placement.gang)
+                gang.members.add(spec.member_id)
+                if m.warm:
+                    gang.outside.add(spec.placement.gang_rank)
 
     # --- start ---------------------------------------------------------------------------------
 
@@ -306,35 +637,86 @@ class RayLauncher(Launcher):
             raise LaunchError(f"cannot create the actor of {spec.member_id}: {exc}", member=spec.member_id) from exc
         return _Member(spec, opts["name"], actor)
 
-    def rendezvous(self, spec: MemberSpec) -> tuple[str, int]:
-        """Place the gang of rank 0 (``spec``) and pick MASTER_ADDR / MASTER_PORT on rank 0's node.
-
-        Every rank's actor is created here at once, in its bundle (``start`` then only launches
-        its process): starting a gang costs one actor start, not one per rank. That matters
-        because the controller handles an exit, and starts the new gang, before it polls again."""
-        check_spec(spec)
+    def _premake(self, spec: MemberSpec, ranks: list[int] | None) -> tuple[list[_Member], list[dict[str, Any]]]:
+        """Create the actors of ``ranks`` of ``spec``'s gang at once (or of ``spec`` itself when
+        None) and wait until each runs; return them and their ``where`` answers."""
         p = spec.placement
-        ranks = [spec] if p.gang is None else [
-            replace(spec, placement=replace(p, gang_rank=r)) for r in range(p.gang_size)]
+        specs = [spec] if ranks is None else [replace(spec, placement=replace(p, gang_rank=r)) for r in ranks]
         created: list[_Member] = []
         try:
-            for r in ranks:
+            for r in specs:
                 created.append(self._create(r))
             answers = self.ray.get([m.actor.where.remote() for m in created], timeout=self.place_timeout_s)
         except (LaunchError, *self._errors) as exc:
             for m in created:
                 self._kill_actor(m)
-            if p.gang:
-                self._drop_gang(p.gang)
+            self._drop_unstarted_gang(p.gang)
             if isinstance(exc, LaunchError):
                 raise
             raise LaunchError(f"cannot place the gang of {spec.member_id} within {self.place_timeout_s:g} s: {exc}",
                               member=spec.member_id, field="resources") from exc
+        for m, where in zip(created, answers, strict=True):
+            m.node_id, m.node_ip = where["node_id"], where["node_ip"]
+        return created, answers
+
+    def _drop_unstarted_gang(self, gang_id: str | None) -> None:
+        """After a failed start: a gang none of whose ranks runs would otherwise hold its placement
+        group and the other ranks' pre-made actors for good."""
+        if gang_id is None:
+            return
         with self._lock:
-            for m, where in zip(created, answers, strict=True):
-                m.node_id, m.node_ip = where["node_id"], where["node_ip"]
-                self._pending[m.name] = m
+            gang = self._gangs.get(gang_id)
+            started = bool(gang is not None and gang.members)
+        if not started:
+            self._drop_gang(gang_id)
+
+    def rendezvous(self, spec: MemberSpec) -> tuple[str, int]:
+        """Place the gang of rank 0 (``spec``) and pick MASTER_ADDR / MASTER_PORT on rank 0's node.
+
+        Rank 0 is a warm spare when one suits it (module docstring); else every rank's actor is
+        created here at once, in its bundle (``start`` then only launches its process): starting a
+        gang costs one actor start, not one per rank. That matters because the controller handles
+        an exit, and starts the new gang, before it polls again."""
+        check_spec(spec)
+        p = spec.placement
+        self._note_trainer(spec)
+        if p.gang is not None:
+            with self._lock:
+                self._gang_record(p.gang).outside.add(p.gang_rank)  # held for a spare while one is tried
+            spare = self._take_spare(spec)
+            if spare is not None:
+                try:
+                    where = self.ray.get(spare.actor.where.remote(), timeout=CALL_TIMEOUT_S)
+                except self._errors as exc:
+                    log.warning("warm spare %s unreachable (%s): rank 0 of %s starts cold", spare.name, exc, p.gang)
+                    self._kill_actor(spare)
+                else:
+                    spare.spec = spec
+                    with self._lock:
+                        self._pending[self._actor_name(spec)] = spare
+                    return str(where["node_ip"]), int(where["port"])
+            with self._lock:
+                self._gang_record(p.gang).outside.discard(p.gang_rank)
+        ranks = None if p.gang is None else [r for r in range(p.gang_size) if r == p.gang_rank or r not in (
+            self._gangs[p.gang].outside if p.gang in self._gangs else set())]
+        created, answers = self._premake(spec, ranks)
+        with self._lock:
+            for m in created:
+                self._pending[self._actor_name(m.spec)] = m
         return str(answers[0]["node_ip"]), int(answers[0]["port"])
+
+    def rendezvous_on(self, member_id: str) -> tuple[str, int]:
+        """MASTER_ADDR / MASTER_PORT on the node of the running member ``member_id`` (a replica
+        borrowed as rank 0): its node's address and a port free there, asked of its actor."""
+        m = self._members.get(member_id)
+        if m is None or m.reported:
+            return super().rendezvous_on(member_id)
+        try:
+            where = self.ray.get(m.actor.where.remote(), timeout=CALL_TIMEOUT_S)
+        except self._errors as exc:
+            raise LaunchError(f"cannot reach {member_id} for its gang's rendezvous: {_cause(exc)}",
+                              member=member_id) from exc
+        return str(where["node_ip"]), int(where["port"])
 
     def start(self, spec: MemberSpec) -> None:
         check_spec(spec)
@@ -345,16 +727,56 @@ class RayLauncher(Launcher):
             if old is not None and not old.reported and old.state is not MemberState.EXITED:
                 raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
             m = self._pending.pop(self._actor_name(spec), None)
+        self._note_trainer(spec)
         try:
+            if m is None and not self._gang_has_pg(spec):
+                spare = self._take_spare(spec)
+                if spare is not None:
+                    try:
+                        self._assign(spec, spare)
+                        return
+                    except LaunchError as exc:
+                        log.warning("%s; starting it cold", exc)
+            if m is None and spec.placement.gang is not None:
+                m = self._premake_from(spec)
             self._start(spec, m)
         finally:
             with self._lock:
                 self._placing.pop(spec.member_id, None)
 
+    def _gang_has_pg(self, spec: MemberSpec) -> bool:
+        """A rank whose gang already has a placement group starts in it (the group holds its bundle)."""
+        gang_id = spec.placement.gang
+        with self._lock:
+            return gang_id is not None and gang_id in self._gangs and self._gangs[gang_id].pg is not None
+
+    def _premake_from(self, spec: MemberSpec) -> _Member:
+        """A gang rank without a pre-made actor: its actor, and those of the later ranks that will
+        start cold, made at once (with the gang's placement group, if it has none yet)."""
+        p = spec.placement
+        assert p.gang is not None
+        with self._lock:
+            gang = self._gang_record(p.gang)
+            later = [] if gang.pg is not None else [
+                r for r in range(p.gang_rank + 1, p.gang_size) if r not in gang.outside
+                and self._actor_name(replace(spec, placement=replace(p, gang_rank=r))) not in self._pending]
+        created, _ = self._premake(spec, [p.gang_rank, *later])
+        with self._lock:
+            for m in created[1:]:
+                self._pending[self._actor_name(m.spec)] = m
+        return created[0]
+
     def _start(self, spec: MemberSpec, m: _Member | None) -> None:
         if m is None:
             m = self._create(spec)
         m.spec = spec
+        if m.warm:  # rank 0 of a gang, from the spare ``rendezvous`` took for it
+            try:
+                self._assign(spec, m)
+            except LaunchError:
+                self._drop_unstarted_gang(spec.placement.gang)
+                raise
+            return
         env = {**self.base_env, **spec.env}
         log_path = str(self.log_dir / f"{spec.member_id}.log")
         try:
@@ -362,26 +784,14 @@ class RayLauncher(Launcher):
                                 timeout=self.place_timeout_s)
         except self._errors as exc:
             self._kill_actor(m)
-            gang = spec.placement.gang
-            with self._lock:
-                started = bool(gang and gang in self._gangs and self._gangs[gang].members)
-            if gang and not started:
-                # No rank of this gang runs: its placement group and the other ranks' actors
-                # (made by rendezvous) would otherwise hold the gang's resources for good.
-                self._drop_gang(gang)
+            self._drop_unstarted_gang(spec.placement.gang)
             r = spec.resources
             raise LaunchError(
                 f"cannot start {spec.member_id} on the Ray cluster within {self.place_timeout_s:g} s "
                 f"(cpus={self.default_cpus if r.cpus is None else r.cpus}, gpus={r.gpus}, "
                 f"memory_mb={r.memory_mb}, labels={dict(spec.placement.node_labels)}): {exc}",
                 member=spec.member_id, field="resources") from exc
-        m.pid, m.create_time = int(info["pid"]), info["create_time"]
-        m.node_id, m.node_ip = info["node_id"], info["node_ip"]
-        m.done, m.state = m.actor.wait.remote(), MemberState.RUNNING
-        with self._lock:
-            self._members[spec.member_id] = m
-            if spec.placement.gang and spec.placement.gang in self._gangs:
-                self._gangs[spec.placement.gang].members.add(spec.member_id)
+        self._register(spec, m, info)
 
     def host_for(self, member_id: str) -> str:
         """The node address of the member (or of a rank 0 placed by ``rendezvous``)."""
@@ -390,6 +800,70 @@ class RayLauncher(Launcher):
         if m is not None and m.node_ip:
             return m.node_ip
         return super().host_for(member_id)
+
+    # --- borrowing -----------------------------------------------------------------------------
+
+    def can_relabel(self) -> bool:
+        return True
+
+    def relabel(self, member_id: str, spec: MemberSpec) -> None:
+        """Switch the running rollout replica ``member_id`` in place to ``spec`` (a trainer rank):
+        its actor writes the hand-off and signals the process (``MemberProcess.handoff``); the
+        actor is tracked as ``spec.member_id`` from now on (polled, stopped, killed and re-attached
+        under that id; its exit is reported under it). The rank stays on the replica's node and
+        in the replica's reservation, outside the gang's placement group."""
+        check_spec(spec)
+        with self._lock:
+            m = self._members.get(member_id)
+            if m is None or m.reported or m.state is not MemberState.RUNNING:
+                raise LaunchError(f"cannot borrow {member_id}: it is not running", member=member_id)
+            if m.spec.role != "rollout" or m.spec.module not in ("", ROLLOUT_MODULE):
+                raise LaunchError(f"cannot borrow {member_id}: only a rollout replica switches role in place",
+                                  member=member_id)
+            new = self._members.get(spec.member_id)
+            if new is not None and not new.reported and new.state is not MemberState.EXITED:
+                raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
+            pre = self._pending.pop(self._actor_name(spec), None) if spec.placement.gang else None
+            # Tracked under the new id before the switch: an exit seen from now on is the rank's.
+            old_spec, old_warm = m.spec, m.warm
+            del self._members[member_id]
+            m.spec, m.warm = spec, True
+            self._members[spec.member_id] = m
+        if pre is not None:
+            self._release_premade(pre)
+        env = {**self.base_env, **spec.env}
+        try:
+            info = self.ray.get(m.actor.handoff.remote(env, str(self.log_dir / f"{spec.member_id}.log"),
+                                                       self.bind_node_ip), timeout=CALL_TIMEOUT_S)
+        except self._errors as exc:
+            with self._lock:
+                if self._members.get(spec.member_id) is m:
+                    del self._members[spec.member_id]
+                m.spec, m.warm = old_spec, old_warm
+                self._members[member_id] = m
+            raise LaunchError(f"cannot hand {member_id} over to {spec.member_id}: {_cause(exc)}",
+                              member=member_id) from exc
+        m.node_id, m.node_ip = info["node_id"], info["node_ip"]
+        if spec.placement.gang:
+            with self._lock:
+                gang = self._gang_record(spec.placement.gang)
+                gang.members.add(spec.member_id)
+                gang.outside.add(spec.placement.gang_rank)
+
+    def _release_premade(self, m: _Member) -> None:
+        """A gang rank's actor made ahead, not needed (its rank was borrowed): a spare goes back to
+        the pool; an actor in the placement group is killed (its bundle stays reserved, empty,
+        until the gang ends: Ray cannot shrink a placement group)."""
+        if m.shape is not None and m.pid is not None:
+            with self._lock:
+                if not self._closed:
+                    m.spec = MemberSpec("", m.name, "spare", "robustrl.launcher.spare")
+                    self._spares.append(m)
+                    return
+        if m.spec.placement.gang:
+            log.info("rank %d of %s was borrowed: its bundle in the gang's placement group stays empty",
+                     m.spec.placement.gang_rank, m.spec.placement.gang)
+        self._kill_actor(m)
 
     # --- signals -------------------------------------------------------------------------------
 
@@ -484,13 +958,17 @@ class RayLauncher(Launcher):
                     m.rc, m.cause = None, _cause(exc)
                 ended.append(m)
         now = time.monotonic()
-        if watching and now - self._nodes_checked >= NODE_CHECK_INTERVAL_S:
+        with self._lock:
+            spares = bool(self._spares)
+        if (watching or spares) and now - self._nodes_checked >= NODE_CHECK_INTERVAL_S:
             self._nodes_checked = now
             alive = {n["NodeID"] for n in self._nodes()}
             for m in watching.values():
                 if m not in ended and m.node_id not in alive:
                     m.rc, m.cause = None, f"its node {m.node_ip} ({m.node_id}) is dead"
                     ended.append(m)
+            if spares:  # spares that ended or were lost with their node are replaced
+                self._check_spares(alive)
         out = []
         for m in ended:
             with self._lock:
@@ -592,9 +1070,10 @@ class RayLauncher(Launcher):
             self._members[member_id] = m
             if gang is not None and gang not in self._gangs:
                 try:
-                    self._gangs[gang] = _Gang(ray.util.get_placement_group(f"{self.instance}:{gang}"))
+                    pg = ray.util.get_placement_group(f"{self.instance}:{gang}")
                 except self._errors:
-                    gang = None
+                    pg = None  # every rank ran outside one (spares, borrowed replicas), or it is gone
+                self._gangs[gang] = _Gang(pg)
             if gang is not None:
                 self._gangs[gang].members.add(member_id)
         return True
@@ -611,11 +1090,17 @@ class RayLauncher(Launcher):
             return ""
 
     def close(self) -> None:
-        """Stop every member this launcher runs, free their actors and placement groups."""
+        """Stop every member this launcher runs, free their actors, spares and placement groups
+        (a previous controller's waiting spares of this instance too)."""
+        self._find_spares()
         with self._lock:
             self._closed = True
-            pending = list(self._pending.values())
+            pending = list(self._pending.values()) + self._spares
             self._pending.clear()
+            self._spares = []
+            timers, self._timers = list(self._timers), set()
+        for t in timers:
+            t.cancel()
         for m in pending:
             self._kill_actor(m)
         self.kill_many(self.running(), expected=True)
