@@ -15,13 +15,17 @@ On one embedded stack it runs the reference job
 and writes one JSON file. ETTR and recovery times come from each job's event log only.
 
     python bench/ettr.py --launcher ray --out bench/results/ettr-ray.json [--steps 30] [--quick]
+                         [--pairs 3] [--warm-spares N]
 
 runs instead, on a three-node Ray cluster started on this machine (head + 2 workers on
 127.0.0.2/.3, ``robustrl.launcher.ray_cluster``), the same job with a trainer crash every 10 steps
-under the local launcher and under the Ray launcher (role_local, then whole_job unless
-``--quick``), one role_local run on Ray where a worker node is killed mid-job (its raylet and
+under the local launcher and under the Ray launcher: ``--pairs`` interleaved role_local pairs (the
+order alternating, each run on a stack of its own, the machine's load recorded before and after
+each, and each trainer recovery broken down from the event log), then whole_job on both unless
+``--quick``; then one role_local run on Ray where a worker node is killed mid-job (its raylet and
 everything on it, SIGKILL) followed by the auditor, and the time one launcher ``start`` takes
-(local process vs Ray actor + process).
+(local process vs Ray actor + process). Every run has the same ``recovery.warm_spares`` (default:
+the trainer's workers): local spare processes, or Ray spare actors.
 """
 
 from __future__ import annotations
@@ -241,44 +245,128 @@ def start_times(cluster: Any, log_dir: Path, n: int = 5) -> dict[str, Any]:
     return out
 
 
+def _load() -> list[float]:
+    """The machine's load averages (1, 5, 15 min) from /proc/loadavg."""
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(x) for x in f.read().split()[:3]]
+    except OSError:
+        return []
+
+
+def recovery_breakdown(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per trainer recovery, from the event log: detection -> decision -> the new gang started
+    (every rank's Launcher.start / relabel returned: what the launcher puts on the critical path)
+    -> recovered (the gang joined, loaded its checkpoint and trained)."""
+    first: dict[tuple[str, str], float] = {}
+    for e in events:
+        fid = (e.get("data") or {}).get("fault_id")
+        if fid and e["kind"] in ("fault_detected", "decision"):
+            first.setdefault((e["kind"], fid), e["ts"])
+    out = []
+    for e in events:
+        d = e.get("data") or {}
+        if e["kind"] != "recovered" or d.get("kind") != "trainer":
+            continue
+        decided = first.get(("decision", d["fault_id"]))
+        if decided is None:
+            continue
+        starts = [x["ts"] for x in events if x["kind"] == "member_started" and (x.get("data") or {}).get("role")
+                  == "trainer" and decided <= x["ts"] <= e["ts"]]
+        detected = first.get(("fault_detected", d["fault_id"]), decided)
+        out.append({"fault_id": d["fault_id"], "source": d.get("source"),
+                    "decide_s": round(decided - detected, 3),
+                    "gang_start_s": round(max(starts) - decided, 3) if starts else None,
+                    "gang_ready_s": round(e["ts"] - max(starts), 3) if starts else None,
+                    "recovery_s": d.get("recovery_s")})
+    return out
+
+
+async def _ray_bench_run(tmp: Path, cluster: Any, launcher: str, spec: dict[str, Any], seed: int,
+                         label: str) -> dict[str, Any]:
+    """One trainer-fault job on a stack of its own (started for it, stopped after it: only one
+    stack runs at a time), with the machine's load before and after and the recoveries' breakdown."""
+    env = {"ROBUSTRL_LAUNCHER": launcher}
+    if launcher == "ray":
+        env |= {"ROBUSTRL_RAY_ADDRESS": cluster.address, "ROBUSTRL_LAUNCHER_INSTANCE": RAY_INSTANCE}
+    load_before = _load()
+    with Stack(tmp / f"stack-{label}", extra_env=env) as stack:
+        assert stack.settings
+        api = ApiClient(stack.api_url, stack.settings.api_token)
+        try:
+            out = await run_one(stack, api, spec, trainer_scenario(seed), label)
+            jobs = api.jobs()  # this stack's only job
+            if jobs:
+                out["job_id"] = jobs[-1]["job_id"]
+                out["recoveries"] = recovery_breakdown(api.events(out["job_id"]))
+        finally:
+            api.close()
+    out.update({"launcher": launcher, "load_before": load_before, "load_after": _load()})
+    return out
+
+
 async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
     from robustrl.audit import audit
     from robustrl.launcher.ray_cluster import LocalRayCluster
 
     spec_base = reference_job(steps=args.steps, seed=args.seed).model_dump(mode="json")
+    spares = args.warm_spares if args.warm_spares is not None else spec_base["trainer"]["workers"]
     results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                               "job": {"steps": args.steps, "tool_latency_s": spec_base["tools"]["latency_s"]},
+                               "job": {"steps": args.steps, "tool_latency_s": spec_base["tools"]["latency_s"],
+                                       "warm_spares": spares, "pairs": args.pairs},
                                "cluster": "head (0 CPUs) + 2 workers (2 CPUs each) on 127.0.0.1-3, one machine"}
+
+    def spec(policy: str, launcher: str) -> dict[str, Any]:
+        s = _ray_spec(spec_base, policy, launcher)
+        return {**s, "recovery": {**s["recovery"], "warm_spares": spares}}
+
     with tempfile.TemporaryDirectory(prefix="rr-ettr-", dir="/tmp") as tmp:
         cluster = LocalRayCluster(Path(tmp) / "ray", workers=2, worker_cpus=2).start()
         try:
             results["member_start"] = start_times(cluster, Path(tmp) / "start")
             print(f"member start: {results['member_start']}", flush=True)
-            policies = ("role_local",) if args.quick else ("role_local", "whole_job")
-            for launcher in ("local", "ray"):
-                env = {"ROBUSTRL_LAUNCHER": launcher}
-                if launcher == "ray":
-                    env |= {"ROBUSTRL_RAY_ADDRESS": cluster.address, "ROBUSTRL_LAUNCHER_INSTANCE": RAY_INSTANCE}
-                with Stack(Path(tmp) / f"stack-{launcher}", extra_env=env) as stack:
-                    assert stack.settings
-                    api = ApiClient(stack.api_url, stack.settings.api_token)
-                    for policy in policies:
-                        results[f"{launcher}_{policy}"] = await run_one(
-                            stack, api, _ray_spec(spec_base, policy, launcher), trainer_scenario(args.seed),
-                            f"{launcher} {policy} (trainer faults)")
-                    if launcher == "ray":
-                        results["ray_node_loss"] = await _node_loss_run(stack, api, cluster, spec_base, audit)
-                    api.close()
+            # Interleaved pairs, the order alternating (local first, then Ray first, ...): a change
+            # of the machine's load during the bench falls on both launchers alike.
+            pairs = []
+            for i in range(args.pairs):
+                order = ("local", "ray") if i % 2 == 0 else ("ray", "local")
+                pair: dict[str, Any] = {}
+                for launcher in order:
+                    pair[launcher] = await _ray_bench_run(
+                        Path(tmp), cluster, launcher, spec("role_local", launcher), args.seed,
+                        f"{launcher}-{i}")
+                pair["order"] = list(order)
+                pair["gap"] = round(pair["ray"]["ettr"] - pair["local"]["ettr"], 4)
+                print(f"pair {i}: local {pair['local']['ettr']:.3f} ray {pair['ray']['ettr']:.3f} "
+                      f"gap {pair['gap']:+.3f}", flush=True)
+                pairs.append(pair)
+            results["pairs"] = pairs
+            if not args.quick:
+                for launcher in ("local", "ray"):
+                    results[f"{launcher}_whole_job"] = await _ray_bench_run(
+                        Path(tmp), cluster, launcher, spec("whole_job", launcher), args.seed, f"{launcher}-whole")
+            env = {"ROBUSTRL_LAUNCHER": "ray", "ROBUSTRL_RAY_ADDRESS": cluster.address,
+                   "ROBUSTRL_LAUNCHER_INSTANCE": RAY_INSTANCE}
+            load_before = _load()
+            with Stack(Path(tmp) / "stack-node-loss", extra_env=env) as stack:
+                api = ApiClient(stack.api_url, stack.settings.api_token)  # type: ignore[union-attr]
+                results["ray_node_loss"] = await _node_loss_run(stack, api, cluster, spec_base, audit, spares)
+                api.close()
+            results["ray_node_loss"].update({"load_before": load_before, "load_after": _load()})
         finally:
             cluster.stop()
             results["ray_processes_left"] = cluster.leftovers()
+    gaps = [p["gap"] for p in results["pairs"]]
     s = results["summary"] = {
-        "local_role_local_ettr": results["local_role_local"]["ettr"],
-        "ray_role_local_ettr": results["ray_role_local"]["ettr"],
-        "ettr_gap_ray_vs_local": round(results["ray_role_local"]["ettr"] - results["local_role_local"]["ettr"], 4),
+        "warm_spares": spares,
+        "pairs": [{"local_ettr": p["local"]["ettr"], "ray_ettr": p["ray"]["ettr"], "gap": p["gap"], "order": p["order"],
+                   "load_1min": [p["local"]["load_before"][:1], p["ray"]["load_before"][:1]]} for p in results["pairs"]],
+        "mean_gap_ray_vs_local": round(statistics.fmean(gaps), 4),
+        "max_abs_gap": round(max(abs(g) for g in gaps), 4),
+        "within_0_05": [abs(g) <= 0.05 for g in gaps],
         "member_start_median_s": {k: v["median_s"] for k, v in results["member_start"].items()},
-        "node_loss": {k: results["ray_node_loss"][k] for k in ("ettr", "status", "node_lost_at_step",
-                                                               "recovery_s", "audit_ok", "episodes_lost")},
+        "node_loss": {k: results["ray_node_loss"].get(k) for k in ("ettr", "status", "error", "node_lost_at_step",
+                                                                   "recovery_s", "audit_ok", "episodes_lost")},
     }
     if not args.quick:
         s["ray_whole_job_ettr"] = results["ray_whole_job"]["ettr"]
@@ -287,7 +375,7 @@ async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _node_loss_run(stack: Stack, api: ApiClient, cluster: Any, spec_base: dict[str, Any],
-                         audit: Any) -> dict[str, Any]:
+                         audit: Any, spares: int = 0) -> dict[str, Any]:
     """role_local on Ray, no injected fault: the worker node running trainer rank 0 is killed when
     the job is half done; then the auditor reads the raw stores."""
     import ray
@@ -311,8 +399,9 @@ async def _node_loss_run(stack: Stack, api: ApiClient, cluster: Any, spec_base: 
 
     args_steps = int(spec_base["steps"])
     t0 = time.time()
-    report = await run_job(stack.settings, api, _ray_spec(spec_base, "role_local", "ray"), None,
-                           step_time_s=3.5, timeout_s=1200, on_status=kill_half_way)
+    spec = _ray_spec(spec_base, "role_local", "ray")
+    spec["recovery"] = {**spec["recovery"], "warm_spares": spares}
+    report = await run_job(stack.settings, api, spec, None, step_time_s=3.5, timeout_s=1200, on_status=kill_half_way)
     out = summarize(report)
     verdict = await audit(stack.settings, report["job_id"]) if "job_id" in report else None
     node_faults = [f for f in out["faults"] if f["recovery_s"] is not None]
@@ -334,6 +423,11 @@ if __name__ == "__main__":
     parser.add_argument("--quick", action="store_true", help="Only the three trainer-fault runs.")
     parser.add_argument("--launcher", choices=("local", "ray"), default="local",
                         help="ray: local vs Ray launcher on a 3-node Ray cluster on this machine (module docstring).")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="--launcher ray: interleaved local/Ray role_local runs (the order alternating).")
+    parser.add_argument("--warm-spares", type=int, default=None,
+                        help="--launcher ray: recovery.warm_spares of every run, local and Ray alike "
+                             "(default: the trainer's workers).")
     args = parser.parse_args()
     res = asyncio.run(main_ray(args) if args.launcher == "ray" else main(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
