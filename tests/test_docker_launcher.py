@@ -127,10 +127,10 @@ def test_start_maps_to_containers_run(launcher: DockerLauncher, fake: FakeClient
     assert kw["detach"] is True and kw["network"] == "robustrl"
     # spec env wins over the base env, and both reach the container; with no bind host given,
     # the member binds and advertises its container name; its health endpoint is on and the
-    # container's health check asks it.
+    # container's health check asks it; a role hand-off (relabel) is written to its /tmp.
     assert kw["environment"] == {"ROBUSTRL_NATS_URL": "nats://nats:4222", "ROBUSTRL_ROLE": "rollout",
                                  "ROBUSTRL_MEMBER_ID": "rollout-0", "ROBUSTRL_BIND_HOST": "rr-rollout-0",
-                                 "ROBUSTRL_HEALTH_PORT": "8081"}
+                                 "ROBUSTRL_HEALTH_PORT": "8081", "ROBUSTRL_HANDOFF_DIR": "/tmp"}
     assert "127.0.0.1:8081/healthz" in " ".join(kw["healthcheck"]["test"])
     assert kw["healthcheck"]["interval"] == 5_000_000_000  # nanoseconds, as the Engine API wants
     assert kw["labels"]["robustrl.job"] == "job1" and kw["labels"][LABEL_MEMBER] == "rollout-0"

@@ -204,7 +204,7 @@ def test_plan_borrows_nothing_in_sync_unless_allowed_nor_when_denied_or_impossib
     assert plan_gang(_view(mode="sync"), _rec(borrow="always"))[0][0].startswith("borrowed:")
     assert plan_gang(_view(), _rec(borrow="never"))[0] == ()
     sources, why = plan_gang(_view(can_borrow=False), _rec())
-    assert sources == () and "in place" in why  # e.g. the Docker launcher
+    assert sources == () and "in place" in why  # a launcher that cannot switch a member's role
     assert plan_gang(_view(), _rec(standby_order=["cold"]))[0] == ()
     sources, why = plan_gang(_view(replica_fits_trainer=False), _rec())
     assert sources == () and "resources" in why
@@ -250,9 +250,9 @@ def test_a_launcher_without_in_place_switching_refuses_to_borrow_with_its_reason
     from robustrl.launcher.docker import DockerLauncher
     from robustrl.launcher.local import LocalLauncher
 
-    # Docker (and Ray) inherit the refusal: a container or actor runs one fixed command per member.
-    assert DockerLauncher.relabel is Launcher.relabel and DockerLauncher.can_relabel is Launcher.can_relabel
+    # The local and Docker launchers switch a replica in place (Docker: tests/test_docker_standby.py).
     assert LocalLauncher.can_relabel is not Launcher.can_relabel
+    assert DockerLauncher.can_relabel is not Launcher.can_relabel and DockerLauncher.relabel is not Launcher.relabel
 
     class Bare(Launcher):
         start = stop = kill = suspend = resume = poll = state = pid = lambda *a, **k: None  # type: ignore[assignment]
@@ -260,3 +260,76 @@ def test_a_launcher_without_in_place_switching_refuses_to_borrow_with_its_reason
     with pytest.raises(LaunchError, match="cannot switch member j--rollout-0-i0 to another role in place"):
         Bare().relabel("j--rollout-0-i0", MemberSpec("j", "j--trainer-e2-r0", "trainer", "m"))
     assert Bare().can_relabel() is False
+
+
+def test_a_borrowed_rank_on_a_testbed_host_binds_the_hosts_address(tmp_path):
+    """Review fix (d): the rank a replica on a testbed host becomes binds on that host's address
+    (ROBUSTRL_BIND_HOST in its hand-off), as a member started on the host would. The stand-in
+    host runs a sleeper in place of the replica (the hand-off is read back, not taken)."""
+    import json
+    import sys
+
+    from robustrl.launcher.base import ROLLOUT_MODULE, MemberSpec
+    from robustrl.launcher.local import LocalLauncher
+    from robustrl.launcher.spare import handoff_path
+
+    class Hosts:
+        def exec_prefix(self, host: str) -> list[str]:
+            return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+        def address(self, host: str) -> str:
+            return {"h1": "10.77.0.2"}[host]
+
+    launcher = LocalLauncher(tmp_path, base_env={}, placement=Hosts())
+    try:
+        launcher.start(MemberSpec("j", "j--rollout-0-i0", "rollout", ROLLOUT_MODULE, {"ROBUSTRL_BIND_HOST": "0.0.0.0"},
+                                  host="h1"))
+        pid = launcher.pid("j--rollout-0-i0")
+        assert pid is not None
+        spec = MemberSpec("j", "j--trainer-e2-r0", "trainer", "robustrl.services.trainer", {"ROBUSTRL_RANK": "0"})
+        launcher.relabel("j--rollout-0-i0", spec)
+        order = json.loads(handoff_path(tmp_path, pid).read_text())
+        assert order["env"]["ROBUSTRL_BIND_HOST"] == "10.77.0.2" and order["env"]["ROBUSTRL_RANK"] == "0"
+        assert launcher.pid("j--trainer-e2-r0") == pid and launcher.host_for("j--trainer-e2-r0") == "10.77.0.2"
+    finally:
+        launcher.close()
+
+
+def test_restock_starts_owed_slots_under_the_recovery_lock_and_keeps_a_failed_one_owed():
+    """Review fix (c) and the owed record: each replacement starts under the recovery lock (a
+    whole-job restart cannot interleave), a slot leaves ``restock_owed`` only once its replacement
+    started (a failed start stays owed for the next leader or pass), a slot restarted meanwhile is
+    dropped, and every change is persisted."""
+    from robustrl.config import JobSpec
+    from robustrl.services.controller.jobs import JobRun
+    from robustrl.services.controller.recovery import RecoveryExecutor
+
+    job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 4}}))
+    job.slot_incarnation = {0: 0, 1: 0, 2: 0, 3: 1}
+    job.restock_owed = {1: 0, 2: 0, 3: 0}  # slot 3 was restarted since (incarnation 1)
+    persisted: list[dict[int, int]] = []
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    class Starter:
+        async def start_replica(self, job_: JobRun, slot: int) -> str:
+            assert executor.lock.locked(), "restock outside the recovery lock"
+            if slot == 1:
+                raise RuntimeError("no capacity")
+            job_.slot_incarnation[slot] += 1
+            return f"rollout-{slot}-i{job_.slot_incarnation[slot]}"
+
+    class Controller:
+        leading = True
+        starter = Starter()
+
+        async def persist(self, job_: JobRun) -> None:
+            persisted.append(dict(job_.restock_owed))
+
+        async def event(self, job_: JobRun, kind: str, data: dict[str, Any]) -> None:
+            events.append((kind, data))
+
+    executor = RecoveryExecutor(Controller())  # type: ignore[arg-type]
+    asyncio.run(executor.restock(job))
+    assert job.restock_owed == {1: 0}  # the failed slot is still owed
+    assert events == [("replica_restocked", {"member_id": "rollout-2-i1", "slot": 2})]
+    assert persisted == [{1: 0, 3: 0}, {1: 0}]  # slot 2 restocked, then slot 3 dropped

@@ -12,7 +12,25 @@ launcher call      Docker API call
 ``suspend``        ``container.pause()`` (cgroup freezer: a hang)
 ``resume``         ``container.unpause()``
 ``poll``           ``containers.list(all=True, filters=label)``
+``relabel``        ``exec_run`` (the member's pid), ``put_archive``
+                   (the hand-off file), ``kill(signal=SIGUSR1)``
 =================  =============================================
+
+Borrowing a rollout replica as a trainer rank (``relabel``): the replica's container runs the same
+image as a trainer's, so the process already has the trainer's code (and torch, the model, the
+weights in memory). The launcher writes the hand-off (``robustrl.launcher.spare``: the rank's
+environment) into the container's ``/tmp`` with ``put_archive`` -- owned by the member's user, mode
+0600, named after the member's pid inside the container, which one ``exec_run`` reads -- and sends
+``SIGUSR1`` through the engine (``docker kill --signal``; tini, PID 1, forwards it to Python). The
+process switches role in place (``robustrl.services.rollout.standby``) and the launcher tracks the
+container under the rank's id from then on. What stays as the container was created: its name and
+host name (``rr-<replica id>``: the rank binds and advertises that name, and a borrowed rank 0 is
+the gang's rendezvous there), its labels (``robustrl.member`` still names the replica: ``poll`` and
+``adopt`` follow the container id), its resource limits (``decide`` borrows only a replica whose
+reservation covers a rank's), and its output (``docker logs`` of the replica's container).
+
+Warm spares (``keep_spares``) are not kept: a spare container would take its member's name, labels
+and environment only at create time; every member starts cold here (``spares_ready`` is 0).
 
 Exited containers are kept (not auto-removed) so that ``poll`` can read the exit code and an
 operator can still read ``docker logs``; they are removed when the same member is started again
@@ -34,13 +52,18 @@ from pathlib import Path
 from typing import Any
 
 from robustrl.errors import LaunchError
-from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState, check_spec
+from robustrl.launcher.base import ROLLOUT_MODULE, ExitInfo, Launcher, MemberSpec, MemberState, check_spec
+from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, handoff_path
 
 DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
 CONNECT_TIMEOUT_S = 5.0
 """HTTP timeout of every Docker API call that has no longer wait of its own (stop adds its grace)."""
 STOP_GRACE_S = 2.0
 MEMBER_HEALTH_PORT = "8081"
+HANDOFF_DIR = "/tmp"
+"""Where, inside a member's container, a role hand-off is written (``relabel``)."""
+_MEMBER_PID = "set -- $(cat /proc/1/task/1/children 2>/dev/null); p=${1:-1}; echo $p $(stat -c '%u %g' /proc/$p)"
+"""Shell run in a member's container: the member's pid there (tini's child, else PID 1), uid and gid."""
 
 LABEL_JOB = "robustrl.job"
 LABEL_MEMBER = "robustrl.member"
@@ -186,7 +209,7 @@ class DockerLauncher(Launcher):
                 "command": ["python", "-m", spec.module, *spec.args],
                 "name": name,
                 "hostname": name,
-                "environment": _member_env(self.base_env, spec.env, name),
+                "environment": {**_member_env(self.base_env, spec.env, name), HANDOFF_ENV: HANDOFF_DIR},
                 # An image built by `docker compose build` carries compose's project/service
                 # labels and containers inherit them: without this override compose would list
                 # every member as one more `controller` container.
@@ -233,9 +256,60 @@ class DockerLauncher(Launcher):
         """The member's container name: what peers (a trainer gang's ``MASTER_ADDR``) dial.
 
         Valid before the member is started (the controller names rank 0's host first, then
-        starts the ranks), and the same name every incarnation of the member gets.
+        starts the ranks), and the same name every incarnation of the member gets. A rank that
+        runs in a borrowed replica's container is reached at that container's name.
         """
-        return container_name(member_id)
+        member = self._members.get(member_id)
+        name = getattr(member.container, "name", None) if member is not None else None
+        return name if isinstance(name, str) and name else container_name(member_id)
+
+    # --- borrowing a rollout replica as a trainer rank ----------------------------------------
+
+    def can_relabel(self) -> bool:
+        return True
+
+    def relabel(self, member_id: str, spec: MemberSpec) -> None:
+        """Hand the running rollout replica ``member_id`` over to ``spec`` (a trainer rank) in
+        place, in its container (module docstring); it is tracked as ``spec.member_id`` from now on."""
+        with self._lock:
+            m = self._members.get(member_id)
+            if m is None or self._refresh(m) is not MemberState.RUNNING:
+                raise LaunchError(f"cannot borrow {member_id}: it is not running", member=member_id)
+            if m.spec.role != "rollout" or m.spec.module not in ("", ROLLOUT_MODULE):
+                raise LaunchError(f"cannot borrow {member_id}: only a rollout replica switches role in place",
+                                  member=member_id)
+            new = self._members.get(spec.member_id)
+            if new is not None and self._refresh(new) in (MemberState.STARTING, MemberState.RUNNING,
+                                                          MemberState.SUSPENDED):
+                raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
+            check_spec(spec)
+            name = m.container.name
+            # The rank binds and advertises the container's own name (as a member started there would).
+            env = _member_env(self.base_env, spec.env, name)
+            try:
+                pid, uid, gid = self._member_pid(m.container)
+                m.container.put_archive(HANDOFF_DIR, _handoff_tar(handoff_path("", pid).name, env, uid, gid))
+            except Exception as exc:
+                raise LaunchError(f"cannot hand {member_id} over to {spec.member_id}: {exc}",
+                                  member=member_id) from exc
+            del self._members[member_id]
+            self._members[spec.member_id] = _Member(spec, m.container, MemberState.RUNNING)
+            try:
+                m.container.kill(signal=HANDOFF_SIGNAL.name)
+            except Exception as exc:
+                if not (_is_not_found(exc) or _status_code(exc) == 409):
+                    raise LaunchError(f"cannot signal {spec.member_id}: {exc}", member=spec.member_id) from exc
+                # it ended meanwhile: poll() reports the exit under the new id
+
+    @staticmethod
+    def _member_pid(container: Any) -> tuple[int, int, int]:
+        """The member process's pid inside its container, its uid and gid (one ``exec_run``)."""
+        code, out = container.exec_run(["sh", "-c", _MEMBER_PID])
+        fields = (out or b"").decode(errors="replace").split()
+        if code != 0 or len(fields) != 3 or not all(f.isdigit() for f in fields):
+            raise LaunchError(f"cannot read the member's pid in {container.name}: exit {code}: {fields}",
+                              member=container.name)
+        return int(fields[0]), int(fields[1]), int(fields[2])
 
     def _remove_stale(self, name: str) -> None:
         """Remove a leftover container with this name (a previous incarnation of the member)."""
@@ -328,15 +402,15 @@ class DockerLauncher(Launcher):
                 all=True, filters={"label": f"{LABEL_LAUNCHER}={self.instance}"})
         except Exception as exc:
             raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
-        seen = {c.labels.get(LABEL_MEMBER): c for c in containers}
+        # By container id, not by the member label: a borrowed replica's container runs a trainer
+        # rank under another member id than its label names (``relabel``).
+        seen = {c.id: c for c in containers}
         out: list[ExitInfo] = []
         with self._lock:
             for member_id, member in candidates.items():
                 if member.reported or self._members.get(member_id) is not member:
                     continue  # reported meanwhile, or replaced by a newer incarnation
-                container = seen.get(member_id)
-                if container is not None and container.id != member.container.id:
-                    container = None  # a newer incarnation's container is not this one
+                container = seen.get(member.container.id)
                 if container is not None and container.status not in _ENDED:
                     continue
                 # A container removed behind our back (docker rm -f) has no exit code to read.
@@ -404,9 +478,15 @@ class DockerLauncher(Launcher):
     def adopt(self, job_id: str, member_id: str, role: str, handle: dict[str, Any]) -> bool:
         """Re-attach to the member's container, found by its labels (this launcher's instance and
         the member id); True if it is running or paused. The recorded container id, when given,
-        must match: a newer incarnation under the same name is not this member."""
+        must match: a newer incarnation under the same name is not this member. A trainer rank
+        running in a borrowed replica's container (whose member label names the replica) is found
+        by that recorded id."""
         try:
             found = self.client.containers.list(all=True, filters={"label": f"{LABEL_MEMBER}={member_id}"})
+            cid = handle.get("container")
+            if cid and not any(c.id == cid for c in found):
+                found = [c for c in self.client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={job_id}"})
+                         if c.id == cid]
         except Exception as exc:
             raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
         for container in found:
@@ -445,6 +525,23 @@ def _member_env(base: Mapping[str, str], env: Mapping[str, str], name: str) -> d
     if out.get("ROBUSTRL_BIND_HOST", "") in _UNROUTABLE:
         out["ROBUSTRL_BIND_HOST"] = name
     return out
+
+
+def _handoff_tar(name: str, env: Mapping[str, str], uid: int, gid: int) -> bytes:
+    """A tar of one file, the hand-off (``spare.write_handoff``'s content; no log: the output stays
+    the container's), owned by the member's user and readable by it alone (it carries credentials)."""
+    import io
+    import json
+    import tarfile
+    import time
+
+    data = json.dumps({"env": dict(env), "log": ""}).encode()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.uid, info.gid, info.mtime = len(data), 0o600, uid, gid, int(time.time())
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
 def _member_healthcheck() -> dict[str, Any]:
