@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -169,3 +170,34 @@ def test_controller_killed_mid_borrow_the_standby_restocks_the_pool(two_controll
     final = _raw_record(stack, jid)
     assert not final["restock_owed"] and not final["gang_starts"], final
     audit_job(stack.settings, jid, AUDIT)
+
+
+def test_a_job_record_write_with_a_stale_fencing_token_is_refused(two_controllers: Stack) -> None:
+    """The job record (which holds the slots owed a replacement) is written fenced: once a newer
+    controller lease term has begun, a write under an older token changes nothing."""
+    import asyncio
+
+    from robustrl.storage.redis_stores import JobRegistry, connect
+
+    assert two_controllers.settings
+    url = two_controllers.settings.redis_url
+    job_id = f"fenced-{uuid.uuid4().hex[:8]}"
+
+    async def scenario() -> tuple[bool, bool, bool, dict[str, Any]]:
+        r = connect(url)
+        try:
+            newest = int(await r.get(Keys.controller_fence()) or 0)
+            assert newest >= 1, "no controller lease term yet"
+            reg = JobRegistry(r)
+            current = await reg.put(job_id, {"status": "finished", "restock_owed": {"1": 0}}, fence=newest)
+            stale = await reg.put(job_id, {"status": "finished", "restock_owed": {}}, fence=newest - 1)
+            unfenced = await reg.put(f"{job_id}-plain", {"status": "finished"})
+            stored = (await reg.all())[job_id]
+            await r.hdel(Keys.jobs(), job_id, f"{job_id}-plain")
+            return current, stale, unfenced, stored
+        finally:
+            await r.aclose()
+
+    current, stale, unfenced, stored = asyncio.run(scenario())
+    assert current and unfenced and not stale
+    assert stored["restock_owed"] == {"1": 0}  # the stale writer did not clear what is owed

@@ -44,12 +44,13 @@ def make_launcher(settings: Settings, env: dict[str, str]):  # type: ignore[no-u
                            namespace=env.get("ROBUSTRL_RAY_NAMESPACE", "robustrl"),
                            instance=env.get("ROBUSTRL_LAUNCHER_INSTANCE", "robustrl-controller"))
     if kind == "docker":
-        from robustrl.launcher.docker import DockerLauncher
+        from robustrl.launcher.docker import DEFAULT_DOCKER_URL, DockerLauncher
 
         # A stable instance label: a restarted controller re-attaches to the containers it started.
         return DockerLauncher(image=env.get("ROBUSTRL_IMAGE", "robustrl:latest"),
                               network=env.get("ROBUSTRL_DOCKER_NETWORK", "robustrl"),
-                              instance=env.get("ROBUSTRL_LAUNCHER_INSTANCE", "robustrl-controller"))
+                              instance=env.get("ROBUSTRL_LAUNCHER_INSTANCE", "robustrl-controller"),
+                              docker_url=env.get("ROBUSTRL_DOCKER_URL", DEFAULT_DOCKER_URL))
     from robustrl.testbed.placement import RolePlacement
 
     # On a testbed (robustrl.testbed.placement): members start inside their role's hosts.
