@@ -282,6 +282,19 @@ def recovery_breakdown(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _ray_cpu_s(cluster: Any) -> float:
+    """CPU seconds used so far by the Ray cluster's own processes (GCS, raylets, agents, the
+    actors' worker processes: every process with the cluster's temp dir in its command line; the
+    member processes the actors start are not among them)."""
+    import psutil
+
+    total = 0.0
+    for p in psutil.process_iter(["cmdline", "cpu_times"]):
+        if str(cluster.temp_dir) in " ".join(p.info["cmdline"] or []) and p.info["cpu_times"] is not None:
+            total += p.info["cpu_times"].user + p.info["cpu_times"].system
+    return total
+
+
 async def _ray_bench_run(tmp: Path, cluster: Any, launcher: str, spec: dict[str, Any], seed: int,
                          label: str) -> dict[str, Any]:
     """One trainer-fault job on a stack of its own (started for it, stopped after it: only one
@@ -294,7 +307,10 @@ async def _ray_bench_run(tmp: Path, cluster: Any, launcher: str, spec: dict[str,
         assert stack.settings
         api = ApiClient(stack.api_url, stack.settings.api_token)
         try:
+            cpu0 = _ray_cpu_s(cluster)
             out = await run_one(stack, api, spec, trainer_scenario(seed), label)
+            # The cluster runs during the local runs too (idle): its share of the 2 cores, both ways.
+            out["ray_daemons_cpu_s"] = round(_ray_cpu_s(cluster) - cpu0, 2)
             jobs = api.jobs()  # this stack's only job
             if jobs:
                 out["job_id"] = jobs[-1]["job_id"]
@@ -340,6 +356,8 @@ async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"pair {i}: local {pair['local']['ettr']:.3f} ray {pair['ray']['ettr']:.3f} "
                       f"gap {pair['gap']:+.3f}", flush=True)
                 pairs.append(pair)
+                # What is measured so far survives a later failure of the bench.
+                args.out.with_suffix(".partial.json").write_text(json.dumps({**results, "pairs": pairs}, indent=2))
             results["pairs"] = pairs
             if not args.quick:
                 for launcher in ("local", "ray"):
@@ -348,10 +366,13 @@ async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
             env = {"ROBUSTRL_LAUNCHER": "ray", "ROBUSTRL_RAY_ADDRESS": cluster.address,
                    "ROBUSTRL_LAUNCHER_INSTANCE": RAY_INSTANCE}
             load_before = _load()
-            with Stack(Path(tmp) / "stack-node-loss", extra_env=env) as stack:
-                api = ApiClient(stack.api_url, stack.settings.api_token)  # type: ignore[union-attr]
-                results["ray_node_loss"] = await _node_loss_run(stack, api, cluster, spec_base, audit, spares)
-                api.close()
+            try:
+                with Stack(Path(tmp) / "stack-node-loss", extra_env=env) as stack:
+                    api = ApiClient(stack.api_url, stack.settings.api_token)  # type: ignore[union-attr]
+                    results["ray_node_loss"] = await _node_loss_run(stack, api, cluster, spec_base, audit, spares)
+                    api.close()
+            except Exception as exc:  # noqa: BLE001 - recorded: the pairs measured above are kept
+                results["ray_node_loss"] = {"status": "bench error", "error": repr(exc)}
             results["ray_node_loss"].update({"load_before": load_before, "load_after": _load()})
         finally:
             cluster.stop()
@@ -360,7 +381,14 @@ async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
     s = results["summary"] = {
         "warm_spares": spares,
         "pairs": [{"local_ettr": p["local"]["ettr"], "ray_ettr": p["ray"]["ettr"], "gap": p["gap"], "order": p["order"],
-                   "load_1min": [p["local"]["load_before"][:1], p["ray"]["load_before"][:1]]} for p in results["pairs"]],
+                   "load_1min_before": {k: p[k]["load_before"][:1] for k in ("local", "ray")},
+                   "faults": {k: len(p[k]["faults"]) for k in ("local", "ray")},
+                   "recovery_s": {k: [round(f["recovery_s"], 2) for f in p[k]["faults"] if f["recovery_s"]]
+                                  for k in ("local", "ray")},
+                   "gang_start_s": {k: [r["gang_start_s"] for r in p[k].get("recoveries", [])] for k in ("local", "ray")},
+                   "sources": {k: [r["source"] for r in p[k].get("recoveries", [])] for k in ("local", "ray")},
+                   "ray_daemons_cpu_s": {k: p[k].get("ray_daemons_cpu_s") for k in ("local", "ray")}}
+                  for p in results["pairs"]],
         "mean_gap_ray_vs_local": round(statistics.fmean(gaps), 4),
         "max_abs_gap": round(max(abs(g) for g in gaps), 4),
         "within_0_05": [abs(g) <= 0.05 for g in gaps],

@@ -275,6 +275,10 @@ def standby_stack(cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFac
     from robustrl.client import ApiClient
     from robustrl.stack import Stack
 
+    # Both workers (an earlier test kills one): each job here needs more than one worker's 2 CPUs.
+    restarted = cluster.restore()
+    if restarted:
+        print(f"restarted Ray worker nodes {restarted}")
     stack = Stack(tmp_path_factory.mktemp("ray-standby") / "stack", extra_env={
         "ROBUSTRL_LAUNCHER": "ray", "ROBUSTRL_RAY_ADDRESS": cluster.address,
         "ROBUSTRL_LAUNCHER_INSTANCE": STANDBY_INSTANCE})
@@ -331,8 +335,10 @@ def test_a_trainer_rank_restarts_from_a_ray_warm_spare(cluster: LocalRayCluster,
 
     stack, api = standby_stack
     _API[:] = [api]
+    # Tool calls of 0.5 s: the job must still run when the pool is restocked (10 s after the take).
     spec = small_job("rayspare", steps=16, trainer={"resources": {"cpus": 0.5}},
-                     rollout={"replicas": 2, "resources": {"cpus": 0.5}}, recovery={"warm_spares": 2})
+                     rollout={"replicas": 2, "resources": {"cpus": 0.5}}, recovery={"warm_spares": 2},
+                     tools={"latency_s": 0.5}, data={"tasks": ["lookup"]})
     job_id = api.submit(spec)["job_id"]
     # Two spare actors, each running `python -m robustrl.launcher.spare` and waiting for a member.
     spares = eventually(lambda: len(s := waiting_spares()) == 2 and s, timeout=90, interval=0.5,

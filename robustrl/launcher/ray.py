@@ -451,8 +451,15 @@ class RayLauncher(Launcher):
             except self._errors:
                 continue
             shape = _Shape.from_dict(info.get("shape"))
-            if not (info.get("spare") and info.get("running")) or shape is None:
+            if info.get("pid") is not None and not info.get("spare"):
                 continue  # a member started from a spare: adopted (or not) through its handle
+            if not (info.get("spare") and info.get("running")) or shape is None:
+                # Made but never started (its controller died in between), or its process ended.
+                self._kill_actor(_Member(MemberSpec("", name, "spare", "robustrl.launcher.spare"), name, actor))
+                continue
+            with self._lock:  # before any trainer rank starts here, spares keep their size
+                if self._trainer_shape is None:
+                    self._trainer_shape = shape
             spare = _Member(MemberSpec("", name, "spare", "robustrl.launcher.spare"), name, actor, MemberState.RUNNING,
                             actor.wait.remote(), info["pid"], info["create_time"], info["node_id"], info["node_ip"],
                             warm=True, shape=shape)

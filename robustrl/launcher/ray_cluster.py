@@ -93,24 +93,41 @@ class LocalRayCluster:
             # One worker at a time, each retried once: on a loaded machine a raylet can miss the
             # 30 s registration deadline of `ray start` (seen with 2 cores and a load of 10).
             for i in range(self.workers):
-                ip = f"127.0.0.{i + 2}"
-                self.node_ips.append(ip)
-                for attempt in range(START_ATTEMPTS):
-                    self.nodes.append(self._spawn(
-                        [f"--address={self.address}", f"--node-ip-address={ip}", f"--num-cpus={self.worker_cpus}",
-                         f"--labels={json.dumps(self.labels[i])}"], f"worker-{i + 1}"))
-                    try:
-                        self.wait_nodes(i + 2, watch=self.nodes[-1])
-                        break
-                    except LaunchError:
-                        self._kill_strays(ip)
-                        self.nodes.pop()
-                        if attempt == START_ATTEMPTS - 1:
-                            raise
+                self.node_ips.append(f"127.0.0.{i + 2}")
+                self.nodes.append(self._start_worker(i, i + 2))
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_worker(self, i: int, live_after: int) -> subprocess.Popen[bytes]:
+        """``ray start`` worker ``i`` (0-based) and wait until the GCS counts ``live_after`` nodes."""
+        ip = self.node_ips[i]
+        for attempt in range(START_ATTEMPTS):
+            node = self._spawn([f"--address={self.address}", f"--node-ip-address={ip}",
+                                f"--num-cpus={self.worker_cpus}", f"--labels={json.dumps(self.labels[i])}"],
+                               f"worker-{i + 1}")
+            try:
+                self.wait_nodes(live_after, watch=node)
+                return node
+            except LaunchError:
+                self._kill_strays(ip)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(node.pid, signal.SIGKILL)
+                node.wait(timeout=STOP_TIMEOUT_S)
+                if attempt == START_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def restore(self) -> list[int]:
+        """Start again every worker node killed (``kill_node``): a new Ray node on the same address
+        with the same labels and CPUs. Returns the indexes restarted."""
+        dead = [i for i in range(1, len(self.nodes)) if self.nodes[i].poll() is not None]
+        for i in dead:
+            self._kill_strays(self.node_ips[i - 1])
+            live = len(self.alive_nodes())
+            self.nodes[i] = self._start_worker(i - 1, live + 1)
+        return dead
 
     def _wait_port(self) -> None:
         import socket
