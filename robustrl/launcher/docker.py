@@ -54,6 +54,7 @@ from typing import Any
 from robustrl.errors import LaunchError
 from robustrl.launcher.base import ROLLOUT_MODULE, ExitInfo, Launcher, MemberSpec, MemberState, check_spec
 from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, handoff_path
+from robustrl.model.engines.envs import image as member_image
 
 DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
 CONNECT_TIMEOUT_S = 5.0
@@ -226,11 +227,14 @@ class DockerLauncher(Launcher):
             if spec.role in self.gpu_roles:
                 kwargs["device_requests"] = [_gpu_request()]
             kwargs.update(self._resource_kwargs(spec))
+            # rollout.engine vllm: the vLLM image (Dockerfile.vllm), as the local launcher picks
+            # .venv-vllm's Python (robustrl.model.engines.envs)
+            image = member_image(spec.env, self.image)
             try:
-                container = self.client.containers.run(self.image, **kwargs)
+                container = self.client.containers.run(image, **kwargs)
             except Exception as exc:
                 if _is_not_found(exc):
-                    raise LaunchError(f"image {self.image} not found: build it (docker compose build) "
+                    raise LaunchError(f"image {image} not found: build it (docker compose build) "
                                       f"or pull it", member=spec.member_id) from exc
                 raise LaunchError(f"cannot start container {name}: {exc}", member=spec.member_id) from exc
             self._members[spec.member_id] = _Member(spec, container, MemberState.RUNNING)
