@@ -12,8 +12,16 @@ engine runs in this interpreter; the vLLM engine in the vLLM environment's (``.v
 - ``tokens_per_s``: generated tokens / wall time of one ``generate`` of every prompt at once
   (after one warm-up call), best of ``--rounds``;
 - ``first_token_s``: from that call to the first token reported (``on_token``), best of rounds;
-- ``weight_load_s``: ``load_weights`` of a new state dict in place (median of 3), with
-  ``memcpy_s``, one copy of the same bytes in memory, for scale;
+- ``weight_load_s``: the in-place swap of a version whose bytes were already received, as the
+  replica does it: the version lies in a buffer from the engine's ``alloc_buffer`` (where the
+  replica's loader pulls it, every chunk verified on arrival) and ``load_weights`` takes views
+  into it, no checksum asked (median of ``--loads``, alternating two versions, one torch thread
+  as in a replica). ``memcpy_s``: one copy of the same number of bytes from that buffer into a
+  preallocated one (median, interleaved with the loads: same machine state); ``load_vs_memcpy``
+  their ratio. ``weight_load_parts``: where the time goes (vLLM: the phases seen by the replica
+  and by vLLM's worker). ``weight_load_checksummed_s``: one load with the optional checksum
+  (tests, audits); ``weight_load_staged_s`` (vLLM): a state dict in plain memory, packed into a
+  shared segment first;
 - ``start_s``: building the engine.
 """
 
@@ -36,13 +44,13 @@ def prompts(tok: Any, n: int) -> list[list[int]]:
     return [tasks.initial_prompt_ids(p, tok) for p in tasks.sample_prompts(["lookup", "reverse"], 0, n, seed=0)]
 
 
-def measure(kind: str, model_dir: str, n_prompts: int, n_tokens: int, rounds: int) -> dict[str, Any]:
+def measure(kind: str, model_dir: str, n_prompts: int, n_tokens: int, rounds: int, loads: int = 9) -> dict[str, Any]:
     import torch
 
     from robustrl.config import ModelSpec
     from robustrl.model.engine import GenRequest
     from robustrl.model.hf import ChatTokenizer
-    from robustrl.model.policy import build_policy, weights_checksum
+    from robustrl.model.policy import build_policy
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = ChatTokenizer(model_dir)
@@ -69,26 +77,86 @@ def measure(kind: str, model_dir: str, n_prompts: int, n_tokens: int, rounds: in
         tokens = sum(len(r.token_ids) for r in out)
         best_tps = max(best_tps, tokens / wall)
         best_first = min(best_first, first[0] if first else wall)
-    state = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    weight_bytes = sum(v.numel() * v.element_size() for v in state.values())
-    loads = []
-    for i in range(3):
-        new = {n: v + 0.01 * (i + 1) for n, v in state.items()}
-        t = time.monotonic()
-        got = engine.load_weights(new, i + 1)
-        loads.append(time.monotonic() - t)
-        assert got == weights_checksum(new), "the engine reported other weights than it was given"
-    flat = torch.cat([v.reshape(-1).view(torch.uint8) for v in state.values()])
-    copies = []
-    for _ in range(5):
-        t = time.monotonic()
-        flat.clone()
-        copies.append(time.monotonic() - t)
+    load = measure_loads(kind, engine, model, loads)
     engine.close()
-    return {"tokens_per_s": round(best_tps, 1), "first_token_s": round(best_first, 4),
-            "weight_load_s": round(statistics.median(loads), 4), "weight_bytes": weight_bytes,
-            "memcpy_s": round(min(copies), 5), "start_s": round(start_s, 2), "prompts": n_prompts,
-            "tokens_per_turn": n_tokens, "rounds": rounds, "python": sys.executable}
+    return {"tokens_per_s": round(best_tps, 1), "first_token_s": round(best_first, 4), **load,
+            "start_s": round(start_s, 2), "prompts": n_prompts, "tokens_per_turn": n_tokens, "rounds": rounds,
+            "python": sys.executable}
+
+
+def _median_parts(parts: list[dict[str, float]]) -> dict[str, float]:
+    keys = [k for k in parts[0] if k != "bytes"] if parts else []
+    return {k: round(statistics.median(p.get(k, 0.0) for p in parts), 5) for k in keys}
+
+
+def measure_loads(kind: str, engine: Any, model: Any, n: int) -> dict[str, Any]:
+    """The in-place swap of already-received versions, against one memcpy of their bytes."""
+    import torch
+
+    from robustrl.model.policy import weights_checksum
+    from robustrl.weights.flat import flatten_state_dict, unflatten
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a replica's setting (services/rollout/replica.py)
+    base = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    versions = []
+    for k in (1, 2):
+        src, manifest = flatten_state_dict({name: t + 0.01 * k for name, t in base.items()}, k, 1 << 20)
+        buf = engine.alloc_buffer(manifest.total_bytes)  # where the replica's loader pulls it
+        buf[:] = src.numpy()  # "received": as the puller writes the verified chunks
+        versions.append((torch.from_numpy(buf), unflatten(torch.from_numpy(buf), manifest), manifest))
+    weight_bytes = sum(t.numel() * t.element_size() for t in base.values())
+    dst = torch.empty(weight_bytes, dtype=torch.uint8)
+    dst.copy_(versions[0][0][:weight_bytes])  # warm: no first-touch page faults in the baseline
+    loads, copies, parts, worker = [], [], [], []
+    for i in range(n + 2):  # the first two (one per version) warm up
+        flat, state, _ = versions[i % 2]
+        t = time.perf_counter()
+        dst.copy_(flat[:weight_bytes])
+        copy_s = time.perf_counter() - t
+        t = time.perf_counter()
+        engine.load_weights(state, i + 1)
+        load_s = time.perf_counter() - t
+        if i < 2:
+            continue
+        copies.append(copy_s)
+        loads.append(load_s)
+        if kind == "vllm":
+            parts.append(dict(engine.last_load))
+            worker.append(engine.worker_timings()[0])
+    last_state = versions[(n + 1) % 2][1]
+    out: dict[str, Any] = {"weight_load_s": round(statistics.median(loads), 5), "weight_bytes": weight_bytes,
+                           "memcpy_s": round(statistics.median(copies), 5), "loads": n}
+    out["load_vs_memcpy"] = round(out["weight_load_s"] / out["memcpy_s"], 2)
+    out["weight_load_min_s"] = round(min(loads), 5)
+    out["memcpy_min_s"] = round(min(copies), 5)
+    # The optional checksum (tests, audits), once, off the numbers above.
+    want = weights_checksum(last_state)
+    t = time.perf_counter()
+    engine.load_weights(last_state, n + 3, checksum=want)
+    out["weight_load_checksummed_s"] = round(time.perf_counter() - t, 5)
+    if kind == "torch":
+        assert weights_checksum(engine.model) == want, "the engine holds other weights than it was given"
+        out["weight_load_parts"] = {"copy": out["weight_load_s"]}
+        out["weight_load_includes"] = ("GenerationEngine.load_weights: one copy_ per tensor from the received "
+                                       "buffer's views into the model's parameters, names/dtypes/shapes checked; "
+                                       "no hashing")
+    else:
+        out["weight_load_parts"] = _median_parts(parts)
+        out["weight_load_parts_worker"] = _median_parts(worker)
+        out["weight_load_includes"] = (
+            "VllmEngine.load_weights, replica side: locate the buffer's memfd segment (stage 0), no pause "
+            "(nothing in flight), start/update/finish_weight_update round trips to vLLM's engine core and its "
+            "worker process (weight_load_parts); worker side (weight_load_parts_worker): map the segment "
+            "(MAP_POPULATE), vLLM load_weights (embedding, LM head and norms copied in place; the CPU linear "
+            "layers through vLLM's layerwise reload: a fresh tensor, a copy and oneDNN re-packing), and finish: "
+            "oneDNN re-packing of the LM head. No hashing.")
+        staged = {name: t.clone() for name, t in last_state.items()}
+        t = time.perf_counter()
+        engine.load_weights(staged, n + 4)
+        out["weight_load_staged_s"] = round(time.perf_counter() - t, 5)
+    torch.set_num_threads(threads)
+    return out
 
 
 def main() -> None:
@@ -98,11 +166,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--loads", type=int, default=9, help="weight loads timed per engine")
     ap.add_argument("--engines", default="torch,vllm")
     ap.add_argument("--child", choices=["torch", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.model, args.prompts, args.tokens, args.rounds)))
+        print(json.dumps(measure(args.child, args.model, args.prompts, args.tokens, args.rounds, args.loads)))
         return
     if not args.out:
         ap.error("--out is required")
@@ -121,7 +190,8 @@ def main() -> None:
                 results[kind] = {"error": f"no interpreter at {python} (scripts/setup.sh --vllm)"}
                 continue
             run = subprocess.run([python, __file__, "--child", kind, "--model", model_dir, "--prompts",
-                                  str(args.prompts), "--tokens", str(args.tokens), "--rounds", str(args.rounds)],
+                                  str(args.prompts), "--tokens", str(args.tokens), "--rounds", str(args.rounds),
+                                  "--loads", str(args.loads)],
                                  check=False, capture_output=True, text=True, timeout=1800)
             lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
             if run.returncode != 0 or not lines:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from robustrl.config import ModelSpec
+from robustrl.errors import ConfigError, WeightSyncError
 from robustrl.model.engine import GenerationAborted, GenerationEngine, GenRequest
-from robustrl.errors import ConfigError
 from robustrl.model.policy import build_policy, save_policy, weights_checksum
 from robustrl.model.tokenizer import CharTokenizer
 from robustrl.rl.grpo import token_logprobs
@@ -163,6 +163,27 @@ def test_load_state_dict_swaps_weights(engine: GenerationEngine) -> None:
     other = build_policy(ModelSpec(), TOK, seed=5)
     engine.load_state_dict(other.state_dict())
     assert weights_checksum(engine.model) == weights_checksum(other)
+
+
+def test_load_weights_copies_in_place_and_checks_only_when_asked(engine: GenerationEngine) -> None:
+    storage = {n: t.data_ptr() for n, t in engine.model.state_dict().items()}
+    a = build_policy(ModelSpec(), TOK, seed=6).state_dict()
+    engine.load_weights(a, 1)  # no checksum: copies only
+    assert {n: t.data_ptr() for n, t in engine.model.state_dict().items()} == storage  # in place
+    assert weights_checksum(engine.model) == weights_checksum(a)
+    b = build_policy(ModelSpec(), TOK, seed=7).state_dict()
+    engine.load_weights(b, 2, checksum=weights_checksum(b))  # asked: read back and compared
+    with pytest.raises(WeightSyncError) as bad:
+        engine.load_weights(a, 3, checksum=weights_checksum(b))  # a's bytes, b's checksum: refused
+    assert bad.value.reason == "load_mismatch"
+    # a layout the model cannot take: refused before anything is copied
+    wrong = {**b, "lm_head.weight": b["lm_head.weight"][:-1]}
+    with pytest.raises(WeightSyncError) as shape:
+        engine.load_weights(wrong, 4)
+    assert shape.value.reason == "layout"
+    assert weights_checksum(engine.model) == weights_checksum(a)
+    with pytest.raises(WeightSyncError):
+        engine.load_weights({n: t for n, t in b.items() if n != "lm_head.weight"}, 5)
 
 
 def test_decoding_64_sequences_is_fast(engine: GenerationEngine) -> None:

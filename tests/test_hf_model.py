@@ -115,10 +115,11 @@ def test_torch_engine_on_the_hf_model_stops_on_the_marker_and_loads_in_place(hf_
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         other = {n: t + 0.05 * torch.randn_like(t) for n, t in before.items()}
-    assert engine.load_weights(other) == weights_checksum(other)
+    engine.load_weights(other)  # copies only; the checksum is computed explicitly
+    assert weights_checksum(engine.model) == weights_checksum(other)
     assert engine.generate([GenRequest("g", prompt, 8, temperature=0.0, stop_on_call=False)])[0].token_ids \
         != greedy.token_ids
-    assert engine.load_weights(before) == weights_checksum(before)
+    engine.load_weights(before, checksum=weights_checksum(before))  # the optional read-back check passes
     assert engine.generate([GenRequest("g", prompt, 8, temperature=0.0, stop_on_call=False)])[0].token_ids \
         == greedy.token_ids
 

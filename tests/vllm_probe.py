@@ -74,19 +74,43 @@ def main(model_dir: str, out: str) -> None:
     res["after_abort"] = greedy().token_ids  # the engine still serves
 
     # In place: other weights through the weight-transfer plugin, then the original ones back.
+    from robustrl.errors import WeightSyncError
+    from robustrl.weights.flat import flatten_state_dict, unflatten
+
     model = build_policy(ModelSpec(path=model_dir), tok, 0)
     original = {n: t.detach().clone() for n, t in model.state_dict().items()}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         other = {n: t + 0.05 * torch.randn_like(t) for n, t in original.items()}
-    t2 = time.monotonic()
-    res["other_loaded"] = engine.load_weights(other, 1)
-    res["load_s"] = time.monotonic() - t2
+    # As the replica loads: the version pulled into the engine's own (memfd) buffer, loaded with
+    # the optional checksum asked for (the worker checksums what it mapped).
+    src, manifest = flatten_state_dict(other, 1, 1 << 20)
+    buf = engine.alloc_buffer(manifest.total_bytes)
+    buf[:] = src.numpy()
     res["other_checksum"] = weights_checksum(other)
+    t2 = time.monotonic()
+    engine.load_weights(unflatten(torch.from_numpy(buf), manifest), 1, checksum=res["other_checksum"])
+    res["load_s"] = time.monotonic() - t2
+    res["load_phases"] = engine.last_load
     res["greedy_other"] = greedy().token_ids
-    res["original_loaded"] = engine.load_weights(original, 2)
-    res["original_checksum"] = weights_checksum(original)
+    # A wrong checksum: refused, and the engine still serves the weights it held.
+    try:
+        engine.load_weights(original, 9, checksum="0" * 64)
+        res["bad_checksum_refused"] = ""
+    except WeightSyncError as exc:
+        res["bad_checksum_refused"] = str(getattr(exc, "reason", ""))
+    res["greedy_after_refusal"] = greedy().token_ids
+    # Any other state dict is staged into a segment first (copies only, no checksum asked).
+    engine.load_weights(original, 2)
+    res["staged_phases"] = engine.last_load
     res["greedy_restored"] = greedy().token_ids
+    # The worker pulling from RobustRL weight sources (tcp) loads the same weights.
+    engine.transfer = "tcp"
+    engine.load_weights(other, 3, checksum=res["other_checksum"])
+    res["greedy_other_tcp"] = greedy().token_ids
+    engine.load_weights(original, 4)
+    res["greedy_restored_tcp"] = greedy().token_ids
+    res["original_checksum"] = weights_checksum(original)
     res["weight_bytes"] = sum(t.numel() * t.element_size() for t in original.values())
     engine.close()
     with open(out, "w") as f:

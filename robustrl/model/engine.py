@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from robustrl.errors import RobustRLError
+from robustrl.errors import RobustRLError, WeightSyncError
 from robustrl.model.engines.base import Engine
 from robustrl.model.tokenizer import CharTokenizer
 
@@ -87,15 +87,45 @@ class GenerationEngine(Engine):
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Swap in new weights (strict: every parameter must be present), between batches."""
+        self.load_weights(state_dict)
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int = -1, *, checksum: str = "") -> None:
+        """In place, between batches: one copy per tensor into the model's own storage.
+
+        Raises:
+            WeightSyncError: a name, dtype or shape differs from the model's (nothing is copied
+                then), or ``checksum`` is given and the model's weights read back differently.
+        """
         with self._lock, torch.no_grad():
-            self.model.load_state_dict(dict(state_dict), strict=True)
+            targets = self._targets()
+            missing = targets.keys() - state.keys()
+            extra = state.keys() - targets.keys()
+            if missing or extra:
+                raise WeightSyncError("the weights do not match the model's parameters", version=version,
+                                      missing=sorted(missing)[:5], unexpected=sorted(extra)[:5], reason="layout")
+            for name, target in targets.items():
+                src = state[name]
+                if src.shape != target.shape or src.dtype != target.dtype:
+                    raise WeightSyncError("a tensor's dtype or shape differs from the model's", version=version,
+                                          tensor=name, want=f"{target.dtype}{list(target.shape)}",
+                                          got=f"{src.dtype}{list(src.shape)}", reason="layout")
+            written: set[int] = set()
+            for name, target in targets.items():
+                if target.data_ptr() in written and target.numel():
+                    continue  # tied weights: one storage under two names, copied once
+                written.add(target.data_ptr())
+                target.copy_(state[name])
+        if checksum:
+            from robustrl.model.policy import weights_checksum
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int = -1) -> str:
-        """In place, between batches; returns the checksum read back from the model."""
-        from robustrl.model.policy import weights_checksum
+            got = weights_checksum(self.model)
+            if got != checksum:
+                raise WeightSyncError("the model's weights read back do not match the expected checksum",
+                                      version=version, expected=checksum, got=got, reason="load_mismatch")
 
-        self.load_state_dict(state)
-        return weights_checksum(self.model)
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """name -> the model's tensor to copy into (its state dict: views of its parameters)."""
+        return dict(self.model.state_dict())
 
     def layout(self) -> dict[str, tuple[str, list[int]]]:
         from robustrl.weights.flat import expected_layout

@@ -98,18 +98,23 @@ class WeightLoader:
         server: this replica's relay server (pulled chunks are served onward from it).
         layout: tensor name -> (dtype, shape) the engine's model expects.
         install: hands a verified state dict to the engine and waits for the swap; returns the
-            checksum the engine computed after loading, or None if the swap timed out.
+            checksum the engine holds after it ("" when the engine failed to load), or None if
+            the swap timed out.
         emit: appends an event to the job's log.
         on_change: called when loading/failed changes (the replica republishes its phase).
         held: the (version, checksum) the engine serves now.
         have: announces a pull this replica starts (``complete=False``) to the other replicas;
             None announces nothing (the replica then relays only to peers that ask anyway).
+        alloc: allocates the buffer a version is pulled into (the engine's ``alloc_buffer``:
+            the vLLM engine's worker maps it, so the swap copies straight from it); None: the
+            puller allocates plain memory.
     """
 
     def __init__(self, cfg: WeightSyncSpec, member_id: str, server: WeightServer,
                  layout: dict[str, tuple[str, list[int]]], install: Install, emit: Emit,
                  on_change: Callable[[], Awaitable[None]], held: Callable[[], tuple[int, str]],
-                 seed: int = 0, have: Have | None = None) -> None:
+                 seed: int = 0, have: Have | None = None,
+                 alloc: Callable[[int], np.ndarray] | None = None) -> None:
         self.cfg = cfg
         self.member_id = member_id
         self.server = server
@@ -120,6 +125,7 @@ class WeightLoader:
         self._held = held
         self._seed = seed
         self._have = have
+        self._alloc = alloc
         self.announcements = Announcements()
         self.peers: dict[str, Peer] = {}
         self.state = LoaderState()
@@ -214,7 +220,8 @@ class WeightLoader:
             try:
                 buffer, stats = await asyncio.wait_for(
                     pull(manifest, lambda a=ann: self._sources(a, avoid), transport=self.cfg.transport,
-                         relay=relay, timeout_s=self.cfg.pull_timeout_s,
+                         relay=relay, into=None if self._alloc is None else self._alloc(manifest.total_bytes),
+                         timeout_s=self.cfg.pull_timeout_s,
                          stall_timeout_s=min(STALL_TIMEOUT_S, self.cfg.pull_timeout_s), seed=self._seed,
                          origins=[_norm(a, self.cfg.transport) for a in ann.sources]),
                     self.cfg.pull_timeout_s + PULL_GRACE_S)

@@ -40,6 +40,7 @@ from robustrl.weights.server import WeightServer
 
 log = logging.getLogger(__name__)
 BATCH_WAIT_S = 0.01
+VERIFY_LOADS_ENV = "ROBUSTRL_VERIFY_LOADS"
 
 
 class ReplicaMember(Member):
@@ -61,7 +62,7 @@ class PendingWeights:
     checksum: str
     state: dict[str, torch.Tensor]
     swapped: threading.Event
-    loaded: str | None = None  # checksum the engine computed after loading
+    loaded: str | None = None  # the checksum the engine holds after the swap ("" when the load failed)
 
 
 class Replica:
@@ -79,6 +80,9 @@ class Replica:
         self.standby = StandbyHook(env or {}, self.member.stopping.set)
         """Warm standby: the launcher may hand this process over to a trainer rank (standby.py)."""
         self.engine_thread: threading.Thread | None = None
+        self.verify_loads = (env or {}).get(VERIFY_LOADS_ENV, "") not in ("", "0")
+        """Audit mode: the engine also checksums each version it loaded (off the hot path by
+        default: the loader verified the bytes before the swap, the swap itself only copies)."""
 
     async def run(self) -> None:
         spec = await self.member.start()
@@ -95,7 +99,8 @@ class Replica:
         self.loader = WeightLoader(spec.weights, self.ident.member_id, self.server, self.engine.layout(),
                                    install=self._install, emit=self._emit, on_change=self._refresh_phase,
                                    held=lambda: (self.version, self.checksum),
-                                   seed=hash(self.ident.member_id) & 0xFFFF, have=self._publish_have)
+                                   seed=hash(self.ident.member_id) & 0xFFFF, have=self._publish_have,
+                                   alloc=self.engine.alloc_buffer)
         bus = self.member.bus
         assert bus
         job = self.ident.job_id
@@ -168,8 +173,9 @@ class Replica:
         """Hand verified weights to the engine thread; wait (bounded) until it swapped them in.
 
         Returns:
-            The checksum of the engine's weights after the swap, or None if the engine did not
-            take them within ``timeout_s`` (they are withdrawn then).
+            The checksum of the engine's weights after the swap ("" if the engine failed to load
+            them), or None if the engine did not take them within ``timeout_s`` (they are
+            withdrawn then).
         """
         mine = PendingWeights(version, checksum, state, threading.Event())
         with self._swap_lock:
@@ -189,16 +195,22 @@ class Replica:
         return mine.loaded
 
     def _apply_pending(self) -> None:
-        """Engine thread, between batches: swap in the pending weights and check them again."""
+        """Engine thread, between batches: swap in the pending (verified) weights. The swap
+        copies only; with ``ROBUSTRL_VERIFY_LOADS`` the engine checks them once more."""
         with self._swap_lock:
             pending, self._pending = self._pending, None
         if pending is None:
             return
+        t0 = time.monotonic()
         try:
-            got = self.engine.load_weights(pending.state, pending.version)
+            self.engine.load_weights(pending.state, pending.version,
+                                     checksum=pending.checksum if self.verify_loads else "")
+            got = pending.checksum
         except Exception as exc:  # noqa: BLE001 - any engine failure: serve nothing from it
             log.error("weights v%d: the engine failed to load them: %r", pending.version, exc)
             got = ""
+        log.info("weights v%d swapped into the %s engine in %.4fs", pending.version, self.engine.name,
+                 time.monotonic() - t0)
         if got == pending.checksum:
             self.version, self.checksum = pending.version, got
         else:

@@ -11,8 +11,12 @@ this interface only:
   the distribution actually sampled.
 - ``tokens_generated``: a running token counter (the replica's throughput metric).
 - ``abort``: ends every in-flight request; the ``generate`` call raises ``GenerationAborted``.
-- ``load_weights``: swaps new weights in place (no restart, no disk), returns the checksum the
-  engine verified for them.
+- ``load_weights``: swaps new weights in place (no restart, no disk). Copies only: the bytes
+  were verified as they arrived (every chunk against the manifest, the whole version against
+  the announced checksum, by the replica's loader before the swap), so the swap hashes nothing
+  unless asked to (``checksum``: tests, audits).
+- ``alloc_buffer``: where the replica pulls a version so the engine loads it with the fewest
+  copies (the vLLM engine's buffers are shared-memory segments its worker process maps).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     import torch
@@ -48,13 +54,24 @@ class Engine(abc.ABC):
         """End every in-flight request (callable from any thread)."""
 
     @abc.abstractmethod
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int = -1) -> str:
-        """Load ``state`` (HF parameter names) in place, between generations.
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int = -1, *, checksum: str = "") -> None:
+        """Load ``state`` (HF parameter names) in place, between generations: copies only.
 
-        Returns:
-            The checksum (``weights_checksum``) of the weights the engine now holds, as the
-            engine verified it.
+        Args:
+            state: the new weights, e.g. views into a buffer from :meth:`alloc_buffer`.
+            version: the weights version (for the engine's own records).
+            checksum: optional; when given, the engine also checksums the weights as it holds
+                or received them (:func:`~robustrl.model.policy.weights_checksum`) and raises
+                on a mismatch. Off the hot path: for tests and audits.
+
+        Raises:
+            WeightSyncError: the engine could not load them (``reason`` ``load_mismatch`` when
+                ``checksum`` did not match).
         """
+
+    def alloc_buffer(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer to pull a version of ``nbytes`` into (plain memory by default)."""
+        return np.empty(nbytes, dtype=np.uint8)
 
     @abc.abstractmethod
     def layout(self) -> dict[str, tuple[str, list[int]]]:

@@ -8,9 +8,13 @@ behaviour policy must be. Outputs stream as deltas; their token counts feed the 
 throughput metric.
 
 New weights are loaded in place through vLLM's pluggable weight transfer (backend ``robustrl``,
-:mod:`robustrl.model.engines.vllm_plugin`): the engine serves the verified state dict from an
-in-memory RobustRL weight server, and vLLM's worker pulls it from there with RobustRL's puller
-and calls ``load_weights``; generation is paused around the swap and resumed after.
+:mod:`robustrl.model.engines.vllm_plugin`), never while a generation runs (a swap waits for the
+running ``generate`` and the next one for the swap; requests still inside vLLM, e.g. an abort
+not yet processed, are paused around it and resumed after). The replica pulls each version into a memfd segment of its own process
+(:meth:`VllmEngine.alloc_buffer`; every chunk verified against the manifest as it arrived);
+vLLM's worker maps that segment and copies from it into the model: no copy, hash or socket
+between the pull and vLLM's own load. (``transfer="tcp"``: the worker pulls the version from an
+in-memory RobustRL weight server instead, for a worker that shares no memory with the replica.)
 
 vLLM runs in its own virtual environment (``scripts/setup.sh --vllm``); this module is only
 imported there. On this CPU vLLM runs float32 (bfloat16 kills its worker with SIGILL). vLLM
@@ -25,10 +29,12 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from robustrl.errors import ConfigError, WeightSyncError
@@ -65,6 +71,9 @@ class VllmEngine(Engine):
         seed: engine seed (every request carries its own seed too).
         dtype: ``float32`` on CPU.
         kv_cache_gib: CPU KV cache size (``VLLM_CPU_KVCACHE_SPACE``).
+        chunk_bytes: chunk size of the ``tcp`` transfer's manifests.
+        transfer: ``memfd`` (default where supported: the worker maps the replica's buffer) or
+            ``tcp`` (the worker pulls from an in-memory weight server).
 
     Raises:
         ConfigError: (field ``rollout.engine``) vLLM is not importable in this interpreter.
@@ -73,7 +82,8 @@ class VllmEngine(Engine):
     name = "vllm"
 
     def __init__(self, path: str | Path, tokenizer: Any, *, max_batch: int = 64, max_model_len: int = 512,
-                 seed: int = 0, dtype: str = "float32", kv_cache_gib: int = 1, chunk_bytes: int = 1 << 20) -> None:
+                 seed: int = 0, dtype: str = "float32", kv_cache_gib: int = 1, chunk_bytes: int = 1 << 20,
+                 transfer: str | None = None) -> None:
         try:
             import vllm  # noqa: F401
         except ImportError as exc:
@@ -87,17 +97,39 @@ class VllmEngine(Engine):
         self.max_model_len = max_model_len
         self.tokens_generated = 0
         self.chunk_bytes = chunk_bytes
+        from robustrl.model.engines import segments
+
+        self.transfer = transfer or ("memfd" if segments.supported() else "tcp")
+        self._segments = segments.Segments()
+        self._staging: np.ndarray | None = None
+        self.server: Any = None
+        self.address = ""
+        self.last_load: dict[str, float] = {}
         self._dtype = dtype
         self._seed = seed
         self._ids = itertools.count()
         self._inflight: set[str] = set()
         self._aborted = threading.Event()
+        self._busy = threading.Lock()  # a generate() or a weight swap, never both
         self._layout = hf_layout(path, getattr(torch, dtype))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
         self._thread.start()
         self._closed = False
         self._call(self._start(), START_TIMEOUT_S)
+        self.warmup_s = self._warm_up()
+
+    def _warm_up(self) -> float:
+        """Generate a few tokens before the engine counts as started: vLLM's first generation
+        pays one-time costs (4 s here on a quiet 2-core machine, more on a busy one) that would
+        otherwise fall on the replica's first real batch, where the detector sees work held and
+        no tokens (a stall), instead of on its start (phase ``starting``, which it exempts)."""
+        t0 = time.monotonic()
+        prompt = list(range(1, 9))
+        self.generate([GenRequest(f"warmup-{i}", prompt, 4, temperature=1.0, seed=i, stop_on_call=False)
+                       for i in range(2)])
+        self.tokens_generated = 0
+        return time.monotonic() - t0
 
     # --- loop plumbing -------------------------------------------------------------------
 
@@ -109,16 +141,12 @@ class VllmEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from robustrl.weights.server import WeightServer
-
         args = AsyncEngineArgs(model=self.path, tokenizer=self.path, dtype=self._dtype, seed=self._seed,
                                max_model_len=self.max_model_len, max_num_seqs=self.max_batch,
                                enforce_eager=True, logprobs_mode="processed_logprobs",
                                weight_transfer_config=WeightTransferConfig(backend="robustrl"),
                                enable_prefix_caching=False, disable_log_stats=True)
         self.llm = AsyncLLM.from_engine_args(args)
-        self.server = WeightServer("tcp", host="127.0.0.1", max_versions=1)
-        self.address = await self.server.start()
 
     # --- generation ----------------------------------------------------------------------
 
@@ -170,6 +198,11 @@ class VllmEngine(Engine):
                  should_abort: Callable[[], bool] | None = None) -> list[GenResult]:
         """Submit every request at once and wait; ``on_token`` and ``should_abort`` run in the
         calling thread (a stalled caller holds nothing inside vLLM's loop)."""
+        with self._busy:
+            return self._generate(requests, on_token, should_abort)
+
+    def _generate(self, requests: Sequence[GenRequest], on_token: Callable[[int], None] | None,
+                  should_abort: Callable[[], bool] | None) -> list[GenResult]:
         self._aborted.clear()
         events: queue.Queue[int] = queue.Queue()
         rids = [f"{r.request_id}#{next(self._ids)}" for r in requests]
@@ -198,49 +231,137 @@ class VllmEngine(Engine):
     def layout(self) -> dict[str, tuple[str, list[int]]]:
         return dict(self._layout)
 
-    def load_weights(self, state: Mapping[str, torch.Tensor], version: int = -1) -> str:
-        """Serve ``state`` from memory and have vLLM's worker pull and load it, generation paused.
+    def alloc_buffer(self, nbytes: int) -> np.ndarray:
+        """A receive buffer in a memfd segment that vLLM's worker maps: weights pulled into it
+        (the replica's loader does) load with no copy before vLLM's own."""
+        if self.transfer != "memfd" or nbytes <= 0:
+            return super().alloc_buffer(nbytes)
+        return self._segments.alloc(nbytes)
+
+    def load_weights(self, state: Mapping[str, torch.Tensor], version: int = -1, *, checksum: str = "") -> None:
+        """Have vLLM's worker load ``state`` in place, generation paused around the swap.
+
+        ``state`` in a buffer from :meth:`alloc_buffer` (as the replica pulls it): the worker maps
+        that segment and copies from it, nothing is copied or hashed before. Any other state is
+        first packed into a staging segment (one copy, timed as ``stage``). ``checksum``
+        (optional): the worker checksums what it received and refuses a mismatch. The phases
+        of the last load, in seconds, are in :attr:`last_load`.
 
         Raises:
-            WeightSyncError: vLLM's worker could not pull or load the version.
+            WeightSyncError: vLLM's worker could not load the version (``reason`` ``load_mismatch``
+                for a checksum that did not match).
         """
-        from robustrl.model.policy import weights_checksum
-        from robustrl.weights.flat import flatten_state_dict
-
-        checksum = weights_checksum(state)
+        t0 = time.perf_counter()
         tag = max(version, 0)
-        buffer, manifest = flatten_state_dict(state, tag, self.chunk_bytes)
+        buffer: torch.Tensor | None = None
+        manifest: Any = None
+        if self.transfer == "memfd":
+            found = self._segments.locate(state)
+            staged = found is None
+            if found is None:
+                found = self._stage(state)
+            path, nbytes, tensors = found
+            info: dict[str, Any] = {"version": tag, "segment": path, "segment_bytes": nbytes,
+                                    "tensors": tensors, "checksum": checksum}
+        else:
+            from robustrl.weights.flat import flatten_state_dict
+
+            staged = True
+            buffer, manifest = flatten_state_dict(state, tag, self.chunk_bytes)
+            info = {"version": tag, "digest": manifest.digest(), "sources": [self.address], "checksum": checksum}
+        stage_s = time.perf_counter() - t0
         try:
-            self._call(self._swap(manifest, buffer, checksum), LOAD_TIMEOUT_S)
+            with self._busy:
+                phases = self._call(self._swap(info, manifest, buffer), LOAD_TIMEOUT_S)
         except WeightSyncError:
             raise
         except Exception as exc:
-            raise WeightSyncError(f"vLLM did not load the weights: {exc}", version=version) from exc
-        return checksum
+            reason = getattr(exc, "reason", None) or ("load_mismatch" if "do not match" in str(exc) else "error")
+            raise WeightSyncError(f"vLLM did not load the weights: {exc}", version=version, reason=reason) from exc
+        self.last_load = {"stage": stage_s if staged else 0.0, **phases, "total": time.perf_counter() - t0}
 
-    async def _swap(self, manifest: Any, buffer: torch.Tensor, checksum: str) -> None:
+    def _stage(self, state: Mapping[str, torch.Tensor]) -> tuple[str, int, list[list[Any]]]:
+        """Pack ``state`` into the staging segment (kept between loads: no page faults the
+        second time)."""
+        from robustrl.weights.flat import ALIGN
+
+        offsets: list[int] = []
+        end = 0
+        for t in state.values():
+            end = (end + ALIGN - 1) // ALIGN * ALIGN
+            offsets.append(end)
+            end += t.numel() * t.element_size()
+        if self._staging is None or self._staging.nbytes < end:
+            self._staging = self._segments.alloc(end)
+        flat = torch.from_numpy(self._staging)
+        with torch.no_grad():
+            for off, t in zip(offsets, state.values(), strict=True):
+                n = t.numel() * t.element_size()
+                if n:
+                    flat[off:off + n].view(t.dtype).view(t.shape).copy_(t.detach())
+        found = self._segments.locate({n: flat[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                                       for (n, t), o in zip(state.items(), offsets, strict=True)})
+        assert found is not None
+        return found
+
+    async def _swap(self, info: dict[str, Any], manifest: Any, buffer: torch.Tensor | None) -> dict[str, float]:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        self.server.add_version(manifest, buffer.numpy())
-        await self.llm.pause_generation(mode="keep", clear_cache=True)
+        phases: dict[str, float] = {}
+        t = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            phases[name] = now - t
+            t = now
+
+        if buffer is not None:
+            if self.server is None:
+                from robustrl.weights.server import WeightServer
+
+                self.server = WeightServer("tcp", host="127.0.0.1", max_versions=1)
+                self.address = await self.server.start()
+                info["sources"] = [self.address]
+            self.server.add_version(manifest, buffer.numpy())
+        # Our own generate() and swaps exclude each other (``_busy``), so normally no request is
+        # in vLLM now and pausing (a ~20 ms round trip to its worker here) would guard nothing;
+        # anything still there (an abort not yet processed) is frozen while the weights change.
+        paused = self.llm.output_processor.has_unfinished_requests()
+        if paused:
+            await self.llm.pause_generation(mode="keep", clear_cache=True)
+        lap("pause")
         try:
             await self.llm.start_weight_update()
-            await self.llm.update_weights(WeightTransferUpdateRequest(update_info={
-                "version": manifest.version, "digest": manifest.digest(), "sources": [self.address],
-                "checksum": checksum}))
-            await self.llm.finish_weight_update(weight_version=str(manifest.version))
+            lap("start")
+            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            lap("update")
+            await self.llm.finish_weight_update(weight_version=str(info["version"]))
+            lap("finish")
         finally:
-            self.server.drop_version(manifest.version)
-            await self.llm.resume_generation()
+            if buffer is not None and self.server is not None:
+                self.server.drop_version(manifest.version)
+            if paused:
+                await self.llm.resume_generation()
+            lap("resume")
+        return phases
+
+    def worker_timings(self) -> list[dict[str, float]]:
+        """Each vLLM worker's account of the last weight update (seconds per part, see
+        :attr:`~robustrl.model.engines.vllm_plugin.RobustRLWeightTransfer.last`): one more round
+        trip, so never on the load path."""
+        return list(self._call(self.llm.collective_rpc("weight_transfer_engine"), 30.0))
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._call(self.server.close(), 10.0)
-        except Exception as exc:  # noqa: BLE001 - closing: report and go on
-            log.warning("closing the vLLM engine's weight server: %r", exc)
+        self._staging = None
+        if self.server is not None:
+            try:
+                self._call(self.server.close(), 10.0)
+            except Exception as exc:  # noqa: BLE001 - closing: report and go on
+                log.warning("closing the vLLM engine's weight server: %r", exc)
         try:
             self.llm.shutdown()
         except Exception as exc:  # noqa: BLE001 - closing: report and go on

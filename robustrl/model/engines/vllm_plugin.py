@@ -2,12 +2,28 @@
 
 vLLM loads :func:`register` from the ``vllm.general_plugins`` entry point in every engine
 process. With ``weight_transfer_config={"backend": "robustrl"}`` each vLLM worker builds a
-:class:`RobustRLWeightTransfer` next to its model; ``update_weights`` then hands it
-``{version, digest, sources, checksum}``, and the worker pulls that version chunk by chunk from
-RobustRL's own weight sources (the replica's in-memory weight server; any trainer rank or relay
-serves the same protocol), checks each chunk against the manifest and the whole state dict
-against the checksum, and calls the model's ``load_weights`` with views into the pulled buffer:
-weights go from memory to memory, never through a file.
+:class:`RobustRLWeightTransfer` next to its model; ``update_weights`` then hands it one version
+in one of two ways:
+
+- **segment** (what :class:`~robustrl.model.engines.vllm.VllmEngine` sends): the version's flat
+  buffer lives in a memfd segment of the replica's process (the replica pulled it there, every
+  chunk verified against the manifest as it arrived); the worker maps the segment
+  (``/proc/<pid>/fd/<fd>``, no copy) and calls the model's ``load_weights`` with views into it.
+  The load is copies only: the bytes were verified when they arrived, so nothing is hashed
+  here unless ``checksum`` asks for it (tests, audits).
+- **sources**: the worker pulls the version chunk by chunk from RobustRL weight sources (a
+  trainer rank, a relay, an in-memory weight server) with RobustRL's puller, each chunk checked
+  against the manifest, for a worker that shares no memory with the replica.
+
+Weights go from memory to memory, never through a file. ``start_weight_update`` and
+``finish_weight_update`` bracket the loads: layers whose parameters vLLM keeps in checkpoint
+layout (embeddings, the LM head, norms; linear layers on GPU) are loaded straight into their
+live tensors and their post-processing (on CPU: the oneDNN weight packing) runs again;
+only layers that vLLM transformed after loading (CPU linear layers, whose weights it packed
+and removed; quantized layers; attention) go through vLLM's layerwise reload, which restores
+them in checkpoint layout, loads, re-processes and copies back (:func:`start_reload`). vLLM's
+own reload would send every layer that way: for the layers kept in checkpoint layout that is
+a fresh tensor, a copy into it and a second copy back, instead of one copy.
 
 Only ever imported inside a vLLM process (it imports vllm at module level).
 """
@@ -16,6 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,6 +51,10 @@ from robustrl.errors import WeightSyncError
 log = logging.getLogger(__name__)
 BACKEND = "robustrl"
 
+IN_PLACE_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+"""Quant methods whose post-processing keeps a layer's tensors in checkpoint layout and may run
+again on new values (on CPU it re-packs the weight for oneDNN; elsewhere it does nothing)."""
+
 
 def register() -> None:
     """Entry point: register the ``robustrl`` backend (idempotent: every process calls it)."""
@@ -44,23 +66,146 @@ def register() -> None:
 
 @dataclass
 class RobustRLInitInfo(WeightTransferInitInfo):
-    """Nothing to set up: sources are named per update."""
+    """Nothing to set up: where the weights are is named per update."""
 
 
 @dataclass
 class RobustRLUpdateInfo(WeightTransferUpdateInfo):
-    """One version to pull: its number, manifest digest, where to pull it, and its checksum."""
+    """One version: a memfd segment to map (``segment``), or sources to pull it from.
+
+    ``tensors``: ``[name, dtype, shape, offset]`` of each tensor in the segment. ``checksum``
+    (optional, off by default): the worker checksums what it received
+    (:func:`~robustrl.model.policy.weights_checksum`) and refuses a mismatch before loading.
+    """
 
     version: int
-    digest: str
+    segment: str = ""
+    segment_bytes: int = 0
+    tensors: list[list[Any]] = field(default_factory=list)
+    digest: str = ""
     sources: list[str] = field(default_factory=list)
-    checksum: str = ""
     transport: str = "tcp"
     timeout_s: float = 120.0
+    checksum: str = ""
+
+
+# --- reload: in place where vLLM keeps the checkpoint layout, layerwise elsewhere ------------------
+
+
+def _in_place(layer: torch.nn.Module, info: Any) -> bool | None:
+    """True: the layer's live tensors are in checkpoint layout (load straight into them); False:
+    vLLM transformed them (layerwise reload); None: nothing of it is loadable."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    params, buffers = info.restore_metadata
+    recorded = params | buffers
+    if not recorded:
+        return None
+    if is_deferred_attention_layer(layer):
+        return False
+    method = getattr(layer, "quant_method", None)
+    if method is not None and type(method).__name__ not in IN_PLACE_METHODS:
+        return False
+    live = get_layer_tensors(layer)
+    for name, meta in recorded.items():
+        t = live.get(name)
+        if t is None or t.shape != meta.shape or t.dtype != meta.dtype:
+            return False
+    return True
+
+
+def start_reload(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Prepare ``model`` for ``load_weights`` of checkpoint-format (HF-named) tensors.
+
+    Layers vLLM keeps in checkpoint layout are left as they are (their loaders copy straight
+    into the live tensors); every other layer gets vLLM's layerwise reload (restored in
+    checkpoint layout, loaded into fresh tensors, re-processed, copied back into the kernel
+    tensors). Returns the in-place layers, for :func:`finish_reload`.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        get_layerwise_info,
+        initialize_online_processing,
+    )
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+
+    # as initialize_layerwise_reload does, for the layers that need it only
+    model._original_do_torchao_reload = getattr(model, "_do_torchao_reload", False)
+    model._do_torchao_reload = False
+    direct: list[torch.nn.Module] = []
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if info.can_load():
+            continue
+        verdict = _in_place(layer, info)
+        if verdict is None:
+            continue
+        if verdict:
+            direct.append(layer)
+            continue
+        info.kernel_tensors = get_layer_params_buffers(layer)
+        info.kernel_non_persistent_buffers = set(layer._non_persistent_buffers_set)
+        restore_layer_on_meta(layer, info)
+        initialize_online_processing(layer)
+    return direct
+
+
+def finish_reload(model: torch.nn.Module, model_config: Any, direct: list[torch.nn.Module]) -> None:
+    """Finish the layerwise layers and re-run the in-place layers' post-processing.
+
+    One exception: the input embedding of a model whose LM head is a layer of its own (untied
+    embeddings). On CPU its post-processing packs a copy of the whole embedding matrix for
+    oneDNN matmuls that only an LM head makes (the embedding itself is a row lookup), so
+    re-packing it would spend a pass over the largest tensor for nothing.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    text_config = getattr(model_config, "hf_text_config", None)
+    tied = bool(getattr(text_config, "tie_word_embeddings", True))
+    for layer in direct:
+        method = getattr(layer, "quant_method", None)
+        if method is None:
+            continue
+        if not tied and isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
+            continue
+        method.process_weights_after_loading(layer)
+
+
+# --- the segment ----------------------------------------------------------------------------------
+
+
+def map_segment(path: str, nbytes: int) -> mmap.mmap:
+    """Map another process's memfd segment, page tables filled at once (MAP_POPULATE: one
+    syscall instead of a page fault per 4 KiB). Shared and writable so that populating never
+    copies a page; nothing writes to it."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def segment_views(mm: mmap.mmap, tensors: list[list[Any]]) -> dict[str, torch.Tensor]:
+    """name -> tensor viewing the mapped segment (no copy)."""
+    flat = torch.frombuffer(mm, dtype=torch.uint8)
+    out: dict[str, torch.Tensor] = {}
+    for name, dtype, shape, offset in tensors:
+        dt = getattr(torch, dtype)
+        n = 1
+        for s in shape:
+            n *= int(s)
+        nbytes = n * torch.empty((), dtype=dt).element_size()
+        out[name] = flat[offset:offset + nbytes].view(dt).view(*shape)
+    return out
 
 
 class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpdateInfo]):
-    """Pulls a version from RobustRL weight sources and loads it into the worker's model."""
+    """Loads a version from the replica's memory (or pulls it from weight sources) into the
+    worker's model."""
 
     init_info_cls = RobustRLInitInfo
     update_info_cls = RobustRLUpdateInfo
@@ -69,31 +214,87 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
     def init_transfer_engine(self, init_info: RobustRLInitInfo) -> None:
         return None
 
-    def start_weight_update(self) -> None:
-        # Checkpoint-format (HF-named) tensors go through vLLM's layerwise reload: the model's
-        # loaders are restored for the update and its post-processing (fused / repacked layouts)
-        # runs again when the update finishes.
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+    last: dict[str, float]
+    """Seconds of the last update's parts in this worker: ``start`` (layers prepared), ``map``
+    (segment mapped / version pulled), ``checksum`` (only when asked), ``load`` (vLLM's
+    ``load_weights``: the copies, and the layerwise layers' processing), ``finish`` (the
+    remaining post-processing, e.g. CPU weight packing of the in-place layers)."""
 
-        initialize_layerwise_reload(self.model)
+    def __call__(self) -> dict[str, float]:
+        """``collective_rpc("weight_transfer_engine")`` runs this in each worker: :attr:`last`."""
+        return dict(getattr(self, "last", {}))
+
+    def start_weight_update(self) -> None:
+        t0 = time.perf_counter()
+        self._direct = start_reload(self.model)
+        self.last = {"start": time.perf_counter() - t0}
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
+        t0 = time.perf_counter()
+        finish_reload(self.model, self.model_config, getattr(self, "_direct", []))
+        self._direct = []
+        self.last["finish"] = time.perf_counter() - t0
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            # vLLM ends the update session without finish_weight_update: put the layers the
+            # layerwise reload took apart back together (a model left half on the meta device
+            # could not generate at all), then report.
+            try:
+                self.finish_weight_update()
+            except Exception as exc:  # noqa: BLE001 - the first error is the one to report
+                log.error("restoring the model after a failed weight update: %r", exc)
+            raise
         if torch.cuda.is_available():  # the base class syncs the accelerator; CPU has none
             torch.cuda.synchronize()
 
     def receive_weights(self, update_info: RobustRLUpdateInfo) -> None:
-        from robustrl.model.policy import weights_checksum
-        from robustrl.weights.flat import unflatten
-        from robustrl.weights.puller import fetch_manifest, pull
-
         info = update_info
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
+        mm: mmap.mmap | None = None
+        buffer: Any = None
+        if info.segment:
+            mm = map_segment(info.segment, info.segment_bytes)
+            state = segment_views(mm, info.tensors)
+            nbytes = info.segment_bytes
+        else:
+            from robustrl.weights.flat import unflatten
+
+            manifest, buffer = self._pull(info)
+            state = unflatten(torch.from_numpy(buffer), manifest)
+            nbytes = manifest.total_bytes
+        t1 = time.perf_counter()
+        self.last["map" if info.segment else "pull"] = t1 - t0
+        try:
+            if info.checksum:
+                from robustrl.model.policy import weights_checksum
+
+                got = weights_checksum(state)
+                t2 = time.perf_counter()
+                self.last["checksum"], t1 = t2 - t1, t2
+                if got != info.checksum:
+                    raise WeightSyncError("the weights received do not match the expected checksum",
+                                          version=info.version, expected=info.checksum, got=got,
+                                          reason="load_mismatch")
+            device = getattr(self, "device", None)
+            on_cpu = device is None or torch.device(device).type == "cpu"
+            weights = ((name, t if on_cpu else t.to(device, non_blocking=True)) for name, t in state.items())
+            self.model.load_weights(weights)
+            self.last["load"] = time.perf_counter() - t1
+            self.last["bytes"] = nbytes
+        finally:
+            state.clear()
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a view still alive somewhere: unmapped when it is collected
+                    pass
+
+    @staticmethod
+    def _pull(info: RobustRLUpdateInfo) -> tuple[Any, Any]:
+        from robustrl.weights.puller import fetch_manifest, pull
 
         async def fetch() -> tuple[Any, Any]:
             manifest = await fetch_manifest(info.sources, info.version, info.digest, transport=info.transport)
@@ -114,20 +315,7 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
         t.join()
         if "err" in box:
             raise box["err"]
-        manifest, buffer = box["out"]
-        state = unflatten(torch.from_numpy(buffer), manifest)
-        pulled_s = time.monotonic() - t0
-        if info.checksum:
-            got = weights_checksum(state)
-            if got != info.checksum:
-                raise WeightSyncError("pulled weights do not match the announced checksum", version=info.version,
-                                      expected=info.checksum, got=got)
-        device = getattr(self, "device", None)
-        weights = ((name, tensor if device is None else tensor.to(device, non_blocking=True))
-                   for name, tensor in state.items())
-        self.model.load_weights(weights)
-        log.info("robustrl weights v%d: %d B pulled in %.3fs, loaded in %.3fs", info.version, manifest.total_bytes,
-                 pulled_s, time.monotonic() - t0 - pulled_s)
+        return box["out"]
 
     def shutdown(self) -> None:
         return None
