@@ -26,6 +26,15 @@ each, and each trainer recovery broken down from the event log), then whole_job 
 everything on it, SIGKILL) followed by the auditor, and the time one launcher ``start`` takes
 (local process vs Ray actor + process). Every run has the same ``recovery.warm_spares`` (default:
 the trainer's workers): local spare processes, or Ray spare actors.
+
+    python bench/ettr.py --engine vllm --out bench/results/ettr-vllm.json [--steps 12]
+                         [--compare vllm,torch]
+
+runs instead the job on a small Hugging Face model (``robustrl.model.tiny``: random-init Qwen3,
+32k-token BPE, float32) with its rollout replicas on each engine of ``--compare`` (vLLM from
+``.venv-vllm``), in one stack: fault-free, then with a rollout crash at steps 4 and 8
+(role_local), each crash recovered by re-dispatching the replica's turns and starting a
+replacement; the auditor then reads the raw stores (0 finished episodes lost).
 """
 
 from __future__ import annotations
@@ -443,6 +452,107 @@ async def _node_loss_run(stack: Stack, api: ApiClient, cluster: Any, spec_base: 
     return out
 
 
+def _hf_spec(spec_base: dict[str, Any], engine: str, model_dir: str, name: str) -> dict[str, Any]:
+    """The reference job on a Hugging Face model directory, rollout on ``engine``: tool-heavy
+    (lookup), smaller batches, and the thresholds a vLLM replica needs on 2 busy cores (the same
+    for both engines: a fair comparison)."""
+    return {**spec_base, "name": name,
+            "model": {**spec_base["model"], "path": model_dir, "max_positions": 512},
+            "data": {**spec_base["data"], "tasks": ["lookup"], "prompts_per_step": 4, "group_size": 4},
+            "rollout": {**spec_base["rollout"], "engine": engine, "max_new_tokens": 8},
+            # trainer_idle_s: an HF-model step (32k-token head) on 2 busy cores outlasts the scaled
+            # profile's 4 s (a smoke run saw a false trainer hang)
+            "detector": {**spec_base["detector"], "weights_load_s": 120.0, "turn_deadline_s": 60.0,
+                         "silence_s": 10.0, "step_deadline_s": 600.0, "trainer_idle_s": 20.0},
+            "recovery": {**spec_base["recovery"], "deadline_s": 600.0}}
+
+
+def engine_crash_scenario(seed: int) -> Scenario:
+    return (Faults("rollout-crash", seed=seed)
+            .crash("rollout", member=0, at_step=4, within_step="random")
+            .crash("rollout", member=1, at_step=8, within_step="random").build())
+
+
+def _replica_starts(events: list[dict[str, Any]]) -> list[float]:
+    """Seconds from each rollout member's launch to its first weights_loaded: its engine built
+    (vLLM's start) and the current version pulled and swapped in (for the first replicas, also
+    the wait for the trainer's first version)."""
+    started: dict[str, float] = {}
+    out = []
+    for e in sorted(events, key=lambda e: e["ts"]):
+        d = e.get("data") or {}
+        if e["kind"] == "member_started" and d.get("role") == "rollout":
+            started[d.get("member_id", "")] = e["ts"]
+        elif e["kind"] == "weights_loaded" and d.get("member_id") in started:
+            out.append(round(e["ts"] - started.pop(d["member_id"]), 2))
+    return out
+
+
+async def main_engines(args: argparse.Namespace) -> dict[str, Any]:
+    """Fault-free and rollout-crash runs of an HF-model job per rollout engine, audited."""
+    from robustrl.audit import audit
+    from robustrl.model.engines.envs import vllm_python
+    from robustrl.model.tiny import make_tiny_hf_model
+
+    engines = [e for e in args.compare.split(",") if e]
+    spec_base = reference_job(steps=args.steps, seed=args.seed).model_dump(mode="json")
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                               "job": {"steps": args.steps, "engines": engines,
+                                       "model": "tiny random-init Qwen3 (hidden 128, 2 layers, 32,007-token BPE), "
+                                                "float32", "vllm_python": str(vllm_python())}}
+    with tempfile.TemporaryDirectory(prefix="ettr-engines-") as tmp:
+        model_dir = str(make_tiny_hf_model(Path(tmp) / "tiny-hf"))
+        results["job"]["spec"] = {k: v for k, v in _hf_spec(spec_base, "vllm", model_dir, "x").items()
+                                  if k in ("data", "rollout", "detector", "recovery", "tools")}
+        with Stack(Path(tmp) / "stack") as stack:
+            assert stack.settings
+            api = ApiClient(stack.api_url, stack.settings.api_token)
+            for engine in engines:
+                per: dict[str, Any] = {}
+                for run, scenario in (("fault_free", None), ("rollout_crash", engine_crash_scenario(args.seed))):
+                    label = f"{engine} {run}"
+                    load_before = _load()
+                    try:
+                        out = await run_one(stack, api, _hf_spec(spec_base, engine, model_dir, f"eng-{engine}-{run}"),
+                                            scenario, label)
+                    except Exception as exc:  # noqa: BLE001 - recorded; the other runs go on
+                        per[run] = {"status": "bench error", "error": repr(exc), "load_before": load_before}
+                        print(f"{label}: {exc!r}", flush=True)
+                        continue
+                    jobs = api.jobs()
+                    job_id = jobs[-1]["job_id"] if jobs else None
+                    if job_id:
+                        events = api.events(job_id)
+                        out["replica_start_s"] = _replica_starts(events)
+                        verdict = await audit(stack.settings, job_id)
+                        out.update({"job_id": job_id, "audit_ok": verdict.ok, "episodes_lost": verdict.episodes_lost,
+                                    "audit_violations": verdict.violations()[:20]})
+                    if scenario is not None:
+                        out["redispatch"] = redispatch_summary(out)
+                    out.update({"load_before": load_before, "load_after": _load()})
+                    per[run] = out
+                    args.out.with_suffix(".partial.json").write_text(json.dumps({**results, engine: per}, indent=2))
+                results[engine] = per
+            api.close()
+    s = results["summary"] = {}
+    for engine in engines:
+        per = results[engine]
+        crash = per.get("rollout_crash", {})
+        rec = [f["recovery_s"] for f in crash.get("faults", []) if f.get("role") == "rollout" and f.get("recovery_s")]
+        det = [f["detection_s"] for f in crash.get("faults", []) if f.get("role") == "rollout"
+               and f.get("detection_s") is not None]
+        s[engine] = {"fault_free_ettr": per.get("fault_free", {}).get("ettr"),
+                     "rollout_crash_ettr": crash.get("ettr"), "status": crash.get("status"),
+                     "rollout_faults": len([f for f in crash.get("faults", []) if f.get("role") == "rollout"]),
+                     "recovery_s": rec, "detection_s": det,
+                     "other_faults": [f"{f['role']}/{f['kind']}" for f in crash.get("faults", []) if f.get("role") != "rollout"],
+                     "episodes_lost": crash.get("episodes_lost"), "audit_ok": crash.get("audit_ok"),
+                     "fault_free_audit_ok": per.get("fault_free", {}).get("audit_ok"),
+                     "replica_start_s": crash.get("replica_start_s"),
+                     "turns_redispatched": crash.get("redispatch", {}).get("turns_redispatched")}
+    return results
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/ettr.json"))
@@ -453,11 +563,16 @@ if __name__ == "__main__":
                         help="ray: local vs Ray launcher on a 3-node Ray cluster on this machine (module docstring).")
     parser.add_argument("--pairs", type=int, default=3,
                         help="--launcher ray: interleaved local/Ray role_local runs (the order alternating).")
+    parser.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                        help="vllm: the HF-model job per rollout engine of --compare (module docstring).")
+    parser.add_argument("--compare", default="vllm,torch",
+                        help="--engine vllm: the rollout engines to run, in this order.")
     parser.add_argument("--warm-spares", type=int, default=None,
                         help="--launcher ray: recovery.warm_spares of every run, local and Ray alike "
                              "(default: the trainer's workers).")
     args = parser.parse_args()
-    res = asyncio.run(main_ray(args) if args.launcher == "ray" else main(args))
+    res = asyncio.run(main_ray(args) if args.launcher == "ray"
+                      else main_engines(args) if args.engine == "vllm" else main(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
     print(json.dumps(res["summary"], indent=2))
