@@ -300,8 +300,11 @@ class WeightLoader:
         loaded = await self._install(manifest.version, ann.checksum, state, self.cfg.pull_timeout_s)
         if loaded != ann.checksum:
             self.server.drop_version(manifest.version)
-            await self._failed_attempt(ann, "load_mismatch" if loaded else "timeout", got=loaded, checksum=loaded,
-                                       error=None if loaded else "the engine did not swap the weights in time")
+            if loaded is None:
+                reason, error = "timeout", "the engine did not swap the weights in time"
+            else:  # the engine failed to load them, or (asked to check) holds other weights
+                reason, error = "load_mismatch", None if loaded else "the engine failed to load the weights"
+            await self._failed_attempt(ann, reason, got=loaded or None, checksum=loaded or None, error=error)
             return False
         await self._set(loading=False, failed=False)
         await self._emit("weights_loaded", {

@@ -208,7 +208,7 @@ class Replica:
             got = pending.checksum
         except Exception as exc:  # noqa: BLE001 - any engine failure: serve nothing from it
             log.error("weights v%d: the engine failed to load them: %r", pending.version, exc)
-            got = ""
+            got = str(getattr(exc, "got", "") or "")  # asked to check: the checksum the engine found
         log.info("weights v%d swapped into the %s engine in %.4fs", pending.version, self.engine.name,
                  time.monotonic() - t0)
         if got == pending.checksum:
