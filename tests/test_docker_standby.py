@@ -10,6 +10,13 @@ through the engine; tini forwards it. Checked from inside the container (what th
 handed, that the trainer's code and torch import there, the hand-off file consumed) and from the
 engine (same container, same process, tracked, adopted and reported under the rank's id).
 
+The second test is the whole path: the servers listen on the Docker network's gateway, the
+control plane runs here with the Docker launcher (``ROBUSTRL_DOCKER_URL``: the private engine),
+every member is a container of the image with this commit's code (``git archive HEAD``); a trainer
+container is killed, two replica containers become the new gang's ranks in place (no container is
+created for them), replacements restock the pool and load weights, the job finishes and the
+auditor passes.
+
 Skips, with the reason, without dockerd, root, the docker SDK or the built image.
 """
 
@@ -129,3 +136,104 @@ def test_a_rollout_container_switches_to_a_trainer_rank_in_place(engine: Engine)
     finally:
         launcher.close()
         network.remove()
+
+
+def _code_image(engine: Engine) -> str:
+    """The RobustRL image with this commit's code on top (``git archive HEAD``: the committed
+    tree, laid out as the installed package is)."""
+    import subprocess
+
+    try:
+        engine.client.images.get(BASE)
+    except Exception:  # noqa: BLE001 - absent: the compose test builds it
+        pytest.skip(f"image {BASE} not built here (tests/test_compose_stack.py builds it offline)")
+    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD", "robustrl", "services"], cwd=HERE.parent,
+                             capture_output=True, check=True).stdout
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(archive)) as src, tarfile.open(fileobj=buf, mode="w") as out:
+        dockerfile = f"FROM {BASE}\nCOPY code/ {SITE}/\n".encode()
+        info = tarfile.TarInfo("Dockerfile")
+        info.size = len(dockerfile)
+        out.addfile(info, io.BytesIO(dockerfile))
+        for member in src.getmembers():
+            if not member.isfile():
+                continue
+            name = member.name
+            if name.startswith("services/"):
+                name = "robustrl/" + name.replace("services/request-manager/", "services/request_manager/", 1)
+            data = src.extractfile(member)
+            member.name = f"code/{name}"
+            out.addfile(member, data)
+    buf.seek(0)
+    tag = "robustrl:standby-e2e"
+    engine.client.images.build(fileobj=buf, custom_context=True, tag=tag, rm=True)
+    return tag
+
+
+def test_a_job_on_the_docker_launcher_borrows_replica_containers_as_trainer_ranks(engine: Engine,
+                                                                                 tmp_path: Path) -> None:
+    """End to end: servers on the Docker network's gateway, the control plane on this machine with
+    the Docker launcher, every member a container. A trainer container is killed; the new gang's
+    ranks are rollout containers switched in place; replacements restock the pool."""
+    from jobs import kinds, small_job, wait_done, wait_step
+
+    from robustrl.audit import audit_job
+    from robustrl.audit.model import AuditOptions
+    from robustrl.client import ApiClient
+    from robustrl.infra.embedded import EmbeddedInfra
+    from robustrl.launcher.docker import LABEL_JOB, LABEL_LAUNCHER
+    from robustrl.stack import Stack
+
+    image = _code_image(engine)
+    tag = uuid.uuid4().hex[:8]
+    network = engine.client.networks.create(f"rrl-e2e-{tag}")
+    network.reload()
+    gateway = network.attrs["IPAM"]["Config"][0]["Gateway"]
+    infra = EmbeddedInfra(tmp_path / "infra", host=gateway)
+    stack: Stack | None = None
+    try:
+        settings = infra.start()
+        stack = Stack(tmp_path / "stack", external=settings, extra_env={
+            "ROBUSTRL_LAUNCHER": "docker", "ROBUSTRL_IMAGE": image, "ROBUSTRL_DOCKER_NETWORK": network.name,
+            "ROBUSTRL_DOCKER_URL": engine.url, "ROBUSTRL_LAUNCHER_INSTANCE": f"e2e-{tag}"})
+        stack.start()
+        assert stack.settings
+        api = ApiClient(stack.api_url, stack.settings.api_token)
+        # Tool calls of 1 s: the job outlasts the cold start of the replacement containers.
+        spec = small_job("dockborrow", steps=30, mode="semi_sync", staleness=1, rollout={"replicas": 3},
+                         recovery={"min_replicas_kept": 1}, tools={"latency_s": 1.0}, data={"tasks": ["lookup"]},
+                         detector={"trainer_idle_s": 20.0, "rollout_idle_s": 20.0, "silence_s": 20.0,
+                                   "probe_timeout_s": 5.0, "metrics_interval_s": 0.5})
+        jid = api.submit(spec)["job_id"]
+        wait_step(api, jid, 2, timeout=300)
+        api.fault(jid, kind="crash", role="trainer", member=0)  # docker kill of rank 0's container
+        eventually(lambda: [d for d in kinds(api.events(jid), "recovered") if d["kind"] == "trainer"], timeout=300,
+                   interval=0.5, what="the trainer recovery")
+        # From the engine: no container was created for the new gang's ranks; they run in the
+        # borrowed replicas' containers, which are still up.
+        borrowed_now = [d["member_id"] for d in kinds(api.events(jid), "replica_borrowed")]
+        by_name = {c.name: c for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={jid}"})}
+        assert not [n for n in by_name if "trainer-e2" in n], sorted(by_name)
+        assert all(by_name[container_name(f"{jid}--{m}")].status == "running" for m in borrowed_now), borrowed_now
+        wait_done(api, jid, timeout=400)
+        events = api.events(jid)
+        api.close()
+        audit_job(stack.settings, jid, AuditOptions(redis_bound=False))
+    finally:
+        if stack is not None:
+            stack.stop()
+        infra.stop()
+        for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_LAUNCHER}=e2e-{tag}"}):
+            c.remove(force=True)  # what the controller's launcher left (it removes its own on close)
+        network.remove()
+    borrowed = {d["member_id"]: d["rank"] for d in kinds(events, "replica_borrowed")}
+    assert len(borrowed) == 2, borrowed
+    switched = {d["from_member"]: d["member_id"] for d in kinds(events, "role_switched")}
+    assert switched == {m: f"trainer-e2-r{r}" for m, r in borrowed.items()}, switched
+    started = {d["member_id"]: d for d in kinds(events, "member_started")}
+    assert {started[f"trainer-e2-r{r}"]["source"] for r in (0, 1)} == {"borrowed"}
+    recovered = [d for d in kinds(events, "recovered") if d["kind"] == "trainer"]
+    assert recovered and recovered[0]["source"] == "borrowed", recovered
+    loaded = {d["member_id"] for d in kinds(events, "weights_loaded")}
+    restocked = {d["member_id"] for d in kinds(events, "replica_restocked")}
+    assert restocked == {f"rollout-{m.split('-')[1]}-i1" for m in borrowed} and restocked <= loaded
