@@ -386,7 +386,7 @@ async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             cluster.stop()
             results["ray_processes_left"] = cluster.leftovers()
-    gaps = [p["gap"] for p in results["pairs"]]
+    gaps = [p["gap"] for p in results["pairs"]] or [float("nan")]
     s = results["summary"] = {
         "warm_spares": spares,
         "pairs": [{"local_ettr": p["local"]["ettr"], "ray_ettr": p["ray"]["ettr"], "gap": p["gap"], "order": p["order"],
@@ -403,7 +403,8 @@ async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
         "within_0_05": [abs(g) <= 0.05 for g in gaps],
         "member_start_median_s": {k: v["median_s"] for k, v in results["member_start"].items()},
         "node_loss": {k: results["ray_node_loss"].get(k) for k in ("ettr", "status", "error", "node_lost_at_step",
-                                                                   "recovery_s", "audit_ok", "episodes_lost")},
+                                                                   "recovery_s", "audit_ok", "episodes_lost",
+                                                                   "recoveries")},
     }
     if not args.quick:
         s["ray_whole_job_ettr"] = results["ray_whole_job"]["ettr"]
@@ -440,6 +441,8 @@ async def _node_loss_run(stack: Stack, api: ApiClient, cluster: Any, spec_base: 
     spec["recovery"] = {**spec["recovery"], "warm_spares": spares}
     report = await run_job(stack.settings, api, spec, None, step_time_s=3.5, timeout_s=1200, on_status=kill_half_way)
     out = summarize(report)
+    if "job_id" in report:
+        out["recoveries"] = recovery_breakdown(api.events(report["job_id"]))
     verdict = await audit(stack.settings, report["job_id"]) if "job_id" in report else None
     node_faults = [f for f in out["faults"] if f["recovery_s"] is not None]
     out.update({"error": report.get("error"), "node_lost": lost.get("node"), "node_lost_at_step": lost.get("at_step"),
