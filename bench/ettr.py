@@ -470,10 +470,14 @@ def _hf_spec(spec_base: dict[str, Any], engine: str, model_dir: str, name: str) 
             "recovery": {**spec_base["recovery"], "deadline_s": 600.0}}
 
 
-def engine_crash_scenario(seed: int) -> Scenario:
+def engine_crash_scenario(seed: int, within_step: float | None = None) -> Scenario:
+    """A rollout crash at steps 4 and 8: at a seeded random moment of the step, or
+    ``within_step`` seconds after it started (0.1: while its first turns are being generated,
+    so turns in flight are re-dispatched)."""
+    at: float | str = "random" if within_step is None else within_step
     return (Faults("rollout-crash", seed=seed)
-            .crash("rollout", member=0, at_step=4, within_step="random")
-            .crash("rollout", member=1, at_step=8, within_step="random").build())
+            .crash("rollout", member=0, at_step=4, within_step=at)
+            .crash("rollout", member=1, at_step=8, within_step=at).build())
 
 
 def _replica_starts(events: list[dict[str, Any]]) -> list[float]:
@@ -505,6 +509,7 @@ async def main_engines(args: argparse.Namespace) -> dict[str, Any]:
                                                 "float32", "vllm_python": str(vllm_python())}}
     with tempfile.TemporaryDirectory(prefix="ettr-engines-") as tmp:
         model_dir = str(make_tiny_hf_model(Path(tmp) / "tiny-hf"))
+        results["job"]["crash_within_step"] = args.crash_within_step if args.crash_within_step is not None else "random"
         results["job"]["spec"] = {k: v for k, v in _hf_spec(spec_base, "vllm", model_dir, "x").items()
                                   if k in ("data", "rollout", "detector", "recovery", "tools")}
         with Stack(Path(tmp) / "stack") as stack:
@@ -512,7 +517,8 @@ async def main_engines(args: argparse.Namespace) -> dict[str, Any]:
             api = ApiClient(stack.api_url, stack.settings.api_token)
             for engine in engines:
                 per: dict[str, Any] = {}
-                for run, scenario in (("fault_free", None), ("rollout_crash", engine_crash_scenario(args.seed))):
+                crash = engine_crash_scenario(args.seed, args.crash_within_step)
+                for run, scenario in (("fault_free", None), ("rollout_crash", crash)):
                     label = f"{engine} {run}"
                     load_before = _load()
                     try:
@@ -570,6 +576,8 @@ if __name__ == "__main__":
                         help="vllm: the HF-model job per rollout engine of --compare (module docstring).")
     parser.add_argument("--compare", default="vllm,torch",
                         help="--engine vllm: the rollout engines to run, in this order.")
+    parser.add_argument("--crash-within-step", type=float, default=None,
+                        help="--engine vllm: crash this many seconds into the step (default: a random moment).")
     parser.add_argument("--warm-spares", type=int, default=None,
                         help="--launcher ray: recovery.warm_spares of every run, local and Ray alike "
                              "(default: the trainer's workers).")
