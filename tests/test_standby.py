@@ -42,9 +42,11 @@ def _ts(events: list[dict[str, Any]], kind: str) -> list[tuple[float, dict[str, 
 
 
 def test_borrowed_replicas_become_trainer_ranks_and_the_pool_is_restocked(api, infra):
-    # Tool calls of 0.5 s make steps long enough for a cold replacement to start before the end.
-    spec = small_job("borrow", steps=16, mode="semi_sync", staleness=1, rollout={"replicas": 3},
-                     recovery={"min_replicas_kept": 1}, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]})
+    # Tool calls of 1 s make steps (~1.5 s) long enough for the cold replacements to start and load
+    # before the end (with 0.5 s calls and 16 steps the job ended 12 s after they started, still
+    # importing, on two cores shared at load ~8).
+    spec = small_job("borrow", steps=24, mode="semi_sync", staleness=1, rollout={"replicas": 3},
+                     recovery={"min_replicas_kept": 1}, tools={"latency_s": 1.0}, data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
     with BusObserver(infra.nats_url, [wildcard(jid, Verb.GENERATE)]) as gen:
         wait_step(api, jid, 2)
