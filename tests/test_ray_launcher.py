@@ -42,7 +42,7 @@ from robustrl.launcher.ray_cluster import LocalRayCluster
 pytestmark = pytest.mark.timeout(240)
 TESTS = Path(__file__).resolve().parent
 INSTANCE = "rr-test"
-STEPS = 12
+STEPS = 16
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +244,10 @@ def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_
         # 3. The controller killed: the restarted one re-attaches to the running actors and
         #    restarts none of them.
         live = {m["member_id"]: m["pid"] for m in survivors}
-        assert status["committed_step"] < STEPS - 2, "the job ended before the controller restart"
+        # Steps left for after the restart: under load the old steps ran to the end while the new
+        # controller took over (8 s), and a job whose last step commits during the takeover was
+        # never marked finished (seen once with 2 steps left; a controller race, reported).
+        assert status["committed_step"] < STEPS - 4, "the job is too far along for the controller restart"
         n_started = len(kinds(api.events(job_id), "member_started"))
         old = stack.pids()["controller"]
         os.kill(old, signal.SIGKILL)
