@@ -220,7 +220,8 @@ class RecoverySpec(BaseModel):
     max_restarts: StrictInt = Field(20, ge=0, le=1000, description="Give up (job failed) after this many.")
     warm_spares: StrictInt = Field(0, ge=0, le=64, description=(
         "Member processes kept started ahead (imports done) while the job runs: a restart takes one "
-        "instead of a cold start. Local launcher only; 0 = every restart is a cold start."))
+        "instead of a cold start. Local and Ray launchers (a Ray spare is a pre-started actor); the "
+        "Docker launcher and members placed on testbed hosts start cold. 0 = every restart is a cold start."))
     borrow: Literal["overlapped", "always", "never"] = Field("overlapped", description=(
         "Warm standby from the rollout pool: a trainer gang restart may take ready rollout replicas, "
         "which switch role in place (model built, weights in memory) and join the new gang. "
