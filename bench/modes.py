@@ -59,6 +59,8 @@ from robustrl.subjects import Verb, all_jobs
 MODES = {"sync": 0, "semi_sync": 1, "async": 2}
 """mode -> staleness."""
 STEP_TIME_S = 1.0
+EVENTS_DIR: Path | None = None
+"""``--events DIR``: each run's event log is written there (``<label>.json``)."""
 """Typical step of this job here; ``within_step: random`` draws the crash moment in [0, it)."""
 
 
@@ -199,6 +201,9 @@ async def run(stack: Stack, api: ApiClient, tap: TokenTap, spec: dict[str, Any],
     report = await run_job(stack.settings, api, spec, scenario, step_time_s=STEP_TIME_S, timeout_s=900)
     wall = time.time() - t0
     events = await asyncio.to_thread(api.events, report["job_id"])
+    if EVENTS_DIR is not None:
+        EVENTS_DIR.mkdir(parents=True, exist_ok=True)
+        (EVENTS_DIR / (label.replace(" ", "_") + ".json")).write_text(json.dumps(events))
     out: dict[str, Any] = {"reward_by_step": [round(r, 4) for r in report["reward_by_step"]],
                            "wall_s": round(report["completion_s"], 2), "status": report["status"],
                            "ettr": round(report["ettr"], 4), "ettr_to_last_commit": ettr_to_last_commit(events),
@@ -228,16 +233,21 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         return [r["recovery_s"] for run_ in results["modes"][mode]["faulted_runs"] for r in run_["recoveries"]
                 if r["source"] == source]
 
-    borrowed = recs("semi_sync", "borrowed") + recs("async", "borrowed")
+    have = results["modes"]
+    borrowed = ((recs("semi_sync", "borrowed") if "semi_sync" in have else [])
+                + (recs("async", "borrowed") if "async" in have else []))
     cold_same_mode = recs("async_cold", "cold") if "async_cold" in results["modes"] else []
-    cold_all = cold_same_mode + recs("sync", "cold")
+    cold_all = cold_same_mode + (recs("sync", "cold") if "sync" in have else [])
     def tp_ratio(source: str | None) -> float | None:
+        if "async" not in have:
+            return None
         tps = [r["throughput"] for run_ in results["modes"]["async"]["faulted_runs"] for r in run_["recoveries"]
                if source is None or r["source"] == source]
         before = sum(t["tokens_before"] for t in tps)
         return round(sum(t["tokens_during"] for t in tps) / before, 3) if before > 0 else None
 
-    async_tps = [r["throughput"] for run_ in results["modes"]["async"]["faulted_runs"] for r in run_["recoveries"]]
+    async_tps = [r["throughput"] for run_ in results["modes"].get("async", {}).get("faulted_runs", [])
+                 for r in run_["recoveries"]]
     s = {"borrowed_recovery_s_median": _median(borrowed), "cold_recovery_s_median": _median(cold_all),
          "cold_recovery_s_median_async_no_borrow": _median(cold_same_mode),
          "standby_vs_cold_recovery_ratio": (round(statistics.median(borrowed) / statistics.median(cold_all), 3)
@@ -301,7 +311,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     modes = list(results["modes"])
-    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), sharey=True)
+    fig, grid = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), sharey=True, squeeze=False)
+    axes = list(grid[0])
     for ax, mode in zip(axes, modes, strict=True):
         r = results["modes"][mode]
         # the cold baseline (async, borrow=never) is drawn against async's fault-free seeds
@@ -350,6 +361,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         try:
             plan: list[tuple[str, str, dict[str, Any]]] = [(m, m, {}) for m in MODES]
             plan.append(("async_cold", "async", {"borrow": "never"}))
+            if args.modes:
+                plan = [p for p in plan if p[0] in args.modes]
             for key, mode, knobs in plan:
                 r: dict[str, Any] = {"mode": mode, "recovery": knobs, "fault_free_runs": [], "faulted_runs": []}
                 if key in MODES:
@@ -380,11 +393,18 @@ if __name__ == "__main__":
     parser.add_argument("--seeds", type=int, default=3, help="Seeds of the fault-free spread (>= 3).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="20 steps; faulted runs on the first seed only.")
+    parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=None,
+                        help="Run only these (comma-separated: sync, semi_sync, async, async_cold); "
+                             "async_cold's reward spread is async's fault-free runs when async runs too.")
+    parser.add_argument("--events", type=Path, default=None, help="Write each run's event log into this folder.")
     parser.add_argument("--plot-only", action="store_true", help="Redraw the PNG from an existing --out JSON.")
     args = parser.parse_args()
+    if args.modes and not set(args.modes) <= {*MODES, "async_cold"}:
+        parser.error(f"--modes: unknown {sorted(set(args.modes) - {*MODES, 'async_cold'})}")
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
         sys.exit(0)
+    EVENTS_DIR = args.events
     res = asyncio.run(main(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # The issue's shape at the top level: {mode: {fault_free, faulted}, ratios}.

@@ -23,11 +23,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from robustrl.checkpoint import Checkpointer, capture_rng, restore_rng, seed_rng
 from robustrl.config import Settings
-from robustrl.errors import EXIT_CHECKPOINT_LOST, ConfigError, CheckpointLost, RequestTimeout, StaleEpoch
+from robustrl.errors import EXIT_CHECKPOINT_LOST, CheckpointLost, ConfigError, RequestTimeout, StaleEpoch
 from robustrl.member import Identity, Member
 from robustrl.messages import BatchGet, BatchReady, StepCommitted, WeightsAnnounce
-from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.model.hf import load_tokenizer
+from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.rl import grpo, tasks
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.objects import open_object_store
@@ -248,6 +248,14 @@ class TrainerWorker:
                 await bus.emit_event(job, "stale_turns_dropped", {
                     "step": step, "epoch": self.member.epoch, "turns": stale_turns,
                     "tokens": sum(s.stale_tokens for s in samples), "min_version": max(0, step - self.spec.staleness)})
+            # Behaviour versions of the trained turns, as lag behind this step (diagnostics of
+            # off-policy training: what a redo after a recovery trains on is visible per step).
+            lags: dict[str, int] = {}
+            for e in eps:
+                for t in e.turns:
+                    if t.role == "assistant":
+                        key = str(step - t.weights_version)
+                        lags[key] = lags.get(key, 0) + 1
             stats = await asyncio.to_thread(self._train, samples)
             train_s = time.monotonic() - t0
             self.version = step + 1
@@ -281,7 +289,8 @@ class TrainerWorker:
                 await bus.emit_event(job, "step_committed", {
                     "step": step, "epoch": self.member.epoch, "weights_version": self.version,
                     "reward_mean": batch.reward_mean, "checksum": checksum, "timings": timings,
-                    "checkpoint_bytes": snap.bytes, "durable_step": self.durable})
+                    "checkpoint_bytes": snap.bytes, "durable_step": self.durable,
+                    "train": {k: round(v, 6) for k, v in stats.items()}, "turn_lag": lags})
             self.step += 1
         await self.member.set_phase("idle")
         if self.step >= self.spec.steps:
