@@ -304,6 +304,68 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     return s
 
 
+def pooled(paths: list[Path]) -> dict[str, Any]:
+    """Fault-free against faulted reward tails pooled over several result files of this benchmark
+    (e.g. the full run and a rerun of some modes with the same job).
+
+    In semi_sync and async the reward curve of one seed is not reproducible: which weights version
+    generates each turn depends on timing, so two fault-free runs of the same seed differ. The
+    spread of 3 fault-free seeds (``reward_tail_spread``) leaves that run-to-run variation out;
+    here every fault-free run of a mode (each seed, each file) is one sample of the fault-free
+    tail, every faulted run one of the faulted tail, and the faulted-minus-fault-free difference
+    of the means gets an exact permutation p-value (two-sided, over every split of the pooled
+    runs). Same-seed fault-free repeats are listed, as the run-to-run variation's direct measure.
+    """
+    import itertools
+
+    runs: dict[str, dict[str, list[tuple[int, str, float]]]] = {}
+    for path in paths:
+        data = json.loads(path.read_text())
+        for key, r in data["modes"].items():
+            if key == "async_cold":
+                continue  # another recovery policy: not pooled with the mode's own faulted runs
+            for kind in ("fault_free_runs", "faulted_runs"):
+                for run_ in r.get(kind, []):
+                    c = run_["reward_by_step"]
+                    if c:
+                        tail = max(1, len(c) // 3)
+                        runs.setdefault(key, {}).setdefault(kind, []).append(
+                            (run_["seed"], path.name, statistics.fmean(c[-tail:])))
+    out: dict[str, Any] = {"files": [str(p) for p in paths]}
+    for mode, kinds in runs.items():
+        free = [x for _, _, x in kinds.get("fault_free_runs", [])]
+        faulted = [x for _, _, x in kinds.get("faulted_runs", [])]
+        if not free or not faulted:
+            continue
+        diff = statistics.fmean(faulted) - statistics.fmean(free)
+        pool = free + faulted
+        extreme = total = 0
+        for idx in itertools.combinations(range(len(pool)), len(faulted)):
+            chosen = set(idx)
+            a = [pool[i] for i in chosen]
+            b = [pool[i] for i in range(len(pool)) if i not in chosen]
+            total += 1
+            extreme += abs(statistics.fmean(a) - statistics.fmean(b)) >= abs(diff) - 1e-12
+        repeats: dict[int, list[float]] = {}
+        for seed, _, x in kinds["fault_free_runs"]:
+            repeats.setdefault(seed, []).append(round(x, 4))
+        out[mode] = {
+            "fault_free_tail_means": [round(x, 4) for x in free],
+            "faulted_tail_means": [round(x, 4) for x in faulted],
+            "fault_free_pooled_min": round(min(free), 4), "fault_free_pooled_max": round(max(free), 4),
+            "faulted_within_pooled_fault_free_range": sum(min(free) <= x <= max(free) for x in faulted),
+            "faulted_runs": len(faulted),
+            "fault_free_same_seed_repeats": {str(k): v for k, v in sorted(repeats.items()) if len(v) > 1},
+            "fault_free_mean": round(statistics.fmean(free), 4),
+            "fault_free_stdev": round(statistics.stdev(free), 4) if len(free) > 1 else None,
+            "faulted_mean": round(statistics.fmean(faulted), 4),
+            "faulted_stdev": round(statistics.stdev(faulted), 4) if len(faulted) > 1 else None,
+            "faulted_minus_fault_free": round(diff, 4),
+            "permutation_p_two_sided": round(extreme / total, 4),
+        }
+    return out
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -397,10 +459,19 @@ if __name__ == "__main__":
                         help="Run only these (comma-separated: sync, semi_sync, async, async_cold); "
                              "async_cold's reward spread is async's fault-free runs when async runs too.")
     parser.add_argument("--events", type=Path, default=None, help="Write each run's event log into this folder.")
+    parser.add_argument("--pool", type=Path, nargs="+", default=None,
+                        help="Pool the fault-free and faulted reward tails of these result files (no run); "
+                             "the pooled comparison is printed, and written to --out if given with --pool.")
     parser.add_argument("--plot-only", action="store_true", help="Redraw the PNG from an existing --out JSON.")
     args = parser.parse_args()
     if args.modes and not set(args.modes) <= {*MODES, "async_cold"}:
         parser.error(f"--modes: unknown {sorted(set(args.modes) - {*MODES, 'async_cold'})}")
+    if args.pool:
+        summary = pooled(args.pool)
+        print(json.dumps(summary, indent=2))
+        if "--out" in sys.argv:
+            args.out.write_text(json.dumps(summary, indent=2))
+        sys.exit(0)
     if args.plot_only:
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
         sys.exit(0)
