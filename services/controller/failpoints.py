@@ -9,7 +9,9 @@ controller then takes over from exactly that state.
 
 Points: ``gang_borrowed`` (a trainer gang with borrowed ranks started and recorded, not yet
 ready, no slot restocked), ``restock`` (the gang is ready, the borrowed slots are recorded as
-owed a replacement, none started yet).
+owed a replacement, none started yet), ``takeover_resumed`` (a new leader has read a job's record
+and event log and re-attached its members, and does not act yet: commits it hears now come
+before it leads).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import signal
 log = logging.getLogger(__name__)
 
 ENV = "ROBUSTRL_CONTROLLER_FAILPOINTS"
-POINTS = frozenset({"gang_borrowed", "restock"})
+POINTS = frozenset({"gang_borrowed", "restock", "takeover_resumed"})
 _armed: set[str] = {p.strip() for p in os.environ.get(ENV, "").split(",") if p.strip()}
 
 

@@ -128,6 +128,9 @@ class JobRun:
     restock_owed: dict[int, int] = field(default_factory=dict)
     """Rollout slots owed a replacement replica now (slot -> the incarnation borrowed from it),
     persisted until the replacement is started: a new leader restocks them (``RecoveryExecutor.restock``)."""
+    trained_unheard: int = -1
+    """A step of the current gang the trained log holds but no commit was heard of, at the last
+    progress check (-1: none); the next check still finding it reads the event log."""
 
     @property
     def policy(self) -> str:

@@ -14,6 +14,7 @@ still running, treats the ones that are gone as crashed, and restarts no healthy
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -30,6 +31,7 @@ from robustrl.messages import (
     ChaosRequest, ControlCommand, FaultReport, MemberHello, MetricsSample, PhaseChange, SpecReply,
     SpecRequest, StepCommitted, WeightsHave,
 )
+from robustrl.services.controller import failpoints
 from robustrl.services.controller.chaos import ChaosInjector
 from robustrl.services.controller.eventlog import FaultInbox, emit_durable
 from robustrl.services.controller.jobs import ActiveRecovery, GangStart, JobRun, MemberInfo
@@ -38,7 +40,7 @@ from robustrl.services.controller.lease import LeaderLease, LeaseLost
 from robustrl.services.controller.recovery import RecoveryExecutor
 from robustrl.services.controller.supervision import Supervisor
 from robustrl.storage.fencing import read_gang
-from robustrl.storage.redis_stores import JobRegistry
+from robustrl.storage.redis_stores import JobRegistry, Keys
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ RM_ACK_ATTEMPTS = 10
 FINISH_GRACE_S = 15.0  # a finished job's trainer uploads its last checkpoint before it exits
 ACTIVE = ("running", "recovering", "pending")
 FINAL_EVENT = {"finished": "job_finished", "failed": "job_failed"}
+PROGRESS_CHECK_S = 2.0
+"""Period of the leader's check of each job's durable trained log against the commits it heard."""
 
 
 class Controller:
@@ -77,6 +81,9 @@ class Controller:
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._persist_locks: dict[str, asyncio.Lock] = {}
+        self._unled_commits: dict[str, StepCommitted] = {}
+        """The newest commit heard per job while not leading (a standby, a leader restoring its jobs),
+        applied once this controller leads."""
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -107,6 +114,11 @@ class Controller:
         await self.lease.acquire(self._stop)
         gone = await self._restore_jobs()
         self.leading = True
+        # Commits heard while restoring were not acted on (a job whose last step committed then was
+        # never finished, seen in the Ray cross-node test at load 15): apply them now, then read the
+        # event log once more for what was published before it reached this process.
+        await self._apply_unled_commits()
+        await self.reconcile_all("took over")
         await self.inbox.start()
         for info in gone:  # members that ended while no controller watched: crashes, handled now
             await self.supervisor.on_exit(info)
@@ -114,6 +126,7 @@ class Controller:
             if not job.done:
                 self.recovery.resume_restock(job)
         self.spawn(self.supervisor.run(self._stop))
+        self.spawn(self._watch_progress(self._stop))
         try:
             await self.lease.keep(self._stop, self._on_new_token)
         except LeaseLost as exc:
@@ -237,6 +250,7 @@ class Controller:
                 job.members[mid].adopted = True
             log.warning("job %s: resumed at step %d by %s; %d members re-attached, %d gone", job_id, job.step,
                         self.owner, len(adopted), len(gone))
+            await failpoints.hit("takeover_resumed")
             await self.event(job, "note", {"text": "controller took over; job resumed", "owner": self.owner,
                                            "adopted": sorted(adopted), "gone": sorted(gone)})
             job.service_seen_at["request_manager"] = time.time()
@@ -265,6 +279,52 @@ class Controller:
             log.warning("job %s: %s: caught up from step %d to %d from the event log", job.job_id, why,
                         before, job.committed_step)
             await self.persist(job)
+
+    async def _apply_unled_commits(self) -> None:
+        pending, self._unled_commits = self._unled_commits, {}
+        for msg in pending.values():
+            job = self.jobs.get(msg.job_id)
+            if job is not None and msg.step > job.committed_step:  # not older than one heard since
+                log.warning("job %s: applying the commit of step %d heard before this controller led",
+                            job.job_id, msg.step)
+                await self._on_commit(msg, "", None)
+
+    async def _watch_progress(self, stop: asyncio.Event) -> None:
+        """Every PROGRESS_CHECK_S, compare each job's durable trained log (rank 0 appends a step to
+        it just before announcing the commit) with the commits this leader heard; a step trained
+        two checks in a row but not heard of makes the leader read the event log (``reconcile``),
+        which also finishes a job whose last step committed unheard. Commits are core NATS
+        messages: any that this process missed (a reconnect, a takeover) are caught up here."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), PROGRESS_CHECK_S)
+                return
+            except TimeoutError:
+                pass
+            if not self.leading:
+                continue
+            for job in list(self.jobs.values()):
+                try:
+                    await self._check_progress(job)
+                except Exception:  # one job's check must not end the others'
+                    log.exception("job %s: progress check failed", job.job_id)
+
+    async def _check_progress(self, job: JobRun) -> None:
+        if job.done or job.status == "pending":
+            return
+        raw = await self.redis.lindex(Keys.trained_log(job.job_id), -1)
+        if raw is None:
+            return
+        entry = json.loads(raw)
+        step = int(entry.get("step", -1))
+        if int(entry.get("epoch", -1)) != job.epoch or step <= job.committed_step:
+            job.trained_unheard = -1
+            return
+        if job.trained_unheard != step:  # the commit may be on its way: look again next round
+            job.trained_unheard = step
+            return
+        job.trained_unheard = -1
+        await self.reconcile(job, f"step {step} in the trained log, its commit not heard")
 
     async def _after_reconnect(self) -> None:
         if self.leading:
@@ -474,8 +534,16 @@ class Controller:
             await self.recovery.progress(job, msg.member_id)
 
     async def _on_commit(self, msg: StepCommitted, _s: str, _r: str | None) -> None:
+        if not self.leading:
+            if self._stop.is_set():
+                return
+            # Kept for when this controller leads (it may be restoring its jobs right now).
+            held = self._unled_commits.get(msg.job_id)
+            if held is None or (msg.epoch, msg.step) >= (held.epoch, held.step):
+                self._unled_commits[msg.job_id] = msg
+            return
         job = self.jobs.get(msg.job_id)
-        if not job or job.done or msg.epoch != job.epoch or not self.leading:
+        if not job or job.done or msg.epoch != job.epoch:
             return
         job.committed_step = max(job.committed_step, msg.step)
         job.durable_step = max(job.durable_step, msg.durable_step)

@@ -1,0 +1,159 @@
+"""A job whose last step commits while a new controller is taking over is still finished.
+
+Real servers, a supervised control plane of this module's own (two controllers), real member
+processes (local launcher). The trainer gang is frozen one step before the end, the leader is
+SIGKILLed, and the standby takes the lease and freezes itself at the ``takeover_resumed``
+failpoint: it has read the job's record and event log and re-attached the members, and does not
+lead yet. The trainers are then let go: the last step commits (its StepCommitted message and its
+``step_committed`` event, both watched on the raw bus) while the new leader is still frozen, and
+only then is the new leader let go. Seen once in the Ray cross-node test at load 15: the commit
+reached the new leader before it led, was dropped, and the job was never marked finished.
+
+Verdict from outside the controllers: the raw job record in Redis reaches ``finished`` within a
+bound, the event log holds one ``job_finished``, and the auditor is clean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import redis as redis_sync
+from jobs import small_job
+from robustrl.services.controller.failpoints import ENV as FAILPOINTS_ENV
+from support import BusObserver, eventually
+
+from robustrl.audit import audit_job
+from robustrl.audit.model import AuditOptions
+from robustrl.client import ApiClient
+from robustrl.messages import StepCommitted, decode, decode_event
+from robustrl.stack import Stack
+from robustrl.storage.redis_stores import Keys
+from robustrl.subjects import Verb, events_of, subject
+from robustrl.supervisor import RestartPolicy
+
+pytestmark = pytest.mark.timeout(300)
+AUDIT = AuditOptions(redis_bound=False)
+TOLERANT = {"detector": {"trainer_idle_s": 20.0, "rollout_idle_s": 20.0, "silence_s": 20.0,
+                         "probe_timeout_s": 5.0, "metrics_interval_s": 0.5}}
+STEPS = 8
+FINISH_BOUND_S = 60.0
+"""The new leader must mark the job finished within this (a finished job's stop waits up to the
+trainer's last upload, FINISH_GRACE_S = 15 s)."""
+
+
+@pytest.fixture(scope="module")
+def two_controllers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    st = Stack(tmp_path_factory.mktemp("takeover-finish"), controllers=2, policy=RestartPolicy(hang_timeout_s=60.0))
+    st.start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def _raw_record(stack: Stack, job_id: str) -> dict[str, Any]:
+    assert stack.settings
+    r = redis_sync.Redis.from_url(stack.settings.redis_url)
+    try:
+        raw = r.hget(Keys.jobs(), job_id)
+    finally:
+        r.close()
+    assert raw is not None, f"no record of {job_id} in Redis"
+    return dict(json.loads(raw))
+
+
+def _signal_groups(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        os.killpg(pid, sig)  # the local launcher starts each member in a session of its own
+
+
+def test_last_step_committed_during_takeover_finishes_the_job(two_controllers: Stack) -> None:
+    stack = two_controllers
+    assert stack.settings and stack.supervisor
+    # 'controller' leads; 'controller-2' stands by, armed. Its own lease lasts 30 s: frozen for a
+    # few seconds at the failpoint, it must come back still holding it (an expired lease re-taken
+    # would re-read the event log on its own, a different path from the one under test).
+    stack.kill_service("controller-2")
+    stack.kill_service("controller")
+    stack.start_service("controller")
+    eventually(lambda: httpx.get(f"{stack.api_url}/healthz", timeout=2).json()["leading"] is True, timeout=60,
+               interval=0.1, retry_on=(httpx.HTTPError, AssertionError), what="controller leading")
+    stack.start_service("controller-2", env={FAILPOINTS_ENV: "takeover_resumed", "ROBUSTRL_LEASE_TTL_S": "30"})
+    standby_health = stack.supervisor.specs["controller-2"].health_url
+    assert standby_health
+    eventually(lambda: httpx.get(standby_health, timeout=2).json()["leading"] is False, timeout=60, interval=0.1,
+               retry_on=(httpx.HTTPError,), what="controller-2 serving as a standby")
+    api_a = ApiClient(stack.api_url, stack.settings.api_token)
+    spec = small_job("takeover-finish", steps=STEPS, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
+                     **TOLERANT)
+    jid = api_a.submit(spec)["job_id"]
+    api_a.close()
+    leader = stack.pids()["controller"]
+    standby = stack.pids()["controller-2"]
+    observed = [subject(jid, Verb.COMMIT), events_of(jid)]
+    frozen: list[int] = []
+    try:
+        with BusObserver(stack.settings.nats_url, observed) as bus:
+            def commits() -> set[int]:
+                return {decode(StepCommitted, d, s).step for _, s, d in list(bus.seen) if s == observed[0]}
+
+            def committed_events() -> set[int]:
+                out = set()
+                for _, s, d in list(bus.seen):
+                    if s != observed[0] and (e := decode_event(d, s)).kind == "step_committed":
+                        out.add(int(e.data["step"]))
+                return out
+
+            eventually(lambda: STEPS - 2 in commits(), timeout=180, interval=0.01, what=f"step {STEPS - 2} committed")
+            rec = _raw_record(stack, jid)
+            frozen = [m["pid"] for m in rec["members"].values()
+                      if m["role"] == "trainer" and m["epoch"] == rec["epoch"] and m["state"] not in ("exited", "dead")]
+            assert frozen, rec["members"]
+            _signal_groups(frozen, signal.SIGSTOP)  # the last step cannot commit now
+            assert STEPS - 1 not in commits(), "the last step committed before the trainers were frozen"
+
+            stack.kill_service("controller")  # SIGKILL, not restarted
+            assert not psutil.pid_exists(leader) or psutil.Process(leader).status() == psutil.STATUS_ZOMBIE
+            eventually(lambda: psutil.Process(standby).status() == psutil.STATUS_STOPPED, timeout=60, interval=0.02,
+                       what="controller-2 stopped at failpoint takeover_resumed")
+            at_takeover = _raw_record(stack, jid)
+            assert at_takeover["status"] == "running" and at_takeover["committed_step"] == STEPS - 2, at_takeover
+
+            # The last step commits while the new leader has resumed the job but does not lead yet.
+            _signal_groups(frozen, signal.SIGCONT)
+            frozen = []
+            eventually(lambda: STEPS - 1 in committed_events() and STEPS - 1 in commits(), timeout=60,
+                       interval=0.02, what=f"step {STEPS - 1} committed (message and event)")
+            t_resume = time.monotonic()
+            os.kill(standby, signal.SIGCONT)
+
+            final = eventually(lambda: (r := _raw_record(stack, jid))["status"] in ("finished", "failed", "stopped")
+                               and r, timeout=FINISH_BOUND_S, interval=0.2, what="the job's record final")
+            took_s = time.monotonic() - t_resume
+    finally:
+        if frozen:
+            _signal_groups(frozen, signal.SIGCONT)
+        if psutil.pid_exists(standby):
+            os.kill(standby, signal.SIGCONT)
+    assert final["status"] == "finished", final.get("error")
+    assert final["committed_step"] == STEPS - 1, final["committed_step"]
+    assert took_s < FINISH_BOUND_S
+    api_b = ApiClient(f"http://127.0.0.1:{stack.supervisor.specs['controller-2'].env['ROBUSTRL_API_PORT']}",
+                      stack.settings.api_token)
+    try:
+        events = api_b.events(jid)
+    finally:
+        api_b.close()
+    ends = [e for e in events if e["kind"] in ("job_finished", "job_failed", "job_stopped")]
+    assert [e["kind"] for e in ends] == ["job_finished"], ends
+    took_over = [e for e in events if e["kind"] == "note" and "took over" in e["data"].get("text", "")]
+    assert len(took_over) == 1 and ends[0]["data"]["fence"] == took_over[0]["data"]["fence"], (took_over, ends)
+    audit_job(stack.settings, jid, AUDIT)
