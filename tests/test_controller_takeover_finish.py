@@ -33,6 +33,7 @@ from support import BusObserver, eventually
 from robustrl.audit import audit_job
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
+from robustrl.errors import JobError
 from robustrl.messages import StepCommitted, decode, decode_event
 from robustrl.stack import Stack
 from robustrl.storage.redis_stores import Keys
@@ -41,7 +42,11 @@ from robustrl.supervisor import RestartPolicy
 
 pytestmark = pytest.mark.timeout(300)
 AUDIT = AuditOptions(redis_bound=False)
-TOLERANT = {"detector": {"trainer_idle_s": 20.0, "rollout_idle_s": 20.0, "silence_s": 20.0,
+LEASE_TTL_S = 30.0
+"""The controllers' lease: a frozen new leader comes back still holding it (an expired lease
+re-taken makes it read the event log on its own, a different path from the one under test), and a
+dead leader leaves a wide window in which no controller leads."""
+TOLERANT = {"detector": {"trainer_idle_s": 90.0, "rollout_idle_s": 90.0, "silence_s": 90.0,
                          "probe_timeout_s": 5.0, "metrics_interval_s": 0.5}}
 STEPS = 8
 FINISH_BOUND_S = 60.0
@@ -51,7 +56,11 @@ trainer's last upload, FINISH_GRACE_S = 15 s)."""
 
 @pytest.fixture(scope="module")
 def two_controllers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    st = Stack(tmp_path_factory.mktemp("takeover-finish"), controllers=2, policy=RestartPolicy(hang_timeout_s=60.0))
+    """Servers of this module alone, two controllers, both armed at ``takeover_resumed`` (the first
+    leader has no job to resume, so only a controller taking over a job stops there)."""
+    env = {FAILPOINTS_ENV: "takeover_resumed", "ROBUSTRL_LEASE_TTL_S": f"{LEASE_TTL_S:g}"}
+    st = Stack(tmp_path_factory.mktemp("takeover-finish"), controllers=2, policy=RestartPolicy(hang_timeout_s=60.0),
+               extra_env=env)
     st.start()
     try:
         yield st
@@ -78,15 +87,8 @@ def _signal_groups(pids: list[int], sig: int) -> None:
 def test_last_step_committed_during_takeover_finishes_the_job(two_controllers: Stack) -> None:
     stack = two_controllers
     assert stack.settings and stack.supervisor
-    # 'controller' leads; 'controller-2' stands by, armed. Its own lease lasts 30 s: frozen for a
-    # few seconds at the failpoint, it must come back still holding it (an expired lease re-taken
-    # would re-read the event log on its own, a different path from the one under test).
-    stack.kill_service("controller-2")
-    stack.kill_service("controller")
-    stack.start_service("controller")
-    eventually(lambda: httpx.get(f"{stack.api_url}/healthz", timeout=2).json()["leading"] is True, timeout=60,
-               interval=0.1, retry_on=(httpx.HTTPError, AssertionError), what="controller leading")
-    stack.start_service("controller-2", env={FAILPOINTS_ENV: "takeover_resumed", "ROBUSTRL_LEASE_TTL_S": "30"})
+    # 'controller' leads (the stack starts the standby once it does); 'controller-2' stands by, armed
+    assert httpx.get(f"{stack.api_url}/healthz", timeout=10).json()["leading"] is True
     standby_health = stack.supervisor.specs["controller-2"].health_url
     assert standby_health
     eventually(lambda: httpx.get(standby_health, timeout=2).json()["leading"] is False, timeout=60, interval=0.1,
@@ -156,4 +158,57 @@ def test_last_step_committed_during_takeover_finishes_the_job(two_controllers: S
     assert [e["kind"] for e in ends] == ["job_finished"], ends
     took_over = [e for e in events if e["kind"] == "note" and "took over" in e["data"].get("text", "")]
     assert len(took_over) == 1 and ends[0]["data"]["fence"] == took_over[0]["data"]["fence"], (took_over, ends)
+    audit_job(stack.settings, jid, AUDIT)
+
+
+def test_a_member_that_died_while_no_controller_led_is_recovered_by_the_new_leader(two_controllers: Stack) -> None:
+    """The symmetric case: a rollout replica SIGKILLed after the leader died and before the standby
+    took over is seen by the new leader as gone (not adopted), handled as a crash under its own
+    fencing token, and its slot restarted once; the job finishes."""
+    stack = two_controllers
+    assert stack.settings and stack.supervisor
+    # After the test above 'controller-2' leads; 'controller' comes back as a standby, not armed.
+    if stack.pids().get("controller") is None or not psutil.pid_exists(stack.pids()["controller"]):
+        stack.start_service("controller", env={FAILPOINTS_ENV: ""})
+    port_b = stack.supervisor.specs["controller-2"].env["ROBUSTRL_API_PORT"]
+    api_b_url = f"http://127.0.0.1:{port_b}"
+    leader_name, leader_url, standby_url = "controller-2", api_b_url, stack.api_url
+    leads = eventually(lambda: httpx.get(f"{stack.api_url}/healthz", timeout=2).json(), timeout=60, interval=0.1,
+                       retry_on=(httpx.HTTPError,), what="'controller' answering")["leading"]
+    if leads is True:  # this test run alone: 'controller' is the stack's first leader
+        leader_name, leader_url, standby_url = "controller", stack.api_url, api_b_url
+        stack.kill_service("controller-2")
+        stack.start_service("controller-2", env={FAILPOINTS_ENV: ""})
+    eventually(lambda: httpx.get(f"{standby_url}/healthz", timeout=2).json()["leading"] is False, timeout=60,
+               interval=0.1, retry_on=(httpx.HTTPError, KeyError), what="a standby controller")
+    api_a = ApiClient(leader_url, stack.settings.api_token)
+    spec = small_job("takeover-gone", steps=10, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
+                     rollout={"replicas": 2}, **TOLERANT)
+    jid = api_a.submit(spec)["job_id"]
+    api_a.close()
+    eventually(lambda: _raw_record(stack, jid)["committed_step"] >= 2, timeout=180, interval=0.05, what="step 2")
+    victim = "rollout-1-i0"
+    pid = _raw_record(stack, jid)["members"][victim]["pid"]
+    t_kill = time.time()
+    stack.kill_service(leader_name)  # no controller leads now (the standby waits out the lease)
+    os.killpg(pid, signal.SIGKILL)
+    eventually(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+               timeout=10, interval=0.02, what=f"{victim} gone")
+    api_b = ApiClient(standby_url, stack.settings.api_token)
+    try:
+        final = eventually(lambda: (r := _raw_record(stack, jid))["status"] in ("finished", "failed", "stopped")
+                           and r, timeout=240, interval=0.25, what="the job's record final")
+        events = eventually(lambda: api_b.events(jid), timeout=30, interval=0.25, retry_on=(JobError,),
+                            what="the new leader's event log")
+    finally:
+        api_b.close()
+    assert final["status"] == "finished", final.get("error")
+    took_over = [e["data"] for e in events if e["kind"] == "note" and "took over" in e["data"].get("text", "")]
+    assert len(took_over) == 1 and took_over[0]["gone"] == [victim], took_over
+    fence = took_over[0]["fence"]
+    exits = [e for e in events if e["kind"] == "member_exited" and e["data"]["member_id"] == victim]
+    assert len(exits) == 1 and exits[0]["ts"] > t_kill, exits
+    assert exits[0]["data"]["expected"] is False and exits[0]["data"]["fence"] == fence, exits
+    started = [e["data"]["member_id"] for e in events if e["kind"] == "member_started"]
+    assert "rollout-1-i1" in started and "rollout-1-i2" not in started, started
     audit_job(stack.settings, jid, AUDIT)
