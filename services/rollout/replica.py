@@ -41,6 +41,8 @@ from robustrl.weights.server import WeightServer
 
 log = logging.getLogger(__name__)
 BATCH_WAIT_S = 0.01
+STOP_BOUND_S = 5.0
+"""How long a stopped (not borrowed) replica may take to close before it exits anyway."""
 VERIFY_LOADS_ENV = "ROBUSTRL_VERIFY_LOADS"
 
 
@@ -81,6 +83,8 @@ class Replica:
         self.standby = StandbyHook(env or {}, self.member.stopping.set)
         """Warm standby: the launcher may hand this process over to a trainer rank (standby.py)."""
         self.engine_thread: threading.Thread | None = None
+        self.stop_phase = "running"
+        """Where the stop sequence is (named in the log if closing hangs)."""
         self.verify_loads = (env or {}).get(VERIFY_LOADS_ENV, "") not in ("", "0")
         """Audit mode: the engine also checksums each version it loaded (off the hot path by
         default: the loader verified the bytes before the swap, the swap itself only copies)."""
@@ -120,17 +124,28 @@ class Replica:
             # A late joiner or replacement: pull the current version from any relay.
             self.loader.offer(decode(WeightsAnnounce, latest))
         await self.member.stopping.wait()
+        log.info("stopping%s", " (borrowed: switching role)" if self.standby.handoff is not None else "")
         if self.standby.handoff is not None:
             # The model is about to train: the batch being decoded on it ends now (its turns were
             # re-dispatched when the replica was drained).
             self.engine.abort()
+        else:
+            # Stopped for good: closing is bounded. A close that hangs (seen at a job's end: a
+            # replica that never closed its bus after SIGTERM, SIGKILLed after the controller's
+            # 15 s grace) is named in the log and the process exits.
+            _bound_stop(self, STOP_BOUND_S)
         with self._swap_lock:  # the engine thread takes no more weights: release a waiting install
             if self._pending is not None:
                 self._pending.swapped.set()
+        self.stop_phase = "closing the weight loader"
         await self.loader.close()
+        self.stop_phase = "closing the relay server"
         await self.server.close()
+        self.stop_phase = "closing the engine"
         await asyncio.to_thread(self.engine.close)
+        self.stop_phase = "closing the member (bus)"
         await self.member.close()
+        self.stop_phase = "closed"
 
     # --- phase -------------------------------------------------------------------------------
 
@@ -291,6 +306,24 @@ class Replica:
         if self.requests.empty():
             self._working = False
             self._refresh_phase_from_thread()
+
+
+def _bound_stop(replica: Replica, seconds: float) -> None:
+    """Exit the process if the replica is still closing ``seconds`` from now (a thread: it fires
+    even if the event loop is blocked), naming the close it was in."""
+
+    def expire() -> None:
+        if replica.stop_phase == "closed":
+            return
+        log.error("still %s %.0f s after the stop: exiting", replica.stop_phase, seconds)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
 
 
 def main() -> None:
