@@ -302,6 +302,10 @@ class DockerLauncher(Launcher):
                 m.container.kill(signal=HANDOFF_SIGNAL.name)
             except Exception as exc:
                 if not (_is_not_found(exc) or _status_code(exc) == 409):
+                    # Not switched: the container stays the replica it was (tracked under its old
+                    # id, so the controller's kill of the drained replica reaches it).
+                    del self._members[spec.member_id]
+                    self._members[member_id] = m
                     raise LaunchError(f"cannot signal {spec.member_id}: {exc}", member=spec.member_id) from exc
                 # it ended meanwhile: poll() reports the exit under the new id
 

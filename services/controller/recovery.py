@@ -336,6 +336,11 @@ class RecoveryExecutor:
             job.recoveries.remove(rec)
             took = time.time() - rec.started_at
             gang = job.gang_starts.pop(rec.fault_id, None)
+            if gang is not None and gang.borrowed_slots:
+                # Moved to the owed record in the same step as the pop: a persist from here on
+                # (ours below, or another coroutine's while the events are emitted) must never
+                # write a record that has neither the gang start nor its owed slots.
+                job.restock_owed.update(gang.borrowed_slots)
             recovery_s = None
             for f in job.faults:
                 if f["fault_id"] == rec.fault_id:

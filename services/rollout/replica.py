@@ -316,6 +316,15 @@ def _bound_stop(replica: Replica, seconds: float) -> None:
         if replica.stop_phase == "closed":
             return
         log.error("still %s %.0f s after the stop: exiting", replica.stop_phase, seconds)
+        # os._exit skips multiprocessing's cleanup: an engine's own processes (vLLM's EngineCore
+        # and workers, holding the KV cache) would outlive the replica.
+        try:
+            import psutil
+
+            for child in psutil.Process().children(recursive=True):
+                child.kill()
+        except Exception:  # best effort on the way out
+            log.exception("could not kill the replica's child processes")
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
