@@ -109,3 +109,21 @@ class BusObserver:
         assert self._loop and self._stop
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
+
+
+def raw_job_record(redis_url: str, job_id: str) -> dict[str, Any]:
+    """The controller's durable record of ``job_id`` as it lies in Redis (not as any service
+    reports it): what an auditor reads."""
+    import json
+
+    import redis as redis_sync
+
+    from robustrl.storage.redis_stores import Keys
+
+    r = redis_sync.Redis.from_url(redis_url)
+    try:
+        raw = r.hget(Keys.jobs(), job_id)
+    finally:
+        r.close()
+    assert raw is not None, f"no record of {job_id} in Redis"
+    return dict(json.loads(raw))

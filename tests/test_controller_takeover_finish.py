@@ -15,7 +15,6 @@ bound, the event log holds one ``job_finished``, and the auditor is clean.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -25,10 +24,9 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-import redis as redis_sync
 from jobs import small_job
 from robustrl.services.controller.failpoints import ENV as FAILPOINTS_ENV
-from support import BusObserver, eventually
+from support import BusObserver, eventually, raw_job_record
 
 from robustrl.audit import audit_job
 from robustrl.audit.model import AuditOptions
@@ -36,7 +34,6 @@ from robustrl.client import ApiClient
 from robustrl.errors import JobError
 from robustrl.messages import StepCommitted, decode, decode_event
 from robustrl.stack import Stack
-from robustrl.storage.redis_stores import Keys
 from robustrl.subjects import Verb, events_of, subject
 from robustrl.supervisor import RestartPolicy
 
@@ -70,13 +67,7 @@ def two_controllers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]
 
 def _raw_record(stack: Stack, job_id: str) -> dict[str, Any]:
     assert stack.settings
-    r = redis_sync.Redis.from_url(stack.settings.redis_url)
-    try:
-        raw = r.hget(Keys.jobs(), job_id)
-    finally:
-        r.close()
-    assert raw is not None, f"no record of {job_id} in Redis"
-    return dict(json.loads(raw))
+    return raw_job_record(stack.settings.redis_url, job_id)
 
 
 def _signal_groups(pids: list[int], sig: int) -> None:

@@ -11,7 +11,6 @@ pool back to its size) and the auditor.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,16 +19,15 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-import redis as redis_sync
 from jobs import TERMINAL, kinds, small_job
-from support import BusObserver, eventually
+from robustrl.services.controller.failpoints import ENV as FAILPOINTS_ENV
+from support import BusObserver, eventually, raw_job_record
 
 from robustrl.audit import audit_job
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
 from robustrl.errors import JobError, TransportError
 from robustrl.messages import MetricsSample, decode
-from robustrl.services.controller.failpoints import ENV as FAILPOINTS_ENV
 from robustrl.stack import Stack
 from robustrl.storage.redis_stores import Keys
 from robustrl.subjects import Verb, wildcard
@@ -55,13 +53,7 @@ def two_controllers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]
 
 def _raw_record(stack: Stack, job_id: str) -> dict[str, Any]:
     assert stack.settings
-    r = redis_sync.Redis.from_url(stack.settings.redis_url)
-    try:
-        raw = r.hget(Keys.jobs(), job_id)
-    finally:
-        r.close()
-    assert raw is not None, f"no record of {job_id} in Redis"
-    return dict(json.loads(raw))
+    return raw_job_record(stack.settings.redis_url, job_id)
 
 
 def _lead_with_failpoint(stack: Stack, point: str) -> None:
