@@ -47,13 +47,12 @@ from robustrl.launcher.base import (
     check_spec,
     log_tail,
 )
-from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, write_handoff
+from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, SPARE_MODULE, write_handoff
 from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 from robustrl.model.engines.envs import interpreter
 
 STOP_GRACE_S = 2.0
 SPARE_RESTOCK_DELAY_S = 10.0
-SPARE_MODULE = "robustrl.launcher.spare"
 ADOPTED_WAIT_POLL_S = 0.02
 """Polling period while waiting for an adopted process to end (it is not our child: no waitpid)."""
 START_TIME_TOLERANCE_S = 0.05

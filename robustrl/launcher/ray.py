@@ -66,6 +66,7 @@ from robustrl.launcher.base import (
     check_spec,
 )
 from robustrl.launcher.ray_member import MemberProcess
+from robustrl.launcher.spare import SPARE_MODULE
 from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 
 log = logging.getLogger(__name__)
@@ -455,12 +456,12 @@ class RayLauncher(Launcher):
                 continue  # a member started from a spare: adopted (or not) through its handle
             if not (info.get("spare") and info.get("running")) or shape is None:
                 # Made but never started (its controller died in between), or its process ended.
-                self._kill_actor(_Member(MemberSpec("", name, "spare", "robustrl.launcher.spare"), name, actor))
+                self._kill_actor(_Member(MemberSpec("", name, "spare", SPARE_MODULE), name, actor))
                 continue
             with self._lock:  # before any trainer rank starts here, spares keep their size
                 if self._trainer_shape is None:
                     self._trainer_shape = shape
-            spare = _Member(MemberSpec("", name, "spare", "robustrl.launcher.spare"), name, actor, MemberState.RUNNING,
+            spare = _Member(MemberSpec("", name, "spare", SPARE_MODULE), name, actor, MemberState.RUNNING,
                             actor.wait.remote(), info["pid"], info["create_time"], info["node_id"], info["node_ip"],
                             warm=True, shape=shape)
             with self._lock:
@@ -505,7 +506,7 @@ class RayLauncher(Launcher):
         except (TypeError, *self._errors) as exc:
             log.warning("cannot start a warm spare: %s", exc)
             return None
-        return _Member(MemberSpec("", name, "spare", "robustrl.launcher.spare"), name, actor, warm=True,
+        return _Member(MemberSpec("", name, "spare", SPARE_MODULE), name, actor, warm=True,
                        shape=shape, ready=ready)
 
     def _restock_later(self) -> None:
@@ -864,7 +865,7 @@ class RayLauncher(Launcher):
         if m.shape is not None and m.pid is not None:
             with self._lock:
                 if not self._closed:
-                    m.spec = MemberSpec("", m.name, "spare", "robustrl.launcher.spare")
+                    m.spec = MemberSpec("", m.name, "spare", SPARE_MODULE)
                     self._spares.append(m)
                     return
         if m.spec.placement.gang:

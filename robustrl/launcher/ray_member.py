@@ -33,9 +33,8 @@ import time
 from typing import Any
 
 from robustrl.launcher.base import log_tail
-from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, write_handoff
+from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, SPARE_MODULE, write_handoff
 
-SPARE_MODULE = "robustrl.launcher.spare"
 
 PR_SET_PDEATHSIG = 1
 LAUNCH_TIMEOUT_S = 30.0

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from robustrl.launcher.base import ROLLOUT_MODULE, TRAINER_MODULE
 
+SPARE_MODULE = "robustrl.launcher.spare"
+"""This module: what a spare process runs (``python -m``)."""
 HANDOFF_ENV = "ROBUSTRL_HANDOFF_DIR"
 """Set by the local launcher on every member: where a role hand-off for the process is written."""
 HANDOFF_SIGNAL = signal.SIGUSR1

@@ -14,7 +14,6 @@ still running, treats the ones that are gone as crashed, and restarts no healthy
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -40,7 +39,7 @@ from robustrl.services.controller.lease import LeaderLease, LeaseLost
 from robustrl.services.controller.recovery import RecoveryExecutor
 from robustrl.services.controller.supervision import Supervisor
 from robustrl.storage.fencing import read_gang
-from robustrl.storage.redis_stores import JobRegistry, Keys
+from robustrl.storage.redis_stores import BatchStore, JobRegistry
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)
@@ -312,12 +311,8 @@ class Controller:
     async def _check_progress(self, job: JobRun) -> None:
         if job.done or job.status == "pending":
             return
-        raw = await self.redis.lindex(Keys.trained_log(job.job_id), -1)
-        if raw is None:
-            return
-        entry = json.loads(raw)
-        step = int(entry.get("step", -1))
-        if int(entry.get("epoch", -1)) != job.epoch or step <= job.committed_step:
+        step = await BatchStore(self.redis, job.job_id).newest_trained(job.epoch)
+        if step <= job.committed_step:
             job.trained_unheard = -1
             return
         if job.trained_unheard != step:  # the commit may be on its way: look again next round
