@@ -12,7 +12,9 @@ on stdin and prints ``done``, and every worker prints its server's ``bytes_sent`
 (relays keep serving until every replica is done). Wall time runs from ``go`` to the last
 replica's end, so process start-up is not in it. Per-host transmitted bytes are the receive
 counters of each host's bridge port (what left the host, headers included); CPU is read from
-/proc/stat (the whole machine, other users included) and from the workers' own CPU times.
+/proc/stat (the whole machine, other users included) and from the workers' own CPU times. Each
+server logs its uploads (``WeightServer.upload_log``), from which ``uplink_busy`` is the share of
+the run each host's upload slot was busy; ``control`` breaks the control messages down.
 
     python bench/testbed_fanout.py trainer --bind ADDR --port P --bytes N --chunk-bytes C
     python bench/testbed_fanout.py replica --bind ADDR --port P --sources A,B,... [--relay] ...
@@ -77,11 +79,12 @@ async def _stdin_line() -> str:
 async def _trainer(args: argparse.Namespace) -> None:
     data, manifest = payload(args.bytes, args.chunk_bytes, args.version)
     server = WeightServer("tcp", host=args.bind, port=args.port)
+    server.upload_log = []
     address = await server.start()
     server.add_version(manifest, data)
     _emit({"ready": True, "address": address})
     await _stdin_line()  # "stop" (or EOF: the orchestrator is gone)
-    _emit({"bytes_sent": server.bytes_sent, "requests": server.requests})
+    _emit({"bytes_sent": server.bytes_sent, "requests": server.requests, "uploads": server.upload_log})
     await server.close()
 
 
@@ -89,6 +92,7 @@ async def _replica(args: argparse.Namespace) -> None:
     data, manifest = payload(args.bytes, args.chunk_bytes, args.version)
     relay = WeightServer("tcp", host=args.bind, port=args.port) if args.relay else None
     if relay is not None:
+        relay.upload_log = []
         await relay.start()
     dest = np.empty(args.bytes, dtype=np.uint8)
     dest.fill(0)  # touch the pages now: the pull should not pay for page faults
@@ -102,9 +106,12 @@ async def _replica(args: argparse.Namespace) -> None:
     end, cpu = time.time(), time.process_time() - cpu0
     _emit({"done": True, "start_t": start, "end_t": end, "wall_s": stats.wall_s, "cpu_s": cpu,
            "verified": bool(np.array_equal(buf, data)), "chunks_from": stats.chunks_from,
-           "control_msgs": stats.control_msgs, "bytes_resent": stats.bytes_resent})
+           "control_msgs": stats.control_msgs, "bytes_resent": stats.bytes_resent,
+           "offers": stats.offers, "passed_busy": stats.passed_busy, "passed_none": stats.passed_none,
+           "have_requests": stats.have_requests, "sub_messages": stats.sub_messages,
+           "schedule": [[t.chunk, t.source, round(t.start_s, 4), round(t.end_s, 4)] for t in stats.schedule]})
     await _stdin_line()  # "stop": until then the relay keeps serving the other replicas
-    _emit({"bytes_sent": relay.bytes_sent if relay else 0})
+    _emit({"bytes_sent": relay.bytes_sent if relay else 0, "uploads": relay.upload_log if relay else []})
     if relay is not None:
         await relay.close()
 
@@ -140,6 +147,11 @@ class ReplicaDone:
     chunks_from: dict[str, int]
     control_msgs: int
     bytes_resent: int
+    offers: int = 0
+    passed_busy: int = 0
+    passed_none: int = 0
+    have_requests: int = 0
+    sub_messages: int = 0
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> ReplicaDone:
@@ -148,7 +160,10 @@ class ReplicaDone:
         return cls(start_t=float(obj["start_t"]), end_t=float(obj["end_t"]), wall_s=float(obj["wall_s"]),
                    cpu_s=float(obj["cpu_s"]), verified=bool(obj["verified"]),
                    chunks_from={str(k): int(v) for k, v in obj["chunks_from"].items()},
-                   control_msgs=int(obj["control_msgs"]), bytes_resent=int(obj["bytes_resent"]))
+                   control_msgs=int(obj["control_msgs"]), bytes_resent=int(obj["bytes_resent"]),
+                   offers=int(obj.get("offers", 0)), passed_busy=int(obj.get("passed_busy", 0)),
+                   passed_none=int(obj.get("passed_none", 0)), have_requests=int(obj.get("have_requests", 0)),
+                   sub_messages=int(obj.get("sub_messages", 0)))
 
 
 class _Worker:
@@ -242,14 +257,19 @@ def run_fanout(tb: Testbed, m: int, relay: bool, nbytes: int, chunk_bytes: int, 
         for w in replicas:
             w.send("go")
         deadline = time.monotonic() + PULL_TIMEOUT_S + DONE_SLACK_S
-        done = [ReplicaDone.from_json(w.read(deadline)) for w in replicas]
+        lines = [w.read(deadline) for w in replicas]
+        done = [ReplicaDone.from_json(line) for line in lines]
         cpu1, wcpu1 = psutil.cpu_times(percpu=True), sum(w.cpu_s() for w in workers)
         wall = max(d.end_t for d in done) - go_t
         for w in workers:
             w.send("stop")
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        sent = {w.host: int(w.read(deadline)["bytes_sent"]) for w in workers}
+        stops = {w.host: w.read(deadline) for w in workers}
+        sent = {h: int(v["bytes_sent"]) for h, v in stops.items()}
+        uploads = {h: v.get("uploads") or [] for h, v in stops.items()}
         tx1 = host_tx_bytes(tb)
+        LAST_RUN.clear()
+        LAST_RUN.update(go_t=go_t, replicas=lines, uploads=uploads)
     finally:
         for w in workers:
             w.stop()
@@ -260,6 +280,7 @@ def run_fanout(tb: Testbed, m: int, relay: bool, nbytes: int, chunk_bytes: int, 
     cpu["workers_fraction"] = round((wcpu1 - wcpu0) / (wall * (os.cpu_count() or 1)), 3)
     cpu["cpus"] = os.cpu_count() or 1
     busiest = max(tx, key=lambda h: tx[h])
+    busy = {h: round(_busy_time(uploads[h], go_t, go_t + wall) / wall, 3) for h in hosts}
     return {
         "m": m, "mode": "relay" if relay else "trainer_only", "link_gbps": link_bps / 1e9, "bytes": nbytes,
         "chunk_bytes": chunk_bytes, "wall_s": round(wall, 3),
@@ -269,6 +290,13 @@ def run_fanout(tb: Testbed, m: int, relay: bool, nbytes: int, chunk_bytes: int, 
         "max_relay_bytes_sent": max((sent[h] for h in hosts[1:]), default=0),
         "max_host_tx_bytes": tx[busiest], "max_host_tx_host": busiest, "host_tx_bytes": tx,
         "control_msgs_per_chunk": round(sum(d.control_msgs for d in done) / max(1, received), 3),
+        "control": {"have": sum(d.have_requests for d in done), "subscribe": sum(d.sub_messages for d in done),
+                    "offers": sum(d.offers for d in done), "passed_busy": sum(d.passed_busy for d in done),
+                    "passed_none": sum(d.passed_none for d in done), "chunks_received": received},
+        "uplink_busy": {"trainer": busy["h0"],
+                        "relays_mean": round(sum(busy[h] for h in hosts[1:]) / m, 3) if relay else 0.0,
+                        "relays_max": max((busy[h] for h in hosts[1:]), default=0.0) if relay else 0.0},
+        "replica_cpu_s_mean": round(sum(d.cpu_s for d in done) / m, 3),
         "chunks_from_trainer_fraction": round(sum(d.chunks_from.get(trainer_addr, 0) for d in done)
                                               / max(1, received), 3),
         "bytes_resent": sum(d.bytes_resent for d in done), "verified": all(d.verified for d in done),
@@ -277,21 +305,45 @@ def run_fanout(tb: Testbed, m: int, relay: bool, nbytes: int, chunk_bytes: int, 
     }
 
 
+LAST_RUN: dict[str, Any] = {}
+"""The last ``run_fanout``'s raw reports (replica ``done`` lines with their schedules, upload logs),
+for analysis scripts; not written to the JSON."""
+
+
+def _busy_time(uploads: list[list[float]], start: float, end: float) -> float:
+    """Seconds in [start, end] during which some upload of ``uploads`` (chunk, from, to, bytes) ran."""
+    spans = sorted((max(start, u[1]), min(end, u[2])) for u in uploads if u[2] > start and u[1] < end)
+    total, cur_start, cur_end = 0.0, None, None
+    for a, b in spans:
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start  # type: ignore[operator]
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        total += cur_end - cur_start  # type: ignore[operator]
+    return total
+
+
 CPU_LIMITED_BUSY = 0.85
 """Above this busy fraction of the whole machine during a run, the cores, not the links, may set
 the pace (flagged as ``cpu_limited``)."""
 
 
 def run_testbed(link: str, ms: list[int], nbytes: int, chunk_bytes: int, link_bps: float,
-                log: Any = None) -> list[dict[str, Any]]:
-    """Every M in ``ms``, relay then trainer-only, on one testbed of max(ms)+1 hosts at ``link``."""
+                log: Any = None, relay_repeats: int = 1) -> list[dict[str, Any]]:
+    """Every M in ``ms``, relay then trainer-only, on one testbed of max(ms)+1 hosts at ``link``;
+    the relayed run at the largest M ``relay_repeats`` times (records numbered by ``repeat``)."""
     records = []
     with tempfile.TemporaryDirectory(prefix="fanout-") as tmp, Testbed(hosts=max(ms) + 1, link=link) as tb:
         port = 7100
         for m in ms:
-            for relay in (True, False):
+            runs = [(True, i) for i in range(relay_repeats if m == max(ms) else 1)] + [(False, 0)]
+            for relay, repeat in runs:
                 port += 1  # a fresh port per run: no listener of the last run in the way
-                records.append(run_fanout(tb, m, relay, nbytes, chunk_bytes, link_bps, port, Path(tmp)))
+                record = run_fanout(tb, m, relay, nbytes, chunk_bytes, link_bps, port, Path(tmp))
+                records.append({**record, "repeat": repeat})
                 if log is not None:
                     log(records[-1])
     return records

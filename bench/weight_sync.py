@@ -18,7 +18,10 @@ measured pick time and HAVE requests per chunk.
 their own process on their own testbed host (network namespace, link shaped to ``--link``), see
 ``bench/testbed_fanout.py``; next to it the raw TCP rate between two hosts at the same link rate
 (tuned like the transport and with defaults, ``bench/testbed_link.py``), the scale run and the
-relay-failure run. Needs root; exits 2 with the reason without it.
+relay-failure run. The relayed run at the largest M is repeated (``--relay-repeats``) and the
+target (relay wall time <= 2.5 single-copy times) is judged on the median of those runs, each
+listed in ``targets``; every run records how busy the machine's cores were (other users
+included) and flags ``cpu_limited`` at 85%. Needs root; exits 2 with the reason without it.
 """
 
 from __future__ import annotations
@@ -289,7 +292,10 @@ async def fanout_run(kind: str, m: int, relay: bool, data: np.ndarray, manifest:
 
 async def scale_run(m: int, chunks: int, chunk_bytes: int) -> dict[str, object]:
     """A real relayed pull of a manifest with ``chunks`` chunks (small ones, so the scheduling and
-    control cost shows, not the bytes): pick time per chunk and HAVE requests per chunk received."""
+    control cost shows, not the bytes): the cost of picking each chunk, on the puller (its answer
+    to an offer) and on the source (the offer: which chunk, for which subscriber), and the control
+    messages per chunk received (HAVE requests, subscriptions, offers passed: every message that
+    moved no chunk)."""
     data, manifest = _payload(chunks * chunk_bytes, chunk_bytes, version=3)
     trainer = WeightServer("tcp")
     await trainer.start()
@@ -304,10 +310,18 @@ async def scale_run(m: int, chunks: int, chunk_bytes: int) -> dict[str, object]:
     for buf, _ in results:
         assert np.array_equal(buf, data)
     picks = sorted(x for _, stats in results for x in stats.pick_s)
+    source_picks = sorted(x for server in [trainer, *relays] for x in server.pick_s)
     received = sum(sum(stats.chunks_from.values()) for _, stats in results)
     out = {"chunks": manifest.num_chunks, "chunk_bytes": chunk_bytes, "m": m, "sources": m + 1, "wall_s": wall,
            "pick_ms_p50": picks[len(picks) // 2] * 1e3, "pick_ms_p99": picks[int(len(picks) * 0.99)] * 1e3,
+           "source_pick_ms_p50": source_picks[len(source_picks) // 2] * 1e3,
+           "source_pick_ms_p99": source_picks[int(len(source_picks) * 0.99)] * 1e3,
            "control_msgs_per_chunk": sum(stats.control_msgs for _, stats in results) / received,
+           "control": {"have": sum(s.have_requests for _, s in results),
+                       "subscribe": sum(s.sub_messages for _, s in results),
+                       "offers": sum(s.offers for _, s in results),
+                       "passed_busy": sum(s.passed_busy for _, s in results),
+                       "passed_none": sum(s.passed_none for _, s in results), "chunks_received": received},
            "trainer_copies": trainer.bytes_sent / manifest.total_bytes}
     for server in [trainer, *relays]:
         await server.close()
@@ -353,6 +367,8 @@ def main() -> None:
                     help="--testbed: per-host link rate(s), tc units, comma-separated (one testbed each)")
     ap.add_argument("--raw-bytes", type=int, default=32 << 20, help="--testbed: raw TCP baseline bytes")
     ap.add_argument("--raw-rounds", type=int, default=2, help="--testbed: raw TCP baseline rounds per mode")
+    ap.add_argument("--relay-repeats", type=int, default=3,
+                    help="--testbed: relayed runs at the largest M per link rate (the target uses their median)")
     args = ap.parse_args()
     if args.testbed:
         sys.exit(testbed_main(args))
@@ -428,7 +444,8 @@ def testbed_main(args: argparse.Namespace) -> int:
                 raw[link] = testbed_link.measure(tb, args.raw_bytes, args.raw_rounds)
             print(json.dumps({"raw": raw[link]}), flush=True)
             fanout += testbed_fanout.run_testbed(link, ms, args.fanout_bytes, args.fanout_chunk_bytes, link_bps,
-                                                 log=lambda rec: print(json.dumps(rec), flush=True))
+                                                 log=lambda rec: print(json.dumps(rec), flush=True),
+                                                 relay_repeats=args.relay_repeats)
     except TestbedUnavailable as exc:
         print(f"testbed unavailable: {exc}", file=sys.stderr)
         return 2
@@ -445,7 +462,8 @@ def testbed_main(args: argparse.Namespace) -> int:
                       testbed_tcp_pull_vs_raw_tuned=round(pull_gibps / first["raw_tuned_gibps"], 3))  # type: ignore[operator]
     result["targets"] = _testbed_targets(fanout)
     scale = asyncio.run(scale_run(args.scale_m, args.scale_chunks, 4096))
-    result.update(scale=scale, pick_ms_p50=scale["pick_ms_p50"], control_msgs_per_chunk=scale["control_msgs_per_chunk"])
+    result.update(scale=scale, pick_ms_p50=scale["pick_ms_p50"], source_pick_ms_p50=scale["source_pick_ms_p50"],
+                  control_msgs_per_chunk=scale["control_msgs_per_chunk"])
     data, manifest = _payload(args.fanout_bytes, args.fanout_chunk_bytes, version=2)
     result["relay_failure"] = asyncio.run(relay_failure("tcp", data, manifest))
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -468,19 +486,26 @@ def _provenance() -> dict[str, object]:
 
 
 def _testbed_targets(fanout: list[dict[str, object]]) -> list[dict[str, object]]:
-    """The issue's fan-out targets at the largest M, per link rate, against what was measured."""
+    """The issue's fan-out targets at the largest M, per link rate, against what was measured: the
+    relayed wall time over one copy's (the median of the repeated runs, each listed), next to
+    trainer-only's and the trainer's egress; ``cpu_limited`` if any of those runs had the machine
+    (other users included) at least 85% busy."""
     out = []
     for link_gbps in sorted({r["link_gbps"] for r in fanout}, reverse=True):  # type: ignore[type-var]
         rows = [r for r in fanout if r["link_gbps"] == link_gbps]
         m = max(r["m"] for r in rows)  # type: ignore[type-var]
-        relay = next(r for r in rows if r["m"] == m and r["mode"] == "relay")
+        relays = [r for r in rows if r["m"] == m and r["mode"] == "relay"]
         only = next(r for r in rows if r["m"] == m and r["mode"] == "trainer_only")
+        ratios = sorted(float(r["wall_over_copy"]) for r in relays)  # type: ignore[arg-type]
+        median = ratios[len(ratios) // 2] if len(ratios) % 2 else (ratios[len(ratios) // 2 - 1] + ratios[len(ratios) // 2]) / 2
         out.append({"link_gbps": link_gbps, "m": m,
-                    "relay_wall_over_copy": relay["wall_over_copy"], "relay_target": "<= 2.5",
-                    "relay_met": relay["wall_over_copy"] <= 2.5,  # type: ignore[operator]
+                    "relay_wall_over_copy": round(median, 3), "relay_wall_over_copy_runs": ratios,
+                    "relay_target": "<= 2.5", "relay_met": median <= 2.5,
                     "trainer_only_wall_over_copy": only["wall_over_copy"], "trainer_only_expected": f"~{m}",
-                    "relay_trainer_copies": relay["trainer_copies"], "trainer_copies_target": "~1",
-                    "cpu_limited": bool(relay["cpu_limited"] or only["cpu_limited"])})
+                    "relay_trainer_copies": max(float(r["trainer_copies"]) for r in relays),  # type: ignore[arg-type]
+                    "trainer_copies_target": "~1",
+                    "cpu_busy_fraction_max": max(float(r["cpu"]["busy_fraction"]) for r in [*relays, only]),  # type: ignore[index]
+                    "cpu_limited": bool(any(r["cpu_limited"] for r in relays) or only["cpu_limited"])})
     return out
 
 

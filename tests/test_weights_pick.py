@@ -207,12 +207,39 @@ def test_chunk_owners_are_balanced_and_move_only_with_the_member_that_left() -> 
 
 
 async def test_relays_split_the_publisher_so_each_chunk_leaves_it_about_once() -> None:
-    """8 relayed pullers of one version: each takes its own share from the trainer and the rest
-    from the other relays. Without the split the trainer sent 1.1 copies here (and 3.75 at
-    16 replicas on the testbed), each puller racing the others for the rarest chunks."""
+    """8 relayed pullers of one version: the trainer offers each chunk once (to pullers taking
+    turns), and the relays carry the rest. Before any split the trainer sent 1.1 copies here (and
+    3.75 at 16 replicas on the testbed), each puller racing the others for the rarest chunks."""
     data, manifest = _manifest(1600, chunk_bytes=8 << 10)
     trainer, relays, _results = await _relayed_pulls(data, manifest, 8, name_origins=True)
     copies = trainer.bytes_sent / manifest.total_bytes
     assert copies <= 1.03, f"the trainer sent {copies:.2f} copies"
     uplinks = [r.bytes_sent / manifest.total_bytes for r in relays]
     assert max(uplinks) <= 2.5, f"relay uplinks carried {uplinks} copies"
+
+
+async def test_two_publishers_split_the_fresh_chunks_so_each_leaves_the_gang_once() -> None:
+    """Two trainer ranks publish the same version: each offers only chunks it never sent, so
+    without a split every chunk could leave the gang twice (the testbed job measured 40 of 22);
+    relaying pullers that know the ranks (``origins``) ask each rank for its own share only."""
+    data, manifest = _manifest(800, chunk_bytes=8 << 10)
+    ranks = [WeightServer("tcp") for _ in range(2)]
+    for r in ranks:
+        await r.start()
+        r.add_version(manifest, data)
+    relays = [WeightServer("tcp") for _ in range(4)]
+    for r in relays:
+        await r.start()
+    origins = [r.address for r in ranks]
+    sources = [*origins, *(r.address for r in relays)]
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(
+            pull(manifest, sources, relay=relays[i], seed=i, origins=origins) for i in range(4))), 120)
+    finally:
+        for server in [*ranks, *relays]:
+            await server.close()
+    for buf, _stats in results:
+        assert np.array_equal(buf, data)
+    copies = [r.bytes_sent / manifest.total_bytes for r in ranks]
+    assert sum(copies) <= 1.03, f"the gang sent {copies} copies"
+    assert min(copies) >= 0.3, f"one rank did (nearly) all the work: {copies}"

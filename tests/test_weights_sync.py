@@ -240,3 +240,77 @@ async def test_manifest_mismatch_names_tensor(kind: str, version, servers) -> No
         load_into(model, buf, manifest)
     assert "proj.weight" in str(info.value) and not info.value.retryable
     assert torch.equal(model.embed.weight, before)  # untouched
+
+
+# -- relaying pullers (subscriptions: the sources offer, see robustrl/weights/transport.py) --------
+
+
+async def test_relaying_puller_survives_a_relay_killed_mid_chunk(kind: str, version, servers) -> None:
+    buffer, manifest, _ = version
+    trainer = await servers()
+    trainer.add_version(manifest, buffer)
+    dying = await servers(Fault("die", after_bytes=CHUNK // 2, after_chunks=2))
+    _add_partial(dying, manifest, buffer)
+    relay = await servers()
+    buf, stats = await pull(manifest, [dying.address, trainer.address], relay=relay, stall_timeout_s=5.0)
+    assert _checksum(buf, manifest) == manifest.checksum
+    assert relay.is_complete(manifest.version)  # and it serves the whole version onward
+    assert stats.failed_sources == [dying.address]
+    assert stats.bytes_resent <= CHUNK
+    if kind == "tcp":
+        assert stats.chunks_from[dying.address] >= 2  # completed chunks from the dead relay were kept
+    # the trainer sent only what the dead relay did not: no chunk twice
+    assert trainer.bytes_sent <= manifest.total_bytes
+
+
+async def test_relaying_puller_abandons_a_stalled_relay_and_takes_its_chunk_from_the_trainer_again(
+        kind: str, version, servers) -> None:
+    """The stalled relay held the chunk the trainer had already sent (to another replica): once
+    the relay is dropped the puller turns impatient and the trainer sends that chunk again."""
+    buffer, manifest, _ = version
+    trainer = await servers()
+    trainer.add_version(manifest, buffer)
+    client = make_client(trainer.address)
+    await client.connect()
+    try:  # another replica took chunk 0 from the trainer: it is no longer fresh there
+        assert await client.fetch_chunk(manifest.version, 0, memoryview(bytearray(manifest.chunks[0].nbytes)))
+    finally:
+        await client.close()
+    stuck = await servers(Fault("stall", chunk=0, after_bytes=CHUNK // 4))
+    stuck.add_version(manifest, buffer, complete=False)
+    stuck.mark_chunk(manifest.version, 0)
+    relay = await servers()
+    buf, stats = await pull(manifest, [stuck.address, trainer.address], relay=relay, stall_timeout_s=1.5)
+    assert _checksum(buf, manifest) == manifest.checksum
+    assert stats.failed_sources == [stuck.address]
+    assert stats.bytes_resent <= CHUNK
+    assert trainer.bytes_sent == manifest.total_bytes + manifest.chunks[0].nbytes  # chunk 0 twice
+
+
+async def test_relaying_puller_refetches_a_corrupt_chunk_elsewhere(kind: str, version, servers) -> None:
+    buffer, manifest, _ = version
+    liar = await servers(Fault("corrupt", after_chunks=1))
+    _add_partial(liar, manifest, buffer)
+    honest = await servers()
+    honest.add_version(manifest, buffer)
+    relay = await servers()
+    buf, stats = await pull(manifest, [liar.address, honest.address], relay=relay)
+    assert _checksum(buf, manifest) == manifest.checksum
+    assert stats.corrupt_chunks == 1
+    assert 0 < stats.bytes_resent <= CHUNK
+    assert stats.failed_sources == []
+    assert relay.is_complete(manifest.version)  # the corrupt copy was never served onward
+
+
+async def test_relaying_pullers_each_chunk_leaves_the_trainer_once(kind: str, version, servers) -> None:
+    buffer, manifest, _ = version
+    trainer = await servers()
+    trainer.add_version(manifest, buffer)
+    relays = [await servers() for _ in range(3)]
+    sources = [trainer.address, *(r.address for r in relays)]
+    results = await asyncio.gather(*(pull(manifest, sources, relay=r, seed=i) for i, r in enumerate(relays)))
+    for buf, stats in results:
+        assert _checksum(buf, manifest) == manifest.checksum
+        assert stats.bytes_resent == 0
+    assert trainer.bytes_sent == manifest.total_bytes  # super-seeding: one copy
+    assert sum(r.bytes_sent for r in relays) == 2 * manifest.total_bytes  # the relays carried the rest

@@ -8,8 +8,9 @@ reachability check. Standard library only, so a probe starts in a few tens of mi
     python -m robustrl.testbed.probe echo [--port P]                   echoes one connection's bytes
     python -m robustrl.testbed.probe reach HOST PORT [--timeout S]     exit 0 if a connection opens
 
-``--tuned`` sets what the weight transport sets (4 MiB socket buffers, TCP_NODELAY); without it
-the kernel's defaults apply, so the two can be compared. ``cpu_s`` is the probe's own CPU time
+``--tuned`` sets what the weight transport sets (4 MiB socket buffers, TCP_NODELAY, and on the
+sending side TCP_NOTSENT_LOWAT as a weight source's socket has it); without it the kernel's
+defaults apply, so the two can be compared. ``cpu_s`` is the probe's own CPU time
 over the transfer: next to ``seconds`` it shows whether the CPU, not the link, set the rate.
 ``transfer`` runs a sink and a source on two testbed hosts and returns both reports.
 """
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from robustrl.testbed.testbed import HostRef, Testbed
 
 TUNED_BUFFER_BYTES = 4 * 1024 * 1024
+TUNED_NOTSENT_LOWAT = 64 * 1024
+"""robustrl.weights.tcp.NOTSENT_LOWAT (not imported: this module starts with the standard library only)."""
 CHUNK_BYTES = 1024 * 1024
 ACCEPT_TIMEOUT_S = 30.0
 REACH_TIMEOUT_S = 1.0
@@ -73,6 +76,8 @@ def source(host: str, port: int, nbytes: int, tuned: bool) -> dict[str, float]:
     with socket.socket() as sock:
         if tuned:
             tune(sock)
+            if hasattr(socket, "TCP_NOTSENT_LOWAT"):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, TUNED_NOTSENT_LOWAT)
         sock.connect((host, port))
         chunk = bytes(CHUNK_BYTES)
         start, left, cpu0 = time.perf_counter(), nbytes, time.process_time()

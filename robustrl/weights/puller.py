@@ -1,18 +1,45 @@
 """Multi-source pull of one weight version, with checksum checks, failover and relaying.
 
 ``pull`` fetches every chunk of a manifest from whichever source holds it: trainer ranks
-(complete) or other replicas relaying the same version (partial, growing). It
+(publishers: complete) or other replicas relaying the same version (partial, growing).
 
-* asks every source which chunks it holds (HAVE); re-asks only the partial ones (relays: a
-  complete source's answer cannot change), no sooner than ``have_interval_s`` apart, backing
-  off while answers do not change, and while chunks are arriving only as often as they arrive
-  (so control messages stay a small constant per chunk, ``PullStats.control_msgs``); new
+A replica that relays (``relay`` given) lets its sources schedule: it subscribes once to every
+source with the bitmap of the chunks it still wants, and a source with an upload slot free offers
+it chunks it holds (``transport.py``, ``server.py``); the puller takes one (or passes: none
+wanted, or busy receiving, until a time it names). Its bitmap rides along on every answer and
+leaves out the chunks on their way to it, so two sources never send it the same chunk. A chunk a
+relay has just verified thus goes out to a subscriber at once: availability is pushed by the
+offers, with no HAVE poll between a chunk's arrival at a relay and its next hop, and no upload
+slot idles while a subscriber wants a chunk its source holds. A subscriber receives one chunk at
+a time (``RECEIVE_STREAMS``), each at the full rate of its link, and takes the next one when the
+current one is nearly in (``NEAR_DONE``; sooner if the offer says its bytes will follow another
+upload, ``QUEUED_START``); where getting a chunk started takes longer than its bytes (small chunks,
+fast links) it keeps several on their way. Publishers offer a patient subscriber (one with other
+sources) only chunks they never sent, so each chunk leaves a publisher about once and the
+replicas start out holding different chunks; such a fresh chunk is taken even while receiving
+another (``FRESH_STREAMS``: the publisher's uplink is the only source of new chunks). A puller
+that has received nothing for ``STARVE_S`` turns impatient (any chunk it wants, sent again if
+need be). HAVE is asked only when chunks stopped coming (to tell a dead publisher from relays
+still filling up).
+
+Why: on the testbed (``bench/weight_sync.py --testbed``, results in
+``bench/results/weight_sync_testbed.json``), index pulls with HAVE polling left links idle most
+of the time - replicas waited on stale availability, and the trainer, sending all its chunks at
+once, delivered the first of them a whole copy-time late, so relays had nothing to relay.
+
+A puller without a relay (a late joiner, a loader that does not serve onward) fetches chunks by
+index (FETCH): it picks the rarest chunk first (ties broken by a per-puller random order) from
+the least-loaded source holding it. Picking is O(sources x log chunks): each source keeps a heap
+of the pending chunks it holds keyed by rarity, kept current from HAVE differences
+(:class:`_Index`), instead of scanning every chunk x source per pick.
+
+Both ways, the puller
+
+* asks sources which chunks they hold (HAVE; by index: every source, re-asking only the partial
+  ones - a complete source's answer cannot change - no sooner than ``have_interval_s`` apart,
+  backing off while answers do not change, and while chunks are arriving only as often as they
+  arrive, so control messages stay a small constant per chunk, ``PullStats.control_msgs``); new
   sources come from a callable;
-* picks the rarest chunk first (ties broken by a per-puller random order) and fetches it from
-  the least-loaded source holding it, so concurrent pullers fetch different chunks from the
-  trainer and each chunk leaves the trainer about once. Picking is O(sources x log chunks):
-  each source keeps a heap of the pending chunks it holds keyed by rarity, kept current from
-  HAVE differences (:class:`_Index`), instead of scanning every chunk x source per pick;
 * verifies each chunk's checksum (XXH3-128 inline; legacy SHA-256 manifests in a worker thread
   while the next chunk is on the wire); a bad chunk is discarded and refetched elsewhere;
 * when a source dies or stalls mid-chunk it is dropped for the rest of the pull, completed
@@ -39,7 +66,7 @@ import numpy as np
 from robustrl.errors import TransportError, WeightSyncError
 from robustrl.weights.manifest import Manifest
 from robustrl.weights.server import WeightServer
-from robustrl.weights.transport import TransportClient, make_client
+from robustrl.weights.transport import Offer, Op, Status, SubMessage, TransportClient, make_client
 
 Sources = list[str] | Callable[[], list[str]]
 
@@ -69,9 +96,20 @@ class PullStats:
     wall_s: float = 0.0
     schedule: list[Transfer] = field(default_factory=list)
     control_msgs: int = 0
-    """HAVE requests this puller sent (chunks received: ``sum(chunks_from.values())``)."""
+    """Messages this puller sent that moved no chunk: HAVE requests, CANCELs, and chunk requests
+    answered without one (chunks received: ``sum(chunks_from.values())``)."""
+    offers: int = 0
+    """Offers sources made to this puller (subscriptions); ``passed_busy`` and ``passed_none`` of
+    them it passed (receiving at its limit; nothing in them wanted)."""
+    passed_busy: int = 0
+    passed_none: int = 0
+    have_requests: int = 0
+    """HAVE requests sent (part of ``control_msgs``)."""
+    sub_messages: int = 0
+    """Subscriptions and their updates sent (part of ``control_msgs``)."""
     pick_s: list[float] = field(default_factory=list)
-    """Seconds each chunk pick took (the scheduling cost per chunk)."""
+    """Seconds each chunk pick took here (the scheduling cost per chunk; with subscriptions, the
+    answer to an offer: the source's pick is ``WeightServer.pick_s``)."""
 
 
 @dataclass(eq=False)
@@ -95,6 +133,10 @@ class _Source:
     origin: bool = False  # a publisher of the version (a trainer rank), not a relay
     missing: bool = False  # its last answer: it does not hold or pull this version at all
     bits: tuple[np.ndarray, np.ndarray] | None = None  # last HAVE bitmaps (held, pending), unpacked
+    not_before: float = 0.0  # no subscription to it before this (it had not got the version)
+    absent: int = 0  # subscriptions it answered MISSING in a row
+    sub: TransportClient | None = None  # our subscription's connection (with a relay of our own)
+    sub_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one message at a time on `sub`
 
 
 HAVE_INTERVAL_MAX_S = 0.25
@@ -108,14 +150,44 @@ POLLS_PER_CHUNK = 0.5
 (so the HAVE requests per chunk received stay <= about 2)."""
 
 
-FIRST_ROUND_WAIT_S = 0.5
-"""How long the first split waits for every source's first HAVE answer (a frozen peer answers
-late or never); the split is then made among the relays that answered."""
-OWNER_WAIT_S = 2.0
-"""With relays sharing the pull, a puller fetches from the publisher (trainer) only the chunks it
-owns and the rest from their owners' relays. If it then waits this long with nothing in flight
-and nothing received (views of who takes part disagree, an owner is slow to start), it takes
-any chunk from the publisher again."""
+STARVE_S = 2.0
+"""With other sources (relays), a puller asks publishers only for chunks they never sent. After
+this long (and ``STARVE_CHUNKS`` chunk times) with nothing received it asks them impatiently: any
+chunk it wants, sent again if need be (relays that died holding the only copies, frozen relays)."""
+STARVE_CHUNKS = 4.0
+RECEIVE_STREAMS = 1
+"""Chunks a subscriber receives at once (it passes other offers as busy): one at a time, each
+chunk has the downlink to itself, and no source's upload slot is held by a chunk that arrives at
+a fraction of the link rate (on the shared 2-core machine two at once measured 2.1-2.5
+copy-times at 16 replicas, one 1.8-2.0).
+The next is taken ``NEAR_DONE`` before the current one is in, so the offer's round trip overlaps
+its last bytes."""
+FRESH_STREAMS = 2
+"""Chunks a subscriber receives at once when the extra one is fresh from a publisher (the rarest
+a chunk can be): the publisher's uplink, the only source of new chunks, never waits for a
+subscriber that is busy with a relay's chunk."""
+NEAR_DONE = 0.25
+"""How much (in chunks) a chunk taken may overlap those still arriving (0.15 and 0.5 measured no
+better, within the machine's noise)."""
+QUEUED_START = 0.5
+"""Chunk-times until a queued offer's bytes start (see ``OFFER_QUEUED``)."""
+BUSY_MIN_S = 0.002
+BUSY_MAX_S = 1.0
+BUSY_DEFAULT_S = 0.02
+"""A busy subscriber asks to be offered again when a stream stops counting, estimated from the
+chunk times measured so far (this default before any), within [BUSY_MIN_S, BUSY_MAX_S]."""
+RESUBSCRIBE_S = 0.05
+RESUBSCRIBE_MAX_S = 2.0
+"""A source that answered a subscription MISSING (it has not registered the version yet, or
+dropped it) is subscribed to again after ``RESUBSCRIBE_S``, doubling each time it answers so
+again, up to ``RESUBSCRIBE_MAX_S``."""
+LIST_SOURCES_S = 0.25
+"""How often a subscribing puller re-reads its sources (a callable: late relays)."""
+STALLED_POLL_S = 0.25
+"""A subscribing puller asks HAVE only when no chunk has arrived or been on its way this long (and
+2 chunk times) since a source failed, or when starving: to tell a gone publisher (unavailable)
+from relays still filling."""
+
 
 _MIX1, _MIX2, _GOLDEN = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15)
 
@@ -165,8 +237,6 @@ class _Index:
         self.coming = [0] * n
         self.cover = [0] * n
         self.sources: list[_Source] = []
-        self.mine: np.ndarray | None = None
-        """Chunks this puller may take from an origin (None: any); see ``OWNER_WAIT_S``."""
 
     def key(self, chunk: int) -> int:
         return self.holders[chunk] + self.coming[chunk]
@@ -279,17 +349,6 @@ class _Index:
                     for c in freed:
                         self._push(s, c)
 
-    def set_mine(self, mine: np.ndarray | None, pending: set[int]) -> None:
-        """Change which chunks this puller may take from origins; offer the ones it gains."""
-        old, self.mine = self.mine, mine
-        if old is None:
-            return
-        gained = [c for c in pending if not old[c] and (mine is None or mine[c])]
-        for s in self.sources:
-            if s.origin and not s.dead:
-                for c in gained:
-                    self._push(s, c)
-
     def _refresh_holders(self, chunks: list[int]) -> None:
         """Rarity of ``chunks`` dropped: entries in holders' heaps are keyed too high; push fresh ones."""
         if not chunks:
@@ -313,10 +372,6 @@ class _Index:
             if key != current:
                 heapq.heapreplace(heap, (current, rank, c))
                 continue
-            if source.origin and self.mine is not None and not self.mine[c]:
-                # another relay's to take from the publisher: ours to take from that relay
-                heapq.heappop(heap)  # pushed again if ownership moves here (set_mine)
-                continue
             if source.complete and self.cover[c] > 0:
                 # a relay holds it (but is busy) or is fetching it: wait for the relay rather than
                 # make the trainer send it twice (offered again if that cover goes away)
@@ -339,8 +394,8 @@ class _Pull:
                  unavailable_grace_s: float, seed: int | None, origins: list[str] | None = None) -> None:
         self.m = manifest
         self.origins = None if origins is None else {_with_scheme(a, transport) for a in origins}
-        self.members: list[str] = []  # relays sharing the pull, this one included (sorted)
-        self.sharing = relay is not None and relay.address is not None
+        # subscriptions (see the module docstring) when this puller relays: its sources schedule
+        self.push = relay is not None and relay.address is not None
         self.last_progress = time.perf_counter()
         self.sources_arg = sources
         self.transport = transport
@@ -363,7 +418,7 @@ class _Pull:
         rng.shuffle(order)
         self.rank = {chunk: pos for pos, chunk in enumerate(order)}
         self.pending: set[int] = set(order)
-        self.inflight: dict[asyncio.Task[None], int] = {}
+        self.inflight: dict[asyncio.Task[None], int] = {}  # FETCH tasks -> chunk
         self.sources: dict[str, _Source] = {}
         self.stats = PullStats()
         self.t0 = time.perf_counter()
@@ -371,16 +426,25 @@ class _Pull:
         self.refresh_task: asyncio.Task[None] | None = None
         self.last_refresh = -1e9
         self.index = _Index(manifest.num_chunks, self.rank)
-        if self.sharing:
-            # Nothing from a publisher until the first HAVE round has shown who shares the pull:
-            # each puller's first pick from the trainer, made before the relays answered, was a
-            # chunk the trainer sent again (0.6 of a copy at 16 replicas of 32 chunks).
-            self.index.mine = np.zeros(manifest.num_chunks, dtype=bool)
         self.interval = have_interval_s  # grows while HAVE answers do not change
         self.changed = False  # some answer of the running round changed
         self.received_at_refresh = 0  # chunks received when the last round started
         self.asked_last = 0  # sources asked in the last round
         self.chunk_s = 0.0  # moving average of one chunk's transfer time (0: none yet)
+        # subscriptions
+        self.want = np.ones(manifest.num_chunks, dtype=bool)  # pending and not on its way to us
+        self.assigned: dict[int, _Source] = {}  # chunk -> the source sending it to us
+        self.streams: dict[str, tuple[int, TransportClient, int]] = {}  # source -> (chunk, client, bytes before)
+        self.starting = 0  # chunks taken whose bytes have not started to arrive
+        self.start_s = 0.0  # moving average of the time from an offer (not queued) to its chunk's first bytes
+        self.subs: dict[_Source, asyncio.Task[None]] = {}
+        self.receive_streams = min(max_inflight, RECEIVE_STREAMS)
+        self.patient = True
+        self.resync = False  # our wants grew (a chunk on its way failed): tell every source
+        self.shares: dict[str, np.ndarray] = {}  # publisher -> chunks asked of it while patient
+        self.tell_task: asyncio.Task[None] | None = None
+        self.listed_at = -1e9
+        self.last_activity = self.t0  # a chunk arrived or started arriving
 
     # -- sources ----------------------------------------------------------------------------
 
@@ -401,9 +465,10 @@ class _Pull:
             return
         self.index.drop(source)
         self.stats.failed_sources.append(source.address)
-        clients = [*source.idle, *([source.control] if source.control else [])]
+        clients = [*source.idle, *(c for c in (source.control, source.sub) if c is not None)]
         source.idle.clear()
         source.control = None
+        source.sub = None
         for client in clients:
             await client.close()
 
@@ -421,6 +486,7 @@ class _Pull:
                     source.control = await self._connect(source.address)
                     source.control.decode_have = False  # the index compares the raw bitmaps
                 self.stats.control_msgs += 1
+                self.stats.have_requests += 1
                 have = await asyncio.wait_for(source.control.have(self.m.version, self.m.num_chunks),
                                               self.stall_timeout_s)
         except (TransportError, TimeoutError, OSError):
@@ -446,35 +512,17 @@ class _Pull:
         self.asked_last = len(asked)
         self.changed = False
         await asyncio.gather(*(self._ask(s) for s in asked))
-        self._share()
         # Back off while nothing changes; answer changes at once when something does.
         self.interval = self.have_interval_s if self.changed else min(self.interval * 2, HAVE_INTERVAL_MAX_S)
 
-    def _share(self) -> None:
-        """Split the chunks to take from the publisher among the live relays of this version."""
-        if not self.sharing:
-            return
-        assert self.relay is not None and self.relay.address is not None  # sharing needs both
-        # Relays of this version: not a publisher, and holding or pulling it (a peer that answers
-        # MISSING - it dropped the version, or pulls without relaying - would own chunks nobody
-        # takes from the trainer).
-        members = sorted({self.relay.address, *(s.address for s in self._live()
-                                                 if s.asked and not s.origin and not s.missing)})
-        if members == self.members:
-            return
-        self.members = members
-        mine = owners(members, self.m.num_chunks) == members.index(self.relay.address)
-        self.index.set_mine(mine if len(members) > 1 else None, self.pending)
-
-    def _stop_sharing(self) -> None:
-        self.sharing = False
-        self.members = []
-        self.index.set_mine(None, self.pending)
+    def _busy(self) -> bool:
+        """Chunks on their way to us."""
+        return bool(self.assigned) if self.push else bool(self.inflight)
 
     def _round_gap(self) -> float:
         """Least time between two HAVE rounds: the interval, and with nothing in flight at least
         ``WAIT_POLL_CHUNKS`` chunk times."""
-        return self.interval if self.inflight else max(self.interval, WAIT_POLL_CHUNKS * self.chunk_s)
+        return self.interval if self._busy() else max(self.interval, WAIT_POLL_CHUNKS * self.chunk_s)
 
     def _received(self) -> int:
         return sum(self.stats.chunks_from.values())
@@ -485,13 +533,15 @@ class _Pull:
         # While chunks are arriving, a round waits for its share of them: HAVE requests per chunk
         # received stay bounded however many relays there are. With nothing in flight (waiting for
         # a relay to get something), the interval alone decides.
-        if self.inflight and self._received() - self.received_at_refresh < self.asked_last * POLLS_PER_CHUNK:
+        if self.push and not self._stalled(now):
+            return  # chunks find us without HAVE answers
+        elif self._busy() and self._received() - self.received_at_refresh < self.asked_last * POLLS_PER_CHUNK:
             return
         self.last_refresh = now
         self.received_at_refresh = self._received()
         self.refresh_task = asyncio.create_task(self._refresh(), name="weights-have")
 
-    # -- scheduling -------------------------------------------------------------------------
+    # -- scheduling by index (FETCH) ----------------------------------------------------------
 
     def _pick(self) -> tuple[int, _Source] | None:
         t0 = time.perf_counter()
@@ -543,41 +593,17 @@ class _Pull:
                                   version=self.m.version, chunk=(lied or [min(missing)])[0], missing=len(missing),
                                   failed_sources=list(self.stats.failed_sources), reason=reason)
 
-    async def _taken_elsewhere(self, chunk: int, source: _Source) -> bool:
-        """Before taking a chunk from a complete source (the trainer): if a relay holds it, or is
-        fetching it and wins the tie (lower address), leave it to them. Judged on the relays'
-        latest HAVE answers, which the adaptive rounds keep fresh while chunks move: re-asking
-        every relay before every such chunk cost relays x chunks control messages. We advertised
-        our own fetch first, so of two replicas racing for a chunk the later one sees the other."""
-        if self.relay is None or self.relay.address is None or not source.complete:
-            return False
-        mine = self.relay.address
-        return any((chunk in s.have and chunk not in s.bad) or (chunk in s.pending and s.address < mine)
-                   for s in self._live() if not s.complete and s is not source)
-
     async def _fetch(self, chunk: int, source: _Source) -> None:
         try:
             await self._fetch_once(chunk, source)
         finally:
-            if chunk in self.pending:  # not brought (failed, taken elsewhere, corrupt): offer it again
-                if self.relay is not None:
-                    self.relay.mark_pending(self.m.version, chunk, False)
+            if chunk in self.pending:  # not brought (failed, corrupt): offer it again
                 self.index.requeue(chunk)
 
     async def _fetch_once(self, chunk: int, source: _Source) -> None:
         entry = self.m.chunks[chunk]
         dest = self.view[entry.offset:entry.offset + entry.nbytes]
         source.inflight += 1
-        if self.relay is not None:
-            self.relay.mark_pending(self.m.version, chunk)
-        try:
-            taken = await self._taken_elsewhere(chunk, source)
-        except BaseException:
-            source.inflight -= 1
-            raise
-        if taken:
-            source.inflight -= 1
-            return
         start = time.perf_counter() - self.t0
         client: TransportClient | None = None
         try:
@@ -604,9 +630,16 @@ class _Pull:
         else:
             source.idle.append(client)  # free the connection before verifying: pipelining
         if not ok:
+            self.stats.control_msgs += 1  # a request that brought nothing
             if not source.dead:  # it dropped the version or never had it
                 self.index.apply(source, [], [chunk] if chunk in source.have else [], [], [])
             return
+        await self._arrived(chunk, source, start)
+
+    async def _arrived(self, chunk: int, source: _Source, start: float) -> None:
+        """Chunk ``chunk`` is in the buffer, from ``source``: verify it and take it."""
+        entry = self.m.chunks[chunk]
+        dest = self.view[entry.offset:entry.offset + entry.nbytes]
         self.stats.bytes_received += entry.nbytes
         if self.m.hash == "sha256":
             # ~1.5 GiB/s and GIL-free: verify in a thread while the next chunk is on the wire
@@ -623,10 +656,253 @@ class _Pull:
             self.index.mark_bad(source, chunk)
             return
         self.pending.discard(chunk)
-        self.last_progress = time.perf_counter()
+        self.want[chunk] = False
+        self.last_progress = self.last_activity = time.perf_counter()
         self.stats.chunks_from[source.address] = self.stats.chunks_from.get(source.address, 0) + 1
         if self.relay is not None:
             self.relay.mark_chunk(self.m.version, chunk)
+
+    # -- scheduling by the sources (subscriptions) ----------------------------------------------
+
+    def _idle_for(self, now: float) -> float:
+        """Seconds with no chunk arriving or starting to arrive (0 while one is on the wire)."""
+        return 0.0 if self.streams else now - self.last_activity
+
+    def _starving(self, now: float) -> bool:
+        return self._idle_for(now) > max(STARVE_S, STARVE_CHUNKS * self.chunk_s)
+
+    def _stalled(self, now: float) -> bool:
+        """Time to ask HAVE (is some chunk held by no live source, or only by liars?): starving,
+        or idle a while since a source failed or sent a corrupt chunk (a publisher that died
+        leaves chunks only it held; no source offers a chunk again to whom it sent it corrupt)."""
+        troubled = self.stats.failed_sources or self.stats.corrupt_chunks
+        if troubled and self._idle_for(now) > max(STALLED_POLL_S, 2 * self.chunk_s):
+            return True
+        return self._starving(now)
+
+    def _patient(self, now: float) -> bool:
+        """Ask publishers only for chunks they never sent: there are other sources (relays) to
+        bring the rest, and we are not starving."""
+        return len(self._live()) > 1 and not self._starving(now)
+
+    def _message(self, source: _Source, chunk: int = -1, busy_ms: int = 0) -> SubMessage:
+        """What we tell ``source`` with every message: the chunks we want from it (not on their way
+        to us, not sent corrupt by it; from one of several publishers, while patient, only its
+        share: ``_publisher_shares``) and whether we are patient."""
+        want = self.want
+        share = self.shares.get(source.address) if self.patient else None
+        if source.bad or share is not None:
+            want = want.copy()
+            want[list(source.bad)] = False
+            if share is not None:
+                want &= share
+        return SubMessage(np.packbits(want, bitorder="little").tobytes(), self.patient, chunk, busy_ms)
+
+    def _publisher_shares(self) -> dict[str, np.ndarray]:
+        """With several live publishers (``origins``: the trainer ranks that announced the
+        version), the chunks each is asked for while we are patient: a rendezvous split that every
+        puller computes alike. Each publisher sends only chunks it never sent, so without the split
+        each chunk could leave the gang once per rank (two ranks: 40 of 22 chunks measured on the
+        testbed job, two replicas); with it, once. A publisher that dies hands its share on."""
+        if self.origins is None:
+            return {}
+        live = sorted(s.address for s in self._live() if s.address in self.origins)
+        if len(live) < 2:
+            return {}
+        if sorted(self.shares) == live:
+            return self.shares
+        owner = owners(live, self.m.num_chunks)
+        return {address: owner == i for i, address in enumerate(live)}
+
+    def _downlink_free_in(self) -> float | None:
+        """Chunk-times until the chunks on their way to us have (nearly) all arrived, at the link
+        rate measured so far; None if a chunk we took has not started arriving yet."""
+        if self.starting:
+            return None
+        left = 0.0
+        for chunk, client, before in self.streams.values():
+            nbytes = self.m.chunks[chunk].nbytes
+            left = max(left, (nbytes - (client.payload_received - before)) / nbytes)
+        return left
+
+    def _choose(self, offer: Offer) -> tuple[int, int]:
+        """Our answer to an offer: (chunk to take or -1, busy ms if we pass for being busy).
+
+        Chunks arrive one at a time (``RECEIVE_STREAMS``): we take an offer if its bytes would
+        overlap those on their way to us by at most ``NEAR_DONE`` of a chunk (a queued offer's
+        bytes start about half a chunk-time away), or if it is fresh from a publisher.
+        """
+        wanted = [c for c in offer.chunks if self._wanted(c)]
+        if not wanted:
+            return -1, 0
+        free_in = self._downlink_free_in()
+        if offer.fresh and len(self.streams) + self.starting < max(FRESH_STREAMS, self._stream_limit()):
+            return wanted[0], 0  # nobody else has it: take it even while receiving
+        if len(self.streams) + self.starting < self._stream_limit():
+            return wanted[0], 0
+        start_in = QUEUED_START if offer.queued else 0.0
+        if free_in is not None and free_in - start_in <= NEAR_DONE:
+            return wanted[0], 0
+        # busy: ask to be offered again once that holds (a source not sending starts at once)
+        wait = (free_in - NEAR_DONE) if free_in is not None else 1.0
+        chunk_s = self.chunk_s or BUSY_DEFAULT_S
+        return -1, int(min(BUSY_MAX_S, max(BUSY_MIN_S, wait * chunk_s)) * 1000)
+
+    def _stream_limit(self) -> int:
+        """Chunks to have on their way at once: one (``RECEIVE_STREAMS``) while a chunk takes
+        longer to arrive than to get started; more where starting one takes longer than its bytes
+        (small chunks on a fast network: only several at once keep the link busy)."""
+        if self.chunk_s <= 0 or self.start_s <= self.chunk_s:
+            return self.receive_streams
+        return min(self.max_inflight, max(self.receive_streams, 1 + int(self.start_s / self.chunk_s)))
+
+    def _wanted(self, chunk: int) -> bool:
+        return 0 <= chunk < self.m.num_chunks and bool(self.want[chunk])
+
+    async def _send(self, source: _Source, client: TransportClient, op: Op, msg: SubMessage) -> None:
+        async with source.sub_lock:  # one message at a time on the connection (updates come from the loop)
+            await client.send_sub(op, self.m.version, msg)
+
+    async def _subscription(self, source: _Source) -> None:
+        """Subscribe to ``source`` and answer its offers until the pull ends or the source does."""
+        client: TransportClient | None = None
+        chunk = -1
+        try:
+            try:
+                client = await self._connect(source.address)
+                source.sub = client
+                self.stats.control_msgs += 1
+                self.stats.sub_messages += 1
+                await self._send(source, client, Op.SUB, self._message(source))
+            except (TransportError, OSError):
+                await self._kill(source)
+                return
+            while self.pending:
+                try:
+                    status, offer = await client.next_offer()
+                except (TransportError, OSError):
+                    await self._kill(source)
+                    return
+                source.load = client.load
+                if status is not Status.OFFER or offer is None:  # MISSING: it has not (or no longer) got this version
+                    self.stats.control_msgs += 1
+                    source.absent += 1  # ask again later, less often each time
+                    source.not_before = time.perf_counter() + min(RESUBSCRIBE_MAX_S,
+                                                                  RESUBSCRIBE_S * 2 ** (source.absent - 1))
+                    return
+                source.absent = 0
+                t0 = time.perf_counter()
+                self.stats.offers += 1
+                chunk, busy_ms = self._choose(offer)
+                if chunk >= 0:
+                    self.assigned[chunk] = source
+                    self.want[chunk] = False
+                self.stats.pick_s.append(time.perf_counter() - t0)
+                try:
+                    if chunk < 0:
+                        self.stats.control_msgs += 2  # an offer and its pass moved nothing
+                        if busy_ms:
+                            self.stats.passed_busy += 1
+                        else:
+                            self.stats.passed_none += 1
+                        await self._send(source, client, Op.PASS, self._message(source, busy_ms=busy_ms))
+                        continue
+                    await self._send(source, client, Op.TAKE, self._message(source, chunk=chunk))
+                    self.starting += 1  # (its source may still be sending another chunk)
+                    try:
+                        status, nbytes = await asyncio.wait_for(client.chunk_reply(), self.stall_timeout_s)
+                    finally:
+                        self.starting -= 1
+                    if not offer.queued:  # (a queued chunk waits for another by design)
+                        lag = time.perf_counter() - t0
+                        self.start_s = lag if self.start_s == 0.0 else 0.8 * self.start_s + 0.2 * lag
+                except (TransportError, TimeoutError, OSError):
+                    await self._kill(source)
+                    return
+                if status is not Status.OK:
+                    self.stats.control_msgs += 3  # offer, take and the refusal moved nothing
+                    self._unassign(chunk)
+                    chunk = -1
+                    continue
+                entry = self.m.chunks[chunk]
+                if nbytes != entry.nbytes:
+                    await self._kill(source)  # bytes that do not fit the manifest
+                    return
+                start = time.perf_counter() - self.t0
+                before = client.payload_received
+                self.streams[source.address] = (chunk, client, before)
+                self.last_activity = time.perf_counter()
+                try:
+                    await asyncio.wait_for(client.recv_payload(chunk, self.view[entry.offset:entry.offset + nbytes]),
+                                           self.stall_timeout_s)
+                except (TransportError, TimeoutError, OSError):
+                    partial = client.payload_received - before
+                    self.stats.bytes_received += partial
+                    self.stats.bytes_resent += partial
+                    await self._kill(source)
+                    return
+                finally:
+                    self.streams.pop(source.address, None)
+                source.fetched += 1
+                got, chunk = chunk, -1
+                self.assigned.pop(got, None)
+                await self._arrived(got, source, start)
+                if got in self.pending:  # corrupt: wanted again (from others), they are told
+                    self._unassign(got)
+        except asyncio.CancelledError:
+            if client is not None:  # the pull ended (or failed): the source forgets us
+                await client.close()
+                client = None
+            raise
+        finally:
+            if chunk >= 0:
+                self._unassign(chunk)
+            if client is not None:
+                await client.close()
+            source.sub = None
+
+    def _unassign(self, chunk: int) -> None:
+        """A chunk that was on its way did not come: want it again, and tell every source so
+        (their view of what we want left it out)."""
+        self.assigned.pop(chunk, None)
+        if chunk in self.pending:
+            self.want[chunk] = True
+            self.index.requeue(chunk)
+            self.resync = True
+
+    async def _tell_all(self) -> None:
+        """Send every subscription our current bitmap and patience (UPDATE)."""
+        for source in self._live():
+            client = source.sub
+            if client is None:
+                continue
+            self.stats.control_msgs += 1
+            self.stats.sub_messages += 1
+            try:
+                await self._send(source, client, Op.SUB, self._message(source))
+            except (TransportError, OSError):
+                pass  # its subscription task notices
+
+    def _tend_subscriptions(self, now: float) -> None:
+        """Subscribe to new sources (and again to those that had not got the version yet); tell
+        every source when our patience or wants changed behind their back."""
+        if now - self.listed_at >= LIST_SOURCES_S:
+            self.listed_at = now
+            self._list_sources()
+        patient = self._patient(now)
+        shares = self._publisher_shares()
+        if shares.keys() != self.shares.keys():
+            self.shares, self.resync = shares, True  # a publisher came or went: shares moved
+        if not self.subs:
+            self.patient, self.resync = patient, False
+        elif (patient != self.patient or self.resync) and (self.tell_task is None or self.tell_task.done()):
+            self.patient, self.resync = patient, False
+            self.tell_task = asyncio.create_task(self._tell_all(), name="weights-update")
+        for source in self._live():
+            if source not in self.subs and now >= source.not_before:
+                self.subs[source] = asyncio.create_task(self._subscription(source), name="weights-sub")
+
+    # -- the loop ------------------------------------------------------------------------------
 
     async def run(self, timeout_s: float) -> tuple[np.ndarray, PullStats]:
         if self.relay is not None:
@@ -649,35 +925,39 @@ class _Pull:
             if now > deadline:
                 raise WeightSyncError(f"pull timed out after {timeout_s:.1f} s", version=self.m.version,
                                       missing=len(self.pending), reason="timeout")
-            if self.sharing and not self.members and now - self.t0 > FIRST_ROUND_WAIT_S:
-                self._share()  # the first round is still out (a frozen peer): split among who answered
             self._maybe_refresh(now)
-            while len(self.inflight) < self.max_inflight and (pick := self._pick()) is not None:
-                chunk, source = pick
-                self.inflight[asyncio.create_task(self._fetch(chunk, source))] = chunk
-            if not self.inflight:
-                if self.index.mine is not None and now - self.last_progress > max(OWNER_WAIT_S, 4 * self.chunk_s):
-                    self._stop_sharing()  # waited on other owners with nothing to do: take any
-                    continue
-                self._check_available(now)
-            waitables: set[asyncio.Task[None]] = set(self.inflight)
+            if self.push:
+                self._tend_subscriptions(now)
+                if self._stalled(now):
+                    self._check_available(now)  # chunks stopped coming: is some chunk gone?
+                else:
+                    self.unavailable_since = None
+            else:
+                while len(self.inflight) < self.max_inflight and (pick := self._pick()) is not None:
+                    chunk, source = pick
+                    self.inflight[asyncio.create_task(self._fetch(chunk, source))] = chunk
+                if not self.inflight:
+                    self._check_available(now)
+            waitables: set[asyncio.Task[None]] = {*self.inflight, *self.subs.values()}
             if self.refresh_task is not None:
                 waitables.add(self.refresh_task)
             if not waitables:
                 # nothing in flight: until the next HAVE round may go (a sleep(0) here spun a core)
                 await asyncio.sleep(max(0.001, self.last_refresh + self._round_gap() - now))
                 continue
-            done, _ = await asyncio.wait(waitables, timeout=self.interval,
+            done, _ = await asyncio.wait(waitables, timeout=LIST_SOURCES_S if self.push else self.interval,
                                          return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task is self.refresh_task:
                     self.refresh_task = None
-                else:
+                elif task in self.inflight:
                     self.inflight.pop(task)
+                else:
+                    self.subs = {s: t for s, t in self.subs.items() if t is not task}
                 task.result()  # re-raise bugs; transport faults are handled inside
 
     async def _shutdown(self) -> None:
-        tasks = [*self.inflight, *([self.refresh_task] if self.refresh_task else [])]
+        tasks = [*self.inflight, *self.subs.values(), *(t for t in (self.refresh_task, self.tell_task) if t)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -719,16 +999,16 @@ async def pull(
         timeout_s: limit for the whole pull.
         stall_timeout_s: limit for one chunk or HAVE answer; past it the source counts as dead.
         connect_timeout_s: limit for opening one connection.
-        max_inflight: chunks on the wire at once, over all sources.
+        max_inflight: chunk requests out at once, over all sources (with a relay: answered or
+            waiting at their source).
         per_source_inflight: chunks on the wire at once from one source (1 keeps the bytes
             lost when a source dies at no more than one chunk).
         have_interval_s: how often sources are re-asked which chunks they hold.
         unavailable_grace_s: how long a chunk may be held by no live source before giving up.
         seed: seeds this puller's chunk order (pullers with different orders spread load).
         origins: the publishers' addresses (the trainer ranks that announced the version). With a
-            ``relay``, the chunks to take from them are split among the relays of the version
-            (each takes its share from the publisher and the rest from the other relays), so
-            each chunk leaves the publisher about once. None: a source that holds the whole
+            ``relay``, a publisher is asked only for chunks it never sent (see the module
+            docstring), so each chunk leaves it about once. None: a source that holds the whole
             version at its first answer counts as a publisher.
 
     Returns:

@@ -8,6 +8,26 @@ the chunk is marked, so a relay never serves bytes of a version it has not verif
 never a mix of two versions: chunks are looked up by (version, index) in that version's own
 buffer.
 
+Uploads. At most ``upload_slots`` chunks are sent at a time. Sent one after another, each chunk
+gets the whole uplink and reaches its puller in one transfer time, ready to be relayed onward
+(sent side by side, the publisher's first chunks arrived with its last, one whole copy-time later:
+measured on the testbed, 16 replicas). The next upload is lined up while the current one is
+halfway (``_dispatch``): its handshake crosses the links' queues behind the bytes in flight, tens
+of milliseconds on a shaped link, and so costs the uplink no idle time. A free place in line goes
+to a waiting FETCH first (in arrival order), else to an offer to a subscriber (``transport.py``):
+of the subscribers that want a chunk held here and are not busy receiving, the one that wants the
+most chunks (the furthest behind: the slowest replica sets the fan-out's end; ties in turns) is
+offered its wanted chunks held here, rarest first: the fewest holders among this server's
+subscribers (by their bitmaps), then the fewest sends from here, then this server's own random
+order. So
+
+* a publisher offers a *patient* subscriber (one with relays) only chunks it has never sent:
+  each chunk leaves the publisher once, to subscribers taking turns, and the replicas start out
+  holding different chunks ("super-seeding"); an impatient one gets its rarest wanted chunks,
+  sent again if need be;
+* a relay spreads first what has spread least, and a chunk it has just received goes out at once;
+* the uplink never idles while some subscriber wants a chunk this server holds and can take it.
+
 Test-only faults (``Fault``) make the server corrupt, stall on, or die during a chunk.
 """
 
@@ -15,7 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,14 +45,24 @@ import numpy as np
 from robustrl.errors import WeightSyncError
 from robustrl.weights.manifest import Manifest
 from robustrl.weights.transport import (
+    Offer,
     Op,
     Reply,
     RequestHandler,
     Status,
+    SubMessage,
+    Subscription,
+    Ticket,
     TransportServer,
     encode_have_reply,
     make_server,
 )
+
+DEFAULT_UPLOAD_SLOTS = 1
+"""Chunks sent at once by one server (see the module docstring). The TCP transport releases a slot
+when all but its socket's low-water mark of a chunk has left, so the next chunk follows with no gap."""
+OFFER_SIZE = 32
+"""Chunks listed in one offer at most (the subscriber takes the first it still wants)."""
 
 
 class ServerStatus(enum.Enum):
@@ -70,8 +101,104 @@ class _Version:
     buffer: memoryview
     held: np.ndarray  # bool per chunk
     pending: np.ndarray  # bool per chunk: our puller is fetching it (advertised, never served)
+    sent: np.ndarray  # int64 per chunk: times this server sent it
+    rank: np.ndarray  # int64 per chunk: this server's random order (ties between equally sent chunks)
+    holders: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    """Per chunk: subscribers that hold it (or have it on its way), by their last bitmaps: offers
+    go rarest first (what has spread least is also least likely to have reached a subscriber
+    since it last told us what it wants)."""
+    publisher: bool = False  # added complete: patient subscribers get only never-sent chunks
+    gen: int = 0  # bumped when a chunk is marked: a subscriber with nothing here to take may now have
     served: int = 0  # chunk replies sent for this version (advertised: pullers spread uploads)
     manifest_json: bytes = b""  # served on MANIFEST (relays serve the manifest of what they relay)
+
+
+class _Ticket(Ticket):
+    """A FETCH of ``index`` waiting for a slot."""
+
+    def __init__(self, future: asyncio.Future[Reply], version: int, index: int) -> None:
+        super().__init__(future)
+        self.version = version
+        self.index = index
+
+
+class _Sub(Subscription):
+    """One subscriber, as its server sees it."""
+
+    def __init__(self, server: WeightServer, version: int, n: int) -> None:
+        self.server = server
+        self.version = version
+        self.n = n
+        self.view = np.zeros(n, dtype=bool)  # chunks it wants (as of its last message)
+        self.viewgen = 0
+        self.patient = False
+        self.offer: asyncio.Future[Offer | None] = asyncio.get_running_loop().create_future()
+        self.offered: list[int] | None = None  # the offer out (it holds a place in line, see _dispatch)
+        self.busy_until = 0.0  # time.monotonic(): it said it receives at its limit until then
+        self.stuck: tuple[int, int] | None = None  # (version gen, viewgen) when nothing here was wanted
+        self.closed = False
+        self.counted: tuple[_Version, np.ndarray] | None = None  # what it adds to its version's holders
+
+    def set_view(self, msg: SubMessage) -> bool:
+        bits = np.frombuffer(msg.want, dtype=np.uint8)
+        if bits.size != (self.n + 7) // 8:
+            return False
+        self.view = np.unpackbits(bits, count=self.n, bitorder="little").view(bool)
+        self.viewgen += 1
+        self.patient = msg.patient
+        self._count()
+        return True
+
+    def _count(self) -> None:
+        """Keep this subscriber's view in its version's ``holders`` counts (see ``_Version``)."""
+        entry = self.server._versions.get(self.version)
+        if self.counted is not None:
+            old_entry, old = self.counted
+            old_entry.holders -= old
+            self.counted = None
+        if entry is not None and not self.closed and self in self.server._subs:
+            has = (~self.view).astype(np.int64)
+            entry.holders += has
+            self.counted = (entry, has)
+
+    def _answered(self, msg: SubMessage) -> list[int]:
+        offered, self.offered = self.offered or [], None
+        self.set_view(msg)
+        if not self.closed:
+            self.offer = asyncio.get_running_loop().create_future()
+        return offered
+
+    def update(self, msg: SubMessage) -> None:
+        self.set_view(msg)
+        self.server._dispatch()
+
+    def take(self, msg: SubMessage) -> Reply:
+        offered = self._answered(msg)
+        entry = self.server._versions.get(self.version)
+        if msg.chunk not in offered or entry is None or not entry.held[msg.chunk]:
+            if offered:
+                self.server._release_token()
+            return Reply(Status.MISSING)
+        return self.server._chunk_reply(entry, msg.chunk, reserved=True)
+
+    def pass_(self, msg: SubMessage) -> None:
+        offered = self._answered(msg)
+        if msg.busy_ms > 0:
+            self.busy_until = time.monotonic() + msg.busy_ms / 1000
+        if offered:
+            self.server._release_token()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._count()  # (takes it out of the counts)
+        self.server._subs.remove(self)
+        if not self.offer.done():
+            self.offer.cancel()
+        if self.offered is not None:
+            self.offered = None
+            self.server._release_token()
 
 
 def _byte_view(buffer: object) -> memoryview:
@@ -89,12 +216,16 @@ class WeightServer(RequestHandler):
         port: 0 picks a free port.
         max_versions: versions kept; adding one more drops the oldest.
         fault: test-only misbehaviour (may also be set later through ``self.fault``).
+        upload_slots: chunks sent at once (see the module docstring).
     """
 
     def __init__(self, transport: str = "tcp", host: str = "127.0.0.1", port: int = 0,
-                 max_versions: int = 2, fault: Fault | None = None) -> None:
+                 max_versions: int = 2, fault: Fault | None = None,
+                 upload_slots: int = DEFAULT_UPLOAD_SLOTS) -> None:
         if max_versions < 1:
             raise WeightSyncError("max_versions must be >= 1", max_versions=max_versions)
+        if upload_slots < 1:
+            raise WeightSyncError("upload_slots must be >= 1", upload_slots=upload_slots)
         self.transport = transport
         self.host = host
         self.port = port
@@ -104,8 +235,22 @@ class WeightServer(RequestHandler):
         self.address: str | None = None
         self.bytes_sent = 0
         self.requests = 0
+        self.upload_slots = upload_slots
+        self.pick_s: deque[float] = deque(maxlen=100_000)
+        """Seconds each offer's pick took here (which subscriber, which chunks: the source's share of
+        the scheduling cost per chunk)."""
+        self.upload_log: list[tuple[int, float, float, int]] | None = None
+        """Set to a list to record each chunk upload: (chunk, upload slot taken, freed, bytes sent),
+        ``time.time()`` seconds (benchmarks: how busy the uplink was)."""
         self._versions: OrderedDict[int, _Version] = OrderedDict()
-        self._inflight = 0
+        self._pipeline = 0  # offers out, and chunk replies not yet halfway sent (see _dispatch)
+        self._slots = asyncio.Semaphore(upload_slots)  # held while a chunk's bytes are sent
+        self._uploads: dict[int, list[object]] = {}  # id(reply) -> [reply, holds pipeline, holds slot]
+        self._waiting: list[_Ticket] = []  # FETCHes waiting for a slot, in arrival order
+        self._subs: list[_Sub] = []
+        self._last: _Sub | None = None  # the last subscriber offered to: the next round starts after it
+        self._retry: asyncio.TimerHandle | None = None  # a dispatch when a busy subscriber frees up
+        self._rng = np.random.default_rng()
         self._server: TransportServer | None = None
         self._closed = asyncio.Event()
 
@@ -133,21 +278,26 @@ class WeightServer(RequestHandler):
         if len(view) < manifest.total_bytes:
             raise WeightSyncError("buffer shorter than manifest", version=manifest.version,
                                   have=len(view), need=manifest.total_bytes)
-        held = np.full(manifest.num_chunks, complete, dtype=bool)
-        self._versions.pop(manifest.version, None)
-        self._versions[manifest.version] = _Version(manifest, view, held,
-                                                    np.zeros(manifest.num_chunks, dtype=bool),
-                                                    manifest_json=manifest.encode())
+        n = manifest.num_chunks
+        held = np.full(n, complete, dtype=bool)
+        self.drop_version(manifest.version)
+        self._versions[manifest.version] = _Version(
+            manifest, view, held, np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64),
+            self._rng.permutation(n).astype(np.int64), holders=np.zeros(n, dtype=np.int64), publisher=complete,
+            manifest_json=manifest.encode())
         while len(self._versions) > self.max_versions:
-            self._versions.popitem(last=False)
+            self.drop_version(next(iter(self._versions)))
 
     def mark_chunk(self, version: int, index: int) -> None:
         """Start serving chunk ``index`` of ``version`` (its bytes are in place and verified)."""
         entry = self._versions.get(version)
         if entry is None:
             raise WeightSyncError("version not registered on this server", version=version)
-        entry.held[index] = True
         entry.pending[index] = False
+        if not entry.held[index]:
+            entry.held[index] = True
+            entry.gen += 1
+            self._dispatch()
 
     def mark_pending(self, version: int, index: int, pending: bool = True) -> None:
         """Advertise (or withdraw) that this replica is fetching chunk ``index`` right now.
@@ -161,8 +311,15 @@ class WeightServer(RequestHandler):
             entry.pending[index] = pending
 
     def drop_version(self, version: int) -> None:
-        """Stop serving ``version`` (no-op if absent)."""
-        self._versions.pop(version, None)
+        """Stop serving ``version`` (no-op if absent); its waiting requests are answered MISSING."""
+        if self._versions.pop(version, None) is None:
+            return
+        for t in [t for t in self._waiting if t.version == version]:
+            self._waiting.remove(t)
+            t.future.set_result(Reply(Status.MISSING))
+        for sub in self._subs:
+            if sub.version == version and not sub.offer.done():
+                sub.offer.set_result(None)  # its transport answers MISSING and ends it
 
     def versions(self) -> list[int]:
         """Versions currently registered, oldest first."""
@@ -184,28 +341,201 @@ class WeightServer(RequestHandler):
             return Reply(Status.OK, encode_have_reply(entry.held, entry.pending, entry.served))
         if op is Op.MANIFEST:
             return Reply(Status.MISSING) if entry is None else Reply(Status.OK, entry.manifest_json)
-        if entry is None or index >= entry.manifest.num_chunks or not entry.held[index]:
-            return Reply(Status.MISSING)
-        self._inflight += 1
+        return Reply(Status.MISSING)  # chunks go through request_chunk
+
+    def request_chunk(self, version: int, index: int) -> Ticket:
+        self.requests += 1
+        ticket = _Ticket(asyncio.get_running_loop().create_future(), version, index)
+        entry = self._versions.get(version)
+        if (entry is None or self.status is ServerStatus.CLOSED or index >= entry.manifest.num_chunks
+                or not entry.held[index]):
+            ticket.future.set_result(Reply(Status.MISSING))
+            return ticket
+        self._waiting.append(ticket)
+        self._dispatch()
+        return ticket
+
+    def withdraw(self, ticket: Ticket) -> bool:
+        if ticket.future.done():
+            return False
+        self._waiting.remove(ticket)  # type: ignore[arg-type]
+        ticket.future.cancel()
+        return True
+
+    def subscribe(self, version: int, msg: SubMessage) -> Subscription | None:
+        self.requests += 1
+        entry = self._versions.get(version)
+        if entry is None or self.status is ServerStatus.CLOSED:
+            return None
+        sub = _Sub(self, version, entry.manifest.num_chunks)
+        self._subs.append(sub)
+        if not sub.set_view(msg):
+            self._subs.remove(sub)
+            return None
+        self._dispatch()
+        return sub
+
+    def _release_token(self) -> None:
+        self._pipeline = max(0, self._pipeline - 1)
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Start the next upload's handshake: a waiting FETCH (in arrival order), else an offer.
+
+        ``upload_slots`` uploads send at once, and as many more are lined up: the next offer goes
+        out when the current upload is halfway sent (``halfway``), and the chunk taken waits for
+        the slot. An offer and its answer cross both links' queues behind the bytes in flight
+        (tens of ms on a shaped link); made ahead, they cost the uplink no idle time.
+        """
+        while self._pipeline < self.upload_slots:
+            if self._waiting:
+                ticket = self._waiting.pop(0)
+                entry = self._versions.get(ticket.version)
+                if entry is None or not entry.held[ticket.index]:  # dropped meanwhile
+                    ticket.future.set_result(Reply(Status.MISSING))
+                else:
+                    ticket.future.set_result(self._chunk_reply(entry, ticket.index))
+                continue
+            picked = self._pick_offer()
+            if picked is None:
+                return
+            sub, offer = picked
+            self._pipeline += 1
+            sub.offered = offer.chunks
+            sub.offer.set_result(offer)
+
+    def _pick_offer(self) -> tuple[_Sub, Offer] | None:
+        """The subscriber to offer to, and what (see the module docstring); None: nobody wants
+        anything here now. One pass over the (subscribers x chunks) matrix of what they want, in
+        numpy: of the subscribers that want a chunk held here, the one that wants the most chunks
+        (ties: the next in turn after the last one offered to) is offered its wanted chunks held
+        here, those with the fewest holders first, then the fewest sends from here, then in this
+        server's order."""
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        wake = None
+        count = len(self._subs)
+        turn = self._subs.index(self._last) + 1 if self._last in self._subs else 0
+        groups: dict[int, list[_Sub]] = {}  # version -> eligible subscribers, in turn order
+        for k in range(count):
+            sub = self._subs[(turn + k) % count]
+            if sub.offered is not None or sub.offer.done():
+                continue
+            if sub.busy_until > now:
+                wake = sub.busy_until if wake is None else min(wake, sub.busy_until)
+                continue
+            entry = self._versions.get(sub.version)
+            if entry is None:
+                sub.offer.set_result(None)  # the version is gone: the transport ends the subscription
+                continue
+            if sub.stuck != (entry.gen, sub.viewgen):
+                groups.setdefault(sub.version, []).append(sub)
+        best: tuple[int, _Sub, np.ndarray] | None = None
+        for version, subs in groups.items():
+            entry = self._versions[version]
+            n = entry.manifest.num_chunks
+            views = np.stack([sub.view for sub in subs])
+            cand = views & entry.held
+            patient = np.array([entry.publisher and sub.patient for sub in subs])
+            if patient.any():
+                cand[patient] &= entry.sent == 0
+            some = cand.any(axis=1)
+            for i in np.flatnonzero(~some):
+                subs[i].stuck = (entry.gen, subs[i].viewgen)  # nothing here it wants until that changes
+            if not some.any():
+                continue
+            # the subscriber that wants the most: whoever is furthest behind goes first (the
+            # slowest replica sets the fan-out's end), ties in turn
+            need = np.where(some, views.sum(axis=1), -1)
+            i = int(np.argmax(need))
+            if best is None or int(need[i]) > best[0]:
+                keys = entry.holders * (n * (count + int(entry.sent.max()) + 1)) + entry.sent * n + entry.rank
+                best = (int(need[i]), subs[i], np.where(cand[i], keys, np.iinfo(np.int64).max))
+        if best is None:
+            self.pick_s.append(time.perf_counter() - t0)
+            if wake is not None:
+                self._retry_at(wake - now)
+            return None
+        _, sub, row = best
+        have = int(np.count_nonzero(row != np.iinfo(np.int64).max))
+        if have > OFFER_SIZE:
+            top = np.argpartition(row, OFFER_SIZE)[:OFFER_SIZE]
+        else:
+            top = np.argpartition(row, have - 1)[:have] if have > 1 else np.array([int(np.argmin(row))])
+        chunks = top[np.argsort(row[top])].tolist()
+        self._last = sub
+        entry = self._versions[sub.version]
+        self.pick_s.append(time.perf_counter() - t0)
+        return sub, Offer(chunks, fresh=bool(entry.publisher and entry.sent[chunks[0]] == 0),
+                          queued=self._slots.locked())
+
+    def _retry_at(self, delay: float) -> None:
+        """Dispatch again in ``delay`` s (a busy subscriber frees up), unless one is due sooner."""
+        loop = asyncio.get_running_loop()
+        when = loop.time() + max(0.0, delay)
+        if self._retry is not None and not self._retry.cancelled() and self._retry.when() <= when:
+            return
+        if self._retry is not None:
+            self._retry.cancel()
+        self._retry = loop.call_at(when, self._retry_now)
+
+    def _retry_now(self) -> None:
+        self._retry = None
+        if self.status is not ServerStatus.CLOSED:
+            self._dispatch()
+
+    def _chunk_reply(self, entry: _Version, index: int, reserved: bool = False) -> Reply:
+        """Chunk ``index``'s reply: it holds a place in the pipeline (taken now, or ``reserved``
+        by the offer it answers) until halfway sent, and an upload slot while sent (``begin``)."""
+        if not reserved:
+            self._pipeline += 1
         entry.served += 1
+        entry.sent[index] += 1
         chunk = entry.manifest.chunks[index]
         payload = entry.buffer[chunk.offset:chunk.offset + chunk.nbytes]
+        info = {"is_chunk": True, "index": index}
         fault = self.fault
         if fault is not None and fault.applies(index):
             fault.fired += 1
             if fault.kind == "corrupt":
-                return Reply(Status.OK, np.random.default_rng(index).bytes(chunk.nbytes), is_chunk=True)
-            return Reply(Status.OK, payload, cut_after=min(fault.after_bytes, chunk.nbytes), then=fault.kind,
-                         is_chunk=True)
-        return Reply(Status.OK, payload, is_chunk=True)
+                reply = Reply(Status.OK, np.random.default_rng(index).bytes(chunk.nbytes), **info)  # type: ignore[arg-type]
+            else:
+                reply = Reply(Status.OK, payload, cut_after=min(fault.after_bytes, chunk.nbytes), then=fault.kind,
+                              **info)  # type: ignore[arg-type]
+        else:
+            reply = Reply(Status.OK, payload, **info)  # type: ignore[arg-type]
+        self._uploads[id(reply)] = [reply, True, False, 0.0]
+        return reply
 
     def load(self) -> int:
-        return self._inflight
+        return len(self._uploads) + len(self._waiting) + sum(s.offered is not None for s in self._subs)
+
+    async def begin(self, reply: Reply) -> None:
+        """Wait for an upload slot before sending a chunk reply's bytes."""
+        state = self._uploads.get(id(reply))
+        if state is None:
+            return
+        await self._slots.acquire()
+        state[2], state[3] = True, time.time()
+
+    def halfway(self, reply: Reply) -> None:
+        """Half of a chunk reply's bytes have left: line up the next upload."""
+        state = self._uploads.get(id(reply))
+        if state is not None and state[1]:
+            state[1] = False
+            self._release_token()
 
     def done(self, reply: Reply, sent: int) -> None:
-        if reply.is_chunk:
-            self.bytes_sent += sent
-            self._inflight = max(0, self._inflight - 1)
+        state = self._uploads.pop(id(reply), None)
+        if state is None:
+            return
+        self.bytes_sent += sent
+        if self.upload_log is not None and state[2]:
+            self.upload_log.append((reply.index, state[3], time.time(), sent))  # type: ignore[arg-type]
+        if state[2]:
+            self._slots.release()
+        if state[1]:
+            self._release_token()
 
     async def die(self) -> None:
         """Fault hook: close at once, as if the process had been killed."""
@@ -222,5 +552,8 @@ class WeightServer(RequestHandler):
         self._closed.set()
         if self._server is not None:
             await self._server.close()
-        self._versions.clear()
+        for version in list(self._versions):
+            self.drop_version(version)
+        if self._retry is not None:
+            self._retry.cancel()
 

@@ -5,7 +5,14 @@ and StreamReader returns fresh ``bytes``; for 100 MB+ versions both copies cost 
 transfer. So this module uses the loop's socket primitives instead: the server hands the
 kernel memoryviews of the published buffer (``sock_sendall``) and the client receives
 straight into the destination slice (``sock_recv_into``). Frames are length-prefixed by the
-16-byte header from ``transport.py``.
+16-byte header from ``transport.py``. A subscription (``transport.py``) has a connection of its
+own: the source writes offers and chunks on it, and reads the subscriber's answers and updates
+while an offer waits.
+
+Server sockets set TCP_NOTSENT_LOWAT (``NOTSENT_LOWAT``), so a chunk's ``sock_sendall`` returns
+when its bytes have nearly left the host rather than when they fit in the socket buffer: the
+upload slot is held as long as the chunk is on the wire, and "halfway" (``RequestHandler.halfway``)
+means half of it has gone.
 """
 
 from __future__ import annotations
@@ -18,23 +25,37 @@ from robustrl.errors import TransportError
 from robustrl.weights.transport import (
     DEFAULT_CONNECT_TIMEOUT_S,
     HEADER,
+    MAX_SUB_BODY,
+    Offer,
     Op,
+    Reply,
     RequestHandler,
     Status,
+    SubMessage,
+    Ticket,
     TransportClient,
     TransportServer,
     parse_address,
 )
 
 _SOCK_BUF = 4 << 20  # bigger kernel buffers: fewer wakeups per MiB on loopback and LANs
+NOTSENT_LOWAT = 64 << 10
+"""A source's socket takes more of a chunk only while less than this is still unsent
+(TCP_NOTSENT_LOWAT), so sending a chunk ends when all but this much has left the host, not when
+the whole chunk sits in a 4 MiB socket buffer (where 16 chunks "sent" at once then shared the
+link). 64 KiB: a small overlap of one upload with the next, and at loopback rates (GB/s) a wakeup
+per 64 KiB measured no slower than 256 KiB or none."""
 
 
-def _tune(sock: socket.socket) -> None:
+def _tune(sock: socket.socket, notsent_lowat: int | None = None) -> None:
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+    if notsent_lowat is not None and hasattr(socket, "TCP_NOTSENT_LOWAT"):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, notsent_lowat)
 
 
 async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
@@ -47,6 +68,51 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, vi
         pos += n
         if progress is not None:
             progress[0] += n
+
+
+RCVLOWAT = 128 << 10
+"""While a chunk's bytes arrive, its socket wakes the reader only once this much is in (or the
+rest of the chunk, if less): ~8 wakeups per MiB instead of one per packet burst (~40 on the
+testbed), which on 2 cores shared by 17 processes is CPU the links' pace does not wait for."""
+
+
+async def _recv_bulk(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
+                     progress: list[int] | None = None) -> None:
+    """``_recv_exactly`` for a chunk's bytes, with SO_RCVLOWAT set to what is still to come (at
+    most ``RCVLOWAT``): never more than that, so the wait cannot outlast the chunk."""
+    pos, lowat = 0, 1
+    try:
+        while pos < len(view):
+            want = min(RCVLOWAT, len(view) - pos)
+            if want != lowat:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                lowat = want
+            n = await loop.sock_recv_into(sock, view[pos:])
+            if n == 0:
+                raise ConnectionResetError("peer closed the connection")
+            pos += n
+            if progress is not None:
+                progress[0] += n
+    finally:
+        if lowat != 1:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+
+def _release(handler: RequestHandler, ticket: Ticket) -> None:
+    """A FETCH whose reply will not be sent: withdraw it, or free the slot its reply took."""
+    if not handler.withdraw(ticket) and not ticket.future.cancelled():
+        handler.done(ticket.future.result(), 0)
+
+
+def _drop(task: asyncio.Task[object] | None) -> None:
+    """Cancel a reader task, or take its outcome if it has one (no 'never retrieved' warnings)."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
 
 
 class TcpServer(TransportServer):
@@ -71,38 +137,139 @@ class TcpServer(TransportServer):
         assert self._listener is not None
         while True:
             sock, _ = await loop.sock_accept(self._listener)
-            _tune(sock)
+            _tune(sock, NOTSENT_LOWAT)
             task = asyncio.create_task(self._serve(sock), name="weights-tcp-conn")
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
 
+    @staticmethod
+    async def _read_request(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[Op, int, int, bytes]:
+        """(op, index, version, body) of the next request; ValueError on garbage."""
+        request = bytearray(HEADER.size)
+        await _recv_exactly(loop, sock, memoryview(request))
+        op_raw, index, version = HEADER.unpack(request)
+        op = Op(op_raw)
+        body = b""
+        if op in (Op.SUB, Op.TAKE, Op.PASS):
+            if index > MAX_SUB_BODY:
+                raise ValueError("subscription message too long")
+            buf = bytearray(index)
+            await _recv_exactly(loop, sock, memoryview(buf))
+            body = bytes(buf)
+        return op, index, version, body
+
+    async def _send(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, reply: Reply) -> None:
+        sent = 0
+        try:
+            await self._handler.begin(reply)
+            payload = memoryview(reply.payload).cast("B")
+            await loop.sock_sendall(sock, HEADER.pack(reply.status, self._handler.load(), len(payload)))
+            part = payload if reply.cut_after is None else payload[:reply.cut_after]
+            half = len(part) // 2
+            if reply.is_chunk and half:
+                # sendall returns once all but NOTSENT_LOWAT of what it was given has left
+                await loop.sock_sendall(sock, part[:half])
+                sent = half
+                self._handler.halfway(reply)
+            if len(part) > sent:
+                await loop.sock_sendall(sock, part[sent:])
+            sent = len(part)
+        finally:
+            self._handler.done(reply, sent)
+
+    async def _after(self, reply: Reply) -> bool:
+        """Carry out a fault's ``then``; True if the connection ends here."""
+        if reply.then == "die":
+            asyncio.create_task(self._handler.die())
+            return True
+        if reply.then == "stall":
+            await self._handler.stalled()
+            return True
+        return False
+
     async def _serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        request = bytearray(HEADER.size)
+        ahead: asyncio.Task[tuple[Op, int, int, bytes]] | None = None  # the next request, read while one waits
         try:
             while True:
-                await _recv_exactly(loop, sock, memoryview(request))
-                op, index, version = HEADER.unpack(request)
-                reply = self._handler.handle(Op(op), version, index)
-                sent = 0
-                try:
-                    payload = memoryview(reply.payload).cast("B")
-                    await loop.sock_sendall(sock, HEADER.pack(reply.status, self._handler.load(), len(payload)))
-                    part = payload if reply.cut_after is None else payload[:reply.cut_after]
-                    await loop.sock_sendall(sock, part)
-                    sent = len(part)
-                finally:
-                    self._handler.done(reply, sent)
-                if reply.then == "die":
-                    asyncio.create_task(self._handler.die())
+                if ahead is None:
+                    op, index, version, body = await self._read_request(loop, sock)
+                else:
+                    op, index, version, body = await ahead
+                    ahead = None
+                if op is Op.SUB:
+                    await self._subscription(loop, sock, version, SubMessage.decode(body))
                     return
-                if reply.then == "stall":
-                    await self._handler.stalled()
+                if op is not Op.FETCH:
+                    if op in (Op.TAKE, Op.PASS):
+                        return  # answers with no offer: protocol error
+                    await self._send(loop, sock, self._handler.handle(op, version, index))
+                    continue
+                ticket = self._handler.request_chunk(version, index)
+                if not ticket.future.done():  # waits for an upload slot; notice the puller leaving
+                    ahead = asyncio.create_task(self._read_request(loop, sock))
+                    try:
+                        await asyncio.wait({ticket.future, ahead}, return_when=asyncio.FIRST_COMPLETED)
+                    except BaseException:
+                        _release(self._handler, ticket)
+                        raise
+                    if not ticket.future.done():
+                        self._handler.withdraw(ticket)
+                        return  # it spoke out of turn or went away
+                reply = ticket.future.result()
+                await self._send(loop, sock, reply)
+                if await self._after(reply):
                     return
         except (ConnectionError, OSError, ValueError):
             return  # the puller went away or sent garbage; other connections keep serving
         finally:
+            _drop(ahead)
             sock.close()
+
+    async def _subscription(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, version: int,
+                            msg: SubMessage) -> None:
+        """Serve one subscriber until it goes away (see ``transport.py``)."""
+        sub = self._handler.subscribe(version, msg)
+        if sub is None:
+            await loop.sock_sendall(sock, HEADER.pack(Status.MISSING, self._handler.load(), 0))
+            return
+        reader = asyncio.create_task(self._read_request(loop, sock))
+        try:
+            while True:
+                await asyncio.wait({sub.offer, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if not sub.offer.done():  # the subscriber spoke unasked: only an update may
+                    op, _, _, body = reader.result()
+                    reader = asyncio.create_task(self._read_request(loop, sock))
+                    if op is not Op.SUB:
+                        return
+                    sub.update(SubMessage.decode(body))
+                    continue
+                proposal = sub.offer.result()
+                if proposal is None:  # the version is gone from here
+                    await loop.sock_sendall(sock, HEADER.pack(Status.MISSING, self._handler.load(), 0))
+                    return
+                offer = proposal.encode()
+                await loop.sock_sendall(sock, HEADER.pack(Status.OFFER, self._handler.load(), len(offer)) + offer)
+                while True:  # its answer (updates may come first)
+                    op, _, _, body = await reader
+                    reader = asyncio.create_task(self._read_request(loop, sock))
+                    answer = SubMessage.decode(body)
+                    if op is Op.SUB:
+                        sub.update(answer)
+                    elif op is Op.PASS:
+                        sub.pass_(answer)
+                        break
+                    elif op is Op.TAKE:
+                        reply = sub.take(answer)
+                        await self._send(loop, sock, reply)
+                        if await self._after(reply):
+                            return
+                        break
+                    else:
+                        return
+        finally:
+            _drop(reader)
+            sub.close()
 
     async def close(self) -> None:
         if self._closed:
@@ -166,7 +333,7 @@ class TcpClient(TransportClient):
             raise TransportError("chunk length differs from manifest", address=self.address,
                                  chunk=index, got=nbytes, want=len(into))
         try:
-            await _recv_exactly(asyncio.get_running_loop(), self._sock, into, self._progress)  # type: ignore[arg-type]
+            await _recv_bulk(asyncio.get_running_loop(), self._sock, into, self._progress)  # type: ignore[arg-type]
         except OSError as exc:
             raise TransportError("weight source failed mid-chunk", address=self.address, chunk=index) from exc
         return True
@@ -180,6 +347,50 @@ class TcpClient(TransportClient):
         except OSError as exc:
             raise TransportError("weight source failed", address=self.address) from exc
         return status, bytes(payload)
+
+    async def _send_raw(self, data: bytes) -> None:
+        if self._sock is None:
+            raise TransportError("weight-source connection is closed", address=self.address)
+        try:
+            await asyncio.get_running_loop().sock_sendall(self._sock, data)
+        except OSError as exc:
+            raise TransportError("weight source failed", address=self.address) from exc
+
+    async def send_sub(self, op: Op, version: int, msg: SubMessage) -> None:
+        body = msg.encode()
+        await self._send_raw(HEADER.pack(op, len(body), version) + body)
+
+    async def _head(self) -> tuple[Status, int]:
+        if self._sock is None:
+            raise TransportError("weight-source connection is closed", address=self.address)
+        try:
+            await _recv_exactly(asyncio.get_running_loop(), self._sock, memoryview(self._header))
+        except OSError as exc:
+            raise TransportError("weight source failed", address=self.address) from exc
+        status, load, nbytes = HEADER.unpack(self._header)
+        self.load = load
+        try:
+            return Status(status), nbytes
+        except ValueError as exc:
+            raise TransportError("bad reply from weight source", address=self.address) from exc
+
+    async def next_offer(self) -> tuple[Status, Offer | None]:
+        status, nbytes = await self._head()
+        payload = bytearray(nbytes)
+        if nbytes:
+            await self.recv_payload(-1, memoryview(payload))
+        return status, Offer.decode(bytes(payload)) if status is Status.OFFER else None
+
+    async def chunk_reply(self) -> tuple[Status, int]:
+        return await self._head()
+
+    async def recv_payload(self, index: int, into: memoryview) -> None:
+        if self._sock is None:
+            raise TransportError("weight-source connection is closed", address=self.address)
+        try:
+            await _recv_bulk(asyncio.get_running_loop(), self._sock, into, self._progress)
+        except OSError as exc:
+            raise TransportError("weight source failed mid-chunk", address=self.address, chunk=index) from exc
 
     async def have(self, version: int, num_chunks: int) -> frozenset[int]:
         status, payload = await self._reply(Op.HAVE, version)

@@ -1,22 +1,38 @@
 """The weight-transport interface, its wire format, and the factory for implementations.
 
 A transport moves chunks of a flat weight buffer between a source (``WeightServer`` in a
-trainer rank or a relaying replica) and a puller. It knows two requests:
+trainer rank or a relaying replica) and a puller. Requests by index:
 
 * ``FETCH(version, index)`` -> the chunk's bytes, written straight into the caller's buffer;
 * ``HAVE(version)`` -> which chunks of that version the source holds (a bitmap);
 * ``MANIFEST(version)`` -> the version's manifest (JSON bytes).
 
+And a subscription, where the *source* schedules (see ``server.py``): a puller sends
+``SUB(version, want)`` once on a connection of its own, with the bitmap of the chunks it still
+wants; whenever the source can line up an upload and holds a chunk the subscriber wants, it
+sends an ``OFFER`` (chunk indices, its preferred first, flagged ``fresh`` from a publisher or
+``queued`` behind an upload in progress), and the puller answers ``TAKE`` (one of them: the
+chunk's bytes follow, once the source's upload slot is free) or ``PASS`` (none wanted, or busy
+receiving until a time it names). Every message from the puller carries its current bitmap, so the source's view of
+what it wants is as fresh as their last exchange. A relay's newly verified chunk therefore goes
+out to a subscriber at once (no availability poll), and an upload slot never idles while some
+subscriber wants a chunk its source holds.
+
 Every reply starts with a fixed 16-byte header carrying a status, the source's current load
-(requests in flight), and the payload length, so a puller learns the load of its sources
-for free. Two implementations share this format: ``tcp`` (asyncio sockets, see ``tcp.py``)
-and ``ucx`` (ucxx, see ``ucx.py``, imported only when a ``ucx://`` address is used, so the
-``robustrl[ucx]`` extra stays optional).
+(uploads in progress or lined up, offers out, FETCHes waiting), and the payload length, so a puller
+learns the load of its sources for free. Two implementations share this format: ``tcp``
+(asyncio sockets, see ``tcp.py``) and ``ucx`` (ucxx, see ``ucx.py``, imported only when a
+``ucx://`` address is used, so the ``robustrl[ucx]`` extra stays optional).
+
+A source sends at most ``upload_slots`` chunks at a time (``WeightServer``): a chunk that has the
+uplink to itself arrives in one chunk-transfer time and can be relayed onward at once, where
+sixteen sent side by side all arrive sixteen transfer times later.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 import struct
 from dataclasses import dataclass
@@ -39,11 +55,85 @@ class Op(enum.IntEnum):
     """The version's manifest (its JSON, ``Manifest.encode``): a manifest grows ~90 B per chunk and
     no longer fits one NATS message at real model sizes, so announcements carry its digest and
     pullers fetch it from a source."""
+    SUB = 4
+    """Subscribe (or update the subscription): body = ``SubMessage``. The header's ``index`` field
+    carries the body's length (also for TAKE and PASS)."""
+    TAKE = 5
+    """Answer to an OFFER: this chunk (``SubMessage.chunk``); its bytes follow."""
+    PASS = 6
+    """Answer to an OFFER: none of them (or busy until ``SubMessage.busy_ms`` from now)."""
 
 
 class Status(enum.IntEnum):
     OK = 0
     MISSING = 1
+    OFFER = 3
+    """A source's offer to a subscriber: the payload is an ``Offer``."""
+
+
+OFFER_CHUNK = struct.Struct("!I")
+OFFER_FRESH = 1
+"""Offer flag: its first chunk has never left this publisher (nobody else holds it: the rarest a
+chunk can be), so a subscriber takes it even while receiving another chunk."""
+OFFER_QUEUED = 2
+"""Offer flag: the source is sending another chunk; this one's bytes follow that one's (about
+half a chunk-time away: offers are made when the upload before is halfway)."""
+SUB_HEAD = struct.Struct("!BxxxiI")
+"""Body of SUB, TAKE and PASS: (flags, chunk taken or -1, busy for this many ms), then the bitmap
+of the chunks the puller wants from this source (``encode_have``)."""
+SUB_PATIENT = 1
+"""The puller has relays to take repeats from: a publisher offers it only chunks it has never sent
+(each chunk leaves the publisher once, to pullers taking turns); without it a publisher offers
+any chunk it wants, sent again if need be (a puller with nobody else, or one that has waited too
+long)."""
+SUB_BUSY = 2
+"""PASS: the puller is receiving at its limit; offer again in ``busy_ms`` (or after that)."""
+MAX_SUB_BODY = SUB_HEAD.size + (1 << 27)
+"""Longest SUB/TAKE/PASS body a source reads (a bitmap of 2^30 chunks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SubMessage:
+    """What a subscriber says in SUB, TAKE and PASS."""
+
+    want: bytes
+    patient: bool = False
+    chunk: int = -1
+    busy_ms: int = 0
+
+    def encode(self) -> bytes:
+        flags = (SUB_PATIENT if self.patient else 0) | (SUB_BUSY if self.busy_ms > 0 else 0)
+        return SUB_HEAD.pack(flags, self.chunk, max(0, self.busy_ms)) + self.want
+
+    @classmethod
+    def decode(cls, body: bytes) -> SubMessage:
+        """Raises ValueError on a body too short to hold the head."""
+        if len(body) < SUB_HEAD.size:
+            raise ValueError("subscription message too short")
+        flags, chunk, busy_ms = SUB_HEAD.unpack_from(body)
+        return cls(body[SUB_HEAD.size:], bool(flags & SUB_PATIENT), chunk,
+                   busy_ms if flags & SUB_BUSY else 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """Chunks a source offers a subscriber, its preferred first; ``fresh``, ``queued``: see
+    ``OFFER_FRESH``, ``OFFER_QUEUED``."""
+
+    chunks: list[int]
+    fresh: bool = False
+    queued: bool = False
+
+    def encode(self) -> bytes:
+        flags = (OFFER_FRESH if self.fresh else 0) | (OFFER_QUEUED if self.queued else 0)
+        return b"".join(OFFER_CHUNK.pack(c) for c in [flags, *self.chunks])
+
+    @classmethod
+    def decode(cls, payload: bytes) -> Offer:
+        words = [c for (c,) in OFFER_CHUNK.iter_unpack(payload[:len(payload) - len(payload) % OFFER_CHUNK.size])]
+        if not words:
+            return cls([])
+        return cls(words[1:], bool(words[0] & OFFER_FRESH), bool(words[0] & OFFER_QUEUED))
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +150,43 @@ class Reply:
     cut_after: int | None = None
     then: Literal["none", "stall", "die"] = "none"
     is_chunk: bool = False
-    """True for a FETCH answered with chunk bytes (counted as load and in bytes_sent)."""
+    """True for chunk bytes (FETCH, or TAKE after an OFFER): it holds an upload slot until ``done``."""
+    index: int = -1
+    """The chunk sent (-1 if none)."""
+
+
+class Ticket:
+    """A FETCH waiting at a source for an upload slot: ``future`` resolves to the reply to send (a
+    chunk, whose upload slot is taken until ``done``, or MISSING)."""
+
+    def __init__(self, future: asyncio.Future[Reply]) -> None:
+        self.future = future
+
+
+class Subscription(abc.ABC):
+    """A subscriber as its source's transport sees it (see the module docstring)."""
+
+    offer: asyncio.Future[Offer | None]
+    """Resolves to the next offer (an upload slot is held for it until ``take`` or ``pass_``), or
+    None: the version is gone from the source (send MISSING and end). A new future is set after
+    each answer."""
+
+    @abc.abstractmethod
+    def update(self, msg: SubMessage) -> None:
+        """The subscriber's new bitmap and flags (any message it sends carries them)."""
+
+    @abc.abstractmethod
+    def take(self, msg: SubMessage) -> Reply:
+        """The answer TAKE to the last offer: the chunk's reply (it keeps the offer's slot until
+        ``done``), or MISSING (the slot is freed) if that chunk was not offered."""
+
+    @abc.abstractmethod
+    def pass_(self, msg: SubMessage) -> None:
+        """The answer PASS to the last offer: frees its slot."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """The subscriber went away: forget it (and free an offer's slot). Safe to call twice."""
 
 
 class RequestHandler(abc.ABC):
@@ -68,15 +194,36 @@ class RequestHandler(abc.ABC):
 
     @abc.abstractmethod
     def handle(self, op: Op, version: int, index: int) -> Reply:
-        """Answer one request; must not block."""
+        """Answer a HAVE or MANIFEST request; must not block."""
+
+    @abc.abstractmethod
+    def request_chunk(self, version: int, index: int) -> Ticket:
+        """A FETCH, answered when its ticket resolves; must not block."""
+
+    @abc.abstractmethod
+    def withdraw(self, ticket: Ticket) -> bool:
+        """The puller went away: drop a waiting ticket and return True; a ticket already resolved
+        keeps its reply (False: release it with ``done(reply, 0)`` if not sent)."""
+
+    @abc.abstractmethod
+    def subscribe(self, version: int, msg: SubMessage) -> Subscription | None:
+        """A new subscriber of ``version`` (None: the version is not here, or the bitmap does not
+        fit it: answer MISSING); must not block."""
 
     @abc.abstractmethod
     def load(self) -> int:
         """Requests currently being served (reported in every reply header)."""
 
+    async def begin(self, reply: Reply) -> None:
+        """Called before a reply's payload is sent: waits for an upload slot (chunk replies)."""
+
+    def halfway(self, reply: Reply) -> None:
+        """Called once half of a chunk reply's payload has left (the next upload may line up)."""
+
     @abc.abstractmethod
     def done(self, reply: Reply, sent: int) -> None:
-        """Account for a reply whose payload bytes have left (``sent`` may be short)."""
+        """Account for a reply whose payload bytes have left (``sent`` may be short or 0); what a
+        chunk reply held (its place in line, its upload slot) is free again."""
 
     @abc.abstractmethod
     async def die(self) -> None:
@@ -140,6 +287,22 @@ class TransportClient(abc.ABC):
         Returns False when the source does not hold that chunk; raises TransportError when
         the connection fails or the reply length does not match ``into``.
         """
+
+    async def send_sub(self, op: Op, version: int, msg: SubMessage) -> None:
+        """Send SUB (subscribe or update), TAKE or PASS on this (subscription) connection."""
+        raise TransportError("subscriptions not supported by this transport", address=self.address)
+
+    async def next_offer(self) -> tuple[Status, Offer | None]:
+        """The source's next message on a subscription: (OFFER, offer) or (MISSING, None)."""
+        raise TransportError("subscriptions not supported by this transport", address=self.address)
+
+    async def chunk_reply(self) -> tuple[Status, int]:
+        """After TAKE: (status, payload length) of the reply; the bytes follow (``recv_payload``)."""
+        raise TransportError("subscriptions not supported by this transport", address=self.address)
+
+    async def recv_payload(self, index: int, into: memoryview) -> None:
+        """The bytes ``chunk_reply`` announced, into ``into`` (exactly their size)."""
+        raise TransportError("subscriptions not supported by this transport", address=self.address)
 
     @abc.abstractmethod
     async def have(self, version: int, num_chunks: int) -> frozenset[int]:

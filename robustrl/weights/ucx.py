@@ -32,6 +32,10 @@ this within noise. ``UCX_*`` environment variables still win; ``UCXPY_PROGRESS_M
 ignored. If ucxx was initialised elsewhere in the process in another progress mode, this
 module falls back to ucxx's own (spinning) waits.
 
+Subscriptions (``transport.py``) run over an endpoint of their own, as tag messages like the rest
+(a message cannot be half-sent, so an upload is "halfway" for the next one's handshake as soon as
+its bytes are posted).
+
 The UCX listener binds every interface (ucxx has no bind-address parameter); restrict it with
 ``UCX_NET_DEVICES`` (e.g. ``lo`` for loopback-only tests). This module imports ucxx at import
 time: only ``make_server``/``make_client`` import it, when a ``ucx://`` address is used.
@@ -52,9 +56,14 @@ from robustrl.errors import TransportError
 from robustrl.weights.transport import (
     DEFAULT_CONNECT_TIMEOUT_S,
     HEADER,
+    MAX_SUB_BODY,
+    Offer,
     Op,
+    Reply,
     RequestHandler,
     Status,
+    SubMessage,
+    Ticket,
     TransportClient,
     TransportServer,
     parse_address,
@@ -185,6 +194,22 @@ _RETIRED: list[object] = []
 _UCX_ERRORS: tuple[type[BaseException], ...] = (ucxx.exceptions.UCXError, RuntimeError, OSError)
 
 
+def _release(handler: RequestHandler, ticket: Ticket) -> None:
+    """A FETCH whose reply will not be sent: withdraw it, or free the slot its reply took."""
+    if not handler.withdraw(ticket) and not ticket.future.cancelled():
+        handler.done(ticket.future.result(), 0)
+
+
+def _drop(task: asyncio.Task[object] | None) -> None:
+    """Cancel a reader task, or take its outcome if it has one (no 'never retrieved' warnings)."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()
+
+
 class UcxServer(TransportServer):
     """A ucxx listener answering FETCH / HAVE on each endpoint."""
 
@@ -212,36 +237,135 @@ class UcxServer(TransportServer):
         self._listener = ucxx.create_listener(on_connect, port=port)
         return f"ucx://{host}:{self._listener.port}"  # type: ignore[attr-defined]
 
+    @staticmethod
+    async def _read_request(ep: object) -> tuple[Op, int, int, bytes]:
+        """(op, index, version, body) of the next request (a SUB/TAKE/PASS body is a second message)."""
+        request = np.empty(HEADER.size, dtype=np.uint8)
+        await _recv(ep, request)
+        op_raw, index, version = HEADER.unpack(request.tobytes())
+        op = Op(op_raw)
+        body = b""
+        if op in (Op.SUB, Op.TAKE, Op.PASS):
+            if not 0 < index <= MAX_SUB_BODY:
+                raise ValueError("bad subscription message length")
+            buf = np.empty(index, dtype=np.uint8)
+            await _recv(ep, buf)
+            body = buf.tobytes()
+        return op, index, version, body
+
+    async def _send_reply(self, ep: object, reply: Reply) -> None:
+        sent = 0
+        try:
+            await self._handler.begin(reply)
+            payload = memoryview(reply.payload).cast("B")
+            header = HEADER.pack(reply.status, self._handler.load(), len(payload))
+            await _send(ep, np.frombuffer(header, dtype=np.uint8))
+            self._handler.halfway(reply)  # one message: line the next upload up as this one starts
+            if reply.cut_after is None and len(payload):
+                await _send(ep, np.frombuffer(payload, dtype=np.uint8))
+                sent = len(payload)
+        finally:
+            self._handler.done(reply, sent)
+
+    async def _after(self, reply: Reply) -> bool:
+        """Carry out a fault's ``then``; True if the endpoint ends here."""
+        if reply.then == "die":
+            asyncio.get_running_loop().create_task(self._handler.die())
+            return True
+        if reply.then == "stall":
+            await self._handler.stalled()
+            return True
+        return False
+
     async def _serve(self, ep: object) -> None:
         self._endpoints.add(ep)
-        request = np.empty(HEADER.size, dtype=np.uint8)
+        loop = asyncio.get_running_loop()
+        ahead: asyncio.Task[tuple[Op, int, int, bytes]] | None = None  # the next request, read while one waits
         try:
             while True:
-                await _recv(ep, request)
-                op, index, version = HEADER.unpack(request.tobytes())
-                reply = self._handler.handle(Op(op), version, index)
-                sent = 0
-                try:
-                    payload = memoryview(reply.payload).cast("B")
-                    header = HEADER.pack(reply.status, self._handler.load(), len(payload))
-                    await _send(ep, np.frombuffer(header, dtype=np.uint8))
-                    if reply.cut_after is None and len(payload):
-                        await _send(ep, np.frombuffer(payload, dtype=np.uint8))
-                        sent = len(payload)
-                finally:
-                    self._handler.done(reply, sent)
-                if reply.then == "die":
-                    asyncio.get_running_loop().create_task(self._handler.die())
+                if ahead is None:
+                    op, index, version, body = await self._read_request(ep)
+                else:
+                    op, index, version, body = await ahead
+                    ahead = None
+                if op is Op.SUB:
+                    await self._subscription(ep, version, SubMessage.decode(body))
                     return
-                if reply.then == "stall":
-                    await self._handler.stalled()
+                if op is not Op.FETCH:
+                    if op in (Op.TAKE, Op.PASS):
+                        return  # answers with no offer: protocol error
+                    await self._send_reply(ep, self._handler.handle(op, version, index))
+                    continue
+                ticket = self._handler.request_chunk(version, index)
+                if not ticket.future.done():  # waits for an upload slot; notice the puller leaving
+                    ahead = loop.create_task(self._read_request(ep))
+                    try:
+                        await asyncio.wait({ticket.future, ahead}, return_when=asyncio.FIRST_COMPLETED)
+                    except BaseException:
+                        _release(self._handler, ticket)
+                        raise
+                    if not ticket.future.done():
+                        self._handler.withdraw(ticket)
+                        return  # it spoke out of turn or went away
+                reply = ticket.future.result()
+                await self._send_reply(ep, reply)
+                if await self._after(reply):
                     return
         except (*_UCX_ERRORS, ValueError):
             return
         finally:
+            _drop(ahead)
             self._endpoints.discard(ep)
             with contextlib.suppress(*_UCX_ERRORS):
                 ep.abort()  # type: ignore[attr-defined]
+
+    async def _subscription(self, ep: object, version: int, msg: SubMessage) -> None:
+        """Serve one subscriber until it goes away (see ``transport.py``)."""
+        sub = self._handler.subscribe(version, msg)
+        if sub is None:
+            await _send(ep, np.frombuffer(HEADER.pack(Status.MISSING, self._handler.load(), 0), dtype=np.uint8))
+            return
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read_request(ep))
+        try:
+            while True:
+                await asyncio.wait({sub.offer, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if not sub.offer.done():  # the subscriber spoke unasked: only an update may
+                    op, _, _, body = reader.result()
+                    reader = loop.create_task(self._read_request(ep))
+                    if op is not Op.SUB:
+                        return
+                    sub.update(SubMessage.decode(body))
+                    continue
+                proposal = sub.offer.result()
+                if proposal is None:  # the version is gone from here
+                    await _send(ep, np.frombuffer(HEADER.pack(Status.MISSING, self._handler.load(), 0),
+                                                  dtype=np.uint8))
+                    return
+                offer = proposal.encode()
+                await _send(ep, np.frombuffer(HEADER.pack(Status.OFFER, self._handler.load(), len(offer)),
+                                              dtype=np.uint8))
+                await _send(ep, np.frombuffer(offer, dtype=np.uint8))
+                while True:  # its answer (updates may come first)
+                    op, _, _, body = await reader
+                    reader = loop.create_task(self._read_request(ep))
+                    answer = SubMessage.decode(body)
+                    if op is Op.SUB:
+                        sub.update(answer)
+                    elif op is Op.PASS:
+                        sub.pass_(answer)
+                        break
+                    elif op is Op.TAKE:
+                        reply = sub.take(answer)
+                        await self._send_reply(ep, reply)
+                        if await self._after(reply):
+                            return
+                        break
+                    else:
+                        return
+        finally:
+            _drop(reader)
+            sub.close()
 
     async def close(self) -> None:
         if self._closed:
@@ -310,6 +434,49 @@ class UcxClient(TransportClient):
             await self._recv_payload(np.frombuffer(into, dtype=np.uint8), index)
             self.payload_received += nbytes
         return True
+
+    async def _send_msg(self, data: bytes) -> None:
+        if self._ep is None:
+            raise TransportError("weight-source connection is closed", address=self.address)
+        try:
+            await _send(self._ep, np.frombuffer(data, dtype=np.uint8))
+        except _UCX_ERRORS as exc:
+            raise TransportError("weight source failed", address=self.address) from exc
+
+    async def send_sub(self, op: Op, version: int, msg: SubMessage) -> None:
+        body = msg.encode()
+        await self._send_msg(HEADER.pack(op, len(body), version))
+        await self._send_msg(body)
+
+    async def _head(self) -> tuple[Status, int]:
+        if self._ep is None:
+            raise TransportError("weight-source connection is closed", address=self.address)
+        try:
+            await _recv(self._ep, self._header)
+        except _UCX_ERRORS as exc:
+            raise TransportError("weight source failed", address=self.address) from exc
+        status, load, nbytes = HEADER.unpack(self._header.tobytes())
+        self.load = load
+        try:
+            return Status(status), nbytes
+        except ValueError as exc:
+            raise TransportError("bad reply from weight source", address=self.address) from exc
+
+    async def next_offer(self) -> tuple[Status, Offer | None]:
+        status, nbytes = await self._head()
+        if status is not Status.OFFER or not nbytes:
+            return status, None
+        payload = np.empty(nbytes, dtype=np.uint8)
+        await self._recv_payload(payload, -1)
+        return status, Offer.decode(payload.tobytes())
+
+    async def chunk_reply(self) -> tuple[Status, int]:
+        return await self._head()
+
+    async def recv_payload(self, index: int, into: memoryview) -> None:
+        if len(into):
+            await self._recv_payload(np.frombuffer(into, dtype=np.uint8), index)
+            self.payload_received += len(into)
 
     async def have(self, version: int, num_chunks: int) -> frozenset[int]:
         status, nbytes = await self._request(Op.HAVE, version, 0)
