@@ -203,8 +203,13 @@ async def _subscribe_sweep(infra: Settings, role_url: str, probes: list[str]) ->
             if done.is_set():
                 break
         assert done.is_set(), f"the sentinel was not delivered in {SUBSCRIBE_ROUNDS} rounds"
+        # Every subscription hands its messages to a callback task of its own, so the sentinel's
+        # callback can run while other subscriptions still hold the probes that came before it:
+        # drain (not close) processes every delivered message before the connection goes.
+        await role.drain()
     finally:
-        await role.close()
+        if not role.is_closed:
+            await role.close()
         await admin.close()
     return got
 
