@@ -22,4 +22,4 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   fi
 fi
 . .venv/bin/activate
-exec python -m pytest -q -ra "$@"
+exec python -m pytest -q -ra --durations=25 "$@"
