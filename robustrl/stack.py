@@ -30,7 +30,7 @@ import httpx
 import psutil
 
 from robustrl.config import Settings
-from robustrl.errors import LaunchError
+from robustrl.errors import ConfigError, LaunchError
 from robustrl.health import ENV_PORT
 from robustrl.infra import binaries
 from robustrl.infra.credentials import service_env
@@ -71,13 +71,19 @@ class Stack:
     def __init__(self, run_dir: Path | str, external: Settings | None = None, api_port: int = 0,
                  extra_env: dict[str, str] | None = None, services: tuple[str, ...] = SERVICES,
                  supervise: bool = True, policy: RestartPolicy | None = None, controllers: int = 1,
-                 testbed: Testbed | None = None, placement: dict[str, list[str]] | None = None) -> None:
+                 testbed: Testbed | None = None, placement: dict[str, list[str]] | None = None,
+                 service_extra_env: dict[str, dict[str, str]] | None = None) -> None:
         # A second controller is a hot standby (leader lease): "controller-2", its own API port.
         self.services = services + tuple(f"controller-{i}" for i in range(2, controllers + 1))
         self.run_dir = Path(run_dir).resolve()
         self.external = external
         self.api_port = api_port
         self.extra_env = extra_env or {}
+        self.service_extra_env = service_extra_env or {}
+        """Environment of one service only (name -> env), over ``extra_env``: e.g. a failpoint armed in
+        'controller' and not in its standby 'controller-2', from their first start on."""
+        if unknown := sorted(set(self.service_extra_env) - set(self.services)):
+            raise ConfigError(f"service_extra_env names services this stack does not run: {unknown}")
         self.testbed = testbed
         self.placement: RolePlacement | None = None
         """Which hosts each role's members run on (``robustrl.testbed.placement``), with a testbed."""
@@ -169,6 +175,7 @@ class Stack:
             # Each service holds only its role's credentials (robustrl.infra.credentials).
             assert self.settings is not None
             spec.env = {**service_env(self.settings, role), **spec.env}  # its own port wins
+            spec.env.update(self.service_extra_env.get(name, {}))
             specs.append(spec)
         return specs
 
@@ -179,8 +186,12 @@ class Stack:
             self.supervisor.specs[name] = ServiceSpec(name=name, module=f"robustrl.services.{name}")
         if env:
             self.supervisor.specs[name].env.update(env)
-        self.supervisor.resume(name)
+        # Spawned while paused, supervised again only once the new process is the one recorded:
+        # resumed first, a supervision round in between would see the old process's exit and
+        # start a second copy (which races this one for the service's port).
+        self.supervisor.pause(name)
         self.supervisor.spawn(name)
+        self.supervisor.resume(name)
         self._write_state()
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:

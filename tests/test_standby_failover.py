@@ -40,13 +40,22 @@ TOLERANT = {"detector": {"trainer_idle_s": 8.0, "rollout_idle_s": 5.0, "silence_
                          "metrics_interval_s": 0.5}}
 
 
-@pytest.fixture(scope="module")
-def two_controllers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Servers of this module alone (its controllers hold the lease), two controllers."""
-    st = Stack(tmp_path_factory.mktemp("standby-failover"), controllers=2, policy=RestartPolicy(hang_timeout_s=30.0))
+POINTS = ("gang_borrowed", "restock")
+
+
+@pytest.fixture(scope="module", params=POINTS)
+def armed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, str]]:
+    """Servers of this stack alone (its controllers hold the lease), two controllers: 'controller'
+    leads from the start with failpoint ``point`` armed, 'controller-2' stands by unarmed (a
+    standby armed at ``restock`` would freeze itself again when it restocks after the takeover).
+    Armed at the stack's start, not by killing and restarting a supervised controller, which can
+    race the supervisor for the API port."""
+    point: str = request.param
+    st = Stack(tmp_path_factory.mktemp(f"standby-failover-{point}"), controllers=2,
+               policy=RestartPolicy(hang_timeout_s=30.0), service_extra_env={"controller": {FAILPOINTS_ENV: point}})
     st.start()
     try:
-        yield st
+        yield st, point
     finally:
         st.stop()
 
@@ -56,27 +65,49 @@ def _raw_record(stack: Stack, job_id: str) -> dict[str, Any]:
     return raw_job_record(stack.settings.redis_url, job_id)
 
 
-def _lead_with_failpoint(stack: Stack, point: str) -> None:
-    """'controller' leads with ``point`` armed, 'controller-2' stands by (started after it leads)."""
-    assert stack.supervisor
-    stack.kill_service("controller-2")
-    stack.kill_service("controller")
-    stack.start_service("controller", env={FAILPOINTS_ENV: point})
-    health = f"{stack.api_url}/healthz"
-    eventually(lambda: httpx.get(health, timeout=2).json()["leading"] is True, timeout=60, interval=0.1,
-               retry_on=(httpx.HTTPError, AssertionError), what="the armed controller leading")
-    stack.start_service("controller-2")
+def _log_tail(stack: Stack, name: str, lines: int = 15) -> str:
+    path = stack.run_dir / "logs" / f"{name}.log"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else f"(no {path})"
+
+
+def _armed_leader(stack: Stack, point: str) -> int:
+    """The pid of the process that leads and is armed at ``point``, checked from outside: the
+    stack's first 'controller', never restarted, its environment armed, the one listening on the
+    stack's API port (and that port answering 'leading'); 'controller-2' a standby."""
+    assert stack.settings and stack.supervisor
+    restarted = [r for r in stack.restarts() if str(r["service"]).startswith("controller")]
+    assert not restarted, restarted
+    pid = stack.pids()["controller"]
+    proc = psutil.Process(pid)
+    assert proc.environ().get(FAILPOINTS_ENV) == point, proc.environ().get(FAILPOINTS_ENV)
+    assert psutil.Process(stack.pids()["controller-2"]).environ().get(FAILPOINTS_ENV, "") == ""
+    listening = {c.laddr.port for c in proc.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    assert stack.settings.api_port in listening, (stack.settings.api_port, listening)
+    assert httpx.get(f"{stack.api_url}/healthz", timeout=10).json()["leading"] is True
     standby = stack.supervisor.specs["controller-2"].health_url
     assert standby
     eventually(lambda: httpx.get(standby, timeout=2).json()["leading"] is False, timeout=60, interval=0.1,
                retry_on=(httpx.HTTPError,), what="controller-2 serving as a standby")
+    return pid
 
 
-@pytest.mark.parametrize("point", ["gang_borrowed", "restock"])
-def test_controller_killed_mid_borrow_the_standby_restocks_the_pool(two_controllers: Stack, point: str) -> None:
-    stack = two_controllers
+def _stopped_at_failpoint(stack: Stack, pid: int, point: str) -> bool:
+    """Whether the armed leader is frozen at its failpoint; one that is gone (or a zombie) before
+    it got there fails the test, with what the supervisor and its log say."""
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.NoSuchProcess:
+        status = "gone"
+    if status in ("gone", psutil.STATUS_ZOMBIE):
+        pytest.fail(f"the armed leader (pid {pid}) exited before stopping at failpoint {point}; supervisor "
+                    f"restarts: {stack.restarts()}; end of its log:\n{_log_tail(stack, 'controller')}")
+    return bool(status == psutil.STATUS_STOPPED)
+
+
+def test_controller_killed_mid_borrow_the_standby_restocks_the_pool(armed: tuple[Stack, str]) -> None:
+    stack, point = armed
     assert stack.settings and stack.supervisor
-    _lead_with_failpoint(stack, point)
+    leader = _armed_leader(stack, point)
     api_a = ApiClient(stack.api_url, stack.settings.api_token)
     port_b = stack.supervisor.specs["controller-2"].env["ROBUSTRL_API_PORT"]
     api_b = ApiClient(f"http://127.0.0.1:{port_b}", stack.settings.api_token)
@@ -87,16 +118,16 @@ def test_controller_killed_mid_borrow_the_standby_restocks_the_pool(two_controll
                      rollout={"replicas": replicas}, recovery={"min_replicas_kept": 1},
                      tools={"latency_s": 1.0}, data={"tasks": ["lookup"]}, **TOLERANT)
     jid = api_a.submit(spec)["job_id"]
-    leader = stack.pids()["controller"]
     with BusObserver(stack.settings.nats_url, [wildcard(jid, Verb.METRICS)]) as metrics:
         eventually(lambda: api_a.job(jid)["committed_step"] >= 2, timeout=120, interval=0.1, what="step 2")
         api_a.fault(jid, kind="crash", role="trainer", member=0)
 
         # The leader freezes itself at the failpoint: this is the moment it is killed.
-        eventually(lambda: psutil.Process(leader).status() == psutil.STATUS_STOPPED, timeout=90, interval=0.02,
+        eventually(lambda: _stopped_at_failpoint(stack, leader, point), timeout=90, interval=0.02,
                    what=f"controller stopped at failpoint {point}")
         record = _raw_record(stack, jid)
         t_kill = time.time()
+        assert stack.pids()["controller"] == leader, stack.restarts()
         stack.kill_service("controller")  # SIGKILL, not restarted: the standby must take over
         assert not psutil.pid_exists(leader) or psutil.Process(leader).status() == psutil.STATUS_ZOMBIE
 
@@ -164,15 +195,17 @@ def test_controller_killed_mid_borrow_the_standby_restocks_the_pool(two_controll
     audit_job(stack.settings, jid, AUDIT)
 
 
-def test_a_job_record_write_with_a_stale_fencing_token_is_refused(two_controllers: Stack) -> None:
+@pytest.mark.parametrize("armed", POINTS[-1:], indirect=True)  # any of the module's stacks
+def test_a_job_record_write_with_a_stale_fencing_token_is_refused(armed: tuple[Stack, str]) -> None:
     """The job record (which holds the slots owed a replacement) is written fenced: once a newer
     controller lease term has begun, a write under an older token changes nothing."""
     import asyncio
 
     from robustrl.storage.redis_stores import JobRegistry, connect
 
-    assert two_controllers.settings
-    url = two_controllers.settings.redis_url
+    stack, _ = armed
+    assert stack.settings
+    url = stack.settings.redis_url
     job_id = f"fenced-{uuid.uuid4().hex[:8]}"
 
     async def scenario() -> tuple[bool, bool, bool, dict[str, Any]]:
