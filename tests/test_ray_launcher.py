@@ -114,7 +114,9 @@ def test_bad_input_is_refused_with_the_field_named(cluster: LocalRayCluster, tmp
 
 def test_gangs_replicas_and_labels_are_placed_across_nodes(cluster: LocalRayCluster, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(TESTS)}
-    launcher = RayLauncher(cluster.address, tmp_path, base_env=env, instance="rr-place", place_timeout_s=4)
+    # Placing and starting a member took more than 4 s at load ~80 here (j--labelled, 06:33 UTC):
+    # the short bound is only for the gang Ray cannot place, which is refused once it passes.
+    launcher = RayLauncher(cluster.address, tmp_path, base_env=env, instance="rr-place", place_timeout_s=60)
     try:
         # A gang of 2 spread over 2 nodes; its rendezvous is on rank 0's node, picked before any rank runs.
         gang = [idle(f"trainer-e1-r{r}", role="trainer", resources=Resources(cpus=0.25),
@@ -132,11 +134,13 @@ def test_gangs_replicas_and_labels_are_placed_across_nodes(cluster: LocalRayClus
         assert (rank0["MASTER_ADDR"], rank0["MASTER_PORT"]) == (master, str(port))
         assert rank0["ROBUSTRL_BIND_HOST"] == master  # it serves on its node's address
         # STRICT_SPREAD of 3 on 2 worker nodes (the head has no CPU) cannot be placed: refused, named.
+        launcher.place_timeout_s = 4
         with pytest.raises(LaunchError) as err:
             launcher.rendezvous(idle("trainer-e2-r0", role="trainer", resources=Resources(cpus=0.25),
                                      placement=PlacementHint(gang="j--trainer-e2", gang_size=3,
                                                              strategy="STRICT_SPREAD")))
         assert err.value.fields["field"] == "placement.strategy"
+        launcher.place_timeout_s = 60
         # Required anti-affinity: one replica per node, a third is refused with the field named.
         group = PlacementHint(group="j--rollout", anti_affinity="required")
         for i in range(2):
