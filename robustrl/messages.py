@@ -299,7 +299,7 @@ EventKind = Literal[
     "weights_rejected",
     "episode_redispatched", "tool_fault", "work_lost", "note",
     "turn_regenerated", "turn_dropped", "deadline_passed", "rm_resumed",
-    "replica_borrowed", "replica_restocked", "role_switched", "stale_turns_dropped",
+    "replica_borrowed", "replica_restocked", "restock_failed", "role_switched", "stale_turns_dropped",
 ]
 
 

@@ -96,8 +96,8 @@ EVENT_OWNERS: dict[str, frozenset[Principal]] = {
         "member_ready": (_T, _R), "step_committed": (_T,), "weights_published": (_T,),
         "weights_loaded": (_R,), "weights_rejected": (_R,),
         # warm standby from the rollout pool (issue 13)
-        "replica_borrowed": (_C,), "replica_restocked": (_C,), "role_switched": (_T,),
-        "stale_turns_dropped": (_T,),
+        "replica_borrowed": (_C,), "replica_restocked": (_C,), "restock_failed": (_C,),
+        "role_switched": (_T,), "stale_turns_dropped": (_T,),
     }.items()
 }
 """Which principals may write each event kind. The writer (``Bus.emit_event``) refuses a kind its

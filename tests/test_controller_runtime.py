@@ -544,3 +544,30 @@ async def test_a_request_manager_resumes_at_the_step_the_event_log_says_not_a_st
     assert reply.resume_step == 4
     record = json.loads(await rig.redis.hget(Keys.jobs(), job.job_id))
     assert record["committed_step"] == 3  # and the registry a successor reads says so too
+
+
+async def test_a_new_leader_keeps_the_warm_spares_of_the_jobs_it_resumes(rig: Rig) -> None:
+    """A controller that takes over keeps the warm spares its resumed jobs ask for (it kept none:
+    every trainer fault after a takeover started cold). Seen from outside: the spare processes,
+    children of this test process (each controller's launcher is in it)."""
+    import psutil
+
+    from robustrl.launcher.spare import SPARE_MODULE
+
+    def spare_pids() -> set[int]:
+        return {p.pid for p in psutil.Process().children() if SPARE_MODULE in " ".join(p.cmdline())
+                and p.status() != psutil.STATUS_ZOMBIE}
+
+    mine = spare_pids()
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(JobSpec.parse({"name": "cpspares", "steps": 5, "rollout": {"replicas": 2},
+                                        "recovery": {"warm_spares": 1}}))
+    first = spare_pids() - mine
+    assert len(first) == 1, first
+    await a.close(stop_members=False)  # the controller goes; its members stay
+    b = await rig.controller()
+    await b.wait_leading(10)
+    assert b.get(job.job_id).spec.recovery.warm_spares == 1
+    await eventually_async(lambda: len(spare_pids() - mine - first) == 1, timeout=20,
+                           what="the new leader's warm spare")

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from jobs import TERMINAL, kinds, small_job, wait_done, wait_step
-from support import BusObserver, eventually
+from support import BusObserver, eventually, eventually_async
 
 from robustrl.audit import audit_job
 from robustrl.bus import Bus
@@ -215,10 +215,9 @@ def test_plan_borrows_nothing_in_sync_unless_allowed_nor_when_denied_or_impossib
 
 
 def test_a_replica_fits_a_trainer_rank_only_if_it_reserves_as_much():
+    from robustrl.config import JobSpec
     from robustrl.services.controller.jobs import JobRun
     from robustrl.services.controller.view import replica_fits_trainer
-
-    from robustrl.config import JobSpec
 
     def fits(rollout: dict[str, Any], trainer: dict[str, Any]) -> bool:
         spec = JobSpec.parse({"rollout": {"resources": rollout}, "trainer": {"resources": trainer}})
@@ -297,41 +296,205 @@ def test_a_borrowed_rank_on_a_testbed_host_binds_the_hosts_address(tmp_path):
         launcher.close()
 
 
-def test_restock_starts_owed_slots_under_the_recovery_lock_and_keeps_a_failed_one_owed():
-    """Review fix (c) and the owed record: each replacement starts under the recovery lock (a
-    whole-job restart cannot interleave), a slot leaves ``restock_owed`` only once its replacement
-    started (a failed start stays owed for the next leader or pass), a slot restarted meanwhile is
-    dropped, and every change is persisted."""
+class _RestockController:
+    """The part of the controller a restock uses: a starter whose launcher.start fails as told
+    (``fail[slot]`` more times), the job record as persisted, and the events appended."""
+
+    leading = True
+
+    def __init__(self, fail: dict[int, int]) -> None:
+        from robustrl.services.controller.recovery import RecoveryExecutor
+
+        self.fail = fail
+        self.persisted: list[dict[int, int]] = []
+        self.records: list[dict[str, Any]] = []  # the job record as persisted (owed slots, member states)
+        self.durable_at_start: list[tuple[str, dict[str, Any]]] = []  # planned member, record at its start
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.executor = RecoveryExecutor(self)  # type: ignore[arg-type]
+        self.starter = self
+
+    async def start_replica(self, job: Any, slot: int, intent: Any = None) -> str:
+        from robustrl.services.controller.jobs import MemberInfo
+
+        assert self.executor.lock.locked(), "restock outside the recovery lock"
+        # as MemberStarter.start_replica: the incarnation is taken, the planned member recorded
+        # and the intent made durable, then launcher.start runs (here: what was durable then)
+        inc = job.slot_incarnation[slot] = job.slot_incarnation.get(slot, -1) + 1
+        mid = f"rollout-{slot}-i{inc}"
+        job.members[mid] = MemberInfo(mid, "rollout", slot, inc)
+        assert intent is not None, "a restock starts a replica without persisting its intent first"
+        await intent(job)
+        self.durable_at_start.append((mid, self.records[-1]))
+        if self.fail.get(slot, 0) > 0:
+            self.fail[slot] -= 1
+            job.members[mid].state = "dead"
+            raise RuntimeError("no capacity")
+        job.members[mid].handle = {"pid": 1}
+        return mid
+
+    async def persist(self, job: Any) -> None:
+        self.persisted.append(dict(job.restock_owed))
+        self.records.append({"restock_owed": dict(job.restock_owed),
+                             "members": {m.member_id: m.state for m in job.members.values()}})
+
+    async def event(self, job: Any, kind: str, data: dict[str, Any]) -> None:
+        self.events.append((kind, data))
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        return asyncio.get_running_loop().create_task(coro)
+
+
+@pytest.fixture
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    from robustrl.services.controller import recovery
+
+    monkeypatch.setattr(recovery, "RESTOCK_RETRY_MIN_S", 0.01)
+    monkeypatch.setattr(recovery, "RESTOCK_RETRY_MAX_S", 0.05)
+
+
+def test_a_failed_restock_is_retried_with_an_event_per_attempt_until_it_starts(quick_retries):
+    """Issue 13 (a): each replacement starts under the recovery lock (a whole-job restart cannot
+    interleave); a slot leaves ``restock_owed`` only once its replacement started; a start that
+    fails keeps the slot owed (at the incarnation it used up, so it is not taken for a slot
+    restarted meanwhile) and is tried again, with a ``restock_failed`` event per failed attempt;
+    a slot restarted meanwhile is dropped; every change is persisted."""
     from robustrl.config import JobSpec
     from robustrl.services.controller.jobs import JobRun
-    from robustrl.services.controller.recovery import RecoveryExecutor
 
     job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 4}}))
     job.slot_incarnation = {0: 0, 1: 0, 2: 0, 3: 1}
     job.restock_owed = {1: 0, 2: 0, 3: 0}  # slot 3 was restarted since (incarnation 1)
-    persisted: list[dict[int, int]] = []
-    events: list[tuple[str, dict[str, Any]]] = []
+    c = _RestockController(fail={1: 2})
+    asyncio.run(c.executor.restock(job))
+    assert job.restock_owed == {}
+    assert [(k, {f: d[f] for f in ("slot", "attempt") if f in d} | ({"member_id": d["member_id"]}
+                                                                    if "member_id" in d else {}))
+            for k, d in c.events] == [
+        ("restock_failed", {"slot": 1, "attempt": 1}),
+        ("replica_restocked", {"slot": 2, "member_id": "rollout-2-i1"}),
+        ("restock_failed", {"slot": 1, "attempt": 2}),
+        ("replica_restocked", {"slot": 1, "member_id": "rollout-1-i3"}),
+    ], c.events
+    assert all("no capacity" in d["error"] for k, d in c.events if k == "restock_failed")
+    # Issue 13 (b): before each launcher.start, the record already held the planned member (as
+    # starting) and its slot owed at the planned incarnation: a controller killed in between
+    # leaves a record from which the next leader finds the member (MemberStarter.adopt).
+    assert [m for m, _ in c.durable_at_start] == ["rollout-1-i1", "rollout-2-i1", "rollout-1-i2", "rollout-1-i3"]
+    for mid, record in c.durable_at_start:
+        slot, inc = int(mid.split("-")[1]), int(mid.split("-i")[1])
+        assert record["restock_owed"][slot] == inc and record["members"][mid] == "starting", (mid, record)
+    # durable after each change: still owed (at the incarnation a failed start used) until started
+    assert c.persisted[-1] == {} and {1: 1} in c.persisted and {1: 2} in c.persisted
 
-    class Starter:
-        async def start_replica(self, job_: JobRun, slot: int) -> str:
-            assert executor.lock.locked(), "restock outside the recovery lock"
-            if slot == 1:
-                raise RuntimeError("no capacity")
-            job_.slot_incarnation[slot] += 1
-            return f"rollout-{slot}-i{job_.slot_incarnation[slot]}"
 
-    class Controller:
-        leading = True
-        starter = Starter()
+def test_restock_retries_stop_when_the_job_ends_and_a_slot_owed_meanwhile_does_not_wait(monkeypatch):
+    """The retries end with the job; a slot owed while the loop backs off is started at once
+    (the loop is woken), not after the back-off, and by the same loop (one per job)."""
+    from robustrl.config import JobSpec
+    from robustrl.services.controller import recovery
+    from robustrl.services.controller.jobs import JobRun
 
-        async def persist(self, job_: JobRun) -> None:
-            persisted.append(dict(job_.restock_owed))
+    monkeypatch.setattr(recovery, "RESTOCK_RETRY_MIN_S", 30.0)  # a back-off the test never waits out
+    job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 3}}))
+    job.slot_incarnation = {0: 0, 1: 0, 2: 0}
+    job.restock_owed = {1: 0}
+    c = _RestockController(fail={1: 1_000})
 
-        async def event(self, job_: JobRun, kind: str, data: dict[str, Any]) -> None:
-            events.append((kind, data))
+    async def scenario() -> None:
+        loop = asyncio.create_task(c.executor.restock(job))
+        await eventually_async(lambda: [k for k, _ in c.events] == ["restock_failed"], timeout=5, interval=0.01)
+        began = asyncio.get_running_loop().time()
+        await c.executor.owe(job, {2: 0})  # a second borrow while the first slot backs off
+        await eventually_async(lambda: ("replica_restocked", {"member_id": "rollout-2-i1", "slot": 2}) in c.events,
+                               timeout=5, interval=0.01)
+        assert asyncio.get_running_loop().time() - began < 5
+        job.status = "finished"
+        c.executor._restocking[job.job_id].set()  # cut the back-off short: the loop sees the job ended
+        await asyncio.wait_for(loop, 5)
+        assert job.job_id not in c.executor._restocking
 
-    executor = RecoveryExecutor(Controller())  # type: ignore[arg-type]
-    asyncio.run(executor.restock(job))
-    assert job.restock_owed == {1: 0}  # the failed slot is still owed
-    assert events == [("replica_restocked", {"member_id": "rollout-2-i1", "slot": 2})]
-    assert persisted == [{1: 0, 3: 0}, {1: 0}]  # slot 2 restocked, then slot 3 dropped
+    asyncio.run(scenario())
+    failed = [d["attempt"] for k, d in c.events if k == "restock_failed"]
+    assert failed == list(range(1, len(failed) + 1)) and len(failed) <= 3, c.events
+    assert job.restock_owed == {1: job.slot_incarnation[1]}  # still owed: the job ended first
+
+
+def test_a_local_spare_that_cannot_be_started_is_started_again_later(tmp_path, monkeypatch):
+    """A spare restock whose process cannot be started (fork refused) is tried again with back-off
+    instead of leaving the pool short for good; the spare is seen as a process from outside."""
+    import subprocess
+
+    import psutil
+
+    from robustrl.launcher import local
+    from robustrl.launcher.spare import SPARE_MODULE
+
+    monkeypatch.setattr(local, "SPARE_RESTOCK_DELAY_S", 0.05)
+    real, refused = subprocess.Popen, []
+
+    def popen(argv, *args, **kwargs):  # the first two spares are refused, as under a process limit
+        if SPARE_MODULE in argv and len(refused) < 2:
+            refused.append(argv)
+            raise BlockingIOError(11, "fork refused (injected)")
+        return real(argv, *args, **kwargs)
+
+    monkeypatch.setattr(local.subprocess, "Popen", popen)
+    launcher = local.LocalLauncher(tmp_path)
+
+    def spares() -> list[psutil.Process]:
+        return [p for p in psutil.Process().children() if SPARE_MODULE in " ".join(p.cmdline())]
+
+    try:
+        launcher.keep_spares(1)  # refused: the retries run in timer threads from here on
+        started = eventually(spares, timeout=10, interval=0.05, what="a spare started after the refusals")
+        assert len(refused) == 2 and len(started) == 1 and launcher.spares_ready() == 1
+    finally:
+        launcher.close()
+    assert spares() == []
+
+
+def test_a_restocked_replica_whose_handle_was_never_written_is_found_and_adopted(tmp_path, quick_retries):
+    """Issue 13 (b), the taking-over side, with real processes: controller A persisted a
+    restock's intent (slots 1 and 2 owed at incarnation 1, their members starting, no handle),
+    its launcher started slot 1's replica, and A died before writing the handle. The next
+    leader's launcher finds that very process (pid file next to its log) and adopts it, the slot
+    counts as restocked without a second start; slot 2's planned member never ran: dead, no fault,
+    restocked anew."""
+    import os
+    from pathlib import Path
+
+    import psutil
+
+    from robustrl.config import JobSpec, Settings
+    from robustrl.launcher.base import MemberSpec
+    from robustrl.launcher.local import LocalLauncher
+    from robustrl.services.controller.jobs import JobRun, MemberInfo
+    from robustrl.services.controller.launching import MemberStarter, lid
+
+    job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 3}}))
+    job.slot_incarnation = {0: 0, 1: 1, 2: 1}
+    job.restock_owed = {1: 1, 2: 1}
+    job.members = {"rollout-1-i0": MemberInfo("rollout-1-i0", "rollout", 1, 0, state="dead"),  # borrowed
+                   "rollout-1-i1": MemberInfo("rollout-1-i1", "rollout", 1, 1),
+                   "rollout-2-i1": MemberInfo("rollout-2-i1", "rollout", 2, 1)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent)}
+    old = LocalLauncher(tmp_path, base_env=env)  # controller A's, gone with it (its state unused)
+    old.start(MemberSpec("j", lid(job, "rollout-1-i1"), "rollout", "idle_member"))
+    pid = old.pid(lid(job, "rollout-1-i1"))
+    new = LocalLauncher(tmp_path, base_env=env)
+    try:
+        adopted, gone = asyncio.run(MemberStarter(None, new, Settings()).adopt(job))  # type: ignore[arg-type]
+        assert (adopted, gone) == (["rollout-1-i1"], []), (adopted, gone)
+        assert job.members["rollout-1-i1"].pid == pid and new.pid(lid(job, "rollout-1-i1")) == pid
+        assert job.members["rollout-2-i1"].state == "dead"
+        # the new leader's restock: slot 1 restocked by the adopted member, slot 2 started anew
+        c = _RestockController(fail={})
+        asyncio.run(c.executor.restock(job))
+        assert [(k, d["slot"], d["member_id"]) for k, d in c.events] == [
+            ("replica_restocked", 1, "rollout-1-i1"), ("replica_restocked", 2, "rollout-2-i2")], c.events
+        assert [m for m, _ in c.durable_at_start] == ["rollout-2-i2"] and job.restock_owed == {}
+        assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # still the one running
+    finally:
+        new.close()
+        old.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

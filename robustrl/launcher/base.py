@@ -297,6 +297,13 @@ class Launcher(abc.ABC):
         del member_id
         return None
 
+    def find(self, member_id: str) -> dict[str, Any] | None:
+        """The handle of a member an earlier launcher started under ``member_id`` whose handle was
+        never persisted (its controller died between the start and the write), for :meth:`adopt`;
+        None if no such member runs here, or this launcher cannot look members up by id."""
+        del member_id
+        return None
+
     def adopt(self, job_id: str, member_id: str, role: str, handle: dict[str, Any]) -> bool:
         """Re-attach to a member a previous controller started; True if it is still running and
         is verifiably that member (not a recycled pid). Adopted members are then polled, stopped

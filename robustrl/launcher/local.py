@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -51,8 +52,13 @@ from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, SPARE_MODULE, w
 from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 from robustrl.model.engines.envs import interpreter
 
+_log = logging.getLogger(__name__)
+
 STOP_GRACE_S = 2.0
 SPARE_RESTOCK_DELAY_S = 10.0
+SPARE_RETRY_MAX_S = 60.0
+"""A restock whose spare could not be started is tried again ``SPARE_RESTOCK_DELAY_S`` later, the
+wait doubled per failure in a row up to this (a lost restock leaves the pool short for good)."""
 ADOPTED_WAIT_POLL_S = 0.02
 """Polling period while waiting for an adopted process to end (it is not our child: no waitpid)."""
 START_TIME_TOLERANCE_S = 0.05
@@ -111,6 +117,7 @@ class LocalLauncher(Launcher):
         self._spares: list[subprocess.Popen[bytes]] = []
         self._spares_wanted = 0
         self._spare_seq = 0
+        self._restock_failures = 0  # restocks failed in a row (their retries back off)
         self.spares_used = 0
         """Members started from a warm spare (the rest were cold starts)."""
         self._closed = False
@@ -124,7 +131,8 @@ class LocalLauncher(Launcher):
             self._restock()
 
     def _restock(self) -> None:
-        """Forget dead spares, release extra ones, start missing ones (lock held)."""
+        """Forget dead spares, release extra ones, start missing ones (lock held). A spare that
+        cannot be started is tried again later, backing off (``SPARE_RETRY_MAX_S``)."""
         self._spares = [p for p in self._spares if p.poll() is None]
         while len(self._spares) > self._spares_wanted:
             self._release(self._spares.pop())
@@ -135,17 +143,24 @@ class LocalLauncher(Launcher):
                 self._spares.append(subprocess.Popen(
                     [sys.executable, "-m", SPARE_MODULE], env=self.base_env, stdin=subprocess.PIPE,
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            except OSError:
-                return  # no spare: members start cold, which always works
+            except OSError as exc:  # members start cold meanwhile, which always works
+                self._restock_failures += 1
+                delay = min(SPARE_RESTOCK_DELAY_S * 2 ** (self._restock_failures - 1), SPARE_RETRY_MAX_S)
+                _log.warning("cannot start a warm spare (failure %d in a row: %s); trying again in %.0f s",
+                             self._restock_failures, exc, delay)
+                self._restock_later(delay)
+                return
             finally:
                 log.close()
+        self._restock_failures = 0
 
-    def _restock_later(self) -> None:
+    def _restock_later(self, delay_s: float | None = None) -> None:
+        """``_restock`` in a timer thread, ``delay_s`` (default ``SPARE_RESTOCK_DELAY_S``) from now."""
         def restock() -> None:
             with self._lock:
                 self._restock()
 
-        timer = threading.Timer(SPARE_RESTOCK_DELAY_S, restock)
+        timer = threading.Timer(SPARE_RESTOCK_DELAY_S if delay_s is None else delay_s, restock)
         timer.daemon = True
         timer.start()
 
@@ -209,6 +224,7 @@ class LocalLauncher(Launcher):
             spare = None if spec.host or python != sys.executable else self._take_spare(spec, env)
             if spare is not None:
                 self._members[spec.member_id] = _Member(spec, spare, MemberState.RUNNING, warm=True)
+                self._write_pidfile(spec.member_id, spare.pid)
                 return
             log = open(self.log_dir / f"{spec.member_id}.log", "ab")  # noqa: SIM115 - owned by the child
             try:
@@ -221,6 +237,7 @@ class LocalLauncher(Launcher):
             finally:
                 log.close()
             self._members[spec.member_id] = _Member(spec, proc, MemberState.RUNNING)
+            self._write_pidfile(spec.member_id, proc.pid, spec.host)
 
     def _placed(self, spec: MemberSpec) -> MemberSpec:
         """``spec`` with its host (the one it names, else ``assign``'s choice); a placed member
@@ -383,6 +400,37 @@ class LocalLauncher(Launcher):
         if m.spec.host is not None:
             handle["host"] = m.spec.host
         return handle
+
+    def _pidfile(self, member_id: str) -> Path:
+        return self.log_dir / f"{member_id}.pid"
+
+    def _write_pidfile(self, member_id: str, pid: int, host: str | None = None) -> None:
+        """Right after the start: the member's handle on disk, next to its log, for a controller
+        that takes over before the one starting it persisted the handle (``find``)."""
+        try:
+            handle: dict[str, Any] = {"pid": pid, "create_time": psutil.Process(pid).create_time()}
+        except psutil.Error:
+            return  # ended already: its exit is reported as any other
+        if host is not None:
+            handle["host"] = host
+        tmp = self._pidfile(member_id).with_suffix(".pid.tmp")
+        try:
+            tmp.write_text(json.dumps(handle))
+            os.replace(tmp, self._pidfile(member_id))
+        except OSError as exc:  # the member runs: only a takeover in the next instant misses it
+            _log.warning("pid file of %s not written: %s", member_id, exc)
+
+    def find(self, member_id: str) -> dict[str, Any] | None:
+        """The handle in the member's pid file, if that very process still runs (pid and start
+        time checked, as ``adopt`` does)."""
+        try:
+            handle = json.loads(self._pidfile(member_id).read_text())
+            proc = psutil.Process(int(handle["pid"]))
+            same = abs(proc.create_time() - float(handle["create_time"])) <= START_TIME_TOLERANCE_S
+            alive = proc.status() != psutil.STATUS_ZOMBIE
+        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+            return None
+        return handle if same and alive and isinstance(handle, dict) else None
 
     def adopt(self, job_id: str, member_id: str, role: str, handle: dict[str, Any]) -> bool:
         """Track a running member started by an earlier launcher (see the module docstring)."""

@@ -87,6 +87,10 @@ MIN_BUNDLE_CPUS = 0.01
 SPARE_RESTOCK_DELAY_S = 10.0
 """A spare taken is replaced this much later (as the local launcher does): the new spare's imports
 would otherwise compete with the recovery that took it for the CPU."""
+SPARE_RETRY_MAX_S = 60.0
+"""A restock that failed (a spare's actor not created, the GCS unreachable) is tried again
+``SPARE_RESTOCK_DELAY_S`` later, the wait doubled per failure in a row up to this: a lost restock
+would leave the pool short for good (members then start cold)."""
 SPARE_PREFIX = "spare-"
 """Spare actors are named ``<instance>:spare-<id>``; a member started from one keeps that name."""
 SOFT_STRATEGIES = ("PACK", "SPREAD")
@@ -209,6 +213,7 @@ class RayLauncher(Launcher):
         self._spares_wanted = 0
         self._spares_found = False  # a predecessor's spares looked up (once)
         self._restock_lock = threading.Lock()
+        self._restock_failures = 0  # restocks failed in a row (their retries back off)
         self._timers: set[threading.Timer] = set()
         self._trainer_shape: _Shape | None = None
         self.spares_used = 0
@@ -469,24 +474,46 @@ class RayLauncher(Launcher):
             log.info("adopted waiting spare %s of an earlier controller", name)
 
     def _restock(self) -> None:
-        """Forget dead spares, release extra (or mis-sized) ones, start missing ones."""
+        """Forget dead spares, release extra (or mis-sized) ones, start missing ones. One that
+        fails (or any error of the cluster meanwhile) is tried again later, backing off
+        (``SPARE_RETRY_MAX_S``); it never raises: callers are timer threads and ``keep_spares``."""
         with self._restock_lock:
-            self._check_spares()
-            shape = self._spare_shape()
+            try:
+                done = self._restock_locked()
+            except Exception:  # a timer thread would die with it, and the restock be lost
+                log.exception("restocking the warm spares failed")
+                done = False
+            if done:
+                self._restock_failures = 0
+                return
+            self._restock_failures += 1
+            delay = min(SPARE_RESTOCK_DELAY_S * 2 ** (self._restock_failures - 1), SPARE_RETRY_MAX_S)
+            log.warning("warm spare pool short (restock failure %d in a row): trying again in %.0f s",
+                        self._restock_failures, delay)
+        self._restock_later(delay)
+
+    def _restock_locked(self) -> bool:
+        """``_restock``'s work (restock lock held); False when a missing spare could not be started."""
+        self._check_spares()
+        shape = self._spare_shape()
+        with self._lock:
+            wanted = 0 if self._closed else self._spares_wanted
+            keep = [s for s in self._spares if s.shape == shape]
+            drop = [s for s in self._spares if s.shape != shape] + keep[wanted:]
+            self._spares = keep[:wanted]
+            missing = wanted - len(self._spares)
+        for s in drop:
+            self._kill_actor(s)
+        for _ in range(missing):
+            spare = self._new_spare(shape)
+            if spare is None:
+                return False  # members start cold meanwhile, which always works
             with self._lock:
-                wanted = 0 if self._closed else self._spares_wanted
-                keep = [s for s in self._spares if s.shape == shape]
-                drop = [s for s in self._spares if s.shape != shape] + keep[wanted:]
-                self._spares = keep[:wanted]
-                missing = wanted - len(self._spares)
-            for s in drop:
-                self._kill_actor(s)
-            for _ in range(missing):
-                spare = self._new_spare(shape)
-                if spare is None:
-                    return  # members start cold, which always works
-                with self._lock:
-                    self._spares.append(spare)
+                if self._closed:  # close() ran meanwhile: it would never release this one
+                    self._kill_actor(spare)
+                    return True
+                self._spares.append(spare)
+        return True
 
     def _new_spare(self, shape: _Shape) -> _Member | None:
         name = f"{self.instance}:{SPARE_PREFIX}{uuid.uuid4().hex[:12]}"
@@ -501,21 +528,27 @@ class RayLauncher(Launcher):
             opts["scheduling_strategy"] = "SPREAD"  # a node's loss takes few spares with it
         try:
             actor = self._actor_cls.options(**opts).remote()
-            ready = actor.start_spare.remote(dict(self.base_env), str(self.log_dir / f"{name.split(':')[-1]}.log"),
-                                             shape.as_dict())
         except (TypeError, *self._errors) as exc:
             log.warning("cannot start a warm spare: %s", exc)
+            return None
+        try:
+            ready = actor.start_spare.remote(dict(self.base_env), str(self.log_dir / f"{name.split(':')[-1]}.log"),
+                                             shape.as_dict())
+        except (TypeError, *self._errors) as exc:  # the actor exists (detached): not left behind
+            log.warning("cannot start warm spare %s: %s", name, exc)
+            self._kill_actor(_Member(MemberSpec("", name, "spare", SPARE_MODULE), name, actor))
             return None
         return _Member(MemberSpec("", name, "spare", SPARE_MODULE), name, actor, warm=True,
                        shape=shape, ready=ready)
 
-    def _restock_later(self) -> None:
+    def _restock_later(self, delay_s: float | None = None) -> None:
+        """``_restock`` in a timer thread, ``delay_s`` (default ``SPARE_RESTOCK_DELAY_S``) from now."""
         def restock() -> None:
             with self._lock:
                 self._timers.discard(timer)
             self._restock()
 
-        timer = threading.Timer(SPARE_RESTOCK_DELAY_S, restock)
+        timer = threading.Timer(SPARE_RESTOCK_DELAY_S if delay_s is None else delay_s, restock)
         timer.daemon = True
         with self._lock:
             if self._closed:
@@ -611,7 +644,7 @@ class RayLauncher(Launcher):
         log_path = str(self.log_dir / f"{spec.member_id}.log")
         try:
             info = self.ray.get(spare.actor.assign.remote(spec.module, list(spec.args), env, log_path,
-                                                          self.bind_node_ip), timeout=CALL_TIMEOUT_S)
+                                                          self.bind_node_ip, spec.member_id), timeout=CALL_TIMEOUT_S)
         except self._errors as exc:
             self._kill_actor(spare)
             raise LaunchError(f"warm spare {spare.name} could not take {spec.member_id}: {_cause(exc)}",
@@ -788,8 +821,8 @@ class RayLauncher(Launcher):
         env = {**self.base_env, **spec.env}
         log_path = str(self.log_dir / f"{spec.member_id}.log")
         try:
-            info = self.ray.get(m.actor.launch.remote(spec.module, list(spec.args), env, log_path, self.bind_node_ip),
-                                timeout=self.place_timeout_s)
+            info = self.ray.get(m.actor.launch.remote(spec.module, list(spec.args), env, log_path, self.bind_node_ip,
+                                                      spec.member_id), timeout=self.place_timeout_s)
         except self._errors as exc:
             self._kill_actor(m)
             self._drop_unstarted_gang(spec.placement.gang)
@@ -842,7 +875,7 @@ class RayLauncher(Launcher):
         env = {**self.base_env, **spec.env}
         try:
             info = self.ray.get(m.actor.handoff.remote(env, str(self.log_dir / f"{spec.member_id}.log"),
-                                                       self.bind_node_ip), timeout=CALL_TIMEOUT_S)
+                                                       self.bind_node_ip, spec.member_id), timeout=CALL_TIMEOUT_S)
         except self._errors as exc:
             with self._lock:
                 if self._members.get(spec.member_id) is m:
@@ -1047,6 +1080,35 @@ class RayLauncher(Launcher):
         return {"launcher": "ray", "actor": m.name, "namespace": self.namespace, "pid": m.pid,
                 "create_time": m.create_time, "node_id": m.node_id, "node_ip": m.node_ip,
                 "gang": m.spec.placement.gang}
+
+    def find(self, member_id: str) -> dict[str, Any] | None:
+        """The handle of the actor running ``member_id`` (not a gang rank: those are started and
+        persisted as a gang): the actor named after it, else a spare's actor that took it, found
+        by what each says it runs. Such an actor that runs no process (made but never launched,
+        or its member ended) is released: nothing else would."""
+        prefix = f"{self.instance}:"
+        try:
+            names = [a["name"] for a in self.ray.util.list_named_actors(all_namespaces=True)
+                     if a.get("namespace") == self.namespace and a["name"].startswith(prefix)]
+        except self._errors as exc:
+            log.warning("cannot look %s up on the Ray cluster: %s", member_id, exc)
+            return None
+        own = f"{prefix}{member_id}"
+        for name in sorted(n for n in names if n == own or n.startswith(f"{prefix}{SPARE_PREFIX}")):
+            try:
+                actor = self.ray.get_actor(name, namespace=self.namespace)
+                info = self.ray.get(actor.info.remote(), timeout=CALL_TIMEOUT_S)
+            except self._errors:
+                continue
+            if name != own and info.get("member") != member_id:
+                continue  # a waiting spare, or another member's
+            if not (info.get("running") and info.get("pid") is not None):
+                self._kill_actor(_Member(MemberSpec("", member_id, "", ""), name, actor))
+                continue
+            return {"launcher": "ray", "actor": name, "namespace": self.namespace, "pid": info["pid"],
+                    "create_time": info["create_time"], "node_id": info["node_id"],
+                    "node_ip": info["node_ip"], "gang": None}
+        return None
 
     def adopt(self, job_id: str, member_id: str, role: str, handle: dict[str, Any]) -> bool:
         """Re-attach to the named actor of a member a previous controller started: True only if

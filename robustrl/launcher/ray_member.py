@@ -87,6 +87,7 @@ class MemberProcess:
         self._lock = threading.Lock()
         self._waiting = False  # a spare still waiting for its order on stdin
         self._shape: dict[str, Any] | None = None  # what a spare's actor reserves
+        self._member = ""  # the launcher's id of the member this actor runs ('' for a spare)
         self.returncode: int | None = None
         self.create_time: float | None = None
 
@@ -100,12 +101,12 @@ class MemberProcess:
         return {"node_ip": ip, "node_id": node_id, "port": port}
 
     def launch(self, module: str, args: list[str], env: dict[str, str], log_path: str,
-               bind_node_ip: bool) -> dict[str, Any]:
+               bind_node_ip: bool, member: str = "") -> dict[str, Any]:
         """Start ``python -m module args`` (once); return its pid, start time and node."""
         ip, node_id = _node()
         with self._lock:
             if self._proc is None and self._error is None:
-                self._log = log_path
+                self._log, self._member = log_path, member
                 self._spawn([sys.executable, "-m", module, *args], _member_env(env, log_path, bind_node_ip, ip),
                             log_path, stdin=False)
         return self._info_or_raise(ip, node_id)
@@ -125,7 +126,7 @@ class MemberProcess:
         return self._info_or_raise(ip, node_id)
 
     def assign(self, module: str, args: list[str], env: dict[str, str], log_path: str,
-               bind_node_ip: bool) -> dict[str, Any]:
+               bind_node_ip: bool, member: str = "") -> dict[str, Any]:
         """Hand the member to this waiting spare (its order on stdin); raise if it is no waiting
         spare (taken already, or ended): each spare becomes one member, once."""
         ip, node_id = _node()
@@ -133,7 +134,7 @@ class MemberProcess:
             proc = self._proc
             if not self._waiting or proc is None or proc.stdin is None or self._done.is_set():
                 raise RuntimeError("not a waiting spare (taken already, or its process ended)")
-            self._waiting = False
+            self._waiting, self._member = False, member
             order = {"module": module, "args": list(args), "env": _member_env(env, log_path, bind_node_ip, ip),
                      "log": log_path}
             try:
@@ -144,7 +145,7 @@ class MemberProcess:
             self._log = log_path
         return self._info_or_raise(ip, node_id)
 
-    def handoff(self, env: dict[str, str], log_path: str, bind_node_ip: bool) -> dict[str, Any]:
+    def handoff(self, env: dict[str, str], log_path: str, bind_node_ip: bool, member: str = "") -> dict[str, Any]:
         """Switch the running member in place to the member ``env`` describes: write its hand-off
         next to the current log and signal it (``robustrl.launcher.spare``). From then on its
         output goes to ``log_path``, which ``tail`` and ``wait`` read."""
@@ -155,7 +156,7 @@ class MemberProcess:
                 raise RuntimeError("no running member to hand over")
             directory = os.path.dirname(os.path.abspath(self._log))
             write_handoff(directory, proc.pid, _member_env(env, log_path, bind_node_ip, ip), log_path)
-            self._log = log_path
+            self._log, self._member = log_path, member
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, HANDOFF_SIGNAL)  # it died meanwhile: wait() reports the exit
         return self._info_or_raise(ip, node_id)
@@ -223,7 +224,7 @@ class MemberProcess:
         ip, node_id = _node()
         return {"pid": self._proc.pid if self._proc else None, "create_time": self.create_time,
                 "running": self._started.is_set() and not self._done.is_set(), "returncode": self.returncode,
-                "node_ip": ip, "node_id": node_id, "spare": self._waiting,
+                "node_ip": ip, "node_id": node_id, "spare": self._waiting, "member": self._member,
                 "shape": self._shape if self._waiting else None}
 
     def tail(self, lines: int) -> str:

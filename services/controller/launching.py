@@ -32,6 +32,11 @@ def lid(job: JobRun | str, member_id: str) -> str:
     return f"{job_id}{LID_SEP}{member_id}"
 
 
+def replica_id(slot: int, incarnation: int) -> str:
+    """The member id of incarnation ``incarnation`` of rollout slot ``slot``."""
+    return f"rollout-{slot}-i{incarnation}"
+
+
 def split_lid(launcher_id: str) -> tuple[str, str]:
     """(job id, member id) of a launcher key."""
     job_id, _, member_id = launcher_id.partition(LID_SEP)
@@ -137,13 +142,27 @@ class MemberStarter:
                 "source": source, "borrowed_from": borrowed.get(rank), "fence": self.fence()})
         return ids
 
-    async def start_replica(self, job: JobRun, slot: int) -> str:
-        """Start the next incarnation of rollout slot ``slot``; return its member id."""
+    async def start_replica(self, job: JobRun, slot: int,
+                            intent: Callable[[JobRun], Awaitable[None]] | None = None) -> str:
+        """Start the next incarnation of rollout slot ``slot``; return its member id.
+
+        ``intent`` (a restock): the planned member is in the job as ``starting``, without a
+        handle, and ``intent`` makes that durable before the launcher starts anything, so a
+        controller that takes over between the start and the handle's write can find the member
+        (``Launcher.find``) instead of leaking it. A start that fails leaves it ``dead``."""
         inc = job.slot_incarnation.get(slot, -1) + 1
         job.slot_incarnation[slot] = inc
-        mid = f"rollout-{slot}-i{inc}"
+        mid = replica_id(slot, inc)
         env = self.member_env(job, mid, "rollout")
-        await asyncio.to_thread(self.launcher.start, self.replica_spec(job, mid, env))
+        if intent is not None:
+            job.members[mid] = MemberInfo(mid, "rollout", slot, inc)
+            await intent(job)
+        try:
+            await asyncio.to_thread(self.launcher.start, self.replica_spec(job, mid, env))
+        except BaseException:
+            if intent is not None:
+                job.members[mid].state = "dead"
+            raise
         self._record(job, MemberInfo(mid, "rollout", slot, inc))
         await self.bus.emit_event(job.job_id, "member_started", {
             "member_id": mid, "role": "rollout", "warm": self.launcher.was_warm(lid(job, mid)),
@@ -165,6 +184,16 @@ class MemberStarter:
         adopted, gone = [], []
         for m in job.members.values():
             if m.state in ("exited", "stopped", "dead"):
+                continue
+            if not m.handle and m.role == "rollout" and job.restock_owed.get(m.index) == m.epoch:
+                # A restock's intent: its start may have run, its handle was never written.
+                found = await asyncio.to_thread(self.launcher.find, lid(job, m.member_id))
+                if found is None or not await asyncio.to_thread(
+                        self.launcher.adopt, job.job_id, lid(job, m.member_id), m.role, found):
+                    m.state = "dead"  # never started (or gone): no fault, its slot is restocked anew
+                    continue
+                m.handle, m.pid = found, found.get("pid")
+                adopted.append(m.member_id)
                 continue
             ok = await asyncio.to_thread(self.launcher.adopt, job.job_id, lid(job, m.member_id), m.role,
                                          m.handle)

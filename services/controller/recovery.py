@@ -10,11 +10,16 @@ The pure ``decide`` chooses; this module dispatches on the action's class.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
 
+from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
+
+from robustrl.messages import FaultReport
 from robustrl.services.controller import decide as decide_mod
+from robustrl.services.controller import failpoints
 from robustrl.services.controller.decide import (
     Action,
     FailJob,
@@ -27,12 +32,9 @@ from robustrl.services.controller.decide import (
     ResumeService,
     action_name,
 )
-from robustrl.services.controller import failpoints
 from robustrl.services.controller.jobs import ActiveRecovery, GangStart, JobRun
-from robustrl.services.controller.launching import lid
+from robustrl.services.controller.launching import lid, replica_id
 from robustrl.services.controller.view import job_view
-
-from robustrl.messages import FaultReport
 from robustrl.storage.redis_stores import Keys
 
 if TYPE_CHECKING:
@@ -44,6 +46,14 @@ HANDLED_TTL_S = 7 * 24 * 3600
 """How long handled fault ids are kept (as long as the event log keeps events)."""
 SERVICE_RESUME_ATTEMPT_S = 2.0
 """One ``resume`` request to a restarted control-plane service; repeated until its deadline."""
+RESTOCK_RETRY_MIN_S = 1.0
+"""A rollout slot whose replacement failed to start is tried again this much later, the wait
+doubled per failed pass up to ``RESTOCK_RETRY_MAX_S``, until it starts or the job ends."""
+RESTOCK_RETRY_MAX_S = 30.0
+
+
+class SlotsStillOwed(Exception):
+    """A restock pass left slots owed (their start failed): tried again after the back-off."""
 
 
 class RecoveryExecutor:
@@ -55,6 +65,9 @@ class RecoveryExecutor:
         self._handled: set[tuple[str, str]] = set()
         """(job id, fault id) handled by this process. Fault ids are unique within a job only
         (``exit-trainer-e1-r0`` names a member, and every job has one)."""
+        self._restocking: dict[str, asyncio.Event] = {}
+        """job id -> the wake-up of its restock loop, while one runs (one per job: a second
+        borrow while it backs off wakes it instead of racing it)."""
 
     # --- intake ------------------------------------------------------------------------------
 
@@ -220,30 +233,95 @@ class RecoveryExecutor:
             return
         job.restock_owed.update(slots)
         await self.c.persist(job)
-        self.c.spawn(self.restock(job))
+        self.spawn_restock(job)
+
+    def spawn_restock(self, job: JobRun) -> None:
+        """Start the job's restock loop, or wake the one running (it re-reads what is owed)."""
+        wake = self._restocking.get(job.job_id)
+        if wake is not None:
+            wake.set()
+        else:
+            self.c.spawn(self.restock(job))
 
     async def restock(self, job: JobRun) -> None:
         """The pool returns to its size: one new incarnation per slot in ``job.restock_owed``. A
         slot restarted meanwhile (a whole-job restart) is left alone. Each slot leaves the owed
-        record only once its replacement has started (a new leader restocks what is still in it;
-        a slot whose start failed stays owed for the next attempt)."""
+        record only once its replacement has started (a new leader restocks what is still in it).
+        A slot whose start failed stays owed and is tried again with exponential back-off
+        (``RESTOCK_RETRY_MIN_S`` .. ``RESTOCK_RETRY_MAX_S``, a ``restock_failed`` event per failed
+        attempt) until it starts, the job ends or this controller stops leading."""
         await failpoints.hit("restock")
-        for slot, borrowed_inc in sorted(job.restock_owed.items()):
+        if job.job_id in self._restocking:  # one loop per job (this one was spawned before it)
+            self._restocking[job.job_id].set()
+            return
+        wake = self._restocking[job.job_id] = asyncio.Event()
+        attempts: dict[int, int] = {}
+
+        async def nap(seconds: float) -> None:  # the back-off, cut short by newly owed slots
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), seconds)
+            wake.clear()
+
+        try:
+            async for attempt in AsyncRetrying(
+                    wait=wait_exponential(multiplier=RESTOCK_RETRY_MIN_S, max=RESTOCK_RETRY_MAX_S),
+                    # Any error (Redis or NATS away, too): a restock given up is a pool short for good.
+                    retry=retry_if_exception_type(Exception), sleep=nap, reraise=True,
+                    before_sleep=before_sleep_log(log, logging.WARNING)):
+                with attempt:
+                    wake.clear()
+                    await self._restock_pass(job, attempts)
+        finally:
+            del self._restocking[job.job_id]
+
+    async def _restock_pass(self, job: JobRun, attempts: dict[int, int]) -> None:
+        """Start a replacement for every slot owed, once each (slots owed meanwhile included).
+        Raises SlotsStillOwed if one failed."""
+        failed: list[int] = []
+        tried: set[int] = set()
+        while todo := sorted((s, i) for s, i in job.restock_owed.items() if s not in tried):
+            slot, owed_inc = todo[0]
+            tried.add(slot)
             # Under the recovery lock: a whole-job restart carried out meanwhile restarts every
             # slot itself, and must not find a restocked incarnation it does not know of.
             async with self.lock:
                 if job.done or not self.c.leading:
                     return
-                if job.restock_owed.get(slot) != borrowed_inc:
+                if job.restock_owed.get(slot) != owed_inc:
                     continue  # restocked by a concurrent pass (or owed again, for a newer borrow)
-                if job.slot_incarnation.get(slot, 0) != borrowed_inc:
+                if job.slot_incarnation.get(slot, 0) != owed_inc:
                     del job.restock_owed[slot]
                     await self.c.persist(job)
                     continue
+                planned = job.members.get(replica_id(slot, owed_inc))
+                if planned is not None and planned.handle and planned.state not in ("exited", "stopped", "dead"):
+                    # Started by the previous leader, which died before it wrote the handle; this
+                    # leader found and adopted it (MemberStarter.adopt): the slot is restocked.
+                    job.restock_owed.pop(slot, None)
+                    await self.c.event(job, "replica_restocked", {"member_id": planned.member_id, "slot": slot,
+                                                                  "adopted": True})
+                    await self.c.persist(job)
+                    continue
+
+                async def intent(job_: JobRun, slot: int = slot) -> None:
+                    # Durable before the launcher starts anything: the slot owed at the planned
+                    # incarnation, whose member is recorded as starting (MemberStarter.start_replica).
+                    job_.restock_owed[slot] = job_.slot_incarnation[slot]
+                    await self.c.persist(job_)
+
                 try:
-                    mid = await self.c.starter.start_replica(job, slot)
-                except Exception:  # the other slots are still owed theirs
+                    mid = await self.c.starter.start_replica(job, slot, intent)
+                except Exception as exc:  # the other slots are still owed theirs
                     log.exception("job %s: restocking rollout slot %d failed", job.job_id, slot)
+                    # A failed start used up its incarnation (a retry must not reuse the name of
+                    # what it may have left behind): the slot stays owed at that incarnation, or the
+                    # next pass would take it for a slot restarted meanwhile and drop it.
+                    job.restock_owed[slot] = job.slot_incarnation.get(slot, owed_inc)
+                    attempts[slot] = attempts.get(slot, 0) + 1
+                    failed.append(slot)
+                    await self.c.persist(job)
+                    await self.c.event(job, "restock_failed", {"slot": slot, "attempt": attempts[slot],
+                                                               "error": f"{type(exc).__name__}: {exc}"[:300]})
                     continue
                 job.restock_owed.pop(slot, None)
                 if job.done:  # the job ended while it started: stop_job may not have seen it
@@ -251,6 +329,8 @@ class RecoveryExecutor:
                     return
                 await self.c.event(job, "replica_restocked", {"member_id": mid, "slot": slot})
                 await self.c.persist(job)
+        if failed and not job.done and self.c.leading:
+            raise SlotsStillOwed(f"job {job.job_id}: rollout slots {failed} still owed a replacement")
 
     def resume_restock(self, job: JobRun) -> None:
         """After a takeover: restock the slots the previous leader still owed, including those of
@@ -261,7 +341,7 @@ class RecoveryExecutor:
         if job.restock_owed and not job.done:
             log.warning("job %s: restocking rollout slots %s owed by the previous leader", job.job_id,
                         sorted(job.restock_owed))
-            self.c.spawn(self.restock(job))
+            self.spawn_restock(job)
 
     async def _replace_replica(self, job: JobRun, fault: FaultReport, member_id: str) -> None:
         old = job.members.get(member_id)

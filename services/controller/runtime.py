@@ -124,6 +124,10 @@ class Controller:
         for job in list(self.jobs.values()):  # rollout slots a previous leader still owed
             if not job.done:
                 self.recovery.resume_restock(job)
+        # The warm spares the resumed jobs ask for: the launcher takes over those its predecessor
+        # left waiting (Ray: detached actors) and restocks the rest; without this call a new
+        # leader kept none, and every later trainer fault started cold.
+        self.spawn(self._update_spares())
         self.spawn(self.supervisor.run(self._stop))
         self.spawn(self._watch_progress(self._stop))
         try:
