@@ -143,10 +143,14 @@ async def _publish_sweep(infra: Settings, role_url: str, probes: list[str], sent
             await role.publish(subj, b"probe:" + subj.encode())
         await role.publish(sentinel, b"sentinel")
         await role.flush()
-        await asyncio.wait_for(done.wait(), 5.0)
+        await asyncio.wait_for(done.wait(), 30.0)
+        # Each of the admin's subscriptions runs its callbacks in a task of its own: the sentinel's
+        # can come before probes another subscription still holds, which drain (not close) delivers.
+        await admin.drain()
     finally:
         await role.close()
-        await admin.close()
+        if not admin.is_closed:
+            await admin.close()
     refused = {p for p in probes if p not in got}
     if refused:
         assert any("ermission" in e for e in errors), "refused publishes were not reported to the client"
