@@ -373,6 +373,18 @@ def _ray_cpu_s(cluster: Any) -> float:
     return total
 
 
+def _ensure_nodes(cluster: Any) -> dict[str, Any]:
+    """Every node of the cluster alive before a run: a worker node the GCS failed (its raylet
+    missed the health checks, e.g. under a load spike, and exited) is started again and counted
+    (a run on a cluster without workers cannot place its members)."""
+    want = len(cluster.nodes)
+    alive = len(cluster.alive_nodes())
+    restarted = cluster.restore() if alive < want else []
+    if restarted:
+        cluster.wait_nodes(want)
+    return {"alive_before": alive, "restarted_before": restarted}
+
+
 async def _ray_bench_run(tmp: Path, cluster: Any, launcher: str, spec: dict[str, Any], seed: int,
                          label: str) -> dict[str, Any]:
     """One trainer-fault job on a stack of its own (started for it, stopped after it: only one
@@ -380,6 +392,7 @@ async def _ray_bench_run(tmp: Path, cluster: Any, launcher: str, spec: dict[str,
     env = {"ROBUSTRL_LAUNCHER": launcher}
     if launcher == "ray":
         env |= {"ROBUSTRL_RAY_ADDRESS": cluster.address, "ROBUSTRL_LAUNCHER_INSTANCE": RAY_INSTANCE}
+    nodes = _ensure_nodes(cluster)
     load_before = _load()
     with Stack(tmp / f"stack-{label}", extra_env=env) as stack:
         assert stack.settings
@@ -397,7 +410,8 @@ async def _ray_bench_run(tmp: Path, cluster: Any, launcher: str, spec: dict[str,
                 out["ettr_breakdown"] = ettr_breakdown(events)
         finally:
             api.close()
-    out.update({"launcher": launcher, "policy": spec["recovery"]["policy"],
+    out.update({"ray_nodes": {**nodes, "alive_after": len(cluster.alive_nodes())},
+                "launcher": launcher, "policy": spec["recovery"]["policy"],
                 "warm_spares": spec["recovery"]["warm_spares"], "load_before": load_before, "load_after": _load()})
     return out
 
@@ -417,9 +431,12 @@ def _ray_group_summary(group: dict[str, Any]) -> dict[str, Any]:
                 "sources": [r["source"] or f"{r['warm_starts']}/{r['members_started']} warm"
                             for r in run.get("recoveries", [])],
                 "load_1min_before": run["load_before"][:1], "ray_daemons_cpu_s": run.get("ray_daemons_cpu_s"),
-                "ettr_breakdown": run.get("ettr_breakdown")}
+                "ray_nodes": run.get("ray_nodes"), "ettr_breakdown": run.get("ettr_breakdown")}
     runs = {k: one(v) for k, v in group.items() if isinstance(v, dict) and "ettr" in v}
     out: dict[str, Any] = {"order": group["order"], "runs": runs}
+    errors = {k: v["error"] for k, v in group.items() if isinstance(v, dict) and "error" in v and "ettr" not in v}
+    if errors:
+        out["errors"] = errors
     if "local/role_local" in runs and "ray/role_local" in runs:
         out["gap_ray_vs_local_role_local"] = round(
             runs["ray/role_local"]["ettr"] - runs["local/role_local"]["ettr"], 4)
@@ -482,11 +499,13 @@ async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
                    "ROBUSTRL_LAUNCHER_INSTANCE": RAY_INSTANCE}
             load_before = _load()
             try:
+                nodes = _ensure_nodes(cluster)
                 with Stack(Path(tmp) / "stack-node-loss", extra_env=env) as stack:
                     api = ApiClient(stack.api_url, stack.settings.api_token)  # type: ignore[union-attr]
                     results["ray_node_loss"] = await _node_loss_run(stack, api, cluster, spec_base, audit,
                                                                     spares["role_local"])
                     api.close()
+                results["ray_node_loss"]["ray_nodes"] = nodes
             except Exception as exc:  # noqa: BLE001 - recorded: the groups measured above are kept
                 results["ray_node_loss"] = {"status": "bench error", "error": repr(exc)}
             results["ray_node_loss"].update({"load_before": load_before, "load_after": _load()})
