@@ -19,13 +19,16 @@ and writes one JSON file. ETTR and recovery times come from each job's event log
 
 runs instead, on a three-node Ray cluster started on this machine (head + 2 workers on
 127.0.0.2/.3, ``robustrl.launcher.ray_cluster``), the same job with a trainer crash every 10 steps
-under the local launcher and under the Ray launcher: ``--pairs`` interleaved role_local pairs (the
-order alternating, each run on a stack of its own, the machine's load recorded before and after
-each, and each trainer recovery broken down from the event log), then whole_job on both unless
-``--quick``; then one role_local run on Ray where a worker node is killed mid-job (its raylet and
+in ``--pairs`` interleaved groups of runs: role_local on the local launcher, role_local on Ray,
+whole_job on Ray, and (unless ``--quick``) whole_job on the local launcher; the order reversed
+every other group, each run on a stack of its own, the machine's load recorded before and after
+each, each trainer or whole-job recovery and the time ETTR does not count broken down from the
+event log. Then one role_local run on Ray where a worker node is killed mid-job (its raylet and
 everything on it, SIGKILL) followed by the auditor, and the time one launcher ``start`` takes
-(local process vs Ray actor + process). Every run has the same ``recovery.warm_spares`` (default:
-the trainer's workers): local spare processes, or Ray spare actors.
+(local process vs Ray actor + process). Both policies get the same tuning (``warm_spares_for``):
+warm spares for every member one of its restarts starts (``--warm-spares``, default the trainer's
+workers, for a role_local gang; plus one per replica for whole_job), local spare processes or Ray
+spare actors; the same checkpoints, steps and fault scenario.
 
     python bench/ettr.py --engine vllm --out bench/results/ettr-vllm.json [--steps 12]
                          [--compare vllm,torch]
@@ -101,6 +104,25 @@ def kinds_scenario(seed: int) -> Scenario:
             .tool_outage(at_step=22, within_step=0.1, duration_s=13.0).build())
 
 
+def policy_spec(spec_base: dict[str, Any], policy: str, warm_spares: int = 0,
+                name: str | None = None) -> dict[str, Any]:
+    """The reference job under recovery ``policy`` with ``warm_spares``: the one place a bench
+    run's policy is set (local and Ray runs, role_local and whole_job alike)."""
+    return {**spec_base, "name": name or f"ettr-{policy}",
+            "recovery": {**spec_base["recovery"], "policy": policy, "warm_spares": warm_spares}}
+
+
+def warm_spares_for(policy: str, spec_base: dict[str, Any], gang: int | None = None) -> int:
+    """Warm spares that give each policy the same tuning: enough for every member one of its
+    restarts starts. role_local restarts a trainer gang (``gang`` spares, default the trainer's
+    workers); whole_job restarts every member, so it also gets one per rollout replica (none when
+    ``gang`` is 0: both start cold)."""
+    gang = spec_base["trainer"]["workers"] if gang is None else gang
+    if policy == "role_local" or gang == 0:
+        return gang
+    return gang + spec_base["rollout"]["replicas"]
+
+
 def _burn(stop_at: float) -> None:
     x = 0
     while time.time() < stop_at:
@@ -143,7 +165,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         api = ApiClient(stack.api_url, stack.settings.api_token)
 
         def spec(policy: str) -> dict[str, Any]:
-            return {**spec_base, "name": f"ettr-{policy}", "recovery": {**spec_base["recovery"], "policy": policy}}
+            return policy_spec(spec_base, policy)
 
         results["fault_free"] = await run_one(stack, api, spec("role_local"), None, "fault_free")
         results["role_local"] = await run_one(stack, api, spec("role_local"), trainer_scenario(args.seed),
@@ -152,16 +174,14 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                                              "whole_job (trainer faults)")
         # Both policies again with warm spares (pre-started member processes, imports done):
         # enough for a whole gang, and for every member of a whole-job restart.
-        def warm(policy: str, spares: int) -> dict[str, Any]:
-            base = spec(policy)
-            return {**base, "name": f"ettr-{policy}-warm", "recovery": {**base["recovery"], "warm_spares": spares}}
+        def warm(policy: str) -> dict[str, Any]:
+            return policy_spec(spec_base, policy, warm_spares_for(policy, spec_base), f"ettr-{policy}-warm")
 
         results["role_local_warm"] = await run_one(
-            stack, api, warm("role_local", spec_base["trainer"]["workers"]), trainer_scenario(args.seed),
+            stack, api, warm("role_local"), trainer_scenario(args.seed),
             "role_local + warm spares (trainer faults)")
         results["whole_job_warm"] = await run_one(
-            stack, api, warm("whole_job", spec_base["trainer"]["workers"] + spec_base["rollout"]["replicas"]),
-            trainer_scenario(args.seed), "whole_job + warm spares (trainer faults)")
+            stack, api, warm("whole_job"), trainer_scenario(args.seed), "whole_job + warm spares (trainer faults)")
         for name in ("fault_free", "role_local", "whole_job", "role_local_warm", "whole_job_warm"):
             results[name]["completion_vs_fault_free"] = round(
                 results[name]["completion_s"] / results["fault_free"]["completion_s"], 3)
@@ -222,10 +242,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 RAY_INSTANCE = "bench-ettr"
 
 
-def _ray_spec(spec_base: dict[str, Any], policy: str, launcher: str) -> dict[str, Any]:
+def _ray_spec(spec_base: dict[str, Any], policy: str, launcher: str, warm_spares: int) -> dict[str, Any]:
     # Half a CPU per member: a gang and both replicas fit one 2-CPU worker after a node loss.
-    return {**spec_base, "name": f"ettr-{launcher}-{policy}".replace("_", "-"),
-            "recovery": {**spec_base["recovery"], "policy": policy},
+    base = policy_spec(spec_base, policy, warm_spares, f"ettr-{launcher}-{policy}".replace("_", "-"))
+    return {**base,
             "trainer": {**spec_base["trainer"], "resources": {"cpus": 0.5}},
             "rollout": {**spec_base["rollout"], "resources": {"cpus": 0.5}, "placement": {"anti_affinity": "preferred"}}}
 
@@ -264,9 +284,11 @@ def _load() -> list[float]:
 
 
 def recovery_breakdown(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per trainer recovery, from the event log: detection -> decision -> the new gang started
-    (every rank's Launcher.start / relabel returned: what the launcher puts on the critical path)
-    -> recovered (the gang joined, loaded its checkpoint and trained)."""
+    """Per trainer or whole-job recovery, from the event log: detection -> decision -> the members
+    it restarts started (every Launcher.start / relabel returned: what the launcher puts on the
+    critical path; a trainer recovery starts the gang, a whole-job restart every member) ->
+    recovered (the gang joined, loaded its checkpoint and trained; for a whole job, also every
+    replica serving)."""
     first: dict[tuple[str, str], float] = {}
     for e in events:
         fid = (e.get("data") or {}).get("fault_id")
@@ -275,20 +297,67 @@ def recovery_breakdown(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for e in events:
         d = e.get("data") or {}
-        if e["kind"] != "recovered" or d.get("kind") != "trainer":
+        if e["kind"] != "recovered" or d.get("kind") not in ("trainer", "whole_job"):
             continue
         decided = first.get(("decision", d["fault_id"]))
         if decided is None:
             continue
-        starts = [x["ts"] for x in events if x["kind"] == "member_started" and (x.get("data") or {}).get("role")
-                  == "trainer" and decided <= x["ts"] <= e["ts"]]
+        roles = ("trainer",) if d["kind"] == "trainer" else ("trainer", "rollout")
+        started = [x for x in events if x["kind"] == "member_started" and (x.get("data") or {}).get("role")
+                   in roles and decided <= x["ts"] <= e["ts"]]
+        starts = [x["ts"] for x in started]
         detected = first.get(("fault_detected", d["fault_id"]), decided)
-        out.append({"fault_id": d["fault_id"], "source": d.get("source"),
+        out.append({"fault_id": d["fault_id"], "kind": d["kind"], "source": d.get("source"),
+                    "members_started": len(started),
+                    "warm_starts": sum(1 for x in started if (x.get("data") or {}).get("warm")),
                     "decide_s": round(decided - detected, 3),
                     "gang_start_s": round(max(starts) - decided, 3) if starts else None,
                     "gang_ready_s": round(e["ts"] - max(starts), 3) if starts else None,
-                    "recovery_s": d.get("recovery_s")})
+                    "recovery_s": d.get("recovery_s") or round(e["ts"] - detected, 3)})
     return out
+
+
+def ettr_breakdown(raw_events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where a run's wall time that ETTR does not count went, from its event log, by the
+    accounting's own definitions (robustrl.chaos.accounting: steps, open-fault intervals, the
+    median clean step). ``lost_s`` = completion - effective = ``between_steps_s`` (no step
+    running) - ``overlap_s`` (steps running at once) + ``excess_faulted_s`` (steps a fault was
+    open during, beyond the median clean step) + ``excess_clean_s`` (clean steps slower than
+    their median: the machine's noise, no fault's)."""
+    from robustrl.chaos import accounting as acc
+    from robustrl.messages import Event
+
+    log = sorted((Event.model_validate(e) for e in raw_events), key=lambda e: e.ts)
+    starts = [e.ts for e in log if e.kind == "step_started"]
+    end = next((e.ts for e in log if e.kind == "job_finished"), log[-1].ts if log else 0.0)
+    if not starts:
+        return {}
+    completion = end - starts[0]
+    intervals = [acc._open_interval(f, end) for f in acc._match_faults(log)]
+    steps = acc._step_durations(log)
+    clean = {k: v for k, v in steps.items() if not acc._overlaps(v[0], v[1], intervals)}
+    ref = statistics.median(d for _, _, d in clean.values()) if clean else 0.0
+    spans = sorted((s, e) for s, e, _ in steps.values())
+    union, cur_s, cur_e = 0.0, None, None
+    for s0, e0 in spans:
+        if cur_e is None or s0 > cur_e:
+            union += 0.0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s0, e0
+        else:
+            cur_e = max(cur_e, e0)
+    union += 0.0 if cur_e is None else cur_e - cur_s
+    effective = sum(min(d, ref) for _, _, d in steps.values())
+    clean_d = [d for _, _, d in clean.values()]
+    return {"completion_s": round(completion, 2), "effective_s": round(effective, 2),
+            "lost_s": round(completion - effective, 2), "median_clean_step_s": round(ref, 3),
+            "between_steps_s": round(completion - union, 2),
+            "overlap_s": round(sum(d for _, _, d in steps.values()) - union, 2),
+            "excess_faulted_s": round(sum(max(0.0, d - ref) for k, (_, _, d) in steps.items()
+                                          if k not in clean), 2),
+            "excess_clean_s": round(sum(max(0.0, d - ref) for d in clean_d), 2),
+            "faulted_steps": len(steps) - len(clean),
+            "clean_step_s": {"min": round(min(clean_d), 3), "max": round(max(clean_d), 3),
+                             "stdev": round(statistics.pstdev(clean_d), 3)} if clean_d else None}
 
 
 def _ray_cpu_s(cluster: Any) -> float:
@@ -304,6 +373,18 @@ def _ray_cpu_s(cluster: Any) -> float:
     return total
 
 
+def _ensure_nodes(cluster: Any) -> dict[str, Any]:
+    """Every node of the cluster alive before a run: a worker node the GCS failed (its raylet
+    missed the health checks, e.g. under a load spike, and exited) is started again and counted
+    (a run on a cluster without workers cannot place its members)."""
+    want = len(cluster.nodes)
+    alive = len(cluster.alive_nodes())
+    restarted = cluster.restore() if alive < want else []
+    if restarted:
+        cluster.wait_nodes(want)
+    return {"alive_before": alive, "restarted_before": restarted}
+
+
 async def _ray_bench_run(tmp: Path, cluster: Any, launcher: str, spec: dict[str, Any], seed: int,
                          label: str) -> dict[str, Any]:
     """One trainer-fault job on a stack of its own (started for it, stopped after it: only one
@@ -311,6 +392,7 @@ async def _ray_bench_run(tmp: Path, cluster: Any, launcher: str, spec: dict[str,
     env = {"ROBUSTRL_LAUNCHER": launcher}
     if launcher == "ray":
         env |= {"ROBUSTRL_RAY_ADDRESS": cluster.address, "ROBUSTRL_LAUNCHER_INSTANCE": RAY_INSTANCE}
+    nodes = _ensure_nodes(cluster)
     load_before = _load()
     with Stack(tmp / f"stack-{label}", extra_env=env) as stack:
         assert stack.settings
@@ -323,10 +405,44 @@ async def _ray_bench_run(tmp: Path, cluster: Any, launcher: str, spec: dict[str,
             jobs = api.jobs()  # this stack's only job
             if jobs:
                 out["job_id"] = jobs[-1]["job_id"]
-                out["recoveries"] = recovery_breakdown(api.events(out["job_id"]))
+                events = api.events(out["job_id"])
+                out["recoveries"] = recovery_breakdown(events)
+                out["ettr_breakdown"] = ettr_breakdown(events)
         finally:
             api.close()
-    out.update({"launcher": launcher, "load_before": load_before, "load_after": _load()})
+    out.update({"ray_nodes": {**nodes, "alive_after": len(cluster.alive_nodes())},
+                "launcher": launcher, "policy": spec["recovery"]["policy"],
+                "warm_spares": spec["recovery"]["warm_spares"], "load_before": load_before, "load_after": _load()})
+    return out
+
+
+RAY_RUNS = (("local", "role_local"), ("ray", "role_local"), ("ray", "whole_job"), ("local", "whole_job"))
+"""The runs of one group of ``--launcher ray`` (``--quick``: the first three)."""
+
+
+def _ray_group_summary(group: dict[str, Any]) -> dict[str, Any]:
+    """One group's figures for the summary: ETTR, recovery per fault, the launcher's and the
+    machine's share (gang start, load, Ray daemons' CPU), and where the lost time went."""
+    def one(run: dict[str, Any]) -> dict[str, Any]:
+        return {"ettr": run["ettr"], "status": run["status"], "faults": len(run["faults"]),
+                "recovery_s": [round(f["recovery_s"], 2) if f["recovery_s"] is not None else None
+                               for f in run["faults"]],
+                "gang_start_s": [r["gang_start_s"] for r in run.get("recoveries", [])],
+                "sources": [r["source"] or f"{r['warm_starts']}/{r['members_started']} warm"
+                            for r in run.get("recoveries", [])],
+                "load_1min_before": run["load_before"][:1], "ray_daemons_cpu_s": run.get("ray_daemons_cpu_s"),
+                "ray_nodes": run.get("ray_nodes"), "ettr_breakdown": run.get("ettr_breakdown")}
+    runs = {k: one(v) for k, v in group.items() if isinstance(v, dict) and "ettr" in v}
+    out: dict[str, Any] = {"order": group["order"], "runs": runs}
+    errors = {k: v["error"] for k, v in group.items() if isinstance(v, dict) and "error" in v and "ettr" not in v}
+    if errors:
+        out["errors"] = errors
+    if "local/role_local" in runs and "ray/role_local" in runs:
+        out["gap_ray_vs_local_role_local"] = round(
+            runs["ray/role_local"]["ettr"] - runs["local/role_local"]["ettr"], 4)
+    if "ray/whole_job" in runs and "ray/role_local" in runs:
+        out["gain_role_local_vs_whole_job_ray"] = round(
+            runs["ray/role_local"]["ettr"] - runs["ray/whole_job"]["ettr"], 4)
     return out
 
 
@@ -335,81 +451,109 @@ async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
     from robustrl.launcher.ray_cluster import LocalRayCluster
 
     spec_base = reference_job(steps=args.steps, seed=args.seed).model_dump(mode="json")
-    spares = args.warm_spares if args.warm_spares is not None else spec_base["trainer"]["workers"]
-    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-                               "job": {"steps": args.steps, "tool_latency_s": spec_base["tools"]["latency_s"],
-                                       "warm_spares": spares, "pairs": args.pairs},
-                               "cluster": "head (0 CPUs) + 2 workers (2 CPUs each) on 127.0.0.1-3, one machine"}
+    spares = {policy: warm_spares_for(policy, spec_base, args.warm_spares)
+              for policy in ("role_local", "whole_job")}
+    runs = RAY_RUNS[:3] if args.quick else RAY_RUNS
+    results: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "job": {"steps": args.steps, "tool_latency_s": spec_base["tools"]["latency_s"],
+                "warm_spares": spares, "groups": args.pairs, "runs_per_group": [f"{lr}/{p}" for lr, p in runs],
+                "scenario": "a trainer crash every 10 steps from step 5 (seeded; the same in every run)"},
+        "cluster": "head (0 CPUs) + 2 workers (2 CPUs each) on 127.0.0.1-3, one machine",
+        "provenance": "every figure measured in this run: ETTR, recovery and the ETTR breakdown from each "
+                      "job's event log (robustrl.chaos.accounting), load from /proc/loadavg, CPU from "
+                      "psutil, member start from timing Launcher.start; nothing is modelled"}
 
     def spec(policy: str, launcher: str) -> dict[str, Any]:
-        s = _ray_spec(spec_base, policy, launcher)
-        return {**s, "recovery": {**s["recovery"], "warm_spares": spares}}
+        return _ray_spec(spec_base, policy, launcher, spares[policy])
 
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    partial = args.out.with_suffix(".partial.json")
     with tempfile.TemporaryDirectory(prefix="rr-ettr-", dir="/tmp") as tmp:
         cluster = LocalRayCluster(Path(tmp) / "ray", workers=2, worker_cpus=2).start()
         try:
             results["member_start"] = start_times(cluster, Path(tmp) / "start")
             print(f"member start: {results['member_start']}", flush=True)
-            # Interleaved pairs, the order alternating (local first, then Ray first, ...): a change
-            # of the machine's load during the bench falls on both launchers alike.
-            pairs = []
+            # Interleaved groups, the order reversed every other group (A B C D, D C B A, ...): a
+            # drift of the machine's load during the bench falls on every kind of run alike.
+            groups = []
             for i in range(args.pairs):
-                order = ("local", "ray") if i % 2 == 0 else ("ray", "local")
-                pair: dict[str, Any] = {}
-                for launcher in order:
-                    pair[launcher] = await _ray_bench_run(
-                        Path(tmp), cluster, launcher, spec("role_local", launcher), args.seed,
-                        f"{launcher}-{i}")
-                pair["order"] = list(order)
-                pair["gap"] = round(pair["ray"]["ettr"] - pair["local"]["ettr"], 4)
-                print(f"pair {i}: local {pair['local']['ettr']:.3f} ray {pair['ray']['ettr']:.3f} "
-                      f"gap {pair['gap']:+.3f}", flush=True)
-                pairs.append(pair)
+                order = runs if i % 2 == 0 else runs[::-1]
+                group: dict[str, Any] = {"order": [f"{lr}/{p}" for lr, p in order]}
+                for launcher, policy in order:
+                    label = f"{launcher}-{policy.replace('_', '-')}-{i}"
+                    try:
+                        group[f"{launcher}/{policy}"] = await _ray_bench_run(
+                            Path(tmp), cluster, launcher, spec(policy, launcher), args.seed, label)
+                    except Exception as exc:  # noqa: BLE001 - recorded; the other runs go on
+                        group[f"{launcher}/{policy}"] = {"status": "bench error", "error": repr(exc)}
+                        print(f"{label}: {exc!r}", flush=True)
+                g = _ray_group_summary(group)
+                print(f"group {i}: " + "  ".join(f"{k} {v['ettr']:.3f}" for k, v in g["runs"].items()),
+                      flush=True)
+                groups.append(group)
                 # What is measured so far survives a later failure of the bench.
-                args.out.with_suffix(".partial.json").write_text(json.dumps({**results, "pairs": pairs}, indent=2))
-            results["pairs"] = pairs
-            if not args.quick:
-                for launcher in ("local", "ray"):
-                    results[f"{launcher}_whole_job"] = await _ray_bench_run(
-                        Path(tmp), cluster, launcher, spec("whole_job", launcher), args.seed, f"{launcher}-whole")
+                partial.write_text(json.dumps({**results, "groups": groups}, indent=2))
+            results["groups"] = groups
             env = {"ROBUSTRL_LAUNCHER": "ray", "ROBUSTRL_RAY_ADDRESS": cluster.address,
                    "ROBUSTRL_LAUNCHER_INSTANCE": RAY_INSTANCE}
             load_before = _load()
             try:
+                nodes = _ensure_nodes(cluster)
                 with Stack(Path(tmp) / "stack-node-loss", extra_env=env) as stack:
                     api = ApiClient(stack.api_url, stack.settings.api_token)  # type: ignore[union-attr]
-                    results["ray_node_loss"] = await _node_loss_run(stack, api, cluster, spec_base, audit, spares)
+                    results["ray_node_loss"] = await _node_loss_run(stack, api, cluster, spec_base, audit,
+                                                                    spares["role_local"])
                     api.close()
-            except Exception as exc:  # noqa: BLE001 - recorded: the pairs measured above are kept
+                results["ray_node_loss"]["ray_nodes"] = nodes
+            except Exception as exc:  # noqa: BLE001 - recorded: the groups measured above are kept
                 results["ray_node_loss"] = {"status": "bench error", "error": repr(exc)}
             results["ray_node_loss"].update({"load_before": load_before, "load_after": _load()})
         finally:
             cluster.stop()
             results["ray_processes_left"] = cluster.leftovers()
-    gaps = [p["gap"] for p in results["pairs"]] or [float("nan")]
-    s = results["summary"] = {
-        "warm_spares": spares,
-        "pairs": [{"local_ettr": p["local"]["ettr"], "ray_ettr": p["ray"]["ettr"], "gap": p["gap"], "order": p["order"],
-                   "load_1min_before": {k: p[k]["load_before"][:1] for k in ("local", "ray")},
-                   "faults": {k: len(p[k]["faults"]) for k in ("local", "ray")},
-                   "recovery_s": {k: [round(f["recovery_s"], 2) for f in p[k]["faults"] if f["recovery_s"]]
-                                  for k in ("local", "ray")},
-                   "gang_start_s": {k: [r["gang_start_s"] for r in p[k].get("recoveries", [])] for k in ("local", "ray")},
-                   "sources": {k: [r["source"] for r in p[k].get("recoveries", [])] for k in ("local", "ray")},
-                   "ray_daemons_cpu_s": {k: p[k].get("ray_daemons_cpu_s") for k in ("local", "ray")}}
-                  for p in results["pairs"]],
-        "mean_gap_ray_vs_local": round(statistics.fmean(gaps), 4),
-        "max_abs_gap": round(max(abs(g) for g in gaps), 4),
+            partial.write_text(json.dumps(results, indent=2))
+    results["summary"] = ray_summary(results)
+    return results
+
+
+def ray_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The ``--launcher ray`` summary from its measured runs (also usable on a .partial.json)."""
+    summaries = [_ray_group_summary(g) for g in results["groups"]]
+
+    def mean_of(vals: list[float]) -> float | None:
+        return round(statistics.fmean(vals), 4) if vals else None
+
+    def mean(key: str) -> float | None:
+        return mean_of([g[key] for g in summaries if key in g])
+
+    def ettrs(run: str) -> list[float]:
+        return [g["runs"][run]["ettr"] for g in summaries if run in g["runs"]]
+
+    gaps = [g["gap_ray_vs_local_role_local"] for g in summaries if "gap_ray_vs_local_role_local" in g]
+    node_loss = results.get("ray_node_loss", {})
+    return {
+        "warm_spares": results["job"]["warm_spares"],
+        "groups": summaries,
+        "role_local_ray_ettr": ettrs("ray/role_local"),
+        "whole_job_ray_ettr": ettrs("ray/whole_job"),
+        "role_local_local_ettr": ettrs("local/role_local"),
+        "whole_job_local_ettr": ettrs("local/whole_job"),
+        "mean_role_local_ray_ettr": mean_of(ettrs("ray/role_local")),
+        "mean_whole_job_ray_ettr": mean_of(ettrs("ray/whole_job")),
+        "mean_gain_role_local_vs_whole_job_ray": mean("gain_role_local_vs_whole_job_ray"),
+        "recovery_s_role_local_ray": [g["runs"]["ray/role_local"]["recovery_s"] for g in summaries
+                                      if "ray/role_local" in g["runs"]],
+        "recovery_s_whole_job_ray": [g["runs"]["ray/whole_job"]["recovery_s"] for g in summaries
+                                     if "ray/whole_job" in g["runs"]],
+        "gap_ray_vs_local_role_local": gaps,
+        "mean_gap_ray_vs_local": mean("gap_ray_vs_local_role_local"),
+        "max_abs_gap": round(max(abs(g) for g in gaps), 4) if gaps else None,
         "within_0_05": [abs(g) <= 0.05 for g in gaps],
         "member_start_median_s": {k: v["median_s"] for k, v in results["member_start"].items()},
-        "node_loss": {k: results["ray_node_loss"].get(k) for k in ("ettr", "status", "error", "node_lost_at_step",
-                                                                   "recovery_s", "audit_ok", "episodes_lost",
-                                                                   "recoveries")},
+        "node_loss": {k: node_loss.get(k) for k in ("ettr", "status", "error", "node_lost_at_step", "recovery_s",
+                                                    "audit_ok", "episodes_lost", "recoveries")},
     }
-    if not args.quick:
-        s["ray_whole_job_ettr"] = results["ray_whole_job"]["ettr"]
-        s["local_whole_job_ettr"] = results["local_whole_job"]["ettr"]
-    return results
 
 
 async def _node_loss_run(stack: Stack, api: ApiClient, cluster: Any, spec_base: dict[str, Any],
@@ -437,8 +581,7 @@ async def _node_loss_run(stack: Stack, api: ApiClient, cluster: Any, spec_base: 
 
     args_steps = int(spec_base["steps"])
     t0 = time.time()
-    spec = _ray_spec(spec_base, "role_local", "ray")
-    spec["recovery"] = {**spec["recovery"], "warm_spares": spares}
+    spec = _ray_spec(spec_base, "role_local", "ray", spares)
     report = await run_job(stack.settings, api, spec, None, step_time_s=3.5, timeout_s=1200, on_status=kill_half_way)
     out = summarize(report)
     if "job_id" in report:
@@ -567,11 +710,11 @@ if __name__ == "__main__":
     parser.add_argument("--out", type=Path, default=Path("bench/results/ettr.json"))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="Only the three trainer-fault runs.")
+    parser.add_argument("--quick", action="store_true", help="Only the three trainer-fault runs (--launcher ray: no local whole_job).")
     parser.add_argument("--launcher", choices=("local", "ray"), default="local",
                         help="ray: local vs Ray launcher on a 3-node Ray cluster on this machine (module docstring).")
     parser.add_argument("--pairs", type=int, default=3,
-                        help="--launcher ray: interleaved local/Ray role_local runs (the order alternating).")
+                        help="--launcher ray: interleaved groups (local and Ray role_local, Ray and local whole_job).")
     parser.add_argument("--engine", choices=("torch", "vllm"), default="torch",
                         help="vllm: the HF-model job per rollout engine of --compare (module docstring).")
     parser.add_argument("--compare", default="vllm,torch",
@@ -579,8 +722,8 @@ if __name__ == "__main__":
     parser.add_argument("--crash-within-step", type=float, default=None,
                         help="--engine vllm: crash this many seconds into the step (default: a random moment).")
     parser.add_argument("--warm-spares", type=int, default=None,
-                        help="--launcher ray: recovery.warm_spares of every run, local and Ray alike "
-                             "(default: the trainer's workers).")
+                        help="--launcher ray: recovery.warm_spares of every role_local run, local and Ray "
+                             "alike (default: the trainer's workers); whole_job runs get one more per replica.")
     args = parser.parse_args()
     res = asyncio.run(main_ray(args) if args.launcher == "ray"
                       else main_engines(args) if args.engine == "vllm" else main(args))
