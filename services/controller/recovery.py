@@ -103,7 +103,10 @@ class RecoveryExecutor:
                   "fault_at": fault.fault_at,
                   "detection_s": None if began is None else fault.detected_at - began,
                   "evidence": fault.evidence, "recovery_s": None, "decision": None}
-        view = job_view(job, spares_ready=self.c.launcher.spares_ready(), can_borrow=self.c.launcher.can_relabel())
+        # Off the event loop: the Ray launcher's count makes blocking cluster calls (ray.wait, ray.get
+        # with a timeout, ray.nodes) that would stall the API and the bus on a slow cluster.
+        spares = await asyncio.to_thread(self.c.launcher.spares_ready)
+        view = job_view(job, spares_ready=spares, can_borrow=self.c.launcher.can_relabel())
         decision = decide_mod.decide(now, view, fault, job.spec.recovery)
         record["decision"] = {"actions": decision.names(), "reason": decision.reason}
         if not all(isinstance(a, Ignore) for a in decision.actions):
