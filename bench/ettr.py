@@ -155,6 +155,45 @@ async def run_one(stack: Stack, api: ApiClient, spec: dict[str, Any], scenario: 
     return out
 
 
+async def rollout_crash_runs(stack: Stack, api: ApiClient, spec_base: dict[str, Any],
+                             seed: int) -> dict[str, Any]:
+    """The rollout-crash scenario under both policies on a tool-heavy job, each with what its
+    crashes cost in generation (``redispatch``, measured from the event log)."""
+    tool_heavy = {**spec_base, "data": {**spec_base["data"], "tasks": ["lookup"]}}
+    out = {pol: await run_one(stack, api, {**tool_heavy, "name": f"rcrash-{pol}",
+                                           "recovery": {**spec_base["recovery"], "policy": pol}},
+                              rollout_scenario(seed), f"{pol} (rollout crashes)")
+           for pol in ("role_local", "whole_job")}
+    for pol in out:
+        out[pol]["redispatch"] = redispatch_summary(out[pol])
+    return out
+
+
+async def main_rollout(args: argparse.Namespace) -> dict[str, Any]:
+    """``--only rollout``: the rollout-crash scenario alone (both policies, one stack)."""
+    spec_base = reference_job(steps=args.steps, seed=args.seed).model_dump(mode="json")
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+                               "job": {"steps": args.steps, "tool_latency_s": spec_base["tools"]["latency_s"]},
+                               "measured": True}
+    with tempfile.TemporaryDirectory(prefix="ettr-") as tmp, Stack(Path(tmp)) as stack:
+        assert stack.settings
+        api = ApiClient(stack.api_url, stack.settings.api_token)
+        results["rollout_crash"] = await rollout_crash_runs(stack, api, spec_base, args.seed)
+        api.close()
+    rl = results["rollout_crash"]["role_local"]
+    red = rl["redispatch"]
+    results["summary"] = {
+        "role_local_ettr": rl["ettr"], "whole_job_ettr": results["rollout_crash"]["whole_job"]["ettr"],
+        "role_local_redispatch": red,
+        "whole_job_tokens_regenerated": results["rollout_crash"]["whole_job"]["redispatch"]["tokens_regenerated"],
+        # issue 12: the scenario must catch work in flight (> 0 tokens regenerated) and re-dispatch
+        # an episode from its last tool-turn prefix (<= one turn regenerated per episode).
+        "targets": {"tokens_regenerated_gt_0": red["tokens_regenerated"] > 0,
+                    "turns_per_redispatched_episode_le_1": red["max_turns_regenerated_per_episode"] <= 1.0},
+    }
+    return results
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     spec_base = reference_job(steps=args.steps, seed=args.seed).model_dump(mode="json")
     results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -186,14 +225,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             results[name]["completion_vs_fault_free"] = round(
                 results[name]["completion_s"] / results["fault_free"]["completion_s"], 3)
         if not args.quick:
-            tool_heavy = {**spec_base, "data": {**spec_base["data"], "tasks": ["lookup"]}}
-            results["rollout_crash"] = {
-                pol: await run_one(stack, api, {**tool_heavy, "name": f"rcrash-{pol}",
-                                                "recovery": {**spec_base["recovery"], "policy": pol}},
-                                   rollout_scenario(args.seed), f"{pol} (rollout crashes)")
-                for pol in ("role_local", "whole_job")}
-            for pol in ("role_local", "whole_job"):
-                results["rollout_crash"][pol]["redispatch"] = redispatch_summary(results["rollout_crash"][pol])
+            results["rollout_crash"] = await rollout_crash_runs(stack, api, spec_base, args.seed)
             results["every_kind"] = await run_one(stack, api, spec("role_local"), kinds_scenario(args.seed),
                                                   "role_local (every fault kind)")
             # Benign: tools slower than rollout_idle_s, trainer waiting longer than trainer_idle_s,
@@ -711,6 +743,8 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="Only the three trainer-fault runs (--launcher ray: no local whole_job).")
+    parser.add_argument("--only", choices=("rollout",), default=None,
+                        help="rollout: only the rollout-crash scenario, role_local and whole_job.")
     parser.add_argument("--launcher", choices=("local", "ray"), default="local",
                         help="ray: local vs Ray launcher on a 3-node Ray cluster on this machine (module docstring).")
     parser.add_argument("--pairs", type=int, default=3,
@@ -726,7 +760,8 @@ if __name__ == "__main__":
                              "alike (default: the trainer's workers); whole_job runs get one more per replica.")
     args = parser.parse_args()
     res = asyncio.run(main_ray(args) if args.launcher == "ray"
-                      else main_engines(args) if args.engine == "vllm" else main(args))
+                      else main_engines(args) if args.engine == "vllm"
+                      else main_rollout(args) if args.only == "rollout" else main(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
     print(json.dumps(res["summary"], indent=2))
