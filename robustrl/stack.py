@@ -186,12 +186,9 @@ class Stack:
             self.supervisor.specs[name] = ServiceSpec(name=name, module=f"robustrl.services.{name}")
         if env:
             self.supervisor.specs[name].env.update(env)
-        # Spawned while paused, supervised again only once the new process is the one recorded:
-        # resumed first, a supervision round in between would see the old process's exit and
-        # start a second copy (which races this one for the service's port).
-        self.supervisor.pause(name)
-        self.supervisor.spawn(name)
-        self.supervisor.resume(name)
+        # One copy: a supervision round between separate pause/spawn/resume calls could restart
+        # the old process's exit as a second copy racing this one for the service's port.
+        self.supervisor.start_one(name)
         self._write_state()
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:

@@ -209,6 +209,22 @@ class Supervisor:
         with self._lock:
             self._paused.discard(name)
 
+    def start_one(self, name: str) -> int:
+        """Start ``name`` now as its only copy, whatever supervision did meanwhile: under the lock
+        (no supervision round in between) any live process of it is killed first (a round may
+        already have restarted it), the new one is spawned and recorded, then supervised again."""
+        with self._lock:
+            self._paused.add(name)
+            self._pending.pop(name, None)
+            proc = self.procs.get(name)
+            if proc is not None and proc.returncode() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                _wait_gone(proc, STOP_GRACE_S)
+            pid = self.spawn(name)
+            self._paused.discard(name)
+            return pid
+
     def stop_all(self, names: list[str] | None = None, grace_s: float = STOP_GRACE_S) -> None:
         """SIGTERM each (in order), SIGKILL after ``grace_s``; they are not restarted."""
         for name in names or list(self.procs):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 from typing import Any
 
 import pytest
@@ -302,10 +303,11 @@ class _RestockController:
 
     leading = True
 
-    def __init__(self, fail: dict[int, int]) -> None:
+    def __init__(self, fail: dict[int, int], on_start: Any = None) -> None:
         from robustrl.services.controller.recovery import RecoveryExecutor
 
         self.fail = fail
+        self.on_start = on_start  # awaited with (job, slot) as a start begins (what happens meanwhile)
         self.persisted: list[dict[int, int]] = []
         self.records: list[dict[str, Any]] = []  # the job record as persisted (owed slots, member states)
         self.durable_at_start: list[tuple[str, dict[str, Any]]] = []  # planned member, record at its start
@@ -325,6 +327,8 @@ class _RestockController:
         assert intent is not None, "a restock starts a replica without persisting its intent first"
         await intent(job)
         self.durable_at_start.append((mid, self.records[-1]))
+        if self.on_start is not None:
+            await self.on_start(job, slot)
         if self.fail.get(slot, 0) > 0:
             self.fail[slot] -= 1
             job.members[mid].state = "dead"
@@ -387,6 +391,39 @@ def test_a_failed_restock_is_retried_with_an_event_per_attempt_until_it_starts(q
     assert c.persisted[-1] == {} and {1: 1} in c.persisted and {1: 2} in c.persisted
 
 
+def test_a_slot_owed_again_while_its_pass_runs_is_restocked_before_the_loop_ends(quick_retries):
+    """A replacement started in this pass is borrowed in turn (a trainer recovery while the next
+    slot starts) and its slot owed again: the loop starts it again instead of ending with the
+    slot owed and no loop left to wake (an outside audit reproduced that)."""
+    from robustrl.config import JobSpec
+    from robustrl.services.controller.jobs import JobRun
+
+    job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 3}}))
+    job.slot_incarnation = {0: 0, 1: 0, 2: 0}
+    job.restock_owed = {0: 0, 1: 0}
+    reowed: list[int] = []
+
+    async def borrow_slot_0_meanwhile(job_: JobRun, slot: int) -> None:
+        if slot == 1 and not reowed:  # slot 0's new replica (incarnation 1) is borrowed now
+            reowed.append(job_.slot_incarnation[0])
+            job_.members["rollout-0-i1"].state = "dead"  # as RecoveryExecutor._drain marks a borrowed one
+            await c.executor.owe(job_, {0: job_.slot_incarnation[0]})
+
+    c = _RestockController(fail={}, on_start=borrow_slot_0_meanwhile)
+
+    async def scenario() -> None:
+        await asyncio.wait_for(c.executor.restock(job), 10)
+        await asyncio.sleep(0)  # a loop spawned by the wake-up, if any, would start now
+        assert job.job_id not in c.executor._restocking
+
+    asyncio.run(scenario())
+    assert reowed == [1]
+    assert job.restock_owed == {}, f"slot owed with no restock loop left: {job.restock_owed}"
+    restocked = [d["member_id"] for k, d in c.events if k == "replica_restocked"]
+    assert restocked == ["rollout-0-i1", "rollout-1-i1", "rollout-0-i2"], c.events
+    assert c.persisted[-1] == {}
+
+
 def test_restock_retries_stop_when_the_job_ends_and_a_slot_owed_meanwhile_does_not_wait(monkeypatch):
     """The retries end with the job; a slot owed while the loop backs off is started at once
     (the loop is woken), not after the back-off, and by the same loop (one per job)."""
@@ -432,8 +469,8 @@ def test_a_local_spare_that_cannot_be_started_is_started_again_later(tmp_path, m
     monkeypatch.setattr(local, "SPARE_RESTOCK_DELAY_S", 0.05)
     real, refused = subprocess.Popen, []
 
-    def popen(argv, *args, **kwargs):  # the first two spares are refused, as under a process limit
-        if SPARE_MODULE in argv and len(refused) < 2:
+    def popen(argv, *args, **kwargs):  # the first spares are refused, as under a process limit
+        if SPARE_MODULE in argv and len(refused) < 5:
             refused.append(argv)
             raise BlockingIOError(11, "fork refused (injected)")
         return real(argv, *args, **kwargs)
@@ -446,8 +483,13 @@ def test_a_local_spare_that_cannot_be_started_is_started_again_later(tmp_path, m
 
     try:
         launcher.keep_spares(1)  # refused: the retries run in timer threads from here on
+        # More calls failing meanwhile (keep_spares of other jobs) join the one retry chain.
+        for _ in range(3):
+            launcher.keep_spares(1)
+        timers = [t for t in threading.enumerate() if isinstance(t, threading.Timer) and t.is_alive()]
+        assert len(timers) <= 1, f"{len(timers)} retry chains"
         started = eventually(spares, timeout=10, interval=0.05, what="a spare started after the refusals")
-        assert len(refused) == 2 and len(started) == 1 and launcher.spares_ready() == 1
+        assert len(refused) == 5 and len(started) == 1 and launcher.spares_ready() == 1
     finally:
         launcher.close()
     assert spares() == []

@@ -124,6 +124,31 @@ def test_paused_service_is_not_restarted(supervised: tuple[Supervisor, threading
     assert sup.pids()["svc"] == pid and read_restarts(tmp_path) == []
 
 
+def _copies(sup: Supervisor) -> list[int]:
+    """Live processes running the service's command line (its port makes it unique)."""
+    port = sup.specs["svc"].args[-1]
+    return [p.pid for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["cmdline"] and "http.server" in p.info["cmdline"] and port in p.info["cmdline"]
+            and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+
+def test_start_one_leaves_one_copy_even_after_supervision_restarted_the_service(
+        supervised: tuple[Supervisor, threading.Event], tmp_path: Path) -> None:
+    """Stack.start_service's race: the service crashed and a supervision round restarted it before
+    the explicit start; the explicit start must replace that copy, not run beside it."""
+    sup, _ = supervised
+    first = sup.pids()["svc"]
+    os.killpg(first, signal.SIGKILL)  # a crash, not paused: supervision restarts it
+    restarted = eventually(lambda: (p := sup.pids()["svc"]) != first and _alive(p) and p, timeout=10,
+                           interval=0.05, what="the supervisor's restart")
+    pid = sup.start_one("svc")
+    assert pid != restarted and not _alive(restarted)
+    assert sup.pids()["svc"] == pid and _copies(sup) == [pid]
+    for _ in range(5):  # later rounds see nothing to restart
+        sup.poll_once()
+    assert sup.pids()["svc"] == pid and _copies(sup) == [pid]
+
+
 def test_detached_supervisor_adopts_processes_it_did_not_start(tmp_path: Path) -> None:
     """``robustrl up`` hands its services to ``python -m robustrl.supervisor``: it restarts them too."""
     from robustrl.supervisor import write_handover

@@ -118,6 +118,7 @@ class LocalLauncher(Launcher):
         self._spares_wanted = 0
         self._spare_seq = 0
         self._restock_failures = 0  # restocks failed in a row (their retries back off)
+        self._retry_pending = False  # a retry timer after a failed start is scheduled
         self.spares_used = 0
         """Members started from a warm spare (the rest were cold starts)."""
         self._closed = False
@@ -138,8 +139,9 @@ class LocalLauncher(Launcher):
             self._release(self._spares.pop())
         while not self._closed and len(self._spares) < self._spares_wanted:
             self._spare_seq += 1
-            log = open(self.log_dir / f"spare-{self._spare_seq}.log", "ab")  # noqa: SIM115 - owned by the child
+            log = None
             try:
+                log = open(self.log_dir / f"spare-{self._spare_seq}.log", "ab")  # noqa: SIM115 - owned by the child
                 self._spares.append(subprocess.Popen(
                     [sys.executable, "-m", SPARE_MODULE], env=self.base_env, stdin=subprocess.PIPE,
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
@@ -148,16 +150,22 @@ class LocalLauncher(Launcher):
                 delay = min(SPARE_RESTOCK_DELAY_S * 2 ** (self._restock_failures - 1), SPARE_RETRY_MAX_S)
                 _log.warning("cannot start a warm spare (failure %d in a row: %s); trying again in %.0f s",
                              self._restock_failures, exc, delay)
-                self._restock_later(delay)
+                if not self._retry_pending:  # one retry chain, however many calls failed meanwhile
+                    self._retry_pending = True
+                    self._restock_later(delay, retry=True)
                 return
             finally:
-                log.close()
+                if log is not None:
+                    log.close()
         self._restock_failures = 0
 
-    def _restock_later(self, delay_s: float | None = None) -> None:
-        """``_restock`` in a timer thread, ``delay_s`` (default ``SPARE_RESTOCK_DELAY_S``) from now."""
+    def _restock_later(self, delay_s: float | None = None, retry: bool = False) -> None:
+        """``_restock`` in a timer thread, ``delay_s`` (default ``SPARE_RESTOCK_DELAY_S``) from now
+        (``retry``: the one pending retry after a failed start)."""
         def restock() -> None:
             with self._lock:
+                if retry:
+                    self._retry_pending = False
                 self._restock()
 
         timer = threading.Timer(SPARE_RESTOCK_DELAY_S if delay_s is None else delay_s, restock)

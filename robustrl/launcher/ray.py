@@ -214,6 +214,7 @@ class RayLauncher(Launcher):
         self._spares_found = False  # a predecessor's spares looked up (once)
         self._restock_lock = threading.Lock()
         self._restock_failures = 0  # restocks failed in a row (their retries back off)
+        self._retry_pending = False  # the retry timer after a failed restock is scheduled
         self._timers: set[threading.Timer] = set()
         self._trainer_shape: _Shape | None = None
         self.spares_used = 0
@@ -490,7 +491,10 @@ class RayLauncher(Launcher):
             delay = min(SPARE_RESTOCK_DELAY_S * 2 ** (self._restock_failures - 1), SPARE_RETRY_MAX_S)
             log.warning("warm spare pool short (restock failure %d in a row): trying again in %.0f s",
                         self._restock_failures, delay)
-        self._restock_later(delay)
+            if self._retry_pending:  # one retry chain, however many calls failed meanwhile
+                return
+            self._retry_pending = True
+        self._restock_later(delay, retry=True)
 
     def _restock_locked(self) -> bool:
         """``_restock``'s work (restock lock held); False when a missing spare could not be started."""
@@ -541,11 +545,15 @@ class RayLauncher(Launcher):
         return _Member(MemberSpec("", name, "spare", SPARE_MODULE), name, actor, warm=True,
                        shape=shape, ready=ready)
 
-    def _restock_later(self, delay_s: float | None = None) -> None:
-        """``_restock`` in a timer thread, ``delay_s`` (default ``SPARE_RESTOCK_DELAY_S``) from now."""
+    def _restock_later(self, delay_s: float | None = None, retry: bool = False) -> None:
+        """``_restock`` in a timer thread, ``delay_s`` (default ``SPARE_RESTOCK_DELAY_S``) from now
+        (``retry``: the one pending retry after a failed restock)."""
         def restock() -> None:
             with self._lock:
                 self._timers.discard(timer)
+            if retry:
+                with self._restock_lock:
+                    self._retry_pending = False
             self._restock()
 
         timer = threading.Timer(SPARE_RESTOCK_DELAY_S if delay_s is None else delay_s, restock)

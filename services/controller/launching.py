@@ -156,8 +156,9 @@ class MemberStarter:
         env = self.member_env(job, mid, "rollout")
         if intent is not None:
             job.members[mid] = MemberInfo(mid, "rollout", slot, inc)
-            await intent(job)
         try:
+            if intent is not None:  # inside: an intent that could not be saved leaves no "starting" member
+                await intent(job)
             await asyncio.to_thread(self.launcher.start, self.replica_spec(job, mid, env))
         except BaseException:
             if intent is not None:

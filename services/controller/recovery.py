@@ -266,14 +266,18 @@ class RecoveryExecutor:
             wake.clear()
 
         try:
-            async for attempt in AsyncRetrying(
-                    wait=wait_exponential(multiplier=RESTOCK_RETRY_MIN_S, max=RESTOCK_RETRY_MAX_S),
-                    # Any error (Redis or NATS away, too): a restock given up is a pool short for good.
-                    retry=retry_if_exception_type(Exception), sleep=nap, reraise=True,
-                    before_sleep=before_sleep_log(log, logging.WARNING)):
-                with attempt:
-                    wake.clear()
-                    await self._restock_pass(job, attempts)
+            while True:
+                async for attempt in AsyncRetrying(
+                        wait=wait_exponential(multiplier=RESTOCK_RETRY_MIN_S, max=RESTOCK_RETRY_MAX_S),
+                        # Any error (Redis or NATS away, too): a restock given up is a pool short for good.
+                        retry=retry_if_exception_type(Exception), sleep=nap, reraise=True,
+                        before_sleep=before_sleep_log(log, logging.WARNING)):
+                    with attempt:
+                        wake.clear()
+                        await self._restock_pass(job, attempts)
+                # A slot owed while the last pass ended (its wake-up came to this loop): go again.
+                if not (wake.is_set() and job.restock_owed and not job.done and self.c.leading):
+                    break
         finally:
             del self._restocking[job.job_id]
 
@@ -281,10 +285,12 @@ class RecoveryExecutor:
         """Start a replacement for every slot owed, once each (slots owed meanwhile included).
         Raises SlotsStillOwed if one failed."""
         failed: list[int] = []
-        tried: set[int] = set()
-        while todo := sorted((s, i) for s, i in job.restock_owed.items() if s not in tried):
+        # (slot, incarnation owed): a slot owed again during the pass, for a newer borrow of its
+        # replacement, is started again in it; a slot whose start failed waits for the back-off.
+        tried: set[tuple[int, int]] = set()
+        while todo := sorted((s, i) for s, i in job.restock_owed.items() if (s, i) not in tried and s not in failed):
             slot, owed_inc = todo[0]
-            tried.add(slot)
+            tried.add((slot, owed_inc))
             # Under the recovery lock: a whole-job restart carried out meanwhile restarts every
             # slot itself, and must not find a restocked incarnation it does not know of.
             async with self.lock:
