@@ -354,7 +354,9 @@ async def test_a_subscriber_frozen_after_an_offer_loses_it_and_others_pull_on(ki
 
 async def test_a_subscriber_that_stops_reading_mid_chunk_loses_the_upload_slot(kind: str, version, servers) -> None:
     """A raw socket with a tiny receive window takes a chunk and then reads nothing: the chunk's
-    send stalls at the source, which ends that connection after ``send_timeout_s``."""
+    send stalls at the source, which ends that connection after ``send_timeout_s``. (The others
+    finish ~2.5 s in: the chunk it took counts as sent, so patient pullers get it from the
+    publisher only once they starve, ``STARVE_S``.)"""
     if kind != "tcp":
         pytest.skip("a raw socket with a tiny receive window: TCP only")
     buffer, manifest, _ = version

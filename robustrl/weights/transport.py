@@ -18,6 +18,11 @@ what it wants is as fresh as their last exchange. A relay's newly verified chunk
 out to a subscriber at once (no availability poll), and an upload slot never idles while some
 subscriber wants a chunk its source holds.
 
+An offer holds the source's place in line until answered, and a chunk its upload slot until sent:
+a subscriber that does not answer within ``RequestHandler.answer_timeout_s`` loses its
+subscription, and a reply whose bytes do not leave within ``send_timeout_s`` ends its connection,
+so a frozen or cut-off puller (SIGSTOP, partition) stalls nobody else.
+
 Every reply starts with a fixed 16-byte header carrying a status, the source's current load
 (uploads in progress or lined up, offers out, FETCHes waiting), and the payload length, so a puller
 learns the load of its sources for free. Two implementations share this format: ``tcp``
