@@ -136,10 +136,11 @@ async def test_waiting_fetches_come_before_offers_and_a_dropped_version_ends_sub
     server.add_version(manifest, data)
     sub = server.subscribe(1, _want(range(N)))
     offer = sub.offer.result()
-    fetch = server.request_chunk(1, 5)
+    other = 5 if offer.chunks[0] != 5 else 6  # (once sent, the offered chunk is no longer fresh: not re-offered)
+    fetch = server.request_chunk(1, other)
     assert not fetch.future.done()  # the offer holds the pipeline
     sub.pass_(_want(set()))  # nothing wanted any more
-    assert fetch.future.done() and fetch.future.result().index == 5
+    assert fetch.future.done() and fetch.future.result().index == other
     assert not sub.offer.done()
     sub.update(_want({offer.chunks[0]}))
     server.done(fetch.future.result(), 0)
@@ -167,6 +168,8 @@ def test_a_subscriber_takes_one_chunk_at_a_time_but_fresh_ones_at_once(done_frac
     p = _puller(manifest)
     p.chunk_s = 0.1
     assert p._choose(Offer([3, 4])) == (3, 0)  # nothing on its way: take the first wanted
+    assert p._choose(Offer([3, 4]), bad={3}) == (4, 0)  # never what this source sent corrupt
+    assert p._choose(Offer([3]), bad={3}) == (-1, 0)
     p.want[3] = False
     assert p._choose(Offer([3, 4])) == (4, 0)
     nbytes = manifest.chunks[0].nbytes

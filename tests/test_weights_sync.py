@@ -6,17 +6,18 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import socket
 from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 import pytest
 import torch
 
-from robustrl.errors import WeightSyncError
+from robustrl.errors import TransportError, WeightSyncError
 from robustrl.weights import Fault, Manifest, WeightServer, pull
 from robustrl.weights.flat import flatten_state_dict, load_into, unflatten
 from robustrl.weights.manifest import chunk_checksum, version_checksum
-from robustrl.weights.transport import make_client
+from robustrl.weights.transport import HEADER, Op, Status, SubMessage, encode_have, make_client
 
 # UCX reads its environment when ucxx initialises: loopback TCP only, no warnings
 os.environ.setdefault("UCX_TLS", "tcp")
@@ -65,8 +66,8 @@ def version() -> tuple[torch.Tensor, Manifest, dict[str, torch.Tensor]]:
 async def servers(kind: str) -> AsyncIterator[Callable[..., asyncio.Future[WeightServer]]]:
     started: list[WeightServer] = []
 
-    async def start(fault: Fault | None = None) -> WeightServer:
-        server = WeightServer(kind, fault=fault)
+    async def start(fault: Fault | None = None, **kwargs: object) -> WeightServer:
+        server = WeightServer(kind, fault=fault, **kwargs)  # type: ignore[arg-type]
         await server.start()
         started.append(server)
         return server
@@ -314,3 +315,150 @@ async def test_relaying_pullers_each_chunk_leaves_the_trainer_once(kind: str, ve
         assert stats.bytes_resent == 0
     assert trainer.bytes_sent == manifest.total_bytes  # super-seeding: one copy
     assert sum(r.bytes_sent for r in relays) == 2 * manifest.total_bytes  # the relays carried the rest
+
+
+# -- a frozen subscriber (SIGSTOPped replica, partitioned link) must not stop the source -----------
+
+
+async def _others_pull_past(manifest: Manifest, trainer: WeightServer, servers) -> None:
+    """Two relaying pullers complete from ``trainer`` while a frozen subscriber holds its only
+    upload place, without giving up on the trainer."""
+    relays = [await servers() for _ in range(2)]
+    sources = [trainer.address, *(r.address for r in relays)]
+    results = await asyncio.wait_for(asyncio.gather(
+        *(pull(manifest, sources, relay=r, seed=i, stall_timeout_s=2.0) for i, r in enumerate(relays))), 20)
+    for buf, stats in results:
+        assert _checksum(buf, manifest) == manifest.checksum
+        assert trainer.address not in stats.failed_sources  # the trainer was never marked dead
+
+
+async def test_a_subscriber_frozen_after_an_offer_loses_it_and_others_pull_on(kind: str, version, servers) -> None:
+    buffer, manifest, _ = version
+    trainer = await servers(answer_timeout_s=0.5)
+    trainer.add_version(manifest, buffer)
+    frozen = make_client(trainer.address)
+    await frozen.connect()
+    try:
+        everything = encode_have(np.ones(manifest.num_chunks, dtype=bool))
+        await frozen.send_sub(Op.SUB, manifest.version, SubMessage(everything))
+        status, offer = await frozen.next_offer()  # the trainer's one upload place is now its offer's
+        assert status is Status.OFFER and offer is not None and offer.chunks
+        # ... and it never answers: the source takes the offer back and ends the subscription
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(frozen.next_offer(), 5)
+        await _others_pull_past(manifest, trainer, servers)
+        assert trainer.load() == 0 and trainer._pipeline == 0  # nothing is still held for it
+    finally:
+        await frozen.close()
+
+
+async def test_a_subscriber_that_stops_reading_mid_chunk_loses_the_upload_slot(kind: str, version, servers) -> None:
+    """A raw socket with a tiny receive window takes a chunk and then reads nothing: the chunk's
+    send stalls at the source, which ends that connection after ``send_timeout_s``. (The others
+    finish ~2.5 s in: the chunk it took counts as sent, so patient pullers get it from the
+    publisher only once they starve, ``STARVE_S``.)"""
+    if kind != "tcp":
+        pytest.skip("a raw socket with a tiny receive window: TCP only")
+    buffer, manifest, _ = version
+    trainer = await servers(send_timeout_s=0.5)
+    trainer.add_version(manifest, buffer)
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    sock.setblocking(False)
+    try:
+        host, port = trainer.address.removeprefix("tcp://").rsplit(":", 1)
+        await loop.sock_connect(sock, (host, int(port)))
+        everything = encode_have(np.ones(manifest.num_chunks, dtype=bool))
+        body = SubMessage(everything).encode()
+        await loop.sock_sendall(sock, HEADER.pack(Op.SUB, len(body), manifest.version) + body)
+        head = await asyncio.wait_for(_recv_n(loop, sock, HEADER.size), 5)
+        status, _, nbytes = HEADER.unpack(head)
+        assert status == Status.OFFER
+        words = np.frombuffer(await _recv_n(loop, sock, nbytes), dtype=">u4")
+        take = SubMessage(everything, chunk=int(words[1])).encode()
+        await loop.sock_sendall(sock, HEADER.pack(Op.TAKE, len(take), manifest.version) + take)
+        await asyncio.sleep(0.2)  # the chunk's bytes fill the window; then it reads nothing more
+        await _others_pull_past(manifest, trainer, servers)
+        assert trainer.load() == 0 and trainer._pipeline == 0
+        assert not trainer._slots.locked()  # its upload slot came back
+    finally:
+        sock.close()
+
+
+async def _recv_n(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = await loop.sock_recv(sock, n - len(data))
+        if not part:
+            raise ConnectionResetError("closed")
+        data += part
+    return data
+
+
+# -- garbage lengths from the wire: a clear error, never an allocation of whatever the header says --
+
+
+async def test_an_offer_longer_than_any_source_sends_is_refused(kind: str, version, servers) -> None:
+    if kind != "tcp":
+        pytest.skip("a raw fake source: TCP only")
+    loop = asyncio.get_running_loop()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+
+    async def liar() -> None:  # answers any SUB with an OFFER header claiming 1 TiB
+        conn, _ = await loop.sock_accept(listener)
+        with conn:
+            conn.setblocking(False)
+            await _recv_n(loop, conn, HEADER.size)
+            await loop.sock_sendall(conn, HEADER.pack(Status.OFFER, 0, 1 << 40))
+            await asyncio.sleep(5)
+
+    task = asyncio.create_task(liar())
+    client = make_client(f"tcp://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        await client.connect()
+        await client.send_sub(Op.SUB, 7, SubMessage(b"\xff"))
+        with pytest.raises(TransportError, match="offer longer"):
+            await asyncio.wait_for(client.next_offer(), 5)
+    finally:
+        await client.close()
+        task.cancel()
+        listener.close()
+
+
+async def test_a_subscription_body_longer_than_its_bitmap_ends_only_that_connection(kind: str, version,
+                                                                                    servers) -> None:
+    if kind != "tcp":
+        pytest.skip("a raw socket client: TCP only")
+    buffer, manifest, _ = version
+    trainer = await servers()
+    trainer.add_version(manifest, buffer)
+    loop = asyncio.get_running_loop()
+    host, port = trainer.address.removeprefix("tcp://").rsplit(":", 1)
+
+    async def raw(header: bytes) -> bytes:
+        """Send ``header`` on a fresh connection; whatever comes back until the source closes it."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, (host, int(port)))
+            await loop.sock_sendall(sock, header)
+            data = b""
+            while part := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 5):
+                data += part
+            return data
+
+    bitmap = (manifest.num_chunks + 7) // 8
+    # 100 MiB announced for the version held: refused before any allocation, the connection ends
+    assert await raw(HEADER.pack(Op.SUB, 100 << 20, manifest.version)) == b""
+    assert await raw(HEADER.pack(Op.SUB, SubMessage(b"").encode().__len__() + bitmap + 1, manifest.version)) == b""
+    # a version not held here, with a plausible bitmap: still an ordinary MISSING
+    body = SubMessage(b"\xff" * bitmap).encode()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (host, int(port)))
+        await loop.sock_sendall(sock, HEADER.pack(Op.SUB, len(body), manifest.version + 1) + body)
+        status, _, _ = HEADER.unpack(await asyncio.wait_for(_recv_n(loop, sock, HEADER.size), 5))
+        assert status == Status.MISSING
+    buf, stats = await pull(manifest, [trainer.address])  # and it keeps serving others
+    assert _checksum(buf, manifest) == manifest.checksum and stats.failed_sources == []

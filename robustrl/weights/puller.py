@@ -725,14 +725,15 @@ class _Pull:
             left = max(left, (nbytes - (client.payload_received - before)) / nbytes)
         return left
 
-    def _choose(self, offer: Offer) -> tuple[int, int]:
+    def _choose(self, offer: Offer, bad: set[int] | frozenset[int] = frozenset()) -> tuple[int, int]:
         """Our answer to an offer: (chunk to take or -1, busy ms if we pass for being busy).
 
         Chunks arrive one at a time (``RECEIVE_STREAMS``): we take an offer if its bytes would
         overlap those on their way to us by at most ``NEAR_DONE`` of a chunk (a queued offer's
-        bytes start about half a chunk-time away), or if it is fresh from a publisher.
+        bytes start about half a chunk-time away), or if it is fresh from a publisher. Never a
+        chunk in ``bad`` (this source sent it corrupt: an offer made before our bitmap said so).
         """
-        wanted = [c for c in offer.chunks if self._wanted(c)]
+        wanted = [c for c in offer.chunks if self._wanted(c) and c not in bad]
         if not wanted:
             return -1, 0
         free_in = self._downlink_free_in()
@@ -793,7 +794,7 @@ class _Pull:
                 source.absent = 0
                 t0 = time.perf_counter()
                 self.stats.offers += 1
-                chunk, busy_ms = self._choose(offer)
+                chunk, busy_ms = self._choose(offer, source.bad)
                 if chunk >= 0:
                     self.assigned[chunk] = source
                     self.want[chunk] = False

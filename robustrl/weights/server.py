@@ -45,6 +45,7 @@ import numpy as np
 from robustrl.errors import WeightSyncError
 from robustrl.weights.manifest import Manifest
 from robustrl.weights.transport import (
+    SUB_HEAD,
     Offer,
     Op,
     Reply,
@@ -61,6 +62,18 @@ from robustrl.weights.transport import (
 DEFAULT_UPLOAD_SLOTS = 1
 """Chunks sent at once by one server (see the module docstring). The TCP transport releases a slot
 when all but its socket's low-water mark of a chunk has left, so the next chunk follows with no gap."""
+DEFAULT_ANSWER_TIMEOUT_S = 5.0
+"""Longest wait for a subscriber's answer (TAKE or PASS) to an offer; past it the subscription ends
+and the offer's place in line is free again. An offer holds the upload pipeline (with one slot,
+nothing else is dispatched, FETCHes included), so a frozen or partitioned subscriber must not
+keep it: half the pullers' default stall timeout (10 s), so their FETCHes waiting behind it are
+served before they give up on this source. A healthy answer takes a round trip."""
+DEFAULT_SEND_TIMEOUT_S = 30.0
+"""Longest a chunk's bytes may take to leave once its upload slot is taken; past it the
+connection ends (a receiver that stopped reading holds the slot otherwise). 30 s: a 4 MiB chunk
+at ~1 Mbit/s."""
+MAX_UNKNOWN_BODY = SUB_HEAD.size + (1 << 20)
+"""Longest subscriber message read for a version not held here (a bitmap of 8M chunks)."""
 OFFER_SIZE = 32
 """Chunks listed in one offer at most (the subscriber takes the first it still wants)."""
 
@@ -217,11 +230,14 @@ class WeightServer(RequestHandler):
         max_versions: versions kept; adding one more drops the oldest.
         fault: test-only misbehaviour (may also be set later through ``self.fault``).
         upload_slots: chunks sent at once (see the module docstring).
+        answer_timeout_s: longest wait for a subscriber's answer to an offer (``DEFAULT_ANSWER_TIMEOUT_S``).
+        send_timeout_s: longest a chunk's bytes may take to leave (``DEFAULT_SEND_TIMEOUT_S``).
     """
 
     def __init__(self, transport: str = "tcp", host: str = "127.0.0.1", port: int = 0,
                  max_versions: int = 2, fault: Fault | None = None,
-                 upload_slots: int = DEFAULT_UPLOAD_SLOTS) -> None:
+                 upload_slots: int = DEFAULT_UPLOAD_SLOTS, answer_timeout_s: float = DEFAULT_ANSWER_TIMEOUT_S,
+                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
         if max_versions < 1:
             raise WeightSyncError("max_versions must be >= 1", max_versions=max_versions)
         if upload_slots < 1:
@@ -236,6 +252,8 @@ class WeightServer(RequestHandler):
         self.bytes_sent = 0
         self.requests = 0
         self.upload_slots = upload_slots
+        self.answer_timeout_s = answer_timeout_s
+        self.send_timeout_s = send_timeout_s
         self.pick_s: deque[float] = deque(maxlen=100_000)
         """Seconds each offer's pick took here (which subscriber, which chunks: the source's share of
         the scheduling cost per chunk)."""
@@ -506,6 +524,15 @@ class WeightServer(RequestHandler):
             reply = Reply(Status.OK, payload, **info)  # type: ignore[arg-type]
         self._uploads[id(reply)] = [reply, True, False, 0.0]
         return reply
+
+    def max_body(self, version: int) -> int:
+        """A subscriber's message is its head and the bitmap of ``version``: exactly that long if
+        the version is here; if not (a subscriber early or late: it is answered MISSING, which
+        needs the body read), at most ``MAX_UNKNOWN_BODY``."""
+        entry = self._versions.get(version)
+        if entry is None:
+            return MAX_UNKNOWN_BODY
+        return SUB_HEAD.size + (entry.manifest.num_chunks + 7) // 8
 
     def load(self) -> int:
         return len(self._uploads) + len(self._waiting) + sum(s.offered is not None for s in self._subs)

@@ -25,7 +25,7 @@ from robustrl.errors import TransportError
 from robustrl.weights.transport import (
     DEFAULT_CONNECT_TIMEOUT_S,
     HEADER,
-    MAX_SUB_BODY,
+    MAX_OFFER_BODY,
     Offer,
     Op,
     Reply,
@@ -143,7 +143,8 @@ class TcpServer(TransportServer):
             task.add_done_callback(self._conns.discard)
 
     @staticmethod
-    async def _read_request(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[Op, int, int, bytes]:
+    async def _read_request(loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                            handler: RequestHandler) -> tuple[Op, int, int, bytes]:
         """(op, index, version, body) of the next request; ValueError on garbage."""
         request = bytearray(HEADER.size)
         await _recv_exactly(loop, sock, memoryview(request))
@@ -151,7 +152,7 @@ class TcpServer(TransportServer):
         op = Op(op_raw)
         body = b""
         if op in (Op.SUB, Op.TAKE, Op.PASS):
-            if index > MAX_SUB_BODY:
+            if index > handler.max_body(version):  # its bitmap's size, not whatever the header says
                 raise ValueError("subscription message too long")
             buf = bytearray(index)
             await _recv_exactly(loop, sock, memoryview(buf))
@@ -163,17 +164,20 @@ class TcpServer(TransportServer):
         try:
             await self._handler.begin(reply)
             payload = memoryview(reply.payload).cast("B")
-            await loop.sock_sendall(sock, HEADER.pack(reply.status, self._handler.load(), len(payload)))
-            part = payload if reply.cut_after is None else payload[:reply.cut_after]
-            half = len(part) // 2
-            if reply.is_chunk and half:
-                # sendall returns once all but NOTSENT_LOWAT of what it was given has left
-                await loop.sock_sendall(sock, part[:half])
-                sent = half
-                self._handler.halfway(reply)
-            if len(part) > sent:
-                await loop.sock_sendall(sock, part[sent:])
-            sent = len(part)
+            # a receiver that stopped reading (frozen, cut off) must not keep the upload slot: past
+            # the limit TimeoutError (an OSError) ends this connection; one timer per reply
+            async with asyncio.timeout(self._handler.send_timeout_s):
+                await loop.sock_sendall(sock, HEADER.pack(reply.status, self._handler.load(), len(payload)))
+                part = payload if reply.cut_after is None else payload[:reply.cut_after]
+                half = len(part) // 2
+                if reply.is_chunk and half:
+                    # sendall returns once all but NOTSENT_LOWAT of what it was given has left
+                    await loop.sock_sendall(sock, part[:half])
+                    sent = half
+                    self._handler.halfway(reply)
+                if len(part) > sent:
+                    await loop.sock_sendall(sock, part[sent:])
+                sent = len(part)
         finally:
             self._handler.done(reply, sent)
 
@@ -193,7 +197,7 @@ class TcpServer(TransportServer):
         try:
             while True:
                 if ahead is None:
-                    op, index, version, body = await self._read_request(loop, sock)
+                    op, index, version, body = await self._read_request(loop, sock, self._handler)
                 else:
                     op, index, version, body = await ahead
                     ahead = None
@@ -207,7 +211,7 @@ class TcpServer(TransportServer):
                     continue
                 ticket = self._handler.request_chunk(version, index)
                 if not ticket.future.done():  # waits for an upload slot; notice the puller leaving
-                    ahead = asyncio.create_task(self._read_request(loop, sock))
+                    ahead = asyncio.create_task(self._read_request(loop, sock, self._handler))
                     try:
                         await asyncio.wait({ticket.future, ahead}, return_when=asyncio.FIRST_COMPLETED)
                     except BaseException:
@@ -233,13 +237,13 @@ class TcpServer(TransportServer):
         if sub is None:
             await loop.sock_sendall(sock, HEADER.pack(Status.MISSING, self._handler.load(), 0))
             return
-        reader = asyncio.create_task(self._read_request(loop, sock))
+        reader = asyncio.create_task(self._read_request(loop, sock, self._handler))
         try:
             while True:
                 await asyncio.wait({sub.offer, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if not sub.offer.done():  # the subscriber spoke unasked: only an update may
                     op, _, _, body = reader.result()
-                    reader = asyncio.create_task(self._read_request(loop, sock))
+                    reader = asyncio.create_task(self._read_request(loop, sock, self._handler))
                     if op is not Op.SUB:
                         return
                     sub.update(SubMessage.decode(body))
@@ -249,24 +253,32 @@ class TcpServer(TransportServer):
                     await loop.sock_sendall(sock, HEADER.pack(Status.MISSING, self._handler.load(), 0))
                     return
                 offer = proposal.encode()
-                await loop.sock_sendall(sock, HEADER.pack(Status.OFFER, self._handler.load(), len(offer)) + offer)
-                while True:  # its answer (updates may come first)
-                    op, _, _, body = await reader
-                    reader = asyncio.create_task(self._read_request(loop, sock))
-                    answer = SubMessage.decode(body)
-                    if op is Op.SUB:
-                        sub.update(answer)
-                    elif op is Op.PASS:
-                        sub.pass_(answer)
-                        break
-                    elif op is Op.TAKE:
-                        reply = sub.take(answer)
-                        await self._send(loop, sock, reply)
-                        if await self._after(reply):
-                            return
-                        break
-                    else:
+                # The offer holds a place in line until answered: a subscriber that does not answer
+                # in time (frozen, cut off) loses the subscription, which frees it (``sub.close``)
+                # and lets dispatch go on. One timer per offer.
+                timeout = self._handler.answer_timeout_s
+                try:
+                    async with asyncio.timeout(timeout):
+                        await loop.sock_sendall(sock, HEADER.pack(Status.OFFER, self._handler.load(),
+                                                                  len(offer)) + offer)
+                        while True:  # its answer (updates may come first)
+                            op, _, _, body = await reader
+                            reader = asyncio.create_task(self._read_request(loop, sock, self._handler))
+                            answer = SubMessage.decode(body)
+                            if op is not Op.SUB:
+                                break
+                            sub.update(answer)
+                except TimeoutError:
+                    return
+                if op is Op.PASS:
+                    sub.pass_(answer)
+                elif op is Op.TAKE:
+                    reply = sub.take(answer)
+                    await self._send(loop, sock, reply)
+                    if await self._after(reply):
                         return
+                else:
+                    return
         finally:
             _drop(reader)
             sub.close()
@@ -376,6 +388,9 @@ class TcpClient(TransportClient):
 
     async def next_offer(self) -> tuple[Status, Offer | None]:
         status, nbytes = await self._head()
+        if nbytes > MAX_OFFER_BODY:
+            raise TransportError("offer longer than any source sends", address=self.address,
+                                 nbytes=nbytes, limit=MAX_OFFER_BODY)
         payload = bytearray(nbytes)
         if nbytes:
             await self.recv_payload(-1, memoryview(payload))

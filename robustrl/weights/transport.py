@@ -18,6 +18,11 @@ what it wants is as fresh as their last exchange. A relay's newly verified chunk
 out to a subscriber at once (no availability poll), and an upload slot never idles while some
 subscriber wants a chunk its source holds.
 
+An offer holds the source's place in line until answered, and a chunk its upload slot until sent:
+a subscriber that does not answer within ``RequestHandler.answer_timeout_s`` loses its
+subscription, and a reply whose bytes do not leave within ``send_timeout_s`` ends its connection,
+so a frozen or cut-off puller (SIGSTOP, partition) stalls nobody else.
+
 Every reply starts with a fixed 16-byte header carrying a status, the source's current load
 (uploads in progress or lined up, offers out, FETCHes waiting), and the payload length, so a puller
 learns the load of its sources for free. Two implementations share this format: ``tcp``
@@ -90,6 +95,9 @@ SUB_BUSY = 2
 """PASS: the puller is receiving at its limit; offer again in ``busy_ms`` (or after that)."""
 MAX_SUB_BODY = SUB_HEAD.size + (1 << 27)
 """Longest SUB/TAKE/PASS body a source reads (a bitmap of 2^30 chunks)."""
+MAX_OFFER_BODY = OFFER_CHUNK.size * (1 + 256)
+"""Longest OFFER payload a subscriber reads: the flags word and 256 chunks (a source lists at most
+``server.OFFER_SIZE``, 32); a longer header is garbage or hostile, not an offer."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +199,19 @@ class Subscription(abc.ABC):
 
 class RequestHandler(abc.ABC):
     """Server-side logic a transport calls for each request (implemented by WeightServer)."""
+
+    answer_timeout_s: float | None = None
+    """Longest a transport waits for a subscriber to take its offer and answer (TAKE or PASS);
+    past it the subscription ends (``Subscription.close`` frees the offer's place in line). None:
+    no limit."""
+    send_timeout_s: float | None = None
+    """Longest a reply's bytes may take to leave once its upload slot is taken; past it the
+    connection ends (its slot is freed). None: no limit."""
+
+    def max_body(self, version: int) -> int:
+        """Longest SUB/TAKE/PASS body about ``version`` the transport reads (a longer one ends
+        the connection: it would make the source allocate whatever the header says)."""
+        return MAX_SUB_BODY
 
     @abc.abstractmethod
     def handle(self, op: Op, version: int, index: int) -> Reply:

@@ -56,7 +56,7 @@ from robustrl.errors import TransportError
 from robustrl.weights.transport import (
     DEFAULT_CONNECT_TIMEOUT_S,
     HEADER,
-    MAX_SUB_BODY,
+    MAX_OFFER_BODY,
     Offer,
     Op,
     Reply,
@@ -238,7 +238,7 @@ class UcxServer(TransportServer):
         return f"ucx://{host}:{self._listener.port}"  # type: ignore[attr-defined]
 
     @staticmethod
-    async def _read_request(ep: object) -> tuple[Op, int, int, bytes]:
+    async def _read_request(ep: object, handler: RequestHandler) -> tuple[Op, int, int, bytes]:
         """(op, index, version, body) of the next request (a SUB/TAKE/PASS body is a second message)."""
         request = np.empty(HEADER.size, dtype=np.uint8)
         await _recv(ep, request)
@@ -246,7 +246,7 @@ class UcxServer(TransportServer):
         op = Op(op_raw)
         body = b""
         if op in (Op.SUB, Op.TAKE, Op.PASS):
-            if not 0 < index <= MAX_SUB_BODY:
+            if not 0 < index <= handler.max_body(version):  # its bitmap's size, not whatever the header says
                 raise ValueError("bad subscription message length")
             buf = np.empty(index, dtype=np.uint8)
             await _recv(ep, buf)
@@ -259,11 +259,14 @@ class UcxServer(TransportServer):
             await self._handler.begin(reply)
             payload = memoryview(reply.payload).cast("B")
             header = HEADER.pack(reply.status, self._handler.load(), len(payload))
-            await _send(ep, np.frombuffer(header, dtype=np.uint8))
-            self._handler.halfway(reply)  # one message: line the next upload up as this one starts
-            if reply.cut_after is None and len(payload):
-                await _send(ep, np.frombuffer(payload, dtype=np.uint8))
-                sent = len(payload)
+            # a receiver that stopped reading must not keep the upload slot: past the limit
+            # TimeoutError (an OSError) ends this endpoint; one timer per reply
+            async with asyncio.timeout(self._handler.send_timeout_s):
+                await _send(ep, np.frombuffer(header, dtype=np.uint8))
+                self._handler.halfway(reply)  # one message: line the next upload up as this one starts
+                if reply.cut_after is None and len(payload):
+                    await _send(ep, np.frombuffer(payload, dtype=np.uint8))
+                    sent = len(payload)
         finally:
             self._handler.done(reply, sent)
 
@@ -284,7 +287,7 @@ class UcxServer(TransportServer):
         try:
             while True:
                 if ahead is None:
-                    op, index, version, body = await self._read_request(ep)
+                    op, index, version, body = await self._read_request(ep, self._handler)
                 else:
                     op, index, version, body = await ahead
                     ahead = None
@@ -298,7 +301,7 @@ class UcxServer(TransportServer):
                     continue
                 ticket = self._handler.request_chunk(version, index)
                 if not ticket.future.done():  # waits for an upload slot; notice the puller leaving
-                    ahead = loop.create_task(self._read_request(ep))
+                    ahead = loop.create_task(self._read_request(ep, self._handler))
                     try:
                         await asyncio.wait({ticket.future, ahead}, return_when=asyncio.FIRST_COMPLETED)
                     except BaseException:
@@ -326,13 +329,13 @@ class UcxServer(TransportServer):
             await _send(ep, np.frombuffer(HEADER.pack(Status.MISSING, self._handler.load(), 0), dtype=np.uint8))
             return
         loop = asyncio.get_running_loop()
-        reader = loop.create_task(self._read_request(ep))
+        reader = loop.create_task(self._read_request(ep, self._handler))
         try:
             while True:
                 await asyncio.wait({sub.offer, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if not sub.offer.done():  # the subscriber spoke unasked: only an update may
                     op, _, _, body = reader.result()
-                    reader = loop.create_task(self._read_request(ep))
+                    reader = loop.create_task(self._read_request(ep, self._handler))
                     if op is not Op.SUB:
                         return
                     sub.update(SubMessage.decode(body))
@@ -343,26 +346,31 @@ class UcxServer(TransportServer):
                                                   dtype=np.uint8))
                     return
                 offer = proposal.encode()
-                await _send(ep, np.frombuffer(HEADER.pack(Status.OFFER, self._handler.load(), len(offer)),
-                                              dtype=np.uint8))
-                await _send(ep, np.frombuffer(offer, dtype=np.uint8))
-                while True:  # its answer (updates may come first)
-                    op, _, _, body = await reader
-                    reader = loop.create_task(self._read_request(ep))
-                    answer = SubMessage.decode(body)
-                    if op is Op.SUB:
-                        sub.update(answer)
-                    elif op is Op.PASS:
-                        sub.pass_(answer)
-                        break
-                    elif op is Op.TAKE:
-                        reply = sub.take(answer)
-                        await self._send_reply(ep, reply)
-                        if await self._after(reply):
-                            return
-                        break
-                    else:
+                # The offer holds a place in line until answered: a subscriber that does not answer
+                # in time (frozen, cut off) loses the subscription, which frees it (``sub.close``).
+                try:
+                    async with asyncio.timeout(self._handler.answer_timeout_s):
+                        await _send(ep, np.frombuffer(HEADER.pack(Status.OFFER, self._handler.load(), len(offer)),
+                                                      dtype=np.uint8))
+                        await _send(ep, np.frombuffer(offer, dtype=np.uint8))
+                        while True:  # its answer (updates may come first)
+                            op, _, _, body = await reader
+                            reader = loop.create_task(self._read_request(ep, self._handler))
+                            answer = SubMessage.decode(body)
+                            if op is not Op.SUB:
+                                break
+                            sub.update(answer)
+                except TimeoutError:
+                    return
+                if op is Op.PASS:
+                    sub.pass_(answer)
+                elif op is Op.TAKE:
+                    reply = sub.take(answer)
+                    await self._send_reply(ep, reply)
+                    if await self._after(reply):
                         return
+                else:
+                    return
         finally:
             _drop(reader)
             sub.close()
@@ -466,6 +474,9 @@ class UcxClient(TransportClient):
         status, nbytes = await self._head()
         if status is not Status.OFFER or not nbytes:
             return status, None
+        if nbytes > MAX_OFFER_BODY:
+            raise TransportError("offer longer than any source sends", address=self.address,
+                                 nbytes=nbytes, limit=MAX_OFFER_BODY)
         payload = np.empty(nbytes, dtype=np.uint8)
         await self._recv_payload(payload, -1)
         return status, Offer.decode(payload.tobytes())
