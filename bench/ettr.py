@@ -70,15 +70,18 @@ def trainer_scenario(seed: int) -> Scenario:
 
 
 def rollout_scenario(seed: int) -> Scenario:
-    """Rollout crashes at seeded random moments of the step (mid-decode or mid tool turn, wherever
-    they land): a crash placed at the end of the tool wait, as before, never caught a turn in
-    flight and re-dispatched nothing."""
+    """Rollout crashes at moments of generation (issue 12: mid-decode and mid tool turn): three
+    wait, after a seeded random delay, until the crashed replica is seen decoding
+    (``within_step: decoding``, the harness fires on a metrics sample with a batch in flight), two
+    land at seeded random moments of the step (mostly a tool wait: the request manager runs the
+    tools, so a replica decodes only a small part of a tool-heavy step). With random moments only,
+    none of 5 crashes found a turn in flight (bench/results/ettr-rollout-crash.json)."""
     return (Faults("rollout-crash", seed=seed)
-            .crash("rollout", member=0, at_step=6, within_step="random")
+            .crash("rollout", member=0, at_step=6, within_step="decoding")
             .crash("rollout", member=1, at_step=11, within_step="random")
-            .crash("rollout", member=0, at_step=16, within_step="random")
+            .crash("rollout", member=0, at_step=16, within_step="decoding")
             .crash("rollout", member=1, at_step=21, within_step="random")
-            .crash("rollout", member=0, at_step=26, within_step="random").build())
+            .crash("rollout", member=0, at_step=26, within_step="decoding").build())
 
 
 def redispatch_summary(report: dict[str, Any]) -> dict[str, Any]:

@@ -174,8 +174,11 @@ _BOTH = (EXACT, MEMBER)
 VERB_ACCESS: dict[Verb, tuple[dict[Principal, tuple[str, ...]], dict[Principal, tuple[str, ...]]]] = {
     Verb.HELLO: ({_T: (MEMBER,), _R: (MEMBER,)}, {_C: (MEMBER,), _D: (MEMBER,), _RM: (MEMBER,)}),
     Verb.SPEC: ({_T: (EXACT,), _R: (EXACT,), _D: (EXACT,), _RM: (EXACT,)}, {_C: (EXACT,)}),
-    Verb.PHASE: ({_T: (MEMBER,), _R: (MEMBER,)}, {_C: (MEMBER,), _D: (MEMBER,)}),
-    Verb.METRICS: ({_T: (MEMBER,), _R: (MEMBER,), _RM: (MEMBER,)}, {_D: (MEMBER,), _RM: (MEMBER,), _C: (MEMBER,)}),
+    # The harness reads phases and metrics (read-only telemetry) to time a fault to a replica's
+    # decoding (chaos scenario ``within_step: decoding``).
+    Verb.PHASE: ({_T: (MEMBER,), _R: (MEMBER,)}, {_C: (MEMBER,), _D: (MEMBER,), _H: (MEMBER,)}),
+    Verb.METRICS: ({_T: (MEMBER,), _R: (MEMBER,), _RM: (MEMBER,)},
+                   {_D: (MEMBER,), _RM: (MEMBER,), _C: (MEMBER,), _H: (MEMBER,)}),
     Verb.PROBE: ({_D: (MEMBER,)}, {_T: (MEMBER,), _R: (MEMBER,), _RM: (MEMBER,)}),
     Verb.EXIT: ({_C: (MEMBER,)}, {_D: (MEMBER,)}),
     Verb.FAULT: ({_D: (EXACT,), _RM: (EXACT,)}, {_C: (EXACT,)}),  # RM: a deadline passed (stuck step)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -73,6 +76,11 @@ def test_builder_matches_yaml_and_round_trips() -> None:
     ("faults: [{kind: crash, role: rollout, every: 0}]", "faults[0].every"),
     ("faults: [{kind: crash, role: rollout, at_step: 1, start: 2}]", "faults[0].start"),
     ("faults: [{kind: crash, role: rollout, at_step: 1, within_step: soon}]", "faults[0].within_step"),
+    ("faults: [{kind: crash, role: trainer, at_step: 1, within_step: decoding}]", "faults[0].within_step"),
+    ("faults: [{kind: crash, role: request_manager, at_step: 1, within_step: decoding}]", "faults[0].within_step"),
+    ("faults: [{kind: tool_outage, at_step: 1, duration_s: 1, within_step: decoding}]", "faults[0].within_step"),
+    ("faults: [{kind: crash, role: rollout, at_step: 1, within_step: Decoding}]", "faults[0].within_step"),
+    ("faults: [{kind: crash, role: rollout, at_step: 1, within_step: -1}]", "faults[0].within_step"),
     ("faults: [{kind: slow, role: rollout, at_step: 1, factor: 0.5}]", "faults[0].factor"),
     ("faults: [{kind: tool_outage, at_step: 1}]", "faults[0].duration_s"),
     ("faults: [{kind: tool_outage, role: rollout, at_step: 1, duration_s: 1}]", "faults[0].role"),
@@ -157,3 +165,131 @@ async def test_harness_without_a_stack_reports_local_faults_as_not_injected() ->
     pf = plan(Faults().crash("controller", at_step=0).build(), steps=1)[0]
     rec = await Harness(NoBus(), "job", [pf]).inject(pf)  # type: ignore[arg-type]
     assert rec["ok"] is False and "needs the stack" in rec["error"]
+
+
+# --- within_step: decoding ------------------------------------------------------------------
+
+
+def test_decoding_is_refused_on_a_role_that_does_not_decode_with_a_reason() -> None:
+    with pytest.raises(ScenarioError, match=r"faults\[0\]\.within_step: 'decoding'.*only rollout.*not trainer"):
+        Faults().crash("trainer", at_step=1, within_step="decoding")
+    with pytest.raises(ScenarioError, match=r"'random', 'decoding' or seconds"):
+        load_scenario("faults: [{kind: crash, role: rollout, at_step: 1, within_step: mid-decode}]")
+
+
+def test_decoding_faults_plan_a_seeded_delay_and_wait_for_decoding() -> None:
+    sc = (Faults("dec", seed=5).crash("rollout", member=1, at_step=2, within_step="decoding")
+          .crash("rollout", member=0, at_step=3, within_step="random")
+          .hang("rollout", member="all", at_step=4, within_step="decoding").build())
+    assert load_scenario(sc.to_yaml()) == sc  # round trips through the file format
+    planned = plan(sc, steps=6, step_time_s=3.0)
+    assert planned == plan(sc, steps=6, step_time_s=3.0)  # deterministic from the seed
+    assert [(p.step, p.member_index, p.until) for p in planned] == [
+        (2, 1, "decoding"), (3, 0, None), (4, 0, "decoding"), (4, 1, "decoding")]
+    assert all(0.0 <= p.delay_s < 3.0 for p in planned)
+    other = plan(Faults("dec", seed=6).crash("rollout", member=1, at_step=2, within_step="decoding").build(),
+                 steps=6, step_time_s=3.0)
+    assert other[0].delay_s != planned[0].delay_s  # the delay is drawn, so crashes land at other moments
+
+
+class FakeBus:
+    """Records the harness's subscriptions and chaos requests; the test plays the members."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, object] = {}
+        self.requests: list[tuple[float, object]] = []
+
+    async def subscribe(self, subject: str, model: object, handler: object, queue: str | None = None) -> object:
+        self.handlers[subject] = handler
+
+        class Sub:
+            async def unsubscribe(self) -> None:
+                pass
+        return Sub()
+
+    async def request(self, subject: str, msg: object, reply_model: object, timeout: float = 0) -> object:
+        from robustrl.messages import ChaosAck
+
+        self.requests.append((time.monotonic(), msg))
+        return ChaosAck(fault_id=msg.fault_id, member_id=f"rollout-{msg.member}-i1", ok=True)  # type: ignore[attr-defined]
+
+
+def _sample(member_id: str, inflight: int, seq: int) -> object:
+    from robustrl.messages import MetricsSample
+
+    return MetricsSample(job_id="job", member_id=member_id, role="rollout", seq=seq, ts=time.time(),
+                         phase="serving", inflight=inflight)
+
+
+async def test_harness_fires_on_the_slots_newest_replica_decoding_and_times_out_otherwise() -> None:
+    """Samples of another slot, of a replaced incarnation, or idle ones do not fire a ``decoding``
+    fault; a sample of the slot's replica with a batch in flight does, at once. A fault that never
+    sees decoding is injected at the bound all the same, its ack saying ``timeout``."""
+    from robustrl.chaos.harness import Harness
+    from robustrl.messages import Event, PhaseChange
+
+    bus = FakeBus()
+    planned = plan(Faults("dec").crash("rollout", member=1, at_step=0, within_step=0.0)
+                   .crash("rollout", member=0, at_step=1, within_step=0.0)
+                   .crash("rollout", member=0, at_step=2, within_step=0.0).build(), steps=3)
+    planned = [dataclasses.replace(p, until="decoding") for p in planned]
+    harness = Harness(bus, "job", planned, decoding_wait_s=1.0)  # type: ignore[arg-type]
+    stop = asyncio.Event()
+    task = asyncio.create_task(harness.run(stop))
+    await asyncio.sleep(0.05)
+    on_step, on_metrics = bus.handlers["rrl.events.job.request_manager.step_started"], bus.handlers["rrl.job.metrics.>"]
+    on_phase = bus.handlers["rrl.job.phase.>"]
+    await on_metrics(_sample("rollout-1-i1", 2, 1), "", None)  # decoding, but before its step: too early
+    await on_step(Event(job_id="job", kind="step_started", ts=time.time(), data={"step": 0}), "", None)
+    await asyncio.sleep(0.3)
+    assert bus.requests == [], "fired on a sample that came before the wait"
+    await on_metrics(_sample("rollout-0-i0", 3, 2), "", None)  # another slot
+    await on_metrics(_sample("rollout-1-i1", 0, 3), "", None)  # the slot, idle
+    await on_metrics(_sample("rollout-1-i0", 4, 4), "", None)  # the slot's replaced replica
+    await asyncio.sleep(0.3)
+    assert bus.requests == []
+    t_seen = time.monotonic()
+    await on_metrics(_sample("rollout-1-i1", 2, 5), "", None)
+    await asyncio.sleep(0.3)
+    assert len(bus.requests) == 1 and bus.requests[0][0] - t_seen < 0.2
+    assert bus.requests[0][1].member == 1  # type: ignore[attr-defined]
+    # Step 1: member 0's phase change to serving (a batch starting) fires it; idle does not.
+    await on_step(Event(job_id="job", kind="step_started", ts=time.time(), data={"step": 1}), "", None)
+    await asyncio.sleep(0.2)
+    await on_phase(PhaseChange(job_id="job", member_id="rollout-0-i0", role="rollout", phase="idle"), "", None)
+    await asyncio.sleep(0.3)
+    assert len(bus.requests) == 1
+    await on_phase(PhaseChange(job_id="job", member_id="rollout-0-i0", role="rollout", phase="serving"), "", None)
+    await asyncio.sleep(0.3)
+    assert len(bus.requests) == 2
+    # Step 2: member 0 never decodes; injected at the 1 s bound.
+    await on_step(Event(job_id="job", kind="step_started", ts=time.time(), data={"step": 2}), "", None)
+    acks = await asyncio.wait_for(task, 5.0)
+    assert [a["trigger"] for a in acks] == ["decoding", "decoding", "timeout"], acks
+    assert acks[0]["seen_member_id"] == "rollout-1-i1" and acks[0]["seen_inflight"] == 2
+    assert acks[0]["signal"] == "metrics_inflight" and acks[1]["signal"] == "phase_serving", acks
+    assert acks[2]["timeout_reason"] == "wait bound" and 0.9 <= acks[2]["waited_s"] < 2.0, acks[2]
+
+
+def test_a_crash_timed_to_decoding_catches_turns_in_flight(stack, api) -> None:  # type: ignore[no-untyped-def]
+    """A real job: a rollout crash with ``within_step: decoding`` on a tool-heavy job is fired by a
+    metrics sample with a batch in flight, and the request manager re-dispatches the crashed
+    replica's turns (seen in the event log), at most one turn regenerated per episode; the job
+    finishes."""
+    from jobs import kinds, small_job
+
+    from robustrl.chaos.runner import run_job
+
+    spec = small_job("deccrash", steps=5, tools={"latency_s": 0.6}, data={"tasks": ["lookup"]})
+    scenario = Faults("deccrash", seed=2).crash("rollout", member=0, at_step=2, within_step="decoding").build()
+    report = asyncio.run(run_job(stack.settings, api, spec, scenario, step_time_s=0.3, timeout_s=120))
+    assert report["status"] == "finished", report.get("error")
+    [ack] = report["injected"]
+    assert ack["ok"] and ack["trigger"] == "decoding", (sorted(ack.items()), report["step_durations"])
+    events = api.events(report["job_id"])
+    redispatched = kinds(events, "episode_redispatched")
+    lost = [d for d in kinds(events, "work_lost") if d.get("turns")]
+    assert redispatched and lost, ("the crash found no turn in flight", ack, kinds(events, "work_lost"))
+    [crash] = [f for f in api.report(report["job_id"])["faults"] if f["role"] == "rollout" and f["injected"]]
+    assert crash["turns_redispatched"] >= 1 and crash["tokens_regenerated"] > 0, crash
+    assert crash["turns_regenerated"] <= crash["episodes_regenerated"], crash

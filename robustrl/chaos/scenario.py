@@ -17,6 +17,7 @@ A scenario file is YAML::
       - {kind: partition, role: rollout, member: 1, at_step: 10, duration_s: 5}  # testbed only
       - {kind: partition, role: rollout, member: 0, at_step: 11, against: [h2]}  # between two hosts
       - {kind: net_drop, role: rollout, member: 0, at_step: 12, duration_s: 5}   # cut its host's link
+      - {kind: crash, role: rollout, member: 0, at_step: 13, within_step: decoding}  # mid-decode
 
 On a testbed (``robustrl.testbed``) ``net_drop`` and ``partition`` act on the member's host's
 link with tc (``robustrl.chaos.network``): ``net_drop`` drops everything to and from the host,
@@ -25,7 +26,10 @@ infra and control plane); ``duration_s`` > 0 heals it after that long. Without a
 ``net_drop`` closes the member's NATS connection and ``partition`` is refused.
 
 ``member`` is a member index, ``random`` (one drawn from the seed) or ``all``; ``within_step``
-is ``random`` (a moment drawn inside the step) or a delay in seconds after the step starts.
+is ``random`` (a moment drawn inside the step), a delay in seconds after the step starts, or
+``decoding`` (rollout only): after a seeded random delay inside the step, the harness waits until
+the target replica's metrics show a batch in flight (``inflight > 0``) and injects at once; if it
+sees none within a bounded wait it injects anyway and its ack says ``trigger: timeout``.
 The same faults come from the builder: ``Faults().crash("rollout", member=1, at_step=3)``.
 :func:`plan` expands a scenario into concrete faults, deterministically from the seed.
 """
@@ -60,6 +64,9 @@ DEFAULT_HANG_S = 10.0
 # A fail-slow fault must be slower than the detector's peer threshold (a quarter of the median)
 # to be detectable at all, so the default factor is well past it.
 DEFAULT_SLOW_FACTOR = 8.0
+DECODING = "decoding"
+DECODING_ROLES: tuple[str, ...] = ("rollout",)
+"""Roles whose members decode (the only targets of ``within_step: decoding``)."""
 _FAULT_KEYS = {"kind", "role", "member", "at_step", "every", "start", "within_step", "duration_s", "factor",
                "against"}
 HOST_RE = re.compile(r"h\d{1,3}|gw")
@@ -80,7 +87,7 @@ class FaultSpec:
     at_step: int | None = None
     every: int | None = None
     start: int = 0
-    within_step: float | Literal["random"] = "random"
+    within_step: float | Literal["random", "decoding"] = "random"
     duration_s: float = 0.0
     factor: float = 1.0
     against: tuple[str, ...] = ()
@@ -139,6 +146,8 @@ class PlannedFault:
     factor: float
     fault_id: str
     against: tuple[str, ...] = ()
+    until: str | None = None
+    """``decoding``: after ``delay_s``, wait until the member is seen decoding, then inject."""
 
 
 # --- parsing ------------------------------------------------------------------------------
@@ -227,8 +236,11 @@ def parse_fault(entry: object, index: int = 0) -> FaultSpec:
     if not (_is_int(start) and start >= 0):
         raise bad("start", f"must be an integer >= 0, got {start!r}")
     within = entry.get("within_step", "random")
-    if not (within == "random" or (_is_number(within) and within >= 0)):
-        raise bad("within_step", f"must be 'random' or seconds >= 0, got {within!r}")
+    if not (within in ("random", DECODING) or (_is_number(within) and within >= 0)):
+        raise bad("within_step", f"must be 'random', 'decoding' or seconds >= 0, got {within!r}")
+    if within == DECODING and role not in DECODING_ROLES:
+        raise bad("within_step", f"'decoding' waits for a member to decode: only {', '.join(DECODING_ROLES)} "
+                                 f"members decode, not {role}")
     duration = entry.get("duration_s", DEFAULT_HANG_S if kind == "hang" and role in CONTROL_PLANE else 0.0)
     if not (_is_number(duration) and duration >= 0):
         raise bad("duration_s", f"must be seconds >= 0, got {duration!r}")
@@ -245,7 +257,7 @@ def parse_fault(entry: object, index: int = 0) -> FaultSpec:
     if not isinstance(against, list) or not all(isinstance(h, str) and HOST_RE.fullmatch(h) for h in against):
         raise bad("against", f"must be a list of testbed host names like h1, or gw, got {against!r}")
     return FaultSpec(kind=kind, role=role, member=member, at_step=at_step, every=every, start=start,
-                     within_step=within if within == "random" else float(within),
+                     within_step=within if within in ("random", DECODING) else float(within),
                      duration_s=float(duration), factor=float(factor), against=tuple(against))
 
 
@@ -294,8 +306,9 @@ def plan(scenario: Scenario, steps: int, *, step_time_s: float = 1.0,
     Args:
         scenario: the validated scenario.
         steps: how many steps the job runs (entries past the end are dropped).
-        step_time_s: typical step duration; ``within_step: random`` draws a delay in
-            ``[0, step_time_s)``. With the default 1.0 the delay is a fraction of a step.
+        step_time_s: typical step duration; ``within_step: random`` and ``decoding`` draw a
+            delay in ``[0, step_time_s)`` (``decoding`` then waits for the member to decode).
+            With the default 1.0 the delay is a fraction of a step.
         members: member count per role; default from the scenario's job overrides.
 
     Returns:
@@ -319,11 +332,13 @@ def plan(scenario: Scenario, steps: int, *, step_time_s: float = 1.0,
                     raise ScenarioError(f"faults[{i}].member: index {f.member} but the job has {count} "
                                         f"{f.role} member(s)", field=f"faults[{i}].member")
                 targets = [int(f.member)]
-            delay = rng.random() * step_time_s if f.within_step == "random" else float(f.within_step)
+            delay = (rng.random() * step_time_s if f.within_step in ("random", DECODING)
+                     else float(f.within_step))
             for member in targets:
                 out.append(PlannedFault(step=step, delay_s=delay, kind=f.kind, role=f.role,
                                         member_index=member, duration_s=f.duration_s, factor=f.factor,
-                                        fault_id=f"{scenario.name}-{i}-s{step}-m{member}", against=f.against))
+                                        fault_id=f"{scenario.name}-{i}-s{step}-m{member}", against=f.against,
+                                        until=DECODING if f.within_step == DECODING else None))
     out.sort(key=lambda p: (p.step, p.delay_s, p.fault_id))
     return out
 
