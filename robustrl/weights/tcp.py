@@ -32,10 +32,11 @@ from robustrl.weights.transport import (
     RequestHandler,
     Status,
     SubMessage,
-    Ticket,
     TransportClient,
     TransportServer,
+    drop_task,
     parse_address,
+    release_ticket,
 )
 
 _SOCK_BUF = 4 << 20  # bigger kernel buffers: fewer wakeups per MiB on loopback and LANs
@@ -97,22 +98,6 @@ async def _recv_bulk(loop: asyncio.AbstractEventLoop, sock: socket.socket, view:
         if lowat != 1:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
-
-
-def _release(handler: RequestHandler, ticket: Ticket) -> None:
-    """A FETCH whose reply will not be sent: withdraw it, or free the slot its reply took."""
-    if not handler.withdraw(ticket) and not ticket.future.cancelled():
-        handler.done(ticket.future.result(), 0)
-
-
-def _drop(task: asyncio.Task[object] | None) -> None:
-    """Cancel a reader task, or take its outcome if it has one (no 'never retrieved' warnings)."""
-    if task is None:
-        return
-    if not task.done():
-        task.cancel()
-    elif not task.cancelled():
-        task.exception()
 
 
 class TcpServer(TransportServer):
@@ -215,7 +200,7 @@ class TcpServer(TransportServer):
                     try:
                         await asyncio.wait({ticket.future, ahead}, return_when=asyncio.FIRST_COMPLETED)
                     except BaseException:
-                        _release(self._handler, ticket)
+                        release_ticket(self._handler, ticket)
                         raise
                     if not ticket.future.done():
                         self._handler.withdraw(ticket)
@@ -227,7 +212,7 @@ class TcpServer(TransportServer):
         except (ConnectionError, OSError, ValueError):
             return  # the puller went away or sent garbage; other connections keep serving
         finally:
-            _drop(ahead)
+            drop_task(ahead)
             sock.close()
 
     async def _subscription(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, version: int,
@@ -280,7 +265,7 @@ class TcpServer(TransportServer):
                 else:
                     return
         finally:
-            _drop(reader)
+            drop_task(reader)
             sub.close()
 
     async def close(self) -> None:

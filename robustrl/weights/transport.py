@@ -405,3 +405,18 @@ def make_client(address: str) -> TransportClient:
 
     return UcxClient(address)
 
+
+def release_ticket(handler: RequestHandler, ticket: Ticket) -> None:
+    """A FETCH whose reply will not be sent: withdraw it, or free the slot its reply took."""
+    if not handler.withdraw(ticket) and not ticket.future.cancelled():
+        handler.done(ticket.future.result(), 0)
+
+
+def drop_task(task: asyncio.Task[object] | None) -> None:
+    """Cancel a reader task, or take its outcome if it has one (no 'never retrieved' warnings)."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()

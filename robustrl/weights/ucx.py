@@ -63,10 +63,11 @@ from robustrl.weights.transport import (
     RequestHandler,
     Status,
     SubMessage,
-    Ticket,
     TransportClient,
     TransportServer,
+    drop_task,
     parse_address,
+    release_ticket,
 )
 
 UCX_OPTIONS: dict[str, str] = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
@@ -194,22 +195,6 @@ _RETIRED: list[object] = []
 _UCX_ERRORS: tuple[type[BaseException], ...] = (ucxx.exceptions.UCXError, RuntimeError, OSError)
 
 
-def _release(handler: RequestHandler, ticket: Ticket) -> None:
-    """A FETCH whose reply will not be sent: withdraw it, or free the slot its reply took."""
-    if not handler.withdraw(ticket) and not ticket.future.cancelled():
-        handler.done(ticket.future.result(), 0)
-
-
-def _drop(task: asyncio.Task[object] | None) -> None:
-    """Cancel a reader task, or take its outcome if it has one (no 'never retrieved' warnings)."""
-    if task is None:
-        return
-    if not task.done():
-        task.cancel()
-    elif not task.cancelled():
-        task.exception()
-
-
 class UcxServer(TransportServer):
     """A ucxx listener answering FETCH / HAVE on each endpoint."""
 
@@ -305,7 +290,7 @@ class UcxServer(TransportServer):
                     try:
                         await asyncio.wait({ticket.future, ahead}, return_when=asyncio.FIRST_COMPLETED)
                     except BaseException:
-                        _release(self._handler, ticket)
+                        release_ticket(self._handler, ticket)
                         raise
                     if not ticket.future.done():
                         self._handler.withdraw(ticket)
@@ -317,7 +302,7 @@ class UcxServer(TransportServer):
         except (*_UCX_ERRORS, ValueError):
             return
         finally:
-            _drop(ahead)
+            drop_task(ahead)
             self._endpoints.discard(ep)
             with contextlib.suppress(*_UCX_ERRORS):
                 ep.abort()  # type: ignore[attr-defined]
@@ -372,7 +357,7 @@ class UcxServer(TransportServer):
                 else:
                     return
         finally:
-            _drop(reader)
+            drop_task(reader)
             sub.close()
 
     async def close(self) -> None:
