@@ -123,11 +123,17 @@ def test_a_job_runs_across_testbed_hosts(testbed: Testbed, stack: Stack, api: Ap
         job = api.submit(small_job("tbjob", steps=3, detector=FAST_DETECTOR,
                                    weights={"chunk_bytes": 16384}))
         job_id = job["job_id"]
-        placed = eventually(lambda: (p := _note_processes(testbed)) and len(p) == 3 and p, timeout=60,
-                            what="members running inside h0, h1 and h2")
-        assert sum("robustrl.services.trainer" in c for c in placed["h0"]) == 2  # the gang, on one host
-        assert sum("robustrl.services.rollout" in c for c in placed["h1"]) == 1
-        assert sum("robustrl.services.rollout" in c for c in placed["h2"]) == 1
+        def members_on(p: dict[str, list[str]], host: str, module: str) -> int:
+            return sum(f"robustrl.services.{module}" in c for c in p.get(host, []))
+
+        # Every member inside its host: the gang's two ranks on h0, a replica on each of h1 and h2
+        # (waited for as a whole: a sample taken while a process is still entering its host's
+        # namespace sees part of the placement).
+        placed = eventually(lambda: (p := _note_processes(testbed)) and (
+            members_on(p, "h0", "trainer"), members_on(p, "h1", "rollout"), members_on(p, "h2", "rollout"))
+            == (2, 1, 1) and p, timeout=60, what="the gang inside h0 and a replica inside each of h1 and h2")
+        assert not any("robustrl.services.rollout" in c for c in placed["h0"])  # h0 is the gang's alone
+        assert not any("robustrl.services.trainer" in c for h in ("h1", "h2") for c in placed[h])
         # Network faults the testbed would refuse are refused before anything is logged as injected.
         for bad in ({"kind": "partition", "against": ["h1"]},   # rollout-0 runs on h1: not from itself
                     {"kind": "net_drop", "against": ["h2"]},    # against is for partition only
