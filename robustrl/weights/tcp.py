@@ -60,31 +60,13 @@ def _tune(sock: socket.socket, notsent_lowat: int | None = None) -> None:
 
 
 async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
-                        progress: list[int] | None = None) -> None:
-    pos = 0
-    while pos < len(view):
-        n = await loop.sock_recv_into(sock, view[pos:])
-        if n == 0:
-            raise ConnectionResetError("peer closed the connection")
-        pos += n
-        if progress is not None:
-            progress[0] += n
-
-
-RCVLOWAT = 128 << 10
-"""While a chunk's bytes arrive, its socket wakes the reader only once this much is in (or the
-rest of the chunk, if less): ~8 wakeups per MiB instead of one per packet burst (~40 on the
-testbed), which on 2 cores shared by 17 processes is CPU the links' pace does not wait for."""
-
-
-async def _recv_bulk(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
-                     progress: list[int] | None = None) -> None:
-    """``_recv_exactly`` for a chunk's bytes, with SO_RCVLOWAT set to what is still to come (at
-    most ``RCVLOWAT``): never more than that, so the wait cannot outlast the chunk."""
+                        progress: list[int] | None = None, bulk: bool = False) -> None:
+    """Fill ``view`` from ``sock``. ``bulk`` (a chunk's bytes): SO_RCVLOWAT is set to what is still
+    to come (at most ``RCVLOWAT``), never more, so the wait cannot outlast the chunk."""
     pos, lowat = 0, 1
     try:
         while pos < len(view):
-            want = min(RCVLOWAT, len(view) - pos)
+            want = min(RCVLOWAT, len(view) - pos) if bulk else 1
             if want != lowat:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                 lowat = want
@@ -98,6 +80,18 @@ async def _recv_bulk(loop: asyncio.AbstractEventLoop, sock: socket.socket, view:
         if lowat != 1:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+
+RCVLOWAT = 128 << 10
+"""While a chunk's bytes arrive, its socket wakes the reader only once this much is in (or the
+rest of the chunk, if less): ~8 wakeups per MiB instead of one per packet burst (~40 on the
+testbed), which on 2 cores shared by 17 processes is CPU the links' pace does not wait for."""
+
+
+async def _recv_bulk(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview,
+                     progress: list[int] | None = None) -> None:
+    """``_recv_exactly`` for a chunk's bytes (SO_RCVLOWAT raised while they arrive)."""
+    await _recv_exactly(loop, sock, view, progress, bulk=True)
 
 
 class TcpServer(TransportServer):
