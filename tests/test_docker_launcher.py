@@ -334,3 +334,22 @@ def test_a_new_launcher_with_the_same_instance_adopts_running_containers(fake: F
     # an adopted member is polled, killed and reported like one started here
     second.kill("rollout-0", expected=False)
     assert [(e.member_id, e.returncode, e.expected) for e in second.poll()] == [("rollout-0", 137, False)]
+
+
+def test_find_returns_the_handle_of_a_container_whose_handle_was_never_persisted(fake: FakeClient) -> None:
+    """The controller died between ``containers.run`` and persisting the handle: the next leader's
+    launcher (same instance) finds the container by its labels and gets the handle ``handle``
+    gives, which ``adopt`` accepts; never another instance's container, nor an ended one."""
+    first = DockerLauncher("robustrl:test", "robustrl", client=fake, instance="ctl")
+    first.start(_spec("rollout-1-i1"))
+    first.start(_spec("rollout-2-i1"))
+    fake.by_name["rr-rollout-2-i1"].exit(137)
+    DockerLauncher("robustrl:test", "robustrl", client=fake, instance="other").start(_spec("rollout-3-i1"))
+
+    second = DockerLauncher("robustrl:test", "robustrl", client=fake, instance="ctl")
+    handle = second.find("rollout-1-i1")
+    assert handle == first.handle("rollout-1-i1") == {"container": fake.by_name["rr-rollout-1-i1"].id}
+    assert second.adopt("job1", "rollout-1-i1", "rollout", handle) is True
+    assert second.find("rollout-2-i1") is None  # ended
+    assert second.find("rollout-3-i1") is None  # another launcher instance's
+    assert second.find("rollout-9-i0") is None  # never started

@@ -22,6 +22,7 @@ Skips, with the reason, without dockerd, root, the docker SDK or the built image
 
 from __future__ import annotations
 
+import asyncio
 import io
 import re
 import tarfile
@@ -138,6 +139,44 @@ def test_a_rollout_container_switches_to_a_trainer_rank_in_place(engine: Engine)
         network.remove()
 
 
+def test_a_container_whose_handle_was_never_persisted_is_found_and_adopted(engine: Engine) -> None:
+    """The controller died between ``containers.run`` and persisting the member's handle (a
+    restock's intent: the member recorded as starting, no handle). The next leader's launcher
+    (same instance) finds the very container by its labels and adopts it through the controller's
+    own path (``MemberStarter.adopt``); another instance's launcher finds nothing, nor one for a
+    member never started; once the container has ended it is not found either."""
+    from robustrl.config import JobSpec, Settings
+    from robustrl.services.controller.jobs import JobRun, MemberInfo
+    from robustrl.services.controller.launching import MemberStarter, lid
+
+    image = _image(engine)
+    tag = uuid.uuid4().hex[:8]
+    network = engine.client.networks.create(f"rrl-find-{tag}", internal=True)
+    first = DockerLauncher(image, network.name, client=engine.client, instance=f"find-{tag}")
+    job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 3}}))
+    job.slot_incarnation, job.restock_owed = {0: 0, 1: 1, 2: 1}, {1: 1, 2: 1}
+    job.members = {"rollout-1-i1": MemberInfo("rollout-1-i1", "rollout", 1, 1),
+                   "rollout-2-i1": MemberInfo("rollout-2-i1", "rollout", 2, 1)}
+    member = lid(job, "rollout-1-i1")
+    try:
+        first.start(MemberSpec("j", member, "rollout", ROLLOUT_MODULE, {"ROBUSTRL_MEMBER_ID": "rollout-1-i1"}))
+        container = engine.client.containers.get(container_name(member))
+        assert DockerLauncher(image, network.name, client=engine.client, instance="someone-else").find(member) is None
+        again = DockerLauncher(image, network.name, client=engine.client, instance=f"find-{tag}")
+        adopted, gone = asyncio.run(MemberStarter(None, again, Settings()).adopt(job))  # type: ignore[arg-type]
+        assert (adopted, gone) == (["rollout-1-i1"], [])
+        assert job.members["rollout-1-i1"].handle == {"container": container.id} == first.handle(member)
+        assert job.members["rollout-2-i1"].state == "dead"  # never started: restocked anew
+        assert again.state(member) is MemberState.RUNNING
+        again.kill(member)  # tracked like a member started there: killed and reported
+        exits = eventually(again.poll, timeout=30, interval=0.2, what="the adopted container's exit")
+        assert [(e.member_id, e.expected) for e in exits] == [(member, False)]
+        assert again.find(member) is None  # ended
+    finally:
+        first.close()
+        network.remove()
+
+
 def _code_image(engine: Engine) -> str:
     """The RobustRL image with this commit's code on top (``git archive HEAD``: the committed
     tree, laid out as the installed package is)."""
@@ -173,8 +212,10 @@ def _code_image(engine: Engine) -> str:
 def test_a_job_on_the_docker_launcher_borrows_replica_containers_as_trainer_ranks(engine: Engine,
                                                                                  tmp_path: Path) -> None:
     """End to end: servers on the Docker network's gateway, the control plane on this machine with
-    the Docker launcher, every member a container. A trainer container is killed; the new gang's
-    ranks are rollout containers switched in place; replacements restock the pool."""
+    the Docker launcher, every member a container. Rank 0's container is killed; the new gang's
+    ranks are the surviving rank's container (kept in place as rank 0: ``keep_survivors``) and a
+    rollout container switched in place (rank 1); a replacement restocks the pool. No container is
+    created for the new gang."""
     from jobs import kinds, small_job, wait_done, wait_step
 
     from robustrl.audit import audit_job
@@ -214,7 +255,9 @@ def test_a_job_on_the_docker_launcher_borrows_replica_containers_as_trainer_rank
         borrowed_now = [d["member_id"] for d in kinds(api.events(jid), "replica_borrowed")]
         by_name = {c.name: c for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={jid}"})}
         assert not [n for n in by_name if "trainer-e2" in n], sorted(by_name)
-        assert all(by_name[container_name(f"{jid}--{m}")].status == "running" for m in borrowed_now), borrowed_now
+        in_place = [*borrowed_now, "trainer-e1-r1"]  # the survivor's container is its own still
+        assert all(by_name[container_name(f"{jid}--{m}")].status == "running" for m in in_place), (
+            in_place, {n: c.status for n, c in by_name.items()})
         wait_done(api, jid, timeout=400)
         events = api.events(jid)
         api.close()
@@ -227,13 +270,15 @@ def test_a_job_on_the_docker_launcher_borrows_replica_containers_as_trainer_rank
             c.remove(force=True)  # what the controller's launcher left (it removes its own on close)
         network.remove()
     borrowed = {d["member_id"]: d["rank"] for d in kinds(events, "replica_borrowed")}
-    assert len(borrowed) == 2, borrowed
+    assert list(borrowed.values()) == [1], borrowed  # rank 0 is the survivor: one replica borrowed
     switched = {d["from_member"]: d["member_id"] for d in kinds(events, "role_switched")}
-    assert switched == {m: f"trainer-e2-r{r}" for m, r in borrowed.items()}, switched
+    assert switched == {"trainer-e1-r1": "trainer-e2-r0", **{m: "trainer-e2-r1" for m in borrowed}}, switched
     started = {d["member_id"]: d for d in kinds(events, "member_started")}
-    assert {started[f"trainer-e2-r{r}"]["source"] for r in (0, 1)} == {"borrowed"}
+    assert (started["trainer-e2-r0"]["source"], started["trainer-e2-r0"]["borrowed_from"]) == (
+        "survivor", "trainer-e1-r1"), started["trainer-e2-r0"]
+    assert started["trainer-e2-r1"]["source"] == "borrowed", started["trainer-e2-r1"]
     recovered = [d for d in kinds(events, "recovered") if d["kind"] == "trainer"]
-    assert recovered and recovered[0]["source"] == "borrowed", recovered
+    assert recovered and recovered[0]["sources"] == ["survivor", "borrowed"], recovered
     loaded = {d["member_id"] for d in kinds(events, "weights_loaded")}
     restocked = {d["member_id"] for d in kinds(events, "replica_restocked")}
     assert restocked == {f"rollout-{m.split('-')[1]}-i1" for m in borrowed} and restocked <= loaded

@@ -4,38 +4,53 @@ spare is restocked afterwards."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
-from support import eventually
+from support import ended, eventually
 
 from robustrl.launcher import local
 from robustrl.launcher.base import MemberSpec
-from robustrl.launcher.local import LocalLauncher
+from robustrl.launcher.local import LAUNCH_MARK_ENV, LocalLauncher
+from robustrl.launcher.zygote import FORK_START_ENV, ZYGOTE_MODULE, _stat
 
 pytestmark = pytest.mark.timeout(90)
 TESTS = Path(__file__).resolve().parent
 
 
-def test_a_member_started_from_a_warm_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fork", [False, True], ids=["cold-spare", "forked-spare"])
+def test_a_member_started_from_a_warm_spare(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fork: bool) -> None:
     monkeypatch.setattr(local, "SPARE_RESTOCK_DELAY_S", 0.1)
     monkeypatch.setattr(local, "SPARE_TARGETS", frozenset({"spare_probe"}))
-    launcher = LocalLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS)})
+    # The controller dies right after handing the spare its order: the launcher writes no pid file.
+    monkeypatch.setattr(LocalLauncher, "_write_pidfile", lambda *args, **kwargs: None)
+    launcher = LocalLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS),
+                                                 FORK_START_ENV: "1" if fork else "0"})
     try:
         launcher.keep_spares(1)
-        (spare,) = launcher._spares
+        # (forked: the spare comes once the zygote has done its imports)
+        (spare,) = eventually(lambda: list(launcher._spares), timeout=60, what="a spare started")
         eventually(lambda: b"ready" in (tmp_path / "spare-1.log").read_bytes(), timeout=60,
                    what="spare imported the member code")
         launcher.start(MemberSpec(job_id="j", member_id="j--rollout-0-i0", role="rollout",
                                   module="spare_probe", env={"ROBUSTRL_MEMBER_ID": "rollout-0-i0"},
                                   args=("--x", "1")))
         assert launcher.spares_used == 1 and launcher.pid("j--rollout-0-i0") == spare.pid
+        # forked: the zygote's child; cold: this process's (a fallback to cold would fail here)
+        assert (psutil.Process(spare.pid).ppid() != os.getpid()) == fork
         assert launcher.was_warm("j--rollout-0-i0")
         exits = eventually(launcher.poll, timeout=30, what="probe exited")
         assert [(e.member_id, e.returncode, e.expected) for e in exits] == [("j--rollout-0-i0", 3, False)]
         log = (tmp_path / "j--rollout-0-i0.log").read_text()
         assert f"probe pid={spare.pid} member=rollout-0-i0 argv=['--x', '1']" in log
+        # The spare wrote its own handle before it ran the member, for find() after a takeover.
+        assert json.loads((tmp_path / "j--rollout-0-i0.pid").read_text())["pid"] == spare.pid
         # restocked after the delay: a new spare process
         eventually(lambda: [p.pid for p in launcher._spares if p.poll() is None and p.pid != spare.pid],
                    timeout=10, what="spare restocked")
@@ -74,3 +89,290 @@ def test_a_new_launcher_adopts_a_running_member_and_only_that_process(tmp_path: 
     finally:
         second.close()
         first.close()
+
+
+def test_find_locates_a_member_whose_pid_file_was_never_written(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller died between the member's start and the write of its pid file: a new
+    launcher still finds that very process (by the mark in its environment), never the member's
+    child (it inherits the mark but leads no session), nor a member of another launcher's
+    directory; once the member is gone, its orphaned child is not taken for it."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"}  # a cold start's mark
+    monkeypatch.setattr(LocalLauncher, "_write_pidfile", lambda *args, **kwargs: None)
+    first = LocalLauncher(tmp_path, base_env=env)
+    member = "j--rollout-1-i1"
+    first.start(MemberSpec(job_id="j", member_id=member, role="rollout", module="forking_member"))
+    pid = first.pid(member)
+    assert pid is not None
+    try:
+        (child,) = eventually(lambda: psutil.Process(pid).children(), timeout=30, what="the member's child")
+        assert not (tmp_path / f"{member}.pid").exists()
+        second = LocalLauncher(tmp_path, base_env=env)
+        handle = second.find(member)
+        assert handle == {"pid": pid, "create_time": psutil.Process(pid).create_time()}
+        assert str(tmp_path / f"{member}.pid") in child.environ().values()  # the child has the mark too
+        assert second.find("j--rollout-2-i1") is None  # never started
+        assert LocalLauncher(tmp_path / "other", base_env=env).find(member) is None  # another launcher's dir
+        assert second.adopt("j", member, "rollout", handle) is True and second.pid(member) == pid
+        os.kill(pid, signal.SIGKILL)  # the member alone: its child lives on, with the mark
+        eventually(lambda: second.poll(), timeout=10, what="the member's exit")
+        assert child.is_running() and second.find(member) is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)  # the member's group: its child too
+        first.close()
+
+
+def test_stopping_a_stack_kills_the_members_its_controller_left_and_nothing_else(tmp_path):
+    """A controller killed (or frozen) before it stopped its members leaves them orphaned: the
+    stack's stop finds them by the launch mark under its own run dir; a process marked under
+    another run dir is not touched."""
+    import subprocess
+    import sys
+
+    from robustrl.launcher.local import LAUNCH_MARK_ENV
+    from robustrl.stack import sweep_members
+
+    def marked(run_dir):
+        (run_dir / "logs").mkdir(parents=True)
+        env = {**os.environ, LAUNCH_MARK_ENV: str(run_dir / "logs" / "j--rollout-0-i0.pid")}
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
+                                start_new_session=True)
+
+    ours, other = marked(tmp_path / "ours"), marked(tmp_path / "other")
+    try:
+        eventually(lambda: LAUNCH_MARK_ENV in psutil.Process(ours.pid).environ(), timeout=10, interval=0.05,
+                   what="the marked process started")
+        assert sweep_members(tmp_path / "ours") == [ours.pid]
+        assert ours.wait(timeout=10) == -signal.SIGKILL
+        assert other.poll() is None
+    finally:
+        for p in (ours, other):
+            p.kill()
+            p.wait()
+
+
+# --- the fork server (ROBUSTRL_FORK_START=1, robustrl.launcher.zygote) ---------------------------
+
+def _zygotes(parent: int | None = None) -> list[psutil.Process]:
+    """The zygote processes started by ``parent`` (this process by default), from /proc."""
+    return [p for p in psutil.Process(parent).children() if ZYGOTE_MODULE in " ".join(p.cmdline())]
+
+
+def _forking_launcher(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> LocalLauncher:
+    monkeypatch.setattr(local, "SPARE_TARGETS", frozenset({"spare_probe", "idle_member"}))
+    return LocalLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "1"})
+
+
+def test_a_forked_member_leads_its_own_session_and_its_exit_is_reported_as_a_cold_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Members forked from the zygote: each is the zygote's child (not a new interpreter), leads
+    its own session and process group, carries the stack's sweep mark, writes its pid file, gets
+    its own environment, arguments and log, and its exit code (or signal) reaches ``poll``."""
+    launcher = _forking_launcher(tmp_path, monkeypatch)
+    try:
+        idle = {mid: MemberSpec(job_id="j", member_id=mid, role="rollout", module="idle_member")
+                for mid in ("j--b", "j--c")}
+        for spec in idle.values():
+            launcher.start(spec)
+        (zygote,) = _zygotes()
+        for mid in idle:
+            pid = launcher.pid(mid)
+            assert pid is not None
+            proc = psutil.Process(pid)
+            assert proc.ppid() == zygote.pid and os.getsid(pid) == pid and os.getpgid(pid) == pid
+            assert proc.environ()[LAUNCH_MARK_ENV].startswith(str(tmp_path))  # swept by a stack's stop
+            assert json.loads((tmp_path / f"{mid}.pid").read_text())["pid"] == pid
+        launcher.start(MemberSpec(job_id="j", member_id="j--a", role="rollout", module="spare_probe",
+                                  env={"ROBUSTRL_MEMBER_ID": "a"}, args=("--x", "1")))
+        probe = launcher.pid("j--a")
+        launcher.stop("j--b", grace_s=5.0)
+        launcher.kill("j--c", expected=False)
+        exits: dict[str, tuple[int | None, bool]] = {}
+
+        def all_exits() -> bool:
+            exits.update({e.member_id: (e.returncode, e.expected) for e in launcher.poll()})
+            return len(exits) == 3
+
+        eventually(all_exits, timeout=30, what="three exits reported")
+        assert exits == {"j--a": (3, False), "j--b": (0, True), "j--c": (-signal.SIGKILL, False)}
+        assert f"probe pid={probe} member=a argv=['--x', '1']" in (tmp_path / "j--a.log").read_text()
+        assert not launcher.was_warm("j--a") and launcher.spares_used == 0  # a fork is not a warm spare
+        # Their exits recorded, the zygote (still running) has reaped them: no zombie kept.
+        pids = {"j--b": launcher.pid("j--b"), "j--c": launcher.pid("j--c"), "j--a": probe}
+        assert zygote.is_running() and zygote.status() != psutil.STATUS_ZOMBIE
+        eventually(lambda: all(p is not None and _stat(p) is None for p in pids.values()), timeout=10,
+                   what=f"the zygote reaped {pids} once their exits were recorded")
+    finally:
+        launcher.close()
+    eventually(lambda: not _zygotes(), timeout=10, what="the zygote gone with its launcher")
+
+
+def test_members_outlive_a_lost_zygote_and_later_members_still_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zygote SIGKILLed: its member runs on; that member's exit is still seen (its code is
+    unknown now, as for an adopted member), and the next member starts (from a new zygote or
+    cold)."""
+    launcher = _forking_launcher(tmp_path, monkeypatch)
+    try:
+        launcher.start(MemberSpec(job_id="j", member_id="j--a", role="rollout", module="idle_member"))
+        pid = launcher.pid("j--a")
+        assert pid is not None
+        (zygote,) = _zygotes()
+        zygote.kill()
+        zygote.wait(10)
+        assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and launcher.running() == ["j--a"]
+        os.killpg(pid, signal.SIGKILL)
+        exits = eventually(launcher.poll, timeout=10, what="the exit of the lost zygote's member")
+        assert [(e.member_id, e.returncode, e.expected) for e in exits] == [("j--a", None, False)]
+        launcher.start(MemberSpec(job_id="j", member_id="j--b", role="rollout", module="idle_member"))
+        assert launcher.running() == ["j--b"]
+        launcher.stop("j--b", grace_s=5.0)
+        assert [(e.member_id, e.expected) for e in eventually(launcher.poll, timeout=10, what="j--b")] == [("j--b", True)]
+    finally:
+        launcher.close()
+
+
+LAUNCHER_THAT_DIES = """
+import json, os, signal, sys
+from pathlib import Path
+from robustrl.launcher import local
+from robustrl.launcher.base import MemberSpec
+local.SPARE_TARGETS = frozenset({"idle_member"})
+launcher = local.LocalLauncher(Path(sys.argv[1]), base_env=dict(os.environ))
+launcher.start(MemberSpec(job_id="j", member_id="j--a", role="rollout", module="idle_member"))
+print(json.dumps({"member": launcher.pid("j--a")}), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_launcher_killed_leaves_its_forked_members_running_and_its_zygote_exits(tmp_path: Path) -> None:
+    """A controller SIGKILLed: its zygote sees the control socket close and exits; the member it
+    forked runs on, and a new launcher finds it (pid file) and adopts it, as a cold member."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "1"}
+    run = subprocess.run([sys.executable, "-c", LAUNCHER_THAT_DIES, str(tmp_path)], env=env, capture_output=True,
+                         timeout=120)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    pid = json.loads(run.stdout)["member"]
+    try:
+        # (a forked member shows the zygote's command line and environment: only the pid tells)
+        eventually(lambda: not [p for p in psutil.process_iter(["cmdline"])
+                                if ZYGOTE_MODULE in " ".join(p.info["cmdline"] or []) and p.pid != pid
+                                and str(tmp_path) in p.environ().get(LAUNCH_MARK_ENV, "")],
+                   timeout=10, what="the orphaned zygote exited")
+        assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        second = LocalLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS)})
+        handle = second.find("j--a")
+        assert handle is not None and handle["pid"] == pid
+        assert second.adopt("j", "j--a", "rollout", handle) and second.running() == ["j--a"]
+        second.kill("j--a", expected=True)
+        assert ended(pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def test_a_kill_right_after_a_forked_start_is_not_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher signals a member's process group: a start is answered only once the fork
+    leads its own group, so a SIGKILL sent the moment ``start`` returns ends the member (it used
+    to find no group yet, and the member ran on: "survived SIGKILL")."""
+    launcher = _forking_launcher(tmp_path, monkeypatch)
+    try:
+        for i in range(5):
+            mid = f"j--k{i}"
+            launcher.start(MemberSpec(job_id="j", member_id=mid, role="rollout", module="idle_member"))
+            pid = launcher.pid(mid)
+            assert pid is not None and psutil.Process(pid).ppid() != os.getpid()  # forked
+            launcher.kill(mid, expected=True)
+            stat = _stat(pid)  # gone, or a zombie until the zygote has the launcher's "reap"
+            assert stat is None or stat[0] == b"Z", stat
+        exits: dict[str, int | None] = {}
+
+        def five() -> bool:
+            exits.update({e.member_id: e.returncode for e in launcher.poll()})
+            return len(exits) == 5
+
+        eventually(five, timeout=10, what="five exits")
+        assert exits == {f"j--k{i}": -signal.SIGKILL for i in range(5)}
+    finally:
+        launcher.close()
+
+
+def test_a_stopped_zygote_does_not_keep_an_ended_member_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zygote frozen (SIGSTOP) cannot reap or report: a member killed meanwhile still counts
+    as ended within the report grace (code unknown), a kill of another returns, and the next start
+    does not hang on the frozen zygote (it starts cold within the fork-reply bound)."""
+    from robustrl.launcher.zygote import EXIT_REPORT_GRACE_S, FORK_REPLY_S
+
+    launcher = _forking_launcher(tmp_path, monkeypatch)
+    zygote = None
+    try:
+        for mid in ("j--a", "j--b"):
+            launcher.start(MemberSpec(job_id="j", member_id=mid, role="rollout", module="idle_member"))
+        (zygote,) = _zygotes()
+        zygote.suspend()
+        pid_a = launcher.pid("j--a")
+        assert pid_a is not None
+        os.killpg(pid_a, signal.SIGKILL)  # a crash the zygote cannot report
+        exits = eventually(launcher.poll, timeout=EXIT_REPORT_GRACE_S + 5, what="the crash seen")
+        assert [(e.member_id, e.returncode) for e in exits] == [("j--a", None)]
+        launcher.kill("j--b", expected=True)  # returns: no "survived SIGKILL"
+        began = time.monotonic()
+        launcher.start(MemberSpec(job_id="j", member_id="j--c", role="rollout", module="idle_member"))
+        assert time.monotonic() - began < FORK_REPLY_S + 5
+        assert launcher.running() == ["j--c"]
+    finally:
+        if zygote is not None:
+            with contextlib.suppress(psutil.Error):
+                zygote.resume()
+        launcher.close()
+
+
+def test_a_zygote_given_up_still_reports_the_exits_of_the_members_it_forked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zygote given up (here: counted as refusing forks) while a member it forked runs forks no
+    more (the next member starts cold) but goes on reaping that member: its exit code reaches
+    ``poll`` (closing the zygote at once turned every such exit into an unknown code)."""
+    launcher = _forking_launcher(tmp_path, monkeypatch)
+    try:
+        launcher.start(MemberSpec(job_id="j", member_id="j--a", role="rollout", module="idle_member"))
+        (zygote,) = _zygotes()
+        launcher._zygote.failures = local.ZYGOTE_MAX_REFUSALS  # as after three refused forks
+        launcher.start(MemberSpec(job_id="j", member_id="j--b", role="rollout", module="idle_member"))
+        pid_b = launcher.pid("j--b")
+        assert pid_b is not None and psutil.Process(pid_b).ppid() == os.getpid()  # cold now
+        assert zygote.is_running()  # kept: it still has a member to reap
+        launcher.kill("j--a", expected=False)
+        exits = eventually(launcher.poll, timeout=10, what="j--a's exit")
+        assert [(e.member_id, e.returncode) for e in exits] == [("j--a", -signal.SIGKILL)]
+        launcher.start(MemberSpec(job_id="j", member_id="j--c", role="rollout", module="idle_member"))
+        eventually(lambda: not zygote.is_running() or zygote.status() == psutil.STATUS_ZOMBIE, timeout=15,
+                   what="the given-up zygote stopped once its last member ended")
+    finally:
+        launcher.close()
+
+
+def test_the_zygote_frees_an_ended_members_pid_only_once_the_launcher_has_its_exit(tmp_path: Path) -> None:
+    """The zygote's protocol from outside (``tests/zygote_reaper.py``: a raw control socket, /proc,
+    run as a child subreaper so a zombie the zygote leaves is not reaped by init behind it): a
+    member killed is reported with its signal but stays a zombie, its pid and process group still
+    its own, until the launcher answers ``reap``; a zygote leaving reaps the members whose exit it
+    reported. (Reaped at once, the pid was free while the launcher could still signal the
+    member's group: a stop or kill crossing the exit could reach a process that took the pid over.)"""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "zygote_reaper.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=180, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["exit1"] == {"exit": out["pid1"], "rc": -signal.SIGKILL}, out
+    # a zygote that reaps first has freed the pid before its report is sent
+    assert out["after_report"] == "Z", out
+    assert out["after_reap"] == "gone", out
+    assert out["exit2"] == {"exit": out["pid2"], "rc": -signal.SIGKILL}, out
+    assert out["after_zygote_exit"] == "gone", f"the zygote left a zombie behind: {out}"

@@ -1,17 +1,16 @@
 """The Ray launcher on a real three-node Ray cluster (head + 2 workers) started on this machine.
 
 The nodes are ``ray start --block`` processes on loopback addresses (head 127.0.0.1 with 0 CPUs,
-workers 127.0.0.2 and 127.0.0.3, 2 CPUs each), not testbed namespaces: each namespace would need a
-driver inside it (Ray drivers join through a raylet on their own node) and costs more start-up
-than these tests can spend on 2 cores. What is checked comes from outside the launcher: the GCS
-(actors by name, nodes), the member processes (/proc), the job's event log and the auditor.
+workers 127.0.0.2 and 127.0.0.3, 2 CPUs each). The same cluster with each worker node inside a
+testbed host, and network partitions between the nodes, is ``tests/test_ray_testbed.py``. What is
+checked comes from outside the launcher: the GCS (actors by name, nodes), the member processes
+(/proc), the job's event log and the auditor.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import tempfile
 import time
@@ -22,7 +21,7 @@ from typing import Any
 
 import pytest
 from jobs import TERMINAL, kinds, small_job, wait_done
-from support import eventually
+from support import ended, eventually, stop_ray_cluster
 
 try:
     import ray
@@ -53,10 +52,7 @@ def cluster() -> Iterator[LocalRayCluster]:
     try:
         yield c
     finally:
-        c.stop()
-        left = c.leftovers()
-        shutil.rmtree(c.temp_dir, ignore_errors=True)
-        assert left == [], f"Ray processes left after teardown: {left}"
+        stop_ray_cluster(c)
 
 
 def idle(member: str, **kw: Any) -> MemberSpec:
@@ -66,14 +62,6 @@ def idle(member: str, **kw: Any) -> MemberSpec:
 def member_env(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/environ", "rb") as f:
         return dict(item.split("=", 1) for item in f.read().decode().split("\0") if "=" in item)
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def test_bad_input_is_refused_with_the_field_named(cluster: LocalRayCluster, tmp_path: Path) -> None:
@@ -160,7 +148,7 @@ def test_gangs_replicas_and_labels_are_placed_across_nodes(cluster: LocalRayClus
         ray.kill(ray.get_actor("rr-place:j--rollout-0-i0", namespace="robustrl"), no_restart=True)
         exits = eventually(launcher.poll, timeout=15, what="killed actor reported")
         assert [(e.member_id, e.returncode, e.expected) for e in exits] == [("j--rollout-0-i0", None, False)]
-        eventually(lambda: gone(pid), timeout=10, what="member of the killed actor gone")
+        eventually(lambda: ended(pid), timeout=10, what="member of the killed actor gone")
         # kill / stop map onto the member process; each exit reported once with its code.
         launcher.kill("j--rollout-1-i0", expected=True)
         launcher.stop("j--labelled", grace_s=5)
@@ -225,7 +213,7 @@ def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_
         ray.kill(ray.get_actor(actor_name(job_id, victim["member_id"]), namespace="robustrl"), no_restart=True)
         status = api.wait(job_id, lambda s: s["committed_step"] > at and all(
             m["epoch"] > victim["epoch"] for m in _live(s, "trainer")), timeout_s=120)
-        assert gone(victim["pid"])
+        assert ended(victim["pid"])
         print(f"actor kill recovered at {time.monotonic() - t0:.1f} s")
         events = api.events(job_id)
         assert any(f["member_id"] == victim["member_id"] for f in kinds(events, "fault_detected"))
@@ -439,7 +427,7 @@ def test_a_trainer_rank_restarts_from_a_ray_warm_spare(cluster: LocalRayCluster,
     assert set(pids.values()) <= {s["pid"] for s in spares.values()}, (pids, spares)
     for mid in pids:
         assert _member_actor(job_id, mid)["name"] in spares
-    assert gone(victim["pid"])
+    assert ended(victim["pid"])
     # The pool is back to its size while the job runs: SPARE_RESTOCK_DELAY_S (10 s) after the take,
     # plus a Ray actor start per new spare (a new worker process on a loaded 2-core machine).
     taken_at = min(e["ts"] for e in events if e["kind"] == "member_started"

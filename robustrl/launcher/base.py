@@ -27,6 +27,16 @@ ROLLOUT_MODULE = "robustrl.services.rollout"
 """What a trainer worker / rollout replica runs (``python -m``): the launchers and the controller
 spell the member modules only here."""
 
+_ROLLOUT_MEMBER = re.compile(r"(?:^|--)rollout-(\d+)-i(\d+)$")
+"""A rollout member id, ``rollout-<slot>-i<incarnation>`` (services.controller.launching), bare or as
+a launcher key (``<job>--<member>``)."""
+
+
+def rollout_slot(member_id: str) -> tuple[int, int] | None:
+    """(slot, incarnation) of a rollout member id or launcher key; None for any other member."""
+    m = _ROLLOUT_MEMBER.search(member_id)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
 
 class MemberState(str, enum.Enum):
     STARTING = "starting"
@@ -179,6 +189,14 @@ class ExitInfo:
     exited_at: float = field(default_factory=time.time)
 
 
+def switchable(spec: MemberSpec) -> bool:
+    """Whether the member ``spec`` describes can switch in place to a trainer rank
+    (``Launcher.relabel``): a torch rollout replica (the engine's model is in the process) or a
+    trainer rank (its process runs the same trainer code again under the new rank)."""
+    return ((spec.role == "rollout" and spec.module in ("", ROLLOUT_MODULE))
+            or (spec.role == "trainer" and spec.module in ("", TRAINER_MODULE)))
+
+
 class Launcher(abc.ABC):
     """Start/stop/kill role members. Every call is idempotent for an unknown or dead member."""
 
@@ -273,13 +291,27 @@ class Launcher(abc.ABC):
         """Warm spare processes ready to take a member now (0 for launchers without spares)."""
         return 0
 
+    def preload(self) -> None:
+        """Get ready to start members fast (the controller calls it once it leads): the local
+        launcher starts its fork server (``robustrl.launcher.zygote``) then. Others: nothing."""
+
+    def release_unstarted_gang(self, gang_id: str | None) -> None:
+        """A gang whose start was abandoned before any rank started (its job stopping, the lease
+        lost): release what placing it reserved. Launchers that reserve nothing ahead: nothing."""
+
     def can_relabel(self) -> bool:
         """Whether :meth:`relabel` can switch a running member's role in place."""
         return False
 
+    def can_keep_trainers(self) -> bool:
+        """Whether :meth:`relabel` can also hand a running trainer rank over to a rank of the next
+        gang (``recovery.keep_survivors``)."""
+        return False
+
     def relabel(self, member_id: str, spec: MemberSpec) -> None:
         """Switch the running member ``member_id`` in place to the member ``spec`` describes (a
-        rollout replica borrowed as a trainer rank): hand the process ``spec``'s environment, and
+        rollout replica borrowed as a trainer rank, or a surviving rank of a broken gang as a rank
+        of the next one where :meth:`can_keep_trainers`): hand the process ``spec``'s environment, and
         from now on track, poll, stop and kill it as ``spec.member_id`` (its exit is reported
         under that id and role). The process keeps its pid, memory and loaded model.
 

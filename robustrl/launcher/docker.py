@@ -12,6 +12,7 @@ launcher call      Docker API call
 ``suspend``        ``container.pause()`` (cgroup freezer: a hang)
 ``resume``         ``container.unpause()``
 ``poll``           ``containers.list(all=True, filters=label)``
+``find``           ``containers.list(all=True, filters=label)``
 ``relabel``        ``exec_run`` (the member's pid), ``put_archive``
                    (the hand-off file), ``kill(signal=SIGUSR1)``
 =================  =============================================
@@ -28,6 +29,9 @@ host name (``rr-<replica id>``: the rank binds and advertises that name, and a b
 the gang's rendezvous there), its labels (``robustrl.member`` still names the replica: ``poll`` and
 ``adopt`` follow the container id), its resource limits (``decide`` borrows only a replica whose
 reservation covers a rank's), and its output (``docker logs`` of the replica's container).
+A trainer rank that survived its gang's crash is kept for the next gang the same way
+(``can_keep_trainers``, ``recovery.keep_survivors``): its container stays, the process runs on
+as its new rank (``services/trainer/survivor.py``).
 
 Warm spares (``keep_spares``) are not kept: a spare container would take its member's name, labels
 and environment only at create time; every member starts cold here (``spares_ready`` is 0).
@@ -52,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from robustrl.errors import LaunchError
-from robustrl.launcher.base import ROLLOUT_MODULE, ExitInfo, Launcher, MemberSpec, MemberState, check_spec
+from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState, check_spec, switchable
 from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, handoff_path
 from robustrl.model.engines.envs import image as member_image
 
@@ -272,16 +276,20 @@ class DockerLauncher(Launcher):
     def can_relabel(self) -> bool:
         return True
 
+    def can_keep_trainers(self) -> bool:
+        return True
+
     def relabel(self, member_id: str, spec: MemberSpec) -> None:
-        """Hand the running rollout replica ``member_id`` over to ``spec`` (a trainer rank) in
-        place, in its container (module docstring); it is tracked as ``spec.member_id`` from now on."""
+        """Hand the running rollout replica (or surviving trainer rank) ``member_id`` over to
+        ``spec`` (a rank of the next gang) in place, in its container (module docstring); it is
+        tracked as ``spec.member_id`` from now on."""
         with self._lock:
             m = self._members.get(member_id)
             if m is None or self._refresh(m) is not MemberState.RUNNING:
                 raise LaunchError(f"cannot borrow {member_id}: it is not running", member=member_id)
-            if m.spec.role != "rollout" or m.spec.module not in ("", ROLLOUT_MODULE):
-                raise LaunchError(f"cannot borrow {member_id}: only a rollout replica switches role in place",
-                                  member=member_id)
+            if not switchable(m.spec):
+                raise LaunchError(f"cannot borrow {member_id}: only a torch rollout replica or a trainer rank "
+                                  "switches to a trainer rank in place", member=member_id)
             new = self._members.get(spec.member_id)
             if new is not None and self._refresh(new) in (MemberState.STARTING, MemberState.RUNNING,
                                                           MemberState.SUSPENDED):
@@ -482,6 +490,26 @@ class DockerLauncher(Launcher):
     def handle(self, member_id: str) -> dict[str, Any] | None:
         member = self._members.get(member_id)
         return None if member is None else {"container": member.container.id}
+
+    def find(self, member_id: str) -> dict[str, Any] | None:
+        """The handle (``{"container": id}``, as ``handle`` gives) of the container an earlier
+        launcher of this instance started for ``member_id`` whose handle was never persisted (its
+        controller died between ``containers.run`` and the write): found by its labels (this
+        instance, the member id), if it is created, running or paused, as ``adopt`` accepts.
+        None if there is none.
+
+        Raises:
+            LaunchError: the engine cannot list containers.
+        """
+        try:
+            found = self.client.containers.list(all=True, filters={"label": f"{LABEL_MEMBER}={member_id}"})
+        except Exception as exc:
+            raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
+        for container in found:
+            labels = container.labels or {}
+            if labels.get(LABEL_LAUNCHER) == self.instance and container.status in _RUNNING_STATES:
+                return {"container": container.id}
+        return None
 
     def adopt(self, job_id: str, member_id: str, role: str, handle: dict[str, Any]) -> bool:
         """Re-attach to the member's container, found by its labels (this launcher's instance and

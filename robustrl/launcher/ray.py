@@ -93,6 +93,13 @@ SPARE_RETRY_MAX_S = 60.0
 would leave the pool short for good (members then start cold)."""
 SPARE_PREFIX = "spare-"
 """Spare actors are named ``<instance>:spare-<id>``; a member started from one keeps that name."""
+NODE_SUSPECT_S = 30.0
+"""A node where a member was lost without an exit code (its actor, worker or node gone), or whose
+spare failed a start, is suspect this long (Ray's default health check fails a dead node within
+about 15-25 s): its spares are taken last (a preference only; a lone worker's crash costs its
+node's spares their rank for this long). Until the GCS has seen such a node dead, a spare
+that died with it still looks ready; taken first, it would fail its start (another spare is then
+tried, at the cost of a call's timeout)."""
 SOFT_STRATEGIES = ("PACK", "SPREAD")
 """Gang strategies a rank from a spare (or a borrowed replica) may follow only as a preference."""
 
@@ -217,6 +224,7 @@ class RayLauncher(Launcher):
         self._retry_pending = False  # the retry timer after a failed restock is scheduled
         self._timers: set[threading.Timer] = set()
         self._trainer_shape: _Shape | None = None
+        self._suspect: dict[str, float] = {}  # node id -> when a member there was lost (monotonic)
         self.spares_used = 0
         """Members started from a warm spare (the rest were cold starts or borrowed replicas)."""
         self._errors: tuple[type[BaseException], ...] = (self.ray.exceptions.RayError, TimeoutError, ValueError)
@@ -607,9 +615,10 @@ class RayLauncher(Launcher):
         p = spec.placement
         return spec.module in SPARE_TARGETS and not (p.gang is not None and p.strategy not in SOFT_STRATEGIES)
 
-    def _take_spare(self, spec: MemberSpec) -> _Member | None:
+    def _take_spare(self, spec: MemberSpec, avoid: frozenset[str] = frozenset()) -> _Member | None:
         """Take the ready spare that suits ``spec`` best (module docstring), out of the pool; None
-        when none may run it. Its replacement is started ``SPARE_RESTOCK_DELAY_S`` later."""
+        when none may run it. ``avoid``: node ids not to take one from (a spare there just failed).
+        Its replacement is started ``SPARE_RESTOCK_DELAY_S`` later."""
         if not self._may_use_spare(spec):
             return None
         with self._lock:
@@ -620,6 +629,7 @@ class RayLauncher(Launcher):
         p = spec.placement
         with self._lock:
             fitting = [s for s in self._spares if s.pid is not None and s.shape is not None and s.node_id in nodes
+                       and s.node_id not in avoid
                        and s.shape.fits(spec, self.default_cpus, nodes[s.node_id].get("Labels", {}) or {})
                        and (spec.host is None or spec.host in (s.node_ip, s.node_id,
                                                                nodes[s.node_id].get("NodeName")))]
@@ -632,12 +642,16 @@ class RayLauncher(Launcher):
                          if m.spec.placement.gang == p.gang and not m.reported}
             if not fitting:
                 return None
+            now = time.monotonic()
+            self._suspect = {n: t for n, t in self._suspect.items() if now - t < NODE_SUSPECT_S}
+            suspect = set(self._suspect)
 
-            def cost(s: _Member) -> tuple[int, int]:
+            def cost(s: _Member) -> tuple[int, int, int]:
+                lost = int(s.node_id in suspect)  # maybe dead with its node, not yet seen so
                 crowded = int(s.node_id in taken)  # anti-affinity: preferred (required filtered above)
                 if p.strategy == "PACK":
-                    return crowded, int(bool(peers) and s.node_id not in peers)
-                return crowded, int(s.node_id in peers)  # SPREAD
+                    return lost, crowded, int(bool(peers) and s.node_id not in peers)
+                return lost, crowded, int(s.node_id in peers)  # SPREAD
 
             spare = min(fitting, key=cost)
             self._spares.remove(spare)
@@ -645,6 +659,21 @@ class RayLauncher(Launcher):
                 self._placing[spec.member_id] = _Member(spec, "", None, node_id=spare.node_id)
         self._restock_later()
         return spare
+
+    def _spare_failed(self, spare: _Member, failed: frozenset[str]) -> frozenset[str]:
+        """A spare that failed a start: released (``_assign`` did already), its node suspect and,
+        for the rest of this start, avoided (each try on a dead node costs a call's timeout)."""
+        self._kill_actor(spare)
+        if not spare.node_id:
+            return failed
+        with self._lock:
+            self._suspect[spare.node_id] = time.monotonic()
+        return failed | {spare.node_id}
+
+    def _spare_tries(self) -> int:
+        """How many spares one start may try: those in the pool now (restocked ones come later)."""
+        with self._lock:
+            return len(self._spares)
 
     def _assign(self, spec: MemberSpec, spare: _Member) -> None:
         """Hand ``spec`` to ``spare`` (its order on stdin) and track it as ``spec.member_id``."""
@@ -708,6 +737,20 @@ class RayLauncher(Launcher):
             m.node_id, m.node_ip = where["node_id"], where["node_ip"]
         return created, answers
 
+    def release_unstarted_gang(self, gang_id: str | None) -> None:
+        if gang_id is None:
+            return
+        with self._lock:
+            known = gang_id in self._gangs
+        if not known:  # placed by an earlier controller (detached, named): found by its name
+            try:
+                pg = self.ray.util.get_placement_group(f"{self.instance}:{gang_id}")
+                self.ray.util.remove_placement_group(pg)
+            except (KeyError, *self._errors) as exc:  # none by that name: nothing was placed
+                log.debug("no placement group of %s to release: %s", gang_id, exc)
+            return
+        self._drop_unstarted_gang(gang_id)
+
     def _drop_unstarted_gang(self, gang_id: str | None) -> None:
         """After a failed start: a gang none of whose ranks runs would otherwise hold its placement
         group and the other ranks' pre-made actors for good."""
@@ -732,18 +775,21 @@ class RayLauncher(Launcher):
         if p.gang is not None:
             with self._lock:
                 self._gang_record(p.gang).outside.add(p.gang_rank)  # held for a spare while one is tried
-            spare = self._take_spare(spec)
-            if spare is not None:
+            failed: frozenset[str] = frozenset()
+            for _ in range(self._spare_tries()):  # one unreachable spare: one on another node, then cold
+                spare = self._take_spare(spec, failed)
+                if spare is None:
+                    break
                 try:
                     where = self.ray.get(spare.actor.where.remote(), timeout=CALL_TIMEOUT_S)
                 except self._errors as exc:
-                    log.warning("warm spare %s unreachable (%s): rank 0 of %s starts cold", spare.name, exc, p.gang)
-                    self._kill_actor(spare)
-                else:
-                    spare.spec = spec
-                    with self._lock:
-                        self._pending[self._actor_name(spec)] = spare
-                    return str(where["node_ip"]), int(where["port"])
+                    log.warning("warm spare %s unreachable for rank 0 of %s: %s", spare.name, p.gang, _cause(exc))
+                    failed = self._spare_failed(spare, failed)
+                    continue
+                spare.spec = spec
+                with self._lock:
+                    self._pending[self._actor_name(spec)] = spare
+                return str(where["node_ip"]), int(where["port"])
             with self._lock:
                 self._gang_record(p.gang).outside.discard(p.gang_rank)
         ranks = None if p.gang is None else [r for r in range(p.gang_size) if r == p.gang_rank or r not in (
@@ -779,13 +825,17 @@ class RayLauncher(Launcher):
         self._note_trainer(spec)
         try:
             if m is None and not self._gang_has_pg(spec):
-                spare = self._take_spare(spec)
-                if spare is not None:
+                failed: frozenset[str] = frozenset()
+                for _ in range(self._spare_tries()):  # a spare that fails: one on another node, then cold
+                    spare = self._take_spare(spec, failed)
+                    if spare is None:
+                        break
                     try:
                         self._assign(spec, spare)
                         return
                     except LaunchError as exc:
-                        log.warning("%s; starting it cold", exc)
+                        log.warning("%s; trying a spare on another node, else a cold start", exc)
+                        failed = self._spare_failed(spare, failed)
             if m is None and spec.placement.gang is not None:
                 m = self._premake_from(spec)
             self._start(spec, m)
@@ -1005,11 +1055,21 @@ class RayLauncher(Launcher):
                     m.cause = f"exited with {m.rc}"
                 except self._errors as exc:  # RayActorError: actor killed, its worker or node lost
                     m.rc, m.cause = None, _cause(exc)
+                    if m.node_id and not m.expected_exit:
+                        with self._lock:
+                            self._suspect[m.node_id] = time.monotonic()
                 ended.append(m)
         now = time.monotonic()
         with self._lock:
             spares = bool(self._spares)
-        if (watching or spares) and now - self._nodes_checked >= NODE_CHECK_INTERVAL_S:
+        # A member lost without an exit code may have died with its node: the GCS marks a node dead
+        # before it publishes the deaths of the actors there, so the node table read now reports
+        # its other members in this same poll. Reported a poll apart, a replica's replacement can
+        # take the spare left on a live node before the trainer gang's restart (which the
+        # controller handles first within a poll) asks for it: the likeliest cause of a CI failure
+        # of tests/test_ray_testbed.py's node kill (the new rank 0 started cold).
+        lost = any(m.rc is None for m in ended)
+        if (watching or spares) and (lost or now - self._nodes_checked >= NODE_CHECK_INTERVAL_S):
             self._nodes_checked = now
             alive = {n["NodeID"] for n in self._nodes()}
             for m in watching.values():

@@ -11,6 +11,12 @@ of the machine (Ray offers no loopback-only bind), which is why the head gets no
 fixture tears the whole cluster down (``stop``), then checks that none of its processes is left.
 Node loss is detected quickly: the head's GCS health check runs every 500 ms and fails a node after
 3 misses (``HEALTH_CHECK``).
+
+:class:`TestbedRayCluster` runs the same cluster on a testbed (``robustrl.testbed``): the head in the
+root namespace on the testbed's gateway address, each worker node inside one host's network
+namespace (``ip netns exec <host> ray start --address <gateway>:<port> --node-ip-address <host
+address>``), so a worker node's servers bind that host's interfaces only and node loss can be a
+real network fault (``cut_node``: the host's link drops everything) as well as a kill.
 """
 
 from __future__ import annotations
@@ -25,15 +31,21 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import psutil
 
 from robustrl.errors import LaunchError
 from robustrl.launcher.base import free_port
 
+if TYPE_CHECKING:
+    from robustrl.testbed.testbed import CutMode, Testbed
+
 HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                 "health_check_initial_delay_ms": 0}
+TESTBED_HEALTH_CHECK = {**HEALTH_CHECK, "health_check_timeout_ms": 1000}
+"""On a testbed a cut link answers nothing: each check then waits its whole timeout (Ray's default
+is 10 s, so a partitioned node would be failed after ~30 s; here after ~4.5 s)."""
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
 READY_TIMEOUT_S = 60.0
 START_ATTEMPTS = 2
@@ -50,6 +62,10 @@ def _ray_bin() -> str:
 class LocalRayCluster:
     """Head + ``workers`` worker nodes as local processes (module docstring)."""
 
+    head_ip = "127.0.0.1"
+    """The head's node address (the GCS listens on ``head_ip:port``)."""
+    health_check: dict[str, int] = HEALTH_CHECK
+
     def __init__(self, temp_dir: Path, workers: int = 2, worker_cpus: float = 2,
                  labels: list[dict[str, str]] | None = None) -> None:
         # Ray's unix sockets live under temp_dir: keep the path short (108-byte socket paths).
@@ -64,19 +80,27 @@ class LocalRayCluster:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.head_ip}:{self.port}"
 
     def _env(self) -> dict[str, str]:
         return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_DISABLE_DOCKER_CPU_WARNING": "1"}
 
-    def _spawn(self, args: list[str], name: str) -> subprocess.Popen[bytes]:
+    def _worker_ip(self, i: int) -> str:
+        """The node address of worker ``i`` (0-based)."""
+        return f"127.0.0.{i + 2}"
+
+    def _popen(self, argv: list[str], worker: int | None, **kwargs: Any) -> subprocess.Popen[bytes]:
+        """Start one node's ``ray start`` (``worker``: its 0-based index; None: the head)."""
+        return subprocess.Popen(argv, **kwargs)
+
+    def _spawn(self, args: list[str], name: str, worker: int | None = None) -> subprocess.Popen[bytes]:
         log = open(self.temp_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         try:
-            return subprocess.Popen([_ray_bin(), "start", "--block", "--disable-usage-stats",
-                                     "--include-log-monitor=false", f"--temp-dir={self.temp_dir}",
-                                     f"--object-store-memory={OBJECT_STORE_BYTES}", *args],
-                                    env=self._env(), stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            return self._popen([_ray_bin(), "start", "--block", "--disable-usage-stats",
+                                "--include-log-monitor=false", f"--temp-dir={self.temp_dir}",
+                                f"--object-store-memory={OBJECT_STORE_BYTES}", *args], worker,
+                               env=self._env(), stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             log.close()
 
@@ -85,15 +109,15 @@ class LocalRayCluster:
         self.port = free_port()
         try:
             self.nodes.append(self._spawn(
-                ["--head", "--node-ip-address=127.0.0.1", f"--port={self.port}", "--num-cpus=0",
-                 "--include-dashboard=false", f"--system-config={json.dumps(HEALTH_CHECK)}",
+                ["--head", f"--node-ip-address={self.head_ip}", f"--port={self.port}", "--num-cpus=0",
+                 "--include-dashboard=false", f"--system-config={json.dumps(self.health_check)}",
                  '--labels={"robustrl.io/node": "head"}'], "head"))
             self._wait_port()
             self.wait_nodes(1)
             # One worker at a time, each retried once: on a loaded machine a raylet can miss the
             # 30 s registration deadline of `ray start` (seen with 2 cores and a load of 10).
             for i in range(self.workers):
-                self.node_ips.append(f"127.0.0.{i + 2}")
+                self.node_ips.append(self._worker_ip(i))
                 self.nodes.append(self._start_worker(i, i + 2))
         except BaseException:
             self.stop()
@@ -106,7 +130,7 @@ class LocalRayCluster:
         for attempt in range(START_ATTEMPTS):
             node = self._spawn([f"--address={self.address}", f"--node-ip-address={ip}",
                                 f"--num-cpus={self.worker_cpus}", f"--labels={json.dumps(self.labels[i])}"],
-                               f"worker-{i + 1}")
+                               f"worker-{i + 1}", worker=i)
             try:
                 self.wait_nodes(live_after, watch=node)
                 return node
@@ -120,14 +144,23 @@ class LocalRayCluster:
         raise AssertionError("unreachable")
 
     def restore(self) -> list[int]:
-        """Start again every worker node killed (``kill_node``): a new Ray node on the same address
-        with the same labels and CPUs. Returns the indexes restarted."""
-        dead = [i for i in range(1, len(self.nodes)) if self.nodes[i].poll() is not None]
+        """Start again every worker node killed (``kill_node``) or failed by the GCS (its raylet
+        missed the health checks; what is left of it is killed first): a new Ray node on the same
+        address with the same labels and CPUs. Returns the indexes restarted."""
+        alive = {n["NodeManagerAddress"] for n in self.alive_nodes()}
+        dead = [i for i in range(1, len(self.nodes))
+                if self.nodes[i].poll() is not None or self.node_ips[i - 1] not in alive]
         for i in dead:
+            self._before_restart(i)
+            if self.nodes[i].poll() is None or self._tree(self.nodes[i]):
+                self.kill_node(i)
             self._kill_strays(self.node_ips[i - 1])
             live = len(self.alive_nodes())
             self.nodes[i] = self._start_worker(i - 1, live + 1)
         return dead
+
+    def _before_restart(self, index: int) -> None:
+        """Hook: what node ``index`` needs before it is started again (a testbed heals its link)."""
 
     def _wait_port(self) -> None:
         import socket
@@ -137,7 +170,7 @@ class LocalRayCluster:
             if self.nodes[0].poll() is not None:
                 raise LaunchError(f"the Ray head exited: see {self.temp_dir / 'head.log'}")
             with contextlib.suppress(OSError):
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                socket.create_connection((self.head_ip, self.port), timeout=0.5).close()
                 return
             time.sleep(0.05)
         raise LaunchError(f"the Ray head did not listen on {self.port} within {READY_TIMEOUT_S:g} s")
@@ -167,13 +200,13 @@ class LocalRayCluster:
         """Kill what a failed ``ray start`` of node ``ip`` left running (its raylet, agents)."""
         for p in psutil.process_iter(["cmdline"]):
             cmd = " ".join(p.info["cmdline"] or [])
-            if str(self.temp_dir) in cmd and f"={ip}" in cmd:
+            if str(self.temp_dir) in cmd and any(a.endswith(f"={ip}") for a in cmd.split()):
                 with contextlib.suppress(psutil.Error):
                     p.kill()
 
     def node_id(self, index: int) -> str:
         """The Ray node id of node ``index`` (0 = head) by its address."""
-        ip = "127.0.0.1" if index == 0 else self.node_ips[index - 1]
+        ip = self.head_ip if index == 0 else self.node_ips[index - 1]
         for n in self.alive_nodes():
             if n["NodeManagerAddress"] == ip or (index == 0 and n.get("Labels", {}).get("robustrl.io/node") == "head"):
                 return str(n["NodeID"])
@@ -232,3 +265,54 @@ class LocalRayCluster:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+class TestbedRayCluster(LocalRayCluster):
+    """The cluster on a testbed (module docstring): the head in the root namespace on the
+    testbed's gateway address (0 CPUs; the controller, in the root namespace, joins it as a
+    driver through the head's raylet), worker node ``i`` inside host ``hosts[i]`` on that host's
+    address. A worker's ``ray start`` is started through ``Testbed.popen``, so the testbed's
+    teardown kills it too if this cluster's ``stop`` never runs.
+
+    Args:
+        testbed: a testbed that is up.
+        hosts: the hosts that get a worker node each (names or indexes); default: every host.
+    """
+
+    __test__ = False
+    health_check = TESTBED_HEALTH_CHECK
+
+    def __init__(self, testbed: Testbed, temp_dir: Path, hosts: list[str | int] | None = None,
+                 worker_cpus: float = 2, labels: list[dict[str, str]] | None = None) -> None:
+        self.testbed = testbed
+        self.hosts = [testbed.host(h).name for h in (hosts if hosts is not None else range(len(testbed.hosts)))]
+        super().__init__(temp_dir, workers=len(self.hosts), worker_cpus=worker_cpus,
+                         labels=labels or [{"robustrl.io/node": h} for h in self.hosts])
+        self.head_ip = testbed.gateway
+
+    def _worker_ip(self, i: int) -> str:
+        return self.testbed.address(self.hosts[i])
+
+    def _popen(self, argv: list[str], worker: int | None, **kwargs: Any) -> subprocess.Popen[bytes]:
+        if worker is None:
+            return subprocess.Popen(argv, **kwargs)
+        return self.testbed.popen(self.hosts[worker], argv, **kwargs)
+
+    def host_of(self, index: int) -> str:
+        """The testbed host of worker node ``index`` (1-based, as ``kill_node``)."""
+        return self.hosts[index - 1]
+
+    def cut_node(self, index: int, mode: CutMode | None = None) -> str:
+        """Take worker node ``index``'s host off the network (``Testbed.cut``): its processes run
+        on, unreachable; the GCS fails the node after its health checks time out. Returns the host."""
+        from robustrl.testbed.testbed import CutMode
+
+        host = self.host_of(index)
+        self.testbed.cut(host, mode or CutMode.DROP)
+        return host
+
+    def _before_restart(self, index: int) -> None:
+        host = self.host_of(index)
+        for fault in self.testbed.faults:
+            if fault.get("kind") == "cut" and fault.get("host") == host:
+                self.testbed.heal_fault(fault)

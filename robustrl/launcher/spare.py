@@ -2,9 +2,11 @@
 
 ``python -m robustrl.launcher.spare`` imports the trainer and rollout code (torch, transformers:
 about 4 s of a cold start here), then blocks on one JSON line on stdin:
-``{"module": ..., "args": [...], "env": {...}, "log": path}``. It then takes that environment,
-sends its output to the member's log, and runs ``python -m module`` in place, so the launcher's
-process handle, pid and process group stay valid. End of input (the launcher let it go) exits
+``{"module": ..., "args": [...], "env": {...}, "log": path, "pidfile": path}``. It writes its own
+handle to ``pidfile`` (a controller that dies right after handing it the order has not written it
+yet: ``LocalLauncher.find`` reads it), takes that environment, sends its output to the member's
+log, and runs ``python -m module`` in place, so the launcher's process handle, pid and process
+group stay valid. End of input (the launcher let it go) exits
 quietly. See ``LocalLauncher.keep_spares``.
 
 The same module holds the hand-off of a *running* member to another role (a rollout replica
@@ -23,6 +25,7 @@ import runpy
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from robustrl.launcher.base import ROLLOUT_MODULE, TRAINER_MODULE
 
@@ -49,6 +52,29 @@ def write_handoff(directory: str | os.PathLike[str], pid: int, env: dict[str, st
         json.dump({"env": env, "log": log}, f)
     os.replace(tmp, path)
     return path
+
+
+def pid_handle(pid: int, host: str | None = None) -> dict[str, Any] | None:
+    """A member process's handle: its pid and start time (a recycled pid has another), and the
+    host it was placed on; None if the process is gone."""
+    import psutil  # local: a spare imports it only when it is handed a member
+
+    try:
+        handle: dict[str, Any] = {"pid": pid, "create_time": psutil.Process(pid).create_time()}
+    except psutil.Error:
+        return None
+    if host is not None:
+        handle["host"] = host
+    return handle
+
+
+def write_pidfile(path: str | os.PathLike[str], handle: dict[str, Any]) -> None:
+    """Write a member's handle to its pid file whole (written, then renamed): a reader never sees
+    half of it. Raises OSError."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # launcher and spare may both write it
+    tmp.write_text(json.dumps(handle))
+    os.replace(tmp, path)
 
 
 def take_handoff(directory: str | os.PathLike[str], pid: int) -> dict[str, object] | None:
@@ -87,14 +113,32 @@ def _redirect(log: str, stdin: bool = True) -> None:
     os.close(null)
 
 
-def main() -> None:
+def import_targets() -> None:
+    """Import every member module a spare can become (not run: the name is not ``__main__``)."""
     for module in sorted(TARGETS):
         importlib.import_module(f"{module}.__main__")
+
+
+def main() -> None:
+    import_targets()
+    become_member()
+
+
+def become_member() -> None:
+    """With the imports done: wait for the order on stdin, then run the member it names in this
+    process (also what a process forked by ``robustrl.launcher.zygote`` runs)."""
     print(f"spare {os.getpid()} ready", flush=True)
     line = sys.stdin.readline()
     if not line.strip():
         return  # released without an assignment
     order = json.loads(line)
+    if order.get("pidfile"):
+        handle = pid_handle(os.getpid())
+        try:
+            if handle is not None:
+                write_pidfile(order["pidfile"], handle)
+        except OSError as exc:  # the launcher writes it too, unless its controller died meanwhile
+            print(f"spare {os.getpid()}: pid file not written: {exc}", file=sys.stderr, flush=True)
     os.environ.clear()
     os.environ.update(order["env"])
     _redirect(order["log"])
