@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
+from support import eventually_async
 from robustrl.services.controller.api import create_app
 from robustrl.services.controller.runtime import Controller
 
 from robustrl.bus import Bus
 from robustrl.config import Settings
+from robustrl.errors import LaunchError
 from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState
 from robustrl.storage.redis_stores import connect
@@ -47,8 +49,17 @@ class LedgerLauncher(Launcher):
         self.started: list[MemberSpec] = []
         self._pids = itertools.count(1_000_000)
         self._pid: dict[str, int] = {}
+        self.gate: threading.Event | None = None
+        """Set to a cleared event: every start waits for it (a slow launcher: a Ray placement)."""
+        self.refuse: str | None = None
+        """A start whose member id contains this raises LaunchError (once past the gate)."""
 
     def start(self, spec: MemberSpec) -> None:
+        gate = self.gate
+        if gate is not None:
+            gate.wait(60)
+        if self.refuse is not None and self.refuse in spec.member_id:
+            raise LaunchError(f"no node can take {spec.member_id} (test)", member=spec.member_id)
         self.started.append(spec)
         self.states[spec.member_id] = MemberState.RUNNING
         self._pid[spec.member_id] = next(self._pids)
@@ -113,8 +124,8 @@ def serve_controller(run_dir: Path, token: str = TOKEN) -> Iterator[ControllerTa
         box.update(server=server, controller=controller, launcher=launcher, loop=asyncio.get_running_loop())
         serving = asyncio.create_task(server.serve())
         try:
-            while not server.started and not serving.done():
-                await asyncio.sleep(0.01)
+            await eventually_async(lambda: server.started or serving.done(), timeout=SERVE_START_TIMEOUT_S,
+                                   interval=0.01, what="uvicorn started")
             box["port"] = server.servers[0].sockets[0].getsockname()[1] if server.started else None
             ready.set()
             await serving

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -55,6 +56,46 @@ def test_up_submit_status_down(tmp_path):
     assert "controller" in down.stdout and "infra" in down.stdout
     for pid in state["pids"].values():
         eventually(lambda pid=pid: not _alive(pid), timeout=15, what=f"pid {pid} stopped")
+
+
+def test_down_kills_the_members_a_frozen_controller_left(tmp_path):
+    """``robustrl down`` with the controller frozen mid-job (it cannot stop its members): every
+    member process the stack's launcher started is gone afterwards, checked from /proc by the
+    launch mark each one carries, not from anything the stack recorded."""
+    import psutil
+
+    from robustrl.launcher.local import LAUNCH_MARK_ENV
+
+    run_dir = tmp_path / "run"
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({"name": "orphans", "steps": 500, "data": {"prompts_per_step": 2, "group_size": 2}}))
+    up = _robustrl("up", "--run-dir", str(run_dir), "--api-port", str(_free_port()))
+    logs = os.path.realpath(run_dir / "logs") + os.sep
+
+    def members() -> list[int]:
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                mark = proc.environ().get(LAUNCH_MARK_ENV, "")
+            except psutil.Error:
+                continue
+            if mark and os.path.realpath(mark).startswith(logs) and _alive(proc.pid):
+                found.append(proc.pid)
+        return found
+
+    try:
+        assert "RobustRL is up" in up.stdout
+        state = json.loads((run_dir / "stack.json").read_text())
+        job_id = json.loads(_robustrl("submit", str(spec), "--run-dir", str(run_dir), "--json").stdout)["job_id"]
+        eventually(lambda: json.loads(_robustrl("status", job_id, "--run-dir", str(run_dir), "--json").stdout)[0]
+                   ["committed_step"] >= 0, timeout=150, interval=1.0, what="first step committed")
+        running = members()
+        assert len(running) >= 3, running  # 2 trainer ranks and the replicas at least
+        os.kill(state["pids"]["controller"], signal.SIGSTOP)
+    finally:
+        down = _robustrl("down", "--run-dir", str(run_dir))
+    left = members()
+    assert not left, (left, down.stdout)
 
 
 def _alive(pid: int) -> bool:

@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from jobs import small_job
+from support import eventually
 
 from robustrl.audit import audit_job
 from robustrl.chaos.impact import impacts
 from robustrl.chaos.runner import run_job
 from robustrl.chaos.scenario import Faults
 from robustrl.client import ApiClient
+from robustrl.errors import JobError, TransportError
 from robustrl.messages import Event
 from robustrl.stack import Stack
 from robustrl.supervisor import RestartPolicy
@@ -125,3 +128,50 @@ def test_impact_accounting_from_a_synthetic_log() -> None:
     gap.append(ev("step_started", 21.0, step=3))
     assert impacts(gap)[0].stall_s == 5.0 + 3.0
     assert (second.members_restarted, second.steps_redone, second.job_completed) == (1, 1, True)
+
+
+def test_a_fault_id_carried_out_before_a_controller_restart_is_not_carried_out_again(own_stack: Stack) -> None:
+    """Chaos requests are idempotent by fault id across a controller's death: the campaign asks
+    again when an answer is lost, and the controller that answers the repeat may be a restarted
+    one that never saw the first. It must rebuild the ids from the event log: the repeat (aimed at
+    another member) is answered with the first member, and the log holds one injection."""
+    from jobs import kinds, wait_step
+
+    from robustrl.bus import Bus
+    from robustrl.messages import ChaosAck, ChaosRequest
+    from robustrl.subjects import Verb, subject
+
+    assert own_stack.settings
+    settings = own_stack.settings
+    api = ApiClient(own_stack.api_url, settings.api_token)
+    job_id = api.submit(small_job("chaosrestart", steps=200))["job_id"]
+    try:
+        wait_step(api, job_id, 0)
+        first = ChaosRequest(job_id=job_id, fault_id="restart-a", kind="slow", role="rollout", member=0,
+                             duration_s=1.0, factor=2.0)
+
+        async def ask(req: ChaosRequest) -> ChaosAck:
+            bus = await Bus.connect(settings.nats_url, "chaos-restart", role="harness")
+            try:
+                return await bus.request(subject(job_id, Verb.CHAOS), req, ChaosAck, timeout=10)
+            finally:
+                await bus.close()
+
+        before = asyncio.run(ask(first))
+        assert before.ok and before.member_id.startswith("rollout-0-"), before
+        old = own_stack.crash_service("controller")
+        eventually(lambda: own_stack.pids().get("controller") not in (None, old), timeout=60, interval=0.1,
+                   what="the controller restarted")
+        # the new one leads the job: it answers for it and a step commits under it
+        after = eventually(lambda: api.job(job_id)["committed_step"], timeout=60, interval=0.2,
+                           retry_on=(httpx.HTTPError, JobError, TransportError), what="the restarted controller's API")
+        wait_step(api, job_id, after + 1, timeout=120)
+        again = eventually(lambda: asyncio.run(ask(first.model_copy(update={"member": 1}))), timeout=60,
+                           interval=0.5, retry_on=(TransportError,), what="the restarted controller's answer")
+        assert again.ok and again.member_id == before.member_id, (before, again)
+        injected = [d for d in kinds(api.events(job_id), "fault_injected") if d["fault_id"] == "restart-a"]
+        assert [d["member_id"] for d in injected] == [before.member_id], injected
+    finally:
+        eventually(lambda: api.stop(job_id), timeout=60, interval=0.5, retry_on=(JobError, httpx.HTTPError, TransportError),
+                   what="the job stopped")
+        api.close()

@@ -107,15 +107,28 @@ def test_controller_killed_then_frozen_mid_step_restarts_no_member(own_stack: St
 
 
 def test_two_controllers_one_acts_and_the_standby_takes_over(own_stack: Stack, tmp_path: Path) -> None:
+    """Two controllers on one stack: exactly one leads, the other serves as a standby that refuses
+    job routes; killing the leader mid-job hands the job to the standby within the lease.
+
+    Which one leads is not assumed: a leader starved past its lease while the second one starts
+    (seen on CI) is deposed, exits with LOST_LEASE_EXIT_CODE and comes back as the standby. The
+    leader is read from both controllers' /healthz, and the one killed is whichever leads."""
     assert own_stack.settings
     port = _free_port()
+    log_b = tmp_path / "controller-b.log"
     env = {**os.environ, **own_stack.settings.to_env(), **service_env(own_stack.settings, "controller"),
            "ROBUSTRL_API_PORT": str(port)}
-    with open(tmp_path / "controller-b.log", "ab") as out:
+    with open(log_b, "ab") as out:
         second = subprocess.Popen([sys.executable, "-m", "robustrl.services.controller"], env=env, stdout=out,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        _two_controllers(own_stack, port)
+        _two_controllers(own_stack, second, port)
+    except BaseException:
+        logs = {"controller-a": own_stack.run_dir / "logs" / "controller.log", "controller-b": log_b}
+        for name, path in logs.items():  # the tails CI keeps: who led, who stepped down and why
+            tail = path.read_text(errors="replace").splitlines()[-25:] if path.exists() else ["(no log)"]
+            print(f"--- {name} ({path}) ---", *tail, sep="\n")
+        raise
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(second.pid, signal.SIGTERM)
@@ -123,27 +136,42 @@ def test_two_controllers_one_acts_and_the_standby_takes_over(own_stack: Stack, t
         own_stack.start_service("controller")
 
 
-def _two_controllers(own_stack: Stack, port: int) -> None:
-    api_a = _api(own_stack.api_url, own_stack)
-    api_b = _api(f"http://127.0.0.1:{port}", own_stack)
-    # controller-b serves, as a standby: its job routes answer 503 (never "no such job" for a live job)
-    eventually(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).json()["leading"] is False,
-               timeout=60, retry_on=(httpx.HTTPError,), what="controller-b serving")
+def _leading(url: str) -> bool | None:
+    """A controller's ``leading`` flag from /healthz; None while it does not answer."""
+    try:
+        return bool(httpx.get(f"{url}/healthz", timeout=2).json()["leading"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
 
-    jid = api_a.submit(small_job("ctltwo", steps=8, **TOLERANT))["job_id"]
-    first = _members(_mid_step(api_a, jid, 1))
-    api_a.fault(jid, kind="crash", role="rollout", member=1)
-    status = _mid_step(api_a, jid, 3)
-    # the standby holds no job and acts on none
+
+def _two_controllers(own_stack: Stack, second: subprocess.Popen[bytes], port: int) -> None:
+    url_a, url_b = own_stack.api_url, f"http://127.0.0.1:{port}"
+    # Both serve, and exactly one leads (the other is a standby, never a second leader).
+    def one_leads() -> tuple[bool, bool] | None:
+        a, b = _leading(url_a), _leading(url_b)
+        return (a, b) if a is not None and b is not None and a != b else None
+
+    a_leads, _ = eventually(one_leads, timeout=60, what="one controller leading, the other standing by")
+    leader, standby = (url_a, url_b) if a_leads else (url_b, url_a)
+    api_lead, api_standby = _api(leader, own_stack), _api(standby, own_stack)
+
+    jid = api_lead.submit(small_job("ctltwo", steps=8, **TOLERANT))["job_id"]
+    first = _members(_mid_step(api_lead, jid, 1))
+    api_lead.fault(jid, kind="crash", role="rollout", member=1)
+    status = _mid_step(api_lead, jid, 3)
+    # the standby holds no job and acts on none: its job routes answer 503, never "no such job"
     with pytest.raises(JobError) as refused:
-        api_b.job(jid)
+        api_standby.job(jid)
     assert refused.value.status == 503 and "not leading" in str(refused.value)
 
     t_kill = time.time()
-    own_stack.kill_service("controller")  # SIGKILL, not restarted: the standby must take over
-    status = _done(api_b, jid)
-    events = api_b.events(jid)
-
+    if a_leads:  # SIGKILL, not restarted: the standby must take over
+        own_stack.kill_service("controller")
+    else:
+        os.killpg(second.pid, signal.SIGKILL)
+        second.wait(10)
+    status = _done(api_standby, jid)
+    events = api_standby.events(jid)
     decisions = [d for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
     by_fault: dict[str, list[int]] = {}
     for d in decisions:
@@ -161,7 +189,7 @@ def _two_controllers(own_stack: Stack, port: int) -> None:
     assert started_after == []
     replaced = [m for m in first if m.startswith("rollout-1")]
     assert set(_members(status)) - set(first) == {"rollout-1-i1"} and replaced
-    api_a.close()
-    api_b.close()
+    api_lead.close()
+    api_standby.close()
     assert own_stack.settings
     audit_job(own_stack.settings, jid, AUDIT)

@@ -19,18 +19,20 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from support import eventually_async
-
-from robustrl.bus import Bus
-from robustrl.config import JobSpec, Settings
-from robustrl.errors import RequestTimeout
-from robustrl.infra.embedded import EmbeddedInfra
-from robustrl.launcher.local import LocalLauncher
-from robustrl.messages import ControlCommand, MemberHello, MetricsSample, StepCommitted
 from robustrl.services.controller import launching
+from robustrl.services.controller.jobs import JobRun
 from robustrl.services.controller.runtime import Controller
 from robustrl.services.controller.supervision import STARTUP_FAILURES_MAX
 from robustrl.services.controller.view import job_view
+from support import eventually, eventually_async
+
+from robustrl.bus import Bus
+from robustrl.config import JobSpec, Settings
+from robustrl.errors import LaunchError, RequestTimeout
+from robustrl.infra.embedded import EmbeddedInfra
+from robustrl.launcher.local import LocalLauncher
+from robustrl.launcher.zygote import FORK_START_ENV
+from robustrl.messages import ControlCommand, MemberHello, MetricsSample, StepCommitted
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.redis_stores import Keys, connect
 from robustrl.subjects import Verb, all_jobs_exact, subject
@@ -80,7 +82,7 @@ class StandInRM:
     async def _metrics(self) -> None:
         seq = 0
         while True:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.1)  # the stand-in's metrics period (a pace, not a wait)
             for job_id in list(self.jobs) if self.alive else []:
                 seq += 1
                 await self.bus.publish(subject(job_id, Verb.METRICS, "request_manager"), MetricsSample(
@@ -117,7 +119,9 @@ class Rig:
         return bus
 
     async def controller(self) -> Controller:
-        launcher = LocalLauncher(self.log_dir, base_env={**os.environ, "PYTHONPATH": str(TESTS)})
+        # Cold starts: these members are stand-ins that import nothing heavy, and a zygote's
+        # imports (5.5 s) per controller would cost more than they save.
+        launcher = LocalLauncher(self.log_dir, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"})
         c = Controller(await self.connect("controller", "controller"), self.redis, launcher, self.settings,
                        lease_ttl_s=LEASE_TTL_S)
         await c.start()
@@ -171,6 +175,17 @@ def spec(name: str, steps: int = 5, silence_s: float = 1.0) -> JobSpec:
                                        "probe_timeout_s": 1.0, "metrics_interval_s": 0.25}})
 
 
+async def leading_job_at_step_0(rig: Rig, name: str) -> tuple[Controller, JobRun]:
+    """A leading controller with a job whose members said hello and whose step 0 is committed."""
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec(name))
+    await rig.hello_all(c, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    return c, job
+
+
 def of_kind(events: list[object], kind: str) -> list[dict[str, object]]:
     return [e.data for e in events if e.kind == kind]  # type: ignore[attr-defined]
 
@@ -221,12 +236,7 @@ async def _with_decision(rig: Rig, job_id: str, action: str) -> list[object] | N
 
 
 async def test_restarted_controller_adopts_running_members_and_restarts_none(rig: Rig) -> None:
-    a = await rig.controller()
-    await a.wait_leading(10)
-    job = await a.submit(spec("cpadopt"))
-    await rig.hello_all(a, job.job_id)
-    await rig.commit(job.job_id, 0)
-    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    a, job = await leading_job_at_step_0(rig, "cpadopt")
     pids = {m.member_id: m.pid for m in job.members.values()}
     await a.close(stop_members=False)  # the controller goes; its members stay
 
@@ -397,12 +407,7 @@ async def test_event_log_is_read_to_its_end_not_to_a_time_budget(rig: Rig) -> No
 
 
 async def test_a_fault_reported_while_no_controller_leads_is_handled_once_by_the_next(rig: Rig) -> None:
-    a = await rig.controller()
-    await a.wait_leading(10)
-    job = await a.submit(spec("cpinbox"))
-    await rig.hello_all(a, job.job_id)
-    await rig.commit(job.job_id, 0)
-    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    a, job = await leading_job_at_step_0(rig, "cpinbox")
     await a.close(stop_members=False)
 
     # The detector reports a hang twice (a retry) while no controller runs: only the event log has it.
@@ -474,12 +479,7 @@ async def test_commands_to_a_request_manager_that_is_down_span_their_attempts(ri
 async def test_a_new_gang_takes_an_epoch_above_the_fence_and_saves_it_before_it_starts(rig: Rig) -> None:
     """A gang epoch the controller forgot (a restart, a standby taking over) must not be reused:
     the fence in Redis has seen a newer gang, and would refuse one at or below it at its start."""
-    c = await rig.controller()
-    await c.wait_leading(10)
-    job = await c.submit(spec("cpepoch"))
-    await rig.hello_all(c, job.job_id)
-    await rig.commit(job.job_id, 0)
-    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    c, job = await leading_job_at_step_0(rig, "cpepoch")
     # A gang of epoch 4 entered the fence (started by a controller whose record of it was lost).
     await GangFence(rig.redis, job.job_id, 4).enter()
     old = {m.member_id: m.pid for m in job.members.values() if m.role == "trainer"}
@@ -520,6 +520,111 @@ async def test_the_same_member_crashing_in_two_jobs_is_two_faults(rig: Rig) -> N
                                timeout=20, what=f"crash in {name} decided")
 
 
+async def test_a_stop_is_bounded_and_gives_the_lease_up_when_stopping_members_fails_and_a_task_ignores_cancellation(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A controller's stop must end, and give its lease up, whatever is in flight: a launcher that
+    cannot stop the members (its runtime does not answer) and a task that swallows its
+    cancellation. Before: the launcher's error skipped the rest of the stop (the lease stayed
+    held until it expired), and the stop waited on the task for ever (a CI teardown ran into the
+    test's 120 s timeout). Seen from outside: the lease key in Redis, the clock."""
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cpclose"))
+    await rig.hello_all(c, job.job_id)
+    assert await rig.redis.get(Keys.controller_lease()) is not None
+
+    def runtime_gone() -> None:
+        raise LaunchError("the container runtime does not answer")
+
+    swallowed = 0
+
+    async def stubborn() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(3600)  # a task that only a cancellation ends (and swallows it)
+            except asyncio.CancelledError:
+                swallowed += 1
+                if swallowed > 5:  # ends in the end (the test's own clean-up), not in the stop
+                    raise
+
+    # nats.py waits with asyncio.wait_for, which on 3.11 loses a cancellation that lands as the
+    # wait ends: the fault inbox's fetch then times out instead, and its loop pulls on.
+    from nats.errors import TimeoutError as NatsTimeout
+
+    assert c.inbox._sub is not None
+    real_fetch, lost, calls = c.inbox._sub.fetch, [], []
+
+    async def fetch_losing_its_first_cancellation(*args: object, **kwargs: object) -> object:
+        calls.append(True)
+        try:
+            return await real_fetch(*args, **kwargs)
+        except asyncio.CancelledError:
+            if lost:
+                raise
+            lost.append(True)
+            raise NatsTimeout from None
+
+    monkeypatch.setattr(c.inbox._sub, "fetch", fetch_losing_its_first_cancellation)
+    await eventually_async(lambda: calls, timeout=10, what="the inbox fetching through the patch")
+    launcher_close = c.launcher.close
+    monkeypatch.setattr(c.launcher, "close", runtime_gone)
+    task = c.spawn(stubborn())
+    pulling = c.inbox._task
+    assert pulling is not None
+    began = time.monotonic()
+    try:
+        await asyncio.wait_for(c.close(stop_members=True), 60)
+        took = time.monotonic() - began
+        assert await rig.redis.get(Keys.controller_lease()) is None  # given up, not left to expire
+        assert took < 25, took  # bounded, not for ever (about 8 s of cancellation waits on 2 busy cores)
+        assert swallowed >= 1 and not task.done()  # cancelled, named and left: not waited for
+        assert lost and pulling.done()  # the inbox's pull loop was cancelled again, and ended
+    finally:
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1)
+        monkeypatch.setattr(c.launcher, "close", launcher_close)
+        await asyncio.to_thread(c.launcher.close)
+
+
+async def test_a_recovery_failing_because_the_controller_stops_does_not_escalate_or_fail_the_job(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graceful stop closes the launcher while a trainer recovery starts the new gang: the start
+    fails (the launcher refuses once closed). That failure is the stop's, not the job's: before,
+    the recovery escalated on it (a second decision, and a job failed on a stale view). Seen from
+    outside: the event log's decisions and final events, and the job record in Redis."""
+    import threading
+
+    c, job = await leading_job_at_step_0(rig, "cpstopping")
+    in_flight, release, failed = threading.Event(), threading.Event(), threading.Event()
+    real_close = c.launcher.close
+
+    def start_refused_by_the_closing_launcher(member: object) -> None:
+        in_flight.set()
+        release.wait(20)  # the worst moment: the stop has begun, the start was already under way
+        failed.set()
+        raise LaunchError("cannot start: the launcher is closed")
+
+    def close_while_a_start_is_in_flight() -> None:
+        release.set()
+        failed.wait(20)
+        real_close()
+
+    monkeypatch.setattr(c.launcher, "start", start_refused_by_the_closing_launcher)
+    monkeypatch.setattr(c.launcher, "close", close_while_a_start_is_in_flight)
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    assert await asyncio.to_thread(in_flight.wait, 20), "the new gang's start never began"
+    await c.close(stop_members=True)
+    assert failed.is_set()  # the start did fail during the stop
+    events = await rig.events(job.job_id)
+    decisions = [d for d in of_kind(events, "decision") if d["fault_id"] == "exit-trainer-e1-r0"]
+    assert len(decisions) == 1, decisions  # the fault's own decision, no escalation
+    assert not of_kind(events, "job_failed")
+    record = json.loads(await rig.redis.hget(Keys.jobs(), job.job_id))
+    assert record["status"] != "failed", record
+
+
 async def test_a_request_manager_resumes_at_the_step_the_event_log_says_not_a_stale_one(rig: Rig) -> None:
     """Commits travel on core NATS, which drops what is published while the controller is
     disconnected or frozen; the event log keeps them. A restarted request manager must be told to
@@ -549,7 +654,8 @@ async def test_a_request_manager_resumes_at_the_step_the_event_log_says_not_a_st
 async def test_a_new_leader_keeps_the_warm_spares_of_the_jobs_it_resumes(rig: Rig) -> None:
     """A controller that takes over keeps the warm spares its resumed jobs ask for (it kept none:
     every trainer fault after a takeover started cold). Seen from outside: the spare processes,
-    children of this test process (each controller's launcher is in it)."""
+    children of this test process (each controller's launcher is in it; cold spares, which are
+    its children, where forked ones would be a zygote's)."""
     import psutil
 
     from robustrl.launcher.spare import SPARE_MODULE
@@ -571,3 +677,376 @@ async def test_a_new_leader_keeps_the_warm_spares_of_the_jobs_it_resumes(rig: Ri
     assert b.get(job.job_id).spec.recovery.warm_spares == 1
     await eventually_async(lambda: len(spare_pids() - mine - first) == 1, timeout=20,
                            what="the new leader's warm spare")
+
+
+def _usurp(settings: Settings, lease_too: bool = True) -> int:
+    """A newer controller lease term begins (a standby took over while this leader was frozen):
+    the fencing counter moves past the leader's token, and the lease names the usurper. Sync: it
+    runs inside a launcher start, on the start's thread."""
+    import redis as redis_sync
+
+    r = redis_sync.Redis.from_url(settings.redis_url)
+    try:
+        token = int(r.incr(Keys.controller_fence()))
+        if lease_too:
+            r.set(Keys.controller_lease(), f"usurper:{token}", px=60_000)
+        return token
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize(("victim", "committed", "action", "target"), [
+    ("rollout-0-i0", True, "ReplaceReplica", "rollout-0-i1"),  # start_replica
+    ("trainer-e1-r0", True, "RestartTrainerGang", "trainer-e2-r0"),  # start_gang (rank 1 never starts)
+    ("rollout-1-i0", False, "RestartWholeJob", "rollout-1-i1"),  # start_all (every start runs to its end)
+])
+async def test_a_member_started_by_a_leader_deposed_during_its_start_is_killed_not_left_untracked(
+        rig: Rig, victim: str, committed: bool, action: str, target: str) -> None:
+    """A leader frozen inside a start (replacement replica; new gang's rank 0) resumes after a
+    standby took over: its write of the member's handle is refused by the lease fence, so the
+    member would run untracked. It must be killed: checked from outside (the process, a fresh
+    launcher's search of /proc by the member's mark, the raw registry record, the event log).
+    On the old code the process ran on, and the leader went on to start gang rank 1 as well."""
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec(f"cpdepose{action[7:12].lower()}"))
+    await rig.hello_all(a, job.job_id)
+    if committed:  # past the first step: a crash is repaired locally
+        await rig.commit(job.job_id, 0)
+        await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    started: list[int] = []
+    real_start = a.launcher.start
+
+    def start_then_deposed(member: object) -> None:
+        real_start(member)  # type: ignore[arg-type]
+        if member.member_id == launching.lid(job, target):  # type: ignore[attr-defined]
+            started.append(a.launcher.pid(member.member_id))  # type: ignore[arg-type, attr-defined]
+            _usurp(rig.settings)
+
+    a.launcher.start = start_then_deposed  # type: ignore[method-assign]
+    os.killpg(job.members[victim].pid, signal.SIGKILL)  # type: ignore[arg-type]
+
+    async def fenced_stop() -> list[dict[str, object]]:
+        events = await rig.events(job.job_id)
+        return [d for d in of_kind(events, "member_stopped") if d["member_id"] == target]
+
+    (pid,) = await eventually_async(lambda: started, timeout=20, what="the member started")
+    await eventually_async(lambda: not running(pid), timeout=20, what="the member's process gone")
+    (stopped,) = await eventually_async(fenced_stop, timeout=10, what="the fenced member's kill recorded")
+    events = await rig.events(job.job_id)
+    assert [d["action"] for d in of_kind(events, "action")][-1] == action
+    assert stopped["reason"] == "lease_fenced" and stopped["fence"] == a.lease.token
+    fresh = LocalLauncher(rig.log_dir, base_env={})
+    others = ["trainer-e2-r1"] if action == "RestartTrainerGang" else []
+    assert all(fresh.find(launching.lid(job, m)) is None for m in [target, *others])  # nothing left in /proc
+    assert not [d for d in of_kind(events, "member_started") if d["member_id"] in [target, *others]]
+    raw = json.loads(await rig.redis.hget(Keys.jobs(), job.job_id))
+    assert not raw["members"].get(target, {}).get("handle"), raw["members"].get(target)
+    # Left for the new leader: the deposed one did not mark the fault handled.
+    assert not await rig.redis.sismember(Keys.faults_handled(job.job_id), f"exit-{victim}")
+
+
+async def test_a_leader_whose_lease_term_has_ended_acts_on_no_fault(rig: Rig,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A newer lease term began, and this leader has not noticed yet (its lease key still reads
+    as its own): it must neither kill (a whole-job restart kills every member first) nor start a
+    member on its stale view; the fault stays unhandled, for the leader. Seen from outside: the
+    processes, /proc searched by the members' marks, the log files, the event log, Redis."""
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec("cpnostart"))
+    await rig.hello_all(a, job.job_id)
+    pids = {m.member_id: m.pid for m in job.members.values()}
+    _usurp(rig.settings, lease_too=False)
+    with caplog.at_level(logging.WARNING, logger="robustrl"):
+        os.killpg(pids["rollout-1-i0"], signal.SIGKILL)  # type: ignore[arg-type]
+        await eventually_async(lambda: "fault exit-rollout-1-i0 left for the new leader" in caplog.text,
+                               timeout=15, what="the fault refused")
+    assert all(running(p) for m, p in pids.items() if m != "rollout-1-i0" and p)  # nothing killed
+    fresh = LocalLauncher(rig.log_dir, base_env={})
+    for mid in ("rollout-0-i1", "rollout-1-i1", "trainer-e2-r0", "trainer-e2-r1"):  # nothing started
+        assert fresh.find(launching.lid(job, mid)) is None
+        assert not (rig.log_dir / f"{launching.lid(job, mid)}.log").exists()
+    events = await rig.events(job.job_id)
+    assert sorted(d["member_id"] for d in of_kind(events, "member_started")) == [
+        "rollout-0-i0", "rollout-1-i0", "trainer-e1-r0", "trainer-e1-r1"]
+    assert not of_kind(events, "decision")
+    assert not await rig.redis.sismember(Keys.faults_handled(job.job_id), "exit-rollout-1-i0")
+
+
+async def test_a_leader_re_acquiring_its_own_expired_lease_is_not_taken_for_deposed(rig: Rig) -> None:
+    """The leader's lease key expired (a starved event loop) and its renewal took it again: in
+    Redis the fencing counter is above the token it holds until the reply arrives. A member
+    started in that moment must not be killed as a deposed leader's (no other controller
+    exists): it runs, and its handle is in the durable record. Seen from outside: /proc, Redis,
+    the event log."""
+    from robustrl.services.controller.lease import _ACQUIRE
+
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec("cpreacq"))
+    await rig.hello_all(a, job.job_id)
+    old = a.lease.token
+    # What LeaderLease.keep's re-acquisition runs in Redis; its reply (the token) not yet seen.
+    await rig.redis.delete(Keys.controller_lease())
+    new = int(await rig.redis.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(),
+                                   a.lease.owner, 60_000))
+    assert new > old == a.lease.token
+    job.members["rollout-1-i0"].state = "dead"  # as a replacement's start follows a replica's death
+    mid = await a.starter.start_replica(job, 1)
+    pid = job.members[mid].pid
+    assert pid and running(pid)
+    raw = json.loads(await rig.redis.hget(Keys.jobs(), job.job_id))
+    assert raw["members"][mid]["handle"] and raw["members"][mid]["pid"] == pid
+    assert a.leading and a.lease.token == new
+    events = await rig.events(job.job_id)
+    assert not of_kind(events, "member_stopped") and mid in [d["member_id"] for d in of_kind(events, "member_started")]
+
+
+@pytest.mark.parametrize("moment", ["start still running", "start just finished"])
+async def test_a_start_cancelled_as_a_deposed_controller_closes_leaves_no_member(tmp_path: Path, moment: str) -> None:
+    """A deposed controller closing cancels its tasks; a launcher start running in a thread then
+    finishes anyway, and this controller never writes its handle (a new leader that looked before
+    it landed marked the member dead): the member is killed, by the thread or by the cancelled
+    caller. Seen from outside: /proc searched by the member's mark."""
+    import threading
+
+    from robustrl.services.controller.jobs import JobRun
+
+    entered, go, started = threading.Event(), threading.Event(), threading.Event()
+
+    class SlowLauncher(LocalLauncher):  # a slow containers.run / Ray actor creation
+        def start(self, spec: object) -> None:
+            entered.set()
+            go.wait(10)
+            super().start(spec)  # type: ignore[arg-type]
+            started.set()
+
+    launcher = SlowLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"})
+
+    async def persist(job: JobRun) -> bool:
+        return True
+
+    starter = launching.MemberStarter(None, launcher, Settings(), persist=persist)  # type: ignore[arg-type]
+    job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 2}}))
+    job.slot_incarnation = {0: 0, 1: 0}
+    try:
+        task = asyncio.create_task(starter.start_replica(job, 1, intent=persist))
+        await asyncio.to_thread(entered.wait, 10)
+        if moment == "start just finished":
+            go.set()
+            # Blocking the event loop: the thread's result cannot reach the start before the cancel.
+            eventually(lambda: launcher.pid("j--rollout-1-i1"), timeout=10, interval=0.01, what="the member started")
+        task.cancel("controller closing")
+        await asyncio.gather(task, return_exceptions=True)
+        go.set()
+        assert await asyncio.to_thread(started.wait, 10)  # the member did start
+        await eventually_async(lambda: LocalLauncher(tmp_path, base_env={}).find("j--rollout-1-i1") is None,
+                               timeout=15, what="no process left with the member's mark")
+        assert job.members["rollout-1-i1"].state == "dead"
+    finally:
+        go.set()
+        launcher.close()
+
+
+async def test_a_restock_whose_intent_the_lease_fence_refuses_starts_nothing(tmp_path: Path) -> None:
+    """A restock persists its intent (the member as starting) before the launcher starts anything;
+    when the lease fence refuses that write, a newer leader acts on a record without the member:
+    nothing may start (it could be found by nobody). Seen from outside: /proc and the log dir."""
+    from robustrl.services.controller.jobs import JobRun
+    from robustrl.services.controller.lease import LeaseLost
+
+    launcher = LocalLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"})
+    refused: list[str] = []
+
+    async def fenced_persist(job: JobRun) -> bool:
+        refused.append(",".join(sorted(job.members)))
+        return False
+
+    starter = launching.MemberStarter(None, launcher, Settings(), persist=fenced_persist)  # type: ignore[arg-type]
+    job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 2}}))
+    try:
+        with pytest.raises(LeaseLost, match="intent to start rollout-1-i0 was refused"):
+            await starter.start_replica(job, 1, intent=fenced_persist)
+        assert refused == ["rollout-1-i0"] and job.members["rollout-1-i0"].state == "dead"
+        assert LocalLauncher(tmp_path, base_env={}).find("j--rollout-1-i0") is None
+        assert not (tmp_path / "j--rollout-1-i0.log").exists() and launcher.running() == []
+    finally:
+        launcher.close()
+
+
+async def test_a_member_the_new_leader_adopted_is_left_running_by_the_deposed_one(rig: Rig) -> None:
+    """As above, but the new leader found and adopted the member before the deposed leader's
+    handle write came back refused (its record names the member with a handle): the member is
+    that leader's now and must not be killed (its kill would be a fault to the new leader)."""
+    a, job = await leading_job_at_step_0(rig, "cpadoptedby")
+    target, started = "rollout-0-i1", []
+    real_start = a.launcher.start
+
+    def start_then_adopted_by_a_successor(member: object) -> None:
+        import redis as redis_sync
+
+        real_start(member)  # type: ignore[arg-type]
+        if member.member_id != launching.lid(job, target):  # type: ignore[attr-defined]
+            return
+        handle = a.launcher.handle(member.member_id)  # type: ignore[attr-defined]
+        started.append(handle["pid"])  # type: ignore[index]
+        _usurp(rig.settings)
+        r = redis_sync.Redis.from_url(rig.settings.redis_url)
+        try:  # the successor's record: the member found (Launcher.find) and adopted, with its handle
+            record = json.loads(r.hget(Keys.jobs(), job.job_id))  # type: ignore[arg-type]
+            record["members"][target] = {"role": "rollout", "index": 0, "epoch": 1, "state": "starting",
+                                         "handle": handle}
+            r.hset(Keys.jobs(), job.job_id, json.dumps(record))
+        finally:
+            r.close()
+
+    a.launcher.start = start_then_adopted_by_a_successor  # type: ignore[method-assign]
+    os.killpg(job.members["rollout-0-i0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    (pid,) = await eventually_async(lambda: started, timeout=20, what="the member started")
+    await eventually_async(lambda: getattr(job.members.get(target), "state", None) == "dead", timeout=20,
+                           what="the deposed leader gave the member up")
+    assert running(pid)
+    events = await rig.events(job.job_id)
+    assert not [d for d in of_kind(events, "member_stopped") if d["member_id"] == target]
+    os.killpg(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5x", "inf", "nan"])
+def test_a_bad_controller_knob_in_the_environment_is_a_config_error_naming_it(raw: str) -> None:
+    from robustrl.errors import ConfigError
+    from robustrl.services.controller.__main__ import _env_number
+
+    with pytest.raises(ConfigError, match="ROBUSTRL_RM_ACK_ATTEMPTS") as err:
+        _env_number({"ROBUSTRL_RM_ACK_ATTEMPTS": raw}, "ROBUSTRL_RM_ACK_ATTEMPTS", int)
+    assert err.value.fields == {"field": "ROBUSTRL_RM_ACK_ATTEMPTS"}
+    assert _env_number({}, "ROBUSTRL_RM_ACK_ATTEMPTS", int) is None
+    assert _env_number({"ROBUSTRL_LEASE_TTL_S": " 2.5 "}, "ROBUSTRL_LEASE_TTL_S", float) == 2.5
+
+
+async def test_a_job_whose_members_cannot_be_launched_fails_and_leaves_nothing_running(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher refuses a replica at the job's start (on Ray: no node can take it) after the
+    trainer gang has started. The submitter gets an error naming the job, and from outside: the
+    durable record and the event log say failed with the launcher's reason, and no member of the
+    job runs (the gang it left used to run on with the job 'running' and no replica: a job that
+    never trains, holding its resources, which a retried submit doubled)."""
+    from support import raw_job_record
+
+    c = await rig.controller()
+    await c.wait_leading(10)
+    real = c.launcher.start
+    started: list[str] = []
+
+    def start(s: object) -> None:
+        if getattr(s, "role", None) == "rollout" and "rollout-1" in s.member_id:  # type: ignore[attr-defined]
+            raise LaunchError("no node can take it (test)", member=s.member_id)  # type: ignore[attr-defined]
+        real(s)  # type: ignore[arg-type]
+        started.append(s.member_id)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(c.launcher, "start", start)
+    with pytest.raises(LaunchError) as refused:
+        await c.submit(spec("cannotlaunch"))
+    (job_id,) = [j for j in c.jobs if j.startswith("cannotlaunch-")]
+    assert job_id in str(refused.value) and "no node can take it (test)" in str(refused.value)
+    assert started, "the trainer gang and the other replica started before the refusal"
+    record = raw_job_record(rig.settings.redis_url, job_id)
+    assert record["status"] == "failed" and "no node can take it (test)" in (record.get("error") or ""), record
+    failed = of_kind(await rig.events(job_id), "job_failed")
+    assert failed and "no node can take it (test)" in str(failed[0]["reason"]), failed
+    pids = [m.pid for m in c.jobs[job_id].members.values() if m.pid]
+    assert pids and not [p for p in pids if alive(p)], "members of the failed job still run"
+    assert not [mid for mid in c.launcher.running() if mid.startswith(job_id)]
+
+
+async def test_a_start_failing_because_the_controller_stops_does_not_fail_the_job(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graceful stop of the controller while a job's members are still starting (a slow Ray
+    placement after a 202): the launcher, closed under the start, refuses it. That is no reason
+    to fail the job: its record stays active for the next leader, and no job_failed is logged
+    (it was failed for good, though the submitter had been told to follow it)."""
+    import threading
+
+    from support import raw_job_record
+
+    c = await rig.controller()
+    await c.wait_leading(10)
+    launcher = c.launcher
+    real_start, real_close = launcher.start, launcher.close
+    entered, gate = threading.Event(), threading.Event()
+    launch: list[asyncio.Task[None]] = []
+
+    def start(s: object) -> None:
+        entered.set()
+        gate.wait(30)
+        real_start(s)  # type: ignore[arg-type]
+
+    def close() -> None:
+        real_close()  # the start held above now finds the launcher closed
+        gate.set()
+        # the launch's failure is handled while the controller is still in its launcher's close
+        eventually(lambda: launch[0].done(), timeout=30, what="the launch ended")
+
+    monkeypatch.setattr(launcher, "start", start)
+    monkeypatch.setattr(launcher, "close", close)
+    job = await c.create_job(spec("closestart"))
+    launch.append(c.launch_in_background(job))
+    await eventually_async(entered.is_set, timeout=10, what="a start under way")
+    await c.close(stop_members=True)
+    from robustrl.services.controller.lease import LeaseLost
+
+    assert launch[0].done() and not launch[0].cancelled()
+    assert isinstance(launch[0].exception(), LeaseLost), launch[0].exception()
+    record = raw_job_record(rig.settings.redis_url, job.job_id)
+    assert record["status"] != "failed", record
+    assert not of_kind(await rig.events(job.job_id), "job_failed")
+
+
+async def test_a_job_whose_leader_went_away_during_its_start_is_started_again_by_the_next(rig: Rig) -> None:
+    """The leader goes away while a job's members start (its trainer gang started and recorded, a
+    replica's start under way): the next leader finds the job's start unfinished in its record,
+    stops the members of that start and starts the job again. Checked from outside: the raw
+    record (launched, members with handles), the processes, the event log. (It adopted what was
+    recorded and waited: the replicas never started were started by no one, and a job with no
+    member recorded stayed 'running' with nothing to judge it.)"""
+    import threading
+
+    a = await rig.controller()
+    await a.wait_leading(10)
+    entered, gate = threading.Event(), threading.Event()
+    real_start = a.launcher.start
+
+    def start(member: object) -> None:
+        if "rollout-1" in member.member_id:  # type: ignore[attr-defined]
+            entered.set()
+            gate.wait(30)
+        real_start(member)  # type: ignore[arg-type]
+
+    a.launcher.start = start  # type: ignore[method-assign]
+    job = await a.create_job(spec("relaunch"))
+    a.launch_in_background(job)
+    await eventually_async(entered.is_set, timeout=20, what="the replica's start under way")
+    await eventually_async(lambda: len([m for m in job.members.values() if m.role == "trainer" and m.handle]) == 2,
+                           timeout=20, what="the gang started and recorded")
+    first_gang = {mid: m.pid for mid, m in job.members.items() if m.role == "trainer"}
+    first = {mid: m.pid for mid, m in job.members.items() if m.pid}  # the gang, and a replica if recorded
+    raw = json.loads(await rig.redis.hget(Keys.jobs(), job.job_id))
+    assert raw["launched"] is False and raw["status"] == "running", raw
+    await a.close(stop_members=False)  # gone; what it started runs on
+    gate.set()
+    b = await rig.controller()
+    await b.wait_leading(20)
+
+    async def relaunched() -> dict[str, object] | None:
+        rec = json.loads(await rig.redis.hget(Keys.jobs(), job.job_id))
+        live = {mid: m for mid, m in rec["members"].items() if m["state"] not in ("exited", "stopped", "dead")}
+        ok = (rec["launched"] and {m["role"] for m in live.values()} == {"trainer", "rollout"}
+              and len(live) == 4 and all(m["handle"] and running(m["pid"]) for m in live.values()))
+        return rec if ok else None
+
+    rec = await eventually_async(relaunched, timeout=60, what="the job started again, its four members live")
+    live = {mid for mid, m in rec["members"].items() if m["state"] not in ("exited", "stopped", "dead")}
+    assert not live & set(first_gang), (live, first_gang)  # a new gang
+    assert not [pid for pid in first.values() if running(pid)], f"members of the interrupted start run on: {first}"
+    notes = [d["text"] for d in of_kind(await rig.events(job.job_id), "note")]
+    assert any("start was interrupted" in t for t in notes), notes

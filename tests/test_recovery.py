@@ -152,7 +152,7 @@ def test_tool_outage_is_a_tool_fault_not_a_rollout_fault(api, infra):
 
 def test_fault_in_first_step_escalates_to_whole_job_restart(api, infra):
     # Long tool calls keep step 0 running well after the members are up.
-    spec = small_job("first", steps=3, tools={"latency_s": 3.0, "timeout_s": 10.0}, data={"tasks": ["lookup"]})
+    spec = small_job("first", steps=2, tools={"latency_s": 3.0, "timeout_s": 10.0}, data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
     eventually(lambda: any(e["kind"] == "job_ready" for e in api.events(jid)), timeout=90, interval=0.1,
                what="members up")

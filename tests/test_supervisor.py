@@ -180,7 +180,7 @@ from robustrl.chaos.self_fault import schedule_self_fault
 async def main():
     schedule_self_fault(sys.argv[1], float(sys.argv[2]))
     t0 = time.monotonic()
-    await asyncio.sleep(3.0)
+    await asyncio.sleep(3.0)  # the child's own life: the scheduled fault must land within it
     print(f"slept {time.monotonic() - t0:.2f}", flush=True)
 asyncio.run(main())
 """

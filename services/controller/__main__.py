@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 from pathlib import Path
@@ -61,17 +62,34 @@ def make_launcher(settings: Settings, env: dict[str, str]):  # type: ignore[no-u
     return LocalLauncher(Path(settings.run_dir) / "logs", base_env=env)
 
 
+def _env_number(env: dict[str, str], name: str, kind: type[int] | type[float]) -> float | None:
+    """An optional positive finite number from the environment; anything else is a ConfigError
+    naming it."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value: float | None = kind(raw)
+    except ValueError:
+        value = None  # not a number: the same refusal as a non-positive one
+    if value is None or not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{name}={raw!r}: expected a positive {kind.__name__}", field=name)
+    return value
+
+
 async def main() -> None:
     env = dict(os.environ)
     settings = Settings.from_env(env)
+    ttl = _env_number(env, "ROBUSTRL_LEASE_TTL_S", float)  # checked before connecting to anything
+    acks = _env_number(env, "ROBUSTRL_RM_ACK_ATTEMPTS", int)
     bus = await Bus.connect(settings.nats_url, "controller", role="controller")
     redis = connect(settings.redis_url)
     await redis.ping()
     # Members get their role's credentials, never the controller's or the other roles'.
     members = {role.value: credentials_for(role, env) for role in MEMBER_ROLES}
-    ttl = float(env["ROBUSTRL_LEASE_TTL_S"]) if env.get("ROBUSTRL_LEASE_TTL_S") else None
     controller = Controller(bus, redis, make_launcher(settings, without_role_credentials(env)), settings,
-                            member_credentials=members, lease_ttl_s=ttl)
+                            member_credentials=members, lease_ttl_s=ttl,
+                            rm_ack_attempts=int(acks) if acks is not None else None)
     await controller.start()
     app = create_app(controller, settings.api_token)
     config = uvicorn.Config(app, host=settings.api_host, port=settings.api_port, log_level="warning",

@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path as FilePath
 from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, Path
+from fastapi import Body, Depends, FastAPI, Path, Response
 from fastapi.responses import HTMLResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import (
@@ -37,9 +37,11 @@ from robustrl.services.controller.edge import (
     error_response,
     install_error_handlers,
 )
+from robustrl.services.controller.lease import LeaseLost
 from robustrl.services.controller.runtime import Controller
 from starlette.exceptions import HTTPException
 
+from robustrl.aio import within
 from robustrl.chaos.scenario import target_problem
 from robustrl.config import JobSpec
 from robustrl.errors import ConfigError, JobError, LaunchError
@@ -58,6 +60,9 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 ALWAYS = (400, 401, 405, 413, 503)  # what RequestGuard, the router and a lost bus may answer anywhere
+SUBMIT_ANSWER_S = 5.0
+"""``POST /v1/jobs`` answers 201 when the job's members started within this, else 202 (they go on
+starting; the job's status follows them), well inside a client's usual timeout (10 s for ours)."""
 EVENTS_READ_DEADLINE_S = 20.0
 """Bound on reading a job's event log for one request; past it the answer is 503."""
 
@@ -174,7 +179,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
 
     async def read_events(job_id: str) -> Any:
         try:
-            return await asyncio.wait_for(controller.bus.read_events(job_id), EVENTS_READ_DEADLINE_S)
+            return await within(controller.bus.read_events(job_id), EVENTS_READ_DEADLINE_S)
         except TimeoutError as exc:
             raise HTTPException(503, detail=f"event log not read within {EVENTS_READ_DEADLINE_S:g}s") from exc
 
@@ -186,14 +191,34 @@ def create_app(controller: Controller, token: str) -> FastAPI:
                 "leading": controller.leading}
 
     @app.post("/v1/jobs", status_code=201, **guarded,
-              responses={201: {"model": JobStatus, "description": "The job, started"},
+              responses={201: {"model": JobStatus, "description": "The job, its members started"},
+                         202: {"model": JobStatus, "description": (
+                             f"The job, recorded; its members still starting after {SUBMIT_ANSWER_S:.0f} s "
+                             "(a Ray placement, container starts): follow it with GET /v1/jobs/{id}")},
                          **_errors(*ALWAYS, 409, 415, 422)})
-    async def submit(spec: Annotated[JobSpec, Body(description="The job spec; {} selects every default.")]
-                     ) -> dict[str, Any]:
+    async def submit(spec: Annotated[JobSpec, Body(description="The job spec; {} selects every default.")],
+                     response: Response) -> dict[str, Any]:
         try:
-            job = await controller.submit(spec)
-        except LaunchError as exc:
+            job = await controller.create_job(spec)
+        except LeaseLost as exc:  # deposed as it recorded the job: nothing was started
+            raise HTTPException(503, detail=f"not submitted: {exc}") from exc
+        # Answered within SUBMIT_ANSWER_S whatever the launcher takes: a client that timed out on a
+        # slow start would not know its job exists, and a retry would start a second one.
+        launch = controller.launch_in_background(job)
+        done, _ = await asyncio.wait({launch}, timeout=SUBMIT_ANSWER_S)
+        if not done:
+            response.status_code = 202
+            return job.status_dict()
+        if launch.cancelled():  # the controller is stopping
+            raise HTTPException(503, detail=f"job {job.job_id} recorded; its start was interrupted: this "
+                                            "controller is stopping (the next leader resumes it)")
+        exc = launch.exception()
+        if isinstance(exc, LeaseLost):
+            raise HTTPException(503, detail=f"job {job.job_id} recorded; {exc}") from exc
+        if isinstance(exc, LaunchError):  # the job is failed (its record and event log say why)
             raise HTTPException(503, detail=str(exc)) from exc
+        if exc is not None:
+            raise exc
         return job.status_dict()
 
     @app.get("/v1/jobs", **guarded, responses={200: {"model": list[JobStatus]}, **_errors(*ALWAYS)})

@@ -52,10 +52,32 @@ class ChaosInjector:
         return match[0].member_id
 
     async def inject(self, req: ChaosRequest) -> str:
-        """Carry out one fault; return the member it hit."""
+        """Carry out one fault once per fault id; return the member it hit.
+
+        A repeated request (same job and fault id) is not carried out again: it gets the first
+        one's answer, waiting for it if that one is still under way. A requester whose answer was
+        lost (sent across a NATS restart, where the server no longer knows the reply subject) may
+        so retry without hitting a second member."""
         job = self.c.get(req.job_id)
+        earlier = job.chaos_by_id.get(req.fault_id)
+        if earlier is not None:
+            return await asyncio.shield(earlier)
         if job.done:
             raise JobError(f"job {job.job_id} is {job.status}", job_id=job.job_id)
+        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        job.chaos_by_id[req.fault_id] = done
+        try:
+            mid = await self._inject(job, req)
+        except BaseException as exc:
+            # Not carried out: a retry may try again; a request waiting on this one gets the error.
+            job.chaos_by_id.pop(req.fault_id, None)
+            done.set_exception(exc)
+            done.exception()  # retrieved: no "never retrieved" warning when nobody waited
+            raise
+        done.set_result(mid)
+        return mid
+
+    async def _inject(self, job: JobRun, req: ChaosRequest) -> str:
         problem = target_problem(req.kind, req.role)
         if problem:
             raise JobError(problem, field="role")

@@ -34,6 +34,15 @@ from robustrl.messages import FaultReport
 
 SPARE, BORROWED, COLD = "spare", "borrowed", "cold"
 """Where a rank of a new trainer gang comes from (``RecoverySpec.standby_order``)."""
+SURVIVOR = "survivor"
+"""A rank of the broken gang kept in place (``RecoverySpec.keep_survivors``): before every other source."""
+KEEPABLE_FAULTS = frozenset({"crash"})
+"""Faults after which the other ranks of the gang are kept: a rank's process exited, so the
+survivors' collectives with it fail at once and they are free to rejoin. Not after a hang or a
+slow rank: the detector judges each rank on its own activity, and a healthy rank waiting in a
+collective for a stalled one shows no activity either, so the rank reported may be the healthy
+one (keeping the stalled one would fail the same step again). Not after a silent rank
+(``unresponsive``: a link may be down): a survivor may wait on it until the collective's timeout."""
 CONTROL_PLANE_ROLES = frozenset({"request_manager", "controller", "detector"})
 SERVICE_RESUMES_PER_STEP = 3
 """Resumes in place of one control-plane service at one step before a whole-job restart."""
@@ -88,6 +97,9 @@ class JobView:
         spares_ready: warm spare processes the launcher holds now.
         borrowable: current rollout replicas that hold weights and may be borrowed, best first.
         can_borrow: whether the launcher can switch a process's role in place.
+        survivors: ranks of the current gang that run and were ready (any may be the faulty one:
+            ``plan_gang`` leaves that one out).
+        can_keep: whether the launcher can hand a running trainer rank to the next gang in place.
         replica_fits_trainer: whether a rollout replica's reservation covers a trainer rank's
             (``resources`` of both roles; nothing reserved fits anything).
         rollout_engine: the replicas' engine (only a torch engine holds the model in-process).
@@ -108,6 +120,8 @@ class JobView:
     spares_ready: int = 0
     borrowable: tuple[str, ...] = ()
     can_borrow: bool = False
+    survivors: tuple[str, ...] = ()
+    can_keep: bool = False
     replica_fits_trainer: bool = True
     rollout_engine: str = "torch"
 
@@ -123,8 +137,9 @@ class JobView:
 class RestartTrainerGang:
     """Stop every trainer worker, start a new gang from checkpoint ``resume_from``.
 
-    ``sources`` names where each rank comes from (index = rank): ``spare``, ``cold``, or
-    ``borrowed:<replica member id>`` (that replica is drained and switches role in place).
+    ``sources`` names where each rank comes from (index = rank): ``spare``, ``cold``,
+    ``borrowed:<replica member id>`` (that replica is drained and switches role in place), or
+    ``survivor:<trainer member id>`` (a rank of the broken gang, handed the new rank in place).
     Empty: every rank is started by the launcher (a spare when it has one, else cold)."""
 
     resume_from: int
@@ -134,6 +149,11 @@ class RestartTrainerGang:
     def borrowed(self) -> dict[int, str]:
         """rank -> replica member id to borrow for it."""
         return {r: s.split(":", 1)[1] for r, s in enumerate(self.sources) if s.startswith(BORROWED + ":")}
+
+    @property
+    def kept(self) -> dict[int, str]:
+        """rank -> member id of the broken gang's rank kept for it."""
+        return {r: s.split(":", 1)[1] for r, s in enumerate(self.sources) if s.startswith(SURVIVOR + ":")}
 
     def describe(self) -> str:
         extra = f", sources={list(self.sources)}" if self.sources else ""
@@ -306,7 +326,7 @@ def _role_local(job: JobView, fault: FaultReport, spec: RecoverySpec) -> Decisio
         again = any(r.role == "trainer" and r.step == job.step for r in job.recovering)
         if previous >= 1 or again:
             return _whole_job(job, f"{what}: step {job.step} failed again on the trainer")
-        sources, why = plan_gang(job, spec)
+        sources, why = plan_gang(job, spec, fault)
         return Decision([RestartTrainerGang(job.durable_step, sources)],
                         f"{what}: restart the trainer gang from checkpoint {job.durable_step} ({why})")
     if fault.role == "rollout":
@@ -338,16 +358,34 @@ def may_borrow(job: JobView, spec: RecoverySpec) -> str | None:
     return None
 
 
-def plan_gang(job: JobView, spec: RecoverySpec) -> tuple[tuple[str, ...], str]:
-    """Where each rank of a new gang comes from, following ``spec.standby_order`` (empty when
-    no rank is borrowed: the launcher then starts every rank, from a spare while it holds one).
+def may_keep(job: JobView, spec: RecoverySpec, fault: FaultReport | None) -> str | None:
+    """None if the ranks of the broken gang other than the faulty one may be kept, else why not."""
+    if not spec.keep_survivors:
+        return "keeping survivors disabled (recovery.keep_survivors=false)"
+    if not job.can_keep:
+        return "the launcher cannot hand a running trainer rank to the next gang"
+    if fault is None or fault.kind not in KEEPABLE_FAULTS:
+        return (f"after a {fault.kind if fault else 'late'} fault (no exit) the rank reported may be a healthy "
+                "one waiting on the faulty one, or blocked on it until its collective times out")
+    return None
 
-    A spare is taken while the launcher holds one; a replica is borrowed while more than
-    ``spec.min_replicas_kept`` replicas would still generate; a cold start is always possible.
+
+def plan_gang(job: JobView, spec: RecoverySpec, fault: FaultReport | None = None) -> tuple[tuple[str, ...], str]:
+    """Where each rank of a new gang comes from: the broken gang's other ranks first (kept in
+    place, ``spec.keep_survivors``), then ``spec.standby_order`` (empty when no rank is kept or
+    borrowed: the launcher then starts every rank, from a spare while it holds one).
+
+    A survivor takes the lowest free rank (rank 0's node holds the rendezvous, so a kept rank 0
+    keeps it where a process already runs); a spare is taken while the launcher holds one; a
+    replica is borrowed while more than ``spec.min_replicas_kept`` replicas would still generate;
+    a cold start is always possible.
 
     Returns:
         (source per rank, a short reason).
     """
+    others = [m for m in job.survivors if fault is None or m != fault.member_id]
+    not_kept = may_keep(job, spec, fault) if others else None
+    kept = [] if not_kept else others
     spares = job.spares_ready
     refused = may_borrow(job, spec)
     pool = [] if refused else list(job.borrowable)
@@ -355,6 +393,9 @@ def plan_gang(job: JobView, spec: RecoverySpec) -> tuple[tuple[str, ...], str]:
     generating = len(job.borrowable)
     sources: list[str] = []
     for _rank in range(max(1, job.trainer_workers)):
+        if kept:
+            sources.append(f"{SURVIVOR}:{kept.pop(0)}")
+            continue
         for source in spec.standby_order:
             if source == SPARE and spares > 0:
                 spares -= 1
@@ -369,11 +410,13 @@ def plan_gang(job: JobView, spec: RecoverySpec) -> tuple[tuple[str, ...], str]:
                 break
         else:  # unreachable: the config requires cold in standby_order
             sources.append(COLD)
-    counts = {s: sum(x.split(":")[0] == s for x in sources) for s in (SPARE, BORROWED, COLD)}
+    counts = {s: sum(x.split(":")[0] == s for x in sources) for s in (SURVIVOR, SPARE, BORROWED, COLD)}
     why = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
     if refused and BORROWED in spec.standby_order:
         why += f"; no borrowing: {refused}"
-    if not counts[BORROWED]:
+    if not_kept:
+        why += f"; no survivor kept: {not_kept}"
+    if not counts[BORROWED] and not counts[SURVIVOR]:
         return (), why  # every rank is the launcher's to start (a spare while it has one, else cold)
     return tuple(sources), why
 

@@ -23,6 +23,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pydantic import ValidationError
 
 from robustrl import subjects
+from robustrl.aio import cancel_and_wait, within
 from robustrl.bus import Bus
 from robustrl.messages import Event, FaultReport
 
@@ -35,6 +36,8 @@ FAULT_FETCH_TIMEOUT_S = 1.0
 """One fetch of the fault inbox (an empty fetch just loops)."""
 FAULT_ACK_WAIT_S = 120.0
 """A fault not acknowledged within this long (its handler died with the controller) is redelivered."""
+CLOSE_WAIT_S = 2.0
+"""At close: for the pull loop to end once cancelled, and for the unsubscribe."""
 
 
 async def emit_durable(bus: Bus, job_id: str, kind: str, data: dict[str, Any] | None = None,
@@ -109,13 +112,15 @@ class FaultInbox:
                 await raw.ack()
 
     async def close(self) -> None:
+        """Stop pulling (a handler in progress is cancelled; its fault stays unacknowledged, so
+        it is delivered again to whoever leads). Bounded."""
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            if not await cancel_and_wait(self._task, CLOSE_WAIT_S):
+                log.error("fault inbox: the pull loop did not end after cancellation")
             self._task = None
         if self._sub is not None:
             try:
-                await self._sub.unsubscribe()
+                await within(self._sub.unsubscribe(), CLOSE_WAIT_S)
             except Exception as exc:  # the connection may be gone already; the consumer is durable
                 log.debug("fault inbox: unsubscribe failed: %s", exc)
             self._sub = None

@@ -6,6 +6,7 @@ the metrics endpoint render it with :meth:`JobRun.status_dict`.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -82,8 +83,8 @@ class GangStart:
 
     @property
     def source(self) -> str:
-        """The recovery's source, named after its slowest kind of start: cold > borrowed > spare."""
-        return next((s for s in ("cold", "borrowed", "spare") if s in self.sources), "cold")
+        """The recovery's source, named after its slowest kind of start: cold > borrowed > spare > survivor."""
+        return next((s for s in ("cold", "borrowed", "spare", "survivor") if s in self.sources), "cold")
 
     def to_record(self) -> dict[str, Any]:
         return {"sources": list(self.sources), "borrowed_slots": {str(k): v for k, v in self.borrowed_slots.items()}}
@@ -118,7 +119,14 @@ class JobRun:
     error: str | None = None
     ettr: float | None = None
     injected_at: dict[str, float] = field(default_factory=dict)  # member -> last chaos injection
+    chaos_by_id: dict[str, asyncio.Future[str]] = field(default_factory=dict)
+    """fault id -> the member its injection hit (a future while it is carried out): a request
+    repeated with the same fault id (its answer was lost, e.g. across a NATS restart) is answered,
+    not carried out again. Rebuilt from the event log's ``fault_injected`` by a new leader."""
     closing: bool = False  # stop_job under way: the final status is set once its event is durable
+    launched: bool = False
+    """Every first member was started and recorded (persisted): a job whose record says otherwise
+    had its start interrupted (its leader died or was deposed) and is started again by the next."""
     # (role, slot) -> exits before the hello in a row
     startup_failures: dict[tuple[str, int], int] = field(default_factory=dict)
     service_seen_at: dict[str, float] = field(default_factory=dict)  # control-plane role -> last sign of life

@@ -4,32 +4,55 @@ and re-attaching to members a previous controller started (after a restart or a 
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from robustrl.bus import Bus
 from robustrl.config import Settings
+from robustrl.errors import LaunchError
 from robustrl.launcher.base import (
     ROLLOUT_MODULE,
     TRAINER_MODULE,
     Launcher,
     MemberSpec,
+    MemberState,
     PlacementHint,
     Resources,
 )
 from robustrl.model.engines.envs import ENGINE_ENV
 from robustrl.services.controller.jobs import JobRun, MemberInfo
+from robustrl.services.controller.lease import LeaseLost
+
+log = logging.getLogger(__name__)
 
 LID_SEP = "--"
 STDERR_TAIL_LINES = 20
 """Lines of a member's log quoted in a start-up failure."""
 
 
+class JobStopping(LaunchError):
+    """A member not started, or stopped right after its start, because its job is being stopped
+    (or has ended): a stop that listed the job's live members before the start returned would
+    otherwise leave it running, untracked."""
+
+
 def lid(job: JobRun | str, member_id: str) -> str:
     """The launcher's key for a member: unique across jobs (member ids are unique per job)."""
     job_id = job if isinstance(job, str) else job.job_id
     return f"{job_id}{LID_SEP}{member_id}"
+
+
+def trainer_id(epoch: int, rank: int) -> str:
+    """The member id of rank ``rank`` of the trainer gang of epoch ``epoch``."""
+    return f"trainer-e{epoch}-r{rank}"
+
+
+def gang_id(job: JobRun) -> str:
+    """The launcher's key for the job's current trainer gang (a Ray placement group's name)."""
+    return lid(job, f"trainer-e{job.epoch}")
 
 
 def replica_id(slot: int, incarnation: int) -> str:
@@ -50,18 +73,32 @@ def free_port() -> int:
 
 
 class MemberStarter:
-    """Starts trainer gangs and rollout replicas for jobs and records them on the job."""
+    """Starts trainer gangs and rollout replicas for jobs and records them on the job.
+
+    Every start is fenced by the controller's lease: leadership is checked (one Redis read) right
+    before the launcher starts anything, and the started member's handle is written to the job
+    record with the lease token right after. A controller frozen past its lease that resumes in
+    between gets that write refused: it kills the member it just started (unless the new leader
+    already adopted it), records ``member_stopped`` and raises :class:`LeaseLost`, so no member
+    runs that no leader tracks."""
 
     def __init__(self, bus: Bus, launcher: Launcher, settings: Settings,
                  member_credentials: dict[str, dict[str, str]] | None = None,
                  fence: Callable[[], int] = lambda: 0,
                  newest_epoch: Callable[[JobRun], Awaitable[int]] | None = None,
-                 persist: Callable[[JobRun], Awaitable[None]] | None = None) -> None:
+                 persist: Callable[[JobRun], Awaitable[bool | None]] | None = None,
+                 leads: Callable[[], Awaitable[bool]] | None = None,
+                 adopted_elsewhere: Callable[[JobRun, str], Awaitable[bool]] | None = None) -> None:
         self.bus = bus
         self.newest_epoch = newest_epoch
         """The newest gang epoch the job's fence in Redis has seen (a new gang must be above it)."""
         self.persist = persist
-        """Makes the job record durable (the new epoch is saved before its gang is launched)."""
+        """Makes the job record durable (the new epoch is saved before its gang is launched, each
+        member's handle right after its start); returns False when the lease fence refused it."""
+        self.leads = leads
+        """Whether this controller still holds the newest lease term (checked before each start)."""
+        self.adopted_elsewhere = adopted_elsewhere
+        """Whether the durable record (written by a newer leader) holds the member with a handle."""
         self.launcher = launcher
         self.settings = settings
         self.member_credentials = member_credentials or {}
@@ -79,10 +116,10 @@ class MemberStarter:
         """Rank ``rank`` of the job's current gang: its resources and its place in the gang (one
         placement group per gang and epoch, laid out with the job's strategy)."""
         t = job.spec.trainer
-        return MemberSpec(job.job_id, lid(job, f"trainer-e{job.epoch}-r{rank}"), "trainer", TRAINER_MODULE, env,
+        return MemberSpec(job.job_id, lid(job, trainer_id(job.epoch, rank)), "trainer", TRAINER_MODULE, env,
                           resources=Resources(t.resources.cpus, t.resources.gpus, t.resources.memory_mb),
                           placement=PlacementHint(node_labels=dict(t.placement.node_labels),
-                                                  gang=lid(job, f"trainer-e{job.epoch}"), gang_rank=rank,
+                                                  gang=gang_id(job), gang_rank=rank,
                                                   gang_size=t.workers, strategy=t.placement.strategy))
 
     def replica_spec(self, job: JobRun, member_id: str, env: dict[str, str]) -> MemberSpec:
@@ -100,11 +137,15 @@ class MemberStarter:
         info.handle = self.launcher.handle(key) or {}
         job.members[info.member_id] = info
 
-    async def start_gang(self, job: JobRun, borrowed: dict[int, str] | None = None) -> list[str]:
+    async def start_gang(self, job: JobRun, borrowed: dict[int, str] | None = None,
+                         kept: dict[int, str] | None = None) -> list[str]:
         """Start a new trainer gang (next epoch); return its member ids, rank 0 first.
 
         ``borrowed`` maps ranks to rollout replicas (already drained) that the launcher switches
-        to that rank in place (``Launcher.relabel``) instead of starting a process.
+        to that rank in place (``Launcher.relabel``) instead of starting a process; ``kept`` maps
+        ranks to ranks of the broken gang handed over the same way. A kept rank whose process is
+        gone by then (it gave up waiting, or died) is started as usual instead and removed from
+        ``kept``.
 
         The epoch is above both the one this controller remembers and the newest the gang fence in
         Redis has seen, and it is saved before any rank starts: a controller restarted (or a
@@ -113,33 +154,75 @@ class MemberStarter:
         """
         floor = await self.newest_epoch(job) if self.newest_epoch else -1
         job.epoch = max(job.epoch, floor) + 1
-        if self.persist:
-            await self.persist(job)
+        if self.persist and await self.persist(job) is False:
+            raise LeaseLost(f"job {job.job_id}: gang epoch {job.epoch} not saved: a newer controller "
+                            f"lease term has begun; no rank started")
         ids = []
         borrowed = borrowed or {}
-        # The gang's rendezvous (MASTER_ADDR/PORT) is on rank 0's own node, chosen by the launcher
-        # (the Ray launcher places rank 0 first); a borrowed rank 0 stays where its replica ran.
-        if 0 in borrowed:
-            master, port = await asyncio.to_thread(self.launcher.rendezvous_on, lid(job, borrowed[0]))
-        else:
-            master, port = await asyncio.to_thread(self.launcher.rendezvous, self.trainer_spec(job, 0, {}))
+        kept = {} if kept is None else kept
+        for rank, old in list(kept.items()):
+            # Gone already (it gave up waiting for the hand-off, or died): its rank starts anew,
+            # and the rendezvous is not placed on a host where nothing runs.
+            if await asyncio.to_thread(self.launcher.state, lid(job, old)) is not MemberState.RUNNING:
+                log.warning("job %s: rank %d of the broken gang (%s) is not running: not kept", job.job_id,
+                            rank, kept.pop(rank))
+
+        async def rendezvous() -> tuple[str, int]:
+            # On rank 0's own node, chosen by the launcher (the Ray launcher places rank 0 first);
+            # a borrowed or kept rank 0 stays where it ran.
+            in_place = {**borrowed, **kept}
+            if 0 in in_place:
+                return await asyncio.to_thread(self.launcher.rendezvous_on, lid(job, in_place[0]))
+            return await asyncio.to_thread(self.launcher.rendezvous, self.trainer_spec(job, 0, {}))
+
+        try:
+            return await self._start_ranks(job, ids, borrowed, kept, rendezvous)
+        except BaseException:
+            if not ids:  # placed (a Ray placement group, pre-made actors) but no rank started
+                await asyncio.to_thread(self.launcher.release_unstarted_gang, gang_id(job))
+            raise
+
+    async def _start_ranks(self, job: JobRun, ids: list[str], borrowed: dict[int, str], kept: dict[int, str],
+                           rendezvous: Callable[[], Awaitable[tuple[str, int]]]) -> list[str]:
+        master, port = await rendezvous()
         for rank in range(job.spec.trainer.workers):
-            mid = f"trainer-e{job.epoch}-r{rank}"
-            env = self.member_env(job, mid, "trainer") | {
-                "ROBUSTRL_RANK": str(rank), "ROBUSTRL_WORLD_SIZE": str(job.spec.trainer.workers),
-                "MASTER_ADDR": master, "MASTER_PORT": str(port)}
-            member = self.trainer_spec(job, rank, env)
-            if rank in borrowed:
+            mid = trainer_id(job.epoch, rank)
+
+            def spec_for(master: str, port: int, rank: int = rank, mid: str = mid) -> MemberSpec:
+                env = self.member_env(job, mid, "trainer") | {
+                    "ROBUSTRL_RANK": str(rank), "ROBUSTRL_WORLD_SIZE": str(job.spec.trainer.workers),
+                    "MASTER_ADDR": master, "MASTER_PORT": str(port)}
+                return self.trainer_spec(job, rank, env)
+
+            member = spec_for(master, port)
+            await self._check_leading(job, mid)
+            if rank in kept:
+                try:
+                    await asyncio.to_thread(self.launcher.relabel, lid(job, kept[rank]), member)
+                    source = "survivor"
+                except LaunchError as exc:
+                    old = kept.pop(rank)
+                    log.warning("job %s: rank %d of the broken gang (%s) not kept: %s; starting %s",
+                                job.job_id, rank, old, exc, mid)
+                    # Whatever is left of it must not run on untracked (it is 'dead' to every stop).
+                    await asyncio.to_thread(self.launcher.kill, lid(job, old), True)
+                    if rank == 0:  # the rendezvous was to be on its node: choose it anew
+                        master, port = await rendezvous()
+                        member = spec_for(master, port)
+                    await self._start(member)
+                    source = "spare" if self.launcher.was_warm(lid(job, mid)) else "cold"
+            elif rank in borrowed:
                 await asyncio.to_thread(self.launcher.relabel, lid(job, borrowed[rank]), member)
                 source = "borrowed"
             else:
-                await asyncio.to_thread(self.launcher.start, member)
+                await self._start(member)
                 source = "spare" if self.launcher.was_warm(lid(job, mid)) else "cold"
             self._record(job, MemberInfo(mid, "trainer", rank, job.epoch))
+            await self._confirm(job, mid)
             ids.append(mid)
             await self.bus.emit_event(job.job_id, "member_started", {
                 "member_id": mid, "role": "trainer", "epoch": job.epoch, "warm": source != "cold",
-                "source": source, "borrowed_from": borrowed.get(rank), "fence": self.fence()})
+                "source": source, "borrowed_from": borrowed.get(rank) or kept.get(rank), "fence": self.fence()})
         return ids
 
     async def start_replica(self, job: JobRun, slot: int,
@@ -149,7 +232,13 @@ class MemberStarter:
         ``intent`` (a restock): the planned member is in the job as ``starting``, without a
         handle, and ``intent`` makes that durable before the launcher starts anything, so a
         controller that takes over between the start and the handle's write can find the member
-        (``Launcher.find``) instead of leaking it. A start that fails leaves it ``dead``."""
+        (``Launcher.find``) instead of leaking it; it returns False when the lease fence refused
+        that write (nothing is started then). A start that fails leaves it ``dead``.
+
+        Raises:
+            LeaseLost: a newer controller leads (checked before the start; a member whose handle
+                the fence refused after its start is killed first).
+        """
         inc = job.slot_incarnation.get(slot, -1) + 1
         job.slot_incarnation[slot] = inc
         mid = replica_id(slot, inc)
@@ -157,24 +246,107 @@ class MemberStarter:
         if intent is not None:
             job.members[mid] = MemberInfo(mid, "rollout", slot, inc)
         try:
-            if intent is not None:  # inside: an intent that could not be saved leaves no "starting" member
-                await intent(job)
-            await asyncio.to_thread(self.launcher.start, self.replica_spec(job, mid, env))
+            if intent is not None and await intent(job) is False:  # inside: no "starting" member left
+                raise LeaseLost(f"job {job.job_id}: the intent to start {mid} was refused: a newer "
+                                f"controller lease term has begun")
+            await self._check_leading(job, mid)
+            await self._start(self.replica_spec(job, mid, env))
         except BaseException:
             if intent is not None:
                 job.members[mid].state = "dead"
             raise
         self._record(job, MemberInfo(mid, "rollout", slot, inc))
+        await self._confirm(job, mid)
         await self.bus.emit_event(job.job_id, "member_started", {
             "member_id": mid, "role": "rollout", "warm": self.launcher.was_warm(lid(job, mid)),
             "fence": self.fence()})
         return mid
 
     async def start_all(self, job: JobRun) -> tuple[list[str], list[str]]:
-        """A new gang and a new incarnation of every replica slot, in parallel."""
+        """A new gang and a new incarnation of every replica slot, in parallel. Every start runs
+        to its end (or its fenced kill) before the first error is raised: the caller must not
+        act on a job whose members are still being started."""
         started: list[Any] = await asyncio.gather(
-            self.start_gang(job), *(self.start_replica(job, i) for i in range(job.spec.rollout.replicas)))
+            self.start_gang(job), *(self.start_replica(job, i) for i in range(job.spec.rollout.replicas)),
+            return_exceptions=True)
+        # A lost lease first: the caller must stop acting, not escalate the other failures.
+        errors = sorted((r for r in started if isinstance(r, BaseException)),
+                        key=lambda e: (not isinstance(e, LeaseLost), not isinstance(e, JobStopping)))
+        if errors:
+            raise errors[0]
         return started[0], list(started[1:])
+
+    async def _start(self, spec: MemberSpec) -> None:
+        """``launcher.start`` in a thread, undone if the caller is cancelled meanwhile (a deposed
+        controller closing cancels its tasks; the thread still starts the member, whose handle this
+        controller then never writes): the thread kills what it started once it sees the
+        cancellation, or the cancelled caller kills it if the start had already finished."""
+        guard = threading.Lock()
+        state = {"started": False, "cancelled": False}
+
+        def start() -> None:
+            self.launcher.start(spec)
+            with guard:
+                state["started"] = True
+                undo = state["cancelled"]
+            if undo:
+                log.warning("%s started after its start was cancelled: killing it", spec.member_id)
+                self.launcher.kill(spec.member_id, True)
+
+        try:
+            await asyncio.to_thread(start)
+        except asyncio.CancelledError:
+            with guard:
+                state["cancelled"] = True
+                undo = state["started"]
+            if undo:  # finished in the moment the caller was cancelled: nothing else will stop it
+                log.warning("%s started as its start was cancelled: killing it", spec.member_id)
+                self.launcher.kill(spec.member_id, True)
+            raise
+
+    async def _check_leading(self, job: JobRun, member_id: str) -> None:
+        """Right before a start: refuse it if the job is being stopped (JobStopping) or a newer
+        controller leads (LeaseLost; one Redis read)."""
+        if job.done:
+            raise JobStopping(f"job {job.job_id}: {member_id} not started: the job is being stopped",
+                              member=member_id)
+        if self.leads is not None and not await self.leads():
+            raise LeaseLost(f"job {job.job_id}: {member_id} not started: this controller does not hold "
+                            f"the newest lease term")
+
+    async def _confirm(self, job: JobRun, member_id: str) -> None:
+        """Make the just-started member's handle durable. A write the lease fence refuses means a
+        newer leader acts on a record without this member: kill it (it would run untracked) unless
+        that leader adopted it already (found by its id), record it, and raise LeaseLost. A member
+        whose job began stopping while it started is stopped here (JobStopping): the stop may have
+        listed the live members before it was one."""
+        if job.done:
+            m = job.members[member_id]
+            m.state = "stopped"  # before any await: the stop's final record must not list it live
+            log.warning("job %s: %s started as the job was being stopped: stopping it", job.job_id, member_id)
+            try:
+                await asyncio.to_thread(self.launcher.stop_many, [lid(job, member_id)], 3.0)
+            finally:
+                if self.persist is not None:
+                    await self.persist(job)
+            raise JobStopping(f"job {job.job_id}: {member_id} stopped at once: the job is being stopped",
+                              member=member_id)
+        if self.persist is None or await self.persist(job) is not False:
+            return
+        m = job.members[member_id]
+        if self.adopted_elsewhere is not None and await self.adopted_elsewhere(job, member_id):
+            log.error("job %s: handle of %s refused by the lease fence; the new leader tracks it: "
+                      "left running", job.job_id, member_id)
+        else:
+            log.error("job %s: handle of %s refused by the lease fence (a newer controller leads): "
+                      "killing it", job.job_id, member_id)
+            await asyncio.to_thread(self.launcher.kill, lid(job, member_id), True)
+            await self.bus.emit_event(job.job_id, "member_stopped", {
+                "member_id": member_id, "role": m.role, "epoch": m.epoch, "reason": "lease_fenced",
+                "pid": m.pid, "fence": self.fence()})
+        m.state = "dead"
+        raise LeaseLost(f"job {job.job_id}: {member_id} started but its handle was refused by the lease "
+                        f"fence: a newer controller leads")
 
     async def adopt(self, job: JobRun) -> tuple[list[str], list[str]]:
         """Re-attach to the job's recorded live members; return (adopted, gone) member ids.

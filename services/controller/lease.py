@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from robustrl.aio import wait_event, within
 from robustrl.storage.redis_stores import Keys
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class LeaderLease:
 
     async def try_acquire(self) -> bool:
         """One attempt; True (and a new ``token``) if this controller is the leader now."""
-        token = int(await asyncio.wait_for(
+        token = int(await within(
             self.r.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), self.owner,
                         self.ttl_ms),
             REDIS_OP_TIMEOUT_S))
@@ -104,12 +105,36 @@ class LeaderLease:
 
     async def renew(self) -> bool:
         """Extend the lease; False if this controller does not hold it any more."""
-        ok = await asyncio.wait_for(
+        ok = await within(
             self.r.eval(_RENEW, 1, Keys.controller_lease(), self.value, self.ttl_ms), REDIS_OP_TIMEOUT_S)
         return bool(int(ok))
 
+    async def own_newer_term(self) -> bool:
+        """Whether the lease key names this controller with a newer token than ``token``: its own
+        re-acquisition (``keep``: the key had expired) ran in Redis and its reply is still on the
+        way, so the fencing counter is already above ``token``. The token is taken from the key
+        then (it is this controller's term); False if another controller holds the lease or none
+        does."""
+        holder = await self.holder()
+        if holder is None:
+            return False
+        owner, _, token = holder.rpartition(":")
+        if owner != self.owner or not token.isdigit() or int(token) <= self.token:
+            return False
+        self.token = int(token)
+        return True
+
+    async def newest_term(self) -> bool:
+        """Whether no newer lease term than this controller's has begun: the fencing counter in
+        Redis is not above its token (one read), or it is, by this controller's own
+        re-acquisition in flight (``own_newer_term``). True without a term (no token)."""
+        if not self.token:
+            return True
+        newest = await within(self.r.get(Keys.controller_fence()), REDIS_OP_TIMEOUT_S)
+        return int(newest or 0) <= self.token or await self.own_newer_term()
+
     async def holder(self) -> str | None:
-        raw = await asyncio.wait_for(self.r.get(Keys.controller_lease()), REDIS_OP_TIMEOUT_S)
+        raw = await within(self.r.get(Keys.controller_lease()), REDIS_OP_TIMEOUT_S)
         return None if raw is None else raw.decode()
 
     async def keep(self, stop: asyncio.Event, on_new_token: Callable[[int], Awaitable[None]]) -> None:
@@ -127,6 +152,10 @@ class LeaderLease:
             try:
                 if await self.renew():
                     renewed_at = loop.time()
+                    continue
+                if await self.own_newer_term():  # taken again by this controller meanwhile
+                    renewed_at = loop.time()
+                    await on_new_token(self.token)
                     continue
                 holder = await self.holder()
                 if holder is not None:
@@ -150,8 +179,7 @@ class LeaderLease:
         """Give the lease up at once (graceful stop), so a standby need not wait for the expiry."""
         if self.token:
             try:
-                await asyncio.wait_for(self.r.eval(_RELEASE, 1, Keys.controller_lease(), self.value),
-                                       REDIS_OP_TIMEOUT_S)
+                await within(self.r.eval(_RELEASE, 1, Keys.controller_lease(), self.value), REDIS_OP_TIMEOUT_S)
             except Exception as exc:
                 log.warning("lease: release failed: %s", exc)
 
@@ -161,7 +189,4 @@ async def _pause(stop: asyncio.Event | None, seconds: float) -> None:
     if stop is None:
         await asyncio.sleep(seconds)
         return
-    try:
-        await asyncio.wait_for(stop.wait(), seconds)
-    except TimeoutError:
-        pass
+    await wait_event(stop, seconds)

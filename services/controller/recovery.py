@@ -10,13 +10,13 @@ The pure ``decide`` chooses; this module dispatches on the action's class.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING
 
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
 
+from robustrl.aio import wait_event
 from robustrl.messages import FaultReport
 from robustrl.services.controller import decide as decide_mod
 from robustrl.services.controller import failpoints
@@ -33,7 +33,8 @@ from robustrl.services.controller.decide import (
     action_name,
 )
 from robustrl.services.controller.jobs import ActiveRecovery, GangStart, JobRun
-from robustrl.services.controller.launching import lid, replica_id
+from robustrl.services.controller.launching import JobStopping, lid, replica_id
+from robustrl.services.controller.lease import LeaseLost
 from robustrl.services.controller.view import job_view
 from robustrl.storage.redis_stores import Keys
 
@@ -90,6 +91,11 @@ class RecoveryExecutor:
         async with self.lock:
             if job.done or await self._seen(job, fault.fault_id):
                 return
+            if not await self.c.leads():
+                # A newer lease term began and this controller has not noticed yet (frozen past its
+                # lease): it must not kill or start anything on its stale view.
+                raise LeaseLost(f"controller {self.c.owner} does not hold the newest lease term; fault "
+                                f"{fault.fault_id} is left for the leader")
             await self._handle_locked(job, fault)
             await self._mark(job, fault.fault_id)
             await self.c.persist(job)
@@ -106,7 +112,8 @@ class RecoveryExecutor:
         # Off the event loop: the Ray launcher's count makes blocking cluster calls (ray.wait, ray.get
         # with a timeout, ray.nodes) that would stall the API and the bus on a slow cluster.
         spares = await asyncio.to_thread(self.c.launcher.spares_ready)
-        view = job_view(job, spares_ready=spares, can_borrow=self.c.launcher.can_relabel())
+        view = job_view(job, spares_ready=spares, can_borrow=self.c.launcher.can_relabel(),
+                        can_keep=self.c.launcher.can_keep_trainers())
         decision = decide_mod.decide(now, view, fault, job.spec.recovery)
         record["decision"] = {"actions": decision.names(), "reason": decision.reason}
         if not all(isinstance(a, Ignore) for a in decision.actions):
@@ -121,7 +128,22 @@ class RecoveryExecutor:
         for action in actions:
             try:
                 await self.execute(job, fault, action)
+            except LeaseLost:
+                # A newer controller leads: this one decides nothing more (escalating could fail the
+                # job on a stale view). The fault stays unhandled here, for the new leader.
+                raise
+            except JobStopping as exc:  # the job is being stopped: nothing to recover, nothing to escalate
+                log.info("job %s: %s not carried out: %s", job.job_id, action_name(action), exc)
+                return
             except Exception as exc:  # a recovery that fails outright escalates (or fails the job)
+                if job.done:  # stopped meanwhile: nothing to escalate
+                    log.info("job %s: %s failed as the job stopped: %r", job.job_id, action_name(action), exc)
+                    return
+                if not self.c.leading:
+                    # This controller is stopping (its launcher refuses starts and hand-overs
+                    # now) or was deposed: no escalation, no failed job on that account.
+                    raise LeaseLost(f"job {job.job_id}: {action_name(action)} failed while controller "
+                                    f"{self.c.owner} stopped leading: {exc!r}") from exc
                 log.exception("job %s: %s failed", job.job_id, action_name(action))
                 rec = decide_mod.RecoveryView(role=fault.role, step=job.step, started_at=time.time(),
                                               fault_id=fault.fault_id)
@@ -169,29 +191,38 @@ class RecoveryExecutor:
                              step=job.step, deadline_at=time.time() + job.spec.recovery.deadline_s,
                              replacing=replacing, committed_at_fault=job.committed_step)
         job.recoveries.append(rec)
-        job.status = "recovering"
+        if not job.done:  # a stop that finished meanwhile keeps its final status
+            job.status = "recovering"
         return rec
 
     async def _restart_trainer(self, job: JobRun, fault: FaultReport, action: RestartTrainerGang) -> None:
         old = [m.member_id for m in job.current_trainers()]
-        await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, i) for i in old], True)
+        kept = {r: mid for r, mid in action.kept.items() if mid in old and mid != fault.member_id}
+        # Every rank of the broken gang but the kept ones is killed first: a kept rank's
+        # collectives with them then fail at once (closed connections), and it leaves the gang.
+        await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, i) for i in old if i not in kept.values()],
+                                True)
         for mid in old:
-            job.members[mid].state = "dead"
+            job.members[mid].state = "dead"  # the kept ones too: they rejoin under their new ids
         rec = self._begin(job, fault, "trainer", set(old))
+        if kept:
+            await failpoints.hit("gang_planned")
         # Slots borrowed by a gang whose recovery this one supersedes still owe their replacement.
         owed: dict[int, int] = {}
         for fid in [f for f in job.gang_starts if f not in {r.fault_id for r in job.recoveries}]:
             owed.update(job.gang_starts.pop(fid).borrowed_slots)
         borrowed = await self._drain(job, fault, action.borrowed)
         try:
-            new = await self.c.starter.start_gang(job, borrowed)
+            new = await self.c.starter.start_gang(job, borrowed, kept)  # drops a kept rank it started anew
         except BaseException:
-            # A drained replica is 'dead' to every later stop (whole-job restart, stop_job, adopt):
-            # one the gang start never switched would run on untracked. Those switched already
-            # run under their trainer ids and are gone from these launcher ids (kill is a no-op).
-            await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, mid) for mid in borrowed.values()], True)
+            # A drained replica (or a kept rank) is 'dead' to every later stop (whole-job restart,
+            # stop_job, adopt): one the gang start never switched would run on untracked. Those
+            # switched already run under their trainer ids and are gone from these launcher ids
+            # (kill is a no-op).
+            await asyncio.to_thread(self.c.launcher.kill_many,
+                                    [lid(job, mid) for mid in [*borrowed.values(), *kept.values()]], True)
             raise
-        sources = ["borrowed" if r in borrowed else
+        sources = ["survivor" if r in kept else "borrowed" if r in borrowed else
                    "spare" if self.c.launcher.was_warm(lid(job, mid)) else "cold" for r, mid in enumerate(new)]
         slots = {job.members[b].index: job.members[b].epoch for b in borrowed.values() if b in job.members}
         # In the job's durable record: a controller that fails over before the gang is ready hands
@@ -261,8 +292,7 @@ class RecoveryExecutor:
         attempts: dict[int, int] = {}
 
         async def nap(seconds: float) -> None:  # the back-off, cut short by newly owed slots
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), seconds)
+            await wait_event(wake, seconds)
             wake.clear()
 
         try:
@@ -291,8 +321,10 @@ class RecoveryExecutor:
         while todo := sorted((s, i) for s, i in job.restock_owed.items() if (s, i) not in tried and s not in failed):
             slot, owed_inc = todo[0]
             tried.add((slot, owed_inc))
-            # Under the recovery lock: a whole-job restart carried out meanwhile restarts every
-            # slot itself, and must not find a restocked incarnation it does not know of.
+            # The checks and the planned incarnation under the recovery lock; the launcher's start
+            # (seconds for a Ray actor, a container) outside it, so that a trainer fault arriving
+            # meanwhile is handled at once; the outcome under the lock again, where whatever
+            # happened meanwhile (a whole-job restart, the job's end) is seen and the start undone.
             async with self.lock:
                 if job.done or not self.c.leading:
                     return
@@ -311,31 +343,61 @@ class RecoveryExecutor:
                                                                   "adopted": True})
                     await self.c.persist(job)
                     continue
+                inc = job.slot_incarnation.get(slot, -1) + 1  # what start_replica takes, before its first await
 
-                async def intent(job_: JobRun, slot: int = slot) -> None:
-                    # Durable before the launcher starts anything: the slot owed at the planned
-                    # incarnation, whose member is recorded as starting (MemberStarter.start_replica).
-                    job_.restock_owed[slot] = job_.slot_incarnation[slot]
-                    await self.c.persist(job_)
+            async def intent(job_: JobRun, slot: int = slot) -> bool | None:
+                # Durable before the launcher starts anything: the slot owed at the planned
+                # incarnation, whose member is recorded as starting (MemberStarter.start_replica).
+                job_.restock_owed[slot] = job_.slot_incarnation[slot]
+                return await self.c.persist(job_)
 
-                try:
-                    mid = await self.c.starter.start_replica(job, slot, intent)
-                except Exception as exc:  # the other slots are still owed theirs
-                    log.exception("job %s: restocking rollout slot %d failed", job.job_id, slot)
+            # No await between the lock's checks above and start_replica's first await (after it
+            # took incarnation ``inc`` and recorded the member as starting): nothing interleaves.
+            try:
+                mid = await self.c.starter.start_replica(job, slot, intent)
+            except LeaseLost:
+                raise  # a newer controller leads: it restocks what its record owes
+            except Exception as exc:  # the other slots are still owed theirs
+                log.exception("job %s: restocking rollout slot %d failed", job.job_id, slot)
+                async with self.lock:
+                    planned = job.members.get(replica_id(slot, inc))
+                    if planned is not None and planned.handle:
+                        # It started, and what failed came after (its handle's write: Redis away):
+                        # stopped, or it would run beside the slot's next incarnation.
+                        await asyncio.to_thread(self.c.launcher.stop, lid(job, planned.member_id), 1.0)
+                        planned.state = "stopped"
+                    if job.slot_incarnation.get(slot) != inc:
+                        continue  # the slot was restarted meanwhile (a whole-job restart): not owed
                     # A failed start used up its incarnation (a retry must not reuse the name of
                     # what it may have left behind): the slot stays owed at that incarnation, or the
                     # next pass would take it for a slot restarted meanwhile and drop it.
-                    job.restock_owed[slot] = job.slot_incarnation.get(slot, owed_inc)
+                    job.restock_owed[slot] = inc
                     attempts[slot] = attempts.get(slot, 0) + 1
                     failed.append(slot)
                     await self.c.persist(job)
                     await self.c.event(job, "restock_failed", {"slot": slot, "attempt": attempts[slot],
                                                                "error": f"{type(exc).__name__}: {exc}"[:300]})
-                    continue
-                job.restock_owed.pop(slot, None)
-                if job.done:  # the job ended while it started: stop_job may not have seen it
+                continue
+            async with self.lock:
+                member = job.members.get(mid)
+                if job.done or job.slot_incarnation.get(slot) != inc:
+                    # The job ended, or the slot was started anew meanwhile (a whole-job restart
+                    # kills every member it knows of, this one perhaps before its launcher did,
+                    # and starts a new incarnation of every slot): this replica would run untracked.
+                    log.warning("job %s: replica %s started as the %s: stopping it", job.job_id, mid,
+                                "job ended" if job.done else "slot was started anew meanwhile")
                     await asyncio.to_thread(self.c.launcher.stop, lid(job, mid), 1.0)
-                    return
+                    if member is not None:
+                        member.state = "stopped"
+                    if job.restock_owed.get(slot) == inc:
+                        del job.restock_owed[slot]
+                    if job.done:
+                        return
+                    await self.c.persist(job)
+                    continue
+                if member is not None and member.state not in ("exited", "stopped", "dead"):
+                    job.restock_owed.pop(slot, None)
+                # else: borrowed in turn while it started (owed again at this incarnation, left so)
                 await self.c.event(job, "replica_restocked", {"member_id": mid, "slot": slot})
                 await self.c.persist(job)
         if failed and not job.done and self.c.leading:
@@ -463,6 +525,12 @@ class RecoveryExecutor:
             # Decide again under the lock: a recovery may have finished or been replaced meanwhile.
             decision = decide_mod.check_recovery(time.time(), job_view(job), job.spec.recovery)
             if decision is None or not job.recoveries or job.done:
+                return
+            if not await self.c.leads():
+                # Frozen past its lease (longer than the deadline): the escalation would kill the
+                # members the new leader runs now. It is that leader's to judge.
+                log.warning("job %s: recovery deadline passed, but a newer lease term has begun: "
+                            "not escalating", job.job_id)
                 return
             late = min(job.recoveries, key=lambda r: r.started_at)
             fault = FaultReport(job_id=job.job_id, fault_id=f"{late.fault_id}-late", role=late.role,  # type: ignore[arg-type]

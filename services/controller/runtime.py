@@ -22,9 +22,10 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any
 
+from robustrl.aio import cancel_and_wait, wait_event, within
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
-from robustrl.errors import JobError, RequestTimeout, TransportError
+from robustrl.errors import JobError, LaunchError, RequestTimeout, TransportError
 from robustrl.launcher.base import ExitInfo, Launcher
 from robustrl.messages import (
     ChaosRequest, ControlCommand, FaultReport, MemberHello, MetricsSample, PhaseChange, SpecReply,
@@ -34,7 +35,7 @@ from robustrl.services.controller import failpoints
 from robustrl.services.controller.chaos import ChaosInjector
 from robustrl.services.controller.eventlog import FaultInbox, emit_durable
 from robustrl.services.controller.jobs import ActiveRecovery, GangStart, JobRun, MemberInfo
-from robustrl.services.controller.launching import MemberStarter, lid
+from robustrl.services.controller.launching import MemberStarter, gang_id, lid, replica_id, trainer_id
 from robustrl.services.controller.lease import LeaderLease, LeaseLost
 from robustrl.services.controller.recovery import RecoveryExecutor
 from robustrl.services.controller.supervision import Supervisor
@@ -48,18 +49,28 @@ RECONCILE_TIMEOUT_S = 10.0
 """Bound on reading a job's event log to catch up (after a reconnect, a lease re-acquire)."""
 RM_ACK_TIMEOUT_S = 2.0
 RM_ACK_ATTEMPTS = 10
+"""Attempts of a command to the request manager, each ``RM_ACK_TIMEOUT_S`` (they span its
+restart); ``ROBUSTRL_RM_ACK_ATTEMPTS`` overrides."""
 FINISH_GRACE_S = 15.0  # a finished job's trainer uploads its last checkpoint before it exits
 ACTIVE = ("running", "recovering", "pending")
 FINAL_EVENT = {"finished": "job_finished", "failed": "job_failed"}
 PROGRESS_CHECK_S = 2.0
 """Period of the leader's check of each job's durable trained log against the commits it heard."""
+CLOSE_TASK_WAIT_S = 2.0
+"""At close, per cancellation of a task (``cancel_and_wait`` cancels up to 3 times)."""
+CLOSE_ROUNDS = 3
+"""At close, rounds of cancellation: tasks spawned by the tasks being cancelled are cancelled too."""
+LAUNCHER_CLOSE_S = 60.0
+"""At close, the wait for the launcher to stop every member (its thread runs on past it)."""
 
 
 class Controller:
     def __init__(self, bus: Bus, redis: Any, launcher: Launcher, settings: Settings,
                  lease_ttl_s: float | None = None, owner: str | None = None,
-                 member_credentials: dict[str, dict[str, str]] | None = None) -> None:
+                 member_credentials: dict[str, dict[str, str]] | None = None,
+                 rm_ack_attempts: int | None = None) -> None:
         self.bus = bus
+        self.rm_ack_attempts = rm_ack_attempts or RM_ACK_ATTEMPTS
         self.redis = redis
         self.launcher = launcher
         self.settings = settings
@@ -72,7 +83,8 @@ class Controller:
         """Set when another controller took the lease: this process must stop acting (exit)."""
         self.starter = MemberStarter(bus, launcher, settings, member_credentials,
                                      fence=lambda: self.lease.token, newest_epoch=self._fenced_epoch,
-                                     persist=self.persist)
+                                     persist=self.persist, leads=self.leads,
+                                     adopted_elsewhere=self._adopted_elsewhere)
         self.recovery = RecoveryExecutor(self)
         self.supervisor = Supervisor(self)
         self.chaos = ChaosInjector(self)
@@ -111,6 +123,8 @@ class Controller:
 
     async def _lead(self) -> None:
         await self.lease.acquire(self._stop)
+        # A standby keeps no fork server (ROBUSTRL_FORK_START): it imports once this one leads.
+        await asyncio.to_thread(self.launcher.preload)
         gone = await self._restore_jobs()
         self.leading = True
         # Commits heard while restoring were not acted on (a job whose last step committed then was
@@ -124,6 +138,8 @@ class Controller:
         for job in list(self.jobs.values()):  # rollout slots a previous leader still owed
             if not job.done:
                 self.recovery.resume_restock(job)
+            if not job.done and not job.launched:  # its start was interrupted (``_relaunch``)
+                self.launch_in_background(job)
         # The warm spares the resumed jobs ask for: the launcher takes over those its predecessor
         # left waiting (Ray: detached actors) and restocks the rest; without this call a new
         # leader kept none, and every later trainer fault started cold.
@@ -165,12 +181,23 @@ class Controller:
         if stop_members:
             # First: the supervisor's grace before SIGKILL may be short, and members of a
             # controller that is gone keep running (by design: a restart re-adopts them).
-            await asyncio.to_thread(self.launcher.close)
+            try:
+                await within(asyncio.to_thread(self.launcher.close), LAUNCHER_CLOSE_S)
+            except Exception as exc:  # the rest of the stop must still happen: the lease above all
+                log.error("controller %s: stopping the members failed: %r", self.owner, exc)
         await self.inbox.close()
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel("controller closing")
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Bounded: a task that swallows its cancellation is left, not waited for. Tasks spawned
+        # while the others end (a recovery's restock) are cancelled in the next round.
+        stuck: set[asyncio.Task[Any]] = set()
+        for _ in range(CLOSE_ROUNDS):
+            tasks = [t for t in self._tasks if not t.done() and t not in stuck and t is not asyncio.current_task()]
+            if not tasks:
+                break
+            ended = await asyncio.gather(*(cancel_and_wait(t, CLOSE_TASK_WAIT_S) for t in tasks))
+            stuck.update(t for t, done in zip(tasks, ended, strict=True) if not done)
+        left = [t.get_coro().__qualname__ for t in self._tasks if not t.done() and t is not asyncio.current_task()]
+        if left:
+            log.error("controller %s: tasks still running after cancellation: %s", self.owner, left)
         if was_leading:
             await self.lease.release()
 
@@ -179,17 +206,42 @@ class Controller:
     async def _fenced_epoch(self, job: JobRun) -> int:
         return (await read_gang(self.redis, job.job_id)).epoch
 
-    async def persist(self, job: JobRun) -> None:
+    async def persist(self, job: JobRun) -> bool:
         """Write the job's record. One write per job at a time, each built from the state at its turn:
         two concurrent writes on separate Redis connections can land in either order, and a record
         built before a member was started, landing last, dropped that member from what a restarted
-        controller adopts (test_controller_killed_then_frozen_mid_step_restarts_no_member)."""
+        controller adopts (test_controller_killed_then_frozen_mid_step_restarts_no_member).
+
+        Returns:
+            False if the lease fence refused the write (a newer controller lease term has begun):
+            the launcher's starts act on it (``MemberStarter``); True once written.
+        """
         lock = self._persist_locks.setdefault(job.job_id, asyncio.Lock())
         async with lock:
-            # Fenced: once a newer leader holds the lease, this process's view is stale.
-            if not await self.registry.put(job.job_id, self._record_of(job), fence=self.lease.token or None):
-                log.error("job %s: record not written: a newer controller lease term (> token %d) has begun",
-                          job.job_id, self.lease.token)
+            # Fenced: once a newer leader holds the lease, this process's view is stale. A refusal
+            # while this controller re-acquires its own expired lease (the counter moved, the new
+            # token not yet known) is not a deposition: written again with the new token.
+            for _ in range(2):
+                if await self.registry.put(job.job_id, self._record_of(job), fence=self.lease.token or None):
+                    return True
+                if not (self.lease.token and await self.lease.own_newer_term()):
+                    break
+            log.error("job %s: record not written: a newer controller lease term (> token %d) has begun",
+                      job.job_id, self.lease.token)
+            return False
+
+    async def leads(self) -> bool:
+        """Whether this controller may start members now: it leads, and no newer lease term has
+        begun (the fencing counter in Redis is not above its token: one read). A controller
+        frozen past its lease still believes it leads until its next renewal; this read does not."""
+        return self.leading and await self.lease.newest_term()
+
+    async def _adopted_elsewhere(self, job: JobRun, member_id: str) -> bool:
+        """Whether the durable record (a newer leader's, once this one's write was refused) holds
+        ``member_id`` live with a handle: that leader found and adopted it (``Launcher.find``)."""
+        rec = await self.registry.get(job.job_id)
+        m = ((rec or {}).get("members") or {}).get(member_id) or {}
+        return bool(m.get("handle")) and m.get("state") not in ("exited", "stopped", "dead")
 
     @staticmethod
     def _record_of(job: JobRun) -> dict[str, Any]:
@@ -205,7 +257,7 @@ class Controller:
             "members": {mid: m.to_record() for mid, m in job.members.items()},
             "recoveries": [r.to_record() for r in job.recoveries], "faults": job.faults[-200:],
             "gang_starts": {fid: g.to_record() for fid, g in job.gang_starts.items()},
-            "restock_owed": {str(k): v for k, v in job.restock_owed.items()}}
+            "restock_owed": {str(k): v for k, v in job.restock_owed.items()}, "launched": job.launched}
 
     @staticmethod
     def _job_from_record(job_id: str, rec: dict[str, Any]) -> JobRun:
@@ -227,6 +279,7 @@ class Controller:
         job.faults = list(rec.get("faults", []))
         job.gang_starts = {fid: GangStart.from_record(g) for fid, g in (rec.get("gang_starts") or {}).items()}
         job.restock_owed = {int(k): int(v) for k, v in (rec.get("restock_owed") or {}).items()}
+        job.launched = bool(rec.get("launched", True))  # records from before the flag: started
         return job
 
     async def _restore_jobs(self) -> list[ExitInfo]:
@@ -251,6 +304,9 @@ class Controller:
             adopted, gone = await self.starter.adopt(job)
             for mid in adopted:
                 job.members[mid].adopted = True
+            if not job.launched:
+                await self._relaunch(job, adopted, gone)
+                continue
             log.warning("job %s: resumed at step %d by %s; %d members re-attached, %d gone", job_id, job.step,
                         self.owner, len(adopted), len(gone))
             await failpoints.hit("takeover_resumed")
@@ -264,6 +320,45 @@ class Controller:
             self._finish_if_trained(job)
         return gone_exits
 
+    async def _relaunch(self, job: JobRun, adopted: list[str], gone: list[str]) -> None:
+        """A job whose start was interrupted (the leader that started it died or was deposed before
+        every first member was started and recorded): the members of that start are stopped; once
+        this controller leads, ``_lead`` starts the job anew (a new gang epoch, the next
+        incarnation of each replica slot).
+        Waiting for them would wait forever: nothing else starts a member never recorded."""
+        log.warning("job %s: its start was interrupted (%d of its members recorded, %d gone): started again "
+                    "by %s", job.job_id, len(adopted), len(gone), self.owner)
+        await self.event(job, "note", {"text": "its start was interrupted; started again", "owner": self.owner,
+                                       "adopted": sorted(adopted), "gone": sorted(gone)})
+        live = [mid for mid in adopted if job.members[mid].state not in ("exited", "stopped", "dead")]
+        # Members the interrupted start may have started without recording them: their ids follow
+        # from the record (the gang's epoch and each slot's incarnation are saved before a start);
+        # found by their launch mark, they are adopted and stopped with the others, not left to
+        # run untracked (asking for their spec, they would get it from this leader).
+        ranks = ([(trainer_id(job.epoch, r), "trainer") for r in range(job.spec.trainer.workers)]
+                 if job.epoch > 0 else [])
+        candidates = [*ranks, *((replica_id(s, inc), "rollout") for s, inc in job.slot_incarnation.items())]
+        for mid, role in candidates:
+            if mid in live or (mid in job.members and job.members[mid].state in ("exited", "stopped", "dead")):
+                continue
+            found = await asyncio.to_thread(self.launcher.find, lid(job, mid))
+            if found is not None and await asyncio.to_thread(self.launcher.adopt, job.job_id, lid(job, mid), role,
+                                                             found):
+                log.warning("job %s: %s was started but never recorded: stopping it", job.job_id, mid)
+                live.append(mid)
+        await asyncio.to_thread(self.launcher.stop_many, [lid(job, mid) for mid in live], 3.0)
+        for mid in [*live, *gone]:
+            if mid in job.members:
+                job.members[mid].state = "stopped" if mid in live else "dead"
+        if job.epoch > 0:  # a gang placed (a Ray placement group) but with no rank recorded
+            await asyncio.to_thread(self.launcher.release_unstarted_gang, gang_id(job))
+        # What was under way in the interrupted start (a recovery of a member that failed then, a
+        # gang start, owed restocks) is superseded by the new start, as by a whole-job restart.
+        job.recoveries.clear()
+        job.gang_starts.clear()
+        job.restock_owed.clear()
+        await self.persist(job)  # started again once this controller leads (``_lead``)
+
     async def reconcile(self, job: JobRun, why: str) -> None:
         """Bring the job's progress up to the durable event log. Commits arrive on core NATS, which
         drops what is published while this process is disconnected or frozen: a controller that
@@ -273,7 +368,7 @@ class Controller:
             return
         before = job.committed_step
         try:
-            await asyncio.wait_for(self._catch_up(job), RECONCILE_TIMEOUT_S)
+            await within(self._catch_up(job), RECONCILE_TIMEOUT_S)
         except (TransportError, TimeoutError) as exc:
             log.warning("job %s: event log not read after %s (%s)", job.job_id, why, exc)
             return
@@ -299,11 +394,8 @@ class Controller:
         which also finishes a job whose last step committed unheard. Commits are core NATS
         messages: any that this process missed (a reconnect, a takeover) are caught up here."""
         while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), PROGRESS_CHECK_S)
+            if await wait_event(stop, PROGRESS_CHECK_S):
                 return
-            except TimeoutError:
-                pass
             if not self.leading:
                 continue
             for job in list(self.jobs.values()):
@@ -348,6 +440,11 @@ class Controller:
                 job.durable_step = max(job.durable_step, int(e.data.get("durable_step", -1)))
             elif e.kind in ("job_finished", "job_failed", "job_stopped"):
                 job.status = {"job_finished": "finished", "job_failed": "failed"}.get(e.kind, "stopped")  # type: ignore[assignment]
+            elif e.kind == "fault_injected" and isinstance(fid := e.data.get("fault_id"), str) \
+                    and fid not in job.chaos_by_id:
+                injected: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+                injected.set_result(str(e.data.get("member_id", "")))
+                job.chaos_by_id[fid] = injected
         if job.done:
             await self.persist(job)
 
@@ -359,16 +456,74 @@ class Controller:
     # --- jobs -------------------------------------------------------------------------------
 
     async def submit(self, spec: JobSpec) -> JobRun:
+        """Record a new job and start its members; returns once they are started (see ``launch``).
+
+        Raises:
+            LaunchError: its members could not be started (the job is failed, its members stopped).
+        """
+        job = await self.create_job(spec)
+        await self.launch(job)
+        # after the first members: spares warm up while the job starts, and serve restarts
+        await self._update_spares()
+        return job
+
+    async def create_job(self, spec: JobSpec) -> JobRun:
+        """Record a new job (its ``job_submitted`` event durable); ``launch`` starts it."""
         if not self.leading:
             raise JobError(f"controller {self.owner} is a standby; submit to the leader")
         job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
         job = JobRun(job_id=job_id, spec=spec)
         self.jobs[job_id] = job
         await self.event(job, "job_submitted", {"spec": spec.model_dump(mode="json")})
-        await self._launch_all(job)
-        # after the first members: spares warm up while the job starts, and serve restarts
-        await self._update_spares()
+        # Recorded before any start (status pending, not launched): a leader that dies from here on
+        # leaves the job to the next one, which starts it (``_restore_jobs``), not to no one.
+        if await self.persist(job) is False:
+            del self.jobs[job_id]
+            raise LeaseLost(f"job {job_id} not recorded: a newer controller lease term has begun")
         return job
+
+    async def launch(self, job: JobRun) -> None:
+        """Start a created job's members (``submit`` and ``launch_in_background`` then keep the
+        warm spares the running jobs ask for).
+
+        Raises:
+            LaunchError: they could not all be started: the job is failed, its members stopped.
+            LeaseLost: this controller stopped leading meanwhile (the job is the next leader's).
+        """
+        job_id = job.job_id
+        try:
+            await self._launch_all(job)
+        except LeaseLost:
+            raise  # a newer leader holds the job (its record is durable) and judges it
+        except Exception as exc:
+            if job.done:  # stopped while it started (POST .../stop): its stop stops what started
+                log.info("job %s: stopped while its members started (%s)", job_id, exc)
+                return
+            # Its members cannot all be started (on Ray: no node takes one; a launcher refusing):
+            # the job fails, durably and with the reason, and the members it has are stopped. Left
+            # 'running' without them, it would never train and hold what it started. Only by a
+            # leader: one stopping (its launcher closed under the start) or deposed fails no job.
+            async with self.recovery.lock:
+                if not self.leading or not await self.leads():
+                    raise LeaseLost(f"job {job_id}: its start failed ({exc}) while controller {self.owner} "
+                                    "stopped leading: the job is left to the next leader") from exc
+                if job.done:
+                    return
+                reason = f"its members could not be started: {exc}"
+                log.error("job %s: %s", job_id, reason)
+                await self.stop_job(job_id, "failed", reason)
+            raise LaunchError(f"job {job_id} failed at its start: {exc}") from exc
+
+    def launch_in_background(self, job: JobRun) -> asyncio.Task[None]:
+        """``launch`` in a controller task; the warm spares are updated once it succeeded."""
+        task = self.spawn(self.launch(job))
+
+        def then(t: asyncio.Task[None]) -> None:
+            if not t.cancelled() and t.exception() is None:
+                self.spawn(self._update_spares())
+
+        task.add_done_callback(then)
+        return task
 
     async def _update_spares(self) -> None:
         """Keep as many warm spares as the running jobs ask for (RecoverySpec.warm_spares)."""
@@ -376,18 +531,23 @@ class Controller:
         await asyncio.to_thread(self.launcher.keep_spares, wanted)
 
     async def _launch_all(self, job: JobRun) -> None:
+        if job.done:  # stopped before its launch began
+            return
         job.status = "running"
         job.started_at = job.started_at or time.time()
         await self.persist(job)
         await self.event(job, "job_started", {"policy": job.policy, "resume_step": job.step})
         await self.starter.start_all(job)
+        if job.done:  # stopped meanwhile: no resume for a stopped job
+            return
+        job.launched = True
         await self.persist(job)
         # The submitter gets its answer without waiting for the request manager's acknowledgement
-        # (retried for up to RM_ACK_ATTEMPTS x RM_ACK_TIMEOUT_S while the service restarts).
+        # (retried for up to rm_ack_attempts x RM_ACK_TIMEOUT_S while the service restarts).
         self.spawn(self.control_rm(job, "resume", {"start_step": job.step, "committed": job.committed_step}))
 
     async def control_rm(self, job: JobRun, action: str, args: dict[str, Any] | None = None,
-                         attempts: int = RM_ACK_ATTEMPTS, timeout_s: float = RM_ACK_TIMEOUT_S,
+                         attempts: int | None = None, timeout_s: float = RM_ACK_TIMEOUT_S,
                          quiet: bool = False) -> bool:
         """Send a command (with this leader's fencing token) to the request manager and wait for
         its acknowledgement, retrying: a lost resume / restart_step / replica_dead would leave the
@@ -396,7 +556,7 @@ class Controller:
                              args=args or {}, fence=self.lease.token)
         subj = subject(job.job_id, Verb.CONTROL, "request_manager")
         loop = asyncio.get_running_loop()
-        for attempt in range(attempts):
+        for attempt in range(attempts or self.rm_ack_attempts):
             began = loop.time()
             try:
                 await self.bus.request(subj, cmd, ControlCommand, timeout=timeout_s)
@@ -473,7 +633,10 @@ class Controller:
                                                 epoch=job.epoch, resume_step=job.step))
 
     async def _on_fault(self, fault: FaultReport, _s: str, _r: str | None) -> None:
-        await self.recovery.handle(fault)
+        try:
+            await self.recovery.handle(fault)
+        except LeaseLost as exc:  # the fault inbox delivers it to the new leader
+            log.warning("fault %s left for the new leader: %s", fault.fault_id, exc)
 
     async def _inbox_fault(self, fault: FaultReport) -> None:
         if not self.leading:

@@ -6,7 +6,8 @@ from robustrl.services.controller import decide as decide_mod
 from robustrl.services.controller.jobs import JobRun
 
 
-def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False) -> decide_mod.JobView:
+def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False,
+             can_keep: bool = False) -> decide_mod.JobView:
     """Snapshot ``job`` as ``decide`` sees it.
 
     ``live_members`` holds the current incarnation's trainers and replicas (a fault about an
@@ -20,6 +21,10 @@ def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False) -> de
     borrowable = [m for m in job.current_replicas()
                   if m.member_id in live and m.state == "ready" and m.weights_version >= 0]
     borrowable.sort(key=lambda m: (-m.weights_version, -m.index))
+    # Ranks of the current gang that said hello and have not exited: a rank of a gang that never
+    # formed may be blocked in the rendezvous, so only a ready one is kept.
+    survivors = sorted((m for m in job.current_trainers() if m.member_id in live and m.state == "ready"),
+                       key=lambda m: m.index)
     return decide_mod.JobView(
         job_id=job.job_id, step=job.step, committed_step=job.committed_step, durable_step=job.durable_step,
         recovering=tuple(decide_mod.RecoveryView(role="job" if r.kind == "whole_job" else r.role, step=r.step,
@@ -30,6 +35,7 @@ def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False) -> de
         rollout_replicas=job.spec.rollout.replicas, mode=job.spec.mode,
         trainer_workers=job.spec.trainer.workers, spares_ready=spares_ready,
         borrowable=tuple(m.member_id for m in borrowable), can_borrow=can_borrow,
+        survivors=tuple(m.member_id for m in survivors), can_keep=can_keep,
         replica_fits_trainer=replica_fits_trainer(job), rollout_engine=job.spec.rollout.engine)
 
 
