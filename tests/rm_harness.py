@@ -88,7 +88,7 @@ class FakeReplica:
             await self.bus.publish(subject(self.job_id, Verb.METRICS, self.member_id), MetricsSample(
                 job_id=self.job_id, member_id=self.member_id, role="rollout", seq=seq, ts=time.time(),
                 phase="serving", inflight=len(self.held), weights_version=self.version))
-            await asyncio.sleep(METRICS_S)
+            await asyncio.sleep(METRICS_S)  # paces the fake replica's samples, as a replica's own period
 
     async def _on_request(self, msg: GenerateTurn, _s: str, _r: str | None) -> None:
         self.received.append(msg)

@@ -130,6 +130,24 @@ def test_rank_that_never_reports_means_no_manifest(tmp_path: Path) -> None:
     assert not [k for k in store.list("") if k.endswith("manifest.json")]
 
 
+def test_an_abandoned_upload_stops_waiting_and_writes_no_manifest_even_once_the_shard_comes(tmp_path: Path) -> None:
+    """A rank 0 leaving its broken gang abandons its upload: it stops waiting for the dead rank's
+    shard at once (not after shard_wait_s), and a shard that lands after that makes no manifest."""
+    store = FileObjectStore(tmp_path)
+    model, opt = _model()
+    coordinator, other = _gang(store, 2, epoch=1, shard_wait_s=120.0)
+    coordinator.snapshot(1, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(),
+                         data_cursor=0, weights_version=1)
+    with pytest.raises(TimeoutError):
+        coordinator.wait_uploaded(0.3)  # waiting for rank 1's receipt
+    coordinator.abandon()
+    assert coordinator.wait_uploaded(10) is None  # well before the 120 s shard wait
+    other.snapshot(1, rng=capture_rng(), data_cursor=0, weights_version=1)
+    assert other.wait_uploaded(30) is None
+    assert isinstance(coordinator.last_error, CheckpointError)
+    assert not [k for k in store.list("") if k.endswith("manifest.json")]
+
+
 def test_rank_shard_corrupted_after_its_receipt_means_no_manifest(tmp_path: Path) -> None:
     store = FileObjectStore(tmp_path)
     model, opt = _model()

@@ -230,7 +230,10 @@ async def test_replica_never_loads_serves_or_relays_weights_that_fail_verificati
             await server.close()
 
 
-async def test_replica_follows_the_newest_gang_epoch_not_the_highest_version(replica: Replica) -> None:
+async def test_replica_follows_the_newest_gang_epoch_and_tells_a_new_peer_what_it_holds(replica: Replica) -> None:
+    """The newest gang epoch wins, not the highest version; then a replica that joins after the
+    publisher died (a replacement during a trainer recovery) learns from this relay what it
+    holds: every HAVE sent before the joiner subscribed is lost to it."""
     servers: list[WeightServer] = []
     try:
         v5, v9, v6 = make_version(5, seed=5), make_version(9, seed=9), make_version(6, seed=6)
@@ -250,6 +253,56 @@ async def test_replica_follows_the_newest_gang_epoch_not_the_highest_version(rep
         assert servers[1].bytes_sent == 0  # the stale gang was not even asked
         await eventually_async(lambda: replica.samples[-1].weights_version == 6, timeout=WAIT_S,
                                what="metrics show v6")
+
+        # A new peer starts pulling v6 (its partial HAVE, as a replacement that read the weights
+        # pointer sends): the replica says again, on the raw bus, that it holds v6 completely.
+        def held_by_replica() -> list[WeightsHave]:
+            return [h for h in replica.haves if h.member_id == replica.member_id and h.complete]
+
+        before = len(held_by_replica())
+        assert [(h.version, h.checksum) for h in held_by_replica()] == [(5, v5.checksum), (6, v6.checksum)]
+
+        async def joiner_pulls(member_id: str) -> None:
+            await replica.bus.publish(subject(replica.job_id, Verb.HAVE, member_id), WeightsHave(
+                job_id=replica.job_id, member_id=member_id, version=6, checksum=v6.checksum,
+                address="127.0.0.1:9", complete=False))
+
+        await joiner_pulls("rollout-1-i1")
+        again = await eventually_async(lambda: held_by_replica()[before:], timeout=WAIT_S,
+                                       what="the replica's HAVE repeated for the new peer")
+        assert [(h.version, h.checksum, h.address) for h in again] == [(6, v6.checksum, replica.hello[-1].address)]
+        # Once per new peer, not per message: the known peer three times more, then a new one.
+        # The replica handles one subscription's messages in order and publishes on one
+        # connection, so any answer to a repeat would arrive before the new peer's, and both
+        # before the HAVE it sends once it loads v10 (announced only after that answer).
+        for _ in range(3):
+            await joiner_pulls("rollout-1-i1")
+        await joiner_pulls("rollout-2-i1")
+        await eventually_async(lambda: len(held_by_replica()) >= before + 2, timeout=WAIT_S,
+                               what="the replica's HAVE for the second new peer")
+        v10 = make_version(10, seed=10)
+        servers.append(await _served(WeightServer(), v10))
+        await replica.announce(v10, epoch=3, sources=[servers[-1].address or ""])
+        await eventually_async(lambda: [h for h in held_by_replica() if h.version == 10], timeout=WAIT_S,
+                               what="the replica's HAVE for v10")
+        assert [h.version for h in held_by_replica()[before:]] == [6, 6, 10], held_by_replica()[before:]
+
+        # While it pulls a newer version (its only source died mid-version: it keeps following
+        # it) it answers a new peer with that version, as a relay of it (partial), not with the
+        # one it holds: a peer keeps one announcement per replica, the older would hide it.
+        v11 = make_version(11, seed=21)
+        servers.append(await _served(WeightServer(fault=Fault("die", after_chunks=2)), v11))
+
+        def pulling_v11() -> list[WeightsHave]:
+            return [h for h in replica.haves if h.member_id == replica.member_id and h.version == 11]
+
+        await replica.announce(v11, epoch=3, sources=[servers[-1].address or ""])
+        await eventually_async(pulling_v11, timeout=WAIT_S, what="the replica's partial HAVE for v11")
+        await joiner_pulls("rollout-3-i1")
+        answer = await eventually_async(lambda: pulling_v11()[1:], timeout=WAIT_S,
+                                        what="the replica's answer to the third new peer")
+        assert [(h.version, h.complete) for h in answer] == [(11, False)]
+        assert [h.version for h in held_by_replica()[before:]] == [6, 6, 10]
     finally:
         for server in servers:
             await server.close()
@@ -292,3 +345,28 @@ async def test_replica_fetches_the_manifest_by_digest_and_never_pulls_against_a_
     finally:
         for server in servers:
             await server.close()
+
+
+async def test_replica_pulls_a_version_whose_announcement_it_never_received(
+        replica: Replica, infra: Settings) -> None:
+    """An announcement lost on the bus (published while NATS restarted, before the replica's
+    subscription came back on the new server; seen in CI: both replicas held v3 for 30 s while
+    step 4 needed v4 and were replaced) must not leave the replica behind: the gang's fenced
+    weights pointer in Redis names the version, and the replica finds it there. Here the pointer
+    is written and nothing is published at all."""
+    from robustrl.storage.redis_stores import Keys, connect
+
+    v3 = make_version(3, seed=3)
+    server = await _served(WeightServer(), v3)
+    redis = connect(infra.redis_url)
+    try:
+        ann = WeightsAnnounce(job_id=replica.job_id, version=3, epoch=1, checksum=v3.checksum,
+                              sources=[server.address or ""], manifest_digest=v3.manifest.digest())
+        await redis.set(Keys.weights_latest(replica.job_id), ann.encode())
+        loaded = await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=3),
+                                        timeout=WAIT_S, what="v3 loaded from the pointer alone")
+        assert [(e.data["version"], e.data["checksum"]) for e in loaded] == [(3, v3.checksum)]
+        assert server.bytes_sent > 0
+    finally:
+        await redis.aclose()
+        await server.close()

@@ -27,12 +27,15 @@ from robustrl.audit import audit_job
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
 from robustrl.launcher.spare import handoff_path
-from robustrl.services.controller.runtime import RM_ACK_ATTEMPTS, RM_ACK_TIMEOUT_S
+from robustrl.services.controller.runtime import RM_ACK_TIMEOUT_S
 from robustrl.stack import Stack
 from robustrl.supervisor import RestartPolicy
 
 pytestmark = pytest.mark.timeout(300)
 AUDIT = AuditOptions(redis_bound=False)
+RM_ACK_ATTEMPTS = 4
+"""The controller's attempts at a request-manager command here (10 by default): the frozen request
+manager must outlast them all, and fewer make the freeze shorter."""
 TOLERANT = {"detector": {"trainer_idle_s": 8.0, "rollout_idle_s": 5.0, "silence_s": 8.0, "probe_timeout_s": 3.0,
                          "metrics_interval_s": 0.5}}
 
@@ -41,7 +44,8 @@ TOLERANT = {"detector": {"trainer_idle_s": 8.0, "rollout_idle_s": 5.0, "silence_
 def own_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Servers and a control plane of this module alone; a frozen request manager is not judged
     hung (and replaced) before the controller's acknowledgement attempts have all run out."""
-    st = Stack(tmp_path_factory.mktemp("standby-faults"), policy=RestartPolicy(hang_timeout_s=90.0))
+    st = Stack(tmp_path_factory.mktemp("standby-faults"), policy=RestartPolicy(hang_timeout_s=90.0),
+               service_extra_env={"controller": {"ROBUSTRL_RM_ACK_ATTEMPTS": str(RM_ACK_ATTEMPTS)}})
     st.start()
     try:
         yield st
@@ -85,7 +89,7 @@ def _done(api: ApiClient, jid: str) -> dict[str, Any]:
 
 def test_a_gang_start_failing_after_the_drain_kills_the_drained_replicas(own_stack: Stack, api: ApiClient) -> None:
     spec = small_job("borrowfail", steps=14, mode="semi_sync", staleness=1, rollout={"replicas": 3},
-                     recovery={"min_replicas_kept": 1}, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
+                     recovery={"min_replicas_kept": 1, "keep_survivors": False}, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
                      **TOLERANT)
     jid = api.submit(spec)["job_id"]
     pids = _replica_pids(_wait(api, jid, 2))
@@ -130,7 +134,7 @@ def test_a_gang_start_failing_after_the_drain_kills_the_drained_replicas(own_sta
 def test_a_drain_the_request_manager_never_acknowledges_kills_the_replica_and_restocks(
         own_stack: Stack, api: ApiClient) -> None:
     spec = small_job("borrowunacked", steps=22, mode="semi_sync", staleness=1, rollout={"replicas": 3},
-                     recovery={"min_replicas_kept": 1}, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
+                     recovery={"min_replicas_kept": 1, "keep_survivors": False}, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
                      detector={"trainer_idle_s": 60.0, "rollout_idle_s": 60.0, "silence_s": 60.0,
                                "probe_timeout_s": 3.0, "metrics_interval_s": 0.5})
     jid = api.submit(spec)["job_id"]

@@ -14,6 +14,8 @@ import asyncio
 import numpy as np
 import pytest
 
+from support import eventually_async
+
 from robustrl.weights import WeightServer
 from robustrl.weights.manifest import Manifest, TensorEntry, build_manifest
 from robustrl.weights.puller import NEAR_DONE, QUEUED_START, _Pull
@@ -108,7 +110,7 @@ async def test_the_next_offer_goes_out_at_the_halfway_point_and_its_chunk_waits_
     chunk = b.offer.result().chunks[0]
     second = b.take(_want(set(range(N)) - {chunk}, chunk=chunk))
     waiting = asyncio.ensure_future(server.begin(second))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # a window for a wrong start: it must not begin meanwhile
     assert not waiting.done()  # one upload slot: it waits for the first upload to end
     server.done(first, len(first.payload))
     await asyncio.wait_for(waiting, 1)
@@ -124,9 +126,9 @@ async def test_a_busy_subscriber_is_offered_again_only_when_it_said_it_would_be_
     assert sub.offer.done()
     sub.pass_(_want(range(N), busy_ms=80))
     assert not sub.offer.done()
-    await asyncio.sleep(0.03)
+    await asyncio.sleep(0.03)  # a window within the 80 ms busy time: no offer may come in it
     assert not sub.offer.done()
-    await asyncio.sleep(0.1)
+    await eventually_async(sub.offer.done, timeout=5.0, interval=0.005, what="offered again once free")
     assert sub.offer.done()  # a timer offered again once it was free
 
 

@@ -27,6 +27,7 @@ from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.model.tokenizer import CharTokenizer
 from robustrl.subjects import Verb, subject, wildcard
 from robustrl.weights.flat import expected_layout, flatten_state_dict
+from robustrl.weights.manifest import Manifest
 from robustrl.weights.server import WeightServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,13 +75,28 @@ async def test_a_partial_announcement_never_makes_the_request_manager_dispatch_a
         assert not early
 
 
+class _Server(WeightServer):
+    """A relay server that says when its replica's pull registered a version (the pull began)."""
+
+    def __init__(self) -> None:
+        super().__init__(host="127.0.0.1", max_versions=2)
+        self.pulling = asyncio.Event()
+
+    def add_version(self, manifest: Manifest, buffer: object, complete: bool = True) -> None:
+        super().add_version(manifest, buffer, complete)
+        self.pulling.set()
+
+
 class _Relay:
-    """One replica's weight loading, relay server and HAVE wiring, in this process."""
+    """One replica's weight loading, relay server and HAVE wiring, in this process. ``late``: the
+    other replicas' announcements reach it only once its own pull has begun (a bus slower than the
+    manifest's round trip, as under load)."""
 
     def __init__(self, bus: Bus, job_id: str, member_id: str, layout: dict[str, tuple[str, list[int]]],
-                 partial: bool) -> None:
+                 partial: bool, late: bool = False) -> None:
         self.bus, self.job_id, self.member_id = bus, job_id, member_id
-        self.server = WeightServer(host="127.0.0.1", max_versions=2)
+        self.late = late
+        self.server = _Server()
         self.loaded: list[dict[str, object]] = []
         cfg = WeightSyncSpec(chunk_bytes=CHUNK, pull_timeout_s=20.0)
 
@@ -110,22 +126,31 @@ class _Relay:
 
     async def _on_have(self, msg: WeightsHave, _s: str, _r: str | None) -> None:
         if msg.member_id != self.member_id:
+            if self.late:
+                await self.server.pulling.wait()
             self.loader.peer_has(msg.member_id, msg.version, msg.checksum, msg.address, msg.complete)
 
 
-@pytest.mark.parametrize("partial", [True, False], ids=["partial_have", "complete_have_only"])
+@pytest.mark.parametrize(("partial", "late"), [(True, False), (False, False), (True, True)],
+                         ids=["partial_have", "complete_have_only", "partial_have_after_pull_began"])
 async def test_replicas_pulling_together_split_the_publisher_through_partial_announcements(
-        servers: Settings, partial: bool) -> None:
+        servers: Settings, partial: bool, late: bool) -> None:
     """Four replicas follow one announcement at the same moment. With partial announcements they
     list each other as relays and the trainer sends about one copy; with complete announcements
-    only (as before) each finds no relay in time and the trainer sends a copy to each."""
+    only (as before) each finds no relay in time and the trainer sends a copy to each.
+
+    ``late``: each replica hears of the others only after its pull began, its first chunks asked of
+    the trainer alone. A pull that re-read its sources only on its quarter-second tick took the
+    whole version (85 chunks, ~0.1 s) from the trainer before it: 4.00 copies, the failure seen in
+    the full suite when the bus lost the race with the manifest by a few milliseconds."""
     tok = CharTokenizer.default()
     model = build_policy(reference_job().model, tok, 7)
     buffer, manifest = flatten_state_dict(model.state_dict(), 1, CHUNK)
-    job_id = f"have{int(time.time() * 1000) % 10**8}{int(partial)}"
+    job_id = f"have{int(time.time() * 1000) % 10**8}{int(partial)}{int(late)}"
     bus = await Bus.connect(servers.nats_url, "test-have")
     trainer = WeightServer(host="127.0.0.1")
-    relays = [_Relay(bus, job_id, f"rollout-{i}-i0", expected_layout(model), partial) for i in range(REPLICAS)]
+    relays = [_Relay(bus, job_id, f"rollout-{i}-i0", expected_layout(model), partial, late)
+              for i in range(REPLICAS)]
     seen: list[WeightsHave] = []
 
     async def keep(msg: WeightsHave, _s: str, _r: str | None) -> None:

@@ -289,15 +289,28 @@ async def test_relaying_puller_abandons_a_stalled_relay_and_takes_its_chunk_from
 
 
 async def test_relaying_puller_refetches_a_corrupt_chunk_elsewhere(kind: str, version, servers) -> None:
+    """A relay sends one chunk corrupt: the puller discards it, takes that chunk from the trainer
+    (never again from the relay that lied, which stays a source and would send it intact the
+    second time), and serves only the good copy onward. The trainer becomes a source once the
+    relay has sent the corrupt chunk: listed from the start, under load it sent all but one chunk
+    before the relay sent a second one (a race of who offers first, not the property tested)."""
     buffer, manifest, _ = version
     liar = await servers(Fault("corrupt", after_chunks=1))
     _add_partial(liar, manifest, buffer)
     honest = await servers()
     honest.add_version(manifest, buffer)
     relay = await servers()
-    buf, stats = await pull(manifest, [liar.address, honest.address], relay=relay)
+    assert liar.fault is not None
+
+    def sources() -> list[str]:
+        return [liar.address, *([honest.address] if liar.fault.fired else [])]
+
+    buf, stats = await pull(manifest, sources, relay=relay)
     assert _checksum(buf, manifest) == manifest.checksum
     assert stats.corrupt_chunks == 1
+    [bad] = [t for t in stats.schedule if not t.ok]
+    assert bad.source == liar.address
+    assert [t.source for t in stats.schedule if t.ok and t.chunk == bad.chunk] == [honest.address]
     assert 0 < stats.bytes_resent <= CHUNK
     assert stats.failed_sources == []
     assert relay.is_complete(manifest.version)  # the corrupt copy was never served onward
@@ -378,7 +391,10 @@ async def test_a_subscriber_that_stops_reading_mid_chunk_loses_the_upload_slot(k
         words = np.frombuffer(await _recv_n(loop, sock, nbytes), dtype=">u4")
         take = SubMessage(everything, chunk=int(words[1])).encode()
         await loop.sock_sendall(sock, HEADER.pack(Op.TAKE, len(take), manifest.version) + take)
-        await asyncio.sleep(0.2)  # the chunk's bytes fill the window; then it reads nothing more
+        # The chunk's bytes fill the window; then it reads nothing more. A fixed pause, not a wait
+        # on the source's slot: the stalled upload holds it only for send_timeout_s (0.5 s), which
+        # a loaded machine's event loop can outlast (a poll for it failed in a full suite).
+        await asyncio.sleep(0.2)
         await _others_pull_past(manifest, trainer, servers)
         assert trainer.load() == 0 and trainer._pipeline == 0
         assert not trainer._slots.locked()  # its upload slot came back
@@ -412,7 +428,7 @@ async def test_an_offer_longer_than_any_source_sends_is_refused(kind: str, versi
             conn.setblocking(False)
             await _recv_n(loop, conn, HEADER.size)
             await loop.sock_sendall(conn, HEADER.pack(Status.OFFER, 0, 1 << 40))
-            await asyncio.sleep(5)
+            await asyncio.sleep(5)  # the fake source keeps its connection open while the client reads
 
     task = asyncio.create_task(liar())
     client = make_client(f"tcp://127.0.0.1:{listener.getsockname()[1]}")

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from robustrl.aio import within
 from robustrl.errors import TransportError, WeightSyncError
 from robustrl.weights.manifest import Manifest
 from robustrl.weights.server import WeightServer
@@ -182,7 +183,8 @@ RESUBSCRIBE_MAX_S = 2.0
 dropped it) is subscribed to again after ``RESUBSCRIBE_S``, doubling each time it answers so
 again, up to ``RESUBSCRIBE_MAX_S``."""
 LIST_SOURCES_S = 0.25
-"""How often a subscribing puller re-reads its sources (a callable: late relays)."""
+"""How often a subscribing puller re-reads its sources (a callable: late relays), unless told at
+once that they changed (``sources_changed``)."""
 STALLED_POLL_S = 0.25
 """A subscribing puller asks HAVE only when no chunk has arrived or been on its way this long (and
 2 chunk times) since a source failed, or when starving: to tell a gone publisher (unavailable)
@@ -391,8 +393,11 @@ class _Pull:
     def __init__(self, manifest: Manifest, sources: Sources, transport: str, relay: WeightServer | None,
                  into: np.ndarray | None, stall_timeout_s: float, connect_timeout_s: float,
                  max_inflight: int, per_source_inflight: int, have_interval_s: float,
-                 unavailable_grace_s: float, seed: int | None, origins: list[str] | None = None) -> None:
+                 unavailable_grace_s: float, seed: int | None, origins: list[str] | None = None,
+                 sources_changed: asyncio.Event | None = None) -> None:
         self.m = manifest
+        self.sources_changed = sources_changed
+        self.wake_task: asyncio.Task[None] | None = None  # waits on sources_changed
         self.origins = None if origins is None else {_with_scheme(a, transport) for a in origins}
         # subscriptions (see the module docstring) when this puller relays: its sources schedule
         self.push = relay is not None and relay.address is not None
@@ -487,8 +492,8 @@ class _Pull:
                     source.control.decode_have = False  # the index compares the raw bitmaps
                 self.stats.control_msgs += 1
                 self.stats.have_requests += 1
-                have = await asyncio.wait_for(source.control.have(self.m.version, self.m.num_chunks),
-                                              self.stall_timeout_s)
+                have = await within(source.control.have(self.m.version, self.m.num_chunks),
+                                    self.stall_timeout_s)
         except (TransportError, TimeoutError, OSError):
             await self._kill(source)
             return
@@ -610,7 +615,7 @@ class _Pull:
             client = source.idle.pop() if source.idle else await self._connect(source.address)
             before = client.payload_received
             try:
-                ok = await asyncio.wait_for(client.fetch_chunk(self.m.version, chunk, dest), self.stall_timeout_s)
+                ok = await within(client.fetch_chunk(self.m.version, chunk, dest), self.stall_timeout_s)
             except (TransportError, TimeoutError, OSError):
                 partial = client.payload_received - before
                 self.stats.bytes_received += partial
@@ -811,7 +816,7 @@ class _Pull:
                     await self._send(source, client, Op.TAKE, self._message(source, chunk=chunk))
                     self.starting += 1  # (its source may still be sending another chunk)
                     try:
-                        status, nbytes = await asyncio.wait_for(client.chunk_reply(), self.stall_timeout_s)
+                        status, nbytes = await within(client.chunk_reply(), self.stall_timeout_s)
                     finally:
                         self.starting -= 1
                     if not offer.queued:  # (a queued chunk waits for another by design)
@@ -834,8 +839,8 @@ class _Pull:
                 self.streams[source.address] = (chunk, client, before)
                 self.last_activity = time.perf_counter()
                 try:
-                    await asyncio.wait_for(client.recv_payload(chunk, self.view[entry.offset:entry.offset + nbytes]),
-                                           self.stall_timeout_s)
+                    await within(client.recv_payload(chunk, self.view[entry.offset:entry.offset + nbytes]),
+                                 self.stall_timeout_s)
                 except (TransportError, TimeoutError, OSError):
                     partial = client.payload_received - before
                     self.stats.bytes_received += partial
@@ -942,6 +947,11 @@ class _Pull:
             waitables: set[asyncio.Task[None]] = {*self.inflight, *self.subs.values()}
             if self.refresh_task is not None:
                 waitables.add(self.refresh_task)
+            if self.push:
+                if self.sources_changed is not None and self.wake_task is None:
+                    self.wake_task = asyncio.create_task(self._until_set(self.sources_changed), name="weights-sources")
+                # a patience change waits for the running update: go on when it is out
+                waitables.update(t for t in (self.wake_task, self.tell_task) if t is not None)
             if not waitables:
                 # nothing in flight: until the next HAVE round may go (a sleep(0) here spun a core)
                 await asyncio.sleep(max(0.001, self.last_refresh + self._round_gap() - now))
@@ -951,14 +961,25 @@ class _Pull:
             for task in done:
                 if task is self.refresh_task:
                     self.refresh_task = None
+                elif task is self.wake_task:
+                    self.wake_task = None
+                    self.listed_at = -1e9  # re-read the sources on this turn, not at the next tick
+                elif task is self.tell_task:
+                    self.tell_task = None
                 elif task in self.inflight:
                     self.inflight.pop(task)
                 else:
                     self.subs = {s: t for s, t in self.subs.items() if t is not task}
                 task.result()  # re-raise bugs; transport faults are handled inside
 
+    @staticmethod
+    async def _until_set(event: asyncio.Event) -> None:
+        await event.wait()
+        event.clear()
+
     async def _shutdown(self) -> None:
-        tasks = [*self.inflight, *self.subs.values(), *(t for t in (self.refresh_task, self.tell_task) if t)]
+        tasks = [*self.inflight, *self.subs.values(),
+                 *(t for t in (self.refresh_task, self.tell_task, self.wake_task) if t)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -986,6 +1007,7 @@ async def pull(
     unavailable_grace_s: float = 1.0,
     seed: int | None = None,
     origins: list[str] | None = None,
+    sources_changed: asyncio.Event | None = None,
 ) -> tuple[np.ndarray, PullStats]:
     """Pull every chunk of ``manifest`` from ``sources`` and verify it.
 
@@ -1011,6 +1033,12 @@ async def pull(
             ``relay``, a publisher is asked only for chunks it never sent (see the module
             docstring), so each chunk leaves it about once. None: a source that holds the whole
             version at its first answer counts as a publisher.
+        sources_changed: set (by the caller) when ``sources``, a callable, may list a new source;
+            a relaying pull then re-reads it at once, not at its next ``LIST_SOURCES_S`` tick, and
+            clears it. A replica that started pulling the same version a moment after us (its
+            partial announcement arriving after our pull began) is a relay before the publisher
+            has sent us more than a chunk or two: on a version that takes less than the tick to
+            pull, the tick alone let every replica take the whole version from the publisher.
 
     Returns:
         (buffer, stats): buffer holds the version's bytes, every chunk verified.
@@ -1020,7 +1048,8 @@ async def pull(
             ``reason`` is ``unavailable``, ``corrupt`` or ``timeout``.
     """
     state = _Pull(manifest, sources, transport, relay, into, stall_timeout_s, connect_timeout_s,
-                  max_inflight, per_source_inflight, have_interval_s, unavailable_grace_s, seed, origins)
+                  max_inflight, per_source_inflight, have_interval_s, unavailable_grace_s, seed, origins,
+                  sources_changed)
     return await state.run(timeout_s)
 
 
@@ -1041,8 +1070,8 @@ async def fetch_manifest(sources: list[str], version: int, digest: str, *, trans
     for address in order:
         client = make_client(address)
         try:
-            await asyncio.wait_for(client.connect(timeout_s), timeout_s)
-            data = await asyncio.wait_for(client.manifest(version), timeout_s)
+            await within(client.connect(timeout_s), timeout_s)
+            data = await within(client.manifest(version), timeout_s)
         except (TransportError, TimeoutError, OSError):
             continue
         finally:

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import socket
 
+from robustrl.aio import within
 from robustrl.errors import TransportError
 from robustrl.weights.transport import (
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -297,7 +298,7 @@ class TcpClient(TransportClient):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         _tune(sock)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, (self._host, self._port)), timeout_s)
+            await within(loop.sock_connect(sock, (self._host, self._port)), timeout_s)
         except (OSError, TimeoutError) as exc:
             sock.close()
             raise TransportError("cannot connect to weight source", address=self.address) from exc

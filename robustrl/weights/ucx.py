@@ -52,6 +52,7 @@ import ucxx
 from ucxx._lib.arr import Array
 from ucxx.types import Tag, TagMaskFull
 
+from robustrl.aio import within
 from robustrl.errors import TransportError
 from robustrl.weights.transport import (
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -393,7 +394,7 @@ class UcxClient(TransportClient):
     async def connect(self, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
         _ensure_init()
         try:
-            self._ep = await asyncio.wait_for(
+            self._ep = await within(
                 ucxx.create_endpoint(self._host, self._port, connect_timeout=timeout_s), timeout_s)
         except (*_UCX_ERRORS, TimeoutError) as exc:
             raise TransportError("cannot connect to weight source", address=self.address) from exc

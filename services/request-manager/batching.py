@@ -26,6 +26,7 @@ from robustrl.services.request_manager.dispatch import Dispatcher
 from robustrl.services.request_manager.episodes import EpisodeRunner
 from robustrl.services.request_manager.faults import report_deadline
 
+from robustrl.aio import cancel_and_wait, wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
 from robustrl.errors import TransportError
@@ -44,6 +45,10 @@ log = logging.getLogger(__name__)
 STEP_RETRY_S = 1.0
 """Pause before a failed step (Redis or NATS trouble) is tried again from the saved records."""
 WAIT_WAKE_S = 1.0
+STOP_WAIT_S = 5.0
+"""How long a cancelled task of a job is waited for, per cancellation."""
+STOP_ATTEMPTS = 3
+"""Cancellations of a job's task before it is given up on."""
 COMMIT_RECHECK_S = 5.0
 """While waiting for a commit, how often the trained log in Redis is read in case a commit
 message was lost."""
@@ -231,10 +236,7 @@ class JobRunner:
     async def _wait(self, predicate: Callable[[], bool]) -> None:
         while not predicate():
             self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), WAIT_WAKE_S)
-            except TimeoutError:
-                pass
+            await wait_event(self.changed, WAIT_WAKE_S)
 
     async def _wait_committed(self, needed: int) -> None:
         """Wait until step ``needed`` is committed (and the job not paused). Commit messages travel
@@ -257,10 +259,7 @@ class JobRunner:
                     self.committed = trained
                     continue
             self.changed.clear()
-            try:
-                await asyncio.wait_for(self.changed.wait(), WAIT_WAKE_S)
-            except TimeoutError:
-                pass
+            await wait_event(self.changed, WAIT_WAKE_S)
 
     async def run(self) -> None:
         """Sync/semi-sync/async loop: step k starts once its weights are available (staleness bound)."""
@@ -289,12 +288,9 @@ class JobRunner:
         """Whole-job restart: drop the current step's in-flight work and generate it from scratch."""
         self.paused = True
         lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")
-        if self._step_task and not self._step_task.done():
-            self._step_task.cancel()
-            try:
-                await self._step_task
-            except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - it is being dropped
-                log.debug("job %s: step task ended with %r", self.job_id, exc)
+        if not await cancel_and_wait(self._step_task, STOP_WAIT_S, STOP_ATTEMPTS):
+            log.error("job %s: step %d's task did not end %d s after its cancellations", self.job_id, self.step,
+                      STOP_ATTEMPTS * STOP_WAIT_S)
         self.dispatcher.reset()
         ids = await self.store.step_episode_ids(self.step)
         n = await self.store.clear_step(self.step)
@@ -312,13 +308,12 @@ class JobRunner:
         self._task = asyncio.create_task(self.run())
 
     async def stop(self) -> None:
+        """Cancel the job's tasks, each waited for a bounded time: the control message that asked
+        for the stop is answered, and the ones after it are handled, whatever a task does."""
         for task in (self._task, self._gc_task):
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except (asyncio.CancelledError, Exception) as exc:  # noqa: BLE001 - stopping it
-                    log.debug("job %s: task ended with %r", self.job_id, exc)
+            if not await cancel_and_wait(task, STOP_WAIT_S, STOP_ATTEMPTS):
+                log.error("job %s: a task (%s) did not end %d s after its cancellations: left behind",
+                          self.job_id, task.get_name() if task else None, STOP_ATTEMPTS * STOP_WAIT_S)
 
     def sample(self, seq: int) -> MetricsSample:
         d = self.dispatcher

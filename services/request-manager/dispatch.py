@@ -31,6 +31,7 @@ from typing import Any
 
 from robustrl.services.request_manager.faults import report_deadline
 
+from robustrl.aio import wait_event, within
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
 from robustrl.errors import RobustRLError
@@ -205,10 +206,7 @@ class Dispatcher:
 
     async def _changed_wait(self, timeout: float) -> None:
         self.changed.clear()
-        try:
-            await asyncio.wait_for(self.changed.wait(), timeout)
-        except TimeoutError:
-            pass
+        await wait_event(self.changed, timeout)
 
     async def pick(self, step: int, avoid: set[str]) -> Replica:
         """The least-loaded ready replica, preferring ones not in ``avoid`` and not reported;
@@ -343,7 +341,7 @@ class Dispatcher:
             try:
                 # Past the deadline, one more short wait: a reply already received but not yet
                 # processed (this service was frozen) is applied, not thrown away.
-                return await asyncio.wait_for(asyncio.shield(pend.future), min(max(remaining, 0.0) or POLL_S, POLL_S))
+                return await within(asyncio.shield(pend.future), min(max(remaining, 0.0) or POLL_S, POLL_S))
             except TimeoutError:
                 if remaining <= 0:
                     raise TurnTimeout(f"no reply within turn_deadline_s={self.spec.detector.turn_deadline_s:g}",

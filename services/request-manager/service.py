@@ -19,6 +19,7 @@ from typing import Any
 
 from robustrl.services.request_manager.batching import JobRunner
 
+from robustrl.aio import wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
 from robustrl.errors import RequestTimeout
@@ -203,7 +204,4 @@ class RequestManager:
                                            job.sample(self._seq))
                 except Exception as exc:
                     log.debug("metrics: %s", exc)
-            try:
-                await asyncio.wait_for(stop.wait(), interval)
-            except TimeoutError:
-                pass
+            await wait_event(stop, interval)

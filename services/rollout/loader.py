@@ -19,7 +19,10 @@ pull_attempts`` after its announcement (and no newer one), the replica reports w
 Partial announcements: when the replica starts following a version it announces ``WeightsHave``
 with ``complete: false`` (``have``), so replicas pulling the same version at the same moment list
 each other as relays and split the publisher among themselves (``robustrl.weights.puller``); a
-peer's partial announcement makes it a source of this version, a complete one supersedes it. The
+peer's partial announcement makes it a source of this version, a complete one supersedes it, and
+either wakes the running pull to re-read its sources at once (``sources_changed``): one that
+arrives a moment after the pull began (the bus slower than the manifest's round trip) must not
+wait for the pull's next listing tick, by which a small version is all in from the publisher. The
 request manager and the controller ignore partial announcements (the replica cannot serve that
 version yet).
 
@@ -41,6 +44,7 @@ import numpy as np
 import torch
 from robustrl.services.rollout.announce import Announcements, Offer
 
+from robustrl.aio import cancel_and_wait, wait_event, within
 from robustrl.config import WeightSyncSpec
 from robustrl.errors import RobustRLError, TransportError, WeightSyncError
 from robustrl.messages import WeightsAnnounce
@@ -60,6 +64,8 @@ STALL_TIMEOUT_S = 3.0
 PULL_GRACE_S = 5.0
 """Extra time over pull_timeout_s before the pull task itself is cancelled (the puller's own
 deadline should fire first)."""
+CLOSE_WAIT_S = 1.0
+"""At close, per cancellation of the pull task (``cancel_and_wait`` repeats it up to 3 times)."""
 
 Emit = Callable[[str, dict[str, object]], Awaitable[None]]
 Install = Callable[[int, str, dict[str, torch.Tensor], float], Awaitable[str | None]]
@@ -152,6 +158,11 @@ class WeightLoader:
         self._task = asyncio.create_task(self._follow(msg), name=f"pull-v{msg.version}")
         self._task.add_done_callback(self._done)
 
+    def pulling(self) -> WeightsAnnounce | None:
+        """The announcement whose version is being pulled now (this replica relays it meanwhile)."""
+        running = self._task is not None and not self._task.done()
+        return self.announcements.target if running else None
+
     def peer_has(self, member_id: str, version: int, checksum: str, address: str, complete: bool = True) -> None:
         """Another replica holds a version completely, or has started pulling it (``complete``
         False): either way a relay of that version."""
@@ -165,9 +176,10 @@ class WeightLoader:
             self.state.sources_changed.set()
 
     async def close(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel("replica stopping")
-            await asyncio.gather(self._task, return_exceptions=True)
+        """Stop following (bounded: a cancellation a wait swallowed is repeated, then the task is
+        named and left; the replica's stop goes on)."""
+        if self._task is not None and not self._task.done() and not await cancel_and_wait(self._task, CLOSE_WAIT_S):
+            log.error("the weight pull task did not end %.0f s after its cancellation", CLOSE_WAIT_S)
 
     @staticmethod
     def _done(task: asyncio.Task[None]) -> None:
@@ -218,12 +230,13 @@ class WeightLoader:
             t0 = time.monotonic()
             self.server.drop_version(manifest.version)  # never mix lineages of one version number
             try:
-                buffer, stats = await asyncio.wait_for(
+                buffer, stats = await within(
                     pull(manifest, lambda a=ann: self._sources(a, avoid), transport=self.cfg.transport,
                          relay=relay, into=None if self._alloc is None else self._alloc(manifest.total_bytes),
                          timeout_s=self.cfg.pull_timeout_s,
                          stall_timeout_s=min(STALL_TIMEOUT_S, self.cfg.pull_timeout_s), seed=self._seed,
-                         origins=[_norm(a, self.cfg.transport) for a in ann.sources]),
+                         origins=[_norm(a, self.cfg.transport) for a in ann.sources],
+                         sources_changed=self.state.sources_changed),
                     self.cfg.pull_timeout_s + PULL_GRACE_S)
             except (WeightSyncError, TransportError, TimeoutError, OSError) as exc:
                 self.server.drop_version(manifest.version)  # never relay a version we gave up on
@@ -340,10 +353,7 @@ class WeightLoader:
         ``delay_s`` passed: a back-off that ends early for a reason."""
         ev = self.state.sources_changed
         ev.clear()
-        try:
-            await asyncio.wait_for(ev.wait(), delay_s)
-        except TimeoutError:
-            pass
+        await wait_event(ev, delay_s)
 
     async def _set(self, *, loading: bool | None = None, failed: bool | None = None) -> None:
         st = self.state

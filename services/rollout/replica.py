@@ -17,18 +17,22 @@ followed version failed ``weights.pull_attempts`` times.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 import queue
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from robustrl.aio import cancel_and_wait, wait_event, within
 from robustrl.config import Settings
+from robustrl.errors import MessageError, TransportError
 from robustrl.member import Identity, Member
 from robustrl.messages import GenerateTurn, MetricsSample, TurnResult, WeightsAnnounce, WeightsHave, decode
 from robustrl.model.engine import GenerationAborted, GenRequest
@@ -43,6 +47,12 @@ log = logging.getLogger(__name__)
 BATCH_WAIT_S = 0.01
 STOP_BOUND_S = 5.0
 """How long a stopped (not borrowed) replica may take to close before it exits anyway."""
+POINTER_POLL_S = 2.0
+"""How often a replica reads the weights pointer (one Redis GET) in case an announcement was lost."""
+POINTER_READ_S = 5.0
+"""Bound on one read of the weights pointer."""
+POINTER_CLOSE_S = 1.0
+"""Bound on closing the pointer's Redis client at stop (a borrow must not wait on it)."""
 VERIFY_LOADS_ENV = "ROBUSTRL_VERIFY_LOADS"
 
 
@@ -113,16 +123,22 @@ class Replica:
         await bus.subscribe(subject(job, Verb.WEIGHTS), WeightsAnnounce, self._on_announce)
         await bus.subscribe(wildcard(job, Verb.HAVE), WeightsHave, self._on_have)
         redis = connect(self.settings.redis_url)
-        latest = await WeightsPointer(redis, job).get()
-        await redis.aclose()
         await self.member.hello(self.address)
         await self.member.set_phase("idle")
         worker = threading.Thread(target=self._worker, name="engine", daemon=True)
         worker.start()
         self.engine_thread = worker
-        if latest:
-            # A late joiner or replacement: pull the current version from any relay.
-            self.loader.offer(decode(WeightsAnnounce, latest))
+        # The watch's first read is at once: a late joiner or replacement pulls the current
+        # version from any relay.
+        recheck = asyncio.Event()
+        recheck.set()
+
+        async def after_reconnect() -> None:
+            recheck.set()
+
+        bus.on_reconnect.append(after_reconnect)
+        watch = asyncio.create_task(self._watch_pointer(WeightsPointer(redis, job), recheck),
+                                    name="weights-pointer")
         await self.member.stopping.wait()
         log.info("stopping%s", " (borrowed: switching role)" if self.standby.handoff is not None else "")
         if self.standby.handoff is not None:
@@ -134,6 +150,12 @@ class Replica:
             # replica that never closed its bus after SIGTERM, SIGKILLed after the controller's
             # 15 s grace) is named in the log and the process exits.
             _bound_stop(self, STOP_BOUND_S)
+        self.stop_phase = "closing the weights pointer's client"
+        await cancel_and_wait(watch, POINTER_CLOSE_S)
+        try:
+            await within(redis.aclose(), POINTER_CLOSE_S)
+        except Exception as exc:  # noqa: BLE001 - a Redis client that cannot close must not stop the stop
+            log.debug("weights pointer client not closed: %r", exc)
         with self._swap_lock:  # the engine thread takes no more weights: release a waiting install
             if self._pending is not None:
                 self._pending.swapped.set()
@@ -145,7 +167,9 @@ class Replica:
         await asyncio.to_thread(self.engine.close)
         self.stop_phase = "closing the member (bus)"
         await self.member.close()
-        self.stop_phase = "closed"
+        # Not "closed" yet: asyncio.run still cancels and awaits what is left (a task that
+        # swallowed its cancellation would hold the exit): the bound stays armed until main().
+        self.stop_phase = "ending the event loop"
 
     # --- phase -------------------------------------------------------------------------------
 
@@ -167,8 +191,25 @@ class Replica:
     # --- weights ----------------------------------------------------------------------------
 
     async def _on_have(self, msg: WeightsHave, _s: str, _r: str | None) -> None:
-        if msg.member_id != self.ident.member_id:
-            self.loader.peer_has(msg.member_id, msg.version, msg.checksum, msg.address, msg.complete)
+        if msg.member_id == self.ident.member_id:
+            return
+        new_peer = msg.member_id not in self.loader.peers
+        self.loader.peer_has(msg.member_id, msg.version, msg.checksum, msg.address, msg.complete)
+        if new_peer and self.standby.handoff is None:
+            # A replica this one has not heard of (a replacement, a late joiner: it announces the
+            # version it starts pulling) missed every HAVE sent before it subscribed. If the
+            # publisher is gone meanwhile (a trainer recovery), this relay is its only source: say
+            # again, once per new peer, what this replica holds and serves, or the newer version it
+            # is pulling and relays meanwhile (peers keep one announcement per replica: the one it
+            # holds would hide that it relays the newer one).
+            pulling = self.loader.pulling()
+            try:
+                if pulling is not None and (pulling.version, pulling.checksum) != (self.version, self.checksum):
+                    await self._publish_have(pulling.version, pulling.checksum, False)
+                elif self.version >= 0 and self.server.is_complete(self.version):
+                    await self._publish_have(self.version, self.checksum, True)
+            except Exception as exc:  # a dropped connection is the detector's business
+                log.debug("HAVE for a new peer not sent: %s", exc)
 
     async def _publish_have(self, version: int, checksum: str, complete: bool) -> None:
         assert self.member.bus
@@ -179,6 +220,40 @@ class Replica:
 
     async def _on_announce(self, msg: WeightsAnnounce, _s: str, _r: str | None) -> None:
         self.loader.offer(msg)
+
+    async def _watch_pointer(self, pointer: WeightsPointer, recheck: asyncio.Event) -> None:
+        """Read the weights pointer every ``POINTER_POLL_S`` (and right after a NATS reconnect):
+        an announcement lost on the bus must not leave this replica on an old version until the
+        request manager's weights deadline replaces it. Core NATS drops what the trainer published
+        while this replica's subscription was not yet back on a restarted server, and a cut-off
+        link drops it outright; the pointer is the gang's fenced record of the same announcement.
+        A newer announcement there than the one followed is offered as if it had arrived."""
+        failing = False
+        while not self.member.stopping.is_set():
+            await wait_event(recheck, POINTER_POLL_S)
+            recheck.clear()
+            try:
+                raw = await within(pointer.get(), POINTER_READ_S)
+                ann = decode(WeightsAnnounce, raw) if raw else None
+            except (TimeoutError, TransportError, MessageError) as exc:
+                # once per outage at WARNING, not every poll of it
+                log.log(logging.DEBUG if failing else logging.WARNING, "weights pointer not read: %s", exc)
+                failing = True
+                continue
+            if failing:
+                log.info("weights pointer read again")
+                failing = False
+            if self.standby.handoff is not None or self.member.stopping.is_set():
+                return  # borrowed (it trains now, it pulls nothing) or stopping
+            if ann is None:
+                continue
+            # Offered only if newer than what this replica follows: one it holds, pulls or gave
+            # up on (failed verification, all sources down) is the loader's business already.
+            known = self.loader.announcements.target
+            if known is None or (ann.epoch, ann.version) > (known.epoch, known.version):
+                log.info("weights pointer names v%d (epoch %d), not announced to this replica: pulling it",
+                         ann.version, ann.epoch)
+                self.loader.offer(ann)
 
     async def _emit(self, kind: str, data: dict[str, object]) -> None:
         assert self.member.bus
@@ -200,6 +275,12 @@ class Replica:
             self._pending = mine
         try:
             swapped = await asyncio.to_thread(mine.swapped.wait, timeout_s)
+        except asyncio.CancelledError:
+            # The thread waiting above runs on: set, it returns now. A stop ends the event loop,
+            # which joins its executor's threads, and sat out the stop bound (5 s) waiting for this
+            # one (seen: test_recovery_state's job end 5.05 s after the last commit, full suite).
+            mine.swapped.set()
+            raise
         finally:
             with self._swap_lock:
                 if self._pending is mine:  # cancelled or timed out before the engine took it
@@ -308,6 +389,23 @@ class Replica:
             self._refresh_phase_from_thread()
 
 
+def _log_stacks(loop: asyncio.AbstractEventLoop | None) -> None:
+    """Where a stop that overran its bound is stuck: every thread's stack and every task's
+    coroutine stack, in the log (read from another thread: a diagnosis, best effort)."""
+    try:
+        frames = sys._current_frames()
+        for thread in threading.enumerate():
+            frame = frames.get(thread.ident or -1)
+            if frame is not None:
+                log.error("thread %s:\n%s", thread.name, "".join(traceback.format_stack(frame)))
+        for task in list(asyncio.all_tasks(loop)) if loop is not None else []:
+            out = io.StringIO()
+            task.print_stack(file=out)
+            log.error("task %s:\n%s", task.get_name(), out.getvalue())
+    except Exception:  # noqa: BLE001 - the exit must happen whatever the diagnosis does
+        log.exception("could not log the stacks")
+
+
 def _bound_stop(replica: Replica, seconds: float) -> None:
     """Exit the process if the replica is still closing ``seconds`` from now (a thread: it fires
     even if the event loop is blocked), naming the close it was in."""
@@ -316,6 +414,7 @@ def _bound_stop(replica: Replica, seconds: float) -> None:
         if replica.stop_phase == "closed":
             return
         log.error("still %s %.0f s after the stop: exiting", replica.stop_phase, seconds)
+        _log_stacks(getattr(replica, "loop", None))
         # os._exit skips multiprocessing's cleanup: an engine's own processes (vLLM's EngineCore
         # and workers, holding the KV cache) would outlive the replica.
         try:
@@ -343,6 +442,7 @@ def main() -> None:
     settings = Settings.from_env(os.environ)
     replica = Replica(ident, settings, dict(os.environ))
     asyncio.run(replica.run())
+    replica.stop_phase = "closed"
     if replica.standby.handoff is not None:  # borrowed: the same process goes on as a trainer rank
         become_trainer(replica.standby.handoff, replica.model, replica.engine_thread, ident.member_id)
         return

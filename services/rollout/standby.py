@@ -68,17 +68,25 @@ class StandbyHook:
     def _on_signal(self) -> None:
         if self.handoff is not None or not self.directory:
             return
-        order = take_handoff(self.directory, os.getpid())
-        if order is None:
-            log.warning("hand-off signal without a hand-off file in %s: ignored", self.directory)
+        self.handoff = read_handoff(self.directory)
+        if self.handoff is None:
             return
-        env = {str(k): str(v) for k, v in dict(order["env"]).items()}  # type: ignore[call-overload]
-        self.handoff = Handoff(env, str(order.get("log", "")))
         log.warning("borrowed as %s: draining and switching role in place", self.handoff.member_id)
         self._stop()
 
 
-def become_trainer(handoff: Handoff, model: torch.nn.Module, engine_thread: threading.Thread | None,
+def read_handoff(directory: str) -> Handoff | None:
+    """Take this process's hand-off from ``directory`` (None, logged, when the signal came
+    without one)."""
+    order = take_handoff(directory, os.getpid())
+    if order is None:
+        log.warning("hand-off signal without a hand-off file in %s: ignored", directory)
+        return None
+    env = {str(k): str(v) for k, v in dict(order["env"]).items()}  # type: ignore[call-overload]
+    return Handoff(env, str(order.get("log", "")))
+
+
+def become_trainer(handoff: Handoff, model: torch.nn.Module | None, engine_thread: threading.Thread | None,
                    borrowed_from: str) -> None:
     """Run the rest of this process as the trainer rank ``handoff`` names (blocks until it ends)."""
     if engine_thread is not None:

@@ -11,19 +11,25 @@ redoes steps D+1.. from their batches, which the request manager keeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import gc
 import logging
 import os
 import sys
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
 from robustrl.services.trainer.lineage import LoopFence, read_history, resume_step
+from robustrl.services.trainer.survivor import SURVIVOR_WAIT_S, SurvivorHook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from robustrl.checkpoint import Checkpointer, capture_rng, restore_rng, seed_rng
-from robustrl.config import Settings
+from robustrl.aio import wait_event
+from robustrl.bus import EVENT_PUBLISH_RETRY_S, Bus
+from robustrl.checkpoint import UPLOAD_WAIT_S, Checkpointer, capture_rng, restore_rng, seed_rng
+from robustrl.config import JobSpec, Settings
 from robustrl.errors import EXIT_CHECKPOINT_LOST, CheckpointLost, ConfigError, RequestTimeout, StaleEpoch
 from robustrl.member import Identity, Member
 from robustrl.messages import BatchGet, BatchReady, StepCommitted, WeightsAnnounce
@@ -43,6 +49,22 @@ BATCH_GET_TIMEOUT_S = 1.0
 DIST_TIMEOUT_S = 60.0
 EXIT_STALE = 75
 """Exit status (EX_TEMPFAIL) of a trainer whose gang a newer gang replaced before it started."""
+LEAVE_UPLOAD_WAIT_S = 2.0
+"""How long a rank kept for the next gang waits for its broken gang's running checkpoint upload."""
+
+
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+"""Torch's setting of the network interface Gloo uses (an operator's own value is kept)."""
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds ``address`` (None: none does)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
 
 
 def checkpoint_prefix(job_id: str) -> str:
@@ -56,10 +78,21 @@ class TrainerWorker:
         self.member = Member(ident, settings)
         self.batches_seen: dict[int, BatchReady] = {}
         self._batch_event = asyncio.Event()
+        self.hook: SurvivorHook | None = None
+        """Set by ``run_member``: hands this process to the next gang when the controller keeps it."""
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     # --- setup ------------------------------------------------------------------------------
 
     def _init_dist(self, backend: str) -> None:
+        if backend == "gloo" and GLOO_IFNAME_ENV not in os.environ:
+            # Gloo advertises the address of the machine's hostname, 127.0.0.1 where /etc/hosts
+            # says so (containers, network namespaces): a rank on another node then connects to
+            # its own loopback ("Connection refused") and the gang never forms. Its peers reach
+            # this member at its bind address: Gloo is told to use the interface holding it.
+            ifname = interface_of(self.settings.bind_host)
+            if ifname is not None:
+                os.environ[GLOO_IFNAME_ENV] = ifname
         dist.init_process_group(backend, rank=self.ident.rank, world_size=self.ident.world_size,
                                 timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
 
@@ -88,7 +121,70 @@ class TrainerWorker:
             borrowed_from: the replica member this process was before the switch (for the log).
         """
         began = time.monotonic()
-        spec = await self.member.start()
+        if self.hook is not None:
+            self.hook.attach(asyncio.get_running_loop(), self._leave)
+        failed = False
+        try:
+            spec = await self.member.start()
+            await self._run(spec, model, borrowed_from, began)
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            for handle in self._hooks:
+                handle.remove()  # a kept rank's next worker counts activity on the same model
+            if self.hook is not None:
+                self.hook.detach()
+            await self._close(brief=failed or self.leaving)
+
+    def _leave(self) -> None:
+        """The controller keeps this rank for the next gang: stop (no new step)."""
+        self.member.stopping.set()
+        self._batch_event.set()
+
+    @property
+    def leaving(self) -> bool:
+        return self.hook is not None and self.hook.handoff is not None
+
+    async def _close(self, brief: bool) -> None:
+        """Close checkpointer, weight server and bus. ``brief``: the gang broke or this rank is
+        kept for the next one, so a checkpoint upload still running is not waited for past
+        ``LEAVE_UPLOAD_WAIT_S`` (rank 0's may wait for the shard of a rank that died: up to the
+        shard wait, and the rank must be free to rejoin); it goes on in the background, fenced
+        like any older gang's write, and the next gang loads what is complete."""
+        ckpt = getattr(self, "ckpt", None)
+        if ckpt is not None:
+            await self._finish_upload(ckpt, brief)
+        server = getattr(self, "server", None)
+        if server is not None:
+            await server.close()
+        await self.member.close()
+
+    async def _finish_upload(self, ckpt: Checkpointer, brief: bool) -> None:
+        """Wait for the running checkpoint upload, in 1 s slices: a hand-off that comes while a
+        normal close waits makes the wait brief. A brief wait that runs out abandons the upload:
+        the broken gang's step will not become durable through this rank (the next gang owns the
+        lineage), no manifest is written after this, not even one the fence would still admit,
+        and rank 0 stops waiting for dead ranks' shards."""
+        waited = 0.0
+        while True:
+            short = brief or self.leaving
+            limit = LEAVE_UPLOAD_WAIT_S if short else UPLOAD_WAIT_S
+            try:
+                await asyncio.to_thread(ckpt.close, max(0.0, min(1.0, limit - waited)))
+                return
+            except TimeoutError as exc:
+                waited += 1.0
+                if waited < limit:
+                    continue
+                if not short:
+                    raise
+                ckpt.abandon()
+                log.warning("left the gang with its checkpoint upload abandoned: %s", exc)
+                return
+
+    async def _run(self, spec: JobSpec, model: torch.nn.Module | None, borrowed_from: str | None,
+                   began: float) -> None:
         self.spec = spec
         torch.set_num_threads(1)
         await asyncio.to_thread(self._init_dist, spec.trainer.backend)
@@ -101,13 +197,13 @@ class TrainerWorker:
         else:
             self.model = model
             self.model.requires_grad_(True)
+            for p in self.model.parameters():
+                p.grad = None  # a kept rank's broken step may have left gradients behind
+        self._handed_model = model is not None
         for layer in self.model.modules():
             if layer.__class__.__name__.endswith("DecoderLayer"):
-                layer.register_forward_hook(self._count_activity)
+                self._hooks.append(layer.register_forward_hook(self._count_activity))
         self.device = self._place(spec.model.device)
-        ddp_kw = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
-        self.ddp = (await asyncio.to_thread(lambda: DDP(self.model, **ddp_kw)) if self.ident.world_size > 1
-                    else self.model)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.lr)
         store = open_object_store(self.settings)
         self.redis = connect(self.settings.redis_url)
@@ -126,6 +222,11 @@ class TrainerWorker:
         await bus.subscribe(subject(self.ident.job_id, Verb.BATCH), BatchReady, self._on_batch)
 
         await self._resume()
+        # After the resume, when every rank holds the same state (DDP's start broadcasts rank 0's
+        # parameters: before the resume, a kept or borrowed rank 0 would hand its own to the rest).
+        ddp_kw = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+        self.ddp = (await asyncio.to_thread(lambda: DDP(self.model, **ddp_kw)) if self.ident.world_size > 1
+                    else self.model)
         self.member.weights_version = self.version
         addresses = [None] * self.ident.world_size
         await asyncio.to_thread(dist.all_gather_object, addresses, self.address)
@@ -146,10 +247,6 @@ class TrainerWorker:
             # A newer gang has taken over (we are a zombie of a replaced gang): write nothing more.
             log.error("gang %d is stale, stopping: %s", self.member.epoch, exc)
             self.member.stopping.set()
-        finally:
-            await asyncio.to_thread(self.ckpt.close)
-            await self.server.close()
-            await self.member.close()
 
     async def _resume(self) -> None:
         """Enter the fence, load the newest checkpoint that verifies, and check that the history
@@ -169,6 +266,13 @@ class TrainerWorker:
             log.info("resumed from checkpoint step %d epoch %d (version %d)", state.step, state.epoch,
                      state.weights_version)
         else:
+            if self._handed_model:
+                # No checkpoint: the gang starts from the seeded initial weights. A handed-over
+                # model holds a replica's served version or a kept rank's trained steps: put back
+                # the initial ones (else DDP would broadcast trained weights as version 0 and
+                # step 0 would be applied twice).
+                fresh = await asyncio.to_thread(build_policy, self.spec.model, self.tok, self.spec.seed)
+                self.model.load_state_dict(fresh.state_dict())
             self.step, self.version, self.durable = 0, 0, -1
 
     # --- batches ----------------------------------------------------------------------------
@@ -195,10 +299,7 @@ class TrainerWorker:
                 pass  # request manager busy or restarting: the broadcast still reaches us
             if step in self.batches_seen:
                 break
-            try:
-                await asyncio.wait_for(self._batch_event.wait(), BATCH_POLL_S)
-            except TimeoutError:
-                pass
+            await wait_event(self._batch_event, BATCH_POLL_S)
         return self.batches_seen.get(step)
 
     # --- the step ---------------------------------------------------------------------------
@@ -314,13 +415,30 @@ class TrainerWorker:
             ann = WeightsAnnounce(job_id=self.ident.job_id, version=version, epoch=self.member.epoch,
                                   checksum=checksum, sources=self.sources, manifest_digest=manifest.digest(),
                                   manifest_bytes=len(encoded))
-            await self.gang.set_pointer(ann.encode())  # fenced: a stale gang cannot point late joiners back
             assert self.member.bus
-            await self.member.bus.publish(subject(self.ident.job_id, Verb.WEIGHTS), ann)
-            await self.member.bus.emit_event(self.ident.job_id, "weights_published", {
-                "version": version, "epoch": self.member.epoch, "checksum": checksum,
-                "bytes": manifest.total_bytes})
+            await publish_weights(self.member.bus, self.gang, ann, manifest.total_bytes)
         return checksum
+
+
+async def publish_weights(bus: Bus, gang: GangFence, ann: WeightsAnnounce, total_bytes: int,
+                          retry_s: float = EVENT_PUBLISH_RETRY_S) -> None:
+    """Make a version loadable, in this order: the ``weights_published`` event (durable), the
+    fenced weights pointer (replicas read it every few seconds), the announcement (core NATS).
+
+    A loadable version is in the event log first: a trainer that dies between two of these
+    writes (or whose event JetStream does not store) leaves at most a version recorded that no
+    replica loads, never one loaded that the log does not hold -- the auditor's check that every
+    loaded checksum was published, and that the pointer names a published one.
+
+    Raises:
+        TransportError: the event was not stored within ``retry_s``; nothing was pointed at or
+            announced (the trainer exits; its recovery resumes from the newest durable checkpoint).
+    """
+    await bus.emit_event(ann.job_id, "weights_published", {
+        "version": ann.version, "epoch": ann.epoch, "checksum": ann.checksum, "bytes": total_bytes},
+        required=True, retry_s=retry_s)
+    await gang.set_pointer(ann.encode())  # fenced: a stale gang cannot point late joiners back
+    await bus.publish(subject(ann.job_id, Verb.WEIGHTS), ann)
 
 
 def main() -> None:
@@ -335,22 +453,96 @@ def main() -> None:
 def run_member(ident: Identity, settings: Settings, model: torch.nn.Module | None = None,
                borrowed_from: str | None = None) -> None:
     """Run one trainer worker to its end; exit with the status the controller reads on a start
-    that cannot succeed (``EXIT_CHECKPOINT_LOST``, ``EXIT_STALE``)."""
+    that cannot succeed (``EXIT_CHECKPOINT_LOST``, ``EXIT_STALE``).
+
+    A rank the controller keeps for the next gang (``services/trainer/survivor.py``) runs on in
+    this process as its new rank instead of exiting; so does a rank whose gang broke under it, if
+    the hand-off comes within ``recovery.survivor_wait_s``."""
+    hook = SurvivorHook(os.environ)
+    hook.install()
+    worker = TrainerWorker(ident, settings)
+    worker.hook = hook
+    broke = False
     try:
-        asyncio.run(TrainerWorker(ident, settings).run(model, borrowed_from))
+        asyncio.run(worker.run(model, borrowed_from))
     except CheckpointLost as exc:
         # The last lines of a member's log become the fault evidence and the job's error.
         log.critical("trainer cannot start: %s", exc)
         _exit_now(EXIT_CHECKPOINT_LOST)
     except StaleEpoch as exc:
-        log.error("trainer gang replaced before it started, exiting: %s", exc)
-        _exit_now(EXIT_STALE)
-    # Stopped after its run: the last checkpoint upload was awaited, the weight server and the bus
-    # are closed. Exit now: the interpreter's teardown of a torch process (module finalizers, the
-    # gloo group, every object freed) took 4-10 s per member on this shared machine at a job's
-    # end, and the controller waits for every member's exit before the job is finished.
-    log.info("trainer stopped; exiting")
-    _exit_now(0)
+        if hook.handoff is None:
+            log.error("trainer gang replaced before it started, exiting: %s", exc)
+            _exit_now(EXIT_STALE)
+    except Exception as exc:  # noqa: BLE001 - a collective with a lost rank fails with whatever the backend raises
+        # A collective with a lost rank fails with a RuntimeError (torch.distributed's errors,
+        # gloo's and NCCL's, are all RuntimeErrors). Anything else (this rank's own NATS
+        # connection closed, its Redis gone) is this rank's fault: it exits at once, so the
+        # launcher sees the exit instead of the detector a silent rank 8 s later.
+        if hook.handoff is None and (ident.world_size < 2 or not isinstance(exc, RuntimeError)):
+            # Without the interpreter's teardown of a torch process (seconds): the exit is the
+            # fault the launcher reports.
+            log.critical("trainer failed: %r", exc, exc_info=exc)
+            _exit_now(1)
+        # The whole traceback in the log (the fault evidence if this rank is not kept); the
+        # exception itself is not kept: its frames hold the worker, which must be freed.
+        log.error("the gang broke", exc_info=exc)
+        broke = True
+    spec = getattr(worker, "spec", None)
+    wait_s = float(spec.recovery.survivor_wait_s) if spec is not None else SURVIVOR_WAIT_S
+    if broke and hook.handoff is None:
+        log.error("waiting up to %.0f s to be kept for the next gang", wait_s)
+    handoff = hook.wait(wait_s if broke else 0.0)
+    if handoff is None:
+        if broke:
+            log.error("not kept for a next gang: exiting")
+            _exit_now(1)
+        # Stopped after its run: the last checkpoint upload was awaited, the weight server and
+        # the bus are closed. Exit now: the interpreter's teardown of a torch process (module
+        # finalizers, the gloo group, every object freed) took 4-10 s per member on this shared
+        # machine at a job's end, and the controller waits for every member's exit before the
+        # job is finished.
+        log.info("trainer stopped; exiting")
+        _exit_now(0)
+        return
+    kept_model = _release(worker)
+    del worker
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    hook.unwound()
+    from robustrl.services.rollout.standby import become_trainer
+
+    become_trainer(handoff, kept_model, None, ident.member_id)
+
+
+def _release(worker: TrainerWorker) -> torch.nn.Module | None:
+    """Free what a worker of a broken gang holds but its model (optimizer state, the DDP wrapper
+    whose reducer hooks the model's parameters, the Redis client), and check that the wrapper is
+    gone: a leftover reducer would fire on the next gang's backward. Returns the model."""
+    model = getattr(worker, "model", None)
+    ddp = getattr(worker, "ddp", None)
+    gone = None
+    if ddp is not None and ddp is not model:
+        gone = weakref.ref(ddp)
+        with contextlib.suppress(Exception):
+            ddp._remove_autograd_hooks()  # the reducer's hooks on the parameters: none may fire again
+    del ddp
+    redis = getattr(worker, "redis", None)
+    if redis is not None:
+        with contextlib.suppress(Exception):
+            redis.close()
+    for name in ("ddp", "opt", "ckpt", "server", "episodes", "gang", "redis", "model", "batches_seen"):
+        if hasattr(worker, name):
+            setattr(worker, name, None)
+    gc.collect()
+    if gone is not None and (left := gone()) is not None:
+        holders = [getattr(getattr(r, "f_code", None), "co_name", None) or type(r).__name__
+                   for r in gc.get_referrers(left)]
+        del left
+        log.error("the broken gang's DDP wrapper is still referenced after its worker was released (by %s)",
+                  holders)
+    else:
+        log.info("released the broken gang's worker")
+    return model
 
 
 def _exit_now(code: int) -> None:
