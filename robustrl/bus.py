@@ -30,6 +30,7 @@ from tenacity import (
 )
 
 from robustrl import subjects
+from robustrl.aio import within
 from robustrl.errors import MessageError, RequestTimeout, TransportError
 from robustrl.messages import Event, EventLog, Wire, decode, decode_event
 
@@ -214,13 +215,21 @@ class Bus:
                                  subject=subject) from exc
 
     async def emit_event(self, job_id: str, kind: str, data: dict[str, Any] | None = None,
-                         ts: float | None = None) -> Event:
-        """Append one event to the job's log (acknowledged by JetStream, retried through an outage)."""
+                         ts: float | None = None, *, required: bool = False,
+                         retry_s: float = EVENT_PUBLISH_RETRY_S) -> Event:
+        """Append one event to the job's log (acknowledged by JetStream, retried through an outage).
+
+        Raises:
+            TransportError: with ``required`` only (an event that must be in the log before what
+                follows it is done), when JetStream did not store it within ``retry_s``.
+        """
         event = Event(job_id=job_id, kind=kind, data=data or {}, **({"ts": ts} if ts is not None else {}))
         try:
             # events() refuses a kind this bus's role does not own (SubjectError, raised).
-            await self.publish_durable(subjects.events(job_id, kind, self.role), event.encode())
+            await self.publish_durable(subjects.events(job_id, kind, self.role), event.encode(), retry_s=retry_s)
         except TransportError as exc:
+            if required:
+                raise
             # The service that emits must not die because JetStream stayed away past the retry budget.
             log.warning("%s: event %s for %s not stored: %s", self.name, kind, job_id, exc)
         return event
@@ -272,9 +281,12 @@ class Bus:
             return
         self._closed = True
         try:
-            await asyncio.wait_for(self._nc.drain(), DRAIN_TIMEOUT_S)
+            await within(self._nc.drain(), DRAIN_TIMEOUT_S)
         except Exception:
-            await self._nc.close()
+            try:  # bounded too: its last flush writes to a socket the server may not read
+                await within(self._nc.close(), DRAIN_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("nats %s: close did not finish: %s", self.name, exc)
 
 
 def redact_url(url: str) -> str:

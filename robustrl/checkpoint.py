@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import RetryError, Retrying, retry_if_exception_type, stop_after_delay, stop_any, wait_exponential
 
 from robustrl.checkpoint_catalog import (
     BlobEntry,
@@ -150,6 +150,7 @@ class Checkpointer:
         self._upload_stats: UploadStats | None = None
         self._error: BaseException | None = None
         self._pending_step: int | None = None
+        self._abandoned = threading.Event()
         # Verification results by manifest sha256, so GC re-reads only checkpoints it has not seen.
         self._verdicts: dict[tuple[CheckpointRef, str], bool] = {}
 
@@ -247,6 +248,7 @@ class Checkpointer:
                 written += len(receipt)
             else:
                 blobs = own + self._collect_shards(ref)
+                self._check_abandoned(ref)
                 if self.fence is not None:
                     self.fence.admit(step)
                 data = manifest_bytes(Manifest(step=step, epoch=self.epoch, world_size=self.world_size,
@@ -308,7 +310,8 @@ class Checkpointer:
         blobs: list[BlobEntry] = []
         for rank in range(1, self.world_size):
             waiting = Retrying(retry=retry_if_exception_type(ObjectNotFound),
-                               stop=stop_after_delay(max(0.0, deadline - time.monotonic())),
+                               stop=stop_any(stop_after_delay(max(0.0, deadline - time.monotonic())),
+                                             lambda _state: self._abandoned.is_set()),
                                wait=wait_exponential(multiplier=0.01, max=0.5))
             try:
                 receipt = waiting(read_receipt, self.store, self.prefix, ref, rank)
@@ -383,6 +386,16 @@ class Checkpointer:
         """Why the last upload failed, or None if it succeeded."""
         with self._lock:
             return self._error
+
+    def abandon(self) -> None:
+        """Give up the running upload: its thread writes no manifest (and stops waiting for the
+        other ranks' shards). For a rank leaving its gang: a newer gang owns the lineage now."""
+        self._abandoned.set()
+
+    def _check_abandoned(self, ref: CheckpointRef) -> None:
+        if self._abandoned.is_set():
+            raise CheckpointError("upload abandoned: this rank left its gang", name=ref.manifest_key(self.prefix),
+                                  step=ref.step)
 
     def close(self, timeout_s: float = UPLOAD_WAIT_S) -> int | None:
         """Wait for the running upload to finish; return the durable step."""

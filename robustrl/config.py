@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError, field_validator, model_validator,
+    BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator, model_validator,
 )
 
 from robustrl.errors import ConfigError
@@ -227,6 +227,15 @@ class RecoverySpec(BaseModel):
         "which switch role in place (model built, weights in memory) and join the new gang. "
         "overlapped: in semi_sync/async only (sync has no spare rollout capacity); always: also in "
         "sync; never: no borrowing. Launchers that cannot switch a process in place start cold."))
+    keep_survivors: StrictBool = Field(True, description=(
+        "A trainer rank whose gang broke because another rank's process exited (crash) keeps its "
+        "process: it leaves the broken gang, reloads the newest complete checkpoint and joins the "
+        "new gang in place, so only the failed ranks take a spare, a borrowed replica or a cold "
+        "start. Not after a hang, a slow or a silent rank (the rank reported may be a healthy one "
+        "waiting on the faulty one). Local and Docker launchers; the Ray launcher replaces every rank."))
+    survivor_wait_s: StrictFloat | StrictInt = Field(30.0, gt=0, le=600, description=(
+        "How long a trainer rank whose gang broke under it (a collective with a lost rank failed) "
+        "waits to be kept for the next gang before it exits (keep_survivors)."))
     min_replicas_kept: StrictInt = Field(1, ge=1, le=64, description=(
         "Replicas that keep generating during a trainer recovery: borrowing never leaves fewer."))
     standby_order: list[Literal["spare", "borrowed", "cold"]] = Field(

@@ -21,6 +21,8 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
 
+from robustrl.aio import within
+
 log = logging.getLogger("robustrl.health")
 
 ENV_PORT = "ROBUSTRL_HEALTH_PORT"
@@ -55,7 +57,7 @@ class HealthServer:
             try:
                 value = check()
                 if inspect.isawaitable(value):
-                    value = await asyncio.wait_for(value, CHECK_TIMEOUT_S)
+                    value = await within(value, CHECK_TIMEOUT_S)
                 results[name] = bool(value)
             except Exception as exc:  # noqa: BLE001 - a failing check is an answer, not a crash
                 results[name] = f"error: {type(exc).__name__}: {exc}"[:200]
@@ -64,7 +66,7 @@ class HealthServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
+            head = await within(reader.readuntil(b"\r\n\r\n"), READ_TIMEOUT_S)
             if len(head) > MAX_REQUEST_BYTES:
                 raise ValueError("request head too long")
             method, target, version = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ", 2)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from robustrl.aio import wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import ConfigError, RequestTimeout
@@ -173,10 +174,7 @@ class Member:
                 await self.bus.publish(subj, self.sample())
             except Exception as exc:  # a dropped connection is the detector's business
                 log.debug("metrics publish failed: %s", exc)
-            try:
-                await asyncio.wait_for(self.stopping.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(self.stopping, interval)
 
     async def _on_control(self, msg: ControlCommand, _subject: str, _reply: str | None) -> None:
         # A restarted controller retires every member of the job's previous incarnation.

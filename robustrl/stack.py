@@ -302,6 +302,10 @@ class Stack:
             self._thread = None
         if self.supervisor:
             self.supervisor.stop_all(grace_s=grace_s)
+        left = sweep_members(self.run_dir)
+        if left:
+            print(f"stack {self.run_dir}: killed {len(left)} member process(es) no controller stopped: "
+                  f"{left}", file=sys.stderr)
         if self.infra:
             self.infra.stop()
             self.infra = None
@@ -321,6 +325,29 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def sweep_members(run_dir: Path | str) -> list[int]:
+    """Kill the member processes the local launcher started for this stack that still run after
+    its services stopped (a controller killed or frozen before it stopped its members leaves
+    them orphaned): each carries ``ROBUSTRL_LAUNCH_MARK``, its pid file under ``run_dir/logs``.
+    Returns their pids."""
+    from robustrl.launcher.local import LAUNCH_MARK_ENV, marked_processes
+
+    logs = os.path.realpath(Path(run_dir) / "logs") + os.sep
+    killed = []
+    for proc, env in marked_processes():
+        if not os.path.realpath(env[LAUNCH_MARK_ENV]).startswith(logs):
+            continue
+        try:
+            if os.getsid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, signal.SIGKILL)  # the member and whatever it started
+            else:
+                proc.kill()
+            killed.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return killed
 
 
 def role_of(name: str) -> str:
@@ -351,12 +378,22 @@ def stop_detached(run_dir: Path | str) -> list[str]:
                 os.kill(sup_pid, signal.SIGTERM)
                 _wait_pid_gone(sup_pid, STOP_GRACE_S)
                 stopped.append("supervisor")
+        signalled = {}
         for name, pid in json.loads(path.read_text()).get("pids", {}).items():
             try:
+                os.killpg(pid, signal.SIGCONT)  # a frozen service cannot act on SIGTERM
                 os.killpg(pid, signal.SIGTERM)
                 stopped.append(name)
+                signalled[name] = pid
             except (ProcessLookupError, PermissionError):
                 pass
+        # The controller stops its members on SIGTERM: give the services their grace, then kill
+        # the members no controller stopped (one killed or frozen before ``down`` leaves them).
+        deadline = time.monotonic() + STOP_GRACE_S
+        for pid in signalled.values():
+            _wait_pid_gone(pid, max(0.0, deadline - time.monotonic()))
+        if left := sweep_members(run_dir):
+            stopped.append(f"{len(left)} orphaned member(s)")
         path.unlink()
     if (run_dir / "infra").exists():
         try:

@@ -17,8 +17,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
   command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
   if [ "${#missing[@]}" -gt 0 ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) \
-      || echo "could not install ${missing[*]}: the tests that need them will be skipped"
+    # apt's own chatter (debconf notes) goes to a log; it is printed only if the install fails
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") \
+      >.venv/apt.log 2>&1 \
+      || { tail -n 20 .venv/apt.log; echo "could not install ${missing[*]}: the tests that need them will be skipped"; }
   fi
 fi
 . .venv/bin/activate

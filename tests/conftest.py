@@ -5,6 +5,7 @@ Helpers such as ``eventually`` live in ``tests/support.py``.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -12,7 +13,14 @@ import pytest
 
 from robustrl.config import Settings
 from robustrl.infra.embedded import EmbeddedInfra
+from robustrl.launcher.zygote import FORK_START_ENV
 from robustrl.storage.objects import S3ObjectStore
+
+# Members fork from one pre-imported zygote (robustrl.launcher.zygote) in every stack the suite
+# starts: a cold start's 5.5 s of imports per member, several at once on 2 cores, was most of the
+# suite's time. Cold starts stay covered: test_local_launcher (cold and forked), placed testbed
+# members and vLLM members (always cold), the Docker and Ray launchers; the benchmarks run cold.
+os.environ.setdefault(FORK_START_ENV, "1")
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +66,21 @@ def api(stack: object) -> Iterator[object]:
         yield client
     finally:
         client.close()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Where each failure or error was, innermost frames last, next to the short summary: CI
+    keeps only the end of the output, and a timeout's own traceback (where the main thread was
+    stuck) is printed far above it, behind the other threads' stacks."""
+    reports = [r for kind in ("failed", "error") for r in terminalreporter.stats.get(kind, [])]
+    if not reports:
+        return
+    terminalreporter.section("where each failure was (innermost frames)")
+    for report in reports:
+        terminalreporter.line(f"{report.nodeid} ({report.when}):")
+        entries = getattr(getattr(report.longrepr, "reprtraceback", None), "reprentries", [])
+        for entry in entries[-8:]:
+            loc = getattr(entry, "reprfileloc", None)
+            if loc is not None:
+                code = next((line[1:].strip() for line in getattr(entry, "lines", []) if line.startswith(">")), "")
+                terminalreporter.line(f"    {loc.path}:{loc.lineno}: {code or loc.message}")

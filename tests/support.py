@@ -127,3 +127,32 @@ def raw_job_record(redis_url: str, job_id: str) -> dict[str, Any]:
         r.close()
     assert raw is not None, f"no record of {job_id} in Redis"
     return dict(json.loads(raw))
+
+
+def stop_ray_cluster(cluster: Any) -> None:
+    """Stop a test Ray cluster and remove its temp dir; fail if a Ray process outlived it."""
+    import shutil
+
+    cluster.stop()
+    left = cluster.leftovers()
+    shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+    assert left == [], f"Ray processes left after teardown: {left}"
+
+
+def take_testbed_down(tb: Any) -> None:
+    """Take a test's testbed down; fail if anything of it is left."""
+    from robustrl.testbed import leftovers
+
+    tag = tb.state.tag
+    tb.down()
+    assert leftovers(tag) == [], f"left after down: {leftovers(tag)}"
+
+
+def ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or a zombie not reaped yet. Read from /proc in one
+    go (``pid_exists`` then ``Process(pid)`` raced with the reaper: NoSuchProcess between them)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True

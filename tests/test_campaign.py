@@ -65,10 +65,23 @@ def test_reduced_campaign_loses_nothing(tmp_path):
                                 seed=CAMPAIGN_SEED)
     (tmp_path / "campaign.json").write_text(json.dumps(report, indent=1))
     r = report["modes"]["sync"]
-    assert r["faults_injected"] >= 20, [i for i in r["injections"] if not i["ok"]]
-    assert r["job_completed"], (r["status"], r["error"])
+    # On failure the message carries what the next reader needs (CI prints only this): the job's
+    # end, its injections, and the last lines of every process's log.
+    why = {k: r.get(k) for k in ("status", "error", "steps_committed", "max_stuck_s", "injections")}
+    assert r["faults_injected"] >= 20, (why, _log_tails(tmp_path / "run" / "logs"))
+    assert r["job_completed"], (why, _log_tails(tmp_path / "run" / "logs"))
     assert {k: r[k] for k in ("steps_trained_twice", "steps_lost", "episodes_lost", "checkpoints_unloadable",
                               "replicas_served_bad_weights")} == dict.fromkeys(
         ("steps_trained_twice", "steps_lost", "episodes_lost", "checkpoints_unloadable",
          "replicas_served_bad_weights"), 0), r["violations"]
     assert r["audit_ok"], r["violations"]
+
+
+def _log_tails(logs, lines: int = 6) -> str:  # type: ignore[no-untyped-def]
+    out = []
+    for path in sorted(logs.glob("*.log")):
+        every = [ln[:300] for ln in path.read_text(errors="replace").splitlines() if ln and not ln.startswith(" ")]
+        loud = [ln for ln in every if any(f" {lv} " in ln for lv in ("WARNING", "ERROR", "CRITICAL"))]
+        shown = loud[-lines:] + ([every[-1]] if every and (not loud or every[-1] != loud[-1]) else [])
+        out.append(f"== {path.name}\n" + "\n".join(shown))
+    return "\n".join(out)

@@ -179,12 +179,16 @@ def test_compose_up_then_trainer_container_killed_recovers_role_locally(stack: S
     assert kinds(events, "recovered"), "no recovery recorded"
     assert status["committed_step"] == STEPS - 1
 
-    after = _members(stack, jid)
-    # The new gang ran as new containers made by the launcher ...
-    assert {"trainer-e2-r0", "trainer-e2-r1"} <= set(after), sorted(after)
-    assert after["trainer-e2-r0"].attrs["State"]["ExitCode"] == 0  # stopped cleanly at the end
-    # ... the dead rank's partner was killed by the launcher (expected), not left running ...
-    assert after["trainer-e1-r1"].status == "exited"
+    after = _members(stack, jid)  # by the member a container was created for (its labels stay)
+    started_by_id = {d["member_id"]: d for d in kinds(events, "member_started")}
+    # The dead rank's partner was kept in place as rank 0 of the new gang (keep_survivors): the
+    # same container, its process handed over; only rank 1 ran as a new container ...
+    assert (started_by_id["trainer-e2-r0"]["source"], started_by_id["trainer-e2-r0"]["borrowed_from"]) == (
+        "survivor", "trainer-e1-r1"), started_by_id["trainer-e2-r0"]
+    assert "trainer-e2-r1" in after and "trainer-e2-r0" not in after, sorted(after)
+    for member in ("trainer-e1-r1", "trainer-e2-r1"):  # the new gang's ranks: stopped cleanly at the end
+        assert after[member].attrs["State"]["ExitCode"] == 0, (member, after[member].attrs["State"])
+    assert after["trainer-e1-r0"].status == "exited"  # the killed rank stays down
     # ... and the rollout replicas were never touched: same containers served the whole job.
     started = [d["member_id"] for d in kinds(events, "member_started")]
     assert sorted(m for m in started if m.startswith("rollout")) == ["rollout-0-i0", "rollout-1-i0"]

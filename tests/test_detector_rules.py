@@ -217,6 +217,20 @@ def test_silence_probe_timeout_is_unresponsive() -> None:
     assert at - probe_at == CFG.probe_timeout_s
 
 
+def test_a_host_gone_silent_reports_its_trainer_rank_before_its_replica() -> None:
+    """A host cut off silences a replica and a gang rank in the same tick; the replica is the
+    older member here (first in the monitor), yet the trainer's fault comes first: the
+    controller handles reports in order, and the gang must get the warm spare before the
+    replica's replacement does."""
+    run = Run(monitor())
+    r, t = Member("r0", "rollout"), Member("t0", "trainer", phase="waiting_batch")
+    run.advance(1.0, [r, t])
+    run.advance(6.0, [r, t], send=False)
+    ticks = {at for at, _ in run.faults}
+    assert len(ticks) == 1, run.faults  # both failed in one tick
+    assert [f.member_id for _, f in run.faults] == ["t0", "r0"]
+
+
 def test_samples_delayed_by_load_within_silence_s_are_fine() -> None:
     run, r = Run(monitor()), Member("r0", "rollout", inflight=1)
     for _ in range(10):  # a sample every 2.5 s (< silence_s), progressing each time

@@ -101,7 +101,7 @@ async def test_no_stale_write_lands_after_the_newer_gang_entered(redis) -> None:
                 pass
 
     async def takeover() -> None:
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one loop step: the takeover lands among the racing writes, not first
         await g2.enter()
         await g2.record_trained(-1, "marker")
 
@@ -205,3 +205,65 @@ async def test_fresh_gang_with_committed_history_and_no_loadable_checkpoint_rais
     assert history.committed == 4
     with pytest.raises(CheckpointLost, match="no checkpoint loads"):
         resume_step(None, history)
+
+
+async def test_a_retried_trained_log_append_is_recorded_once(redis) -> None:  # type: ignore[no-untyped-def]
+    """The Redis client retries a command whose connection dropped, and the server may have run it
+    before the drop (seen: a Redis restart under tests/test_infra_restart.py pushed one entry
+    twice). The trained-log append runs its script again on a retry: the step must be recorded once,
+    or the auditor sees a batch trained twice. A newer gang's redo of the step is still appended."""
+    job = _job()
+    g1, g2 = GangFence(redis, job, 1), GangFence(redis, job, 2)
+    await g1.enter()
+    await g1.record_trained(3, "c3")
+    await g1.record_trained(3, "c3")  # what the client's retry does: the same script, the same arguments
+    await g1.record_trained(4, "c4")
+    await g2.enter()
+    await g2.record_trained(4, "c4")  # same step and weights, another gang: a redo, recorded
+    raw_log = [json.loads(x) for x in await redis.lrange(Keys.trained_log(job), 0, -1)]
+    assert [(e["step"], e["epoch"]) for e in raw_log] == [(3, 1), (4, 1), (4, 2)], raw_log
+
+
+async def test_the_weights_pointer_never_names_a_version_the_event_log_does_not_hold(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Replicas load whatever the pointer names (they read it every 2 s), and the auditor accepts
+    a loaded checksum only if the log holds it published. The trainer wrote the pointer first and
+    the event last: one that died between them, or whose event JetStream did not store (it gives
+    up after its retries), left a loadable version the log never held. Against servers of its
+    own: the events stream is deleted (JetStream refuses every event), and the raw pointer key is
+    read."""
+    from robustrl.services.trainer.worker import publish_weights
+
+    from robustrl.bus import Bus
+    from robustrl.errors import TransportError
+    from robustrl.infra.embedded import EmbeddedInfra
+    from robustrl.messages import WeightsAnnounce
+    from robustrl.subjects import EVENTS_STREAM
+
+    infra = EmbeddedInfra(tmp_path / "infra")
+    settings = infra.start()
+    bus = await Bus.connect(settings.nats_url, "trainer-test", role="trainer")
+    r = connect(settings.redis_url)
+    try:
+        await bus.ensure_event_stream()
+        job = _job()
+        gang = GangFence(r, job, 1)
+        await gang.enter()
+
+        def announce(version: int) -> WeightsAnnounce:
+            return WeightsAnnounce(job_id=job, version=version, epoch=1, checksum=f"c{version}",
+                                   sources=["127.0.0.1:1"], manifest_digest="d", manifest_bytes=1)
+
+        await publish_weights(bus, gang, announce(1), 10)
+        assert json.loads(await r.get(Keys.weights_latest(job)))["version"] == 1
+        assert [(e.data["version"], e.data["checksum"]) for e in await bus.read_events(job)
+                if e.kind == "weights_published"] == [(1, "c1")]
+
+        await bus.client.jetstream().delete_stream(EVENTS_STREAM)
+        with pytest.raises(TransportError):
+            await publish_weights(bus, gang, announce(2), 10, retry_s=1.0)
+        # Not pointed at: no replica can load v2, which no log holds.
+        assert json.loads(await r.get(Keys.weights_latest(job)))["version"] == 1
+    finally:
+        await bus.close()
+        await r.aclose()
+        infra.stop()

@@ -115,7 +115,7 @@ async def test_redis_commands_ride_through_restart(own_infra: EmbeddedInfra) -> 
             await pipe.execute()
             await r.rpush("ride:list", n)
             n += 1
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # paces the load: commands keep coming over the restart window
         await asyncio.to_thread(thread.join)
         assert took
     finally:
@@ -123,7 +123,13 @@ async def test_redis_commands_ride_through_restart(own_infra: EmbeddedInfra) -> 
     raw = redis.Redis.from_url(settings.redis_url, socket_timeout=2)
     try:
         assert raw.scard("ride:set") == n
-        assert [int(x) for x in raw.lrange("ride:list", 0, -1)] == list(range(n))
+        # Nothing lost, nothing out of order. A command whose reply was lost in the restart is
+        # run again by the retry, and the server may have run it already: a plain RPUSH can land
+        # twice (seen once in a full suite). The stores' own writes are idempotent for that
+        # reason (the trained-log append checks its tail: tests/test_fencing.py).
+        pushed = [int(x) for x in raw.lrange("ride:list", 0, -1)]
+        assert [x for i, x in enumerate(pushed) if i == 0 or x != pushed[i - 1]] == list(range(n)), pushed
+        assert len(pushed) <= n + 1, pushed  # at most the one command cut off by the restart
         assert all(raw.get(f"ride:{i}") == str(i).encode() for i in range(n))
     finally:
         raw.close()

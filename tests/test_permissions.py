@@ -10,20 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import re
 import typing
 import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
+import httpx
 import nats
 import pytest
 import redis
 from minio import Minio
 from minio.error import InvalidResponseError, S3Error
+from support import eventually
 
 from robustrl import subjects
 from robustrl.config import Settings
-from robustrl.infra.credentials import REDIS_ACCESS, S3_ROLES, Credentials, role_settings
+from robustrl.infra.credentials import CREDENTIAL_VARS, REDIS_ACCESS, S3_ROLES, Credentials, role_settings
+from robustrl.launcher.zygote import fork_start_enabled
 from robustrl.messages import EventKind
 from robustrl.subjects import EVENT_OWNERS, Principal, Verb, permissions
 
@@ -116,10 +121,21 @@ def creds(infra: Settings) -> Credentials:
     return Credentials.load(infra.credentials_file)
 
 
-async def _publish_sweep(infra: Settings, role_url: str, probes: list[str], sentinel: str) -> set[str]:
+async def _publish_sweep(infra: Settings, role_url: str, probes: list[str], sentinel: str
+                         ) -> tuple[set[str], str | None]:
     """Publish every probe with the role's credentials; return the probes an unrestricted
-    subscriber received (the sentinel, allowed, is published last: order is kept per connection)."""
-    admin = await nats.connect(infra.nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    subscriber received (the sentinel, allowed, is published last: order is kept per connection),
+    and why the sweep is incomplete (None: the sentinel came back)."""
+    admin_events: list[str] = []
+
+    async def admin_error(exc: Exception) -> None:
+        admin_events.append(f"admin error: {exc!r}")
+
+    async def admin_gone() -> None:
+        admin_events.append("admin disconnected")
+
+    admin = await nats.connect(infra.nats_url, connect_timeout=2, max_reconnect_attempts=0,
+                               error_cb=admin_error, disconnected_cb=admin_gone)
     errors: list[str] = []
 
     async def on_error(exc: Exception) -> None:
@@ -135,6 +151,7 @@ async def _publish_sweep(infra: Settings, role_url: str, probes: list[str], sent
         elif msg.data.startswith(b"probe:"):
             got.add(msg.data[len(b"probe:"):].decode())
 
+    incomplete = None
     try:
         for pattern in ("rrl.>", "$JS.API.>", "_INBOX.someone-elses-reply", "other.subject"):
             await admin.subscribe(pattern, cb=on_msg)
@@ -143,18 +160,24 @@ async def _publish_sweep(infra: Settings, role_url: str, probes: list[str], sent
             await role.publish(subj, b"probe:" + subj.encode())
         await role.publish(sentinel, b"sentinel")
         await role.flush()
-        await asyncio.wait_for(done.wait(), 30.0)
+        try:
+            await asyncio.wait_for(done.wait(), 30.0)
+        except TimeoutError:
+            incomplete = (f"the sentinel did not come back in 30 s ({len(got)} probes had); admin closed: "
+                          f"{admin.is_closed}, role closed: {role.is_closed}; {admin_events[-3:]}; "
+                          f"role errors: {len(errors)}, last {errors[-1:]}")
         # Each of the admin's subscriptions runs its callbacks in a task of its own: the sentinel's
         # can come before probes another subscription still holds, which drain (not close) delivers.
-        await admin.drain()
+        if not admin.is_closed:
+            await admin.drain()
     finally:
         await role.close()
         if not admin.is_closed:
             await admin.close()
     refused = {p for p in probes if p not in got}
-    if refused:
+    if refused and incomplete is None:
         assert any("ermission" in e for e in errors), "refused publishes were not reported to the client"
-    return got
+    return got, incomplete
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -163,7 +186,27 @@ def test_nats_refuses_every_publish_outside_the_role(infra, creds, role):
     publish, _ = permissions(role)
     probes = probe_subjects()
     sentinel = next(p for p in probes if _allowed(publish, p) and p.startswith("rrl.") and "events" not in p)
-    got = asyncio.run(_publish_sweep(infra, url, probes, sentinel))
+    # A sweep whose sentinel never came back (seen once on CI: 30 s without it) is done again,
+    # twice at most; what it delivered still counts, so a forbidden subject it let through fails.
+    got: set[str] = set()
+    why: list[str] = []
+    for _ in range(3):
+        more, incomplete = asyncio.run(_publish_sweep(infra, url, probes, sentinel))
+        got |= more
+        if incomplete is None:
+            break
+        why.append(incomplete)
+    else:
+        pytest.fail(f"no complete publish sweep in 3: {why}")
+    # An allowed publish missing from the sweep is published again (twice at most): a refusal is
+    # the same every time, while a message dropped on its way (seen once in a full suite: 19
+    # allowed subjects missing, the sentinel after them delivered) is not.
+    for _ in range(2):
+        missing = [p for p in probes if _allowed(publish, p) and p not in got and not p.startswith("$JS")]
+        if not missing:
+            break
+        more, _incomplete = asyncio.run(_publish_sweep(infra, url, missing, sentinel))
+        got |= more
     accepted_forbidden = sorted(p for p in got if not _allowed(publish, p))
     refused_allowed = sorted(p for p in probes if _allowed(publish, p) and p not in got
                              and not p.startswith("$JS"))
@@ -302,6 +345,27 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
+def _assert_holds_none(env: dict[str, str]) -> None:
+    """The start environment of a process that got its member's credentials afterwards (forked
+    from the zygote, or a warm spare): no credential of anyone's, the controller's least of all."""
+    held = sorted(k for k, v in env.items() if v and (k in CREDENTIAL_VARS or k.startswith(
+        tuple(f"ROBUSTRL_{r.value.upper()}_" for r in Principal))))
+    assert held == [], f"a process started for a member holds {held}"
+
+
+def _nats_users(infra: Settings) -> dict[str, set[str]]:
+    """Client name -> the users its live NATS connections authenticated as, from the server's own
+    monitoring endpoint (loopback; its port is in the server's config)."""
+    conf = (Path(infra.credentials_file or "").parent / "nats.conf").read_text()
+    port = re.search(r'^http: "127\.0\.0\.1:(\d+)"', conf, re.M)
+    assert port, "the embedded NATS server has no monitoring port"
+    connz = httpx.get(f"http://127.0.0.1:{port.group(1)}/connz?auth=true&limit=4096", timeout=10).json()
+    users: dict[str, set[str]] = {}
+    for c in connz.get("connections", []):
+        users.setdefault(c.get("name", ""), set()).add(c.get("authorized_user", ""))
+    return users
+
+
 def _assert_holds_only(env: dict[str, str], role: Principal, creds: Credentials) -> None:
     nats_user = urlparse(env["ROBUSTRL_NATS_URL"]).username
     assert nats_user == role.value, f"{role.value} connects to NATS as {nats_user}"
@@ -339,8 +403,27 @@ def test_a_job_runs_with_each_process_holding_only_its_roles_credentials(stack, 
         _assert_holds_only(_environ(pid), Principal(name), creds)
     members = [m for m in api.job(jid)["members"] if m.get("pid") and m.get("alive", True)]
     assert {m["role"] for m in members} == {"trainer", "rollout"}
+    forked = 0
     for m in members:
-        _assert_holds_only(_environ(m["pid"]), Principal(m["role"]), creds)
+        # What the process was started with: its role's credentials (a cold start), or none at all
+        # (forked from the zygote, as in this suite, or a warm spare: it took them from its order).
+        env = _environ(m["pid"])
+        if "ROBUSTRL_NATS_URL" in env:
+            _assert_holds_only(env, Principal(m["role"]), creds)
+        else:
+            _assert_holds_none(env)
+            forked += 1
+    if fork_start_enabled(dict(os.environ)):  # the stack's launcher forks: the zygote's env is judged
+        assert forked == len(members), f"{len(members) - forked} of {len(members)} members started cold"
+    # What each member holds now, seen by the NATS server: every connection named after a member
+    # authenticated as that member's role.
+    def connected() -> dict[str, set[str]] | None:
+        users = _nats_users(infra)
+        return users if all(m["member_id"] in users for m in members) else None
+
+    users = eventually(connected, timeout=30, what="every member connected to NATS")
+    for m in members:
+        assert users[m["member_id"]] == {m["role"]}, (m["member_id"], users[m["member_id"]])
     status = wait_done(api, jid)
     assert status["committed_step"] == 2
     # From the raw log: every event sits under a writer that owns its kind.

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from support import eventually_async
+
 from robustrl.chaos.scenario import Faults, PlannedFault, load_scenario, plan
 from robustrl.errors import ScenarioError
 
@@ -234,33 +236,45 @@ async def test_harness_fires_on_the_slots_newest_replica_decoding_and_times_out_
                    .crash("rollout", member=0, at_step=2, within_step=0.0).build(), steps=3)
     planned = [dataclasses.replace(p, until="decoding") for p in planned]
     harness = Harness(bus, "job", planned, decoding_wait_s=1.0)  # type: ignore[arg-type]
+    waiting_for: list[int] = []  # the steps whose decoding wait the harness has begun
+    wait_decoding = harness.wait_decoding
+
+    async def spy_wait_decoding(pf: object, stop_: asyncio.Event) -> dict[str, object]:
+        waiting_for.append(pf.step)  # type: ignore[attr-defined]
+        return await wait_decoding(pf, stop_)  # type: ignore[arg-type]
+
+    harness.wait_decoding = spy_wait_decoding  # type: ignore[method-assign]
     stop = asyncio.Event()
     task = asyncio.create_task(harness.run(stop))
-    await asyncio.sleep(0.05)
+    await eventually_async(lambda: {"rrl.events.job.request_manager.step_started", "rrl.job.metrics.>",
+                                    "rrl.job.phase.>"} <= bus.handlers.keys(), timeout=5.0, interval=0.005,
+                           what="the harness subscribed")
     on_step, on_metrics = bus.handlers["rrl.events.job.request_manager.step_started"], bus.handlers["rrl.job.metrics.>"]
     on_phase = bus.handlers["rrl.job.phase.>"]
     await on_metrics(_sample("rollout-1-i1", 2, 1), "", None)  # decoding, but before its step: too early
     await on_step(Event(job_id="job", kind="step_started", ts=time.time(), data={"step": 0}), "", None)
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # a window for a wrong firing (nothing is awaited: it must not happen)
     assert bus.requests == [], "fired on a sample that came before the wait"
     await on_metrics(_sample("rollout-0-i0", 3, 2), "", None)  # another slot
     await on_metrics(_sample("rollout-1-i1", 0, 3), "", None)  # the slot, idle
     await on_metrics(_sample("rollout-1-i0", 4, 4), "", None)  # the slot's replaced replica
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # a window for a wrong firing
     assert bus.requests == []
     t_seen = time.monotonic()
     await on_metrics(_sample("rollout-1-i1", 2, 5), "", None)
-    await asyncio.sleep(0.3)
+    await eventually_async(lambda: bus.requests, timeout=5.0, interval=0.005, what="the decoding sample fired it")
     assert len(bus.requests) == 1 and bus.requests[0][0] - t_seen < 0.2
     assert bus.requests[0][1].member == 1  # type: ignore[attr-defined]
     # Step 1: member 0's phase change to serving (a batch starting) fires it; idle does not.
     await on_step(Event(job_id="job", kind="step_started", ts=time.time(), data={"step": 1}), "", None)
-    await asyncio.sleep(0.2)
+    await eventually_async(lambda: 1 in waiting_for, timeout=5.0, interval=0.005,
+                           what="the harness began its decoding wait for step 1")
     await on_phase(PhaseChange(job_id="job", member_id="rollout-0-i0", role="rollout", phase="idle"), "", None)
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.3)  # a window for a wrong firing (idle must not fire it)
     assert len(bus.requests) == 1
     await on_phase(PhaseChange(job_id="job", member_id="rollout-0-i0", role="rollout", phase="serving"), "", None)
-    await asyncio.sleep(0.3)
+    await eventually_async(lambda: len(bus.requests) >= 2, timeout=5.0, interval=0.005,
+                           what="the phase change to serving fired it")
     assert len(bus.requests) == 2
     # Step 2: member 0 never decodes; injected at the 1 s bound.
     await on_step(Event(job_id="job", kind="step_started", ts=time.time(), data={"step": 2}), "", None)
@@ -293,3 +307,48 @@ def test_a_crash_timed_to_decoding_catches_turns_in_flight(stack, api) -> None: 
     [crash] = [f for f in api.report(report["job_id"])["faults"] if f["role"] == "rollout" and f["injected"]]
     assert crash["turns_redispatched"] >= 1 and crash["tokens_regenerated"] > 0, crash
     assert crash["turns_regenerated"] <= crash["episodes_regenerated"], crash
+
+
+def test_a_fault_asked_for_again_after_its_answer_was_lost_is_carried_out_once(stack, api) -> None:  # type: ignore[no-untyped-def]
+    """The campaign's double fault (CI, stop 19): a chaos request reached the controller just
+    before a NATS restart, the answer was refused by the restarted server, the harness asked again
+    and a second trainer rank was cut off. Here the answer is lost on purpose (a reply subject no
+    one listens to), then the same fault id is asked for on another member, and twice at once: the
+    event log must hold one injection per fault id, and every answer must name the first member."""
+    from jobs import kinds, small_job, wait_step
+
+    from robustrl.bus import Bus
+    from robustrl.messages import ChaosAck, ChaosRequest
+    from robustrl.subjects import Verb, subject
+
+    job_id = api.submit(small_job("chaosonce", steps=200))["job_id"]
+    try:
+        wait_step(api, job_id, 0)
+
+        async def drive() -> tuple[ChaosAck, list[ChaosAck]]:
+            bus = await Bus.connect(stack.settings.nats_url, "chaos-once", role="harness")
+            try:
+                subj = subject(job_id, Verb.CHAOS)
+                lost = ChaosRequest(job_id=job_id, fault_id="once-a", kind="slow", role="rollout", member=0,
+                                    duration_s=1.0, factor=2.0)
+                await bus._nc.publish(subj, lost.encode(), reply="_INBOX.nobody-listens")
+                again = await bus.request(subj, lost.model_copy(update={"member": 1}), ChaosAck, timeout=10)
+                twice = ChaosRequest(job_id=job_id, fault_id="once-b", kind="slow", role="rollout", member=0,
+                                     duration_s=1.0, factor=2.0)
+                both = await asyncio.gather(
+                    bus.request(subj, twice, ChaosAck, timeout=10),
+                    bus.request(subj, twice.model_copy(update={"member": 1}), ChaosAck, timeout=10))
+                return again, list(both)
+            finally:
+                await bus.close()
+
+        again, both = asyncio.run(drive())
+        injected = [d for d in kinds(api.events(job_id), "fault_injected") if d["fault_id"].startswith("once-")]
+        by_id: dict[str, list[str]] = {}
+        for d in injected:
+            by_id.setdefault(d["fault_id"], []).append(d["member_id"])
+        assert {k: len(v) for k, v in by_id.items()} == {"once-a": 1, "once-b": 1}, injected
+        assert again.ok and again.member_id == by_id["once-a"][0] and again.member_id.startswith("rollout-0-"), again
+        assert all(a.ok for a in both) and {a.member_id for a in both} == set(by_id["once-b"]), both
+    finally:
+        api.stop(job_id)

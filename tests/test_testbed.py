@@ -281,7 +281,7 @@ def _owner_process(reaper: bool) -> tuple[subprocess.Popen[str], dict[str, objec
         "tb.up()\n"
         "tb.popen('h0', ['sleep', '60'])\n"
         "print(json.dumps(tb.describe()), flush=True)\n"
-        "time.sleep(60)\n"
+        "time.sleep(60)\n"  # the owner lives on until the test kills it
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None

@@ -79,7 +79,7 @@ from robustrl.testbed import Testbed
 faults = NetworkFaults(Testbed.attach(sys.argv[1]))
 faults.inject("net_drop", "h1", duration_s=float(sys.argv[2]))
 print("injected", flush=True)
-time.sleep(60)
+time.sleep(60)  # the injector lives on until the test kills it
 """
 
 
@@ -109,7 +109,7 @@ def test_close_cancels_pending_heals_and_the_fault_stays(testbed: Testbed, liste
     faults.inject("net_drop", "h1", duration_s=0.5)
     faults.close()
     assert _healers() == []
-    time.sleep(1.5)
+    time.sleep(1.5)  # 3x the fault's duration: the window in which a cancelled heal would have run
     assert [f["kind"] for f in testbed.faults] == ["cut"]  # until heal
     faults.heal()
     assert testbed.faults == [] and _reaches(testbed, listener)

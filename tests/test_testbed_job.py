@@ -22,7 +22,7 @@ import pytest
 import yaml
 from jobs import kinds, small_job, wait_done
 from pydantic import ValidationError
-from support import BusObserver, eventually
+from support import BusObserver, eventually, take_testbed_down
 
 from robustrl.chaos.scenario import Faults, parse_scenario, plan
 from robustrl.client import ApiClient
@@ -31,7 +31,7 @@ from robustrl.launcher.base import MemberSpec
 from robustrl.messages import ChaosRequest, WeightsHave, decode
 from robustrl.stack import Stack
 from robustrl.subjects import Verb, all_jobs
-from robustrl.testbed import Testbed, leftovers
+from robustrl.testbed import Testbed
 from robustrl.testbed import commands as tb_commands
 from robustrl.testbed.placement import RolePlacement
 
@@ -63,8 +63,7 @@ def testbed() -> Iterator[Testbed]:
         yield tb
     finally:
         tag = tb.state.tag
-        tb.down()
-        assert leftovers(tag) == [], f"left after down: {leftovers(tag)}"
+        take_testbed_down(tb)
         assert tb_commands.run(["ip", "link", "show"]).count(f"rrl{tag}gw") == 0
         alive = [pid for pid, start in seen if _alive(pid, start)]
         assert alive == [], f"processes of the hosts still running: {alive}"
@@ -238,7 +237,12 @@ def test_placement_puts_a_gang_on_one_host_and_replicas_round_robin(testbed: Tes
     assert [p.assign(spec("trainer", r)) for r in range(3)] == ["h0", "h0", "h0"]
     assert [p.assign(spec("trainer", r)) for r in range(2)] == ["h1", "h1"]  # the next gang, next host
     assert p.assign(MemberSpec("other", "trainer-0", "trainer", "m")) == "h0"  # another job starts over
-    assert [p.assign(spec("rollout")) for _ in range(3)] == ["h1", "h2", "h1"]
+    assert [p.assign(spec("rollout")) for _ in range(3)] == ["h1", "h2", "h1"]  # ids of another shape
+    # A job's replicas by slot and incarnation, in whatever order they start (they start
+    # concurrently); a replacement on the next host.
+    assert [p.assign(MemberSpec("j", f"j--rollout-{s}-i0", "rollout", "m")) for s in (2, 0, 1, 3)] == [
+        "h1", "h1", "h2", "h2"]
+    assert p.assign(MemberSpec("j", "j--rollout-1-i1", "rollout", "m")) == "h1"
     assert p.assign(spec("request_manager")) is None
     assert p.member_env("h2") == {"ROBUSTRL_BIND_HOST": testbed.address("h2")}
     again = RolePlacement.from_env(p.to_env())

@@ -9,7 +9,6 @@ never repaired.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from robustrl import subjects
+from robustrl.aio import within
 from robustrl.bus import redact_url
 from robustrl.errors import MessageError, StorageError, TransportError
 from robustrl.messages import loads_bounded
@@ -125,7 +125,7 @@ async def read_event_log(nats_url: str, job_id: str, *, fetch_timeout_s: float =
     try:
         # Bounded: nats-py's initial connect to a refused port retried forever here (the compose
         # test's auditor hung 25 min on a NATS URL it could not reach).
-        nc = await asyncio.wait_for(
+        nc = await within(
             nats.connect(servers=[nats_url], name="auditor", connect_timeout=CONNECT_TIMEOUT_S,
                          allow_reconnect=False, max_reconnect_attempts=0, error_cb=_quiet),
             CONNECT_TIMEOUT_S * 3)

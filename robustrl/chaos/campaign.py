@@ -18,6 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from robustrl.aio import wait_event
 from robustrl.audit import AuditOptions, ObservedStep, audit
 from robustrl.audit.raw import RawEvent, observe_batch, read_event_log, redis_job_bytes
 from robustrl.bus import Bus
@@ -156,10 +157,7 @@ class CampaignDriver:
                 return True
             if stop.is_set() or time.monotonic() > deadline:
                 return False
-            try:
-                await asyncio.wait_for(changed.wait(), POLL_S)
-            except TimeoutError:
-                pass
+            await wait_event(changed, POLL_S)
 
     def _mark_after(self, start: int, trigger: str, role: str) -> tuple[str, str, int] | None:
         for mark in self._marks[start:]:
@@ -229,7 +227,9 @@ class CampaignDriver:
                 ok, mid, err = ack.ok, ack.member_id, ack.error
             except RequestTimeout as exc:
                 ok, mid, err = False, None, str(exc)
-            # The target may be down being replaced: retry on the same index for a while.
+            # The target may be down being replaced: retry on the same index for a while. A retry
+            # after a lost answer (a NATS restart between request and answer) is safe: the
+            # controller carries out a fault id once and answers a repeat with the first's member.
             if ok or time.monotonic() > deadline or "not supported" in (err or ""):
                 break
             member = f.member

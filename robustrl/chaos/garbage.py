@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from robustrl import messages as m
+from robustrl.aio import within
 from robustrl.errors import MessageError
 from robustrl.subjects import EVENT_OWNERS, Verb, events, subject
 
@@ -307,7 +308,7 @@ async def probe_forbidden_publishes(admin_url: str, role_url: str, role: str, jo
             await client.publish(subj, b"probe:" + subj.encode())
         await client.publish(sentinel, b"sentinel")
         await client.flush()
-        await asyncio.wait_for(done.wait(), timeout_s)
+        await within(done.wait(), timeout_s)
     finally:
         await client.close()
         await admin.close()

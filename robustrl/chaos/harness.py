@@ -29,30 +29,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from robustrl.aio import wait_event
 from robustrl.bus import Bus
 from robustrl.chaos.scenario import CONTROL_PLANE, DECODING, INFRA, PlannedFault
 from robustrl.errors import LaunchError, RequestTimeout
+from robustrl.launcher.base import rollout_slot
 from robustrl.messages import ChaosAck, ChaosRequest, Event, MetricsSample, PhaseChange, StepCommitted
 from robustrl.subjects import Verb, events, subject, wildcard
 
 log = logging.getLogger(__name__)
 ACK_TIMEOUT_S = 5.0
+ACK_ATTEMPTS = 3
+"""Requests per fault while no answer comes (the answer of one sent just before a NATS restart is
+lost; the controller answers a repeat without carrying the fault out twice)."""
 DECODING_WAIT_S = 60.0
 """Longest a ``decoding`` fault waits to see its member decode before it is injected anyway."""
 DECODING_POLL_S = 0.1
-ROLLOUT_MEMBER = re.compile(r"rollout-(\d+)-i(\d+)")
-"""A rollout member id: ``rollout-<slot>-i<incarnation>`` (services.controller.launching)."""
-
-
-def rollout_slot(member_id: str) -> tuple[int, int] | None:
-    """(slot, incarnation) of a rollout member id; None for any other member."""
-    m = ROLLOUT_MEMBER.fullmatch(member_id)
-    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 class LocalFaults(Protocol):
@@ -133,19 +129,12 @@ class Harness:
             for pf in self.planned:
                 while pf.step not in self.step_started and not stop.is_set():
                     self._changed.clear()
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), 0.5)
-                    except TimeoutError:
-                        pass
+                    await wait_event(self._changed, 0.5)
                 if stop.is_set():
                     break
                 wait = self.step_started[pf.step] + pf.delay_s - time.monotonic()
-                if wait > 0:
-                    try:
-                        await asyncio.wait_for(stop.wait(), wait)
-                        break
-                    except TimeoutError:
-                        pass
+                if wait > 0 and await wait_event(stop, wait):
+                    break
                 trigger: dict[str, Any] = {"trigger": "delay"}
                 if pf.until == DECODING:
                     trigger = await self.wait_decoding(pf, stop)
@@ -179,10 +168,7 @@ class Harness:
                         "committed": self.committed,
                         "samples_seen": self.samples.get(pf.member_index, 0) - n0}
             self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), min(DECODING_POLL_S, deadline - now))
-            except TimeoutError:
-                pass
+            await wait_event(self._changed, min(DECODING_POLL_S, deadline - now))
         return {"trigger": "stopped"}
 
     async def inject(self, pf: PlannedFault, trigger: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -192,13 +178,18 @@ class Harness:
         req = ChaosRequest(job_id=self.job_id, fault_id=pf.fault_id, kind=pf.kind, role=pf.role,  # type: ignore[arg-type]
                            member=pf.member_index, duration_s=pf.duration_s, factor=max(1.0, pf.factor),
                            against=list(pf.against))
-        try:
-            ack = await self.bus.request(subject(self.job_id, Verb.CHAOS), req, ChaosAck, timeout=ACK_TIMEOUT_S)
-            rec = {"fault_id": pf.fault_id, "kind": pf.kind, "role": pf.role, "step": pf.step,
-                   "member_id": ack.member_id, "ok": ack.ok, "error": ack.error, **trigger}
-        except RequestTimeout as exc:
-            rec = {"fault_id": pf.fault_id, "kind": pf.kind, "role": pf.role, "step": pf.step,
-                   "member_id": None, "ok": False, "error": str(exc), **trigger}
+        rec: dict[str, Any] = {"fault_id": pf.fault_id, "kind": pf.kind, "role": pf.role, "step": pf.step,
+                               "member_id": None, "ok": False, "error": None, **trigger}
+        for attempt in range(ACK_ATTEMPTS):
+            # The controller carries out a fault id once: asking again after a lost answer (a
+            # NATS restart between the request and its answer) cannot hit a second member.
+            try:
+                ack = await self.bus.request(subject(self.job_id, Verb.CHAOS), req, ChaosAck, timeout=ACK_TIMEOUT_S)
+            except RequestTimeout as exc:
+                rec["error"] = f"{exc} ({attempt + 1} attempts)"
+                continue
+            rec.update(member_id=ack.member_id, ok=ack.ok, error=ack.error)
+            break
         log.info("injected %s", rec)
         self.acks.append(rec)
         return rec

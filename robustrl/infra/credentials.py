@@ -216,6 +216,20 @@ def without_role_credentials(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in drop and k != "ROBUSTRL_CREDENTIALS_FILE"}
 
 
+CREDENTIAL_VARS = frozenset({f"ROBUSTRL_{suffix}" for suffix in _FIELDS.values()}
+                            | {"ROBUSTRL_API_TOKEN", "ROBUSTRL_CREDENTIALS_FILE"})
+"""The variables through which a process holds its own credentials (a member's are set by
+``credentials_for``; the controller's are its own)."""
+
+
+def without_credentials(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with no credential at all, neither any role's nor the holder's own: the environment
+    of a process that gets its member's credentials later (a warm spare, the fork server), so
+    that a member never holds the controller's (``/proc/<pid>/environ`` keeps what a process was
+    started with, whatever it sets afterwards)."""
+    return {k: v for k, v in without_role_credentials(env).items() if k not in CREDENTIAL_VARS}
+
+
 # --- compose: the same rules, passwords from compose/.env ---------------------------------------
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from robustrl.aio import within
 from robustrl.errors import RobustRLError
 from robustrl.rl.tasks import lookup_table
 
@@ -191,7 +192,7 @@ class ToolService:
         for attempt in range(retries + 1):
             attempts += 1
             try:
-                text = await asyncio.wait_for(self._attempt(name, arg, latency_s), timeout=timeout_s)
+                text = await within(self._attempt(name, arg, latency_s), timeout_s)
                 return ToolResult(text, True, attempts, self._clock() - start, None)
             except TimeoutError:
                 last_error = f"timed out after {timeout_s:g}s"

@@ -62,7 +62,13 @@ if tonumber(ARGV[2]) < tonumber(ARGV[3]) then redis.call('SET', KEYS[2], ARGV[1]
 return {3, epoch}
 """
 
-_APPEND = _GUARD + "redis.call('RPUSH', KEYS[2], ARGV[2]); return {1, epoch}"
+# Idempotent under the client's retry: a command whose reply was lost (a Redis restart) may have
+# run, and the retry runs it again. An entry equal to the log's last (same step, gang and weights)
+# is such a repeat; within one gang the steps only grow, so nothing else can look like one.
+_APPEND = _GUARD + """
+if redis.call('LINDEX', KEYS[2], -1) ~= ARGV[2] then redis.call('RPUSH', KEYS[2], ARGV[2]) end
+return {1, epoch}
+"""
 
 _SET = _GUARD + "redis.call('SET', KEYS[2], ARGV[2]); return {1, epoch}"
 

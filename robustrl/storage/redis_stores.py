@@ -393,6 +393,14 @@ return 1
                                      json.dumps(record), int(fence)), Keys.jobs())
         return bool(int(ok))
 
+    async def get(self, job_id: str) -> dict[str, Any] | None:
+        """``job_id``'s record; None if there is none (or it is damaged)."""
+        raw = await _call(self.r.hget(Keys.jobs(), job_id), Keys.jobs())
+        try:
+            return None if raw is None else json.loads(raw)
+        except ValueError:
+            return None
+
     async def all(self) -> dict[str, dict[str, Any]]:
         raw = await _call(self.r.hgetall(Keys.jobs()), Keys.jobs())
         out = {}

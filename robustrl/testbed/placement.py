@@ -3,8 +3,10 @@
 A :class:`RolePlacement` maps a role to hosts, e.g. ``{"trainer": ["h0"], "rollout": ["h1", "h2"]}``.
 The local launcher asks it for a host (``assign``) when it starts a member whose spec names none:
 
-* rollout replicas go round-robin over the role's hosts, in the job's start order, so a
-  replacement lands on the next host rather than on the one its predecessor died on;
+* rollout replica ``rollout-<slot>-i<incarnation>`` goes to host ``(slot + incarnation) mod n``
+  of the role's hosts, so the slots spread over the hosts whatever order they start in, and a
+  replacement lands on the next host rather than on the one its predecessor died on (a member id
+  of another shape: round-robin in start order);
 * a trainer gang goes to one host (the next of the role's hosts for each new gang of the job): its ranks
   meet at ``MASTER_ADDR``, which the controller fixes before rank 0 has a host, and a gang on one
   host is one multi-GPU node.
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from robustrl.errors import ConfigError, TestbedError
-from robustrl.launcher.base import MemberSpec
+from robustrl.launcher.base import MemberSpec, rollout_slot
 from robustrl.testbed.state import STATE_DIR
 from robustrl.testbed.testbed import Testbed
 
@@ -89,6 +91,10 @@ class RolePlacement:
                 return gang  # the rest of the gang joins rank 0's host
             n = self._next.get((spec.job_id, spec.role), 0)
             self._next[(spec.job_id, spec.role)] = n + 1
+            if spec.role == "rollout" and (slot := rollout_slot(spec.member_id)):
+                # By slot and incarnation, not by start order: a job's replicas start concurrently
+                # (each after a lease check), so the order of the calls here is not the slots'.
+                n = sum(slot)
             host = hosts[n % len(hosts)]
             if spec.role == "trainer":
                 self._gang_host[spec.job_id] = host
