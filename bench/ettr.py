@@ -30,6 +30,18 @@ warm spares for every member one of its restarts starts (``--warm-spares``, defa
 workers, for a role_local gang; plus one per replica for whole_job), local spare processes or Ray
 spare actors; the same checkpoints, steps and fault scenario.
 
+    python bench/ettr.py --launcher ray --testbed --out bench/results/ettr-ray-testbed.json [--quick]
+
+runs the same on a Ray cluster on the testbed (``robustrl.launcher.ray_cluster.TestbedRayCluster``):
+two hosts (network namespaces on a bridge, 1 Gbit/s links), a worker node inside each, the head,
+the infra and the control plane in the root namespace on the testbed's gateway address. The
+local-launcher runs place their members inside the same hosts (trainer gang and replicas
+round-robin over both, ``robustrl.testbed.placement``), so both launchers run members on the same
+hosts; the local launcher's warm spares run outside every host, so its members start cold there
+(Ray's spares are actors on the worker nodes, inside the hosts). The node-loss run cuts the link
+of the host running trainer rank 0 (every packet dropped, nothing killed) instead of killing its
+node.
+
     python bench/ettr.py --engine vllm --out bench/results/ettr-vllm.json [--steps 12]
                          [--compare vllm,torch]
 
@@ -420,6 +432,16 @@ def _ensure_nodes(cluster: Any) -> dict[str, Any]:
     return {"alive_before": alive, "restarted_before": restarted}
 
 
+def _stack_kwargs(cluster: Any, launcher: str) -> dict[str, Any]:
+    """A stack on the cluster's testbed, if it has one (infra and control plane on the gateway
+    address); local-launcher members then go inside the cluster's hosts, round-robin."""
+    testbed = getattr(cluster, "testbed", None)
+    if testbed is None:
+        return {}
+    hosts = list(cluster.hosts) if launcher == "local" else []
+    return {"testbed": testbed, "placement": {"trainer": hosts, "rollout": hosts} if hosts else {}}
+
+
 async def _ray_bench_run(tmp: Path, cluster: Any, launcher: str, spec: dict[str, Any], seed: int,
                          label: str) -> dict[str, Any]:
     """One trainer-fault job on a stack of its own (started for it, stopped after it: only one
@@ -429,7 +451,7 @@ async def _ray_bench_run(tmp: Path, cluster: Any, launcher: str, spec: dict[str,
         env |= {"ROBUSTRL_RAY_ADDRESS": cluster.address, "ROBUSTRL_LAUNCHER_INSTANCE": RAY_INSTANCE}
     nodes = _ensure_nodes(cluster)
     load_before = _load()
-    with Stack(tmp / f"stack-{label}", extra_env=env) as stack:
+    with Stack(tmp / f"stack-{label}", extra_env=env, **_stack_kwargs(cluster, launcher)) as stack:
         assert stack.settings
         api = ApiClient(stack.api_url, stack.settings.api_token)
         try:
@@ -482,8 +504,21 @@ def _ray_group_summary(group: dict[str, Any]) -> dict[str, Any]:
 
 
 async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
+    if not args.testbed:
+        return await _main_ray(args, None)
+    from robustrl.testbed import Testbed
+
+    with Testbed(hosts=2, link=TESTBED_LINK) as tb:
+        return await _main_ray(args, tb)
+
+
+TESTBED_LINK = "1gbit"
+"""Each testbed host's link rate (``--testbed``)."""
+
+
+async def _main_ray(args: argparse.Namespace, testbed: Any) -> dict[str, Any]:
     from robustrl.audit import audit
-    from robustrl.launcher.ray_cluster import LocalRayCluster
+    from robustrl.launcher.ray_cluster import LocalRayCluster, TestbedRayCluster
 
     spec_base = reference_job(steps=args.steps, seed=args.seed).model_dump(mode="json")
     spares = {policy: warm_spares_for(policy, spec_base, args.warm_spares)
@@ -494,7 +529,9 @@ async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
         "job": {"steps": args.steps, "tool_latency_s": spec_base["tools"]["latency_s"],
                 "warm_spares": spares, "groups": args.pairs, "runs_per_group": [f"{lr}/{p}" for lr, p in runs],
                 "scenario": "a trainer crash every 10 steps from step 5 (seeded; the same in every run)"},
-        "cluster": "head (0 CPUs) + 2 workers (2 CPUs each) on 127.0.0.1-3, one machine",
+        "cluster": "head (0 CPUs) + 2 workers (2 CPUs each) on 127.0.0.1-3, one machine" if testbed is None else
+                   f"testbed: head (0 CPUs) in the root namespace on the gateway address, 2 workers (2 CPUs each), "
+                   f"each inside a host's network namespace ({TESTBED_LINK} links); one machine",
         "provenance": "every figure measured in this run: ETTR, recovery and the ETTR breakdown from each "
                       "job's event log (robustrl.chaos.accounting), load from /proc/loadavg, CPU from "
                       "psutil, member start from timing Launcher.start; nothing is modelled"}
@@ -505,7 +542,8 @@ async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     partial = args.out.with_suffix(".partial.json")
     with tempfile.TemporaryDirectory(prefix="rr-ettr-", dir="/tmp") as tmp:
-        cluster = LocalRayCluster(Path(tmp) / "ray", workers=2, worker_cpus=2).start()
+        cluster = (LocalRayCluster(Path(tmp) / "ray", workers=2, worker_cpus=2) if testbed is None
+                   else TestbedRayCluster(testbed, Path(tmp) / "ray", worker_cpus=2)).start()
         try:
             results["member_start"] = start_times(cluster, Path(tmp) / "start")
             print(f"member start: {results['member_start']}", flush=True)
@@ -535,7 +573,7 @@ async def main_ray(args: argparse.Namespace) -> dict[str, Any]:
             load_before = _load()
             try:
                 nodes = _ensure_nodes(cluster)
-                with Stack(Path(tmp) / "stack-node-loss", extra_env=env) as stack:
+                with Stack(Path(tmp) / "stack-node-loss", extra_env=env, **_stack_kwargs(cluster, "ray")) as stack:
                     api = ApiClient(stack.api_url, stack.settings.api_token)  # type: ignore[union-attr]
                     results["ray_node_loss"] = await _node_loss_run(stack, api, cluster, spec_base, audit,
                                                                     spares["role_local"])
@@ -586,8 +624,8 @@ def ray_summary(results: dict[str, Any]) -> dict[str, Any]:
         "max_abs_gap": round(max(abs(g) for g in gaps), 4) if gaps else None,
         "within_0_05": [abs(g) <= 0.05 for g in gaps],
         "member_start_median_s": {k: v["median_s"] for k, v in results["member_start"].items()},
-        "node_loss": {k: node_loss.get(k) for k in ("ettr", "status", "error", "node_lost_at_step", "recovery_s",
-                                                    "audit_ok", "episodes_lost", "recoveries")},
+        "node_loss": {k: node_loss.get(k) for k in ("ettr", "status", "error", "node_lost_at_step", "node_lost_how",
+                                                    "recovery_s", "audit_ok", "episodes_lost", "recoveries")},
     }
 
 
@@ -611,8 +649,12 @@ async def _node_loss_run(stack: Stack, api: ApiClient, cluster: Any, spec_base: 
         actor = ray.get_actor(f"{RAY_INSTANCE}:{status['job_id']}--{gang_rank}", namespace="robustrl")
         ip = ray.get(actor.info.remote(), timeout=10)["node_ip"]
         lost.update({"node": ip, "at_step": status["committed_step"], "at": time.time()})
-        cluster.kill_node(1 + cluster.node_ips.index(ip))
-        print(f"killed node {ip} at step {status['committed_step']}", flush=True)
+        if hasattr(cluster, "cut_node"):  # on the testbed: a network partition, nothing killed
+            lost["how"] = f"link of {cluster.cut_node(1 + cluster.node_ips.index(ip))} cut"
+        else:
+            cluster.kill_node(1 + cluster.node_ips.index(ip))
+            lost["how"] = "node killed"
+        print(f"node {ip} lost ({lost['how']}) at step {status['committed_step']}", flush=True)
 
     args_steps = int(spec_base["steps"])
     t0 = time.time()
@@ -624,6 +666,7 @@ async def _node_loss_run(stack: Stack, api: ApiClient, cluster: Any, spec_base: 
     verdict = await audit(stack.settings, report["job_id"]) if "job_id" in report else None
     node_faults = [f for f in out["faults"] if f["recovery_s"] is not None]
     out.update({"error": report.get("error"), "node_lost": lost.get("node"), "node_lost_at_step": lost.get("at_step"),
+                "node_lost_how": lost.get("how"),
                 "recovery_s": max((f["recovery_s"] for f in node_faults), default=None),
                 "audit_ok": None if verdict is None else verdict.ok,
                 "episodes_lost": None if verdict is None else verdict.episodes_lost,
@@ -750,6 +793,8 @@ if __name__ == "__main__":
                         help="rollout: only the rollout-crash scenario, role_local and whole_job.")
     parser.add_argument("--launcher", choices=("local", "ray"), default="local",
                         help="ray: local vs Ray launcher on a 3-node Ray cluster on this machine (module docstring).")
+    parser.add_argument("--testbed", action="store_true",
+                        help="--launcher ray: the Ray cluster on the testbed, a worker node per host (module docstring).")
     parser.add_argument("--pairs", type=int, default=3,
                         help="--launcher ray: interleaved groups (local and Ray role_local, Ray and local whole_job).")
     parser.add_argument("--engine", choices=("torch", "vllm"), default="torch",

@@ -11,8 +11,10 @@ task mix) runs in each mode
     rollout replicas (in place), in sync every rank starts cold,
 
 plus the async job with borrowing switched off (``recovery.borrow: never``, cold starts), the
-baseline the borrowed recoveries are compared with in the same run. Every run has the same
-tuning; only the mode (and, for the baseline, the borrow knob) differs.
+baseline the borrowed recoveries are compared with in the same run, and the async job with every
+rank of the broken gang replaced (``recovery.keep_survivors: false``: the surviving rank is not
+kept in place, so two replicas are borrowed per recovery instead of one). Every run has the same
+tuning; only the mode (and, for the baselines, one recovery knob) differs.
 
 Measured, never simulated: rewards (commits), recovery_s and its source (the controller's
 ``recovered`` events: fault detected -> new gang ready), ETTR (event-log accounting), and the
@@ -58,6 +60,9 @@ from robustrl.subjects import Verb, all_jobs
 
 MODES = {"sync": 0, "semi_sync": 1, "async": 2}
 """mode -> staleness."""
+EXTRA_KEYS = ("async_cold", "async_replace_all")
+"""async with one recovery knob changed: ``borrow: never`` (cold ranks), ``keep_survivors: false``
+(every rank of the broken gang replaced, as before survivors were kept)."""
 STEP_TIME_S = 1.0
 EVENTS_DIR: Path | None = None
 """``--events DIR``: each run's event log is written there (``<label>.json``)."""
@@ -238,10 +243,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                 + (recs("async", "borrowed") if "async" in have else []))
     cold_same_mode = recs("async_cold", "cold") if "async_cold" in results["modes"] else []
     cold_all = cold_same_mode + (recs("sync", "cold") if "sync" in have else [])
-    def tp_ratio(source: str | None) -> float | None:
-        if "async" not in have:
+    def tp_ratio(source: str | None, key: str = "async") -> float | None:
+        if key not in have:
             return None
-        tps = [r["throughput"] for run_ in results["modes"]["async"]["faulted_runs"] for r in run_["recoveries"]
+        tps = [r["throughput"] for run_ in results["modes"][key]["faulted_runs"] for r in run_["recoveries"]
                if source is None or r["source"] == source]
         before = sum(t["tokens_before"] for t in tps)
         return round(sum(t["tokens_during"] for t in tps) / before, 3) if before > 0 else None
@@ -253,6 +258,10 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
          "standby_vs_cold_recovery_ratio": (round(statistics.median(borrowed) / statistics.median(cold_all), 3)
                                             if borrowed and cold_all else None),
          "throughput_during_recovery_ratio": tp_ratio(None),
+         # the same async job with every rank of a broken gang replaced (keep_survivors false):
+         # two replicas borrowed per recovery instead of one
+         "throughput_during_recovery_ratio_replace_all": tp_ratio(None, "async_replace_all"),
+         "throughput_during_recovery_ratio_no_borrow": tp_ratio(None, "async_cold"),
          "throughput_window": THROUGHPUT_WINDOW, "throughput_window_floor_s": WINDOW_FLOOR_S,
          "throughput_during_recovery_ratio_per_recovery": [t["ratio"] for t in async_tps],
          "throughput_window_s_per_recovery": [t["window_s"] for t in async_tps],
@@ -322,7 +331,7 @@ def pooled(paths: list[Path]) -> dict[str, Any]:
     for path in paths:
         data = json.loads(path.read_text())
         for key, r in data["modes"].items():
-            if key == "async_cold":
+            if key in EXTRA_KEYS:
                 continue  # another recovery policy: not pooled with the mode's own faulted runs
             for kind in ("fault_free_runs", "faulted_runs"):
                 for run_ in r.get(kind, []):
@@ -423,6 +432,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         try:
             plan: list[tuple[str, str, dict[str, Any]]] = [(m, m, {}) for m in MODES]
             plan.append(("async_cold", "async", {"borrow": "never"}))
+            # The same async job with the broken gang's surviving rank replaced too (the policy
+            # before recovery.keep_survivors): the same tuning, one knob apart.
+            plan.append(("async_replace_all", "async", {"keep_survivors": False}))
             if args.modes:
                 plan = [p for p in plan if p[0] in args.modes]
             for key, mode, knobs in plan:
@@ -456,7 +468,8 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="20 steps; faulted runs on the first seed only.")
     parser.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=None,
-                        help="Run only these (comma-separated: sync, semi_sync, async, async_cold); "
+                        help="Run only these (comma-separated: sync, semi_sync, async, async_cold, "
+                             "async_replace_all); "
                              "async_cold's reward spread is async's fault-free runs when async runs too.")
     parser.add_argument("--events", type=Path, default=None, help="Write each run's event log into this folder.")
     parser.add_argument("--pool", type=Path, nargs="+", default=None,
@@ -464,8 +477,8 @@ if __name__ == "__main__":
                              "the pooled comparison is printed, and written to --out if given with --pool.")
     parser.add_argument("--plot-only", action="store_true", help="Redraw the PNG from an existing --out JSON.")
     args = parser.parse_args()
-    if args.modes and not set(args.modes) <= {*MODES, "async_cold"}:
-        parser.error(f"--modes: unknown {sorted(set(args.modes) - {*MODES, 'async_cold'})}")
+    if args.modes and not set(args.modes) <= {*MODES, *EXTRA_KEYS}:
+        parser.error(f"--modes: unknown {sorted(set(args.modes) - {*MODES, *EXTRA_KEYS})}")
     if args.pool:
         summary = pooled(args.pool)
         print(json.dumps(summary, indent=2))
