@@ -192,6 +192,10 @@ class JobMonitor:
                 healthy.append(h)
         for member_id, verdict in fail_slow_rule(now, healthy, self.cfg).items():
             out.faults.append(self._report(self.members[member_id], verdict, now))
+        # Trainer faults first (a stable sort): a host lost silences a gang rank and a replica in
+        # one tick, and the controller handles reports in order; the replica's replacement, first,
+        # would take the warm spare the new gang -- the critical path -- needs.
+        out.faults.sort(key=lambda f: f.role != "trainer")
         return out
 
     def _report(self, h: MemberHistory, verdict: Verdict, now: float) -> FaultReport:
