@@ -7,7 +7,9 @@ Tests never sleep to wait for something: they poll a condition with a bounded
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -156,3 +158,75 @@ def ended(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
     except (FileNotFoundError, ProcessLookupError):
         return True
+
+
+RAY_WORKER_PORTS = range(10002, 20000)
+"""Ray's default --min-worker-port / --max-worker-port: each Ray worker process's core worker
+server listens on one (on every interface, in Ray 2.60)."""
+
+
+def _hex_addr(field: str) -> tuple[str, int]:
+    """An ``ADDR:PORT`` of /proc/net/tcp{,6} or udp{,6} (the address in host byte order words)."""
+    import ipaddress
+
+    addr, port = field.split(":")
+    raw = bytes.fromhex(addr)
+    # each 32-bit word is in the kernel's (little-endian) order
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip), int(port, 16)
+
+
+def wide_listeners(pids: list[int], allow: tuple[str, ...] = ()) -> list[tuple[int, str, str, int]]:
+    """The sockets of processes ``pids`` and all their descendants that accept from beyond
+    loopback: TCP listeners and unconnected UDP sockets whose local address is not a loopback
+    one (127.0.0.0/8, ::1) nor in ``allow`` (a wildcard address is never allowed). Read from the
+    kernel's socket tables of each process's own network namespace (``/proc/<pid>/net``), not
+    from any config.
+
+    Returns:
+        (pid, process name, address, port) for each; [] when everything listens on loopback only.
+    """
+    import ipaddress
+
+    import psutil
+
+    procs: set[int] = set()
+    for pid in pids:
+        try:
+            procs |= {pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))}
+        except psutil.NoSuchProcess:
+            continue
+    out = []
+    for pid in sorted(procs):
+        try:
+            inodes = set()
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+            if not inodes:
+                continue
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            for table in ("tcp", "tcp6", "udp", "udp6"):
+                with open(f"/proc/{pid}/net/{table}") as f:
+                    rows = [line.split() for line in f.readlines()[1:]]
+                for row in rows:
+                    local, remote, state, inode = row[1], row[2], row[3], row[9]
+                    if inode not in inodes:
+                        continue
+                    if table.startswith("tcp") and state != "0A":  # not LISTEN
+                        continue
+                    if table.startswith("udp") and _hex_addr(remote)[1] != 0:  # connected: its peer only
+                        continue
+                    ip, port = _hex_addr(local)
+                    addr = ipaddress.ip_address(ip)
+                    if not addr.is_loopback and (addr.is_unspecified or ip not in allow):
+                        out.append((pid, name, ip, port))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # ended meanwhile
+    return sorted(set(out))

@@ -19,11 +19,12 @@ from urllib.parse import urlparse
 
 import httpx
 import nats
+import psutil
 import pytest
 import redis
 from minio import Minio
 from minio.error import InvalidResponseError, S3Error
-from support import eventually
+from support import eventually, wide_listeners
 
 from robustrl import subjects
 from robustrl.config import Settings
@@ -422,6 +423,10 @@ def test_a_job_runs_with_each_process_holding_only_its_roles_credentials(stack, 
         return users if all(m["member_id"] in users for m in members) else None
 
     users = eventually(connected, timeout=30, what="every member connected to NATS")
+    # Nothing of the running job listens beyond loopback (least privilege, by default): the
+    # servers, the services, the zygote, and the members once the gang has formed (the trainer's
+    # rendezvous store, Gloo, the weight servers), read from the kernel's socket tables.
+    assert wide_listeners([c.pid for c in psutil.Process().children()] + [m["pid"] for m in members]) == []
     for m in members:
         assert users[m["member_id"]] == {m["role"]}, (m["member_id"], users[m["member_id"]])
     status = wait_done(api, jid)

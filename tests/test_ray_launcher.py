@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from jobs import TERMINAL, kinds, small_job, wait_done
-from support import ended, eventually, stop_ray_cluster
+from support import RAY_WORKER_PORTS, ended, eventually, stop_ray_cluster, wide_listeners
 
 try:
     import ray
@@ -206,12 +206,22 @@ def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_
         assert replicas == set(cluster.node_ips), replicas
         rank0 = next(m for m in _live(status, "trainer") if m["index"] == 0)
         assert member_env(rank0["pid"])["MASTER_ADDR"] == _actor_node(job_id, rank0["member_id"])
+        # Nothing of RobustRL listens beyond loopback: the stack, and the members (processes the
+        # actors start: the rendezvous store, Gloo, the weight servers). Ray's own servers do: in
+        # Ray 2.60 the GCS and raylets listen on '::' whatever --node-ip-address says (printed).
+        # A member runs in its actor's worker process, whose Ray core worker listens on '::' too,
+        # on a port of Ray's worker range: that one is Ray's.
+        members = [m["pid"] for m in status["members"] if m.get("pid")]
+        ours = wide_listeners(list(stack.pids().values()) + members)
+        assert [x for x in ours if x[3] not in RAY_WORKER_PORTS] == [], ours
+        print("Ray's own listeners beyond loopback:", wide_listeners([n.pid for n in cluster.nodes]), ours)
 
         # 1. A trainer rank's actor killed through Ray: seen, the gang restarted, the job goes on.
         victim = next(m for m in _live(status, "trainer") if m["index"] == 1)
         at = status["committed_step"]
         ray.kill(ray.get_actor(actor_name(job_id, victim["member_id"]), namespace="robustrl"), no_restart=True)
-        status = api.wait(job_id, lambda s: s["committed_step"] > at and all(
+        # (both ranks of the new gang live: 'all' over none held while the gang was replaced)
+        status = api.wait(job_id, lambda s: s["committed_step"] > at and len(_live(s, "trainer")) == 2 and all(
             m["epoch"] > victim["epoch"] for m in _live(s, "trainer")), timeout_s=120)
         assert ended(victim["pid"])
         print(f"actor kill recovered at {time.monotonic() - t0:.1f} s")
@@ -225,7 +235,7 @@ def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_
                    if _actor_node(job_id, m["member_id"]) == lost_ip]
         at, epoch = status["committed_step"], rank0["epoch"]
         cluster.kill_node(1 + cluster.node_ips.index(lost_ip))
-        status = api.wait(job_id, lambda s: s["committed_step"] > at + 1 and all(
+        status = api.wait(job_id, lambda s: s["committed_step"] > at + 1 and len(_live(s, "trainer")) == 2 and all(
             m["epoch"] > epoch for m in _live(s, "trainer")) and len(_live(s, "rollout")) == 2, timeout_s=150)
         print(f"node loss recovered at {time.monotonic() - t0:.1f} s")
         survivors = [m for m in _live(status, "trainer") + _live(status, "rollout")]

@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 import pytest
 from jobs import TERMINAL, kinds, small_job, wait_done
-from support import ended, eventually, stop_ray_cluster, take_testbed_down
+from support import RAY_WORKER_PORTS, ended, eventually, stop_ray_cluster, take_testbed_down, wide_listeners
 
 from robustrl.errors import TestbedUnavailable
 from robustrl.testbed import Testbed
@@ -138,6 +138,12 @@ def test_a_job_survives_a_worker_host_cut_off_the_network(testbed: Testbed, clus
     assert None not in where.values(), where
     replicas = [where[m] for m in _live(status, "rollout")]
     assert sorted(replicas) == sorted(cluster.hosts), where
+    # No member listens on a wildcard address, only on its host's (read in each process's own
+    # network namespace). Ray's own servers do (Ray 2.60: '::'; printed).
+    members = [m["pid"] for m in status["members"] if m.get("pid")]
+    ours = wide_listeners(members, allow=tuple(h.address for h in testbed.hosts))
+    assert [x for x in ours if x[3] not in RAY_WORKER_PORTS] == [], ours  # (the actor's core worker: Ray's)
+    print("Ray's own listeners on other addresses:", wide_listeners([n.pid for n in cluster.nodes]))
     assert sorted(where[m] for m in _live(status, "trainer")) == sorted(cluster.hosts), where
     rank0 = next(m for m in status["members"] if m["role"] == "trainer" and m["index"] == 0)
     lost = where[rank0["member_id"]]

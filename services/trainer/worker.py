@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import errno
 import gc
 import logging
 import os
+import socket
 import sys
 import time
 import weakref
@@ -67,6 +69,35 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def rendezvous_listener(address: str, port: int) -> int | None:
+    """A listening socket on ``address:port`` for the gang's rendezvous store (rank 0), as a file
+    descriptor the store takes over. Torch's own TCPStore listens on every interface (``::``):
+    bound here to the address the other ranks dial (MASTER_ADDR), nothing beyond it reaches it.
+
+    Returns:
+        The descriptor, or None where ``address`` is not one of this machine's (a Service or NAT
+        address in front of rank 0): the store then listens on every interface, as torch does.
+    Raises:
+        OSError: the port is taken (as torch's own listen would).
+    """
+    unavailable: OSError | None = None
+    for family, kind, proto, _, sockaddr in socket.getaddrinfo(address, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(1024)
+            return sock.detach()
+        except OSError as exc:
+            sock.close()
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise
+            unavailable = exc
+    log.warning("MASTER_ADDR %s is not an address of this machine (%s): the rendezvous store listens "
+                "on every interface", address, unavailable)
+    return None
+
+
 def checkpoint_prefix(job_id: str) -> str:
     return f"jobs/{job_id}/checkpoints"
 
@@ -93,8 +124,16 @@ class TrainerWorker:
             ifname = interface_of(self.settings.bind_host)
             if ifname is not None:
                 os.environ[GLOO_IFNAME_ENV] = ifname
-        dist.init_process_group(backend, rank=self.ident.rank, world_size=self.ident.world_size,
-                                timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+        # The env:// rendezvous (MASTER_ADDR / MASTER_PORT), with rank 0's store listening on
+        # MASTER_ADDR only (``rendezvous_listener``) instead of on every interface.
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        timeout = datetime.timedelta(seconds=DIST_TIMEOUT_S)
+        master = self.ident.rank == 0
+        store = dist.TCPStore(address, port, self.ident.world_size, is_master=master, timeout=timeout,
+                              master_listen_fd=rendezvous_listener(address, port) if master else None,
+                              use_libuv=True)
+        dist.init_process_group(backend, store=store, rank=self.ident.rank, world_size=self.ident.world_size,
+                                timeout=timeout)
 
     def _place(self, device: str) -> torch.device:
         """Move the model to ``model.device`` (GPU path: one CUDA device per rank on the machine)."""
