@@ -469,14 +469,18 @@ if __name__ == "__main__":
 def k8s_render(job: Path = typer.Argument(..., help="Job spec (YAML or JSON), as for submit."),
                image: str = typer.Option("robustrl:latest", help="The RobustRL image the pods run."),
                namespace: str = typer.Option("default", help="Namespace of every manifest."),
-               out: Path = typer.Option(None, help="Write the manifests here instead of stdout.")) -> None:
-    """Render the job's trainer gang (pods + rendezvous Service) and rollout pool (Deployment +
-    Service) as Kubernetes manifests (multi-document YAML). Nothing is applied to a cluster."""
+               out: Path = typer.Option(None, help="Write the manifests here instead of stdout."),
+               network_policy: bool = typer.Option(
+                   True, help="Render the job's NetworkPolicies (turn off where the network plugin does not "
+                   "enforce them).")) -> None:
+    """Render the job's trainer gang (pods + rendezvous Service), rollout pool (Deployment +
+    Service) and NetworkPolicies as Kubernetes manifests (multi-document YAML). Nothing is applied
+    to a cluster."""
     from robustrl.k8s import render_job
 
     try:
         spec = JobSpec.parse(yaml.safe_load(job.read_text()) or {})
-        docs = render_job(spec, image=image, namespace=namespace)
+        docs = render_job(spec, image=image, namespace=namespace, network_policy=network_policy)
     except (OSError, yaml.YAMLError, RobustRLError) as exc:
         _fail(exc)
     text = yaml.safe_dump_all(docs, sort_keys=False)
