@@ -342,10 +342,12 @@ def test_a_submit_whose_members_start_slowly_is_answered_202_then_the_job_follow
         assert resp.status_code == 202, resp.text[:300]
         assert took < SUBMIT_ANSWER_S + 5, took
         job = resp.json()
-        assert job["job_id"].startswith("slowstart-") and job["status"] == "running", job
+        # 'pending' while its members start (it read 'running' with none started)
+        assert job["job_id"].startswith("slowstart-") and job["status"] == "pending", job
         listed = httpx.get(f"{target.base_url}/v1/jobs/{job['job_id']}", headers=target.headers,
                            timeout=HTTP_TIMEOUT_S).json()
         assert listed["job_id"] == job["job_id"] and not listed["members"], listed
+        assert listed["status"] == "pending", listed
     finally:
         target.launcher.gate.set()
         target.launcher.gate = None
@@ -353,9 +355,10 @@ def test_a_submit_whose_members_start_slowly_is_answered_202_then_the_job_follow
     def members() -> list[str]:
         got = httpx.get(f"{target.base_url}/v1/jobs/{job['job_id']}", headers=target.headers,
                         timeout=HTTP_TIMEOUT_S).json()
-        return len(got["members"]) == 1 + SMALL_JOB["rollout"]["replicas"] and got["members"]
+        return (len(got["members"]) == 1 + SMALL_JOB["rollout"]["replicas"] and got["status"] == "running"
+                and got["members"])
 
-    eventually(members, timeout=30, what="the held members started")
+    eventually(members, timeout=30, what="the held members started and the job running")
 
 
 def test_a_submit_whose_members_cannot_start_is_answered_503_naming_the_job_which_fails(

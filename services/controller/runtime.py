@@ -533,7 +533,9 @@ class Controller:
     async def _launch_all(self, job: JobRun) -> None:
         if job.done:  # stopped before its launch began
             return
-        job.status = "running"
+        # 'pending' until every first member is started and recorded: a job whose members are
+        # still starting (a Ray placement, container starts) does not read 'running' with none.
+        job.status = "pending"
         job.started_at = job.started_at or time.time()
         await self.persist(job)
         await self.event(job, "job_started", {"policy": job.policy, "resume_step": job.step})
@@ -541,6 +543,8 @@ class Controller:
         if job.done:  # stopped meanwhile: no resume for a stopped job
             return
         job.launched = True
+        if job.status == "pending":  # (a recovery begun meanwhile keeps 'recovering' until it ends)
+            job.status = "running"
         await self.persist(job)
         # The submitter gets its answer without waiting for the request manager's acknowledgement
         # (retried for up to rm_ack_attempts x RM_ACK_TIMEOUT_S while the service restarts).
