@@ -68,6 +68,18 @@ def api(stack: object) -> Iterator[object]:
         client.close()
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Modules that can begin slow preparation as the session starts, beside the other tests
+    (``start_prebuild``: the compose stack's image)."""
+    started = set()
+    for item in session.items:
+        module = getattr(item, "module", None)
+        start = getattr(module, "start_prebuild", None)
+        if start is not None and module not in started and not session.config.option.collectonly:
+            started.add(module)
+            start()
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Where each failure or error was, innermost frames last, next to the short summary: CI
     keeps only the end of the output, and a timeout's own traceback (where the main thread was
