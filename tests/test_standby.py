@@ -312,6 +312,38 @@ def test_plan_borrows_nothing_in_sync_unless_allowed_nor_when_denied_or_impossib
     assert sources == () and "rollout.engine" in why
 
 
+@pytest.mark.parametrize("strategy", ["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+def test_a_strict_gang_on_a_launcher_that_holds_its_layout_borrows_no_replica(strategy):
+    """A replica switched in place stays where it runs, outside the gang's placement group: a
+    STRICT_* gang on a launcher that holds it to its layout (Ray) borrows none, as it takes no
+    warm spare there; a preference (PACK, SPREAD), or a launcher with no such layout, borrows."""
+    from robustrl.config import JobSpec
+    from robustrl.launcher.local import LocalLauncher
+    from robustrl.launcher.ray import RayLauncher
+    from robustrl.services.controller.decide import plan_gang
+    from robustrl.services.controller.jobs import JobRun, MemberInfo
+    from robustrl.services.controller.view import job_view
+
+    spec = JobSpec.parse({"mode": "async", "staleness": 1,
+                          "trainer": {"workers": 2, "placement": {"strategy": strategy}},
+                          "rollout": {"replicas": 4}})
+    job = JobRun("j", spec)
+    for i in range(4):
+        mid = f"rollout-{i}-i0"
+        job.members[mid] = MemberInfo(mid, "rollout", i, 0, state="ready", weights_version=3)
+        job.slot_incarnation[i] = 0
+    strict = strategy.startswith("STRICT_")
+    for holds in (False, True):
+        view = job_view(job, can_borrow=True, holds_strict_layout=holds)
+        sources, why = plan_gang(view, spec.recovery)
+        if holds and strict:
+            assert sources == () and "STRICT_" in why and "placement" in why, (sources, why)
+        else:
+            assert [s.split(":")[0] for s in sources] == ["borrowed", "borrowed"], (holds, sources, why)
+    assert RayLauncher.holds_strict_layout(object.__new__(RayLauncher)) is True
+    assert LocalLauncher.holds_strict_layout(object.__new__(LocalLauncher)) is False
+
+
 def test_a_replica_fits_a_trainer_rank_only_if_it_reserves_as_much():
     from robustrl.config import JobSpec
     from robustrl.services.controller.jobs import JobRun

@@ -303,6 +303,12 @@ class Launcher(abc.ABC):
         """Whether :meth:`relabel` can switch a running member's role in place."""
         return False
 
+    def holds_strict_layout(self) -> bool:
+        """Whether this launcher holds a trainer gang to a ``STRICT_PACK`` / ``STRICT_SPREAD``
+        layout across machines (a placement group over the gang's ranks): a process switched in
+        place (a borrowed replica) would run outside it, so such a gang borrows none."""
+        return False
+
     def can_keep_trainers(self) -> bool:
         """Whether :meth:`relabel` can also hand a running trainer rank over to a rank of the next
         gang (``recovery.keep_survivors``)."""

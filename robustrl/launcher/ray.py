@@ -905,6 +905,9 @@ class RayLauncher(Launcher):
     def can_relabel(self) -> bool:
         return True
 
+    def holds_strict_layout(self) -> bool:
+        return True  # a STRICT_* gang is one placement group (its spares are refused alike)
+
     def relabel(self, member_id: str, spec: MemberSpec) -> None:
         """Switch the running rollout replica ``member_id`` in place to ``spec`` (a trainer rank):
         its actor writes the hand-off and signals the process (``MemberProcess.handoff``); the

@@ -103,6 +103,9 @@ class JobView:
         replica_fits_trainer: whether a rollout replica's reservation covers a trainer rank's
             (``resources`` of both roles; nothing reserved fits anything).
         rollout_engine: the replicas' engine (only a torch engine holds the model in-process).
+        strict_layout: the gang has a ``STRICT_*`` strategy that the launcher holds it to (one
+            placement group across machines): a borrowed replica, which stays where it runs,
+            could break it.
     """
 
     job_id: str
@@ -124,6 +127,7 @@ class JobView:
     can_keep: bool = False
     replica_fits_trainer: bool = True
     rollout_engine: str = "torch"
+    strict_layout: bool = False
 
     @property
     def control_plane_ok(self) -> bool:
@@ -355,6 +359,9 @@ def may_borrow(job: JobView, spec: RecoverySpec) -> str | None:
                 "environment, not in the replica process (rollout.engine)")
     if not job.replica_fits_trainer:
         return "a rollout replica reserves less than a trainer rank needs (rollout/trainer resources)"
+    if job.strict_layout:
+        return ("the gang's STRICT_* layout is held by the launcher's placement group, which a replica "
+                "switched in place would run outside (trainer.placement.strategy)")
     return None
 
 

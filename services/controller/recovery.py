@@ -113,7 +113,8 @@ class RecoveryExecutor:
         # with a timeout, ray.nodes) that would stall the API and the bus on a slow cluster.
         spares = await asyncio.to_thread(self.c.launcher.spares_ready)
         view = job_view(job, spares_ready=spares, can_borrow=self.c.launcher.can_relabel(),
-                        can_keep=self.c.launcher.can_keep_trainers())
+                        can_keep=self.c.launcher.can_keep_trainers(),
+                        holds_strict_layout=self.c.launcher.holds_strict_layout())
         decision = decide_mod.decide(now, view, fault, job.spec.recovery)
         record["decision"] = {"actions": decision.names(), "reason": decision.reason}
         if not all(isinstance(a, Ignore) for a in decision.actions):

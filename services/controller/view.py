@@ -7,7 +7,7 @@ from robustrl.services.controller.jobs import JobRun
 
 
 def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False,
-             can_keep: bool = False) -> decide_mod.JobView:
+             can_keep: bool = False, holds_strict_layout: bool = False) -> decide_mod.JobView:
     """Snapshot ``job`` as ``decide`` sees it.
 
     ``live_members`` holds the current incarnation's trainers and replicas (a fault about an
@@ -36,7 +36,8 @@ def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False,
         trainer_workers=job.spec.trainer.workers, spares_ready=spares_ready,
         borrowable=tuple(m.member_id for m in borrowable), can_borrow=can_borrow,
         survivors=tuple(m.member_id for m in survivors), can_keep=can_keep,
-        replica_fits_trainer=replica_fits_trainer(job), rollout_engine=job.spec.rollout.engine)
+        replica_fits_trainer=replica_fits_trainer(job), rollout_engine=job.spec.rollout.engine,
+        strict_layout=holds_strict_layout and job.spec.trainer.placement.strategy.startswith("STRICT_"))
 
 
 def replica_fits_trainer(job: JobRun) -> bool:
