@@ -124,7 +124,9 @@ class JobStatus(BaseModel):
     model_config = ConfigDict(extra="allow")
     job_id: str
     name: str
-    status: str
+    status: str = Field(description=(
+        "pending (recorded; its first members still starting), running, recovering, finished, failed "
+        "or stopped"))
     step: int
     steps_total: int
     committed_step: int
