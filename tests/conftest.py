@@ -68,16 +68,29 @@ def api(stack: object) -> Iterator[object]:
         client.close()
 
 
+_PREBUILDING: list[object] = []
+"""Modules whose ``start_prebuild`` was called (``abandon_prebuild`` at the session's end)."""
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Modules that can begin slow preparation as the session starts, beside the other tests
-    (``start_prebuild``: the compose stack's image)."""
-    started = set()
+    (``start_prebuild``: the compose stack's image); not for a session that runs no test."""
+    opt = session.config.option
+    if opt.collectonly or getattr(opt, "showfixtures", False) or getattr(opt, "show_fixtures_per_test", False) \
+            or getattr(opt, "setupplan", False) or session.testsfailed:
+        return
     for item in session.items:
         module = getattr(item, "module", None)
         start = getattr(module, "start_prebuild", None)
-        if start is not None and module not in started and not session.config.option.collectonly:
-            started.add(module)
+        if start is not None and module not in _PREBUILDING:
+            _PREBUILDING.append(module)
             start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop what a prebuild left (an interrupted or failed session: its dockerd, its context)."""
+    for module in _PREBUILDING:
+        module.abandon_prebuild()  # type: ignore[attr-defined]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -213,8 +213,13 @@ def wide_listeners(pids: list[int], allow: tuple[str, ...] = ()) -> list[tuple[i
             with open(f"/proc/{pid}/comm") as f:
                 name = f.read().strip()
             for table in ("tcp", "tcp6", "udp", "udp6"):
-                with open(f"/proc/{pid}/net/{table}") as f:
-                    rows = [line.split() for line in f.readlines()[1:]]
+                try:
+                    with open(f"/proc/{pid}/net/{table}") as f:
+                        rows = [line.split() for line in f.readlines()[1:]]
+                except FileNotFoundError:
+                    if table.endswith("6"):  # IPv6 off in this namespace: no such sockets
+                        continue
+                    raise
                 for row in rows:
                     local, remote, state, inode = row[1], row[2], row[3], row[9]
                     if inode not in inodes:
@@ -227,6 +232,6 @@ def wide_listeners(pids: list[int], allow: tuple[str, ...] = ()) -> list[tuple[i
                     addr = ipaddress.ip_address(ip)
                     if not addr.is_loopback and (addr.is_unspecified or ip not in allow):
                         out.append((pid, name, ip, port))
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue  # ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # ended meanwhile (a process that cannot be read fails the check: PermissionError)
     return sorted(set(out))

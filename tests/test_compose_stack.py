@@ -16,6 +16,7 @@ the reason printed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -110,6 +111,13 @@ class Stack:
 
 
 _prebuilt: Future[Path] | None = None
+_prebuild_engine: Engine | None = None
+_prebuilt_taken = False
+"""The fixture took the built context (and removes it itself)."""
+"""The prebuild's own engine while it builds (``abandon_prebuild`` stops it)."""
+PREBUILD_WAIT_S = 1200.0
+"""How long the fixture waits for the prebuild: less than this module's timeout (1500 s), so a
+build that hangs is abandoned here, its engine stopped, not left beside the next engine."""
 
 
 def _build_image() -> Path:
@@ -118,8 +126,9 @@ def _build_image() -> Path:
     engine's data root for the module's engine. Runs at the lowest CPU priority (the thread's nice
     value, which dockerd and every build step started from here inherit): the suite's other tests,
     which it runs beside, keep the cores they need."""
+    global _prebuild_engine
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    engine = Engine()
+    engine = _prebuild_engine = Engine()
     ctx = Path(tempfile.mkdtemp(prefix="rrl-ctx-"))
     try:
         engine.start()
@@ -131,6 +140,7 @@ def _build_image() -> Path:
         raise
     finally:
         engine.stop()
+        _prebuild_engine = None
 
 
 def start_prebuild() -> None:
@@ -152,19 +162,38 @@ def start_prebuild() -> None:
     threading.Thread(target=run, name="compose-prebuild", daemon=True).start()
 
 
+def abandon_prebuild() -> None:
+    """Stop a prebuild still running (its dockerd: the build then fails and the thread ends) and
+    remove a built context nobody took: called when the fixture gives up on it and as the session
+    ends (``tests/conftest.py``), so no dockerd is left holding the engine's data root."""
+    future, engine = _prebuilt, _prebuild_engine
+    if future is None or _prebuilt_taken:
+        return
+    if not future.done() and engine is not None:
+        engine.stop()
+    with contextlib.suppress(BaseException):
+        shutil.rmtree(future.result(timeout=60), ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
+    global _prebuilt_taken
     start_prebuild()  # (already under way when the session started with this module selected)
     assert _prebuilt is not None
     engine = Engine()
     try:
-        ctx = _prebuilt.result(timeout=1800)
+        ctx = _prebuilt.result(timeout=PREBUILD_WAIT_S)
         engine.start()
         stack = Stack(engine, ctx)
     except Unavailable as exc:
         engine.stop()
         print(f"test_compose_stack skipped: {exc}")
         pytest.skip(f"no Docker engine for the compose test: {exc}")
+    except BaseException:
+        engine.stop()
+        abandon_prebuild()
+        raise
+    _prebuilt_taken = True  # the context is this fixture's now (removed below)
     try:
         # the prebuilt image: every step a cache hit (same context, same engine data root)
         stack.compose("build", "controller", timeout_s=900)

@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 import pytest
 from jobs import TERMINAL, kinds, small_job, wait_done
-from support import RAY_WORKER_PORTS, ended, eventually, stop_ray_cluster, take_testbed_down, wide_listeners
+from support import ended, eventually, stop_ray_cluster, take_testbed_down, wide_listeners
 
 from robustrl.errors import TestbedUnavailable
 from robustrl.testbed import Testbed
@@ -140,9 +140,8 @@ def test_a_job_survives_a_worker_host_cut_off_the_network(testbed: Testbed, clus
     assert sorted(replicas) == sorted(cluster.hosts), where
     # No member listens on a wildcard address, only on its host's (read in each process's own
     # network namespace). Ray's own servers do (Ray 2.60: '::'; printed).
-    members = [m["pid"] for m in status["members"] if m.get("pid")]
-    ours = wide_listeners(members, allow=tuple(h.address for h in testbed.hosts))
-    assert [x for x in ours if x[3] not in RAY_WORKER_PORTS] == [], ours  # (the actor's core worker: Ray's)
+    hosts = tuple(h.address for h in testbed.hosts)
+    assert wide_listeners(list(_live(status).values()), allow=hosts) == []
     print("Ray's own listeners on other addresses:", wide_listeners([n.pid for n in cluster.nodes]))
     assert sorted(where[m] for m in _live(status, "trainer")) == sorted(cluster.hosts), where
     rank0 = next(m for m in status["members"] if m["role"] == "trainer" and m["index"] == 0)
@@ -151,6 +150,7 @@ def test_a_job_survives_a_worker_host_cut_off_the_network(testbed: Testbed, clus
     kept = next(h for h in cluster.hosts if h != lost)
     on_lost = {mid: pid for mid, pid in _live(status).items() if where[mid] == lost}
     at, epoch = status["committed_step"], rank0["epoch"]
+    trainers = _live(status, "trainer")
 
     # The partition: the host's link drops every packet; nothing is killed.
     cut_at = time.monotonic()
@@ -164,7 +164,9 @@ def test_a_job_survives_a_worker_host_cut_off_the_network(testbed: Testbed, clus
     print(f"trainer recovered {time.monotonic() - cut_at:.1f} s after the cut")
     status = api.wait(job_id, lambda s: s["committed_step"] > at and all(
         m["epoch"] > epoch for m in s["members"] if m["role"] == "trainer"
-        and m["state"] not in ("exited", "stopped", "dead")) and len(_live(s, "rollout")) == 2, timeout_s=60)
+        and m["state"] not in ("exited", "stopped", "dead")) and len(_live(s, "trainer")) == len(trainers)
+        and len(_live(s, "rollout")) == 2, timeout_s=60)
+    assert wide_listeners(list(_live(status).values()), allow=hosts) == []  # the new gang's too
     # The new gang and the replacement replica run inside the host still on the network.
     survivors = _hosts_of(testbed, _live(status))
     assert set(survivors.values()) == {kept}, survivors

@@ -172,6 +172,16 @@ class _Gang:
     members: set[str] = field(default_factory=set)
 
 
+NODE_DIED_RETRIES = 2
+"""Placements again of a member whose actor's node died before the actor ran (``start``)."""
+
+
+def _node_died(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is an actor that died because its node died (Ray's message says so)."""
+    text = str(exc or "")
+    return "node has died" in text or "node was terminated" in text
+
+
 class RayLauncher(Launcher):
     """Starts members as detached actors on a Ray cluster (module docstring).
 
@@ -838,7 +848,17 @@ class RayLauncher(Launcher):
                         failed = self._spare_failed(spare, failed)
             if m is None and spec.placement.gang is not None:
                 m = self._premake_from(spec)
-            self._start(spec, m)
+            for attempt in range(NODE_DIED_RETRIES + 1):
+                try:
+                    self._start(spec, m)
+                    return
+                except LaunchError as exc:
+                    # A member not of a gang whose actor was placed on a node that died before it
+                    # ran (the GCS had not failed the node yet): placed again, on a node alive.
+                    if m is not None or spec.placement.gang is not None or attempt == NODE_DIED_RETRIES \
+                            or not _node_died(exc.__cause__):
+                        raise
+                    log.warning("%s: its node died before it ran; placing it again", spec.member_id)
         finally:
             with self._lock:
                 self._placing.pop(spec.member_id, None)

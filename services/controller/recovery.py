@@ -509,7 +509,8 @@ class RecoveryExecutor:
                 await self.c.event(job, "work_lost", {"fault_id": rec.fault_id, "tokens": 0,
                                                       "steps_redone": redone})
             if not job.recoveries and job.status == "recovering":
-                job.status = "running"
+                # (a recovery over while the first members still start: the job is pending still)
+                job.status = "running" if job.launched else "pending"
             await self.c.persist(job)
             if gang is not None and gang.borrowed_slots:
                 # Restocked once the gang is ready: a borrowed recovery takes about a second, and the

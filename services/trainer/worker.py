@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import errno
 import gc
 import logging
 import os
@@ -75,26 +74,42 @@ def rendezvous_listener(address: str, port: int) -> int | None:
     bound here to the address the other ranks dial (MASTER_ADDR), nothing beyond it reaches it.
 
     Returns:
-        The descriptor, or None where ``address`` is not one of this machine's (a Service or NAT
-        address in front of rank 0): the store then listens on every interface, as torch does.
+        The descriptor; or None, and the store listens on every interface as torch does, where
+        binding one address could leave a peer unable to connect: ``address`` does not resolve
+        (yet: a Service's DNS record may lag; torch's own connect retries), resolves to several
+        addresses (peers may pick another), or is not an address of this machine (a Service or
+        NAT address in front of rank 0).
     Raises:
-        OSError: the port is taken (as torch's own listen would).
+        OSError: the port is taken (torch's own listen raises DistNetworkError).
     """
-    unavailable: OSError | None = None
-    for family, kind, proto, _, sockaddr in socket.getaddrinfo(address, port, type=socket.SOCK_STREAM):
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-            sock.listen(1024)
-            return sock.detach()
-        except OSError as exc:
-            sock.close()
-            if exc.errno != errno.EADDRNOTAVAIL:
+    try:
+        found = {info[4][:2] for info in socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)}
+    except socket.gaierror as exc:
+        why = f"does not resolve ({exc})"
+    else:
+        import ipaddress
+
+        import psutil
+
+        # (all of 127.0.0.0/8 is this machine's, though an interface lists only 127.0.0.1)
+        local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+        if len(found) != 1:
+            why = f"resolves to {len(found)} addresses ({sorted(a for a, _ in found)})"
+        elif next(iter(found))[0] not in local and not ipaddress.ip_address(next(iter(found))[0]).is_loopback:
+            why = "is not an address of this machine"
+        else:
+            ((ip, _),) = found
+            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((ip, port))
+                sock.listen(1024)
+                return sock.detach()
+            except BaseException:
+                sock.close()
                 raise
-            unavailable = exc
-    log.warning("MASTER_ADDR %s is not an address of this machine (%s): the rendezvous store listens "
-                "on every interface", address, unavailable)
+    log.warning("MASTER_ADDR %s %s: the rendezvous store listens on every interface", address, why)
     return None
 
 
@@ -129,9 +144,10 @@ class TrainerWorker:
         address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         timeout = datetime.timedelta(seconds=DIST_TIMEOUT_S)
         master = self.ident.rank == 0
+        libuv = os.environ.get("USE_LIBUV", "1") != "0"  # (honoured as env:// does; only libuv takes a socket)
         store = dist.TCPStore(address, port, self.ident.world_size, is_master=master, timeout=timeout,
-                              master_listen_fd=rendezvous_listener(address, port) if master else None,
-                              use_libuv=True)
+                              master_listen_fd=rendezvous_listener(address, port) if master and libuv else None,
+                              use_libuv=libuv)
         dist.init_process_group(backend, store=store, rank=self.ident.rank, world_size=self.ident.world_size,
                                 timeout=timeout)
 
