@@ -216,6 +216,12 @@ class DetectorService:
         elif msg.kind == "job_started":
             # A job id reused for a new run starts with a clean slate.
             self.ended.discard(msg.job_id)
+        elif msg.kind == "member_started" and isinstance(msg.data.get("borrowed_from"), str):
+            # A process switched in place (a kept rank, a borrowed replica) goes on under the new
+            # member id: its old id's silence from now on is the hand-off, not a fault.
+            mon = self.jobs.get(msg.job_id)
+            if mon is not None:
+                mon.forget(msg.data["borrowed_from"])
 
     # --- ticking, probing, reporting -------------------------------------------------------
 

@@ -213,6 +213,10 @@ class TrainerWorker:
         server = getattr(self, "server", None)
         if server is not None:
             await server.close()
+        redis = getattr(self, "redis", None)
+        if redis is not None:  # on this loop (a kept rank's next gang runs on another one)
+            with contextlib.suppress(Exception):
+                await redis.aclose()
         await self.member.close()
 
     async def _finish_upload(self, ckpt: Checkpointer, brief: bool) -> None:
@@ -580,11 +584,7 @@ def _release(worker: TrainerWorker) -> torch.nn.Module | None:
         gone = weakref.ref(ddp)
         with contextlib.suppress(Exception):
             ddp._remove_autograd_hooks()  # the reducer's hooks on the parameters: none may fire again
-    del ddp
-    redis = getattr(worker, "redis", None)
-    if redis is not None:
-        with contextlib.suppress(Exception):
-            redis.close()
+    del ddp  # (its Redis client was closed on its own loop, in ``_close``)
     for name in ("ddp", "opt", "ckpt", "server", "episodes", "gang", "redis", "model", "batches_seen"):
         if hasattr(worker, name):
             setattr(worker, name, None)
