@@ -71,7 +71,10 @@ def _assert_rode_through(stack: Stack, report: dict, events: list[Event], n_faul
 
 
 def test_detector_and_request_manager_killed_and_frozen_mid_step(own_stack: Stack) -> None:
-    spec = small_job("cpfaults", steps=9)
+    # 12 steps: the 20 s freeze at step 7 leaves steps the frozen request manager must serve. With
+    # 9, the last batches were made before the freeze once, the job finished while the request
+    # manager was frozen, and its hang restart came after the assertion (CI-like run, 2026-12-02).
+    spec = small_job("cpfaults", steps=12)
     scenario = (Faults("cp", seed=11)
                 .crash("detector", at_step=1, within_step=0.3)
                 .crash("request_manager", at_step=2, within_step=0.5)
