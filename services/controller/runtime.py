@@ -122,6 +122,20 @@ class Controller:
             await asyncio.sleep(0.05)
 
     async def _lead(self) -> None:
+        try:
+            await self._take_lead()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Taking over failed part-way (a JetStream request timed out under load, seen on
+            # 2026-12-02): a controller that says it leads but never keeps its lease would answer
+            # as leader while a standby takes the lease. It stops acting, as on a lost lease (the
+            # process exits and is restarted as a standby).
+            log.exception("controller %s could not take over: it stops acting", self.owner)
+            self.leading = False
+            self.lost_leadership.set()
+
+    async def _take_lead(self) -> None:
         await self.lease.acquire(self._stop)
         # A standby keeps no fork server (ROBUSTRL_FORK_START): it imports once this one leads.
         await asyncio.to_thread(self.launcher.preload)
