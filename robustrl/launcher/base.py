@@ -49,6 +49,9 @@ class MemberState(str, enum.Enum):
 GANG_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 """How a trainer gang's ranks are laid on nodes (Ray placement-group strategies; Kubernetes
 renders PACK as pod affinity and STRICT_SPREAD as pod anti-affinity on the hostname)."""
+SOFT_STRATEGIES = ("PACK", "SPREAD")
+"""Gang strategies a rank from outside the gang's placement (a warm spare, a borrowed replica) may
+follow as a preference; the others (STRICT_*) only a placement of the whole gang holds."""
 ANTI_AFFINITY = ("none", "preferred", "required")
 """Between members of one ``PlacementHint.group``: none, on distinct nodes when possible, or
 only on distinct nodes (a start that cannot honour it fails)."""

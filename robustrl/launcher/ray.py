@@ -57,6 +57,7 @@ from typing import Any
 from robustrl.errors import LaunchError
 from robustrl.launcher.base import (
     ROLLOUT_MODULE,
+    SOFT_STRATEGIES,
     ExitInfo,
     Launcher,
     MemberSpec,
@@ -100,8 +101,6 @@ about 15-25 s): its spares are taken last (a preference only; a lone worker's cr
 node's spares their rank for this long). Until the GCS has seen such a node dead, a spare
 that died with it still looks ready; taken first, it would fail its start (another spare is then
 tried, at the cost of a call's timeout)."""
-SOFT_STRATEGIES = ("PACK", "SPREAD")
-"""Gang strategies a rank from a spare (or a borrowed replica) may follow only as a preference."""
 
 
 def _ray() -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from robustrl.services.controller import decide as decide_mod
 from robustrl.services.controller.jobs import JobRun
 
+from robustrl.launcher.base import SOFT_STRATEGIES
+
 
 def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False,
              can_keep: bool = False, holds_strict_layout: bool = False) -> decide_mod.JobView:
@@ -37,7 +39,7 @@ def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False,
         borrowable=tuple(m.member_id for m in borrowable), can_borrow=can_borrow,
         survivors=tuple(m.member_id for m in survivors), can_keep=can_keep,
         replica_fits_trainer=replica_fits_trainer(job), rollout_engine=job.spec.rollout.engine,
-        strict_layout=holds_strict_layout and job.spec.trainer.placement.strategy.startswith("STRICT_"))
+        strict_layout=holds_strict_layout and job.spec.trainer.placement.strategy not in SOFT_STRATEGIES)
 
 
 def replica_fits_trainer(job: JobRun) -> bool:

@@ -89,13 +89,10 @@ def rendezvous_listener(address: str, port: int) -> int | None:
     else:
         import ipaddress
 
-        import psutil
-
-        # (all of 127.0.0.0/8 is this machine's, though an interface lists only 127.0.0.1)
-        local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
         if len(found) != 1:
             why = f"resolves to {len(found)} addresses ({sorted(a for a, _ in found)})"
-        elif next(iter(found))[0] not in local and not ipaddress.ip_address(next(iter(found))[0]).is_loopback:
+        # (all of 127.0.0.0/8 is this machine's, though an interface lists only 127.0.0.1)
+        elif not ipaddress.ip_address(next(iter(found))[0]).is_loopback and interface_of(next(iter(found))[0]) is None:
             why = "is not an address of this machine"
         else:
             ((ip, _),) = found
