@@ -446,6 +446,11 @@ class Zygote:
                 self._procs.pop(pid, None)
             if isinstance(pid, int):  # recorded: the zygote may free its pid now
                 _send(self._sock, {"reap": pid})
+            if proc is not None and self.retired and not self._procs:
+                # Given up and its last member reported: stopped here, not only at the launcher's
+                # next start (which may never come, or may look between the exit being recorded
+                # and the member leaving ``_procs``, and keep it).
+                self.close_later()
 
     def _lose(self) -> None:
         self.lost = True
