@@ -361,17 +361,19 @@ def test_a_submit_whose_members_start_slowly_is_answered_202_then_the_job_follow
     eventually(members, timeout=30, what="the held members started and the job running")
 
 
-def test_a_submit_whose_members_cannot_start_is_answered_503_naming_the_job_which_fails(
+def test_a_submit_whose_members_cannot_start_is_answered_422_naming_the_job_which_fails(
         target: ControllerTarget) -> None:
-    """A replica the launcher refuses: 503 naming the job; the job is failed with the launcher's
-    reason and its started members stopped."""
+    """A replica the launcher refuses: 422 (code ``launch_failed``) naming the job; the job is
+    failed with the launcher's reason and its started members stopped. (It was 503, which says
+    "try again": a client retrying would submit the same failing job again and again.)"""
     target.launcher.refuse = "rollout-0"
     try:
         resp = httpx.post(f"{target.base_url}/v1/jobs", json={**SMALL_JOB, "name": "nolaunch"},
                           headers=target.headers, timeout=HTTP_TIMEOUT_S)
     finally:
         target.launcher.refuse = None
-    assert resp.status_code == 503, resp.text[:300]
+    assert resp.status_code == 422, resp.text[:300]
+    assert _error(resp)["code"] == "launch_failed", resp.text[:300]
     detail = _error(resp)["message"]
     assert "nolaunch-" in detail and "no node can take" in detail, detail
     job_id = "nolaunch-" + detail.split("nolaunch-", 1)[1][:8]

@@ -360,6 +360,38 @@ def test_a_zygote_given_up_still_reports_the_exits_of_the_members_it_forked(
         launcher.close()
 
 
+def test_a_given_up_zygote_that_stopped_answering_is_stopped_once_its_members_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A given-up zygote frozen (SIGSTOP) while a member it forked runs: the member killed counts
+    as ended within the report grace (code unknown), and the zygote, which will never report it,
+    is stopped at the launcher's next polls, not kept with its zombie until the launcher closes
+    (it waited for a report that could not come; an outside review found it)."""
+    from robustrl.launcher.zygote import CLOSE_WAIT_S, EXIT_REPORT_GRACE_S
+
+    launcher = _forking_launcher(tmp_path, monkeypatch)
+    zygote = None
+    try:
+        launcher.start(MemberSpec(job_id="j", member_id="j--a", role="rollout", module="idle_member"))
+        (zygote,) = _zygotes()
+        launcher._zygote.failures = local.ZYGOTE_MAX_REFUSALS  # as after three refused forks
+        launcher.start(MemberSpec(job_id="j", member_id="j--b", role="rollout", module="idle_member"))
+        zygote.suspend()
+        pid_a = launcher.pid("j--a")
+        assert pid_a is not None
+        os.killpg(pid_a, signal.SIGKILL)  # a crash the frozen zygote cannot report
+        exits = eventually(launcher.poll, timeout=EXIT_REPORT_GRACE_S + 5, what="the crash seen")
+        assert [(e.member_id, e.returncode) for e in exits] == [("j--a", None)]
+        eventually(lambda: launcher.poll() == [] and (not zygote.is_running()
+                                                      or zygote.status() == psutil.STATUS_ZOMBIE),
+                   timeout=3 * CLOSE_WAIT_S + 5, what="the frozen given-up zygote stopped")
+        assert launcher.running() == ["j--b"]
+    finally:
+        if zygote is not None:
+            with contextlib.suppress(psutil.Error):
+                zygote.resume()
+        launcher.close()
+
+
 def test_the_zygote_frees_an_ended_members_pid_only_once_the_launcher_has_its_exit(tmp_path: Path) -> None:
     """The zygote's protocol from outside (``tests/zygote_reaper.py``: a raw control socket, /proc,
     run as a child subreaper so a zombie the zygote leaves is not reaped by init behind it): a

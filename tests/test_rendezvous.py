@@ -68,3 +68,37 @@ def test_a_taken_port_is_an_error():
         taken.listen()
         with pytest.raises(OSError):
             rendezvous_listener("127.0.0.1", taken.getsockname()[1])
+
+
+def test_an_address_that_cannot_be_bound_yet_falls_back(monkeypatch, caplog):
+    """EADDRNOTAVAIL (an IPv6 address still tentative in a fresh namespace or pod): torch's listen
+    on every interface serves there; failing rank 0 at every start would fail the job."""
+    import errno
+
+    def bind(self, address):
+        raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
+
+    port = _free_port()
+    monkeypatch.setattr(socket.socket, "bind", bind)
+    assert rendezvous_listener("127.0.0.1", port) is None
+    assert "cannot be bound" in caplog.text and "every interface" in caplog.text
+
+
+def test_the_store_without_libuv_serves_on_the_listener_too():
+    """USE_LIBUV=0 (honoured as env:// honours it): torch's older store takes the socket as well,
+    so it listens on MASTER_ADDR only (it was handed none, and listened on ``::``)."""
+    import torch.distributed as dist
+
+    port = _free_port()
+    fd = rendezvous_listener("127.0.0.1", port)
+    assert fd is not None
+    master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=10),
+                           wait_for_workers=False, master_listen_fd=fd, use_libuv=False)
+    try:
+        peer = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=10),
+                             use_libuv=False)
+        peer.set("k", "v")
+        assert master.get("k") == b"v"
+        assert wide_listeners([os.getpid()]) == []
+    finally:
+        del master

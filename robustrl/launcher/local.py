@@ -600,6 +600,8 @@ class LocalLauncher(Launcher):
     def poll(self) -> list[ExitInfo]:
         out = []
         with self._lock:
+            if self._retired_zygotes:  # one whose last member ended without its report is stopped here
+                self._stop_idle_retired()
             for mid, m in self._members.items():
                 rc = m.proc.poll()
                 if rc is not None and not m.reported:

@@ -394,8 +394,10 @@ class Zygote:
         return self._proc.pid
 
     def has_children(self) -> bool:
-        """Whether a process it forked has not been reported ended yet."""
-        return bool(self._procs)
+        """Whether a process it forked has not ended yet: neither reported by it nor counted as
+        ended without its report (``ForkedProc.poll``: a stopped or stuck zygote reports nothing,
+        and would otherwise be kept, with its zombies, until the launcher closes)."""
+        return any(not p._ended.is_set() for p in list(self._procs.values()))
 
     def ready(self, wait_s: float = 0.0) -> bool:
         """Whether the zygote has done its imports (waiting up to ``wait_s``) and is not lost."""

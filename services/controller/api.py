@@ -196,8 +196,14 @@ def create_app(controller: Controller, token: str) -> FastAPI:
               responses={201: {"model": JobStatus, "description": "The job, its members started"},
                          202: {"model": JobStatus, "description": (
                              f"The job, recorded; its members still starting after {SUBMIT_ANSWER_S:.0f} s "
-                             "(a Ray placement, container starts): follow it with GET /v1/jobs/{id}")},
-                         **_errors(*ALWAYS, 409, 415, 422)})
+                             "(a Ray placement, container starts), or its start interrupted by a change of "
+                             "leader (the next leader starts it): follow it with GET /v1/jobs/{id}")},
+                         **_errors(*ALWAYS, 409, 415),
+                         422: {"model": ErrorBody, "description": (
+                             "A field is invalid (code validation_error, each bad field named); or the job "
+                             "was recorded and its members could not be started (code launch_failed, the "
+                             "message names the job, now failed: GET it for the reason). Not worth retrying "
+                             "as it is: a new job would meet the same")}})
     async def submit(spec: Annotated[JobSpec, Body(description="The job spec; {} selects every default.")],
                      response: Response) -> dict[str, Any]:
         try:
@@ -211,14 +217,15 @@ def create_app(controller: Controller, token: str) -> FastAPI:
         if not done:
             response.status_code = 202
             return job.status_dict()
-        if launch.cancelled():  # the controller is stopping
-            raise HTTPException(503, detail=f"job {job.job_id} recorded; its start was interrupted: this "
-                                            "controller is stopping (the next leader resumes it)")
-        exc = launch.exception()
-        if isinstance(exc, LeaseLost):
-            raise HTTPException(503, detail=f"job {job.job_id} recorded; {exc}") from exc
+        # Recorded, its start cut short by this controller stopping or being deposed: the job exists
+        # and the next leader starts it (a not-launched job is started again), so the answer is
+        # the job, 202. A 503 said "try again", and a retried POST submitted a second job.
+        exc = None if launch.cancelled() else launch.exception()
+        if launch.cancelled() or isinstance(exc, LeaseLost):
+            response.status_code = 202
+            return job.status_dict()
         if isinstance(exc, LaunchError):  # the job is failed (its record and event log say why)
-            raise HTTPException(503, detail=str(exc)) from exc
+            return error_response(422, str(exc), code="launch_failed")
         if exc is not None:
             raise exc
         return job.status_dict()

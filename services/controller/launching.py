@@ -137,8 +137,21 @@ class MemberStarter:
         info.handle = self.launcher.handle(key) or {}
         job.members[info.member_id] = info
 
+    async def _next_epoch(self, job: JobRun) -> None:
+        """Take the next gang epoch and save the job with it (and whatever else was planned in it)
+        before anything starts.
+
+        Raises:
+            LeaseLost: the fence refused the save (a newer controller lease term has begun).
+        """
+        floor = await self.newest_epoch(job) if self.newest_epoch else -1
+        job.epoch = max(job.epoch, floor) + 1
+        if self.persist and await self.persist(job) is False:
+            raise LeaseLost(f"job {job.job_id}: gang epoch {job.epoch} not saved: a newer controller "
+                            f"lease term has begun; nothing started")
+
     async def start_gang(self, job: JobRun, borrowed: dict[int, str] | None = None,
-                         kept: dict[int, str] | None = None) -> list[str]:
+                         kept: dict[int, str] | None = None, epoch_saved: bool = False) -> list[str]:
         """Start a new trainer gang (next epoch); return its member ids, rank 0 first.
 
         ``borrowed`` maps ranks to rollout replicas (already drained) that the launcher switches
@@ -150,13 +163,11 @@ class MemberStarter:
         The epoch is above both the one this controller remembers and the newest the gang fence in
         Redis has seen, and it is saved before any rank starts: a controller restarted (or a
         standby taking over) between the two can neither reuse an epoch nor pick one the fence
-        refuses (a crash loop of gangs rejected at their start).
+        refuses (a crash loop of gangs rejected at their start). ``epoch_saved``: the caller took
+        and saved it (``start_all``).
         """
-        floor = await self.newest_epoch(job) if self.newest_epoch else -1
-        job.epoch = max(job.epoch, floor) + 1
-        if self.persist and await self.persist(job) is False:
-            raise LeaseLost(f"job {job.job_id}: gang epoch {job.epoch} not saved: a newer controller "
-                            f"lease term has begun; no rank started")
+        if not epoch_saved:
+            await self._next_epoch(job)
         ids = []
         borrowed = borrowed or {}
         kept = {} if kept is None else kept
@@ -226,7 +237,8 @@ class MemberStarter:
         return ids
 
     async def start_replica(self, job: JobRun, slot: int,
-                            intent: Callable[[JobRun], Awaitable[None]] | None = None) -> str:
+                            intent: Callable[[JobRun], Awaitable[None]] | None = None,
+                            incarnation: int | None = None) -> str:
         """Start the next incarnation of rollout slot ``slot``; return its member id.
 
         ``intent`` (a restock): the planned member is in the job as ``starting``, without a
@@ -234,12 +246,14 @@ class MemberStarter:
         controller that takes over between the start and the handle's write can find the member
         (``Launcher.find``) instead of leaking it; it returns False when the lease fence refused
         that write (nothing is started then). A start that fails leaves it ``dead``.
+        ``incarnation``: the one the caller planned and saved (``start_all``); by default the
+        slot's next.
 
         Raises:
             LeaseLost: a newer controller leads (checked before the start; a member whose handle
                 the fence refused after its start is killed first).
         """
-        inc = job.slot_incarnation.get(slot, -1) + 1
+        inc = job.slot_incarnation.get(slot, -1) + 1 if incarnation is None else incarnation
         job.slot_incarnation[slot] = inc
         mid = replica_id(slot, inc)
         env = self.member_env(job, mid, "rollout")
@@ -265,9 +279,24 @@ class MemberStarter:
     async def start_all(self, job: JobRun) -> tuple[list[str], list[str]]:
         """A new gang and a new incarnation of every replica slot, in parallel. Every start runs
         to its end (or its fenced kill) before the first error is raised: the caller must not
-        act on a job whose members are still being started."""
+        act on a job whose members are still being started.
+
+        Every member id this start uses is durable before any member starts: the gang's epoch and
+        each slot's next incarnation go in one save. A leader that dies mid-start leaves a record
+        from which the next derives every member it may have started, and finds them
+        (``Controller._relaunch``). Saved only with the gang's epoch, a replica could be running
+        before that save carried its slot's number (an outside review found it): the next leader
+        did not look for it, and started a second process under the same id.
+
+        Raises:
+            LeaseLost: the save was refused (nothing started) or the lease was lost during a start.
+        """
+        planned = {i: job.slot_incarnation.get(i, -1) + 1 for i in range(job.spec.rollout.replicas)}
+        job.slot_incarnation.update(planned)
+        await self._next_epoch(job)
         started: list[Any] = await asyncio.gather(
-            self.start_gang(job), *(self.start_replica(job, i) for i in range(job.spec.rollout.replicas)),
+            self.start_gang(job, epoch_saved=True),
+            *(self.start_replica(job, i, incarnation=inc) for i, inc in planned.items()),
             return_exceptions=True)
         # A lost lease first: the caller must stop acting, not escalate the other failures.
         errors = sorted((r for r in started if isinstance(r, BaseException)),

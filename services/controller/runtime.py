@@ -62,6 +62,8 @@ CLOSE_ROUNDS = 3
 """At close, rounds of cancellation: tasks spawned by the tasks being cancelled are cancelled too."""
 LAUNCHER_CLOSE_S = 60.0
 """At close, the wait for the launcher to stop every member (its thread runs on past it)."""
+FAIL_START_RETRY_MAX_S = 10.0
+"""A job whose start failed is failed; a Redis error on the way is retried, backing off to this."""
 
 
 class Controller:
@@ -134,12 +136,38 @@ class Controller:
             log.exception("controller %s could not take over: it stops acting", self.owner)
             self.leading = False
             self.lost_leadership.set()
+            await self.lease.release()  # a standby need not wait for its expiry
 
     async def _take_lead(self) -> None:
         await self.lease.acquire(self._stop)
+        # Renewed from the moment it is held, not once the take-over is done: restoring the jobs,
+        # reconciling and subscribing can outlast the lease on a loaded machine (a JetStream
+        # request waits 5 s), and a lease left to expire meanwhile let a standby take it while this
+        # controller went on to say it leads: two leaders at once (an outside review found it).
+        keeper = self._own_task(self.lease.keep(self._stop, self._on_new_token))
+        takeover = self._own_task(self._take_over())
+        try:
+            await asyncio.wait({keeper, takeover}, return_when=asyncio.FIRST_COMPLETED)
+            if not takeover.done():  # the lease was lost (or this controller stopped) first
+                await cancel_and_wait(takeover, CLOSE_TASK_WAIT_S)
+            else:
+                takeover.result()  # a take-over that failed part-way: raised to _lead
+            await keeper
+        except LeaseLost as exc:
+            log.error("controller %s stops acting: %s", self.owner, exc)
+            self.leading = False
+            self.lost_leadership.set()
+        finally:
+            await cancel_and_wait(takeover, CLOSE_TASK_WAIT_S)
+            await cancel_and_wait(keeper, CLOSE_TASK_WAIT_S)
+
+    async def _take_over(self) -> None:
+        """Restore the jobs, then lead (``_take_lead`` keeps the lease meanwhile)."""
         # A standby keeps no fork server (ROBUSTRL_FORK_START): it imports once this one leads.
         await asyncio.to_thread(self.launcher.preload)
         gone = await self._restore_jobs()
+        if not await self.lease.newest_term():  # deposed while restoring: lead nothing
+            raise LeaseLost(f"a newer controller lease term began while {self.owner} restored its jobs")
         self.leading = True
         # Commits heard while restoring were not acted on (a job whose last step committed then was
         # never finished, seen in the Ray cross-node test at load 15): apply them now, then read the
@@ -160,21 +188,24 @@ class Controller:
         self.spawn(self._update_spares())
         self.spawn(self.supervisor.run(self._stop))
         self.spawn(self._watch_progress(self._stop))
-        try:
-            await self.lease.keep(self._stop, self._on_new_token)
-        except LeaseLost as exc:
-            log.error("controller %s stops acting: %s", self.owner, exc)
-            self.leading = False
-            self.lost_leadership.set()
 
     async def _on_new_token(self, token: int) -> None:
         # The lease had expired (this process was frozen, or Redis restarted): commits may have
-        # gone by unseen meanwhile.
+        # gone by unseen meanwhile. (Still taking over: the take-over reads them once it leads.)
+        if not self.leading:
+            return
         await self.reconcile_all("lease re-acquired")
         for job in self.jobs.values():
             if not job.done:
                 text = f"controller lease re-acquired (fencing token {token})"
                 await self.event(job, "note", {"owner": self.owner, "text": text})
+
+    def _own_task(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A task ``close`` cancels, whose outcome its creator reads (not logged when it fails)."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
@@ -212,8 +243,8 @@ class Controller:
         left = [t.get_coro().__qualname__ for t in self._tasks if not t.done() and t is not asyncio.current_task()]
         if left:
             log.error("controller %s: tasks still running after cancellation: %s", self.owner, left)
-        if was_leading:
-            await self.lease.release()
+        if was_leading or not self.lost_leadership.is_set():  # (one still taking over holds it too)
+            await self.lease.release()  # only if it still names this controller
 
     # --- the registry and restoring ---------------------------------------------------------
 
@@ -517,16 +548,41 @@ class Controller:
             # the job fails, durably and with the reason, and the members it has are stopped. Left
             # 'running' without them, it would never train and hold what it started. Only by a
             # leader: one stopping (its launcher closed under the start) or deposed fails no job.
-            async with self.recovery.lock:
-                if not self.leading or not await self.leads():
-                    raise LeaseLost(f"job {job_id}: its start failed ({exc}) while controller {self.owner} "
-                                    "stopped leading: the job is left to the next leader") from exc
-                if job.done:
-                    return
-                reason = f"its members could not be started: {exc}"
-                log.error("job %s: %s", job_id, reason)
-                await self.stop_job(job_id, "failed", reason)
-            raise LaunchError(f"job {job_id} failed at its start: {exc}") from exc
+            if await self._fail_start(job, exc):
+                raise LaunchError(f"job {job_id} failed at its start: {exc}") from exc
+
+    async def _fail_start(self, job: JobRun, exc: Exception) -> bool:
+        """Fail a job whose start failed with ``exc`` and stop its members; False if it was stopped
+        meanwhile. Tried again (back-off up to ``FAIL_START_RETRY_MAX_S``) while a Redis read or
+        write on the way fails: one such error let the job stay ``pending`` for good, its started
+        members running and nothing to start or judge it (an outside review found it).
+
+        Raises:
+            LeaseLost: this controller stopped leading (or is stopping): the next leader finds
+                the job not launched and starts it again.
+        """
+        delay = 0.5
+        while True:
+            try:
+                async with self.recovery.lock:
+                    if not self.leading or not await self.leads():
+                        raise LeaseLost(f"job {job.job_id}: its start failed ({exc}) while controller "
+                                        f"{self.owner} stopped leading: the job is left to the next leader") from exc
+                    if job.done:
+                        return False
+                    reason = f"its members could not be started: {exc}"
+                    log.error("job %s: %s", job.job_id, reason)
+                    await self.stop_job(job.job_id, "failed", reason)
+                    return True
+            except LeaseLost:
+                raise
+            except Exception as err:
+                log.warning("job %s: failing it after its failed start did not work (%r): again in %.1f s",
+                            job.job_id, err, delay)
+            if await wait_event(self._stop, delay):
+                raise LeaseLost(f"job {job.job_id}: its start failed ({exc}) while controller {self.owner} "
+                                "stopped: the job is left to the next leader") from exc
+            delay = min(delay * 2, FAIL_START_RETRY_MAX_S)
 
     def launch_in_background(self, job: JobRun) -> asyncio.Task[None]:
         """``launch`` in a controller task; the warm spares are updated once it succeeded."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import errno
 import gc
 import logging
 import os
@@ -77,8 +78,9 @@ def rendezvous_listener(address: str, port: int) -> int | None:
         The descriptor; or None, and the store listens on every interface as torch does, where
         binding one address could leave a peer unable to connect: ``address`` does not resolve
         (yet: a Service's DNS record may lag; torch's own connect retries), resolves to several
-        addresses (peers may pick another), or is not an address of this machine (a Service or
-        NAT address in front of rank 0).
+        addresses (peers may pick another), is not an address of this machine (a Service or NAT
+        address in front of rank 0), or cannot be bound for another reason than the port being
+        taken (an IPv6 address not yet usable).
     Raises:
         OSError: the port is taken (torch's own listen raises DistNetworkError).
     """
@@ -103,6 +105,14 @@ def rendezvous_listener(address: str, port: int) -> int | None:
                 sock.bind((ip, port))
                 sock.listen(1024)
                 return sock.detach()
+            except OSError as exc:
+                sock.close()
+                if exc.errno == errno.EADDRINUSE:
+                    raise
+                # Not bindable (yet): an IPv6 address still tentative in a fresh namespace or pod
+                # answers EADDRNOTAVAIL. Torch's listen on every interface works there; failing
+                # rank 0 at each start would fail the job.
+                why = f"cannot be bound ({exc})"
             except BaseException:
                 sock.close()
                 raise
@@ -141,9 +151,9 @@ class TrainerWorker:
         address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         timeout = datetime.timedelta(seconds=DIST_TIMEOUT_S)
         master = self.ident.rank == 0
-        libuv = os.environ.get("USE_LIBUV", "1") != "0"  # (honoured as env:// does; only libuv takes a socket)
+        libuv = os.environ.get("USE_LIBUV", "1") != "0"  # (honoured as env:// does; both stores take a socket)
         store = dist.TCPStore(address, port, self.ident.world_size, is_master=master, timeout=timeout,
-                              master_listen_fd=rendezvous_listener(address, port) if master and libuv else None,
+                              master_listen_fd=rendezvous_listener(address, port) if master else None,
                               use_libuv=libuv)
         dist.init_process_group(backend, store=store, rank=self.ident.rank, world_size=self.ident.world_size,
                                 timeout=timeout)
