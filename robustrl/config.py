@@ -326,6 +326,10 @@ class Settings(BaseModel):
     api_port: int = 8321
     run_dir: str = "runs/default"
     bind_host: str = "127.0.0.1"
+    weights_port: int = Field(0, ge=0, le=65535, description=(
+        "Port of this member's weight server (trainer ranks and replicas serve chunks on it); 0 picks a "
+        "free one. Fixed only where each member has an address of its own (a Kubernetes pod: the "
+        "manifests set it, so a NetworkPolicy names one port); never passed on to launched members."))
     credentials_file: str = Field("", description="Per-role credentials (0600 JSON) of the embedded "
                                   "servers; only the operator's settings carry it (robustrl.infra.credentials).")
 
@@ -343,8 +347,12 @@ class Settings(BaseModel):
         "api_port": "ROBUSTRL_API_PORT",
         "run_dir": "ROBUSTRL_RUN_DIR",
         "bind_host": "ROBUSTRL_BIND_HOST",
+        "weights_port": "ROBUSTRL_WEIGHTS_PORT",
         "credentials_file": "ROBUSTRL_CREDENTIALS_FILE",
     }
+    _PER_MEMBER: ClassVar[frozenset[str]] = frozenset({"weights_port"})
+    """Settings of one member's own (its pod's manifest sets them), not handed on by ``to_env``:
+    members of one host sharing a fixed port would collide."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -360,6 +368,8 @@ class Settings(BaseModel):
         """The inverse of from_env: what a launched member process receives."""
         out: dict[str, str] = {}
         for field, var in self._ENV.items():
+            if field in self._PER_MEMBER:
+                continue
             value = getattr(self, field)
             out[var] = str(value).lower() if isinstance(value, bool) else str(value)
         return out

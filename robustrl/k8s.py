@@ -71,10 +71,11 @@ read-only): ``/tmp`` (``tempfile``, torch's compile caches) and ``HOME`` (``~/.c
 Face, Triton, vLLM). A member writes nothing else to disk: checkpoints and weights go to S3 or over
 the network, and ``ROBUSTRL_RUN_DIR`` is the control plane's (only the supervisor and the embedded
 infrastructure write there)."""
-EPHEMERAL_PORTS = (32768, 60999)
-"""The pod's ``net.ipv4.ip_local_port_range`` (Linux's default, pinned by a pod sysctl so that the
-NetworkPolicies' port range is a fact of the manifest, not of the node). Weight servers listen on
-port 0 (``WeightServer``: no setting fixes the port), so their ports are in this range."""
+WEIGHTS_PORT = 29600
+"""Every member's weight server listens on this port of its pod (``ROBUSTRL_WEIGHTS_PORT``; each pod
+has an address of its own), so the NetworkPolicies admit weight pulls on this one port. (Until
+2026-12-02 the servers took port 0 and the policies had to admit the pod's whole ephemeral range,
+pinned by a sysctl, which is also where a rank's Gloo / NCCL listeners are.)"""
 _DNS = re.compile(r"[^a-z0-9-]+")
 # The member's address for its peers and its health endpoint's bind address: the pod IP.
 _POD_IP = {"fieldRef": {"fieldPath": "status.podIP"}}
@@ -156,6 +157,7 @@ def _container(spec: MemberSpec, image: str, extra_env: list[dict[str, Any]]) ->
     env += [{"name": "ROBUSTRL_BIND_HOST", "valueFrom": _POD_IP},
             {"name": "ROBUSTRL_HEALTH_HOST", "valueFrom": _POD_IP},
             {"name": "ROBUSTRL_HEALTH_PORT", "value": str(HEALTH_PORT)},
+            {"name": "ROBUSTRL_WEIGHTS_PORT", "value": str(WEIGHTS_PORT)},
             # the image's user has this home; a uid without a passwd entry would get HOME=/ (read-only)
             {"name": "HOME", "value": HOME}, *extra_env]
     probe = {"httpGet": {"path": "/healthz", "port": HEALTH_PORT}, "periodSeconds": 5, "timeoutSeconds": 2,
@@ -167,7 +169,8 @@ def _container(spec: MemberSpec, image: str, extra_env: list[dict[str, Any]]) ->
     container: dict[str, Any] = {
         "name": spec.role, "image": image, "command": command, "env": env,
         "envFrom": [{"secretRef": {"name": dns_name(spec.job_id, spec.role, "credentials")}}],
-        "ports": [{"name": "health", "containerPort": HEALTH_PORT}],
+        "ports": [{"name": "health", "containerPort": HEALTH_PORT},
+                  {"name": "weights", "containerPort": WEIGHTS_PORT}],
         "livenessProbe": {**probe, "initialDelaySeconds": 30}, "readinessProbe": dict(probe),
         "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
                             "readOnlyRootFilesystem": True, "runAsNonRoot": True,
@@ -183,15 +186,13 @@ def _container(spec: MemberSpec, image: str, extra_env: list[dict[str, Any]]) ->
 
 def _pod_spec(spec: MemberSpec, image: str, extra_env: list[dict[str, Any]], affinity: dict[str, Any],
               restart: str) -> dict[str, Any]:
-    low, high = EPHEMERAL_PORTS
     pod: dict[str, Any] = {
         "restartPolicy": restart, "containers": [_container(spec, image, extra_env)],
         "terminationGracePeriodSeconds": 15,
         # members never call the Kubernetes API: no token in the pod to steal
         "automountServiceAccountToken": False,
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
-                            "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"},
-                            "sysctls": [{"name": "net.ipv4.ip_local_port_range", "value": f"{low} {high}"}]},
+                            "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}},
         "volumes": [{"name": name, "emptyDir": {}} for name in WRITABLE]}
     if spec.placement.node_labels:
         pod["nodeSelector"] = dict(spec.placement.node_labels)
@@ -253,9 +254,10 @@ def network_policies(job: str, namespace: str, gang: dict[str, str] | None, pool
       which no pod selector names) and NATS, Redis and S3 (``infra_egress``);
     * the gang (``gang``: its pods' labels): all TCP among its ranks (the rendezvous on
       ``MASTER_PORT``, and Gloo / NCCL, which listen on ephemeral ports), and weight pulls from
-      the job's rollout pods on ``EPHEMERAL_PORTS`` only (neither the rendezvous nor the health port);
+      the job's rollout pods on ``WEIGHTS_PORT`` only (not the rendezvous, the health port or a
+      rank's Gloo / NCCL listeners);
     * the rollout pool (``pool``): weight pulls to the job's trainers and among its replicas
-      (relays), on ``EPHEMERAL_PORTS``.
+      (relays), on ``WEIGHTS_PORT``.
 
     No rule admits the health port: the kubelet's probes come from the pod's own node, which a
     NetworkPolicy does not block (Kubernetes' NetworkPolicy documentation). Nothing outside the job
@@ -264,7 +266,7 @@ def network_policies(job: str, namespace: str, gang: dict[str, str] | None, pool
     members = {LABEL_JOB: job}
 
     def weights() -> list[dict[str, Any]]:  # a new list each time: no YAML aliases in the output
-        return [{"protocol": "TCP", "port": EPHEMERAL_PORTS[0], "endPort": EPHEMERAL_PORTS[1]}]
+        return [{"protocol": "TCP", "port": WEIGHTS_PORT}]
 
     def policy(name: str, selector: dict[str, str], ingress: list[dict[str, Any]] | None = None,
                egress: list[dict[str, Any]] | None = None) -> dict[str, Any]:

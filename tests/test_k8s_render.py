@@ -326,9 +326,9 @@ def test_network_policies_admit_the_jobs_own_traffic_and_nothing_else() -> None:
     r0, r1, r2 = (pods[f"ref-1-trainer-e1-r{k}"] for k in range(3))
     replica, other_replica = pods["ref-1-rollout-0"], Peer("rl", dict(pods["ref-1-rollout-0"].labels))
     master_port = int(env_of(container(by_kind(docs, "Pod")[0]["spec"]))["MASTER_PORT"])
-    (sysctl,) = {s["value"] for _, p in pod_specs(docs) for s in p["securityContext"]["sysctls"]
-                 if s["name"] == "net.ipv4.ip_local_port_range"}  # every pod pins the same range
-    low, high = map(int, sysctl.split())
+    # Every member's weight server listens on one port, from its own environment.
+    (weights_port,) = {int(env_of(c)["ROBUSTRL_WEIGHTS_PORT"]) for _, p in pod_specs(docs) for c in p["containers"]}
+    low, high = 32768, 60999  # Linux's ephemeral range: where Gloo / NCCL (and port 0) listen
     # Every pod of the job is isolated both ways: no pod of it is left open by default.
     for name, pod in pods.items():
         for kind in ("Ingress", "Egress"):
@@ -344,7 +344,7 @@ def test_network_policies_admit_the_jobs_own_traffic_and_nothing_else() -> None:
                  Peer("rl", {**r1.labels, LABEL_JOB: "ref-2", LABEL_GANG: "ref-2-trainer-e1"}),
                  Peer("rl", {**r1.labels, LABEL_GANG: "ref-1-trainer-e2"}),
                  Peer(None, ip="203.0.113.7")]
-    ports = [master_port, HEALTH_PORT, low, (low + high) // 2, high, 22, 80, 443]
+    ports = [master_port, HEALTH_PORT, weights_port, low, (low + high) // 2, high, 22, 80, 443]
     for outsider in outsiders:
         for target in (r0, r1, replica):
             for port in ports:
@@ -354,10 +354,10 @@ def test_network_policies_admit_the_jobs_own_traffic_and_nothing_else() -> None:
     for src in (replica, *outsiders):
         assert not ingress_allows(policies, src, r0, master_port), src
     assert not ingress_allows(policies, replica, r0, HEALTH_PORT)
-    # Weight pulls: replicas from ranks and from each other, on the ephemeral range only.
-    for port in (low, high):
-        assert allowed(policies, replica, r0, port) and allowed(policies, replica, other_replica, port)
-    for port in (low - 1, high + 1, HEALTH_PORT):
+    # Weight pulls: replicas from ranks and from each other, on the weight port only (not on a
+    # rank's Gloo / NCCL listeners in the ephemeral range, not on the rendezvous).
+    assert allowed(policies, replica, r0, weights_port) and allowed(policies, replica, other_replica, weights_port)
+    for port in (weights_port - 1, weights_port + 1, low, (low + high) // 2, high, master_port, HEALTH_PORT):
         assert not ingress_allows(policies, replica, r0, port)
         assert not ingress_allows(policies, replica, other_replica, port)
         assert not allowed(policies, replica, r0, port)

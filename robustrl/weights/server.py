@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import errno
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -220,6 +221,10 @@ def _byte_view(buffer: object) -> memoryview:
     return memoryview(buffer).cast("B")  # type: ignore[arg-type]
 
 
+FIXED_PORT_WAIT_S = 5.0
+"""How long a weight server on a fixed port waits for it to be free (see ``WeightServer.start``)."""
+
+
 class WeightServer(RequestHandler):
     """Serves (version, chunk) requests over one transport.
 
@@ -280,7 +285,22 @@ class WeightServer(RequestHandler):
         if self.status is ServerStatus.CLOSED:
             raise WeightSyncError("weight server is closed", address=self.address)
         self._server = make_server(self.transport, self)
-        self.address = await self._server.start(self.host, self.port)
+        waited = 0.0
+        while True:
+            try:
+                self.address = await self._server.start(self.host, self.port)
+                break
+            except OSError as exc:
+                # A fixed port (ROBUSTRL_WEIGHTS_PORT) may still be held for a moment by the server
+                # this process closed as it switched role in place; beyond that, it is someone else's.
+                if not self.port:
+                    raise
+                if exc.errno != errno.EADDRINUSE or waited >= FIXED_PORT_WAIT_S:
+                    raise WeightSyncError(f"weight server cannot listen on {self.host}:{self.port} "
+                                          f"(ROBUSTRL_WEIGHTS_PORT: one member per address): {exc}",
+                                          host=self.host, port=self.port) from exc
+                await asyncio.sleep(0.2)  # a pace while the port is released, bounded by FIXED_PORT_WAIT_S
+                waited += 0.2
         self.status = ServerStatus.SERVING
         return self.address
 

@@ -109,7 +109,8 @@ class Replica:
         self.engine, self.tok = await asyncio.to_thread(make_engine, spec)
         # The torch engine's model (None for vLLM, whose model lives in vLLM's engine process).
         self.model = getattr(self.engine, "model", None)
-        self.server = WeightServer(spec.weights.transport, host=self.settings.bind_host, max_versions=2)
+        self.server = WeightServer(spec.weights.transport, host=self.settings.bind_host,
+                                   port=self.settings.weights_port, max_versions=2)
         self.address = await self.server.start()
         self.loader = WeightLoader(spec.weights, self.ident.member_id, self.server, self.engine.layout(),
                                    install=self._install, emit=self._emit, on_change=self._refresh_phase,

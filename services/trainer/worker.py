@@ -281,7 +281,8 @@ class TrainerWorker:
         self.ckpt = Checkpointer(store, checkpoint_prefix(self.ident.job_id), keep=spec.trainer.checkpoint_keep,
                                  rank=self.ident.rank, world_size=self.ident.world_size, epoch=self.member.epoch,
                                  fence=fence)
-        self.server = WeightServer(spec.weights.transport, host=self.settings.bind_host, max_versions=2)
+        self.server = WeightServer(spec.weights.transport, host=self.settings.bind_host,
+                                   port=self.settings.weights_port, max_versions=2)
         self.address = await self.server.start()
         bus = self.member.bus
         assert bus
