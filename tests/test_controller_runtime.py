@@ -1214,3 +1214,35 @@ async def test_a_failed_start_fails_the_job_though_redis_times_out_on_the_way(
     assert record["status"] == "failed" and "no node can take it" in (record.get("error") or ""), record
     pids = [m.pid for m in c.jobs[job_id].members.values() if m.pid]
     assert pids and not [p for p in pids if alive(p)], "members of the failed job still run"
+
+
+async def test_a_take_over_that_fails_part_way_stops_acting_and_hands_the_lease_on_at_once(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first controller's take-over fails after it said it leads (its fault inbox's JetStream
+    request times out, as seen on a loaded machine): it must stop acting (not leading, its
+    ``lost_leadership`` set, which makes the service exit and come back as a standby), give the
+    lease up (the raw key no longer names it, long before its expiry would), and the standby then
+    leads, never at the same moment as the first (sampled every 20 ms)."""
+    real = Controller.reconcile_all
+    failed = asyncio.Event()
+
+    async def failing_reconcile(self: Controller, why: str) -> None:
+        if not failed.is_set():  # the first controller's take-over only
+            failed.set()
+            raise TimeoutError("nats: timeout (test: the JetStream request of a take-over)")
+        await real(self, why)
+
+    monkeypatch.setattr(Controller, "reconcile_all", failing_reconcile)
+    b = None
+    a = await rig.controller()
+    await eventually_async(a.lost_leadership.is_set, timeout=10, what="the first controller gave up leading")
+    assert failed.is_set() and not a.leading
+    raw = await rig.redis.get(Keys.controller_lease())
+    assert raw is None or not raw.decode().startswith(f"{a.owner}:"), raw
+    b = await rig.controller()
+    began, both = time.monotonic(), 0
+    while not b.leading and time.monotonic() - began < 10:  # until the standby leads (or the bound)
+        both += a.leading and b.leading
+        await asyncio.sleep(0.02)
+    assert b.leading and not a.leading and not both
+    assert time.monotonic() - began < LEASE_TTL_S + 2.0
