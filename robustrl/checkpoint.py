@@ -257,10 +257,14 @@ class Checkpointer:
                                                blobs=blobs))
                 self.store.put(ref.manifest_key(self.prefix), data)  # last: now the checkpoint exists
                 written += len(data)
-                with self._lock:
-                    self._durable = step if self._durable is None else max(self._durable, step)
+                # Durable to the rest of the job only once the fenced record says so: advertised
+                # first (StepCommitted.durable_step), a failed record write let the request manager
+                # delete batch ``step`` while the record, which the next gang resumes by, still
+                # named the step before (an outside review found it).
                 if self.fence is not None:
                     self.fence.durable(step)
+                with self._lock:
+                    self._durable = step if self._durable is None else max(self._durable, step)
                 committed = True
             with self._lock:
                 self._upload_stats = UploadStats(step, time.perf_counter() - t0, written)

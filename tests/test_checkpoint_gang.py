@@ -185,6 +185,34 @@ def test_fence_refusal_leaves_no_manifest(tmp_path: Path) -> None:
     assert not [k for k in store.list("") if k.endswith("manifest.json")]
 
 
+class _UnrecordedFence:
+    """Admits every step; recording step 1 as durable fails (Redis away past its retries)."""
+
+    def admit(self, step: int) -> None:
+        pass
+
+    def durable(self, step: int) -> None:
+        if step == 1:
+            raise TimeoutError("the gang record's write timed out (test)")
+
+
+def test_a_step_is_durable_only_once_the_fenced_record_says_so(tmp_path: Path) -> None:
+    """The manifest of step 1 is written but the gang record's ``durable`` write fails: the
+    checkpointer must not advertise step 1 as durable (the trainer sends it as
+    ``StepCommitted.durable_step``, and the request manager then deletes batch 1, which the next
+    gang, resuming by the record from step 0, must train again). It did: the step was taken as
+    durable before the record was written (an outside review found it)."""
+    store = FileObjectStore(tmp_path)
+    model, opt = _model()
+    ck = Checkpointer(store, PREFIX, epoch=1, fence=_UnrecordedFence())
+    for step in (0, 1):
+        ck.snapshot(step, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(),
+                    data_cursor=step, weights_version=step + 1)
+        ck.wait_uploaded(30)
+    assert isinstance(ck.last_error, TimeoutError), ck.last_error
+    assert ck.durable_step == 0
+
+
 class _RottingStore(FileObjectStore):
     """Stores tensor blobs of some steps with a flipped byte (a bad disk, or a racing writer)."""
 
@@ -274,3 +302,38 @@ def test_scan_ignores_keys_in_other_shapes(tmp_path: Path) -> None:
     assert listing.folders == {CheckpointRef(3, 2), CheckpointRef(4, 1)}
     with pytest.raises(CheckpointError, match="unreadable"):
         Checkpointer(store, "p").load(3)
+
+
+def test_ranks_whose_scans_saw_different_checkpoints_resume_from_rank_0s(tmp_path: Path) -> None:
+    """A manifest lands between two ranks' scans of the store (a stale gang's upload still in
+    flight): rank 0 saw step 0 as the newest, rank 1 step 1. Two real processes in a gloo group:
+    both must resume from the same checkpoint, rank 0's (before, each loaded its own: gradients of
+    different batches averaged, optimizer states apart; an outside review found it)."""
+    import socket
+    import subprocess
+    import sys
+
+    store = FileObjectStore(tmp_path / "store")
+    model, opt = _model()
+    gang = _gang(store, 2, epoch=1, keep=10)
+    for step in (0, 1):
+        _snap_all(gang, step, model, opt)
+        _wait_all(gang)
+    manifest = tmp_path / "store" / CheckpointRef(1, 1).manifest_key(PREFIX)
+    hidden = tmp_path / "late-manifest.json"
+    manifest.rename(hidden)  # not there yet when rank 0 scans
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = Path(__file__).parent
+    procs = [subprocess.Popen([sys.executable, str(here / "resume_rank.py"), str(rank), str(port),
+                               str(tmp_path / "store"), PREFIX, str(hidden), str(manifest)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    by_rank = {o["rank"]: o for o in outs}
+    assert by_rank[0]["own"] == [0, 1] and by_rank[1]["own"] == [1, 1], outs  # the scans did differ
+    assert by_rank[0]["resumes"] == by_rank[1]["resumes"] == [0, 1], outs

@@ -30,7 +30,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from robustrl.aio import wait_event
 from robustrl.bus import EVENT_PUBLISH_RETRY_S, Bus
-from robustrl.checkpoint import UPLOAD_WAIT_S, Checkpointer, capture_rng, restore_rng, seed_rng
+from robustrl.checkpoint import (
+    UPLOAD_WAIT_S,
+    Checkpointer,
+    CheckpointState,
+    capture_rng,
+    restore_rng,
+    seed_rng,
+)
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import EXIT_CHECKPOINT_LOST, CheckpointLost, ConfigError, RequestTimeout, StaleEpoch
 from robustrl.member import Identity, Member
@@ -118,6 +125,27 @@ def rendezvous_listener(address: str, port: int) -> int | None:
                 raise
     log.warning("MASTER_ADDR %s %s: the rendezvous store listens on every interface", address, why)
     return None
+
+
+def agree_on_checkpoint(ckpt: Checkpointer, state: CheckpointState | None, rank: int,
+                        world_size: int) -> CheckpointState | None:
+    """The checkpoint this rank resumes from: the one rank 0 chose (``state`` is this rank's own
+    choice; the process group is up). Each rank scans the store on its own, in parallel, and in the
+    common case they agree. A manifest landing between two ranks' scans (a stale gang's upload still
+    in flight, an S3 put being retried) made them resume from different steps: gradients of
+    different batches averaged, optimizer states apart, half of a batch never trained (an outside
+    review found it). A rank that chose otherwise loads exactly rank 0's choice; one it cannot load
+    fails this rank, and the gang's start with it, rather than train from another."""
+    if world_size == 1:
+        return state
+    mine = None if state is None else (state.step, state.epoch)
+    chosen: list[tuple[int, int] | None] = [mine]
+    dist.broadcast_object_list(chosen, src=0)
+    theirs = chosen[0]
+    if theirs == mine:
+        return state
+    log.warning("rank %d chose checkpoint %s, rank 0 chose %s: loading rank 0's", rank, mine, theirs)
+    return None if theirs is None else ckpt.load(theirs[0], theirs[1])
 
 
 def checkpoint_prefix(job_id: str) -> str:
@@ -320,6 +348,8 @@ class TrainerWorker:
         after it can be redone (else ``CheckpointLost``: never train over a committed history)."""
         record = await self.gang.enter()
         state = await asyncio.to_thread(self.ckpt.load_latest)
+        state = await asyncio.to_thread(agree_on_checkpoint, self.ckpt, state, self.ident.rank,
+                                        self.ident.world_size)
         loaded = None if state is None else state.step
         history = await read_history(self.redis, self.ident.job_id, record, loaded)
         resume_step(loaded, history)  # raises CheckpointLost: main() exits with its reason
