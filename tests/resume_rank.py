@@ -14,9 +14,9 @@ import os
 import sys
 
 import torch.distributed as dist
+from robustrl.services.trainer.worker import agree_on_checkpoint
 
 from robustrl.checkpoint import Checkpointer
-from robustrl.services.trainer.worker import agree_on_checkpoint
 from robustrl.storage.objects import FileObjectStore
 
 

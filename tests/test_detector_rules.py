@@ -557,3 +557,20 @@ def test_a_detector_that_keeps_stalling_still_reports_a_silent_member() -> None:
         now += 2.0 if i % 2 else 0.25
         faults += mon.tick(now).faults
     assert [f.member_id for f in faults] == ["t0"]
+
+
+def test_turns_queued_for_a_version_to_come_are_not_a_stall_but_a_silent_replica_still_is() -> None:
+    """``awaiting_version``: every queued turn needs a version the replica does not hold yet (after
+    a trainer rollback). No tokens for many times ``rollout_idle_s`` is no fault and no probe; the
+    same replica, queued turns and idle, is a fault; one that goes silent while awaiting is caught
+    by the silence rule all the same."""
+    run, r = Run(monitor()), Member("r0", "rollout", phase="awaiting_version", queue=3)
+    run.advance(5 * CFG.rollout_idle_s, [r], answer_probes=True)
+    assert run.faults == [] and run.probes == []
+    idle_run, idle = Run(monitor()), Member("r0", "rollout", phase="idle", queue=3)
+    idle_run.advance(5 * CFG.rollout_idle_s, [idle], answer_probes=True)
+    assert [f.kind for _, f in idle_run.faults] == ["hang"]
+    silent_run, silent = Run(monitor()), Member("r0", "rollout", phase="awaiting_version", queue=3)
+    silent_run.advance(1.0, [silent])
+    silent_run.advance(CFG.silence_s + CFG.probe_timeout_s + 2.0, [])  # nothing heard from it any more
+    assert silent_run.faults and silent_run.faults[0][1].member_id == "r0"

@@ -241,3 +241,68 @@ async def test_a_commit_message_lost_on_the_bus_costs_seconds_not_the_job(server
         await eventually_async(lambda: 1 in h.batches, timeout=COMMIT_RECHECK_S * 3 + 10,
                                what="batch 1 handed over without a commit message")
         assert not any(f.cause == "step_deadline" for f in h.faults)
+
+
+async def test_a_step_whose_every_attempt_fails_is_reported_at_its_deadline(servers):
+    """A damaged episode record (a torn write, Redis out of memory) makes every attempt at step 0
+    fail within a second, and the request manager retries it: the step deadline must still be
+    reported, from its first attempt, with the failure named (a watch per attempt restarted its
+    clock at each: the step was retried forever and nothing was reported; an outside review
+    found it)."""
+    async with Harness(servers, rm_spec("failing", step_deadline_s=2.0, turn_deadline_s=1.0,
+                                        weights_load_s=1.0)) as h:
+        a = await h.replica("rollout-0-i0")
+        a.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: len(a.received) >= 4, timeout=20, what="turns dispatched")
+        await h.kill_rm()
+        ids = await h.episodes.step_episode_ids(0)
+        await h.redis.set(Keys.episode(h.job_id, ids[0]), b"{not json")  # one damaged record
+        await h.start_rm()
+        fault = await eventually_async(
+            lambda: next((f for f in h.faults if f.cause == "step_deadline"), None), timeout=8,
+            what="the failing step reported at its deadline")
+        assert fault.role == "request_manager" and "attempts failed" in fault.evidence, fault
+        assert 0 not in h.batches
+
+
+async def test_a_late_reply_while_the_event_log_is_slow_holds_no_on_time_reply_back(servers):
+    """JetStream slow to acknowledge (a stream leader election, a disk stall) while core NATS
+    carries the turns: one late reply (its 'turn_dropped' event waits on JetStream) must not hold
+    the on-time replies queued behind it on the same subscription. None of their turns may pass
+    its deadline, nothing is regenerated, and the healthy replica is not reported (all were,
+    before: the handler awaited the event; an outside review found it)."""
+    import asyncio
+    import time
+
+    from robustrl.messages import TurnResult
+    from robustrl.subjects import Verb, subject
+
+    spec = rm_spec("slowlog", steps=2, turn_deadline_s=2.0, step_deadline_s=60.0)
+    spec["data"]["group_size"] = 4  # 8 episodes on one replica
+    async with Harness(servers, spec) as h:
+        a = await h.replica("rollout-0-i0")
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0")
+        a.hold = lambda msg: True
+        await a.set_version(1)
+        await h.commit(0)
+        await eventually_async(lambda: len(a.held) >= 8, timeout=30, what="step 1 dispatched")
+        assert h.rm_bus is not None
+        real = h.rm_bus.emit_event
+        until = time.monotonic() + 6.0
+
+        async def slow_log(*args: object, **kw: object) -> None:  # JetStream not acknowledging for 6 s
+            await asyncio.sleep(max(0.0, until - time.monotonic()))
+            await real(*args, **kw)  # type: ignore[arg-type]
+
+        h.rm_bus.emit_event = slow_log  # type: ignore[method-assign]
+        await h.bus.publish(subject(h.job_id, Verb.TURN), TurnResult(
+            job_id=h.job_id, request_id="stale-req", episode_id="s0-x-g0", member_id="rollout-0-i0",
+            token_ids=[1], logprobs=[-1.0], stop_reason="eot", weights_version=0))
+        a.hold = lambda msg: False
+        await a.release()  # every on-time reply, right behind the late one
+        await eventually_async(lambda: 1 in h.batches, timeout=60, what="step 1 handed over")
+        assert not [f for f in h.faults if f.cause == "turn_deadline"], h.faults
+        assert not await h.events("turn_regenerated")
+        assert max(_per_turn(h).values()) == 1  # no turn sent twice

@@ -370,3 +370,44 @@ async def test_replica_pulls_a_version_whose_announcement_it_never_received(
     finally:
         await redis.aclose()
         await server.close()
+
+
+async def test_a_replica_whose_queued_turns_need_a_version_to_come_says_so_across_a_rollback(
+        replica: Replica) -> None:
+    """A trainer rollback: the replica holds v6 (gang 2), turns dispatched before the fault need
+    v7, and the new gang (3), resumed from an older checkpoint, announces v5. The replica follows
+    the new gang down to v5 and waits for v7 holding its turns: its phase says
+    ``awaiting_version`` (the detector's stall rule exempts it), not ``idle`` with turns queued and
+    no tokens, which the detector reported as hung at twice ``rollout_idle_s`` and the controller
+    replaced, replica after replica. Once the new gang's v7 comes, the turns are served, by v7."""
+    servers: list[WeightServer] = []
+    try:
+        v6, v5, v7 = make_version(6, seed=6), make_version(5, seed=5), make_version(7, seed=7)
+        for v in (v6, v5, v7):
+            servers.append(await _served(WeightServer(), v))
+        await replica.announce(v6, epoch=2, sources=[servers[0].address or ""])
+        await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=6), timeout=WAIT_S,
+                               what="v6 of gang 2 loaded")
+        for i in range(2):
+            await replica.bus.publish(subject(replica.job_id, Verb.GENERATE, replica.member_id), GenerateTurn(
+                job_id=replica.job_id, request_id=f"t{i}", episode_id=f"e{i}", step=7,
+                prefix_ids=[TOK.bos_id, 5, 6], max_new_tokens=4, temperature=1.0, top_p=1.0, seed=i,
+                min_version=7))
+        await eventually_async(lambda: replica.samples[-1].phase == "awaiting_version"
+                               and replica.samples[-1].queue_depth == 2, timeout=WAIT_S,
+                               what="the waiting turns and the phase that says why")
+        await replica.announce(v5, epoch=3, sources=[servers[1].address or ""])  # the rollback
+        await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=5), timeout=WAIT_S,
+                               what="v5 of gang 3 loaded")
+        await eventually_async(lambda: replica.samples[-1].weights_version == 5
+                               and replica.samples[-1].phase == "awaiting_version", timeout=WAIT_S,
+                               what="still awaiting v7 after the rollback")
+        assert not replica.turns and "idle" not in replica.phases[replica.phases.index("awaiting_version"):]
+        await replica.announce(v7, epoch=3, sources=[servers[2].address or ""])
+        await eventually_async(lambda: len(replica.turns) == 2, timeout=WAIT_S, what="both turns served")
+        assert {t.weights_version for t in replica.turns} == {7}
+        await eventually_async(lambda: replica.samples[-1].phase != "awaiting_version", timeout=WAIT_S,
+                               what="the phase back once the queue is served")
+    finally:
+        for s in servers:
+            await s.close()

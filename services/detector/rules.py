@@ -50,10 +50,12 @@ from robustrl.messages import FaultKind
 from robustrl.services.detector.history import MemberHistory
 
 # Rollout phases in which zero throughput is expected even with work assigned: a replica that
-# is starting or swapping weights holds its requests without decoding. A process that hangs
-# there still goes silent and is caught by the silence rule; a load that never ends is bounded
-# by ``weights_load_s``.
-ROLLOUT_EXEMPT_PHASES = frozenset({"starting", "loading_weights", "weights_failed"})
+# is starting or swapping weights holds its requests without decoding, and one whose queued turns
+# all need a version it does not hold yet (``awaiting_version``: after a trainer rollback, until
+# the new gang trains up to it again; reported as hung before 2026-12-02, and replaced). A process
+# that hangs there still goes silent and is caught by the silence rule; a load that never ends is
+# bounded by ``weights_load_s``, a version that never comes by the request manager's step deadline.
+ROLLOUT_EXEMPT_PHASES = frozenset({"starting", "loading_weights", "weights_failed", "awaiting_version"})
 # The fail-slow comparison: slower than this fraction of the peer median is a fault.
 FAIL_SLOW_FRACTION = 0.25
 

@@ -81,6 +81,8 @@ class JobRunner:
         self._gc_task: asyncio.Task[None] | None = None
         self._current: list[EpisodeRecord] = []
         self._started_once = start_step > 0
+        self._step_failures = 0  # attempts at the current step that failed (``run``)
+        self._step_error = ""  # the last one's error, for the step deadline's report
 
     @property
     def tools(self):  # type: ignore[no-untyped-def]
@@ -142,12 +144,7 @@ class JobRunner:
                                reward_mean=handed.reward_mean, timings=handed.timings)
             await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
             return ready
-        t0 = time.monotonic()
-        watchdog = asyncio.create_task(self._watch(step))
-        try:
-            return await self._generate_step(step, t0)
-        finally:
-            watchdog.cancel()
+        return await self._generate_step(step, time.monotonic())
 
     async def _generate_step(self, step: int, t0: float) -> BatchReady:
         timing = {"tool_wait_s": 0.0}
@@ -203,13 +200,19 @@ class JobRunner:
 
     async def _watch(self, step: int) -> None:
         """Report the step each time ``step_deadline_s`` passes without its batch handed over.
-        The job's start-up (members starting before the first step) is not part of a step."""
+        The job's start-up (members starting before the first step) is not part of a step. One
+        watch spans every attempt at the step (``run``): an attempt failing faster than the
+        deadline, again and again, is reported too (a watch per attempt restarted its clock at
+        each, and such a step was retried forever with no fault; an outside review found it)."""
         bound = self.spec.detector.step_deadline_s
         await self._wait(lambda: self._started_once)
         since = time.time()
         while True:
-            await asyncio.sleep(bound)
+            await asyncio.sleep(bound)  # the deadline's period (a report each time it passes)
             role, member, kind, what = self._stuck_on(step)
+            if self._step_failures:
+                role, member, kind = "request_manager", "request_manager", "hang"
+                what = f"{self._step_failures} attempts failed, the last with {self._step_error}; {what}"
             await report_deadline(self.bus, self.job_id, role=role, member_id=member, kind=kind,  # type: ignore[arg-type]
                                   cause="step_deadline", step=step, since=since,
                                   evidence=f"step {step} not handed over after {time.time() - since:.1f}s "
@@ -263,25 +266,40 @@ class JobRunner:
 
     async def run(self) -> None:
         """Sync/semi-sync/async loop: step k starts once its weights are available (staleness bound)."""
-        while self.step < self.spec.steps:
-            step = self.step
-            # The trainer must have committed step k - 1 - staleness (bounded lag between rollout
-            # and training); a trainer that stops committing is the detector's to report.
-            await self._wait_committed(step - 1 - self.spec.staleness)
-            self._step_task = asyncio.create_task(self.run_step(step))
-            try:
-                await self._step_task
-            except asyncio.CancelledError:
-                if self._task and self._task.cancelling():
-                    raise
-                continue  # restart_step: same step again from scratch
-            except Exception:
-                # Redis or NATS trouble mid-step: every sibling has stopped; the episodes resume
-                # from their saved records.
-                log.exception("job %s: step %d failed; retrying from the saved records", self.job_id, step)
-                await asyncio.sleep(STEP_RETRY_S)
-                continue
-            self.step += 1
+        watch: asyncio.Task[None] | None = None
+        watched = -1
+        try:
+            while self.step < self.spec.steps:
+                step = self.step
+                # The trainer must have committed step k - 1 - staleness (bounded lag between rollout
+                # and training); a trainer that stops committing is the detector's to report.
+                await self._wait_committed(step - 1 - self.spec.staleness)
+                if watched != step:  # a new step: its deadline runs from its first attempt
+                    if watch is not None:
+                        watch.cancel()
+                    watch, watched = asyncio.create_task(self._watch(step)), step
+                    self._step_failures, self._step_error = 0, ""
+                self._step_task = asyncio.create_task(self.run_step(step))
+                try:
+                    await self._step_task
+                except asyncio.CancelledError:
+                    if self._task and self._task.cancelling():
+                        raise
+                    watched = -1  # restart_step: the same step again from scratch, its deadline too
+                    continue
+                except Exception as exc:
+                    # Redis or NATS trouble mid-step: every sibling has stopped; the episodes resume
+                    # from their saved records.
+                    self._step_failures += 1
+                    self._step_error = f"{type(exc).__name__}: {exc}"[:300]
+                    log.exception("job %s: step %d failed (attempt %d); retrying from the saved records",
+                                  self.job_id, step, self._step_failures)
+                    await asyncio.sleep(STEP_RETRY_S)
+                    continue
+                self.step += 1
+        finally:
+            if watch is not None:
+                watch.cancel()
         log.info("job %s: all %d steps generated", self.job_id, self.spec.steps)
 
     async def restart_step(self, fault_id: str | None = None) -> None:

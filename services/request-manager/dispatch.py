@@ -55,6 +55,9 @@ RECONNECT_GRACE_S = 5.0
 replica: it may still be reconnecting, and what was sent to it meanwhile is lost on the bus."""
 
 
+MAX_EMITTING = 256
+"""Events appended in the background at once by the turn handler (``Dispatcher._emit_later``)."""
+
 class Redispatch(RobustRLError):
     """The turn's replica was declared dead (or went silent): dispatch it again from the prefix."""
 
@@ -111,8 +114,10 @@ class Dispatcher:
         self.pending: dict[str, Pending] = {}
         self.adoptable: dict[str, dict[str, Any]] = {}  # episode id -> dispatch record of a past life
         self.waiting = 0  # turns waiting for a replica that can take them
-        self.stats = {"redispatched": 0, "late_dropped": 0, "tokens_regenerated": 0, "turn_timeouts": 0}
+        self.stats = {"redispatched": 0, "late_dropped": 0, "tokens_regenerated": 0, "turn_timeouts": 0,
+                      "events_unsent": 0}
         self.changed = asyncio.Event()
+        self._emitting: set[asyncio.Task[None]] = set()  # events the turn handler does not wait for
         # When this service last heard any member: silence is judged against it, so a request
         # manager that was itself frozen (SIGSTOP) does not take everyone for silent when it wakes.
         self.heard_any = time.monotonic()
@@ -188,12 +193,33 @@ class Dispatcher:
         if pend is None or pend.future.done() or pend.episode_id != msg.episode_id:
             # Late: its turn was applied, or re-dispatched, or the step was restarted.
             self.stats["late_dropped"] += 1
-            await self.bus.emit_event(self.job_id, "turn_dropped", {
+            self._emit_later("turn_dropped", {
                 "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id,
                 "tokens": len(msg.token_ids)})
             return
         pend.future.set_result(msg)
         self.changed.set()
+
+    def _emit_later(self, kind: str, data: dict[str, Any]) -> None:
+        """Append an event to the job's log without making the caller wait for it. The turn handler
+        runs one message at a time (nats.py calls a subscription's callback for each in turn): an
+        event awaited there, while JetStream is slow (its retries take up to 30 s), held every
+        on-time reply behind one late one, until their turns passed their deadlines and healthy
+        replicas were reported (an outside review found it). At most ``MAX_EMITTING`` wait at once;
+        beyond that an event is counted in ``stats['events_unsent']`` and dropped."""
+        if len(self._emitting) >= MAX_EMITTING:
+            self.stats["events_unsent"] += 1
+            return
+        task = asyncio.get_running_loop().create_task(self._emit(kind, data))
+        self._emitting.add(task)
+        task.add_done_callback(self._emitting.discard)
+
+    async def _emit(self, kind: str, data: dict[str, Any]) -> None:
+        try:
+            await self.bus.emit_event(self.job_id, kind, data)
+        except Exception as exc:  # the event log is accounting here: the turn is handled already
+            self.stats["events_unsent"] += 1
+            log.warning("job %s: %s event not appended: %s", self.job_id, kind, exc)
 
     # --- choosing a replica ----------------------------------------------------------------
 

@@ -90,6 +90,7 @@ class Replica:
         self._pending: PendingWeights | None = None
         self._swap_lock = threading.Lock()
         self._working = False
+        self._awaiting = False  # every queued turn needs a version newer than the one held
         self.standby = StandbyHook(env or {}, self.member.stopping.set)
         """Warm standby: the launcher may hand this process over to a trainer rank (standby.py)."""
         self.engine_thread: threading.Thread | None = None
@@ -181,7 +182,13 @@ class Replica:
             return "weights_failed"
         if self._working:
             return "serving"
-        return "loading_weights" if self.loader.state.loading else "idle"
+        if self.loader.state.loading:
+            return "loading_weights"
+        # Turns queued, none servable with the version held: they wait for a version the trainer
+        # has not made yet (after a trainer rollback the new gang announces a lower version, and
+        # the turns dispatched before it need the old gang's newest again). Not a stall: the
+        # detector exempts this phase; the request manager's step deadline bounds it.
+        return "awaiting_version" if self._awaiting else "idle"
 
     async def _refresh_phase(self) -> None:
         await self.member.set_phase(self._phase())
@@ -332,6 +339,7 @@ class Replica:
             try:
                 first = self.requests.get(timeout=BATCH_WAIT_S)
             except queue.Empty:
+                self._set_awaiting(False)
                 continue
             batch = [first]
             while len(batch) < self.engine.max_batch:
@@ -347,8 +355,10 @@ class Replica:
                 if self._working:
                     self._working = False  # nothing servable: loading or idle, not serving
                     self._refresh_phase_from_thread()
+                self._set_awaiting(True)
                 time.sleep(BATCH_WAIT_S)  # a pull is under way; the requests wait for it
                 continue
+            self._set_awaiting(False)
             # In flight before the chaos gate: a stalled replica holding work must look busy.
             self.member.inflight = len(ready)
             self.member.chaos.gate()
@@ -359,6 +369,11 @@ class Replica:
                     return  # borrowed or stopping: the request manager re-dispatches these turns
                 raise
             self.member.inflight = 0
+
+    def _set_awaiting(self, awaiting: bool) -> None:
+        if awaiting != self._awaiting:
+            self._awaiting = awaiting
+            self._refresh_phase_from_thread()
 
     def _on_token(self, n: int) -> None:
         self.member.tokens_total += n
