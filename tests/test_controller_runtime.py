@@ -1246,3 +1246,49 @@ async def test_a_take_over_that_fails_part_way_stops_acting_and_hands_the_lease_
         await asyncio.sleep(0.02)
     assert b.leading and not a.leading and not both
     assert time.monotonic() - began < LEASE_TTL_S + 2.0
+
+
+async def test_a_failed_start_whose_final_write_fails_is_still_failed_and_its_members_stopped(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher refuses the job's last member; as the controller fails the job, the write of
+    its final record times out (a loaded Redis). The stop is carried out again: the raw record
+    ends failed, every member of the job is stopped, the submitter gets the launcher's reason, and
+    the log holds one ``job_failed``. (The retry saw the job 'closing' and gave up: a submit
+    answered as started, a record left 'pending', members possibly running; an outside review.)"""
+    import threading
+
+    from support import raw_job_record
+
+    c = await rig.controller()
+    await c.wait_leading(10)
+    real = c.launcher.start
+    others = threading.Semaphore(0)
+
+    def start(s: object) -> None:
+        if "rollout-1" in s.member_id:  # type: ignore[attr-defined]
+            for _ in range(3):  # the gang's two ranks and the other replica first
+                others.acquire(timeout=20)
+            raise LaunchError("no node can take it (test)", member=s.member_id)  # type: ignore[attr-defined]
+        real(s)  # type: ignore[arg-type]
+        others.release()
+
+    real_put = c.registry.put
+    refused: list[str] = []
+
+    async def put(job_id: str, record: dict, fence: int | None = None) -> bool:  # type: ignore[type-arg]
+        if record.get("status") == "failed" and not refused:
+            refused.append(job_id)
+            raise TimeoutError("the job record's write timed out (test)")
+        return await real_put(job_id, record, fence=fence)
+
+    monkeypatch.setattr(c.launcher, "start", start)
+    monkeypatch.setattr(c.registry, "put", put)
+    with pytest.raises(LaunchError, match="no node can take it"):
+        await c.submit(spec("finalwrite"))
+    (job_id,) = [j for j in c.jobs if j.startswith("finalwrite-")]
+    assert refused == [job_id], refused
+    record = raw_job_record(rig.settings.redis_url, job_id)
+    assert record["status"] == "failed" and "no node can take it" in (record.get("error") or ""), record
+    pids = [m.pid for m in c.jobs[job_id].members.values() if m.pid]
+    assert pids and not [p for p in pids if alive(p)], "members of the failed job still run"
+    assert len(of_kind(await rig.events(job_id), "job_failed")) == 1

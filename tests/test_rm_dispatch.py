@@ -306,3 +306,24 @@ async def test_a_late_reply_while_the_event_log_is_slow_holds_no_on_time_reply_b
         assert not [f for f in h.faults if f.cause == "turn_deadline"], h.faults
         assert not await h.events("turn_regenerated")
         assert max(_per_turn(h).values()) == 1  # no turn sent twice
+
+
+async def test_a_step_handed_over_is_not_reported_while_the_trainer_takes_its_time(servers):
+    """Step 0 is handed over, then the trainer does not commit it for three step deadlines (a gang
+    recovery, a redo after a rollback): nothing is the request manager's to report, so no
+    ``step_deadline`` fault (a watch left running past the hand-over reported step 0 as not handed
+    over, every period, blaming the request manager; an outside review found it). Step 1 then runs
+    once step 0 commits."""
+    import asyncio
+
+    async with Harness(servers, rm_spec("slowtrainer", steps=2, step_deadline_s=1.0, turn_deadline_s=1.0,
+                                        weights_load_s=1.0)) as h:
+        a = await h.replica("rollout-0-i0")
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+        await asyncio.sleep(3.5)  # the window checked: three step deadlines without a commit
+        assert not [f for f in h.faults if f.cause == "step_deadline"], h.faults
+        await a.set_version(1)
+        await h.commit(0)
+        await eventually_async(lambda: 1 in h.batches, timeout=30, what="step 1 handed over")
+        assert not [f for f in h.faults if f.cause == "step_deadline"], h.faults

@@ -94,6 +94,9 @@ class Controller:
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._persist_locks: dict[str, asyncio.Lock] = {}
+        self._stopping: dict[str, dict[str, Any]] = {}
+        """Stops under way (``stop_job``), by job: the members they stop, whether the final event is
+        appended; removed once the final status is saved."""
         self._unled_commits: dict[str, StepCommitted] = {}
         """The newest commit heard per job while not leading (a standby, a leader restoring its jobs),
         applied once this controller leads."""
@@ -136,6 +139,10 @@ class Controller:
             log.exception("controller %s could not take over: it stops acting", self.owner)
             self.leading = False
             self.lost_leadership.set()
+            # What the take-over had set going (a recovery, a stop, a restock) ends first: once the
+            # lease is released a standby leads at once, and a stop or kill is not fenced.
+            await asyncio.gather(*(cancel_and_wait(t, CLOSE_TASK_WAIT_S) for t in list(self._tasks)
+                                   if t is not asyncio.current_task()))
             await self.lease.release()  # a standby need not wait for its expiry
 
     async def _take_lead(self) -> None:
@@ -562,17 +569,19 @@ class Controller:
                 the job not launched and starts it again.
         """
         delay = 0.5
+        failing = False  # this controller's stop of the job has begun (and is carried out again)
         while True:
             try:
                 async with self.recovery.lock:
                     if not self.leading or not await self.leads():
                         raise LeaseLost(f"job {job.job_id}: its start failed ({exc}) while controller "
                                         f"{self.owner} stopped leading: the job is left to the next leader") from exc
-                    if job.done:
+                    if job.done and not failing:
                         return False
                     reason = f"its members could not be started: {exc}"
                     log.error("job %s: %s", job.job_id, reason)
-                    await self.stop_job(job.job_id, "failed", reason)
+                    failing = True
+                    await self.stop_job(job.job_id, "failed", reason, again=True)
                     return True
             except LeaseLost:
                 raise
@@ -646,30 +655,38 @@ class Controller:
             await self.event(job, "note", {"text": f"request manager never acknowledged {action}"})
         return False
 
-    async def stop_job(self, job_id: str, status: str = "stopped", reason: str | None = None) -> JobRun:
-        """Stop the job's members, append its final event (durably), then set its final status."""
+    async def stop_job(self, job_id: str, status: str = "stopped", reason: str | None = None, *,
+                       again: bool = False) -> JobRun:
+        """Stop the job's members, append its final event (durably), then set its final status.
+        ``again``: a stop of the caller's own that failed part-way is carried out once more (each
+        part is idempotent), where a job being stopped is otherwise left to that stop."""
         job = self.get(job_id)
-        if job.done:
+        if job.done and not (again and job.job_id in self._stopping):
             return job
         job.closing = True
         job.error = reason
+        stop = self._stopping.setdefault(job.job_id, {"ids": [], "event": False})
         await self.control_rm(job, "stop", attempts=1)
-        ids = [m.member_id for m in job.live()]
+        # (marked stopped before the launcher's stop: a stop carried out again stops them again)
+        stop["ids"] += [m.member_id for m in job.live() if m.member_id not in stop["ids"]]
         for m in job.live():
             m.state = "stopped"
         grace = FINISH_GRACE_S if status == "finished" else 3.0
-        await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in ids], grace)
+        await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"]], grace)
         await self._update_spares()
-        kind = FINAL_EVENT.get(status, "job_stopped")
-        try:
-            await emit_durable(self.bus, job.job_id, kind, {"reason": reason, "steps": job.committed_step + 1,
-                                                            "fence": self.lease.token})
-        except TransportError as exc:
-            log.error("job %s: %s", job.job_id, exc)
+        if not stop["event"]:
+            kind = FINAL_EVENT.get(status, "job_stopped")
+            try:
+                await emit_durable(self.bus, job.job_id, kind, {"reason": reason, "steps": job.committed_step + 1,
+                                                                "fence": self.lease.token})
+            except TransportError as exc:
+                log.error("job %s: %s", job.job_id, exc)
+            stop["event"] = True
         job.ettr = await self._ettr(job)
         job.finished_at = time.time()
         job.status = status  # type: ignore[assignment]
         await self.persist(job)
+        self._stopping.pop(job.job_id, None)
         return job
 
     async def _ettr(self, job: JobRun) -> float | None:

@@ -54,6 +54,12 @@ COMMIT_RECHECK_S = 5.0
 message was lost."""
 
 
+
+def _cancelled(task: asyncio.Task[None] | None) -> None:
+    """Cancel ``task`` if there is one (the step watch, which awaits nothing of the caller's)."""
+    if task is not None:
+        task.cancel()
+
 class JobRunner:
     """Drives one job's steps on the request-manager side."""
 
@@ -83,6 +89,7 @@ class JobRunner:
         self._started_once = start_step > 0
         self._step_failures = 0  # attempts at the current step that failed (``run``)
         self._step_error = ""  # the last one's error, for the step deadline's report
+        self._step_failed_at = 0.0  # when (monotonic)
 
     @property
     def tools(self):  # type: ignore[no-untyped-def]
@@ -211,8 +218,12 @@ class JobRunner:
             await asyncio.sleep(bound)  # the deadline's period (a report each time it passes)
             role, member, kind, what = self._stuck_on(step)
             if self._step_failures:
-                role, member, kind = "request_manager", "request_manager", "hang"
                 what = f"{self._step_failures} attempts failed, the last with {self._step_error}; {what}"
+                if time.monotonic() - self._step_failed_at < bound:
+                    # Failing now (an attempt failed within this period): the request manager's
+                    # own trouble, whatever the attempt in flight waits for. An older failure only
+                    # goes into the evidence: a later attempt stuck on a replica blames it.
+                    role, member, kind = "request_manager", "request_manager", "hang"
             await report_deadline(self.bus, self.job_id, role=role, member_id=member, kind=kind,  # type: ignore[arg-type]
                                   cause="step_deadline", step=step, since=since,
                                   evidence=f"step {step} not handed over after {time.time() - since:.1f}s "
@@ -275,8 +286,7 @@ class JobRunner:
                 # and training); a trainer that stops committing is the detector's to report.
                 await self._wait_committed(step - 1 - self.spec.staleness)
                 if watched != step:  # a new step: its deadline runs from its first attempt
-                    if watch is not None:
-                        watch.cancel()
+                    _cancelled(watch)
                     watch, watched = asyncio.create_task(self._watch(step)), step
                     self._step_failures, self._step_error = 0, ""
                 self._step_task = asyncio.create_task(self.run_step(step))
@@ -285,21 +295,29 @@ class JobRunner:
                 except asyncio.CancelledError:
                     if self._task and self._task.cancelling():
                         raise
-                    watched = -1  # restart_step: the same step again from scratch, its deadline too
+                    # restart_step: the same step again from scratch, its deadline too (not while
+                    # the restart waits for the new members: that is the controller's recovery)
+                    _cancelled(watch)
+                    watch, watched = None, -1
                     continue
                 except Exception as exc:
                     # Redis or NATS trouble mid-step: every sibling has stopped; the episodes resume
                     # from their saved records.
                     self._step_failures += 1
+                    self._step_failed_at = time.monotonic()
                     self._step_error = f"{type(exc).__name__}: {exc}"[:300]
                     log.exception("job %s: step %d failed (attempt %d); retrying from the saved records",
                                   self.job_id, step, self._step_failures)
                     await asyncio.sleep(STEP_RETRY_S)
                     continue
+                # Handed over: the step's deadline ends here, not when the next step begins (the wait
+                # for the trainer's commit in between is not this step's, and a trainer recovery
+                # there was reported as this step stuck; an outside review found it).
+                _cancelled(watch)
+                watch, watched = None, -1
                 self.step += 1
         finally:
-            if watch is not None:
-                watch.cancel()
+            _cancelled(watch)
         log.info("job %s: all %d steps generated", self.job_id, self.spec.steps)
 
     async def restart_step(self, fault_id: str | None = None) -> None:

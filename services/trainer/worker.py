@@ -127,8 +127,8 @@ def rendezvous_listener(address: str, port: int) -> int | None:
     return None
 
 
-def agree_on_checkpoint(ckpt: Checkpointer, state: CheckpointState | None, rank: int,
-                        world_size: int) -> CheckpointState | None:
+def agree_on_checkpoint(ckpt: Checkpointer, state: CheckpointState | None, rank: int, world_size: int,
+                        device: torch.device | None = None) -> CheckpointState | None:
     """The checkpoint this rank resumes from: the one rank 0 chose (``state`` is this rank's own
     choice; the process group is up). Each rank scans the store on its own, in parallel, and in the
     common case they agree. A manifest landing between two ranks' scans (a stale gang's upload still
@@ -140,7 +140,8 @@ def agree_on_checkpoint(ckpt: Checkpointer, state: CheckpointState | None, rank:
         return state
     mine = None if state is None else (state.step, state.epoch)
     chosen: list[tuple[int, int] | None] = [mine]
-    dist.broadcast_object_list(chosen, src=0)
+    # (``device``: NCCL's object tensors go to this rank's GPU; set_device does not reach this thread)
+    dist.broadcast_object_list(chosen, src=0, device=device)
     theirs = chosen[0]
     if theirs == mine:
         return state
@@ -349,7 +350,7 @@ class TrainerWorker:
         record = await self.gang.enter()
         state = await asyncio.to_thread(self.ckpt.load_latest)
         state = await asyncio.to_thread(agree_on_checkpoint, self.ckpt, state, self.ident.rank,
-                                        self.ident.world_size)
+                                        self.ident.world_size, self.device if self.device.type == "cuda" else None)
         loaded = None if state is None else state.step
         history = await read_history(self.redis, self.ident.job_id, record, loaded)
         resume_step(loaded, history)  # raises CheckpointLost: main() exits with its reason
