@@ -19,16 +19,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_local_master_addr_gets_a_listener_on_that_address_only_and_torch_serves_on_it():
+@pytest.mark.parametrize("libuv", [True, False])
+def test_a_local_master_addr_gets_a_listener_on_that_address_only_and_torch_serves_on_it(libuv):
+    """With libuv (torch's default) and without (USE_LIBUV=0, honoured as env:// honours it: the
+    older store takes the socket as well, where it was handed none and listened on ``::``)."""
     import torch.distributed as dist
 
     port = _free_port()
     fd = rendezvous_listener("127.0.0.1", port)
     assert fd is not None
     master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=10),
-                           wait_for_workers=False, master_listen_fd=fd, use_libuv=True)
+                           wait_for_workers=False, master_listen_fd=fd, use_libuv=libuv)
     try:
-        peer = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=10))
+        peer = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=10),
+                             use_libuv=libuv)
         peer.set("k", "v")
         assert master.get("k") == b"v"
         assert wide_listeners([os.getpid()]) == []  # read from /proc: nothing of it beyond loopback
@@ -83,22 +87,3 @@ def test_an_address_that_cannot_be_bound_yet_falls_back(monkeypatch, caplog):
     assert rendezvous_listener("127.0.0.1", port) is None
     assert "cannot be bound" in caplog.text and "every interface" in caplog.text
 
-
-def test_the_store_without_libuv_serves_on_the_listener_too():
-    """USE_LIBUV=0 (honoured as env:// honours it): torch's older store takes the socket as well,
-    so it listens on MASTER_ADDR only (it was handed none, and listened on ``::``)."""
-    import torch.distributed as dist
-
-    port = _free_port()
-    fd = rendezvous_listener("127.0.0.1", port)
-    assert fd is not None
-    master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=10),
-                           wait_for_workers=False, master_listen_fd=fd, use_libuv=False)
-    try:
-        peer = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=10),
-                             use_libuv=False)
-        peer.set("k", "v")
-        assert master.get("k") == b"v"
-        assert wide_listeners([os.getpid()]) == []
-    finally:
-        del master
