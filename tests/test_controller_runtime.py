@@ -30,7 +30,7 @@ from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import LaunchError, RequestTimeout
 from robustrl.infra.embedded import EmbeddedInfra
-from robustrl.launcher.local import LocalLauncher
+from robustrl.launcher.local import LAUNCH_MARK_ENV, LocalLauncher
 from robustrl.launcher.zygote import FORK_START_ENV
 from robustrl.messages import ControlCommand, MemberHello, MetricsSample, StepCommitted
 from robustrl.storage.fencing import GangFence
@@ -1064,7 +1064,7 @@ def _launched_processes(log_dir: Path, job_id: str) -> dict[str, list[int]]:
         try:
             if p.status() == psutil.STATUS_ZOMBIE:
                 continue
-            mark = p.environ().get("ROBUSTRL_LAUNCH_MARK", "")
+            mark = p.environ().get(LAUNCH_MARK_ENV, "")
         except psutil.Error:
             continue
         if mark.startswith(str(log_dir)) and Path(mark).name.startswith(f"{job_id}--"):
@@ -1151,7 +1151,7 @@ async def test_a_take_over_longer_than_the_lease_keeps_it_and_no_two_controllers
     async def slow_reconcile(self: Controller, why: str) -> None:
         if not slowed.is_set():  # the first controller's take-over only
             slowed.set()
-            await asyncio.sleep(3 * LEASE_TTL_S)
+            await asyncio.sleep(3 * LEASE_TTL_S)  # the fault itself: a take-over step this slow
         await real(self, why)
 
     monkeypatch.setattr(Controller, "reconcile_all", slow_reconcile)
@@ -1164,7 +1164,7 @@ async def test_a_take_over_longer_than_the_lease_keeps_it_and_no_two_controllers
         both += a.leading and b.leading
         raw = await rig.redis.get(Keys.controller_lease())
         holders.add(raw.decode().rsplit(":", 1)[0] if raw else None)
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # the sampling period of a fixed window ("never"), not a wait
     assert not both, f"both controllers led in {both} samples"
     assert holders == {a.owner}, holders
     assert a.leading and not b.leading
@@ -1233,18 +1233,20 @@ async def test_a_take_over_that_fails_part_way_stops_acting_and_hands_the_lease_
         await real(self, why)
 
     monkeypatch.setattr(Controller, "reconcile_all", failing_reconcile)
-    b = None
     a = await rig.controller()
     await eventually_async(a.lost_leadership.is_set, timeout=10, what="the first controller gave up leading")
     assert failed.is_set() and not a.leading
     raw = await rig.redis.get(Keys.controller_lease())
     assert raw is None or not raw.decode().startswith(f"{a.owner}:"), raw
     b = await rig.controller()
-    began, both = time.monotonic(), 0
-    while not b.leading and time.monotonic() - began < 10:  # until the standby leads (or the bound)
-        both += a.leading and b.leading
-        await asyncio.sleep(0.02)
-    assert b.leading and not a.leading and not both
+    began, both = time.monotonic(), []
+
+    def standby_leads() -> bool:  # each poll also samples whether both lead at that moment
+        both.append(a.leading and b.leading)
+        return b.leading
+
+    await eventually_async(standby_leads, timeout=10, interval=0.02, what="the standby leads")
+    assert not a.leading and not any(both)
     assert time.monotonic() - began < LEASE_TTL_S + 2.0
 
 

@@ -282,6 +282,11 @@ class ForkedProc:
         except OSError:
             self._pidfd = None
 
+    @property
+    def ended(self) -> bool:
+        """Whether its end is known (reported by the zygote, or counted by ``poll`` without a report)."""
+        return self._ended.is_set()
+
     def _exited(self, rc: int | None) -> None:
         with self._signal_lock:
             if not self._ended.is_set():
@@ -397,7 +402,7 @@ class Zygote:
         """Whether a process it forked has not ended yet: neither reported by it nor counted as
         ended without its report (``ForkedProc.poll``: a stopped or stuck zygote reports nothing,
         and would otherwise be kept, with its zombies, until the launcher closes)."""
-        return any(not p._ended.is_set() for p in list(self._procs.values()))
+        return any(not p.ended for p in list(self._procs.values()))
 
     def ready(self, wait_s: float = 0.0) -> bool:
         """Whether the zygote has done its imports (waiting up to ``wait_s``) and is not lost."""

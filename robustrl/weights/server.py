@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_fixed
 
 from robustrl.errors import WeightSyncError
 from robustrl.weights.manifest import Manifest
@@ -285,22 +286,20 @@ class WeightServer(RequestHandler):
         if self.status is ServerStatus.CLOSED:
             raise WeightSyncError("weight server is closed", address=self.address)
         self._server = make_server(self.transport, self)
-        waited = 0.0
-        while True:
-            try:
-                self.address = await self._server.start(self.host, self.port)
-                break
-            except OSError as exc:
-                # A fixed port (ROBUSTRL_WEIGHTS_PORT) may still be held for a moment by the server
-                # this process closed as it switched role in place; beyond that, it is someone else's.
-                if not self.port:
-                    raise
-                if exc.errno != errno.EADDRINUSE or waited >= FIXED_PORT_WAIT_S:
-                    raise WeightSyncError(f"weight server cannot listen on {self.host}:{self.port} "
-                                          f"(ROBUSTRL_WEIGHTS_PORT: one member per address): {exc}",
-                                          host=self.host, port=self.port) from exc
-                await asyncio.sleep(0.2)  # a pace while the port is released, bounded by FIXED_PORT_WAIT_S
-                waited += 0.2
+        # A fixed port (ROBUSTRL_WEIGHTS_PORT) may still be held for a moment by the server this
+        # process closed as it switched role in place; beyond FIXED_PORT_WAIT_S it is someone else's.
+        taken = retry_if_exception(lambda e: bool(self.port) and getattr(e, "errno", None) == errno.EADDRINUSE)
+        try:
+            async for attempt in AsyncRetrying(retry=taken, wait=wait_fixed(0.2), reraise=True,
+                                               stop=stop_after_delay(FIXED_PORT_WAIT_S)):
+                with attempt:
+                    self.address = await self._server.start(self.host, self.port)
+        except OSError as exc:
+            if not self.port:
+                raise
+            raise WeightSyncError(f"weight server cannot listen on {self.host}:{self.port} "
+                                  f"(ROBUSTRL_WEIGHTS_PORT: one member per address): {exc}",
+                                  host=self.host, port=self.port) from exc
         self.status = ServerStatus.SERVING
         return self.address
 

@@ -22,6 +22,8 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any
 
+from tenacity import AsyncRetrying, before_sleep_log, retry_if_not_exception_type, wait_exponential
+
 from robustrl.aio import cancel_and_wait, wait_event, within
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
@@ -568,10 +570,18 @@ class Controller:
             LeaseLost: this controller stopped leading (or is stopping): the next leader finds
                 the job not launched and starts it again.
         """
-        delay = 0.5
         failing = False  # this controller's stop of the job has begun (and is carried out again)
-        while True:
-            try:
+
+        async def nap(seconds: float) -> None:  # the back-off, cut short by this controller's stop
+            if await wait_event(self._stop, seconds):
+                raise LeaseLost(f"job {job.job_id}: its start failed ({exc}) while controller {self.owner} "
+                                "stopped: the job is left to the next leader") from exc
+
+        async for attempt in AsyncRetrying(
+                wait=wait_exponential(multiplier=0.5, max=FAIL_START_RETRY_MAX_S),
+                retry=retry_if_not_exception_type(LeaseLost), sleep=nap, reraise=True,
+                before_sleep=before_sleep_log(log, logging.WARNING)):
+            with attempt:
                 async with self.recovery.lock:
                     if not self.leading or not await self.leads():
                         raise LeaseLost(f"job {job.job_id}: its start failed ({exc}) while controller "
@@ -582,16 +592,7 @@ class Controller:
                     log.error("job %s: %s", job.job_id, reason)
                     failing = True
                     await self.stop_job(job.job_id, "failed", reason, again=True)
-                    return True
-            except LeaseLost:
-                raise
-            except Exception as err:
-                log.warning("job %s: failing it after its failed start did not work (%r): again in %.1f s",
-                            job.job_id, err, delay)
-            if await wait_event(self._stop, delay):
-                raise LeaseLost(f"job {job.job_id}: its start failed ({exc}) while controller {self.owner} "
-                                "stopped: the job is left to the next leader") from exc
-            delay = min(delay * 2, FAIL_START_RETRY_MAX_S)
+        return True
 
     def launch_in_background(self, job: JobRun) -> asyncio.Task[None]:
         """``launch`` in a controller task; the warm spares are updated once it succeeded."""

@@ -54,11 +54,11 @@ COMMIT_RECHECK_S = 5.0
 message was lost."""
 
 
-
 def _cancelled(task: asyncio.Task[None] | None) -> None:
     """Cancel ``task`` if there is one (the step watch, which awaits nothing of the caller's)."""
     if task is not None:
         task.cancel()
+
 
 class JobRunner:
     """Drives one job's steps on the request-manager side."""
@@ -277,17 +277,15 @@ class JobRunner:
 
     async def run(self) -> None:
         """Sync/semi-sync/async loop: step k starts once its weights are available (staleness bound)."""
-        watch: asyncio.Task[None] | None = None
-        watched = -1
+        watch: asyncio.Task[None] | None = None  # the current step's deadline, from its first attempt
         try:
             while self.step < self.spec.steps:
                 step = self.step
                 # The trainer must have committed step k - 1 - staleness (bounded lag between rollout
                 # and training); a trainer that stops committing is the detector's to report.
                 await self._wait_committed(step - 1 - self.spec.staleness)
-                if watched != step:  # a new step: its deadline runs from its first attempt
-                    _cancelled(watch)
-                    watch, watched = asyncio.create_task(self._watch(step)), step
+                if watch is None:  # the step's first attempt (or its first since a restart_step)
+                    watch = asyncio.create_task(self._watch(step))
                     self._step_failures, self._step_error = 0, ""
                 self._step_task = asyncio.create_task(self.run_step(step))
                 try:
@@ -298,7 +296,7 @@ class JobRunner:
                     # restart_step: the same step again from scratch, its deadline too (not while
                     # the restart waits for the new members: that is the controller's recovery)
                     _cancelled(watch)
-                    watch, watched = None, -1
+                    watch = None
                     continue
                 except Exception as exc:
                     # Redis or NATS trouble mid-step: every sibling has stopped; the episodes resume
@@ -314,7 +312,7 @@ class JobRunner:
                 # for the trainer's commit in between is not this step's, and a trainer recovery
                 # there was reported as this step stuck; an outside review found it).
                 _cancelled(watch)
-                watch, watched = None, -1
+                watch = None
                 self.step += 1
         finally:
             _cancelled(watch)

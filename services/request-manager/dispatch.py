@@ -58,6 +58,7 @@ replica: it may still be reconnecting, and what was sent to it meanwhile is lost
 MAX_EMITTING = 256
 """Events appended in the background at once by the turn handler (``Dispatcher._emit_later``)."""
 
+
 class Redispatch(RobustRLError):
     """The turn's replica was declared dead (or went silent): dispatch it again from the prefix."""
 
