@@ -35,10 +35,13 @@ from robustrl.checkpoint_catalog import (
     CheckpointRef,
     Manifest,
     ShardReceipt,
+    Origin,
     fetch_blob,
     gc_deletions,
-    lineage,
+    loadable,
     manifest_bytes,
+    origin_bytes,
+    origin_key,
     read_manifest,
     read_receipt,
     receipt_bytes,
@@ -153,6 +156,8 @@ class Checkpointer:
         self._abandoned = threading.Event()
         # Verification results by manifest sha256, so GC re-reads only checkpoints it has not seen.
         self._verdicts: dict[tuple[CheckpointRef, str], bool] = {}
+        self._origins: dict[int, CheckpointRef | None | CheckpointError] = {}
+        """Gang origins read so far (written once, never changed)."""
 
     def manifest_key(self, step: int, epoch: int | None = None) -> str:
         """Object key of the manifest of ``step`` written by ``epoch`` (default: this gang's)."""
@@ -349,7 +354,7 @@ class Checkpointer:
         """Keep the newest ``keep`` checkpoints that verify; drop what is older or bad below them."""
         listing = scan(self.store, self.prefix)
         kept: list[CheckpointRef] = []
-        for ref in lineage(listing.manifests):
+        for ref in loadable(self.store, self.prefix, listing, self._origins):
             if len(kept) == self.keep:
                 break
             if self._verifies(ref):
@@ -407,9 +412,24 @@ class Checkpointer:
 
     # -- loading ----------------------------------------------------------------------------------
 
+    def start_lineage(self, state: CheckpointState | None) -> None:
+        """Record where this gang's lineage starts: ``state``, the checkpoint it resumed from
+        (None: the initial weights). The coordinator calls it once the gang has agreed where to
+        resume and before it trains or commits anything: from then on a manifest of an older gang
+        above that step (an upload that passed the fence just before the take-over) is off the
+        lineage and never loaded, even before this gang writes a checkpoint of its own.
+
+        Raises:
+            StorageError: the store failed (the gang must not train: its start fails).
+        """
+        origin = Origin(epoch=self.epoch, from_step=None if state is None else state.step,
+                        from_epoch=None if state is None else state.epoch, created=time.time())
+        self.store.put(origin_key(self.prefix, self.epoch), origin_bytes(origin))
+        self._origins.pop(self.epoch, None)
+
     def list_complete(self) -> list[int]:
         """Steps with a manifest that is not superseded (not yet verified), oldest first."""
-        return sorted(r.step for r in lineage(scan(self.store, self.prefix).manifests))
+        return sorted(r.step for r in loadable(self.store, self.prefix, cache=self._origins))
 
     def load(self, step: int, epoch: int | None = None) -> CheckpointState:
         """Load and verify checkpoint ``step`` (of ``epoch``; default: the one the lineage picks).
@@ -420,7 +440,7 @@ class Checkpointer:
             StorageError: the store itself failed (retry may help; nothing is known about the data).
         """
         if epoch is None:
-            chosen = [r for r in lineage(scan(self.store, self.prefix).manifests) if r.step == step]
+            chosen = [r for r in loadable(self.store, self.prefix, cache=self._origins) if r.step == step]
             epoch = chosen[0].epoch if chosen else self.epoch
         ref = CheckpointRef(step, epoch)
         state, manifest_sha = read_checkpoint(self.store, self.prefix, ref)
@@ -434,7 +454,7 @@ class Checkpointer:
         as it is. Store failures (``StorageError`` that is not a ``CheckpointError``) propagate:
         falling back on a transient error would silently lose progress.
         """
-        for ref in lineage(scan(self.store, self.prefix).manifests):
+        for ref in loadable(self.store, self.prefix, cache=self._origins):
             try:
                 return self.load(ref.step, ref.epoch)
             except CheckpointError as exc:

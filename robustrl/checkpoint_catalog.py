@@ -10,17 +10,26 @@ stale writer can add a folder of its own but never overwrite another gang's byte
     <prefix>/<step:012d>/e<epoch:08d>/r<rank:05d>/receipt.json      that rank's blobs (written last)
     <prefix>/<step:012d>/e<epoch:08d>/manifest.json                 coordinator, after every receipt
 
-Which manifest counts (``lineage``): a gang that wrote step s took over from a checkpoint older
-than s, so a manifest of an older epoch at step s or later was written by a gang already replaced
-(a zombie, or one whose write raced the takeover) and is *superseded*; it is never loaded.
+Which manifest counts (``lineage``): every gang's coordinator records, before the gang trains
+anything, which checkpoint it resumed from, in its *origin* (``<prefix>/origins/e<epoch>.json``:
+that step and epoch, or none). The loadable checkpoints are the chain the newest origin names: its
+own gang's manifests, then those of the gang it resumed from up to the step it resumed from, and
+so on back. A manifest off that chain was written by a gang already replaced (a zombie, or an
+upload that passed the fence just before the take-over and landed after the new gang had chosen
+where to resume) and is never loaded, even while the new gang has not yet written a checkpoint of
+its own. Without origins (folders written before they existed), the rule is the older one: a gang
+that wrote step s took over from a checkpoint older than s, so a manifest of an older epoch at step
+s or later is *superseded*.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
-from dataclasses import dataclass
+import logging
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -28,9 +37,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from robustrl.errors import CheckpointError
 from robustrl.storage.objects import ObjectNotFound, ObjectStore
 
+log = logging.getLogger(__name__)
+
 MANIFEST = "manifest.json"
 RECEIPT = "receipt.json"
+ORIGINS = "origins"
 FORMAT = 2
+_ORIGIN_NAME = re.compile(r"^e(\d{8})\.json$")
 
 
 class BlobEntry(BaseModel):
@@ -67,6 +80,18 @@ class Manifest(BaseModel):
     blobs: list[BlobEntry] = Field(min_length=1)
 
 
+class Origin(BaseModel):
+    """Where gang ``epoch``'s lineage starts: the checkpoint it resumed from (none: from the
+    initial weights). Written by its coordinator before the gang trains anything."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: Literal[1] = 1
+    epoch: int = Field(ge=0)
+    from_step: int | None = Field(None, ge=0)
+    from_epoch: int | None = Field(None, ge=0)
+    created: float
+
+
 @dataclass(frozen=True, order=True)
 class CheckpointRef:
     """One checkpoint folder: the step and the gang epoch that wrote it."""
@@ -87,35 +112,73 @@ class CheckpointRef:
         return f"{self.rank_folder(prefix, rank)}/{RECEIPT}"
 
 
+def origin_key(prefix: str, epoch: int) -> str:
+    return f"{prefix}/{ORIGINS}/e{epoch:08d}.json"
+
+
 @dataclass(frozen=True)
 class Listing:
-    """A scan of the prefix: every checkpoint folder, and those with a manifest."""
+    """A scan of the prefix: every checkpoint folder, those with a manifest, and the gang epochs
+    that recorded an origin."""
 
     folders: frozenset[CheckpointRef]
     manifests: frozenset[CheckpointRef]
+    origins: frozenset[int] = field(default_factory=frozenset)
 
 
 def scan(store: ObjectStore, prefix: str) -> Listing:
-    """List the checkpoint folders under ``prefix`` (keys in any other shape are ignored)."""
+    """List the checkpoint folders and origins under ``prefix`` (keys in any other shape are ignored)."""
     folders: set[CheckpointRef] = set()
     manifests: set[CheckpointRef] = set()
+    origins: set[int] = set()
     for key in store.list(prefix + "/"):
         parts = key[len(prefix) + 1:].split("/")
+        if len(parts) == 2 and parts[0] == ORIGINS and (named := _ORIGIN_NAME.match(parts[1])):
+            origins.add(int(named.group(1)))
+            continue
         if len(parts) < 3 or not parts[0].isdigit() or not (parts[1][:1] == "e" and parts[1][1:].isdigit()):
             continue
         ref = CheckpointRef(int(parts[0]), int(parts[1][1:]))
         folders.add(ref)
         if len(parts) == 3 and parts[2] == MANIFEST:
             manifests.add(ref)
-    return Listing(frozenset(folders), frozenset(manifests))
+    return Listing(frozenset(folders), frozenset(manifests), frozenset(origins))
 
 
-def lineage(manifests: Iterable[CheckpointRef]) -> list[CheckpointRef]:
+def lineage(manifests: Iterable[CheckpointRef],
+            origins: Mapping[int, CheckpointRef | None] | None = None) -> list[CheckpointRef]:
     """The manifests that may be loaded, newest step first (at most one per step).
 
-    ``(s, e)`` is superseded when some manifest ``(s2, e2)`` has ``e2 > e`` and ``s2 <= s``: gang
-    e2 resumed below s2, so epoch e's write at s came after e2 took over.
+    ``origins`` maps a gang epoch to the checkpoint it resumed from (None: none); with any, the
+    loadable manifests are the chain the newest names (module docstring). A gang resumes only
+    from an older one's checkpoint: an origin naming its own epoch or a newer one ends the chain.
+    An epoch on the chain without an origin (it wrote before origins existed, or its origin does
+    not read: ``origins[e]`` raised ``KeyError``) is judged below by the older rule.
     """
+    manifests = frozenset(manifests)
+    if not origins:
+        return _superseding(manifests)
+    out: list[CheckpointRef] = []
+    epoch, upper = max(origins), None
+    while True:
+        try:
+            start = origins[epoch]
+        except KeyError:
+            below = [r for r in manifests if r.epoch <= epoch and (upper is None or r.step <= upper)]
+            return out + _superseding(below)
+        lower = -1 if start is None else start.step
+        out.extend(sorted((r for r in manifests
+                           if r.epoch == epoch and r.step > lower and (upper is None or r.step <= upper)),
+                          reverse=True))
+        if start is None or start.epoch >= epoch:
+            return out
+        epoch, upper = start.epoch, start.step
+
+
+def _superseding(manifests: Iterable[CheckpointRef]) -> list[CheckpointRef]:
+    """The rule without origins: ``(s, e)`` is superseded when some manifest ``(s2, e2)`` has
+    ``e2 > e`` and ``s2 <= s`` (gang e2 resumed below s2, so epoch e's write at s came after e2
+    took over)."""
     out: list[CheckpointRef] = []
     newest_epoch_at_or_below = -1
     for ref in sorted(manifests, key=lambda r: (r.step, -r.epoch)):
@@ -123,6 +186,62 @@ def lineage(manifests: Iterable[CheckpointRef]) -> list[CheckpointRef]:
             out.append(ref)
         newest_epoch_at_or_below = max(newest_epoch_at_or_below, ref.epoch)
     return out[::-1]
+
+
+class StoredOrigins(Mapping[int, "CheckpointRef | None"]):
+    """The origins of a listing, each read from the store when first asked for (a lineage walk
+    reads only the chain it follows: usually one or two). One that is missing or does not parse
+    is absent (``KeyError``), logged once.
+
+    Raises (on lookup):
+        StorageError: the store itself failed.
+    """
+
+    def __init__(self, store: ObjectStore, prefix: str, epochs: frozenset[int],
+                 cache: dict[int, CheckpointRef | None | CheckpointError] | None = None) -> None:
+        self.store, self.prefix, self.epochs = store, prefix, epochs
+        self._cache = {} if cache is None else cache  # an origin never changes once written
+
+    def __getitem__(self, epoch: int) -> CheckpointRef | None:
+        if epoch not in self.epochs:
+            raise KeyError(epoch)
+        if epoch not in self._cache:
+            self._cache[epoch] = _read_origin(self.store, self.prefix, epoch)
+        got = self._cache[epoch]
+        if isinstance(got, CheckpointError):
+            raise KeyError(epoch)
+        return got
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self.epochs))
+
+    def __len__(self) -> int:
+        return len(self.epochs)
+
+
+def _read_origin(store: ObjectStore, prefix: str, epoch: int) -> CheckpointRef | None | CheckpointError:
+    key = origin_key(prefix, epoch)
+    try:
+        origin = Origin.model_validate_json(store.get(key))
+        if origin.epoch != epoch or (origin.from_step is None) != (origin.from_epoch is None):
+            raise CheckpointError("origin names another gang, or half a checkpoint", name=key)
+    except (ObjectNotFound, ValidationError, CheckpointError) as exc:
+        log.warning("checkpoint origin %s ignored: %s", key, exc)
+        return exc if isinstance(exc, CheckpointError) else CheckpointError(f"origin unreadable: {exc}", name=key)
+    if origin.from_step is None or origin.from_epoch is None:
+        return None
+    return CheckpointRef(origin.from_step, origin.from_epoch)
+
+
+def origin_bytes(origin: Origin) -> bytes:
+    return origin.model_dump_json().encode()
+
+
+def loadable(store: ObjectStore, prefix: str, listing: Listing | None = None,
+             cache: dict[int, CheckpointRef | None | CheckpointError] | None = None) -> list[CheckpointRef]:
+    """``lineage`` of what the store holds under ``prefix`` (scanned unless ``listing`` is given)."""
+    listing = scan(store, prefix) if listing is None else listing
+    return lineage(listing.manifests, StoredOrigins(store, prefix, listing.origins, cache))
 
 
 def read_manifest(store: ObjectStore, prefix: str, ref: CheckpointRef) -> tuple[Manifest, bytes]:

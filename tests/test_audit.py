@@ -105,6 +105,35 @@ def test_redo_by_a_newer_gang_is_allowed_only_before_the_step_was_durable():
     assert report.steps_lost == 2
 
 
+def test_every_gang_must_record_where_it_resumed_from():
+    """Origins as the auditor reads them raw from the object store: gang 1 (resumed at step 0)
+    and gang 2 (resumed at step 2, from gang 1's checkpoint 1) must each have recorded theirs."""
+    inp = sound_job()
+    log = Log()
+    log.events = list(inp.events[:-1])
+    log.add("member_ready", role="trainer", epoch=2, resume_step=2, weights_version=2)
+    log.add("step_committed", step=2, epoch=2, weights_version=3, checksum="c3b", durable_step=2)
+    log.add("weights_published", version=3, epoch=2, checksum="c3b")
+    log.add("job_finished")
+    inp.events = log.events
+    inp.redis.trained.append({"step": 2, "epoch": 2, "checksum": "c3b"})
+    sound = {1: {"epoch": 1, "from_step": None, "from_epoch": None},
+             2: {"epoch": 2, "from_step": 1, "from_epoch": 1}}
+    inp.origins = sound
+    assert judge(inp).ok, judge(inp).violations()
+    for origins, says in (({1: sound[1]}, "gang 2 trained but recorded no readable origin"),
+                          ({**sound, 2: None}, "gang 2 trained but recorded no readable origin"),
+                          ({**sound, 2: {**sound[2], "from_step": 2}}, ("gang 2 resumed at step 2 but its origin "
+                                                                        "names checkpoint 2 of gang 1")),
+                          ({**sound, 2: {**sound[2], "from_epoch": 2}}, "names checkpoint 1 of gang 2"),
+                          ({**sound, 1: {**sound[1], "from_step": 0, "from_epoch": 0}}, "gang 1 resumed at step 0"),
+                          ({**sound, 2: {**sound[2], "epoch": 3}}, "gang 2's origin names gang 3")):
+        inp.origins = origins
+        report = judge(inp)
+        assert not report.checks["trained_once"].passed and any(says in v for v in report.violations()), \
+            (origins, report.violations())
+
+
 def test_committed_step_without_training_record_is_lost():
     inp = sound_job()
     inp.events = [e for e in inp.events if not (e.kind == "step_committed" and e.data["step"] == 1)]

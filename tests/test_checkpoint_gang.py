@@ -337,3 +337,115 @@ def test_ranks_whose_scans_saw_different_checkpoints_resume_from_rank_0s(tmp_pat
     by_rank = {o["rank"]: o for o in outs}
     assert by_rank[0]["own"] == [0, 1] and by_rank[1]["own"] == [1, 1], outs  # the scans did differ
     assert by_rank[0]["resumes"] == by_rank[1]["resumes"] == [0, 1], outs
+
+
+class _HeldAfterAdmit:
+    """A stale coordinator's fence: it admits the manifest (no newer gang had entered yet), then
+    the put is held until released; meanwhile a newer gang enters and resumes. Recording the step
+    durable is then refused, as the real fence refuses a replaced gang."""
+
+    def __init__(self) -> None:
+        self.admitted = threading.Event()
+        self.release = threading.Event()
+
+    def admit(self, step: int) -> None:
+        self.admitted.set()
+        assert self.release.wait(60), "never released"
+
+    def durable(self, step: int) -> None:
+        raise StaleEpoch("a newer gang took over", epoch=1, newest=2)
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_a_stale_manifest_landing_after_a_new_gang_resumed_below_it_is_never_loaded(
+        backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Gang 1 wrote step 4; its step-5 manifest passed the fence and is in flight when gang 2
+    enters and resumes from step 4 (the newest it can see). The manifest then lands. Gang 2 dies
+    before writing a checkpoint of its own, and gang 3 resumes: it must resume where gang 2 did.
+    Step 5 of gang 1 was never recorded durable, and gang 2 may have trained (and recorded) batch
+    5 again; before the fix gang 3 loaded gang 1's step 5, weights of a training the job's history
+    does not hold (the lineage rule needs a newer gang's *manifest* to supersede a stale one)."""
+    store: ObjectStore = (FileObjectStore(tmp_path) if backend == "file"
+                          else request.getfixturevalue("object_store"))
+    model, opt = _model()
+    gang1 = Checkpointer(store, PREFIX, epoch=1, keep=10)
+    gang1.snapshot(4, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(),
+                   data_cursor=5, weights_version=5)
+    assert gang1.wait_uploaded(60) == 4
+    at_4 = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)  # gang 1 trained step 5
+    gang1.fence = fence = _HeldAfterAdmit()
+    gang1.snapshot(5, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(),
+                   data_cursor=6, weights_version=6)
+    assert fence.admitted.wait(60)
+
+    gang2 = Checkpointer(store, PREFIX, epoch=2)  # enters now; resumes as the trainer does
+    state2 = gang2.load_latest()
+    assert state2 is not None and (state2.step, state2.epoch) == (4, 1)
+    gang2.start_lineage(state2)
+
+    fence.release.set()
+    gang1.wait_uploaded(60)
+    assert store.exists(CheckpointRef(5, 1).manifest_key(PREFIX))  # the stale manifest did land
+
+    gang3 = Checkpointer(store, PREFIX, epoch=3)  # gang 2 died before its first checkpoint
+    state3 = gang3.load_latest()
+    assert state3 is not None and (state3.step, state3.epoch) == (4, 1), (state3.step, state3.epoch)
+    assert all(torch.equal(state3.model_state[k], v) for k, v in at_4.items())
+    assert gang3.list_complete() == [4]
+    gang3.start_lineage(state3)
+    # Gang 3 goes on and writes step 5 itself: that is the step a fourth gang loads.
+    gang3.snapshot(5, model_state=at_4, optim_state=opt.state_dict(), rng=capture_rng(), data_cursor=6,
+                   weights_version=6)
+    assert gang3.wait_uploaded(60) == 5
+    state4 = Checkpointer(store, PREFIX, epoch=4).load_latest()
+    assert state4 is not None and (state4.step, state4.epoch) == (5, 3)
+
+
+def test_lineage_follows_the_newest_origin_back() -> None:
+    R = CheckpointRef
+    manifests = {R(3, 1), R(4, 1), R(5, 1), R(6, 2), R(5, 3), R(6, 3)}
+    # Gang 3 resumed from gang 1's step 4: gang 2 (resumed from 5) is off the chain, and so is
+    # gang 1's step 5.
+    assert lineage(manifests, {1: None, 2: R(5, 1), 3: R(4, 1)}) == [R(6, 3), R(5, 3), R(4, 1), R(3, 1)]
+    # Gang 4 resumed from gang 3's step 5 and wrote nothing yet: gang 3's step 6 is off the chain.
+    assert lineage(manifests, {1: None, 2: R(5, 1), 3: R(4, 1), 4: R(5, 3)}) == [R(5, 3), R(4, 1), R(3, 1)]
+    # A late origin of a replaced gang changes nothing: the newest origin starts the walk.
+    assert lineage(manifests, {1: None, 3: R(4, 1), 2: R(6, 1)}) == [R(6, 3), R(5, 3), R(4, 1), R(3, 1)]
+    # A gang that started from the initial weights ends the chain.
+    assert lineage(manifests, {1: None, 2: None}) == [R(6, 2)]
+    # An origin naming its own epoch or a newer one (not written by this code) ends it too.
+    assert lineage(manifests, {3: R(4, 3)}) == [R(6, 3), R(5, 3)]
+
+
+def test_lineage_below_a_gang_without_origin_uses_the_older_rule() -> None:
+    R = CheckpointRef
+    # Gangs 1 and 2 wrote before origins existed; gang 3 resumed from gang 2's step 4.
+    manifests = {R(2, 1), R(3, 1), R(3, 2), R(4, 2), R(5, 1), R(5, 3)}
+
+    class Partial(dict):  # type: ignore[type-arg]
+        """Gang 2's origin is listed but does not read (KeyError), gang 1 has none."""
+
+        def __getitem__(self, epoch: int) -> CheckpointRef | None:
+            if epoch == 2:
+                raise KeyError(epoch)
+            return super().__getitem__(epoch)
+
+    origins = Partial({3: R(4, 2), 2: None})
+    assert lineage(manifests, origins) == [R(5, 3), R(4, 2), R(3, 2), R(2, 1)]
+    assert lineage(manifests) == [R(5, 3), R(4, 2), R(3, 2), R(2, 1)]  # the older rule alone agrees here
+
+
+def test_an_unreadable_origin_is_ignored_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = FileObjectStore(tmp_path)
+    model, opt = _model()
+    ck = Checkpointer(store, PREFIX, epoch=1)
+    ck.snapshot(0, model_state=model.state_dict(), optim_state=opt.state_dict(), rng=capture_rng(), data_cursor=1,
+                weights_version=1)
+    assert ck.wait_uploaded(60) == 0
+    store.put(f"{PREFIX}/origins/e00000002.json", b"{not json")
+    assert scan(store, PREFIX).origins == {2}
+    state = Checkpointer(store, PREFIX, epoch=3).load_latest()
+    assert state is not None and (state.step, state.epoch) == (0, 1)
+    assert "origin" in caplog.text and "e00000002.json" in caplog.text

@@ -25,7 +25,7 @@ from robustrl.audit.lineage import (
     newest_loadable,
 )
 from robustrl.audit.model import AuditInput, AuditOptions, AuditReport, CheckResult, ObservedStep
-from robustrl.audit.raw import read_event_log, read_redis, scan_checkpoints
+from robustrl.audit.raw import read_event_log, read_redis, scan_checkpoints, scan_origins
 from robustrl.audit.rollout import (
     check_episodes,
     check_prefixes,
@@ -48,8 +48,9 @@ async def collect(settings: Settings, job_id: str,
     redis = await read_redis(settings.redis_url, job_id, steps)
     store = open_object_store(settings)
     checkpoints = await asyncio.to_thread(scan_checkpoints, store, job_id)
+    origins = await asyncio.to_thread(scan_origins, store, job_id)
     return AuditInput(job_id=job_id, events=events, redis=redis, checkpoints=checkpoints,
-                      observed=dict(observed or {}))
+                      observed=dict(observed or {}), origins=origins)
 
 
 def judge(inp: AuditInput, options: AuditOptions | None = None) -> AuditReport:

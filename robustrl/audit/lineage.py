@@ -127,6 +127,8 @@ def check_trained_once(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, i
         by_epoch[epoch].add(step)
     resume = {ep: _int(ready[ep].data.get("resume_step"), min(steps)) if ep in ready else min(steps)
               for ep, steps in by_epoch.items()}
+    if inp.origins is not None:
+        res.violations.extend(_origin_violations(inp.origins, ready, by_epoch, resume))
     for ep, e in ready.items():
         if _int(e.data.get("weights_version")) != _int(e.data.get("resume_step")):
             res.violations.append(f"gang {ep} resumed at step {e.data.get('resume_step')} with weights "
@@ -173,6 +175,31 @@ def check_trained_once(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, i
             epoch = max(older)
     res.passed = not res.violations
     return res, len(twice), len(lost)
+
+
+def _origin_violations(origins: dict[int, Any], ready: dict[int, RawEvent], by_epoch: dict[int, set[int]],
+                       resume: dict[int, int]) -> list[str]:
+    """Every gang that became ready or trained recorded, in the object store, the checkpoint it
+    resumed from: the one before its resume step, of an older gang (none when it resumed at
+    step 0). Without it, a stale gang's manifest landing after the gang chose where to resume
+    would be loaded by the next one."""
+    out = []
+    for ep in sorted(set(ready) | set(by_epoch)):
+        origin = origins.get(ep)
+        start = resume[ep] if ep in resume else _int(ready[ep].data.get("resume_step"))
+        if not isinstance(origin, dict):
+            out.append(f"gang {ep} {'trained' if ep in by_epoch else 'became ready'} but recorded no readable "
+                       "origin in the object store")
+            continue
+        named = origin.get("from_step"), origin.get("from_epoch")
+        if _int(origin.get("epoch")) != ep:
+            out.append(f"gang {ep}'s origin names gang {origin.get('epoch')!r}")
+        elif start <= 0 and named != (None, None):
+            out.append(f"gang {ep} resumed at step 0 but its origin names checkpoint {named[0]} of gang {named[1]}")
+        elif start > 0 and (named[0] != start - 1 or not 0 <= _int(named[1]) < ep):
+            out.append(f"gang {ep} resumed at step {start} but its origin names checkpoint {named[0]} of gang "
+                       f"{named[1]} (not step {start - 1} of an older gang)")
+    return out
 
 
 def check_checkpoints(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, int]:

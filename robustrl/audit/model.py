@@ -45,6 +45,9 @@ class AuditInput:
     redis: RawRedis
     checkpoints: list[RawCheckpoint]
     observed: dict[int, ObservedStep] = field(default_factory=dict)
+    origins: dict[int, Any] | None = None
+    """Gang origins as read from the object store (``raw.scan_origins``); None: not read (a
+    synthetic input), and the origin check is skipped."""
 
 
 class CheckResult(BaseModel):

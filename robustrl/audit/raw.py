@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,5 +374,27 @@ def scan_checkpoints(store: ObjectStore, job_id: str) -> list[RawCheckpoint]:
             elif hashlib.sha256(data).hexdigest() != sha:
                 ck.problems.append(f"blob {key}: sha256 mismatch")
         out.append(ck)
+    return out
+
+
+def scan_origins(store: ObjectStore, job_id: str) -> dict[int, Any]:
+    """Every gang origin under the job's prefix (``.../origins/e<epoch>.json``: where that gang
+    says it resumed from), by the epoch its key names; the value is the parsed JSON (None: it
+    does not parse).
+
+    Raises:
+        StorageError: the store itself failed.
+    """
+    from robustrl.storage.objects import ObjectNotFound
+
+    out: dict[int, Any] = {}
+    for key in store.list(job_prefix(job_id)):
+        named = re.search(r"/origins/e(\d+)\.json$", key)
+        if named is None:
+            continue
+        try:
+            out[int(named.group(1))] = _json(store.get(key))
+        except ObjectNotFound:
+            continue
     return out
 

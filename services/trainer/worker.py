@@ -354,6 +354,10 @@ class TrainerWorker:
         loaded = None if state is None else state.step
         history = await read_history(self.redis, self.ident.job_id, record, loaded)
         resume_step(loaded, history)  # raises CheckpointLost: main() exits with its reason
+        if self.ident.rank == 0:
+            # Before this gang trains or commits anything: a stale gang's manifest above
+            # ``loaded`` that lands from now on is off the lineage (checkpoint_catalog).
+            await asyncio.to_thread(self.ckpt.start_lineage, state)
         if state is not None:
             self.model.load_state_dict(state.model_state)
             self.opt.load_state_dict(state.optim_state)
