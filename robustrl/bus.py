@@ -8,6 +8,7 @@ handler never sees it and the service keeps running. A handler that raises is lo
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -192,6 +193,23 @@ class Bus:
         except Exception:
             await self._js.add_stream(StreamConfig(name=subjects.EVENTS_STREAM, subjects=[subjects.EVENTS_ALL],
                                                    max_age=7 * 24 * 3600.0))
+
+    async def purge_events(self, job_id: str, timeout: float = EVENT_READ_TIMEOUT_S) -> int:
+        """Delete a job's event log (every event of ``job_id`` in the stream); return how many
+        were deleted. Idempotent: a log already purged gives 0.
+
+        Raises:
+            TransportError: JetStream did not answer, or refused.
+        """
+        request = json.dumps({"filter": subjects.events_of(job_id)}).encode()
+        try:
+            reply = await self._nc.request(f"$JS.API.STREAM.PURGE.{subjects.EVENTS_STREAM}", request, timeout=timeout)
+            answer = json.loads(reply.data)
+        except Exception as exc:
+            raise TransportError(f"event log of {job_id} not purged: {exc}") from exc
+        if not isinstance(answer, dict) or not answer.get("success"):
+            raise TransportError(f"event log of {job_id} not purged: {answer!r}"[:500])
+        return int(answer.get("purged", 0))
 
     async def publish_durable(self, subject: str, data: bytes, *, msg_id: str | None = None,
                               retry_s: float = EVENT_PUBLISH_RETRY_S) -> None:

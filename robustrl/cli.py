@@ -142,6 +142,25 @@ def status(job_id: str = typer.Argument(None), run_dir: Path = typer.Option(DEFA
     console.print(table)
 
 
+@app.command()
+def delete(job_id: str = typer.Argument(..., help="An ended job (finished, failed or stopped)."),
+           checkpoints: bool = typer.Option(False, "--checkpoints", help="Also delete its checkpoints."),
+           events: bool = typer.Option(False, "--events", help="Also delete its event log."),
+           run_dir: Path = typer.Option(DEFAULT_RUN_DIR), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Delete an ended job: its state in Redis and its record; its checkpoints and event log on request."""
+    try:
+        out = _stack_client(run_dir).delete(job_id, checkpoints=checkpoints, events=events)
+    except RobustRLError as exc:
+        _fail(exc)
+    if as_json:
+        console.print_json(json.dumps(out))
+        return
+    console.print(f"deleted {job_id}: {out['redis_keys_deleted']} Redis keys, "
+                  f"{out['checkpoint_objects_deleted']} checkpoint objects, {out['events_deleted']} events"
+                  + ("" if not out["checkpoints_kept"] else "; checkpoints kept")
+                  + ("" if not out["events_kept"] else "; event log kept"))
+
+
 def _print_step_lines(printed: set[str], console: Console) -> Any:
     """One line per committed step (timings of the newest step), one per fault decision."""
 

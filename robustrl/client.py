@@ -54,6 +54,11 @@ class ApiClient:
     def stop(self, job_id: str) -> dict[str, Any]:
         return self._call("POST", f"/v1/jobs/{job_id}/stop")
 
+    def delete(self, job_id: str, *, checkpoints: bool = False, events: bool = False) -> dict[str, Any]:
+        """Delete an ended job (its Redis state and record; checkpoints and event log on request)."""
+        return self._call("DELETE", f"/v1/jobs/{job_id}",
+                          params={"checkpoints": str(checkpoints).lower(), "events": str(events).lower()})
+
     def fault(self, job_id: str, **body: Any) -> dict[str, Any]:
         return self._call("POST", f"/v1/jobs/{job_id}/faults", json=body)
 

@@ -92,6 +92,10 @@ class JobError(RobustRLError):
     """A job is in a state that does not allow the requested operation."""
 
 
+class JobActive(JobError):
+    """The operation needs the job to have ended (finished, failed or stopped) and it has not."""
+
+
 class ScenarioError(ConfigError):
     """A chaos scenario file or fault request is malformed."""
 

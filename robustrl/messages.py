@@ -292,7 +292,7 @@ class WeightsHave(Wire):
 # --- event log ------------------------------------------------------------------------------
 
 EventKind = Literal[
-    "job_submitted", "job_started", "job_ready", "job_finished", "job_failed", "job_stopped",
+    "job_submitted", "job_started", "job_ready", "job_finished", "job_failed", "job_stopped", "job_deleted",
     "member_started", "member_ready", "member_exited", "member_stopped",
     "phase", "fault_injected", "fault_detected", "decision", "action", "recovered",
     "step_started", "step_committed", "batch_ready", "weights_published", "weights_loaded",

@@ -86,7 +86,7 @@ _C, _D, _RM, _T, _R, _H = (Principal.CONTROLLER, Principal.DETECTOR, Principal.R
 EVENT_OWNERS: dict[str, frozenset[Principal]] = {
     kind: frozenset(owners) for kind, owners in {
         "job_submitted": (_C,), "job_started": (_C,), "job_finished": (_C,), "job_failed": (_C,),
-        "job_stopped": (_C,), "member_started": (_C,), "member_exited": (_C,), "member_stopped": (_C,),
+        "job_stopped": (_C,), "job_deleted": (_C,), "member_started": (_C,), "member_exited": (_C,), "member_stopped": (_C,),
         "fault_injected": (_C, _H), "decision": (_C,), "action": (_C,), "recovered": (_C,), "note": (_C,),
         "fault_detected": (_D, _C, _RM), "phase": (_D,),
         "job_ready": (_RM,), "step_started": (_RM,), "batch_ready": (_RM,), "episode_redispatched": (_RM,),

@@ -9,8 +9,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import redis
 from rest_fuzz import fuzz_rest
 from rest_target import ControllerTarget, serve_controller
+
+from robustrl.storage.redis_stores import Keys
 
 # Measured 227 s on 2 cores at load average ~30 (other suites running); the limit leaves room.
 pytestmark = pytest.mark.timeout(900)
@@ -44,12 +47,22 @@ def test_rest_api_conforms_to_its_openapi_document_under_fuzzing(target: Control
             "GET /v1/jobs/{job_id}/events", "GET /v1/jobs/{job_id}/report", "GET /metrics"} <= operations
     assert {"200", "201", "404", "422"} <= set(result.by_status), result.by_status
 
-    # Afterwards the controller answers, and every job it accepted is listed and readable.
+    # Afterwards the controller answers, and every job it accepted is listed and readable, unless
+    # the fuzz deleted it (it stops the jobs it is given, then may DELETE them): then it is gone
+    # for good, its record too.
     listed = httpx.get(f"{target.base_url}/v1/jobs", headers=target.headers, timeout=HTTP_TIMEOUT_S)
     assert listed.status_code == 200
     ids = [j["job_id"] for j in listed.json()]
-    assert set(jobs) <= set(ids)
     assert len(ids) == len(target.controller.jobs)
+    for job_id in set(jobs) - set(ids):
+        assert "DELETE /v1/jobs/{job_id}" in operations
+        gone = httpx.get(f"{target.base_url}/v1/jobs/{job_id}", headers=target.headers, timeout=HTTP_TIMEOUT_S)
+        assert gone.status_code == 404, gone.text[:300]
+        raw = redis.Redis.from_url(target.settings.redis_url)
+        try:
+            assert raw.hget(Keys.jobs(), job_id) is None and not list(raw.scan_iter(match=Keys.job_pattern(job_id)))
+        finally:
+            raw.close()
     for job_id in ids:
         for tail in ("", "/events", "/report"):
             resp = httpx.get(f"{target.base_url}/v1/jobs/{job_id}{tail}", headers=target.headers,

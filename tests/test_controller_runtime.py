@@ -1294,3 +1294,54 @@ async def test_a_failed_start_whose_final_write_fails_is_still_failed_and_its_me
     pids = [m.pid for m in c.jobs[job_id].members.values() if m.pid]
     assert pids and not [p for p in pids if alive(p)], "members of the failed job still run"
     assert len(of_kind(await rig.events(job_id), "job_failed")) == 1
+
+
+async def test_a_deletion_cut_short_mid_purge_is_finished_by_the_next_leader_and_spares_other_jobs(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DELETE of an ended job, cut short after the first batch of keys (the controller dies
+    there): the raw record is marked ``deleting`` first, the next leader finishes the purge, and
+    keys of a job whose id shares a prefix with the deleted one survive."""
+    from robustrl.services.controller import deletion, failpoints
+
+    c, job = await leading_job_at_step_0(rig, "cpdelete")
+    jid = job.job_id
+    await rig.commit(jid, 1)
+    await rig.commit(jid, 2)
+    await rig.commit(jid, 3)
+    await rig.commit(jid, 4)
+    await eventually_async(lambda: job.status == "finished", timeout=30, what="finished")
+    ours = [Keys.episode(jid, f"e{i}") for i in range(3 * deletion.PURGE_BATCH)]
+    theirs = [Keys.episode(f"{jid}-2", "e0"), Keys.batch(f"{jid}x", 0), f"rrl:{jid}"]
+    await rig.redis.mset({k: b"1" for k in ours + theirs})
+
+    class Cut(Exception):
+        pass
+
+    real_hit = failpoints.hit
+
+    async def cut_at_first_batch(name: str) -> None:
+        if name == "job_purging":
+            raise Cut("the controller died mid-purge (test)")
+        await real_hit(name)
+
+    monkeypatch.setattr(failpoints, "hit", cut_at_first_batch)
+    with pytest.raises(Cut):
+        await c.delete_job(jid, events=True)
+    raw = json.loads(await rig.redis.hget(Keys.jobs(), jid))
+    assert raw["deleting"] == {"checkpoints": False, "events": True}, raw
+    left = [k async for k in rig.redis.scan_iter(match=Keys.job_pattern(jid), count=1000)]
+    assert 0 < len(left) < len(ours), "the cut came after one batch"
+    monkeypatch.setattr(failpoints, "hit", real_hit)
+
+    await c.close(stop_members=True)  # the lease goes; the next controller takes over
+    c2 = await rig.controller()
+    await c2.wait_leading(10)
+    await eventually_async(lambda: _gone(rig, jid), timeout=20, what="the deletion finished by the next leader")
+    assert jid not in c2.jobs
+    assert [k async for k in rig.redis.scan_iter(match=Keys.job_pattern(jid), count=1000)] == []
+    assert await rig.redis.exists(*theirs) == len(theirs)
+    assert await rig.events(jid) == []  # the event log went too, as asked
+
+
+async def _gone(rig: Rig, job_id: str) -> bool:
+    return await rig.redis.hget(Keys.jobs(), job_id) is None

@@ -380,8 +380,26 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
+    _FENCED_DELETE = """
+local newest = tonumber(redis.call('GET', KEYS[2]) or '0')
+if newest > tonumber(ARGV[2]) then
+  return -1
+end
+return redis.call('HDEL', KEYS[1], ARGV[1])
+"""
+
     def __init__(self, client: aioredis.Redis) -> None:
         self.r = client
+
+    async def delete(self, job_id: str, fence: int | None = None) -> bool:
+        """Remove ``job_id``'s record; False (nothing removed) if ``fence`` is older than the newest
+        controller lease term. True also when there was no record (a repeat)."""
+        if fence is None:
+            await _call(self.r.hdel(Keys.jobs(), job_id), Keys.jobs())
+            return True
+        res = await _call(self.r.eval(self._FENCED_DELETE, 2, Keys.jobs(), Keys.controller_fence(), job_id,
+                                      int(fence)), Keys.jobs())
+        return int(res) >= 0
 
     async def put(self, job_id: str, record: dict[str, Any], fence: int | None = None) -> bool:
         """Write ``job_id``'s record; False (nothing written) if ``fence`` is older than the newest

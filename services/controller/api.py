@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path as FilePath
 from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, Path, Response
+from fastapi import Body, Depends, FastAPI, Path, Query, Response
 from fastapi.responses import HTMLResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import (
@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException
 from robustrl.aio import within
 from robustrl.chaos.scenario import target_problem
 from robustrl.config import JobSpec
-from robustrl.errors import ConfigError, JobError, LaunchError
+from robustrl.errors import ConfigError, JobActive, JobError, LaunchError, StorageError
 from robustrl.messages import ChaosKind, ChaosRequest, ChaosRole
 
 STATIC = FilePath(__file__).parent / "static"
@@ -109,6 +109,16 @@ class FaultAccepted(BaseModel):
     fault_id: str
     member_id: str
     kind: str
+
+
+class JobDeleted(BaseModel):
+    job_id: str
+    redis_keys_deleted: int = Field(description="The job's keys unlinked from Redis (episodes, prefixes, "
+                                                "batches, fences, trained log, gang record, handled faults)")
+    checkpoint_objects_deleted: int
+    events_deleted: int
+    checkpoints_kept: bool
+    events_kept: bool
 
 
 class MemberStatus(BaseModel):
@@ -261,6 +271,27 @@ def create_app(controller: Controller, token: str) -> FastAPI:
     async def stop(job_id: JobId) -> dict[str, Any]:
         job_or_404(job_id)
         return (await controller.stop_job(job_id, "stopped", "stopped through the API")).status_dict()
+
+    @app.delete("/v1/jobs/{job_id}", **guarded,
+                responses={200: {"model": JobDeleted, "description": "Deleted: GET answers 404 from now on"},
+                           **_errors(*ALWAYS, 404, 422),
+                           409: {"model": ErrorBody, "description": "The job has not ended: stop it first"}})
+    async def delete_job(job_id: JobId,
+                         checkpoints: Annotated[bool, Query(description=(
+                             "Also delete its checkpoints (the trained model) from the object store"))] = False,
+                         events: Annotated[bool, Query(description=(
+                             "Also delete its event log (else the log is kept and ends with job_deleted)"))] = False,
+                         ) -> dict[str, Any]:
+        try:
+            return await controller.delete_job(job_id, checkpoints=checkpoints, events=events)
+        except JobActive as exc:
+            return error_response(409, str(exc))  # type: ignore[return-value]
+        except JobError as exc:
+            raise HTTPException(404, detail=str(exc)) from exc
+        except LeaseLost as exc:
+            raise HTTPException(503, detail=f"not deleted: {exc}") from exc
+        except StorageError as exc:  # the job stays marked: a repeated request finishes it
+            raise HTTPException(503, detail=f"deletion not finished: {exc}; repeat the request") from exc
 
     @app.post("/v1/jobs/{job_id}/faults", status_code=202, **guarded,
               responses={202: {"model": FaultAccepted}, **_errors(*ALWAYS, 404, 409, 415, 422)})

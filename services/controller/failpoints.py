@@ -13,7 +13,8 @@ nothing over yet: the kept ranks' gang is broken under them), ``gang_borrowed`` 
 ready, no slot restocked), ``restock`` (the gang is ready, the borrowed slots are recorded as
 owed a replacement, none started yet), ``takeover_resumed`` (a new leader has read a job's record
 and event log and re-attached its members, and does not act yet: commits it hears now come
-before it leads).
+before it leads), ``job_purging`` (a job deletion has marked the job's record and unlinked
+its first batch of Redis keys).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections import Counter
 log = logging.getLogger(__name__)
 
 ENV = "ROBUSTRL_CONTROLLER_FAILPOINTS"
-POINTS = frozenset({"gang_borrowed", "restock", "takeover_resumed", "gang_planned"})
+POINTS = frozenset({"gang_borrowed", "restock", "takeover_resumed", "gang_planned", "job_purging"})
 _armed: Counter[str] = Counter(p.strip() for p in os.environ.get(ENV, "").split(",") if p.strip())
 
 

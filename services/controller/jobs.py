@@ -14,6 +14,8 @@ from typing import Any, Literal
 from robustrl.config import JobSpec
 
 JobStatus = Literal["pending", "running", "recovering", "finished", "failed", "stopped"]
+ACTIVE = ("running", "recovering", "pending")
+"""Statuses of a job that has not ended."""
 
 
 @dataclass
@@ -136,6 +138,9 @@ class JobRun:
     restock_owed: dict[int, int] = field(default_factory=dict)
     """Rollout slots owed a replacement replica now (slot -> the incarnation borrowed from it),
     persisted until the replacement is started: a new leader restocks them (``RecoveryExecutor.restock``)."""
+    deleting: dict[str, bool] | None = None
+    """Set once ``DELETE /v1/jobs/{id}`` marked the job (what is to go: checkpoints, events);
+    persisted, so a controller that takes over finishes the deletion."""
     trained_unheard: int = -1
     """A step of the current gang the trained log holds but no commit was heard of, at the last
     progress check (-1: none); the next check still finding it reads the event log."""

@@ -14,6 +14,7 @@ still running, treats the ones that are gone as crashed, and restarts no healthy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -36,7 +37,8 @@ from robustrl.messages import (
 from robustrl.services.controller import failpoints
 from robustrl.services.controller.chaos import ChaosInjector
 from robustrl.services.controller.eventlog import FaultInbox, emit_durable
-from robustrl.services.controller.jobs import ActiveRecovery, GangStart, JobRun, MemberInfo
+from robustrl.services.controller.deletion import JobDeleter
+from robustrl.services.controller.jobs import ACTIVE, ActiveRecovery, GangStart, JobRun, MemberInfo
 from robustrl.services.controller.launching import MemberStarter, gang_id, lid, replica_id, trainer_id
 from robustrl.services.controller.lease import LeaderLease, LeaseLost
 from robustrl.services.controller.recovery import RecoveryExecutor
@@ -54,7 +56,6 @@ RM_ACK_ATTEMPTS = 10
 """Attempts of a command to the request manager, each ``RM_ACK_TIMEOUT_S`` (they span its
 restart); ``ROBUSTRL_RM_ACK_ATTEMPTS`` overrides."""
 FINISH_GRACE_S = 15.0  # a finished job's trainer uploads its last checkpoint before it exits
-ACTIVE = ("running", "recovering", "pending")
 FINAL_EVENT = {"finished": "job_finished", "failed": "job_failed"}
 PROGRESS_CHECK_S = 2.0
 """Period of the leader's check of each job's durable trained log against the commits it heard."""
@@ -92,6 +93,9 @@ class Controller:
         self.recovery = RecoveryExecutor(self)
         self.supervisor = Supervisor(self)
         self.chaos = ChaosInjector(self)
+        self.deleter = JobDeleter(self)
+        self._deletions_owed: dict[str, dict[str, Any]] = {}
+        """Deletions a previous leader marked and did not finish, resumed once this one leads."""
         self.inbox = FaultInbox(bus, self._inbox_fault)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -195,6 +199,9 @@ class Controller:
         # left waiting (Ray: detached actors) and restocks the rest; without this call a new
         # leader kept none, and every later trainer fault started cold.
         self.spawn(self._update_spares())
+        owed, self._deletions_owed = self._deletions_owed, {}
+        for job_id, what in owed.items():
+            self.deleter.resume(job_id, what)
         self.spawn(self.supervisor.run(self._stop))
         self.spawn(self._watch_progress(self._stop))
 
@@ -311,7 +318,8 @@ class Controller:
             "members": {mid: m.to_record() for mid, m in job.members.items()},
             "recoveries": [r.to_record() for r in job.recoveries], "faults": job.faults[-200:],
             "gang_starts": {fid: g.to_record() for fid, g in job.gang_starts.items()},
-            "restock_owed": {str(k): v for k, v in job.restock_owed.items()}, "launched": job.launched}
+            "restock_owed": {str(k): v for k, v in job.restock_owed.items()}, "launched": job.launched,
+            "finished_at": job.finished_at, "ettr": job.ettr, "deleting": job.deleting}
 
     @staticmethod
     def _job_from_record(job_id: str, rec: dict[str, Any]) -> JobRun:
@@ -334,6 +342,9 @@ class Controller:
         job.gang_starts = {fid: GangStart.from_record(g) for fid, g in (rec.get("gang_starts") or {}).items()}
         job.restock_owed = {int(k): int(v) for k, v in (rec.get("restock_owed") or {}).items()}
         job.launched = bool(rec.get("launched", True))  # records from before the flag: started
+        job.finished_at = rec.get("finished_at")
+        job.ettr = rec.get("ettr")
+        job.deleting = rec.get("deleting") or None
         return job
 
     async def _restore_jobs(self) -> list[ExitInfo]:
@@ -342,6 +353,12 @@ class Controller:
         gone_exits: list[ExitInfo] = []
         for job_id, rec in (await self.registry.all()).items():
             if rec.get("status") not in ACTIVE:
+                # An ended job stays visible through the API until it is deleted; a deletion a
+                # previous leader left part-way is finished once this controller leads.
+                if rec.get("deleting"):
+                    self._deletions_owed[job_id] = dict(rec["deleting"])
+                with contextlib.suppress(Exception):  # a damaged record: DELETE still removes it
+                    self.jobs[job_id] = self._job_from_record(job_id, rec)
                 continue
             try:
                 job = self._job_from_record(job_id, rec)
@@ -689,6 +706,16 @@ class Controller:
         await self.persist(job)
         self._stopping.pop(job.job_id, None)
         return job
+
+    async def delete_job(self, job_id: str, *, checkpoints: bool = False, events: bool = False) -> dict[str, Any]:
+        """Delete an ended job (``deletion.JobDeleter.delete``: its Redis state and record; its
+        checkpoints and event log only when asked)."""
+        return await self.deleter.delete(job_id, checkpoints=checkpoints, events=events)
+
+    def forget(self, job_id: str) -> None:
+        """Drop a deleted job from this controller's memory."""
+        self.jobs.pop(job_id, None)
+        self._persist_locks.pop(job_id, None)
 
     async def _ettr(self, job: JobRun) -> float | None:
         from robustrl.chaos.accounting import account

@@ -1,0 +1,143 @@
+"""Deleting an ended job (``DELETE /v1/jobs/{id}``): what it left in Redis, its record, and on
+request its checkpoints and its event log.
+
+A finished job keeps its last steps' rollout keys in Redis (the request manager deletes a step's
+episodes, prefixes and batch only once a newer checkpoint is durable, and the auditor reads what
+is left after the job), its gang record, trained log, batch fences and handled faults, and its
+record in the job registry; nothing else ever removes them. Every one of them lies under the
+job's own key prefix (``Keys.job_pattern``: job ids are ``[A-Za-z0-9_-]``, so the pattern holds
+no glob of its own and matches no other job's keys). The checkpoints (the trained model) and the
+event log (the job's history) stay unless asked for: a kept log ends with ``job_deleted``.
+
+Crash-safe and repeatable: the job's record is first marked ``deleting`` with what is to go, and
+each part can be done again (a SCAN that finds nothing, a prefix already empty, a purge of an
+empty log). A controller that takes over finishes every deletion it finds marked (``resume``);
+the record goes last, so a job is gone from the API only once everything asked for is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from robustrl.services.controller import failpoints
+from robustrl.services.controller.jobs import ACTIVE
+from robustrl.services.controller.lease import LeaseLost
+
+from robustrl.errors import JobActive, JobError
+from robustrl.storage.objects import open_object_store
+from robustrl.storage.redis_stores import Keys, _call
+
+if TYPE_CHECKING:
+    from robustrl.services.controller.runtime import Controller
+
+log = logging.getLogger(__name__)
+
+PURGE_BATCH = 500
+"""Keys asked for per SCAN and unlinked per call."""
+
+
+def checkpoint_root(job_id: str) -> str:
+    """Everything the job keeps in the object store (its checkpoints and their origins)."""
+    return f"jobs/{job_id}/"
+
+
+class JobDeleter:
+    """The controller's deletions: one at a time per job (a repeated request waits for the one
+    under way and gets its answer)."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+        self._running: dict[str, asyncio.Task[dict[str, Any]]] = {}
+        self._store: Any = None
+
+    async def delete(self, job_id: str, *, checkpoints: bool = False, events: bool = False) -> dict[str, Any]:
+        """Delete ended job ``job_id``; return what was deleted.
+
+        Raises:
+            JobError: there is no such job (the API's 404).
+            JobActive: the job has not ended, or is being stopped (409).
+            LeaseLost: this controller no longer leads (nothing of the record was changed).
+            TransportError / StorageError: a store failed part-way; the job stays marked and a
+                repeated request (or the next leader) finishes it.
+        """
+        running = self._running.get(job_id)
+        if running is not None:
+            return await asyncio.shield(running)
+        job = self.c.jobs.get(job_id)
+        record = None if job is not None else await self.c.registry.get(job_id)
+        if job is None and record is None:
+            raise JobError(f"no such job: {job_id}", job_id=job_id)
+        status = job.status if job is not None else str((record or {}).get("status"))
+        if status in ACTIVE or (job is not None and (not job.done or job_id in self.c._stopping)):
+            raise JobActive(f"job {job_id} is {status}: stop it first (POST /v1/jobs/{job_id}/stop)",
+                            job_id=job_id, status=status)
+        marked = (job.deleting if job is not None else (record or {}).get("deleting")) or {}
+        what = {"checkpoints": bool(checkpoints or marked.get("checkpoints")),
+                "events": bool(events or marked.get("events"))}
+        # Marked first, fenced: a deposed controller deletes nothing, and a crash from here on
+        # leaves a mark that the next leader finishes.
+        if job is not None:
+            job.deleting = what
+            written = await self.c.persist(job)
+        else:
+            written = await self.c.registry.put(job_id, {**(record or {}), "deleting": what},
+                                                 fence=self.c.lease.token or None)
+        if not written:
+            raise LeaseLost(f"job {job_id} not deleted: a newer controller lease term has begun")
+        return await self._start(job_id, what)
+
+    def resume(self, job_id: str, what: dict[str, Any]) -> None:
+        """Finish a deletion a previous leader marked (called once this controller leads)."""
+        if job_id in self._running:
+            return
+
+        def report(task: asyncio.Task[dict[str, Any]]) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("job %s: deletion not finished (a repeated DELETE finishes it): %s", job_id,
+                          task.exception())
+
+        self._start_task(job_id, {"checkpoints": bool(what.get("checkpoints")),
+                                  "events": bool(what.get("events"))}).add_done_callback(report)
+
+    async def _start(self, job_id: str, what: dict[str, bool]) -> dict[str, Any]:
+        return await asyncio.shield(self._start_task(job_id, what))
+
+    def _start_task(self, job_id: str, what: dict[str, bool]) -> asyncio.Task[dict[str, Any]]:
+        task = self.c.spawn(self._purge(job_id, what))
+        self._running[job_id] = task
+        task.add_done_callback(lambda _t: self._running.pop(job_id, None))
+        return task
+
+    async def _purge(self, job_id: str, what: dict[str, bool]) -> dict[str, Any]:
+        out: dict[str, Any] = {"job_id": job_id, "redis_keys_deleted": await self._purge_redis(job_id),
+                               "checkpoint_objects_deleted": 0, "events_deleted": 0,
+                               "checkpoints_kept": not what["checkpoints"], "events_kept": not what["events"]}
+        if what["checkpoints"]:
+            if self._store is None:
+                self._store = open_object_store(self.c.settings)
+            out["checkpoint_objects_deleted"] = await asyncio.to_thread(self._store.delete_prefix,
+                                                                        checkpoint_root(job_id))
+        if what["events"]:
+            out["events_deleted"] = await self.c.bus.purge_events(job_id)
+        else:
+            await self.c.bus.emit_event(job_id, "job_deleted", {**{k: v for k, v in out.items() if k != "job_id"},
+                                                                "fence": self.c.lease.token})
+        # The record last: until here the job is listed, marked, and a take-over finishes it.
+        if not await self.c.registry.delete(job_id, fence=self.c.lease.token or None):
+            raise LeaseLost(f"job {job_id}: its record not deleted: a newer controller lease term has begun")
+        self.c.forget(job_id)
+        log.warning("job %s deleted: %s", job_id, out)
+        return out
+
+    async def _purge_redis(self, job_id: str) -> int:
+        """Unlink every key under the job's prefix; return how many were unlinked."""
+        pattern, cursor, deleted = Keys.job_pattern(job_id), 0, 0
+        while True:
+            cursor, keys = await _call(self.c.redis.scan(cursor, match=pattern, count=PURGE_BATCH), pattern)
+            if keys:
+                deleted += int(await _call(self.c.redis.unlink(*keys), pattern))
+                await failpoints.hit("job_purging")
+            if int(cursor) == 0:
+                return deleted
