@@ -1333,11 +1333,18 @@ async def test_a_deletion_cut_short_mid_purge_is_finished_by_the_next_leader_and
     assert 0 < len(left) < len(ours), "the cut came after one batch"
     monkeypatch.setattr(failpoints, "hit", real_hit)
 
+    kept = await c.submit(spec("cpkept", steps=1))  # an ended job nobody deletes
+    await rig.hello_all(c, kept.job_id)
+    await rig.commit(kept.job_id, 0)
+    await eventually_async(lambda: kept.status == "finished", timeout=30, what="the kept job finished")
+
     await c.close(stop_members=True)  # the lease goes; the next controller takes over
     c2 = await rig.controller()
     await c2.wait_leading(10)
     await eventually_async(lambda: _gone(rig, jid), timeout=20, what="the deletion finished by the next leader")
     assert jid not in c2.jobs
+    # An ended job stays listed (and readable) after a take-over until it is deleted.
+    assert c2.jobs[kept.job_id].status == "finished" and c2.jobs[kept.job_id].committed_step == 0
     assert [k async for k in rig.redis.scan_iter(match=Keys.job_pattern(jid), count=1000)] == []
     assert await rig.redis.exists(*theirs) == len(theirs)
     assert await rig.events(jid) == []  # the event log went too, as asked
