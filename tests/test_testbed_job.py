@@ -26,8 +26,8 @@ from support import BusObserver, eventually, take_testbed_down
 
 from robustrl.chaos.scenario import Faults, parse_scenario, plan
 from robustrl.client import ApiClient
-from robustrl.errors import ConfigError, JobError, ScenarioError, TestbedUnavailable
-from robustrl.launcher.base import MemberSpec
+from robustrl.errors import ConfigError, JobError, LaunchError, ScenarioError, TestbedUnavailable
+from robustrl.launcher.base import MemberSpec, PlacementHint
 from robustrl.messages import ChaosRequest, WeightsHave, decode
 from robustrl.stack import Stack
 from robustrl.subjects import Verb, all_jobs
@@ -252,6 +252,29 @@ def test_placement_puts_a_gang_on_one_host_and_replicas_round_robin(testbed: Tes
         with pytest.raises(ConfigError) as err:
             RolePlacement.parse(testbed, bad)
         assert err.value.fields.get("field") == field
+
+
+def test_placement_spreads_a_gang_over_the_trainer_hosts_when_its_strategy_says_so(testbed: Testbed) -> None:
+    p = RolePlacement.parse(testbed, {"trainer": ["h0", "h1"]})
+
+    def rank(gang: str, r: int, strategy: str, size: int = 2) -> MemberSpec:
+        return MemberSpec("j", f"j--{gang}-r{r}", "trainer", "m", placement=PlacementHint(
+            gang=f"j--{gang}", gang_rank=r, gang_size=size, strategy=strategy))
+
+    # Rank 0's host is chosen at the rendezvous and kept when it starts; the other rank on the next.
+    assert p.assign(rank("e1", 0, "SPREAD")) == "h0"
+    assert [p.assign(rank("e1", r, "SPREAD")) for r in (1, 0)] == ["h1", "h0"]
+    # The next gang starts on the next host; PACK keeps every rank there.
+    assert [p.assign(rank("e2", r, "PACK")) for r in (0, 1)] == ["h1", "h1"]
+    assert [p.assign(rank("e3", r, "SPREAD", 3)) for r in (2, 0, 1)] == ["h0", "h0", "h1"]
+    # Rank 0 kept in place on h1 (it meets the gang at its address): rank 1 goes to the other host.
+    kept = rank("e4", 1, "SPREAD")
+    kept = MemberSpec(kept.job_id, kept.member_id, "trainer", "m", placement=kept.placement,
+                      env={"MASTER_ADDR": testbed.address("h1")})
+    assert p.assign(kept) == "h0"
+    with pytest.raises(LaunchError) as err:
+        p.assign(rank("e5", 0, "STRICT_SPREAD", 3))
+    assert err.value.fields.get("field") == "placement.strategy"
 
 
 @needs_testbed

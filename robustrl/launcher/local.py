@@ -56,6 +56,7 @@ from robustrl.launcher.base import (
     Placement,
     Resources,
     check_spec,
+    free_port,
     log_tail,
     switchable,
 )
@@ -388,7 +389,8 @@ class LocalLauncher(Launcher):
         if spec.resources != Resources():
             self.ignored(spec, "resources", "local processes share this machine and reserve nothing")
         p = spec.placement
-        if p.node_labels or p.anti_affinity != "none" or (p.gang and p.strategy != "PACK"):
+        # (a gang's strategy means something where a testbed placement gives the role hosts)
+        if p.node_labels or p.anti_affinity != "none" or (p.gang and p.strategy != "PACK" and self.assign is None):
             self.ignored(spec, "node placement (labels, anti-affinity, gang strategy)",
                          "every member runs on this machine (or on the host named by spec.host)")
 
@@ -522,6 +524,15 @@ class LocalLauncher(Launcher):
         except RobustRLError as exc:
             raise LaunchError(f"cannot place {spec.member_id} on {spec.host!r}: {exc}",
                               member=spec.member_id) from exc
+
+    def rendezvous(self, spec: MemberSpec) -> tuple[str, int]:
+        """On a testbed placement, rank 0's host is chosen now (its start then gets the same one)
+        and the gang meets at that host's address: ranks split over hosts dial it there. (Before,
+        ``MASTER_ADDR`` was loopback, so a gang could never leave one host.)"""
+        host = spec.host if spec.host is not None or self.assign is None else self.assign(spec)
+        if host is None or self.placement is None:
+            return super().rendezvous(spec)
+        return self.placement.address(host), free_port()
 
     def host_for(self, member_id: str) -> str:
         """The member's host address when it is placed on one, else loopback."""

@@ -7,9 +7,12 @@ The local launcher asks it for a host (``assign``) when it starts a member whose
   of the role's hosts, so the slots spread over the hosts whatever order they start in, and a
   replacement lands on the next host rather than on the one its predecessor died on (a member id
   of another shape: round-robin in start order);
-* a trainer gang goes to one host (the next of the role's hosts for each new gang of the job): its ranks
-  meet at ``MASTER_ADDR``, which the controller fixes before rank 0 has a host, and a gang on one
-  host is one multi-GPU node.
+* a trainer gang starts at the next of the role's hosts for each new gang of the job. With the
+  gang's strategy ``PACK`` / ``STRICT_PACK`` every rank goes there (a gang on one host is one
+  multi-GPU node); with ``SPREAD`` / ``STRICT_SPREAD`` rank r goes to the r-th host after it, so
+  the ranks are split over the hosts (``STRICT_SPREAD`` with fewer hosts than ranks is refused).
+  The ranks meet at ``MASTER_ADDR``: the launcher's ``rendezvous`` asks for rank 0's host before
+  the gang starts, and rank 0 then starts there (a member's host is fixed once chosen).
 
 Roles without hosts run where the launcher runs. The stack hands the placement to the controller
 process through its environment (``to_env`` / ``from_env``); infra and the control plane stay in
@@ -24,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from robustrl.errors import ConfigError, TestbedError
+from robustrl.errors import ConfigError, LaunchError, TestbedError
 from robustrl.launcher.base import MemberSpec, rollout_slot
 from robustrl.testbed.state import STATE_DIR
 from robustrl.testbed.testbed import Testbed
@@ -46,6 +49,8 @@ class RolePlacement:
     roles: dict[str, tuple[str, ...]]
     _next: dict[tuple[str, str], int] = field(default_factory=dict)  # (job, role) -> members placed
     _gang_host: dict[str, str] = field(default_factory=dict)  # job -> its current gang's host
+    _gang_base: dict[tuple[str, str], int] = field(default_factory=dict)  # (job, gang) -> rank 0's host index
+    _assigned: dict[str, str] = field(default_factory=dict)  # gang member -> its host, once chosen
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
@@ -85,6 +90,8 @@ class RolePlacement:
         hosts = self.roles.get(spec.role)
         if not hosts:
             return None
+        if spec.role == "trainer" and spec.placement.gang:
+            return self._assign_rank(spec, hosts)
         with self._lock:
             gang = self._gang_host.get(spec.job_id)
             if spec.role == "trainer" and spec.env.get("ROBUSTRL_RANK", "0") != "0" and gang:
@@ -98,6 +105,36 @@ class RolePlacement:
             host = hosts[n % len(hosts)]
             if spec.role == "trainer":
                 self._gang_host[spec.job_id] = host
+            return host
+
+    def _assign_rank(self, spec: MemberSpec, hosts: tuple[str, ...]) -> str:
+        """A rank of a gang the controller named (``PlacementHint.gang``): see the module docstring.
+
+        Raises:
+            LaunchError: ``STRICT_SPREAD`` over fewer hosts than the gang has ranks.
+        """
+        p = spec.placement
+        assert p.gang is not None
+        spread = p.strategy in ("SPREAD", "STRICT_SPREAD")
+        if p.strategy == "STRICT_SPREAD" and p.gang_size > len(hosts):
+            raise LaunchError(f"placement.strategy STRICT_SPREAD needs a host per rank: {p.gang_size} ranks, "
+                              f"trainer hosts {', '.join(hosts)}", field="placement.strategy", member=spec.member_id)
+        with self._lock:
+            if spec.member_id in self._assigned:  # rank 0: chosen at the rendezvous, then started
+                return self._assigned[spec.member_id]
+            base = self._gang_base.get((spec.job_id, p.gang))
+            if base is None:
+                # A gang whose rank 0 is already running (kept from the broken gang, or a borrowed
+                # replica) meets at that rank's address: the other ranks are laid out from its host.
+                master = spec.env.get("MASTER_ADDR")
+                base = next((i for i, h in enumerate(hosts) if master and self.address(h) == master), None)
+                if base is None:
+                    n = self._next.get((spec.job_id, "trainer"), 0)
+                    self._next[(spec.job_id, "trainer")] = n + 1
+                    base = n % len(hosts)
+                self._gang_base[(spec.job_id, p.gang)] = base
+            host = hosts[(base + p.gang_rank) % len(hosts)] if spread else hosts[base]
+            self._assigned[spec.member_id] = host
             return host
 
     def member_env(self, host: str) -> dict[str, str]:
