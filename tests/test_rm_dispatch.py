@@ -327,3 +327,122 @@ async def test_a_step_handed_over_is_not_reported_while_the_trainer_takes_its_ti
         await h.commit(0)
         await eventually_async(lambda: 1 in h.batches, timeout=30, what="step 1 handed over")
         assert not [f for f in h.faults if f.cause == "step_deadline"], h.faults
+
+
+@pytest.mark.parametrize("damage", ["batch_record", "episode_set"])
+async def test_step_0_failing_before_it_begins_is_reported_at_its_deadline(servers, damage):
+    """Every attempt at the job's first step fails before the step begins (its first Redis read:
+    the batch record torn, or the step's episode set of the wrong type). The step deadline counts
+    from the first attempt, like any step's, and is reported again each further deadline; once
+    Redis is repaired the step is handed over, begun once. (The watch started its clock only
+    when the first step began, so such a step was retried forever and nothing was reported.)"""
+    import time
+
+    async with Harness(servers, rm_spec("failfirst", step_deadline_s=2.0, turn_deadline_s=1.0,
+                                        weights_load_s=1.0)) as h:
+        await h.replica("rollout-0-i0")
+        key = Keys.batch(h.job_id, 0) if damage == "batch_record" else Keys.step_episodes(h.job_id, 0)
+        await h.redis.set(key, b"{not json")  # before the request manager's first attempt
+        first_attempt = time.time()
+        await h.start_rm()
+        deadline = 2.0
+        reports = await eventually_async(
+            lambda: [f for f in h.faults if f.cause == "step_deadline"], timeout=deadline + 4,
+            what="the first step, failing before it began, reported at its deadline")
+        fault = reports[0]
+        assert fault.role == "request_manager" and fault.step == 0, fault
+        assert "attempts failed" in fault.evidence, fault.evidence
+        assert fault.fault_at is not None and abs(fault.fault_at - first_attempt) < 1.0, (
+            f"the deadline did not count from the first attempt: fault_at {fault.fault_at} vs {first_attempt}")
+        assert fault.detected_at - first_attempt < deadline + 1.5, fault
+        # Reported again at the next deadline, and in the log for the controller's durable inbox.
+        await eventually_async(lambda: len([f for f in h.faults if f.cause == "step_deadline"]) >= 2,
+                               timeout=deadline + 2, what="reported again at the next deadline")
+        logged = {d["fault_id"] for d in await h.events("fault_detected")}
+        assert fault.fault_id in logged
+        assert 0 not in h.batches
+        await h.redis.delete(key)  # repaired: the next attempt runs the step
+        await eventually_async(lambda: 0 in h.batches, timeout=15, what="step 0 handed over after the repair")
+        assert len(await h.events("job_ready")) == 1
+        assert [d["step"] for d in await h.events("step_started")] == [0]
+
+
+async def _logged(h: Harness, kind: str, fault_id: str) -> list:
+    return [e for e in await h.bus.read_events(h.job_id) if e.kind == kind and e.data.get("fault_id") == fault_id]
+
+
+@pytest.mark.parametrize("action", ["replica_dead", "restart_step"])
+async def test_a_control_command_is_acknowledged_while_the_event_log_is_slow(servers, action):
+    """JetStream slow to acknowledge (a leader election, a disk stall) when the controller sends a
+    command mid-step: the request manager acknowledges within the controller's ack timeout, after
+    its state change (a restarted step's records are gone from Redis by then), and the command's
+    ``work_lost`` event still reaches the log, once, though the controller sent the command twice
+    (a retry after a lost ack). Before: the handler appended the event before acknowledging, so a
+    slow log timed the controller out (which then kills a borrowed replica it thinks unheard)."""
+    import asyncio
+    import time
+
+    from robustrl.services.controller.runtime import RM_ACK_TIMEOUT_S
+
+    from robustrl.errors import RequestTimeout
+    from robustrl.messages import ControlCommand
+    from robustrl.subjects import Verb, subject
+
+    async with Harness(servers, rm_spec(f"slowctl-{action.replace('_', '')}")) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        a.hold = b.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: len(a.held) + len(b.held) == 4 and a.held, timeout=20,
+                               what="4 turns in flight, some on a")
+        assert h.rm_bus is not None
+        real = h.rm_bus.publish_durable
+        until = time.monotonic() + 6.0
+
+        async def slow_jetstream(*args: object, **kw: object) -> None:  # no JetStream ack for 6 s
+            await asyncio.sleep(max(0.0, until - time.monotonic()))
+            await real(*args, **kw)  # type: ignore[arg-type]
+
+        h.rm_bus.publish_durable = slow_jetstream  # type: ignore[method-assign]
+        fault_id = f"f-{action}"
+        args = {"fault_id": fault_id, **({"member_id": a.member_id} if action == "replica_dead" else {})}
+        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action=action, args=args, fence=1)
+        sent_at = time.time()
+        for attempt in ("sent", "sent again (its ack lost)"):
+            t0 = time.monotonic()
+            try:
+                await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), cmd, ControlCommand,
+                                    timeout=RM_ACK_TIMEOUT_S)
+            except RequestTimeout:
+                pytest.fail(f"{action} {attempt}: not acknowledged within the controller's "
+                            f"RM_ACK_TIMEOUT_S={RM_ACK_TIMEOUT_S:g} s while the event log was slow")
+            assert time.monotonic() - t0 < RM_ACK_TIMEOUT_S
+            if action == "restart_step":
+                assert not await h.episode_keys(0), "acknowledged before the step was cleared in Redis"
+        assert time.monotonic() < until, "the event log was not slow during the commands"
+        lost = (await eventually_async(lambda: _logged(h, "work_lost", fault_id), timeout=20,
+                                       what="work_lost in the log once it is back"))[0]
+        assert sent_at <= lost.ts < sent_at + 1.0, "the event does not carry the time of the command"
+        a.hold = b.hold = lambda msg: False
+        if action == "replica_dead":
+            assert lost.data["turns"] == len(a.held)
+            await b.release()  # a's turns went to b (re-dispatched), b's own turns answered now
+        else:
+            await a.release(lose=True)
+            await b.release(lose=True)
+            resume = ControlCommand(job_id=h.job_id, target="request_manager", action="resume",
+                                    args={"start_step": 0, "committed": -1}, fence=1)
+            await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), resume, ControlCommand,
+                                timeout=RM_ACK_TIMEOUT_S)
+            await h.replica("rollout-0-i1")  # the whole job restarted: a new incarnation serves
+        await eventually_async(lambda: 0 in h.batches, timeout=20, what="step 0 handed over")
+        await eventually_async(lambda: _logged_batch(h), timeout=10, what="batch_ready logged")
+        logged = await _logged(h, "work_lost", fault_id)
+        assert len(logged) == 1, f"work_lost of one command logged {len(logged)} times: {logged}"
+        if action == "restart_step":
+            restarted = [e for e in await h.bus.read_events(h.job_id) if e.kind == "step_started"
+                         and e.data.get("epoch") == 1]
+            assert restarted and lost.ts < restarted[0].ts
+
+
+async def _logged_batch(h: Harness) -> bool:
+    return bool(await h.events("batch_ready"))

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from robustrl.services.request_manager.dispatch import Dispatcher
 from robustrl.services.request_manager.episodes import EpisodeRunner
+from robustrl.services.request_manager.eventlog import EventWriter
 from robustrl.services.request_manager.faults import report_deadline
 
 from robustrl.aio import cancel_and_wait, wait_event
@@ -72,6 +73,7 @@ class JobRunner:
         self.batches = BatchStore(redis, job_id)  # type: ignore[arg-type]
         self.gc = RolloutGC(redis, job_id)  # type: ignore[arg-type]
         self.dispatcher = Dispatcher(bus, job_id, spec, self.dispatches)
+        self.events = EventWriter(bus, job_id)  # the control handler's events: it never waits on the log
         self.episodes = EpisodeRunner(bus, job_id, spec, self.store, self.dispatches, self.dispatcher)
         self.step = start_step
         self.committed = start_step - 1
@@ -81,6 +83,8 @@ class JobRunner:
         self.step_epoch = 0  # bumped by restart_step: in-flight work of older epochs is discarded
         self.first_of_life = True  # this runner's first step: found started in Redis = a resume
         self.paused = False
+        self.dead_for: dict[str, str | None] = {}  # replica -> fault whose replica_dead was handled
+        self.restarted_for: str | None = None  # fault of the restart_step not yet followed by a resume
         self.changed = self.dispatcher.changed
         self._task: asyncio.Task[None] | None = None
         self._step_task: asyncio.Task[BatchReady] | None = None
@@ -90,6 +94,8 @@ class JobRunner:
         self._step_failures = 0  # attempts at the current step that failed (``run``)
         self._step_error = ""  # the last one's error, for the step deadline's report
         self._step_failed_at = 0.0  # when (monotonic)
+        self._startup_ended: float | None = None  # when the job's first step began (monotonic), if
+        # no attempt at it had failed before: the step deadline of that step counts from there
 
     @property
     def tools(self):  # type: ignore[no-untyped-def]
@@ -168,7 +174,10 @@ class JobRunner:
             await self.bus.emit_event(self.job_id, "job_ready", {"startup_s": weight_sync_s})
             await self.bus.emit_event(self.job_id, "step_started", {"step": step, "epoch": self.step_epoch})
             t0, weight_sync_s = time.monotonic(), 0.0
-        self._started_once = True
+        if not self._started_once:
+            self._started_once = True
+            if not self._step_failures:
+                self._startup_ended = time.monotonic()
         eps, resumed = await self.episodes.make_episodes(step)
         self._current = eps
         todo = [ep for ep in eps if ep.status != "finished"]
@@ -205,17 +214,26 @@ class JobRunner:
                                                                **timings})
         return ready
 
-    async def _watch(self, step: int) -> None:
-        """Report the step each time ``step_deadline_s`` passes without its batch handed over.
-        The job's start-up (members starting before the first step) is not part of a step. One
-        watch spans every attempt at the step (``run``): an attempt failing faster than the
-        deadline, again and again, is reported too (a watch per attempt restarted its clock at
-        each, and such a step was retried forever with no fault; an outside review found it)."""
+    async def _watch(self, step: int, first_attempt: float) -> None:
+        """Report the step each time ``step_deadline_s`` passes without its batch handed over,
+        counted from the step's first attempt (``first_attempt``, monotonic). One watch spans every
+        attempt at the step (``run``): an attempt failing faster than the deadline, again and
+        again, is reported too (a watch per attempt restarted its clock at each, and such a step
+        was retried forever with no fault; an outside review found it).
+
+        The job's start-up (members starting before its first step) is not part of a step: the
+        first step's clock starts when it begins. An attempt that fails before then ends the
+        start-up: the clock counts from the first attempt (the watch waited for the first step to
+        begin, so a first step whose attempts all failed before it began was never reported)."""
         bound = self.spec.detector.step_deadline_s
-        await self._wait(lambda: self._started_once)
-        since = time.time()
+        after_first = self._started_once  # a later step (or a restarted one): no start-up in it
+        await self._wait(lambda: self._started_once or self._step_failures > 0)
+        began = first_attempt if after_first or self._startup_ended is None else self._startup_ended
+        since = time.time() - (time.monotonic() - began)
+        due = began + bound
         while True:
-            await asyncio.sleep(bound)  # the deadline's period (a report each time it passes)
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            due = max(due, time.monotonic()) + bound  # a report each further period (none bunched)
             role, member, kind, what = self._stuck_on(step)
             if self._step_failures:
                 what = f"{self._step_failures} attempts failed, the last with {self._step_error}; {what}"
@@ -226,7 +244,7 @@ class JobRunner:
                     role, member, kind = "request_manager", "request_manager", "hang"
             await report_deadline(self.bus, self.job_id, role=role, member_id=member, kind=kind,  # type: ignore[arg-type]
                                   cause="step_deadline", step=step, since=since,
-                                  evidence=f"step {step} not handed over after {time.time() - since:.1f}s "
+                                  evidence=f"step {step} not handed over after {time.monotonic() - began:.1f}s "
                                            f"(step_deadline_s={bound:g}): {what}")
 
     def _stuck_on(self, step: int) -> tuple[str, str, str, str]:
@@ -285,7 +303,7 @@ class JobRunner:
                 # and training); a trainer that stops committing is the detector's to report.
                 await self._wait_committed(step - 1 - self.spec.staleness)
                 if watch is None:  # the step's first attempt (or its first since a restart_step)
-                    watch = asyncio.create_task(self._watch(step))
+                    watch = asyncio.create_task(self._watch(step, time.monotonic()))
                     self._step_failures, self._step_error = 0, ""
                 self._step_task = asyncio.create_task(self.run_step(step))
                 try:
@@ -319,7 +337,14 @@ class JobRunner:
         log.info("job %s: all %d steps generated", self.job_id, self.spec.steps)
 
     async def restart_step(self, fault_id: str | None = None) -> None:
-        """Whole-job restart: drop the current step's in-flight work and generate it from scratch."""
+        """Whole-job restart: drop the current step's in-flight work and generate it from scratch.
+        Its state change is in Redis when this returns; its ``work_lost`` event is appended in the
+        background (the controller waits for the acknowledgement, not for the event log). The
+        controller's retry of the same command (its acknowledgement lost), before the resume that
+        follows it, changes nothing."""
+        if fault_id is not None and self.paused and self.restarted_for == fault_id:
+            log.info("job %s: restart_step for %s again (a retry): already done", self.job_id, fault_id)
+            return
         self.paused = True
         lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")
         if not await cancel_and_wait(self._step_task, STOP_WAIT_S, STOP_ATTEMPTS):
@@ -333,9 +358,10 @@ class JobRunner:
         self.step_epoch += 1
         self._current = []
         self.episodes.finished.clear()
+        self.restarted_for = fault_id
         if fault_id:
-            await self.bus.emit_event(self.job_id, "work_lost", {"fault_id": fault_id, "tokens": lost,
-                                                                 "steps_redone": 0, "episodes": n})
+            self.events.emit_later("work_lost", {"fault_id": fault_id, "tokens": lost, "steps_redone": 0,
+                                                 "episodes": n})
         log.warning("job %s: step %d restarted from scratch (%d episodes dropped)", self.job_id, self.step, n)
 
     def start(self) -> None:

@@ -46,6 +46,8 @@ RUNNING = ("running", "recovering", "pending")
 SPEC_TIMEOUT_S = 2.0
 """One request for a job's spec; the controller answers at once when it is up."""
 SPEC_ATTEMPTS = 5
+EVENTS_DRAIN_S = 5.0
+"""At close, how long a job's queued events are given to reach the log."""
 
 __all__ = ["JobRunner", "RequestManager"]
 
@@ -81,6 +83,7 @@ class RequestManager:
             task.cancel()
         for job in list(self.jobs.values()):
             await job.stop()
+            await job.events.drain(EVENTS_DRAIN_S)
 
     async def resume_running_jobs(self) -> list[str]:
         """After a restart: continue every job the registry says is running (its current step from
@@ -167,6 +170,7 @@ class RequestManager:
             job = await self._ensure_job(msg.job_id, msg.args.get("start_step"))
             if job:
                 job.paused = False
+                job.restarted_for = None
                 job.committed = max(job.committed, int(msg.args.get("committed", job.committed)))
                 for mid in msg.args.get("replicas_dead", []):
                     job.dispatcher.replica_dead(mid)
@@ -176,13 +180,19 @@ class RequestManager:
         elif job is None:
             pass
         elif msg.action == "replica_dead":
-            fault_id = msg.args.get("fault_id")
-            n = job.dispatcher.replica_dead(str(msg.args["member_id"]), fault_id)
-            # The tokens regenerated are counted when the turns are generated again
-            # (turn_regenerated events carry this fault id and the real token counts).
-            await self.bus.emit_event(msg.job_id, "work_lost", {"fault_id": fault_id, "turns": n, "tokens": 0,
-                                                                "steps_redone": 0})
-            log.warning("job %s: replica %s dead, %d turns re-dispatched", msg.job_id, msg.args["member_id"], n)
+            fault_id, member_id = msg.args.get("fault_id"), str(msg.args["member_id"])
+            if job.dead_for.get(member_id, "") == fault_id:
+                log.info("job %s: replica %s dead for %s again (a retry): already done", msg.job_id, member_id,
+                         fault_id)
+            else:
+                job.dead_for[member_id] = fault_id
+                n = job.dispatcher.replica_dead(member_id, fault_id)
+                # The tokens regenerated are counted when the turns are generated again
+                # (turn_regenerated events carry this fault id and the real token counts). Appended
+                # after the acknowledgement: the controller waits for it, not for the event log.
+                job.events.emit_later("work_lost", {"fault_id": fault_id, "turns": n, "tokens": 0,
+                                                    "steps_redone": 0})
+                log.warning("job %s: replica %s dead, %d turns re-dispatched", msg.job_id, member_id, n)
         elif msg.action == "restart_step":
             await job.restart_step(msg.args.get("fault_id"))
         elif msg.action == "pause":
