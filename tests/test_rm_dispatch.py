@@ -446,3 +446,51 @@ async def test_a_control_command_is_acknowledged_while_the_event_log_is_slow(ser
 
 async def _logged_batch(h: Harness) -> bool:
     return bool(await h.events("batch_ready"))
+
+
+async def test_an_acknowledged_commands_event_survives_the_request_manager_killed_before_the_log_took_it(servers):
+    """``replica_dead`` acknowledged while JetStream takes nothing, then the request manager is
+    killed: its ``work_lost`` must still reach the log, once, appended by the next request manager
+    from the Redis outbox it was written to before the acknowledgement. (With the event queued
+    in memory only, the command was acknowledged and its event lost with the process.)"""
+    import asyncio
+
+    from robustrl.services.controller.runtime import RM_ACK_TIMEOUT_S
+
+    from robustrl.messages import ControlCommand
+    from robustrl.subjects import Verb, subject
+
+    async with Harness(servers, rm_spec("outbox")) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        a.hold = b.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: len(a.held) + len(b.held) == 4 and a.held, timeout=20,
+                               what="4 turns in flight, some on a")
+        assert h.rm_bus is not None
+        never = asyncio.Event()
+
+        async def jetstream_away(*args: object, **kw: object) -> None:
+            await never.wait()
+
+        h.rm_bus.publish_durable = jetstream_away  # type: ignore[method-assign]
+        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="replica_dead",
+                             args={"fault_id": "f-outbox", "member_id": a.member_id}, fence=1)
+        await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), cmd, ControlCommand,
+                            timeout=RM_ACK_TIMEOUT_S)
+        turns = len(a.held)
+        assert await h.redis.llen(Keys.rm_outbox(h.job_id)) == 1  # raw: in the outbox before the ack
+        assert not await _logged(h, "work_lost", "f-outbox")
+        await h.kill_rm()
+
+        await h.start_rm()  # the next request manager runs the job
+        lost = await eventually_async(lambda: _logged(h, "work_lost", "f-outbox"), timeout=20,
+                                      what="work_lost appended by the next request manager")
+        assert len(lost) == 1 and lost[0].data["turns"] == turns, [e.data for e in lost]
+        await eventually_async(lambda: _outbox_empty(h), timeout=10, what="the outbox emptied")
+        a.hold = b.hold = lambda msg: False
+        await b.release()
+
+
+async def _outbox_empty(h: Harness) -> bool:
+    return await h.redis.llen(Keys.rm_outbox(h.job_id)) == 0
+

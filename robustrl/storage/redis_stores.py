@@ -99,6 +99,11 @@ class Keys:
         return f"rrl:{job}:gang"
 
     @staticmethod
+    def rm_outbox(job: str) -> str:
+        """The request manager's events acknowledged and not yet in the job's log (a list)."""
+        return f"rrl:{job}:rm:outbox"
+
+    @staticmethod
     def job_pattern(job: str) -> str:
         """SCAN pattern of every key of one job (the auditor sizes and reads them raw)."""
         return f"rrl:{job}:*"

@@ -73,7 +73,7 @@ class JobRunner:
         self.batches = BatchStore(redis, job_id)  # type: ignore[arg-type]
         self.gc = RolloutGC(redis, job_id)  # type: ignore[arg-type]
         self.dispatcher = Dispatcher(bus, job_id, spec, self.dispatches)
-        self.events = EventWriter(bus, job_id)  # the control handler's events: it never waits on the log
+        self.events = EventWriter(bus, job_id, redis)  # the control handler's events: it never waits on the log
         self.episodes = EpisodeRunner(bus, job_id, spec, self.store, self.dispatches, self.dispatcher)
         self.step = start_step
         self.committed = start_step - 1
@@ -83,8 +83,10 @@ class JobRunner:
         self.step_epoch = 0  # bumped by restart_step: in-flight work of older epochs is discarded
         self.first_of_life = True  # this runner's first step: found started in Redis = a resume
         self.paused = False
-        self.dead_for: dict[str, str | None] = {}  # replica -> fault whose replica_dead was handled
+        self.dead_for: dict[str, tuple[str | None, int, bool]] = {}
+        """replica -> (fault of the replica_dead handled, turns re-dispatched, its event in the outbox)"""
         self.restarted_for: str | None = None  # fault of the restart_step not yet followed by a resume
+        self._restart_unlogged: dict[str, object] | None = None  # its work_lost, until in the outbox
         self.changed = self.dispatcher.changed
         self._task: asyncio.Task[None] | None = None
         self._step_task: asyncio.Task[BatchReady] | None = None
@@ -297,6 +299,10 @@ class JobRunner:
         """Sync/semi-sync/async loop: step k starts once its weights are available (staleness bound)."""
         watch: asyncio.Task[None] | None = None  # the current step's deadline, from its first attempt
         try:
+            try:  # events a previous request manager acknowledged and did not append: first
+                await self.events.recover()
+            except TransportError as exc:
+                log.error("job %s: the event outbox not read (%s): its events stay for the next run", self.job_id, exc)
             while self.step < self.spec.steps:
                 step = self.step
                 # The trainer must have committed step k - 1 - staleness (bounded lag between rollout
@@ -344,6 +350,9 @@ class JobRunner:
         follows it, changes nothing."""
         if fault_id is not None and self.paused and self.restarted_for == fault_id:
             log.info("job %s: restart_step for %s again (a retry): already done", self.job_id, fault_id)
+            if self._restart_unlogged is not None:  # its event did not reach the outbox: now
+                await self.events.emit("work_lost", self._restart_unlogged)
+                self._restart_unlogged = None
             return
         self.paused = True
         lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")
@@ -360,8 +369,9 @@ class JobRunner:
         self.episodes.finished.clear()
         self.restarted_for = fault_id
         if fault_id:
-            self.events.emit_later("work_lost", {"fault_id": fault_id, "tokens": lost, "steps_redone": 0,
-                                                 "episodes": n})
+            self._restart_unlogged = {"fault_id": fault_id, "tokens": lost, "steps_redone": 0, "episodes": n}
+            await self.events.emit("work_lost", self._restart_unlogged)
+            self._restart_unlogged = None
         log.warning("job %s: step %d restarted from scratch (%d episodes dropped)", self.job_id, self.step, n)
 
     def start(self) -> None:

@@ -181,17 +181,23 @@ class RequestManager:
             pass
         elif msg.action == "replica_dead":
             fault_id, member_id = msg.args.get("fault_id"), str(msg.args["member_id"])
-            if job.dead_for.get(member_id, "") == fault_id:
+            done = job.dead_for.get(member_id)
+            if done is not None and done[0] == fault_id and done[2]:
                 log.info("job %s: replica %s dead for %s again (a retry): already done", msg.job_id, member_id,
                          fault_id)
             else:
-                job.dead_for[member_id] = fault_id
-                n = job.dispatcher.replica_dead(member_id, fault_id)
+                # (a retry whose first try re-dispatched the turns but could not record its event
+                # re-dispatches nothing more and records the first try's count)
+                n = done[1] if done is not None and done[0] == fault_id else job.dispatcher.replica_dead(member_id,
+                                                                                                     fault_id)
+                job.dead_for[member_id] = (fault_id, n, False)
                 # The tokens regenerated are counted when the turns are generated again
-                # (turn_regenerated events carry this fault id and the real token counts). Appended
-                # after the acknowledgement: the controller waits for it, not for the event log.
-                job.events.emit_later("work_lost", {"fault_id": fault_id, "turns": n, "tokens": 0,
+                # (turn_regenerated events carry this fault id and the real token counts). In the
+                # outbox before the acknowledgement, in the log after it: the controller waits for
+                # the acknowledgement, not for the event log.
+                await job.events.emit("work_lost", {"fault_id": fault_id, "turns": n, "tokens": 0,
                                                     "steps_redone": 0})
+                job.dead_for[member_id] = (fault_id, n, True)
                 log.warning("job %s: replica %s dead, %d turns re-dispatched", msg.job_id, member_id, n)
         elif msg.action == "restart_step":
             await job.restart_step(msg.args.get("fault_id"))
