@@ -147,6 +147,14 @@ class WeightLoader:
                         verdict.value, self.announcements.newest_epoch)
             return
         if (msg.version, msg.checksum) == self._held():
+            # The engine serves these weights already: nothing to pull, and no other pull may go
+            # on either. After a rollback the new gang announces the checkpoint's version, whose
+            # checksum is what a replica still serves; returning before this let the dead gang's
+            # newer version, still being pulled, be installed under the new lineage.
+            if verdict is Offer.NEW and self._task is not None and not self._task.done():
+                log.warning("v%d (epoch %d), the weights held, announced while pulling: the pull stops",
+                            msg.version, msg.epoch)
+                self._task.cancel("the newest announcement names the weights already held")
             return
         if verdict is Offer.REPEAT and self._task is not None and not self._task.done():
             self.state.sources_changed.set()  # the running pull re-reads the sources
@@ -307,6 +315,12 @@ class WeightLoader:
             await self._failed_attempt(ann, "checksum_mismatch", got=got, checksum=got,
                                        sources=sorted(stats.chunks_from))
             return False
+        if not self._still_followed(ann):
+            # Superseded while the bytes were checked (a cancellation lands only at an await):
+            # never install weights the replica no longer follows.
+            self.server.drop_version(manifest.version)
+            log.warning("v%d (epoch %d) verified after it was superseded: not installed", ann.version, ann.epoch)
+            return True
         if not self.server.is_complete(manifest.version):
             # pulled without relaying (a retry after a mismatch): it verified now, serve it onward
             self.server.add_version(manifest, buffer)
@@ -330,6 +344,13 @@ class WeightLoader:
         log.info("loaded v%d (epoch %d) in %.2fs (%d B, from %s)", manifest.version, ann.epoch,
                  time.monotonic() - t0, stats.bytes_received, stats.chunks_from)
         return True
+
+    def _still_followed(self, ann: WeightsAnnounce) -> bool:
+        """Whether ``ann``'s weights are still the ones to load (the newest announcement names
+        them, and the engine does not serve them already)."""
+        target = self.announcements.target
+        return (target is not None and (target.epoch, target.version, target.checksum) == (
+            ann.epoch, ann.version, ann.checksum) and (ann.version, ann.checksum) != self._held())
 
     async def _failed_attempt(self, ann: WeightsAnnounce, reason: str, **data: object) -> None:
         self.state.failures += 1

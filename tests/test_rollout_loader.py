@@ -1,0 +1,76 @@
+"""A replica's weight loader across a trainer rollback, with real weight servers on loopback.
+
+Gang 1 announced v7 and died before any relay completed it; the replica (serving v6) is still
+pulling v7 when gang 2, resumed from checkpoint 6, announces v6 with the very checksum the
+replica holds. Then a relay that did complete gang 1's v7 shows up. The replica must not
+install gang 1's v7: those are weights the new lineage never had, and the turns it generated
+would be tagged v7 under gang 2. Before the fix the announcement of weights already held
+returned before it stopped the running pull, and v7 of the dead gang was installed (an outside
+review found it). Checked from outside the loader: what its engine was asked to install and
+the events it appended.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from robustrl.services.rollout.loader import WeightLoader
+from support import eventually_async
+
+from robustrl.config import WeightSyncSpec, reference_job
+from robustrl.messages import WeightsAnnounce
+from robustrl.model.policy import build_policy, weights_checksum
+from robustrl.model.tokenizer import CharTokenizer
+from robustrl.weights.flat import expected_layout, flatten_state_dict
+from robustrl.weights.server import WeightServer
+
+pytestmark = pytest.mark.timeout(60)
+CHUNK = 4096
+
+
+async def test_a_dead_gangs_version_is_never_installed_once_the_new_gang_announces_the_weights_held() -> None:
+    model = build_policy(reference_job().model, CharTokenizer.default(), 7)
+    buffer, v7 = flatten_state_dict(model.state_dict(), 7, CHUNK)
+    held = (6, "checksum-of-checkpoint-6")
+    installs: list[int] = []
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    async def install(version: int, checksum: str, _state: dict[str, torch.Tensor], _t: float) -> str:
+        installs.append(version)
+        return checksum
+
+    async def emit(kind: str, data: dict[str, Any]) -> None:
+        events.append((kind, data))
+
+    async def nothing() -> None:
+        return None
+
+    dead_trainer, relay_server, relay_of_v7, new_trainer = (WeightServer(host="127.0.0.1") for _ in range(4))
+    loader = WeightLoader(WeightSyncSpec(chunk_bytes=CHUNK, pull_timeout_s=20.0), "rollout-0-i1", relay_server,
+                          expected_layout(model), install=install, emit=emit, on_change=nothing, held=lambda: held)
+    try:
+        gone = await dead_trainer.start()  # listening, holding nothing: the gang died mid-version
+        await relay_server.start()
+        peer = await relay_of_v7.start()
+        origin = await new_trainer.start()
+        loader.offer(WeightsAnnounce(job_id="j", version=7, epoch=1, checksum=weights_checksum(model),
+                                     sources=[gone], manifest=v7.model_dump(mode="json")))
+        await eventually_async(lambda: loader.pulling() is not None, timeout=10,
+                               what="the pull of gang 1's v7 under way")
+        # Gang 2 resumed from checkpoint 6 and announces v6: the weights the replica holds.
+        loader.offer(WeightsAnnounce(job_id="j", version=6, epoch=2, checksum=held[1], sources=[origin],
+                                     manifest_digest="0" * 64))
+        # A relay that completed gang 1's v7 before the rollback: a live source of the dead lineage.
+        relay_of_v7.add_version(v7, buffer)
+        loader.peer_has("rollout-1-i0", 7, weights_checksum(model), peer, True)
+        await eventually_async(lambda: loader._task is not None and loader._task.done(), timeout=20,
+                               what="the replica's pull of v7 over")
+        assert installs == [], "the dead gang's v7 was installed after the new gang's announcement"
+        assert not [d for k, d in events if k == "weights_loaded"], events
+        assert loader.pulling() is None
+    finally:
+        await loader.close()
+        for s in (dead_trainer, relay_server, relay_of_v7, new_trainer):
+            await s.close()
