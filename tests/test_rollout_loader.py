@@ -74,3 +74,35 @@ async def test_a_dead_gangs_version_is_never_installed_once_the_new_gang_announc
         await loader.close()
         for s in (dead_trainer, relay_server, relay_of_v7, new_trainer):
             await s.close()
+
+
+async def test_a_source_address_that_cannot_be_used_is_reported_not_a_silent_end_of_the_pull() -> None:
+    """A peer's relay address that does not parse (``WeightsHave.address`` comes off the bus) made
+    the manifest fetch raise an error the loader did not catch: the pull task died with a log
+    line, no ``weights_rejected`` event, the replica never reported and never loaded that version
+    (an outside review found it). It must be a failed attempt like any other, reported."""
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    async def emit(kind: str, data: dict[str, Any]) -> None:
+        events.append((kind, data))
+
+    async def install(*_a: object) -> str:
+        raise AssertionError("nothing can be installed here")
+
+    async def nothing() -> None:
+        return None
+
+    relay = WeightServer(host="127.0.0.1")
+    loader = WeightLoader(WeightSyncSpec(chunk_bytes=CHUNK, pull_timeout_s=1.0, pull_attempts=1), "rollout-0-i0",
+                          relay, {}, install=install, emit=emit, on_change=nothing, held=lambda: (0, "c0"))
+    try:
+        await relay.start()
+        loader.offer(WeightsAnnounce(job_id="j", version=1, epoch=1, checksum="c1", sources=["tcp://not-an-address"],
+                                     manifest_digest="0" * 64))
+        final = await eventually_async(lambda: [d for k, d in events if k == "weights_rejected" and d["final"]],
+                                       timeout=15, what="the failed fetch reported")
+        assert final[0]["version"] == 1 and "address" in str(final[0].get("error", "")), final
+        assert loader.state.failed
+    finally:
+        await loader.close()
+        await relay.close()

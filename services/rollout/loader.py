@@ -136,6 +136,7 @@ class WeightLoader:
         self.peers: dict[str, Peer] = {}
         self.state = LoaderState()
         self._task: asyncio.Task[None] | None = None
+        self._reporting: asyncio.Task[None] | None = None  # the report of a follow that died
 
     # --- inputs ------------------------------------------------------------------------
 
@@ -189,10 +190,13 @@ class WeightLoader:
         if self._task is not None and not self._task.done() and not await cancel_and_wait(self._task, CLOSE_WAIT_S):
             log.error("the weight pull task did not end %.0f s after its cancellation", CLOSE_WAIT_S)
 
-    @staticmethod
-    def _done(task: asyncio.Task[None]) -> None:
+    def _done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
+            # (an event or phase publish failing inside the follow): the replica must not go on
+            # saying it is loading, which no rule would ever question; it says it failed.
             log.error("weight pull task failed: %r", task.exception())
+            if task is self._task:
+                self._reporting = asyncio.get_running_loop().create_task(self._set(loading=False, failed=True))
 
     # --- one version -------------------------------------------------------------------
 
@@ -246,7 +250,9 @@ class WeightLoader:
                          origins=[_norm(a, self.cfg.transport) for a in ann.sources],
                          sources_changed=self.state.sources_changed),
                     self.cfg.pull_timeout_s + PULL_GRACE_S)
-            except (WeightSyncError, TransportError, TimeoutError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever a peer provokes is a reported attempt
+                # (an unexpected error type, from bytes off the wire or a peer's address off the
+                # bus, ended the pull task with a log line only: no event, no report, no retry)
                 self.server.drop_version(manifest.version)  # never relay a version we gave up on
                 reason = str(getattr(exc, "reason", "")) or ("timeout" if isinstance(exc, TimeoutError) else "error")
                 if reason == "unavailable":
@@ -290,10 +296,11 @@ class WeightLoader:
                 return await fetch_manifest(self._sources(ann, avoid), ann.version, ann.manifest_digest,
                                             transport=self.cfg.transport,
                                             timeout_s=min(STALL_TIMEOUT_S, self.cfg.pull_timeout_s), seed=self._seed)
-            except WeightSyncError as exc:
+            except Exception as exc:  # noqa: BLE001 - a bad source address, garbage on the wire: see _follow
                 log.warning("v%d: manifest not fetched (%s)", ann.version, exc)
+                reason = "unavailable" if isinstance(exc, WeightSyncError) else "error"
                 if time.monotonic() - started >= give_up_s:
-                    await self._reject(ann, str(getattr(exc, "reason", "unavailable")), error=str(exc), final=True,
+                    await self._reject(ann, str(getattr(exc, "reason", reason)), error=str(exc), final=True,
                                        waited_s=round(time.monotonic() - started, 3))
                     await self._set(loading=False, failed=True)
                     now = self.announcements.target
