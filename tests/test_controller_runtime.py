@@ -1352,3 +1352,35 @@ async def test_a_deletion_cut_short_mid_purge_is_finished_by_the_next_leader_and
 
 async def _gone(rig: Rig, job_id: str) -> bool:
     return await rig.redis.hget(Keys.jobs(), job_id) is None
+
+
+async def test_exits_whose_handling_failed_are_handled_in_a_later_round(rig: Rig,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas exit and the launcher returns both in one poll (a node lost); handling the
+    first fails (a Redis blip). The launcher never returns an exit twice, so the batch's exits
+    were gone: the first, and every one after it in the batch, never reached the event log or
+    a decision (an outside review found it). Each must be handled, in a later round if need be."""
+    c, job = await leading_job_at_step_0(rig, "cpexits")
+    real = c.supervisor.on_exit
+    failed: list[str] = []
+
+    async def blip_once(info: object) -> None:
+        if not failed:
+            failed.append(info.member_id)  # type: ignore[attr-defined]
+            raise RuntimeError("redis blip (test)")
+        await real(info)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(c.supervisor, "on_exit", blip_once)
+    replicas = [job.members[m] for m in ("rollout-0-i0", "rollout-1-i0")]
+    for m in replicas:
+        os.killpg(m.pid, signal.SIGKILL)  # type: ignore[arg-type]
+
+    async def both_logged() -> bool:
+        exited = {d["member_id"] for d in of_kind(await rig.events(job.job_id), "member_exited")}
+        return {"rollout-0-i0", "rollout-1-i0"} <= exited
+
+    await eventually_async(both_logged, timeout=20, what="both exits in the event log")
+    assert failed, "the blip was never hit"
+    for m in replicas:
+        await eventually_async(lambda m=m: _with_decision_for(rig, job.job_id, f"exit-{m.member_id}"), timeout=20,
+                               what=f"the crash of {m.member_id} decided")

@@ -55,6 +55,9 @@ class Supervisor:
     def __init__(self, controller: Controller) -> None:
         self.c = controller
         self._last_round: float | None = None
+        self._unhandled: list[ExitInfo] = []
+        """Exits whose handling failed (a Redis blip): the launcher returns an exit once, so they
+        are kept and handled again next round (the fault id names the member: decided once)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -77,9 +80,13 @@ class Supervisor:
         # replica's replacement, handled first, took the warm spare that survived on another node
         # (the launcher starts any member from a spare), so the new gang -- on the critical path,
         # the replica is not -- started cold (seen on Ray: tests/test_ray_testbed.py's kill).
-        exits = await asyncio.to_thread(self.c.launcher.poll)
+        exits, self._unhandled = self._unhandled + await asyncio.to_thread(self.c.launcher.poll), []
         for info in sorted(exits, key=lambda e: e.role != "trainer"):
-            await self.on_exit(info)
+            try:
+                await self.on_exit(info)
+            except Exception:  # noqa: BLE001 - the rest of the batch is handled; this one next round
+                log.exception("exit of %s not handled: tried again next round", info.member_id)
+                self._unhandled.append(info)
         for job in list(self.c.jobs.values()):
             await self.watch_services(job)
             await self.c.recovery.check_deadlines(job)
