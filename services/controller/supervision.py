@@ -84,7 +84,7 @@ class Supervisor:
         for info in sorted(exits, key=lambda e: e.role != "trainer"):
             try:
                 await self.on_exit(info)
-            except Exception:  # noqa: BLE001 - the rest of the batch is handled; this one next round
+            except Exception:  # the rest of the batch is handled; this one next round
                 log.exception("exit of %s not handled: tried again next round", info.member_id)
                 self._unhandled.append(info)
         for job in list(self.c.jobs.values()):
