@@ -312,8 +312,6 @@ def test_plan_borrows_nothing_in_sync_unless_allowed_nor_when_denied_or_impossib
     assert plan_gang(_view(), _rec(standby_order=["cold"]))[0] == ()
     sources, why = plan_gang(_view(replica_fits_trainer=False), _rec())
     assert sources == () and "resources" in why
-    sources, why = plan_gang(_view(rollout_engine="vllm"), _rec())
-    assert sources == () and "rollout.engine" in why
 
 
 @pytest.mark.parametrize("strategy", ["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from jobs import kinds, small_job, wait_done, wait_step
+from support import ended, eventually
 
 from robustrl.model.engines.envs import vllm_python
 from robustrl.model.tiny import make_tiny_hf_model
@@ -111,3 +112,92 @@ def test_vllm_rollout_crash_is_redispatched_and_no_finished_episode_is_lost(
     assert loaded and all(d["verified"] for d in loaded)
     assert not [f for f in api.report(jid)["faults"] if f["role"] == "trainer"]
     print(f"python of the members: {sys.executable} (control plane), {vllm_py} (vllm replicas)")
+
+
+def _argv0(pid: int) -> str:
+    """The interpreter a process was started with (``/proc/<pid>/exe`` resolves both venvs'
+    ``python`` links to the same system binary; the command line keeps the venv's path)."""
+    import psutil
+
+    return psutil.Process(pid).cmdline()[0]
+
+
+@pytest.mark.timeout(900)
+def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_replica_restocks(
+        vllm_py: Path, hf_dir: Path, stack, api, infra) -> None:
+    """Warm standby from a vLLM pool: a trainer rank crashes; the controller borrows one vLLM
+    replica, whose process (same pid, still .venv-vllm's Python) shuts its vLLM engine down (no
+    EngineCore or worker process left under it), builds the policy from the weights it served and
+    joins the next gang beside the kept rank. The other replica is then killed, so the job can only
+    finish on the replicas that restock the pool: they must be vLLM replicas from .venv-vllm that
+    load the current weights. The job finishes and the auditor passes."""
+    import psutil
+
+    from robustrl.audit import audit_job
+
+    spec = small_job("vllmborrow", steps=5, mode="semi_sync", staleness=1,
+                     model={"path": str(hf_dir), "max_positions": 512},
+                     data={"tasks": ["lookup"], "prompts_per_step": 2, "group_size": 2},
+                     rollout={"replicas": 2, "max_new_tokens": 6, "engine": "vllm"},
+                     tools={"latency_s": 0.3},
+                     detector={"weights_load_s": 120.0, "turn_deadline_s": 120.0, "silence_s": 10.0,
+                               "step_deadline_s": 600.0},
+                     recovery={"deadline_s": 600.0, "min_replicas_kept": 1})
+    jid = api.submit(spec)["job_id"]
+    wait_step(api, jid, 1, timeout=600.0)
+    pids = {m["member_id"]: m["pid"] for m in api.job(jid)["members"] if m["role"] == "rollout"}
+    api.fault(jid, kind="crash", role="trainer", member=0)
+    decision = eventually(lambda: next((d for d in kinds(api.events(jid), "decision")
+                                        if d["actions"] == ["RestartTrainerGang"]), None),
+                          timeout=120, interval=0.1, what="the trainer gang's restart decided")
+    assert "1 borrowed" in decision["reason"], decision  # before: "no borrowing: a vllm replica's model ..."
+    borrowed = eventually(lambda: kinds(api.events(jid), "replica_borrowed"), timeout=60, interval=0.1,
+                          what="a vLLM replica borrowed")
+    assert len(borrowed) == 1, borrowed
+    replica, rank = borrowed[0]["member_id"], borrowed[0]["rank"]
+    rank_id = f"trainer-e2-r{rank}"
+    kept = next(m for m in pids if m != replica)
+    slot = replica.split("-")[1]
+    new = f"rollout-{slot}-i1"
+    new_pid = eventually(lambda: next((m["pid"] for m in api.job(jid)["members"]
+                                       if m["member_id"] == new and m["pid"]), None),
+                         timeout=120, interval=0.1, what=f"{new} started")
+    assert _argv0(new_pid) == str(vllm_py), _argv0(new_pid)  # the restock is a vLLM replica again
+    # Now the job depends on the pool's restock: its other replica dies too (after the restock
+    # began, so that the killed one's replacement starts behind it).
+    api.fault(jid, kind="crash", role="rollout", member=kept)
+
+    def switched() -> dict[str, object] | None:
+        return next((d for d in kinds(api.events(jid), "role_switched") if d["from_member"] == replica), None)
+
+    switch = eventually(switched, timeout=300, interval=0.1, what=f"{replica} switched to {rank_id}")
+    pid = pids[replica]
+    members = {m["member_id"]: m for m in api.job(jid)["members"]}
+    assert members[rank_id]["pid"] == pid, (pid, members[rank_id])
+    # The rank runs in the replica's process, from the vLLM environment, its vLLM engine shut down.
+    assert Path(_argv0(pid)).resolve() == vllm_py.resolve() or _argv0(pid) == str(vllm_py), _argv0(pid)
+    engine_procs = [p.name() for p in psutil.Process(pid).children(recursive=True) if "VLLM" in p.name()]
+    assert not engine_procs, engine_procs
+    assert switch["member_id"] == rank_id and switch["rank"] == rank
+    assert switch.get("handed_model") is True, switch  # built from the weights the replica served
+
+    wait_done(api, jid, timeout=600.0)
+    events = api.events(jid)
+    audit_job(infra, jid)
+
+    decisions = [d["actions"] for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
+    # Role-local recoveries only: the gang restart, then the killed replica's re-dispatch and replacement.
+    assert decisions == [["RestartTrainerGang"], ["RedispatchEpisodes", "ReplaceReplica"]], decisions
+    started = {d["member_id"]: d for d in kinds(events, "member_started")}
+    assert started[rank_id]["source"] == "borrowed", started[rank_id]
+    recovered = [d for d in kinds(events, "recovered") if d["kind"] == "trainer"]
+    assert recovered and "borrowed" in recovered[0]["sources"], recovered
+    # The pool is back to its size with vLLM replicas, and after the other replica was killed the
+    # job went on on the restocked ones (raw event log): the borrowed slot's restock or the killed
+    # one's replacement (whichever was up first served the remaining steps) loaded the weights.
+    assert new in {d["member_id"] for d in kinds(events, "replica_restocked")}
+    replacement = f"rollout-{kept.split('-')[1]}-i1"
+    assert {new, replacement} & {d["member_id"] for d in kinds(events, "weights_loaded")}, "no restocked replica loaded"
+    commits = kinds(events, "step_committed")
+    assert sorted({d["step"] for d in commits}) == list(range(spec["steps"]))
+    assert ended(pid)

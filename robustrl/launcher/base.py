@@ -194,8 +194,10 @@ class ExitInfo:
 
 def switchable(spec: MemberSpec) -> bool:
     """Whether the member ``spec`` describes can switch in place to a trainer rank
-    (``Launcher.relabel``): a torch rollout replica (the engine's model is in the process) or a
-    trainer rank (its process runs the same trainer code again under the new rank)."""
+    (``Launcher.relabel``): a rollout replica of either engine (a torch replica hands over its
+    model; a vLLM replica shuts its engine down and builds the policy from the version it served,
+    ``services/rollout/standby.py``) or a trainer rank (its process runs the same trainer code
+    again under the new rank)."""
     return ((spec.role == "rollout" and spec.module in ("", ROLLOUT_MODULE))
             or (spec.role == "trainer" and spec.module in ("", TRAINER_MODULE)))
 

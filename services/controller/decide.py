@@ -102,7 +102,6 @@ class JobView:
         can_keep: whether the launcher can hand a running trainer rank to the next gang in place.
         replica_fits_trainer: whether a rollout replica's reservation covers a trainer rank's
             (``resources`` of both roles; nothing reserved fits anything).
-        rollout_engine: the replicas' engine (only a torch engine holds the model in-process).
         strict_layout: the gang has a ``STRICT_*`` strategy that the launcher holds it to (one
             placement group across machines): a borrowed replica, which stays where it runs,
             could break it.
@@ -126,7 +125,6 @@ class JobView:
     survivors: tuple[str, ...] = ()
     can_keep: bool = False
     replica_fits_trainer: bool = True
-    rollout_engine: str = "torch"
     strict_layout: bool = False
 
     @property
@@ -354,9 +352,6 @@ def may_borrow(job: JobView, spec: RecoverySpec) -> str | None:
         return "sync mode has no spare rollout capacity (recovery.borrow=overlapped)"
     if not job.can_borrow:
         return "the launcher cannot switch a process's role in place"
-    if job.rollout_engine != "torch":
-        return (f"a {job.rollout_engine} replica's model lives in its engine's own process and "
-                "environment, not in the replica process (rollout.engine)")
     if not job.replica_fits_trainer:
         return "a rollout replica reserves less than a trainer rank needs (rollout/trainer resources)"
     if job.strict_layout:

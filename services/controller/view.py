@@ -38,7 +38,7 @@ def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False,
         trainer_workers=job.spec.trainer.workers, spares_ready=spares_ready,
         borrowable=tuple(m.member_id for m in borrowable), can_borrow=can_borrow,
         survivors=tuple(m.member_id for m in survivors), can_keep=can_keep,
-        replica_fits_trainer=replica_fits_trainer(job), rollout_engine=job.spec.rollout.engine,
+        replica_fits_trainer=replica_fits_trainer(job),
         strict_layout=holds_strict_layout and job.spec.trainer.placement.strategy not in SOFT_STRATEGIES)
 
 

@@ -38,7 +38,7 @@ from robustrl.messages import GenerateTurn, MetricsSample, TurnResult, WeightsAn
 from robustrl.model.engine import GenerationAborted, GenRequest
 from robustrl.model.engines import make_engine
 from robustrl.services.rollout.loader import WeightLoader
-from robustrl.services.rollout.standby import StandbyHook, become_trainer
+from robustrl.services.rollout.standby import ENGINE_JOIN_S, StandbyHook, become_trainer, policy_from_served
 from robustrl.storage.redis_stores import WeightsPointer, connect
 from robustrl.subjects import Verb, subject, wildcard
 from robustrl.weights.server import WeightServer
@@ -96,12 +96,17 @@ class Replica:
         self.engine_thread: threading.Thread | None = None
         self.stop_phase = "running"
         """Where the stop sequence is (named in the log if closing hangs)."""
+        self.served: dict[str, torch.Tensor] | None = None
+        """The version the engine serves, as the tensors it was loaded from (views into the
+        buffer it was pulled into), kept only for an engine with no model in this process
+        (vLLM): a borrowed replica builds the trainer's policy from it."""
         self.verify_loads = (env or {}).get(VERIFY_LOADS_ENV, "") not in ("", "0")
         """Audit mode: the engine also checksums each version it loaded (off the hot path by
         default: the loader verified the bytes before the swap, the swap itself only copies)."""
 
     async def run(self) -> None:
         spec = await self.member.start()
+        self.spec = spec
         self.standby.install(asyncio.get_running_loop())
         torch.set_num_threads(1)
         torch.manual_seed(spec.seed)
@@ -161,6 +166,11 @@ class Replica:
         with self._swap_lock:  # the engine thread takes no more weights: release a waiting install
             if self._pending is not None:
                 self._pending.swapped.set()
+        if self.standby.handoff is not None and self.engine_thread is not None:
+            # The engine closes next: the thread must be out of it first (a vLLM abort is a call
+            # into the engine's loop, which closing stops). Bounded: become_trainer exits if not.
+            self.stop_phase = "waiting for the engine thread"
+            await asyncio.to_thread(self.engine_thread.join, ENGINE_JOIN_S)
         self.stop_phase = "closing the weight loader"
         await self.loader.close()
         self.stop_phase = "closing the relay server"
@@ -318,12 +328,15 @@ class Replica:
                  time.monotonic() - t0)
         if got == pending.checksum:
             self.version, self.checksum = pending.version, got
+            if self.model is None:
+                self.served = pending.state
         else:
             # The state verified before loading, so the load itself went wrong: serve nothing
             # rather than these weights (every turn needs a version >= 0) until a pull succeeds.
             log.error("weights v%d checksum mismatch after load: %s != %s", pending.version, got,
                       pending.checksum)
             self.version, self.checksum = -1, ""
+            self.served = None
         self.member.weights_version = self.version
         pending.loaded = got
         pending.swapped.set()
@@ -460,7 +473,15 @@ def main() -> None:
     asyncio.run(replica.run())
     replica.stop_phase = "closed"
     if replica.standby.handoff is not None:  # borrowed: the same process goes on as a trainer rank
-        become_trainer(replica.standby.handoff, replica.model, replica.engine_thread, ident.member_id)
+        model = replica.model
+        if model is None:
+            # vLLM: its engine (and the model in its worker process) is shut down by now; the
+            # policy is built here from the version the replica served.
+            model = policy_from_served(replica.spec.model, replica.served)
+            log.info("trainer policy %s", f"built from the served v{replica.version}" if model is not None
+                     else "left to the trainer to build (no served version to build it from)")
+            replica.served = None  # the receive buffer goes with the last view of it
+        become_trainer(replica.standby.handoff, model, replica.engine_thread, ident.member_id)
         return
     # Stopped: engine, relay server and bus are closed. Exit without the interpreter's teardown
     # of a torch process (4-10 s per member at a job's end on a loaded machine; the controller

@@ -12,6 +12,14 @@ model built and the served weights in memory, it becomes the trainer rank the ha
 joins the new gang, loads model and optimizer state from the newest complete checkpoint (the
 trainer's usual resume; the replica's weights may be of a newer, not yet durable version), and
 trains. Its output goes to the new member's log.
+
+A vLLM replica holds no model of its own (vLLM's worker process does), but it holds the version
+it serves: the buffer it pulled that version into and relayed from. On a hand-off its in-flight
+requests are aborted and the ``AsyncLLM`` engine is shut down (its engine-core and worker
+processes exit, the KV cache with them); then :func:`policy_from_served` builds the trainer's
+policy in this process from that buffer (the architecture from ``model.path``'s config, no weights
+read from disk) and the process runs on as the trainer rank like a torch replica. Where it held no
+complete version, the trainer builds its policy itself (and resumes from the checkpoint as always).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from robustrl.config import Settings
+from robustrl.config import ModelSpec, Settings
 from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, redirect_output, take_handoff
 from robustrl.member import Identity
 
@@ -113,3 +121,45 @@ def become_trainer(handoff: Handoff, model: torch.nn.Module | None, engine_threa
     configure_logging(ident.member_id)
     log.warning("%s continues as %s (rank %d of %d)", borrowed_from, ident.member_id, ident.rank, ident.world_size)
     run_member(ident, settings, model=model, borrowed_from=borrowed_from)
+
+
+def policy_from_served(spec: ModelSpec, served: Mapping[str, torch.Tensor] | None) -> torch.nn.Module | None:
+    """The trainer's policy built from the weights a replica without an in-process model (vLLM)
+    served: the causal LM class of ``spec.path``'s config, its tensors copied out of ``served``.
+
+    The copies leave the trainer's parameters in ordinary memory rather than in the replica's
+    receive buffer (a shared segment another process mapped; a parameter viewing a slice of it
+    would also make ``torch.save`` write the whole buffer with each tensor). Nothing is read from
+    the directory but its config: the weights are the served version's.
+
+    Returns:
+        The policy (float32, eval mode, like ``build_policy``'s), or None (logged) when nothing was
+        served or the served tensors do not match the architecture: the trainer then builds its
+        policy itself.
+    """
+    if not served or not spec.path:
+        return None
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from robustrl.weights.flat import dtype_name, expected_layout
+
+    try:
+        config = AutoConfig.from_pretrained(spec.path, local_files_only=True)
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        state = {name: t.detach().clone() for name, t in served.items()}
+        model = cls.from_pretrained(None, config=config, state_dict=state)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        log.warning("the served weights do not build a policy (%r): the trainer builds it itself", exc)
+        return None
+    layout = expected_layout(model)
+    held = {name: (dtype_name(t.dtype), list(t.shape)) for name, t in served.items()}
+    if layout != held:
+        # transformers initialises what the state does not name: such a model is not the served one.
+        differ = sorted(set(layout) ^ set(held)) or sorted(n for n in layout if layout[n] != held[n])
+        log.warning("the served weights do not match %s's layout (first differences: %s): the trainer "
+                    "builds the policy itself", type(model).__name__, differ[:3])
+        return None
+    model.to(torch.float32)
+    model.eval()
+    return model

@@ -336,7 +336,8 @@ class TrainerWorker:
         if borrowed_from is not None:
             await bus.emit_event(self.ident.job_id, "role_switched", {
                 "member_id": self.ident.member_id, "from_member": borrowed_from, "role": "trainer",
-                "rank": self.ident.rank, "epoch": self.member.epoch, "join_s": time.monotonic() - began})
+                "rank": self.ident.rank, "epoch": self.member.epoch, "join_s": time.monotonic() - began,
+                "handed_model": self._handed_model})
         try:
             await self._loop()
         except StaleEpoch as exc:

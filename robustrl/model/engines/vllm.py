@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 600.0
 LOAD_TIMEOUT_S = 300.0
 _POLL_S = 0.05
+CHILD_EXIT_S = 10.0
+"""How long closing waits for vLLM's engine processes to end once vLLM's shutdown returned."""
 
 
 def hf_layout(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, tuple[str, list[int]]]:
@@ -368,3 +370,15 @@ class VllmEngine(Engine):
             log.warning("shutting vLLM down: %r", exc)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5.0)
+        # vLLM's shutdown ends its engine-core process (and with it the workers and the KV cache),
+        # by SIGKILL when SIGTERM did not within its timeout, and returns without reaping it; a
+        # process that goes on (a replica borrowed as a trainer rank) must not keep it as a
+        # zombie, nor run beside an engine that has not died yet.
+        import multiprocessing
+
+        deadline = time.monotonic() + CHILD_EXIT_S
+        for child in multiprocessing.active_children():
+            child.join(max(0.0, deadline - time.monotonic()))
+        left = [p.name for p in multiprocessing.active_children()]
+        if left:
+            log.warning("vLLM processes still running %.0f s after its shutdown: %s", CHILD_EXIT_S, left)
