@@ -82,6 +82,23 @@ def test_rollout_dies_while_trainer_recovers_is_replaced_too() -> None:
     assert d.actions == [RedispatchEpisodes("r2"), ReplaceReplica("r2")]
 
 
+def test_replicas_that_cannot_load_the_dead_gangs_weights_while_the_trainer_recovers_are_left_alone() -> None:
+    """The trainer died mid-version and its recovery outlasts the replicas' pull attempts (a cold
+    start of a large model): every replica reports its pulls failed ("unavailable": no source holds
+    the version). Those are healthy replicas waiting for the new gang's announcement; they were
+    replaced, and with every replica reporting at one step the job was restarted whole (an outside
+    review found it). A weights fault outside a trainer recovery is still acted on."""
+    rec = RecoveryView("trainer", step=5, started_at=NOW - 95, member_ids=frozenset({"t0", "t1"}))
+    for cause in ("weights_failed", "weights_load_timeout"):
+        for n, member in enumerate(("r0", "r1", "r2")):
+            f = fault("rollout", member, "hang").model_copy(update={"cause": cause})
+            d = decide(NOW, job(recovering=(rec,), faults_per_step={("rollout", 5): n}), f, LOCAL)
+            assert kinds(d) == [Ignore], (cause, member, d)
+            assert "trainer" in d.reason and "announce" in d.reason
+        f = fault("rollout", "r1", "hang").model_copy(update={"cause": cause})
+        assert kinds(decide(NOW, job(), f, LOCAL)) == [RedispatchEpisodes, ReplaceReplica]
+
+
 def test_two_replicas_lost_at_one_step_are_both_replaced_but_more_than_all_escalates() -> None:
     d = decide(NOW, job(faults_per_step={("rollout", 5): 1}), fault("rollout", "r2"), LOCAL)
     assert kinds(d) == [RedispatchEpisodes, ReplaceReplica]

@@ -287,6 +287,9 @@ def decide(now: float, job: JobView, fault: FaultReport, spec: RecoverySpec) -> 
         return Decision([Ignore(stale)], stale)
     if fault.role in CONTROL_PLANE_ROLES:
         return _guarded(job, spec, _control_plane(job, fault))
+    waiting = _waiting_for_new_gang(job, fault)
+    if waiting is not None:
+        return Decision([Ignore(waiting)], waiting)
     if spec.policy == "whole_job":
         return _guarded(job, spec, _whole_job(job, f"policy whole_job: {fault.kind} of {fault.role} "
                                                    f"{fault.member_id} at step {job.step}"))
@@ -301,6 +304,29 @@ def _stale(job: JobView, fault: FaultReport) -> str | None:
         if fault.member_id in rec.member_ids:
             return f"{fault.member_id} is already being replaced ({rec.role} recovery since step {rec.step})"
     return None
+
+
+WEIGHTS_CAUSES = frozenset({"weights_failed", "weights_load_timeout"})
+"""Detector causes of a replica that could not load the announced weights."""
+
+
+def _waiting_for_new_gang(job: JobView, fault: FaultReport) -> str | None:
+    """Why a replica's weights fault is no fault while a trainer recovery is under way, else None.
+
+    The version it could not load is the failed gang's (its publisher is gone, and no relay may
+    hold it all); the new gang announces its own, which the replica then pulls. A recovery longer
+    than the replica's pull attempts (a cold start of a large model) made every replica report:
+    each was replaced, and with all of them reporting at one step the job was restarted whole.
+    A replica still failing once the recovery is over is reported again by the request manager's
+    weights deadline."""
+    if fault.role != "rollout" or fault.cause not in WEIGHTS_CAUSES:
+        return None
+    rec = next((r for r in job.recovering if r.role == "trainer"), None)
+    if rec is None:
+        return None
+    return (f"{fault.cause} of {fault.member_id} while the trainer gang is being recovered (since step "
+            f"{rec.step}): the weights it could not load are the failed gang's; it pulls what the new "
+            "gang will announce")
 
 
 def _control_plane(job: JobView, fault: FaultReport) -> Decision:
