@@ -34,6 +34,16 @@ ChunkHash = Literal["xxh3_128", "sha256"]
 DEFAULT_HASH: ChunkHash = "xxh3_128"
 """Chunk checksum algorithm of new manifests."""
 
+MAX_MANIFEST_BYTES = 512 << 20
+"""Longest manifest a puller reads from a source (MANIFEST reply); a longer length on the wire is
+garbage or a lie, refused before anything is allocated for it. Why 512 MiB: a chunk's entry
+encodes to at most ~140 B (measured 135 B with a 64-hex SHA-256 and a 13-digit offset) and a
+tensor's to ~150-250 B, so this holds ~3.5M chunks and 100k tensors. The largest model
+``ModelSpec`` allows (128 layers, hidden 8192, intermediate 65536: ~0.9 TiB in fp32) is ~0.9M
+chunks at the default 1 MiB ``chunk_bytes`` (~130 MB of manifest); a 2 TB checkpoint loaded from
+``path`` (1T parameters in bf16) ~2M chunks (~290 MB). A version that needs more must use larger
+chunks (``weights.chunk_bytes``)."""
+
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
 
 

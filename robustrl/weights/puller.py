@@ -58,18 +58,60 @@ import hashlib
 import heapq
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
-from robustrl.aio import within
+from robustrl.aio import cancel_and_wait, within
 from robustrl.errors import TransportError, WeightSyncError
 from robustrl.weights.manifest import Manifest
 from robustrl.weights.server import WeightServer
-from robustrl.weights.transport import Offer, Op, Status, SubMessage, TransportClient, make_client
+from robustrl.weights.transport import (
+    Offer,
+    Op,
+    Status,
+    SubMessage,
+    TransportClient,
+    have_reply_size,
+    make_client,
+)
 
 Sources = list[str] | Callable[[], list[str]]
+T = TypeVar("T")
+
+PROGRESS_CHECKS = 4
+"""A chunk's progress is looked at this many times per stall timeout: a source that stops sending
+is dropped at most a quarter of the timeout late."""
+
+
+async def until_stalled(aw: Awaitable[T], progress: Callable[[], int], stall_s: float) -> T:
+    """``await aw``, raising TimeoutError once ``progress()`` (bytes received) has not grown for
+    ``stall_s`` (counted from the start until the first byte).
+
+    A chunk's bytes are bounded by a gap without progress, not by their total time: a 64 MiB chunk
+    on a 100 Mbit/s link takes 5.4 s and its source is healthy, while a frozen source sends
+    nothing and is dropped as soon as before. (The UCX client counts a chunk's bytes only once
+    all are in, so there the bound stays on the whole chunk.)
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(aw)
+    seen, since = progress(), loop.time()
+    try:
+        while True:
+            left = since + stall_s - loop.time()
+            done, _ = await asyncio.wait({task}, timeout=max(0.0, min(left, stall_s / PROGRESS_CHECKS)))
+            if done:
+                return task.result()
+            now = progress()
+            if now != seen:
+                seen, since = now, loop.time()
+            elif loop.time() - since >= stall_s:
+                raise TimeoutError(f"no bytes for {stall_s:.1f} s")
+    finally:
+        if not task.done():  # timed out or cancelled: stop reading before the caller closes the client
+            await cancel_and_wait(task, stall_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,13 +300,20 @@ class _Index:
         return (source.have - source.bad) | source.pending
 
     def answer(self, source: _Source, payload: bytes) -> bool:
-        """Take a source's HAVE payload (``encode_have_reply``); return whether anything changed."""
+        """Take a source's HAVE payload (``encode_have_reply``); return whether anything changed.
+
+        Raises:
+            WeightSyncError: (``reason="corrupt"``) the payload's length does not fit this
+                version's chunk count; nothing is changed (bitmaps of another length would make
+                the next answer's comparison fail).
+        """
+        if len(payload) != have_reply_size(self.n):
+            raise WeightSyncError("HAVE answer does not fit the version's chunk count", source=source.address,
+                                  nbytes=len(payload), want=have_reply_size(self.n), reason="corrupt")
         size = (self.n + 7) // 8
         raw = np.frombuffer(payload, dtype=np.uint8)
         held = np.unpackbits(raw[:size], bitorder="little")[:self.n]
         fetching = np.unpackbits(raw[size:2 * size], bitorder="little")[:self.n]
-        if fetching.size < self.n:  # a source that sends no pending bitmap
-            fetching = np.zeros(self.n, dtype=np.uint8)
         old = source.bits
         if old is None and (source.have or source.pending):  # after update(): compare with its sets
             old = (np.zeros(self.n, dtype=np.uint8), np.zeros(self.n, dtype=np.uint8))
@@ -494,21 +543,23 @@ class _Pull:
                 self.stats.have_requests += 1
                 have = await within(source.control.have(self.m.version, self.m.num_chunks),
                                     self.stall_timeout_s)
-        except (TransportError, TimeoutError, OSError):
-            await self._kill(source)
-            return
-        if not source.dead and source.control is not None:
-            payload = source.control.have_payload
+            control = source.control
+            if source.dead or control is None:
+                return
+            payload = control.have_payload
             changed = (self.index.answer(source, payload) if payload is not None
                        else self.index.update(source, have, frozenset()))  # MISSING: holds none of it
-            self.changed = self.changed or changed
-            source.missing = payload is None
-            if not source.asked:  # its first answer: a publisher, or a relay of this version?
-                source.origin = (source.address in self.origins if self.origins is not None
-                                 else source.complete)
-            source.load = source.control.load
-            source.served, source.fetched = source.control.served, 0
-            source.asked = True
+        except (TransportError, TimeoutError, OSError, WeightSyncError):  # down, or an answer that is no HAVE
+            await self._kill(source)
+            return
+        self.changed = self.changed or changed
+        source.missing = payload is None
+        if not source.asked:  # its first answer: a publisher, or a relay of this version?
+            source.origin = (source.address in self.origins if self.origins is not None
+                             else source.complete)
+        source.load = control.load
+        source.served, source.fetched = control.served, 0
+        source.asked = True
 
     async def _refresh(self) -> None:
         self._list_sources()
@@ -615,7 +666,8 @@ class _Pull:
             client = source.idle.pop() if source.idle else await self._connect(source.address)
             before = client.payload_received
             try:
-                ok = await within(client.fetch_chunk(self.m.version, chunk, dest), self.stall_timeout_s)
+                ok = await until_stalled(client.fetch_chunk(self.m.version, chunk, dest),
+                                         lambda: client.payload_received, self.stall_timeout_s)
             except (TransportError, TimeoutError, OSError):
                 partial = client.payload_received - before
                 self.stats.bytes_received += partial
@@ -839,8 +891,8 @@ class _Pull:
                 self.streams[source.address] = (chunk, client, before)
                 self.last_activity = time.perf_counter()
                 try:
-                    await within(client.recv_payload(chunk, self.view[entry.offset:entry.offset + nbytes]),
-                                 self.stall_timeout_s)
+                    await until_stalled(client.recv_payload(chunk, self.view[entry.offset:entry.offset + nbytes]),
+                                        lambda: client.payload_received, self.stall_timeout_s)
                 except (TransportError, TimeoutError, OSError):
                     partial = client.payload_received - before
                     self.stats.bytes_received += partial
@@ -1020,7 +1072,9 @@ async def pull(
             On failure the partial version is dropped from it.
         into: destination uint8 array (allocated if None).
         timeout_s: limit for the whole pull.
-        stall_timeout_s: limit for one chunk or HAVE answer; past it the source counts as dead.
+        stall_timeout_s: limit for a HAVE answer, for a chunk's reply to start, and for a gap with
+            no byte of a chunk arriving (not for its whole transfer: see ``until_stalled``); past
+            it the source counts as dead.
         connect_timeout_s: limit for opening one connection.
         max_inflight: chunk requests out at once, over all sources (with a relay: answered or
             waiting at their source).
@@ -1068,15 +1122,20 @@ async def fetch_manifest(sources: list[str], version: int, digest: str, *, trans
     random.Random(seed).shuffle(order)
     lied = False
     for address in order:
-        client = make_client(address)
+        client: TransportClient | None = None
         try:
+            client = make_client(address)  # an address from an announcement may be malformed
             await within(client.connect(timeout_s), timeout_s)
             data = await within(client.manifest(version), timeout_s)
-        except (TransportError, TimeoutError, OSError):
+        except (TransportError, TimeoutError, OSError) as exc:
+            # down or unreachable: skip it; a reply that is no manifest (a length past
+            # MAX_MANIFEST_BYTES, an unknown status) counts as bytes that failed the digest
+            lied = lied or getattr(exc, "reason", None) == "corrupt"
             continue
         finally:
-            with contextlib.suppress(Exception):
-                await client.close()
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.close()
         if data is None:
             continue
         try:

@@ -23,6 +23,7 @@ import socket
 
 from robustrl.aio import within
 from robustrl.errors import TransportError
+from robustrl.weights.manifest import MAX_MANIFEST_BYTES
 from robustrl.weights.transport import (
     DEFAULT_CONNECT_TIMEOUT_S,
     HEADER,
@@ -35,9 +36,12 @@ from robustrl.weights.transport import (
     SubMessage,
     TransportClient,
     TransportServer,
+    check_have_length,
+    check_reply_length,
     drop_task,
     parse_address,
     release_ticket,
+    reply_status,
 )
 
 _SOCK_BUF = 4 << 20  # bigger kernel buffers: fewer wakeups per MiB on loopback and LANs
@@ -83,6 +87,8 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, vi
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
 
+PAYLOAD_PIECE = 1 << 20
+"""First piece a HAVE or MANIFEST reply is read into; each next one is as large as all before."""
 RCVLOWAT = 128 << 10
 """While a chunk's bytes arrive, its socket wakes the reader only once this much is in (or the
 rest of the chunk, if less): ~8 wakeups per MiB instead of one per packet burst (~40 on the
@@ -299,7 +305,7 @@ class TcpClient(TransportClient):
         _tune(sock)
         try:
             await within(loop.sock_connect(sock, (self._host, self._port)), timeout_s)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, ValueError) as exc:  # ValueError: a host IDNA refuses (UnicodeError)
             sock.close()
             raise TransportError("cannot connect to weight source", address=self.address) from exc
         self._sock = sock
@@ -315,11 +321,12 @@ class TcpClient(TransportClient):
             raise TransportError("weight source failed", address=self.address) from exc
         status, load, nbytes = HEADER.unpack(self._header)
         self.load = load
-        return Status(status), nbytes
+        return reply_status(status, self.address), nbytes
 
     async def fetch_chunk(self, version: int, index: int, into: memoryview) -> bool:
         status, nbytes = await self._request(Op.FETCH, version, index)
         if status != Status.OK:
+            check_reply_length(nbytes, 0, self.address, "MISSING")  # else its bytes would be read as a header
             return False
         if nbytes != len(into):
             raise TransportError("chunk length differs from manifest", address=self.address,
@@ -330,15 +337,19 @@ class TcpClient(TransportClient):
             raise TransportError("weight source failed mid-chunk", address=self.address, chunk=index) from exc
         return True
 
-    async def _reply(self, op: Op, version: int) -> tuple[Status, bytes]:
-        """One request whose whole reply payload is read (HAVE, MANIFEST)."""
-        status, nbytes = await self._request(op, version, 0)
-        payload = bytearray(nbytes)
+    async def _read_payload(self, nbytes: int) -> bytes:
+        """``nbytes`` of reply payload (already checked against its limit), read in pieces that
+        double as bytes arrive: memory follows what the source sent, not what its header claims."""
+        payload = bytearray()
+        loop = asyncio.get_running_loop()
         try:
-            await _recv_exactly(asyncio.get_running_loop(), self._sock, memoryview(payload))  # type: ignore[arg-type]
+            while len(payload) < nbytes:
+                part = bytearray(min(nbytes - len(payload), max(PAYLOAD_PIECE, len(payload))))
+                await _recv_exactly(loop, self._sock, memoryview(part))  # type: ignore[arg-type]
+                payload += part
         except OSError as exc:
             raise TransportError("weight source failed", address=self.address) from exc
-        return status, bytes(payload)
+        return bytes(payload)
 
     async def _send_raw(self, data: bytes) -> None:
         if self._sock is None:
@@ -361,10 +372,7 @@ class TcpClient(TransportClient):
             raise TransportError("weight source failed", address=self.address) from exc
         status, load, nbytes = HEADER.unpack(self._header)
         self.load = load
-        try:
-            return Status(status), nbytes
-        except ValueError as exc:
-            raise TransportError("bad reply from weight source", address=self.address) from exc
+        return reply_status(status, self.address), nbytes
 
     async def next_offer(self) -> tuple[Status, Offer | None]:
         status, nbytes = await self._head()
@@ -388,14 +396,18 @@ class TcpClient(TransportClient):
             raise TransportError("weight source failed mid-chunk", address=self.address, chunk=index) from exc
 
     async def have(self, version: int, num_chunks: int) -> frozenset[int]:
-        status, payload = await self._reply(Op.HAVE, version)
+        status, nbytes = await self._request(Op.HAVE, version, 0)
+        check_have_length(status, nbytes, num_chunks, self.address)
+        payload = await self._read_payload(nbytes)
         if status != Status.OK:
             self.pending, self.have_payload = frozenset(), None
             return frozenset()
         return self._read_have(payload, num_chunks)
 
     async def manifest(self, version: int) -> bytes | None:
-        status, payload = await self._reply(Op.MANIFEST, version)
+        status, nbytes = await self._request(Op.MANIFEST, version, 0)
+        check_reply_length(nbytes, MAX_MANIFEST_BYTES, self.address, "manifest")
+        payload = await self._read_payload(nbytes)
         return payload if status == Status.OK else None
 
     async def close(self) -> None:

@@ -355,6 +355,12 @@ HAVE_SERVED = struct.Struct("!Q")
 """Trailer of a HAVE reply: chunks of that version the source has uploaded so far."""
 
 
+def have_reply_size(num_chunks: int) -> int:
+    """Length of a HAVE payload for a version of ``num_chunks`` chunks (``encode_have_reply``):
+    two bitmaps and the served count. A reply of any other length is garbage."""
+    return 2 * ((num_chunks + 7) // 8) + HAVE_SERVED.size
+
+
 def encode_have_reply(held: np.ndarray, pending: np.ndarray, served: int) -> bytes:
     """A HAVE payload: the held bitmap, the pending bitmap, then the served count."""
     return encode_have(held) + encode_have(pending) + HAVE_SERVED.pack(served)
@@ -372,11 +378,45 @@ def decode_have_served(payload: bytes, num_chunks: int) -> int:
     return HAVE_SERVED.unpack(tail[:HAVE_SERVED.size])[0] if len(tail) >= HAVE_SERVED.size else 0
 
 
+def reply_status(raw: int, address: str) -> Status:
+    """The status byte of a reply header; raises TransportError (``reason="corrupt"``) on one no
+    source sends."""
+    try:
+        return Status(raw)
+    except ValueError as exc:
+        raise TransportError("bad reply from weight source: unknown status", address=address, status=raw,
+                             reason="corrupt") from exc
+
+
+def check_reply_length(nbytes: int, limit: int, address: str, what: str) -> None:
+    """Refuse a reply payload length read from the wire that is longer than any source sends
+    (``limit``), before anything is allocated for it: TransportError with ``reason="corrupt"``."""
+    if nbytes > limit:
+        raise TransportError(f"{what} reply longer than any source sends", address=address, nbytes=nbytes,
+                             limit=limit, reason="corrupt")
+
+
+def check_have_length(status: Status, nbytes: int, num_chunks: int, address: str) -> None:
+    """A HAVE reply's payload must be exactly ``have_reply_size(num_chunks)`` long when the source
+    holds the version (OK), and no longer than that otherwise; raises TransportError."""
+    size = have_reply_size(num_chunks)
+    if status is Status.OK and nbytes != size:
+        raise TransportError("HAVE reply does not fit the version's chunk count", address=address,
+                             nbytes=nbytes, want=size, chunks=num_chunks, reason="corrupt")
+    check_reply_length(nbytes, size, address, "HAVE")
+
+
 def parse_address(address: str) -> tuple[str, str, int]:
-    """``'tcp://127.0.0.1:5000'`` -> ``('tcp', '127.0.0.1', 5000)``; raises TransportError."""
+    """``'tcp://127.0.0.1:5000'`` -> ``('tcp', '127.0.0.1', 5000)``; raises TransportError.
+
+    Addresses arrive in announcements from other members (``WeightsHave.address``), so anything
+    but a known scheme, a printable ASCII host and a port in 1-65535 is refused here rather than
+    failing later with whatever exception the socket layer picks (OverflowError, UnicodeError)."""
     scheme, sep, rest = address.partition("://")
     host, colon, port = rest.rpartition(":")
-    if not sep or not colon or scheme not in ("tcp", "ucx") or not host or not port.isdigit():
+    if (not sep or not colon or scheme not in ("tcp", "ucx") or not host or len(host) > 255
+            or not host.isascii() or not host.isprintable() or " " in host
+            or not port.isascii() or not port.isdigit() or not 0 < int(port) <= 65535):
         raise TransportError("bad weight-source address", address=address)
     return scheme, host, int(port)
 
@@ -401,8 +441,10 @@ def make_client(address: str) -> TransportClient:
         from robustrl.weights.tcp import TcpClient
 
         return TcpClient(address)
-    from robustrl.weights.ucx import UcxClient
-
+    try:
+        from robustrl.weights.ucx import UcxClient
+    except ImportError as exc:  # the robustrl[ucx] extra is optional: a ucx:// source is then unreachable
+        raise TransportError("ucx transport not installed (pip install robustrl[ucx])", address=address) from exc
     return UcxClient(address)
 
 

@@ -54,6 +54,7 @@ from ucxx.types import Tag, TagMaskFull
 
 from robustrl.aio import within
 from robustrl.errors import TransportError
+from robustrl.weights.manifest import MAX_MANIFEST_BYTES
 from robustrl.weights.transport import (
     DEFAULT_CONNECT_TIMEOUT_S,
     HEADER,
@@ -66,9 +67,12 @@ from robustrl.weights.transport import (
     SubMessage,
     TransportClient,
     TransportServer,
+    check_have_length,
+    check_reply_length,
     drop_task,
     parse_address,
     release_ticket,
+    reply_status,
 )
 
 UCX_OPTIONS: dict[str, str] = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
@@ -396,7 +400,7 @@ class UcxClient(TransportClient):
         try:
             self._ep = await within(
                 ucxx.create_endpoint(self._host, self._port, connect_timeout=timeout_s), timeout_s)
-        except (*_UCX_ERRORS, TimeoutError) as exc:
+        except (*_UCX_ERRORS, TimeoutError, ValueError) as exc:
             raise TransportError("cannot connect to weight source", address=self.address) from exc
 
     async def _request(self, op: Op, version: int, index: int) -> tuple[Status, int]:
@@ -409,7 +413,7 @@ class UcxClient(TransportClient):
             raise TransportError("weight source failed", address=self.address) from exc
         status, load, nbytes = HEADER.unpack(self._header.tobytes())
         self.load = load
-        return Status(status), nbytes
+        return reply_status(status, self.address), nbytes
 
     async def _recv_payload(self, into: memoryview | np.ndarray, index: int) -> None:
         try:
@@ -420,6 +424,7 @@ class UcxClient(TransportClient):
     async def fetch_chunk(self, version: int, index: int, into: memoryview) -> bool:
         status, nbytes = await self._request(Op.FETCH, version, index)
         if status != Status.OK:
+            check_reply_length(nbytes, 0, self.address, "MISSING")  # a payload would be left unread
             return False
         if nbytes != len(into):
             raise TransportError("chunk length differs from manifest", address=self.address,
@@ -451,10 +456,7 @@ class UcxClient(TransportClient):
             raise TransportError("weight source failed", address=self.address) from exc
         status, load, nbytes = HEADER.unpack(self._header.tobytes())
         self.load = load
-        try:
-            return Status(status), nbytes
-        except ValueError as exc:
-            raise TransportError("bad reply from weight source", address=self.address) from exc
+        return reply_status(status, self.address), nbytes
 
     async def next_offer(self) -> tuple[Status, Offer | None]:
         status, nbytes = await self._head()
@@ -477,7 +479,9 @@ class UcxClient(TransportClient):
 
     async def have(self, version: int, num_chunks: int) -> frozenset[int]:
         status, nbytes = await self._request(Op.HAVE, version, 0)
-        if status != Status.OK or nbytes == 0:
+        check_have_length(status, nbytes, num_chunks, self.address)  # before allocating what it says
+        if status != Status.OK:
+            check_reply_length(nbytes, 0, self.address, "MISSING")  # a payload would be left unread
             self.pending, self.have_payload = frozenset(), None
             return frozenset()
         bitmap = np.empty(nbytes, dtype=np.uint8)
@@ -486,6 +490,7 @@ class UcxClient(TransportClient):
 
     async def manifest(self, version: int) -> bytes | None:
         status, nbytes = await self._request(Op.MANIFEST, version, 0)
+        check_reply_length(nbytes, MAX_MANIFEST_BYTES if status == Status.OK else 0, self.address, "manifest")
         if status != Status.OK or nbytes == 0:
             return None
         payload = np.empty(nbytes, dtype=np.uint8)
