@@ -84,9 +84,8 @@ def test_duplicate_trained_record_is_a_step_trained_twice():
     assert not report.checks["trained_once"].passed and report.steps_trained_twice == 1
 
 
-def test_redo_by_a_newer_gang_is_allowed_only_before_the_step_was_durable():
-    inp = sound_job()
-    # Gang 2 resumes at step 2 (checkpoint 1 durable) and redoes step 2: one lineage, fine.
+def gang_2_redoes_step_2(inp: AuditInput) -> AuditInput:
+    """The sound job, then gang 2 resumes at step 2 (checkpoint 1 durable) and redoes step 2."""
     log = Log()
     log.events = list(inp.events[:-1])
     log.add("member_ready", role="trainer", epoch=2, resume_step=2, weights_version=2)
@@ -94,6 +93,12 @@ def test_redo_by_a_newer_gang_is_allowed_only_before_the_step_was_durable():
     log.add("weights_published", version=3, epoch=2, checksum="c3b")
     log.add("job_finished")
     inp.events = log.events
+    return inp
+
+
+def test_redo_by_a_newer_gang_is_allowed_only_before_the_step_was_durable():
+    # Gang 2 resumes at step 2 (checkpoint 1 durable) and redoes step 2: one lineage, fine.
+    inp = gang_2_redoes_step_2(sound_job())
     assert judge(inp).ok, judge(inp).violations()
     # Resuming at step 0 although checkpoint 1 had been reported durable rolls back and retrains.
     inp.events = [e if not (e.kind == "member_ready" and e.data["epoch"] == 2)
@@ -108,14 +113,7 @@ def test_redo_by_a_newer_gang_is_allowed_only_before_the_step_was_durable():
 def test_every_gang_must_record_where_it_resumed_from():
     """Origins as the auditor reads them raw from the object store: gang 1 (resumed at step 0)
     and gang 2 (resumed at step 2, from gang 1's checkpoint 1) must each have recorded theirs."""
-    inp = sound_job()
-    log = Log()
-    log.events = list(inp.events[:-1])
-    log.add("member_ready", role="trainer", epoch=2, resume_step=2, weights_version=2)
-    log.add("step_committed", step=2, epoch=2, weights_version=3, checksum="c3b", durable_step=2)
-    log.add("weights_published", version=3, epoch=2, checksum="c3b")
-    log.add("job_finished")
-    inp.events = log.events
+    inp = gang_2_redoes_step_2(sound_job())
     inp.redis.trained.append({"step": 2, "epoch": 2, "checksum": "c3b"})
     sound = {1: {"epoch": 1, "from_step": None, "from_epoch": None},
              2: {"epoch": 2, "from_step": 1, "from_epoch": 1}}
