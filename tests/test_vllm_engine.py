@@ -80,40 +80,6 @@ def test_vllm_engine_generates_stops_on_the_marker_aborts_and_loads_weights_in_p
     assert r["greedy_other_tcp"] == r["greedy_other"] and r["greedy_restored_tcp"] == r["greedy"]
 
 
-@pytest.mark.timeout(1200)
-def test_vllm_rollout_crash_is_redispatched_and_no_finished_episode_is_lost(
-        vllm_py: Path, hf_dir: Path, stack, api, infra) -> None:
-    """A job whose replicas run vLLM (started by the launcher under .venv-vllm's Python); a
-    replica is killed mid-job; its turns are re-dispatched from their prefixes, a replacement
-    pulls the weights, the job finishes and the auditor finds nothing lost."""
-    from robustrl.audit import audit_job
-
-    spec = small_job("vllm", steps=4, model={"path": str(hf_dir), "max_positions": 512},
-                     data={"tasks": ["lookup"], "prompts_per_step": 2, "group_size": 2},
-                     rollout={"replicas": 2, "max_new_tokens": 6, "engine": "vllm"},
-                     tools={"latency_s": 0.6},
-                     # The scaled profile's rollout idleness (2 s): vLLM's slow first generation runs
-                     # while the replica starts (VllmEngine warms up in phase "starting", which the
-                     # detector exempts), so a healthy replica holding work always makes tokens.
-                     detector={"weights_load_s": 120.0, "turn_deadline_s": 60.0, "silence_s": 10.0,
-                               "step_deadline_s": 600.0},
-                     recovery={"deadline_s": 600.0})  # a replacement vLLM engine may take 2 min to start here
-    jid = api.submit(spec)["job_id"]
-    wait_step(api, jid, 1, timeout=600.0)  # two vLLM engines start at once on 2 cores
-    api.fault(jid, kind="crash", role="rollout", member=0)
-    wait_done(api, jid, timeout=500.0)
-    events = api.events(jid)
-    audit_job(infra, jid)  # raises naming every violation (lost episodes, bad weights served, ...)
-    actions = [a for d in kinds(events, "decision") if d["actions"] != ["Ignore"] for a in d["actions"]]
-    assert actions == ["RedispatchEpisodes", "ReplaceReplica"], actions  # role-local, no job restart
-    started = [d for d in kinds(events, "member_started") if d.get("role") == "rollout"]
-    assert len(started) >= 3, started  # two replicas and the replacement
-    loaded = kinds(events, "weights_loaded")
-    assert loaded and all(d["verified"] for d in loaded)
-    assert not [f for f in api.report(jid)["faults"] if f["role"] == "trainer"]
-    print(f"python of the members: {sys.executable} (control plane), {vllm_py} (vllm replicas)")
-
-
 def _argv0(pid: int) -> str:
     """The interpreter a process was started with (``/proc/<pid>/exe`` resolves both venvs'
     ``python`` links to the same system binary; the command line keeps the venv's path)."""
@@ -125,12 +91,14 @@ def _argv0(pid: int) -> str:
 @pytest.mark.timeout(900)
 def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_replica_restocks(
         vllm_py: Path, hf_dir: Path, stack, api, infra) -> None:
-    """Warm standby from a vLLM pool: a trainer rank crashes; the controller borrows one vLLM
-    replica, whose process (same pid, still .venv-vllm's Python) shuts its vLLM engine down (no
-    EngineCore or worker process left under it), builds the policy from the weights it served and
-    joins the next gang beside the kept rank. The other replica is then killed, so the job can only
+    """Warm standby from a vLLM pool, and a vLLM replica crash: a trainer rank crashes; the
+    controller borrows one vLLM replica, whose process (same pid, still .venv-vllm's Python) shuts
+    its vLLM engine down (no EngineCore or worker process left under it), builds the policy from
+    the weights it served and joins the next gang beside the kept rank. The other replica is then
+    killed mid-job (its turns re-dispatched from their prefixes, role-local), so the job can only
     finish on the replicas that restock the pool: they must be vLLM replicas from .venv-vllm that
-    load the current weights. The job finishes and the auditor passes."""
+    load the current weights. The job finishes and the auditor finds nothing lost. (One test for
+    both: each vLLM engine start costs ~40 s on 2 cores; the crash test of its own was 80 s.)"""
     import psutil
 
     from robustrl.audit import audit_job
@@ -145,7 +113,12 @@ def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_repl
                      recovery={"deadline_s": 600.0, "min_replicas_kept": 1})
     jid = api.submit(spec)["job_id"]
     wait_step(api, jid, 1, timeout=600.0)
-    pids = {m["member_id"]: m["pid"] for m in api.job(jid)["members"] if m["role"] == "rollout"}
+    # Both replicas ready and serving a version (what makes one borrowable; on a loaded machine a
+    # replica may still be swapping a version in when step 1 commits, and the gang then starts cold).
+    members = eventually(lambda: (ms := [m for m in api.job(jid)["members"] if m["role"] == "rollout"]) and all(
+        m["state"] == "ready" and m["weights_version"] >= 0 for m in ms) and ms, timeout=120, interval=0.1,
+        what="both vLLM replicas ready with weights")
+    pids = {m["member_id"]: m["pid"] for m in members}
     api.fault(jid, kind="crash", role="trainer", member=0)
     decision = eventually(lambda: next((d for d in kinds(api.events(jid), "decision")
                                         if d["actions"] == ["RestartTrainerGang"]), None),
@@ -198,6 +171,8 @@ def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_repl
     assert new in {d["member_id"] for d in kinds(events, "replica_restocked")}
     replacement = f"rollout-{kept.split('-')[1]}-i1"
     assert {new, replacement} & {d["member_id"] for d in kinds(events, "weights_loaded")}, "no restocked replica loaded"
+    loaded = kinds(events, "weights_loaded")
+    assert loaded and all(d["verified"] for d in loaded)
     commits = kinds(events, "step_committed")
     assert sorted({d["step"] for d in commits}) == list(range(spec["steps"]))
     assert ended(pid)
