@@ -213,3 +213,32 @@ async def test_a_nats_outage_is_not_blamed_on_the_members(job: Job, embedded: Em
     logged = [e for e in await job.bus.read_events(job.job_id)
               if e.kind == "fault_detected" and e.data["member_id"] != "r-witness"]
     assert {f.member_id for f in job.faults} == {"r-witness"} and logged == [], (job.faults, logged)
+
+
+async def test_replica_dead_from_a_deposed_controller_is_ignored(job: Job) -> None:
+    """The leader (fence 5) declares r-gone dead; a deposed controller (fence 3) then declares
+    r-live dead, a replica the leader still uses. The detector must keep watching r-live, as the
+    request manager does (it refuses the older fence): its silence is still a fault."""
+    asked: list[SpecRequest] = []
+
+    async def on_spec(msg: SpecRequest, _subj: str, _reply: str | None) -> None:
+        asked.append(msg)  # the fixture's controller answers; this only sees the detector ask
+
+    await job.bus.subscribe(subject(job.job_id, Verb.SPEC), SpecRequest, on_spec)
+    await job.member("r-gone", inflight=1, progress=True)
+    await job.member("r-live", inflight=1, progress=True)
+    await eventually_async(lambda: asked, timeout=WAIT_S, what="the detector asked for the spec")
+    await job.one_sample("r-seen")  # the detector is judging this job once it reports r-seen
+    await eventually_async(lambda: job.faults_of("r-seen"), timeout=WAIT_S, what="r-seen reported")
+    rm = subject(job.job_id, Verb.CONTROL, "request_manager")
+    for member_id, fence in (("r-gone", 5), ("r-live", 3)):
+        await job.bus.publish(rm, ControlCommand(job_id=job.job_id, target="request_manager", action="replica_dead",
+                                                 args={"member_id": member_id, "fault_id": f"f-{member_id}"},
+                                                 fence=fence))
+    await job.bus.client.flush()
+    for task in job.tasks:  # both fall silent: only r-gone's silence is expected
+        task.cancel()
+    await eventually_async(lambda: job.faults_of("r-live"), timeout=WAIT_S,
+                           what="r-live reported after a stale replica_dead named it")
+    assert job.faults_of("r-live")[0].kind == "unresponsive"
+    assert job.faults_of("r-gone") == []

@@ -68,6 +68,7 @@ class JobMonitor:
         self.last_rebase: float | None = None
         self._was_late = False
         self.gaps = 0  # times the monitor found it had not been ticked (its own outage)
+        self.fence = 0  # the newest controller fencing token seen in this job's control commands
 
     def configure(self, cfg: DetectorSpec) -> None:
         """Set the thresholds (learned from the job spec); no rule runs before this."""
@@ -118,6 +119,14 @@ class JobMonitor:
     def probe_reply(self, member_id: str, nonce: str, rx_time: float) -> bool:
         h = self.members.get(member_id)
         return h.observe_probe_reply(nonce, rx_time) if h is not None else False
+
+    def admit_fence(self, fence: int) -> bool:
+        """A control command's fencing token: False if it is older than one already seen (the
+        command comes from a deposed controller and must not be acted on)."""
+        if fence < self.fence:
+            return False
+        self.fence = fence
+        return True
 
     def forget(self, member_id: str) -> None:
         """The member was stopped on purpose: drop it and ignore its late messages."""

@@ -4,10 +4,13 @@ It listens to every job's hello, phase, metrics and exit messages, control comma
 the controller stopped is forgotten) and the event log (tool faults, job ends). On first sight
 of a job it asks the controller for the job spec to learn its thresholds. A ticker evaluates
 the rules of :mod:`robustrl.services.detector.rules` every ``metrics_interval_s / 2``, sends
-heartbeat probes and publishes each :class:`FaultReport` on ``rrl.<job>.fault`` together with a
+heartbeat probes and publishes each :class:`FaultReport` on ``rrl.<job>.fault`` at once; its
 ``fault_detected`` event (data: fault_id, kind, role, member_id, step, detected_at, fault_at,
-cause, evidence). A member's fault id is derived from (job, member), so a restarted detector
-that reports the same fault again sends the same id.
+cause, evidence) is appended to the job's log in the background
+(:mod:`robustrl.services.detector.eventlog`), so a slow JetStream delays no report and no tick.
+A member's fault id is derived from (job, member), so a restarted detector that reports the same
+fault again sends the same id. Control commands carry the controller's fencing token: one older
+than the job's newest seen (a deposed controller) is ignored, as the request manager does.
 
 Every time stamp the rules see is this process's clock at receipt, never a member's.
 """
@@ -30,6 +33,7 @@ from robustrl.messages import (
     ControlCommand, Event, FaultReport, MemberExited, MemberHello, MetricsSample, PhaseChange, ProbeReply,
     ProbeRequest, SpecReply, SpecRequest,
 )
+from robustrl.services.detector.eventlog import EventWriter
 from robustrl.services.detector.monitor import JobMonitor, gap_bound_s
 from robustrl.subjects import EVENTS_ALL, Verb, all_jobs, all_jobs_exact, parse, subject
 
@@ -74,6 +78,7 @@ class DetectorService:
         self._started = False
         self._bus_was_down = False
         self._disconnects_seen = bus.disconnects
+        self.events = EventWriter(bus)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -115,6 +120,7 @@ class DetectorService:
             task.cancel("detector stopping")
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+        await self.events.close()
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.create_task(coro)  # type: ignore[arg-type]
@@ -186,6 +192,12 @@ class DetectorService:
         """A member the controller stopped or declared dead: its silence from now on is expected."""
         mon = self.jobs.get(msg.job_id) if _consistent(msg.job_id, subj) else None
         if mon is None:
+            return
+        if not mon.admit_fence(msg.fence):
+            # From a deposed controller (one leader at a time, under a lease): the replica it
+            # names may still be in the current leader's use, so it stays watched.
+            log.warning("job %s: %s %s ignored: fencing token %d is older than %d", msg.job_id, msg.action,
+                        msg.args.get("member_id", msg.target), msg.fence, mon.fence)
             return
         if msg.action == "replica_dead":
             # Sent to the request manager; the dead replica is named in the arguments.
@@ -286,7 +298,8 @@ class DetectorService:
             await self.bus.publish(subject(report.job_id, Verb.FAULT), report)
         except Exception as exc:  # the event below still records it; the controller may re-read
             log.error("could not publish fault %s: %s", report.fault_id, exc)
-        await self.bus.emit_event(report.job_id, "fault_detected", {
+        # Queued, not awaited: JetStream slow to acknowledge must not hold up the next report.
+        self.events.emit(report.job_id, "fault_detected", {
             "fault_id": report.fault_id, "kind": report.kind, "role": report.role,
             "member_id": report.member_id, "step": report.step, "detected_at": report.detected_at,
             "fault_at": report.fault_at, "cause": report.cause, "evidence": report.evidence})
