@@ -70,6 +70,10 @@ async def test_a_dead_gangs_version_is_never_installed_once_the_new_gang_announc
         assert installs == [], "the dead gang's v7 was installed after the new gang's announcement"
         assert not [d for k, d in events if k == "weights_loaded"], events
         assert loader.pulling() is None
+        # It serves what the newest announcement names: not loading, not failed (the phase the
+        # detector judges; a stopped pull left "loading" set, and the healthy replica was replaced).
+        await eventually_async(lambda: not loader.state.loading and not loader.state.failed, timeout=5,
+                               what="the replica neither loading nor failed")
     finally:
         await loader.close()
         for s in (dead_trainer, relay_server, relay_of_v7, new_trainer):
@@ -80,7 +84,9 @@ async def test_a_source_address_that_cannot_be_used_is_reported_not_a_silent_end
     """A peer's relay address that does not parse (``WeightsHave.address`` comes off the bus) made
     the manifest fetch raise an error the loader did not catch: the pull task died with a log
     line, no ``weights_rejected`` event, the replica never reported and never loaded that version
-    (an outside review found it). It must be a failed attempt like any other, reported."""
+    (an outside review found it). It must be a failed attempt like any other, reported. (The
+    puller now turns a bad address into an unavailable source itself; the loader also reports any
+    error a pull or fetch raises.)"""
     events: list[tuple[str, dict[str, Any]]] = []
 
     async def emit(kind: str, data: dict[str, Any]) -> None:
@@ -101,7 +107,7 @@ async def test_a_source_address_that_cannot_be_used_is_reported_not_a_silent_end
                                      manifest_digest="0" * 64))
         final = await eventually_async(lambda: [d for k, d in events if k == "weights_rejected" and d["final"]],
                                        timeout=15, what="the failed fetch reported")
-        assert final[0]["version"] == 1 and "address" in str(final[0].get("error", "")), final
+        assert final[0]["version"] == 1 and final[0]["reason"] in ("unavailable", "error"), final
         assert loader.state.failed
     finally:
         await loader.close()

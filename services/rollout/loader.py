@@ -156,6 +156,11 @@ class WeightLoader:
                 log.warning("v%d (epoch %d), the weights held, announced while pulling: the pull stops",
                             msg.version, msg.epoch)
                 self._task.cancel("the newest announcement names the weights already held")
+            if verdict is Offer.NEW and (self.state.loading or self.state.failed):
+                # The replica serves what the newest announcement names: it is neither loading nor
+                # failed (the stopped pull set one of them, and only an install cleared them: a
+                # healthy replica kept saying loading_weights / weights_failed and was replaced).
+                self._reporting = asyncio.get_running_loop().create_task(self._settle_held())
             return
         if verdict is Offer.REPEAT and self._task is not None and not self._task.done():
             self.state.sources_changed.set()  # the running pull re-reads the sources
@@ -166,6 +171,12 @@ class WeightLoader:
             self._task.cancel("superseded by a newer announcement")
         self._task = asyncio.create_task(self._follow(msg), name=f"pull-v{msg.version}")
         self._task.add_done_callback(self._done)
+
+    async def _settle_held(self) -> None:
+        running = self._task
+        if running is not None and not running.done():
+            await asyncio.wait({running})  # cancelled just now: its last _set must not come after ours
+        await self._set(loading=False, failed=False)
 
     def pulling(self) -> WeightsAnnounce | None:
         """The announcement whose version is being pulled now (this replica relays it meanwhile)."""
