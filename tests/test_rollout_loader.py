@@ -48,7 +48,8 @@ async def test_a_dead_gangs_version_is_never_installed_once_the_new_gang_announc
         return None
 
     dead_trainer, relay_server, relay_of_v7, new_trainer = (WeightServer(host="127.0.0.1") for _ in range(4))
-    loader = WeightLoader(WeightSyncSpec(chunk_bytes=CHUNK, pull_timeout_s=20.0), "rollout-0-i1", relay_server,
+    loader = WeightLoader(WeightSyncSpec(chunk_bytes=CHUNK, pull_timeout_s=1.0, pull_attempts=1), "rollout-0-i1",
+                          relay_server,
                           expected_layout(model), install=install, emit=emit, on_change=nothing, held=lambda: held)
     try:
         gone = await dead_trainer.start()  # listening, holding nothing: the gang died mid-version
@@ -59,6 +60,8 @@ async def test_a_dead_gangs_version_is_never_installed_once_the_new_gang_announc
                                      sources=[gone], manifest=v7.model_dump(mode="json")))
         await eventually_async(lambda: loader.pulling() is not None, timeout=10,
                                what="the pull of gang 1's v7 under way")
+        # No source holds v7 past the pull attempts' time: the replica says its pulls failed.
+        await eventually_async(lambda: loader.state.failed, timeout=10, what="v7 reported failed")
         # Gang 2 resumed from checkpoint 6 and announces v6: the weights the replica holds.
         loader.offer(WeightsAnnounce(job_id="j", version=6, epoch=2, checksum=held[1], sources=[origin],
                                      manifest_digest="0" * 64))
