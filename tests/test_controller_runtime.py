@@ -916,8 +916,9 @@ async def test_a_member_the_new_leader_adopted_is_left_running_by_the_deposed_on
 
 @pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5x", "inf", "nan"])
 def test_a_bad_controller_knob_in_the_environment_is_a_config_error_naming_it(raw: str) -> None:
-    from robustrl.errors import ConfigError
     from robustrl.services.controller.__main__ import _env_number
+
+    from robustrl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="ROBUSTRL_RM_ACK_ATTEMPTS") as err:
         _env_number({"ROBUSTRL_RM_ACK_ATTEMPTS": raw}, "ROBUSTRL_RM_ACK_ATTEMPTS", int)
@@ -1384,3 +1385,32 @@ async def test_exits_whose_handling_failed_are_handled_in_a_later_round(rig: Rig
     for m in replicas:
         await eventually_async(lambda m=m: _with_decision_for(rig, job.job_id, f"exit-{m.member_id}"), timeout=20,
                                what=f"the crash of {m.member_id} decided")
+
+
+async def test_two_deletions_at_once_are_one_and_a_refused_checkpoint_delete_still_ends_it(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two DELETEs of one ended job at once: one deletion, one job_deleted event (each started
+    its own purge, and the log got two). The object store refusing the checkpoint delete for good
+    (a read-only key, as compose's MinIO policy gives the controller) ends the deletion anyway,
+    saying the checkpoints stayed: raised, it left the job marked and half-deleted, every repeat
+    and every new leader failing the same way."""
+    from robustrl.services.controller import deletion
+
+    from robustrl.errors import StorageError
+
+    class ReadOnly:
+        def delete_prefix(self, prefix: str) -> int:
+            raise StorageError("S3 delete failed: AccessDenied", key=prefix)
+
+    monkeypatch.setattr(deletion, "open_object_store", lambda _settings: ReadOnly())
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cpdel2", steps=1))
+    await rig.hello_all(c, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.status == "finished", timeout=30, what="finished")
+    first, second = await asyncio.gather(c.delete_job(job.job_id, checkpoints=True),
+                                         c.delete_job(job.job_id, checkpoints=True))
+    assert first == second and first["checkpoints_kept"] and "AccessDenied" in first["checkpoints_error"]
+    assert len(of_kind(await rig.events(job.job_id), "job_deleted")) == 1
+    assert await rig.redis.hget(Keys.jobs(), job.job_id) is None and job.job_id not in c.jobs

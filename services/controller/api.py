@@ -118,6 +118,9 @@ class JobDeleted(BaseModel):
     checkpoint_objects_deleted: int
     events_deleted: int
     checkpoints_kept: bool
+    checkpoints_error: str | None = Field(None, description=(
+        "Why the checkpoints asked for stayed (the object store refused their delete for good, e.g. a "
+        "read-only key); the rest of the job was deleted"))
     events_kept: bool
 
 

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from robustrl.services.controller import failpoints
 from robustrl.services.controller.jobs import ACTIVE
 from robustrl.services.controller.lease import LeaseLost
 
-from robustrl.errors import JobActive, JobError
-from robustrl.storage.objects import open_object_store
+from robustrl.errors import JobActive, JobError, StorageError
+from robustrl.storage.objects import StoreUnavailable, open_object_store
 from robustrl.storage.redis_stores import Keys, _call
 
 if TYPE_CHECKING:
@@ -53,18 +54,23 @@ class JobDeleter:
         self._store: Any = None
 
     async def delete(self, job_id: str, *, checkpoints: bool = False, events: bool = False) -> dict[str, Any]:
-        """Delete ended job ``job_id``; return what was deleted.
+        """Delete ended job ``job_id``; return what was deleted. A request arriving while a
+        deletion of the job runs gets that deletion's answer (one deletion per job at a time: two
+        at once appended ``job_deleted`` twice, or after the log was purged).
 
         Raises:
             JobError: there is no such job (the API's 404).
             JobActive: the job has not ended, or is being stopped (409).
             LeaseLost: this controller no longer leads (nothing of the record was changed).
-            TransportError / StorageError: a store failed part-way; the job stays marked and a
-                repeated request (or the next leader) finishes it.
+            TransportError / StoreUnavailable: a store failed part-way; the job stays marked and
+                a repeated request (or the next leader) finishes it.
         """
         running = self._running.get(job_id)
-        if running is not None:
-            return await asyncio.shield(running)
+        if running is None:  # registered before any await: a second request finds it
+            running = self._start_task(job_id, self._mark_and_purge(job_id, checkpoints, events))
+        return await asyncio.shield(running)
+
+    async def _mark_and_purge(self, job_id: str, checkpoints: bool, events: bool) -> dict[str, Any]:
         job = self.c.jobs.get(job_id)
         record = None if job is not None else await self.c.registry.get(job_id)
         if job is None and record is None:
@@ -86,7 +92,7 @@ class JobDeleter:
                                                  fence=self.c.lease.token or None)
         if not written:
             raise LeaseLost(f"job {job_id} not deleted: a newer controller lease term has begun")
-        return await self._start(job_id, what)
+        return await self._purge(job_id, what)
 
     def resume(self, job_id: str, what: dict[str, Any]) -> None:
         """Finish a deletion a previous leader marked (called once this controller leads)."""
@@ -98,16 +104,18 @@ class JobDeleter:
                 log.error("job %s: deletion not finished (a repeated DELETE finishes it): %s", job_id,
                           task.exception())
 
-        self._start_task(job_id, {"checkpoints": bool(what.get("checkpoints")),
-                                  "events": bool(what.get("events"))}).add_done_callback(report)
+        self._start_task(job_id, self._purge(job_id, {"checkpoints": bool(what.get("checkpoints")),
+                                                      "events": bool(what.get("events"))})).add_done_callback(report)
 
-    async def _start(self, job_id: str, what: dict[str, bool]) -> dict[str, Any]:
-        return await asyncio.shield(self._start_task(job_id, what))
-
-    def _start_task(self, job_id: str, what: dict[str, bool]) -> asyncio.Task[dict[str, Any]]:
-        task = self.c.spawn(self._purge(job_id, what))
+    def _start_task(self, job_id: str, work: Coroutine[Any, Any, dict[str, Any]]) -> asyncio.Task[dict[str, Any]]:
+        task = self.c.spawn(work)
         self._running[job_id] = task
-        task.add_done_callback(lambda _t: self._running.pop(job_id, None))
+
+        def done(t: asyncio.Task[dict[str, Any]]) -> None:
+            if self._running.get(job_id) is t:
+                del self._running[job_id]
+
+        task.add_done_callback(done)
         return task
 
     async def _purge(self, job_id: str, what: dict[str, bool]) -> dict[str, Any]:
@@ -117,17 +125,29 @@ class JobDeleter:
         if what["checkpoints"]:
             if self._store is None:
                 self._store = open_object_store(self.c.settings)
-            out["checkpoint_objects_deleted"] = await asyncio.to_thread(self._store.delete_prefix,
-                                                                        checkpoint_root(job_id))
+            try:
+                out["checkpoint_objects_deleted"] = await asyncio.to_thread(self._store.delete_prefix,
+                                                                            checkpoint_root(job_id))
+            except StoreUnavailable:
+                raise  # the store is away: a repeated request (or the next leader) finishes it
+            except StorageError as exc:
+                # Refused for good (the controller's S3 key is read-only where the operator keeps
+                # it so: compose's MinIO policy): the rest of the deletion goes on and the answer
+                # says the checkpoints stayed. Raised, a deletion asked for once could never end.
+                log.error("job %s: checkpoints not deleted: %s", job_id, exc)
+                out["checkpoints_kept"], out["checkpoints_error"] = True, str(exc)
         if what["events"]:
             out["events_deleted"] = await self.c.bus.purge_events(job_id)
         else:
             await self.c.bus.emit_event(job_id, "job_deleted", {**{k: v for k, v in out.items() if k != "job_id"},
                                                                 "fence": self.c.lease.token})
         # The record last: until here the job is listed, marked, and a take-over finishes it.
-        if not await self.c.registry.delete(job_id, fence=self.c.lease.token or None):
-            raise LeaseLost(f"job {job_id}: its record not deleted: a newer controller lease term has begun")
-        self.c.forget(job_id)
+        # Under the job's persist lock: a write of the record in flight (an exit seen late) must
+        # not land after the delete and bring the record back (``persist`` skips a forgotten job).
+        async with self.c.persist_lock(job_id):
+            if not await self.c.registry.delete(job_id, fence=self.c.lease.token or None):
+                raise LeaseLost(f"job {job_id}: its record not deleted: a newer controller lease term has begun")
+            self.c.forget(job_id)
         log.warning("job %s deleted: %s", job_id, out)
         return out
 

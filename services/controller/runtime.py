@@ -277,8 +277,9 @@ class Controller:
             False if the lease fence refused the write (a newer controller lease term has begun):
             the launcher's starts act on it (``MemberStarter``); True once written.
         """
-        lock = self._persist_locks.setdefault(job.job_id, asyncio.Lock())
-        async with lock:
+        async with self.persist_lock(job.job_id):
+            if job.deleting is not None and self.jobs.get(job.job_id) is not job:
+                return True  # deleted meanwhile (``deletion``): its record must not come back
             # Fenced: once a newer leader holds the lease, this process's view is stale. A refusal
             # while this controller re-acquires its own expired lease (the counter moved, the new
             # token not yet known) is not a deposition: written again with the new token.
@@ -712,10 +713,14 @@ class Controller:
         checkpoints and event log only when asked)."""
         return await self.deleter.delete(job_id, checkpoints=checkpoints, events=events)
 
+    def persist_lock(self, job_id: str) -> asyncio.Lock:
+        """The lock every write of the job's record holds (one write per job at a time)."""
+        return self._persist_locks.setdefault(job_id, asyncio.Lock())
+
     def forget(self, job_id: str) -> None:
-        """Drop a deleted job from this controller's memory."""
+        """Drop a deleted job from this controller's memory (its persist lock stays: a write
+        waiting on it finds the job forgotten)."""
         self.jobs.pop(job_id, None)
-        self._persist_locks.pop(job_id, None)
 
     async def _ettr(self, job: JobRun) -> float | None:
         from robustrl.chaos.accounting import account
