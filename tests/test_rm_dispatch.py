@@ -494,3 +494,31 @@ async def test_an_acknowledged_commands_event_survives_the_request_manager_kille
 async def _outbox_empty(h: Harness) -> bool:
     return await h.redis.llen(Keys.rm_outbox(h.job_id)) == 0
 
+
+
+async def test_one_failure_during_a_long_start_up_is_not_a_step_deadline(servers):
+    """The first attempt at step 0 fails once (a torn batch record, repaired at once); the retry
+    then waits in the start-up, no replica up yet (a cold start longer than the step deadline).
+    The step has not begun: no step_deadline may be reported (counted from the first attempt, or
+    from the failure, it was; an outside review found it). Once a replica is up the step is
+    handed over."""
+    import asyncio
+
+    async with Harness(servers, rm_spec("blipstart", step_deadline_s=2.0, turn_deadline_s=1.0,
+                                        weights_load_s=2.0)) as h:
+        key = Keys.batch(h.job_id, 0)
+        await h.redis.set(key, b"{not json")
+        await h.start_rm()
+        assert h.rm is not None
+        await eventually_async(lambda: h.rm is not None and any(j._step_failures for j in h.rm.jobs.values()),
+                               timeout=10, what="the first attempt failed")
+        await h.redis.delete(key)  # repaired: the next attempt waits for a replica
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # Three deadlines' worth of start-up: a report would come within the first.
+        while loop.time() - started < 3 * 2.0:
+            assert not [f for f in h.faults if f.cause == "step_deadline"], h.faults
+            await asyncio.sleep(0.1)  # sampling a window in which nothing may happen
+        await h.replica("rollout-0-i0")
+        await eventually_async(lambda: 0 in h.batches, timeout=15, what="step 0 handed over")
+        assert not [f for f in h.faults if f.cause == "step_deadline"], h.faults

@@ -96,6 +96,7 @@ class JobRunner:
         self._step_failures = 0  # attempts at the current step that failed (``run``)
         self._step_error = ""  # the last one's error, for the step deadline's report
         self._step_failed_at = 0.0  # when (monotonic)
+        self._first_failed_at = 0.0  # the first of them (monotonic)
         self._startup_ended: float | None = None  # when the job's first step began (monotonic), if
         # no attempt at it had failed before: the step deadline of that step counts from there
 
@@ -178,8 +179,7 @@ class JobRunner:
             t0, weight_sync_s = time.monotonic(), 0.0
         if not self._started_once:
             self._started_once = True
-            if not self._step_failures:
-                self._startup_ended = time.monotonic()
+            self._startup_ended = time.monotonic()
         eps, resumed = await self.episodes.make_episodes(step)
         self._current = eps
         todo = [ep for ep in eps if ep.status != "finished"]
@@ -225,17 +225,38 @@ class JobRunner:
 
         The job's start-up (members starting before its first step) is not part of a step: the
         first step's clock starts when it begins. An attempt that fails before then ends the
-        start-up: the clock counts from the first attempt (the watch waited for the first step to
-        begin, so a first step whose attempts all failed before it began was never reported)."""
+        start-up: the clock counts from that first failure (the watch waited for the first step to
+        begin, so a first step whose attempts all failed before it began was never reported; and
+        counted from the first attempt, one blip during a start-up longer than the deadline
+        reported a step that had not begun)."""
         bound = self.spec.detector.step_deadline_s
         after_first = self._started_once  # a later step (or a restarted one): no start-up in it
         await self._wait(lambda: self._started_once or self._step_failures > 0)
-        began = first_attempt if after_first or self._startup_ended is None else self._startup_ended
-        since = time.time() - (time.monotonic() - began)
+        if after_first:
+            began = first_attempt
+        elif self._startup_ended is not None:
+            began = self._startup_ended
+        else:
+            began = self._first_failed_at
         due = began + bound
         while True:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
+            if not after_first:
+                if self._startup_ended is not None and self._startup_ended > began:
+                    # An attempt failed during the start-up and a later one began the step: its
+                    # clock runs from there (the start-up is still no part of it).
+                    began = self._startup_ended
+                    due = began + bound
+                    continue
+                if not self._started_once and time.monotonic() - self._step_failed_at >= bound:
+                    # Not begun, and no attempt failed this period: the attempt in flight waits in
+                    # the start-up (members loading weights), which is no step time. Counted from
+                    # the first attempt, one failure during a start-up longer than the deadline
+                    # reported a step that had not begun (an outside review found it).
+                    due = time.monotonic() + bound
+                    continue
             due = max(due, time.monotonic()) + bound  # a report each further period (none bunched)
+            since = time.time() - (time.monotonic() - began)
             role, member, kind, what = self._stuck_on(step)
             if self._step_failures:
                 what = f"{self._step_failures} attempts failed, the last with {self._step_error}; {what}"
@@ -310,7 +331,7 @@ class JobRunner:
                 await self._wait_committed(step - 1 - self.spec.staleness)
                 if watch is None:  # the step's first attempt (or its first since a restart_step)
                     watch = asyncio.create_task(self._watch(step, time.monotonic()))
-                    self._step_failures, self._step_error = 0, ""
+                    self._step_failures, self._step_error, self._first_failed_at = 0, "", 0.0
                 self._step_task = asyncio.create_task(self.run_step(step))
                 try:
                     await self._step_task
@@ -327,6 +348,8 @@ class JobRunner:
                     # from their saved records.
                     self._step_failures += 1
                     self._step_failed_at = time.monotonic()
+                    if self._step_failures == 1:
+                        self._first_failed_at = self._step_failed_at
                     self._step_error = f"{type(exc).__name__}: {exc}"[:300]
                     log.exception("job %s: step %d failed (attempt %d); retrying from the saved records",
                                   self.job_id, step, self._step_failures)

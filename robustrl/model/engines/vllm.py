@@ -379,6 +379,13 @@ class VllmEngine(Engine):
         deadline = time.monotonic() + CHILD_EXIT_S
         for child in multiprocessing.active_children():
             child.join(max(0.0, deadline - time.monotonic()))
-        left = [p.name for p in multiprocessing.active_children()]
+        left = multiprocessing.active_children()
         if left:
-            log.warning("vLLM processes still running %.0f s after its shutdown: %s", CHILD_EXIT_S, left)
+            # Still running (a worker that ignores SIGTERM, an engine core vLLM did not kill): the
+            # process goes on as something else (a trainer rank), which must not share the machine
+            # (on a GPU: its memory) with an engine nobody tracks any more.
+            log.warning("vLLM processes still running %.0f s after its shutdown, killed: %s", CHILD_EXIT_S,
+                        [p.name for p in left])
+            for child in left:
+                child.kill()
+                child.join(CHILD_EXIT_S)
