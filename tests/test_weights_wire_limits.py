@@ -494,3 +494,28 @@ def test_a_ucx_address_without_ucxx_installed_is_a_transport_error(monkeypatch) 
     monkeypatch.setitem(sys.modules, "robustrl.weights.ucx", None)  # as if ucxx were missing: ImportError
     with pytest.raises(TransportError, match="ucx transport not installed"):
         make_client("ucx://127.0.0.1:1")
+
+
+async def test_a_source_that_only_trickles_is_dropped_for_the_chunk_limit() -> None:
+    """Bytes keep coming, so no gap reaches the stall timeout, but far slower than
+    ``SLOW_SOURCE_BYTES_PER_S``: the chunk is given up at ``chunk_limit_s`` (a throttled relay held
+    its chunk until the whole pull timed out while faster sources could have sent it)."""
+    from robustrl.weights.puller import chunk_limit_s, until_stalled
+
+    received = 0
+
+    async def trickle() -> None:
+        nonlocal received
+        while True:
+            await asyncio.sleep(0.05)
+            received += 1024  # 20 KiB/s: never a 0.3 s gap
+
+    limit = chunk_limit_s(0.3, 64 * 1024)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(TimeoutError, match="slower than"):
+        await until_stalled(trickle(), lambda: received, 0.3, limit)
+    assert loop.time() - t0 < limit + 0.3
+    # A steady source within the rate is not cut short: 64 KiB in 0.1 s.
+    done = await until_stalled(asyncio.sleep(0.1, result="in"), lambda: received, 0.3, limit)
+    assert done == "in"

@@ -84,23 +84,39 @@ T = TypeVar("T")
 PROGRESS_CHECKS = 4
 """A chunk's progress is looked at this many times per stall timeout: a source that stops sending
 is dropped at most a quarter of the timeout late."""
+SLOW_SOURCE_BYTES_PER_S = 1024 * 1024
+"""Slowest rate at which a source may send one chunk: beyond ``stall_s + nbytes / this`` it is
+dropped like a stalled one (a throttled relay that still trickles bytes held its chunk until the
+whole pull timed out, while the publisher or another relay could have sent it)."""
 
 
-async def until_stalled(aw: Awaitable[T], progress: Callable[[], int], stall_s: float) -> T:
+def chunk_limit_s(stall_s: float, nbytes: int) -> float:
+    """Longest a source may take to send one chunk of ``nbytes`` (``until_stalled``'s ``limit_s``)."""
+    return stall_s + nbytes / SLOW_SOURCE_BYTES_PER_S
+
+
+async def until_stalled(aw: Awaitable[T], progress: Callable[[], int], stall_s: float,
+                        limit_s: float | None = None) -> T:
     """``await aw``, raising TimeoutError once ``progress()`` (bytes received) has not grown for
     ``stall_s`` (counted from the start until the first byte).
 
     A chunk's bytes are bounded by a gap without progress, not by their total time: a 64 MiB chunk
     on a 100 Mbit/s link takes 5.4 s and its source is healthy, while a frozen source sends
     nothing and is dropped as soon as before. (The UCX client counts a chunk's bytes only once
-    all are in, so there the bound stays on the whole chunk.)
+    all are in, so there the bound stays on the whole chunk.) ``limit_s`` bounds the whole chunk
+    too (``chunk_limit_s``: a source slower than ``SLOW_SOURCE_BYTES_PER_S`` that still trickles).
     """
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(aw)
     seen, since = progress(), loop.time()
+    end = None if limit_s is None else since + limit_s
     try:
         while True:
+            if end is not None and loop.time() >= end:
+                raise TimeoutError(f"slower than {limit_s:.1f} s for one chunk")
             left = since + stall_s - loop.time()
+            if end is not None:
+                left = min(left, end - loop.time())
             done, _ = await asyncio.wait({task}, timeout=max(0.0, min(left, stall_s / PROGRESS_CHECKS)))
             if done:
                 return task.result()
@@ -667,7 +683,8 @@ class _Pull:
             before = client.payload_received
             try:
                 ok = await until_stalled(client.fetch_chunk(self.m.version, chunk, dest),
-                                         lambda: client.payload_received, self.stall_timeout_s)
+                                         lambda: client.payload_received, self.stall_timeout_s,
+                                         chunk_limit_s(self.stall_timeout_s, entry.nbytes))
             except (TransportError, TimeoutError, OSError):
                 partial = client.payload_received - before
                 self.stats.bytes_received += partial
@@ -892,7 +909,8 @@ class _Pull:
                 self.last_activity = time.perf_counter()
                 try:
                     await until_stalled(client.recv_payload(chunk, self.view[entry.offset:entry.offset + nbytes]),
-                                        lambda: client.payload_received, self.stall_timeout_s)
+                                        lambda: client.payload_received, self.stall_timeout_s,
+                                        chunk_limit_s(self.stall_timeout_s, nbytes))
                 except (TransportError, TimeoutError, OSError):
                     partial = client.payload_received - before
                     self.stats.bytes_received += partial
