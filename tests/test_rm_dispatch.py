@@ -483,10 +483,18 @@ async def test_an_acknowledged_commands_event_survives_the_request_manager_kille
         await h.kill_rm()
 
         await h.start_rm()  # the next request manager runs the job
+        # The controller never got the first answer in time: it sends the command again, to the
+        # new request manager, which knows nothing of it. Still one work_lost, the first's count.
+        await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), cmd, ControlCommand,
+                            timeout=RM_ACK_TIMEOUT_S)
         lost = await eventually_async(lambda: _logged(h, "work_lost", "f-outbox"), timeout=20,
                                       what="work_lost appended by the next request manager")
-        assert len(lost) == 1 and lost[0].data["turns"] == turns, [e.data for e in lost]
         await eventually_async(lambda: _outbox_empty(h), timeout=10, what="the outbox emptied")
+        assert h.rm is not None
+        await eventually_async(lambda: all(j.events.pending == 0 for j in h.rm.jobs.values()), timeout=10,
+                               what="the new request manager's events all stored")
+        lost = await _logged(h, "work_lost", "f-outbox")
+        assert len(lost) == 1 and lost[0].data["turns"] == turns, [e.data for e in lost]
         a.hold = b.hold = lambda msg: False
         await b.release()
 

@@ -53,6 +53,7 @@ class EventWriter:
         self._queue: deque[tuple[str, Event, str]] = deque()  # (message id, event, outbox entry), oldest first
         self._task: asyncio.Task[None] | None = None
         self.stats = {"appended": 0, "retries": 0, "recovered": 0}
+        self._recovered = False  # the outbox was read once (``recover``)
 
     @property
     def pending(self) -> int:
@@ -67,8 +68,16 @@ class EventWriter:
             ValueError: ``data`` does not fit ``kind`` (a bug: raised here, not in the background).
             TransportError: Redis failed: the event is nowhere, so do not acknowledge.
         """
+        if not self._recovered:
+            # What a previous request manager left goes first: a command it acknowledged, sent
+            # again to this one (its answer lost), is then the duplicate, not the original.
+            await self.recover()
         event = Event(job_id=self.job_id, kind=kind, data=data)  # type: ignore[arg-type]
-        msg_id = f"{self.job_id}-{kind}-{uuid.uuid4().hex}"
+        # One message id per command's event (its fault id): the same command handled twice (a
+        # retry reaching a restarted request manager) is stored once, within JetStream's
+        # duplicate window (2 min).
+        fault_id = data.get("fault_id")
+        msg_id = f"{self.job_id}-{kind}-{fault_id if isinstance(fault_id, str) and fault_id else uuid.uuid4().hex}"
         entry = json.dumps({"msg_id": msg_id, "event": event.model_dump(mode="json")})
         await _call(self.redis.rpush(self.key, entry), self.key)
         self._enqueue(msg_id, event, entry)
@@ -96,6 +105,7 @@ class EventWriter:
                 continue
             self._queue.append((msg_id, event, entry))
             found += 1
+        self._recovered = True
         self.stats["recovered"] += found
         if found:
             log.warning("job %s: %d events of a previous request manager found in the outbox", self.job_id, found)
