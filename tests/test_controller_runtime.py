@@ -1414,3 +1414,32 @@ async def test_two_deletions_at_once_are_one_and_a_refused_checkpoint_delete_sti
     assert first == second and first["checkpoints_kept"] and "AccessDenied" in first["checkpoints_error"]
     assert len(of_kind(await rig.events(job.job_id), "job_deleted")) == 1
     assert await rig.redis.hget(Keys.jobs(), job.job_id) is None and job.job_id not in c.jobs
+
+
+async def test_an_exit_handled_again_after_a_late_failure_logs_nothing_twice(rig: Rig,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exit's handling fails at its last write (the record's persist: a Redis blip), after its
+    member_exited and fault_detected are in the log and the crash decided. The next round handles
+    it again: nothing may be logged twice (the retry wrote both events again)."""
+    c, job = await leading_job_at_step_0(rig, "cpexits2")
+    real = c.persist
+    blips: list[str] = []
+
+    async def blip_once(j: JobRun) -> bool:
+        import sys
+
+        if not blips and sys._getframe(1).f_code.co_name == "on_exit":  # the exit's own last write
+            blips.append(j.job_id)
+            raise RuntimeError("redis blip at the record's write (test)")
+        return await real(j)
+
+    monkeypatch.setattr(c, "persist", blip_once)
+    os.killpg(job.members["rollout-1-i0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    await eventually_async(lambda: _with_decision_for(rig, job.job_id, "exit-rollout-1-i0"), timeout=20,
+                           what="the crash decided")
+    await eventually_async(lambda: blips and not c.supervisor._unhandled, timeout=20,
+                           what="the exit handled again after the blip")
+    events = await rig.events(job.job_id)
+    exited = [d for d in of_kind(events, "member_exited") if d["member_id"] == "rollout-1-i0"]
+    detected = [d for d in of_kind(events, "fault_detected") if d["fault_id"] == "exit-rollout-1-i0"]
+    assert len(exited) == 1 and len(detected) == 1, (exited, detected)

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from robustrl.aio import wait_event
 from robustrl.errors import EXIT_CHECKPOINT_LOST
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SUPERVISE_INTERVAL_S = 0.05
+EXIT_RETRY_S = 60.0
+"""How long an exit whose handling keeps failing is tried again, round after round."""
 STARTUP_FAILURES_MAX = 3
 """Consecutive exits before hello, per role slot, that fail the job (a member that cannot start)."""
 WATCHED_SERVICES = ("request_manager",)
@@ -58,6 +60,9 @@ class Supervisor:
         self._unhandled: list[ExitInfo] = []
         """Exits whose handling failed (a Redis blip): the launcher returns an exit once, so they
         are kept and handled again next round (the fault id names the member: decided once)."""
+        self._progress: dict[str, dict[str, Any]] = {}
+        """Per exit being handled (launcher id): what its first try saw and did, so that a retry
+        logs nothing twice and judges the exit as first seen (the member's state has moved on)."""
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -85,6 +90,12 @@ class Supervisor:
             try:
                 await self.on_exit(info)
             except Exception:  # the rest of the batch is handled; this one next round
+                since = self._progress.setdefault(info.member_id, {}).setdefault("failing_since", time.time())
+                if time.time() - since > EXIT_RETRY_S:
+                    # Failing the same way for so long: given up (its silence is the detector's).
+                    log.exception("exit of %s not handled for %.0f s: given up", info.member_id, EXIT_RETRY_S)
+                    self._progress.pop(info.member_id, None)
+                    continue
                 log.exception("exit of %s not handled: tried again next round", info.member_id)
                 self._unhandled.append(info)
         for job in list(self.c.jobs.values()):
@@ -97,23 +108,30 @@ class Supervisor:
         if job is None or member_id not in job.members:
             return
         m = job.members[member_id]
-        before_hello = m.state == "starting"
-        # A member of a replaced incarnation (e.g. the gang peer that died of the crash of its
-        # partner) is not a new fault.
-        expected = (info.expected or not job.is_current(member_id) or m.state in ("dead", "stopped")
-                    or job.done)
+        seen = self._progress.setdefault(info.member_id, {})
+        if "expected" not in seen:  # judged once, as first seen (a retry finds the state moved on)
+            seen["before_hello"] = m.state == "starting"
+            # A member of a replaced incarnation (e.g. the gang peer that died of the crash of its
+            # partner) is not a new fault.
+            seen["expected"] = (info.expected or not job.is_current(member_id) or m.state in ("dead", "stopped")
+                                or job.done)
+        before_hello, expected = seen["before_hello"], seen["expected"]
         if m.state != "stopped":
             m.state = "exited"
-        await self.c.event(job, "member_exited", {
-            "member_id": member_id, "role": info.role, "returncode": info.returncode, "expected": expected,
-            "exited_at": info.exited_at, "before_hello": before_hello})
-        if not expected:
+        if not seen.get("logged"):
+            await self.c.event(job, "member_exited", {
+                "member_id": member_id, "role": info.role, "returncode": info.returncode, "expected": expected,
+                "exited_at": info.exited_at, "before_hello": before_hello})
+            seen["logged"] = True
+        if not expected and not seen.get("crashed"):
             await self._crashed(job, m, info, before_hello)
+            seen["crashed"] = True
         # Handled here: the detector forgets the member instead of reporting it once more.
         await self.c.bus.publish(subject(job.job_id, Verb.EXIT, member_id), MemberExited(
             job_id=job.job_id, member_id=member_id, role=info.role,  # type: ignore[arg-type]
             returncode=info.returncode, ts=info.exited_at, expected=True))
         await self.c.persist(job)
+        self._progress.pop(info.member_id, None)
 
     async def _crashed(self, job: JobRun, m: MemberInfo, info: ExitInfo, before_hello: bool) -> None:
         code = "unknown code" if info.returncode is None else f"code {info.returncode}"
