@@ -1443,3 +1443,43 @@ async def test_an_exit_handled_again_after_a_late_failure_logs_nothing_twice(rig
     exited = [d for d in of_kind(events, "member_exited") if d["member_id"] == "rollout-1-i0"]
     detected = [d for d in of_kind(events, "fault_detected") if d["fault_id"] == "exit-rollout-1-i0"]
     assert len(exited) == 1 and len(detected) == 1, (exited, detected)
+
+
+async def test_a_weights_fault_ignored_during_a_trainer_recovery_is_acted_on_if_it_outlasts_it(rig: Rig) -> None:
+    """Replicas report weights faults while the trainer gang is being recovered: ignored then (the
+    version they could not load is the dead gang's). Once the recovery is over and
+    ``weights_load_s`` has passed, the replica still in ``weights_failed`` is replaced; the one
+    that loaded the new gang's weights is left alone. (Ignored for good, the first would never be
+    reported again: the detector reports a member once.)"""
+    from robustrl.messages import FaultReport, PhaseChange
+
+    assert rig.bus
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(JobSpec.parse({
+        "name": "cprecheck", "steps": 5, "rollout": {"replicas": 2},
+        "detector": {"trainer_idle_s": 4.0, "rollout_idle_s": 2.0, "silence_s": 1.0, "probe_timeout_s": 1.0,
+                     "metrics_interval_s": 0.25, "weights_load_s": 1.0}}))
+    await rig.hello_all(c, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    await eventually_async(lambda: any(r.role == "trainer" for r in job.recoveries), timeout=20,
+                           what="the trainer recovery under way")
+    for member, phase in (("rollout-0-i0", "weights_failed"), ("rollout-1-i0", "serving")):
+        await rig.bus.publish(subject(job.job_id, Verb.FAULT), FaultReport(
+            job_id=job.job_id, fault_id=f"weights-{member}", role="rollout", member_id=member, kind="hang",
+            evidence="replica reports its weight pulls failed (test)", detected_at=time.time(), step=1,
+            cause="weights_failed"))
+        await eventually_async(lambda member=member: _with_decision_for(rig, job.job_id, f"weights-{member}"),
+                               timeout=20, what=f"{member}'s fault decided")
+        await rig.bus.publish(subject(job.job_id, Verb.PHASE, member), PhaseChange(
+            job_id=job.job_id, member_id=member, role="rollout", phase=phase))
+    decided = {d["fault_id"]: d["actions"] for d in of_kind(await rig.events(job.job_id), "decision")}
+    assert decided["weights-rollout-0-i0"] == decided["weights-rollout-1-i0"] == ["Ignore"], decided
+    await rig.hello_all(c, job.job_id)  # the new gang is up: the recovery ends
+    await eventually_async(lambda: _with_decision_for(rig, job.job_id, "weights-rollout-0-i0-after-recovery"),
+                           timeout=20, what="the replica still failing acted on after the recovery")
+    decided = {d["fault_id"]: d["actions"] for d in of_kind(await rig.events(job.job_id), "decision")}
+    assert "ReplaceReplica" in decided["weights-rollout-0-i0-after-recovery"], decided
+    assert "weights-rollout-1-i0-after-recovery" not in decided

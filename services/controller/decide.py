@@ -225,9 +225,11 @@ class FailJob:
 
 @dataclass(frozen=True)
 class Ignore:
-    """The fault is about a member already being replaced or of a past incarnation."""
+    """The fault is about a member already being replaced or of a past incarnation, or (with
+    ``recheck``) no fault for now: looked at again once the trainer recovery under way is over."""
 
     reason: str
+    recheck: bool = False
 
     def describe(self) -> str:
         return "ignore"
@@ -289,7 +291,7 @@ def decide(now: float, job: JobView, fault: FaultReport, spec: RecoverySpec) -> 
         return _guarded(job, spec, _control_plane(job, fault))
     waiting = _waiting_for_new_gang(job, fault)
     if waiting is not None:
-        return Decision([Ignore(waiting)], waiting)
+        return Decision([Ignore(waiting, recheck=True)], waiting)
     if spec.policy == "whole_job":
         return _guarded(job, spec, _whole_job(job, f"policy whole_job: {fault.kind} of {fault.role} "
                                                    f"{fault.member_id} at step {job.step}"))
@@ -317,8 +319,9 @@ def _waiting_for_new_gang(job: JobView, fault: FaultReport) -> str | None:
     hold it all); the new gang announces its own, which the replica then pulls. A recovery longer
     than the replica's pull attempts (a cold start of a large model) made every replica report:
     each was replaced, and with all of them reporting at one step the job was restarted whole.
-    A replica still failing once the recovery is over is reported again by the request manager's
-    weights deadline."""
+    The fault is looked at again (``Ignore.recheck``) ``weights_load_s`` after the recovery is
+    over: a replica still failing then is acted on (the detector reports a member once, and the
+    request manager's weights deadline never waits for a replica that holds no version)."""
     if fault.role != "rollout" or fault.cause not in WEIGHTS_CAUSES:
         return None
     rec = next((r for r in job.recovering if r.role == "trainer"), None)

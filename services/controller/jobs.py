@@ -141,6 +141,10 @@ class JobRun:
     deleting: dict[str, bool] | None = None
     """Set once ``DELETE /v1/jobs/{id}`` marked the job (what is to go: checkpoints, events);
     persisted, so a controller that takes over finishes the deletion."""
+    recheck_after_recovery: dict[str, Any] = field(default_factory=dict)
+    """Rollout member -> its weights fault (a ``FaultReport``) ignored while a trainer recovery ran,
+    looked at again once it is over (``RecoveryExecutor``; in memory: a new leader drops them, and
+    the request manager's weights deadline is then the only net)."""
     trained_unheard: int = -1
     """A step of the current gang the trained log holds but no commit was heard of, at the last
     progress check (-1: none); the next check still finding it reads the event log."""

@@ -178,6 +178,8 @@ class RecoveryExecutor:
                 await self._resume_service(job, fault, role)
             case FailJob(reason=reason):
                 await self.c.stop_job(job.job_id, "failed", reason)
+            case Ignore(recheck=True):
+                job.recheck_after_recovery[fault.member_id] = fault
             case ReportOnly() | Ignore():
                 pass  # recorded in the event log; nothing to carry out
 
@@ -503,6 +505,8 @@ class RecoveryExecutor:
                                              "recovery_s": recovery_s if recovery_s is not None else took}
             await self.c.event(job, "recovered", {"fault_id": rec.fault_id, "role": rec.role,
                                                   "kind": rec.kind, "took_s": took, **extra})
+            if rec.kind in ("trainer", "whole_job") and job.recheck_after_recovery:
+                self.c.spawn(self._recheck(job))
             if rec.kind in ("trainer", "whole_job"):
                 # Steps that were committed but not durable are redone by the new gang.
                 redone = max(0, rec.committed_at_fault - job.durable_step)
@@ -517,6 +521,27 @@ class RecoveryExecutor:
                 # replacements' cold imports would otherwise take the CPU from the replicas still
                 # generating and from the gang forming (on a cluster a replacement gets its own machine).
                 await self.owe(job, gang.borrowed_slots)
+
+    async def _recheck(self, job: JobRun) -> None:
+        """Weights faults of replicas ignored while the trainer recovery ran: ``weights_load_s``
+        after it, a replica still unable to load (phase ``weights_failed`` / ``loading_weights``:
+        it had the new gang's announcement and that long to pull it) is a fault after all."""
+        await asyncio.sleep(job.spec.detector.weights_load_s)
+        pending, job.recheck_after_recovery = job.recheck_after_recovery, {}
+        if job.done or any(r.role == "trainer" for r in job.recoveries):
+            job.recheck_after_recovery.update(pending)  # another trainer recovery: after that one
+            return
+        for member_id, fault in pending.items():
+            m = job.members.get(member_id)
+            if m is None or not job.is_current(member_id) or m.state in ("dead", "exited", "stopped"):
+                continue
+            if m.phase not in ("weights_failed", "loading_weights"):
+                continue  # it loaded the new gang's weights: no fault
+            again = fault.model_copy(update={
+                "fault_id": f"{fault.fault_id}-after-recovery", "detected_at": time.time(),
+                "evidence": f"{fault.evidence}; still {m.phase} {job.spec.detector.weights_load_s:g} s after "
+                            "the trainer recovery"})
+            await self.handle(again)
 
     async def check_deadlines(self, job: JobRun) -> None:
         if job.done or not job.recoveries:
