@@ -96,10 +96,14 @@ class Pending:
     future: asyncio.Future[TurnResult]
     adopted_at: float | None = None  # monotonic; set when taken over from a record in Redis
     bus_disconnects: int = 0  # this service's NATS disconnects when it was sent (see _failed)
+    sent_while_down: bool = False  # sent while this service's NATS connection was down
 
     def outlived_a_bus_outage(self, bus: Bus) -> bool:
-        """This service's NATS connection went down since the turn was sent."""
-        return bus.disconnects != self.bus_disconnects
+        """This service's NATS connection went down since the turn was sent, or was down when it
+        was sent (the client buffers it and sends it on the reconnect, often before the replica
+        has subscribed again on the new server: lost; a NATS restart just as a step began lost
+        every turn of the step, and each waited for its whole deadline)."""
+        return self.sent_while_down or bus.disconnects != self.bus_disconnects
 
 
 class Dispatcher:
@@ -319,7 +323,7 @@ class Dispatcher:
                   adopted: bool = False) -> Pending:
         fut: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
         pend = Pending(request_id, ep.episode_id, len(ep.turns), member_id, sent_at, fut,
-                       time.monotonic() if adopted else None, self.bus.disconnects)
+                       time.monotonic() if adopted else None, self.bus.disconnects, not self.bus.connected)
         self.pending[request_id] = pend
         self.replicas.setdefault(member_id, Replica(member_id)).inflight.add(request_id)
         return pend
