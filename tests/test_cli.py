@@ -51,6 +51,13 @@ def test_up_submit_status_down(tmp_path):
         bad.write_text(yaml.safe_dump({"steps": -1}))
         rejected = _robustrl("submit", str(bad), "--run-dir", str(run_dir), check=False)
         assert rejected.returncode == 2 and "steps" in rejected.stdout
+        # Deleted: its Redis keys counted in the answer, and the job is gone for status and delete.
+        deleted = json.loads(_robustrl("delete", job_id, "--run-dir", str(run_dir), "--json").stdout)
+        assert deleted["job_id"] == job_id and deleted["redis_keys_deleted"] > 0 and deleted["checkpoints_kept"]
+        gone = _robustrl("status", job_id, "--run-dir", str(run_dir), check=False)
+        assert gone.returncode != 0 and "404" in gone.stdout
+        again = _robustrl("delete", job_id, "--run-dir", str(run_dir), check=False)
+        assert again.returncode != 0 and "404" in again.stdout
     finally:
         down = _robustrl("down", "--run-dir", str(run_dir))
     assert "controller" in down.stdout and "infra" in down.stdout
