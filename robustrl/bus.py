@@ -203,7 +203,7 @@ class Bus:
         """
         request = json.dumps({"filter": subjects.events_of(job_id)}).encode()
         try:
-            reply = await self._nc.request(f"$JS.API.STREAM.PURGE.{subjects.EVENTS_STREAM}", request, timeout=timeout)
+            reply = await self._nc.request(subjects.JS_EVENTS_PURGE, request, timeout=timeout)
             answer = json.loads(reply.data)
         except Exception as exc:
             raise TransportError(f"event log of {job_id} not purged: {exc}") from exc

@@ -204,6 +204,8 @@ _JETSTREAM_USERS = (_C,)  # creates the stream, reads the log with pull consumer
 # Whoever starts first creates the event stream (ensure_event_stream): that much JetStream API only.
 _STREAM_CREATORS = (_RM,)
 JS_STREAM_ENSURE = (f"$JS.API.STREAM.INFO.{EVENTS_STREAM}", f"$JS.API.STREAM.CREATE.{EVENTS_STREAM}")
+JS_EVENTS_PURGE = f"$JS.API.STREAM.PURGE.{EVENTS_STREAM}"
+"""Purging a job's events (a deleted job's log): the controller's, under its JS_API."""
 
 
 def _shape_subject(verb: Verb, shape: str) -> str:

@@ -200,7 +200,7 @@ class Harness:
         rm, self.rm = self.rm, None
         self._rm_metrics.cancel()
         for job in rm.jobs.values():
-            for task in (job._task, job._step_task, getattr(job, "_gc_task", None), job.events._task):
+            for task in (job._task, job._step_task, getattr(job, "_gc_task", None), job.events.queue._task):
                 if task is not None:
                     task.cancel()
         for task in getattr(rm, "_tasks", []):

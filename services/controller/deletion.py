@@ -26,6 +26,7 @@ from robustrl.services.controller import failpoints
 from robustrl.services.controller.jobs import ACTIVE
 from robustrl.services.controller.lease import LeaseLost
 
+from robustrl.audit.raw import job_prefix
 from robustrl.errors import JobActive, JobError, StorageError
 from robustrl.storage.objects import StoreUnavailable, open_object_store
 from robustrl.storage.redis_stores import Keys, _call
@@ -37,11 +38,6 @@ log = logging.getLogger(__name__)
 
 PURGE_BATCH = 500
 """Keys asked for per SCAN and unlinked per call."""
-
-
-def checkpoint_root(job_id: str) -> str:
-    """Everything the job keeps in the object store (its checkpoints and their origins)."""
-    return f"jobs/{job_id}/"
 
 
 class JobDeleter:
@@ -127,7 +123,7 @@ class JobDeleter:
                 self._store = open_object_store(self.c.settings)
             try:
                 out["checkpoint_objects_deleted"] = await asyncio.to_thread(self._store.delete_prefix,
-                                                                            checkpoint_root(job_id))
+                                                                            job_prefix(job_id))
             except StoreUnavailable:
                 raise  # the store is away: a repeated request (or the next leader) finishes it
             except StorageError as exc:

@@ -5,60 +5,45 @@ The controller waits for the acknowledgement of each command (``RM_ACK_TIMEOUT_S
 event appended before the acknowledgement, while JetStream is slow (its retries take up to 30 s),
 timed the controller out; it then sent the command again or, for a borrowed replica, killed the
 replica as unheard. The handler now acknowledges once its state change is made (durable where it
-has one) and gives the event to this writer, which:
-
-* keeps the time of the command as the event's ``ts`` (readers order the log by ``ts``);
-* appends one event at a time, in order, each under one message id, so a retry after a lost
-  JetStream ack is stored once (JetStream's duplicate window);
-* retries an event until it is stored, however long JetStream stays away (a handful per
-  recovery: no bound is needed; the turn handler's ``turn_dropped`` stream is the bounded one,
-  ``Dispatcher._emit_later``);
-* keeps every event in an outbox in Redis (``Keys.rm_outbox``) from before the acknowledgement
-  until JetStream has stored it: a request manager killed in between (or while JetStream is
-  away) left the command acknowledged and its event nowhere. The next request manager to run
-  the job appends what it finds there first (``recover``), under the same message ids, so an
-  event stored just before the kill is not stored twice (within JetStream's duplicate window).
+has one) and gives the event to this writer, which appends it through a
+:class:`robustrl.event_queue.EventQueue` (in order, each once, retried; a handful per recovery,
+far from its bound) and keeps every event in an outbox in Redis (``Keys.rm_outbox``) from before
+the acknowledgement until JetStream has stored it: a request manager killed in between (or while
+JetStream is away) left the command acknowledged and its event nowhere. The next request manager
+to run the job appends what it finds there first (``recover``), under the same message ids, so an
+event stored just before the kill is not stored twice (within JetStream's duplicate window).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import uuid
-from collections import deque
 from typing import Any
 
-from robustrl import subjects
-from robustrl.aio import within
 from robustrl.bus import Bus
-from robustrl.errors import SubjectError, TransportError
+from robustrl.event_queue import EventQueue
 from robustrl.messages import Event
 from robustrl.storage.redis_stores import Keys, _call
 
 log = logging.getLogger(__name__)
 
-RETRY_WAIT_S = 1.0
-"""Pause after JetStream did not store an event within the bus's own retry budget."""
-
 
 class EventWriter:
-    """Appends one job's events in the background, in order, each once."""
+    """Appends one job's events in the background, in order, each once, through its outbox."""
 
     def __init__(self, bus: Bus, job_id: str, redis: Any) -> None:
-        self.bus = bus
         self.job_id = job_id
         self.redis = redis
         self.key = Keys.rm_outbox(job_id)
-        self._queue: deque[tuple[str, Event, str]] = deque()  # (message id, event, outbox entry), oldest first
-        self._task: asyncio.Task[None] | None = None
-        self.stats = {"appended": 0, "retries": 0, "recovered": 0}
+        self.queue = EventQueue(bus, name=f"events-{job_id}")
+        self.recovered = 0
         self._recovered = False  # the outbox was read once (``recover``)
 
     @property
     def pending(self) -> int:
         """Events given and not stored yet."""
-        return len(self._queue)
+        return self.queue.pending
 
     async def emit(self, kind: str, data: dict[str, Any]) -> Event:
         """Queue one event, stamped now: in the Redis outbox when this returns (acknowledge the
@@ -80,7 +65,7 @@ class EventWriter:
         msg_id = f"{self.job_id}-{kind}-{fault_id if isinstance(fault_id, str) and fault_id else uuid.uuid4().hex}"
         entry = json.dumps({"msg_id": msg_id, "event": event.model_dump(mode="json")})
         await _call(self.redis.rpush(self.key, entry), self.key)
-        self._enqueue(msg_id, event, entry)
+        self._put(msg_id, event, entry)
         return event
 
     async def recover(self) -> int:
@@ -101,53 +86,23 @@ class EventWriter:
                 log.error("job %s: outbox entry unreadable, dropped: %s", self.job_id, exc)
                 await _call(self.redis.lrem(self.key, 1, raw), self.key)
                 continue
-            if any(queued == msg_id for queued, _e, _r in self._queue):
+            if self.queue.queued(msg_id):
                 continue
-            self._queue.append((msg_id, event, entry))
+            self._put(msg_id, event, entry)
             found += 1
         self._recovered = True
-        self.stats["recovered"] += found
+        self.recovered += found
         if found:
             log.warning("job %s: %d events of a previous request manager found in the outbox", self.job_id, found)
-            self._kick()
         return found
 
-    def _enqueue(self, msg_id: str, event: Event, entry: str) -> None:
-        self._queue.append((msg_id, event, entry))
-        self._kick()
+    def _put(self, msg_id: str, event: Event, entry: str) -> None:
+        async def out_of_the_outbox() -> None:  # once stored (or refused for good)
+            await _call(self.redis.lrem(self.key, 1, entry), self.key)
 
-    def _kick(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._write(), name=f"events-{self.job_id}")
-
-    async def _write(self) -> None:
-        while self._queue:
-            msg_id, event, entry = self._queue[0]
-            try:
-                await self.bus.publish_durable(subjects.events(self.job_id, event.kind, self.bus.role),
-                                               event.encode(), msg_id=msg_id)
-                await _call(self.redis.lrem(self.key, 1, entry), self.key)
-            except TransportError as exc:
-                self.stats["retries"] += 1
-                log.warning("job %s: %s event not stored yet (%d queued), retrying: %s", self.job_id,
-                            event.kind, len(self._queue), exc)
-                await asyncio.sleep(RETRY_WAIT_S)  # JetStream (or Redis) away past its retries: pace them
-                continue
-            except SubjectError as exc:  # a kind this role may not write: a bug, not worth a retry
-                log.error("job %s: %s event refused, dropped: %s", self.job_id, event.kind, exc)
-                await _call(self.redis.lrem(self.key, 1, entry), self.key)
-            self._queue.popleft()
-            self.stats["appended"] += 1
+        self.queue.put(msg_id, event, out_of_the_outbox)
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every queued event to be stored; True if they were. The
         writer goes on either way (a service that stops gives it this long, then exits)."""
-        if self._task is None or self._task.done():
-            return not self._queue
-        try:
-            await within(asyncio.shield(self._task), timeout_s)
-        except TimeoutError:
-            log.error("job %s: %d events not stored %g s after the stop", self.job_id, len(self._queue),
-                      timeout_s)
-            return False
-        return not self._queue
+        return await self.queue.drain(timeout_s)
