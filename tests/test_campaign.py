@@ -85,3 +85,41 @@ def _log_tails(logs, lines: int = 6) -> str:  # type: ignore[no-untyped-def]
         shown = loud[-lines:] + ([every[-1]] if every and (not loud or every[-1] != loud[-1]) else [])
         out.append(f"== {path.name}\n" + "\n".join(shown))
     return "\n".join(out)
+
+
+def test_a_late_batch_ready_never_turns_an_observed_batch_into_a_lost_one(infra):
+    """The campaign samples each batch raw when it sees ``batch_ready``. That event can reach it
+    late: the request manager hands the batch to the trainer first and sends the event from its
+    outbox after, and a new request manager sends again what its killed predecessor left in the
+    outbox, sometimes after the step was trained, checkpointed and its keys collected. A sample
+    taken then finds no key: that is a batch not seen, not a batch that does not parse, and it must
+    not replace the sample taken while the keys were there (CI: a replayed batch_ready for step 1
+    made the audit count 4 episodes lost that were trained and durable)."""
+    import asyncio
+
+    import redis as sync_redis
+
+    from robustrl.chaos.campaign import CampaignDriver
+    from robustrl.storage.redis_stores import Keys
+
+    job = "obslate"
+    r = sync_redis.Redis.from_url(infra.redis_url)
+    ids = ["e0", "e1"]
+    r.set(Keys.batch(job, 1), json.dumps({"episode_ids": ids}))
+    for e in ids:
+        r.set(Keys.episode(job, e), json.dumps({"episode_id": e, "status": "finished", "reward": 1.0}))
+    r.set(Keys.batch(job, 3), b"{not json")
+    driver = CampaignDriver(bus=None, settings=infra, job_id=job, faults=[])  # type: ignore[arg-type]
+    try:
+        asyncio.run(driver._observe(1))
+        assert driver.observed[1].batch == {"episode_ids": ids}
+        r.delete(Keys.batch(job, 1), *[Keys.episode(job, e) for e in ids])  # collected after durable
+        asyncio.run(driver._observe(1))  # the late batch_ready
+        asyncio.run(driver._observe(2))  # a batch_ready whose keys were gone before any sample
+        asyncio.run(driver._observe(3))  # a key that is there and does not parse
+    finally:
+        r.delete(Keys.batch(job, 3))
+    assert driver.observed[1].batch == {"episode_ids": ids}, driver.observed[1]
+    assert set(driver.observed[1].episodes) == set(ids)
+    assert 2 not in driver.observed, driver.observed[2]
+    assert driver.observed[3].batch is None  # still judged: a record that does not parse is a loss

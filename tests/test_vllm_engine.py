@@ -103,7 +103,10 @@ def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_repl
 
     from robustrl.audit import audit_job
 
-    spec = small_job("vllmborrow", steps=5, mode="semi_sync", staleness=1,
+    # 10 steps: the replica killed below must leave batches still to build. With 5, a loaded CI
+    # machine was at step 3 when the trainer crashed; the kept rank and the borrowed one trained
+    # the rest from batches already built, and no restocked replica ever had to load weights.
+    spec = small_job("vllmborrow", steps=10, mode="semi_sync", staleness=1,
                      model={"path": str(hf_dir), "max_positions": 512},
                      data={"tasks": ["lookup"], "prompts_per_step": 2, "group_size": 2},
                      rollout={"replicas": 2, "max_new_tokens": 6, "engine": "vllm"},
@@ -138,6 +141,7 @@ def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_repl
     assert _argv0(new_pid) == str(vllm_py), _argv0(new_pid)  # the restock is a vLLM replica again
     # Now the job depends on the pool's restock: its other replica dies too (after the restock
     # began, so that the killed one's replacement starts behind it).
+    committed_at_kill = api.job(jid)["committed_step"]
     api.fault(jid, kind="crash", role="rollout", member=kept)
 
     def switched() -> dict[str, object] | None:
@@ -170,7 +174,10 @@ def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_repl
     # one's replacement (whichever was up first served the remaining steps) loaded the weights.
     assert new in {d["member_id"] for d in kinds(events, "replica_restocked")}
     replacement = f"rollout-{kept.split('-')[1]}-i1"
-    assert {new, replacement} & {d["member_id"] for d in kinds(events, "weights_loaded")}, "no restocked replica loaded"
+    assert {new, replacement} & {d["member_id"] for d in kinds(events, "weights_loaded")}, (
+        "no restocked replica loaded", committed_at_kill,
+        [(e["kind"], e["data"].get("step"), e["data"].get("member_id")) for e in events if e["kind"] in (
+            "batch_ready", "fault_injected", "weights_loaded", "member_ready")])
     loaded = kinds(events, "weights_loaded")
     assert loaded and all(d["verified"] for d in loaded)
     commits = kinds(events, "step_committed")

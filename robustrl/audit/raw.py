@@ -251,15 +251,20 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
     return out
 
 
-async def observe_batch(redis_url: str, job_id: str, step: int) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+async def observe_batch(redis_url: str, job_id: str,
+                        step: int) -> tuple[Any, dict[str, Any], dict[str, Any]] | None:
     """(batch, episodes, prefixes) of ``step`` read raw right now (the campaign samples each batch
-    at hand-off, so the audit can still judge steps whose keys were collected later)."""
+    at hand-off, so the audit can still judge steps whose keys were collected later). None when
+    the batch key is absent: nothing was seen (a batch that does not parse is ``(None, {}, {})``)."""
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
     r = aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S)
     try:
-        batch = _json(await r.get(Keys.batch(job_id, step)))
+        raw = await r.get(Keys.batch(job_id, step))
+        if raw is None:
+            return None
+        batch = _json(raw)
         ids = [str(e) for e in batch.get("episode_ids", [])] if isinstance(batch, dict) else []
         eps: dict[str, Any] = {}
         pre: dict[str, Any] = {}

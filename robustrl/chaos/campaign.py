@@ -135,11 +135,19 @@ class CampaignDriver:
         task.add_done_callback(self._tasks.discard)
 
     async def _observe(self, step: int) -> None:
+        """Sample ``step``'s batch raw. The first sample that found the key is kept: a
+        ``batch_ready`` can come late (sent from the request manager's outbox after the hand-off,
+        or again by its next life) when the step's keys were already collected, and a sample that
+        finds nothing is no evidence about the batch."""
+        if step in self.observed:
+            return
         try:
-            batch, eps, pre = await observe_batch(self.settings.redis_url, self.job_id, step)
-            self.observed[step] = ObservedStep(step, batch, eps, pre)
+            seen = await observe_batch(self.settings.redis_url, self.job_id, step)
         except Exception as exc:  # noqa: BLE001 - an observation is a bonus for the audit, never fatal
             log.warning("campaign: could not observe batch %d: %s", step, exc)
+            return
+        if seen is not None and step not in self.observed:
+            self.observed[step] = ObservedStep(step, *seen)
 
     async def _sample_start(self) -> None:
         self.redis_bytes_start = (await redis_job_bytes(self.settings.redis_url, self.job_id))[1]
