@@ -25,7 +25,7 @@ from support import eventually_async
 from robustrl.bus import Bus
 from robustrl.config import DetectorSpec, Settings, reference_job
 from robustrl.messages import (
-    Event, GenerateTurn, MemberHello, MetricsSample, PhaseChange, SpecReply, SpecRequest, TurnResult,
+    ChaosCommand, Event, GenerateTurn, MemberHello, MetricsSample, PhaseChange, SpecReply, SpecRequest, TurnResult,
     WeightsAnnounce, WeightsHave,
 )
 from robustrl.model.policy import build_policy, weights_checksum
@@ -408,6 +408,76 @@ async def test_a_replica_whose_queued_turns_need_a_version_to_come_says_so_acros
         assert {t.weights_version for t in replica.turns} == {7}
         await eventually_async(lambda: replica.samples[-1].phase != "awaiting_version", timeout=WAIT_S,
                                what="the phase back once the queue is served")
+    finally:
+        for s in servers:
+            await s.close()
+
+
+async def test_a_swap_slower_than_the_pull_timeout_is_waited_for_and_a_rollback_during_one_is_obeyed(
+        replica: Replica) -> None:
+    """The engine thread stalls (chaos ``stall``) longer than ``pull_timeout_s`` (3 s here) while
+    it swaps weights in. A swap the engine has begun cannot be withdrawn. Before: the loader
+    reported it a timeout while the engine completed it and served that version with no
+    ``weights_loaded`` (the auditor's "served v but never loaded"); and a rollback announced during
+    such a swap (the new gang resumes at the version the replica held) was taken as "held already",
+    so the replica ended up serving the dead gang's newer version for good.
+    Checked from outside: every turn's version was loaded (event log) by this replica, the metrics'
+    version, and what the replica says it holds."""
+    servers: list[WeightServer] = []
+
+    async def stall(seconds: float) -> None:
+        await replica.bus.publish(subject(replica.job_id, Verb.CHAOS, replica.member_id), ChaosCommand(
+            job_id=replica.job_id, fault_id=uuid.uuid4().hex[:8], kind="stall", member_id=replica.member_id,
+            duration_s=seconds))
+
+    async def turn(request_id: str, min_version: int) -> None:
+        await replica.bus.publish(subject(replica.job_id, Verb.GENERATE, replica.member_id), GenerateTurn(
+            job_id=replica.job_id, request_id=request_id, episode_id=f"e-{request_id}", step=min_version,
+            prefix_ids=[TOK.bos_id, 5, 6], max_new_tokens=4, temperature=1.0, top_p=1.0, seed=1,
+            min_version=min_version))
+
+    try:
+        v1, v2 = make_version(1, seed=21), make_version(2, seed=22)
+        for v in (v1, v2):
+            servers.append(await _served(WeightServer(), v))
+        # 1. A slow swap: waited for, loaded once, never reported a timeout.
+        await stall(6.0)
+        await replica.announce(v1, epoch=1, sources=[servers[0].address or ""])
+        await turn("t1", 1)
+        await eventually_async(lambda: replica.turns, timeout=WAIT_S, what="t1 served")
+        rejected = await replica.events("weights_rejected")
+        assert not rejected, [e.data for e in rejected]
+        loaded = await replica.events("weights_loaded")
+        assert [(e.data["version"], e.data["checksum"]) for e in loaded] == [(1, v1.checksum)], loaded
+        assert [(t.request_id, t.weights_version) for t in replica.turns] == [("t1", 1)]
+
+        # 2. A rollback during a swap: gang 1 announces v2; while the engine (stalled) swaps it
+        # in, gang 2 resumes at v1, the version the replica held, and announces it.
+        await stall(6.0)
+        await replica.announce(v2, epoch=1, sources=[servers[1].address or ""])
+
+        async def pulled() -> bool:
+            return len(await replica.relay_holds(v2)) == v2.manifest.num_chunks
+
+        await eventually_async(pulled, timeout=WAIT_S, what="v2 pulled")
+        # Places the fault, waits for no result: verified and handed over within milliseconds of
+        # the pull, v2 is then in the engine's (stalled) swap for ~5 s more.
+        await asyncio.sleep(0.5)
+        await replica.announce(v1, epoch=2, sources=[servers[0].address or ""])
+        await turn("t2", 1)
+        await eventually_async(lambda: len(replica.turns) == 2, timeout=WAIT_S, what="t2 served")
+        # t2 was served once the stalled swap ended. The replica must end up holding what the
+        # newest gang announced, v1, by metrics sampled after that (every 0.1 s) ...
+        after = len(replica.samples) + 3
+        await eventually_async(lambda: len(replica.samples) > after and replica.samples[-1].weights_version == 1
+                               and replica.samples[-1].phase in ("idle", "serving"),
+                               timeout=WAIT_S, what="the replica back on gang 2's v1")
+        # ... and every version it served, it loaded, by the event log.
+        loaded = await replica.events("weights_loaded")
+        held = {(e.data["version"]) for e in loaded}
+        served = {t.weights_version for t in replica.turns}
+        assert served <= held, (served, [e.data for e in loaded])
+        assert [h.version for h in replica.haves if h.complete][-1] == 1, replica.haves
     finally:
         for s in servers:
             await s.close()

@@ -46,6 +46,7 @@ from robustrl.weights.server import WeightServer
 log = logging.getLogger(__name__)
 BATCH_WAIT_S = 0.01
 STOP_BOUND_S = 5.0
+SWAP_WAIT_SLICE_S = 0.25  # a wait for the engine thread's swap polls in slices this long
 """How long a stopped (not borrowed) replica may take to close before it exits anyway."""
 POINTER_POLL_S = 2.0
 """How often a replica reads the weights pointer (one Redis GET) in case an announcement was lost."""
@@ -76,6 +77,9 @@ class PendingWeights:
     state: dict[str, torch.Tensor]
     swapped: threading.Event
     loaded: str | None = None  # the checksum the engine holds after the swap ("" when the load failed)
+    taken: bool = False
+    """The engine thread took them (under the swap lock): the swap is under way or done and can no
+    longer be withdrawn."""
 
 
 class Replica:
@@ -89,6 +93,8 @@ class Replica:
         self.checksum = ""
         self._pending: PendingWeights | None = None
         self._swap_lock = threading.Lock()
+        self._swapping: PendingWeights | None = None  # taken by the engine thread, not swapped in yet
+        self._late: set[asyncio.Task[None]] = set()  # reports of swaps whose pulls were superseded
         self._working = False
         self._awaiting = False  # every queued turn needs a version newer than the one held
         self.standby = StandbyHook(env or {}, self.member.stopping.set)
@@ -120,7 +126,7 @@ class Replica:
         self.address = await self.server.start()
         self.loader = WeightLoader(spec.weights, self.ident.member_id, self.server, self.engine.layout(),
                                    install=self._install, emit=self._emit, on_change=self._refresh_phase,
-                                   held=lambda: (self.version, self.checksum),
+                                   held=self._held,
                                    seed=hash(self.ident.member_id) & 0xFFFF, have=self._publish_have,
                                    alloc=self.engine.alloc_buffer)
         bus = self.member.bus
@@ -277,45 +283,109 @@ class Replica:
         assert self.member.bus
         await self.member.bus.emit_event(self.ident.job_id, kind, data)
 
+    def _held(self) -> tuple[int, str]:
+        """The weights the engine serves, or, while it swaps weights in, those it will serve: a
+        swap under way cannot be withdrawn, so an announcement naming the weights served before
+        it is no longer "held already" (a rollback announced during a swap of the dead gang's
+        newer version was taken as held, and the replica served that version for good)."""
+        with self._swap_lock:
+            swapping = self._swapping
+        if swapping is not None:
+            return swapping.version, swapping.checksum
+        return self.version, self.checksum
+
+    async def _swap_done(self, mine: PendingWeights, timeout_s: float | None) -> bool:
+        """Wait until ``mine``'s swap ended (or it was released), up to ``timeout_s`` (None: until
+        the replica stops). In short slices: a cancelled wait leaves no thread behind for long (a
+        stop joins the executor's threads: one waiting out a whole pull timeout held the stop)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not mine.swapped.is_set() and not self.member.stopping.is_set():
+            left = SWAP_WAIT_SLICE_S if deadline is None else min(SWAP_WAIT_SLICE_S, deadline - time.monotonic())
+            if left <= 0:
+                break
+            await asyncio.to_thread(mine.swapped.wait, left)
+        return mine.swapped.is_set()
+
     async def _install(self, version: int, checksum: str, state: dict[str, torch.Tensor],
                        timeout_s: float) -> str | None:
-        """Hand verified weights to the engine thread; wait (bounded) until it swapped them in.
+        """Hand verified weights to the engine thread; wait until it swapped them in.
+
+        The engine must take them within ``timeout_s``, else they are withdrawn. Once taken, a swap
+        cannot be withdrawn: it is waited for however long it takes (an engine stuck in it stays
+        ``loading_weights``, which the detector's ``weights_load_s`` rule reports). Before, a swap
+        slower than ``timeout_s`` was reported a timeout while the engine completed it and served
+        that version with no ``weights_loaded``. A swap taken and then abandoned (the pull
+        superseded by a newer announcement) is reported when it ends (``_report_late``).
 
         Returns:
             The checksum of the engine's weights after the swap ("" if the engine failed to load
-            them), or None if the engine did not take them within ``timeout_s`` (they are
-            withdrawn then).
+            them), or None if the engine did not take them within ``timeout_s`` or the replica
+            stops.
         """
         mine = PendingWeights(version, checksum, state, threading.Event())
         with self._swap_lock:
             if self._pending is not None:
-                self._pending.swapped.set()  # superseded: release whoever waits for it
+                self._pending.swapped.set()  # superseded before the engine took it: release its waiter
             self._pending = mine
         try:
-            swapped = await asyncio.to_thread(mine.swapped.wait, timeout_s)
+            swapped = await self._swap_done(mine, timeout_s)
+            if not swapped:
+                with self._swap_lock:
+                    taken = mine.taken
+                    if self._pending is mine:  # not taken: withdrawn
+                        self._pending = None
+                if taken:
+                    log.warning("weights v%d: the engine took them %.1f s ago and is still swapping them in; "
+                                "a swap under way cannot be withdrawn: waiting for it", version, timeout_s)
+                    swapped = await self._swap_done(mine, None)
         except asyncio.CancelledError:
-            # The thread waiting above runs on: set, it returns now. A stop ends the event loop,
-            # which joins its executor's threads, and sat out the stop bound (5 s) waiting for this
-            # one (seen: test_recovery_state's job end 5.05 s after the last commit, full suite).
-            mine.swapped.set()
-            raise
-        finally:
             with self._swap_lock:
-                if self._pending is mine:  # cancelled or timed out before the engine took it
+                taken = mine.taken
+                if self._pending is mine:
                     self._pending = None
-        if not swapped:
+            if taken and not mine.swapped.is_set():
+                self._late.add(task := asyncio.get_running_loop().create_task(self._report_late(mine)))
+                task.add_done_callback(self._late.discard)
+            raise
+        if not swapped or mine.loaded is None:
             return None
         if mine.loaded == checksum:
             await self._publish_have(version, checksum, True)
         return mine.loaded
+
+    async def _report_late(self, mine: PendingWeights) -> None:
+        """A swap the engine had begun when its pull was superseded: when it ends, the event log
+        says what the engine loaded (it may serve turns with it before the next swap), and the
+        relay says it holds it."""
+        if not await self._swap_done(mine, None) or mine.loaded != mine.checksum:
+            return
+        log.warning("weights v%d: swapped in after its pull was superseded (reported now)", mine.version)
+        try:
+            if self.server.is_complete(mine.version):
+                await self._publish_have(mine.version, mine.checksum, True)
+            await self._emit("weights_loaded", {"member_id": self.ident.member_id, "version": mine.version,
+                                                "checksum": mine.checksum, "verified": True, "late": True})
+        except (MessageError, TransportError) as exc:
+            log.error("weights v%d: late load not reported: %s", mine.version, exc)
 
     def _apply_pending(self) -> None:
         """Engine thread, between batches: swap in the pending (verified) weights. The swap
         copies only; with ``ROBUSTRL_VERIFY_LOADS`` the engine checks them once more."""
         with self._swap_lock:
             pending, self._pending = self._pending, None
-        if pending is None:
-            return
+            if pending is None:
+                return
+            pending.taken = True
+            self._swapping = pending
+        try:
+            self._swap(pending)
+        finally:
+            with self._swap_lock:
+                self._swapping = None
+            pending.swapped.set()
+
+    def _swap(self, pending: PendingWeights) -> None:
+        self.member.chaos.gate()  # a stalled engine thread stalls its swaps too
         t0 = time.monotonic()
         try:
             self.engine.load_weights(pending.state, pending.version,
@@ -339,7 +409,6 @@ class Replica:
             self.served = None
         self.member.weights_version = self.version
         pending.loaded = got
-        pending.swapped.set()
 
     # --- generation -------------------------------------------------------------------------
 
