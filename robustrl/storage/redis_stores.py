@@ -8,6 +8,7 @@ replica that dies mid-turn costs at most that one turn.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
@@ -15,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.exceptions import RedisError
 
 from robustrl.errors import StorageError, TransportError
+from robustrl.messages import Event
+from robustrl.subjects import _TOKEN
+
+log = logging.getLogger(__name__)
 
 EpisodeStatus = Literal["pending", "generating", "tool_wait", "finished"]
 
@@ -102,6 +107,23 @@ class Keys:
     def rm_outbox(job: str) -> str:
         """The request manager's events acknowledged and not yet in the job's log (a list)."""
         return f"rrl:{job}:rm:outbox"
+
+    @staticmethod
+    def rm_outbox_pattern() -> str:
+        """SCAN pattern of every job's request-manager outbox (a starting request manager appends
+        what any job's outbox still holds)."""
+        return Keys.rm_outbox("*")
+
+    @staticmethod
+    def job_of_rm_outbox(key: bytes | str) -> str | None:
+        """The job whose outbox ``key`` is, or None for a key of the pattern that names no valid
+        job id (the pattern's ``*`` matches ``:`` too, and any client may write such a key)."""
+        text = key.decode(errors="replace") if isinstance(key, bytes) else key
+        head, _, tail = Keys.rm_outbox("\0").partition("\0")
+        if not (text.startswith(head) and text.endswith(tail) and len(text) > len(head) + len(tail)):
+            return None
+        job = text[len(head):len(text) - len(tail)]
+        return job if _TOKEN.fullmatch(job) else None
 
     @staticmethod
     def job_pattern(job: str) -> str:
@@ -366,6 +388,58 @@ class WeightsPointer:
     async def get(self) -> bytes | None:
         """The announcement (set only by a gang's fenced write: ``GangFence.set_pointer``)."""
         return await _call(self.r.get(self.key), self.key)
+
+
+class OutboxEntry(BaseModel):
+    """One event in a request-manager outbox, with the message id it is appended under (the same
+    id whoever appends it, so JetStream stores it once within its duplicate window)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    msg_id: str = Field(min_length=1)
+    event: Event
+
+
+class RmOutbox:
+    """One job's request-manager outbox (``Keys.rm_outbox``): events whose commands were
+    acknowledged, oldest first, each kept until JetStream has stored it. Written by the request
+    manager; read by the next one, and by a deletion that keeps the job's log."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        self.r = client
+        self.job_id = job_id
+        self.key = Keys.rm_outbox(job_id)
+
+    async def add(self, entry: OutboxEntry) -> str:
+        """Append ``entry``; return its stored text (what ``remove`` takes)."""
+        text = entry.model_dump_json()
+        await _call(self.r.rpush(self.key, text), self.key)
+        return text
+
+    async def entries(self) -> list[tuple[bytes, OutboxEntry]]:
+        """Every entry, oldest first, with its stored text. One that does not parse (or names
+        another job) can never be appended: it is removed, logged as an error.
+
+        Raises:
+            TransportError: Redis failed, or the key holds no list.
+        """
+        out = []
+        for item in await _call(self.r.lrange(self.key, 0, -1), self.key):
+            raw = item if isinstance(item, bytes) else str(item).encode()  # (a client decoding replies)
+            try:
+                entry = OutboxEntry.model_validate_json(raw)
+                problem = "" if entry.event.job_id == self.job_id else f"an event of job {entry.event.job_id}"
+            except ValidationError as exc:
+                problem = exc.errors()[0]["msg"]
+            if problem:
+                log.error("job %s: outbox entry unreadable, dropped: %s", self.job_id, problem)
+                await self.remove(raw)
+                continue
+            out.append((raw, entry))
+        return out
+
+    async def remove(self, text: bytes | str) -> None:
+        """Remove the entry stored as ``text`` (nothing if it is gone already)."""
+        await _call(self.r.lrem(self.key, 1, text), self.key)
 
 
 class JobRegistry:

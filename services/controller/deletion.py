@@ -13,6 +13,13 @@ Crash-safe and repeatable: the job's record is first marked ``deleting`` with wh
 each part can be done again (a SCAN that finds nothing, a prefix already empty, a purge of an
 empty log). A controller that takes over finishes every deletion it finds marked (``resume``);
 the record goes last, so a job is gone from the API only once everything asked for is gone.
+
+A kept log gets, before the purge, what the job's request-manager outbox still holds: events of
+commands the request manager acknowledged and was killed before JetStream stored (the next
+request manager to start appends every job's outbox, but one that has not started yet when the
+job is deleted would find it purged). They are appended under their own message ids, so one that
+a request manager appends too is stored once within JetStream's duplicate window; a deletion
+that cannot append them fails and stays marked, like any other part.
 """
 
 from __future__ import annotations
@@ -26,10 +33,11 @@ from robustrl.services.controller import failpoints
 from robustrl.services.controller.jobs import ACTIVE
 from robustrl.services.controller.lease import LeaseLost
 
+from robustrl import subjects
 from robustrl.audit.raw import job_prefix
-from robustrl.errors import JobActive, JobError, StorageError
+from robustrl.errors import JobActive, JobError, StorageError, SubjectError
 from robustrl.storage.objects import StoreUnavailable, open_object_store
-from robustrl.storage.redis_stores import Keys, _call
+from robustrl.storage.redis_stores import Keys, RmOutbox, _call
 
 if TYPE_CHECKING:
     from robustrl.services.controller.runtime import Controller
@@ -115,6 +123,8 @@ class JobDeleter:
         return task
 
     async def _purge(self, job_id: str, what: dict[str, bool]) -> dict[str, Any]:
+        if not what["events"]:  # the log stays: it must hold every acknowledged event
+            await self._append_outbox(job_id)
         out: dict[str, Any] = {"job_id": job_id, "redis_keys_deleted": await self._purge_redis(job_id),
                                "checkpoint_objects_deleted": 0, "events_deleted": 0,
                                "checkpoints_kept": not what["checkpoints"], "events_kept": not what["events"]}
@@ -146,6 +156,32 @@ class JobDeleter:
             self.c.forget(job_id)
         log.warning("job %s deleted: %s", job_id, out)
         return out
+
+    async def _append_outbox(self, job_id: str) -> int:
+        """Append what the job's request-manager outbox holds, under its message ids, before the
+        purge takes it; return how many. The purge removes the entries (a repeat after a crash
+        appends them again under the same ids). An entry that does not parse is dropped, logged;
+        one of a kind the controller may not write (none today: the outbox holds ``work_lost``)
+        is logged and left to go with the purge.
+
+        Raises:
+            TransportError: Redis failed, or JetStream did not store an event in time.
+        """
+        appended = 0
+        for _raw, entry in await RmOutbox(self.c.redis, job_id).entries():
+            event = entry.event
+            try:
+                subject = subjects.events(job_id, event.kind, self.c.bus.role)
+            except SubjectError as exc:
+                log.error("job %s: %s event of the request manager's outbox not appended: %s", job_id,
+                          event.kind, exc)
+                continue
+            await self.c.bus.publish_durable(subject, event.encode(), msg_id=entry.msg_id)
+            appended += 1
+        if appended:
+            log.warning("job %s: %d events of a killed request manager appended from its outbox before the "
+                        "deletion", job_id, appended)
+        return appended
 
     async def _purge_redis(self, job_id: str) -> int:
         """Unlink every key under the job's prefix; return how many were unlinked."""

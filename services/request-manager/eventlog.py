@@ -7,16 +7,17 @@ timed the controller out; it then sent the command again or, for a borrowed repl
 replica as unheard. The handler now acknowledges once its state change is made (durable where it
 has one) and gives the event to this writer, which appends it through a
 :class:`robustrl.event_queue.EventQueue` (in order, each once, retried; a handful per recovery,
-far from its bound) and keeps every event in an outbox in Redis (``Keys.rm_outbox``) from before
-the acknowledgement until JetStream has stored it: a request manager killed in between (or while
-JetStream is away) left the command acknowledged and its event nowhere. The next request manager
-to run the job appends what it finds there first (``recover``), under the same message ids, so an
-event stored just before the kill is not stored twice (within JetStream's duplicate window).
+far from its bound) and keeps every event in an outbox in Redis (``RmOutbox``) from before the
+acknowledgement until JetStream has stored it: a request manager killed in between (or while
+JetStream is away) left the command acknowledged and its event nowhere. What a killed request
+manager left is appended (``recover``) under the same message ids, so an event stored just before
+the kill is not stored twice (within JetStream's duplicate window): by the next request manager to
+run the job, first; and, for a job that ended before any request manager ran it again, by the
+next request manager to start, which reads every job's outbox (``RequestManager.append_left_outboxes``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 from robustrl.bus import Bus
 from robustrl.event_queue import EventQueue
 from robustrl.messages import Event
-from robustrl.storage.redis_stores import Keys, _call
+from robustrl.storage.redis_stores import OutboxEntry, RmOutbox
 
 log = logging.getLogger(__name__)
 
@@ -34,16 +35,24 @@ class EventWriter:
 
     def __init__(self, bus: Bus, job_id: str, redis: Any) -> None:
         self.job_id = job_id
-        self.redis = redis
-        self.key = Keys.rm_outbox(job_id)
+        self.outbox = RmOutbox(redis, job_id)
         self.queue = EventQueue(bus, name=f"events-{job_id}")
         self.recovered = 0
         self._recovered = False  # the outbox was read once (``recover``)
+        # The outbox entries (stored text) this writer queued: one still in the outbox (being
+        # stored, or stored and not yet removed) is never queued a second time by a later
+        # ``recover``. By text, not message id: two entries of one command (its retry) both go.
+        self._given: set[bytes] = set()
 
     @property
     def pending(self) -> int:
         """Events given and not stored yet."""
         return self.queue.pending
+
+    @property
+    def outbox_read(self) -> bool:
+        """Whether ``recover`` has read the outbox once (what a previous life left is queued)."""
+        return self._recovered
 
     async def emit(self, kind: str, data: dict[str, Any]) -> Event:
         """Queue one event, stamped now: in the Redis outbox when this returns (acknowledge the
@@ -63,32 +72,23 @@ class EventWriter:
         # duplicate window (2 min).
         fault_id = data.get("fault_id")
         msg_id = f"{self.job_id}-{kind}-{fault_id if isinstance(fault_id, str) and fault_id else uuid.uuid4().hex}"
-        entry = json.dumps({"msg_id": msg_id, "event": event.model_dump(mode="json")})
-        await _call(self.redis.rpush(self.key, entry), self.key)
-        self._put(msg_id, event, entry)
+        entry = OutboxEntry(msg_id=msg_id, event=event)
+        self._put(entry, await self.outbox.add(entry))
         return event
 
     async def recover(self) -> int:
         """Queue what a previous request manager left in the outbox (before anything new);
-        return how many. An entry that does not parse is dropped, logged.
+        return how many. An entry that does not parse is dropped, logged. Harmless to call again
+        (what this writer queued once is not queued again).
 
         Raises:
             TransportError: Redis failed (the entries stay for the next try).
         """
         found = 0
-        for raw in await _call(self.redis.lrange(self.key, 0, -1), self.key):
-            entry = raw.decode() if isinstance(raw, bytes) else str(raw)
-            try:
-                doc = json.loads(entry)
-                event = Event.model_validate(doc["event"])
-                msg_id = str(doc["msg_id"])
-            except (ValueError, KeyError, TypeError) as exc:
-                log.error("job %s: outbox entry unreadable, dropped: %s", self.job_id, exc)
-                await _call(self.redis.lrem(self.key, 1, raw), self.key)
+        for raw, entry in await self.outbox.entries():
+            if raw in self._given:
                 continue
-            if self.queue.queued(msg_id):
-                continue
-            self._put(msg_id, event, entry)
+            self._put(entry, raw)
             found += 1
         self._recovered = True
         self.recovered += found
@@ -96,11 +96,13 @@ class EventWriter:
             log.warning("job %s: %d events of a previous request manager found in the outbox", self.job_id, found)
         return found
 
-    def _put(self, msg_id: str, event: Event, entry: str) -> None:
+    def _put(self, entry: OutboxEntry, stored: bytes | str) -> None:
         async def out_of_the_outbox() -> None:  # once stored (or refused for good)
-            await _call(self.redis.lrem(self.key, 1, entry), self.key)
+            await self.outbox.remove(stored)
 
-        self.queue.put(msg_id, event, out_of_the_outbox)
+        if self.queue.put(entry.msg_id, entry.event, out_of_the_outbox):
+            # (one dropped, the queue full, stays in the outbox for a later ``recover``)
+            self._given.add(stored.encode() if isinstance(stored, str) else stored)
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every queued event to be stored; True if they were. The

@@ -8,6 +8,9 @@ batch hand-off, step deadline, garbage collection). Never imports torch.
 After its own restart the service resumes, not restarts: it finds the jobs that are running in the
 job registry (Redis), asks the controller for each one's spec and committed step, and continues the
 current step from Redis, keeping finished episodes and re-dispatching only turns with no live owner.
+Then it appends what every job's event outbox still holds (``append_left_outboxes``), the jobs it
+does not run included: a job that ended while no request manager ran it has nobody else to
+append the events its killed request manager acknowledged.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import time
 from typing import Any
 
 from robustrl.services.request_manager.batching import JobRunner
+from robustrl.services.request_manager.eventlog import EventWriter
 
 from robustrl.aio import wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
-from robustrl.errors import RequestTimeout
+from robustrl.errors import RequestTimeout, TransportError
 from robustrl.messages import (
     BatchGet,
     BatchReady,
@@ -37,7 +41,7 @@ from robustrl.messages import (
     TurnResult,
     WeightsHave,
 )
-from robustrl.storage.redis_stores import BatchStore, JobRegistry
+from robustrl.storage.redis_stores import BatchStore, JobRegistry, Keys, _call
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)
@@ -48,6 +52,8 @@ SPEC_TIMEOUT_S = 2.0
 SPEC_ATTEMPTS = 5
 EVENTS_DRAIN_S = 5.0
 """At close, how long a job's queued events are given to reach the log."""
+OUTBOX_SCAN_BATCH = 500
+"""Keys asked for per SCAN of the jobs' event outboxes at the start."""
 
 __all__ = ["JobRunner", "RequestManager"]
 
@@ -59,6 +65,11 @@ class RequestManager:
         self.bus = bus
         self.redis = redis
         self.jobs: dict[str, JobRunner] = {}
+        # One event writer per job for this service's life, its runner's or (a job it does not
+        # run) the one that appended its outbox at the start: a runner created later takes that
+        # one over, and a stopped job's keeps storing what it holds, so nothing in an outbox is
+        # queued by two writers.
+        self._writers: dict[str, EventWriter] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._creating: dict[str, asyncio.Lock] = {}
         self._fence: dict[str, int] = {}  # job -> largest controller fencing token seen
@@ -76,14 +87,26 @@ class RequestManager:
         await b.subscribe(all_jobs_exact(Verb.BATCH_GET), BatchGet, self._on_batch_get)
         await b.subscribe(all_jobs_exact(Verb.PROBE, "request_manager"), ProbeRequest, self._on_probe)
         if resume:
-            self._tasks.append(asyncio.create_task(self.resume_running_jobs()))
+            self._tasks.append(asyncio.create_task(self._after_restart()))
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         for job in list(self.jobs.values()):
             await job.stop()
-            await job.events.drain(EVENTS_DRAIN_S)
+        # Every writer's queued events: running jobs', stopped jobs' and the outboxes' of the start.
+        await asyncio.gather(*(writer.drain(EVENTS_DRAIN_S) for writer in list(self._writers.values())))
+
+    async def _after_restart(self) -> None:
+        try:
+            await self.resume_running_jobs()
+        except TransportError as exc:
+            log.error("running jobs not resumed: the job registry not read: %s", exc)
+        # After the resume: a job resumed has its runner, whose writer reads its outbox first.
+        try:
+            await self.append_left_outboxes()
+        except TransportError as exc:
+            log.error("event outboxes not scanned (%s): what they hold stays for the next start", exc)
 
     async def resume_running_jobs(self) -> list[str]:
         """After a restart: continue every job the registry says is running (its current step from
@@ -100,6 +123,42 @@ class RequestManager:
             resumed.append(job.job_id)
             log.warning("job %s: resumed at step %d after a request-manager restart", job.job_id, job.step)
         return resumed
+
+    async def append_left_outboxes(self) -> int:
+        """Queue what every job's event outbox still holds, under its message ids, each entry
+        removed once stored; return how many events. A job this service runs is its runner's
+        writer's (read once, not again); any other job, ended ones included, gets a writer here.
+        Keys are found with SCAN in bounded batches; one that names no job, or whose outbox
+        cannot be read, is logged and left, and the scan goes on.
+
+        Raises:
+            TransportError: a SCAN failed (the outboxes not reached stay for the next start).
+        """
+        pattern, cursor, found = Keys.rm_outbox_pattern(), 0, 0
+        while True:
+            cursor, keys = await _call(self.redis.scan(cursor, match=pattern,  # type: ignore[attr-defined]
+                                                       count=OUTBOX_SCAN_BATCH), pattern)
+            for key in keys:
+                found += await self._append_outbox(key)
+            if int(cursor) == 0:
+                return found
+
+    async def _append_outbox(self, key: bytes | str) -> int:
+        job_id = Keys.job_of_rm_outbox(key)
+        if job_id is None:
+            log.error("key %r matches the outbox pattern but names no job: left as it is", key[:200])
+            return 0
+        writer = self._writers.get(job_id)
+        if writer is None:  # a job this service does not run (an ended one: no one else will)
+            writer = self._writers[job_id] = EventWriter(self.bus, job_id, self.redis)
+        elif writer.outbox_read:
+            return 0  # its runner's writer has it queued already
+        try:
+            return await writer.recover()
+        except TransportError as exc:
+            log.error("job %s: the event outbox not read (%s): its events stay for the next start", job_id,
+                      exc)
+            return 0
 
     async def _on_probe(self, msg: ProbeRequest, _subject: str, reply: str | None) -> None:
         job = self.jobs.get(msg.job_id)
@@ -154,6 +213,7 @@ class RequestManager:
             spec = JobSpec.parse(reply.spec)
             step = start_step if start_step is not None else (reply.resume_step or 0)
             job = self.jobs[job_id] = JobRunner(self.bus, self.redis, job_id, spec, step)
+            job.events = self._writers.setdefault(job_id, job.events)  # (``self._writers``)
             job.gang_epoch = reply.epoch
             return job
 
