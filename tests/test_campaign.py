@@ -123,3 +123,12 @@ def test_a_late_batch_ready_never_turns_an_observed_batch_into_a_lost_one(infra)
     assert set(driver.observed[1].episodes) == set(ids)
     assert 2 not in driver.observed, driver.observed[2]
     assert driver.observed[3].batch is None  # still judged: a record that does not parse is a loss
+    # A step the request manager restarted is handed over again: its newer batch is the one
+    # trained, and the one the audit must judge.
+    restarted = ["e2", "e3"]
+    try:
+        r.set(Keys.batch(job, 1), json.dumps({"episode_ids": restarted}))
+        asyncio.run(driver._observe(1))
+    finally:
+        r.delete(Keys.batch(job, 1))
+    assert driver.observed[1].batch == {"episode_ids": restarted}, driver.observed[1]

@@ -135,18 +135,17 @@ class CampaignDriver:
         task.add_done_callback(self._tasks.discard)
 
     async def _observe(self, step: int) -> None:
-        """Sample ``step``'s batch raw. The first sample that found the key is kept: a
+        """Sample ``step``'s batch raw; the newest sample that found the key is kept. A
         ``batch_ready`` can come late (sent from the request manager's outbox after the hand-off,
-        or again by its next life) when the step's keys were already collected, and a sample that
-        finds nothing is no evidence about the batch."""
-        if step in self.observed:
-            return
+        or again by its next life) when the step's keys were already collected: a sample that
+        finds nothing is no evidence about the batch and replaces nothing. A step restarted by
+        the request manager is handed over again, and its newer batch is the one trained."""
         try:
             seen = await observe_batch(self.settings.redis_url, self.job_id, step)
         except Exception as exc:  # noqa: BLE001 - an observation is a bonus for the audit, never fatal
             log.warning("campaign: could not observe batch %d: %s", step, exc)
             return
-        if seen is not None and step not in self.observed:
+        if seen is not None:
             self.observed[step] = ObservedStep(step, *seen)
 
     async def _sample_start(self) -> None:

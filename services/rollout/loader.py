@@ -108,7 +108,10 @@ class WeightLoader:
             the swap timed out.
         emit: appends an event to the job's log.
         on_change: called when loading/failed changes (the replica republishes its phase).
-        held: the (version, checksum) the engine serves now.
+        held: the (version, checksum) the engine serves now (or is swapping in).
+        withdraw: withdraws weights handed to the engine and not taken by it yet (called before a
+            new announcement is judged against ``held``, under the same lock as the engine's
+            taking them: else the engine could take a superseded version right after).
         have: announces a pull this replica starts (``complete=False``) to the other replicas;
             None announces nothing (the replica then relays only to peers that ask anyway).
         alloc: allocates the buffer a version is pulled into (the engine's ``alloc_buffer``:
@@ -120,7 +123,8 @@ class WeightLoader:
                  layout: dict[str, tuple[str, list[int]]], install: Install, emit: Emit,
                  on_change: Callable[[], Awaitable[None]], held: Callable[[], tuple[int, str]],
                  seed: int = 0, have: Have | None = None,
-                 alloc: Callable[[int], np.ndarray] | None = None) -> None:
+                 alloc: Callable[[int], np.ndarray] | None = None,
+                 withdraw: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
         self.member_id = member_id
         self.server = server
@@ -128,6 +132,8 @@ class WeightLoader:
         self._install = install
         self._emit = emit
         self._on_change = on_change
+        self._withdraw = withdraw
+        self._reports: set[asyncio.Task[None]] = set()  # shielded reports of loads (see _loaded)
         self._held = held
         self._seed = seed
         self._have = have
@@ -147,6 +153,10 @@ class WeightLoader:
             log.warning("ignoring v%d of epoch %d (%s; following epoch %d)", msg.version, msg.epoch,
                         verdict.value, self.announcements.newest_epoch)
             return
+        if verdict is Offer.NEW and self._withdraw is not None:
+            # The running pull is about to be cancelled (held already, or superseded): what it
+            # handed to the engine and the engine has not taken must not be taken now.
+            self._withdraw()
         if (msg.version, msg.checksum) == self._held():
             # The engine serves these weights already: nothing to pull, and no other pull may go
             # on either. After a rollback the new gang announces the checkpoint's version, whose
@@ -170,6 +180,20 @@ class WeightLoader:
                      msg.epoch)
             self._task.cancel("superseded by a newer announcement")
         self._task = asyncio.create_task(self._follow(msg), name=f"pull-v{msg.version}")
+        self._task.add_done_callback(self._done)
+
+    def resync(self) -> None:
+        """After a swap the loader did not see end (its pull was cancelled): if the engine does
+        not hold what the newest announcement names and no pull runs, follow it again (a swap
+        counted as held that then failed left the replica with no weights and nothing pulling)."""
+        target = self.announcements.target
+        if target is None or (self._task is not None and not self._task.done()):
+            return
+        if (target.version, target.checksum) == self._held():
+            return
+        log.warning("v%d (epoch %d) announced and not held after a swap ended: pulling it again",
+                    target.version, target.epoch)
+        self._task = asyncio.create_task(self._follow(target), name=f"pull-v{target.version}")
         self._task.add_done_callback(self._done)
 
     async def _settle_held(self) -> None:
@@ -334,10 +358,15 @@ class WeightLoader:
                                        sources=sorted(stats.chunks_from))
             return False
         if not self._still_followed(ann):
-            # Superseded while the bytes were checked (a cancellation lands only at an await):
-            # never install weights the replica no longer follows.
-            self.server.drop_version(manifest.version)
-            log.warning("v%d (epoch %d) verified after it was superseded: not installed", ann.version, ann.epoch)
+            # Superseded while the bytes were checked (a cancellation lands only at an await),
+            # or the engine holds (or is swapping in) these very weights: never install weights
+            # the replica no longer follows, nor the same ones twice.
+            if (ann.version, ann.checksum) == self._held():
+                await self._set(loading=False, failed=False)  # this follow is done: they are held
+            else:
+                self.server.drop_version(manifest.version)
+                log.warning("v%d (epoch %d) verified after it was superseded: not installed", ann.version,
+                            ann.epoch)
             return True
         if not self.server.is_complete(manifest.version):
             # pulled without relaying (a retry after a mismatch): it verified now, serve it onward
@@ -351,6 +380,16 @@ class WeightLoader:
                 reason, error = "load_mismatch", None if loaded else "the engine failed to load the weights"
             await self._failed_attempt(ann, reason, got=loaded or None, checksum=loaded or None, error=error)
             return False
+        # The engine serves them now: the report must be made whatever cancels this pull from
+        # here on (a new announcement), or the event log would lack a version turns were made with.
+        report = asyncio.create_task(self._loaded(ann, manifest, stats, t0, loaded))
+        self._reports.add(report)
+        report.add_done_callback(self._reports.discard)
+        await asyncio.shield(report)
+        return True
+
+    async def _loaded(self, ann: WeightsAnnounce, manifest: Manifest, stats: PullStats, t0: float,
+                      loaded: str) -> None:
         await self._set(loading=False, failed=False)
         await self._emit("weights_loaded", {
             "member_id": self.member_id, "version": manifest.version, "epoch": ann.epoch,
@@ -361,7 +400,6 @@ class WeightLoader:
             "corrupt_chunks": stats.corrupt_chunks})
         log.info("loaded v%d (epoch %d) in %.2fs (%d B, from %s)", manifest.version, ann.epoch,
                  time.monotonic() - t0, stats.bytes_received, stats.chunks_from)
-        return True
 
     def _still_followed(self, ann: WeightsAnnounce) -> bool:
         """Whether ``ann``'s weights are still the ones to load (the newest announcement names

@@ -126,7 +126,7 @@ class Replica:
         self.address = await self.server.start()
         self.loader = WeightLoader(spec.weights, self.ident.member_id, self.server, self.engine.layout(),
                                    install=self._install, emit=self._emit, on_change=self._refresh_phase,
-                                   held=self._held,
+                                   held=self._held, withdraw=self._withdraw,
                                    seed=hash(self.ident.member_id) & 0xFFFF, have=self._publish_have,
                                    alloc=self.engine.alloc_buffer)
         bus = self.member.bus
@@ -198,8 +198,8 @@ class Replica:
             return "weights_failed"
         if self._working:
             return "serving"
-        if self.loader.state.loading:
-            return "loading_weights"
+        if self.loader.state.loading or self._swapping is not None:
+            return "loading_weights"  # (a swap under way, also one whose pull was cancelled)
         # Turns queued, none servable with the version held: they wait for a version the trainer
         # has not made yet (after a trainer rollback the new gang announces a lower version, and
         # the turns dispatched before it need the old gang's newest again). Not a stall: the
@@ -294,6 +294,13 @@ class Replica:
             return swapping.version, swapping.checksum
         return self.version, self.checksum
 
+    def _withdraw(self) -> None:
+        """Withdraw weights handed to the engine thread and not taken yet (their waiter returns)."""
+        with self._swap_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.swapped.set()
+
     async def _swap_done(self, mine: PendingWeights, timeout_s: float | None) -> bool:
         """Wait until ``mine``'s swap ended (or it was released), up to ``timeout_s`` (None: until
         the replica stops). In short slices: a cancelled wait leaves no thread behind for long (a
@@ -338,26 +345,29 @@ class Replica:
                     log.warning("weights v%d: the engine took them %.1f s ago and is still swapping them in; "
                                 "a swap under way cannot be withdrawn: waiting for it", version, timeout_s)
                     swapped = await self._swap_done(mine, None)
+            if not swapped or mine.loaded is None:
+                return None
+            if mine.loaded == checksum:
+                await self._publish_have(version, checksum, True)
+            return mine.loaded
         except asyncio.CancelledError:
             with self._swap_lock:
                 taken = mine.taken
                 if self._pending is mine:
                     self._pending = None
-            if taken and not mine.swapped.is_set():
+            if taken:  # under way or done: the engine serves them (or failed to): say so once it ends
                 self._late.add(task := asyncio.get_running_loop().create_task(self._report_late(mine)))
                 task.add_done_callback(self._late.discard)
             raise
-        if not swapped or mine.loaded is None:
-            return None
-        if mine.loaded == checksum:
-            await self._publish_have(version, checksum, True)
-        return mine.loaded
 
     async def _report_late(self, mine: PendingWeights) -> None:
         """A swap the engine had begun when its pull was superseded: when it ends, the event log
         says what the engine loaded (it may serve turns with it before the next swap), and the
         relay says it holds it."""
-        if not await self._swap_done(mine, None) or mine.loaded != mine.checksum:
+        if not await self._swap_done(mine, None):
+            return
+        if mine.loaded != mine.checksum:
+            self.loader.resync()  # a swap counted as held failed: the announced weights are pulled again
             return
         log.warning("weights v%d: swapped in after its pull was superseded (reported now)", mine.version)
         try:
@@ -367,6 +377,7 @@ class Replica:
                                                 "checksum": mine.checksum, "verified": True, "late": True})
         except (MessageError, TransportError) as exc:
             log.error("weights v%d: late load not reported: %s", mine.version, exc)
+        self.loader.resync()  # the newest announcement may name other weights: follow them
 
     def _apply_pending(self) -> None:
         """Engine thread, between batches: swap in the pending (verified) weights. The swap
@@ -383,6 +394,7 @@ class Replica:
             with self._swap_lock:
                 self._swapping = None
             pending.swapped.set()
+            self._refresh_phase_from_thread()
 
     def _swap(self, pending: PendingWeights) -> None:
         self.member.chaos.gate()  # a stalled engine thread stalls its swaps too

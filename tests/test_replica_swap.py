@@ -1,0 +1,147 @@
+"""The replica's weight swap against the loader, interleavings placed by hand (pure logic: the
+real ``Replica._install`` / ``_apply_pending`` / ``_held`` / ``_withdraw`` and the real
+``WeightLoader.offer``; the engine is a stand-in whose load can be held and made to fail, run on
+a thread of its own as the engine thread is). Each case is one an outside review found after the
+slow-swap fix: the replica must never serve weights that the event log does not show it loaded,
+nor stay on weights the newest gang did not announce, nor on none with nothing pulling."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import types
+from typing import Any
+
+from robustrl.config import WeightSyncSpec
+from robustrl.member import ChaosState
+from robustrl.messages import WeightsAnnounce
+from robustrl.services.rollout.loader import WeightLoader
+from robustrl.services.rollout.replica import Replica
+
+
+class Engine:
+    name = "stand-in"
+
+    def __init__(self) -> None:
+        self.hold: threading.Event | None = None
+        self.fail = False
+
+    def load_weights(self, state: dict[str, Any], version: int, checksum: str = "") -> None:
+        if self.hold is not None:
+            self.hold.wait(10)
+        if self.fail:
+            raise RuntimeError("the engine failed to load them")
+
+
+def replica(version: int, checksum: str) -> Any:
+    r: Any = Replica.__new__(Replica)
+    r._swap_lock, r._pending, r._swapping, r._late = threading.Lock(), None, None, set()
+    r.version, r.checksum = version, checksum
+    r.member = types.SimpleNamespace(stopping=asyncio.Event(), chaos=ChaosState(), weights_version=version)
+    r.engine, r.model, r.verify_loads, r.served = Engine(), object(), False, None
+    r.ident = types.SimpleNamespace(member_id="rollout-0-i0")
+    r.server = types.SimpleNamespace(is_complete=lambda v: True)
+    r.loop = asyncio.get_running_loop()
+    r.events, r.haves = [], []
+    r._working = r._awaiting = False
+    r.loader = types.SimpleNamespace(resync=lambda: None)
+
+    async def have(v: int, c: str, complete: bool) -> None:
+        r.haves.append((v, c))
+        await asyncio.sleep(0.05)
+
+    async def emit(kind: str, data: dict[str, Any]) -> None:
+        r.events.append((kind, data))
+
+    async def nothing() -> None:
+        return None
+
+    r._publish_have, r._emit, r._refresh_phase = have, emit, nothing
+    return r
+
+
+def loader(r: Any) -> WeightLoader:
+    async def nothing() -> None:
+        return None
+
+    server: Any = types.SimpleNamespace(drop_version=lambda v: None, is_complete=lambda v: True)
+    r.loader = WeightLoader(WeightSyncSpec(pull_timeout_s=5.0, pull_attempts=1), "rollout-0-i0", server, {},
+                            install=r._install, emit=r._emit, on_change=nothing, held=r._held,
+                            withdraw=r._withdraw)
+    return r.loader
+
+
+def ann(version: int, epoch: int, checksum: str) -> WeightsAnnounce:
+    return WeightsAnnounce(job_id="j", version=version, epoch=epoch, checksum=checksum,
+                           sources=["tcp://127.0.0.1:9"], manifest_digest="0" * 64)
+
+
+def loaded(r: Any) -> list[int]:
+    return [d["version"] for k, d in r.events if k == "weights_loaded"]
+
+
+async def until(pred: Any, what: str, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if pred():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{what} not met after {timeout} s")
+
+
+async def test_a_rollback_to_the_held_version_withdraws_a_dead_gangs_version_not_yet_taken() -> None:
+    """Holding v2, the dead gang's v3 handed over but not taken (the engine is mid-batch); the
+    new gang resumes at v2. Before: the offer took v2 as held and cancelled the pull, and the
+    engine, its batch over, took v3 in the window before the cancellation landed: it served the
+    dead gang's v3 for good, unreported."""
+    r = replica(2, "c2")
+    lo = loader(r)
+    lo.announcements.offer(ann(3, 1, "c3"))
+    lo._task = asyncio.create_task(r._install(3, "c3", {}, 5.0))
+    await until(lambda: r._pending is not None, "v3 handed to the engine")
+    lo.offer(ann(2, 2, "c2"))  # the rollback: held already
+    engine = threading.Thread(target=r._apply_pending)
+    engine.start()  # the engine's batch ends in the window
+    engine.join()
+    await asyncio.gather(lo._task, return_exceptions=True)
+    assert (r.version, r.checksum) == (2, "c2") and 3 not in loaded(r), (r.version, r.events)
+
+
+async def test_a_swap_counted_as_held_that_fails_is_pulled_again() -> None:
+    """The engine is swapping v2 (gang 1) in when gang 2 announces the same v2: held. The swap
+    then fails. Before: the replica had no weights and nothing pulled, its phase idle."""
+    r = replica(1, "c1")
+    lo = loader(r)
+    r.engine.hold, r.engine.fail = threading.Event(), True
+    lo.announcements.offer(ann(2, 1, "c2"))
+    lo._task = asyncio.create_task(r._install(2, "c2", {}, 5.0))
+    await until(lambda: r._pending is not None, "v2 handed to the engine")
+    engine = threading.Thread(target=r._apply_pending)
+    engine.start()
+    await until(lambda: r._swapping is not None, "the engine swapping v2 in")
+    assert r._phase() == "loading_weights"
+    lo.offer(ann(2, 2, "c2"))
+    await asyncio.sleep(0)
+    assert r._phase() == "loading_weights", "a swap under way stopped showing as loading"
+    r.engine.hold.set()
+    engine.join()
+    await until(lambda: lo._task is not None and not lo._task.done() and lo._task.get_name() == "pull-v2",
+                "gang 2's v2 pulled again after the failed swap")
+    assert r.version == -1
+    lo._task.cancel()
+    await asyncio.gather(lo._task, return_exceptions=True)
+
+
+async def test_a_swap_done_when_its_pull_is_cancelled_is_still_reported_loaded() -> None:
+    """The engine finished swapping v2 in; the pull's task is cancelled (a newer announcement)
+    while it reports. Before: nothing said v2 was loaded, though turns were served with it."""
+    r = replica(1, "c1")
+    task = asyncio.create_task(r._install(2, "c2", {}, 5.0))
+    await until(lambda: r._pending is not None, "v2 handed to the engine")
+    engine = threading.Thread(target=r._apply_pending)
+    engine.start()
+    engine.join()
+    await until(lambda: r.haves, "the install announcing v2 held")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await until(lambda: 2 in loaded(r), "v2 reported loaded")
+    assert r.version == 2 and loaded(r) == [2]
