@@ -209,6 +209,27 @@ class Harness:
         await self.rm_bus.close()
         await self.rm_redis.aclose()
 
+    async def replica_dead_with_jetstream_away(self, fault_id: str, member_id: str) -> Any:
+        """JetStream takes nothing from the request manager (its durable publishes never return);
+        then the controller's ``replica_dead`` for ``member_id`` is sent and acknowledged: its
+        event is in the outbox only. Returns the command (to send it again)."""
+        from robustrl.services.controller.runtime import RM_ACK_TIMEOUT_S
+
+        from robustrl.messages import ControlCommand
+
+        assert self.rm_bus is not None
+        never = asyncio.Event()
+
+        async def jetstream_away(*args: object, **kw: object) -> None:
+            await never.wait()
+
+        self.rm_bus.publish_durable = jetstream_away  # type: ignore[method-assign]
+        cmd = ControlCommand(job_id=self.job_id, target="request_manager", action="replica_dead",
+                             args={"fault_id": fault_id, "member_id": member_id}, fence=1)
+        await self.bus.request(subject(self.job_id, Verb.CONTROL, "request_manager"), cmd, ControlCommand,
+                               timeout=RM_ACK_TIMEOUT_S)
+        return cmd
+
     async def commit(self, step: int, durable: int = -1) -> None:
         self.committed = step
         await self.bus.publish(subject(self.job_id, Verb.COMMIT), StepCommitted(

@@ -453,8 +453,6 @@ async def test_an_acknowledged_commands_event_survives_the_request_manager_kille
     killed: its ``work_lost`` must still reach the log, once, appended by the next request manager
     from the Redis outbox it was written to before the acknowledgement. (With the event queued
     in memory only, the command was acknowledged and its event lost with the process.)"""
-    import asyncio
-
     from robustrl.services.controller.runtime import RM_ACK_TIMEOUT_S
 
     from robustrl.messages import ControlCommand
@@ -466,17 +464,7 @@ async def test_an_acknowledged_commands_event_survives_the_request_manager_kille
         await h.start_rm()
         await eventually_async(lambda: len(a.held) + len(b.held) == 4 and a.held, timeout=20,
                                what="4 turns in flight, some on a")
-        assert h.rm_bus is not None
-        never = asyncio.Event()
-
-        async def jetstream_away(*args: object, **kw: object) -> None:
-            await never.wait()
-
-        h.rm_bus.publish_durable = jetstream_away  # type: ignore[method-assign]
-        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="replica_dead",
-                             args={"fault_id": "f-outbox", "member_id": a.member_id}, fence=1)
-        await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), cmd, ControlCommand,
-                            timeout=RM_ACK_TIMEOUT_S)
+        cmd = await h.replica_dead_with_jetstream_away("f-outbox", a.member_id)
         turns = len(a.held)
         assert await h.redis.llen(Keys.rm_outbox(h.job_id)) == 1  # raw: in the outbox before the ack
         assert not await _logged(h, "work_lost", "f-outbox")

@@ -56,28 +56,14 @@ async def test_a_killed_request_managers_outbox_is_appended_though_its_job_ended
     next request manager to start (with its own Redis and NATS credentials) appends the event
     anyway, once, and the outbox key goes. Keys of the outbox pattern that name no job, or hold
     the wrong type, and an entry that does not parse do not stop it."""
-    from robustrl.services.controller.runtime import RM_ACK_TIMEOUT_S
     from robustrl.services.request_manager.service import RequestManager
-
-    from robustrl.messages import ControlCommand
-    from robustrl.subjects import Verb, subject
 
     async with Harness(servers, rm_spec("orphan")) as h:
         a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
         a.hold = b.hold = lambda msg: True
         await h.start_rm()
         await eventually_async(lambda: a.held, timeout=20, what="a turn in flight on replica a")
-        assert h.rm_bus is not None
-        never = asyncio.Event()
-
-        async def jetstream_away(*args: object, **kw: object) -> None:
-            await never.wait()
-
-        h.rm_bus.publish_durable = jetstream_away  # type: ignore[method-assign]
-        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="replica_dead",
-                             args={"fault_id": "f-orphan", "member_id": a.member_id}, fence=1)
-        await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), cmd, ControlCommand,
-                            timeout=RM_ACK_TIMEOUT_S)
+        await h.replica_dead_with_jetstream_away("f-orphan", a.member_id)
         outbox = Keys.rm_outbox(h.job_id)
         assert await h.redis.llen(outbox) == 1  # acknowledged: its event in the outbox, not the log
         await h.kill_rm()
