@@ -26,13 +26,14 @@ from robustrl.services.controller.supervision import STARTUP_FAILURES_MAX
 from robustrl.services.controller.view import job_view
 from support import eventually, eventually_async
 
+from robustrl.aio import wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import LaunchError, RequestTimeout
 from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.launcher.local import LAUNCH_MARK_ENV, LocalLauncher
 from robustrl.launcher.zygote import FORK_START_ENV
-from robustrl.messages import ControlCommand, MemberHello, MetricsSample, StepCommitted
+from robustrl.messages import ControlCommand, FaultReport, MemberHello, MetricsSample, StepCommitted
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.redis_stores import Keys, connect
 from robustrl.subjects import Verb, all_jobs_exact, subject
@@ -1483,3 +1484,85 @@ async def test_a_weights_fault_ignored_during_a_trainer_recovery_is_acted_on_if_
     decided = {d["fault_id"]: d["actions"] for d in of_kind(await rig.events(job.job_id), "decision")}
     assert "ReplaceReplica" in decided["weights-rollout-0-i0-after-recovery"], decided
     assert "weights-rollout-1-i0-after-recovery" not in decided
+
+
+async def test_an_exit_whose_recovery_fails_once_logs_its_fault_once(rig: Rig,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exit's handling fails in the recovery (after its ``fault_detected`` is in the log); the
+    next round handles it again. Before, the retry ran the whole crash path again and logged the
+    fault a second time (and would count a start-up failure twice)."""
+    c, job = await leading_job_at_step_0(rig, "cpexits3")
+    real = c.recovery.handle
+    failed: list[str] = []
+
+    async def fail_once(fault: FaultReport) -> None:
+        if fault.fault_id == "exit-rollout-1-i0" and not failed:
+            failed.append(fault.fault_id)
+            raise RuntimeError("redis blip in the recovery (test)")
+        await real(fault)
+
+    monkeypatch.setattr(c.recovery, "handle", fail_once)
+    os.killpg(job.members["rollout-1-i0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    await eventually_async(lambda: _with_decision_for(rig, job.job_id, "exit-rollout-1-i0"), timeout=20,
+                           what="the crash decided on the retry")
+    await eventually_async(lambda: not c.supervisor._unhandled, timeout=20, what="the exit handled")
+    assert failed, "the recovery's failure was not injected"
+    events = await rig.events(job.job_id)
+    detected = [d for d in of_kind(events, "fault_detected") if d["fault_id"] == "exit-rollout-1-i0"]
+    decided = [d for d in of_kind(events, "decision") if d["fault_id"] == "exit-rollout-1-i0"]
+    assert len(detected) == 1 and len(decided) == 1, (detected, decided)
+
+
+async def test_a_weights_fault_to_look_at_again_survives_a_change_of_leader(rig: Rig) -> None:
+    """A replica's weights fault ignored while a trainer recovery ran is to be looked at again once
+    the recovery is over. The leader that ignored it goes before that; the replica is still in
+    ``weights_failed`` (it says so only in its metrics: a member announces a phase once). The new
+    leader must act on it. Before, the recheck lived in the old leader's memory: never again."""
+    assert rig.bus
+    a = await rig.controller()
+    await a.wait_leading(10)
+    b = await rig.controller()
+    job = await a.submit(JobSpec.parse({
+        "name": "cprecheck2", "steps": 5, "rollout": {"replicas": 2},
+        "detector": {"trainer_idle_s": 4.0, "rollout_idle_s": 2.0, "silence_s": 1.0, "probe_timeout_s": 1.0,
+                     "metrics_interval_s": 0.25, "weights_load_s": 1.0}}))
+    await rig.hello_all(a, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    await eventually_async(lambda: any(r.role == "trainer" for r in job.recoveries), timeout=20,
+                           what="the trainer recovery under way")
+    member = "rollout-0-i0"
+    await rig.bus.publish(subject(job.job_id, Verb.FAULT), FaultReport(
+        job_id=job.job_id, fault_id=f"weights-{member}", role="rollout", member_id=member, kind="hang",
+        evidence="replica reports its weight pulls failed (test)", detected_at=time.time(), step=1,
+        cause="weights_failed"))
+    await eventually_async(lambda: _with_decision_for(rig, job.job_id, f"weights-{member}"), timeout=20,
+                           what="the weights fault decided")
+    decided = {d["fault_id"]: d["actions"] for d in of_kind(await rig.events(job.job_id), "decision")}
+    assert decided[f"weights-{member}"] == ["Ignore"], decided
+    await a.close(stop_members=False)  # the leader goes while the trainer recovery still runs
+    await b.wait_leading(LEASE_TTL_S + 5.0)
+    taken = b.get(job.job_id)
+    stop = asyncio.Event()
+
+    async def stuck_replica_metrics() -> None:  # what a replica stuck in weights_failed sends
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            await rig.bus.publish(subject(job.job_id, Verb.METRICS, member), MetricsSample(
+                job_id=job.job_id, member_id=member, role="rollout", seq=seq, ts=time.time(),
+                phase="weights_failed", step=1))
+            await wait_event(stop, 0.25)
+
+    metrics = asyncio.create_task(stuck_replica_metrics())
+    try:
+        await rig.hello_all(b, taken.job_id)  # the new gang is up: the recovery ends under b
+        await eventually_async(lambda: _with_decision_for(rig, job.job_id, f"weights-{member}-after-recovery"),
+                               timeout=20, what="the new leader acting on the replica still failing")
+    finally:
+        stop.set()
+        await metrics
+    decided = {d["fault_id"]: (d["actions"], d["fence"]) for d in of_kind(await rig.events(job.job_id), "decision")}
+    actions, fence = decided[f"weights-{member}-after-recovery"]
+    assert "ReplaceReplica" in actions and fence == b.lease.token, decided

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from robustrl.config import JobSpec
+from robustrl.messages import FaultReport
 
 JobStatus = Literal["pending", "running", "recovering", "finished", "failed", "stopped"]
 ACTIVE = ("running", "recovering", "pending")
@@ -141,10 +142,11 @@ class JobRun:
     deleting: dict[str, bool] | None = None
     """Set once ``DELETE /v1/jobs/{id}`` marked the job (what is to go: checkpoints, events);
     persisted, so a controller that takes over finishes the deletion."""
-    recheck_after_recovery: dict[str, Any] = field(default_factory=dict)
-    """Rollout member -> its weights fault (a ``FaultReport``) ignored while a trainer recovery ran,
-    looked at again once it is over (``RecoveryExecutor``; in memory: a new leader drops them, and
-    the request manager's weights deadline is then the only net)."""
+    recheck_after_recovery: dict[str, FaultReport] = field(default_factory=dict)
+    """Rollout member -> its weights fault ignored while a trainer recovery ran, looked at again
+    once it is over (``RecoveryExecutor``). Persisted: a leader that takes over looks at them
+    (``RecoveryExecutor.resume_rechecks``); dropped, a replica still unable to load would never be
+    reported again (the detector reports a member once)."""
     trained_unheard: int = -1
     """A step of the current gang the trained log holds but no commit was heard of, at the last
     progress check (-1: none); the next check still finding it reads the event log."""

@@ -522,16 +522,34 @@ class RecoveryExecutor:
                 # generating and from the gang forming (on a cluster a replacement gets its own machine).
                 await self.owe(job, gang.borrowed_slots)
 
+    def resume_rechecks(self, job: JobRun) -> None:
+        """After a takeover: the weights faults the previous leader ignored during a trainer
+        recovery are looked at again, ``weights_load_s`` from now (or once the recovery it
+        recorded as under way is over: its end starts the recheck)."""
+        if job.recheck_after_recovery and not job.done and not self._trainer_recovering(job):
+            log.warning("job %s: weights faults of %s ignored by the previous leader looked at again in %g s",
+                        job.job_id, sorted(job.recheck_after_recovery), job.spec.detector.weights_load_s)
+            self.c.spawn(self._recheck(job))
+
+    @staticmethod
+    def _trainer_recovering(job: JobRun) -> bool:
+        return any(r.kind in ("trainer", "whole_job") for r in job.recoveries)
+
     async def _recheck(self, job: JobRun) -> None:
         """Weights faults of replicas ignored while the trainer recovery ran: ``weights_load_s``
         after it, a replica still unable to load (phase ``weights_failed`` / ``loading_weights``:
-        it had the new gang's announcement and that long to pull it) is a fault after all."""
+        it had the new gang's announcement and that long to pull it) is a fault after all.
+
+        Each fault stays in the job (and its record) until it is looked at: a leader that dies in
+        the wait leaves them to the next (``resume_rechecks``). Another trainer recovery begun
+        meanwhile leaves them all to its own end."""
         await asyncio.sleep(job.spec.detector.weights_load_s)
-        pending, job.recheck_after_recovery = job.recheck_after_recovery, {}
-        if job.done or any(r.role == "trainer" for r in job.recoveries):
-            job.recheck_after_recovery.update(pending)  # another trainer recovery: after that one
+        if job.done or self._trainer_recovering(job):
             return
-        for member_id, fault in pending.items():
+        for member_id, fault in list(job.recheck_after_recovery.items()):
+            if job.recheck_after_recovery.get(member_id) is not fault:
+                continue  # looked at by another recheck meanwhile (one per recovery end or takeover)
+            del job.recheck_after_recovery[member_id]
             m = job.members.get(member_id)
             if m is None or not job.is_current(member_id) or m.state in ("dead", "exited", "stopped"):
                 continue
@@ -541,7 +559,8 @@ class RecoveryExecutor:
                 "fault_id": f"{fault.fault_id}-after-recovery", "detected_at": time.time(),
                 "evidence": f"{fault.evidence}; still {m.phase} {job.spec.detector.weights_load_s:g} s after "
                             "the trainer recovery"})
-            await self.handle(again)
+            await self.handle(again)  # (persists the job: this fault is no longer to be looked at)
+        await self.c.persist(job)
 
     async def check_deadlines(self, job: JobRun) -> None:
         if job.done or not job.recoveries:

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any
 
+from pydantic import ValidationError
 from tenacity import AsyncRetrying, before_sleep_log, retry_if_not_exception_type, wait_exponential
 
 from robustrl.aio import cancel_and_wait, wait_event, within
@@ -193,6 +194,7 @@ class Controller:
         for job in list(self.jobs.values()):  # rollout slots a previous leader still owed
             if not job.done:
                 self.recovery.resume_restock(job)
+                self.recovery.resume_rechecks(job)
             if not job.done and not job.launched:  # its start was interrupted (``_relaunch``)
                 self.launch_in_background(job)
         # The warm spares the resumed jobs ask for: the launcher takes over those its predecessor
@@ -320,7 +322,9 @@ class Controller:
             "recoveries": [r.to_record() for r in job.recoveries], "faults": job.faults[-200:],
             "gang_starts": {fid: g.to_record() for fid, g in job.gang_starts.items()},
             "restock_owed": {str(k): v for k, v in job.restock_owed.items()}, "launched": job.launched,
-            "finished_at": job.finished_at, "ettr": job.ettr, "deleting": job.deleting}
+            "finished_at": job.finished_at, "ettr": job.ettr, "deleting": job.deleting,
+            "recheck_after_recovery": {mid: fault.model_dump(mode="json")
+                                       for mid, fault in job.recheck_after_recovery.items()}}
 
     @staticmethod
     def _job_from_record(job_id: str, rec: dict[str, Any]) -> JobRun:
@@ -346,6 +350,11 @@ class Controller:
         job.finished_at = rec.get("finished_at")
         job.ettr = rec.get("ettr")
         job.deleting = rec.get("deleting") or None
+        for mid, fault in (rec.get("recheck_after_recovery") or {}).items():
+            try:
+                job.recheck_after_recovery[mid] = FaultReport.model_validate(fault)
+            except ValidationError as exc:  # the rest of the record is still good
+                log.error("job %s: a weights fault to look at again not understood, dropped: %s", job_id, exc)
         return job
 
     async def _restore_jobs(self) -> list[ExitInfo]:
@@ -795,7 +804,14 @@ class Controller:
             await self.recovery.service_back(job, "request_manager")
             return
         m = job.members.get(msg.member_id)
-        if m is None or not m.adopted or m.state != "starting":
+        if m is None or not m.adopted:
+            return
+        if m.phase == "starting":
+            # Phases are not in the record, and a member announces one only when it changes: a
+            # replica re-attached while stuck in ``weights_failed`` says so in its metrics only (a
+            # weights fault looked at again after a takeover, ``resume_rechecks``, needs it).
+            m.phase = msg.phase
+        if m.state != "starting":
             return
         # A member re-attached after a controller restart whose hello this controller never
         # heard: its metrics show it is up (and, for a replica, which weights it holds).

@@ -124,7 +124,7 @@ class Supervisor:
                 "exited_at": info.exited_at, "before_hello": before_hello})
             seen["logged"] = True
         if not expected and not seen.get("crashed"):
-            await self._crashed(job, m, info, before_hello)
+            await self._crashed(job, m, info, before_hello, seen)
             seen["crashed"] = True
         # Handled here: the detector forgets the member instead of reporting it once more.
         await self.c.bus.publish(subject(job.job_id, Verb.EXIT, member_id), MemberExited(
@@ -133,19 +133,28 @@ class Supervisor:
         await self.c.persist(job)
         self._progress.pop(info.member_id, None)
 
-    async def _crashed(self, job: JobRun, m: MemberInfo, info: ExitInfo, before_hello: bool) -> None:
-        code = "unknown code" if info.returncode is None else f"code {info.returncode}"
-        evidence = f"process exited with {code} (seen by the launcher)"
-        slot = (m.role, m.index)
-        if before_hello:
-            job.startup_failures[slot] = job.startup_failures.get(slot, 0) + 1
-            tail = self.c.starter.log_tail(job, m.member_id)
-            evidence = f"{evidence} before its hello" + (f"; last output:\n{tail}" if tail else "")
-        fault = exit_fault(job, m, info, evidence)
-        await self.c.event(job, "fault_detected", {
-            "fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role, "member_id": fault.member_id,
-            "step": fault.step, "detected_at": fault.detected_at, "fault_at": fault.fault_at,
-            "evidence": fault.evidence, "source": "controller"})
+    async def _crashed(self, job: JobRun, m: MemberInfo, info: ExitInfo, before_hello: bool,
+                       seen: dict[str, Any]) -> None:
+        """Log the crash fault and act on it. ``seen`` is the exit's progress: a retry after a
+        failure further on (the recovery's handling) neither logs the fault again nor counts the
+        start-up failure twice (three counted for two real ones would fail the job)."""
+        if "fault" not in seen:
+            code = "unknown code" if info.returncode is None else f"code {info.returncode}"
+            evidence = f"process exited with {code} (seen by the launcher)"
+            if before_hello:
+                slot = (m.role, m.index)
+                job.startup_failures[slot] = job.startup_failures.get(slot, 0) + 1
+                tail = self.c.starter.log_tail(job, m.member_id)
+                evidence = f"{evidence} before its hello" + (f"; last output:\n{tail}" if tail else "")
+            seen["fault"] = exit_fault(job, m, info, evidence)
+        fault: FaultReport = seen["fault"]
+        evidence, slot = fault.evidence, (m.role, m.index)
+        if not seen.get("fault_logged"):
+            await self.c.event(job, "fault_detected", {
+                "fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role, "member_id": fault.member_id,
+                "step": fault.step, "detected_at": fault.detected_at, "fault_at": fault.fault_at,
+                "evidence": fault.evidence, "source": "controller"})
+            seen["fault_logged"] = True
         failures = job.startup_failures.get(slot, 0) if before_hello else 0
         reason = None
         if m.role == "trainer" and info.returncode == EXIT_CHECKPOINT_LOST:
@@ -155,7 +164,7 @@ class Supervisor:
         elif failures >= STARTUP_FAILURES_MAX:
             reason = (f"{m.role} slot {m.index} exited before its hello {failures} times in a row: "
                       f"it cannot start. {evidence}")
-        if reason is not None:
+        if reason is not None and not seen.get("fail_decided"):
             async with self.c.recovery.lock:  # first: the same fault reported by the detector waits
                 if not await self.c.leads():  # a deposed leader fails no job (the new one judges it)
                     log.warning("job %s: %s; not failing the job: a newer lease term has begun", job.job_id,
@@ -169,6 +178,8 @@ class Supervisor:
                                    "decision": {"actions": ["FailJob"], "reason": reason}})
                 await self.c.event(job, "decision", {"fault_id": fault.fault_id, "actions": ["FailJob"],
                                                      "reason": reason})
+                seen["fail_decided"] = True
+        if reason is not None:
             await self.c.stop_job(job.job_id, "failed", reason)
             return
         await self._handle(fault)
