@@ -253,6 +253,24 @@ class RecoverySpec(BaseModel):
         return order
 
 
+MAX_RETENTION_S = 10 * 366 * 24 * 3600.0
+"""Upper bound of ``RetentionSpec.delete_after_s`` (ten years): longer is keeping (null)."""
+
+
+class RetentionSpec(BaseModel):
+    """When the controller deletes the job after it ended (finished, failed or stopped), as
+    ``DELETE /v1/jobs/{id}`` would. Kept by default: the auditor reads what a job left in Redis
+    after it ended."""
+
+    model_config = _STRICT
+    delete_after_s: StrictFloat | None = Field(None, ge=0.0, le=MAX_RETENTION_S, description=(
+        "Seconds after the job ended (its record's finished_at) at which the leading controller "
+        "deletes it: its Redis keys and record. null: kept until DELETE /v1/jobs/{id}."))
+    checkpoints: StrictBool = Field(False, description="That deletion also deletes the job's checkpoints.")
+    events: StrictBool = Field(False, description=(
+        "That deletion also deletes the job's event log (else the log is kept and ends with job_deleted)."))
+
+
 class JobSpec(BaseModel):
     """Everything that defines one RL job. Submitted through ``POST /v1/jobs``."""
 
@@ -271,6 +289,7 @@ class JobSpec(BaseModel):
     detector: DetectorSpec = Field(default_factory=DetectorSpec)
     weights: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    retention: RetentionSpec = Field(default_factory=RetentionSpec)
 
     @model_validator(mode="after")
     def _mode_matches_staleness(self) -> JobSpec:

@@ -38,6 +38,7 @@ from robustrl.services.controller.edge import (
     install_error_handlers,
 )
 from robustrl.services.controller.lease import LeaseLost
+from robustrl.services.controller.retention import delete_at
 from robustrl.services.controller.runtime import Controller
 from starlette.exceptions import HTTPException
 
@@ -144,6 +145,9 @@ class JobStatus(BaseModel):
     steps_total: int
     committed_step: int
     members: list[MemberStatus]
+    delete_at: float | None = Field(None, description=(
+        "When the controller deletes the ended job (Unix time: its end plus retention.delete_after_s); "
+        "null: kept until DELETE, or not ended yet"))
 
 
 class Health(BaseModel):
@@ -245,11 +249,12 @@ def create_app(controller: Controller, token: str) -> FastAPI:
 
     @app.get("/v1/jobs", **guarded, responses={200: {"model": list[JobStatus]}, **_errors(*ALWAYS)})
     async def list_jobs() -> list[dict[str, Any]]:
-        return [j.status_dict() for j in controller.jobs.values()]
+        return [{**j.status_dict(), "delete_at": delete_at(j)} for j in controller.jobs.values()]
 
     @app.get("/v1/jobs/{job_id}", **guarded, responses={200: {"model": JobStatus}, **_errors(*ALWAYS, 404, 422)})
     async def get_job(job_id: JobId) -> dict[str, Any]:
-        return job_or_404(job_id).status_dict()
+        job = job_or_404(job_id)
+        return {**job.status_dict(), "delete_at": delete_at(job)}
 
     @app.get("/v1/jobs/{job_id}/events", **guarded,
              responses={200: {"model": list[dict[str, Any]], "description": "The job's event log, oldest first"},

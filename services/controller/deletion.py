@@ -4,7 +4,8 @@ request its checkpoints and its event log.
 A finished job keeps its last steps' rollout keys in Redis (the request manager deletes a step's
 episodes, prefixes and batch only once a newer checkpoint is durable, and the auditor reads what
 is left after the job), its gang record, trained log, batch fences and handled faults, and its
-record in the job registry; nothing else ever removes them. Every one of them lies under the
+record in the job registry; nothing but this deletion removes them, asked for by a request or
+by the job's retention (:mod:`.retention`). Every one of them lies under the
 job's own key prefix (``Keys.job_pattern``: job ids are ``[A-Za-z0-9_-]``, so the pattern holds
 no glob of its own and matches no other job's keys). The checkpoints (the trained model) and the
 event log (the job's history) stay unless asked for: a kept log ends with ``job_deleted``.
@@ -57,10 +58,12 @@ class JobDeleter:
         self._running: dict[str, asyncio.Task[dict[str, Any]]] = {}
         self._store: Any = None
 
-    async def delete(self, job_id: str, *, checkpoints: bool = False, events: bool = False) -> dict[str, Any]:
+    async def delete(self, job_id: str, *, checkpoints: bool = False, events: bool = False,
+                     retention: bool = False) -> dict[str, Any]:
         """Delete ended job ``job_id``; return what was deleted. A request arriving while a
         deletion of the job runs gets that deletion's answer (one deletion per job at a time: two
-        at once appended ``job_deleted`` twice, or after the log was purged).
+        at once appended ``job_deleted`` twice, or after the log was purged). ``retention``: asked
+        by the job's retention (:mod:`.retention`), which its ``job_deleted`` event says.
 
         Raises:
             JobError: there is no such job (the API's 404).
@@ -71,10 +74,11 @@ class JobDeleter:
         """
         running = self._running.get(job_id)
         if running is None:  # registered before any await: a second request finds it
-            running = self._start_task(job_id, self._mark_and_purge(job_id, checkpoints, events))
+            running = self._start_task(job_id, self._mark_and_purge(job_id, checkpoints, events, retention))
         return await asyncio.shield(running)
 
-    async def _mark_and_purge(self, job_id: str, checkpoints: bool, events: bool) -> dict[str, Any]:
+    async def _mark_and_purge(self, job_id: str, checkpoints: bool, events: bool,
+                              retention: bool) -> dict[str, Any]:
         job = self.c.jobs.get(job_id)
         record = None if job is not None else await self.c.registry.get(job_id)
         if job is None and record is None:
@@ -86,6 +90,8 @@ class JobDeleter:
         marked = (job.deleting if job is not None else (record or {}).get("deleting")) or {}
         what = {"checkpoints": bool(checkpoints or marked.get("checkpoints")),
                 "events": bool(events or marked.get("events"))}
+        if retention or marked.get("retention"):  # (only then: the mark of a request is as before)
+            what["retention"] = True
         # Marked first, fenced: a deposed controller deletes nothing, and a crash from here on
         # leaves a mark that the next leader finishes.
         if job is not None:
@@ -109,7 +115,8 @@ class JobDeleter:
                           task.exception())
 
         self._start_task(job_id, self._purge(job_id, {"checkpoints": bool(what.get("checkpoints")),
-                                                      "events": bool(what.get("events"))})).add_done_callback(report)
+                                                      "events": bool(what.get("events")),
+                                                      "retention": bool(what.get("retention"))})).add_done_callback(report)
 
     def _start_task(self, job_id: str, work: Coroutine[Any, Any, dict[str, Any]]) -> asyncio.Task[dict[str, Any]]:
         task = self.c.spawn(work)
@@ -146,6 +153,7 @@ class JobDeleter:
             out["events_deleted"] = await self.c.bus.purge_events(job_id)
         else:
             await self.c.bus.emit_event(job_id, "job_deleted", {**{k: v for k, v in out.items() if k != "job_id"},
+                                                                "retention": bool(what.get("retention")),
                                                                 "fence": self.c.lease.token})
         # The record last: until here the job is listed, marked, and a take-over finishes it.
         # Under the job's persist lock: a write of the record in flight (an exit seen late) must

@@ -43,6 +43,7 @@ from robustrl.services.controller.jobs import ACTIVE, ActiveRecovery, GangStart,
 from robustrl.services.controller.launching import MemberStarter, gang_id, lid, replica_id, trainer_id
 from robustrl.services.controller.lease import LeaderLease, LeaseLost
 from robustrl.services.controller.recovery import RecoveryExecutor
+from robustrl.services.controller.retention import RetentionSweeper
 from robustrl.services.controller.supervision import Supervisor
 from robustrl.storage.fencing import read_gang
 from robustrl.storage.redis_stores import BatchStore, JobRegistry
@@ -95,6 +96,7 @@ class Controller:
         self.supervisor = Supervisor(self)
         self.chaos = ChaosInjector(self)
         self.deleter = JobDeleter(self)
+        self.retention = RetentionSweeper(self)
         self._deletions_owed: dict[str, dict[str, Any]] = {}
         """Deletions a previous leader marked and did not finish, resumed once this one leads."""
         self.inbox = FaultInbox(bus, self._inbox_fault)
@@ -206,6 +208,7 @@ class Controller:
             self.deleter.resume(job_id, what)
         self.spawn(self.supervisor.run(self._stop))
         self.spawn(self._watch_progress(self._stop))
+        self.spawn(self.retention.run(self._stop))  # ended jobs whose retention is due (``retention``)
 
     async def _on_new_token(self, token: int) -> None:
         # The lease had expired (this process was frozen, or Redis restarted): commits may have
