@@ -31,7 +31,8 @@ from robustrl.messages import (
     WeightsHave,
 )
 from robustrl.model.tokenizer import CharTokenizer
-from robustrl.storage.redis_stores import EpisodeStore, JobRegistry, Keys, connect
+from robustrl.storage.control_stores import JobRegistry
+from robustrl.storage.redis_stores import EpisodeStore, Keys, connect
 from robustrl.subjects import Verb, subject
 
 METRICS_S = 0.1

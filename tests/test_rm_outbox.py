@@ -27,7 +27,8 @@ from robustrl.config import Settings
 from robustrl.infra.credentials import Credentials, role_settings
 from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.messages import Event
-from robustrl.storage.redis_stores import JobRegistry, Keys, connect
+from robustrl.storage.control_stores import JobRegistry
+from robustrl.storage.redis_stores import Keys, connect
 from robustrl.subjects import Principal
 
 pytestmark = pytest.mark.timeout(60)

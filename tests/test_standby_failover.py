@@ -207,7 +207,8 @@ def test_a_job_record_write_with_a_stale_fencing_token_is_refused(armed: tuple[S
     controller lease term has begun, a write under an older token changes nothing."""
     import asyncio
 
-    from robustrl.storage.redis_stores import JobRegistry, connect
+    from robustrl.storage.control_stores import JobRegistry
+    from robustrl.storage.redis_stores import connect
 
     stack, _ = armed
     assert stack.settings

@@ -1,6 +1,7 @@
 """Durable rollout state in Redis: episodes, tool-turn prefixes, batches and the batch fence.
 
-Every key is built in :class:`Keys`; nothing else in the code base writes a Redis key.
+Every key is built in :class:`Keys`; nothing else in the code base writes a Redis key. The
+control plane's records (job registry, request-manager outboxes) are in :mod:`.control_stores`.
 The tool-turn prefix of an episode is saved *before* its next turn is dispatched, so a
 replica that dies mid-turn costs at most that one turn.
 """
@@ -16,7 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from redis.exceptions import RedisError
 
 from robustrl.errors import StorageError, TransportError
-from robustrl.messages import Event
 from robustrl.subjects import _TOKEN
 
 log = logging.getLogger(__name__)
@@ -388,122 +388,3 @@ class WeightsPointer:
     async def get(self) -> bytes | None:
         """The announcement (set only by a gang's fenced write: ``GangFence.set_pointer``)."""
         return await _call(self.r.get(self.key), self.key)
-
-
-class OutboxEntry(BaseModel):
-    """One event in a request-manager outbox, with the message id it is appended under (the same
-    id whoever appends it, so JetStream stores it once within its duplicate window)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    msg_id: str = Field(min_length=1)
-    event: Event
-
-
-class RmOutbox:
-    """One job's request-manager outbox (``Keys.rm_outbox``): events whose commands were
-    acknowledged, oldest first, each kept until JetStream has stored it. Written by the request
-    manager; read by the next one, and by a deletion that keeps the job's log."""
-
-    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
-        self.r = client
-        self.job_id = job_id
-        self.key = Keys.rm_outbox(job_id)
-
-    async def add(self, entry: OutboxEntry) -> str:
-        """Append ``entry``; return its stored text (what ``remove`` takes)."""
-        text = entry.model_dump_json()
-        await _call(self.r.rpush(self.key, text), self.key)
-        return text
-
-    async def entries(self) -> list[tuple[bytes, OutboxEntry]]:
-        """Every entry, oldest first, with its stored text. One that does not parse (or names
-        another job) can never be appended: it is removed, logged as an error.
-
-        Raises:
-            TransportError: Redis failed, or the key holds no list.
-        """
-        out = []
-        for item in await _call(self.r.lrange(self.key, 0, -1), self.key):
-            raw = item if isinstance(item, bytes) else str(item).encode()  # (a client decoding replies)
-            try:
-                entry = OutboxEntry.model_validate_json(raw)
-                problem = "" if entry.event.job_id == self.job_id else f"an event of job {entry.event.job_id}"
-            except ValidationError as exc:
-                problem = exc.errors()[0]["msg"]
-            if problem:
-                log.error("job %s: outbox entry unreadable, dropped: %s", self.job_id, problem)
-                await self.remove(raw)
-                continue
-            out.append((raw, entry))
-        return out
-
-    async def remove(self, text: bytes | str) -> None:
-        """Remove the entry stored as ``text`` (nothing if it is gone already)."""
-        await _call(self.r.lrem(self.key, 1, text), self.key)
-
-
-class JobRegistry:
-    """Job records, so a restarted controller finds its jobs again.
-
-    A write with a ``fence`` (the writing controller's lease token) is refused once a newer
-    lease term has begun (the fencing counter is above it): a controller frozen past its lease
-    must not overwrite, with its stale view, the record the new leader acts on (e.g. the rollout
-    slots still owed a replacement after a borrow)."""
-
-    _FENCED_PUT = """
-local newest = tonumber(redis.call('GET', KEYS[2]) or '0')
-if newest > tonumber(ARGV[3]) then
-  return 0
-end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-return 1
-"""
-
-    _FENCED_DELETE = """
-local newest = tonumber(redis.call('GET', KEYS[2]) or '0')
-if newest > tonumber(ARGV[2]) then
-  return -1
-end
-return redis.call('HDEL', KEYS[1], ARGV[1])
-"""
-
-    def __init__(self, client: aioredis.Redis) -> None:
-        self.r = client
-
-    async def delete(self, job_id: str, fence: int | None = None) -> bool:
-        """Remove ``job_id``'s record; False (nothing removed) if ``fence`` is older than the newest
-        controller lease term. True also when there was no record (a repeat)."""
-        if fence is None:
-            await _call(self.r.hdel(Keys.jobs(), job_id), Keys.jobs())
-            return True
-        res = await _call(self.r.eval(self._FENCED_DELETE, 2, Keys.jobs(), Keys.controller_fence(), job_id,
-                                      int(fence)), Keys.jobs())
-        return int(res) >= 0
-
-    async def put(self, job_id: str, record: dict[str, Any], fence: int | None = None) -> bool:
-        """Write ``job_id``'s record; False (nothing written) if ``fence`` is older than the newest
-        controller lease term. Without a fence the write is unconditional."""
-        if fence is None:
-            await _call(self.r.hset(Keys.jobs(), job_id, json.dumps(record)), Keys.jobs())
-            return True
-        ok = await _call(self.r.eval(self._FENCED_PUT, 2, Keys.jobs(), Keys.controller_fence(), job_id,
-                                     json.dumps(record), int(fence)), Keys.jobs())
-        return bool(int(ok))
-
-    async def get(self, job_id: str) -> dict[str, Any] | None:
-        """``job_id``'s record; None if there is none (or it is damaged)."""
-        raw = await _call(self.r.hget(Keys.jobs(), job_id), Keys.jobs())
-        try:
-            return None if raw is None else json.loads(raw)
-        except ValueError:
-            return None
-
-    async def all(self) -> dict[str, dict[str, Any]]:
-        raw = await _call(self.r.hgetall(Keys.jobs()), Keys.jobs())
-        out = {}
-        for k, v in raw.items():
-            try:
-                out[k.decode()] = json.loads(v)
-            except ValueError:
-                continue  # a damaged record is skipped, never overwritten here
-        return out

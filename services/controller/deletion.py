@@ -37,8 +37,9 @@ from robustrl.services.controller.lease import LeaseLost
 from robustrl import subjects
 from robustrl.audit.raw import job_prefix
 from robustrl.errors import JobActive, JobError, StorageError, SubjectError
+from robustrl.storage.control_stores import RmOutbox
 from robustrl.storage.objects import StoreUnavailable, open_object_store
-from robustrl.storage.redis_stores import Keys, RmOutbox, _call
+from robustrl.storage.redis_stores import Keys, _call
 
 if TYPE_CHECKING:
     from robustrl.services.controller.runtime import Controller

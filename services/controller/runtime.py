@@ -46,7 +46,8 @@ from robustrl.services.controller.recovery import RecoveryExecutor
 from robustrl.services.controller.retention import RetentionSweeper
 from robustrl.services.controller.supervision import Supervisor
 from robustrl.storage.fencing import read_gang
-from robustrl.storage.redis_stores import BatchStore, JobRegistry
+from robustrl.storage.control_stores import JobRegistry
+from robustrl.storage.redis_stores import BatchStore
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from typing import Any
 from robustrl.bus import Bus
 from robustrl.event_queue import EventQueue
 from robustrl.messages import Event
-from robustrl.storage.redis_stores import OutboxEntry, RmOutbox
+from robustrl.storage.control_stores import OutboxEntry, RmOutbox
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,8 @@ from robustrl.messages import (
     TurnResult,
     WeightsHave,
 )
-from robustrl.storage.redis_stores import BatchStore, JobRegistry, Keys, _call
+from robustrl.storage.control_stores import JobRegistry
+from robustrl.storage.redis_stores import BatchStore, Keys, _call
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)
