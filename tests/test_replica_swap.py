@@ -12,11 +12,16 @@ import threading
 import types
 from typing import Any
 
+import torch
+
 from robustrl.config import WeightSyncSpec
 from robustrl.member import ChaosState
 from robustrl.messages import WeightsAnnounce
+from robustrl.model.policy import weights_checksum
 from robustrl.services.rollout.loader import WeightLoader
-from robustrl.services.rollout.replica import Replica
+from robustrl.services.rollout.replica import PendingWeights, Replica
+from robustrl.weights.flat import flatten_state_dict
+from robustrl.weights.puller import PullStats
 
 
 class Engine:
@@ -44,7 +49,7 @@ def replica(version: int, checksum: str) -> Any:
     r.loop = asyncio.get_running_loop()
     r.events, r.haves = [], []
     r._working = r._awaiting = False
-    r.loader = types.SimpleNamespace(resync=lambda: None)
+    r.loader = types.SimpleNamespace(resync=lambda: None, pulling=lambda: None)
 
     async def have(v: int, c: str, complete: bool) -> None:
         r.haves.append((v, c))
@@ -145,3 +150,40 @@ async def test_a_swap_done_when_its_pull_is_cancelled_is_still_reported_loaded()
     await asyncio.gather(task, return_exceptions=True)
     await until(lambda: 2 in loaded(r), "v2 reported loaded")
     assert r.version == 2 and loaded(r) == [2]
+
+
+async def test_a_late_swap_reported_after_the_next_one_does_not_tell_peers_it_holds_the_older() -> None:
+    """v2's pull was superseded while the engine swapped it in; v3 followed, swapped in after it
+    and announced held. v2's late report runs only now (its wake-up queued behind busy executor
+    threads). Before: it announced v2 held after v3, so peers kept v2 as this replica's one
+    announcement and pulled v3 from elsewhere until its next version."""
+    r = replica(3, "c3")  # v3 is in: swapped after v2, and announced
+    await r._publish_have(3, "c3", True)
+    late = PendingWeights(2, "c2", {}, threading.Event(), loaded="c2", taken=True)
+    late.swapped.set()
+    await r._report_late(late)
+    assert r.haves[-1] == (3, "c3"), r.haves
+    assert 2 in loaded(r), "the late swap is still in the event log (turns may have been made with it)"
+
+
+async def test_a_stop_during_a_taken_swap_reports_no_rejected_version() -> None:
+    """The engine took verified v2 and is swapping it in (slowly) when the replica stops. Before:
+    the install's wait ended on the stop and the loader reported v2 rejected, reason timeout,
+    which the detector, the auditor and the report read as a bad version."""
+    r = replica(1, "c1")
+    lo = loader(r)
+    state = {"w": torch.arange(8, dtype=torch.float32)}
+    buffer, manifest = flatten_state_dict(state, 2, 16)
+    v2 = ann(2, 1, weights_checksum(state))
+    lo.announcements.offer(v2)
+    r.engine.hold = threading.Event()
+    follow = asyncio.create_task(lo._verify_and_install(v2, manifest, buffer.numpy(), PullStats(), 0.0, set()))
+    await until(lambda: r._pending is not None, "v2 handed to the engine")
+    engine = threading.Thread(target=r._apply_pending)
+    engine.start()
+    await until(lambda: r._swapping is not None, "the engine swapping v2 in")
+    r.member.stopping.set()
+    await asyncio.gather(follow, return_exceptions=True)
+    r.engine.hold.set()
+    engine.join()
+    assert [d for k, d in r.events if k == "weights_rejected"] == []

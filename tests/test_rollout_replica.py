@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from robustrl.messages import (
 )
 from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.model.tokenizer import CharTokenizer
+from robustrl.services.rollout.loader import WeightLoader
 from robustrl.subjects import Verb, subject, wildcard
 from robustrl.weights import Fault, Manifest, WeightServer
 from robustrl.weights.flat import flatten_state_dict
@@ -478,6 +480,47 @@ async def test_a_swap_slower_than_the_pull_timeout_is_waited_for_and_a_rollback_
         served = {t.weights_version for t in replica.turns}
         assert served <= held, (served, [e.data for e in loaded])
         assert [h.version for h in replica.haves if h.complete][-1] == 1, replica.haves
+    finally:
+        for s in servers:
+            await s.close()
+
+
+async def test_a_swap_that_ends_late_leaves_peers_hearing_the_pull_that_superseded_it(
+        replica: Replica, tmp_path: Path) -> None:
+    """The engine (stalled) is swapping v2 in when v3 is announced; v3's publisher dies after two
+    chunks, so the v3 pull goes on (waiting for a source) when the v2 swap ends. Before: the late
+    report announced v2 held after the partial HAVE of v3, and peers keep one announcement per
+    replica: a peer pulling v3 no longer listed this replica as a source of it (with a live
+    publisher: this relay lost to the version's fan-out until the replica loaded v3). What a peer
+    last hears from the replica must be what it pulls and relays now: v3, partial. Observed on the
+    raw bus, fed to a real loader as a peer's."""
+    servers: list[WeightServer] = []
+    try:
+        v2, v3 = make_version(2, seed=32), make_version(3, seed=33)
+        servers.append(await _served(WeightServer(), v2))
+        servers.append(await _served(WeightServer(fault=Fault("die", after_chunks=2)), v3))
+        await replica.bus.publish(subject(replica.job_id, Verb.CHAOS, replica.member_id), ChaosCommand(
+            job_id=replica.job_id, fault_id=uuid.uuid4().hex[:8], kind="stall", member_id=replica.member_id,
+            duration_s=12.0))
+        await replica.announce(v2, epoch=1, sources=[servers[0].address or ""])
+        log_path = tmp_path / "replica.log"
+        await eventually_async(lambda: "the engine took them" in log_path.read_text(), timeout=WAIT_S,
+                               what="the engine swapping v2 in (stalled)")
+        await replica.announce(v3, epoch=1, sources=[servers[1].address or ""])
+        await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=2, late=True),
+                               timeout=WAIT_S, what="the late swap of v2 reported")
+        own = [h for h in replica.haves if h.member_id == replica.member_id]
+        assert [(h.version, h.complete) for h in own][-1] == (3, False), own
+
+        peer = WeightLoader(reference_job().weights, "rollout-1-i0", SimpleNamespace(), {},  # type: ignore[arg-type]
+                            install=None, emit=None, on_change=None, held=lambda: (-1, ""))  # type: ignore[arg-type]
+        for h in replica.haves:
+            peer.peer_has(h.member_id, h.version, h.checksum, h.address, h.complete)
+        pulling_v3 = WeightsAnnounce(job_id=replica.job_id, version=3, epoch=1, checksum=v3.checksum,
+                                     sources=[servers[1].address or ""], manifest_digest=v3.manifest.digest())
+        address = replica.hello[-1].address or ""
+        relay = address if "://" in address else f"{reference_job().weights.transport}://{address}"
+        assert relay in peer._sources(pulling_v3, set()), peer.peers
     finally:
         for s in servers:
             await s.close()

@@ -341,10 +341,16 @@ class Replica:
                     taken = mine.taken
                     if self._pending is mine:  # not taken: withdrawn
                         self._pending = None
-                if taken:
+                if taken and not self.member.stopping.is_set():
                     log.warning("weights v%d: the engine took them %.1f s ago and is still swapping them in; "
                                 "a swap under way cannot be withdrawn: waiting for it", version, timeout_s)
                     swapped = await self._swap_done(mine, None)
+            if (not swapped or mine.loaded is None) and self.member.stopping.is_set():
+                # The wait ended because the replica stops (or its stop released weights not taken
+                # yet), not because the engine was too slow: the pull is cancelled, nothing is
+                # reported. A timeout here was logged as a rejected version, which the detector,
+                # the auditor and the run report read as bad weights.
+                raise asyncio.CancelledError("the replica stops")
             if not swapped or mine.loaded is None:
                 return None
             if mine.loaded == checksum:
@@ -355,7 +361,8 @@ class Replica:
                 taken = mine.taken
                 if self._pending is mine:
                     self._pending = None
-            if taken:  # under way or done: the engine serves them (or failed to): say so once it ends
+            if taken and not self.member.stopping.is_set():
+                # under way or done: the engine serves them (or failed to): say so once it ends
                 self._late.add(task := asyncio.get_running_loop().create_task(self._report_late(mine)))
                 task.add_done_callback(self._late.discard)
             raise
@@ -363,7 +370,7 @@ class Replica:
     async def _report_late(self, mine: PendingWeights) -> None:
         """A swap the engine had begun when its pull was superseded: when it ends, the event log
         says what the engine loaded (it may serve turns with it before the next swap), and the
-        relay says it holds it."""
+        relay says it holds it if that is still the last word peers should hear (``_still_last``)."""
         if not await self._swap_done(mine, None):
             return
         if mine.loaded != mine.checksum:
@@ -371,13 +378,25 @@ class Replica:
             return
         log.warning("weights v%d: swapped in after its pull was superseded (reported now)", mine.version)
         try:
-            if self.server.is_complete(mine.version):
+            if self.server.is_complete(mine.version) and self._still_last(mine.version, mine.checksum):
                 await self._publish_have(mine.version, mine.checksum, True)
             await self._emit("weights_loaded", {"member_id": self.ident.member_id, "version": mine.version,
                                                 "checksum": mine.checksum, "verified": True, "late": True})
         except (MessageError, TransportError) as exc:
             log.error("weights v%d: late load not reported: %s", mine.version, exc)
         self.loader.resync()  # the newest announcement may name other weights: follow them
+
+    def _still_last(self, version: int, checksum: str) -> bool:
+        """Whether "holds ``version`` completely" is what peers should hear last from this replica:
+        the engine serves these weights and no pull of other weights runs. Peers keep one
+        announcement per replica, the last: a late swap's HAVE sent after the partial HAVE of the
+        pull that superseded it, or after the next swap's HAVE, made them take this replica for a
+        relay of the older version only, and pull the newer one elsewhere. Judged and published in
+        one step of the event loop (the publish queues the message before it first awaits), so no
+        other HAVE of this replica can come between."""
+        pulling = self.loader.pulling()
+        return (self.version, self.checksum) == (version, checksum) and (
+            pulling is None or (pulling.version, pulling.checksum) == (version, checksum))
 
     def _apply_pending(self) -> None:
         """Engine thread, between batches: swap in the pending (verified) weights. The swap
