@@ -1566,3 +1566,57 @@ async def test_a_weights_fault_to_look_at_again_survives_a_change_of_leader(rig:
     decided = {d["fault_id"]: (d["actions"], d["fence"]) for d in of_kind(await rig.events(job.job_id), "decision")}
     actions, fence = decided[f"weights-{member}-after-recovery"]
     assert "ReplaceReplica" in actions and fence == b.lease.token, decided
+
+
+async def test_a_replacement_replica_a_dying_leader_started_is_found_by_the_next_none_twice(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica crashes; the leader starts its replacement and goes away right after the
+    process started, before anything recorded it (as a SIGKILL would). The replacement's id must
+    follow from the durable record when it starts (raw Redis read at that moment), and the next
+    leader must find that process, not start a second one under the same id beside it (/proc: one
+    live process per member id, each live in the new leader's record, slot 0 served). Before, the
+    replacement's incarnation was saved only after its start: the next leader handled the crash
+    again and started 'rollout-0-i1' a second time."""
+    import threading
+
+    from support import raw_job_record
+
+    a, job = await leading_job_at_step_0(rig, "replfound")
+    started, gate = threading.Event(), threading.Event()
+    undurable: list[str] = []
+    real_start = a.launcher.start
+
+    def start(member: object) -> None:
+        mid = member.member_id.split("--", 1)[1]  # type: ignore[attr-defined]
+        rec = raw_job_record(rig.settings.redis_url, member.job_id)  # type: ignore[attr-defined]
+        derivable = {launching.replica_id(int(s), i) for s, i in (rec.get("slot_incarnation") or {}).items()}
+        if mid.startswith("rollout") and mid not in derivable:
+            undurable.append(mid)
+        real_start(member)  # type: ignore[arg-type]
+        if mid == "rollout-0-i1":
+            started.set()
+            gate.wait(60)  # never returns while the test looks: the leader "died" right after this start
+
+    monkeypatch.setattr(a.launcher, "start", start)
+    os.killpg(job.members["rollout-0-i0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    try:
+        await eventually_async(started.is_set, timeout=20, what="the replacement's process started")
+        await a.close(stop_members=False)
+        b = await rig.controller()
+        await b.wait_leading(20)
+
+        def settled() -> dict[str, object] | None:
+            rec = raw_job_record(rig.settings.redis_url, job.job_id)
+            live = {mid for mid, m in rec["members"].items() if m["state"] not in ("exited", "stopped", "dead")}
+            procs = _launched_processes(rig.log_dir, job.job_id)
+            slot0 = [mid for mid in live if mid.startswith("rollout-0-")]
+            ok = len(slot0) == 1 and {m.split("--", 1)[1] for m in procs} == live
+            return {"live": live, "procs": procs} if ok else None
+
+        seen = await eventually_async(lambda: asyncio.to_thread(settled), timeout=60,
+                                      what="slot 0 served again: each live member one process, none untracked")
+        twice = {mid: pids for mid, pids in seen["procs"].items() if len(pids) > 1}  # type: ignore[union-attr]
+        assert not undurable and not twice, (f"started before their id was durable: {undurable}; "
+                                             f"two processes under one member id: {twice}; {seen}")
+    finally:
+        gate.set()

@@ -400,6 +400,9 @@ class RecoveryExecutor:
                     continue
                 if member is not None and member.state not in ("exited", "stopped", "dead"):
                     job.restock_owed.pop(slot, None)
+                    for rec in job.recoveries:  # one that waited for the slot's never-started replacement
+                        if rec.kind == "replica" and rec.waiting_for == {replica_id(slot, owed_inc)}:
+                            rec.waiting_for = {mid}
                 # else: borrowed in turn while it started (owed again at this incarnation, left so)
                 await self.c.event(job, "replica_restocked", {"member_id": mid, "slot": slot})
                 await self.c.persist(job)
@@ -424,7 +427,27 @@ class RecoveryExecutor:
         await asyncio.to_thread(self.c.launcher.kill, lid(job, member_id), True)
         old.state = "dead"
         rec = self._begin(job, fault, "replica", {member_id})
-        rec.waiting_for = {await self.c.starter.start_replica(job, old.index)}
+        slot = old.index
+        inc = job.slot_incarnation.get(slot, -1) + 1  # what start_replica takes, before its first await
+        rec.waiting_for = {replica_id(slot, inc)}
+
+        async def intent(job_: JobRun) -> bool | None:
+            # Durable before the launcher starts anything, as a restock's: the slot owed at the
+            # planned incarnation, its member recorded as starting. A leader that dies between the
+            # start and the handle's write leaves the next one a member to find (MemberStarter.adopt)
+            # or, never started, a slot to restock. Saved only after the start, the replacement's
+            # id was unknown to the next leader, which handled the crash again and started a second
+            # process under the same id.
+            job_.restock_owed[slot] = inc
+            return await self.c.persist(job_)
+
+        try:
+            await self.c.starter.start_replica(job, slot, intent)
+        finally:
+            # Started (or failed: what follows the failure decides, as before): no longer owed,
+            # unless a borrow owes the slot anew meanwhile (a newer incarnation).
+            if job.restock_owed.get(slot) == inc:
+                del job.restock_owed[slot]
         await self.c.persist(job)
 
     async def _restart_whole_job(self, job: JobRun, fault: FaultReport) -> None:
