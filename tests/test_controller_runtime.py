@@ -1620,3 +1620,129 @@ async def test_a_replacement_replica_a_dying_leader_started_is_found_by_the_next
                                              f"two processes under one member id: {twice}; {seen}")
     finally:
         gate.set()
+
+
+async def test_a_whole_job_restart_a_dying_leader_left_half_started_is_started_again_at_once(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Policy whole_job: a replica crashes, the leader restarts every member and goes away right
+    after one new replica's process started, before the restart recorded its members. The next
+    leader must neither wait for members no record names until the recovery's deadline (120 s)
+    nor leave what the first one started running untracked: it stops those and restarts the job
+    at once (/proc: every live process of the job is live in its record, one per id, within 60 s).
+    Before, it started nothing for the whole 60 s."""
+    import threading
+
+    from support import raw_job_record
+
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(JobSpec.parse({**spec("wholefound").model_dump(mode="json"),
+                                        "recovery": {"policy": "whole_job"}}))
+    await rig.hello_all(a, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    started, gate = threading.Event(), threading.Event()
+    real_start = a.launcher.start
+
+    def start(member: object) -> None:
+        mid = member.member_id.split("--", 1)[1]  # type: ignore[attr-defined]
+        real_start(member)  # type: ignore[arg-type]
+        if mid == "rollout-0-i1":
+            started.set()
+            gate.wait(60)  # never returns while the test looks: the leader "died" right after this start
+
+    monkeypatch.setattr(a.launcher, "start", start)
+    os.killpg(job.members["rollout-1-i0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    last: list[dict[str, object]] = []
+    try:
+        await eventually_async(started.is_set, timeout=20, what="the restart's rollout-0-i1 started")
+        await a.close(stop_members=False)
+        b = await rig.controller()
+        await b.wait_leading(20)
+
+        def settled() -> dict[str, object] | None:
+            rec = raw_job_record(rig.settings.redis_url, job.job_id)
+            live = {mid for mid, m in rec["members"].items() if m["state"] not in ("exited", "stopped", "dead")}
+            procs = _launched_processes(rig.log_dir, job.job_id)
+            last[:] = [{"live": live, "procs": procs}]
+            ok = len(live) == 4 and {m.split("--", 1)[1] for m in procs} == live
+            return last[0] if ok else None
+
+        try:
+            seen = await eventually_async(lambda: asyncio.to_thread(settled), timeout=60,
+                                          what="four live members, each one process, none running untracked")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last seen: {last}") from None
+        twice = {mid: pids for mid, pids in seen["procs"].items() if len(pids) > 1}  # type: ignore[union-attr]
+        assert not twice, f"two processes under one member id: {twice}; {seen}"
+    finally:
+        gate.set()
+
+
+@pytest.mark.parametrize("restart", ["gang", "whole_job"])
+async def test_a_member_a_restart_started_just_before_its_leader_died_is_not_left_to_run_untracked(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch, restart: str) -> None:
+    """A trainer rank crashes; the leader restarts the gang (``gang``: ranks started cold) or the
+    whole job (``whole_job``) and goes away right after the first new member's process started,
+    before its handle was written (as a SIGKILL would: its start thread never returns). The
+    member's id follows from the record saved before the start (the gang's epoch, each slot's
+    incarnation). Checked from /proc and raw Redis once the standby leads: every live process
+    carrying the job's launch mark is a live member of the new leader's record, with a handle
+    (adopted, or started anew), and no member id runs twice; the cut-short member is adopted or
+    gone. Before, a leader taking over a launched job re-attached only the members recorded with
+    handles: the new member ran on under the job's id, found by nobody (on a cluster: a GPU held
+    for good, a process acting as a member of the job)."""
+    import threading
+
+    from support import raw_job_record
+
+    a = await rig.controller()
+    await a.wait_leading(10)
+    recovery = ({"borrow": "never", "keep_survivors": False} if restart == "gang" else {"policy": "whole_job"})
+    job = await a.submit(JobSpec.parse({
+        "name": f"orphan-{restart.replace('_', '-')}", "steps": 5, "rollout": {"replicas": 2}, "recovery": recovery,
+        "detector": {"trainer_idle_s": 4.0, "rollout_idle_s": 2.0, "silence_s": 1.0, "probe_timeout_s": 1.0,
+                     "metrics_interval_s": 0.25}}))
+    await rig.hello_all(a, job.job_id)
+    await rig.commit(job.job_id, 0)  # (a trainer lost before the first commit restarts the whole job)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    started, gate = threading.Event(), threading.Event()
+    real_start = a.launcher.start
+
+    def start(member: object) -> None:
+        real_start(member)  # type: ignore[arg-type]
+        if member.member_id.split("--", 1)[1] == victim:  # type: ignore[attr-defined]
+            started.set()
+            gate.wait(60)  # never returns while the test looks: the leader "died" right after this start
+
+    victim = "trainer-e2-r0" if restart == "gang" else "rollout-0-i1"  # the member whose start is cut short
+    monkeypatch.setattr(a.launcher, "start", start)
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    try:
+        await eventually_async(started.is_set, timeout=20, what=f"{victim}'s process started")
+        rec = raw_job_record(rig.settings.redis_url, job.job_id)
+        assert not (rec["members"].get(victim) or {}).get("handle"), rec["members"]
+        await a.close(stop_members=False)
+        b = await rig.controller()
+        await b.wait_leading(20)
+
+        last: list[dict[str, object]] = []
+
+        def settled() -> dict[str, object] | None:
+            rec = raw_job_record(rig.settings.redis_url, job.job_id)
+            live = {mid for mid, m in rec["members"].items()
+                    if m["state"] not in ("exited", "stopped", "dead") and m["handle"]}
+            procs = _launched_processes(rig.log_dir, job.job_id)
+            untracked = {m.split("--", 1)[1] for m in procs} - live
+            last[:] = [{"untracked": untracked, "live": live, "procs": procs}]
+            return None if untracked else last[0]
+
+        try:
+            seen = await eventually_async(lambda: asyncio.to_thread(settled), timeout=20,
+                                          what="every live process of the job a live member of the new leader's record")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; last seen: {last}") from None
+        twice = {mid: pids for mid, pids in seen["procs"].items() if len(pids) > 1}  # type: ignore[union-attr]
+        assert not twice, f"two processes under one member id: {twice}"
+    finally:
+        gate.set()

@@ -545,6 +545,37 @@ class RecoveryExecutor:
                 # generating and from the gang forming (on a cluster a replacement gets its own machine).
                 await self.owe(job, gang.borrowed_slots)
 
+    @staticmethod
+    def interrupted(job: JobRun) -> ActiveRecovery | None:
+        """A gang or whole-job recovery whose start did not finish: the record holds it with
+        nothing to wait for (the members it waits for are set once the start returns), so the
+        leader that started it went before then."""
+        return next((r for r in job.recoveries if r.kind in ("trainer", "whole_job") and not r.waiting_for), None)
+
+    async def resume_interrupted(self, job: JobRun) -> None:
+        """After a takeover: a recovery whose start the previous leader did not finish is
+        restarted whole now (what it had started unrecorded was stopped by the takeover). Left to
+        its deadline (``recovery.deadline_s``), the job waited that long for members no record
+        names, and the escalation's restart would have left those running untracked."""
+        async with self.lock:
+            rec = self.interrupted(job)
+            if rec is None or job.done or not self.c.leading:
+                return
+            if not await self.c.leads():
+                raise LeaseLost(f"job {job.job_id}: a newer lease term began before the interrupted "
+                                f"{rec.kind} recovery was started again")
+            now = time.time()
+            view = next(v for v in job_view(job).recovering if v.fault_id == rec.fault_id)
+            decision = decide_mod.recovery_failed(now, job_view(job), view, "its start was interrupted by a change "
+                                                  "of controller", job.spec.recovery)
+            fault = FaultReport(job_id=job.job_id, fault_id=f"{rec.fault_id}-interrupted", role=rec.role,  # type: ignore[arg-type]
+                                member_id="controller", kind="unresponsive", evidence=decision.reason,
+                                detected_at=now, step=job.step)
+            await self.c.event(job, "decision", {"fault_id": rec.fault_id, "actions": decision.names(),
+                                                 "reason": decision.reason})
+            await self.execute_all(job, fault, decision.actions)
+            await self.c.persist(job)
+
     def resume_rechecks(self, job: JobRun) -> None:
         """After a takeover: the weights faults the previous leader ignored during a trainer
         recovery are looked at again, ``weights_load_s`` from now (or once the recovery it

@@ -198,6 +198,8 @@ class Controller:
             if not job.done:
                 self.recovery.resume_restock(job)
                 self.recovery.resume_rechecks(job)
+                if job.launched and self.recovery.interrupted(job):
+                    self.spawn(self.recovery.resume_interrupted(job))
             if not job.done and not job.launched:  # its start was interrupted (``_relaunch``)
                 self.launch_in_background(job)
         # The warm spares the resumed jobs ask for: the launcher takes over those its predecessor
@@ -392,6 +394,12 @@ class Controller:
             if not job.launched:
                 await self._relaunch(job, adopted, gone)
                 continue
+            if self.recovery.interrupted(job):
+                # A gang or whole-job start the previous leader did not finish: what it started
+                # unrecorded is stopped here, and the recovery is started again once this
+                # controller leads (``resume_interrupted``), not left to its deadline.
+                found = await self._find_unrecorded(job, adopted)
+                await asyncio.to_thread(self.launcher.stop_many, [lid(job, mid) for mid in found], 3.0)
             log.warning("job %s: resumed at step %d by %s; %d members re-attached, %d gone", job_id, job.step,
                         self.owner, len(adopted), len(gone))
             await failpoints.hit("takeover_resumed")
@@ -416,21 +424,7 @@ class Controller:
         await self.event(job, "note", {"text": "its start was interrupted; started again", "owner": self.owner,
                                        "adopted": sorted(adopted), "gone": sorted(gone)})
         live = [mid for mid in adopted if job.members[mid].state not in ("exited", "stopped", "dead")]
-        # Members the interrupted start may have started without recording them: their ids follow
-        # from the record (the gang's epoch and each slot's incarnation are saved before a start);
-        # found by their launch mark, they are adopted and stopped with the others, not left to
-        # run untracked (asking for their spec, they would get it from this leader).
-        ranks = ([(trainer_id(job.epoch, r), "trainer") for r in range(job.spec.trainer.workers)]
-                 if job.epoch > 0 else [])
-        candidates = [*ranks, *((replica_id(s, inc), "rollout") for s, inc in job.slot_incarnation.items())]
-        for mid, role in candidates:
-            if mid in live or (mid in job.members and job.members[mid].state in ("exited", "stopped", "dead")):
-                continue
-            found = await asyncio.to_thread(self.launcher.find, lid(job, mid))
-            if found is not None and await asyncio.to_thread(self.launcher.adopt, job.job_id, lid(job, mid), role,
-                                                             found):
-                log.warning("job %s: %s was started but never recorded: stopping it", job.job_id, mid)
-                live.append(mid)
+        live += await self._find_unrecorded(job, live)
         await asyncio.to_thread(self.launcher.stop_many, [lid(job, mid) for mid in live], 3.0)
         for mid in [*live, *gone]:
             if mid in job.members:
@@ -443,6 +437,26 @@ class Controller:
         job.gang_starts.clear()
         job.restock_owed.clear()
         await self.persist(job)  # started again once this controller leads (``_lead``)
+
+    async def _find_unrecorded(self, job: JobRun, live: list[str]) -> list[str]:
+        """Members an interrupted start may have started without recording them: their ids follow
+        from the record (the gang's epoch and each slot's incarnation are saved before a start).
+        Found by their launch mark, they are adopted by the launcher and returned, for the caller
+        to stop, not left to run untracked (asking for their spec, they would get it from this
+        leader)."""
+        ranks = ([(trainer_id(job.epoch, r), "trainer") for r in range(job.spec.trainer.workers)]
+                 if job.epoch > 0 else [])
+        candidates = [*ranks, *((replica_id(s, inc), "rollout") for s, inc in job.slot_incarnation.items())]
+        found_ids = []
+        for mid, role in candidates:
+            if mid in live or (mid in job.members and job.members[mid].state in ("exited", "stopped", "dead")):
+                continue
+            found = await asyncio.to_thread(self.launcher.find, lid(job, mid))
+            if found is not None and await asyncio.to_thread(self.launcher.adopt, job.job_id, lid(job, mid), role,
+                                                             found):
+                log.warning("job %s: %s was started but never recorded: stopping it", job.job_id, mid)
+                found_ids.append(mid)
+        return found_ids
 
     async def reconcile(self, job: JobRun, why: str) -> None:
         """Bring the job's progress up to the durable event log. Commits arrive on core NATS, which
