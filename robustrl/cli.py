@@ -357,7 +357,9 @@ def audit(job_id: str = typer.Argument(..., help="The job to audit."),
           run_dir: Path = typer.Option(DEFAULT_RUN_DIR, help="Stack started by `robustrl up` (its infra)."),
           nats_url: str = typer.Option(None), redis_url: str = typer.Option(None),
           s3_endpoint: str = typer.Option(None, help="S3 host:port (ROBUSTRL_S3_* for keys)."),
-          max_stuck_s: float = typer.Option(None, help="Fail if progress stopped longer than this."),
+          max_stuck_s: float = typer.Option(None, help="Fail if progress stopped longer than this (default: "
+                                                     "the job's step_deadline_s + recovery.deadline_s)."),
+          running: bool = typer.Option(False, "--running", help="The job still runs: its log need not end."),
           redis_bound: bool = typer.Option(True, help="Judge Redis growth."),
           as_json: bool = typer.Option(False, "--json", help="Print only the report, as JSON.")) -> None:
     """Check a job's invariants from the raw stores (S3, Redis, event log); exit 1 on a violation."""
@@ -367,7 +369,8 @@ def audit(job_id: str = typer.Argument(..., help="The job to audit."),
     try:
         settings = _infra_settings(run_dir, nats_url, redis_url, s3_endpoint)
         report = asyncio.run(run_audit(settings, job_id, AuditOptions(redis_bound=redis_bound,
-                                                                      max_stuck_s=max_stuck_s)))
+                                                                      max_stuck_s=max_stuck_s,
+                                                                      require_ended=not running)))
     except RobustRLError as exc:
         _fail(exc)
     if as_json:

@@ -212,6 +212,41 @@ def test_max_stuck_is_the_longest_gap_between_progress_events():
     assert max_stuck_s(log.events) == pytest.approx(8.5)
 
 
+
+def _stalled_job(gap_s: float, *, ended: bool = True) -> AuditInput:
+    """The sound job, with its spec's deadlines, and ``gap_s`` between step 0's commit and step 1's
+    start (a recovery that never ended until something else moved the job on)."""
+    inp = sound_job()
+    events = []
+    shift = 0.0
+    for e in inp.events:
+        if e.kind == "job_submitted":
+            e = RawEvent(seq=e.seq, kind=e.kind, ts=e.ts, data={"spec": {
+                **e.data["spec"], "detector": {"step_deadline_s": 180.0}, "recovery": {"deadline_s": 120.0}}})
+        if e.kind == "step_started" and e.data.get("step") == 1:
+            shift = gap_s
+        if e.kind == "job_finished" and not ended:
+            continue
+        events.append(RawEvent(seq=e.seq, kind=e.kind, ts=e.ts + shift, data=e.data))
+    return AuditInput(job_id=inp.job_id, events=events, redis=inp.redis, checkpoints=inp.checkpoints)
+
+
+def test_a_job_stuck_longer_than_its_own_deadlines_is_caught_without_being_told_a_bound():
+    """Nothing stuck: a gap between progress events longer than the job's step deadline plus its
+    recovery deadline is a stall the controller should have escalated; the auditor finds it from
+    the spec in the log, with default options (the campaign's and the tests'). Before, only an
+    explicit max_stuck_s judged progress: a campaign job 415 s in 'recovering' passed."""
+    assert judge(_stalled_job(250.0)).ok, judge(_stalled_job(250.0)).violations()
+    report = judge(_stalled_job(415.0))
+    assert not report.checks["progress"].passed
+    assert any("bound 300.0s" in v for v in report.checks["progress"].violations), report.violations()
+
+
+def test_a_job_whose_log_never_ends_is_not_sound_unless_audited_while_running():
+    report = judge(_stalled_job(0.0, ended=False))
+    assert not report.checks["progress"].passed and "never ended" in report.violations()[0], report.violations()
+    assert judge(_stalled_job(0.0, ended=False), AuditOptions(require_ended=False)).ok
+
 # -- against real stores --------------------------------------------------------------------------
 
 

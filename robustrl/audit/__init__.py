@@ -66,7 +66,7 @@ def judge(inp: AuditInput, options: AuditOptions | None = None) -> AuditReport:
     checks["prefixes"] = check_prefixes(inp, views)
     checks["weights"], bad_weights = check_weights(inp, views)
     checks["redis_bounded"], redis_facts = check_redis_bounded(inp, durable, opts.redis_slack_steps, opts.redis_bound)
-    checks["progress"], stuck = check_progress(inp, opts.max_stuck_s)
+    checks["progress"], stuck = check_progress(inp, facts, opts.max_stuck_s, opts.require_ended)
     report = AuditReport(
         job_id=inp.job_id, ok=all(c.passed for c in checks.values()), checks=checks,
         steps_trained_twice=twice, steps_lost=steps_lost, episodes_lost=episodes_lost,

@@ -12,6 +12,7 @@ progress and trains those batches twice.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ from robustrl.audit.model import AuditInput, CheckResult
 from robustrl.audit.raw import RawEvent
 
 PROGRESS_KINDS = ("step_started", "batch_ready", "step_committed", "job_finished")
+ENDED_KINDS = ("job_finished", "job_failed", "job_stopped")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,10 @@ class JobFacts:
     final_step: int
     """Highest committed step (-1: none)."""
     finished: bool
+    ended: bool = False
+    """The log holds job_finished, job_failed or job_stopped."""
+    stuck_bound_s: float | None = None
+    """The spec's step deadline plus its recovery deadline (None: not in the log)."""
 
 
 def _int(value: Any, default: int = -1) -> int:
@@ -47,11 +53,21 @@ def job_facts(events: list[RawEvent]) -> JobFacts:
     spec: dict[str, Any] = (submitted.data.get("spec") or {}) if submitted else {}
     data = spec.get("data") or {}
     commits = of_kind(events, "step_committed")
+    step_deadline = _num((spec.get("detector") or {}).get("step_deadline_s"))
+    recovery_deadline = _num((spec.get("recovery") or {}).get("deadline_s"))
     return JobFacts(steps=_int(spec.get("steps"), 0),
                     episodes_per_step=_int(data.get("prompts_per_step"), 8) * _int(data.get("group_size"), 8),
                     staleness=_int(spec.get("staleness"), 0),
                     final_step=max((_int(e.data.get("step")) for e in commits), default=-1),
-                    finished=any(e.kind == "job_finished" for e in events))
+                    finished=any(e.kind == "job_finished" for e in events),
+                    ended=any(e.kind in ENDED_KINDS for e in events),
+                    stuck_bound_s=(None if step_deadline is None or recovery_deadline is None
+                                   else step_deadline + recovery_deadline))
+
+
+def _num(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return float(value) if ok else None
 
 
 def check_event_log(inp: AuditInput, facts: JobFacts) -> CheckResult:
@@ -224,16 +240,24 @@ def max_stuck_s(events: list[RawEvent]) -> float:
     if not events:
         return 0.0
     start = next((e.ts for e in events if e.kind in ("job_started", "step_started")), events[0].ts)
-    end = next((e.ts for e in events if e.kind in ("job_finished", "job_failed", "job_stopped")),
-               max(e.ts for e in events))
+    end = next((e.ts for e in events if e.kind in ENDED_KINDS), max(e.ts for e in events))
     marks = sorted([start, end] + [e.ts for e in events if e.kind in PROGRESS_KINDS and start <= e.ts <= end])
     return max((b - a for a, b in itertools.pairwise(marks)), default=0.0)
 
 
-def check_progress(inp: AuditInput, bound_s: float | None) -> tuple[CheckResult, float]:
+def check_progress(inp: AuditInput, facts: JobFacts, bound_s: float | None,
+                   require_ended: bool = True) -> tuple[CheckResult, float]:
+    """Nothing stuck: no gap between progress events longer than ``bound_s`` (None: the job's own
+    deadlines, ``JobFacts.stuck_bound_s``), and, with ``require_ended``, a log that ends."""
     res = CheckResult()
     stuck = max_stuck_s(inp.events)
-    if bound_s is not None and stuck > bound_s:
-        res.violations.append(f"no progress event for {stuck:.1f}s (bound {bound_s:.1f}s)")
+    if require_ended and inp.events and not facts.ended:
+        last = inp.events[-1]
+        res.violations.append(f"the job never ended: no job_finished, job_failed or job_stopped in its log (last "
+                              f"event {last.kind!r}, {max(e.ts for e in inp.events) - inp.events[0].ts:.1f}s "
+                              "after its first)")
+    bound = bound_s if bound_s is not None else facts.stuck_bound_s
+    if bound is not None and stuck > bound:
+        res.violations.append(f"no progress event for {stuck:.1f}s (bound {bound:.1f}s)")
     res.passed = not res.violations
     return res, stuck

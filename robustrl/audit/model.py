@@ -24,7 +24,12 @@ class AuditOptions:
     """Judge Redis growth (keys of steps long durable must be gone)."""
     redis_slack_steps: int = REDIS_SLACK_STEPS
     max_stuck_s: float | None = None
-    """If set, a gap longer than this between progress events is a violation."""
+    """A gap longer than this between progress events is a violation. None: the job's own bound,
+    its spec's ``detector.step_deadline_s`` plus ``recovery.deadline_s`` from the log (a stall the
+    controller should have acted on and escalated by then)."""
+    require_ended: bool = True
+    """The job's log must end (``job_finished``, ``job_failed`` or ``job_stopped``); False for a
+    job audited while it runs."""
 
 
 @dataclass
