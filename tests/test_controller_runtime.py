@@ -1738,11 +1738,69 @@ async def test_a_member_a_restart_started_just_before_its_leader_died_is_not_lef
             return None if untracked else last[0]
 
         try:
-            seen = await eventually_async(lambda: asyncio.to_thread(settled), timeout=20,
+            seen = await eventually_async(lambda: asyncio.to_thread(settled), timeout=60,
                                           what="every live process of the job a live member of the new leader's record")
         except AssertionError as exc:
             raise AssertionError(f"{exc}; last seen: {last}") from None
         twice = {mid: pids for mid, pids in seen["procs"].items() if len(pids) > 1}  # type: ignore[union-attr]
         assert not twice, f"two processes under one member id: {twice}"
+    finally:
+        gate.set()
+
+
+async def test_a_rank_kept_in_place_just_before_its_leader_died_is_not_left_to_run_untracked(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 crashes; the leader restarts the gang keeping rank 1 in place (``relabel``: the same
+    process becomes the new gang's rank 1) and goes away right after that hand-over, before the
+    new rank was recorded. The kept process is recorded 'dead' under its old id and runs under a
+    new id no record names, its launch mark the old one's. Checked from /proc and raw Redis once
+    the standby leads: every live process of the job is a live member of its record."""
+    import threading
+
+    from support import raw_job_record
+
+    from robustrl.launcher import base as launcher_base
+
+    monkeypatch.setattr(launching, "TRAINER_MODULE", "handoff_idle_member")
+    monkeypatch.setattr(launcher_base, "TRAINER_MODULE", "handoff_idle_member")  # switchable in place
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(JobSpec.parse({**spec("keptorphan").model_dump(mode="json"),
+                                        "recovery": {"borrow": "never", "keep_survivors": True}}))
+    await rig.hello_all(a, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    handed, gate = threading.Event(), threading.Event()
+    real_relabel = a.launcher.relabel
+
+    def relabel(member_id: str, member: object) -> None:
+        real_relabel(member_id, member)  # type: ignore[arg-type]
+        handed.set()
+        gate.wait(60)  # never returns while the test looks: the leader "died" right after the hand-over
+
+    monkeypatch.setattr(a.launcher, "relabel", relabel)
+    kept_pid = job.members["trainer-e1-r1"].pid
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    try:
+        await eventually_async(handed.is_set, timeout=20, what="rank 1 handed over in place")
+        await a.close(stop_members=False)
+        b = await rig.controller()
+        await b.wait_leading(20)
+        last: list[dict[str, object]] = []
+
+        def settled() -> dict[str, object] | None:
+            rec = raw_job_record(rig.settings.redis_url, job.job_id)
+            live = {mid: m["pid"] for mid, m in rec["members"].items()
+                    if m["state"] not in ("exited", "stopped", "dead") and m["handle"]}
+            procs = _launched_processes(rig.log_dir, job.job_id)
+            untracked = {pid for pids in procs.values() for pid in pids} - set(live.values())
+            last[:] = [{"untracked": untracked, "live": live, "procs": procs}]
+            return None if untracked else last[0]
+
+        try:
+            await eventually_async(lambda: asyncio.to_thread(settled), timeout=60,
+                                   what="every live process of the job a live member of the new leader's record")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; kept rank's pid {kept_pid}; last seen: {last}") from None
     finally:
         gate.set()

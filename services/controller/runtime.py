@@ -394,11 +394,12 @@ class Controller:
             if not job.launched:
                 await self._relaunch(job, adopted, gone)
                 continue
-            if self.recovery.interrupted(job):
+            if (cut := self.recovery.interrupted(job)) is not None:
                 # A gang or whole-job start the previous leader did not finish: what it started
                 # unrecorded is stopped here, and the recovery is started again once this
                 # controller leads (``resume_interrupted``), not left to its deadline.
                 found = await self._find_unrecorded(job, adopted)
+                found += await self._find_handed_over(job, cut.replacing)
                 await asyncio.to_thread(self.launcher.stop_many, [lid(job, mid) for mid in found], 3.0)
             log.warning("job %s: resumed at step %d by %s; %d members re-attached, %d gone", job_id, job.step,
                         self.owner, len(adopted), len(gone))
@@ -455,6 +456,30 @@ class Controller:
             if found is not None and await asyncio.to_thread(self.launcher.adopt, job.job_id, lid(job, mid), role,
                                                              found):
                 log.warning("job %s: %s was started but never recorded: stopping it", job.job_id, mid)
+                found_ids.append(mid)
+        return found_ids
+
+    async def _find_handed_over(self, job: JobRun, replacing: set[str]) -> list[str]:
+        """Processes an interrupted gang start may have switched in place (``Launcher.relabel``: a
+        kept rank of the broken gang, a borrowed replica) before it recorded the new rank: recorded
+        'dead' under their old id, they run on under an id no record names (and a local member
+        keeps its old launch mark), so ``_find_unrecorded`` does not see them. Found under the old
+        id (the broken gang's ranks, each slot's current incarnation) and adopted by the launcher
+        for the caller to stop, unless a live member of the record is that process (a hand-over
+        the start did record)."""
+        held = [m for m in job.live() if m.handle]
+        current = {replica_id(s, inc) for s, inc in job.slot_incarnation.items()}
+        found_ids = []
+        for mid, m in list(job.members.items()):
+            if m.state != "dead" or (mid not in replacing and mid not in current):
+                continue
+            found = await asyncio.to_thread(self.launcher.find, lid(job, mid))
+            if found is None or any(h.handle == found or (h.pid is not None and h.pid == found.get("pid"))
+                                    for h in held):
+                continue
+            if await asyncio.to_thread(self.launcher.adopt, job.job_id, lid(job, mid), m.role, found):
+                log.warning("job %s: %s, recorded dead, runs on (handed over to a rank never recorded): "
+                            "stopping it", job.job_id, mid)
                 found_ids.append(mid)
         return found_ids
 
