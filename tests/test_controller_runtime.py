@@ -315,6 +315,10 @@ async def _with_kind(rig: Rig, job_id: str, kind: str) -> list[object] | None:
     return events if of_kind(events, kind) else None
 
 
+async def _recovered(rig: Rig, job_id: str, fault_id: str) -> bool:
+    return any(d["fault_id"] == fault_id for d in of_kind(await rig.events(job_id), "recovered"))
+
+
 async def _with_decision_for(rig: Rig, job_id: str, fault_id: str) -> list[object] | None:
     events = await rig.events(job_id)
     return events if any(d["fault_id"] == fault_id for d in of_kind(events, "decision")) else None
@@ -1675,6 +1679,11 @@ async def test_a_whole_job_restart_a_dying_leader_left_half_started_is_started_a
             raise AssertionError(f"{exc}; last seen: {last}") from None
         twice = {mid: pids for mid, pids in seen["procs"].items() if len(pids) > 1}  # type: ignore[union-attr]
         assert not twice, f"two processes under one member id: {twice}; {seen}"
+        # The restart acts under the crash's own fault id: its recovered and work_lost events close
+        # that fault (the run report and ETTR match recoveries by id); under another id the fault
+        # stayed open and its downtime ran to the job's end.
+        acted = {d["fault_id"] for d in of_kind(await rig.events(job.job_id), "action")}
+        assert acted == {"exit-rollout-1-i0"}, acted
     finally:
         gate.set()
 
@@ -1804,3 +1813,23 @@ async def test_a_rank_kept_in_place_just_before_its_leader_died_is_not_left_to_r
             raise AssertionError(f"{exc}; kept rank's pid {kept_pid}; last seen: {last}") from None
     finally:
         gate.set()
+
+
+def test_a_replica_recovery_waiting_for_replacements_that_never_ran_waits_for_the_restocked_one() -> None:
+    """Pure: a leader died between saving a replacement (rollout-0-i1) and starting it; the next
+    leader's restock of the slot failed once (rollout-0-i2, dead too) and then started
+    rollout-0-i3. The replica recovery must wait for i3, not for i1 until its deadline escalates
+    to a whole-job restart (only an exact match with the restock's own incarnation was retargeted)."""
+    from robustrl.services.controller.jobs import ActiveRecovery, MemberInfo
+    from robustrl.services.controller.recovery import RecoveryExecutor
+
+    job = JobRun(job_id="j", spec=spec("retarget"))
+    for inc in (0, 1, 2):
+        job.members[f"rollout-0-i{inc}"] = MemberInfo(f"rollout-0-i{inc}", "rollout", 0, inc, state="dead")
+    job.members["rollout-0-i3"] = MemberInfo("rollout-0-i3", "rollout", 0, 3, state="running")
+    job.members["rollout-1-i0"] = MemberInfo("rollout-1-i0", "rollout", 1, 0, state="running")
+    ours = ActiveRecovery("f0", "rollout", "replica", 0.0, 1, 100.0, waiting_for={"rollout-0-i1"})
+    other = ActiveRecovery("f1", "rollout", "replica", 0.0, 1, 100.0, waiting_for={"rollout-1-i0"})
+    job.recoveries = [ours, other]
+    RecoveryExecutor._wait_for_restocked(job, 0, "rollout-0-i3")
+    assert ours.waiting_for == {"rollout-0-i3"} and other.waiting_for == {"rollout-1-i0"}

@@ -37,7 +37,9 @@ class JobFacts:
     ended: bool = False
     """The log holds job_finished, job_failed or job_stopped."""
     stuck_bound_s: float | None = None
-    """The spec's step deadline plus its recovery deadline (None: not in the log)."""
+    """The spec's step deadline plus twice its recovery deadline (None: not in the log): a step
+    stuck to its deadline, a local recovery run to its own, then the whole-job restart that
+    escalation starts, also bounded by it."""
 
 
 def _int(value: Any, default: int = -1) -> int:
@@ -62,7 +64,7 @@ def job_facts(events: list[RawEvent]) -> JobFacts:
                     finished=any(e.kind == "job_finished" for e in events),
                     ended=any(e.kind in ENDED_KINDS for e in events),
                     stuck_bound_s=(None if step_deadline is None or recovery_deadline is None
-                                   else step_deadline + recovery_deadline))
+                                   else step_deadline + 2 * recovery_deadline))
 
 
 def _num(value: Any) -> float | None:

@@ -25,8 +25,8 @@ class AuditOptions:
     redis_slack_steps: int = REDIS_SLACK_STEPS
     max_stuck_s: float | None = None
     """A gap longer than this between progress events is a violation. None: the job's own bound,
-    its spec's ``detector.step_deadline_s`` plus ``recovery.deadline_s`` from the log (a stall the
-    controller should have acted on and escalated by then)."""
+    its spec's ``detector.step_deadline_s`` plus twice ``recovery.deadline_s`` from the log (a
+    stall the controller should have acted on, escalated and recovered from by then)."""
     require_ended: bool = True
     """The job's log must end (``job_finished``, ``job_failed`` or ``job_stopped``); False for a
     job audited while it runs."""

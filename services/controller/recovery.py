@@ -342,6 +342,7 @@ class RecoveryExecutor:
                     # Started by the previous leader, which died before it wrote the handle; this
                     # leader found and adopted it (MemberStarter.adopt): the slot is restocked.
                     job.restock_owed.pop(slot, None)
+                    self._wait_for_restocked(job, slot, planned.member_id)
                     await self.c.event(job, "replica_restocked", {"member_id": planned.member_id, "slot": slot,
                                                                   "adopted": True})
                     await self.c.persist(job)
@@ -400,14 +401,26 @@ class RecoveryExecutor:
                     continue
                 if member is not None and member.state not in ("exited", "stopped", "dead"):
                     job.restock_owed.pop(slot, None)
-                    for rec in job.recoveries:  # one that waited for the slot's never-started replacement
-                        if rec.kind == "replica" and rec.waiting_for == {replica_id(slot, owed_inc)}:
-                            rec.waiting_for = {mid}
+                    self._wait_for_restocked(job, slot, mid)
                 # else: borrowed in turn while it started (owed again at this incarnation, left so)
                 await self.c.event(job, "replica_restocked", {"member_id": mid, "slot": slot})
                 await self.c.persist(job)
         if failed and not job.done and self.c.leading:
             raise SlotsStillOwed(f"job {job.job_id}: rollout slots {failed} still owed a replacement")
+
+    @staticmethod
+    def _wait_for_restocked(job: JobRun, slot: int, mid: str) -> None:
+        """A replica recovery of ``slot`` that waits only for replacements that never ran (a leader
+        died between saving one and starting it; a restock of it failed in turn) waits for the
+        slot's restocked replica ``mid`` instead: else it waited for a dead id until its deadline
+        escalated to a whole-job restart."""
+        for rec in job.recoveries:
+            if rec.kind != "replica" or not rec.waiting_for or mid in rec.waiting_for:
+                continue
+            waited = [job.members.get(w) for w in rec.waiting_for]
+            if all(m is not None and m.role == "rollout" and m.index == slot
+                   and m.state in ("dead", "exited", "stopped") for m in waited):
+                rec.waiting_for = {mid}
 
     def resume_restock(self, job: JobRun) -> None:
         """After a takeover: restock the slots the previous leader still owed, including those of
@@ -568,7 +581,9 @@ class RecoveryExecutor:
             view = next(v for v in job_view(job).recovering if v.fault_id == rec.fault_id)
             decision = decide_mod.recovery_failed(now, job_view(job), view, "its start was interrupted by a change "
                                                   "of controller", job.spec.recovery)
-            fault = FaultReport(job_id=job.job_id, fault_id=f"{rec.fault_id}-interrupted", role=rec.role,  # type: ignore[arg-type]
+            # Under the interrupted recovery's own fault id: its restart's recovered and work_lost
+            # events must close that fault (the run report and ETTR match them by id).
+            fault = FaultReport(job_id=job.job_id, fault_id=rec.fault_id, role=rec.role,  # type: ignore[arg-type]
                                 member_id="controller", kind="unresponsive", evidence=decision.reason,
                                 detected_at=now, step=job.step)
             await self.c.event(job, "decision", {"fault_id": rec.fault_id, "actions": decision.names(),
