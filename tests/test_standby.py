@@ -776,3 +776,77 @@ def test_a_restocked_replica_whose_handle_was_never_written_is_found_and_adopted
         new.close()
         old.close()
     assert ended(pid)
+
+
+def _placed(mid: str, role: str, index: int, host: str | None, version: int = 3, *, ray: bool = False):
+    from robustrl.services.controller.jobs import MemberInfo
+
+    handle = {} if host is None else ({"node_id": host} if ray else {"host": host})
+    return MemberInfo(mid, role, index, 0 if role == "rollout" else 1, state="ready", weights_version=version,
+                      handle=handle)
+
+
+@pytest.mark.parametrize("ray", [False, True])
+def test_the_replica_borrowed_is_chosen_by_host_under_the_gangs_placement(ray):
+    """A borrowed replica becomes a rank where it runs. Under PACK the replica beside the gang's
+    running rank is taken first; under SPREAD replicas on hosts without a rank come first, one
+    per host in turn. (Before 2026-12-03 the pick was by weights version and slot only: PACK took
+    rollout-3 on h2, SPREAD took rollout-0 beside the running rank 0.)"""
+    from robustrl.config import JobSpec
+    from robustrl.services.controller.decide import plan_gang
+    from robustrl.services.controller.jobs import JobRun
+    from robustrl.services.controller.view import job_view
+
+    def plan(strategy: str, ranks: int) -> tuple[str, ...]:
+        spec = JobSpec.parse({"mode": "async", "staleness": 1, "rollout": {"replicas": 4},
+                              "trainer": {"workers": ranks, "placement": {"strategy": strategy}},
+                              "recovery": {"min_replicas_kept": 1, "keep_survivors": False}})
+        job = JobRun("j", spec)
+        job.epoch = 1
+        hosts = ["h0", "h1", "h1", "h2"]  # rollout-3 (h2) holds the newest weights
+        for i, h in enumerate(hosts):
+            m = _placed(f"rollout-{i}-i0", "rollout", i, h, 4 if i == 3 else 3, ray=ray)
+            job.members[m.member_id] = m
+            job.slot_incarnation[i] = 0
+        rank0 = _placed("trainer-e1-r0", "trainer", 0, "h0", ray=ray)
+        job.members[rank0.member_id] = rank0
+        sources, _why = plan_gang(job_view(job, can_borrow=True), spec.recovery)
+        return sources
+
+    assert plan("PACK", 1) == ("borrowed:rollout-0-i0",)
+    # SPREAD: hosts without a rank first (h2 holds the newest weights, then h1), h0 last
+    assert plan("SPREAD", 3) == ("borrowed:rollout-3-i0", "borrowed:rollout-2-i0", "borrowed:rollout-0-i0")
+
+
+def test_one_machine_launchers_keep_the_weights_order():
+    from robustrl.services.controller.view import borrow_order
+
+    replicas = [_placed(f"rollout-{i}-i0", "rollout", i, None, v) for i, v in enumerate([3, 4, 3])]
+    for strategy in ("PACK", "SPREAD"):
+        got = [m.member_id for m in borrow_order(replicas, [_placed("trainer-e1-r0", "trainer", 0, None)], strategy)]
+        assert got == ["rollout-1-i0", "rollout-2-i0", "rollout-0-i0"], strategy
+
+
+def test_a_replica_not_sure_to_carry_the_trainers_node_labels_is_not_borrowed():
+    from robustrl.config import JobSpec
+    from robustrl.services.controller.decide import plan_gang
+    from robustrl.services.controller.jobs import JobRun
+    from robustrl.services.controller.view import job_view, replica_fits_trainer
+
+    def fits(rollout: dict[str, str], trainer: dict[str, str]) -> bool:
+        spec = JobSpec.parse({"rollout": {"placement": {"node_labels": rollout}},
+                              "trainer": {"placement": {"node_labels": trainer}}})
+        return replica_fits_trainer(JobRun("j", spec))
+
+    assert fits({}, {}) and fits({"pool": "gpu", "zone": "a"}, {"pool": "gpu"})
+    assert not fits({}, {"pool": "trainer"})  # a replica may run anywhere, the trainer may not
+    assert not fits({"pool": "rollout"}, {"pool": "trainer"})
+    spec = JobSpec.parse({"mode": "async", "staleness": 1, "rollout": {"replicas": 3},
+                          "trainer": {"workers": 1, "placement": {"node_labels": {"pool": "trainer"}}}})
+    job = JobRun("j", spec)
+    for i in range(3):
+        m = _placed(f"rollout-{i}-i0", "rollout", i, None)
+        job.members[m.member_id] = m
+        job.slot_incarnation[i] = 0
+    sources, why = plan_gang(job_view(job, can_borrow=True), spec.recovery)
+    assert sources == () and "node labels" in why, (sources, why)

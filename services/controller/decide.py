@@ -95,13 +95,15 @@ class JobView:
         mode: the job's mode (``sync | semi_sync | async``): borrowing is for overlapped modes.
         trainer_workers: ranks of a trainer gang.
         spares_ready: warm spare processes the launcher holds now.
-        borrowable: current rollout replicas that hold weights and may be borrowed, best first.
+        borrowable: current rollout replicas that hold weights and may be borrowed, best first
+            (``view.borrow_order``: by host under the gang's placement strategy, then weights).
         can_borrow: whether the launcher can switch a process's role in place.
         survivors: ranks of the current gang that run and were ready (any may be the faulty one:
             ``plan_gang`` leaves that one out).
         can_keep: whether the launcher can hand a running trainer rank to the next gang in place.
         replica_fits_trainer: whether a rollout replica's reservation covers a trainer rank's
-            (``resources`` of both roles; nothing reserved fits anything).
+            (``resources`` of both roles; nothing reserved fits anything) and its node is sure
+            to carry the trainer's required ``node_labels``.
         strict_layout: the gang has a ``STRICT_*`` strategy that the launcher holds it to (one
             placement group across machines): a borrowed replica, which stays where it runs,
             could break it.
@@ -382,7 +384,8 @@ def may_borrow(job: JobView, spec: RecoverySpec) -> str | None:
     if not job.can_borrow:
         return "the launcher cannot switch a process's role in place"
     if not job.replica_fits_trainer:
-        return "a rollout replica reserves less than a trainer rank needs (rollout/trainer resources)"
+        return ("a rollout replica reserves less than a trainer rank needs, or may run on a node without "
+                "the trainer's node labels (rollout/trainer resources, placement.node_labels)")
     if job.strict_layout:
         return ("the gang's STRICT_* layout is held by the launcher's placement group, which a replica "
                 "switched in place would run outside (trainer.placement.strategy)")
