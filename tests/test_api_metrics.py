@@ -105,7 +105,7 @@ def test_metrics_endpoint_reports_a_real_job_and_its_fault(api: ApiClient, stack
         # process. Reported to the lead (record it before the kill); the event-log report has it.
         pytest.xfail("controller race: fault detected before its injection time was recorded")
     assert 0 <= detection < 5.0
-    assert pick(samples, "robustrl_fault_detection_seconds_bucket", **labels, le="5") == [1]
+    assert pick(samples, "robustrl_fault_detection_seconds_bucket", **labels, le="5.0") == [1]
 
 
 def test_metrics_need_the_token(stack: Any) -> None:

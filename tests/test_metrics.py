@@ -1,4 +1,5 @@
-"""The Prometheus renderer: every line parses, values match the job dicts, labels are escaped."""
+"""The job metrics (``prometheus_client`` collectors): every line parses, values match the job
+dicts, labels are escaped."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import re
 
 import pytest
 
-from robustrl.metrics import CONTENT_TYPE, escape_label_value, format_value, render_prometheus
+from robustrl.metrics import CONTENT_TYPE, controller_registry, render_prometheus
 
 _NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 _LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\\\|\\"|\\n)*"'
@@ -124,7 +125,7 @@ def test_histograms_are_cumulative_and_consistent() -> None:
     counts = [v for _, v in buckets]
     assert counts == sorted(counts), "buckets must be cumulative"
     assert buckets[-1] == ("+Inf", 3)
-    assert dict(buckets)["1"] == 1 and dict(buckets)["2"] == 2 and dict(buckets)["5"] == 3
+    assert dict(buckets)["1.0"] == 1 and dict(buckets)["2.0"] == 2 and dict(buckets)["5.0"] == 3
     assert pick(samples, "robustrl_fault_detection_seconds_count", job_id="j1") == [3]
     assert pick(samples, "robustrl_fault_detection_seconds_sum", job_id="j1") == [pytest.approx(6.8)]
     # The unrecovered fault (recovery_s None) is counted as a fault but not observed as a recovery.
@@ -138,7 +139,6 @@ def test_label_values_are_escaped() -> None:
     _, samples = parse(text)
     info = [lab for n, lab, _ in samples if n == "robustrl_job_info"]
     assert info == [{"job_id": 'j"1', "name": nasty, "policy": "role_local", "status": "running"}]
-    assert escape_label_value('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
 
 
 def test_partial_and_bad_input_never_fails_the_scrape() -> None:
@@ -160,11 +160,23 @@ def test_partial_and_bad_input_never_fails_the_scrape() -> None:
 
 
 def test_value_formatting() -> None:
-    assert format_value(3.0) == "3"
-    assert format_value(0.25) == "0.25"
-    assert format_value(math.inf) == "+Inf"
-    assert format_value(math.nan) == "NaN"
+    _, samples = parse(render_prometheus([_job(ettr=math.nan, steps_total=30, reward_by_step=[0.25])]))
+    assert pick(samples, "robustrl_job_steps_planned", job_id="j1") == [30]
+    assert [math.isnan(v) for v in pick(samples, "robustrl_job_ettr", job_id="j1")] == [True]
     assert "version=0.0.4" in CONTENT_TYPE
+
+
+def test_the_controller_registry_adds_its_own_process_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    jobs = [_job()]
+    registry = controller_registry(lambda: jobs)
+    _, samples = parse(generate_latest(registry).decode())
+    assert pick(samples, "robustrl_job_step", job_id="j1") == [7]
+    assert pick(samples, "process_resident_memory_bytes") and pick(samples, "process_open_fds")
+    jobs.append(_job(job_id="j2"))  # read at each scrape, not once
+    _, later = parse(generate_latest(registry).decode())
+    assert pick(later, "robustrl_job_step", job_id="j2") == [7]
 
 
 def test_prometheus_client_parser_agrees() -> None:

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 from fastapi import Body, Depends, FastAPI, Path, Query, Response
 from fastapi.responses import HTMLResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import generate_latest
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -47,6 +48,7 @@ from robustrl.chaos.scenario import target_problem
 from robustrl.config import JobSpec
 from robustrl.errors import ConfigError, JobActive, JobError, LaunchError, StorageError
 from robustrl.messages import ChaosKind, ChaosRequest, ChaosRole
+from robustrl.metrics import CONTENT_TYPE, controller_registry
 
 STATIC = FilePath(__file__).parent / "static"
 JOB_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -176,6 +178,8 @@ def create_app(controller: Controller, token: str) -> FastAPI:
                               "answer is an ErrorBody.")
     app.add_middleware(RequestGuard, token=token)
     install_error_handlers(app, BODY_REQUIRED)
+    # Read at each scrape: the job dicts as GET /v1/jobs/{id} returns them.
+    registry = controller_registry(lambda: [j.status_dict() for j in list(controller.jobs.values())])
     def auth(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
         # RequestGuard already refused a wrong token; this declares the scheme in OpenAPI and
         # guards a route mounted without the middleware.
@@ -321,10 +325,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
                               "description": "Prometheus text exposition format 0.0.4"},
                         **_errors(*ALWAYS)})
     async def metrics() -> PlainTextResponse:
-        from robustrl.metrics import render_prometheus
-
-        return PlainTextResponse(render_prometheus([j.status_dict() for j in controller.jobs.values()]),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE)
 
     @app.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
     async def dashboard() -> HTMLResponse:
