@@ -12,11 +12,12 @@ import threading
 import types
 from typing import Any
 
+import pytest
 import torch
 
 from robustrl.config import WeightSyncSpec
 from robustrl.member import ChaosState
-from robustrl.messages import WeightsAnnounce
+from robustrl.messages import WeightsAnnounce, WeightsHave
 from robustrl.model.policy import weights_checksum
 from robustrl.services.rollout.loader import WeightLoader
 from robustrl.services.rollout.replica import PendingWeights, Replica
@@ -40,20 +41,28 @@ class Engine:
 
 def replica(version: int, checksum: str) -> Any:
     r: Any = Replica.__new__(Replica)
-    r._swap_lock, r._pending, r._swapping, r._late = threading.Lock(), None, None, set()
+    r._swap_lock, r._pending, r._swapping, r._late, r._owed = threading.Lock(), None, None, set(), set()
+    r._said = None
     r.version, r.checksum = version, checksum
-    r.member = types.SimpleNamespace(stopping=asyncio.Event(), chaos=ChaosState(), weights_version=version)
+    r.events, r.haves, r.said = [], [], []
+
+    async def publish(_subject: str, msg: Any) -> None:
+        # The bus: every HAVE this replica sends, in order ("said": what peers heard last is said[-1]).
+        if isinstance(msg, WeightsHave):
+            r.haves.append((msg.version, msg.checksum))
+            r.said.append((msg.version, msg.checksum, msg.complete))
+        await asyncio.sleep(0.05)
+
+    r.member = types.SimpleNamespace(stopping=asyncio.Event(), chaos=ChaosState(), weights_version=version,
+                                     bus=types.SimpleNamespace(publish=publish))
     r.engine, r.model, r.verify_loads, r.served = Engine(), object(), False, None
-    r.ident = types.SimpleNamespace(member_id="rollout-0-i0")
+    r.ident = types.SimpleNamespace(member_id="rollout-0-i0", job_id="j")
+    r.address = "tcp://127.0.0.1:9"
+    r.standby = types.SimpleNamespace(handoff=None)
     r.server = types.SimpleNamespace(is_complete=lambda v: True)
     r.loop = asyncio.get_running_loop()
-    r.events, r.haves = [], []
     r._working = r._awaiting = False
     r.loader = types.SimpleNamespace(resync=lambda: None, pulling=lambda: None)
-
-    async def have(v: int, c: str, complete: bool) -> None:
-        r.haves.append((v, c))
-        await asyncio.sleep(0.05)
 
     async def emit(kind: str, data: dict[str, Any]) -> None:
         r.events.append((kind, data))
@@ -61,18 +70,21 @@ def replica(version: int, checksum: str) -> Any:
     async def nothing() -> None:
         return None
 
-    r._publish_have, r._emit, r._refresh_phase = have, emit, nothing
+    r._emit, r._refresh_phase = emit, nothing
     return r
 
 
-def loader(r: Any) -> WeightLoader:
+def loader(r: Any, have: bool = False) -> WeightLoader:
+    """The real loader wired to the replica as ``Replica.run`` wires it; ``have``: its pulls
+    announce themselves (partial HAVEs) on the replica's bus."""
+
     async def nothing() -> None:
         return None
 
     server: Any = types.SimpleNamespace(drop_version=lambda v: None, is_complete=lambda v: True)
     r.loader = WeightLoader(WeightSyncSpec(pull_timeout_s=5.0, pull_attempts=1), "rollout-0-i0", server, {},
                             install=r._install, emit=r._emit, on_change=nothing, held=r._held,
-                            withdraw=r._withdraw)
+                            withdraw=r._withdraw, have=r._publish_have if have else None, idle=r._pull_ended)
     return r.loader
 
 
@@ -187,3 +199,70 @@ async def test_a_stop_during_a_taken_swap_reports_no_rejected_version() -> None:
     r.engine.hold.set()
     engine.join()
     assert [d for k, d in r.events if k == "weights_rejected"] == []
+
+
+def complete_haves(r: Any, version: int, checksum: str) -> int:
+    return r.said.count((version, checksum, True))
+
+
+async def quiet(r: Any, lo: WeightLoader) -> None:
+    """Until the stopped pull and every report the replica started meanwhile have ended."""
+    while True:
+        tasks = {t for t in (lo._task, *r._late, *r._owed) if t is not None and not t.done()}
+        if not tasks:
+            return
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.parametrize(("newer", "rollback_during_swap"), [
+    ([3], False),  # the review's case: the swap ends (HAVE held back), then the rollback
+    ([3, 4], False),  # another pull superseded the first before the rollback
+    ([3], True),  # the rollback lands while the swap is still under way
+])
+async def test_a_rollback_to_a_late_swaps_version_announces_it_held_once(
+        newer: list[int], rollback_during_swap: bool) -> None:
+    """v2's pull was superseded while the engine swapped v2 in, and the newer pull announced
+    itself (partial HAVE): v2's late HAVE was rightly held back. Then a new gang resumes at v2:
+    the replica holds the newest announcement's weights and pulls nothing. Before: no HAVE
+    followed the held-back one, so the controller waited out a replacement's recovery deadline
+    and peers kept this replica as a partial relay of the dead gang's version."""
+    r = replica(1, "c1")
+    lo = loader(r, have=True)
+    r.engine.hold = threading.Event()
+    lo.announcements.offer(ann(2, 1, "c2"))
+    lo._task = asyncio.create_task(r._install(2, "c2", {}, 5.0))
+    await until(lambda: r._pending is not None, "v2 handed to the engine")
+    engine = threading.Thread(target=r._apply_pending)
+    engine.start()
+    await until(lambda: r._swapping is not None, "the engine swapping v2 in")
+    for v in newer:  # each supersedes the pull before it; the swap of v2 goes on (late)
+        lo.offer(ann(v, 1, f"c{v}"))
+        await until(lambda v=v: r.said[-1:] == [(v, f"c{v}", False)], f"v{v}'s pull announced")
+    if rollback_during_swap:
+        lo.offer(ann(2, 2, "c2"))
+    r.engine.hold.set()
+    engine.join()
+    await until(lambda: 2 in loaded(r), "v2's late swap reported")
+    if not rollback_during_swap:
+        assert r.said[-1] == (newer[-1], f"c{newer[-1]}", False), "held back: the running pull is the last word"
+        lo.offer(ann(2, 2, "c2"))
+    await until(lambda: r.said[-1] == (2, "c2", True), "v2 announced held after the rollback to it")
+    await quiet(r, lo)
+    assert complete_haves(r, 2, "c2") == 1, r.said
+    assert r.said[-1] == (2, "c2", True) and (r.version, r.checksum) == (2, "c2")
+
+
+async def test_a_rollback_during_a_newer_pull_announces_the_held_version_again() -> None:
+    """Holding v2 (announced), the replica pulls the gang's v3 (its partial HAVE is now the last
+    word peers heard from it); the gang dies and the new one resumes at v2: the pull stops.
+    Before: nothing followed the partial HAVE, so peers took this replica for a relay of v3
+    only and pulled v2 from the new gang alone."""
+    r = replica(2, "c2")
+    lo = loader(r, have=True)
+    await r._publish_have(2, "c2", True)
+    lo.offer(ann(3, 1, "c3"))
+    await until(lambda: r.said[-1:] == [(3, "c3", False)], "v3's pull announced")
+    lo.offer(ann(2, 2, "c2"))
+    await until(lambda: r.said[-1] == (2, "c2", True), "v2 announced held again after the rollback")
+    await quiet(r, lo)
+    assert complete_haves(r, 2, "c2") == 2, r.said  # the first, and once after the rollback

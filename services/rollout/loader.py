@@ -46,7 +46,7 @@ from robustrl.services.rollout.announce import Announcements, Offer
 
 from robustrl.aio import cancel_and_wait, wait_event, within
 from robustrl.config import WeightSyncSpec
-from robustrl.errors import RobustRLError, TransportError, WeightSyncError
+from robustrl.errors import RobustRLError, WeightSyncError
 from robustrl.messages import WeightsAnnounce
 from robustrl.model.policy import weights_checksum
 from robustrl.weights.flat import unflatten
@@ -112,6 +112,8 @@ class WeightLoader:
         withdraw: withdraws weights handed to the engine and not taken by it yet (called before a
             new announcement is judged against ``held``, under the same lock as the engine's
             taking them: else the engine could take a superseded version right after).
+        idle: called when a pull ends (however) and no other replaced it: the replica may owe
+            peers a HAVE of the weights it holds (the pull's partial HAVE was the last they heard).
         have: announces a pull this replica starts (``complete=False``) to the other replicas;
             None announces nothing (the replica then relays only to peers that ask anyway).
         alloc: allocates the buffer a version is pulled into (the engine's ``alloc_buffer``:
@@ -124,7 +126,8 @@ class WeightLoader:
                  on_change: Callable[[], Awaitable[None]], held: Callable[[], tuple[int, str]],
                  seed: int = 0, have: Have | None = None,
                  alloc: Callable[[int], np.ndarray] | None = None,
-                 withdraw: Callable[[], None] | None = None) -> None:
+                 withdraw: Callable[[], None] | None = None,
+                 idle: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
         self.member_id = member_id
         self.server = server
@@ -133,6 +136,7 @@ class WeightLoader:
         self._emit = emit
         self._on_change = on_change
         self._withdraw = withdraw
+        self._idle = idle
         self._reports: set[asyncio.Task[None]] = set()  # shielded reports of loads (see _loaded)
         self._held = held
         self._seed = seed
@@ -232,6 +236,8 @@ class WeightLoader:
             log.error("weight pull task failed: %r", task.exception())
             if task is self._task:
                 self._reporting = asyncio.get_running_loop().create_task(self._set(loading=False, failed=True))
+        if task is self._task and self._idle is not None:
+            self._idle()  # (a superseded pull's task is not ``_task`` any more: a newer one runs)
 
     # --- one version -------------------------------------------------------------------
 

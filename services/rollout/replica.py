@@ -95,6 +95,10 @@ class Replica:
         self._swap_lock = threading.Lock()
         self._swapping: PendingWeights | None = None  # taken by the engine thread, not swapped in yet
         self._late: set[asyncio.Task[None]] = set()  # reports of swaps whose pulls were superseded
+        self._owed: set[asyncio.Task[None]] = set()  # HAVEs of held weights owed after a pull ended
+        self._said: tuple[int, str, bool] | None = None
+        """The last HAVE this replica published (version, checksum, complete): peers keep one
+        announcement per replica, the last, so this is what they believe it relays."""
         self._working = False
         self._awaiting = False  # every queued turn needs a version newer than the one held
         self.standby = StandbyHook(env or {}, self.member.stopping.set)
@@ -126,7 +130,7 @@ class Replica:
         self.address = await self.server.start()
         self.loader = WeightLoader(spec.weights, self.ident.member_id, self.server, self.engine.layout(),
                                    install=self._install, emit=self._emit, on_change=self._refresh_phase,
-                                   held=self._held, withdraw=self._withdraw,
+                                   held=self._held, withdraw=self._withdraw, idle=self._pull_ended,
                                    seed=hash(self.ident.member_id) & 0xFFFF, have=self._publish_have,
                                    alloc=self.engine.alloc_buffer)
         bus = self.member.bus
@@ -237,10 +241,17 @@ class Replica:
 
     async def _publish_have(self, version: int, checksum: str, complete: bool) -> None:
         assert self.member.bus
-        await self.member.bus.publish(
-            subject(self.ident.job_id, Verb.HAVE, self.ident.member_id),
-            WeightsHave(job_id=self.ident.job_id, member_id=self.ident.member_id, version=version,
-                        address=self.address, checksum=checksum, complete=complete))
+        # Recorded before the publish queues the message (it does so before it first awaits):
+        # whatever judges next what peers heard last sees this one.
+        self._said = (version, checksum, complete)
+        try:
+            await self.member.bus.publish(
+                subject(self.ident.job_id, Verb.HAVE, self.ident.member_id),
+                WeightsHave(job_id=self.ident.job_id, member_id=self.ident.member_id, version=version,
+                            address=self.address, checksum=checksum, complete=complete))
+        except Exception:
+            self._said = None  # maybe never sent: the held weights' HAVE is owed again
+            raise
 
     async def _on_announce(self, msg: WeightsAnnounce, _s: str, _r: str | None) -> None:
         self.loader.offer(msg)
@@ -370,7 +381,7 @@ class Replica:
     async def _report_late(self, mine: PendingWeights) -> None:
         """A swap the engine had begun when its pull was superseded: when it ends, the event log
         says what the engine loaded (it may serve turns with it before the next swap), and the
-        relay says it holds it if that is still the last word peers should hear (``_still_last``)."""
+        relay says it holds it if that is still the last word peers should hear (``_owes_have``)."""
         if not await self._swap_done(mine, None):
             return
         if mine.loaded != mine.checksum:
@@ -378,25 +389,56 @@ class Replica:
             return
         log.warning("weights v%d: swapped in after its pull was superseded (reported now)", mine.version)
         try:
-            if self.server.is_complete(mine.version) and self._still_last(mine.version, mine.checksum):
-                await self._publish_have(mine.version, mine.checksum, True)
+            await self._say_held()
             await self._emit("weights_loaded", {"member_id": self.ident.member_id, "version": mine.version,
                                                 "checksum": mine.checksum, "verified": True, "late": True})
         except (MessageError, TransportError) as exc:
             log.error("weights v%d: late load not reported: %s", mine.version, exc)
         self.loader.resync()  # the newest announcement may name other weights: follow them
 
-    def _still_last(self, version: int, checksum: str) -> bool:
-        """Whether "holds ``version`` completely" is what peers should hear last from this replica:
-        the engine serves these weights and no pull of other weights runs. Peers keep one
-        announcement per replica, the last: a late swap's HAVE sent after the partial HAVE of the
-        pull that superseded it, or after the next swap's HAVE, made them take this replica for a
-        relay of the older version only, and pull the newer one elsewhere. Judged and published in
-        one step of the event loop (the publish queues the message before it first awaits), so no
-        other HAVE of this replica can come between."""
+    def _pull_ended(self) -> None:
+        """The loader's pull ended and none replaced it (loaded, given up, or stopped because the
+        newest announcement names the weights held, as after a rollback to them): its partial HAVE
+        may have been the last word peers heard, and a late swap's HAVE may have been held back
+        for it. Whatever the order of swap end, pull end and announcement, the last of them finds
+        the HAVE owed (``_say_held``)."""
+        if self.member.stopping.is_set():
+            return
+        self._owed.add(task := asyncio.get_running_loop().create_task(self._say_owed()))
+        task.add_done_callback(self._owed.discard)
+
+    async def _say_owed(self) -> None:
+        try:
+            await self._say_held()
+        except Exception as exc:  # noqa: BLE001 - a dropped connection is the detector's business
+            log.warning("weights v%d: HAVE of the held weights not sent: %s", self.version, exc)
+
+    async def _say_held(self) -> None:
+        """Announce that this replica holds its weights completely, if that is the last word peers
+        should hear from it (``_owes_have``) and not what they heard last (once per change)."""
+        if self._owes_have():
+            await self._publish_have(self.version, self.checksum, True)
+
+    def _owes_have(self) -> bool:
+        """Whether "holds the served weights completely" is what peers should hear last from this
+        replica and is not what they heard last: the engine serves them (no swap under way), the
+        relay server holds them, and no pull of other weights runs. Peers keep one announcement
+        per replica, the last: a late swap's HAVE sent after the partial HAVE of the pull that
+        superseded it, or after the next swap's HAVE, made them take this replica for a relay of
+        the older version only, and pull the newer one elsewhere; and a HAVE never sent once that
+        pull stopped (a rollback to the held version) left them, and the controller ending a
+        replacement's recovery, with the partial one. Judged and published in one step of the
+        event loop (the publish queues the message before it first awaits), so no other HAVE of
+        this replica can come between."""
+        if self.standby.handoff is not None or self.member.stopping.is_set() or self.version < 0:
+            return False  # borrowed or stopping: it relays nothing any more
+        with self._swap_lock:
+            if self._swapping is not None:
+                return False  # its end says what the engine holds then (``_report_late``, ``_install``)
+        held = (self.version, self.checksum)
         pulling = self.loader.pulling()
-        return (self.version, self.checksum) == (version, checksum) and (
-            pulling is None or (pulling.version, pulling.checksum) == (version, checksum))
+        return ((pulling is None or (pulling.version, pulling.checksum) == held)
+                and self.server.is_complete(self.version) and self._said != (*held, True))
 
     def _apply_pending(self) -> None:
         """Engine thread, between batches: swap in the pending (verified) weights. The swap
