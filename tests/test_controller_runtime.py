@@ -274,7 +274,7 @@ def running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except OSError:  # gone (ENOENT at the open, ESRCH at the read when it is reaped in between)
         return False
 
 

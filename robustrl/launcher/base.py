@@ -340,6 +340,13 @@ class Launcher(abc.ABC):
         del member_id
         return None
 
+    @staticmethod
+    def same_process(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        """Whether handles ``a`` and ``b`` (as :meth:`handle` and :meth:`find` give them) name the
+        same running process, by what identifies one to this launcher (a pid alone does not: it
+        is recycled, and repeats across a cluster's nodes). By default, equal non-empty handles."""
+        return bool(a) and a == b
+
     def find(self, member_id: str) -> dict[str, Any] | None:
         """The handle of a member an earlier launcher started under ``member_id`` whose handle was
         never persisted (its controller died between the start and the write), for :meth:`adopt`;

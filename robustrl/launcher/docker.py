@@ -491,6 +491,11 @@ class DockerLauncher(Launcher):
         member = self._members.get(member_id)
         return None if member is None else {"container": member.container.id}
 
+    @staticmethod
+    def same_process(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        """The same container (its id: a member's process is its container's)."""
+        return bool(a.get("container")) and a.get("container") == b.get("container")
+
     def find(self, member_id: str) -> dict[str, Any] | None:
         """The handle (``{"container": id}``, as ``handle`` gives) of the container an earlier
         launcher of this instance started for ``member_id`` whose handle was never persisted (its

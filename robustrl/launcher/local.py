@@ -646,6 +646,16 @@ class LocalLauncher(Launcher):
             handle["host"] = m.spec.host
         return handle
 
+    @staticmethod
+    def same_process(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        """The same pid with the same start time (a recycled pid starts later); the host (a
+        network namespace of this machine) does not tell processes apart."""
+        try:
+            return (int(a["pid"]) == int(b["pid"])
+                    and abs(float(a["create_time"]) - float(b["create_time"])) <= START_TIME_TOLERANCE_S)
+        except (KeyError, TypeError, ValueError):
+            return False
+
     def _pidfile(self, member_id: str) -> Path:
         return self.log_dir / f"{member_id}.pid"
 

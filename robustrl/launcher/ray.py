@@ -1171,6 +1171,20 @@ class RayLauncher(Launcher):
                 "create_time": m.create_time, "node_id": m.node_id, "node_ip": m.node_ip,
                 "gang": m.spec.placement.gang}
 
+    @staticmethod
+    def same_process(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        """The same node, pid and start time: pids repeat across a cluster's nodes (a handle that
+        does not know its node is judged by pid and start time alone). The actor name is not
+        compared: a member switched in place (``relabel``) keeps its process."""
+        nodes = a.get("node_id"), b.get("node_id")
+        if all(nodes) and nodes[0] != nodes[1]:
+            return False
+        try:
+            return (int(a["pid"]) == int(b["pid"])
+                    and abs(float(a["create_time"]) - float(b["create_time"])) <= START_TIME_TOLERANCE_S)
+        except (KeyError, TypeError, ValueError):
+            return False
+
     def find(self, member_id: str) -> dict[str, Any] | None:
         """The handle of the actor running ``member_id`` (not a gang rank: those are started and
         persisted as a gang): the actor named after it, else a spare's actor that took it, found

@@ -1,6 +1,7 @@
 """The control plane's records in Redis: the job registry (a controller's jobs, fenced by its
-lease) and the request manager's event outboxes (events of acknowledged commands, kept until
-JetStream stored them). Keys come from :class:`robustrl.storage.redis_stores.Keys`.
+lease) and the event outboxes (events kept until JetStream stored them): the request manager's
+(events of acknowledged commands) and the controller's (every event it appends,
+``services/controller/outbox.py``). Keys come from :class:`robustrl.storage.redis_stores.Keys`.
 """
 
 from __future__ import annotations
@@ -19,23 +20,22 @@ log = logging.getLogger(__name__)
 
 
 class OutboxEntry(BaseModel):
-    """One event in a request-manager outbox, with the message id it is appended under (the same
-    id whoever appends it, so JetStream stores it once within its duplicate window)."""
+    """One event in an outbox, with the message id it is appended under (the same id whoever
+    appends it, so JetStream stores it once within its duplicate window)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     msg_id: str = Field(min_length=1)
     event: Event
 
 
-class RmOutbox:
-    """One job's request-manager outbox (``Keys.rm_outbox``): events whose commands were
-    acknowledged, oldest first, each kept until JetStream has stored it. Written by the request
-    manager; read by the next one, and by a deletion that keeps the job's log."""
+class EventOutbox:
+    """One job's events owed to its log (a Redis list under ``key``), oldest first, each kept until
+    JetStream has stored it."""
 
-    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+    def __init__(self, client: aioredis.Redis, job_id: str, key: str) -> None:
         self.r = client
         self.job_id = job_id
-        self.key = Keys.rm_outbox(job_id)
+        self.key = key
 
     async def add(self, entry: OutboxEntry) -> str:
         """Append ``entry``; return its stored text (what ``remove`` takes)."""
@@ -68,6 +68,29 @@ class RmOutbox:
     async def remove(self, text: bytes | str) -> None:
         """Remove the entry stored as ``text`` (nothing if it is gone already)."""
         await _call(self.r.lrem(self.key, 1, text), self.key)
+
+    async def size(self) -> int:
+        """How many entries the outbox holds (unread: one that does not parse counts too)."""
+        return int(await _call(self.r.llen(self.key), self.key))
+
+
+class RmOutbox(EventOutbox):
+    """One job's request-manager outbox (``Keys.rm_outbox``): events whose commands were
+    acknowledged. Written by the request manager; read by the next one, and by a deletion that
+    keeps the job's log."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        super().__init__(client, job_id, Keys.rm_outbox(job_id))
+
+
+class ControllerOutbox(EventOutbox):
+    """One job's controller outbox (``Keys.controller_outbox``): every event a controller
+    appends to the job's log, saved before its append. Written by any controller (a deposed one
+    too: its events carry its own fencing token); appended and emptied by the leader's flusher,
+    and by a deletion that keeps the job's log."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        super().__init__(client, job_id, Keys.controller_outbox(job_id))
 
 
 class JobRegistry:

@@ -109,6 +109,11 @@ class Keys:
         return f"rrl:{job}:rm:outbox"
 
     @staticmethod
+    def controller_outbox(job: str) -> str:
+        """The controller's events not yet in the job's log (a list; ``ControllerOutbox``)."""
+        return f"rrl:{job}:controller:outbox"
+
+    @staticmethod
     def rm_outbox_pattern() -> str:
         """SCAN pattern of every job's request-manager outbox (a starting request manager appends
         what any job's outbox still holds)."""

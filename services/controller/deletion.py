@@ -15,12 +15,15 @@ each part can be done again (a SCAN that finds nothing, a prefix already empty, 
 empty log). A controller that takes over finishes every deletion it finds marked (``resume``);
 the record goes last, so a job is gone from the API only once everything asked for is gone.
 
-A kept log gets, before the purge, what the job's request-manager outbox still holds: events of
-commands the request manager acknowledged and was killed before JetStream stored (the next
-request manager to start appends every job's outbox, but one that has not started yet when the
-job is deleted would find it purged). They are appended under their own message ids, so one that
-a request manager appends too is stored once within JetStream's duplicate window; a deletion
-that cannot append them fails and stays marked, like any other part.
+A kept log gets, before the purge, what the job's outboxes still hold: the controller's own
+(events owed while JetStream was away, a final event among them: :mod:`.outbox`), then the
+request manager's: events of commands the request manager acknowledged and was killed before
+JetStream stored (the next request manager to start appends every job's outbox, but one that has
+not started yet when the job is deleted would find it purged). They are appended under their own
+message ids, so one that a request manager appends too is stored once within JetStream's
+duplicate window; a deletion that cannot append them fails and stays marked, like any other part.
+A purged log gets nothing: the controller's flusher of the job is stopped before the purge, so
+it appends nothing to the log after it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ log = logging.getLogger(__name__)
 
 PURGE_BATCH = 500
 """Keys asked for per SCAN and unlinked per call."""
+OWED_FLUSH_S = 30.0
+"""How long a deletion that keeps the log waits for the controller's owed events to be stored."""
 
 
 class JobDeleter:
@@ -132,7 +137,9 @@ class JobDeleter:
 
     async def _purge(self, job_id: str, what: dict[str, bool]) -> dict[str, Any]:
         if not what["events"]:  # the log stays: it must hold every acknowledged event
+            await self.c.events.flush(job_id, OWED_FLUSH_S)
             await self._append_outbox(job_id)
+        await self.c.events.forget(job_id)  # (its outbox goes with the purge; nothing lands after it)
         out: dict[str, Any] = {"job_id": job_id, "redis_keys_deleted": await self._purge_redis(job_id),
                                "checkpoint_objects_deleted": 0, "events_deleted": 0,
                                "checkpoints_kept": not what["checkpoints"], "events_kept": not what["events"]}

@@ -1,9 +1,6 @@
-"""The controller's side of the JetStream event log: durable appends and the fault inbox.
+"""The controller's side of the JetStream event log: the fault inbox. (Its appends go through its
+outbox, :mod:`.outbox`.)
 
-* :func:`emit_durable` appends an event and returns only once JetStream has acknowledged it,
-  retrying with backoff (idempotently: the message id makes JetStream drop a repeat). A job's
-  final status is set after its ``job_finished`` event is durable, so a client that reads the log
-  when it sees ``finished`` finds the event.
 * :class:`FaultInbox` reads every job's ``fault_detected`` events through a durable pull consumer:
   a fault report is delivered at least once, across controller restarts and a lost plain publish,
   and acknowledged only after the controller has handled it. Handling once is the handler's job
@@ -14,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,8 +25,6 @@ from robustrl.messages import Event, FaultReport
 
 log = logging.getLogger(__name__)
 
-DURABLE_EMIT_TIMEOUT_S = 30.0
-"""How long :func:`emit_durable` keeps retrying before it raises TransportError."""
 FAULT_CONSUMER = "controller-faults"
 FAULT_FETCH_TIMEOUT_S = 1.0
 """One fetch of the fault inbox (an empty fetch just loops)."""
@@ -38,16 +32,6 @@ FAULT_ACK_WAIT_S = 120.0
 """A fault not acknowledged within this long (its handler died with the controller) is redelivered."""
 CLOSE_WAIT_S = 2.0
 """At close: for the pull loop to end once cancelled, and for the unsubscribe."""
-
-
-async def emit_durable(bus: Bus, job_id: str, kind: str, data: dict[str, Any] | None = None,
-                       timeout_s: float = DURABLE_EMIT_TIMEOUT_S) -> Event:
-    """Append one event and wait until JetStream has stored it; TransportError after ``timeout_s``
-    (``Bus.emit_event`` logs that case and goes on; a final status must not)."""
-    event = Event(job_id=job_id, kind=kind, data=data or {})  # type: ignore[arg-type]
-    await bus.publish_durable(subjects.events(job_id, kind, bus.role), event.encode(),
-                              msg_id=f"{job_id}-{kind}-{uuid.uuid4().hex}", retry_s=timeout_s)
-    return event
 
 
 def fault_from_event(event: Event) -> FaultReport | None:

@@ -7,12 +7,17 @@ the metrics endpoint render it with :meth:`JobRun.status_dict`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
 from robustrl.config import JobSpec
 from robustrl.messages import FaultReport
+
+log = logging.getLogger(__name__)
 
 JobStatus = Literal["pending", "running", "recovering", "finished", "failed", "stopped"]
 ACTIVE = ("running", "recovering", "pending")
@@ -147,6 +152,10 @@ class JobRun:
     once it is over (``RecoveryExecutor``). Persisted: a leader that takes over looks at them
     (``RecoveryExecutor.resume_rechecks``); dropped, a replica still unable to load would never be
     reported again (the detector reports a member once)."""
+    superseded: set[str] = field(default_factory=set)
+    """Members of a recovery start a previous leader left unfinished, re-attached at the takeover
+    before their hello: the restart of that recovery supersedes them, so their exit meanwhile is
+    expected, not a crash before the hello (in memory: a later takeover finds them again)."""
     trained_unheard: int = -1
     """A step of the current gang the trained log holds but no commit was heard of, at the last
     progress check (-1: none); the next check still finding it reads the event log."""
@@ -188,6 +197,61 @@ class JobRun:
         if m.role == "rollout":
             return self.slot_incarnation.get(m.index) == m.epoch
         return True
+
+    def to_record(self) -> dict[str, Any]:
+        """The job's durable record (the registry's value): what a controller taking over resumes."""
+        return {
+            "spec": self.spec.model_dump(mode="json"), "status": self.status, "epoch": self.epoch,
+            "committed_step": self.committed_step, "durable_step": self.durable_step,
+            "weights_version": self.weights_version, "weights_checksum": self.weights_checksum,
+            "created_at": self.created_at, "started_at": self.started_at, "error": self.error,
+            "restarts_total": self.restarts_total,
+            "failures_by_step": [[r, s, n] for (r, s), n in self.failures_by_step.items()],
+            "slot_incarnation": {str(k): v for k, v in self.slot_incarnation.items()},
+            "reward_by_step": {str(k): v for k, v in self.reward_by_step.items()},
+            "members": {mid: m.to_record() for mid, m in self.members.items()},
+            "recoveries": [r.to_record() for r in self.recoveries], "faults": self.faults[-200:],
+            "gang_starts": {fid: g.to_record() for fid, g in self.gang_starts.items()},
+            "restock_owed": {str(k): v for k, v in self.restock_owed.items()}, "launched": self.launched,
+            "finished_at": self.finished_at, "ettr": self.ettr, "deleting": self.deleting,
+            "recheck_after_recovery": {mid: fault.model_dump(mode="json")
+                                       for mid, fault in self.recheck_after_recovery.items()}}
+
+    @classmethod
+    def from_record(cls, job_id: str, rec: dict[str, Any]) -> JobRun:
+        """The job a durable record describes (``to_record``'s inverse; older records' missing
+        fields take their defaults).
+
+        Raises:
+            KeyError, ValueError, TypeError: the record is unusable.
+        """
+        job = cls(job_id=job_id, spec=JobSpec.parse(rec["spec"]), created_at=rec.get("created_at", time.time()))
+        job.status = rec.get("status", "running")
+        job.started_at = rec.get("started_at")
+        job.epoch = int(rec.get("epoch", 0))
+        job.committed_step = int(rec.get("committed_step", -1))
+        job.durable_step = int(rec.get("durable_step", -1))
+        job.weights_version = int(rec.get("weights_version", -1))
+        job.weights_checksum = rec.get("weights_checksum", "")
+        job.restarts_total = int(rec.get("restarts_total", 0))
+        job.failures_by_step = {(r, int(s)): int(n) for r, s, n in rec.get("failures_by_step", [])}
+        job.slot_incarnation = {int(k): int(v) for k, v in rec.get("slot_incarnation", {}).items()}
+        job.reward_by_step = {int(k): v for k, v in rec.get("reward_by_step", {}).items()}
+        job.members = {mid: MemberInfo.from_record(mid, m) for mid, m in rec.get("members", {}).items()}
+        job.recoveries = [ActiveRecovery.from_record(r) for r in rec.get("recoveries", [])]
+        job.faults = list(rec.get("faults", []))
+        job.gang_starts = {fid: GangStart.from_record(g) for fid, g in (rec.get("gang_starts") or {}).items()}
+        job.restock_owed = {int(k): int(v) for k, v in (rec.get("restock_owed") or {}).items()}
+        job.launched = bool(rec.get("launched", True))  # records from before the flag: started
+        job.finished_at = rec.get("finished_at")
+        job.ettr = rec.get("ettr")
+        job.deleting = rec.get("deleting") or None
+        for mid, fault in (rec.get("recheck_after_recovery") or {}).items():
+            try:
+                job.recheck_after_recovery[mid] = FaultReport.model_validate(fault)
+            except ValidationError as exc:  # the rest of the record is still good
+                log.error("job %s: a weights fault to look at again not understood, dropped: %s", job_id, exc)
+        return job
 
     def status_dict(self) -> dict[str, Any]:
         return {

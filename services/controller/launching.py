@@ -88,8 +88,11 @@ class MemberStarter:
                  newest_epoch: Callable[[JobRun], Awaitable[int]] | None = None,
                  persist: Callable[[JobRun], Awaitable[bool | None]] | None = None,
                  leads: Callable[[], Awaitable[bool]] | None = None,
-                 adopted_elsewhere: Callable[[JobRun, str], Awaitable[bool]] | None = None) -> None:
+                 adopted_elsewhere: Callable[[JobRun, str], Awaitable[bool]] | None = None,
+                 emit: Callable[[str, str, dict[str, Any]], Awaitable[Any]] | None = None) -> None:
         self.bus = bus
+        self.emit = emit or (lambda job_id, kind, data: bus.emit_event(job_id, kind, data))
+        """Owes an event (job id, kind, data) to the job's log (the controller's outbox)."""
         self.newest_epoch = newest_epoch
         """The newest gang epoch the job's fence in Redis has seen (a new gang must be above it)."""
         self.persist = persist
@@ -231,7 +234,7 @@ class MemberStarter:
             self._record(job, MemberInfo(mid, "trainer", rank, job.epoch))
             await self._confirm(job, mid)
             ids.append(mid)
-            await self.bus.emit_event(job.job_id, "member_started", {
+            await self.emit(job.job_id, "member_started", {
                 "member_id": mid, "role": "trainer", "epoch": job.epoch, "warm": source != "cold",
                 "source": source, "borrowed_from": borrowed.get(rank) or kept.get(rank), "fence": self.fence()})
         return ids
@@ -271,7 +274,7 @@ class MemberStarter:
             raise
         self._record(job, MemberInfo(mid, "rollout", slot, inc))
         await self._confirm(job, mid)
-        await self.bus.emit_event(job.job_id, "member_started", {
+        await self.emit(job.job_id, "member_started", {
             "member_id": mid, "role": "rollout", "warm": self.launcher.was_warm(lid(job, mid)),
             "fence": self.fence()})
         return mid
@@ -284,7 +287,7 @@ class MemberStarter:
         Every member id this start uses is durable before any member starts: the gang's epoch and
         each slot's next incarnation go in one save. A leader that dies mid-start leaves a record
         from which the next derives every member it may have started, and finds them
-        (``Controller._relaunch``). Saved only with the gang's epoch, a replica could be running
+        (``takeover.Restorer.relaunch``). Saved only with the gang's epoch, a replica could be running
         before that save carried its slot's number (an outside review found it): the next leader
         did not look for it, and started a second process under the same id.
 
@@ -370,7 +373,7 @@ class MemberStarter:
             log.error("job %s: handle of %s refused by the lease fence (a newer controller leads): "
                       "killing it", job.job_id, member_id)
             await asyncio.to_thread(self.launcher.kill, lid(job, member_id), True)
-            await self.bus.emit_event(job.job_id, "member_stopped", {
+            await self.emit(job.job_id, "member_stopped", {
                 "member_id": member_id, "role": m.role, "epoch": m.epoch, "reason": "lease_fenced",
                 "pid": m.pid, "fence": self.fence()})
         m.state = "dead"

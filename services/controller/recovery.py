@@ -14,7 +14,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tenacity import AsyncRetrying, before_sleep_log, retry_if_exception_type, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    before_sleep_log,
+    retry_if_exception_type,
+    retry_if_not_exception_type,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from robustrl.aio import wait_event
 from robustrl.messages import FaultReport
@@ -51,6 +58,13 @@ RESTOCK_RETRY_MIN_S = 1.0
 """A rollout slot whose replacement failed to start is tried again this much later, the wait
 doubled per failed pass up to ``RESTOCK_RETRY_MAX_S``, until it starts or the job ends."""
 RESTOCK_RETRY_MAX_S = 30.0
+RESUME_RETRY_MIN_S = 0.5
+RESUME_RETRY_MAX_S = 5.0
+"""The restart of an interrupted recovery that failed (a Redis or NATS blip at the takeover) is
+tried again after this back-off (doubled per try, up to the max), until it is done, the job ends,
+this controller stops leading, or the recovery's deadline passes (its escalation takes over then;
+``RESUME_RETRY_FLOOR_S`` at least)."""
+RESUME_RETRY_FLOOR_S = 30.0
 
 
 class SlotsStillOwed(Exception):
@@ -569,27 +583,46 @@ class RecoveryExecutor:
         """After a takeover: a recovery whose start the previous leader did not finish is
         restarted whole now (what it had started unrecorded was stopped by the takeover). Left to
         its deadline (``recovery.deadline_s``), the job waited that long for members no record
-        names, and the escalation's restart would have left those running untracked."""
-        async with self.lock:
-            rec = self.interrupted(job)
-            if rec is None or job.done or not self.c.leading:
-                return
-            if not await self.c.leads():
-                raise LeaseLost(f"job {job.job_id}: a newer lease term began before the interrupted "
-                                f"{rec.kind} recovery was started again")
-            now = time.time()
-            view = next(v for v in job_view(job).recovering if v.fault_id == rec.fault_id)
-            decision = decide_mod.recovery_failed(now, job_view(job), view, "its start was interrupted by a change "
-                                                  "of controller", job.spec.recovery)
-            # Under the interrupted recovery's own fault id: its restart's recovered and work_lost
-            # events must close that fault (the run report and ETTR match them by id).
-            fault = FaultReport(job_id=job.job_id, fault_id=rec.fault_id, role=rec.role,  # type: ignore[arg-type]
-                                member_id="controller", kind="unresponsive", evidence=decision.reason,
-                                detected_at=now, step=job.step)
-            await self.c.event(job, "decision", {"fault_id": rec.fault_id, "actions": decision.names(),
-                                                 "reason": decision.reason})
-            await self.execute_all(job, fault, decision.actions)
-            await self.c.persist(job)
+        names, and the escalation's restart would have left those running untracked.
+
+        An attempt that fails (a Redis or NATS blip: the takeover is when the stores were likely
+        away) is tried again, backing off (``RESUME_RETRY_MIN_S``..``RESUME_RETRY_MAX_S``), until
+        the recovery's deadline: a failure left it to that deadline, the job waiting for nothing.
+
+        Raises:
+            LeaseLost: a newer lease term began (that leader restarts it).
+        """
+        first = self.interrupted(job)
+        if first is None:
+            return
+        async for attempt in AsyncRetrying(
+                wait=wait_exponential(multiplier=RESUME_RETRY_MIN_S, max=RESUME_RETRY_MAX_S),
+                stop=stop_after_delay(max(RESUME_RETRY_FLOOR_S, first.deadline_at - time.time())),
+                # (a cancellation, at close, is never retried: tenacity's attempt catches BaseException)
+                retry=retry_if_exception_type(Exception) & retry_if_not_exception_type(LeaseLost), reraise=True,
+                before_sleep=before_sleep_log(log, logging.WARNING)):
+            with attempt:
+                async with self.lock:
+                    rec = self.interrupted(job)  # (again: restarted, escalated or ended meanwhile)
+                    if rec is None or job.done or not self.c.leading:
+                        return
+                    if not await self.c.leads():
+                        raise LeaseLost(f"job {job.job_id}: a newer lease term began before the interrupted "
+                                        f"{rec.kind} recovery was started again")
+                    now = time.time()
+                    view = next(v for v in job_view(job).recovering if v.fault_id == rec.fault_id)
+                    decision = decide_mod.recovery_failed(now, job_view(job), view, "its start was interrupted by a "
+                                                          "change of controller", job.spec.recovery)
+                    # Under the interrupted recovery's own fault id: its restart's recovered and
+                    # work_lost events must close that fault (the run report and ETTR match them by id).
+                    fault = FaultReport(job_id=job.job_id, fault_id=rec.fault_id,
+                                        role=rec.role,  # type: ignore[arg-type]
+                                        member_id="controller", kind="unresponsive", evidence=decision.reason,
+                                        detected_at=now, step=job.step)
+                    await self.c.event(job, "decision", {"fault_id": rec.fault_id, "actions": decision.names(),
+                                                         "reason": decision.reason})
+                    await self.execute_all(job, fault, decision.actions)
+                    await self.c.persist(job)
 
     def resume_rechecks(self, job: JobRun) -> None:
         """After a takeover: the weights faults the previous leader ignored during a trainer

@@ -4,7 +4,8 @@ Workers report, the controller decides. The parts live in their own modules:
 :mod:`.launching` (member environment, gangs, replicas, re-attaching), :mod:`.supervision`
 (exits, start-up crash loops, control-plane silences, deadlines), :mod:`.recovery` (fault intake,
 handled once; the typed action executor), :mod:`.chaos` (fault injection), :mod:`.lease` (one
-controller acts at a time), :mod:`.eventlog` (durable appends, the fault inbox).
+controller acts at a time), :mod:`.eventlog` (the fault inbox), :mod:`.outbox` (every event owed in
+Redis until JetStream stored it; who waits for an append), :mod:`.takeover` (restoring the jobs).
 
 A restarted controller (or a standby taking over) resumes the jobs it finds in the registry: it
 catches up on steps committed meanwhile from the event log, re-attaches to the members that are
@@ -14,7 +15,6 @@ still running, treats the ones that are gone as crashed, and restarts no healthy
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -23,28 +23,35 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any
 
-from pydantic import ValidationError
-from tenacity import AsyncRetrying, before_sleep_log, retry_if_not_exception_type, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    before_sleep_log,
+    retry_if_exception_type,
+    retry_if_not_exception_type,
+    wait_exponential,
+)
 
 from robustrl.aio import cancel_and_wait, wait_event, within
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import JobError, LaunchError, RequestTimeout, TransportError
-from robustrl.launcher.base import ExitInfo, Launcher
+from robustrl.launcher.base import Launcher
 from robustrl.messages import (
     ChaosRequest, ControlCommand, FaultReport, MemberHello, MetricsSample, PhaseChange, SpecReply,
     SpecRequest, StepCommitted, WeightsHave,
 )
-from robustrl.services.controller import failpoints
+from robustrl.services.controller import outbox
 from robustrl.services.controller.chaos import ChaosInjector
-from robustrl.services.controller.eventlog import FaultInbox, emit_durable
+from robustrl.services.controller.eventlog import FaultInbox
 from robustrl.services.controller.deletion import JobDeleter
-from robustrl.services.controller.jobs import ACTIVE, ActiveRecovery, GangStart, JobRun, MemberInfo
-from robustrl.services.controller.launching import MemberStarter, gang_id, lid, replica_id, trainer_id
+from robustrl.services.controller.jobs import JobRun
+from robustrl.services.controller.launching import MemberStarter, lid
 from robustrl.services.controller.lease import LeaderLease, LeaseLost
+from robustrl.services.controller.outbox import ControllerEvents
 from robustrl.services.controller.recovery import RecoveryExecutor
 from robustrl.services.controller.retention import RetentionSweeper
 from robustrl.services.controller.supervision import Supervisor
+from robustrl.services.controller.takeover import Restorer
 from robustrl.storage.fencing import read_gang
 from robustrl.storage.control_stores import JobRegistry
 from robustrl.storage.redis_stores import BatchStore
@@ -89,16 +96,18 @@ class Controller:
         self.leading = False
         self.lost_leadership = asyncio.Event()
         """Set when another controller took the lease: this process must stop acting (exit)."""
+        self.events = ControllerEvents(bus, redis)
         self.starter = MemberStarter(bus, launcher, settings, member_credentials,
                                      fence=lambda: self.lease.token, newest_epoch=self._fenced_epoch,
                                      persist=self.persist, leads=self.leads,
-                                     adopted_elsewhere=self._adopted_elsewhere)
+                                     adopted_elsewhere=self._adopted_elsewhere, emit=self.events.emit)
+        self.restorer = Restorer(self)
         self.recovery = RecoveryExecutor(self)
         self.supervisor = Supervisor(self)
         self.chaos = ChaosInjector(self)
         self.deleter = JobDeleter(self)
         self.retention = RetentionSweeper(self)
-        self._deletions_owed: dict[str, dict[str, Any]] = {}
+        self.deletions_owed: dict[str, dict[str, Any]] = {}
         """Deletions a previous leader marked and did not finish, resumed once this one leads."""
         self.inbox = FaultInbox(bus, self._inbox_fault)
         self._stop = asyncio.Event()
@@ -182,7 +191,10 @@ class Controller:
         """Restore the jobs, then lead (``_take_lead`` keeps the lease meanwhile)."""
         # A standby keeps no fork server (ROBUSTRL_FORK_START): it imports once this one leads.
         await asyncio.to_thread(self.launcher.preload)
-        gone = await self._restore_jobs()
+        gone = await self.restorer.restore()
+        # What previous leaders left owed to the jobs' logs (ended jobs too: a final event JetStream
+        # had not stored) is appended now, oldest first, before anything this leader gives.
+        self.spawn(self.events.resume(list(self.jobs)))
         if not await self.lease.newest_term():  # deposed while restoring: lead nothing
             raise LeaseLost(f"a newer controller lease term began while {self.owner} restored its jobs")
         self.leading = True
@@ -200,13 +212,13 @@ class Controller:
                 self.recovery.resume_rechecks(job)
                 if job.launched and self.recovery.interrupted(job):
                     self.spawn(self.recovery.resume_interrupted(job))
-            if not job.done and not job.launched:  # its start was interrupted (``_relaunch``)
+            if not job.done and not job.launched:  # its start was interrupted (``Restorer.relaunch``)
                 self.launch_in_background(job)
         # The warm spares the resumed jobs ask for: the launcher takes over those its predecessor
         # left waiting (Ray: detached actors) and restocks the rest; without this call a new
         # leader kept none, and every later trainer fault started cold.
         self.spawn(self._update_spares())
-        owed, self._deletions_owed = self._deletions_owed, {}
+        owed, self.deletions_owed = self.deletions_owed, {}
         for job_id, what in owed.items():
             self.deleter.resume(job_id, what)
         self.spawn(self.supervisor.run(self._stop))
@@ -267,6 +279,7 @@ class Controller:
         left = [t.get_coro().__qualname__ for t in self._tasks if not t.done() and t is not asyncio.current_task()]
         if left:
             log.error("controller %s: tasks still running after cancellation: %s", self.owner, left)
+        await self.events.close()  # (what is still owed stays in Redis, for the next leader)
         if was_leading or not self.lost_leadership.is_set():  # (one still taking over holds it too)
             await self.lease.release()  # only if it still names this controller
 
@@ -292,7 +305,7 @@ class Controller:
             # while this controller re-acquires its own expired lease (the counter moved, the new
             # token not yet known) is not a deposition: written again with the new token.
             for _ in range(2):
-                if await self.registry.put(job.job_id, self._record_of(job), fence=self.lease.token or None):
+                if await self.registry.put(job.job_id, job.to_record(), fence=self.lease.token or None):
                     return True
                 if not (self.lease.token and await self.lease.own_newer_term()):
                     break
@@ -313,176 +326,6 @@ class Controller:
         m = ((rec or {}).get("members") or {}).get(member_id) or {}
         return bool(m.get("handle")) and m.get("state") not in ("exited", "stopped", "dead")
 
-    @staticmethod
-    def _record_of(job: JobRun) -> dict[str, Any]:
-        return {
-            "spec": job.spec.model_dump(mode="json"), "status": job.status, "epoch": job.epoch,
-            "committed_step": job.committed_step, "durable_step": job.durable_step,
-            "weights_version": job.weights_version, "weights_checksum": job.weights_checksum,
-            "created_at": job.created_at, "started_at": job.started_at, "error": job.error,
-            "restarts_total": job.restarts_total,
-            "failures_by_step": [[r, s, n] for (r, s), n in job.failures_by_step.items()],
-            "slot_incarnation": {str(k): v for k, v in job.slot_incarnation.items()},
-            "reward_by_step": {str(k): v for k, v in job.reward_by_step.items()},
-            "members": {mid: m.to_record() for mid, m in job.members.items()},
-            "recoveries": [r.to_record() for r in job.recoveries], "faults": job.faults[-200:],
-            "gang_starts": {fid: g.to_record() for fid, g in job.gang_starts.items()},
-            "restock_owed": {str(k): v for k, v in job.restock_owed.items()}, "launched": job.launched,
-            "finished_at": job.finished_at, "ettr": job.ettr, "deleting": job.deleting,
-            "recheck_after_recovery": {mid: fault.model_dump(mode="json")
-                                       for mid, fault in job.recheck_after_recovery.items()}}
-
-    @staticmethod
-    def _job_from_record(job_id: str, rec: dict[str, Any]) -> JobRun:
-        job = JobRun(job_id=job_id, spec=JobSpec.parse(rec["spec"]),
-                     created_at=rec.get("created_at", time.time()))
-        job.status = rec.get("status", "running")
-        job.started_at = rec.get("started_at")
-        job.epoch = int(rec.get("epoch", 0))
-        job.committed_step = int(rec.get("committed_step", -1))
-        job.durable_step = int(rec.get("durable_step", -1))
-        job.weights_version = int(rec.get("weights_version", -1))
-        job.weights_checksum = rec.get("weights_checksum", "")
-        job.restarts_total = int(rec.get("restarts_total", 0))
-        job.failures_by_step = {(r, int(s)): int(n) for r, s, n in rec.get("failures_by_step", [])}
-        job.slot_incarnation = {int(k): int(v) for k, v in rec.get("slot_incarnation", {}).items()}
-        job.reward_by_step = {int(k): v for k, v in rec.get("reward_by_step", {}).items()}
-        job.members = {mid: MemberInfo.from_record(mid, m) for mid, m in rec.get("members", {}).items()}
-        job.recoveries = [ActiveRecovery.from_record(r) for r in rec.get("recoveries", [])]
-        job.faults = list(rec.get("faults", []))
-        job.gang_starts = {fid: GangStart.from_record(g) for fid, g in (rec.get("gang_starts") or {}).items()}
-        job.restock_owed = {int(k): int(v) for k, v in (rec.get("restock_owed") or {}).items()}
-        job.launched = bool(rec.get("launched", True))  # records from before the flag: started
-        job.finished_at = rec.get("finished_at")
-        job.ettr = rec.get("ettr")
-        job.deleting = rec.get("deleting") or None
-        for mid, fault in (rec.get("recheck_after_recovery") or {}).items():
-            try:
-                job.recheck_after_recovery[mid] = FaultReport.model_validate(fault)
-            except ValidationError as exc:  # the rest of the record is still good
-                log.error("job %s: a weights fault to look at again not understood, dropped: %s", job_id, exc)
-        return job
-
-    async def _restore_jobs(self) -> list[ExitInfo]:
-        """Resume the registry's active jobs: catch up from the event log, re-attach members.
-        Returns the exits of recorded members that are gone, for the supervisor to judge."""
-        gone_exits: list[ExitInfo] = []
-        for job_id, rec in (await self.registry.all()).items():
-            if rec.get("status") not in ACTIVE:
-                # An ended job stays visible through the API until it is deleted; a deletion a
-                # previous leader left part-way is finished once this controller leads.
-                if rec.get("deleting"):
-                    self._deletions_owed[job_id] = dict(rec["deleting"])
-                with contextlib.suppress(Exception):  # a damaged record: DELETE still removes it
-                    self.jobs[job_id] = self._job_from_record(job_id, rec)
-                continue
-            try:
-                job = self._job_from_record(job_id, rec)
-            except Exception as exc:
-                log.error("job %s: stored record unusable: %s", job_id, exc)
-                continue
-            self.jobs[job_id] = job
-            try:
-                await self._catch_up(job)
-            except TransportError as exc:
-                log.warning("job %s: event log not read (%s); resuming from the registry", job_id, exc)
-            if job.done:
-                continue
-            adopted, gone = await self.starter.adopt(job)
-            for mid in adopted:
-                job.members[mid].adopted = True
-            if not job.launched:
-                await self._relaunch(job, adopted, gone)
-                continue
-            if (cut := self.recovery.interrupted(job)) is not None:
-                # A gang or whole-job start the previous leader did not finish: what it started
-                # unrecorded is stopped here, and the recovery is started again once this
-                # controller leads (``resume_interrupted``), not left to its deadline.
-                found = await self._find_unrecorded(job, adopted)
-                found += await self._find_handed_over(job, cut.replacing)
-                await asyncio.to_thread(self.launcher.stop_many, [lid(job, mid) for mid in found], 3.0)
-            log.warning("job %s: resumed at step %d by %s; %d members re-attached, %d gone", job_id, job.step,
-                        self.owner, len(adopted), len(gone))
-            await failpoints.hit("takeover_resumed")
-            await self.event(job, "note", {"text": "controller took over; job resumed", "owner": self.owner,
-                                           "adopted": sorted(adopted), "gone": sorted(gone)})
-            job.service_seen_at["request_manager"] = time.time()
-            gone_exits += [ExitInfo(lid(job, mid), job.members[mid].role, None, False) for mid in gone]
-            await self.persist(job)
-            # Only now: a stop started before the members were re-attached would leave the ones not
-            # yet adopted running, unknown to the launcher (it raced adopt() and won, in CI).
-            self._finish_if_trained(job)
-        return gone_exits
-
-    async def _relaunch(self, job: JobRun, adopted: list[str], gone: list[str]) -> None:
-        """A job whose start was interrupted (the leader that started it died or was deposed before
-        every first member was started and recorded): the members of that start are stopped; once
-        this controller leads, ``_lead`` starts the job anew (a new gang epoch, the next
-        incarnation of each replica slot).
-        Waiting for them would wait forever: nothing else starts a member never recorded."""
-        log.warning("job %s: its start was interrupted (%d of its members recorded, %d gone): started again "
-                    "by %s", job.job_id, len(adopted), len(gone), self.owner)
-        await self.event(job, "note", {"text": "its start was interrupted; started again", "owner": self.owner,
-                                       "adopted": sorted(adopted), "gone": sorted(gone)})
-        live = [mid for mid in adopted if job.members[mid].state not in ("exited", "stopped", "dead")]
-        live += await self._find_unrecorded(job, live)
-        await asyncio.to_thread(self.launcher.stop_many, [lid(job, mid) for mid in live], 3.0)
-        for mid in [*live, *gone]:
-            if mid in job.members:
-                job.members[mid].state = "stopped" if mid in live else "dead"
-        if job.epoch > 0:  # a gang placed (a Ray placement group) but with no rank recorded
-            await asyncio.to_thread(self.launcher.release_unstarted_gang, gang_id(job))
-        # What was under way in the interrupted start (a recovery of a member that failed then, a
-        # gang start, owed restocks) is superseded by the new start, as by a whole-job restart.
-        job.recoveries.clear()
-        job.gang_starts.clear()
-        job.restock_owed.clear()
-        await self.persist(job)  # started again once this controller leads (``_lead``)
-
-    async def _find_unrecorded(self, job: JobRun, live: list[str]) -> list[str]:
-        """Members an interrupted start may have started without recording them: their ids follow
-        from the record (the gang's epoch and each slot's incarnation are saved before a start).
-        Found by their launch mark, they are adopted by the launcher and returned, for the caller
-        to stop, not left to run untracked (asking for their spec, they would get it from this
-        leader)."""
-        ranks = ([(trainer_id(job.epoch, r), "trainer") for r in range(job.spec.trainer.workers)]
-                 if job.epoch > 0 else [])
-        candidates = [*ranks, *((replica_id(s, inc), "rollout") for s, inc in job.slot_incarnation.items())]
-        found_ids = []
-        for mid, role in candidates:
-            if mid in live or (mid in job.members and job.members[mid].state in ("exited", "stopped", "dead")):
-                continue
-            found = await asyncio.to_thread(self.launcher.find, lid(job, mid))
-            if found is not None and await asyncio.to_thread(self.launcher.adopt, job.job_id, lid(job, mid), role,
-                                                             found):
-                log.warning("job %s: %s was started but never recorded: stopping it", job.job_id, mid)
-                found_ids.append(mid)
-        return found_ids
-
-    async def _find_handed_over(self, job: JobRun, replacing: set[str]) -> list[str]:
-        """Processes an interrupted gang start may have switched in place (``Launcher.relabel``: a
-        kept rank of the broken gang, a borrowed replica) before it recorded the new rank: recorded
-        'dead' under their old id, they run on under an id no record names (and a local member
-        keeps its old launch mark), so ``_find_unrecorded`` does not see them. Found under the old
-        id (the broken gang's ranks, each slot's current incarnation) and adopted by the launcher
-        for the caller to stop, unless a live member of the record is that process (a hand-over
-        the start did record)."""
-        held = [m for m in job.live() if m.handle]
-        current = {replica_id(s, inc) for s, inc in job.slot_incarnation.items()}
-        found_ids = []
-        for mid, m in list(job.members.items()):
-            if m.state != "dead" or (mid not in replacing and mid not in current):
-                continue
-            found = await asyncio.to_thread(self.launcher.find, lid(job, mid))
-            if found is None or any(h.handle == found or (h.pid is not None and h.pid == found.get("pid"))
-                                    for h in held):
-                continue
-            if await asyncio.to_thread(self.launcher.adopt, job.job_id, lid(job, mid), m.role, found):
-                log.warning("job %s: %s, recorded dead, runs on (handed over to a rank never recorded): "
-                            "stopping it", job.job_id, mid)
-                found_ids.append(mid)
-        return found_ids
-
     async def reconcile(self, job: JobRun, why: str) -> None:
         """Bring the job's progress up to the durable event log. Commits arrive on core NATS, which
         drops what is published while this process is disconnected or frozen: a controller that
@@ -492,11 +335,11 @@ class Controller:
             return
         before = job.committed_step
         try:
-            await within(self._catch_up(job), RECONCILE_TIMEOUT_S)
+            await within(self.catch_up(job), RECONCILE_TIMEOUT_S)
         except (TransportError, TimeoutError) as exc:
             log.warning("job %s: event log not read after %s (%s)", job.job_id, why, exc)
             return
-        self._finish_if_trained(job)
+        self.finish_if_trained(job)
         if job.committed_step != before:
             log.warning("job %s: %s: caught up from step %d to %d from the event log", job.job_id, why,
                         before, job.committed_step)
@@ -549,10 +392,11 @@ class Controller:
         for job in list(self.jobs.values()):
             await self.reconcile(job, why)
 
-    async def _catch_up(self, job: JobRun) -> None:
+    async def catch_up(self, job: JobRun) -> None:
         """Apply what the event log recorded while no controller was listening: commits, and the
-        job's end if it was stopped already."""
-        for e in await self.bus.read_events(job.job_id):
+        job's end if it was stopped already. Read with what the job's outbox still owes the log: a
+        leader that died after it owed the final event, before the final status, stopped the job."""
+        for e in [*await self.bus.read_events(job.job_id), *await self.events.owed(job.job_id)]:
             if e.kind == "step_committed" and int(e.data.get("epoch", -1)) == job.epoch:
                 step = int(e.data["step"])
                 if step > job.committed_step:
@@ -572,7 +416,7 @@ class Controller:
         if job.done:
             await self.persist(job)
 
-    def _finish_if_trained(self, job: JobRun) -> None:
+    def finish_if_trained(self, job: JobRun) -> None:
         """Every step committed while no controller was listening: end the job now."""
         if not job.done and job.committed_step >= job.spec.steps - 1:
             self.spawn(self.stop_job(job.job_id, "finished"))
@@ -600,7 +444,7 @@ class Controller:
         self.jobs[job_id] = job
         await self.event(job, "job_submitted", {"spec": spec.model_dump(mode="json")})
         # Recorded before any start (status pending, not launched): a leader that dies from here on
-        # leaves the job to the next one, which starts it (``_restore_jobs``), not to no one.
+        # leaves the job to the next one, which starts it (``takeover.Restorer``), not to no one.
         if await self.persist(job) is False:
             del self.jobs[job_id]
             raise LeaseLost(f"job {job_id} not recorded: a newer controller lease term has begun")
@@ -649,7 +493,8 @@ class Controller:
 
         async for attempt in AsyncRetrying(
                 wait=wait_exponential(multiplier=0.5, max=FAIL_START_RETRY_MAX_S),
-                retry=retry_if_not_exception_type(LeaseLost), sleep=nap, reraise=True,
+                retry=retry_if_exception_type(Exception) & retry_if_not_exception_type(LeaseLost),
+                sleep=nap, reraise=True,
                 before_sleep=before_sleep_log(log, logging.WARNING)):
             with attempt:
                 async with self.recovery.lock:
@@ -728,9 +573,16 @@ class Controller:
 
     async def stop_job(self, job_id: str, status: str = "stopped", reason: str | None = None, *,
                        again: bool = False) -> JobRun:
-        """Stop the job's members, append its final event (durably), then set its final status.
+        """Stop the job's members, owe its final event, then set its final status: once the event
+        is stored, or ``outbox.FINAL_EVENT_WAIT_S`` later with the event still owed (JetStream
+        away: the job ends all the same, and its log ends once the event lands).
         ``again``: a stop of the caller's own that failed part-way is carried out once more (each
-        part is idempotent), where a job being stopped is otherwise left to that stop."""
+        part is idempotent), where a job being stopped is otherwise left to that stop.
+
+        Raises:
+            TransportError: Redis refused the final event or the final record (the stop is
+                carried out again by whoever calls it again, the event under the same message id).
+        """
         job = self.get(job_id)
         if job.done and not (again and job.job_id in self._stopping):
             return job
@@ -747,11 +599,13 @@ class Controller:
         await self._update_spares()
         if not stop["event"]:
             kind = FINAL_EVENT.get(status, "job_stopped")
-            try:
-                await emit_durable(self.bus, job.job_id, kind, {"reason": reason, "steps": job.committed_step + 1,
-                                                                "fence": self.lease.token})
-            except TransportError as exc:
-                log.error("job %s: %s", job.job_id, exc)
+            data = {"reason": reason, "steps": job.committed_step + 1, "fence": self.lease.token}
+            # One message id per job's end: a stop carried out again after the save's answer was
+            # lost owes it twice, and JetStream stores it once.
+            if not await self.events.emit_and_wait(job.job_id, kind, data, outbox.FINAL_EVENT_WAIT_S,
+                                                   msg_id=f"{job.job_id}-final"):
+                log.error("job %s: %s not stored by JetStream within %g s: the job ends now, the event is "
+                          "appended once JetStream takes it", job.job_id, kind, outbox.FINAL_EVENT_WAIT_S)
             stop["event"] = True
         job.ettr = await self._ettr(job)
         job.finished_at = time.time()
@@ -794,8 +648,9 @@ class Controller:
         return await self.chaos.inject(req)
 
     async def event(self, job: JobRun, kind: str, data: dict[str, Any] | None = None) -> None:
-        """Append to the job's event log, stamped with this leader's fencing token."""
-        await self.bus.emit_event(job.job_id, kind, {**(data or {}), "fence": self.lease.token})
+        """Owe one event to the job's log, stamped now with this leader's fencing token: saved in
+        the job's outbox when this returns, appended in the background in order (``outbox``)."""
+        await self.events.emit(job.job_id, kind, {**(data or {}), "fence": self.lease.token})
 
     # --- messages from members --------------------------------------------------------------
 

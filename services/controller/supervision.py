@@ -114,7 +114,7 @@ class Supervisor:
             # A member of a replaced incarnation (e.g. the gang peer that died of the crash of its
             # partner) is not a new fault.
             seen["expected"] = (info.expected or not job.is_current(member_id) or m.state in ("dead", "stopped")
-                                or job.done)
+                                or job.done or (member_id in job.superseded and m.state == "starting"))
         before_hello, expected = seen["before_hello"], seen["expected"]
         if m.state != "stopped":
             m.state = "exited"
