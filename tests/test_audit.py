@@ -2,8 +2,10 @@
 
 Unit tests feed ``judge`` synthetic raw state (a sound job, then one defect each). The
 integration test runs a real job, audits it clean, then corrupts the raw stores one way at a
-time (a flipped blob byte in S3, a deleted episode key, a duplicate trained record, an edited
-prefix, a weights_loaded with an unpublished checksum) and asserts the auditor names each.
+time (a flipped blob byte in S3, a checkpoint re-signed with other weights, a deleted episode key,
+a duplicate trained record, an edited prefix, a weights_loaded with an unpublished checksum) and
+asserts the auditor names each. ``test_audit_invariants.py`` has the checks added after an outside
+review (lineage-keyed weights, rank coverage and origins, step sets, idempotence, the outbox).
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ class Log:
         self.events.append(RawEvent(seq=seq, kind=kind, ts=float(seq) if ts is None else ts, data=dict(data)))
 
 
+def checkpoint(step: int, epoch: int = 1) -> RawCheckpoint:
+    """A manifest of a one-rank gang as the scan leaves it when every blob verified (the synthetic
+    jobs do not hash a model: ``weights_checksum`` stays None)."""
+    return RawCheckpoint(manifest_key=f"jobs/j/checkpoints/{step:012d}/e{epoch:08d}/manifest.json", step=step,
+                         epoch=epoch, manifest={"step": step, "epoch": epoch, "world_size": 1,
+                                                "weights_version": step + 1,
+                                                "blobs": [{"name": "r00000/state.pt", "rank": 0}]})
+
+
 def sound_job() -> AuditInput:
     """3 steps, one gang (epoch 1), 2 replicas, every record where the services put it."""
     log, redis = Log(), RawRedis()
@@ -65,9 +76,7 @@ def sound_job() -> AuditInput:
         for r in ("r0", "r1"):
             log.add("weights_loaded", member_id=r, version=k + 1, checksum=f"c{k + 1}")
     log.add("job_finished")
-    ckpts = [RawCheckpoint(manifest_key=f"jobs/j/checkpoints/{k:012d}/manifest.json", step=k,
-                           manifest={"step": k, "blobs": []}) for k in range(STEPS)]
-    return AuditInput(job_id="j", events=log.events, redis=redis, checkpoints=ckpts)
+    return AuditInput(job_id="j", events=log.events, redis=redis, checkpoints=[checkpoint(k) for k in range(STEPS)])
 
 
 def test_a_sound_job_passes_every_check():
@@ -93,6 +102,7 @@ def gang_2_redoes_step_2(inp: AuditInput) -> AuditInput:
     log.add("weights_published", version=3, epoch=2, checksum="c3b")
     log.add("job_finished")
     inp.events = log.events
+    inp.checkpoints.append(checkpoint(2, epoch=2))  # the checkpoint gang 2 reported durable
     return inp
 
 
@@ -136,6 +146,7 @@ def test_committed_step_without_training_record_is_lost():
     inp = sound_job()
     inp.events = [e for e in inp.events if not (e.kind == "step_committed" and e.data["step"] == 1)]
     inp.redis.trained = [t for t in inp.redis.trained if t["step"] != 1]
+    inp.checkpoints = [ck for ck in inp.checkpoints if ck.step != 1]  # nor a manifest gang 1 wrote for it
     report = judge(inp)
     assert report.steps_lost == 1 and not report.checks["trained_once"].passed
 
@@ -153,12 +164,19 @@ def test_a_batch_gone_before_its_checkpoint_was_durable_is_lost_but_gc_after_is_
     inp.checkpoints = inp.checkpoints[:1]  # newest loadable checkpoint: step 0
     del inp.redis.batches[0]  # GC'd after checkpoint 0: allowed
     assert judge(inp).checks["episodes"].passed
-    del inp.redis.batches[2]  # not durable yet: lost, unless it was observed live at hand-off
+    del inp.redis.batches[2]  # not durable yet: lost
     report = judge(inp)
     assert report.episodes_lost == PROMPTS * GROUP
+    # Seen live at hand-off, it is still lost: a redo from checkpoint 0 needs it in Redis.
     ids = [f"s2-p{p}-g{g}" for p in range(PROMPTS) for g in range(GROUP)]
     inp.observed[2] = ObservedStep(2, {"episode_ids": ids}, {e: inp.redis.episodes[e] for e in ids})
-    assert judge(inp).checks["episodes"].passed
+    report = judge(inp)
+    assert not report.checks["episodes"].passed and report.episodes_lost == PROMPTS * GROUP, report.violations()
+    # What an observation is for: judging the content of a step collected after it was durable.
+    ids0 = [f"s0-p{p}-g{g}" for p in range(PROMPTS) for g in range(GROUP)]
+    inp.observed[0] = ObservedStep(0, {"episode_ids": ids0}, {e: {**inp.redis.episodes[e], "status": "generating"}
+                                                             for e in ids0})
+    assert sum("step 0: episode" in v for v in judge(inp).violations()) == len(ids0), judge(inp).violations()
 
 
 def test_a_prefix_that_is_not_a_prefix_of_the_final_episode_is_caught():
@@ -195,8 +213,7 @@ def test_unloadable_checkpoint_and_none_left():
 
 def test_redis_keys_of_long_durable_steps_are_unbounded_growth():
     inp = sound_job()
-    inp.checkpoints += [RawCheckpoint(f"jobs/j/checkpoints/{k:012d}/manifest.json", k, {"step": k, "blobs": []})
-                        for k in range(3, 8)]
+    inp.checkpoints += [checkpoint(k) for k in range(3, 8)]
     report = judge(inp)
     assert not report.checks["redis_bounded"].passed and report.facts["redis_stale_steps"] == 3
     assert judge(inp, AuditOptions(redis_bound=False)).checks["redis_bounded"].passed
@@ -287,6 +304,42 @@ async def _run_capturing_keys(api, infra, spec) -> tuple[str, dict[bytes, bytes]
     return job["id"], dumps
 
 
+def _resign_with_other_weights(store, manifest_key: str):
+    """Add 1 to one model tensor in rank 0's shard of a checkpoint and re-sign its manifest (sha256
+    and size of the rewritten blob); return a function that puts the original bytes back."""
+    import hashlib
+    import io
+
+    import torch
+
+    from robustrl.checkpoint_reader import REF
+
+    folder = manifest_key.rsplit("/", 1)[0]
+    raw_manifest = store.get(manifest_key)
+    manifest = json.loads(raw_manifest)
+    structure = torch.load(io.BytesIO(store.get(f"{folder}/r00000/state.pt")), weights_only=True)
+    index = next(iter(structure["model"].values()))[REF]
+    shards = [b for b in manifest["blobs"] if b["name"].startswith("r00000/tensors-")]
+    found = [(b, store.get(f"{folder}/{b['name']}")) for b in shards]
+    found = [(b, raw, tensors) for b, raw in found
+             if index in (tensors := torch.load(io.BytesIO(raw), weights_only=True))]
+    assert found, f"no shard of rank 0 in {manifest_key} holds model tensor {index}"
+    blob, original, tensors = found[0]
+    key = f"{folder}/{blob['name']}"
+    tensors[index] = tensors[index] + 1
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    store.put(key, buf.getvalue())
+    blob.update(sha256=hashlib.sha256(buf.getvalue()).hexdigest(), bytes=len(buf.getvalue()))
+    store.put(manifest_key, json.dumps(manifest).encode())
+
+    def restore() -> None:
+        store.put(key, original)
+        store.put(manifest_key, raw_manifest)
+
+    return restore
+
+
 @pytest.mark.timeout(300)
 def test_auditor_catches_each_corruption_of_the_raw_stores(stack, api, infra):
     # One trainer rank: the clean baseline must not depend on the rank checkpoint race (issue 9
@@ -301,6 +354,10 @@ def test_auditor_catches_each_corruption_of_the_raw_stores(stack, api, infra):
     clean = run()
     assert clean.ok, clean.violations()
     assert clean.facts["final_step"] == 2 and clean.facts["manifests"] >= 1
+    # Every checkpoint's model hashed again from its blobs is what the trainer published for it.
+    assert clean.facts["checkpoints_weights_verified"] == clean.facts["manifests"], clean.facts
+    # The new checks had something to judge: step sets were read and the outbox was empty.
+    assert clean.raw is not None and clean.raw.redis.step_sets and clean.facts["outbox_entries"] == 0, clean.facts
 
     import redis as sync_redis
 
@@ -316,6 +373,15 @@ def test_auditor_catches_each_corruption_of_the_raw_stores(stack, api, infra):
     report = run()
     assert report.checkpoints_unloadable == 1 and not report.checks["checkpoints"].passed
     store.put(bkey, original)
+
+    # 1b. Other weights in the newest checkpoint, its manifest re-signed so every blob verifies:
+    # only hashing the model again finds that it is not what the trainer published.
+    newest = max(k for k in store.list(f"jobs/{job_id}/") if k.endswith("manifest.json"))
+    restore = _resign_with_other_weights(store, newest)
+    report = run()
+    assert report.checks["checkpoints"].passed, report.violations()
+    assert not report.checks["checkpoint_weights"].passed, report.violations()
+    restore()
 
     # 2. A deleted episode key of a committed step.
     batch = json.loads(r.get(Keys.batch(job_id, 1)))
@@ -346,6 +412,35 @@ def test_auditor_catches_each_corruption_of_the_raw_stores(stack, api, infra):
         r.set(pkey, json.dumps(bad))
         assert not run().checks["prefixes"].passed
         r.set(pkey, pre)
+
+    # 4b. A finished episode in step 1's episode set that its batch left out.
+    first = Keys.episode(job_id, batch["episode_ids"][0])
+    assert r.exists(Keys.step_episodes(job_id, 1)), "step 1's episode set was never captured"
+    extra = {**json.loads(r.get(first)), "episode_id": "audit-extra"}
+    r.set(Keys.episode(job_id, "audit-extra"), json.dumps(extra))
+    r.sadd(Keys.step_episodes(job_id, 1), "audit-extra")
+    report = run()
+    assert any("audit-extra" in v for v in report.checks["episodes"].violations), report.violations()
+    r.srem(Keys.step_episodes(job_id, 1), "audit-extra")
+    r.delete(Keys.episode(job_id, "audit-extra"))
+
+    # 4c. One reply applied twice: the episode's last turn (a reply) kept again after itself.
+    saved = r.get(first)
+    twice = json.loads(saved)
+    assert twice["turns"][-1]["role"] == "assistant", twice["turns"]
+    twice["turns"].append(twice["turns"][-1])
+    r.set(first, json.dumps(twice))
+    report = run()
+    assert any("twice" in v for v in report.checks["episodes"].violations), report.violations()
+    r.set(first, saved)
+
+    # 4d. An event the request manager acknowledged, still in its outbox when the job ended.
+    left = {"msg_id": f"{job_id}-work_lost-audit", "event": {"job_id": job_id, "kind": "work_lost", "ts": 1.0,
+                                                             "data": {"fault_id": "audit", "tokens": 1}}}
+    r.rpush(Keys.rm_outbox(job_id), json.dumps(left))
+    report = run()
+    assert any("work_lost" in v for v in report.checks["outbox"].violations), report.violations()
+    r.delete(Keys.rm_outbox(job_id))
     assert run().ok, "restoring the stores must make the audit clean again"
 
     # 5. A replica that loaded a checksum the trainer never published (last: the log is append-only).

@@ -5,34 +5,53 @@ store listing and blobs directly, never through a service and never trusting a s
 counters, and returns an :class:`AuditReport`. ``audit_job`` is the one-call form tests use: it
 raises ``AssertionError`` listing every violation. ``robustrl audit JOB`` prints the report.
 
-Checks: every committed step trained exactly once per durable lineage; every manifest verifies
-(sizes and sha256 of every blob it names); no finished episode lost; every saved prefix is a
-prefix of the final episode; replicas load only published checksums, never one they rejected,
-and serve only versions they loaded; Redis keeps nothing of steps long durable; and, if a bound
-is given, no gap between progress events longer than it.
+Checks (each a pure function of what was read; ``judge`` runs them all):
+
+* ``event_log``: the log starts with ``job_submitted``; a finished job committed its last step.
+* ``trained_once``: every committed step trained exactly once per durable lineage (Redis trained
+  log, commits, manifests); every gang recorded where it resumed from (its origin), and no gang
+  resumed before a checkpoint reported durable.
+* ``checkpoints``: every manifest's blobs are present, inside their own rank's folder of the
+  manifest's own step and gang, and match their sizes and sha256; every rank of the gang wrote its
+  shard; the weights version is the step's. The newest fully loadable checkpoint on the chain of
+  gang origins is the job's durable progress (a manifest off the chain never counts), and no
+  ``durable_step`` the trainer reported lies beyond it.
+* ``checkpoint_weights``: the model in every checkpoint, hashed again from its blobs as published
+  weights are hashed, is what its gang published and committed for it and what every gang that
+  resumed from it published; a finished job's newest loadable checkpoint was published. (The
+  blobs are unpickled with torch where it is installed; without it the count of checkpoints not
+  hashed is in the report's facts, ``checkpoints_weights_unhashed``.)
+* ``episodes``: a committed step's batch stayed in Redis until its checkpoint was durable (seen
+  live or not), names exactly its step's finished episodes (the step's episode set), each
+  finished with a reward, its turns made within the staleness bound and each applied once (no
+  two replies to one turn, no request answering two turns).
+* ``prefixes``: every saved or re-dispatched prefix is a prefix of the final episode.
+* ``weights``: each replica's load is of a checksum published before it by a gang not yet
+  superseded (publications keyed by gang and version), never one it rejected; every assistant
+  turn was made by a replica that loaded its version soundly; the Redis pointer names its gang's
+  publication (the newest gang's once the job finished).
+* ``redis_bounded``: Redis keeps nothing of steps long durable.
+* ``outbox``: an ended job's request-manager outbox holds no event its log lacks.
+* ``progress``: the log ends, with no gap between progress events beyond the job's own deadlines
+  (or a given bound).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from robustrl.audit.lineage import (
-    check_checkpoints,
-    check_event_log,
-    check_progress,
-    check_trained_once,
-    job_facts,
-    newest_loadable,
-)
+from robustrl.audit.checkpoints import check_checkpoints
+from robustrl.audit.lineage import check_event_log, check_progress, check_trained_once, job_facts
 from robustrl.audit.model import AuditInput, AuditOptions, AuditReport, CheckResult, ObservedStep
 from robustrl.audit.raw import read_event_log, read_redis, scan_checkpoints, scan_origins
 from robustrl.audit.rollout import (
     check_episodes,
+    check_outbox,
     check_prefixes,
     check_redis_bounded,
-    check_weights,
     step_views,
 )
+from robustrl.audit.weights import check_checkpoint_weights, check_weights
 from robustrl.config import Settings
 from robustrl.storage.objects import open_object_store
 
@@ -57,24 +76,28 @@ def judge(inp: AuditInput, options: AuditOptions | None = None) -> AuditReport:
     """Run every check on already-read raw state (pure: unit tests feed it synthetic state)."""
     opts = options or AuditOptions()
     facts = job_facts(inp.events)
-    durable = newest_loadable(inp)
     views = step_views(inp, facts)
     checks: dict[str, CheckResult] = {"event_log": check_event_log(inp, facts)}
     checks["trained_once"], twice, steps_lost = check_trained_once(inp, facts)
-    checks["checkpoints"], unloadable = check_checkpoints(inp, facts)
+    checks["checkpoints"], unloadable, lineage = check_checkpoints(inp, facts)
+    durable = lineage.newest_step
+    checks["checkpoint_weights"], weight_facts = check_checkpoint_weights(inp, facts, lineage)
     checks["episodes"], episodes_lost, unverified = check_episodes(inp, facts, views, durable)
     checks["prefixes"] = check_prefixes(inp, views)
-    checks["weights"], bad_weights = check_weights(inp, views)
+    checks["weights"], bad_weights = check_weights(inp, views, facts)
     checks["redis_bounded"], redis_facts = check_redis_bounded(inp, durable, opts.redis_slack_steps, opts.redis_bound)
+    checks["outbox"], outbox_facts = check_outbox(inp, facts)
     checks["progress"], stuck = check_progress(inp, facts, opts.max_stuck_s, opts.require_ended)
     report = AuditReport(
         job_id=inp.job_id, ok=all(c.passed for c in checks.values()), checks=checks,
         steps_trained_twice=twice, steps_lost=steps_lost, episodes_lost=episodes_lost,
         checkpoints_unloadable=unloadable, replicas_served_bad_weights=bad_weights,
         facts={"final_step": facts.final_step, "steps": facts.steps, "finished": facts.finished,
-               "newest_loadable_checkpoint": durable, "manifests": len(inp.checkpoints),
+               "newest_loadable_checkpoint": durable,
+               "newest_loadable_epoch": None if lineage.newest is None else lineage.newest.epoch,
+               "manifests": len(inp.checkpoints), "manifests_on_lineage": len(lineage.chain),
                "steps_unverified": unverified, "max_stuck_s": round(stuck, 3), "events": len(inp.events),
-               "steps_observed_live": len(inp.observed), **redis_facts})
+               "steps_observed_live": len(inp.observed), **weight_facts, **redis_facts, **outbox_facts})
     report._raw = inp
     return report
 

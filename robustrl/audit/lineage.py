@@ -36,6 +36,8 @@ class JobFacts:
     finished: bool
     ended: bool = False
     """The log holds job_finished, job_failed or job_stopped."""
+    trainer_workers: int | None = None
+    """Ranks of every trainer gang (the spec's ``trainer.workers``; None: not in the log)."""
     stuck_bound_s: float | None = None
     """The spec's step deadline plus twice its recovery deadline (None: not in the log): a step
     stuck to its deadline, a local recovery run to its own, then the whole-job restart that
@@ -63,6 +65,7 @@ def job_facts(events: list[RawEvent]) -> JobFacts:
                     final_step=max((_int(e.data.get("step")) for e in commits), default=-1),
                     finished=any(e.kind == "job_finished" for e in events),
                     ended=any(e.kind in ENDED_KINDS for e in events),
+                    trainer_workers=_int((spec.get("trainer") or {}).get("workers"), 0) or None,
                     stuck_bound_s=(None if step_deadline is None or recovery_deadline is None
                                    else step_deadline + 2 * recovery_deadline))
 
@@ -218,22 +221,6 @@ def _origin_violations(origins: dict[int, Any], ready: dict[int, RawEvent], by_e
             out.append(f"gang {ep} resumed at step {start} but its origin names checkpoint {named[0]} of gang "
                        f"{named[1]} (not step {start - 1} of an older gang)")
     return out
-
-
-def check_checkpoints(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, int]:
-    """Every manifest loads and verifies; a job with commits keeps at least one loadable one."""
-    res = CheckResult()
-    bad = [ck for ck in inp.checkpoints if not ck.loadable]
-    for ck in bad:
-        res.violations.append(f"{ck.manifest_key}: " + "; ".join(ck.problems))
-    if facts.final_step >= 0 and not any(ck.loadable for ck in inp.checkpoints):
-        res.violations.append("steps were committed but no loadable checkpoint is left in the object store")
-    res.passed = not res.violations
-    return res, len(bad)
-
-
-def newest_loadable(inp: AuditInput) -> int:
-    return max((ck.step for ck in inp.checkpoints if ck.loadable and ck.step is not None), default=-1)
 
 
 def max_stuck_s(events: list[RawEvent]) -> float:

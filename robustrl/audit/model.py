@@ -14,8 +14,8 @@ REDIS_SLACK_STEPS = 2
 """Steps older than the newest loadable checkpoint that Redis may still hold (GC runs after the
 checkpoint is durable, so it lags by a step or two)."""
 
-CHECKS = ("event_log", "trained_once", "checkpoints", "episodes", "prefixes", "weights", "redis_bounded",
-          "progress")
+CHECKS = ("event_log", "trained_once", "checkpoints", "checkpoint_weights", "episodes", "prefixes", "weights",
+          "redis_bounded", "outbox", "progress")
 
 
 @dataclass(frozen=True)
@@ -35,12 +35,16 @@ class AuditOptions:
 @dataclass
 class ObservedStep:
     """A step's batch and episodes as read raw from Redis at hand-off (the campaign samples them
-    live, so steps whose keys were garbage-collected later can still be audited)."""
+    live, so steps whose keys were garbage-collected later can still be audited). An observation
+    stands in for Redis only in judging what the batch held: a batch gone from Redis before its
+    checkpoint was durable is lost however it was seen (a redo could not train it)."""
 
     step: int
     batch: dict[str, Any] | None
     episodes: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     prefixes: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    step_set: set[str] | None = None
+    """The members of the step's episode set read with the batch (None: not read, or no set)."""
 
 
 @dataclass

@@ -1,17 +1,16 @@
-"""Raw readers for the auditor: the JetStream event log, the job's Redis keys, the S3 listing.
+"""Raw readers for the auditor: the JetStream event log, the job's Redis keys, the S3 listing
+(``robustrl.audit.checkpoint_scan``, re-exported here).
 
 Nothing here asks a RobustRL service anything or uses the services' store classes: the event
 log is read from the stream with a consumer of our own, Redis values are read as bytes and
-parsed with ``json`` alone, and every checkpoint blob is fetched and hashed here. Parsing is
+parsed with ``json`` alone, and every checkpoint blob is fetched and hashed. Parsing is
 minimal on purpose: a value that does not parse is kept as ``None`` and reported by the checks,
 never repaired.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,18 +20,20 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from robustrl import subjects
 from robustrl.aio import within
+from robustrl.audit.checkpoint_scan import RawCheckpoint, job_prefix, scan_checkpoints, scan_origins
 from robustrl.bus import redact_url
-from robustrl.errors import MessageError, StorageError, TransportError
+from robustrl.errors import MessageError, TransportError
 from robustrl.messages import loads_bounded
-from robustrl.storage.objects import ObjectStore
 from robustrl.storage.redis_stores import Keys
+
+__all__ = ["RawCheckpoint", "RawEpisode", "RawEvent", "RawRedis", "job_prefix", "observe_batch", "read_event_log",
+           "read_redis", "redis_job_bytes", "scan_checkpoints", "scan_origins"]
 
 CONNECT_TIMEOUT_S = 5.0
 """How long to wait for NATS or Redis."""
 FETCH_TIMEOUT_S = 10.0
 """How long one fetch of the event log may wait for messages the stream said it holds."""
 FETCH_BATCH = 1024
-MANIFEST = "manifest.json"
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,13 @@ class RawRedis:
     episodes: dict[str, dict[str, Any] | None] = field(default_factory=dict)
     """episode id -> record, for every episode a batch or a step set names (missing: absent)."""
     prefixes: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    step_sets: dict[int, set[str]] = field(default_factory=dict)
+    """step -> the members of its episode set (``Keys.step_episodes``), for steps whose set exists."""
     trained: list[dict[str, Any] | None] = field(default_factory=list)
     """The raw trained log, one entry per list element, in order."""
+    outbox: list[Any] | None = None
+    """The request manager's outbox (``Keys.rm_outbox``), each entry parsed as JSON (None: it does
+    not parse); None: not read."""
     weights_pointer: dict[str, Any] | None = None
     step_keys: dict[int, list[str]] = field(default_factory=dict)
     """step -> keys that belong to that step (batch, fence, episode set, episodes, prefixes)."""
@@ -74,28 +80,6 @@ class RawRedis:
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes_by_key.values())
-
-
-@dataclass(frozen=True)
-class BlobCheck:
-    key: str
-    problem: str | None
-    """None when present with the manifest's size and sha256."""
-
-
-@dataclass
-class RawCheckpoint:
-    """One manifest found in the object store and what hashing its blobs showed."""
-
-    manifest_key: str
-    step: int | None
-    manifest: dict[str, Any] | None
-    epoch: int | None = None
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def loadable(self) -> bool:
-        return self.manifest is not None and not self.problems
 
 
 def _json(raw: bytes | str | None) -> Any:
@@ -198,6 +182,8 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
         for k in range(steps):
             raw_batch, members, fence = res[3 * k], res[3 * k + 1], res[3 * k + 2]
             ids = {m.decode() for m in members}
+            if ids:
+                out.step_sets[k] = set(ids)
             step_keys = []
             if raw_batch is not None:
                 batch = _json(raw_batch)
@@ -242,6 +228,11 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
             out.trained = [_json(v) for _f, v in sorted((await r.hgetall(trained_key)).items())]
         elif kind == "zset":
             out.trained = [_json(m) for m in await r.zrange(trained_key, 0, -1)]
+        outbox_key = Keys.rm_outbox(job_id)
+        kind = (await r.type(outbox_key)).decode()
+        out.outbox = [_json(x) for x in await r.lrange(outbox_key, 0, -1)] if kind == "list" else []
+        if kind not in ("list", "none"):
+            out.outbox.append(None)  # a key of another type: nothing can be appended from it
         pointer = await r.get(Keys.weights_latest(job_id))
         out.weights_pointer = _json(pointer) if pointer is not None else None
     except RedisError as exc:
@@ -252,10 +243,12 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
 
 
 async def observe_batch(redis_url: str, job_id: str,
-                        step: int) -> tuple[Any, dict[str, Any], dict[str, Any]] | None:
-    """(batch, episodes, prefixes) of ``step`` read raw right now (the campaign samples each batch
-    at hand-off, so the audit can still judge steps whose keys were collected later). None when
-    the batch key is absent: nothing was seen (a batch that does not parse is ``(None, {}, {})``)."""
+                        step: int) -> tuple[Any, dict[str, Any], dict[str, Any], set[str] | None] | None:
+    """(batch, episodes, prefixes, step set) of ``step`` read raw right now (the campaign samples
+    each batch at hand-off, so the audit can still judge steps whose keys were collected later):
+    episodes of the batch and of the step's episode set, the set's members (None: no set). None
+    when the batch key is absent: nothing was seen (a batch that does not parse is
+    ``(None, {}, {}, set)``)."""
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
@@ -265,7 +258,9 @@ async def observe_batch(redis_url: str, job_id: str,
         if raw is None:
             return None
         batch = _json(raw)
-        ids = [str(e) for e in batch.get("episode_ids", [])] if isinstance(batch, dict) else []
+        members = {m.decode() for m in await r.smembers(Keys.step_episodes(job_id, step))}
+        named = batch.get("episode_ids") if isinstance(batch, dict) else None
+        ids = sorted({str(e) for e in named} | members) if isinstance(named, list) else sorted(members)
         eps: dict[str, Any] = {}
         pre: dict[str, Any] = {}
         if ids:
@@ -273,7 +268,7 @@ async def observe_batch(redis_url: str, job_id: str,
             eps = {e: _json(v) for e, v in zip(ids, raws, strict=True) if v is not None}
             raws = await r.mget([Keys.prefix(job_id, e) for e in ids])
             pre = {e: _json(v) for e, v in zip(ids, raws, strict=True) if v is not None}
-        return batch, eps, pre
+        return batch, eps, pre, members or None
     except RedisError as exc:
         raise TransportError(f"auditor: redis read failed: {exc}") from exc
     finally:
@@ -296,110 +291,3 @@ async def redis_job_bytes(redis_url: str, job_id: str) -> tuple[int, int]:
         raise TransportError(f"auditor: redis read failed: {exc}") from exc
     finally:
         await r.aclose()
-
-
-# -- object store -----------------------------------------------------------------------------------
-
-
-def job_prefix(job_id: str) -> str:
-    """Everything a job keeps in the object store lives under this prefix."""
-    return f"jobs/{job_id}/"
-
-
-def _folder_ref(manifest_key: str) -> tuple[int | None, int | None]:
-    """(step, epoch) named by a manifest's folder: ``.../<step:012d>[/e<epoch:08d>]/manifest.json``."""
-    parts = manifest_key.split("/")[:-1]
-    step = epoch = None
-    if parts and parts[-1][:1] == "e" and parts[-1][1:].isdigit():
-        epoch = int(parts[-1][1:])
-        parts = parts[:-1]
-    if parts and parts[-1].isdigit():
-        step = int(parts[-1])
-    return step, epoch
-
-
-def _blob_key(manifest_key: str, blob: dict[str, Any]) -> str:
-    """A blob's object key: an explicit ``key`` if the manifest gives one, else its ``name``
-    (or ``path``) relative to the manifest's folder."""
-    if isinstance(blob.get("key"), str):
-        return str(blob["key"])
-    folder = manifest_key.rsplit("/", 1)[0]
-    return f"{folder}/{blob.get('name') or blob.get('path')}"
-
-
-def scan_checkpoints(store: ObjectStore, job_id: str) -> list[RawCheckpoint]:
-    """Every manifest under the job's prefix, each blob it names fetched and hashed here.
-
-    Raises:
-        StorageError: the store itself failed (listing or a read other than a missing key).
-    """
-    from robustrl.storage.objects import ObjectNotFound
-
-    out = []
-    for mkey in store.list(job_prefix(job_id)):
-        if not mkey.endswith("/" + MANIFEST):
-            continue
-        try:
-            manifest = _json(store.get(mkey))
-        except ObjectNotFound:
-            continue  # deleted between listing and reading (GC); it no longer vouches for anything
-        step, epoch = _folder_ref(mkey)
-        ck = RawCheckpoint(manifest_key=mkey, step=step, epoch=epoch,
-                           manifest=manifest if isinstance(manifest, dict) else None)
-        if ck.manifest is None:
-            ck.problems.append("manifest is not a JSON object")
-            out.append(ck)
-            continue
-        blobs = ck.manifest.get("blobs")
-        if not isinstance(blobs, list) or not blobs:
-            ck.problems.append("manifest names no blobs")
-        for name, folder in (("step", ck.step), ("epoch", ck.epoch)):
-            named = ck.manifest.get(name)
-            if folder is None:
-                ck.step = named if name == "step" and isinstance(named, int) else ck.step
-            elif named != folder:
-                ck.problems.append(f"manifest names {name} {named} but sits in the folder of {name} {folder}")
-        for blob in blobs if isinstance(blobs, list) else []:
-            if not isinstance(blob, dict):
-                ck.problems.append(f"blob entry is not an object: {blob!r}")
-                continue
-            key = _blob_key(mkey, blob)
-            try:
-                data = store.get(key)
-            except ObjectNotFound:
-                ck.problems.append(f"blob missing: {key}")
-                continue
-            except StorageError:
-                raise
-            size, sha = blob.get("bytes", blob.get("size")), blob.get("sha256")
-            if size is not None and len(data) != int(size):
-                ck.problems.append(f"blob {key}: {len(data)} bytes, manifest says {size}")
-            elif sha is None:
-                ck.problems.append(f"blob {key}: manifest gives no sha256")
-            elif hashlib.sha256(data).hexdigest() != sha:
-                ck.problems.append(f"blob {key}: sha256 mismatch")
-        out.append(ck)
-    return out
-
-
-def scan_origins(store: ObjectStore, job_id: str) -> dict[int, Any]:
-    """Every gang origin under the job's prefix (``.../origins/e<epoch>.json``: where that gang
-    says it resumed from), by the epoch its key names; the value is the parsed JSON (None: it
-    does not parse).
-
-    Raises:
-        StorageError: the store itself failed.
-    """
-    from robustrl.storage.objects import ObjectNotFound
-
-    out: dict[int, Any] = {}
-    for key in store.list(job_prefix(job_id)):
-        named = re.search(r"/origins/e(\d+)\.json$", key)
-        if named is None:
-            continue
-        try:
-            out[int(named.group(1))] = _json(store.get(key))
-        except ObjectNotFound:
-            continue
-    return out
-

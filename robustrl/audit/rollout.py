@@ -1,6 +1,8 @@
 """Rollout-side invariants, judged from raw Redis values, live observations and the event log:
-no finished episode lost, saved prefixes are prefixes of the final episode, replicas serve only
-published weights, and Redis holds only what recovery still needs."""
+no finished episode lost (a batch holds exactly its step's finished episodes and stays in Redis
+until its checkpoint is durable), each turn applied once, saved prefixes are prefixes of the final
+episode, Redis holds only what recovery still needs, and an ended job's request-manager outbox
+holds no event the log lacks."""
 
 from __future__ import annotations
 
@@ -13,9 +15,6 @@ from typing import Any
 from robustrl.audit.lineage import JobFacts, _int, of_kind
 from robustrl.audit.model import AuditInput, CheckResult
 
-REJECT_KINDS = ("weights_rejected",)
-"""Events a replica emits when a pulled version fails its checksum."""
-
 
 @dataclass(frozen=True)
 class StepView:
@@ -27,6 +26,8 @@ class StepView:
     episodes: dict[str, dict[str, Any] | None]
     """episode id -> record; a missing id means no source holds it."""
     prefixes: dict[str, dict[str, Any] | None]
+    step_set: set[str] | None = None
+    """Members of the step's episode set read with the batch (None: no set was read)."""
 
 
 def step_views(inp: AuditInput, facts: JobFacts) -> list[StepView]:
@@ -36,13 +37,15 @@ def step_views(inp: AuditInput, facts: JobFacts) -> list[StepView]:
         if k in inp.redis.batches:
             batch = inp.redis.batches[k]
             ids = batch.get("episode_ids", []) if isinstance(batch, dict) else []
+            members = inp.redis.step_sets.get(k) or None
             # A batch still in Redis must have every episode in Redis: GC drops them together.
-            eps = {e: inp.redis.episodes[e] for e in ids if e in inp.redis.episodes}
-            pre = {e: inp.redis.prefixes[e] for e in ids if e in inp.redis.prefixes}
-            out.append(StepView(k, "redis", batch, eps, pre))
+            named = [*(ids if isinstance(ids, list) else []), *sorted(members or ())]
+            eps = {e: inp.redis.episodes[e] for e in named if e in inp.redis.episodes}
+            pre = {e: inp.redis.prefixes[e] for e in named if e in inp.redis.prefixes}
+            out.append(StepView(k, "redis", batch, eps, pre, members))
         elif obs is not None:
             eps = {e: v for e, v in obs.episodes.items() if v is not None}
-            out.append(StepView(k, "observed", obs.batch, eps, dict(obs.prefixes)))
+            out.append(StepView(k, "observed", obs.batch, eps, dict(obs.prefixes), obs.step_set or None))
         else:
             out.append(StepView(k, "none", None, {}, {}))
     return out
@@ -53,10 +56,13 @@ def _finished(ep: dict[str, Any] | None) -> bool:
 
 
 def check_episodes(inp: AuditInput, facts: JobFacts, views: list[StepView], durable: int) -> tuple[CheckResult, int, int]:
-    """Returns (result, episodes_lost, steps_unverified)."""
+    """Every committed step's batch stayed in Redis until its checkpoint was durable, names exactly
+    its step's finished episodes, and each of them is finished, with its turns each applied once
+    and made within the staleness bound. Returns (result, episodes_lost, steps_unverified)."""
     res = CheckResult()
     lost = 0
     unverified = 0
+    answered: dict[str, tuple[str, int]] = {}  # request id -> (episode, turn) it answered
     for v in views:
         if v.source == "none":
             if v.step > durable:
@@ -72,36 +78,70 @@ def check_episodes(inp: AuditInput, facts: JobFacts, views: list[StepView], dura
             lost += facts.episodes_per_step
             res.violations.append(f"step {v.step}: batch record does not parse ({v.source})")
             continue
+        lost_here: set[str] = set()
+        if v.source == "observed" and v.step > durable:
+            # Seen at hand-off, but a redo from the newest loadable checkpoint needs the batch in
+            # Redis: collected this early, its episodes cannot be trained again.
+            lost_here.update(str(e) for e in ids)
+            res.violations.append(f"step {v.step}: batch gone from Redis before its checkpoint was durable "
+                                  f"(newest loadable checkpoint {durable}; it was seen live at hand-off)")
         if len(ids) != facts.episodes_per_step or len(set(ids)) != len(ids):
             res.violations.append(f"step {v.step}: batch holds {len(ids)} episodes ({len(set(ids))} distinct), "
                                   f"want {facts.episodes_per_step}")
             lost += max(0, facts.episodes_per_step - len(set(ids)))
+        if v.step_set is not None:
+            for eid in ids:
+                if eid not in v.step_set:
+                    res.violations.append(f"step {v.step}: batch names episode {eid}, which is not in the "
+                                          f"step's episode set ({v.source})")
+            for eid in sorted(v.step_set - {str(e) for e in ids}):
+                if _finished(v.episodes.get(eid)):
+                    lost_here.add(eid)
+                    res.violations.append(f"step {v.step}: finished episode {eid} of the step's episode set is "
+                                          f"not in its batch (dropped without a reason; {v.source})")
         for eid in ids:
             ep = v.episodes.get(eid)
             if eid not in v.episodes:
-                lost += 1
+                lost_here.add(eid)
                 res.violations.append(f"step {v.step}: episode {eid} named by the batch is missing ({v.source})")
             elif not _finished(ep):
-                lost += 1
+                lost_here.add(eid)
                 what = "does not parse" if ep is None else f"status {ep.get('status')} reward {ep.get('reward')}"
                 res.violations.append(f"step {v.step}: episode {eid} not finished with a reward ({what})")
             else:
-                res.violations.extend(_turn_problems(eid, v.step, ep, facts.staleness))  # type: ignore[arg-type]
+                res.violations.extend(_turn_problems(eid, v.step, ep, facts.staleness, answered))  # type: ignore[arg-type]
+        lost += len(lost_here)
     res.passed = not res.violations
     return res, lost, unverified
 
 
-def _turn_problems(eid: str, step: int, ep: dict[str, Any], staleness: int) -> list[str]:
+def _turn_problems(eid: str, step: int, ep: dict[str, Any], staleness: int,
+                   answered: dict[str, tuple[str, int]]) -> list[str]:
+    """A finished episode's turns: at least one reply; each reply made within the staleness
+    bound; each applied once. A reply answers the prefix that ends in the prompt or in a tool
+    result (a turn is dispatched only then), so two replies in a row are two replies to one
+    (episode, turn) both kept; and one request answers one turn of one episode."""
     out = []
     turns = ep.get("turns") or []
     if not any(isinstance(t, dict) and t.get("role") == "assistant" for t in turns):
         out.append(f"episode {eid}: finished without an assistant turn")
+    previous = None
     for i, t in enumerate(turns):
-        if not isinstance(t, dict) or t.get("role") != "assistant":
+        role = t.get("role") if isinstance(t, dict) else None
+        if role == "assistant" and previous == "assistant":
+            out.append(f"episode {eid}: turns {i - 1} and {i} are both replies: one turn applied twice")
+        previous = role
+        if role != "assistant":
             continue
         wv = _int(t.get("weights_version"))
         if wv < 0 or wv > step or step - wv > staleness:
             out.append(f"episode {eid} turn {i}: made by weights v{wv} in step {step} (staleness {staleness})")
+        rid = t.get("request_id")
+        if isinstance(rid, str) and rid:
+            first = answered.setdefault(rid, (eid, i))
+            if first != (eid, i):
+                out.append(f"episode {eid} turn {i}: request {rid} was applied twice (it answered episode "
+                           f"{first[0]} turn {first[1]} already)")
     return out
 
 
@@ -161,49 +201,6 @@ def check_prefixes(inp: AuditInput, views: list[StepView]) -> CheckResult:
     return res
 
 
-def check_weights(inp: AuditInput, views: list[StepView]) -> tuple[CheckResult, int]:
-    """Loaded checksums are published ones; no rejected checksum is loaded; every assistant turn
-    was made by a replica that loaded that version with a published checksum."""
-    res = CheckResult()
-    published: dict[int, set[str]] = defaultdict(set)
-    for e in of_kind(inp.events, "weights_published"):
-        published[_int(e.data.get("version"))].add(str(e.data.get("checksum")))
-    rejected: dict[tuple[str, int], set[str]] = defaultdict(set)
-    for e in of_kind(inp.events, *REJECT_KINDS):
-        rejected[(str(e.data.get("member_id")), _int(e.data.get("version")))].add(str(e.data.get("checksum")))
-    good: set[tuple[str, int]] = set()
-    bad: set[tuple[str, int]] = set()
-    for e in of_kind(inp.events, "weights_loaded"):
-        key = (str(e.data.get("member_id")), _int(e.data.get("version")))
-        checksum = str(e.data.get("checksum"))
-        if checksum not in published.get(key[1], set()):
-            bad.add(key)
-            res.violations.append(f"{key[0]} loaded v{key[1]} with checksum {checksum[:12]} the trainer never "
-                                  f"published (event seq {e.seq})")
-        elif checksum in rejected.get(key, set()):
-            bad.add(key)
-            res.violations.append(f"{key[0]} loaded v{key[1]} after rejecting that checksum (event seq {e.seq})")
-        else:
-            good.add(key)
-    unloaded: set[tuple[str, int]] = set()
-    for v in views:
-        for eid, ep in v.episodes.items():
-            for t in (ep or {}).get("turns") or []:
-                member = t.get("member_id")
-                if t.get("role") != "assistant" or not member:
-                    continue
-                key = (str(member), _int(t.get("weights_version")))
-                if key not in good and key not in bad and key not in unloaded:
-                    unloaded.add(key)
-                    res.violations.append(f"{key[0]} served v{key[1]} (episode {eid}) but never loaded a "
-                                          f"published v{key[1]}")
-    pointer = inp.redis.weights_pointer
-    if pointer is not None and str(pointer.get("checksum")) not in published.get(_int(pointer.get("version")), set()):
-        res.violations.append(f"Redis weights pointer names v{pointer.get('version')} with an unpublished checksum")
-    res.passed = not res.violations
-    return res, len(bad | unloaded)
-
-
 def check_redis_bounded(inp: AuditInput, durable: int, slack: int, enforce: bool) -> tuple[CheckResult, dict[str, Any]]:
     res = CheckResult()
     stale = {k: keys for k, keys in inp.redis.step_keys.items() if keys and k < durable - slack}
@@ -216,3 +213,30 @@ def check_redis_bounded(inp: AuditInput, durable: int, slack: int, enforce: bool
                               f"{', '.join(stale[first][:3])}")
     res.passed = not res.violations
     return res, facts
+
+
+def check_outbox(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, dict[str, int]]:
+    """Once the job ended, every event the request manager acknowledged is in the log: an entry
+    still in its outbox (``Keys.rm_outbox``) that the log lacks was never appended. One the log
+    already holds (same kind, time and data) is only waiting for its removal."""
+    res = CheckResult()
+    entries = inp.redis.outbox
+    if entries is None:
+        return res, {}
+    logged = {(e.kind, e.ts, _canonical(e.data)) for e in inp.events}
+    missing: list[str] = []
+    for entry in entries:
+        event = entry.get("event") if isinstance(entry, dict) else None
+        if not isinstance(event, dict):
+            missing.append("an entry that does not parse")
+        elif (event.get("kind"), event.get("ts"), _canonical(event.get("data"))) not in logged:
+            missing.append(f"{event.get('kind')} (ts {event.get('ts')})")
+    if facts.ended and missing:
+        res.violations.append(f"the job ended with {len(missing)} events in the request manager's outbox that its "
+                              f"log never got: {', '.join(missing[:5])}")
+    res.passed = not res.violations
+    return res, {"outbox_entries": len(entries), "outbox_unappended": len(missing)}
+
+
+def _canonical(data: Any) -> str:
+    return json.dumps(data, sort_keys=True, default=str)

@@ -1,0 +1,230 @@
+"""The auditor's invariants that an outside review found restated or missed: each test builds a
+job state the earlier auditor passed and the auditor must now fail.
+
+Weights are judged by gang lineage (not by version alone), batches are compared with their step's
+episode set, a turn is applied once per (episode, turn), a batch seen live is still lost when it
+left Redis before its checkpoint was durable, and an ended job leaves nothing unappended in the
+request manager's outbox. The checkpoint items (rank coverage, own folders, the chain of origins,
+durable claims, hashing the checkpointed model) are in ``test_audit_checkpoints.py``.
+
+Redis state is written by the project's own stores into the session's Redis server and read back
+raw by the auditor's reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import uuid
+from typing import Any
+
+import pytest
+from test_audit import Log, gang_2_redoes_step_2, sound_job
+
+from robustrl.audit import AuditInput, AuditOptions, ObservedStep, judge
+from robustrl.audit.raw import RawEvent, RawRedis, read_redis
+from robustrl.config import Settings
+from robustrl.messages import Event
+from robustrl.storage.control_stores import OutboxEntry, RmOutbox
+from robustrl.storage.redis_stores import BatchRecord, BatchStore, EpisodeRecord, EpisodeStore, connect
+
+
+def _violations(report: Any) -> str:
+    return "\n".join(report.violations())
+
+
+# -- weights keyed by gang lineage ------------------------------------------------------------------
+
+
+def _take_over(inp: AuditInput) -> Log:
+    """The sound job's log up to its end, then gang 2 resumes at step 2 from checkpoint 1 (it
+    publishes v2 again, same weights) and redoes step 2 (its own v3, other weights than gang 1's)."""
+    log = Log()
+    log.events = list(inp.events[:-1])
+    log.add("member_ready", role="trainer", epoch=2, resume_step=2, weights_version=2)
+    log.add("weights_published", version=2, epoch=2, checksum="c2")
+    log.add("step_committed", step=2, epoch=2, weights_version=3, checksum="c3b", durable_step=2)
+    log.add("weights_published", version=3, epoch=2, checksum="c3b")
+    return log
+
+
+def test_a_replica_loading_a_superseded_gangs_version_fails_but_loads_before_the_take_over_pass():
+    """Keyed by version alone, gang 1's v3 (c3) stayed a published v3 after gang 2 replaced it
+    and published its own v3 (c3b): a replica loading c3 then passed."""
+    inp = sound_job()
+    log = _take_over(inp)
+    log.add("weights_loaded", member_id="r0", version=2, epoch=2, checksum="c2")  # gang 2's own v2
+    log.add("weights_loaded", member_id="r0", version=3, epoch=2, checksum="c3b")
+    log.add("job_finished")
+    inp.events = log.events
+    # r0 and r1 loaded gang 1's c3 before gang 2 existed: sound.
+    assert judge(inp).checks["weights"].passed, _violations(judge(inp))
+
+    log.events = log.events[:-1]
+    log.add("weights_loaded", member_id="r1", version=3, epoch=1, checksum="c3")
+    log.add("job_finished")
+    inp.events = log.events
+    report = judge(inp)
+    assert not report.checks["weights"].passed and report.replicas_served_bad_weights == 1, _violations(report)
+    assert any("r1 loaded v3" in v and "superseded" in v for v in report.violations()), _violations(report)
+
+
+def test_a_load_logged_before_its_version_was_published_fails():
+    inp = sound_job()
+    log = Log()
+    log.events = list(inp.events[:4])  # job_submitted, job_started, member_ready, weights_published v0
+    log.add("weights_loaded", member_id="r0", version=1, checksum="c1")  # before the trainer published c1
+    log.events += inp.events[4:]
+    inp.events = [RawEvent(i + 1, e.kind, float(i + 1), e.data) for i, e in enumerate(log.events)]
+    report = judge(inp)
+    assert not report.checks["weights"].passed, _violations(report)
+    assert any("before" in v and "published" in v for v in report.violations()), _violations(report)
+
+
+# -- batches against their step's episode set -----------------------------------------------------
+
+
+def _with_step_sets(inp: AuditInput) -> AuditInput:
+    inp.redis.step_sets = {k: set(b["episode_ids"]) for k, b in inp.redis.batches.items()}
+    return inp
+
+
+def test_a_batch_naming_an_episode_outside_its_steps_set_fails():
+    inp = _with_step_sets(sound_job())
+    assert judge(inp).ok, _violations(judge(inp))
+    inp.redis.step_sets[1].discard("s1-p0-g0")
+    report = judge(inp)
+    assert not report.checks["episodes"].passed, _violations(report)
+    assert any("s1-p0-g0" in v and "not in" in v for v in report.violations()), _violations(report)
+
+
+def test_a_finished_episode_of_a_trained_step_left_out_of_its_batch_fails():
+    inp = _with_step_sets(sound_job())
+    extra = copy.deepcopy(inp.redis.episodes["s1-p0-g0"])
+    extra["episode_id"] = "s1-p7-g0"
+    inp.redis.episodes["s1-p7-g0"] = extra
+    inp.redis.step_sets[1].add("s1-p7-g0")
+    report = judge(inp)
+    assert not report.checks["episodes"].passed and report.episodes_lost == 1, _violations(report)
+    assert any("s1-p7-g0" in v for v in report.violations()), _violations(report)
+
+
+def test_an_observed_batch_is_compared_with_the_step_set_seen_with_it():
+    inp = sound_job()
+    ids = [f"s2-p{p}-g{g}" for p in range(2) for g in range(2)]
+    extra = {**copy.deepcopy(inp.redis.episodes[ids[0]]), "episode_id": "s2-p7-g0"}
+    obs = ObservedStep(2, {"episode_ids": ids}, {**{e: inp.redis.episodes[e] for e in ids}, "s2-p7-g0": extra})
+    obs.step_set = {*ids, "s2-p7-g0"}  # the set read with the batch at hand-off: one more finished episode
+    inp.observed[2] = obs
+    del inp.redis.batches[2]  # collected after its checkpoint (2) became durable
+    report = judge(inp)
+    assert not report.checks["episodes"].passed, _violations(report)
+    assert any("s2-p7-g0" in v for v in report.violations()), _violations(report)
+
+
+# -- idempotence per (episode, turn) ---------------------------------------------------------------
+
+
+def _with_request_ids(inp: AuditInput) -> AuditInput:
+    for eid, ep in inp.redis.episodes.items():
+        for i, t in enumerate(ep["turns"]):
+            if t["role"] == "assistant":
+                t["request_id"] = f"{eid}-t{i}"
+    return inp
+
+
+def test_a_turn_applied_twice_fails():
+    inp = _with_request_ids(sound_job())
+    assert judge(inp).ok, _violations(judge(inp))
+    ep = inp.redis.episodes["s1-p1-g0"]
+    ep["turns"].append(copy.deepcopy(ep["turns"][-1]))  # the last turn's reply kept twice
+    report = judge(inp)
+    assert not report.checks["episodes"].passed, _violations(report)
+    assert any("s1-p1-g0" in v and "twice" in v for v in report.violations()), _violations(report)
+
+
+def test_one_request_answering_two_turns_fails():
+    inp = _with_request_ids(sound_job())
+    turns = inp.redis.episodes["s0-p0-g1"]["turns"]
+    turns[2]["request_id"] = turns[0]["request_id"]  # turn 2 is the reply to turn 0's request
+    report = judge(inp)
+    assert not report.checks["episodes"].passed, _violations(report)
+    assert any("s0-p0-g1" in v and turns[0]["request_id"] in v for v in report.violations()), _violations(report)
+
+
+# -- a batch observed live is no excuse for collecting it early -----------------------------------
+
+
+def test_an_observed_batch_collected_before_its_checkpoint_was_durable_is_lost():
+    inp = sound_job()
+    inp.checkpoints = inp.checkpoints[:1]  # newest loadable: step 0
+    ids = [f"s2-p{p}-g{g}" for p in range(2) for g in range(2)]
+    inp.observed[2] = ObservedStep(2, {"episode_ids": ids}, {e: inp.redis.episodes[e] for e in ids})
+    del inp.redis.batches[2]  # gone from Redis although checkpoint 2 is not durable
+    report = judge(inp)
+    assert not report.checks["episodes"].passed and report.episodes_lost == len(ids), _violations(report)
+
+
+# -- the request manager's outbox ------------------------------------------------------------------
+
+
+def _outbox_entry(kind: str, ts: float, data: dict[str, Any]) -> dict[str, Any]:
+    return {"msg_id": f"j-{kind}-x", "event": {"job_id": "j", "kind": kind, "ts": ts, "data": data}}
+
+
+def test_events_left_in_the_outbox_of_an_ended_job_fail_unless_already_appended():
+    inp = sound_job()
+    lost = {"fault_id": "f1", "tokens": 12, "steps_redone": 0}
+    inp.redis.outbox = [_outbox_entry("work_lost", 4.5, lost)]
+    report = judge(inp)
+    assert not report.ok and any("outbox" in v and "work_lost" in v for v in report.violations()), \
+        _violations(report)
+    # Stored in the log already (its removal from the outbox not done yet): nothing is missing.
+    n = len(inp.events)
+    inp.events = [*inp.events[:-1], RawEvent(n + 1, "work_lost", 4.5, lost), RawEvent(n + 2, "job_finished", n + 2.0, {})]
+    assert judge(inp).ok, _violations(judge(inp))
+    # A job still running may hold events on their way.
+    inp = sound_job()
+    inp.events = inp.events[:-1]
+    inp.redis.outbox = [_outbox_entry("work_lost", 4.5, lost)]
+    assert judge(inp, AuditOptions(require_ended=False)).ok, _violations(judge(inp, AuditOptions(require_ended=False)))
+
+
+def test_step_sets_and_the_outbox_are_read_raw_from_redis(infra: Settings):
+    """Written by the request manager's own stores, read back by the auditor's raw reader."""
+    job = f"aud-{uuid.uuid4().hex[:8]}"
+
+    async def write() -> RawRedis:
+        r = connect(infra.redis_url)
+        try:
+            eps = EpisodeStore(r, job)
+            ids = [f"s0-p{p}-g0" for p in range(3)]
+            for eid in ids:
+                await eps.put(EpisodeRecord(job_id=job, episode_id=eid, step=0, group_id="s0-p0", prompt={},
+                                            prompt_ids=[1], status="finished", reward=0.5))
+            await BatchStore(r, job).put(BatchRecord(job_id=job, step=0, episode_ids=ids[:2], reward_mean=0.5))
+            await RmOutbox(r, job).add(OutboxEntry(msg_id=f"{job}-note", event=Event(
+                job_id=job, kind="note", data={"text": "never appended"})))
+            return await read_redis(infra.redis_url, job, 1)
+        finally:
+            await r.delete(*[k async for k in r.scan_iter(match=f"rrl:{job}:*")])
+            await r.aclose()
+
+    raw = asyncio.run(write())
+    log = Log()
+    log.add("job_submitted", spec={"steps": 1, "data": {"prompts_per_step": 1, "group_size": 2}})
+    log.add("step_committed", step=0, epoch=1, weights_version=1)
+    log.add("job_finished")
+    assert raw.step_sets == {0: {"s0-p0-g0", "s0-p1-g0", "s0-p2-g0"}} and raw.outbox is not None, raw
+    report = judge(AuditInput(job_id=job, events=log.events, redis=raw, checkpoints=[]))
+    # Finished, in the step's set, left out of the batch.
+    assert any("s0-p2-g0" in v and "not in its batch" in v for v in report.checks["episodes"].violations), \
+        _violations(report)
+    assert any("note" in v for v in report.checks["outbox"].violations), _violations(report)
+
+
+@pytest.mark.parametrize("redo", [False, True])
+def test_redo_helper_still_judges_the_sound_lineage(redo: bool):
+    """The synthetic two-gang job the other tests build on stays sound under the new checks."""
+    inp = gang_2_redoes_step_2(sound_job()) if redo else sound_job()
+    assert judge(_with_request_ids(_with_step_sets(inp))).ok, _violations(judge(inp))
