@@ -103,6 +103,9 @@ class _Driver:
         self._worker = worker
         self._loop = loop
         self._waiting: list[tuple[object, asyncio.Future[None]]] = []
+        # requests whose waiter was cancelled, with the buffer UCX still reads or writes: kept
+        # alive until the request completes (an endpoint's close cancels it), see ``wait``
+        self._orphans: list[tuple[object, object]] = []
         self._scheduled = False
         self._tick: asyncio.TimerHandle | None = None
         # replaces the reader ucxx's BlockingMode put on the same fd (it progressed without
@@ -123,10 +126,12 @@ class _Driver:
         self._arm_tick()
 
     def _resolve(self) -> None:
+        if self._orphans:
+            self._orphans = [(req, buf) for req, buf in self._orphans if not req.completed]  # type: ignore[attr-defined]
         still = []
         for req, fut in self._waiting:
             if fut.done():
-                continue  # the waiter was cancelled: forget its request
+                continue  # the waiter was cancelled: its request and buffer wait in _orphans
             if req.completed:  # type: ignore[attr-defined]
                 fut.set_result(None)
             else:
@@ -141,13 +146,26 @@ class _Driver:
         self._tick = None
         self._schedule()
 
-    async def wait(self, req: object) -> None:
-        """Until ``req`` completes; then raises its error, if any."""
+    async def wait(self, req: object, buf: object) -> None:
+        """Until ``req`` (posted on ``buf``) completes; then raises its error, if any.
+
+        If the waiter is cancelled (a timeout, a closing server, a dropped source), UCX still
+        holds ``buf``'s address: a receive posted into it is written whenever the peer's bytes
+        arrive, until the endpoint's close cancels the request. Freed with the caller's frame,
+        that memory was written after Python reused it (a segfault in unrelated code, about one
+        run in two of the relaying-puller tests). So the request and its buffer are kept here
+        until the request completes.
+        """
         if not req.completed:  # type: ignore[attr-defined]
             fut = self._loop.create_future()
             self._waiting.append((req, fut))
             self._schedule()
-            await fut
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if not req.completed:  # type: ignore[attr-defined]
+                    self._orphans.append((req, buf))
+                raise
         req.check_error()  # type: ignore[attr-defined]
 
 
@@ -182,7 +200,7 @@ async def _transfer(ep: object | None, buf: np.ndarray, send: bool) -> None:
         req = raw.tag_send(Array(buf), Tag(ep._tags["msg_send"]))  # type: ignore[attr-defined]
     else:
         req = raw.tag_recv(Array(buf), Tag(ep._tags["msg_recv"]), TagMaskFull)  # type: ignore[attr-defined]
-    await driver.wait(req)
+    await driver.wait(req, buf)
 
 
 async def _send(ep: object | None, data: np.ndarray) -> None:
