@@ -34,12 +34,20 @@ from typing import Any
 import pytest
 import redis
 import redis.exceptions
-from robustrl.services.controller import failpoints, launching
+from robustrl.services.controller import failpoints
 from robustrl.services.controller import outbox as outbox_mod
 from robustrl.services.controller.jobs import JobRun, MemberInfo
 from robustrl.services.controller.runtime import Controller
 from support import eventually_async, raw_job_record
-from test_controller_runtime import Rig, _cut_short, leading_job_at_step_0, of_kind, running, spec
+from test_controller_runtime import (  # idle_members: an autouse fixture, active here once imported
+    Rig,
+    _cut_short,
+    idle_members,  # noqa: F401
+    leading_job_at_step_0,
+    of_kind,
+    running,
+    spec,
+)
 
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
@@ -68,12 +76,6 @@ def ev_infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedInfra
         yield embedded
     finally:
         embedded.stop()
-
-
-@pytest.fixture(autouse=True)
-def idle_members(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(launching, "TRAINER_MODULE", "idle_member")
-    monkeypatch.setattr(launching, "ROLLOUT_MODULE", "idle_member")
 
 
 @pytest.fixture
