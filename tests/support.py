@@ -12,10 +12,11 @@ import inspect
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Self, TypeVar
 
 import nats
+import pytest
 
 T = TypeVar("T")
 
@@ -235,3 +236,17 @@ def wide_listeners(pids: list[int], allow: tuple[str, ...] = ()) -> list[tuple[i
         except (FileNotFoundError, ProcessLookupError):
             continue  # ended meanwhile (a process that cannot be read fails the check: PermissionError)
     return sorted(set(out))
+
+
+@contextlib.contextmanager
+def own_servers(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Any]:
+    """NATS, Redis and S3 servers of one test module alone (an ``EmbeddedInfra``, started), for a
+    module whose tests restart them or hold what must not be shared (a lease, a detector)."""
+    from robustrl.infra.embedded import EmbeddedInfra
+
+    embedded = EmbeddedInfra(tmp_path_factory.mktemp(name))
+    embedded.start()
+    try:
+        yield embedded
+    finally:
+        embedded.stop()

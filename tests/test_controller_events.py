@@ -38,7 +38,7 @@ from robustrl.services.controller import failpoints
 from robustrl.services.controller import outbox as outbox_mod
 from robustrl.services.controller.jobs import JobRun, MemberInfo
 from robustrl.services.controller.runtime import Controller
-from support import eventually_async, raw_job_record
+from support import eventually_async, own_servers, raw_job_record
 from test_controller_runtime import (  # idle_members: an autouse fixture, active here once imported
     Rig,
     _cut_short,
@@ -70,12 +70,8 @@ ENDS = ("job_finished", "job_failed", "job_stopped")
 @pytest.fixture(scope="module")
 def ev_infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedInfra]:
     """Servers of this module alone: one test takes NATS down under the controller."""
-    embedded = EmbeddedInfra(tmp_path_factory.mktemp("ev-infra"))
-    embedded.start()
-    try:
+    with own_servers(tmp_path_factory, "ev-infra") as embedded:
         yield embedded
-    finally:
-        embedded.stop()
 
 
 @pytest.fixture

@@ -25,13 +25,12 @@ from robustrl.services.controller.jobs import JobRun
 from robustrl.services.controller.runtime import Controller
 from robustrl.services.controller.supervision import STARTUP_FAILURES_MAX
 from robustrl.services.controller.view import job_view
-from support import eventually, eventually_async
+from support import eventually, eventually_async, own_servers
 
 from robustrl.aio import wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import LaunchError, RequestTimeout
-from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.launcher.local import LAUNCH_MARK_ENV, LocalLauncher
 from robustrl.launcher.zygote import FORK_START_ENV
 from robustrl.messages import ControlCommand, FaultReport, MemberHello, MetricsSample, StepCommitted
@@ -47,11 +46,8 @@ LEASE_TTL_S = 1.0
 @pytest.fixture(scope="module")
 def cp_infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """Servers of this module's own: the controllers here hold the one lease and registry."""
-    embedded = EmbeddedInfra(tmp_path_factory.mktemp("cp-infra"))
-    try:
-        yield embedded.start()
-    finally:
-        embedded.stop()
+    with own_servers(tmp_path_factory, "cp-infra") as embedded:
+        yield embedded.settings
 
 
 @pytest.fixture(autouse=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import nats
 import pytest
 import redis
-from support import eventually_async
+from support import eventually_async, own_servers
 
 from robustrl import subjects
 from robustrl.bus import Bus
@@ -29,12 +29,8 @@ from robustrl.storage.redis_stores import connect
 @pytest.fixture(scope="module")
 def own_infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedInfra]:
     """Servers of this module alone: restarting the session's would disturb other tests."""
-    infra = EmbeddedInfra(tmp_path_factory.mktemp("restart-infra"))
-    infra.start()
-    try:
+    with own_servers(tmp_path_factory, "restart-infra") as infra:
         yield infra
-    finally:
-        infra.stop()
 
 
 def _restart_in_thread(infra: EmbeddedInfra, name: str) -> tuple[threading.Thread, list[float]]:
