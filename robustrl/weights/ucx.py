@@ -36,6 +36,16 @@ Subscriptions (``transport.py``) run over an endpoint of their own, as tag messa
 (a message cannot be half-sent, so an upload is "halfway" for the next one's handshake as soon as
 its bytes are posted).
 
+Buffer lifetime. UCX writes a posted receive into its buffer whenever the peer's bytes arrive,
+until the request completes or is cancelled: a waiter that gives up (a timeout, a cancelled pull,
+an event loop that ends) must not free that buffer. Every request whose waiter left early is
+parked here with its buffer until UCX completes it, across event loops (the worker outlives
+them). ucxx's own endpoint handshake (``exchange_peer_info``, 16 bytes each way over UCX
+streams) frees its receive buffer when its waiter is cancelled: a connect abandoned mid-handshake,
+on either side, later had UCX write a peer's 16 bytes into memory Python had reused (pymalloc's
+free list: a segfault in unrelated code, tests/test_ucx_handshake.py). This module installs its own
+handshake into ucxx (same bytes on the wire) that parks its buffers the same way.
+
 The UCX listener binds every interface (ucxx has no bind-address parameter); restrict it with
 ``UCX_NET_DEVICES`` (e.g. ``lo`` for loopback-only tests). This module imports ucxx at import
 time: only ``make_server``/``make_client`` import it, when a ``ucx://`` address is used.
@@ -45,11 +55,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import logging
+import struct
 import weakref
 
 import numpy as np
 import ucxx
 from ucxx._lib.arr import Array
+from ucxx._lib_async import application_context as _ucxx_context
+from ucxx._lib_async import listener as _ucxx_listener
+from ucxx._lib_async.utils import hash64bits
 from ucxx.types import Tag, TagMaskFull
 
 from robustrl.aio import within
@@ -83,8 +99,13 @@ _SAFETY_TICK_S = 0.05
 task also progresses the worker once a second, and that progress does not wake our waiters)."""
 
 
+log = logging.getLogger(__name__)
+
+
 def _ensure_init() -> None:
-    """Initialise ucxx (blocking progress, UCX_OPTIONS) unless something in this process already did."""
+    """Initialise ucxx (blocking progress, UCX_OPTIONS) unless something in this process already
+    did; either way, install the handshake that keeps its buffers (``_exchange_peer_info``)."""
+    _guard_handshake()
     if ucxx.core._ctx is None:  # ucxx has no public "is initialised" query
         ucxx.init(options=UCX_OPTIONS, env_takes_precedence=True, progress_mode="blocking")
 
@@ -103,9 +124,6 @@ class _Driver:
         self._worker = worker
         self._loop = loop
         self._waiting: list[tuple[object, asyncio.Future[None]]] = []
-        # requests whose waiter was cancelled, with the buffer UCX still reads or writes: kept
-        # alive until the request completes (an endpoint's close cancels it), see ``wait``
-        self._orphans: list[tuple[object, object]] = []
         self._scheduled = False
         self._tick: asyncio.TimerHandle | None = None
         # replaces the reader ucxx's BlockingMode put on the same fd (it progressed without
@@ -126,12 +144,11 @@ class _Driver:
         self._arm_tick()
 
     def _resolve(self) -> None:
-        if self._orphans:
-            self._orphans = [(req, buf) for req, buf in self._orphans if not req.completed]  # type: ignore[attr-defined]
+        _release_parked()
         still = []
         for req, fut in self._waiting:
             if fut.done():
-                continue  # the waiter was cancelled: its request and buffer wait in _orphans
+                continue  # the waiter was cancelled: its request and buffer are parked
             if req.completed:  # type: ignore[attr-defined]
                 fut.set_result(None)
             else:
@@ -149,12 +166,8 @@ class _Driver:
     async def wait(self, req: object, buf: object) -> None:
         """Until ``req`` (posted on ``buf``) completes; then raises its error, if any.
 
-        If the waiter is cancelled (a timeout, a closing server, a dropped source), UCX still
-        holds ``buf``'s address: a receive posted into it is written whenever the peer's bytes
-        arrive, until the endpoint's close cancels the request. Freed with the caller's frame,
-        that memory was written after Python reused it (a segfault in unrelated code, about one
-        run in two of the relaying-puller tests). So the request and its buffer are kept here
-        until the request completes.
+        If the waiter leaves first (cancelled, timed out, its loop closed), UCX still holds
+        ``buf``'s address, so both are parked until the request completes (module docstring).
         """
         if not req.completed:  # type: ignore[attr-defined]
             fut = self._loop.create_future()
@@ -162,11 +175,81 @@ class _Driver:
             self._schedule()
             try:
                 await fut
-            except asyncio.CancelledError:
-                if not req.completed:  # type: ignore[attr-defined]
-                    self._orphans.append((req, buf))
+            except BaseException:
+                _park(req, buf)
                 raise
         req.check_error()  # type: ignore[attr-defined]
+
+
+_PARKED: list[tuple[object, object]] = []
+"""Requests whose waiter left before they completed, each with the buffer UCX still reads or
+writes; one list for the process, since the UCX worker outlives any event loop."""
+
+
+def _park(req: object, buf: object) -> None:
+    if not req.completed:  # type: ignore[attr-defined]
+        _PARKED.append((req, buf))
+
+
+def _release_parked() -> None:
+    if _PARKED:
+        _PARKED[:] = [(req, buf) for req, buf in _PARKED if not req.completed]  # type: ignore[attr-defined]
+
+
+async def _await_request(req: object, buf: object) -> None:
+    """Until ``req`` (posted on ``buf``) completes, through this loop's driver if it has one."""
+    driver = _driver()
+    if driver is not None:
+        await driver.wait(req, buf)
+        return
+    _release_parked()
+    try:
+        await req.wait()  # type: ignore[attr-defined]
+    except BaseException:
+        _park(req, buf)
+        raise
+
+
+_PEER_INFO = struct.Struct("QQ")
+"""ucxx's endpoint handshake message: the sender's receive tag and hash64bits of it."""
+
+
+async def _exchange_peer_info(endpoint: object, msg_tag: int, listener: bool,
+                              connect_timeout: float = 5.0) -> dict[str, int]:
+    """ucxx's endpoint handshake (the listener sends first; same bytes on the wire, so peers
+    running ucxx's own interoperate), with each stream request's buffer parked if its waiter
+    leaves before UCX completes it."""
+    mine = bytearray(_PEER_INFO.pack(msg_tag, hash64bits(msg_tag)))
+    theirs = bytearray(_PEER_INFO.size)
+    send = (endpoint.stream_send, mine)  # type: ignore[attr-defined]
+    recv = (endpoint.stream_recv, theirs)  # type: ignore[attr-defined]
+    for post, buf in (send, recv) if listener else (recv, send):
+        req = post(Array(buf))
+        await within(_await_request(req, buf), connect_timeout)
+    tag, checksum = _PEER_INFO.unpack(theirs)
+    if checksum != hash64bits(tag):
+        raise RuntimeError(f"UCX handshake checksum invalid: {checksum:#x} != {hash64bits(tag):#x}")
+    return {"msg_tag": tag, "checksum": checksum}
+
+
+_handshake_checked = False
+_HANDSHAKE_PARAMS = list(inspect.signature(_exchange_peer_info).parameters)
+
+
+def _guard_handshake() -> None:
+    """Make ucxx's endpoint creation and listener use ``_exchange_peer_info`` (idempotent). A
+    ucxx whose handshake is not the one this replaces is left alone, with a warning."""
+    global _handshake_checked
+    if _handshake_checked:
+        return
+    _handshake_checked = True
+    for module in (_ucxx_context, _ucxx_listener):
+        current = getattr(module, "exchange_peer_info", None)
+        if current is None or list(inspect.signature(current).parameters) != _HANDSHAKE_PARAMS:
+            log.warning("ucxx %s: its endpoint handshake is not the one robustrl guards; a connect "
+                        "abandoned mid-handshake may corrupt memory", ucxx.__version__)
+            continue
+        module.exchange_peer_info = _exchange_peer_info  # type: ignore[attr-defined]
 
 
 _drivers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Driver] = weakref.WeakKeyDictionary()
