@@ -25,7 +25,7 @@ from robustrl.audit import AuditInput, AuditOptions, ObservedStep, judge
 from robustrl.audit.raw import RawEvent, RawRedis, read_redis
 from robustrl.config import Settings
 from robustrl.messages import Event
-from robustrl.storage.control_stores import OutboxEntry, RmOutbox
+from robustrl.storage.control_stores import ControllerOutbox, OutboxEntry, RmOutbox
 from robustrl.storage.redis_stores import BatchRecord, BatchStore, EpisodeRecord, EpisodeStore, connect
 
 
@@ -221,6 +221,82 @@ def test_step_sets_and_the_outbox_are_read_raw_from_redis(infra: Settings):
     assert any("s0-p2-g0" in v and "not in its batch" in v for v in report.checks["episodes"].violations), \
         _violations(report)
     assert any("note" in v for v in report.checks["outbox"].violations), _violations(report)
+
+
+# -- the controller's outbox -----------------------------------------------------------------------
+
+
+def test_a_controller_event_given_before_the_logged_final_event_and_never_appended_fails():
+    """The controller's flusher appends in order: a final event in the log with a controller
+    event given well before it still owed means that event was skipped (lost), not late."""
+    inp = sound_job()
+    final_ts = inp.events[-1].ts
+    given = final_ts - AuditOptions().controller_outbox_slack_s - 1.0
+    decision = {"fault_id": "f1", "actions": ["restart_role"], "reason": "trainer crash"}
+    inp.redis.controller_outbox = [_outbox_entry("decision", given, decision)]
+    report = judge(inp)
+    assert not report.ok and any("controller" in v and "decision" in v
+                                 for v in report.checks["outbox"].violations), _violations(report)
+    # Appended already, its removal from the outbox not done yet: sound.
+    n = len(inp.events)
+    inp.events = [*inp.events[:-1], RawEvent(n + 1, "decision", given, decision), inp.events[-1]]
+    assert judge(inp).ok, _violations(judge(inp))
+    # Given just before the final event: its save may have retried past it (a Redis blip), so it
+    # may still be on its way.
+    inp = sound_job()
+    inp.redis.controller_outbox = [_outbox_entry("decision", final_ts - 0.5, decision)]
+    report = judge(inp)
+    assert report.ok and report.facts["controller_outbox_owed"] == 1, (_violations(report), report.facts)
+
+
+def test_controller_events_given_after_the_final_event_may_still_be_owed():
+    """``member_stopped`` of the members the final stop ends is given after the final event: still
+    owed when the auditor runs is not a loss (counted, not failed). An entry that does not parse
+    is judged as given before."""
+    inp = sound_job()
+    final_ts = inp.events[-1].ts
+    inp.redis.controller_outbox = [_outbox_entry("member_stopped", final_ts + 0.2, {"member_id": "r0"})]
+    report = judge(inp)
+    assert report.ok and report.facts["controller_outbox_owed"] == 1, (_violations(report), report.facts)
+    inp.redis.controller_outbox.append(None)
+    assert any("does not parse" in v for v in judge(inp).checks["outbox"].violations), _violations(judge(inp))
+    # A job whose log has no final event yet: everything may be on its way.
+    inp = sound_job()
+    inp.events = inp.events[:-1]
+    inp.redis.controller_outbox = [_outbox_entry("decision", 1.0, {"fault_id": "f1", "actions": []})]
+    assert judge(inp, AuditOptions(require_ended=False)).ok, _violations(judge(inp, AuditOptions(require_ended=False)))
+
+
+def test_the_controller_outbox_is_read_raw_from_redis(infra: Settings):
+    """Written by the controller's own store, read back by the auditor's raw reader."""
+    job = f"aud-{uuid.uuid4().hex[:8]}"
+    log = Log()
+    log.add("job_submitted", spec={"steps": 1, "data": {"prompts_per_step": 1, "group_size": 2}})
+    log.add("step_committed", step=0, epoch=1, weights_version=1)
+    log.add("job_finished")
+    final_ts = log.events[-1].ts
+
+    async def write() -> RawRedis:
+        r = connect(infra.redis_url)
+        try:
+            box = ControllerOutbox(r, job)
+            for kind, ts, data in (("decision", final_ts - 100.0, {"fault_id": "f1", "actions": ["restart_role"]}),
+                                   ("member_stopped", final_ts + 1.0, {"member_id": "r0", "role": "rollout"})):
+                await box.add(OutboxEntry(msg_id=f"{job}-{kind}", event=Event(job_id=job, kind=kind, ts=ts, data=data)))
+            return await read_redis(infra.redis_url, job, 1)
+        finally:
+            keys = [k async for k in r.scan_iter(match=f"rrl:{job}:*")]
+            if keys:
+                await r.delete(*keys)
+            await r.aclose()
+
+    raw = asyncio.run(write())
+    assert raw.controller_outbox is not None and len(raw.controller_outbox) == 2, raw
+    report = judge(AuditInput(job_id=job, events=log.events, redis=raw, checkpoints=[]))
+    violations = report.checks["outbox"].violations
+    assert any("decision" in v for v in violations), _violations(report)
+    assert not any("member_stopped" in v for v in violations) and report.facts["controller_outbox_owed"] == 1, \
+        (_violations(report), report.facts)
 
 
 @pytest.mark.parametrize("redo", [False, True])

@@ -31,7 +31,8 @@ Checks (each a pure function of what was read; ``judge`` runs them all):
   turn was made by a replica that loaded its version soundly; the Redis pointer names its gang's
   publication (the newest gang's once the job finished).
 * ``redis_bounded``: Redis keeps nothing of steps long durable.
-* ``outbox``: an ended job's request-manager outbox holds no event its log lacks.
+* ``outbox``: an ended job's request-manager outbox holds no event its log lacks, and the
+  controller's none given well before the final event the log holds (it appends in order).
 * ``progress``: the log ends, with no gap between progress events beyond the job's own deadlines
   (or a given bound).
 """
@@ -86,7 +87,7 @@ def judge(inp: AuditInput, options: AuditOptions | None = None) -> AuditReport:
     checks["prefixes"] = check_prefixes(inp, views)
     checks["weights"], bad_weights = check_weights(inp, views, facts)
     checks["redis_bounded"], redis_facts = check_redis_bounded(inp, durable, opts.redis_slack_steps, opts.redis_bound)
-    checks["outbox"], outbox_facts = check_outbox(inp, facts)
+    checks["outbox"], outbox_facts = check_outbox(inp, facts, opts.controller_outbox_slack_s)
     checks["progress"], stuck = check_progress(inp, facts, opts.max_stuck_s, opts.require_ended)
     report = AuditReport(
         job_id=inp.job_id, ok=all(c.passed for c in checks.values()), checks=checks,

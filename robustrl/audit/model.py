@@ -27,6 +27,13 @@ class AuditOptions:
     """A gap longer than this between progress events is a violation. None: the job's own bound,
     its spec's ``detector.step_deadline_s`` plus twice ``recovery.deadline_s`` from the log (a
     stall the controller should have acted on, escalated and recovered from by then)."""
+    controller_outbox_slack_s: float = 60.0
+    """A controller event still owed (in ``Keys.controller_outbox``, not in the log) is a violation
+    once the log holds the final event and the owed one was given more than this before it. The
+    flusher appends in outbox order, but an event is stamped before its save, and a save may
+    retry through a Redis outage (about 30 s): one stamped before the final event can be saved
+    after it, and so still be on its way. Events given after the final one (``member_stopped``)
+    may be owed whatever their age."""
     require_ended: bool = True
     """The job's log must end (``job_finished``, ``job_failed`` or ``job_stopped``); False for a
     job audited while it runs."""

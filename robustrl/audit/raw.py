@@ -73,6 +73,8 @@ class RawRedis:
     outbox: list[Any] | None = None
     """The request manager's outbox (``Keys.rm_outbox``), each entry parsed as JSON (None: it does
     not parse); None: not read."""
+    controller_outbox: list[Any] | None = None
+    """The controller's outbox (``Keys.controller_outbox``), read the same way."""
     weights_pointer: dict[str, Any] | None = None
     step_keys: dict[int, list[str]] = field(default_factory=dict)
     """step -> keys that belong to that step (batch, fence, episode set, episodes, prefixes)."""
@@ -228,11 +230,8 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
             out.trained = [_json(v) for _f, v in sorted((await r.hgetall(trained_key)).items())]
         elif kind == "zset":
             out.trained = [_json(m) for m in await r.zrange(trained_key, 0, -1)]
-        outbox_key = Keys.rm_outbox(job_id)
-        kind = (await r.type(outbox_key)).decode()
-        out.outbox = [_json(x) for x in await r.lrange(outbox_key, 0, -1)] if kind == "list" else []
-        if kind not in ("list", "none"):
-            out.outbox.append(None)  # a key of another type: nothing can be appended from it
+        out.outbox = await _read_outbox(r, Keys.rm_outbox(job_id))
+        out.controller_outbox = await _read_outbox(r, Keys.controller_outbox(job_id))
         pointer = await r.get(Keys.weights_latest(job_id))
         out.weights_pointer = _json(pointer) if pointer is not None else None
     except RedisError as exc:
@@ -240,6 +239,16 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
     finally:
         await r.aclose()
     return out
+
+
+async def _read_outbox(r: Any, key: str) -> list[Any]:
+    """An outbox list's entries parsed as JSON (None for one that does not parse, and one None for
+    a key of another type: nothing can be appended from it)."""
+    kind = (await r.type(key)).decode()
+    entries = [_json(x) for x in await r.lrange(key, 0, -1)] if kind == "list" else []
+    if kind not in ("list", "none"):
+        entries.append(None)
+    return entries
 
 
 async def observe_batch(redis_url: str, job_id: str,

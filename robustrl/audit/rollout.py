@@ -12,7 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from robustrl.audit.lineage import JobFacts, _int, of_kind
+from robustrl.audit.lineage import ENDED_KINDS, JobFacts, _int, of_kind
 from robustrl.audit.model import AuditInput, CheckResult
 
 
@@ -215,27 +215,52 @@ def check_redis_bounded(inp: AuditInput, durable: int, slack: int, enforce: bool
     return res, facts
 
 
-def check_outbox(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, dict[str, int]]:
-    """Once the job ended, every event the request manager acknowledged is in the log: an entry
-    still in its outbox (``Keys.rm_outbox``) that the log lacks was never appended. One the log
-    already holds (same kind, time and data) is only waiting for its removal."""
-    res = CheckResult()
-    entries = inp.redis.outbox
-    if entries is None:
-        return res, {}
-    logged = {(e.kind, e.ts, _canonical(e.data)) for e in inp.events}
-    missing: list[str] = []
+def _unappended(entries: list[Any], logged: set[tuple[Any, Any, str]]) -> list[tuple[str, float | None]]:
+    """(description, ts) of each outbox entry whose event the log lacks (ts None: no usable ts)."""
+    missing: list[tuple[str, float | None]] = []
     for entry in entries:
         event = entry.get("event") if isinstance(entry, dict) else None
         if not isinstance(event, dict):
-            missing.append("an entry that does not parse")
+            missing.append(("an entry that does not parse", None))
         elif (event.get("kind"), event.get("ts"), _canonical(event.get("data"))) not in logged:
-            missing.append(f"{event.get('kind')} (ts {event.get('ts')})")
-    if facts.ended and missing:
-        res.violations.append(f"the job ended with {len(missing)} events in the request manager's outbox that its "
-                              f"log never got: {', '.join(missing[:5])}")
+            ts = event.get("ts")
+            ts = float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) else None
+            missing.append((f"{event.get('kind')} (ts {event.get('ts')})", ts))
+    return missing
+
+
+def check_outbox(inp: AuditInput, facts: JobFacts, controller_slack_s: float) -> tuple[CheckResult, dict[str, int]]:
+    """Once the job ended, every event the request manager acknowledged is in the log: an entry
+    still in its outbox (``Keys.rm_outbox``) that the log lacks was never appended. One the log
+    already holds (same kind, time and data) is only waiting for its removal.
+
+    The controller's outbox (``Keys.controller_outbox``) is appended in order, one entry at a
+    time, so once the log holds the job's final event, every controller event given well before
+    it (more than ``controller_slack_s``: ``AuditOptions.controller_outbox_slack_s``) is in the
+    log too, and an entry that does not parse can never be; the others may still be on their
+    way and are counted (``controller_outbox_owed``), not failed."""
+    res = CheckResult()
+    logged = {(e.kind, e.ts, _canonical(e.data)) for e in inp.events}
+    out: dict[str, int] = {}
+    if inp.redis.outbox is not None:
+        missing = [what for what, _ in _unappended(inp.redis.outbox, logged)]
+        if facts.ended and missing:
+            res.violations.append(f"the job ended with {len(missing)} events in the request manager's outbox that "
+                                  f"its log never got: {', '.join(missing[:5])}")
+        out.update(outbox_entries=len(inp.redis.outbox), outbox_unappended=len(missing))
+    if inp.redis.controller_outbox is not None:
+        final_ts = min((e.ts for e in inp.events if e.kind in ENDED_KINDS), default=None)
+        missing_c = _unappended(inp.redis.controller_outbox, logged)
+        before = [what for what, ts in missing_c
+                  if final_ts is not None and (ts is None or ts < final_ts - controller_slack_s)]
+        if before:
+            res.violations.append(f"the log holds the job's final event but not {len(before)} controller events "
+                                  f"given more than {controller_slack_s:g} s before it, still in the controller's "
+                                  f"outbox: {', '.join(before[:5])}")
+        out.update(controller_outbox_entries=len(inp.redis.controller_outbox),
+                   controller_outbox_owed=len(missing_c) - len(before))
     res.passed = not res.violations
-    return res, {"outbox_entries": len(entries), "outbox_unappended": len(missing)}
+    return res, out
 
 
 def _canonical(data: Any) -> str:
