@@ -16,13 +16,12 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import pytest
-from support import eventually_async
+from support import eventually_async, own_servers
 from test_detector_service import THRESHOLDS, Job
 
 from robustrl.bus import Bus
 from robustrl.config import Settings, reference_job
 from robustrl.errors import TransportError
-from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.messages import Event, FaultReport, MemberExited, SpecReply, SpecRequest
 from robustrl.services.detector.service import MEMBER_NAME, DetectorService
 from robustrl.subjects import Verb, subject
@@ -39,11 +38,8 @@ REFUSE_AFTER_S = 2.0
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """Servers of this module's own: no other detector may report on them."""
-    embedded = EmbeddedInfra(tmp_path_factory.mktemp("detector-eventlog-infra"))
-    try:
-        yield embedded.start()
-    finally:
-        embedded.stop()
+    with own_servers(tmp_path_factory, "detector-eventlog-infra") as embedded:
+        yield embedded.settings
 
 
 @dataclass

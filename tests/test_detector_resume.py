@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from support import eventually_async
+from support import eventually_async, own_servers
 from test_detector_service import THRESHOLDS, Job
 
 from robustrl.bus import Bus
@@ -32,13 +32,8 @@ FREEZE_S = 3 * (THRESHOLDS.silence_s + THRESHOLDS.probe_timeout_s + THRESHOLDS.r
 @pytest.fixture(scope="module")
 def own_infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     """Servers of this module's own: no other detector may answer for ours."""
-    from robustrl.infra.embedded import EmbeddedInfra
-
-    embedded = EmbeddedInfra(tmp_path_factory.mktemp("detector-resume-infra"))
-    try:
-        yield embedded.start()
-    finally:
-        embedded.stop()
+    with own_servers(tmp_path_factory, "detector-resume-infra") as embedded:
+        yield embedded.settings
 
 
 class Detector:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from support import eventually_async
+from support import eventually_async, own_servers
 
 from robustrl.bus import Bus
 from robustrl.config import DetectorSpec, Settings, reference_job
@@ -33,12 +33,8 @@ WAIT_S = 8.0
 def embedded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedInfra]:
     """Servers of this module's own: the session's stack runs a detector of its own, which
     would report the same faults a second time on shared servers."""
-    servers = EmbeddedInfra(tmp_path_factory.mktemp("detector-infra"))
-    try:
-        servers.start()
+    with own_servers(tmp_path_factory, "detector-infra") as servers:
         yield servers
-    finally:
-        servers.stop()
 
 
 @pytest.fixture(scope="module")
