@@ -250,3 +250,61 @@ def own_servers(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator
         yield embedded
     finally:
         embedded.stop()
+
+
+@contextlib.contextmanager
+def batches_sampled(redis_url: str, job_id: str, steps: int, interval_s: float = 0.05) -> Iterator[dict[int, Any]]:
+    """Sample every step's batch raw from Redis while the block runs, as the chaos campaign does
+    at hand-off: the auditor judges a step whose keys were collected after its checkpoint became
+    durable only from such a sample (otherwise it counts as ``steps_unverified``, and the step a
+    fault hit usually goes unchecked). Yields the ``observed`` map for ``audit_job``.
+
+    A background thread reads all batch keys in one MGET per ``interval_s`` and takes a full
+    sample (``observe_batch``: the batch, its episodes and prefixes, the step's episode set) of
+    each batch that appeared or changed (a step the request manager restarted is handed over
+    again; the newest sample is kept, as in the campaign)."""
+    import redis.asyncio as aioredis
+
+    from robustrl.audit import ObservedStep
+    from robustrl.audit.raw import observe_batch
+    from robustrl.storage.redis_stores import Keys
+
+    observed: dict[int, Any] = {}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    async def sample() -> None:
+        r = aioredis.from_url(redis_url, decode_responses=False)
+        last: dict[int, bytes] = {}
+        try:
+            while True:
+                final = stop.is_set()  # one more pass after the block ends
+                raws = await r.mget([Keys.batch(job_id, k) for k in range(steps)])
+                for step, raw in enumerate(raws):
+                    if raw is None or last.get(step) == raw:
+                        continue
+                    seen = await observe_batch(redis_url, job_id, step)
+                    if seen is not None:
+                        observed[step] = ObservedStep(step, *seen)
+                        last[step] = raw
+                if final:
+                    return
+                await asyncio.sleep(interval_s)  # a sampling period, not a wait for a condition
+        finally:
+            await r.aclose()
+
+    def run() -> None:
+        try:
+            asyncio.run(sample())
+        except BaseException as exc:  # noqa: BLE001 - reported to the test below
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=f"batches-{job_id}", daemon=True)
+    thread.start()
+    try:
+        yield observed
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    if errors:
+        raise AssertionError(f"sampling {job_id}'s batches failed: {errors[0]!r}") from errors[0]

@@ -8,12 +8,24 @@ import time
 
 import pytest
 from jobs import kinds, small_job, wait_done, wait_step
-from support import eventually, eventually_async
+from support import batches_sampled, eventually, eventually_async
 
 from robustrl.audit import audit_job
 from robustrl.storage.redis_stores import Keys, connect
 
 pytestmark = pytest.mark.timeout(240)
+
+SAMPLED_STEPS = 32
+"""More than any job here runs: every batch is sampled at hand-off (``batches_sampled``)."""
+
+
+def _audit(infra, jid, observed):
+    """The auditor over the raw stores, every step judged: those whose keys were collected after
+    their checkpoint became durable from the sample taken while the job ran (without it, the
+    step a fault hit usually went unchecked, as ``steps_unverified``)."""
+    report = audit_job(infra, jid, observed=observed)
+    assert report.facts["steps_unverified"] == 0, report.facts
+    return report
 
 
 def _decisions(events):
@@ -27,11 +39,12 @@ def _faults(events):
 
 def test_trainer_worker_crash_restarts_only_the_trainer(api, infra):
     jid = api.submit(small_job("tcrash", steps=12))["job_id"]
-    wait_step(api, jid, 1)
-    api.fault(jid, kind="crash", role="trainer", member=1)
-    wait_done(api, jid)
+    with batches_sampled(infra.redis_url, jid, SAMPLED_STEPS) as observed:
+        wait_step(api, jid, 1)
+        api.fault(jid, kind="crash", role="trainer", member=1)
+        wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)
+    _audit(infra, jid, observed)
 
     faults = _faults(events)
     assert faults[0]["kind"] == "crash" and faults[0]["role"] == "trainer"
@@ -48,11 +61,12 @@ def test_trainer_worker_crash_restarts_only_the_trainer(api, infra):
 
 def test_trainer_hang_is_detected_by_silence_and_recovered(api, infra):
     jid = api.submit(small_job("thang", steps=12))["job_id"]
-    wait_step(api, jid, 1)
-    api.fault(jid, kind="hang", role="trainer", member=0)
-    wait_done(api, jid)
+    with batches_sampled(infra.redis_url, jid, SAMPLED_STEPS) as observed:
+        wait_step(api, jid, 1)
+        api.fault(jid, kind="hang", role="trainer", member=0)
+        wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)
+    _audit(infra, jid, observed)
     faults = [f for f in _faults(events) if f["role"] == "trainer"]
     assert faults and faults[0]["kind"] in ("unresponsive", "hang")
     assert ["RestartTrainerGang"] in [acts for _, acts in _decisions(events)]
@@ -65,12 +79,13 @@ def test_trainer_hang_is_detected_by_silence_and_recovered(api, infra):
 
 def test_trainer_stall_in_training_phase_is_a_hang(api, infra):
     jid = api.submit(small_job("tstall", steps=12))["job_id"]
-    wait_step(api, jid, 1)
-    # The stall takes effect at the next forward pass, i.e. inside the training phase.
-    api.fault(jid, kind="stall", role="trainer", member=0, duration_s=120)
-    wait_done(api, jid)
+    with batches_sampled(infra.redis_url, jid, SAMPLED_STEPS) as observed:
+        wait_step(api, jid, 1)
+        # The stall takes effect at the next forward pass, i.e. inside the training phase.
+        api.fault(jid, kind="stall", role="trainer", member=0, duration_s=120)
+        wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)
+    _audit(infra, jid, observed)
     faults = [f for f in _faults(events) if f["role"] == "trainer"]
     assert faults and faults[0]["kind"] == "hang", faults
 
@@ -78,25 +93,26 @@ def test_trainer_stall_in_training_phase_is_a_hang(api, infra):
 def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, infra):
     spec = small_job("rcrash", steps=20, tools={"latency_s": 0.6}, data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
-    wait_step(api, jid, 1)
-    step = api.job(jid)["step"]
+    with batches_sampled(infra.redis_url, jid, SAMPLED_STEPS) as observed:
+        wait_step(api, jid, 1)
+        step = api.job(jid)["step"]
 
-    async def first_prefix_of_step() -> None:
-        # A tool-turn prefix of the step in progress is in Redis: second turns are being
-        # dispatched right now, half of them to replica 0.
-        redis = connect(infra.redis_url)
-        try:
-            await eventually_async(lambda: redis.keys(Keys.prefix(jid, f"s{step + 1}-*")), timeout=30,
-                                   interval=0.005, what="a tool-turn prefix of the running step")
-        finally:
-            await redis.aclose()
+        async def first_prefix_of_step() -> None:
+            # A tool-turn prefix of the step in progress is in Redis: second turns are being
+            # dispatched right now, half of them to replica 0.
+            redis = connect(infra.redis_url)
+            try:
+                await eventually_async(lambda: redis.keys(Keys.prefix(jid, f"s{step + 1}-*")), timeout=30,
+                                       interval=0.005, what="a tool-turn prefix of the running step")
+            finally:
+                await redis.aclose()
 
-    wait_step(api, jid, step)  # the step after this one is generating now
-    asyncio.run(first_prefix_of_step())
-    api.fault(jid, kind="crash", role="rollout", member=0)
-    wait_done(api, jid)
+        wait_step(api, jid, step)  # the step after this one is generating now
+        asyncio.run(first_prefix_of_step())
+        api.fault(jid, kind="crash", role="rollout", member=0)
+        wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)
+    _audit(infra, jid, observed)
 
     actions = [a for _, acts in _decisions(events) for a in acts]
     assert actions == ["RedispatchEpisodes", "ReplaceReplica"]
@@ -123,11 +139,12 @@ def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, inf
 def test_rollout_stall_is_detected_and_replaced(api, infra):
     spec = small_job("rstall", steps=12)
     jid = api.submit(spec)["job_id"]
-    wait_step(api, jid, 1)
-    api.fault(jid, kind="stall", role="rollout", member=1, duration_s=120)
-    wait_done(api, jid)
+    with batches_sampled(infra.redis_url, jid, SAMPLED_STEPS) as observed:
+        wait_step(api, jid, 1)
+        api.fault(jid, kind="stall", role="rollout", member=1, duration_s=120)
+        wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)
+    _audit(infra, jid, observed)
     faults = [f for f in _faults(events) if f["role"] == "rollout"]
     assert faults and faults[0]["kind"] in ("hang", "unresponsive") and faults[0]["member_id"] == "rollout-1-i0"
     assert "rollout-1-i1" in [d["member_id"] for d in kinds(events, "member_started")]
@@ -137,11 +154,12 @@ def test_tool_outage_is_a_tool_fault_not_a_rollout_fault(api, infra):
     spec = small_job("tool", steps=12, tools={"latency_s": 0.05, "retries": 1, "backoff_s": 0.05},
                      data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
-    wait_step(api, jid, 1)
-    api.fault(jid, kind="tool_outage", role="request_manager", duration_s=2.0)
-    wait_done(api, jid)
+    with batches_sampled(infra.redis_url, jid, SAMPLED_STEPS) as observed:
+        wait_step(api, jid, 1)
+        api.fault(jid, kind="tool_outage", role="request_manager", duration_s=2.0)
+        wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)
+    _audit(infra, jid, observed)
     faults = _faults(events)
     assert faults and all(f["kind"] == "tool_outage" for f in faults), faults
     assert all(acts == ["ReportOnly"] for _, acts in _decisions(events))
@@ -154,13 +172,14 @@ def test_fault_in_first_step_escalates_to_whole_job_restart(api, infra):
     # Long tool calls keep step 0 running well after the members are up.
     spec = small_job("first", steps=2, tools={"latency_s": 3.0, "timeout_s": 10.0}, data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
-    eventually(lambda: any(e["kind"] == "job_ready" for e in api.events(jid)), timeout=90, interval=0.1,
-               what="members up")
-    assert api.job(jid)["committed_step"] == -1
-    api.fault(jid, kind="crash", role="rollout", member=0)
-    wait_done(api, jid)
+    with batches_sampled(infra.redis_url, jid, SAMPLED_STEPS) as observed:
+        eventually(lambda: any(e["kind"] == "job_ready" for e in api.events(jid)), timeout=90, interval=0.1,
+                   what="members up")
+        assert api.job(jid)["committed_step"] == -1
+        api.fault(jid, kind="crash", role="rollout", member=0)
+        wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)
+    _audit(infra, jid, observed)
     acts = [a for _, a in _decisions(events)]
     assert ["RestartWholeJob"] in acts
     assert "trainer-e2-r0" in [d["member_id"] for d in kinds(events, "member_started")]
@@ -168,12 +187,13 @@ def test_fault_in_first_step_escalates_to_whole_job_restart(api, infra):
 
 def test_whole_job_policy_restarts_everything_and_regenerates_the_step(api, infra):
     jid = api.submit(small_job("whole", steps=12, recovery={"policy": "whole_job"}))["job_id"]
-    wait_step(api, jid, 1)
-    t0 = time.time()
-    api.fault(jid, kind="crash", role="trainer", member=0)
-    wait_done(api, jid)
+    with batches_sampled(infra.redis_url, jid, SAMPLED_STEPS) as observed:
+        wait_step(api, jid, 1)
+        t0 = time.time()
+        api.fault(jid, kind="crash", role="trainer", member=0)
+        wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)
+    _audit(infra, jid, observed)
     assert [a for _, a in _decisions(events)] == [["RestartWholeJob"]]
     started_after = [d["member_id"] for e in events if e["kind"] == "member_started" and e["ts"] > t0
                      for d in [e["data"]]]
@@ -187,11 +207,12 @@ def test_overlapped_modes_recover_a_trainer_crash_within_the_staleness_bound(api
     trainer trains earlier steps; a trainer crash is recovered role-locally and every invariant
     still holds."""
     jid = api.submit(small_job(mode.replace("_", "-"), steps=12, mode=mode, staleness=staleness))["job_id"]
-    wait_step(api, jid, 2)
-    api.fault(jid, kind="crash", role="trainer", member=0)
-    wait_done(api, jid)
+    with batches_sampled(infra.redis_url, jid, SAMPLED_STEPS) as observed:
+        wait_step(api, jid, 2)
+        api.fault(jid, kind="crash", role="trainer", member=0)
+        wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)  # includes: every turn it can still see is within the staleness bound
+    _audit(infra, jid, observed)  # includes: every turn it can still see is within the staleness bound
     assert ["RestartTrainerGang"] in [acts for _, acts in _decisions(events)]
     # Overlap, from the log: some step started before the step before it was committed.
     started = {d["step"]: e["ts"] for e in events if e["kind"] == "step_started" for d in [e["data"]]}
@@ -202,11 +223,12 @@ def test_overlapped_modes_recover_a_trainer_crash_within_the_staleness_bound(api
 
 def test_trainer_crash_with_warm_spares_restarts_the_gang_from_spares(api, infra):
     jid = api.submit(small_job("tspare", steps=12, recovery={"warm_spares": 2}))["job_id"]
-    wait_step(api, jid, 2)  # the spares have imported the member code by now
-    api.fault(jid, kind="crash", role="trainer", member=0)
-    wait_done(api, jid)
+    with batches_sampled(infra.redis_url, jid, SAMPLED_STEPS) as observed:
+        wait_step(api, jid, 2)  # the spares have imported the member code by now
+        api.fault(jid, kind="crash", role="trainer", member=0)
+        wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)
+    _audit(infra, jid, observed)
     assert [["RestartTrainerGang"]] == [acts for _, acts in _decisions(events)]
     started = {d["member_id"]: d.get("warm") for d in kinds(events, "member_started")}
     # the first members started cold; the new gang came from the two warm spares
