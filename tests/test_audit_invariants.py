@@ -26,6 +26,7 @@ from robustrl.audit.raw import RawEvent, RawRedis, read_redis
 from robustrl.config import Settings
 from robustrl.messages import Event
 from robustrl.storage.control_stores import ControllerOutbox, OutboxEntry, RmOutbox
+from robustrl.storage.fencing import GangFence
 from robustrl.storage.redis_stores import BatchRecord, BatchStore, EpisodeRecord, EpisodeStore, connect
 
 
@@ -221,6 +222,49 @@ def test_step_sets_and_the_outbox_are_read_raw_from_redis(infra: Settings):
     assert any("s0-p2-g0" in v and "not in its batch" in v for v in report.checks["episodes"].violations), \
         _violations(report)
     assert any("note" in v for v in report.checks["outbox"].violations), _violations(report)
+
+
+# -- the batch claim's holder ----------------------------------------------------------------------
+
+
+def test_a_step_trained_past_an_older_gangs_batch_claim_fails():
+    """The fence (``Keys.fence``) names the gang holding a step's batch claim: the gang that
+    trained the step last must be that gang."""
+    inp = gang_2_redoes_step_2(sound_job())  # step 2 trained by gang 1, then redone by gang 2
+    inp.redis.fences = {1: 1, 2: 2}
+    assert judge(inp).ok, _violations(judge(inp))
+    inp.redis.fences = {1: 1, 2: 1}  # gang 2 trained step 2 while gang 1 still held its claim
+    report = judge(inp)
+    assert not report.checks["trained_once"].passed and any(
+        "step 2: trained by gang 2 while gang 1 held its batch claim" in v for v in report.violations()), \
+        _violations(report)
+    inp.redis.fences = {2: 3}  # a redo by gang 3 never trained, in a finished job
+    assert any("held by gang 3, which never trained it" in v for v in judge(inp).violations()), \
+        _violations(judge(inp))
+    inp.redis.fences = {2: None}
+    assert any("does not parse" in v for v in judge(inp).violations()), _violations(judge(inp))
+
+
+def test_the_batch_claims_are_read_raw_from_redis(infra: Settings):
+    """Claimed through the trainer's own fence (a gang 1 claim, then gang 2's redo of step 1),
+    read back raw by the auditor's reader."""
+    job = f"aud-{uuid.uuid4().hex[:8]}"
+
+    async def claim() -> RawRedis:
+        r = connect(infra.redis_url)
+        try:
+            await GangFence(r, job, 1).claim(0, -1)
+            await GangFence(r, job, 1).claim(1, -1)
+            await GangFence(r, job, 2).claim(1, 0)
+            return await read_redis(infra.redis_url, job, 3)
+        finally:
+            keys = [k async for k in r.scan_iter(match=f"rrl:{job}:*")]
+            if keys:
+                await r.delete(*keys)
+            await r.aclose()
+
+    raw = asyncio.run(claim())
+    assert raw.fences == {0: 1, 1: 2}, raw.fences
 
 
 # -- the controller's outbox -----------------------------------------------------------------------

@@ -95,6 +95,8 @@ class TrainingRecords:
     commit_dupes: list[tuple[int, int]] = field(default_factory=list)
     unparsable: int = 0
     checksum_mismatch: list[str] = field(default_factory=list)
+    committed_by: dict[int, int] = field(default_factory=dict)
+    """step -> the newest gang that recorded training it (trained log or step_committed)."""
 
 
 def training_records(inp: AuditInput) -> TrainingRecords:
@@ -116,6 +118,9 @@ def training_records(inp: AuditInput) -> TrainingRecords:
         if pair in raw_sums and e.data.get("checksum") not in (None, raw_sums[pair]):
             rec.checksum_mismatch.append(f"step {pair[0]} epoch {pair[1]}: trained log checksum "
                                          f"{raw_sums[pair][:12]} != committed {str(e.data['checksum'])[:12]}")
+    for step, epoch in (*raw, *commits):
+        if step >= 0 and epoch >= 0:
+            rec.committed_by[step] = max(epoch, rec.committed_by.get(step, -1))
     rec.raw_dupes = sorted(p for p, n in raw.items() if n > 1)
     rec.commit_dupes = sorted(p for p, n in commits.items() if n > 1)
     # A checkpoint that verifies was written by the gang that trained its step (it names it).
@@ -123,6 +128,27 @@ def training_records(inp: AuditInput) -> TrainingRecords:
                and ck.epoch is not None}
     rec.pairs = set(raw) | set(commits) | written  # type: ignore[arg-type]
     return rec
+
+
+def _fence_violations(fences: dict[int, int | None], committed_by: dict[int, int], finished: bool) -> list[str]:
+    """A step's batch claim (``Keys.fence``, still in Redis) against who trained the step: a gang
+    that trained a step whose claim an older gang holds wrote past the fence; a claim held by a
+    newer gang than the last that trained the step is a redo never finished, which a finished job
+    cannot have."""
+    out = []
+    for step, holder in sorted(fences.items()):
+        if holder is None:
+            out.append(f"step {step}: the batch claim (fence) does not parse")
+            continue
+        trained = committed_by.get(step)
+        if trained is None:
+            continue  # claimed, not trained (yet): nothing to compare
+        if holder < trained:
+            out.append(f"step {step}: trained by gang {trained} while gang {holder} held its batch claim")
+        elif holder > trained and finished:
+            out.append(f"step {step}: the batch claim is held by gang {holder}, which never trained it "
+                       f"(last trained by gang {trained}), in a finished job")
+    return out
 
 
 def check_trained_once(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, int, int]:
@@ -140,6 +166,7 @@ def check_trained_once(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, i
     if rec.unparsable:
         res.violations.append(f"{rec.unparsable} trained-log entries do not parse")
     res.violations.extend(rec.checksum_mismatch)
+    res.violations.extend(_fence_violations(inp.redis.fences, rec.committed_by, facts.finished))
 
     ready = {(_int(e.data.get("epoch"))): e for e in of_kind(inp.events, "member_ready")
              if e.data.get("role", "trainer") == "trainer"}

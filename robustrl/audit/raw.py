@@ -78,6 +78,9 @@ class RawRedis:
     weights_pointer: dict[str, Any] | None = None
     step_keys: dict[int, list[str]] = field(default_factory=dict)
     """step -> keys that belong to that step (batch, fence, episode set, episodes, prefixes)."""
+    fences: dict[int, int | None] = field(default_factory=dict)
+    """step -> the gang epoch holding the step's batch claim (``Keys.fence``; None: its value does
+    not parse), for steps whose fence is still in Redis."""
 
     @property
     def total_bytes(self) -> int:
@@ -178,7 +181,7 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
         for k in range(steps):
             pipe.get(Keys.batch(job_id, k))
             pipe.smembers(Keys.step_episodes(job_id, k))
-            pipe.exists(Keys.fence(job_id, k))
+            pipe.get(Keys.fence(job_id, k))
         res = await pipe.execute()
         ids_by_step: dict[int, set[str]] = {}
         for k in range(steps):
@@ -195,8 +198,9 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
                     ids |= {str(e) for e in batch["episode_ids"]}
             if members:
                 step_keys.append(Keys.step_episodes(job_id, k))
-            if fence:
+            if fence is not None:
                 step_keys.append(Keys.fence(job_id, k))
+                out.fences[k] = _epoch(fence)
             ids_by_step[k] = ids
             out.step_keys[k] = step_keys
 
@@ -239,6 +243,14 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
     finally:
         await r.aclose()
     return out
+
+
+def _epoch(raw: bytes) -> int | None:
+    try:
+        value = int(raw)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
 
 
 async def _read_outbox(r: Any, key: str) -> list[Any]:
