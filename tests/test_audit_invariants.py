@@ -191,27 +191,39 @@ def test_events_left_in_the_outbox_of_an_ended_job_fail_unless_already_appended(
     assert judge(inp, AuditOptions(require_ended=False)).ok, _violations(judge(inp, AuditOptions(require_ended=False)))
 
 
+def _read_after(infra: Settings, job: str, steps: int, write: Any) -> RawRedis:
+    """``await write(redis)`` through the project's own stores, then the job's Redis read back by
+    the auditor's raw reader; the job's keys are removed after."""
+
+    async def run() -> RawRedis:
+        r = connect(infra.redis_url)
+        try:
+            await write(r)
+            return await read_redis(infra.redis_url, job, steps)
+        finally:
+            keys = [k async for k in r.scan_iter(match=f"rrl:{job}:*")]
+            if keys:
+                await r.delete(*keys)
+            await r.aclose()
+
+    return asyncio.run(run())
+
+
 def test_step_sets_and_the_outbox_are_read_raw_from_redis(infra: Settings):
     """Written by the request manager's own stores, read back by the auditor's raw reader."""
     job = f"aud-{uuid.uuid4().hex[:8]}"
 
-    async def write() -> RawRedis:
-        r = connect(infra.redis_url)
-        try:
-            eps = EpisodeStore(r, job)
-            ids = [f"s0-p{p}-g0" for p in range(3)]
-            for eid in ids:
-                await eps.put(EpisodeRecord(job_id=job, episode_id=eid, step=0, group_id="s0-p0", prompt={},
-                                            prompt_ids=[1], status="finished", reward=0.5))
-            await BatchStore(r, job).put(BatchRecord(job_id=job, step=0, episode_ids=ids[:2], reward_mean=0.5))
-            await RmOutbox(r, job).add(OutboxEntry(msg_id=f"{job}-note", event=Event(
-                job_id=job, kind="note", data={"text": "never appended"})))
-            return await read_redis(infra.redis_url, job, 1)
-        finally:
-            await r.delete(*[k async for k in r.scan_iter(match=f"rrl:{job}:*")])
-            await r.aclose()
+    async def write(r: Any) -> None:
+        eps = EpisodeStore(r, job)
+        ids = [f"s0-p{p}-g0" for p in range(3)]
+        for eid in ids:
+            await eps.put(EpisodeRecord(job_id=job, episode_id=eid, step=0, group_id="s0-p0", prompt={},
+                                        prompt_ids=[1], status="finished", reward=0.5))
+        await BatchStore(r, job).put(BatchRecord(job_id=job, step=0, episode_ids=ids[:2], reward_mean=0.5))
+        await RmOutbox(r, job).add(OutboxEntry(msg_id=f"{job}-note", event=Event(
+            job_id=job, kind="note", data={"text": "never appended"})))
 
-    raw = asyncio.run(write())
+    raw = _read_after(infra, job, 1, write)
     log = Log()
     log.add("job_submitted", spec={"steps": 1, "data": {"prompts_per_step": 1, "group_size": 2}})
     log.add("step_committed", step=0, epoch=1, weights_version=1)
@@ -250,20 +262,12 @@ def test_the_batch_claims_are_read_raw_from_redis(infra: Settings):
     read back raw by the auditor's reader."""
     job = f"aud-{uuid.uuid4().hex[:8]}"
 
-    async def claim() -> RawRedis:
-        r = connect(infra.redis_url)
-        try:
-            await GangFence(r, job, 1).claim(0, -1)
-            await GangFence(r, job, 1).claim(1, -1)
-            await GangFence(r, job, 2).claim(1, 0)
-            return await read_redis(infra.redis_url, job, 3)
-        finally:
-            keys = [k async for k in r.scan_iter(match=f"rrl:{job}:*")]
-            if keys:
-                await r.delete(*keys)
-            await r.aclose()
+    async def claim(r: Any) -> None:
+        await GangFence(r, job, 1).claim(0, -1)
+        await GangFence(r, job, 1).claim(1, -1)
+        await GangFence(r, job, 2).claim(1, 0)
 
-    raw = asyncio.run(claim())
+    raw = _read_after(infra, job, 3, claim)
     assert raw.fences == {0: 1, 1: 2}, raw.fences
 
 
@@ -320,21 +324,13 @@ def test_the_controller_outbox_is_read_raw_from_redis(infra: Settings):
     log.add("job_finished")
     final_ts = log.events[-1].ts
 
-    async def write() -> RawRedis:
-        r = connect(infra.redis_url)
-        try:
-            box = ControllerOutbox(r, job)
-            for kind, ts, data in (("decision", final_ts - 100.0, {"fault_id": "f1", "actions": ["restart_role"]}),
-                                   ("member_stopped", final_ts + 1.0, {"member_id": "r0", "role": "rollout"})):
-                await box.add(OutboxEntry(msg_id=f"{job}-{kind}", event=Event(job_id=job, kind=kind, ts=ts, data=data)))
-            return await read_redis(infra.redis_url, job, 1)
-        finally:
-            keys = [k async for k in r.scan_iter(match=f"rrl:{job}:*")]
-            if keys:
-                await r.delete(*keys)
-            await r.aclose()
+    async def write(r: Any) -> None:
+        box = ControllerOutbox(r, job)
+        for kind, ts, data in (("decision", final_ts - 100.0, {"fault_id": "f1", "actions": ["restart_role"]}),
+                               ("member_stopped", final_ts + 1.0, {"member_id": "r0", "role": "rollout"})):
+            await box.add(OutboxEntry(msg_id=f"{job}-{kind}", event=Event(job_id=job, kind=kind, ts=ts, data=data)))
 
-    raw = asyncio.run(write())
+    raw = _read_after(infra, job, 1, write)
     assert raw.controller_outbox is not None and len(raw.controller_outbox) == 2, raw
     report = judge(AuditInput(job_id=job, events=log.events, redis=raw, checkpoints=[]))
     violations = report.checks["outbox"].violations
