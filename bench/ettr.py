@@ -43,13 +43,16 @@ of the host running trainer rank 0 (every packet dropped, nothing killed) instea
 node.
 
     python bench/ettr.py --engine vllm --out bench/results/ettr-vllm.json [--steps 12]
-                         [--compare vllm,torch]
+                         [--compare vllm,torch] [--crash-moment mid_tool_turn]
 
 runs instead the job on a small Hugging Face model (``robustrl.model.tiny``: random-init Qwen3,
 32k-token BPE, float32) with its rollout replicas on each engine of ``--compare`` (vLLM from
 ``.venv-vllm``), in one stack: fault-free, then with a rollout crash at steps 4 and 8
 (role_local), each crash recovered by re-dispatching the replica's turns and starting a
-replacement; the auditor then reads the raw stores (0 finished episodes lost).
+replacement; the auditor then reads the raw stores (0 finished episodes lost). With
+``--crash-moment mid_tool_turn`` each crashed replica dies at the first token of its next turn
+after a tool result, so a turn is in flight (``resumed_after_tool_turn`` counts the episodes that
+went on from their saved prefix).
 """
 
 from __future__ import annotations
@@ -691,14 +694,15 @@ def _hf_spec(spec_base: dict[str, Any], engine: str, model_dir: str, name: str) 
             "recovery": {**spec_base["recovery"], "deadline_s": 600.0}}
 
 
-def engine_crash_scenario(seed: int, within_step: float | None = None) -> Scenario:
+def engine_crash_scenario(seed: int, within_step: float | None = None, moment: str = "now") -> Scenario:
     """A rollout crash at steps 4 and 8: at a seeded random moment of the step, or
     ``within_step`` seconds after it started (0.1: while its first turns are being generated,
-    so turns in flight are re-dispatched)."""
+    so turns in flight are re-dispatched); with ``moment: mid_tool_turn`` the replica is armed
+    then and dies at the first token of its next turn after a tool result."""
     at: float | str = "random" if within_step is None else within_step
     return (Faults("rollout-crash", seed=seed)
-            .crash("rollout", member=0, at_step=4, within_step=at)
-            .crash("rollout", member=1, at_step=8, within_step=at).build())
+            .crash("rollout", member=0, at_step=4, within_step=at, moment=moment)
+            .crash("rollout", member=1, at_step=8, within_step=at, moment=moment).build())
 
 
 def _replica_starts(events: list[dict[str, Any]]) -> list[float]:
@@ -731,6 +735,7 @@ async def main_engines(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ettr-engines-") as tmp:
         model_dir = str(make_tiny_hf_model(Path(tmp) / "tiny-hf"))
         results["job"]["crash_within_step"] = args.crash_within_step if args.crash_within_step is not None else "random"
+        results["job"]["crash_moment"] = args.crash_moment
         results["job"]["spec"] = {k: v for k, v in _hf_spec(spec_base, "vllm", model_dir, "x").items()
                                   if k in ("data", "rollout", "detector", "recovery", "tools")}
         with Stack(Path(tmp) / "stack") as stack:
@@ -738,7 +743,7 @@ async def main_engines(args: argparse.Namespace) -> dict[str, Any]:
             api = ApiClient(stack.api_url, stack.settings.api_token)
             for engine in engines:
                 per: dict[str, Any] = {}
-                crash = engine_crash_scenario(args.seed, args.crash_within_step)
+                crash = engine_crash_scenario(args.seed, args.crash_within_step, args.crash_moment)
                 for run, scenario in (("fault_free", None), ("rollout_crash", crash)):
                     label = f"{engine} {run}"
                     load_before = _load()
@@ -754,6 +759,11 @@ async def main_engines(args: argparse.Namespace) -> dict[str, Any]:
                     if job_id:
                         events = api.events(job_id)
                         out["replica_start_s"] = _replica_starts(events)
+                        # episodes whose turn in flight on a crashed replica followed a tool result:
+                        # resumed from their saved tool-turn prefix
+                        out["resumed_after_tool_turn"] = sum(
+                            1 for e in events if e["kind"] == "episode_redispatched"
+                            and (e["data"].get("prefix_turns") or 0) >= 2)
                         verdict = await audit(stack.settings, job_id)
                         out.update({"job_id": job_id, "audit_ok": verdict.ok, "episodes_lost": verdict.episodes_lost,
                                     "audit_violations": verdict.violations()[:20]})
@@ -779,7 +789,8 @@ async def main_engines(args: argparse.Namespace) -> dict[str, Any]:
                      "episodes_lost": crash.get("episodes_lost"), "audit_ok": crash.get("audit_ok"),
                      "fault_free_audit_ok": per.get("fault_free", {}).get("audit_ok"),
                      "replica_start_s": crash.get("replica_start_s"),
-                     "turns_redispatched": crash.get("redispatch", {}).get("turns_redispatched")}
+                     "turns_redispatched": crash.get("redispatch", {}).get("turns_redispatched"),
+                     "resumed_after_tool_turn": crash.get("resumed_after_tool_turn")}
     return results
 
 
@@ -803,6 +814,9 @@ if __name__ == "__main__":
                         help="--engine vllm: the rollout engines to run, in this order.")
     parser.add_argument("--crash-within-step", type=float, default=None,
                         help="--engine vllm: crash this many seconds into the step (default: a random moment).")
+    parser.add_argument("--crash-moment", choices=("now", "mid_tool_turn"), default="now",
+                        help="--engine vllm: mid_tool_turn arms each crashed replica to die at the first token of "
+                             "its next turn after a tool result (a turn in flight with its prefix saved).")
     parser.add_argument("--warm-spares", type=int, default=None,
                         help="--launcher ray: recovery.warm_spares of every role_local run, local and Ray "
                              "alike (default: the trainer's workers); whole_job runs get one more per replica.")

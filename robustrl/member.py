@@ -59,7 +59,17 @@ class ChaosState:
         self.stall_until = 0.0
         self.slow_until = 0.0
         self.slow_factor = 1.0
+        self.crash_mid_tool_turn = False
+        """Armed by a ``mid_tool_turn`` crash: the replica calls :meth:`crash` once it generates a
+        turn that follows a tool result."""
         self._wake = threading.Event()
+
+    @staticmethod
+    def crash() -> None:
+        """Die now, with every process of the member's group, as a machine loss would."""
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os.killpg(os.getpgid(0), signal.SIGKILL)
 
     def gate(self) -> None:
         """Called by worker threads between units of work: blocks while stalled, adds delay
@@ -188,7 +198,7 @@ class Member:
                                                  phase=self.phase))
 
     async def _on_chaos(self, msg: ChaosCommand, _subject: str, _reply: str | None) -> None:
-        log.warning("chaos: %s for %.1fs (factor %.1f)", msg.kind, msg.duration_s, msg.factor)
+        log.warning("chaos: %s for %.1fs (factor %.1f, moment %s)", msg.kind, msg.duration_s, msg.factor, msg.moment)
         until = time.monotonic() + (msg.duration_s or 3600.0)
         if msg.kind == "stall":
             self.chaos.stall_until = until
@@ -198,8 +208,10 @@ class Member:
             assert self.bus
             # Cut the NATS connection for good: the member goes silent, as on a network partition.
             await self.bus.client.close()
+        elif msg.kind == "crash" and msg.moment == "mid_tool_turn":
+            self.chaos.crash_mid_tool_turn = True  # carried out by the generation loop (rollout)
         elif msg.kind == "crash":
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            self.chaos.crash()
         elif msg.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
 

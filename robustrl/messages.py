@@ -25,6 +25,11 @@ ChaosRole = Literal["trainer", "rollout", "request_manager", "controller", "dete
 """Where a fault can be injected: the job's roles, the control plane, and the infra servers
 (``infra_restart`` on ``nats | redis | s3``). Control-plane and infra faults are carried out by
 whoever owns those processes (the local stack), not by the controller."""
+ChaosMoment = Literal["now", "mid_tool_turn"]
+"""When a crash is carried out: ``now``, or ``mid_tool_turn`` (rollout only): the replica is armed
+and kills its process group at the first token of the next turn it generates after a tool result
+(that episode's tool-turn prefix saved, the turn in flight: the worst moment for the episode), so a
+test or a bench does not have to race the turn from outside."""
 StopReason = Literal["eot", "tool_call", "length"]
 
 _ID = Field(pattern=_TOKEN.pattern)
@@ -197,6 +202,7 @@ class ChaosCommand(Wire):
     member_id: str = _ID
     duration_s: float = Field(0.0, ge=0)
     factor: float = Field(1.0, ge=1.0)
+    moment: ChaosMoment = "now"
 
 
 # --- rollout --------------------------------------------------------------------------------
@@ -214,6 +220,8 @@ class GenerateTurn(Wire):
     seed: int
     stop_on_call: bool = True
     min_version: int = -1  # staleness bound: do not serve with an older version
+    turn: int = Field(0, ge=0)
+    """Turns of the episode before this one (0: its first reply; more: the prefix ends in a tool result)."""
 
 
 class TurnResult(Wire):
@@ -432,6 +440,7 @@ class ChaosRequest(Wire):
                                                                                          max_length=250)
     """``partition`` on a testbed: the hosts the member's host is cut from (``gw``: the infra and
     control plane); empty: every other host and ``gw``."""
+    moment: ChaosMoment = "now"
 
 
 class ChaosAck(Wire):

@@ -105,6 +105,22 @@ def test_detection_before_injection_is_not_matched() -> None:
     assert report.faults[1].detection_s is None
 
 
+def test_an_armed_crash_has_no_detection_delay_and_its_fault_opens_at_detection() -> None:
+    """``moment: mid_tool_turn``: injected (armed) at 0.5, it struck at a moment the log does not
+    hold and was detected at 2.5. Timed from the arming, detection would read 2.0 s."""
+    log = clean_log(4)
+    log += [ev("fault_injected", 0.5, fault_id="c1", kind="crash", role="rollout", member_id="r0", step=0,
+               moment="mid_tool_turn"),
+            ev("fault_detected", 2.5, fault_id="d1", kind="crash", role="rollout", member_id="r0", step=2,
+               detected_at=T0 + 2.5),
+            ev("recovered", 3.0, fault_id="d1", role="rollout")]
+    [fault] = account(log).faults
+    assert fault.injected and fault.detection_s is None and fault.recovery_s == pytest.approx(0.5)
+    # The same crash carried out at once: timed from its injection.
+    log[-3] = ev("fault_injected", 0.5, fault_id="c1", kind="crash", role="rollout", member_id="r0", step=0)
+    assert account(log).faults[0].detection_s == pytest.approx(2.0)
+
+
 def test_to_json_has_exactly_the_report_keys() -> None:
     data = json.loads(account(clean_log(2)).to_json())
     assert set(data) == {"ettr", "completion_s", "steps", "faults", "events_skipped"}

@@ -124,6 +124,24 @@ def test_fault_member_by_index_and_by_id_still_work(target: ControllerTarget) ->
         assert resp.json()["member_id"] == expect
 
 
+def test_a_crash_moment_is_for_a_rollout_crash_only(target: ControllerTarget) -> None:
+    """``moment: mid_tool_turn`` arms a rollout replica; on any other fault it is refused with a
+    clear error and nothing is injected."""
+    job = httpx.post(f"{target.base_url}/v1/jobs", json=SMALL_JOB, headers=target.headers,
+                     timeout=HTTP_TIMEOUT_S).json()
+    url = f"{target.base_url}/v1/jobs/{job['job_id']}/faults"
+    for body in ({"kind": "crash", "role": "trainer", "moment": "mid_tool_turn"},
+                 {"kind": "stall", "role": "rollout", "moment": "mid_tool_turn"}):
+        resp = httpx.post(url, headers=target.headers, json=body, timeout=HTTP_TIMEOUT_S)
+        assert resp.status_code == 422 and "moment mid_tool_turn is for a rollout crash only" in resp.text, resp.text
+    resp = httpx.post(url, headers=target.headers, json={"kind": "crash", "role": "rollout", "moment": "later"},
+                      timeout=HTTP_TIMEOUT_S)
+    assert resp.status_code == 422 and "moment" in _fields(resp), resp.text
+    events = httpx.get(f"{url[:-len('/faults')]}/events", headers=target.headers, timeout=HTTP_TIMEOUT_S).json()
+    assert not [e for e in events if e["kind"] == "fault_injected"], events
+    _alive(target)
+
+
 # --- non-finite numbers (was: accepted with 201, members then crash-loop) ------------------------
 
 NON_FINITE = ["Infinity", "-Infinity", "NaN", "1e999", "-1e999", '"' + "9" * 400 + '"', '"inf"', '"nan"',

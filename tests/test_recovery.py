@@ -3,15 +3,13 @@ auditor's checks of DESIGN section 4 on the raw stores (not only that the job fi
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 from jobs import kinds, small_job, wait_done, wait_step
-from support import batches_sampled, eventually, eventually_async
+from support import batches_sampled, eventually
 
 from robustrl.audit import audit_job
-from robustrl.storage.redis_stores import Keys, connect
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -91,25 +89,14 @@ def test_trainer_stall_in_training_phase_is_a_hang(api, infra):
 
 
 def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, infra):
+    """The crash at the worst moment for an episode, not raced from outside: replica 0 is armed
+    (``moment: mid_tool_turn``) and dies at the first token of the next turn it generates after a
+    tool result, with that episode's tool-turn prefix saved and the turn in flight."""
     spec = small_job("rcrash", steps=20, tools={"latency_s": 0.6}, data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
     with batches_sampled(infra.redis_url, jid, SAMPLED_STEPS) as observed:
         wait_step(api, jid, 1)
-        step = api.job(jid)["step"]
-
-        async def first_prefix_of_step() -> None:
-            # A tool-turn prefix of the step in progress is in Redis: second turns are being
-            # dispatched right now, half of them to replica 0.
-            redis = connect(infra.redis_url)
-            try:
-                await eventually_async(lambda: redis.keys(Keys.prefix(jid, f"s{step + 1}-*")), timeout=30,
-                                       interval=0.005, what="a tool-turn prefix of the running step")
-            finally:
-                await redis.aclose()
-
-        wait_step(api, jid, step)  # the step after this one is generating now
-        asyncio.run(first_prefix_of_step())
-        api.fault(jid, kind="crash", role="rollout", member=0)
+        api.fault(jid, kind="crash", role="rollout", member=0, moment="mid_tool_turn")
         wait_done(api, jid)
     events = api.events(jid)
     _audit(infra, jid, observed)

@@ -66,6 +66,8 @@ def test_builder_matches_yaml_and_round_trips() -> None:
     assert load_scenario(sc.to_yaml()) == sc
     planned = plan(sc, steps=4)
     assert [p.step for p in planned] == [1, 2, 3]  # hang at 5 and net_drop at 4 are past the end
+    armed = Faults("m").crash("rollout", member=0, at_step=1, moment="mid_tool_turn").build()
+    assert load_scenario(armed.to_yaml()) == armed and [p.moment for p in plan(armed, steps=4)] == ["mid_tool_turn"]
 
 
 @pytest.mark.parametrize("text, field", [
@@ -93,6 +95,9 @@ def test_builder_matches_yaml_and_round_trips() -> None:
     ("faults: [{kind: slow, role: controller, at_step: 1}]", "faults[0].role"),
     ("faults: [{kind: tool_outage, role: detector, at_step: 1, duration_s: 1}]", "faults[0].role"),
     ("faults: [{kind: net_drop, role: request_manager, at_step: 1}]", "faults[0].role"),
+    ("faults: [{kind: crash, role: rollout, at_step: 1, moment: later}]", "faults[0].moment"),
+    ("faults: [{kind: crash, role: trainer, at_step: 1, moment: mid_tool_turn}]", "faults[0].moment"),
+    ("faults: [{kind: stall, role: rollout, at_step: 1, moment: mid_tool_turn}]", "faults[0].moment"),
     ("seed: -3\nfaults: []", "seed"),
     ("policy: yolo\nfaults: []", "policy"),
     ("fautls: []", "fautls"),

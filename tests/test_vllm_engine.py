@@ -140,9 +140,11 @@ def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_repl
                          timeout=120, interval=0.1, what=f"{new} started")
     assert _argv0(new_pid) == str(vllm_py), _argv0(new_pid)  # the restock is a vLLM replica again
     # Now the job depends on the pool's restock: its other replica dies too (after the restock
-    # began, so that the killed one's replacement starts behind it).
+    # began, so that the killed one's replacement starts behind it), at the worst moment for an
+    # episode: armed, it dies at the first token of its next turn after a tool result (the only
+    # replica serving, so that turn is its).
     committed_at_kill = api.job(jid)["committed_step"]
-    api.fault(jid, kind="crash", role="rollout", member=kept)
+    api.fault(jid, kind="crash", role="rollout", member=kept, moment="mid_tool_turn")
 
     def switched() -> dict[str, object] | None:
         return next((d for d in kinds(api.events(jid), "role_switched") if d["from_member"] == replica), None)
@@ -162,6 +164,10 @@ def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_repl
     events = api.events(jid)
     audit_job(infra, jid)
 
+    # The vLLM replica died with a turn in flight after a tool result: that episode went on from
+    # its saved prefix (before, no vLLM crash was shown to have a turn in flight).
+    resumed = [d for d in kinds(events, "episode_redispatched") if d["member_id"] == kept]
+    assert any(d["prefix_turns"] >= 2 for d in resumed), resumed
     decisions = [d["actions"] for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
     # Role-local recoveries only: the gang restart, then the killed replica's re-dispatch and replacement.
     assert decisions == [["RestartTrainerGang"], ["RedispatchEpisodes", "ReplaceReplica"]], decisions

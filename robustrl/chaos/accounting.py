@@ -187,8 +187,19 @@ def _first(detections: list[Event], claimed: set[int], inj: Event, *, same_membe
     return None
 
 
+def _armed(f: _Fault) -> bool:
+    """Injected armed (``moment`` other than now): it struck later, at a moment of its own."""
+    return f.injected is not None and f.injected.data.get("moment", "now") != "now"
+
+
+def _began(f: _Fault) -> Event | None:
+    """The event that opens the fault: its injection, or, for an armed fault or one nobody
+    injected, its detection (the moment it struck is not logged)."""
+    return f.detected if f.injected is None or (_armed(f) and f.detected is not None) else f.injected
+
+
 def _open_interval(f: _Fault, t_end: float) -> tuple[float, float]:
-    first = f.injected or f.detected
+    first = _began(f)
     assert first is not None
     if f.recovered is not None:
         return first.ts, f.recovered.ts
@@ -204,7 +215,9 @@ def _overlaps(start: float, end: float, intervals: list[tuple[float, float]]) ->
 def _account_one(f: _Fault) -> FaultAccount:
     src = f.injected or f.detected
     assert src is not None
-    detection = f.detected.ts - f.injected.ts if f.injected is not None and f.detected is not None else None
+    # an armed fault struck at a moment the log does not hold: its detection delay is not known
+    detection = (f.detected.ts - f.injected.ts if f.injected is not None and f.detected is not None
+                 and not _armed(f) else None)
     recovery = f.recovered.ts - f.detected.ts if f.recovered is not None and f.detected is not None else None
     return FaultAccount(kind=str(src.data.get("kind", "?")), role=str(src.data.get("role", "?")),
                         detection_s=detection, recovery_s=recovery, tokens_regenerated=f.tokens,

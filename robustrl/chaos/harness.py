@@ -177,7 +177,7 @@ class Harness:
             return await self.inject_local(pf, trigger)
         req = ChaosRequest(job_id=self.job_id, fault_id=pf.fault_id, kind=pf.kind, role=pf.role,  # type: ignore[arg-type]
                            member=pf.member_index, duration_s=pf.duration_s, factor=max(1.0, pf.factor),
-                           against=list(pf.against))
+                           against=list(pf.against), moment=pf.moment)  # type: ignore[arg-type]
         rec: dict[str, Any] = {"fault_id": pf.fault_id, "kind": pf.kind, "role": pf.role, "step": pf.step,
                                "member_id": None, "ok": False, "error": None, **trigger}
         for attempt in range(ACK_ATTEMPTS):

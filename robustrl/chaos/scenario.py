@@ -18,6 +18,7 @@ A scenario file is YAML::
       - {kind: partition, role: rollout, member: 0, at_step: 11, against: [h2]}  # between two hosts
       - {kind: net_drop, role: rollout, member: 0, at_step: 12, duration_s: 5}   # cut its host's link
       - {kind: crash, role: rollout, member: 0, at_step: 13, within_step: decoding}  # mid-decode
+      - {kind: crash, role: rollout, member: 1, at_step: 14, moment: mid_tool_turn}  # see below
 
 On a testbed (``robustrl.testbed``) ``net_drop`` and ``partition`` act on the member's host's
 link with tc (``robustrl.chaos.network``): ``net_drop`` drops everything to and from the host,
@@ -30,6 +31,9 @@ is ``random`` (a moment drawn inside the step), a delay in seconds after the ste
 ``decoding`` (rollout only): after a seeded random delay inside the step, the harness waits until
 the target replica's metrics show a batch in flight (``inflight > 0``) and injects at once; if it
 sees none within a bounded wait it injects anyway and its ack says ``trigger: timeout``.
+``moment: mid_tool_turn`` (a rollout crash only) arms the replica when the fault fires: it dies at
+the first token of its next turn after a tool result, a turn in flight with its episode's prefix
+saved (a ``decoding`` crash may still find no such turn: a batch in flight is often first turns).
 The same faults come from the builder: ``Faults().crash("rollout", member=1, at_step=3)``.
 :func:`plan` expands a scenario into concrete faults, deterministically from the seed.
 """
@@ -47,7 +51,7 @@ import yaml
 
 from robustrl.config import JobSpec
 from robustrl.errors import ConfigError, ScenarioError
-from robustrl.messages import ChaosKind, ChaosRole
+from robustrl.messages import ChaosKind, ChaosMoment, ChaosRole
 
 Policy = Literal["role_local", "whole_job"]
 Member = int | Literal["random", "all"]
@@ -68,7 +72,7 @@ DECODING = "decoding"
 DECODING_ROLES: tuple[str, ...] = ("rollout",)
 """Roles whose members decode (the only targets of ``within_step: decoding``)."""
 _FAULT_KEYS = {"kind", "role", "member", "at_step", "every", "start", "within_step", "duration_s", "factor",
-               "against"}
+               "against", "moment"}
 HOST_RE = re.compile(r"h\d{1,3}|gw")
 """A testbed host name (``h0``...) or ``gw`` (the infra and control plane behind the gateway)."""
 NETWORK_ROLES = ("trainer", "rollout")
@@ -91,6 +95,9 @@ class FaultSpec:
     duration_s: float = 0.0
     factor: float = 1.0
     against: tuple[str, ...] = ()
+    moment: str = "now"
+    """``mid_tool_turn`` (a rollout crash): the replica is armed when the fault fires and dies at the
+    first token of its next turn after a tool result (``messages.ChaosMoment``)."""
 
     def steps(self, steps: int) -> list[int]:
         """The steps (0-based, < ``steps``) at which this entry fires."""
@@ -108,6 +115,8 @@ class FaultSpec:
         out.update(within_step=self.within_step, duration_s=self.duration_s, factor=self.factor)
         if self.against:
             out["against"] = list(self.against)
+        if self.moment != "now":
+            out["moment"] = self.moment
         return out
 
 
@@ -148,6 +157,7 @@ class PlannedFault:
     against: tuple[str, ...] = ()
     until: str | None = None
     """``decoding``: after ``delay_s``, wait until the member is seen decoding, then inject."""
+    moment: str = "now"
 
 
 # --- parsing ------------------------------------------------------------------------------
@@ -256,9 +266,15 @@ def parse_fault(entry: object, index: int = 0) -> FaultSpec:
         raise bad("against", "only a partition has a group to be cut from")
     if not isinstance(against, list) or not all(isinstance(h, str) and HOST_RE.fullmatch(h) for h in against):
         raise bad("against", f"must be a list of testbed host names like h1, or gw, got {against!r}")
+    moment = entry.get("moment", "now")
+    if moment not in get_args(ChaosMoment):
+        raise bad("moment", f"must be one of {', '.join(get_args(ChaosMoment))}, got {moment!r}")
+    problem = moment_problem(kind, role, moment)
+    if problem:
+        raise bad("moment", problem)
     return FaultSpec(kind=kind, role=role, member=member, at_step=at_step, every=every, start=start,
                      within_step=within if within in ("random", DECODING) else float(within),
-                     duration_s=float(duration), factor=float(factor), against=tuple(against))
+                     duration_s=float(duration), factor=float(factor), against=tuple(against), moment=moment)
 
 
 def target_problem(kind: str, role: str) -> str | None:
@@ -275,6 +291,13 @@ def target_problem(kind: str, role: str) -> str | None:
     if role in CONTROL_PLANE and kind not in ("crash", "hang") and not (
             role == "request_manager" and kind == "tool_outage"):
         return f"a {role} fault is crash or hang (the process), not {kind}"
+    return None
+
+
+def moment_problem(kind: str, role: str, moment: str) -> str | None:
+    """Why a fault cannot be carried out at ``moment`` (``ChaosMoment``; None if it can)."""
+    if moment != "now" and (kind != "crash" or role != "rollout"):
+        return f"moment {moment} is for a rollout crash only, not {kind} of {role}"
     return None
 
 
@@ -338,7 +361,8 @@ def plan(scenario: Scenario, steps: int, *, step_time_s: float = 1.0,
                 out.append(PlannedFault(step=step, delay_s=delay, kind=f.kind, role=f.role,
                                         member_index=member, duration_s=f.duration_s, factor=f.factor,
                                         fault_id=f"{scenario.name}-{i}-s{step}-m{member}", against=f.against,
-                                        until=DECODING if f.within_step == DECODING else None))
+                                        until=DECODING if f.within_step == DECODING else None,
+                                        moment=f.moment))
     out.sort(key=lambda p: (p.step, p.delay_s, p.fault_id))
     return out
 

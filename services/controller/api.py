@@ -44,10 +44,10 @@ from robustrl.services.controller.runtime import Controller
 from starlette.exceptions import HTTPException
 
 from robustrl.aio import within
-from robustrl.chaos.scenario import target_problem
+from robustrl.chaos.scenario import moment_problem, target_problem
 from robustrl.config import JobSpec
 from robustrl.errors import ConfigError, JobActive, JobError, LaunchError, StorageError
-from robustrl.messages import ChaosKind, ChaosRequest, ChaosRole
+from robustrl.messages import ChaosKind, ChaosMoment, ChaosRequest, ChaosRole
 from robustrl.metrics import CONTENT_TYPE, controller_registry
 
 STATIC = FilePath(__file__).parent / "static"
@@ -99,10 +99,13 @@ class FaultBody(BaseModel):
         default_factory=list, max_length=250,
         description="partition on a testbed: the hosts cut from the member's host (gw: infra and control "
                     "plane); empty: every other host and gw.")
+    moment: ChaosMoment = Field("now", description=(
+        "crash of a rollout replica only: 'mid_tool_turn' arms the replica to crash at the first token of "
+        "the next turn it generates after a tool result (a turn in flight with its prefix saved)."))
 
     @model_validator(mode="after")
     def _kind_fits_role(self) -> FaultBody:
-        problem = target_problem(self.kind, self.role)  # the scenario format's rule
+        problem = target_problem(self.kind, self.role) or moment_problem(self.kind, self.role, self.moment)
         if problem:
             raise ValueError(problem)
         return self
@@ -311,7 +314,7 @@ def create_app(controller: Controller, token: str) -> FastAPI:
         job_or_404(job_id)
         req = ChaosRequest(job_id=job_id, fault_id=f"api-{uuid.uuid4().hex[:8]}", kind=fault.kind,
                            role=fault.role, member=fault.member, duration_s=fault.duration_s,  # type: ignore[arg-type]
-                           factor=fault.factor, against=fault.against)
+                           factor=fault.factor, against=fault.against, moment=fault.moment)
         try:
             member = await controller.inject(req)
         except JobError as exc:

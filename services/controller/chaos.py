@@ -10,7 +10,7 @@ from robustrl.services.controller.jobs import JobRun
 from robustrl.services.controller.launching import lid
 
 from robustrl.chaos.network import NETWORK_KINDS, for_launcher
-from robustrl.chaos.scenario import LOCAL_ROLES, target_problem
+from robustrl.chaos.scenario import LOCAL_ROLES, moment_problem, target_problem
 from robustrl.chaos.self_fault import schedule_self_fault
 from robustrl.errors import ConfigError, JobError, LaunchError, TestbedError
 from robustrl.messages import ChaosAck, ChaosCommand, ChaosRequest
@@ -81,6 +81,9 @@ class ChaosInjector:
         problem = target_problem(req.kind, req.role)
         if problem:
             raise JobError(problem, field="role")
+        problem = moment_problem(req.kind, req.role, req.moment)
+        if problem:
+            raise JobError(problem, field="moment")
         if req.role == "controller":  # carried out on itself once the answer has left
             await self.c.event(job, "fault_injected", {
                 "fault_id": req.fault_id, "kind": req.kind, "role": "controller", "member_id": "controller",
@@ -101,10 +104,12 @@ class ChaosInjector:
         host = self._network_host(job, req, mid)
         # The injection is logged before it is carried out: a crash is detected within
         # milliseconds, and the detection must not precede its cause in the log.
-        job.injected_at[mid] = time.time()
+        if req.moment == "now":  # an armed fault strikes later: its detection is timed from its exit
+            job.injected_at[mid] = time.time()
         await self.c.event(job, "fault_injected", {
             "fault_id": req.fault_id, "kind": req.kind, "role": req.role, "member_id": mid, "step": job.step,
-            "duration_s": req.duration_s, **({"host": host, "against": req.against} if host else {})})
+            "duration_s": req.duration_s, **({"host": host, "against": req.against} if host else {}),
+            **({"moment": req.moment} if req.moment != "now" else {})})
         if host is not None and self.network is not None:
             try:
                 await asyncio.to_thread(self.network.inject, req.kind, host, req.duration_s, req.against)
@@ -112,14 +117,14 @@ class ChaosInjector:
                 raise JobError(f"{req.kind} on {host}: {exc}", field="against") from exc
         elif mid == "request_manager":
             await self.c.control_rm(job, "tool_outage", {"duration_s": req.duration_s or 5.0})
-        elif req.kind == "crash":
+        elif req.kind == "crash" and req.moment == "now":
             await asyncio.to_thread(self.c.launcher.kill, lid(job, mid), False)
         elif req.kind == "hang":
             await asyncio.to_thread(self.c.launcher.suspend, lid(job, mid))
         else:
             await self.c.bus.publish(subject(job.job_id, Verb.CHAOS, mid), ChaosCommand(
                 job_id=job.job_id, fault_id=req.fault_id, kind=req.kind, member_id=mid,
-                duration_s=req.duration_s, factor=req.factor))
+                duration_s=req.duration_s, factor=req.factor, moment=req.moment))
         return mid
 
     def _network_host(self, job: JobRun, req: ChaosRequest, mid: str) -> str | None:

@@ -358,7 +358,7 @@ class Dispatcher:
             prefix_ids=ep.prefix_ids(), max_new_tokens=self.spec.rollout.max_new_tokens,
             temperature=self.spec.rollout.temperature, top_p=self.spec.rollout.top_p,
             seed=tasks.request_seed(self.spec.seed, ep.episode_id, len(ep.turns)),
-            stop_on_call=stop_on_call, min_version=self.min_version(step))
+            stop_on_call=stop_on_call, min_version=self.min_version(step), turn=len(ep.turns))
         await self.bus.publish(subject(self.job_id, Verb.GENERATE, rep.member_id), msg)
         return pend
 

@@ -101,6 +101,7 @@ class Replica:
         announcement per replica, the last, so this is what they believe it relays."""
         self._working = False
         self._awaiting = False  # every queued turn needs a version newer than the one held
+        self._crash_at_token = False  # an armed mid_tool_turn crash: this batch holds a turn after a tool result
         self.standby = StandbyHook(env or {}, self.member.stopping.set)
         """Warm standby: the launcher may hand this process over to a trainer rank (standby.py)."""
         self.engine_thread: threading.Thread | None = None
@@ -531,6 +532,9 @@ class Replica:
             self._refresh_phase_from_thread()
 
     def _on_token(self, n: int) -> None:
+        if self._crash_at_token:
+            log.warning("chaos: crashing mid tool turn (a turn after a tool result is being generated)")
+            self.member.chaos.crash()
         self.member.tokens_total += n
         self.member.activity += n
         delay = self.member.chaos.slow_delay(0.002)
@@ -544,6 +548,7 @@ class Replica:
         t0 = time.monotonic()
         reqs = [GenRequest(m.request_id, m.prefix_ids, m.max_new_tokens, m.temperature, m.top_p, m.seed,
                            m.stop_on_call) for m in batch]
+        self._crash_at_token = self.member.chaos.crash_mid_tool_turn and any(m.turn > 0 for m in batch)
         results = self.engine.generate(reqs, on_token=self._on_token,
                                        should_abort=lambda: self.standby.handoff is not None)
         dt = time.monotonic() - t0
