@@ -853,6 +853,59 @@ async def test_a_start_cancelled_as_a_deposed_controller_closes_leaves_no_member
         launcher.close()
 
 
+async def test_a_first_start_overtaken_by_a_whole_job_restart_leaves_only_the_restarts_members(tmp_path: Path) -> None:
+    """A job's first start (``start_all``) is slow at trainer rank 0; meanwhile a recovery (a
+    whole-job restart for a member lost in the first moments) kills what is live and starts a
+    newer gang and new incarnations. Before, the first start went on with rank 1 under the newer
+    gang's id (it read the job's epoch as it went): "trainer-e2-r1 is already running", and the
+    job failed at its start (seen in test_controller_failover under load). Now it stops what it
+    started and yields: only the restart's members run. Seen from outside: the launcher's
+    processes."""
+    import threading
+
+    from robustrl.services.controller.jobs import JobRun
+
+    entered, go = threading.Event(), threading.Event()
+
+    class SlowLauncher(LocalLauncher):  # rank 0 of the first gang takes long to start
+        def start(self, spec: object) -> None:
+            if spec.member_id.endswith("--trainer-e1-r0"):  # type: ignore[attr-defined]
+                entered.set()
+                go.wait(10)
+            super().start(spec)  # type: ignore[arg-type]
+
+    launcher = SlowLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"})
+
+    async def persist(job: JobRun) -> bool:
+        return True
+
+    async def emit(job_id: str, kind: str, data: dict[str, object]) -> None:
+        return None
+
+    starter = launching.MemberStarter(None, launcher, Settings(), persist=persist, emit=emit)  # type: ignore[arg-type]
+    job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 2}}))
+    try:
+        first = asyncio.create_task(starter.start_all(job))
+        await asyncio.to_thread(entered.wait, 10)
+        await eventually_async(lambda: len(job.live("rollout")) == 2, timeout=15, what="the first replicas started")
+        # The whole-job restart, as recovery does it: every live member killed, then all started anew.
+        live = [m.member_id for m in job.live()]
+        await asyncio.to_thread(launcher.kill_many, [launching.lid(job, m) for m in live], True)
+        for mid in live:
+            job.members[mid].state = "dead"
+        gang, replicas = await starter.start_all(job)
+        go.set()
+        with pytest.raises(launching.StartSuperseded, match="gang e1 superseded by e2"):
+            await first
+        assert gang == ["trainer-e2-r0", "trainer-e2-r1"] and replicas == ["rollout-0-i1", "rollout-1-i1"]
+        await eventually_async(lambda: sorted(launcher.running()) == sorted(
+            launching.lid(job, m) for m in [*gang, *replicas]), timeout=15, what="only the restart's members running")
+        assert job.members["trainer-e1-r0"].state == "dead" and "trainer-e1-r1" not in job.members
+    finally:
+        go.set()
+        launcher.close()
+
+
 async def test_a_restock_whose_intent_the_lease_fence_refuses_starts_nothing(tmp_path: Path) -> None:
     """A restock persists its intent (the member as starting) before the launcher starts anything;
     when the lease fence refuses that write, a newer leader acts on a record without the member:

@@ -33,6 +33,13 @@ STDERR_TAIL_LINES = 20
 """Lines of a member's log quoted in a start-up failure."""
 
 
+class StartSuperseded(LaunchError):
+    """A start overtaken by a recovery: while it ran, a newer gang or a newer incarnation of the
+    slot was planned (a whole-job restart during the job's first start), so what it started is
+    not the job's any more and was stopped. The recovery's own start stands: not a failure of
+    the job."""
+
+
 class JobStopping(LaunchError):
     """A member not started, or stopped right after its start, because its job is being stopped
     (or has ended): a stop that listed the job's live members before the start returned would
@@ -50,9 +57,10 @@ def trainer_id(epoch: int, rank: int) -> str:
     return f"trainer-e{epoch}-r{rank}"
 
 
-def gang_id(job: JobRun) -> str:
-    """The launcher's key for the job's current trainer gang (a Ray placement group's name)."""
-    return lid(job, f"trainer-e{job.epoch}")
+def gang_id(job: JobRun, epoch: int | None = None) -> str:
+    """The launcher's key for the job's trainer gang of ``epoch`` (default: its current one; a
+    Ray placement group's name)."""
+    return lid(job, f"trainer-e{job.epoch if epoch is None else epoch}")
 
 
 def replica_id(slot: int, incarnation: int) -> str:
@@ -115,14 +123,16 @@ class MemberStarter:
         return {**env, **self.member_credentials.get(role, {}), "ROBUSTRL_API_TOKEN": "",
                 "ROBUSTRL_JOB_ID": job.job_id, "ROBUSTRL_MEMBER_ID": member_id, "ROBUSTRL_ROLE": role}
 
-    def trainer_spec(self, job: JobRun, rank: int, env: dict[str, str]) -> MemberSpec:
-        """Rank ``rank`` of the job's current gang: its resources and its place in the gang (one
-        placement group per gang and epoch, laid out with the job's strategy)."""
+    def trainer_spec(self, job: JobRun, rank: int, env: dict[str, str], epoch: int | None = None) -> MemberSpec:
+        """Rank ``rank`` of the job's gang of ``epoch`` (default: its current one): its resources
+        and its place in the gang (one placement group per gang and epoch, laid out with the
+        job's strategy)."""
         t = job.spec.trainer
-        return MemberSpec(job.job_id, lid(job, trainer_id(job.epoch, rank)), "trainer", TRAINER_MODULE, env,
+        epoch = job.epoch if epoch is None else epoch
+        return MemberSpec(job.job_id, lid(job, trainer_id(epoch, rank)), "trainer", TRAINER_MODULE, env,
                           resources=Resources(t.resources.cpus, t.resources.gpus, t.resources.memory_mb),
                           placement=PlacementHint(node_labels=dict(t.placement.node_labels),
-                                                  gang=gang_id(job), gang_rank=rank,
+                                                  gang=gang_id(job, epoch), gang_rank=rank,
                                                   gang_size=t.workers, strategy=t.placement.strategy))
 
     def replica_spec(self, job: JobRun, member_id: str, env: dict[str, str]) -> MemberSpec:
@@ -171,6 +181,7 @@ class MemberStarter:
         """
         if not epoch_saved:
             await self._next_epoch(job)
+        epoch = job.epoch  # this start's gang, whatever a recovery plans while it runs
         ids = []
         borrowed = borrowed or {}
         kept = {} if kept is None else kept
@@ -187,26 +198,39 @@ class MemberStarter:
             in_place = {**borrowed, **kept}
             if 0 in in_place:
                 return await asyncio.to_thread(self.launcher.rendezvous_on, lid(job, in_place[0]))
-            return await asyncio.to_thread(self.launcher.rendezvous, self.trainer_spec(job, 0, {}))
+            return await asyncio.to_thread(self.launcher.rendezvous, self.trainer_spec(job, 0, {}, epoch))
 
         try:
-            return await self._start_ranks(job, ids, borrowed, kept, rendezvous)
+            return await self._start_ranks(job, epoch, ids, borrowed, kept, rendezvous)
         except BaseException:
             if not ids:  # placed (a Ray placement group, pre-made actors) but no rank started
-                await asyncio.to_thread(self.launcher.release_unstarted_gang, gang_id(job))
+                await asyncio.to_thread(self.launcher.release_unstarted_gang, gang_id(job, epoch))
             raise
 
-    async def _start_ranks(self, job: JobRun, ids: list[str], borrowed: dict[int, str], kept: dict[int, str],
-                           rendezvous: Callable[[], Awaitable[tuple[str, int]]]) -> list[str]:
+    async def _superseded(self, job: JobRun, what: str, started: list[str]) -> StartSuperseded:
+        """Stop ``started`` (this start's members, now of a superseded gang or incarnation) and
+        return the error that ends the start."""
+        await asyncio.to_thread(self.launcher.kill_many, [lid(job, m) for m in started], True)
+        for mid in started:
+            if mid in job.members:
+                job.members[mid].state = "dead"
+        log.warning("job %s: %s while it started: stopped %s", job.job_id, what, ", ".join(started) or "nothing")
+        return StartSuperseded(f"job {job.job_id}: {what} while it started")
+
+    async def _start_ranks(self, job: JobRun, epoch: int, ids: list[str], borrowed: dict[int, str],
+                           kept: dict[int, str], rendezvous: Callable[[], Awaitable[tuple[str, int]]]) -> list[str]:
         master, port = await rendezvous()
         for rank in range(job.spec.trainer.workers):
-            mid = trainer_id(job.epoch, rank)
+            if job.epoch != epoch:  # a recovery started a newer gang meanwhile (before: rank r of
+                # that gang was started a second time here, and the job failed at its start)
+                raise await self._superseded(job, f"gang e{epoch} superseded by e{job.epoch}", ids)
+            mid = trainer_id(epoch, rank)
 
             def spec_for(master: str, port: int, rank: int = rank, mid: str = mid) -> MemberSpec:
                 env = self.member_env(job, mid, "trainer") | {
                     "ROBUSTRL_RANK": str(rank), "ROBUSTRL_WORLD_SIZE": str(job.spec.trainer.workers),
                     "MASTER_ADDR": master, "MASTER_PORT": str(port)}
-                return self.trainer_spec(job, rank, env)
+                return self.trainer_spec(job, rank, env, epoch)
 
             member = spec_for(master, port)
             await self._check_leading(job, mid)
@@ -231,11 +255,13 @@ class MemberStarter:
             else:
                 await self._start(member)
                 source = "spare" if self.launcher.was_warm(lid(job, mid)) else "cold"
-            self._record(job, MemberInfo(mid, "trainer", rank, job.epoch))
+            self._record(job, MemberInfo(mid, "trainer", rank, epoch))
+            if job.epoch != epoch:
+                raise await self._superseded(job, f"gang e{epoch} superseded by e{job.epoch}", [*ids, mid])
             await self._confirm(job, mid)
             ids.append(mid)
             await self.emit(job.job_id, "member_started", {
-                "member_id": mid, "role": "trainer", "epoch": job.epoch, "warm": source != "cold",
+                "member_id": mid, "role": "trainer", "epoch": epoch, "warm": source != "cold",
                 "source": source, "borrowed_from": borrowed.get(rank) or kept.get(rank), "fence": self.fence()})
         return ids
 
@@ -273,6 +299,9 @@ class MemberStarter:
                 job.members[mid].state = "dead"
             raise
         self._record(job, MemberInfo(mid, "rollout", slot, inc))
+        if job.slot_incarnation.get(slot) != inc:  # a recovery planned a newer one meanwhile
+            raise await self._superseded(
+                job, f"{mid} superseded by incarnation {job.slot_incarnation.get(slot)} of its slot", [mid])
         await self._confirm(job, mid)
         await self.emit(job.job_id, "member_started", {
             "member_id": mid, "role": "rollout", "warm": self.launcher.was_warm(lid(job, mid)),
@@ -303,7 +332,8 @@ class MemberStarter:
             return_exceptions=True)
         # A lost lease first: the caller must stop acting, not escalate the other failures.
         errors = sorted((r for r in started if isinstance(r, BaseException)),
-                        key=lambda e: (not isinstance(e, LeaseLost), not isinstance(e, JobStopping)))
+                        key=lambda e: (not isinstance(e, LeaseLost), not isinstance(e, JobStopping),
+                                       not isinstance(e, StartSuperseded)))
         if errors:
             raise errors[0]
         return started[0], list(started[1:])

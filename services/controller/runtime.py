@@ -45,7 +45,7 @@ from robustrl.services.controller.chaos import ChaosInjector
 from robustrl.services.controller.eventlog import FaultInbox
 from robustrl.services.controller.deletion import JobDeleter
 from robustrl.services.controller.jobs import JobRun
-from robustrl.services.controller.launching import MemberStarter, lid
+from robustrl.services.controller.launching import MemberStarter, StartSuperseded, lid
 from robustrl.services.controller.lease import LeaderLease, LeaseLost
 from robustrl.services.controller.outbox import ControllerEvents
 from robustrl.services.controller.recovery import RecoveryExecutor
@@ -534,7 +534,12 @@ class Controller:
         job.started_at = job.started_at or time.time()
         await self.persist(job)
         await self.event(job, "job_started", {"policy": job.policy, "resume_step": job.step})
-        await self.starter.start_all(job)
+        try:
+            await self.starter.start_all(job)
+        except StartSuperseded as exc:
+            # A recovery (a whole-job restart for a member lost in the first moments) planned and
+            # started newer members while these started: its start stands, and the job runs on it.
+            log.warning("%s: the recovery's start stands", exc)
         if job.done:  # stopped meanwhile: no resume for a stopped job
             return
         job.launched = True
