@@ -9,15 +9,14 @@ one connection sent them, and the JetStream event log.
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import pytest
 from support import eventually_async
-from test_rollout_replica import WAIT_S, Replica, _matching, _served, make_version, replica  # noqa: F401
+from test_rollout_replica import (  # noqa: F401
+    WAIT_S, Replica, _matching, _served, late_swap_then_dying_pull, make_version, replica,
+)
 
-from robustrl.messages import ChaosCommand
-from robustrl.subjects import Verb, subject
 from robustrl.weights import Fault, WeightServer
 
 pytestmark = pytest.mark.timeout(600)
@@ -41,16 +40,7 @@ async def test_a_rollback_to_a_late_swaps_version_makes_the_replica_announce_it_
         servers.append(await _served(WeightServer(), v2))
         servers.append(await _served(WeightServer(fault=Fault("die", after_chunks=2)), v3))
         servers.append(await _served(WeightServer(), v4))
-        await replica.bus.publish(subject(replica.job_id, Verb.CHAOS, replica.member_id), ChaosCommand(
-            job_id=replica.job_id, fault_id=uuid.uuid4().hex[:8], kind="stall", member_id=replica.member_id,
-            duration_s=8.0))
-        await replica.announce(v2, epoch=1, sources=[servers[0].address or ""])
-        log_path = tmp_path / "replica.log"
-        await eventually_async(lambda: "the engine took them" in log_path.read_text(), timeout=WAIT_S,
-                               what="the engine swapping v2 in (stalled)")
-        await replica.announce(v3, epoch=1, sources=[servers[1].address or ""])
-        await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=2, late=True),
-                               timeout=WAIT_S, what="the late swap of v2 reported")
+        await late_swap_then_dying_pull(replica, tmp_path, v2, servers[0], v3, servers[1], stall_s=8.0)
         assert own()[-1] == (3, v3.checksum, False), own()  # held back: v3's pull is the last word
 
         before = len(own())

@@ -485,6 +485,22 @@ async def test_a_swap_slower_than_the_pull_timeout_is_waited_for_and_a_rollback_
             await s.close()
 
 
+async def late_swap_then_dying_pull(replica: Replica, tmp_path: Path, v2: Version, v2_server: WeightServer, v3: Version,
+                                    v3_server: WeightServer, stall_s: float) -> None:
+    """The engine stalled (chaos) while it swaps v2 in, then v3 announced from a source that dies
+    mid-pull: returns once the late swap of v2 is reported (``weights_loaded`` with ``late``)."""
+    await replica.bus.publish(subject(replica.job_id, Verb.CHAOS, replica.member_id), ChaosCommand(
+        job_id=replica.job_id, fault_id=uuid.uuid4().hex[:8], kind="stall", member_id=replica.member_id,
+        duration_s=stall_s))
+    await replica.announce(v2, epoch=1, sources=[v2_server.address or ""])
+    log_path = tmp_path / "replica.log"
+    await eventually_async(lambda: "the engine took them" in log_path.read_text(), timeout=WAIT_S,
+                           what="the engine swapping v2 in (stalled)")
+    await replica.announce(v3, epoch=1, sources=[v3_server.address or ""])
+    await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=2, late=True),
+                           timeout=WAIT_S, what="the late swap of v2 reported")
+
+
 async def test_a_swap_that_ends_late_leaves_peers_hearing_the_pull_that_superseded_it(
         replica: Replica, tmp_path: Path) -> None:
     """The engine (stalled) is swapping v2 in when v3 is announced; v3's publisher dies after two
@@ -499,16 +515,7 @@ async def test_a_swap_that_ends_late_leaves_peers_hearing_the_pull_that_supersed
         v2, v3 = make_version(2, seed=32), make_version(3, seed=33)
         servers.append(await _served(WeightServer(), v2))
         servers.append(await _served(WeightServer(fault=Fault("die", after_chunks=2)), v3))
-        await replica.bus.publish(subject(replica.job_id, Verb.CHAOS, replica.member_id), ChaosCommand(
-            job_id=replica.job_id, fault_id=uuid.uuid4().hex[:8], kind="stall", member_id=replica.member_id,
-            duration_s=12.0))
-        await replica.announce(v2, epoch=1, sources=[servers[0].address or ""])
-        log_path = tmp_path / "replica.log"
-        await eventually_async(lambda: "the engine took them" in log_path.read_text(), timeout=WAIT_S,
-                               what="the engine swapping v2 in (stalled)")
-        await replica.announce(v3, epoch=1, sources=[servers[1].address or ""])
-        await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=2, late=True),
-                               timeout=WAIT_S, what="the late swap of v2 reported")
+        await late_swap_then_dying_pull(replica, tmp_path, v2, servers[0], v3, servers[1], stall_s=12.0)
         own = [h for h in replica.haves if h.member_id == replica.member_id]
         assert [(h.version, h.complete) for h in own][-1] == (3, False), own
 
