@@ -23,6 +23,7 @@ from robustrl.services.rollout.loader import WeightLoader
 from robustrl.services.rollout.replica import PendingWeights, Replica
 from robustrl.weights.flat import flatten_state_dict
 from robustrl.weights.puller import PullStats
+from support import eventually_async
 
 
 class Engine:
@@ -98,11 +99,7 @@ def loaded(r: Any) -> list[int]:
 
 
 async def until(pred: Any, what: str, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if pred():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{what} not met after {timeout} s")
+    await eventually_async(pred, timeout=timeout, what=what)
 
 
 async def test_a_rollback_to_the_held_version_withdraws_a_dead_gangs_version_not_yet_taken() -> None:
