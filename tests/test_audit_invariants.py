@@ -271,6 +271,46 @@ def test_the_batch_claims_are_read_raw_from_redis(infra: Settings):
     assert raw.fences == {0: 1, 1: 2}, raw.fences
 
 
+def test_a_trained_record_of_an_older_gang_after_a_newer_gangs_is_a_write_past_the_fence():
+    """The trained log is appended only through the gang fence, which refuses an older gang once
+    a newer one has written: in the raw list, gangs never go back. A stale rank's record landing
+    after the new gang's (a fence that guarded only the start of training) must fail, even for a
+    step the new gang never trained."""
+    inp = gang_2_redoes_step_2(sound_job())
+    inp.redis.trained.append({"step": 2, "epoch": 2, "checksum": "c3b"})
+    assert judge(inp).ok, _violations(judge(inp))
+    inp.redis.trained.append({"step": 3, "epoch": 1, "checksum": "c4"})  # gang 1, after gang 2's record
+    report = judge(inp)
+    assert not report.checks["trained_once"].passed and any(
+        "gang 1 recorded step 3 trained after gang 2 had written" in v for v in report.violations()), \
+        _violations(report)
+
+
+def test_the_fence_refuses_an_older_gangs_trained_record_and_the_raw_log_shows_it(infra: Settings):
+    """Through the trainer's own fence on the real server: gang 2 enters, gang 1's late record is
+    refused, and the auditor's raw read of the log keeps the order it was written in."""
+    from robustrl.errors import StaleEpoch
+
+    job = f"aud-{uuid.uuid4().hex[:8]}"
+
+    async def write() -> RawRedis:
+        r = connect(infra.redis_url)
+        try:
+            await GangFence(r, job, 1).record_trained(0, "c1")
+            await GangFence(r, job, 2).record_trained(1, "c2")
+            with pytest.raises(StaleEpoch):
+                await GangFence(r, job, 1).record_trained(1, "c2x")
+            return await read_redis(infra.redis_url, job, 2)
+        finally:
+            keys = [k async for k in r.scan_iter(match=f"rrl:{job}:*")]
+            if keys:
+                await r.delete(*keys)
+            await r.aclose()
+
+    raw = asyncio.run(write())
+    assert [(e["step"], e["epoch"]) for e in raw.trained if e] == [(0, 1), (1, 2)], raw.trained
+
+
 # -- the controller's outbox -----------------------------------------------------------------------
 
 

@@ -95,6 +95,8 @@ class TrainingRecords:
     commit_dupes: list[tuple[int, int]] = field(default_factory=list)
     unparsable: int = 0
     checksum_mismatch: list[str] = field(default_factory=list)
+    past_fence: list[str] = field(default_factory=list)
+    """Records of a gang appended after a newer gang's (the fence refuses those)."""
     committed_by: dict[int, int] = field(default_factory=dict)
     """step -> the newest gang that recorded training it (trained log or step_committed)."""
 
@@ -103,11 +105,16 @@ def training_records(inp: AuditInput) -> TrainingRecords:
     rec = TrainingRecords()
     raw: Counter[tuple[int, int]] = Counter()
     raw_sums: dict[tuple[int, int], str] = {}
+    newest = -1  # the list is in append order, and every append passed the gang fence
     for entry in inp.redis.trained:
         if not isinstance(entry, dict) or _int(entry.get("step")) < 0 or _int(entry.get("epoch")) < 0:
             rec.unparsable += 1
             continue
         pair = (int(entry["step"]), int(entry["epoch"]))
+        if pair[1] < newest:
+            rec.past_fence.append(f"gang {pair[1]} recorded step {pair[0]} trained after gang {newest} had "
+                                  "written to the trained log (a write past the gang fence)")
+        newest = max(newest, pair[1])
         raw[pair] += 1
         if isinstance(entry.get("checksum"), str):
             raw_sums[pair] = entry["checksum"]
@@ -166,6 +173,7 @@ def check_trained_once(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, i
     if rec.unparsable:
         res.violations.append(f"{rec.unparsable} trained-log entries do not parse")
     res.violations.extend(rec.checksum_mismatch)
+    res.violations.extend(rec.past_fence)
     res.violations.extend(_fence_violations(inp.redis.fences, rec.committed_by, facts.finished))
 
     ready = {(_int(e.data.get("epoch"))): e for e in of_kind(inp.events, "member_ready")
