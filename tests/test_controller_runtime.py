@@ -906,6 +906,55 @@ async def test_a_first_start_overtaken_by_a_whole_job_restart_leaves_only_the_re
         launcher.close()
 
 
+async def test_a_start_that_really_failed_is_not_hidden_by_a_part_that_was_superseded(tmp_path: Path) -> None:
+    """A job's first start where trainer rank 1 cannot start while a recovery plans a newer
+    incarnation of replica slot 0 (its start superseded): the failure must come out, so the job
+    is failed as any job whose members cannot start, not taken as launched by the recovery's
+    start (``StartSuperseded`` was raised first, and the launch took the half-started gang as
+    running). Nothing of the start is left running."""
+    import threading
+
+    from robustrl.errors import LaunchError
+    from robustrl.services.controller.jobs import JobRun
+
+    entered, go = threading.Event(), threading.Event()
+
+    class FailingLauncher(LocalLauncher):
+        def start(self, spec: object) -> None:
+            mid = spec.member_id  # type: ignore[attr-defined]
+            if mid.endswith("--trainer-e1-r1"):
+                raise LaunchError("trainer-e1-r1: no such interpreter (the rank cannot start)")
+            if mid.endswith("--rollout-0-i0"):
+                entered.set()
+                go.wait(10)
+            super().start(spec)  # type: ignore[arg-type]
+
+    launcher = FailingLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"})
+
+    async def persist(job: JobRun) -> bool:
+        return True
+
+    async def emit(job_id: str, kind: str, data: dict[str, object]) -> None:
+        return None
+
+    starter = launching.MemberStarter(None, launcher, Settings(), persist=persist, emit=emit)  # type: ignore[arg-type]
+    job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 2}}))
+    try:
+        first = asyncio.create_task(starter.start_all(job))
+        await asyncio.to_thread(entered.wait, 10)
+        job.slot_incarnation[0] = 1  # a restock of slot 0 planned meanwhile
+        go.set()
+        with pytest.raises(LaunchError) as err:
+            await first
+        assert not isinstance(err.value, launching.StartSuperseded), err.value
+        assert "trainer-e1-r1" in str(err.value), err.value
+        await eventually_async(lambda: launching.lid(job, "rollout-0-i0") not in launcher.running(), timeout=15,
+                               what="the superseded replica stopped")
+    finally:
+        go.set()
+        launcher.close()
+
+
 async def test_a_restock_whose_intent_the_lease_fence_refuses_starts_nothing(tmp_path: Path) -> None:
     """A restock persists its intent (the member as starting) before the launcher starts anything;
     when the lease fence refuses that write, a newer leader acts on a record without the member:

@@ -330,10 +330,12 @@ class MemberStarter:
             self.start_gang(job, epoch_saved=True),
             *(self.start_replica(job, i, incarnation=inc) for i, inc in planned.items()),
             return_exceptions=True)
-        # A lost lease first: the caller must stop acting, not escalate the other failures.
+        # A lost lease first: the caller must stop acting, not escalate the other failures. A
+        # start that really failed comes before a superseded one: the recovery that superseded a
+        # part does not make the rest of this start a success.
         errors = sorted((r for r in started if isinstance(r, BaseException)),
                         key=lambda e: (not isinstance(e, LeaseLost), not isinstance(e, JobStopping),
-                                       not isinstance(e, StartSuperseded)))
+                                       isinstance(e, StartSuperseded)))
         if errors:
             raise errors[0]
         return started[0], list(started[1:])

@@ -40,7 +40,7 @@ from robustrl.services.controller.decide import (
     action_name,
 )
 from robustrl.services.controller.jobs import ActiveRecovery, GangStart, JobRun
-from robustrl.services.controller.launching import JobStopping, lid, replica_id
+from robustrl.services.controller.launching import JobStopping, StartSuperseded, lid, replica_id
 from robustrl.services.controller.lease import LeaseLost
 from robustrl.services.controller.view import job_view
 from robustrl.storage.redis_stores import Keys
@@ -375,6 +375,11 @@ class RecoveryExecutor:
                 mid = await self.c.starter.start_replica(job, slot, intent)
             except LeaseLost:
                 raise  # a newer controller leads: it restocks what its record owes
+            except StartSuperseded as exc:
+                # The slot was started anew meanwhile (a whole-job restart): the start stopped what
+                # it began, and the slot is not owed. A race, not a failure (no traceback).
+                log.warning("job %s: restock of rollout slot %d given up: %s", job.job_id, slot, exc)
+                continue
             except Exception as exc:  # the other slots are still owed theirs
                 log.exception("job %s: restocking rollout slot %d failed", job.job_id, slot)
                 async with self.lock:
