@@ -27,7 +27,7 @@ from robustrl.config import Settings
 from robustrl.messages import Event
 from robustrl.storage.control_stores import ControllerOutbox, OutboxEntry, RmOutbox
 from robustrl.storage.fencing import GangFence
-from robustrl.storage.redis_stores import BatchRecord, BatchStore, EpisodeRecord, EpisodeStore, connect
+from robustrl.storage.redis_stores import BatchRecord, BatchStore, EpisodeRecord, EpisodeStore, Keys, connect
 
 
 def _violations(report: Any) -> str:
@@ -269,6 +269,37 @@ def test_the_batch_claims_are_read_raw_from_redis(infra: Settings):
 
     raw = _read_after(infra, job, 3, claim)
     assert raw.fences == {0: 1, 1: 2}, raw.fences
+
+
+def test_keys_of_another_type_are_reported_where_they_stand_and_the_rest_is_still_read(infra: Settings):
+    """A fence, a batch, a step set and an episode key of a type the services never write (a
+    list where a string is due, a string where a set is): the raw read goes on (before, one
+    WRONGTYPE reply ended the whole audit with a transport error) and each reads as a value that
+    does not parse; the good step beside them is read as written."""
+    job = f"aud-{uuid.uuid4().hex[:8]}"
+
+    async def write_and_read() -> RawRedis:
+        r = connect(infra.redis_url)
+        try:
+            await GangFence(r, job, 1).claim(0, -1)
+            await BatchStore(r, job).put(BatchRecord(job_id=job, step=0, episode_ids=["e0"], reward_mean=0.5))
+            await r.sadd(Keys.step_episodes(job, 0), "e0")
+            await r.rpush(Keys.fence(job, 1), "1")  # the wrong types
+            await r.rpush(Keys.batch(job, 1), "{}")
+            await r.set(Keys.step_episodes(job, 1), "e1")
+            await r.rpush(Keys.episode(job, "e0"), "x")
+            return await read_redis(infra.redis_url, job, 2)
+        finally:
+            keys = [k async for k in r.scan_iter(match=f"rrl:{job}:*")]
+            if keys:
+                await r.delete(*keys)
+            await r.aclose()
+
+    raw = asyncio.run(write_and_read())
+    assert raw.fences == {0: 1, 1: None}, raw.fences
+    assert raw.batches[1] is None and raw.batches[0]["episode_ids"] == ["e0"], raw.batches
+    assert raw.step_sets.get(0) == {"e0"} and 1 not in raw.step_sets, raw.step_sets
+    assert raw.episodes.get("e0", "absent") is None, raw.episodes
 
 
 def test_a_trained_record_of_an_older_gang_after_a_newer_gangs_is_a_write_past_the_fence():

@@ -182,11 +182,11 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
             pipe.get(Keys.batch(job_id, k))
             pipe.smembers(Keys.step_episodes(job_id, k))
             pipe.get(Keys.fence(job_id, k))
-        res = await pipe.execute()
+        res = _unreadable_as_garbage(await pipe.execute(raise_on_error=False))
         ids_by_step: dict[int, set[str]] = {}
         for k in range(steps):
             raw_batch, members, fence = res[3 * k], res[3 * k + 1], res[3 * k + 2]
-            ids = {m.decode() for m in members}
+            ids = {m.decode() for m in members} if isinstance(members, set) else set()
             if ids:
                 out.step_sets[k] = set(ids)
             step_keys = []
@@ -209,7 +209,7 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
         for eid in every:
             pipe.get(Keys.episode(job_id, eid))
             pipe.get(Keys.prefix(job_id, eid))
-        res = await pipe.execute()
+        res = _unreadable_as_garbage(await pipe.execute(raise_on_error=False))
         present = set()
         for i, eid in enumerate(every):
             ep, prefix = res[2 * i], res[2 * i + 1]
@@ -243,6 +243,15 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
     finally:
         await r.aclose()
     return out
+
+
+def _unreadable_as_garbage(results: list[Any]) -> list[Any]:
+    """A key of another type than the services write (WRONGTYPE) is read as a value that does not
+    parse: it is reported where it stands, and the rest of the job is still judged (before, one
+    such key ended the whole audit with a transport error)."""
+    from redis.exceptions import ResponseError
+
+    return [b"" if isinstance(x, ResponseError) else x for x in results]
 
 
 def _epoch(raw: bytes) -> int | None:
