@@ -209,7 +209,11 @@ class Member:
             # Cut the NATS connection for good: the member goes silent, as on a network partition.
             await self.bus.client.close()
         elif msg.kind == "crash" and msg.moment == "mid_tool_turn":
-            self.chaos.crash_mid_tool_turn = True  # carried out by the generation loop (rollout)
+            if self.ident.role != "rollout":  # only a replica's generation loop carries it out
+                log.error("chaos: %s refused: moment %s arms a rollout replica, this is a %s", msg.fault_id,
+                          msg.moment, self.ident.role)
+                return
+            self.chaos.crash_mid_tool_turn = True  # carried out by the generation loop
         elif msg.kind == "crash":
             self.chaos.crash()
         elif msg.kind == "hang":

@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from robustrl import jsonlimits
 from robustrl.errors import MessageError, SubjectError
@@ -195,6 +196,14 @@ class ControlCommand(Wire):
     fence: int = Field(0, ge=0)
 
 
+def _moment_of_a_crash(moment: str, info: ValidationInfo) -> str:
+    """A ``moment`` other than now arms a crash; on any other fault it would be dropped silently."""
+    kind = info.data.get("kind")
+    if moment != "now" and kind is not None and kind != "crash":
+        raise ValueError(f"moment {moment} is for a crash only, not {kind}")
+    return moment
+
+
 class ChaosCommand(Wire):
     job_id: str = _ID
     fault_id: str
@@ -203,6 +212,8 @@ class ChaosCommand(Wire):
     duration_s: float = Field(0.0, ge=0)
     factor: float = Field(1.0, ge=1.0)
     moment: ChaosMoment = "now"
+
+    _moment = field_validator("moment")(_moment_of_a_crash)
 
 
 # --- rollout --------------------------------------------------------------------------------
@@ -441,6 +452,8 @@ class ChaosRequest(Wire):
     """``partition`` on a testbed: the hosts the member's host is cut from (``gw``: the infra and
     control plane); empty: every other host and ``gw``."""
     moment: ChaosMoment = "now"
+
+    _moment = field_validator("moment")(_moment_of_a_crash)
 
 
 class ChaosAck(Wire):

@@ -134,6 +134,7 @@ def test_a_crash_moment_is_for_a_rollout_crash_only(target: ControllerTarget) ->
                  {"kind": "stall", "role": "rollout", "moment": "mid_tool_turn"}):
         resp = httpx.post(url, headers=target.headers, json=body, timeout=HTTP_TIMEOUT_S)
         assert resp.status_code == 422 and "moment mid_tool_turn is for a rollout crash only" in resp.text, resp.text
+        assert "moment" in _fields(resp), resp.text  # the field named, not only the body
     resp = httpx.post(url, headers=target.headers, json={"kind": "crash", "role": "rollout", "moment": "later"},
                       timeout=HTTP_TIMEOUT_S)
     assert resp.status_code == 422 and "moment" in _fields(resp), resp.text

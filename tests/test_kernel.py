@@ -7,7 +7,7 @@ import pytest
 from robustrl import subjects
 from robustrl.config import JobSpec, Settings, reference_job
 from robustrl.errors import ConfigError, MessageError, SubjectError
-from robustrl.messages import ChaosRequest, GenerateTurn, MetricsSample, decode
+from robustrl.messages import ChaosCommand, ChaosRequest, GenerateTurn, MetricsSample, decode
 from robustrl.subjects import Verb
 
 
@@ -48,6 +48,17 @@ def test_message_round_trip_and_field_named():
     assert err.value.field == "prefix_ids"
     with pytest.raises(MessageError):
         decode(ChaosRequest, b'{"job_id": "j", "fault_id": "f", "kind": "meteor", "role": "trainer"}')
+
+
+@pytest.mark.parametrize("model,extra", [(ChaosCommand, '"member_id": "m"'), (ChaosRequest, '"role": "rollout"')])
+def test_a_crash_moment_on_another_fault_is_refused_on_the_bus_naming_the_field(model, extra):
+    """``moment`` arms a crash; on a stall the member would drop it silently (the controller
+    checks its own REST and bus requests, a message on the member's subject is checked here)."""
+    ok = decode(model, f'{{"job_id": "j", "fault_id": "f", "kind": "crash", {extra}, "moment": "mid_tool_turn"}}'.encode())
+    assert ok.moment == "mid_tool_turn"
+    with pytest.raises(MessageError) as err:
+        decode(model, f'{{"job_id": "j", "fault_id": "f", "kind": "stall", {extra}, "moment": "mid_tool_turn"}}'.encode())
+    assert err.value.field == "moment" and "for a crash only" in str(err.value), err.value
 
 
 def test_job_spec_validation_names_every_bad_field():

@@ -27,7 +27,9 @@ from pydantic import (
     PlainValidator,
     StrictFloat,
     StringConstraints,
+    ValidationInfo,
     WithJsonSchema,
+    field_validator,
     model_validator,
 )
 from robustrl.services.controller.edge import (
@@ -103,9 +105,18 @@ class FaultBody(BaseModel):
         "crash of a rollout replica only: 'mid_tool_turn' arms the replica to crash at the first token of "
         "the next turn it generates after a tool result (a turn in flight with its prefix saved)."))
 
+    @field_validator("moment")
+    @classmethod
+    def _moment_fits_fault(cls, moment: str, info: ValidationInfo) -> str:
+        kind, role = info.data.get("kind"), info.data.get("role")
+        problem = moment_problem(kind, role, moment) if kind is not None and role is not None else None
+        if problem:
+            raise ValueError(problem)
+        return moment
+
     @model_validator(mode="after")
     def _kind_fits_role(self) -> FaultBody:
-        problem = target_problem(self.kind, self.role) or moment_problem(self.kind, self.role, self.moment)
+        problem = target_problem(self.kind, self.role)
         if problem:
             raise ValueError(problem)
         return self
