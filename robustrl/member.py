@@ -59,9 +59,10 @@ class ChaosState:
         self.stall_until = 0.0
         self.slow_until = 0.0
         self.slow_factor = 1.0
-        self.crash_mid_tool_turn = False
-        """Armed by a ``mid_tool_turn`` crash: the replica calls :meth:`crash` once it generates a
-        turn that follows a tool result."""
+        self.crash_armed_until = 0.0
+        """Armed by a ``mid_tool_turn`` crash, until then (its ``duration_s``, else an hour): the
+        replica calls :meth:`crash` once it generates a turn that follows a tool result. An arming
+        no such turn reaches expires (a job without tool calls would carry it for good)."""
         self._wake = threading.Event()
 
     @staticmethod
@@ -70,6 +71,9 @@ class ChaosState:
         for h in logging.getLogger().handlers:
             h.flush()
         os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def crash_armed(self) -> bool:
+        return time.monotonic() < self.crash_armed_until
 
     def gate(self) -> None:
         """Called by worker threads between units of work: blocks while stalled, adds delay
@@ -213,7 +217,7 @@ class Member:
                 log.error("chaos: %s refused: moment %s arms a rollout replica, this is a %s", msg.fault_id,
                           msg.moment, self.ident.role)
                 return
-            self.chaos.crash_mid_tool_turn = True  # carried out by the generation loop
+            self.chaos.crash_armed_until = until  # carried out by the generation loop
         elif msg.kind == "crash":
             self.chaos.crash()
         elif msg.kind == "hang":

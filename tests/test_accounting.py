@@ -121,6 +121,20 @@ def test_an_armed_crash_has_no_detection_delay_and_its_fault_opens_at_detection(
     assert account(log).faults[0].detection_s == pytest.approx(2.0)
 
 
+def test_an_armed_crash_that_never_struck_opens_no_fault_interval() -> None:
+    """Armed at 0.5 and never detected (no turn after a tool result reached the replica): nothing
+    happened, so no step is taken out of the reference. Before, its interval ran from the arming
+    to the job's end and every later step counted as faulty, skewing ETTR (outside review)."""
+    log = clean_log(6, step_s=2.0)
+    log[2] = ev("step_committed", 1.0, step=0, epoch=0, weights_version=1)  # a quick first step: min < median
+    fault_free = account(log).ettr
+    log += [ev("fault_injected", 0.5, fault_id="c1", kind="crash", role="rollout", member_id="r0", step=0,
+               moment="mid_tool_turn")]
+    [fault] = account(log).faults
+    assert fault.injected and fault.detection_s is None and fault.recovery_s is None
+    assert account(log).ettr == pytest.approx(fault_free)
+
+
 def test_to_json_has_exactly_the_report_keys() -> None:
     data = json.loads(account(clean_log(2)).to_json())
     assert set(data) == {"ettr", "completion_s", "steps", "faults", "events_skipped"}

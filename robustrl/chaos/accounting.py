@@ -119,7 +119,8 @@ def account(events: Iterable[Event], skipped: int | None = None) -> JobReport:
     completion = max(0.0, t_end - t0)
 
     faults = _match_faults(log)
-    intervals = [_open_interval(f, t_end) for f in faults]
+    # An armed fault never detected never struck (no turn it waited for reached the replica).
+    intervals = [_open_interval(f, t_end) for f in faults if not (_armed(f) and f.detected is None)]
     durations = _step_durations(log)
     clean = [d for (s, e, d) in durations.values() if not _overlaps(s, e, intervals)]
     reference = statistics.median(clean) if clean else min((d for _, _, d in durations.values()), default=0.0)

@@ -548,7 +548,7 @@ class Replica:
         t0 = time.monotonic()
         reqs = [GenRequest(m.request_id, m.prefix_ids, m.max_new_tokens, m.temperature, m.top_p, m.seed,
                            m.stop_on_call) for m in batch]
-        self._crash_at_token = self.member.chaos.crash_mid_tool_turn and any(m.turn > 0 for m in batch)
+        self._crash_at_token = self.member.chaos.crash_armed() and any(m.turn > 0 for m in batch)
         results = self.engine.generate(reqs, on_token=self._on_token,
                                        should_abort=lambda: self.standby.handoff is not None)
         dt = time.monotonic() - t0
