@@ -87,6 +87,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             start()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """A batch sampler a failed test left running (``support.sample_batches``) stops with it."""
+    from support import stop_samplers
+
+    stop_samplers()
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Stop what a prebuild left (an interrupted or failed session: its dockerd, its context)."""
     for module in _PREBUILDING:

@@ -252,59 +252,113 @@ def own_servers(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator
         embedded.stop()
 
 
-@contextlib.contextmanager
-def batches_sampled(redis_url: str, job_id: str, steps: int, interval_s: float = 0.05) -> Iterator[dict[int, Any]]:
-    """Sample every step's batch raw from Redis while the block runs, as the chaos campaign does
-    at hand-off: the auditor judges a step whose keys were collected after its checkpoint became
+SAMPLED_STEPS = 64
+"""More steps than any job of the suite runs: every batch of a job is sampled."""
+
+_SAMPLERS: list[BatchSampler] = []
+"""Samplers started by ``sample_batches`` and not stopped yet (the conftest stops them after each test)."""
+
+
+class BatchSampler:
+    """Samples every step's batch raw from Redis while a job runs, as the chaos campaign does at
+    hand-off: the auditor judges a step whose keys were collected after its checkpoint became
     durable only from such a sample (otherwise it counts as ``steps_unverified``, and the step a
-    fault hit usually goes unchecked). Yields the ``observed`` map for ``audit_job``.
+    fault hit usually goes unchecked). ``observed`` is the map for ``audit_job``.
 
     A background thread reads all batch keys in one MGET per ``interval_s`` and takes a full
     sample (``observe_batch``: the batch, its episodes and prefixes, the step's episode set) of
     each batch that appeared or changed (a step the request manager restarted is handed over
-    again; the newest sample is kept, as in the campaign)."""
-    import redis.asyncio as aioredis
+    again; the newest sample is kept, as in the campaign); ``stop`` takes one more pass."""
 
-    from robustrl.audit import ObservedStep
-    from robustrl.audit.raw import observe_batch
-    from robustrl.storage.redis_stores import Keys
+    def __init__(self, redis_url: str, job_id: str, steps: int = SAMPLED_STEPS, interval_s: float = 0.05) -> None:
+        self.redis_url, self.job_id, self.steps, self.interval_s = redis_url, job_id, steps, interval_s
+        self.observed: dict[int, Any] = {}
+        self._stop = threading.Event()
+        self._errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name=f"batches-{job_id}", daemon=True)
 
-    observed: dict[int, Any] = {}
-    stop = threading.Event()
-    errors: list[BaseException] = []
+    def start(self) -> BatchSampler:
+        self._thread.start()
+        return self
 
-    async def sample() -> None:
-        r = aioredis.from_url(redis_url, decode_responses=False)
+    def stop(self) -> dict[int, Any]:
+        """Take the last pass, end the thread; raise if sampling failed. Returns ``observed``."""
+        self._stop.set()
+        self._thread.join(timeout=10)
+        with contextlib.suppress(ValueError):
+            _SAMPLERS.remove(self)
+        if self._thread.is_alive():  # its map may still change under the audit
+            raise AssertionError(f"sampling {self.job_id}'s batches did not stop within 10 s")
+        if self._errors:
+            raise AssertionError(f"sampling {self.job_id}'s batches failed: {self._errors[0]!r}") \
+                from self._errors[0]
+        return self.observed
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._sample())
+        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            self._errors.append(exc)
+
+    async def _sample(self) -> None:
+        import redis.asyncio as aioredis
+
+        from robustrl.audit import ObservedStep
+        from robustrl.audit.raw import observe_batch
+        from robustrl.storage.redis_stores import Keys
+
+        r = aioredis.from_url(self.redis_url, decode_responses=False)
         last: dict[int, bytes] = {}
         try:
             while True:
-                final = stop.is_set()  # one more pass after the block ends
-                raws = await r.mget([Keys.batch(job_id, k) for k in range(steps)])
+                final = self._stop.is_set()  # one more pass after the job
+                raws = await r.mget([Keys.batch(self.job_id, k) for k in range(self.steps)])
                 for step, raw in enumerate(raws):
                     if raw is None or last.get(step) == raw:
                         continue
-                    seen = await observe_batch(redis_url, job_id, step)
+                    seen = await observe_batch(self.redis_url, self.job_id, step)
                     if seen is not None:
-                        observed[step] = ObservedStep(step, *seen)
+                        self.observed[step] = ObservedStep(step, *seen)
                         last[step] = raw
                 if final:
                     return
-                await asyncio.sleep(interval_s)  # a sampling period, not a wait for a condition
+                await asyncio.sleep(self.interval_s)  # a sampling period, not a wait for a condition
         finally:
             await r.aclose()
 
-    def run() -> None:
-        try:
-            asyncio.run(sample())
-        except BaseException as exc:  # noqa: BLE001 - reported to the test below
-            errors.append(exc)
 
-    thread = threading.Thread(target=run, name=f"batches-{job_id}", daemon=True)
-    thread.start()
+def sample_batches(redis_url: str, job_id: str, steps: int = SAMPLED_STEPS) -> BatchSampler:
+    """Start sampling ``job_id``'s batches (right after its submission); ``audit_sampled`` stops
+    it and audits. A sampler a failed test left running is stopped after the test."""
+    sampler = BatchSampler(redis_url, job_id, steps).start()
+    _SAMPLERS.append(sampler)
+    return sampler
+
+
+def stop_samplers() -> None:
+    """Stop every sampler still running (the conftest calls this after each test)."""
+    while _SAMPLERS:
+        with contextlib.suppress(AssertionError):
+            _SAMPLERS[-1].stop()  # removes itself, also when it raises
+
+
+def audit_sampled(settings: Any, job_id: str, sampled: BatchSampler | dict[int, Any], options: Any = None) -> Any:
+    """The auditor over the raw stores with every step judged: those whose keys were collected
+    after their checkpoint became durable from the sample taken while the job ran. Raises naming
+    every violation, or when a step was left unjudged (``steps_unverified``)."""
+    from robustrl.audit import audit_job
+
+    observed = sampled.stop() if isinstance(sampled, BatchSampler) else sampled
+    report = audit_job(settings, job_id, options, observed=observed)
+    assert report.facts["steps_unverified"] == 0, report.facts
+    return report
+
+
+@contextlib.contextmanager
+def batches_sampled(redis_url: str, job_id: str, steps: int = SAMPLED_STEPS) -> Iterator[dict[int, Any]]:
+    """``BatchSampler`` over a block; yields its ``observed`` map."""
+    sampler = BatchSampler(redis_url, job_id, steps).start()
     try:
-        yield observed
+        yield sampler.observed
     finally:
-        stop.set()
-        thread.join(timeout=10)
-    if errors:
-        raise AssertionError(f"sampling {job_id}'s batches failed: {errors[0]!r}") from errors[0]
+        sampler.stop()

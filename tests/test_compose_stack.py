@@ -32,9 +32,8 @@ from typing import Any
 import pytest
 from docker_engine import Engine, Unavailable, build_context, compose_cli, ensure_base_image
 from jobs import kinds, small_job, wait_done, wait_step
-from support import eventually
+from support import audit_sampled, eventually, sample_batches
 
-from robustrl.audit import audit_job
 from robustrl.client import ApiClient
 from robustrl.config import Settings
 from robustrl.errors import JobError
@@ -228,6 +227,7 @@ def test_compose_up_then_trainer_container_killed_recovers_role_locally(stack: S
         ApiClient(f"http://127.0.0.1:{stack.api_port}", "wrong-token").jobs()
 
     jid = api.submit(small_job("compose", steps=STEPS))["job_id"]
+    sampler = sample_batches(stack.settings().redis_url, jid)
     wait_step(api, jid, 2, timeout=STEP_WAIT_S)
     before = _members(stack, jid)
     assert {"trainer-e1-r0", "trainer-e1-r1", "rollout-0-i0", "rollout-1-i0"} <= set(before), sorted(before)
@@ -273,7 +273,7 @@ def test_compose_up_then_trainer_container_killed_recovers_role_locally(stack: S
     assert {m: after[m].id for m in rollouts} == rollouts
 
     # The same invariants as the process-level recovery tests, on the stack's own stores.
-    report = audit_job(stack.settings(), jid)
+    report = audit_sampled(stack.settings(), jid, sampler)
     assert report.facts["manifests"], "no checkpoint reached the stack's S3 server"
     # Nothing was injected (no chaos record), so there is no detection delay to report, but the
     # recovery was timed from detection to the new gang being ready.

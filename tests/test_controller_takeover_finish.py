@@ -26,9 +26,8 @@ import psutil
 import pytest
 from jobs import small_job
 from robustrl.services.controller.failpoints import ENV as FAILPOINTS_ENV
-from support import BusObserver, ended, eventually, raw_job_record
+from support import BusObserver, audit_sampled, ended, eventually, raw_job_record, sample_batches
 
-from robustrl.audit import audit_job
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
 from robustrl.errors import JobError
@@ -104,6 +103,7 @@ def test_last_step_committed_during_takeover_finishes_the_job(two_controllers: S
     spec = small_job("takeover-finish", steps=STEPS, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
                      **TOLERANT)
     jid = api_a.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, jid)
     api_a.close()
     leader = stack.pids()["controller"]
     standby = stack.pids()["controller-2"]
@@ -166,7 +166,7 @@ def test_last_step_committed_during_takeover_finishes_the_job(two_controllers: S
     assert [e["kind"] for e in ends] == ["job_finished"], ends
     took_over = [e for e in events if e["kind"] == "note" and "took over" in e["data"].get("text", "")]
     assert len(took_over) == 1 and ends[0]["data"]["fence"] == took_over[0]["data"]["fence"], (took_over, ends)
-    audit_job(stack.settings, jid, AUDIT)
+    audit_sampled(stack.settings, jid, sampler, AUDIT)
 
 
 def test_a_member_that_died_while_no_controller_led_is_recovered_by_the_new_leader(two_controllers: Stack) -> None:
@@ -193,6 +193,7 @@ def test_a_member_that_died_while_no_controller_led_is_recovered_by_the_new_lead
     spec = small_job("takeover-gone", steps=10, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
                      rollout={"replicas": 2}, **TOLERANT)
     jid = api_a.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, jid)
     api_a.close()
     eventually(lambda: _raw_record(stack, jid)["committed_step"] >= 2, timeout=180, interval=0.05, what="step 2")
     victim = "rollout-1-i0"
@@ -226,4 +227,4 @@ def test_a_member_that_died_while_no_controller_led_is_recovered_by_the_new_lead
                and e["data"]["fault_id"] == f"exit-{victim}"]
     assert len(replace) == 1 and replace[0]["fence"] == fence, replace
     assert "rollout-1-i2" not in started, started
-    audit_job(stack.settings, jid, AUDIT)
+    audit_sampled(stack.settings, jid, sampler, AUDIT)

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 from docker_engine import Engine, Unavailable
-from support import eventually
+from support import audit_sampled, eventually, sample_batches
 
 from robustrl.launcher.base import ROLLOUT_MODULE, TRAINER_MODULE, MemberSpec, MemberState
 from robustrl.launcher.docker import LABEL_MEMBER, DockerLauncher, container_name
@@ -218,7 +218,6 @@ def test_a_job_on_the_docker_launcher_borrows_replica_containers_as_trainer_rank
     created for the new gang."""
     from jobs import kinds, small_job, wait_done, wait_step
 
-    from robustrl.audit import audit_job
     from robustrl.audit.model import AuditOptions
     from robustrl.client import ApiClient
     from robustrl.infra.embedded import EmbeddedInfra
@@ -246,6 +245,7 @@ def test_a_job_on_the_docker_launcher_borrows_replica_containers_as_trainer_rank
                          detector={"trainer_idle_s": 20.0, "rollout_idle_s": 20.0, "silence_s": 20.0,
                                    "probe_timeout_s": 5.0, "metrics_interval_s": 0.5})
         jid = api.submit(spec)["job_id"]
+        sampler = sample_batches(stack.settings.redis_url, jid)
         wait_step(api, jid, 2, timeout=300)
         api.fault(jid, kind="crash", role="trainer", member=0)  # docker kill of rank 0's container
         eventually(lambda: [d for d in kinds(api.events(jid), "recovered") if d["kind"] == "trainer"], timeout=300,
@@ -261,7 +261,7 @@ def test_a_job_on_the_docker_launcher_borrows_replica_containers_as_trainer_rank
         wait_done(api, jid, timeout=400)
         events = api.events(jid)
         api.close()
-        audit_job(stack.settings, jid, AuditOptions(redis_bound=False))
+        audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))
     finally:
         if stack is not None:
             stack.stop()

@@ -10,9 +10,8 @@ import signal
 import httpx
 import pytest
 from jobs import kinds, small_job, wait_done, wait_step
-from support import eventually
+from support import audit_sampled, eventually, sample_batches
 
-from robustrl.audit import audit_job
 from robustrl.bus import Bus
 from robustrl.client import ApiClient
 from robustrl.infra.embedded import EmbeddedInfra
@@ -24,9 +23,10 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_short_job_runs_end_to_end(stack, api, infra):
     job = api.submit(small_job("e2e", steps=5))
+    sampler = sample_batches(infra.redis_url, job["job_id"])
     status = wait_done(api, job["job_id"])
     events = api.events(job["job_id"])
-    report = audit_job(infra, job["job_id"])
+    report = audit_sampled(infra, job["job_id"], sampler)
 
     assert status["committed_step"] == 4 and len(status["reward_by_step"]) == 5
     assert all(0.0 <= r <= 1.0 for r in status["reward_by_step"])
@@ -120,6 +120,7 @@ def test_stop_everything_then_resume_from_checkpoint(infra, tmp_path):
     api = ApiClient(st.api_url, st.settings.api_token)
     try:
         jid = api.submit(spec)["job_id"]
+        sampler = sample_batches(infra.redis_url, jid)
         wait_step(api, jid, 3)
         # Machine loss of everything: members first (the controller would otherwise stop them
         # gracefully), then the control plane.
@@ -151,7 +152,7 @@ def test_stop_everything_then_resume_from_checkpoint(infra, tmp_path):
         assert republished["version"] == resumed["resume_step"]
         assert republished["checksum"] == committed[republished["version"]]
         assert status["committed_step"] == 6
-        audit_job(infra, jid)
+        audit_sampled(infra, jid, sampler)
     finally:
         api2.close()
         st2.stop()

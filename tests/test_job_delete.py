@@ -14,9 +14,8 @@ import asyncio
 import pytest
 import redis as redis_sync
 from jobs import small_job, wait_done, wait_step
-from support import raw_job_record
+from support import audit_sampled, raw_job_record, sample_batches
 
-from robustrl.audit import audit_job
 from robustrl.audit.raw import read_event_log
 from robustrl.client import ApiClient
 from robustrl.config import Settings
@@ -60,6 +59,7 @@ def test_deleting_an_ended_job_removes_its_state_and_nothing_of_another_job(api:
                                                                             infra: Settings) -> None:
     other = api.submit(small_job("del-other", steps=8))["job_id"]
     ended = api.submit(small_job("del-ended", steps=2))["job_id"]
+    sampler = sample_batches(infra.redis_url, other)
     wait_step(api, other, 0)
 
     # A running job is refused, and nothing of it is marked or touched.
@@ -85,7 +85,7 @@ def test_deleting_an_ended_job_removes_its_state_and_nothing_of_another_job(api:
 
     # The job beside it finishes whole: the auditor reads its raw stores.
     assert wait_done(api, other)["status"] == "finished"
-    audit_job(infra, other)
+    audit_sampled(infra, other, sampler)
 
     # Everything, on request.
     out = api.delete(other, checkpoints=True, events=True)

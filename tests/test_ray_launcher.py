@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from jobs import TERMINAL, kinds, small_job, wait_done
-from support import RAY_WORKER_PORTS, ended, eventually, stop_ray_cluster, wide_listeners
+from support import RAY_WORKER_PORTS, audit_sampled, ended, eventually, sample_batches, stop_ray_cluster, wide_listeners
 
 try:
     import ray
@@ -184,7 +184,6 @@ def _live(status: dict[str, Any], role: str) -> list[dict[str, Any]]:
 
 def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_restart(
         cluster: LocalRayCluster, tmp_path: Path) -> None:
-    from robustrl.audit import audit_job
     from robustrl.client import ApiClient
     from robustrl.stack import Stack
 
@@ -199,6 +198,7 @@ def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_
         spec = small_job("ray", steps=STEPS, trainer={"resources": {"cpus": 0.5}},
                          rollout={"replicas": 2, "resources": {"cpus": 0.5}, "placement": {"anti_affinity": "preferred"}})
         job_id = api.submit(spec)["job_id"]
+        sampler = sample_batches(stack.settings.redis_url, job_id)
         status = api.wait(job_id, lambda s: s["committed_step"] >= 1, timeout_s=150)
         print(f"first steps committed at {time.monotonic() - t0:.1f} s")
         # Across nodes: the replicas on both workers; the gang's MASTER_ADDR is rank 0's node.
@@ -268,7 +268,7 @@ def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_
         assert len(kinds(api.events(job_id), "member_started")) == n_started  # nobody restarted
         assert status["committed_step"] == STEPS - 1
         assert stack.settings is not None
-        report = audit_job(stack.settings, job_id)
+        report = audit_sampled(stack.settings, job_id, sampler)
         assert report.episodes_lost == 0 and report.steps_trained_twice == 0
     finally:
         api.close()
@@ -409,7 +409,6 @@ def _status_members(job_id: str) -> list[dict[str, Any]]:
 
 def test_a_trainer_rank_restarts_from_a_ray_warm_spare(cluster: LocalRayCluster,
                                                        standby_stack: tuple[Any, Any]) -> None:
-    from robustrl.audit import audit_job
 
     stack, api = standby_stack
     _API[:] = [api]
@@ -420,6 +419,7 @@ def test_a_trainer_rank_restarts_from_a_ray_warm_spare(cluster: LocalRayCluster,
                      rollout={"replicas": 2, "resources": {"cpus": 0.5}}, recovery={"warm_spares": 2},
                      tools={"latency_s": 0.5}, data={"tasks": ["lookup"]})
     job_id = api.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, job_id)
     # Two spare actors, each running `python -m robustrl.launcher.spare` and waiting for a member.
     spares = eventually(lambda: len(s := waiting_spares()) == 2 and s, timeout=90, interval=0.5,
                         what="2 warm spares waiting")
@@ -469,14 +469,13 @@ def test_a_trainer_rank_restarts_from_a_ray_warm_spare(cluster: LocalRayCluster,
     status = eventually(lambda: (s := api.job(job_id))["status"] in TERMINAL and s, timeout=60, interval=0.2,
                         what="the job stopped")
     assert status["status"] == "stopped" and status["committed_step"] > at, status
-    audit_job(stack.settings, job_id)
+    audit_sampled(stack.settings, job_id, sampler)
     # The job's end released its spares (no other job asks for any).
     eventually(lambda: waiting_spares() == {}, timeout=30, what="spares released at the job's end")
 
 
 def test_a_trainer_rank_is_a_borrowed_replica_actor_switched_in_place(cluster: LocalRayCluster,
                                                                      standby_stack: tuple[Any, Any]) -> None:
-    from robustrl.audit import audit_job
 
     stack, api = standby_stack
     _API[:] = [api]
@@ -485,6 +484,7 @@ def test_a_trainer_rank_is_a_borrowed_replica_actor_switched_in_place(cluster: L
                      rollout={"replicas": 3, "resources": {"cpus": 0.5}}, recovery={"min_replicas_kept": 1},
                      tools={"latency_s": 0.5}, data={"tasks": ["lookup"]})
     job_id = api.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, job_id)
     status = api.wait(job_id, lambda s: s["committed_step"] >= 2, timeout_s=150)
     replicas = {m["member_id"]: m for m in _live(status, "rollout")}
     replica_actor = {mid: actor_name(job_id, mid).replace(INSTANCE, STANDBY_INSTANCE) for mid in replicas}
@@ -526,7 +526,7 @@ def test_a_trainer_rank_is_a_borrowed_replica_actor_switched_in_place(cluster: L
     assert faults[0]["role"] == "trainer", faults
     status = wait_done(api, job_id, timeout=180)
     assert status["committed_step"] == 15
-    audit_job(stack.settings, job_id)
+    audit_sampled(stack.settings, job_id, sampler)
 
 
 DIED_WITH_ITS_NODE = ("The actor died unexpectedly before finishing this task.\n\tclass_name: MemberProcess\n"

@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 import pytest
 from jobs import TERMINAL, kinds, small_job, wait_done
-from support import ended, eventually, stop_ray_cluster, take_testbed_down, wide_listeners
+from support import audit_sampled, ended, eventually, sample_batches, stop_ray_cluster, take_testbed_down, wide_listeners
 
 from robustrl.errors import TestbedUnavailable
 from robustrl.testbed import Testbed
@@ -110,7 +110,6 @@ def _live(status: dict[str, Any], role: str | None = None) -> dict[str, int]:
 
 def test_a_job_survives_a_worker_host_cut_off_the_network(testbed: Testbed, cluster: TestbedRayCluster,
                                                            stack: tuple[Any, Any]) -> None:
-    from robustrl.audit import audit_job
 
     t0 = time.monotonic()
     gw = testbed.gateway
@@ -131,6 +130,7 @@ def test_a_job_survives_a_worker_host_cut_off_the_network(testbed: Testbed, clus
                      rollout={"replicas": 2, "resources": {"cpus": 0.5},
                               "placement": {"anti_affinity": "preferred"}})
     job_id = api.submit(spec)["job_id"]
+    sampler = sample_batches(st.settings.redis_url, job_id)
     status = api.wait(job_id, lambda s: s["committed_step"] >= 1, timeout_s=120)
     print(f"first step committed at {time.monotonic() - t0:.1f} s")
     # Every member runs inside a host (none in the root namespace); one replica per host.
@@ -186,7 +186,7 @@ def test_a_job_survives_a_worker_host_cut_off_the_network(testbed: Testbed, clus
     status = wait_done(api, job_id, timeout=150)
     print(f"job finished at {time.monotonic() - t0:.1f} s")
     assert status["committed_step"] == STEPS - 1
-    report = audit_job(st.settings, job_id)
+    report = audit_sampled(st.settings, job_id, sampler)
     assert report.episodes_lost == 0 and report.steps_trained_twice == 0
     # The lost node stays failed (no member was placed on it again); restore brings it back.
     assert cluster.restore() == [1 + cluster.hosts.index(lost)]
@@ -214,13 +214,13 @@ def test_a_gang_lost_with_its_node_restarts_from_the_spare_left_on_the_other_nod
     launcher reports the rank and the replica together. The new gang's rank 0 is the spare that
     waited on the other node (the controller handles trainer exits first: the replica's
     replacement used to take that spare, and the gang started cold)."""
-    from robustrl.audit import audit_job
 
     st, api = stack
     spec = small_job("raytbspare", steps=30, trainer={"resources": {"cpus": 0.5}},
                      rollout={"replicas": 2, "resources": {"cpus": 0.5}, "placement": {"anti_affinity": "preferred"}},
                      recovery={"warm_spares": 2})
     job_id = api.submit(spec)["job_id"]
+    sampler = sample_batches(st.settings.redis_url, job_id)
     status = api.wait(job_id, lambda s: s["committed_step"] >= 1, timeout_s=120)
     rank0 = next(m for m in status["members"] if m["role"] == "trainer" and m["index"] == 0)
     where = _hosts_of(testbed, _live(status))
@@ -252,5 +252,5 @@ def test_a_gang_lost_with_its_node_restarts_from_the_spare_left_on_the_other_nod
     status = eventually(lambda: (s := api.job(job_id))["status"] in TERMINAL and s, timeout=60, interval=0.2,
                         what="the job stopped")
     assert status["status"] == "stopped", status
-    audit_job(st.settings, job_id)
+    audit_sampled(st.settings, job_id, sampler)
     assert cluster.restore() == [1 + cluster.hosts.index(lost)]

@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 import torch
 from jobs import TERMINAL, kinds, small_job, wait_done, wait_step
-from support import BusObserver, ended, eventually, eventually_async
+from support import BusObserver, audit_sampled, ended, eventually, eventually_async, sample_batches
 
-from robustrl.audit import audit_job
 from robustrl.bus import Bus
 from robustrl.messages import MetricsSample, TurnResult, WeightsHave, decode
 from robustrl.rl import grpo
@@ -49,6 +48,7 @@ def test_borrowed_replicas_become_trainer_ranks_and_the_pool_is_restocked(api, i
     spec = small_job("borrow", steps=24, mode="semi_sync", staleness=1, rollout={"replicas": 3},
                      recovery={"min_replicas_kept": 1, "keep_survivors": False}, tools={"latency_s": 1.0}, data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(infra.redis_url, jid)
     with BusObserver(infra.nats_url, [wildcard(jid, Verb.GENERATE)]) as gen:
         wait_step(api, jid, 2)
         api.fault(jid, kind="crash", role="trainer", member=0)
@@ -76,7 +76,7 @@ def test_borrowed_replicas_become_trainer_ranks_and_the_pool_is_restocked(api, i
     states = {m["member_id"]: m["state"] for m in api.job(jid)["members"]}
     assert states[ghost] == "dead", states
     events = api.events(jid)
-    audit_job(infra, jid)
+    audit_sampled(infra, jid, sampler)
 
     decisions = [d for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
     assert [d["actions"] for d in decisions] == [["RestartTrainerGang"]], decisions
@@ -107,12 +107,13 @@ def test_borrowed_replicas_become_trainer_ranks_and_the_pool_is_restocked(api, i
 def test_async_job_keeps_generating_during_a_trainer_recovery(api, infra):
     spec = small_job("asyncgen", steps=9, mode="async", staleness=2, rollout={"replicas": 3})
     jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(infra.redis_url, jid)
     with BusObserver(infra.nats_url, [wildcard(jid, Verb.METRICS), subject(jid, Verb.TURN)]) as obs:
         wait_step(api, jid, 2)
         api.fault(jid, kind="crash", role="trainer", member=1)
         wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)
+    audit_sampled(infra, jid, sampler)
     detected = min(ts for ts, d in _ts(events, "fault_detected") if d["role"] == "trainer")
     done = min(ts for ts, d in _ts(events, "recovered") if d["kind"] == "trainer")
     # Tokens decoded by the replicas that were not borrowed, from their raw metrics samples.
@@ -147,6 +148,7 @@ def test_a_crashed_ranks_peer_is_kept_in_place_and_only_the_failed_rank_starts_a
     borrowed, so the kept rank is the only in-place source."""
     spec = small_job("keep", steps=10, mode="sync", tools={"latency_s": 0.3}, data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(infra.redis_url, jid)
     wait_step(api, jid, 2)
 
     def training() -> dict[str, dict[str, Any]] | None:
@@ -158,7 +160,7 @@ def test_a_crashed_ranks_peer_is_kept_in_place_and_only_the_failed_rank_starts_a
     api.fault(jid, kind="crash", role="trainer", member=1)
     status = wait_done(api, jid)
     events = api.events(jid)
-    audit_job(infra, jid)
+    audit_sampled(infra, jid, sampler)
 
     decisions = [d for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
     assert [d["actions"] for d in decisions] == [["RestartTrainerGang"]], decisions

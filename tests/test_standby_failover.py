@@ -21,9 +21,8 @@ import psutil
 import pytest
 from jobs import TERMINAL, kinds, small_job
 from robustrl.services.controller.failpoints import ENV as FAILPOINTS_ENV
-from support import BusObserver, ended, eventually, raw_job_record
+from support import BusObserver, audit_sampled, ended, eventually, raw_job_record, sample_batches
 
-from robustrl.audit import audit_job
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
 from robustrl.errors import JobError, TransportError
@@ -118,6 +117,7 @@ def test_controller_killed_mid_borrow_the_standby_restocks_the_pool(armed: tuple
                      rollout={"replicas": replicas}, recovery={"min_replicas_kept": 1, "keep_survivors": False},
                      tools={"latency_s": 1.0}, data={"tasks": ["lookup"]}, **TOLERANT)
     jid = api_a.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, jid)
     with BusObserver(stack.settings.nats_url, [wildcard(jid, Verb.METRICS)]) as metrics:
         eventually(lambda: api_a.job(jid)["committed_step"] >= 2, timeout=120, interval=0.1, what="step 2")
         api_a.fault(jid, kind="crash", role="trainer", member=0)
@@ -198,7 +198,7 @@ def test_controller_killed_mid_borrow_the_standby_restocks_the_pool(armed: tuple
     # nothing is owed any more in the durable record
     final = _raw_record(stack, jid)
     assert not final["restock_owed"] and not final["gang_starts"], final
-    audit_job(stack.settings, jid, AUDIT)
+    audit_sampled(stack.settings, jid, sampler, AUDIT)
 
 
 @pytest.mark.parametrize("armed", POINTS[-1:], indirect=True)  # any of the module's stacks

@@ -21,9 +21,8 @@ from typing import Any
 import psutil
 import pytest
 from jobs import TERMINAL, kinds, small_job
-from support import eventually
+from support import audit_sampled, eventually, sample_batches
 
-from robustrl.audit import audit_job
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
 from robustrl.launcher.spare import handoff_path
@@ -92,6 +91,7 @@ def test_a_gang_start_failing_after_the_drain_kills_the_drained_replicas(own_sta
                      recovery={"min_replicas_kept": 1, "keep_survivors": False}, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
                      **TOLERANT)
     jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(own_stack.settings.redis_url, jid)
     pids = _replica_pids(_wait(api, jid, 2))
     assert len(pids) == 3, pids
     # The worst moment: every replica is drained (the request manager re-dispatches its turns and
@@ -128,7 +128,7 @@ def test_a_gang_start_failing_after_the_drain_kills_the_drained_replicas(own_sta
     assert {f"rollout-{s}-i1" for s in range(3)} <= set(now)
     assert not set(pids.values()) & {now[f"rollout-{s}-i1"] for s in range(3)}
     assert own_stack.settings
-    audit_job(own_stack.settings, jid, AUDIT)
+    audit_sampled(own_stack.settings, jid, sampler, AUDIT)
 
 
 def test_a_drain_the_request_manager_never_acknowledges_kills_the_replica_and_restocks(
@@ -138,6 +138,7 @@ def test_a_drain_the_request_manager_never_acknowledges_kills_the_replica_and_re
                      detector={"trainer_idle_s": 60.0, "rollout_idle_s": 60.0, "silence_s": 60.0,
                                "probe_timeout_s": 3.0, "metrics_interval_s": 0.5})
     jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(own_stack.settings.redis_url, jid)
     pids = _replica_pids(_wait(api, jid, 2))
     # The worst moment: the request manager is frozen from just before the trainer fault, through
     # every acknowledgement attempt of the drain, so it never hears that the replicas left the pool.
@@ -169,5 +170,5 @@ def test_a_drain_the_request_manager_never_acknowledges_kills_the_replica_and_re
     assert {f"rollout-{s}-i1" for s in slots} <= loaded, sorted(loaded)
     assert {f"rollout-{s}-i1" for s in slots} <= {m["member_id"] for m in status["members"]}
     assert own_stack.settings
-    audit_job(own_stack.settings, jid, AUDIT)
+    audit_sampled(own_stack.settings, jid, sampler, AUDIT)
 

@@ -27,9 +27,8 @@ import psutil
 import pytest
 from jobs import kinds, small_job, wait_done, wait_step
 from robustrl.services.controller.failpoints import ENV as FAILPOINTS_ENV
-from support import eventually, eventually_async
+from support import audit_sampled, eventually, eventually_async, sample_batches
 
-from robustrl.audit import audit_job
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
 from robustrl.stack import Stack
@@ -145,6 +144,7 @@ def test_a_rank_whose_gang_broke_waits_for_its_hand_off_and_gives_up_after_the_b
     spec = small_job("survivor", steps=14, mode="sync", tools={"latency_s": 0.3}, data={"tasks": ["lookup"]},
                      recovery={"survivor_wait_s": WAIT_S}, detector=TOLERANT)
     jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, jid)
     wait_step(api, jid, 2)
     kept_pid = _members(api, jid)["trainer-e1-r0"]["pid"]
 
@@ -178,7 +178,7 @@ def test_a_rank_whose_gang_broke_waits_for_its_hand_off_and_gives_up_after_the_b
     os.kill(ctl, signal.SIGCONT)
     wait_done(api, jid, timeout=240)
     events = api.events(jid)
-    audit_job(stack.settings, jid, AuditOptions(redis_bound=False))
+    audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))
 
     started = {d["member_id"]: d for d in kinds(events, "member_started")}
     assert started["trainer-e2-r0"]["source"] == "survivor", started["trainer-e2-r0"]

@@ -15,9 +15,8 @@ from collections.abc import Iterator
 import psutil
 import pytest
 from jobs import kinds, small_job, wait_done, wait_step
-from support import eventually, take_testbed_down
+from support import audit_sampled, eventually, sample_batches, take_testbed_down
 
-from robustrl.audit import audit_job
 from robustrl.client import ApiClient
 from robustrl.errors import TestbedUnavailable
 from robustrl.stack import Stack
@@ -79,6 +78,7 @@ def test_a_gang_split_over_two_hosts_trains_recovers_a_rank_and_finishes(testbed
     assert stack.settings is not None
     job_id = client.submit(small_job("tbsplit", steps=5, detector=FAST_DETECTOR,
                                      trainer={"placement": {"strategy": "SPREAD"}}))["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, job_id)
     first = eventually(lambda: (p := _ranks_by_host(testbed, job_id)) == {
         "h0": ["trainer-e1-r0"], "h1": ["trainer-e1-r1"]} and p, timeout=60,
         what="rank 0 inside h0 and rank 1 inside h1")
@@ -97,4 +97,4 @@ def test_a_gang_split_over_two_hosts_trains_recovers_a_rank_and_finishes(testbed
     assert status["status"] == "finished" and status["committed_step"] == 4
     events = client.events(job_id)
     assert [d["kind"] for d in kinds(events, "fault_detected")][:1] == ["crash"]
-    audit_job(stack.settings, job_id)
+    audit_sampled(stack.settings, job_id, sampler)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from jobs import kinds, small_job, wait_done, wait_step
-from support import ended, eventually
+from support import audit_sampled, ended, eventually, sample_batches
 
 from robustrl.model.engines.envs import vllm_python
 from robustrl.model.tiny import make_tiny_hf_model
@@ -101,7 +101,6 @@ def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_repl
     both: each vLLM engine start costs ~40 s on 2 cores; the crash test of its own was 80 s.)"""
     import psutil
 
-    from robustrl.audit import audit_job
 
     # 10 steps: the replica killed below must leave batches still to build. With 5, a loaded CI
     # machine was at step 3 when the trainer crashed; the kept rank and the borrowed one trained
@@ -115,6 +114,7 @@ def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_repl
                                "step_deadline_s": 600.0},
                      recovery={"deadline_s": 600.0, "min_replicas_kept": 1})
     jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(infra.redis_url, jid)
     wait_step(api, jid, 1, timeout=600.0)
     # Both replicas ready and serving a version (what makes one borrowable; on a loaded machine a
     # replica may still be swapping a version in when step 1 commits, and the gang then starts cold).
@@ -162,7 +162,7 @@ def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_repl
 
     wait_done(api, jid, timeout=600.0)
     events = api.events(jid)
-    audit_job(infra, jid)
+    audit_sampled(infra, jid, sampler)
 
     # The vLLM replica died with a turn in flight after a tool result: that episode went on from
     # its saved prefix (before, no vLLM crash was shown to have a turn in flight).
