@@ -135,6 +135,32 @@ def test_an_armed_crash_that_never_struck_opens_no_fault_interval() -> None:
     assert account(log).ettr == pytest.approx(fault_free)
 
 
+def test_an_armed_crash_never_takes_another_members_detection() -> None:
+    """Armed on r1 and never struck, then r0 crashes for real: r0's detection and recovery are
+    r0's. Before, the armed fault took them by the role fallback, r0's crash was left undetected
+    and its interval ran to the job's end (ETTR 0.79 instead of the same as with r0's crash alone:
+    an outside review ran this). An armed fault is matched only to its own member's detection,
+    within its arming window."""
+    log = clean_log(8)
+    crash = [ev("fault_injected", 4.6, fault_id="c0", kind="crash", role="rollout", member_id="r0", step=4),
+             ev("fault_detected", 4.8, fault_id="d0", kind="crash", role="rollout", member_id="r0", step=4,
+                detected_at=T0 + 4.8),
+             ev("recovered", 5.2, fault_id="d0", role="rollout")]
+    alone = account(log + crash)
+    armed = ev("fault_injected", 0.2, fault_id="c1", kind="crash", role="rollout", member_id="r1", step=0,
+               moment="mid_tool_turn", duration_s=3.0)
+    both = account(log + [armed] + crash)
+    assert both.ettr == pytest.approx(alone.ettr)
+    by_member = {f.member_id: f for f in both.faults}
+    assert by_member["r0"].recovery_s == pytest.approx(0.4) and by_member["r0"].detection_s == pytest.approx(0.2)
+    assert by_member["r1"].recovery_s is None
+    # Its own member's detection, but after its arming window: not its either.
+    late = ev("fault_detected", 6.0, fault_id="d1", kind="crash", role="rollout", member_id="r1", step=6,
+              detected_at=T0 + 6.0)
+    assert {f.member_id: f for f in account(log + [armed, late]).faults if f.injected}["r1"].recovery_s is None
+    assert len([f for f in account(log + [armed, late]).faults if not f.injected]) == 1
+
+
 def test_to_json_has_exactly_the_report_keys() -> None:
     data = json.loads(account(clean_log(2)).to_json())
     assert set(data) == {"ettr", "completion_s", "steps", "faults", "events_skipped"}

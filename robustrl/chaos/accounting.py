@@ -151,8 +151,14 @@ def _match_faults(log: list[Event]) -> list[_Fault]:
     claimed: set[int] = set()
     faults: list[_Fault] = []
     for inj in (e for e in log if e.kind == "fault_injected"):
-        match = _first(detections, claimed, inj, same_member=True) or _first(detections, claimed, inj,
-                                                                            same_member=False)
+        if inj.data.get("moment", "now") != "now":
+            # Armed: it struck (if at all) on its own member, within its arming window; another
+            # member's detection is that member's fault, not this one.
+            window = float(inj.data.get("duration_s") or 0.0) or ARMED_DEFAULT_S
+            match = _first(detections, claimed, inj, same_member=True, until=inj.ts + window)
+        else:
+            match = _first(detections, claimed, inj, same_member=True) or _first(detections, claimed, inj,
+                                                                                same_member=False)
         if match is not None:
             claimed.add(id(match))
         faults.append(_Fault(injected=inj, detected=match))
@@ -177,15 +183,22 @@ def _match_faults(log: list[Event]) -> list[_Fault]:
     return faults
 
 
-def _first(detections: list[Event], claimed: set[int], inj: Event, *, same_member: bool) -> Event | None:
+def _first(detections: list[Event], claimed: set[int], inj: Event, *, same_member: bool,
+           until: float = float("inf")) -> Event | None:
     for d in detections:
         if id(d) in claimed or d.ts < inj.ts:
             continue
+        if d.ts > until:
+            return None
         if same_member and d.data.get("member_id") == inj.data.get("member_id"):
             return d
         if not same_member and d.data.get("role") == inj.data.get("role"):
             return d
     return None
+
+
+ARMED_DEFAULT_S = 3600.0
+"""How long a fault armed with ``duration_s`` 0 stays armed (the member's own default)."""
 
 
 def _armed(f: _Fault) -> bool:
@@ -204,8 +217,10 @@ def _open_interval(f: _Fault, t_end: float) -> tuple[float, float]:
     assert first is not None
     if f.recovered is not None:
         return first.ts, f.recovered.ts
-    # A timed fault (tool outage, hang for N s) ends by itself when nothing had to recover it.
-    duration = float(f.injected.data.get("duration_s") or 0.0) if f.injected is not None else 0.0
+    # A timed fault (tool outage, hang for N s) ends by itself when nothing had to recover it (an
+    # armed crash's duration_s is its arming window, not a length).
+    duration = (float(f.injected.data.get("duration_s") or 0.0)
+                if f.injected is not None and f.injected.data.get("kind") != "crash" else 0.0)
     return first.ts, (first.ts + duration if duration > 0 else t_end)
 
 
