@@ -955,6 +955,51 @@ async def test_a_start_that_really_failed_is_not_hidden_by_a_part_that_was_super
         launcher.close()
 
 
+async def test_a_start_failing_because_a_recovery_overtook_it_yields_to_the_recovery(tmp_path: Path) -> None:
+    """The other side of the case above: trainer rank 1 of the first gang fails to start *after*
+    a recovery planned a newer gang (its failure is the recovery's doing: on Ray the old gang's
+    placement is gone). That start was superseded, not failed: it stops its rank 0 and yields, and
+    the job runs on the recovery's start (an outside review found the real-failure order above
+    would otherwise fail the job)."""
+    import threading
+
+    from robustrl.errors import LaunchError
+    from robustrl.services.controller.jobs import JobRun
+
+    entered, go = threading.Event(), threading.Event()
+
+    class OvertakenLauncher(LocalLauncher):
+        def start(self, spec: object) -> None:
+            if spec.member_id.endswith("--trainer-e1-r1"):  # type: ignore[attr-defined]
+                entered.set()
+                go.wait(10)
+                raise LaunchError("trainer-e1-r1: its placement group was removed")
+            super().start(spec)  # type: ignore[arg-type]
+
+    launcher = OvertakenLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"})
+
+    async def persist(job: JobRun) -> bool:
+        return True
+
+    async def emit(job_id: str, kind: str, data: dict[str, object]) -> None:
+        return None
+
+    starter = launching.MemberStarter(None, launcher, Settings(), persist=persist, emit=emit)  # type: ignore[arg-type]
+    job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 1}}))
+    try:
+        first = asyncio.create_task(starter.start_all(job))
+        await asyncio.to_thread(entered.wait, 10)
+        job.epoch += 1  # a recovery planned gang e2 meanwhile
+        go.set()
+        with pytest.raises(launching.StartSuperseded, match="gang e1 superseded by e2"):
+            await first
+        await eventually_async(lambda: launching.lid(job, "trainer-e1-r0") not in launcher.running(), timeout=15,
+                               what="the superseded gang's rank 0 stopped")
+    finally:
+        go.set()
+        launcher.close()
+
+
 async def test_a_restock_whose_intent_the_lease_fence_refuses_starts_nothing(tmp_path: Path) -> None:
     """A restock persists its intent (the member as starting) before the launcher starts anything;
     when the lease fence refuses that write, a newer leader acts on a record without the member:

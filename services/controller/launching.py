@@ -46,6 +46,11 @@ class JobStopping(LaunchError):
     otherwise leave it running, untracked."""
 
 
+def _failed_start(exc: BaseException) -> bool:
+    """A launcher's failure to start (not a superseded or stopped start, not a lost lease)."""
+    return isinstance(exc, LaunchError) and not isinstance(exc, StartSuperseded | JobStopping)
+
+
 def lid(job: JobRun | str, member_id: str) -> str:
     """The launcher's key for a member: unique across jobs (member ids are unique per job)."""
     job_id = job if isinstance(job, str) else job.job_id
@@ -202,9 +207,14 @@ class MemberStarter:
 
         try:
             return await self._start_ranks(job, epoch, ids, borrowed, kept, rendezvous)
-        except BaseException:
+        except BaseException as exc:
             if not ids:  # placed (a Ray placement group, pre-made actors) but no rank started
                 await asyncio.to_thread(self.launcher.release_unstarted_gang, gang_id(job, epoch))
+            if _failed_start(exc) and job.epoch != epoch:
+                # A recovery planned a newer gang meanwhile: this start failing (its placement
+                # gone, its ranks killed) is the recovery's doing, and the recovery's start stands.
+                raise await self._superseded(job, f"gang e{epoch} superseded by e{job.epoch} (its start then "
+                                             f"failed: {exc})", ids) from exc
             raise
 
     async def _superseded(self, job: JobRun, what: str, started: list[str]) -> StartSuperseded:
@@ -294,9 +304,13 @@ class MemberStarter:
                                 f"controller lease term has begun")
             await self._check_leading(job, mid)
             await self._start(self.replica_spec(job, mid, env))
-        except BaseException:
+        except BaseException as exc:
             if intent is not None:
                 job.members[mid].state = "dead"
+            if _failed_start(exc) and job.slot_incarnation.get(slot) != inc:  # as for a gang, above
+                raise await self._superseded(job, f"{mid} superseded by incarnation "
+                                             f"{job.slot_incarnation.get(slot)} of its slot (its start then "
+                                             f"failed: {exc})", []) from exc
             raise
         self._record(job, MemberInfo(mid, "rollout", slot, inc))
         if job.slot_incarnation.get(slot) != inc:  # a recovery planned a newer one meanwhile
