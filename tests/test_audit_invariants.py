@@ -271,6 +271,49 @@ def test_the_batch_claims_are_read_raw_from_redis(infra: Settings):
     assert raw.fences == {0: 1, 1: 2}, raw.fences
 
 
+def test_a_live_sample_torn_by_the_steps_collection_is_no_sample(infra: Settings, monkeypatch):
+    """``observe_batch`` reads a batch, then its episodes: the step collected in between (its
+    checkpoint became durable) left a sample of a batch without episodes, which the audit then
+    judged lost. The batch is read again last; gone, the sample is nothing seen."""
+    import redis.asyncio as aioredis
+
+    from robustrl.audit.raw import observe_batch
+    from robustrl.storage.redis_stores import RolloutGC
+
+    job = f"aud-{uuid.uuid4().hex[:8]}"
+    plain_mget = aioredis.Redis.mget
+
+    async def run() -> Any:
+        r = connect(infra.redis_url)
+        try:
+            eps = EpisodeStore(r, job)
+            await eps.put(EpisodeRecord(job_id=job, episode_id="s0-p0-g0", step=0, group_id="s0-p0", prompt={},
+                                        prompt_ids=[1], status="finished", reward=0.5))
+            await r.sadd(Keys.step_episodes(job, 0), "s0-p0-g0")
+            await BatchStore(r, job).put(BatchRecord(job_id=job, step=0, episode_ids=["s0-p0-g0"], reward_mean=0.5))
+            whole = await observe_batch(infra.redis_url, job, 0)
+            collected: list[int] = []
+
+            async def mget_after_gc(self: Any, *args: Any, **kw: Any) -> Any:
+                if not collected:  # the step is collected between the batch's read and its episodes'
+                    collected.append(await RolloutGC(r, job).collect(0))
+                return await plain_mget(self, *args, **kw)
+
+            monkeypatch.setattr(aioredis.Redis, "mget", mget_after_gc)
+            torn = await observe_batch(infra.redis_url, job, 0)
+            return whole, torn, collected
+        finally:
+            monkeypatch.setattr(aioredis.Redis, "mget", plain_mget)
+            keys = [k async for k in r.scan_iter(match=f"rrl:{job}:*")]
+            if keys:
+                await r.delete(*keys)
+            await r.aclose()
+
+    whole, torn, collected = asyncio.run(run())
+    assert whole is not None and set(whole[1]) == {"s0-p0-g0"}, whole
+    assert collected == [1] and torn is None, torn
+
+
 def test_keys_of_another_type_are_reported_where_they_stand_and_the_rest_is_still_read(infra: Settings):
     """A fence, a batch, a step set and an episode key of a type the services never write (a
     list where a string is due, a string where a set is): the raw read goes on (before, one
@@ -315,6 +358,8 @@ def test_a_trained_record_of_an_older_gang_after_a_newer_gangs_is_a_write_past_t
     assert not report.checks["trained_once"].passed and any(
         "gang 1 recorded step 3 trained after gang 2 had written" in v for v in report.violations()), \
         _violations(report)
+    inp.redis.trained_in_order = False  # a log read from a hash or sorted set: no append order to judge
+    assert not any("after gang 2 had written" in v for v in judge(inp).violations()), _violations(judge(inp))
 
 
 def test_the_fence_refuses_an_older_gangs_trained_record_and_the_raw_log_shows_it(infra: Settings):

@@ -70,6 +70,8 @@ class RawRedis:
     """step -> the members of its episode set (``Keys.step_episodes``), for steps whose set exists."""
     trained: list[dict[str, Any] | None] = field(default_factory=list)
     """The raw trained log, one entry per list element, in order."""
+    trained_in_order: bool = True
+    """Whether ``trained`` is in append order (a list; a hash or sorted set is not)."""
     outbox: list[Any] | None = None
     """The request manager's outbox (``Keys.rm_outbox``), each entry parsed as JSON (None: it does
     not parse); None: not read."""
@@ -232,11 +234,14 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
             out.trained = [_json(x) for x in await r.lrange(trained_key, 0, -1)]
         elif kind == "hash":  # one record per field (a fenced log keyed by step)
             out.trained = [_json(v) for _f, v in sorted((await r.hgetall(trained_key)).items())]
+            out.trained_in_order = False
         elif kind == "zset":
             out.trained = [_json(m) for m in await r.zrange(trained_key, 0, -1)]
+            out.trained_in_order = False
         out.outbox = await _read_outbox(r, Keys.rm_outbox(job_id))
         out.controller_outbox = await _read_outbox(r, Keys.controller_outbox(job_id))
-        pointer = await r.get(Keys.weights_latest(job_id))
+        [pointer] = _unreadable_as_garbage(await r.pipeline(transaction=False).get(
+            Keys.weights_latest(job_id)).execute(raise_on_error=False))
         out.weights_pointer = _json(pointer) if pointer is not None else None
     except RedisError as exc:
         raise TransportError(f"auditor: redis read failed: {exc}") from exc
@@ -249,8 +254,11 @@ def _unreadable_as_garbage(results: list[Any]) -> list[Any]:
     """A key of another type than the services write (WRONGTYPE) is read as a value that does not
     parse: it is reported where it stands, and the rest of the job is still judged (before, one
     such key ended the whole audit with a transport error)."""
-    from redis.exceptions import ResponseError
+    from redis.exceptions import RedisError, ResponseError
 
+    for x in results:  # any other error (NOPERM, OOM, READONLY...) is the store failing, not the job
+        if isinstance(x, RedisError) and not (isinstance(x, ResponseError) and str(x).startswith("WRONGTYPE")):
+            raise x
     return [b"" if isinstance(x, ResponseError) else x for x in results]
 
 
@@ -298,6 +306,11 @@ async def observe_batch(redis_url: str, job_id: str,
             eps = {e: _json(v) for e, v in zip(ids, raws, strict=True) if v is not None}
             raws = await r.mget([Keys.prefix(job_id, e) for e in ids])
             pre = {e: _json(v) for e, v in zip(ids, raws, strict=True) if v is not None}
+        # The step's keys go in one transaction (RolloutGC.collect): the batch still there, as
+        # read first, means none of what was read since was collected. Otherwise the sample is
+        # torn (episodes gone between the reads, an outside review found): nothing was seen.
+        if await r.get(Keys.batch(job_id, step)) != raw:
+            return None
         return batch, eps, pre, members or None
     except RedisError as exc:
         raise TransportError(f"auditor: redis read failed: {exc}") from exc
