@@ -87,9 +87,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             start()
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    """A batch sampler a failed test left running (``support.sample_batches``) stops with it."""
+    """A batch sampler a failed test left running (``support.sample_batches``) stops with it,
+    before the fixtures it reads (its Redis server, its stack) are torn down."""
     from support import stop_samplers
 
     stop_samplers()

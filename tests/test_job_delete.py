@@ -58,8 +58,8 @@ def _refused(call: object, status: int) -> JobError:
 def test_deleting_an_ended_job_removes_its_state_and_nothing_of_another_job(api: ApiClient,
                                                                             infra: Settings) -> None:
     other = api.submit(small_job("del-other", steps=8))["job_id"]
-    ended = api.submit(small_job("del-ended", steps=2))["job_id"]
     sampler = sample_batches(infra.redis_url, other)
+    ended = api.submit(small_job("del-ended", steps=2))["job_id"]
     wait_step(api, other, 0)
 
     # A running job is refused, and nothing of it is marked or touched.
