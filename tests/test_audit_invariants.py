@@ -321,24 +321,16 @@ def test_keys_of_another_type_are_reported_where_they_stand_and_the_rest_is_stil
     does not parse; the good step beside them is read as written."""
     job = f"aud-{uuid.uuid4().hex[:8]}"
 
-    async def write_and_read() -> RawRedis:
-        r = connect(infra.redis_url)
-        try:
-            await GangFence(r, job, 1).claim(0, -1)
-            await BatchStore(r, job).put(BatchRecord(job_id=job, step=0, episode_ids=["e0"], reward_mean=0.5))
-            await r.sadd(Keys.step_episodes(job, 0), "e0")
-            await r.rpush(Keys.fence(job, 1), "1")  # the wrong types
-            await r.rpush(Keys.batch(job, 1), "{}")
-            await r.set(Keys.step_episodes(job, 1), "e1")
-            await r.rpush(Keys.episode(job, "e0"), "x")
-            return await read_redis(infra.redis_url, job, 2)
-        finally:
-            keys = [k async for k in r.scan_iter(match=f"rrl:{job}:*")]
-            if keys:
-                await r.delete(*keys)
-            await r.aclose()
+    async def write(r: Any) -> None:
+        await GangFence(r, job, 1).claim(0, -1)
+        await BatchStore(r, job).put(BatchRecord(job_id=job, step=0, episode_ids=["e0"], reward_mean=0.5))
+        await r.sadd(Keys.step_episodes(job, 0), "e0")
+        await r.rpush(Keys.fence(job, 1), "1")  # the wrong types
+        await r.rpush(Keys.batch(job, 1), "{}")
+        await r.set(Keys.step_episodes(job, 1), "e1")
+        await r.rpush(Keys.episode(job, "e0"), "x")
 
-    raw = asyncio.run(write_and_read())
+    raw = _read_after(infra, job, 2, write)
     assert raw.fences == {0: 1, 1: None}, raw.fences
     assert raw.batches[1] is None and raw.batches[0]["episode_ids"] == ["e0"], raw.batches
     assert raw.step_sets.get(0) == {"e0"} and 1 not in raw.step_sets, raw.step_sets
@@ -369,21 +361,13 @@ def test_the_fence_refuses_an_older_gangs_trained_record_and_the_raw_log_shows_i
 
     job = f"aud-{uuid.uuid4().hex[:8]}"
 
-    async def write() -> RawRedis:
-        r = connect(infra.redis_url)
-        try:
-            await GangFence(r, job, 1).record_trained(0, "c1")
-            await GangFence(r, job, 2).record_trained(1, "c2")
-            with pytest.raises(StaleEpoch):
-                await GangFence(r, job, 1).record_trained(1, "c2x")
-            return await read_redis(infra.redis_url, job, 2)
-        finally:
-            keys = [k async for k in r.scan_iter(match=f"rrl:{job}:*")]
-            if keys:
-                await r.delete(*keys)
-            await r.aclose()
+    async def write(r: Any) -> None:
+        await GangFence(r, job, 1).record_trained(0, "c1")
+        await GangFence(r, job, 2).record_trained(1, "c2")
+        with pytest.raises(StaleEpoch):
+            await GangFence(r, job, 1).record_trained(1, "c2x")
 
-    raw = asyncio.run(write())
+    raw = _read_after(infra, job, 2, write)
     assert [(e["step"], e["epoch"]) for e in raw.trained if e] == [(0, 1), (1, 2)], raw.trained
 
 

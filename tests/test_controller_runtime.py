@@ -853,6 +853,19 @@ async def test_a_start_cancelled_as_a_deposed_controller_closes_leaves_no_member
         launcher.close()
 
 
+def _plain_starter(launcher: LocalLauncher) -> launching.MemberStarter:
+    """A starter whose saves always succeed and whose events go nowhere (the launcher is what is
+    watched)."""
+
+    async def persist(job: object) -> bool:
+        return True
+
+    async def emit(job_id: str, kind: str, data: dict[str, object]) -> None:
+        return None
+
+    return launching.MemberStarter(None, launcher, Settings(), persist=persist, emit=emit)  # type: ignore[arg-type]
+
+
 async def test_a_first_start_overtaken_by_a_whole_job_restart_leaves_only_the_restarts_members(tmp_path: Path) -> None:
     """A job's first start (``start_all``) is slow at trainer rank 0; meanwhile a recovery (a
     whole-job restart for a member lost in the first moments) kills what is live and starts a
@@ -876,13 +889,7 @@ async def test_a_first_start_overtaken_by_a_whole_job_restart_leaves_only_the_re
 
     launcher = SlowLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"})
 
-    async def persist(job: JobRun) -> bool:
-        return True
-
-    async def emit(job_id: str, kind: str, data: dict[str, object]) -> None:
-        return None
-
-    starter = launching.MemberStarter(None, launcher, Settings(), persist=persist, emit=emit)  # type: ignore[arg-type]
+    starter = _plain_starter(launcher)
     job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 2}}))
     try:
         first = asyncio.create_task(starter.start_all(job))
@@ -931,13 +938,7 @@ async def test_a_start_that_really_failed_is_not_hidden_by_a_part_that_was_super
 
     launcher = FailingLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"})
 
-    async def persist(job: JobRun) -> bool:
-        return True
-
-    async def emit(job_id: str, kind: str, data: dict[str, object]) -> None:
-        return None
-
-    starter = launching.MemberStarter(None, launcher, Settings(), persist=persist, emit=emit)  # type: ignore[arg-type]
+    starter = _plain_starter(launcher)
     job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 2}}))
     try:
         first = asyncio.create_task(starter.start_all(job))
@@ -978,13 +979,7 @@ async def test_a_start_failing_because_a_recovery_overtook_it_yields_to_the_reco
 
     launcher = OvertakenLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"})
 
-    async def persist(job: JobRun) -> bool:
-        return True
-
-    async def emit(job_id: str, kind: str, data: dict[str, object]) -> None:
-        return None
-
-    starter = launching.MemberStarter(None, launcher, Settings(), persist=persist, emit=emit)  # type: ignore[arg-type]
+    starter = _plain_starter(launcher)
     job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 1}}))
     try:
         first = asyncio.create_task(starter.start_all(job))
