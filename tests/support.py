@@ -273,6 +273,8 @@ class BatchSampler:
     def __init__(self, redis_url: str, job_id: str, steps: int = SAMPLED_STEPS, interval_s: float = 0.05) -> None:
         self.redis_url, self.job_id, self.steps, self.interval_s = redis_url, job_id, steps, interval_s
         self.observed: dict[int, Any] = {}
+        self.torn: dict[int, int] = {}
+        """Samples of a step that came back torn or empty (its batch gone or changed as it was read)."""
         self._stop = threading.Event()
         self._errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, name=f"batches-{job_id}", daemon=True)
@@ -320,6 +322,8 @@ class BatchSampler:
                     if seen is not None:
                         self.observed[step] = ObservedStep(step, *seen)
                         last[step] = raw
+                    else:
+                        self.torn[step] = self.torn.get(step, 0) + 1
                 if final:
                     return
                 await asyncio.sleep(self.interval_s)  # a sampling period, not a wait for a condition
@@ -350,7 +354,13 @@ def audit_sampled(settings: Any, job_id: str, sampled: BatchSampler | dict[int, 
 
     observed = sampled.stop() if isinstance(sampled, BatchSampler) else sampled
     report = audit_job(settings, job_id, options, observed=observed)
-    assert report.facts["steps_unverified"] == 0, report.facts
+    if report.facts["steps_unverified"]:
+        raw = report._raw  # type: ignore[attr-defined]
+        unjudged = [k for k in range(report.facts["final_step"] + 1) if k not in raw.redis.batches
+                    and k not in observed]
+        torn = sampled.torn if isinstance(sampled, BatchSampler) else {}
+        raise AssertionError(f"steps {unjudged} of {job_id} were neither in Redis at the audit nor sampled "
+                             f"live (samples torn by a collection, by step: {torn}); {report.facts}")
     return report
 
 
