@@ -280,17 +280,18 @@ async def _read_outbox(r: Any, key: str) -> list[Any]:
     return entries
 
 
-async def observe_batch(redis_url: str, job_id: str,
-                        step: int) -> tuple[Any, dict[str, Any], dict[str, Any], set[str] | None] | None:
+async def observe_batch(redis_url: str, job_id: str, step: int, client: Any = None,
+                        ) -> tuple[Any, dict[str, Any], dict[str, Any], set[str] | None] | None:
     """(batch, episodes, prefixes, step set) of ``step`` read raw right now (the campaign samples
     each batch at hand-off, so the audit can still judge steps whose keys were collected later):
     episodes of the batch and of the step's episode set, the set's members (None: no set). None
     when the batch key is absent: nothing was seen (a batch that does not parse is
-    ``(None, {}, {}, set)``)."""
+    ``(None, {}, {}, set)``). ``client``: an open connection to read through (a sampler's own,
+    kept open: a batch lives about half a second), else one is opened for this read."""
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
-    r = aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    r = client or aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S)
     try:
         raw = await r.get(Keys.batch(job_id, step))
         if raw is None:
@@ -315,7 +316,8 @@ async def observe_batch(redis_url: str, job_id: str,
     except RedisError as exc:
         raise TransportError(f"auditor: redis read failed: {exc}") from exc
     finally:
-        await r.aclose()
+        if client is None:
+            await r.aclose()
 
 
 async def redis_job_bytes(redis_url: str, job_id: str) -> tuple[int, int]:
