@@ -24,8 +24,8 @@ from robustrl.config import JobSpec, Settings
 from robustrl.errors import ConfigError, RequestTimeout
 from robustrl.health import HealthServer, serve_health
 from robustrl.messages import (
-    ChaosCommand, ControlCommand, MemberHello, MetricsSample, PhaseChange, ProbeReply, ProbeRequest, SpecReply,
-    SpecRequest,
+    CHAOS_UNTIMED_S, ChaosCommand, ControlCommand, MemberHello, MetricsSample, PhaseChange, ProbeReply, ProbeRequest,
+    SpecReply, SpecRequest,
 )
 from robustrl.subjects import Verb, subject
 
@@ -203,7 +203,7 @@ class Member:
 
     async def _on_chaos(self, msg: ChaosCommand, _subject: str, _reply: str | None) -> None:
         log.warning("chaos: %s for %.1fs (factor %.1f, moment %s)", msg.kind, msg.duration_s, msg.factor, msg.moment)
-        until = time.monotonic() + (msg.duration_s or 3600.0)
+        until = time.monotonic() + (msg.duration_s or CHAOS_UNTIMED_S)
         if msg.kind == "stall":
             self.chaos.stall_until = until
         elif msg.kind == "slow":

@@ -196,6 +196,10 @@ class ControlCommand(Wire):
     fence: int = Field(0, ge=0)
 
 
+CHAOS_UNTIMED_S = 3600.0
+"""How long a member-side fault given ``duration_s`` 0 lasts (a stall, slow, an armed crash)."""
+
+
 def _moment_of_a_crash(moment: str, info: ValidationInfo) -> str:
     """A ``moment`` other than now arms a crash; on any other fault it would be dropped silently."""
     kind = info.data.get("kind")

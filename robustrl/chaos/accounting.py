@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from robustrl.messages import Event, usable_event
+from robustrl.messages import CHAOS_UNTIMED_S, Event, usable_event
 
 
 @dataclass(frozen=True)
@@ -151,10 +151,10 @@ def _match_faults(log: list[Event]) -> list[_Fault]:
     claimed: set[int] = set()
     faults: list[_Fault] = []
     for inj in (e for e in log if e.kind == "fault_injected"):
-        if inj.data.get("moment", "now") != "now":
+        if _is_arming(inj):
             # Armed: it struck (if at all) on its own member, within its arming window; another
             # member's detection is that member's fault, not this one.
-            window = float(inj.data.get("duration_s") or 0.0) or ARMED_DEFAULT_S
+            window = float(inj.data.get("duration_s") or 0.0) or CHAOS_UNTIMED_S
             match = _first(detections, claimed, inj, same_member=True, until=inj.ts + window)
         else:
             match = _first(detections, claimed, inj, same_member=True) or _first(detections, claimed, inj,
@@ -197,13 +197,13 @@ def _first(detections: list[Event], claimed: set[int], inj: Event, *, same_membe
     return None
 
 
-ARMED_DEFAULT_S = 3600.0
-"""How long a fault armed with ``duration_s`` 0 stays armed (the member's own default)."""
+def _is_arming(inj: Event) -> bool:
+    """An injection armed (``moment`` other than now): it strikes later, at a moment of its own."""
+    return inj.data.get("moment", "now") != "now"
 
 
 def _armed(f: _Fault) -> bool:
-    """Injected armed (``moment`` other than now): it struck later, at a moment of its own."""
-    return f.injected is not None and f.injected.data.get("moment", "now") != "now"
+    return f.injected is not None and _is_arming(f.injected)
 
 
 def _began(f: _Fault) -> Event | None:
