@@ -353,36 +353,23 @@ in one full-suite run one batch of 26 audited jobs was missed (a controller rest
 machine). More than one missed in a job fails."""
 
 
-def audit_sampled(settings: Any, job_id: str, sampled: BatchSampler | dict[int, Any], options: Any = None) -> Any:
+def audit_sampled(settings: Any, job_id: str, sampler: BatchSampler, options: Any = None) -> Any:
     """The auditor over the raw stores with every step judged but at most ``UNJUDGED_STEPS_MAX``:
     those whose keys were collected after their checkpoint became durable from the sample taken
     while the job ran. Raises naming every violation, or the steps left unjudged past the bound
     (``steps_unverified``); those within it are printed."""
     from robustrl.audit import audit_job
 
-    observed = sampled.stop() if isinstance(sampled, BatchSampler) else sampled
+    observed = sampler.stop()
     report = audit_job(settings, job_id, options, observed=observed)
     if report.facts["steps_unverified"]:
         raw = report._raw  # type: ignore[attr-defined]
         unjudged = [k for k in range(report.facts["final_step"] + 1) if k not in raw.redis.batches
                     and k not in observed]
-        torn = sampled.torn if isinstance(sampled, BatchSampler) else {}
-        print(f"audit of {job_id}: steps {unjudged} not judged (collected before a live sample; torn: {torn})")
+        print(f"audit of {job_id}: steps {unjudged} not judged (collected before a live sample; torn: "
+              f"{sampler.torn})")
         if report.facts["steps_unverified"] <= UNJUDGED_STEPS_MAX:
             return report
         raise AssertionError(f"steps {unjudged} of {job_id} were neither in Redis at the audit nor sampled "
-                             f"live (samples torn by a collection, by step: {torn}); {report.facts}")
+                             f"live (samples torn by a collection, by step: {sampler.torn}); {report.facts}")
     return report
-
-
-@contextlib.contextmanager
-def batches_sampled(redis_url: str, job_id: str, steps: int = SAMPLED_STEPS) -> Iterator[dict[int, Any]]:
-    """``BatchSampler`` over a block; yields its ``observed`` map."""
-    sampler = BatchSampler(redis_url, job_id, steps).start()
-    try:
-        yield sampler.observed
-    except BaseException:
-        with contextlib.suppress(AssertionError):  # the block's own failure is the one to report
-            sampler.stop()
-        raise
-    sampler.stop()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 from jobs import kinds, small_job, wait_done, wait_step
-from support import audit_sampled, batches_sampled, eventually
+from support import audit_sampled, eventually, sample_batches
 
 
 pytestmark = pytest.mark.timeout(240)
@@ -24,12 +24,12 @@ def _faults(events):
 
 def test_trainer_worker_crash_restarts_only_the_trainer(api, infra):
     jid = api.submit(small_job("tcrash", steps=12))["job_id"]
-    with batches_sampled(infra.redis_url, jid) as observed:
-        wait_step(api, jid, 1)
-        api.fault(jid, kind="crash", role="trainer", member=1)
-        wait_done(api, jid)
+    sampler = sample_batches(infra.redis_url, jid)
+    wait_step(api, jid, 1)
+    api.fault(jid, kind="crash", role="trainer", member=1)
+    wait_done(api, jid)
     events = api.events(jid)
-    audit_sampled(infra, jid, observed)
+    audit_sampled(infra, jid, sampler)
 
     faults = _faults(events)
     assert faults[0]["kind"] == "crash" and faults[0]["role"] == "trainer"
@@ -46,12 +46,12 @@ def test_trainer_worker_crash_restarts_only_the_trainer(api, infra):
 
 def test_trainer_hang_is_detected_by_silence_and_recovered(api, infra):
     jid = api.submit(small_job("thang", steps=12))["job_id"]
-    with batches_sampled(infra.redis_url, jid) as observed:
-        wait_step(api, jid, 1)
-        api.fault(jid, kind="hang", role="trainer", member=0)
-        wait_done(api, jid)
+    sampler = sample_batches(infra.redis_url, jid)
+    wait_step(api, jid, 1)
+    api.fault(jid, kind="hang", role="trainer", member=0)
+    wait_done(api, jid)
     events = api.events(jid)
-    audit_sampled(infra, jid, observed)
+    audit_sampled(infra, jid, sampler)
     faults = [f for f in _faults(events) if f["role"] == "trainer"]
     assert faults and faults[0]["kind"] in ("unresponsive", "hang")
     assert ["RestartTrainerGang"] in [acts for _, acts in _decisions(events)]
@@ -64,13 +64,13 @@ def test_trainer_hang_is_detected_by_silence_and_recovered(api, infra):
 
 def test_trainer_stall_in_training_phase_is_a_hang(api, infra):
     jid = api.submit(small_job("tstall", steps=12))["job_id"]
-    with batches_sampled(infra.redis_url, jid) as observed:
-        wait_step(api, jid, 1)
-        # The stall takes effect at the next forward pass, i.e. inside the training phase.
-        api.fault(jid, kind="stall", role="trainer", member=0, duration_s=120)
-        wait_done(api, jid)
+    sampler = sample_batches(infra.redis_url, jid)
+    wait_step(api, jid, 1)
+    # The stall takes effect at the next forward pass, i.e. inside the training phase.
+    api.fault(jid, kind="stall", role="trainer", member=0, duration_s=120)
+    wait_done(api, jid)
     events = api.events(jid)
-    audit_sampled(infra, jid, observed)
+    audit_sampled(infra, jid, sampler)
     faults = [f for f in _faults(events) if f["role"] == "trainer"]
     assert faults and faults[0]["kind"] == "hang", faults
 
@@ -81,12 +81,12 @@ def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, inf
     tool result, with that episode's tool-turn prefix saved and the turn in flight."""
     spec = small_job("rcrash", steps=20, tools={"latency_s": 0.6}, data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
-    with batches_sampled(infra.redis_url, jid) as observed:
-        wait_step(api, jid, 1)
-        api.fault(jid, kind="crash", role="rollout", member=0, moment="mid_tool_turn")
-        wait_done(api, jid)
+    sampler = sample_batches(infra.redis_url, jid)
+    wait_step(api, jid, 1)
+    api.fault(jid, kind="crash", role="rollout", member=0, moment="mid_tool_turn")
+    wait_done(api, jid)
     events = api.events(jid)
-    audit_sampled(infra, jid, observed)
+    audit_sampled(infra, jid, sampler)
 
     actions = [a for _, acts in _decisions(events) for a in acts]
     assert actions == ["RedispatchEpisodes", "ReplaceReplica"]
@@ -113,12 +113,12 @@ def test_rollout_crash_mid_tool_turn_resumes_episodes_from_their_prefix(api, inf
 def test_rollout_stall_is_detected_and_replaced(api, infra):
     spec = small_job("rstall", steps=12)
     jid = api.submit(spec)["job_id"]
-    with batches_sampled(infra.redis_url, jid) as observed:
-        wait_step(api, jid, 1)
-        api.fault(jid, kind="stall", role="rollout", member=1, duration_s=120)
-        wait_done(api, jid)
+    sampler = sample_batches(infra.redis_url, jid)
+    wait_step(api, jid, 1)
+    api.fault(jid, kind="stall", role="rollout", member=1, duration_s=120)
+    wait_done(api, jid)
     events = api.events(jid)
-    audit_sampled(infra, jid, observed)
+    audit_sampled(infra, jid, sampler)
     faults = [f for f in _faults(events) if f["role"] == "rollout"]
     assert faults and faults[0]["kind"] in ("hang", "unresponsive") and faults[0]["member_id"] == "rollout-1-i0"
     assert "rollout-1-i1" in [d["member_id"] for d in kinds(events, "member_started")]
@@ -128,12 +128,12 @@ def test_tool_outage_is_a_tool_fault_not_a_rollout_fault(api, infra):
     spec = small_job("tool", steps=12, tools={"latency_s": 0.05, "retries": 1, "backoff_s": 0.05},
                      data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
-    with batches_sampled(infra.redis_url, jid) as observed:
-        wait_step(api, jid, 1)
-        api.fault(jid, kind="tool_outage", role="request_manager", duration_s=2.0)
-        wait_done(api, jid)
+    sampler = sample_batches(infra.redis_url, jid)
+    wait_step(api, jid, 1)
+    api.fault(jid, kind="tool_outage", role="request_manager", duration_s=2.0)
+    wait_done(api, jid)
     events = api.events(jid)
-    audit_sampled(infra, jid, observed)
+    audit_sampled(infra, jid, sampler)
     faults = _faults(events)
     assert faults and all(f["kind"] == "tool_outage" for f in faults), faults
     assert all(acts == ["ReportOnly"] for _, acts in _decisions(events))
@@ -146,14 +146,14 @@ def test_fault_in_first_step_escalates_to_whole_job_restart(api, infra):
     # Long tool calls keep step 0 running well after the members are up.
     spec = small_job("first", steps=2, tools={"latency_s": 3.0, "timeout_s": 10.0}, data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
-    with batches_sampled(infra.redis_url, jid) as observed:
-        eventually(lambda: any(e["kind"] == "job_ready" for e in api.events(jid)), timeout=90, interval=0.1,
-                   what="members up")
-        assert api.job(jid)["committed_step"] == -1
-        api.fault(jid, kind="crash", role="rollout", member=0)
-        wait_done(api, jid)
+    sampler = sample_batches(infra.redis_url, jid)
+    eventually(lambda: any(e["kind"] == "job_ready" for e in api.events(jid)), timeout=90, interval=0.1,
+               what="members up")
+    assert api.job(jid)["committed_step"] == -1
+    api.fault(jid, kind="crash", role="rollout", member=0)
+    wait_done(api, jid)
     events = api.events(jid)
-    audit_sampled(infra, jid, observed)
+    audit_sampled(infra, jid, sampler)
     acts = [a for _, a in _decisions(events)]
     assert ["RestartWholeJob"] in acts
     assert "trainer-e2-r0" in [d["member_id"] for d in kinds(events, "member_started")]
@@ -161,13 +161,13 @@ def test_fault_in_first_step_escalates_to_whole_job_restart(api, infra):
 
 def test_whole_job_policy_restarts_everything_and_regenerates_the_step(api, infra):
     jid = api.submit(small_job("whole", steps=12, recovery={"policy": "whole_job"}))["job_id"]
-    with batches_sampled(infra.redis_url, jid) as observed:
-        wait_step(api, jid, 1)
-        t0 = time.time()
-        api.fault(jid, kind="crash", role="trainer", member=0)
-        wait_done(api, jid)
+    sampler = sample_batches(infra.redis_url, jid)
+    wait_step(api, jid, 1)
+    t0 = time.time()
+    api.fault(jid, kind="crash", role="trainer", member=0)
+    wait_done(api, jid)
     events = api.events(jid)
-    audit_sampled(infra, jid, observed)
+    audit_sampled(infra, jid, sampler)
     assert [a for _, a in _decisions(events)] == [["RestartWholeJob"]]
     started_after = [d["member_id"] for e in events if e["kind"] == "member_started" and e["ts"] > t0
                      for d in [e["data"]]]
@@ -181,12 +181,12 @@ def test_overlapped_modes_recover_a_trainer_crash_within_the_staleness_bound(api
     trainer trains earlier steps; a trainer crash is recovered role-locally and every invariant
     still holds."""
     jid = api.submit(small_job(mode.replace("_", "-"), steps=12, mode=mode, staleness=staleness))["job_id"]
-    with batches_sampled(infra.redis_url, jid) as observed:
-        wait_step(api, jid, 2)
-        api.fault(jid, kind="crash", role="trainer", member=0)
-        wait_done(api, jid)
+    sampler = sample_batches(infra.redis_url, jid)
+    wait_step(api, jid, 2)
+    api.fault(jid, kind="crash", role="trainer", member=0)
+    wait_done(api, jid)
     events = api.events(jid)
-    audit_sampled(infra, jid, observed)  # includes: every turn it can still see is within the staleness bound
+    audit_sampled(infra, jid, sampler)  # includes: every turn it can still see is within the staleness bound
     assert ["RestartTrainerGang"] in [acts for _, acts in _decisions(events)]
     # Overlap, from the log: some step started before the step before it was committed.
     started = {d["step"]: e["ts"] for e in events if e["kind"] == "step_started" for d in [e["data"]]}
@@ -197,12 +197,12 @@ def test_overlapped_modes_recover_a_trainer_crash_within_the_staleness_bound(api
 
 def test_trainer_crash_with_warm_spares_restarts_the_gang_from_spares(api, infra):
     jid = api.submit(small_job("tspare", steps=12, recovery={"warm_spares": 2}))["job_id"]
-    with batches_sampled(infra.redis_url, jid) as observed:
-        wait_step(api, jid, 2)  # the spares have imported the member code by now
-        api.fault(jid, kind="crash", role="trainer", member=0)
-        wait_done(api, jid)
+    sampler = sample_batches(infra.redis_url, jid)
+    wait_step(api, jid, 2)  # the spares have imported the member code by now
+    api.fault(jid, kind="crash", role="trainer", member=0)
+    wait_done(api, jid)
     events = api.events(jid)
-    audit_sampled(infra, jid, observed)
+    audit_sampled(infra, jid, sampler)
     assert [["RestartTrainerGang"]] == [acts for _, acts in _decisions(events)]
     started = {d["member_id"]: d.get("warm") for d in kinds(events, "member_started")}
     # the first members started cold; the new gang came from the two warm spares
