@@ -35,6 +35,7 @@ from robustrl.health import ENV_PORT
 from robustrl.infra import binaries
 from robustrl.infra.credentials import service_env
 from robustrl.infra.embedded import EmbeddedInfra
+from robustrl.procs import is_running
 from robustrl.supervisor import (
     STOP_GRACE_S,
     RestartPolicy,
@@ -392,6 +393,11 @@ def stop_detached(run_dir: Path | str) -> list[str]:
         deadline = time.monotonic() + STOP_GRACE_S
         for pid in signalled.values():
             _wait_pid_gone(pid, max(0.0, deadline - time.monotonic()))
+        for pid in signalled.values():  # past its grace: a service that did not stop is killed
+            if is_running(pid, None):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+                _wait_pid_gone(pid, STOP_GRACE_S)
         if left := sweep_members(run_dir):
             stopped.append(f"{len(left)} orphaned member(s)")
         path.unlink()

@@ -36,7 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import psutil
+
+from robustrl.procs import is_running, start_time
 
 log = logging.getLogger("robustrl.supervisor")
 
@@ -123,24 +124,15 @@ class _Proc:
                  create_time: float | None = None) -> None:
         self.pid = pid
         self.popen = popen
-        self.create_time = create_time
+        self.create_time = create_time  # seconds since boot (robustrl.procs)
         if popen is None and create_time is None:
-            with contextlib.suppress(psutil.Error):
-                self.create_time = psutil.Process(pid).create_time()
+            self.create_time = start_time(pid)
 
     def returncode(self) -> int | None:
         """None while running; the exit code (or -1 when unknown) once gone."""
         if self.popen is not None:
             return self.popen.poll()
-        try:
-            proc = psutil.Process(self.pid)
-            if self.create_time and abs(proc.create_time() - self.create_time) > 0.01:
-                return -1
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return -1
-            return None
-        except psutil.Error:
-            return -1
+        return None if is_running(self.pid, self.create_time) else -1
 
 
 class Supervisor:

@@ -18,7 +18,8 @@ from support import ended, eventually
 from robustrl.launcher import local
 from robustrl.launcher.base import MemberSpec
 from robustrl.launcher.local import LAUNCH_MARK_ENV, LocalLauncher
-from robustrl.launcher.zygote import FORK_START_ENV, ZYGOTE_MODULE, _stat
+from robustrl.launcher.zygote import FORK_START_ENV, ZYGOTE_MODULE
+from robustrl.procs import proc_stat, start_time
 
 pytestmark = pytest.mark.timeout(90)
 TESTS = Path(__file__).resolve().parent
@@ -109,7 +110,7 @@ def test_find_locates_a_member_whose_pid_file_was_never_written(tmp_path: Path,
         assert not (tmp_path / f"{member}.pid").exists()
         second = LocalLauncher(tmp_path, base_env=env)
         handle = second.find(member)
-        assert handle == {"pid": pid, "create_time": psutil.Process(pid).create_time()}
+        assert handle == {"pid": pid, "create_time": start_time(pid)}
         assert str(tmp_path / f"{member}.pid") in child.environ().values()  # the child has the mark too
         assert second.find("j--rollout-2-i1") is None  # never started
         assert LocalLauncher(tmp_path / "other", base_env=env).find(member) is None  # another launcher's dir
@@ -201,7 +202,7 @@ def test_a_forked_member_leads_its_own_session_and_its_exit_is_reported_as_a_col
         # Their exits recorded, the zygote (still running) has reaped them: no zombie kept.
         pids = {"j--b": launcher.pid("j--b"), "j--c": launcher.pid("j--c"), "j--a": probe}
         assert zygote.is_running() and zygote.status() != psutil.STATUS_ZOMBIE
-        eventually(lambda: all(p is not None and _stat(p) is None for p in pids.values()), timeout=10,
+        eventually(lambda: all(p is not None and proc_stat(p) is None for p in pids.values()), timeout=10,
                    what=f"the zygote reaped {pids} once their exits were recorded")
     finally:
         launcher.close()
@@ -287,7 +288,7 @@ def test_a_kill_right_after_a_forked_start_is_not_lost(tmp_path: Path, monkeypat
             pid = launcher.pid(mid)
             assert pid is not None and psutil.Process(pid).ppid() != os.getpid()  # forked
             launcher.kill(mid, expected=True)
-            stat = _stat(pid)  # gone, or a zombie until the zygote has the launcher's "reap"
+            stat = proc_stat(pid)  # gone, or a zombie until the zygote has the launcher's "reap"
             assert stat is None or stat[0] == b"Z", stat
         exits: dict[str, int | None] = {}
 

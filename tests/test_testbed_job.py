@@ -30,6 +30,7 @@ from robustrl.errors import ConfigError, JobError, LaunchError, ScenarioError, T
 from robustrl.launcher.base import MemberSpec, PlacementHint
 from robustrl.messages import ChaosRequest, WeightsHave, decode
 from robustrl.stack import Stack
+from robustrl.procs import is_running, start_time
 from robustrl.subjects import Verb, all_jobs
 from robustrl.testbed import Testbed
 from robustrl.testbed import commands as tb_commands
@@ -65,16 +66,8 @@ def testbed() -> Iterator[Testbed]:
         tag = tb.state.tag
         take_testbed_down(tb)
         assert tb_commands.run(["ip", "link", "show"]).count(f"rrl{tag}gw") == 0
-        alive = [pid for pid, start in seen if _alive(pid, start)]
+        alive = [pid for pid, start in seen if is_running(pid, start)]
         assert alive == [], f"processes of the hosts still running: {alive}"
-
-
-def _alive(pid: int, start: float) -> bool:
-    try:
-        p = psutil.Process(pid)
-        return abs(p.create_time() - start) < 0.05 and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _note_processes(tb: Testbed) -> dict[str, list[str]]:
@@ -84,10 +77,11 @@ def _note_processes(tb: Testbed) -> dict[str, list[str]]:
         for pid in tb.pids(h.name):
             try:
                 p = psutil.Process(pid)
-                tb.seen.add((pid, p.create_time()))  # type: ignore[attr-defined]
                 out.setdefault(h.name, []).append(" ".join(p.cmdline()))
             except psutil.Error:
                 continue
+            if (started := start_time(pid)) is not None:
+                tb.seen.add((pid, started))  # type: ignore[attr-defined]
     return out
 
 

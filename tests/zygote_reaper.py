@@ -19,13 +19,14 @@ import time
 from pathlib import Path
 
 from robustrl.infra.credentials import without_credentials
-from robustrl.launcher.zygote import ZYGOTE_MODULE, _stat
+from robustrl.launcher.zygote import ZYGOTE_MODULE
+from robustrl.procs import proc_stat
 
 PR_SET_CHILD_SUBREAPER = 36
 
 
 def state(pid: int) -> str:
-    stat = _stat(pid)
+    stat = proc_stat(pid)
     return "gone" if stat is None else stat[0].decode()
 
 

@@ -28,6 +28,7 @@ import psutil
 from robustrl.config import Settings
 from robustrl.errors import ConfigError, LaunchError
 from robustrl.infra import binaries, credentials
+from robustrl.procs import is_running, start_time
 
 START_TIMEOUT_S = 20.0
 """How long one server may take to answer its protocol-level ping after being spawned."""
@@ -49,7 +50,7 @@ class ProcessRecord:
     name: str
     binary: str
     pid: int
-    create_time: float
+    create_time: float  # seconds since boot (robustrl.procs), not wall-clock time
     log: str
 
 
@@ -240,10 +241,7 @@ class EmbeddedInfra:
                                          env=env, cwd=self.run_dir, start_new_session=True)
             except OSError as exc:
                 raise LaunchError(f"cannot run {svc.binary.path}: {exc}", member=svc.name) from exc
-        try:
-            create_time = psutil.Process(popen.pid).create_time()
-        except psutil.Error:
-            create_time = 0.0
+        create_time = start_time(popen.pid) or 0.0
         self.records.append(ProcessRecord(svc.name, str(svc.binary.path), popen.pid, create_time,
                                           str(svc.log)))
         self._popens[popen.pid] = popen
@@ -282,16 +280,13 @@ class EmbeddedInfra:
 
     @staticmethod
     def _live_process(record: ProcessRecord) -> psutil.Process | None:
-        """The process if ``record.pid`` still names the process we started (pids get reused)."""
+        """The process if ``record.pid`` still names the process we started (pids get reused;
+        its start is judged by ``robustrl.procs``, which no clock step moves)."""
         try:
-            proc = psutil.Process(record.pid)
-            if record.create_time and abs(proc.create_time() - record.create_time) > 0.01:
-                return None
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                return None
-            return proc
+            proc = psutil.Process(record.pid)  # before the check: it names the process checked, or an older one
         except psutil.Error:
             return None
+        return proc if is_running(record.pid, record.create_time or None) else None
 
     def _terminate(self, record: ProcessRecord) -> None:
         popen = self._popens.get(record.pid)

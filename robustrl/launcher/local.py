@@ -2,9 +2,10 @@
 
 Re-attaching (``adopt``): members run in their own sessions, so they outlive a controller that is
 killed. A restarted controller hands back each member's ``handle`` (pid and the process's start
-time, persisted in Redis); the launcher checks both against ``psutil`` (a recycled pid has another
-start time) and then tracks, signals and polls the process like one it started, through
-:class:`_Adopted`. Its exit code is unknown (it is not our child): ``poll`` reports None.
+time since boot, persisted in Redis); the launcher checks both against ``/proc`` (a recycled pid
+has another start time; ``robustrl.procs``) and then tracks, signals and polls the process like
+one it started, through :class:`_Adopted`. Its exit code is unknown (it is not our child):
+``poll`` reports None.
 
 Warm spares (``keep_spares``): processes of ``robustrl.launcher.spare`` that have already imported
 the member code. ``start`` hands a trainer or rollout member to a ready spare instead of starting
@@ -71,6 +72,7 @@ from robustrl.launcher.spare import (
 from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 from robustrl.launcher.zygote import READY_WAIT_S, ForkedProc, Zygote, fork_start_enabled
 from robustrl.model.engines.envs import interpreter
+from robustrl.procs import is_running
 
 _log = logging.getLogger(__name__)
 
@@ -638,13 +640,7 @@ class LocalLauncher(Launcher):
         m = self._members.get(member_id)
         if m is None:
             return None
-        try:
-            handle: dict[str, Any] = {"pid": m.proc.pid, "create_time": psutil.Process(m.proc.pid).create_time()}
-        except psutil.Error:
-            return None
-        if m.spec.host is not None:
-            handle["host"] = m.spec.host
-        return handle
+        return pid_handle(m.proc.pid, m.spec.host)
 
     @staticmethod
     def same_process(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -676,12 +672,9 @@ class LocalLauncher(Launcher):
         that pid file (a controller that died before it wrote the file; module docstring)."""
         try:
             handle = json.loads(self._pidfile(member_id).read_text())
-            proc = psutil.Process(int(handle["pid"]))
-            same = abs(proc.create_time() - float(handle["create_time"])) <= START_TIME_TOLERANCE_S
-            alive = proc.status() != psutil.STATUS_ZOMBIE
-            if same and alive and isinstance(handle, dict):
+            if is_running(int(handle["pid"]), float(handle["create_time"]), START_TIME_TOLERANCE_S):
                 return handle
-        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        except (OSError, ValueError, KeyError, TypeError):
             pass
         return self._find_by_mark(str(self._pidfile(member_id)))
 
@@ -709,12 +702,10 @@ class LocalLauncher(Launcher):
         except (KeyError, TypeError, ValueError):
             return False
         try:
-            proc = psutil.Process(pid)
-            same = abs(proc.create_time() - created) <= START_TIME_TOLERANCE_S
-            alive = proc.status() != psutil.STATUS_ZOMBIE
+            proc = psutil.Process(pid)  # before the check: it names the process checked, or an older one
         except psutil.Error:
             return False
-        if not (same and alive):
+        if not is_running(pid, created, START_TIME_TOLERANCE_S):
             return False
         with self._lock:
             current = self._members.get(member_id)

@@ -55,14 +55,15 @@ def write_handoff(directory: str | os.PathLike[str], pid: int, env: dict[str, st
 
 
 def pid_handle(pid: int, host: str | None = None) -> dict[str, Any] | None:
-    """A member process's handle: its pid and start time (a recycled pid has another), and the
-    host it was placed on; None if the process is gone."""
-    import psutil  # local: a spare imports it only when it is handed a member
+    """A member process's handle: its pid and start time (``create_time``: seconds since boot,
+    ``robustrl.procs``; a recycled pid has another), and the host it was placed on; None if the
+    process is gone."""
+    from robustrl.procs import start_time
 
-    try:
-        handle: dict[str, Any] = {"pid": pid, "create_time": psutil.Process(pid).create_time()}
-    except psutil.Error:
+    started = start_time(pid)
+    if started is None:
         return None
+    handle: dict[str, Any] = {"pid": pid, "create_time": started}
     if host is not None:
         handle["host"] = host
     return handle

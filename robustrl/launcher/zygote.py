@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from robustrl.launcher.spare import become_member, import_targets
+from robustrl.procs import proc_stat
 
 _log = logging.getLogger(__name__)
 
@@ -247,17 +248,6 @@ def main() -> None:
 
 # --- the launcher's side ---------------------------------------------------------------------
 
-def _stat(pid: int) -> tuple[bytes, int] | None:
-    """The process's state letter and start time in clock ticks since boot (``/proc/<pid>/stat``
-    fields 3 and 22; no clock adjustment moves the latter); None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return fields[0], int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 class ForkedProc:
     """A member (or spare) process forked by the zygote, with the part of ``Popen``'s interface
     the local launcher uses: ``pid``, ``stdin``, ``returncode``, ``poll``, ``wait``.
@@ -275,7 +265,7 @@ class ForkedProc:
         self._ended = threading.Event()
         self._signal_lock = threading.Lock()  # a signal is never sent once the exit is recorded
         self._seen_gone_at: float | None = None
-        stat = _stat(pid)
+        stat = proc_stat(pid)
         self._started = stat[1] if stat else None  # None: already reaped, its report is on the way
         try:  # pinned now (alive, or a zombie the zygote holds): this fd names this very process
             self._pidfd: int | None = os.pidfd_open(pid)
@@ -320,11 +310,11 @@ class ForkedProc:
 
     def _gone(self) -> bool:
         """Whether the process has ended, judged from /proc (a zombie, gone, or a recycled pid:
-        another start time; psutil's ``create_time`` adds a boot time that NTP steps)."""
+        another start time: ``robustrl.procs``)."""
         with self._signal_lock:  # _exited closes the pidfd
             if self._ended.is_set() or self._has_exited():
                 return True
-        stat = _stat(self.pid)
+        stat = proc_stat(self.pid)
         if stat is None or (self._started is not None and stat[1] != self._started):
             return True
         return stat[0] == b"Z"

@@ -26,9 +26,8 @@ import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import psutil
-
 from robustrl.errors import ConfigError
+from robustrl.procs import is_running
 
 STATE_DIR = Path("/run/robustrl-testbed")
 PREFIX = "rrl"
@@ -160,13 +159,7 @@ class TestbedState:
 
 def process_alive(pid: int, start: float | None) -> bool:
     """True if ``pid`` runs and, when ``start`` is given, is the process that started then."""
-    try:
-        proc = psutil.Process(pid)
-        if proc.status() == psutil.STATUS_ZOMBIE:
-            return False
-        return start is None or abs(proc.create_time() - start) <= START_TIME_TOLERANCE_S
-    except psutil.Error:
-        return False
+    return is_running(pid, start, START_TIME_TOLERANCE_S)
 
 
 def state_path(tag: str, state_dir: Path = STATE_DIR) -> Path:

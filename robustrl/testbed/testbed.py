@@ -29,9 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-import psutil
-
 from robustrl.errors import ConfigError, TestbedError
+from robustrl.procs import start_time
 from robustrl.testbed import commands, links
 from robustrl.testbed.reaper import MODULE as REAPER_MODULE
 from robustrl.testbed.state import (
@@ -148,7 +147,7 @@ class Testbed:
             if self.reaper:
                 reaper = self._start_reaper(state)
                 state = dataclasses.replace(state, reaper_pid=reaper.pid,
-                                            reaper_start=psutil.Process(reaper.pid).create_time())
+                                            reaper_start=start_time(reaper.pid))
                 write_state(state, self.state_dir)
         except BaseException:
             teardown(state, self.state_dir)
@@ -163,7 +162,7 @@ class Testbed:
     def _plan(self) -> TestbedState:
         """Name everything and write the state file before creating anything."""
         owner = None if self.detached else os.getpid()
-        owner_start = psutil.Process(owner).create_time() if owner else None
+        owner_start = start_time(owner) if owner else None
         with self._lock():
             subnet = self.subnet or free_subnet({s.subnet for s in read_states(self.state_dir)})
             state = TestbedState.plan(new_tag(), subnet, self.n_hosts, self.link, self.delay,
@@ -260,8 +259,9 @@ class Testbed:
         own: ``ip netns exec`` enters the namespace and then execs it. The process is recorded in
         the state file, so teardown kills it even if it has not entered the namespace yet."""
         proc = subprocess.Popen([*self.exec_prefix(host), *argv], **kwargs)
-        with contextlib.suppress(psutil.Error):
-            self._record_process(proc.pid, psutil.Process(proc.pid).create_time())
+        started = start_time(proc.pid)
+        if started is not None:
+            self._record_process(proc.pid, started)
         return proc
 
     def _record_process(self, pid: int, start: float) -> None:

@@ -1,0 +1,80 @@
+"""A process is named by its pid and its start, and no clock step may change which one that is.
+
+/proc/stat's boot time is "now minus uptime" rounded to a second, recomputed on every read: when
+NTP slews or steps the wall clock, it moves by a second, and so does every wall-clock process
+start derived from it (psutil's ``create_time``). The CI run of stop 27 lost this way: the
+detached supervisor read its live services as exited and started second copies, ``down`` left
+the first ones running, and a live infra read as all dead. Here the step is made where the
+wall-clock start comes from (psutil's boot-time read); every identity check must still hold.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+from psutil import _pslinux
+
+from robustrl.config import Settings
+from robustrl.infra.embedded import EmbeddedInfra
+from robustrl.launcher.local import LocalLauncher
+from robustrl.launcher.spare import pid_handle
+from robustrl.procs import is_running, start_time
+from robustrl.supervisor import ServiceSpec, Supervisor
+from robustrl.testbed.state import process_alive
+
+from support import eventually
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _step_the_clock(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """What an NTP step does to /proc/stat's btime, as psutil reads it."""
+    real = _pslinux.boot_time
+    monkeypatch.setattr(_pslinux, "boot_time", lambda: real() + seconds)
+
+
+@pytest.mark.parametrize("step_s", [1.0, -1.0])
+def test_a_clock_step_leaves_every_live_process_alive(infra: Settings, sleeper, tmp_path,
+                                                       monkeypatch: pytest.MonkeyPatch, step_s: float) -> None:
+    handle = pid_handle(sleeper.pid)
+    assert handle is not None
+    started = start_time(sleeper.pid)
+    sup = Supervisor(tmp_path, [ServiceSpec("svc", "robustrl.no_such_module")], os.environ)
+    sup.adopt("svc", sleeper.pid)  # as a detached supervisor adopts what ``up`` started
+    assert sup.exited() == {}
+    wall_start = psutil.Process(sleeper.pid).create_time()
+    _step_the_clock(monkeypatch, step_s)
+    assert psutil.Process(sleeper.pid).create_time() - wall_start == pytest.approx(step_s)  # the step took
+    # The servers of this session, attached from their infra.json as ``robustrl down`` does.
+    assert EmbeddedInfra.load(infra.run_dir).alive() == {"nats": True, "redis": True, "s3": True}
+    assert sup.exited() == {}, "a live service read as exited: a second copy would be started"
+    assert LocalLauncher(tmp_path / "members").adopt("j", "j--rollout-0-i0", "rollout", handle) is True
+    assert process_alive(sleeper.pid, started)
+    assert is_running(sleeper.pid, started)
+
+
+def test_a_recycled_ended_or_zombie_pid_is_not_the_process(sleeper) -> None:
+    started = start_time(sleeper.pid)
+    assert started is not None and is_running(sleeper.pid, started)
+    assert not is_running(sleeper.pid, started + 0.5)  # another start: a recycled pid
+    assert not process_alive(sleeper.pid, started - 0.5)
+    os.kill(sleeper.pid, signal.SIGKILL)
+    eventually(lambda: psutil.Process(sleeper.pid).status() == psutil.STATUS_ZOMBIE, timeout=10,
+               what="the unreaped child is a zombie")
+    assert not is_running(sleeper.pid, started) and not is_running(sleeper.pid, None)
+    assert start_time(sleeper.pid) == started  # a zombie keeps its start; it is still not running
+    sleeper.wait()
+    assert start_time(sleeper.pid) is None and not is_running(sleeper.pid, None)
