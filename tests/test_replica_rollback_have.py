@@ -9,12 +9,10 @@ one connection sent them, and the JetStream event log.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from support import eventually_async
 from test_rollout_replica import (  # noqa: F401
-    WAIT_S, Replica, _matching, _served, late_swap_then_dying_pull, make_version, replica,
+    WAIT_S, Replica, _matching, _served, late_swap_then_dying_pull, launcher, make_version, replica,
 )
 
 from robustrl.weights import Fault, WeightServer
@@ -23,7 +21,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 async def test_a_rollback_to_a_late_swaps_version_makes_the_replica_announce_it_held(
-        replica: Replica, tmp_path: Path) -> None:  # noqa: F811 - the fixture imported above
+        replica: Replica) -> None:  # noqa: F811 - the fixture imported above
     """The engine (stalled) is swapping v2 in when v3 is announced; v3's publisher dies after two
     chunks, so v3's pull goes on when the v2 swap ends, and v2's HAVE is held back (the partial
     HAVE of v3 stays the last word). Then a new gang resumes at v2 (epoch 2, same weights): the
@@ -40,7 +38,7 @@ async def test_a_rollback_to_a_late_swaps_version_makes_the_replica_announce_it_
         servers.append(await _served(WeightServer(), v2))
         servers.append(await _served(WeightServer(fault=Fault("die", after_chunks=2)), v3))
         servers.append(await _served(WeightServer(), v4))
-        await late_swap_then_dying_pull(replica, tmp_path, v2, servers[0], v3, servers[1], stall_s=8.0)
+        await late_swap_then_dying_pull(replica, v2, servers[0], v3, servers[1], stall_s=8.0)
         assert own()[-1] == (3, v3.checksum, False), own()  # held back: v3's pull is the last word
 
         before = len(own())

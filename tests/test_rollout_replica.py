@@ -10,11 +10,8 @@ the turns it sends back.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +22,8 @@ from support import eventually_async
 
 from robustrl.bus import Bus
 from robustrl.config import DetectorSpec, Settings, reference_job
+from robustrl.launcher.base import MemberSpec
+from robustrl.launcher.local import LocalLauncher
 from robustrl.messages import (
     ChaosCommand, Event, GenerateTurn, MemberHello, MetricsSample, PhaseChange, SpecReply, SpecRequest, TurnResult,
     WeightsAnnounce, WeightsHave,
@@ -40,7 +39,7 @@ from robustrl.weights.transport import make_client
 pytestmark = pytest.mark.timeout(600)
 
 WAIT_S = 60.0  # one condition; the machine is shared by many test runs
-START_S = 240.0  # a replica process imports torch and transformers on a loaded 2-core machine
+START_S = 240.0  # the zygote's imports (torch, transformers) on a loaded 2-core machine, once a module
 CHUNK = 16 << 10
 ATTEMPTS = 2
 TOK = CharTokenizer.default()
@@ -61,12 +60,18 @@ class Replica:
     bus: Bus
     job_id: str
     member_id: str
-    proc: subprocess.Popen[bytes]
+    log: Path
+    log_from: int  # the member's log is appended to by each test's replica of the same id
     hello: list[MemberHello] = field(default_factory=list)
     samples: list[MetricsSample] = field(default_factory=list)
     phases: list[str] = field(default_factory=list)
     haves: list[WeightsHave] = field(default_factory=list)
     turns: list[TurnResult] = field(default_factory=list)
+
+    def log_text(self) -> str:
+        with self.log.open("rb") as f:
+            f.seek(self.log_from)
+            return f.read().decode(errors="replace")
 
     async def events(self, kind: str) -> list[Event]:
         return [e for e in await self.bus.read_events(self.job_id, timeout=1.0) if e.kind == kind]
@@ -96,8 +101,20 @@ def make_version(version: int, seed: int) -> Version:
     return Version(version, buffer, manifest, weights_checksum(model))
 
 
+@pytest.fixture(scope="module")
+def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalLauncher]:
+    """Replicas are started as a controller starts them: forked from the launcher's pre-imported
+    zygote (``ROBUSTRL_FORK_START``, set by conftest), which pays the imports once per module."""
+    launcher = LocalLauncher(tmp_path_factory.mktemp("replicas"))
+    launcher.preload()
+    try:
+        yield launcher
+    finally:
+        launcher.close()
+
+
 @pytest.fixture
-async def replica(infra: Settings, tmp_path: Path) -> AsyncIterator[Replica]:
+async def replica(infra: Settings, launcher: LocalLauncher) -> AsyncIterator[Replica]:
     job_id = f"rep{uuid.uuid4().hex[:8]}"
     member_id = "rollout-0-i0"
     spec = reference_job(steps=3).model_copy(update={
@@ -111,12 +128,8 @@ async def replica(infra: Settings, tmp_path: Path) -> AsyncIterator[Replica]:
         await bus.respond(reply, SpecReply(job_id=msg.job_id, spec=spec, epoch=0))
 
     await bus.subscribe(subject(job_id, Verb.SPEC), SpecRequest, on_spec)
-    log_path = tmp_path / "replica.log"
-    env = {**os.environ, **infra.to_env(), "ROBUSTRL_JOB_ID": job_id, "ROBUSTRL_MEMBER_ID": member_id,
-           "ROBUSTRL_ROLE": "rollout"}
-    env.pop("ROBUSTRL_HEALTH_PORT", None)
-    proc = _spawn(env, log_path)
-    rep = Replica(bus, job_id, member_id, proc)
+    log = launcher.log_dir / f"{member_id}.log"
+    rep = Replica(bus, job_id, member_id, log, log.stat().st_size if log.exists() else 0)
 
     async def keep(store: list, msg: object, _s: str, _r: str | None) -> None:
         store.append(msg)
@@ -130,26 +143,17 @@ async def replica(infra: Settings, tmp_path: Path) -> AsyncIterator[Replica]:
     await bus.subscribe(subject(job_id, Verb.PHASE, member_id), PhaseChange, on_phase)
     await bus.subscribe(wildcard(job_id, Verb.HAVE), WeightsHave, lambda m, s, r: keep(rep.haves, m, s, r))
     await bus.subscribe(subject(job_id, Verb.TURN), TurnResult, lambda m, s, r: keep(rep.turns, m, s, r))
+    env = {**infra.to_env(), "ROBUSTRL_JOB_ID": job_id, "ROBUSTRL_MEMBER_ID": member_id, "ROBUSTRL_ROLE": "rollout"}
+    await asyncio.to_thread(launcher.start, MemberSpec(job_id, member_id, "rollout", module="robustrl.services.rollout",
+                                                        env=env))  # it may wait for the zygote's imports
     try:
         await eventually_async(lambda: rep.hello and rep.samples and rep.samples[-1].phase == "idle",
                                timeout=START_S, what="replica up and idle")
         yield rep
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        await asyncio.to_thread(launcher.stop, member_id, 10.0)  # SIGTERM, then SIGKILL past 10 s
         await bus.close()
-        print(log_path.read_text()[-6000:])
-
-
-def _spawn(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    """``python -m robustrl.services.rollout`` as its own process (as the local launcher runs it)."""
-    with log_path.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "robustrl.services.rollout"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT)
+        print(rep.log_text()[-6000:])
 
 
 async def _served(server: WeightServer, v: Version) -> WeightServer:
@@ -485,7 +489,7 @@ async def test_a_swap_slower_than_the_pull_timeout_is_waited_for_and_a_rollback_
             await s.close()
 
 
-async def late_swap_then_dying_pull(replica: Replica, tmp_path: Path, v2: Version, v2_server: WeightServer, v3: Version,
+async def late_swap_then_dying_pull(replica: Replica, v2: Version, v2_server: WeightServer, v3: Version,
                                     v3_server: WeightServer, stall_s: float) -> None:
     """The engine stalled (chaos) while it swaps v2 in, then v3 announced from a source that dies
     mid-pull: returns once the late swap of v2 is reported (``weights_loaded`` with ``late``)."""
@@ -493,8 +497,7 @@ async def late_swap_then_dying_pull(replica: Replica, tmp_path: Path, v2: Versio
         job_id=replica.job_id, fault_id=uuid.uuid4().hex[:8], kind="stall", member_id=replica.member_id,
         duration_s=stall_s))
     await replica.announce(v2, epoch=1, sources=[v2_server.address or ""])
-    log_path = tmp_path / "replica.log"
-    await eventually_async(lambda: "the engine took them" in log_path.read_text(), timeout=WAIT_S,
+    await eventually_async(lambda: "the engine took them" in replica.log_text(), timeout=WAIT_S,
                            what="the engine swapping v2 in (stalled)")
     await replica.announce(v3, epoch=1, sources=[v3_server.address or ""])
     await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=2, late=True),
@@ -502,7 +505,7 @@ async def late_swap_then_dying_pull(replica: Replica, tmp_path: Path, v2: Versio
 
 
 async def test_a_swap_that_ends_late_leaves_peers_hearing_the_pull_that_superseded_it(
-        replica: Replica, tmp_path: Path) -> None:
+        replica: Replica) -> None:
     """The engine (stalled) is swapping v2 in when v3 is announced; v3's publisher dies after two
     chunks, so the v3 pull goes on (waiting for a source) when the v2 swap ends. Before: the late
     report announced v2 held after the partial HAVE of v3, and peers keep one announcement per
@@ -515,7 +518,7 @@ async def test_a_swap_that_ends_late_leaves_peers_hearing_the_pull_that_supersed
         v2, v3 = make_version(2, seed=32), make_version(3, seed=33)
         servers.append(await _served(WeightServer(), v2))
         servers.append(await _served(WeightServer(fault=Fault("die", after_chunks=2)), v3))
-        await late_swap_then_dying_pull(replica, tmp_path, v2, servers[0], v3, servers[1], stall_s=12.0)
+        await late_swap_then_dying_pull(replica, v2, servers[0], v3, servers[1], stall_s=12.0)
         own = [h for h in replica.haves if h.member_id == replica.member_id]
         assert [(h.version, h.complete) for h in own][-1] == (3, False), own
 
