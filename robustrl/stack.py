@@ -35,7 +35,7 @@ from robustrl.health import ENV_PORT
 from robustrl.infra import binaries
 from robustrl.infra.credentials import service_env
 from robustrl.infra.embedded import EmbeddedInfra
-from robustrl.procs import is_running
+from robustrl.procs import is_running, start_time
 from robustrl.supervisor import (
     STOP_GRACE_S,
     RestartPolicy,
@@ -315,9 +315,11 @@ class Stack:
     def _write_state(self) -> None:
         assert self.settings
         path = self.run_dir / STACK_FILE
-        state = {"api_url": self.api_url, "token": self.settings.api_token, "pids": self.pids()}
+        pids = self.pids()
+        state = {"api_url": self.api_url, "token": self.settings.api_token, "pids": pids, "starts": _starts(pids)}
         if self._supervisor_pid:
             state["supervisor_pid"] = self._supervisor_pid
+            state["supervisor_start"] = start_time(self._supervisor_pid)
         binaries.write_private(path, json.dumps(state))
 
     def __enter__(self) -> Stack:
@@ -363,7 +365,15 @@ def update_pids(run_dir: Path, pids: dict[str, int]) -> None:
     with contextlib.suppress(OSError, ValueError):
         state = json.loads(path.read_text())
         state["pids"] = pids
+        state["starts"] = _starts(pids)
         binaries.write_private(path, json.dumps(state))
+
+
+def _starts(pids: dict[str, int]) -> dict[str, float | None]:
+    """Each service's start (``robustrl.procs``), recorded beside its pid: ``down`` signals a
+    recorded pid only while it still names that process (the file may be stale: a supervisor
+    that died before it recorded a restart, a reboot)."""
+    return {name: start_time(pid) for name, pid in pids.items()}
 
 
 def stop_detached(run_dir: Path | str) -> list[str]:
@@ -372,32 +382,41 @@ def stop_detached(run_dir: Path | str) -> list[str]:
     stopped = []
     path = run_dir / STACK_FILE
     if path.exists():
-        sup_pid = json.loads(path.read_text()).get("supervisor_pid")
-        if sup_pid:
+        state = json.loads(path.read_text())
+        sup_pid = state.get("supervisor_pid")
+        # A pid is signalled only while it names the recorded process; a file written before
+        # starts were recorded names none, and its pids get SIGTERM but never SIGKILL.
+        if sup_pid and is_running(sup_pid, state.get("supervisor_start")):
             # The supervisor first, or it would start again what is stopped next.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(sup_pid, signal.SIGTERM)
                 _wait_pid_gone(sup_pid, STOP_GRACE_S)
                 stopped.append("supervisor")
-        signalled = {}
-        for name, pid in json.loads(path.read_text()).get("pids", {}).items():
+        state = json.loads(path.read_text())  # the pids of what the supervisor restarted
+        starts = state.get("starts", {})
+        signalled: dict[str, tuple[int, float | None]] = {}
+        for name, pid in state.get("pids", {}).items():
+            started = starts.get(name)
+            if not is_running(pid, started):
+                continue  # gone, or the pid is another process's now
             try:
                 os.killpg(pid, signal.SIGCONT)  # a frozen service cannot act on SIGTERM
                 os.killpg(pid, signal.SIGTERM)
                 stopped.append(name)
-                signalled[name] = pid
+                signalled[name] = (pid, started)
             except (ProcessLookupError, PermissionError):
                 pass
         # The controller stops its members on SIGTERM: give the services their grace, then kill
         # the members no controller stopped (one killed or frozen before ``down`` leaves them).
         deadline = time.monotonic() + STOP_GRACE_S
-        for pid in signalled.values():
+        for pid, _ in signalled.values():
             _wait_pid_gone(pid, max(0.0, deadline - time.monotonic()))
-        for pid in signalled.values():  # past its grace: a service that did not stop is killed
-            if is_running(pid, None):
+        for name, (pid, started) in signalled.items():  # past its grace, a service is killed
+            if started is not None and is_running(pid, started):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
                 _wait_pid_gone(pid, STOP_GRACE_S)
+                stopped.append(f"{name} (killed past its grace)")
         if left := sweep_members(run_dir):
             stopped.append(f"{len(left)} orphaned member(s)")
         path.unlink()

@@ -174,10 +174,12 @@ class Supervisor:
             self._timeouts.pop(name, None)
         return popen.pid
 
-    def adopt(self, name: str, pid: int) -> None:
-        """Watch a service started by another process (``robustrl up`` hands over to a detached supervisor)."""
+    def adopt(self, name: str, pid: int, started: float | None = None) -> None:
+        """Watch a service started by another process (``robustrl up`` hands over to a detached
+        supervisor). ``started`` (``robustrl.procs``), taken by the process that started it, names
+        the process; without it, the one running under ``pid`` now is taken."""
         with self._lock:
-            self.procs[name] = _Proc(pid)
+            self.procs[name] = _Proc(pid, create_time=started)
             self._last_answer[name] = time.monotonic()
             self._answered.add(name)  # it was running before: no startup grace
             self._timeouts.pop(name, None)
@@ -391,7 +393,9 @@ def read_restarts(run_dir: Path | str) -> list[dict[str, object]]:
 def write_handover(run_dir: Path, specs: list[ServiceSpec], pids: dict[str, int], policy: RestartPolicy) -> None:
     """What a detached supervisor needs (no secrets: those come in its environment)."""
     path = run_dir / SUPERVISOR_FILE
-    path.write_text(json.dumps({"specs": [asdict(s) for s in specs], "pids": pids, "policy": asdict(policy)}))
+    starts = {name: start_time(pid) for name, pid in pids.items()}  # taken now, by the process that started them
+    path.write_text(json.dumps({"specs": [asdict(s) for s in specs], "pids": pids, "starts": starts,
+                                "policy": asdict(policy)}))
     path.chmod(0o600)
 
 
@@ -404,8 +408,9 @@ def main(argv: list[str]) -> None:
     specs = [ServiceSpec(**s) for s in raw["specs"]]
     sup = Supervisor(run_dir, specs, os.environ, RestartPolicy(**raw["policy"]),
                      on_change=lambda pids: update_pids(run_dir, pids))
+    starts = raw.get("starts", {})
     for name, pid in raw["pids"].items():
-        sup.adopt(name, int(pid))
+        sup.adopt(name, int(pid), starts.get(name))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())

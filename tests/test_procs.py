@@ -10,6 +10,8 @@ wall-clock start comes from (psutil's boot-time read); every identity check must
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +26,7 @@ from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.launcher.local import LocalLauncher
 from robustrl.launcher.spare import pid_handle
 from robustrl.procs import is_running, start_time
+from robustrl.stack import STACK_FILE, stop_detached
 from robustrl.supervisor import ServiceSpec, Supervisor
 from robustrl.testbed.state import process_alive
 
@@ -78,3 +81,46 @@ def test_a_recycled_ended_or_zombie_pid_is_not_the_process(sleeper) -> None:
     assert start_time(sleeper.pid) == started  # a zombie keeps its start; it is still not running
     sleeper.wait()
     assert start_time(sleeper.pid) is None and not is_running(sleeper.pid, None)
+
+
+def test_starts_recorded_as_wall_clock_time_before_an_upgrade_still_name_their_process(
+        infra: Settings, sleeper, tmp_path) -> None:
+    """Records written by the previous release hold psutil's wall-clock start (an ``infra.json``,
+    a member handle in Redis or a pid file): a ``down``, a controller taking over, must still know
+    their processes, and still refuse a recycled pid."""
+    wall = psutil.Process(sleeper.pid).create_time()
+    old_handle = {"pid": sleeper.pid, "create_time": wall}
+    assert is_running(sleeper.pid, wall) and not is_running(sleeper.pid, wall + 5.0)
+    assert LocalLauncher.same_process(old_handle, pid_handle(sleeper.pid) or {})
+    assert not LocalLauncher.same_process({"pid": sleeper.pid, "create_time": wall - 5.0}, pid_handle(sleeper.pid) or {})
+    launcher = LocalLauncher(tmp_path / "members")
+    assert launcher.adopt("j", "j--rollout-0-i0", "rollout", old_handle) is True
+    assert launcher.running() == ["j--rollout-0-i0"]
+    old_infra = EmbeddedInfra.load(infra.run_dir)
+    old_infra.records = [dataclasses.replace(r, create_time=psutil.Process(r.pid).create_time())
+                         for r in old_infra.records]
+    assert old_infra.alive() == {"nats": True, "redis": True, "s3": True}
+
+
+def test_down_kills_a_service_that_ignores_sigterm_and_never_signals_a_pid_that_names_another_process(
+        tmp_path) -> None:
+    """``robustrl down`` on a ``stack.json``: a service still running past its grace is killed;
+    a recorded pid whose start is not the recorded one (a stale file: the pid is another
+    process's now) gets no signal at all."""
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"],
+                                stdout=subprocess.PIPE, start_new_session=True)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        assert stubborn.stdout is not None and stubborn.stdout.readline() == b"ready\n"
+        pids = {"controller": stubborn.pid, "detector": bystander.pid}
+        starts = {"controller": start_time(stubborn.pid), "detector": (start_time(bystander.pid) or 0) - 30.0}
+        (tmp_path / STACK_FILE).write_text(json.dumps({"pids": pids, "starts": starts}))
+        stopped = stop_detached(tmp_path)
+        assert "controller (killed past its grace)" in stopped and "detector" not in stopped
+        assert not is_running(stubborn.pid, starts["controller"])  # reaped by down's wait, or a zombie
+        assert bystander.poll() is None, "a pid naming another process was signalled"
+    finally:
+        for proc in (stubborn, bystander):
+            proc.kill()
+            proc.wait()

@@ -72,7 +72,7 @@ from robustrl.launcher.spare import (
 from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 from robustrl.launcher.zygote import READY_WAIT_S, ForkedProc, Zygote, fork_start_enabled
 from robustrl.model.engines.envs import interpreter
-from robustrl.procs import is_running
+from robustrl.procs import is_running, same_start
 
 _log = logging.getLogger(__name__)
 
@@ -102,17 +102,13 @@ _GONE = -1  # what _Adopted.poll() returns once the process is gone (its real co
 class _Adopted:
     """A member process this launcher did not start, with the part of Popen's interface it uses."""
 
-    def __init__(self, proc: psutil.Process) -> None:
-        self._proc = proc
-        self.pid = proc.pid
+    def __init__(self, pid: int, started: float) -> None:
+        self.pid = pid
+        self.started = started  # as in its handle (robustrl.procs): a recycled pid started later
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        try:
-            alive = self._proc.is_running() and self._proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            alive = False
-        return None if alive else _GONE
+        return None if is_running(self.pid, self.started, START_TIME_TOLERANCE_S) else _GONE
 
     def wait(self, timeout: float | None = None) -> int | None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -648,7 +644,7 @@ class LocalLauncher(Launcher):
         network namespace of this machine) does not tell processes apart."""
         try:
             return (int(a["pid"]) == int(b["pid"])
-                    and abs(float(a["create_time"]) - float(b["create_time"])) <= START_TIME_TOLERANCE_S)
+                    and same_start(float(a["create_time"]), float(b["create_time"]), START_TIME_TOLERANCE_S))
         except (KeyError, TypeError, ValueError):
             return False
 
@@ -701,10 +697,6 @@ class LocalLauncher(Launcher):
             pid, created = int(handle["pid"]), float(handle["create_time"])
         except (KeyError, TypeError, ValueError):
             return False
-        try:
-            proc = psutil.Process(pid)  # before the check: it names the process checked, or an older one
-        except psutil.Error:
-            return False
         if not is_running(pid, created, START_TIME_TOLERANCE_S):
             return False
         with self._lock:
@@ -714,7 +706,7 @@ class LocalLauncher(Launcher):
             host = handle.get("host")
             spec = MemberSpec(job_id, member_id, role, module="", env={},
                               host=host if isinstance(host, str) else None)
-            self._members[member_id] = _Member(spec, _Adopted(proc), MemberState.RUNNING)
+            self._members[member_id] = _Member(spec, _Adopted(pid, created), MemberState.RUNNING)
         return True
 
     def log_tail(self, member_id: str, lines: int = 20) -> str:
