@@ -139,6 +139,15 @@ class JobRun:
     startup_failures: dict[tuple[str, int], int] = field(default_factory=dict)
     service_seen_at: dict[str, float] = field(default_factory=dict)  # control-plane role -> last sign of life
     services_lost: set[str] = field(default_factory=set)  # control-plane roles seen lost, not yet resumed
+    rm_resume_owed: bool = False
+    """A ``resume`` (after the launch, after a whole-job restart) the request manager has not
+    acknowledged: sent again every ``RM_RESUME_RETRY_S`` until it is, or until a ``pause``,
+    ``restart_step`` or ``stop`` supersedes it. Not persisted: a new leader resumes what it takes over."""
+    rm_resume_next_at: float = 0.0
+    rm_resume_sending: int = 0  # resumes in flight: the round sends an owed one only when none is
+    rm_supersede_seq: int = 0
+    """Counts the request-manager commands that supersede a resume: a resume still being retried
+    when one is sent stops there (arriving after it, it would undo the pause)."""
     gang_starts: dict[str, GangStart] = field(default_factory=dict)
     """fault id -> how the gang of a trainer recovery in progress was started (persisted)."""
     restock_owed: dict[int, int] = field(default_factory=dict)

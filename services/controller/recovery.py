@@ -497,7 +497,7 @@ class RecoveryExecutor:
         gang, replicas = await self.c.starter.start_all(job)
         rec.waiting_for = {gang[0], *replicas}
         await self.c.persist(job)
-        await self.c.control_rm(job, "resume", {"start_step": job.step, "committed": job.committed_step})
+        await self.c.resume_rm(job)
 
     async def _resume_service(self, job: JobRun, fault: FaultReport, role: str) -> None:
         """The lost service is restarted by its supervisor; send it ``resume`` until it answers

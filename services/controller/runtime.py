@@ -62,6 +62,10 @@ log = logging.getLogger(__name__)
 RECONCILE_TIMEOUT_S = 10.0
 """Bound on reading a job's event log to catch up (after a reconnect, a lease re-acquire)."""
 RM_ACK_TIMEOUT_S = 2.0
+RM_RESUME_RETRY_S = 5.0
+"""How often a resume the request manager has not acknowledged is sent again (``JobRun.rm_resume_owed``)."""
+SUPERSEDES_RESUME = ("pause", "restart_step", "stop")
+"""Request-manager commands after which an earlier resume must not arrive."""
 RM_ACK_ATTEMPTS = 10
 """Attempts of a command to the request manager, each ``RM_ACK_TIMEOUT_S`` (they span its
 restart); ``ROBUSTRL_RM_ACK_ATTEMPTS`` overrides."""
@@ -547,8 +551,30 @@ class Controller:
             job.status = "running"
         await self.persist(job)
         # The submitter gets its answer without waiting for the request manager's acknowledgement
-        # (retried for up to rm_ack_attempts x RM_ACK_TIMEOUT_S while the service restarts).
-        self.spawn(self.control_rm(job, "resume", {"start_step": job.step, "committed": job.committed_step}))
+        # (retried for up to rm_ack_attempts x RM_ACK_TIMEOUT_S while the service restarts, then
+        # owed: sent again each RM_RESUME_RETRY_S until acknowledged).
+        self.spawn(self.resume_rm(job))
+
+    async def resume_rm(self, job: JobRun, attempts: int | None = None) -> bool:
+        """Send the request manager ``resume`` (the job's current step) and owe it until it is
+        acknowledged: a resume lost while the service or the bus was away would otherwise leave the
+        job paused at its step for good, with every member healthy and nothing silent. The
+        supervision round sends an owed resume again (``resend_owed_resume``)."""
+        job.rm_resume_owed = True
+        job.rm_resume_sending += 1
+        try:
+            return await self.control_rm(job, "resume", {"start_step": job.step, "committed": job.committed_step},
+                                         attempts=attempts, quiet=attempts == 1)
+        finally:
+            job.rm_resume_sending -= 1
+            job.rm_resume_next_at = time.monotonic() + RM_RESUME_RETRY_S
+
+    def resend_owed_resume(self, job: JobRun) -> None:
+        """One more try of a resume still owed, once ``RM_RESUME_RETRY_S`` has passed."""
+        if (job.rm_resume_owed and not job.done and job.launched and not job.rm_resume_sending
+                and time.monotonic() >= job.rm_resume_next_at):
+            log.warning("job %s: the request manager's resume is still owed: sending it again", job.job_id)
+            self.spawn(self.resume_rm(job, attempts=1))
 
     async def control_rm(self, job: JobRun, action: str, args: dict[str, Any] | None = None,
                          attempts: int | None = None, timeout_s: float = RM_ACK_TIMEOUT_S,
@@ -560,11 +586,20 @@ class Controller:
                              args=args or {}, fence=self.lease.token)
         subj = subject(job.job_id, Verb.CONTROL, "request_manager")
         loop = asyncio.get_running_loop()
+        if action in SUPERSEDES_RESUME:
+            job.rm_supersede_seq += 1
+            job.rm_resume_owed = False
+        seq = job.rm_supersede_seq
         for attempt in range(attempts or self.rm_ack_attempts):
+            if action == "resume" and job.rm_supersede_seq != seq:
+                log.info("job %s: resume superseded by a later command: not sent again", job.job_id)
+                return False
             began = loop.time()
             try:
                 await self.bus.request(subj, cmd, ControlCommand, timeout=timeout_s)
                 job.service_seen_at["request_manager"] = time.time()
+                if action == "resume" and job.rm_supersede_seq == seq:
+                    job.rm_resume_owed = False
                 return True
             except RequestTimeout:
                 log.warning("job %s: request manager did not acknowledge %s (attempt %d)", job.job_id, action,

@@ -101,6 +101,7 @@ class Supervisor:
         for job in list(self.c.jobs.values()):
             await self.watch_services(job)
             await self.c.recovery.check_deadlines(job)
+            self.c.resend_owed_resume(job)
 
     async def on_exit(self, info: ExitInfo) -> None:
         job_id, member_id = split_lid(info.member_id)
