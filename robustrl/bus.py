@@ -154,11 +154,15 @@ class Bus:
 
     async def subscribe(self, subject: str, model: type[M], handler: Handler[M],
                         queue: str | None = None) -> Any:
-        """Subscribe; each message is decoded into ``model`` before ``handler`` sees it."""
+        """Subscribe; each message is decoded into ``model`` before ``handler`` sees it. An
+        ``Event`` is also checked against its subject (``decode_event``: its job and kind, and the
+        role that owns the kind), as the log's readers check it: a member must not end another
+        job, or write a kind its role does not own, by what it publishes."""
 
         async def _cb(raw: Msg) -> None:
             try:
-                msg = decode(model, raw.data, raw.subject)
+                msg = (decode_event(raw.data, raw.subject) if model is Event  # type: ignore[assignment]
+                       else decode(model, raw.data, raw.subject))
             except MessageError as exc:
                 self.dropped += 1
                 log.warning("%s dropped a message: %s", self.name, exc)

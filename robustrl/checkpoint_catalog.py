@@ -32,10 +32,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from robustrl.errors import CheckpointError
-from robustrl.storage.objects import ObjectNotFound, ObjectStore
+from robustrl.errors import CheckpointError, StorageError
+from robustrl.storage.objects import ObjectNotFound, ObjectStore, check_key
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,17 @@ class BlobEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    @field_validator("name")
+    @classmethod
+    def _inside_its_folder(cls, name: str) -> str:
+        # A name that leaves the folder ("../x") or is no key ("", "a//b") makes this manifest
+        # a bad checkpoint (CheckpointError: an older one is loaded), not a storage failure.
+        try:
+            check_key(name)
+        except StorageError as exc:
+            raise ValueError(f"blob name {name[:200]!r} is not a key inside the checkpoint's folder") from exc
+        return name
     bytes: int = Field(ge=0)
     rank: int = Field(ge=0)
 

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from robustrl.config import JobSpec, Settings
-from robustrl.errors import RobustRLError
+from robustrl.errors import ConfigError, RobustRLError
 
 app = typer.Typer(add_completion=False, help="RobustRL: fault-tolerant RL post-training.")
 chaos_app = typer.Typer(add_completion=False, help="Chaos harness: run a job through a fault scenario.")
@@ -62,8 +62,12 @@ def _stack_client(run_dir: Path) -> Any:
     path = run_dir / "stack.json"
     if not path.exists():
         _fail(FileNotFoundError(f"no running stack in {run_dir} (start one with: robustrl up --run-dir {run_dir})"))
-    state = json.loads(path.read_text())
-    return ApiClient(state["api_url"], state["token"])
+    try:
+        state = json.loads(path.read_text())
+        return ApiClient(str(state["api_url"]), str(state["token"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        _fail(ConfigError(f"{path} is damaged ({type(exc).__name__}: {exc}); `robustrl down --run-dir "
+                          f"{run_dir}` stops what it can still name", field="stack.json"))
 
 
 @app.command()

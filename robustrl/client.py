@@ -7,7 +7,8 @@ from typing import Any
 
 import httpx
 
-from robustrl.errors import JobError, RequestTimeout, TransportError
+from robustrl.errors import JobError, RequestTimeout, SubjectError, TransportError
+from robustrl.subjects import token
 
 HTTP_TIMEOUT_S = 10.0
 
@@ -36,6 +37,20 @@ class ApiClient:
             raise JobError(f"{method} {path} -> {resp.status_code}: {_error_text(resp)}", status=resp.status_code)
         return resp.json()
 
+    @staticmethod
+    def _job(job_id: str) -> str:
+        """``/v1/jobs/<job_id>``, the id checked first: one like ``../x`` or ``x?y`` would
+        otherwise name another job once the URL is built.
+
+        Raises:
+            JobError: not a job id (``field``: job_id).
+        """
+        try:
+            return f"/v1/jobs/{token(job_id, 'job_id')}"
+        except SubjectError as exc:
+            raise JobError(f"not a job id: {str(job_id)[:100]!r} (letters, digits, '_' and '-', at most 64)",
+                           field="job_id") from exc
+
     def submit(self, spec: dict[str, Any]) -> dict[str, Any]:
         return self._call("POST", "/v1/jobs", json=spec)
 
@@ -43,24 +58,24 @@ class ApiClient:
         return self._call("GET", "/v1/jobs")
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}")
+        return self._call("GET", self._job(job_id))
 
     def events(self, job_id: str) -> list[dict[str, Any]]:
-        return self._call("GET", f"/v1/jobs/{job_id}/events")
+        return self._call("GET", f"{self._job(job_id)}/events")
 
     def report(self, job_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}/report")
+        return self._call("GET", f"{self._job(job_id)}/report")
 
     def stop(self, job_id: str) -> dict[str, Any]:
-        return self._call("POST", f"/v1/jobs/{job_id}/stop")
+        return self._call("POST", f"{self._job(job_id)}/stop")
 
     def delete(self, job_id: str, *, checkpoints: bool = False, events: bool = False) -> dict[str, Any]:
         """Delete an ended job (its Redis state and record; checkpoints and event log on request)."""
-        return self._call("DELETE", f"/v1/jobs/{job_id}",
+        return self._call("DELETE", self._job(job_id),
                           params={"checkpoints": str(checkpoints).lower(), "events": str(events).lower()})
 
     def fault(self, job_id: str, **body: Any) -> dict[str, Any]:
-        return self._call("POST", f"/v1/jobs/{job_id}/faults", json=body)
+        return self._call("POST", f"{self._job(job_id)}/faults", json=body)
 
     def wait(self, job_id: str, predicate: Any, timeout_s: float, interval_s: float = 0.1) -> dict[str, Any]:
         """Poll the job until ``predicate(status)`` holds; raise RequestTimeout after ``timeout_s``."""

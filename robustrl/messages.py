@@ -223,12 +223,15 @@ class ChaosCommand(Wire):
 # --- rollout --------------------------------------------------------------------------------
 
 
+TokenId = Annotated[int, Field(ge=0)]
+
+
 class GenerateTurn(Wire):
     job_id: str = _ID
     request_id: str
     episode_id: str
     step: int = Field(ge=0)
-    prefix_ids: list[int] = Field(min_length=1)
+    prefix_ids: list[TokenId] = Field(min_length=1)
     max_new_tokens: int = Field(gt=0)
     temperature: float = Field(gt=0)
     top_p: float = Field(gt=0, le=1)
@@ -244,11 +247,21 @@ class TurnResult(Wire):
     request_id: str
     episode_id: str
     member_id: str = _ID
-    token_ids: list[int]
+    token_ids: list[TokenId]
     logprobs: list[float]
     stop_reason: StopReason
     weights_version: int
     gen_s: float = 0.0
+
+    @field_validator("logprobs")
+    @classmethod
+    def _a_logprob_per_token(cls, logprobs: list[float], info: ValidationInfo) -> list[float]:
+        # Stored as the episode's turn, it reaches the trainer's batch: a mismatch there fails
+        # every redo of the step until the job does.
+        ids = info.data.get("token_ids")
+        if ids is not None and len(logprobs) != len(ids):
+            raise ValueError(f"{len(logprobs)} logprobs for {len(ids)} token ids")
+        return logprobs
 
 
 # --- trainer --------------------------------------------------------------------------------
@@ -327,9 +340,11 @@ EventKind = Literal[
 
 
 class EventData(BaseModel):
-    """Base of an event's ``data``: the fields readers rely on are typed, others pass through."""
+    """Base of an event's ``data``: the fields readers rely on are typed, strictly (a step of
+    ``"5.0"`` is refused, not read as 5 here and fed to ``int()`` by a reader that trusts the
+    check), others pass through."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", frozen=True, allow_inf_nan=False, strict=True)
 
 
 class StepData(EventData):
@@ -339,6 +354,9 @@ class StepData(EventData):
 
 class StepCommittedData(StepData):
     weights_version: int
+    durable_step: int = -1
+    reward_mean: float | None = None
+    checksum: str = ""
 
 
 class FaultData(EventData):
@@ -365,7 +383,13 @@ class RecoveredData(FaultRefData):
 
 class WorkLostData(FaultRefData):
     tokens: int = Field(0, ge=0)
+    turns: int = Field(0, ge=0)
     steps_redone: int = Field(0, ge=0)
+
+
+class TurnRegeneratedData(FaultRefData):
+    tokens: int = Field(0, ge=0)
+    episode_id: str = ""
 
 
 class MemberData(EventData):
@@ -378,6 +402,7 @@ EVENT_DATA: dict[str, type[EventData]] = {
     "step_started": StepData, "step_committed": StepCommittedData,
     "fault_injected": FaultData, "fault_detected": FaultData, "decision": DecisionData,
     "action": FaultRefData, "recovered": RecoveredData, "work_lost": WorkLostData,
+    "turn_regenerated": TurnRegeneratedData,
     "member_started": MemberData, "member_ready": MemberData, "member_exited": MemberData,
 }
 """Typed ``data`` of the event kinds that accounting, the report and the dashboard read; other

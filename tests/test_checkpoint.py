@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
@@ -121,6 +122,25 @@ def test_manifest_missing_means_invisible(file_store: FileObjectStore) -> None:
     with pytest.raises(CheckpointError) as err:
         ck.load(2)
     assert err.value.name == ck.manifest_key(2)
+
+
+@pytest.mark.parametrize("name", ["../x", "", "a//b", "./m"])
+def test_a_manifest_naming_a_blob_outside_its_folder_is_a_bad_checkpoint_not_a_store_failure(
+        file_store: FileObjectStore, name: str) -> None:
+    """Loading falls back to the older checkpoint (a StorageError here used to fail the gang's
+    start as if S3 were down)."""
+    model, opt = _trainer()
+    ck = Checkpointer(file_store, "c")
+    for step in (1, 2):
+        _snap(ck, step, model, opt)
+        ck.wait_uploaded(30)
+    raw = json.loads(file_store.get(ck.manifest_key(2)))
+    raw["blobs"][0]["name"] = name
+    file_store.put(ck.manifest_key(2), json.dumps(raw).encode())
+    state = ck.load_latest()
+    assert state is not None and state.step == 1
+    with pytest.raises(CheckpointError):
+        ck.load(2)
 
 
 class _FailingManifestStore(FileObjectStore):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from support import eventually_async
 
 from robustrl.chaos.scenario import Faults, PlannedFault, load_scenario, plan
 from robustrl.errors import ScenarioError
+from robustrl.messages import ChaosRequest
 
 TEXT = """
 name: mixed
@@ -86,6 +88,12 @@ def test_builder_matches_yaml_and_round_trips() -> None:
     ("faults: [{kind: crash, role: rollout, at_step: 1, within_step: Decoding}]", "faults[0].within_step"),
     ("faults: [{kind: crash, role: rollout, at_step: 1, within_step: -1}]", "faults[0].within_step"),
     ("faults: [{kind: slow, role: rollout, at_step: 1, factor: 0.5}]", "faults[0].factor"),
+    # Past what injection accepts (ChaosRequest): refused here, not after the job ran unfaulted.
+    ("faults: [{kind: slow, role: rollout, at_step: 1, factor: 2000}]", "faults[0].factor"),
+    ("faults: [{kind: hang, role: rollout, at_step: 1, duration_s: 3601}]", "faults[0].duration_s"),
+    ("faults: [{kind: hang, role: rollout, at_step: 1, duration_s: .inf}]", "faults[0].duration_s"),
+    ("faults: [{kind: crash, role: rollout, at_step: 1, within_step: .inf}]", "faults[0].within_step"),
+    ("faults: [{kind: crash, role: rollout, at_step: 1, within_step: .nan}]", "faults[0].within_step"),
     ("faults: [{kind: tool_outage, at_step: 1}]", "faults[0].duration_s"),
     ("faults: [{kind: tool_outage, role: rollout, at_step: 1, duration_s: 1}]", "faults[0].role"),
     ("faults: [{kind: crash, role: rollout, at_step: 1, colour: red}]", "faults[0].colour"),
@@ -109,6 +117,15 @@ def test_bad_scenarios_name_the_field(text: str, field: str) -> None:
     with pytest.raises(ScenarioError) as err:
         load_scenario(text)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("name", ["ettr.v2", "x" * 200, "crash trainer/every 10"])
+def test_any_scenario_name_plans_fault_ids_the_bus_accepts(name: str) -> None:
+    sc = load_scenario(f"name: {json.dumps(name)}\nfaults: [{{kind: crash, role: rollout, member: all, every: 1}}]")
+    planned = plan(sc, steps=12)
+    assert planned
+    for p in planned:  # the request the harness sends for it (it raised at injection time before)
+        ChaosRequest(job_id="j", fault_id=p.fault_id, kind=p.kind, role=p.role, member=p.member_index)  # type: ignore[arg-type]
 
 
 def test_plan_rejects_member_index_beyond_the_job() -> None:

@@ -40,6 +40,7 @@ The same faults come from the builder: ``Faults().crash("rollout", member=1, at_
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from collections.abc import Mapping
@@ -51,7 +52,7 @@ import yaml
 
 from robustrl.config import JobSpec
 from robustrl.errors import ConfigError, ScenarioError
-from robustrl.messages import ChaosKind, ChaosMoment, ChaosRole
+from robustrl.messages import ChaosKind, ChaosMoment, ChaosRequest, ChaosRole
 
 Policy = Literal["role_local", "whole_job"]
 Member = int | Literal["random", "all"]
@@ -246,19 +247,20 @@ def parse_fault(entry: object, index: int = 0) -> FaultSpec:
     if not (_is_int(start) and start >= 0):
         raise bad("start", f"must be an integer >= 0, got {start!r}")
     within = entry.get("within_step", "random")
-    if not (within in ("random", DECODING) or (_is_number(within) and within >= 0)):
-        raise bad("within_step", f"must be 'random', 'decoding' or seconds >= 0, got {within!r}")
+    if not (within in ("random", DECODING) or (_is_number(within) and 0 <= within <= MAX_WITHIN_STEP_S)):
+        raise bad("within_step", f"must be 'random', 'decoding' or seconds in [0, {MAX_WITHIN_STEP_S:g}], "
+                                 f"got {within!r}")
     if within == DECODING and role not in DECODING_ROLES:
         raise bad("within_step", f"'decoding' waits for a member to decode: only {', '.join(DECODING_ROLES)} "
                                  f"members decode, not {role}")
     duration = entry.get("duration_s", DEFAULT_HANG_S if kind == "hang" and role in CONTROL_PLANE else 0.0)
-    if not (_is_number(duration) and duration >= 0):
-        raise bad("duration_s", f"must be seconds >= 0, got {duration!r}")
+    if not (_is_number(duration) and 0 <= duration <= MAX_DURATION_S):
+        raise bad("duration_s", f"must be seconds in [0, {MAX_DURATION_S:g}], got {duration!r}")
     if kind == "tool_outage" and duration <= 0:
         raise bad("duration_s", "a tool outage needs a duration > 0 (the job cannot finish otherwise)")
     factor = entry.get("factor", DEFAULT_SLOW_FACTOR if kind == "slow" else 1.0)
-    if not (_is_number(factor) and factor >= 1.0):
-        raise bad("factor", f"must be a number >= 1, got {factor!r}")
+    if not (_is_number(factor) and 1.0 <= factor <= MAX_FACTOR):
+        raise bad("factor", f"must be a number in [1, {MAX_FACTOR:g}], got {factor!r}")
     if kind == "slow" and factor <= 1.0:
         raise bad("factor", "a slow fault needs a factor > 1")
     against = entry.get("against", [])
@@ -306,7 +308,25 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite number (``.inf`` in YAML is a float too: a wait that never ends)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _field_max(name: str) -> float:
+    """The upper bound ``ChaosRequest`` puts on a field: a scenario accepts what injection accepts."""
+    return next(m.le for m in ChaosRequest.model_fields[name].metadata if getattr(m, "le", None) is not None)
+
+
+MAX_DURATION_S = _field_max("duration_s")
+MAX_FACTOR = _field_max("factor")
+MAX_WITHIN_STEP_S = 3600.0
+"""A fault's delay into its step: longer is no moment of the step."""
+
+
+def fault_id_part(name: str) -> str:
+    """The scenario's name as it may appear in a fault id (``[A-Za-z0-9_-]``, 40 characters:
+    the step and member suffix keeps the id within the bus's 64)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", name)[:40] or "scenario"
 
 
 # --- planning -----------------------------------------------------------------------------
@@ -360,7 +380,7 @@ def plan(scenario: Scenario, steps: int, *, step_time_s: float = 1.0,
             for member in targets:
                 out.append(PlannedFault(step=step, delay_s=delay, kind=f.kind, role=f.role,
                                         member_index=member, duration_s=f.duration_s, factor=f.factor,
-                                        fault_id=f"{scenario.name}-{i}-s{step}-m{member}", against=f.against,
+                                        fault_id=f"{fault_id_part(scenario.name)}-{i}-s{step}-m{member}", against=f.against,
                                         until=DECODING if f.within_step == DECODING else None,
                                         moment=f.moment))
     out.sort(key=lambda p: (p.step, p.delay_s, p.fault_id))

@@ -144,17 +144,29 @@ return redis.call('HDEL', KEYS[1], ARGV[1])
     async def get(self, job_id: str) -> dict[str, Any] | None:
         """``job_id``'s record; None if there is none (or it is damaged)."""
         raw = await _call(self.r.hget(Keys.jobs(), job_id), Keys.jobs())
-        try:
-            return None if raw is None else json.loads(raw)
-        except ValueError:
-            return None
+        return None if raw is None else _job_record(job_id, raw)
 
     async def all(self) -> dict[str, dict[str, Any]]:
+        """Every job's record; a damaged one (not JSON, not an object, ``deleting`` not an object)
+        is logged and skipped, never overwritten here: it must not stop a takeover or a restart
+        from taking up the others."""
         raw = await _call(self.r.hgetall(Keys.jobs()), Keys.jobs())
         out = {}
         for k, v in raw.items():
-            try:
-                out[k.decode()] = json.loads(v)
-            except ValueError:
-                continue  # a damaged record is skipped, never overwritten here
+            job_id = k.decode(errors="replace")
+            if (rec := _job_record(job_id, v)) is not None:
+                out[job_id] = rec
         return out
+
+
+def _job_record(job_id: str, raw: bytes | str) -> dict[str, Any] | None:
+    """A registry value as a record; None (logged) if it is damaged."""
+    try:
+        rec = json.loads(raw)
+    except ValueError as exc:
+        log.error("job %s: registry record does not parse (%s): skipped", job_id, exc)
+        return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("deleting") or {}, dict):
+        log.error("job %s: registry record is not a job record (%.200r): skipped", job_id, rec)
+        return None
+    return rec
