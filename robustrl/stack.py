@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import psutil
@@ -235,7 +235,8 @@ class Stack:
         self._stop_supervision.set()
         if self._thread:
             self._thread.join()
-        write_handover(self.run_dir, list(self.supervisor.specs.values()), self.supervisor.pids(), self.policy)
+        write_handover(self.run_dir, list(self.supervisor.specs.values()), self.supervisor.pids(), self.policy,
+                       self.supervisor.starts())
         env = {**os.environ, **self.settings.to_env(), **self.extra_env}
         with open(self.run_dir / "logs" / "supervisor.log", "ab") as out:
             proc = subprocess.Popen([sys.executable, "-m", "robustrl.supervisor", str(self.run_dir)], env=env,
@@ -315,8 +316,8 @@ class Stack:
     def _write_state(self) -> None:
         assert self.settings
         path = self.run_dir / STACK_FILE
-        pids = self.pids()
-        state = {"api_url": self.api_url, "token": self.settings.api_token, "pids": pids, "starts": _starts(pids)}
+        state = {"api_url": self.api_url, "token": self.settings.api_token, "pids": self.pids(),
+                 "starts": self.supervisor.starts() if self.supervisor else {}}
         if self._supervisor_pid:
             state["supervisor_pid"] = self._supervisor_pid
             state["supervisor_start"] = start_time(self._supervisor_pid)
@@ -359,21 +360,17 @@ def role_of(name: str) -> str:
     return base if base and index.isdigit() else name
 
 
-def update_pids(run_dir: Path, pids: dict[str, int]) -> None:
-    """A detached supervisor records the restarted services' pids for ``robustrl down``."""
+def update_pids(run_dir: Path, pids: dict[str, int], starts: dict[str, float | None]) -> None:
+    """A detached supervisor records the restarted services' pids for ``robustrl down``, each with
+    its start (``Supervisor.starts``): ``down`` signals a recorded pid only while it still names
+    that process (the file may be stale: a supervisor that died before it recorded a restart, a
+    service given up, a reboot)."""
     path = run_dir / STACK_FILE
     with contextlib.suppress(OSError, ValueError):
         state = json.loads(path.read_text())
         state["pids"] = pids
-        state["starts"] = _starts(pids)
+        state["starts"] = starts
         binaries.write_private(path, json.dumps(state))
-
-
-def _starts(pids: dict[str, int]) -> dict[str, float | None]:
-    """Each service's start (``robustrl.procs``), recorded beside its pid: ``down`` signals a
-    recorded pid only while it still names that process (the file may be stale: a supervisor
-    that died before it recorded a restart, a reboot)."""
-    return {name: start_time(pid) for name, pid in pids.items()}
 
 
 def stop_detached(run_dir: Path | str) -> list[str]:
@@ -382,22 +379,26 @@ def stop_detached(run_dir: Path | str) -> list[str]:
     stopped = []
     path = run_dir / STACK_FILE
     if path.exists():
-        state = json.loads(path.read_text())
-        sup_pid = state.get("supervisor_pid")
+        state = _read_stack_file(path)
+        sup_pid = _pid(state.get("supervisor_pid"))
         # A pid is signalled only while it names the recorded process; a file written before
         # starts were recorded names none, and its pids get SIGTERM but never SIGKILL.
-        if sup_pid and is_running(sup_pid, state.get("supervisor_start")):
+        if sup_pid and _names(sup_pid, state.get("supervisor_start")):
             # The supervisor first, or it would start again what is stopped next.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(sup_pid, signal.SIGTERM)
                 _wait_pid_gone(sup_pid, STOP_GRACE_S)
                 stopped.append("supervisor")
-        state = json.loads(path.read_text())  # the pids of what the supervisor restarted
-        starts = state.get("starts", {})
+        state = _read_stack_file(path)  # the pids of what the supervisor restarted
+        starts = state.get("starts")
         signalled: dict[str, tuple[int, float | None]] = {}
-        for name, pid in state.get("pids", {}).items():
-            started = starts.get(name)
-            if not is_running(pid, started):
+        pids = state.get("pids")
+        for name, raw_pid in (pids.items() if isinstance(pids, dict) else ()):
+            pid = _pid(raw_pid)
+            started = starts.get(name) if isinstance(starts, dict) else None
+            if pid is None or (isinstance(starts, dict) and started is None):
+                continue  # not a pid; or recorded with no start: it was gone when the file was written
+            if not _names(pid, started):
                 continue  # gone, or the pid is another process's now
             try:
                 os.killpg(pid, signal.SIGCONT)  # a frozen service cannot act on SIGTERM
@@ -412,7 +413,7 @@ def stop_detached(run_dir: Path | str) -> list[str]:
         for pid, _ in signalled.values():
             _wait_pid_gone(pid, max(0.0, deadline - time.monotonic()))
         for name, (pid, started) in signalled.items():  # past its grace, a service is killed
-            if started is not None and is_running(pid, started):
+            if started is not None and _names(pid, started):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
                 _wait_pid_gone(pid, STOP_GRACE_S)
@@ -427,6 +428,32 @@ def stop_detached(run_dir: Path | str) -> list[str]:
         except Exception:
             pass
     return stopped
+
+
+def _pid(value: object) -> int | None:
+    """A recorded pid, or None: never 0, -1 or 1 (our own group, every process, init)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else None
+
+
+def _names(pid: int, started: object) -> bool:
+    """Whether ``pid`` runs and is the process recorded as started then (None: any); a start that
+    is not a number names no process."""
+    if started is not None and (not isinstance(started, int | float) or isinstance(started, bool)):
+        return False
+    return is_running(pid, started)
+
+
+def _read_stack_file(path: Path) -> dict[str, Any]:
+    """``stack.json`` as written by ``up``; a damaged one reads as empty (logged), so that ``down``
+    still stops the infra and the members marked as this stack's."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        state = exc
+    if isinstance(state, dict):
+        return state
+    print(f"{path} is damaged ({state!r:.200}): its services are not named; stopping the rest", file=sys.stderr)
+    return {}
 
 
 def _wait_pid_gone(pid: int, timeout: float) -> None:

@@ -125,7 +125,7 @@ class _Proc:
         self.pid = pid
         self.popen = popen
         self.create_time = create_time  # seconds since boot (robustrl.procs)
-        if popen is None and create_time is None:
+        if create_time is None:  # taken now: our child just spawned, or the process adopted
             self.create_time = start_time(pid)
 
     def returncode(self) -> int | None:
@@ -187,6 +187,12 @@ class Supervisor:
     def pids(self) -> dict[str, int]:
         with self._lock:
             return {n: p.pid for n, p in self.procs.items()}
+
+    def starts(self) -> dict[str, float | None]:
+        """Each service's start as taken when it was spawned or adopted (``robustrl.procs``),
+        beside ``pids``: a pid whose process is gone names no one once the file is read."""
+        with self._lock:
+            return {n: p.create_time for n, p in self.procs.items()}
 
     def exited(self) -> dict[str, int]:
         """Services whose process is gone right now: name -> exit code."""
@@ -390,10 +396,11 @@ def read_restarts(run_dir: Path | str) -> list[dict[str, object]]:
 # --- detached mode (``robustrl up``) -----------------------------------------------------------
 
 
-def write_handover(run_dir: Path, specs: list[ServiceSpec], pids: dict[str, int], policy: RestartPolicy) -> None:
-    """What a detached supervisor needs (no secrets: those come in its environment)."""
+def write_handover(run_dir: Path, specs: list[ServiceSpec], pids: dict[str, int], policy: RestartPolicy,
+                   starts: dict[str, float | None]) -> None:
+    """What a detached supervisor needs (no secrets: those come in its environment); ``starts``
+    as the handing supervisor took them (``Supervisor.starts``)."""
     path = run_dir / SUPERVISOR_FILE
-    starts = {name: start_time(pid) for name, pid in pids.items()}  # taken now, by the process that started them
     path.write_text(json.dumps({"specs": [asdict(s) for s in specs], "pids": pids, "starts": starts,
                                 "policy": asdict(policy)}))
     path.chmod(0o600)
@@ -407,7 +414,7 @@ def main(argv: list[str]) -> None:
     raw = json.loads((run_dir / SUPERVISOR_FILE).read_text())
     specs = [ServiceSpec(**s) for s in raw["specs"]]
     sup = Supervisor(run_dir, specs, os.environ, RestartPolicy(**raw["policy"]),
-                     on_change=lambda pids: update_pids(run_dir, pids))
+                     on_change=lambda pids: update_pids(run_dir, pids, sup.starts()))
     starts = raw.get("starts", {})
     for name, pid in raw["pids"].items():
         sup.adopt(name, int(pid), starts.get(name))

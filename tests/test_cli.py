@@ -126,6 +126,34 @@ def test_status_without_a_stack_says_what_to_do(tmp_path):
     assert res.returncode == 2 and "robustrl up" in res.stdout
 
 
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"api_url": 5}', '{"pids": {"controller": "x"}, '
+                                     '"supervisor_pid": -1, "starts": 7}'])
+def test_a_damaged_stack_file_is_a_clear_error_and_down_still_runs(tmp_path, content):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "stack.json").write_text(content)
+    status = _robustrl("status", "--run-dir", str(run_dir), check=False)
+    assert status.returncode == 2 and "damaged" in status.stdout and "Traceback" not in status.stderr
+    down = _robustrl("down", "--run-dir", str(run_dir), check=False)
+    assert down.returncode == 0 and "Traceback" not in down.stderr, down.stderr
+    assert not (run_dir / "stack.json").exists()
+
+
+@pytest.mark.parametrize("job_id", ["../jobs/y", "x?checkpoints=true", "a/b", "", "x" * 65])
+def test_a_job_id_that_would_name_another_url_is_refused_before_any_request(job_id):
+    from robustrl.client import ApiClient
+    from robustrl.errors import JobError
+
+    api = ApiClient("http://127.0.0.1:9", "token")  # nothing listens: no request may be made
+    try:
+        for call in (api.job, api.events, api.report, api.stop, api.delete):
+            with pytest.raises(JobError) as err:
+                call(job_id)
+            assert err.value.field == "job_id"
+    finally:
+        api.close()
+
+
 def test_chaos_run_json_prints_only_the_report_on_stdout(tmp_path):
     scenario = tmp_path / "one-crash.yaml"
     scenario.write_text(yaml.safe_dump({

@@ -116,12 +116,12 @@ class Rig:
         self.buses.append(bus)
         return bus
 
-    async def controller(self) -> Controller:
+    async def controller(self, **kwargs: Any) -> Controller:
         # Cold starts: these members are stand-ins that import nothing heavy, and a zygote's
         # imports (5.5 s) per controller would cost more than they save.
         launcher = LocalLauncher(self.log_dir, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"})
         c = Controller(await self.connect("controller", "controller"), self.redis, launcher, self.settings,
-                       lease_ttl_s=LEASE_TTL_S)
+                       lease_ttl_s=LEASE_TTL_S, **kwargs)
         await c.start()
         self.controllers.append(c)
         return c
@@ -263,6 +263,30 @@ async def test_restarted_controller_adopts_running_members_and_restarts_none(rig
     assert all(alive(p) for m, p in pids.items() if m != victim and p)
     fault = next(f for f in of_kind(events, "fault_detected") if f["fault_id"] == f"exit-{victim}")
     assert fault["detected_at"] - fault["fault_at"] < 1.0
+
+
+async def test_a_resume_the_request_manager_never_acknowledged_is_owed_until_it_is(rig: Rig) -> None:
+    """The request manager is away (or the bus between them) for longer than the launch's
+    acknowledgement attempts: its resume is lost, and nothing else would start the job (every
+    member is healthy, the request manager never ran it, so it was never silent for it). The
+    resume is owed and sent again until it is acknowledged; a whole-job restart's likewise."""
+    assert rig.rm is not None
+    rig.rm.alive = False
+    c = await rig.controller(rm_ack_attempts=1)
+    await c.wait_leading(10)
+    job = await c.submit(spec("cpowed"))
+    await eventually_async(lambda: _noted(rig, job.job_id, "request manager never acknowledged resume"),
+                           timeout=30, what="the launch's resume unacknowledged")
+    rig.rm.alive = True
+    resumed = await eventually_async(
+        lambda: [m for m in rig.rm.commands if m.job_id == job.job_id and m.action == "resume"],  # type: ignore[union-attr]
+        timeout=30, what="the owed resume sent again and acknowledged")
+    assert resumed[0].args == {"start_step": 0, "committed": -1}
+    await eventually_async(lambda: not job.rm_resume_owed, timeout=10, what="nothing owed once acknowledged")
+
+
+async def _noted(rig: Rig, job_id: str, text: str) -> bool:
+    return any(d.get("text") == text for d in of_kind(await rig.events(job_id), "note"))
 
 
 def running(pid: int) -> bool:

@@ -16,6 +16,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -25,6 +27,7 @@ from robustrl.config import Settings
 from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.launcher.local import LocalLauncher
 from robustrl.launcher.spare import pid_handle
+from robustrl import procs
 from robustrl.procs import is_running, start_time
 from robustrl.stack import STACK_FILE, stop_detached
 from robustrl.supervisor import ServiceSpec, Supervisor
@@ -107,20 +110,58 @@ def test_down_kills_a_service_that_ignores_sigterm_and_never_signals_a_pid_that_
     """``robustrl down`` on a ``stack.json``: a service still running past its grace is killed;
     a recorded pid whose start is not the recorded one (a stale file: the pid is another
     process's now) gets no signal at all."""
-    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-                                 "signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"],
-                                stdout=subprocess.PIPE, start_new_session=True)
+    stubborn = _stubborn()
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
     try:
-        assert stubborn.stdout is not None and stubborn.stdout.readline() == b"ready\n"
-        pids = {"controller": stubborn.pid, "detector": bystander.pid}
-        starts = {"controller": start_time(stubborn.pid), "detector": (start_time(bystander.pid) or 0) - 30.0}
+        pids = {"controller": stubborn.pid, "detector": bystander.pid, "request_manager": bystander.pid}
+        starts = {"controller": start_time(stubborn.pid), "detector": (start_time(bystander.pid) or 0) - 30.0,
+                  "request_manager": None}  # gone when the file was written: its pid names no one
         (tmp_path / STACK_FILE).write_text(json.dumps({"pids": pids, "starts": starts}))
         stopped = stop_detached(tmp_path)
-        assert "controller (killed past its grace)" in stopped and "detector" not in stopped
+        assert "controller (killed past its grace)" in stopped
+        assert "detector" not in stopped and "request_manager" not in stopped
         assert not is_running(stubborn.pid, starts["controller"])  # reaped by down's wait, or a zombie
         assert bystander.poll() is None, "a pid naming another process was signalled"
     finally:
         for proc in (stubborn, bystander):
             proc.kill()
             proc.wait()
+
+
+def _stubborn() -> subprocess.Popen[bytes]:
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", code],
+                            stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+    return proc
+
+
+def test_down_on_a_stack_file_of_the_previous_release_stops_its_services_but_kills_none(
+        sleeper, tmp_path) -> None:
+    """A ``stack.json`` without starts names its processes by pid alone: they get SIGTERM as
+    before, and no SIGKILL (a pid it names may be another process's by now)."""
+    stubborn = _stubborn()
+    try:
+        started = {p.pid: start_time(p.pid) for p in (stubborn, sleeper)}
+        (tmp_path / STACK_FILE).write_text(json.dumps({"pids": {"controller": stubborn.pid, "detector": sleeper.pid}}))
+        stopped = stop_detached(tmp_path)
+        assert stopped == ["controller", "detector"]
+        assert not is_running(sleeper.pid, started[sleeper.pid])  # SIGTERM
+        assert is_running(stubborn.pid, started[stubborn.pid])  # ignored SIGTERM, never killed
+    finally:
+        stubborn.kill()
+        stubborn.wait()
+
+
+def test_a_member_adopted_from_an_old_handle_stays_running_across_a_clock_step(
+        sleeper, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adopted from a wall-clock handle (the previous release's), a member is then followed by
+    its start since boot: a later step of the wall clock must not end it."""
+    wall = psutil.Process(sleeper.pid).create_time()
+    launcher = LocalLauncher(tmp_path / "members")
+    assert launcher.adopt("j", "j--rollout-0-i0", "rollout", {"pid": sleeper.pid, "create_time": wall}) is True
+    real = time.time
+    monkeypatch.setattr(procs, "time", SimpleNamespace(time=lambda: real() + 1.3, clock_gettime=time.clock_gettime,
+                                                       CLOCK_BOOTTIME=time.CLOCK_BOOTTIME))
+    assert launcher.running() == ["j--rollout-0-i0"], "a live member read as ended after a clock step"
+    assert launcher.poll() == []

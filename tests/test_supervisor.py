@@ -20,6 +20,7 @@ import psutil
 import pytest
 from support import eventually
 
+from robustrl.procs import start_time
 from robustrl.supervisor import RestartPolicy, ServiceSpec, Supervisor, read_restarts
 
 
@@ -159,15 +160,18 @@ def test_detached_supervisor_adopts_processes_it_did_not_start(tmp_path: Path) -
     orphan = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     (tmp_path / "stack.json").write_text('{"pids": {}}')
-    write_handover(tmp_path, [spec], {"svc": orphan.pid}, RestartPolicy(backoff_s=0.05, hang_timeout_s=0))
+    write_handover(tmp_path, [spec], {"svc": orphan.pid}, RestartPolicy(backoff_s=0.05, hang_timeout_s=0),
+                   {"svc": start_time(orphan.pid)})
     sup = subprocess.Popen([sys.executable, "-m", "robustrl.supervisor", str(tmp_path)], start_new_session=True)
     try:
         os.killpg(orphan.pid, signal.SIGKILL)
         orphan.wait(5)
         restarted = eventually(lambda: read_restarts(tmp_path), timeout=40, what="adopted svc restarted")
         assert restarted[0]["old_pid"] == orphan.pid
-        assert json.loads((tmp_path / "stack.json").read_text())["pids"]["svc"] == restarted[0]["new_pid"]
+        state = json.loads((tmp_path / "stack.json").read_text())
         new_pid = int(restarted[0]["new_pid"])
+        assert state["pids"]["svc"] == new_pid
+        assert state["starts"]["svc"] == start_time(new_pid)  # what down checks before a signal
     finally:
         sup.terminate()
         sup.wait(60)

@@ -72,7 +72,7 @@ from robustrl.launcher.spare import (
 from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 from robustrl.launcher.zygote import READY_WAIT_S, ForkedProc, Zygote, fork_start_enabled
 from robustrl.model.engines.envs import interpreter
-from robustrl.procs import is_running, same_start
+from robustrl.procs import is_running, same_start, start_time
 
 _log = logging.getLogger(__name__)
 
@@ -699,6 +699,9 @@ class LocalLauncher(Launcher):
             return False
         if not is_running(pid, created, START_TIME_TOLERANCE_S):
             return False
+        started = start_time(pid)  # the check below holds it, not a wall-clock start of an old handle
+        if started is None:
+            return False
         with self._lock:
             current = self._members.get(member_id)
             if current is not None and current.proc.poll() is None:
@@ -706,7 +709,7 @@ class LocalLauncher(Launcher):
             host = handle.get("host")
             spec = MemberSpec(job_id, member_id, role, module="", env={},
                               host=host if isinstance(host, str) else None)
-            self._members[member_id] = _Member(spec, _Adopted(pid, created), MemberState.RUNNING)
+            self._members[member_id] = _Member(spec, _Adopted(pid, started), MemberState.RUNNING)
         return True
 
     def log_tail(self, member_id: str, lines: int = 20) -> str:
