@@ -37,6 +37,7 @@ from robustrl.messages import ControlCommand, FaultReport, MemberHello, MetricsS
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.redis_stores import Keys, connect
 from robustrl.subjects import Verb, all_jobs_exact, subject
+from robustrl.subjects import events as event_subject
 
 pytestmark = pytest.mark.timeout(120)
 TESTS = Path(__file__).resolve().parent
@@ -283,6 +284,33 @@ async def test_a_resume_the_request_manager_never_acknowledged_is_owed_until_it_
         timeout=30, what="the owed resume sent again and acknowledged")
     assert resumed[0].args == {"start_step": 0, "committed": -1}
     await eventually_async(lambda: not job.rm_resume_owed, timeout=10, what="nothing owed once acknowledged")
+
+
+async def test_damaged_registry_records_and_lying_event_values_do_not_stop_a_takeover(rig: Rig) -> None:
+    """Beside a running job, registry records that are JSON but no job record, and a commit event
+    whose values a lax check passes: the next controller still leads and takes the job up (before,
+    ``rec.get`` or ``int("5.0")`` raised in the takeover, which gave the lease up, for every
+    standby in turn)."""
+    a, job = await leading_job_at_step_0(rig, "cpdamaged")
+    await a.close(stop_members=False)
+    for jid, raw in {"dmg-int": "5", "dmg-list": "[]", "dmg-null": "null",
+                     "dmg-deleting": '{"status": "finished", "deleting": 5}'}.items():
+        await rig.redis.hset(Keys.jobs(), jid, raw)
+    assert rig.bus is not None
+    for data in ({"step": "5.0", "epoch": 1, "weights_version": 6},
+                 {"step": 4, "epoch": 1, "weights_version": 5, "durable_step": "x"}):
+        await rig.bus.publish_raw(event_subject(job.job_id, "step_committed"), json.dumps(
+            {"job_id": job.job_id, "kind": "step_committed", "ts": time.time(), "data": data}).encode())
+    trainer = await rig.connect("test-trainer", "trainer")
+    await trainer.emit_event(job.job_id, "step_committed", {"step": 1, "epoch": 1, "weights_version": 2,
+                                                            "checksum": "y", "durable_step": 1})
+    b = await rig.controller()
+    await b.wait_leading(10)
+    restored = b.get(job.job_id)
+    assert restored.committed_step == 1 and restored.durable_step == 1  # the lying commits skipped
+    assert b.leading and not [j for j in b.jobs if j.startswith("dmg-")]
+    await asyncio.sleep(3 * LEASE_TTL_S)  # an absence (the lease given up) is watched over a window
+    assert b.leading
 
 
 async def _noted(rig: Rig, job_id: str, text: str) -> bool:
