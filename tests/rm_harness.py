@@ -127,6 +127,7 @@ class Harness:
         self.rm_bus: Bus | None = None
         self.committed = -1
         self.rm_samples: list[MetricsSample] = []  # the request manager's own metrics
+        self.answer_spec = True  # False: the controller is busy (its spec does not come)
 
     async def __aenter__(self) -> Harness:
         self.bus = await Bus.connect(self.settings.nats_url, "harness")
@@ -150,6 +151,8 @@ class Harness:
         await self.redis.aclose()
 
     async def _on_spec(self, msg: SpecRequest, _s: str, reply: str | None) -> None:
+        if not self.answer_spec:
+            return
         await self.bus.respond(reply, SpecReply(job_id=self.job_id, spec=self.spec, epoch=1,
                                                 resume_step=self.committed + 1))
 

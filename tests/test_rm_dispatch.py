@@ -518,3 +518,29 @@ async def test_one_failure_during_a_long_start_up_is_not_a_step_deadline(servers
         await h.replica("rollout-0-i0")
         await eventually_async(lambda: 0 in h.batches, timeout=15, what="step 0 handed over")
         assert not [f for f in h.faults if f.cause == "step_deadline"], h.faults
+
+
+async def test_a_resume_the_request_manager_could_not_carry_out_is_not_acknowledged(servers) -> None:
+    """The controller's spec does not come (it is reading a long event log): the request manager
+    cannot start the job, and must not acknowledge the resume (an acknowledgement ends what the
+    controller owes, with nothing resumed); once the spec comes, the resume sent again runs it."""
+    from robustrl.errors import RequestTimeout
+    from robustrl.messages import ControlCommand
+    from robustrl.services.request_manager.service import SPEC_TIMEOUT_S
+    from robustrl.storage.control_stores import JobRegistry
+    from robustrl.subjects import Verb, subject
+
+    async with Harness(servers, rm_spec("noack")) as h:
+        await JobRegistry(h.redis).put(h.job_id, {"spec": h.spec, "status": "pending"})  # no start-up scan
+        h.answer_spec = False
+        rm = await h.start_rm(send_resume=False)
+        resume = ControlCommand(job_id=h.job_id, target="request_manager", action="resume",
+                                args={"start_step": 0, "committed": -1}, fence=1)
+        with pytest.raises(RequestTimeout):
+            await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), resume, ControlCommand,
+                                timeout=SPEC_TIMEOUT_S + 2.0)
+        assert h.job_id not in rm.jobs
+        h.answer_spec = True
+        await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), resume, ControlCommand,
+                            timeout=SPEC_TIMEOUT_S + 2.0)
+        assert h.job_id in rm.jobs and not rm.jobs[h.job_id].paused

@@ -229,6 +229,12 @@ class RequestManager:
         job = self.jobs.get(msg.job_id)
         if msg.action == "resume":
             job = await self._ensure_job(msg.job_id, msg.args.get("start_step"))
+            if job is None:
+                # The controller's spec did not come (it is busy reading the job's log, or the bus
+                # is slow): not acknowledged, so the controller sends the resume again; an
+                # acknowledgement here would end what it owes with nothing resumed.
+                log.warning("job %s: resume not carried out (no spec): not acknowledged", msg.job_id)
+                return
             if job:
                 job.paused = False
                 job.restarted_for = None
