@@ -368,6 +368,8 @@ def update_pids(run_dir: Path, pids: dict[str, int], starts: dict[str, float | N
     path = run_dir / STACK_FILE
     with contextlib.suppress(OSError, ValueError):
         state = json.loads(path.read_text())
+        if not isinstance(state, dict):
+            state = {}  # damaged: what is running now is what it must say
         state["pids"] = pids
         state["starts"] = starts
         binaries.write_private(path, json.dumps(state))

@@ -42,7 +42,7 @@ class Verb(str, Enum):
 def token(value: str | int, what: str = "token") -> str:
     """Validate one subject token (job id, member id, role)."""
     text = str(value)
-    if not _TOKEN.match(text):
+    if not _TOKEN.fullmatch(text):  # (match would let a trailing newline through $)
         raise SubjectError(f"invalid {what} for a subject: {text!r}", field=what)
     return text
 

@@ -286,6 +286,37 @@ async def test_a_resume_the_request_manager_never_acknowledged_is_owed_until_it_
     await eventually_async(lambda: not job.rm_resume_owed, timeout=10, what="nothing owed once acknowledged")
 
 
+async def test_an_owed_resume_a_restart_step_overtook_is_never_sent(rig: Rig) -> None:
+    """The round schedules an owed resume; before its task runs, a whole-job restart's
+    restart_step is sent (its bookkeeping is synchronous, done here as it does it): the resume,
+    arriving after it, would let the request manager run the step on members being replaced."""
+    assert rig.rm is not None
+    c, job = await leading_job_at_step_0(rig, "cpovertaken")
+    before = len(rig.rm.commands)
+    job.rm_resume_owed, job.rm_resume_next_at = True, 0.0
+    c.resend_owed_resume(job)  # scheduled, as of the commands sent so far
+    job.rm_supersede_seq += 1  # what control_rm(job, "restart_step") does before its first await
+    job.rm_resume_owed = False
+    await eventually_async(lambda: job.rm_resume_sending == 0 and job.rm_resume_next_at > 0, timeout=10,
+                           what="the scheduled resume's task done")
+    assert [m.action for m in rig.rm.commands[before:] if m.job_id == job.job_id] == []
+
+
+async def test_a_new_leader_owes_the_request_manager_a_resume(rig: Rig) -> None:
+    """The leader died after the request manager was paused and before its resume was
+    acknowledged (a whole-job restart's window): the next leader sends it."""
+    assert rig.rm is not None
+    a, job = await leading_job_at_step_0(rig, "cpowedtake")
+    await a.close(stop_members=False)
+    before = len(rig.rm.commands)
+    b = await rig.controller()
+    await b.wait_leading(10)
+    await eventually_async(
+        lambda: [m for m in rig.rm.commands[before:] if m.job_id == job.job_id and m.action == "resume"],
+        timeout=20, what="the new leader's resume")
+    await eventually_async(lambda: not b.get(job.job_id).rm_resume_owed, timeout=10, what="acknowledged")
+
+
 async def test_damaged_registry_records_and_lying_event_values_do_not_stop_a_takeover(rig: Rig) -> None:
     """Beside a running job, registry records that are JSON but no job record, and a commit event
     whose values a lax check passes: the next controller still leads and takes the job up (before,

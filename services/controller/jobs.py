@@ -142,7 +142,8 @@ class JobRun:
     rm_resume_owed: bool = False
     """A ``resume`` (after the launch, after a whole-job restart) the request manager has not
     acknowledged: sent again every ``RM_RESUME_RETRY_S`` until it is, or until a ``pause``,
-    ``restart_step`` or ``stop`` supersedes it. Not persisted: a new leader resumes what it takes over."""
+    ``restart_step`` or ``stop`` supersedes it. Not persisted: a new leader owes every job it takes
+    up a resume (``Takeover.restore``)."""
     rm_resume_next_at: float = 0.0
     rm_resume_sending: int = 0  # resumes in flight: the round sends an owed one only when none is
     rm_supersede_seq: int = 0

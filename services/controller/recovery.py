@@ -514,7 +514,13 @@ class RecoveryExecutor:
 
     async def _resume_rm(self, job: JobRun, rec: ActiveRecovery) -> None:
         await self.c.reconcile(job, "request manager lost")
+        as_of = job.rm_supersede_seq
         while rec in job.recoveries and not job.done:
+            if job.rm_supersede_seq != as_of:
+                # A restart_step (a whole-job restart) was sent since: its own resume follows it,
+                # and one of this loop arriving after it would undo it mid-restart.
+                log.warning("job %s: request-manager resume superseded by a later command", job.job_id)
+                return
             # Replicas that died while it was away: it must not dispatch to them.
             dead = sorted(m.member_id for m in job.members.values()
                           if m.role == "rollout" and (not job.is_current(m.member_id) or m.state == "dead"))

@@ -538,12 +538,14 @@ class Controller:
         job.started_at = job.started_at or time.time()
         await self.persist(job)
         await self.event(job, "job_started", {"policy": job.policy, "resume_step": job.step})
+        superseded = False
         try:
             await self.starter.start_all(job)
         except StartSuperseded as exc:
             # A recovery (a whole-job restart for a member lost in the first moments) planned and
             # started newer members while these started: its start stands, and the job runs on it.
             log.warning("%s: the recovery's start stands", exc)
+            superseded = True
         if job.done:  # stopped meanwhile: no resume for a stopped job
             return
         job.launched = True
@@ -552,14 +554,22 @@ class Controller:
         await self.persist(job)
         # The submitter gets its answer without waiting for the request manager's acknowledgement
         # (retried for up to rm_ack_attempts x RM_ACK_TIMEOUT_S while the service restarts, then
-        # owed: sent again each RM_RESUME_RETRY_S until acknowledged).
-        self.spawn(self.resume_rm(job))
+        # owed: sent again each RM_RESUME_RETRY_S until acknowledged). Not after a recovery
+        # superseded this start: it sends its own resume once its members are started, and this
+        # one, arriving after its restart_step, would let the request manager run the step on
+        # the members being replaced.
+        if not superseded:
+            self.spawn(self.resume_rm(job))
 
-    async def resume_rm(self, job: JobRun, attempts: int | None = None) -> bool:
+    async def resume_rm(self, job: JobRun, attempts: int | None = None, owed_as_of: int | None = None) -> bool:
         """Send the request manager ``resume`` (the job's current step) and owe it until it is
         acknowledged: a resume lost while the service or the bus was away would otherwise leave the
         job paused at its step for good, with every member healthy and nothing silent. The
-        supervision round sends an owed resume again (``resend_owed_resume``)."""
+        supervision round sends an owed resume again (``resend_owed_resume``), as of the
+        request-manager commands sent by then (``owed_as_of``): a restart_step sent between that
+        round and this task supersedes it."""
+        if owed_as_of is not None and (owed_as_of != job.rm_supersede_seq or not job.rm_resume_owed):
+            return False
         job.rm_resume_owed = True
         job.rm_resume_sending += 1
         try:
@@ -573,8 +583,9 @@ class Controller:
         """One more try of a resume still owed, once ``RM_RESUME_RETRY_S`` has passed."""
         if (job.rm_resume_owed and not job.done and job.launched and not job.rm_resume_sending
                 and time.monotonic() >= job.rm_resume_next_at):
-            log.warning("job %s: the request manager's resume is still owed: sending it again", job.job_id)
-            self.spawn(self.resume_rm(job, attempts=1))
+            log.warning("job %s: the request manager's resume is still owed: sending it", job.job_id)
+            job.rm_resume_next_at = time.monotonic() + RM_RESUME_RETRY_S  # (the task sets it again when done)
+            self.spawn(self.resume_rm(job, attempts=1, owed_as_of=job.rm_supersede_seq))
 
     async def control_rm(self, job: JobRun, action: str, args: dict[str, Any] | None = None,
                          attempts: int | None = None, timeout_s: float = RM_ACK_TIMEOUT_S,

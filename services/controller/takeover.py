@@ -93,6 +93,11 @@ class Restorer:
             await c.event(job, "note", {"text": "controller took over; job resumed", "owner": c.owner,
                                         "adopted": sorted(adopted), "gone": sorted(gone)})
             job.service_seen_at["request_manager"] = time.time()
+            if cut is None:
+                # The previous leader may have died with a resume owed (after a whole-job restart,
+                # or the launch's): owed here too, sent by the next supervision round. A recovery
+                # started again sends its own (its restart_step first).
+                job.rm_resume_owed = True
             gone_exits += [ExitInfo(lid(job, mid), job.members[mid].role, None, mid in superseded) for mid in gone]
             await c.persist(job)
             # Only now: a stop started before the members were re-attached would leave the ones not
