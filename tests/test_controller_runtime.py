@@ -239,14 +239,7 @@ async def test_restarted_controller_adopts_running_members_and_restarts_none(rig
     pids = {m.member_id: m.pid for m in job.members.values()}
     await a.close(stop_members=False)  # the controller goes; its members stay
 
-    # A commit while no controller listens: the next one catches up from the event log.
-    trainer = await rig.connect("test-trainer", "trainer")
-    await trainer.emit_event(job.job_id, "step_committed", {"step": 1, "epoch": 1, "weights_version": 2,
-                                                            "checksum": "y", "durable_step": 1})
-    b = await rig.controller()
-    await b.wait_leading(10)
-    restored = b.get(job.job_id)
-    assert restored.committed_step == 1 and restored.durable_step == 1
+    b, restored = await _take_over_after_a_commit_in_the_log(rig, job)
     assert {m.member_id: m.pid for m in restored.members.values()} == pids
     assert sorted(b.launcher.running()) == sorted(launching.lid(job.job_id, m) for m in pids)  # type: ignore[attr-defined]
     assert all(m.adopted for m in restored.members.values())
@@ -332,13 +325,7 @@ async def test_damaged_registry_records_and_lying_event_values_do_not_stop_a_tak
                  {"step": 4, "epoch": 1, "weights_version": 5, "durable_step": "x"}):
         await rig.bus.publish_raw(event_subject(job.job_id, "step_committed"), json.dumps(
             {"job_id": job.job_id, "kind": "step_committed", "ts": time.time(), "data": data}).encode())
-    trainer = await rig.connect("test-trainer", "trainer")
-    await trainer.emit_event(job.job_id, "step_committed", {"step": 1, "epoch": 1, "weights_version": 2,
-                                                            "checksum": "y", "durable_step": 1})
-    b = await rig.controller()
-    await b.wait_leading(10)
-    restored = b.get(job.job_id)
-    assert restored.committed_step == 1 and restored.durable_step == 1  # the lying commits skipped
+    b, _ = await _take_over_after_a_commit_in_the_log(rig, job)  # the lying commits skipped
     assert b.leading and not [j for j in b.jobs if j.startswith("dmg-")]
     await asyncio.sleep(3 * LEASE_TTL_S)  # an absence (the lease given up) is watched over a window
     assert b.leading
@@ -346,6 +333,19 @@ async def test_damaged_registry_records_and_lying_event_values_do_not_stop_a_tak
 
 async def _noted(rig: Rig, job_id: str, text: str) -> bool:
     return any(d.get("text") == text for d in of_kind(await rig.events(job_id), "note"))
+
+
+async def _take_over_after_a_commit_in_the_log(rig: Rig, job: JobRun) -> tuple[Controller, JobRun]:
+    """Step 1 committed while no controller listens; the next one leads and catches up from the
+    event log."""
+    trainer = await rig.connect("test-trainer", "trainer")
+    await trainer.emit_event(job.job_id, "step_committed", {"step": 1, "epoch": 1, "weights_version": 2,
+                                                            "checksum": "y", "durable_step": 1})
+    b = await rig.controller()
+    await b.wait_leading(10)
+    restored = b.get(job.job_id)
+    assert restored.committed_step == 1 and restored.durable_step == 1
+    return b, restored
 
 
 def running(pid: int) -> bool:

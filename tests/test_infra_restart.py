@@ -68,8 +68,10 @@ async def test_bus_rides_through_nats_restart(own_infra: EmbeddedInfra) -> None:
     async def on_msg(msg: Event, _s: str, _r: str | None) -> None:
         got.append(msg.data["n"])
 
-    await bus.subscribe("rrl-test.restart", Event, on_msg)
-    job = "nats-restart"
+    job, probe = "nats-restart", "nats-restart-probe"
+    # An event subject (a subscriber checks each Event against its subject), of another job than
+    # the one whose stored events are counted below.
+    await bus.subscribe(subjects.events(probe, "note"), Event, on_msg)
     try:
         thread, took = _restart_in_thread(own_infra, "nats")
         # Events emitted while the server is going down and coming back: every one is stored, once.
@@ -80,7 +82,7 @@ async def test_bus_rides_through_nats_restart(own_infra: EmbeddedInfra) -> None:
         assert took, "restart did not finish"
         assert bus.reconnects >= 1, "the client never saw the restart"
         # The subscription was renewed on reconnect: a publish now reaches the handler.
-        await bus.publish("rrl-test.restart", Event(job_id=job, kind="note", data={"n": "after"}))
+        await bus.publish(subjects.events(probe, "note"), Event(job_id=probe, kind="note", data={"n": "after"}))
         await eventually_async(lambda: "after" in got, timeout=10, what="message after reconnect")
         events = await bus.read_events(job)
         assert sorted(e.data["n"] for e in events) == list(range(20))

@@ -169,7 +169,8 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
-    r = aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    r = aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                          socket_timeout=CONNECT_TIMEOUT_S)
     out = RawRedis()
     try:
         keys = sorted([k.decode() async for k in r.scan_iter(match=Keys.job_pattern(job_id), count=1000)])
@@ -291,7 +292,8 @@ async def observe_batch(redis_url: str, job_id: str, step: int, client: Any = No
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
-    r = client or aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    r = client or aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                    socket_timeout=CONNECT_TIMEOUT_S)
     try:
         raw = await r.get(Keys.batch(job_id, step))
         if raw is None:
@@ -325,7 +327,8 @@ async def redis_job_bytes(redis_url: str, job_id: str) -> tuple[int, int]:
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
-    r = aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S)
+    r = aioredis.from_url(redis_url, decode_responses=False, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                          socket_timeout=CONNECT_TIMEOUT_S)
     try:
         keys = [k async for k in r.scan_iter(match=Keys.job_pattern(job_id), count=1000)]
         pipe = r.pipeline(transaction=False)

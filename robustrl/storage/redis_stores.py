@@ -170,6 +170,10 @@ REDIS_RETRIES = 40
 Redis restart (the embedded server reloads its AOF in well under a second) costs a pause, not a job."""
 REDIS_BACKOFF_BASE_S = 0.05
 REDIS_BACKOFF_CAP_S = 1.0
+REDIS_SOCKET_TIMEOUT_S = 5.0
+"""One command's read on a connection that went dead (a host lost, a partition): set here, not
+left to redis-py, whose default was no timeout at all before 8.0 (every call not wrapped in a
+deadline of its own would then block for good). No command of this project blocks on purpose."""
 
 
 def connect(url: str) -> aioredis.Redis:
@@ -184,7 +188,7 @@ def connect(url: str) -> aioredis.Redis:
     retry = Retry(ExponentialWithJitterBackoff(cap=REDIS_BACKOFF_CAP_S, base=REDIS_BACKOFF_BASE_S),
                   REDIS_RETRIES, supported_errors=(rexc.ConnectionError, rexc.TimeoutError, rexc.BusyLoadingError))
     return aioredis.from_url(url, decode_responses=False, socket_connect_timeout=5.0,
-                             health_check_interval=10, retry=retry)
+                             socket_timeout=REDIS_SOCKET_TIMEOUT_S, health_check_interval=10, retry=retry)
 
 
 async def _call(coro: Any, what: str) -> Any:
