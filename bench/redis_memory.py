@@ -28,11 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from control_plane import job_spec
+
 from robustrl.audit.raw import redis_job_bytes
+from robustrl.chaos.runner import TERMINAL
 from robustrl.client import ApiClient
 from robustrl.stack import Stack
 
-TERMINAL = ("finished", "failed", "stopped")
 POLL_S = 0.05
 JOB_TIMEOUT_S = 1800.0
 GROWTH_MAX = 1.5
@@ -73,8 +75,7 @@ def run(steps: int, warm: int) -> dict[str, Any]:
         try:
             assert stack.settings is not None
             api = ApiClient(stack.api_url, stack.settings.api_token)
-            spec = {"name": "redismem", "steps": steps, "seed": 3, "data": {"prompts_per_step": 4, "group_size": 4},
-                    "rollout": {"replicas": 2}}
+            spec = job_spec("redismem", steps)  # the test-sized reference job, as the other benches run it
             t0 = time.monotonic()
             job_id = api.submit(spec)["job_id"]
             status, by_step = asyncio.run(_follow(api, stack.settings.redis_url, job_id))
