@@ -52,7 +52,7 @@ def replica(version: int, checksum: str) -> Any:
         if isinstance(msg, WeightsHave):
             r.haves.append((msg.version, msg.checksum))
             r.said.append((msg.version, msg.checksum, msg.complete))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # the bus's latency (a pace of the stand-in, not a wait for a condition)
 
     r.member = types.SimpleNamespace(stopping=asyncio.Event(), chaos=ChaosState(), weights_version=version,
                                      bus=types.SimpleNamespace(publish=publish))

@@ -507,7 +507,7 @@ async def test_a_source_that_only_trickles_is_dropped_for_the_chunk_limit() -> N
     async def trickle() -> None:
         nonlocal received
         while True:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the trickle's pace (the thing measured), not a wait
             received += 1024  # 20 KiB/s: never a 0.3 s gap
 
     limit = chunk_limit_s(0.3, 64 * 1024)
