@@ -20,7 +20,10 @@
 #      weight server and pulled by a puller into GPU memory (GiB/s end to end), against one
 #      host -> device copy of the same bytes
 #   4. a short job with model.device cuda and trainer.backend nccl (1 rank per GPU), a trainer
-#      crash injected at step 2, recovered from its checkpoint, finished
+#      crash injected at step 2, recovered from its checkpoint by a cold process, finished; while
+#      it runs, nvidia-smi is sampled for the members holding GPU memory
+#   4b. the same job with the new rank borrowed from a rollout replica (warm standby: CUDA context,
+#      model and weights already on the GPU): recovery time against 4's
 #   5. a job on a Hugging Face model directory (random-init Qwen3 + BPE tokenizer + tool-call
 #      chat template) on cuda: request manager, replicas and trainer, two steps
 #
@@ -204,6 +207,53 @@ def pull_throughput():
 
 _stack = {}
 
+class GpuApps:
+    """Samples nvidia-smi's compute processes while a job runs: from outside the members, which of
+    them hold GPU memory (a member that silently ran on the CPU would not show)."""
+
+    def __init__(self):
+        import threading
+        self.max_procs, self.max_mib, self.pids = 0, 0, set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        import subprocess
+        while not self._stop.wait(0.5):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                      "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                                     timeout=10).stdout
+            except Exception:
+                continue
+            rows = [r.split(",") for r in out.strip().splitlines() if r.count(",") == 1]
+            self.pids.update(int(p) for p, _ in rows if p.strip().isdigit())
+            self.max_procs = max(self.max_procs, len(rows))
+            self.max_mib = max(self.max_mib, sum(int(m) for _, m in rows if m.strip().isdigit()))
+
+    def __enter__(self):
+        if DEV == "cuda":
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        return False
+
+    def summary(self):
+        if DEV != "cuda":
+            return {}
+        return {"gpu_procs_max": self.max_procs, "gpu_pids_seen": len(self.pids), "gpu_mib_max": self.max_mib}
+
+def ready_lines(job_id):
+    """The trainer's own account of where each start's seconds went (its log)."""
+    import glob
+    lines = []
+    for path in sorted(glob.glob(os.path.join(os.environ["OUT"], "stack", "logs", f"*{job_id}*trainer*.log"))):
+        with open(path, errors="replace") as f:
+            lines += [line.split("INFO ", 1)[-1].strip() for line in f if " ready on " in line]
+    return lines
+
 def stack():
     if "st" not in _stack:
         from robustrl.client import ApiClient
@@ -213,27 +263,32 @@ def stack():
         _stack["st"], _stack["api"] = st, ApiClient(st.api_url, st.settings.api_token)
     return _stack["api"]
 
-def short_job():
+def trainer_crash_job(borrow):
+    """A trainer crash at step 2 of a 6-step job; ``borrow`` (the recovery policy) decides whether
+    the new gang's rank comes from a rollout replica switched in place or a cold process."""
     import torch
     sys.path.insert(0, os.path.join(os.environ["GPU_CHECK_ROOT"], "tests"))
     from jobs import kinds, small_job, wait_done, wait_step
     api = stack()
     workers = max(1, min(2, torch.cuda.device_count())) if DEV == "cuda" else 2  # NCCL: one rank per GPU
-    spec = small_job("gpu", steps=6, model={"device": DEV, "hidden_size": 256, "num_layers": 4,
-                                            "intermediate_size": 512},
-                     trainer={"backend": BACKEND, "workers": workers}, rollout={"replicas": 2})
-    jid = api.submit(spec)["job_id"]
-    wait_step(api, jid, 2, timeout=150)
-    api.fault(jid, kind="crash", role="trainer", member=0)
-    status = wait_done(api, jid, timeout=200)
+    spec = small_job(f"gpu-{borrow}", steps=6, model={"device": DEV, "hidden_size": 256, "num_layers": 4,
+                                                      "intermediate_size": 512},
+                     trainer={"backend": BACKEND, "workers": workers}, rollout={"replicas": 3},
+                     recovery={"borrow": borrow, "keep_survivors": False})
+    with GpuApps() as gpu:
+        jid = api.submit(spec)["job_id"]
+        wait_step(api, jid, 2, timeout=150)
+        api.fault(jid, kind="crash", role="trainer", member=0)
+        status = wait_done(api, jid, timeout=200)
     events = api.events(jid)
-    recovered = [f for f in api.report(jid)["faults"] if f["role"] == "trainer"]
+    recovered = [d for d in kinds(events, "recovered") if d.get("role") == "trainer"]
     if not recovered:
-        raise AssertionError("the trainer crash was not seen as a fault")
+        raise AssertionError("the trainer crash was not recovered")
     return {"status": status["status"], "committed_step": status["committed_step"], "workers": workers,
-            "trainer_faults": len(recovered), "recovery_s": [f.get("recovery_s") for f in recovered],
-            "sources": [f.get("source") for f in recovered],
-            "steps_committed": len(kinds(events, "step_committed")), "ettr": api.report(jid).get("ettr")}
+            "recoveries": [{"source": d.get("source"), "recovery_s": d.get("recovery_s"), "took_s": d.get("took_s")}
+                           for d in recovered],
+            "steps_committed": len(kinds(events, "step_committed")), "ettr": api.report(jid).get("ettr"),
+            **gpu.summary(), "trainer_starts": ready_lines(jid)}
 
 def hf_job():
     sys.path.insert(0, os.path.join(os.environ["GPU_CHECK_ROOT"], "tests"))
@@ -246,15 +301,17 @@ def hf_job():
     spec = small_job("gpu-hf", steps=2, model={"path": model_dir, "max_positions": 512, "device": DEV},
                      data={"tasks": ["lookup", "reverse"], "prompts_per_step": 2, "group_size": 2},
                      trainer={"backend": BACKEND, "workers": 1}, rollout={"replicas": 1, "max_new_tokens": 8})
-    jid = api.submit(spec)["job_id"]
-    status = wait_done(api, jid, timeout=150)
+    with GpuApps() as gpu:
+        jid = api.submit(spec)["job_id"]
+        status = wait_done(api, jid, timeout=150)
     events = api.events(jid)
     checksums = [e["checksum"] for e in kinds(events, "step_committed")]
     if len(set(checksums)) != 2:
         raise AssertionError(f"two steps should give two different weight versions: {checksums}")
     return {"status": status["status"], "committed_step": status["committed_step"],
             "versions_loaded": sorted({d["version"] for d in kinds(events, "weights_loaded")}),
-            "tool_turns": any(d["tool_wait_s"] > 0 for d in kinds(events, "batch_ready"))}
+            "tool_turns": any(d["tool_wait_s"] > 0 for d in kinds(events, "batch_ready")),
+            **gpu.summary(), "trainer_starts": ready_lines(jid)}
 
 try:
     ok = step("environment", env, 30)
@@ -262,7 +319,11 @@ try:
         if not DRY and res["steps"]["environment"].get("cupy"):
             step("dlpack_view", dlpack, 20)
         step("gpu_weight_pull", pull_throughput, 60)
-        step("short_job_with_trainer_crash", short_job, 240)
+        cold = step("trainer_crash_cold_restart", lambda: trainer_crash_job("never"), 200)
+        borrowed = step("trainer_crash_borrowed_replica", lambda: trainer_crash_job("always"), 140)
+        if cold and borrowed and cold["ok"] and borrowed["ok"]:
+            c, b = cold["recoveries"][0]["recovery_s"], borrowed["recoveries"][0]["recovery_s"]
+            res["borrowed_vs_cold_recovery_ratio"] = round(b / c, 3) if b and c else None
         step("hf_model_job", hf_job, 100)
 finally:
     if "st" in _stack:

@@ -153,6 +153,10 @@ def checkpoint_prefix(job_id: str) -> str:
     return f"jobs/{job_id}/checkpoints"
 
 
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "host CPU"
+
+
 class TrainerWorker:
     def __init__(self, ident: Identity, settings: Settings) -> None:
         self.ident = ident
@@ -282,7 +286,9 @@ class TrainerWorker:
                    began: float) -> None:
         self.spec = spec
         torch.set_num_threads(1)
+        marks = {"spec": time.monotonic() - began}
         await asyncio.to_thread(self._init_dist, spec.trainer.backend)
+        marks["gang"] = time.monotonic() - began
         # The char tokenizer, or a Hugging Face model directory's own tokenizer + chat template.
         self.tok = load_tokenizer(spec.model)
         # Heavy or collective work runs off the event loop, so metrics and probe answers keep
@@ -298,7 +304,9 @@ class TrainerWorker:
         for layer in self.model.modules():
             if layer.__class__.__name__.endswith("DecoderLayer"):
                 self._hooks.append(layer.register_forward_hook(self._count_activity))
+        marks["model"] = time.monotonic() - began
         self.device = self._place(spec.model.device)
+        marks["placed"] = time.monotonic() - began
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.lr)
         store = open_object_store(self.settings)
         self.redis = connect(self.settings.redis_url)
@@ -318,6 +326,7 @@ class TrainerWorker:
         await bus.subscribe(subject(self.ident.job_id, Verb.BATCH), BatchReady, self._on_batch)
 
         await self._resume()
+        marks["resumed"] = time.monotonic() - began
         # After the resume, when every rank holds the same state (DDP's start broadcasts rank 0's
         # parameters: before the resume, a kept or borrowed rank 0 would hand its own to the rest).
         ddp_kw = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
@@ -329,6 +338,11 @@ class TrainerWorker:
         self.sources = [a for a in addresses if a]
         await self._publish(self.version)
         await self.member.hello(self.address, resume_step=self.step)
+        # Where a start's seconds went (seconds since this process's worker began, cumulative).
+        log.info("ready on %s (%s, %s gang of %d) at %.2fs: spec %.2f, gang %.2f, model %.2f, placed %.2f, "
+                 "resumed %.2f", self.device, _device_name(self.device), spec.trainer.backend,
+                 self.ident.world_size, time.monotonic() - began, marks["spec"], marks["gang"], marks["model"],
+                 marks["placed"], marks["resumed"])
         if self.ident.rank == 0:
             await bus.emit_event(self.ident.job_id, "member_ready", {
                 "member_id": self.ident.member_id, "role": "trainer", "epoch": self.member.epoch,

@@ -3,12 +3,14 @@ factory a replica calls: ``rollout.engine`` picks ``torch`` (default) or ``vllm`
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from robustrl.errors import ConfigError
 from robustrl.model.engines.base import Engine
 
 ENGINES = ("torch", "vllm")
+log = logging.getLogger(__name__)
 
 __all__ = ["ENGINES", "Engine", "make_engine"]
 
@@ -45,4 +47,5 @@ def make_engine(spec: Any) -> tuple[Engine, Any]:
         if not torch.cuda.is_available():
             raise ConfigError("model.device is cuda but torch sees no CUDA device", field="model.device")
         model = model.to("cuda")
+        log.info("torch engine on %s (%s)", next(model.parameters()).device, torch.cuda.get_device_name())
     return GenerationEngine(model, tok, max_batch=spec.rollout.max_batch), tok
