@@ -33,6 +33,24 @@ log = logging.getLogger(__name__)
 SPEC_TIMEOUT_S = 3.0
 SPEC_ATTEMPTS = 20
 MEMBERS_TARGET = "members"  # control subject every member of a job listens on
+FAILPOINTS_ENV = "ROBUSTRL_MEMBER_FAILPOINTS"
+"""Test-only (unset in production): ``point``, ``point@member_id`` or ``point@job_name/member_id``,
+comma-separated.
+``start_hang``: the member's start stops once it has the spec (before its model, engine or gang),
+while its event loop, metrics and probe answers go on, as when a model load blocks in a thread. The controller's
+start deadline (``detector.start_deadline_s``) is what ends it."""
+
+
+def failpoint_armed(point: str, job_id: str, member_id: str, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``point`` is armed for this member: as ``point``, ``point@member_id`` or
+    ``point@name/member_id`` (only in jobs submitted as ``name``: ids are ``name-<hash>``)."""
+    for entry in (e.strip() for e in env.get(FAILPOINTS_ENV, "").split(",")):
+        name, _, target = entry.partition("@")
+        job_name, _, member = target.rpartition("/")
+        if name == point and (not target or (member == member_id and (
+                not job_name or job_id.rsplit("-", 1)[0] == job_name))):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -146,6 +164,10 @@ class Member:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         self._tasks.append(asyncio.create_task(self._metrics_loop()))
+        if failpoint_armed("start_hang", self.ident.job_id, self.ident.member_id):
+            log.warning("failpoint start_hang: %s holds its start until it is stopped", self.ident.member_id)
+            await self.stopping.wait()
+            raise RuntimeError("stopped while held at failpoint start_hang")
         return self.spec
 
     async def hello(self, address: str | None = None, resume_step: int | None = None) -> None:

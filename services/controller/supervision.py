@@ -9,6 +9,12 @@ then forwarded to the detector as handled (``expected``), so it is not reported 
 A member that exits before its hello ``STARTUP_FAILURES_MAX`` times in a row (per role slot)
 fails the job at once, with the last lines of its log in the fault evidence and the job error:
 a broken environment must not crash-loop through ``max_restarts``.
+
+A member still starting (no hello) ``detector.start_deadline_s`` after this controller first saw
+it so is a fault too (hang): no detector rule judges phase ``starting`` (a start may be slow),
+the request manager's step deadline begins with the first step, and a recovery's deadline covers
+only the members it waits for; so a first trainer whose model load blocked kept its job at step
+0 for good, every member healthy.
 """
 
 from __future__ import annotations
@@ -60,6 +66,11 @@ class Supervisor:
         self._unhandled: list[ExitInfo] = []
         """Exits whose handling failed (a Redis blip): the launcher returns an exit once, so they
         are kept and handled again next round (the fault id names the member: decided once)."""
+        self._starting: dict[tuple[str, str], float] = {}
+        """(job, member) -> when this controller first saw the member starting (monotonic): each
+        leader counts a start from what it saw itself (a record's start time is another clock's)."""
+        self._start_hung: dict[tuple[str, str], dict[str, Any]] = {}
+        """A start past its deadline being handled: what was done, so a retry does nothing twice."""
         self._progress: dict[str, dict[str, Any]] = {}
         """Per exit being handled (launcher id): what its first try saw and did, so that a retry
         logs nothing twice and judges the exit as first seen (the member's state has moved on)."""
@@ -100,6 +111,7 @@ class Supervisor:
                 self._unhandled.append(info)
         for job in list(self.c.jobs.values()):
             await self.watch_services(job)
+            await self.watch_starts(job)
             await self.c.recovery.check_deadlines(job)
             self.c.resend_owed_resume(job)
 
@@ -184,6 +196,58 @@ class Supervisor:
             await self.c.stop_job(job.job_id, "failed", reason)
             return
         await self._handle(fault)
+
+    async def watch_starts(self, job: JobRun) -> None:
+        """A current member still starting ``detector.start_deadline_s`` after this controller
+        first saw it starting is a fault (hang), decided and handled like any other (before the
+        first commit: the whole job restarted; after: its role's recovery). A member a recovery
+        waits for is that recovery's, bounded by the recovery's own deadline (which escalates)."""
+        if job.done or job.status == "pending":
+            for table in (self._starting, self._start_hung):
+                for key in [k for k in table if k[0] == job.job_id]:
+                    table.pop(key, None)
+            return
+        now = time.monotonic()
+        bound = job.spec.detector.start_deadline_s
+        awaited = {mid for r in job.recoveries for mid in r.waiting_for}
+        for m in list(job.members.values()):
+            key = (job.job_id, m.member_id)
+            if m.state != "starting" or not job.is_current(m.member_id) or m.member_id in awaited:
+                self._starting.pop(key, None)
+                continue
+            first = self._starting.setdefault(key, now)
+            seen = self._start_hung.setdefault(key, {}) if now - first > bound else None
+            if seen is None or seen.get("handled"):
+                continue
+            try:
+                await self._start_hung_fault(job, m, bound, time.time() - (now - first), seen)
+            except Exception:  # tried again next round; what was done is not done twice
+                if time.monotonic() - seen.setdefault("failing_since", time.monotonic()) > EXIT_RETRY_S:
+                    log.exception("stuck start of %s not handled for %.0f s: given up", m.member_id,
+                                  EXIT_RETRY_S)
+                    seen["handled"] = True
+                    continue
+                log.exception("stuck start of %s not handled: tried again next round", m.member_id)
+
+    async def _start_hung_fault(self, job: JobRun, m: MemberInfo, bound: float, since: float,
+                                seen: dict[str, Any]) -> None:
+        if "fault" not in seen:
+            tail = self.c.starter.log_tail(job, m.member_id)
+            evidence = (f"started {time.time() - since:.1f}s ago and has not said hello "
+                        f"(start_deadline_s={bound:g}; phase {m.phase or 'starting'})"
+                        + (f"; last output:\n{tail}" if tail else ""))
+            seen["fault"] = FaultReport(job_id=job.job_id, fault_id=f"start-{m.member_id}-{uuid.uuid4().hex[:8]}",
+                                        role=m.role, member_id=m.member_id, kind="hang",  # type: ignore[arg-type]
+                                        evidence=evidence, detected_at=time.time(), step=job.step, fault_at=since)
+        fault: FaultReport = seen["fault"]
+        if not seen.get("logged"):
+            await self.c.event(job, "fault_detected", {
+                "fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role, "member_id": fault.member_id,
+                "step": fault.step, "detected_at": fault.detected_at, "fault_at": fault.fault_at,
+                "evidence": fault.evidence, "source": "controller"})
+            seen["logged"] = True
+        await self._handle(fault)
+        seen["handled"] = True
 
     async def _handle(self, fault: FaultReport) -> None:
         """Act on a fault this controller detected (it is in the event log already, so the fault

@@ -1,0 +1,87 @@
+"""A member whose start never finishes is a fault (``detector.start_deadline_s``), not a job stuck
+before its first step.
+
+Before this rule, a member that hung while starting -- its model or checkpoint load blocked in a
+thread, its event loop, metrics and probe answers alive -- was judged by no one: the detector's
+rules leave phase ``starting`` alone (a start may be slow), the request manager's step deadline
+starts with the first step, and a recovery's deadline covers only restarts. A job whose first
+trainer hung so sat at step 0 for good with every member "healthy".
+
+The hang is real and outside the controller: a member failpoint (``ROBUSTRL_MEMBER_FAILPOINTS``,
+read by the member process) holds the named members' hellos while the rest of them runs. The
+verdict comes from the raw event log, the process table and the auditor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psutil
+import pytest
+from jobs import kinds, small_job, wait_done
+from support import audit_sampled, eventually, sample_batches
+
+from robustrl.audit.model import AuditOptions
+from robustrl.client import ApiClient
+from robustrl.member import FAILPOINTS_ENV
+from robustrl.stack import Stack
+
+pytestmark = pytest.mark.timeout(240)
+# Over a healthy start here: a fresh stack's first members took up to 17 s to say hello on 2
+# busy cores (imports in a zygote still warming up).
+START_DEADLINE_S = 30.0
+# The first trainer and replica slot 1 hang while starting; their replacements start.
+HUNG = ("trainer-e1-r0", "rollout-1-i0")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    armed = ",".join(f"start_hang@sd/{m}" for m in HUNG)
+    st = Stack(tmp_path_factory.mktemp("start-deadline"), service_extra_env={"controller": {FAILPOINTS_ENV: armed}})
+    st.start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def test_members_hung_while_starting_no_longer_stall_the_job(stack: Stack) -> None:
+    """Before: the job sat at step 0 for good (seen: 180 s, then the test gave up), every member
+    "healthy": the trainer never published a version, so nothing else had anything to do; and a
+    replica hung so, had the trainer started, would have left the job one replica short for good
+    (the request manager uses only replicas that said hello).
+
+    Now the first hung member past the deadline is a fault; at step 0 the decision restarts the
+    whole job, which replaces the other hung member too (no second fault: it is no longer current)."""
+    api = ApiClient(stack.api_url, stack.settings.api_token)
+    # One rank (a peer rank would notice its gang never forming: the trainer-idle rule).
+    spec = small_job("sd", steps=3, rollout={"replicas": 2}, trainer={"workers": 1},
+                     detector={"start_deadline_s": START_DEADLINE_S})
+    jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, jid)
+
+    def started() -> dict[str, int] | None:
+        pids = {m["member_id"]: m.get("pid") for m in api.job(jid)["members"] if m["member_id"] in HUNG}
+        return pids if len(pids) == len(HUNG) and all(pids.values()) else None
+    pids = eventually(started, timeout=60, what="the hung members started")
+    status = wait_done(api, jid, timeout=180)
+    assert status["committed_step"] == 2
+    events = api.events(jid)
+    # One start fault, of a hung member; none of a healthy one (no false positive).
+    found = [d for d in kinds(events, "fault_detected") if "start_deadline_s" in d["evidence"]]
+    assert len(found) == 1 and found[0]["member_id"] in HUNG, (found, kinds(events, "decision"))
+    [fault] = found
+    assert fault["kind"] == "hang" and fault["source"] == "controller", fault
+    # Not before the deadline, and not long after it.
+    assert START_DEADLINE_S <= fault["detected_at"] - fault["fault_at"] < START_DEADLINE_S + 10, fault
+    assert any(d["fault_id"] == fault["fault_id"] for d in kinds(events, "decision"))
+    # Both slots started anew and served: the new trainer said it was ready, replica slot 1's new
+    # incarnation loaded weights.
+    assert "trainer-e2-r0" in {d["member_id"] for d in kinds(events, "member_ready")}
+    assert any(m["member_id"].startswith("rollout-1-i") and m["member_id"] != "rollout-1-i0"
+               and m["weights_version"] >= 0 for m in api.job(jid)["members"]), api.job(jid)["members"]
+    # The hung processes were killed, not left holding their slots' resources.
+    for member, pid in pids.items():
+        eventually(lambda pid=pid: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
+                   timeout=30, what=f"{member} (pid {pid}) gone")
+    audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))
