@@ -22,6 +22,7 @@ from robustrl.aio import wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import ConfigError, RequestTimeout
+from robustrl.gpu import GpuProbe
 from robustrl.health import HealthServer, serve_health
 from robustrl.messages import (
     CHAOS_UNTIMED_S, ChaosCommand, ControlCommand, MemberHello, MetricsSample, PhaseChange, ProbeReply, ProbeRequest,
@@ -124,6 +125,8 @@ class Member:
         self.tool_waiting = 0
         self.weights_version = -1
         self.chaos = ChaosState()
+        self.gpu: GpuProbe | None = None
+        """NVML readings of the member's GPU (set by a role that placed its model on cuda)."""
         self.stopping = asyncio.Event()
         self._seq = 0
         self._last_tokens = (time.monotonic(), 0)
@@ -194,12 +197,15 @@ class Member:
         rate = (self.tokens_total - n0) / max(1e-6, now_m - t0)
         self._last_tokens = (now_m, self.tokens_total)
         self._seq += 1
+        gpu = self.gpu.reading() if self.gpu is not None else None
         return MetricsSample(
             job_id=self.ident.job_id, member_id=self.ident.member_id, role=self.ident.role,  # type: ignore[arg-type]
             seq=self._seq, ts=time.time(), phase=self.phase, step=self.step, activity=self.activity,
             tokens_total=self.tokens_total, tokens_per_s=max(0.0, rate), queue_depth=self.queue_depth,
             inflight=self.inflight, tool_waiting=self.tool_waiting, weights_version=self.weights_version,
-            rss_bytes=self._proc.memory_info().rss)
+            rss_bytes=self._proc.memory_info().rss,
+            gpu_util_pct=gpu.util_pct if gpu else None, gpu_mem_bytes=gpu.mem_bytes if gpu else None,
+            gpu_lost=bool(gpu and gpu.lost))
 
     async def _metrics_loop(self) -> None:
         assert self.bus and self.spec

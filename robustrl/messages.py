@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationError, ValidationInfo, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StringConstraints, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
 from robustrl import jsonlimits
@@ -151,6 +151,10 @@ class MetricsSample(Wire):
     weights_version: int = -1
     rss_bytes: int = Field(0, ge=0)
     episodes_outstanding: int = Field(0, ge=0)  # request manager: episodes of the step not finished
+    # GPU path (robustrl.gpu, read by NVML from the driver): None where unknown or on the CPU.
+    gpu_util_pct: float | None = Field(None, ge=0, le=100, allow_inf_nan=False)
+    gpu_mem_bytes: int | None = Field(None, ge=0)
+    gpu_lost: StrictBool = False  # NVML: the device is lost (Xid 79); the detector faults the member at once
 
 
 class ProbeRequest(Wire):

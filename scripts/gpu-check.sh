@@ -245,14 +245,71 @@ class GpuApps:
             return {}
         return {"gpu_procs_max": self.max_procs, "gpu_pids_seen": len(self.pids), "gpu_mib_max": self.max_mib}
 
-def ready_lines(job_id):
-    """The trainer's own account of where each start's seconds went (its log)."""
+class BusMetrics:
+    """The members' metrics samples as they cross the bus (a raw NATS subscriber of its own): the
+    NVML readings each member reports, seen from outside it."""
+
+    def __init__(self, url):
+        import threading
+        self.url, self.by_member = url, {}
+        self._ready, self._done = threading.Event(), None
+        self._thread = threading.Thread(target=self._main, daemon=True)
+
+    def _main(self):
+        import asyncio
+        asyncio.run(self._run())
+
+    async def _run(self):
+        import asyncio
+        import nats
+        from robustrl.subjects import Verb, all_jobs
+        self._loop, self._done = asyncio.get_running_loop(), asyncio.Event()
+        nc = await nats.connect(self.url)
+
+        async def record(msg):
+            d = json.loads(msg.data)
+            if d.get("role") in ("trainer", "rollout"):
+                rec = self.by_member.setdefault((d["job_id"], d["member_id"]), {"samples": 0, "with_gpu": 0,
+                                                                                  "util_max": None, "mem_max": None})
+                rec["samples"] += 1
+                if d.get("gpu_util_pct") is not None or d.get("gpu_mem_bytes") is not None:
+                    rec["with_gpu"] += 1
+                    rec["util_max"] = max(rec["util_max"] or 0, d.get("gpu_util_pct") or 0)
+                    rec["mem_max"] = max(rec["mem_max"] or 0, d.get("gpu_mem_bytes") or 0)
+                if d.get("gpu_lost"):
+                    rec["lost"] = True
+        await nc.subscribe(all_jobs(Verb.METRICS), cb=record)
+        await nc.flush()
+        self._ready.set()
+        await self._done.wait()
+        await nc.close()
+
+    def __enter__(self):
+        self._thread.start()
+        self._ready.wait(15)
+        return self
+
+    def __exit__(self, *exc):
+        if self._done is not None:
+            self._loop.call_soon_threadsafe(self._done.set)
+        self._thread.join(10)
+        return False
+
+    def summary(self, job_id):
+        return {m: r for (j, m), r in sorted(self.by_member.items()) if j == job_id}
+
+def log_lines(job_id, needle, role="trainer"):
+    """Lines of the job's member logs holding ``needle`` (the members' own accounts)."""
     import glob
     lines = []
-    for path in sorted(glob.glob(os.path.join(os.environ["OUT"], "stack", "logs", f"*{job_id}*trainer*.log"))):
+    for path in sorted(glob.glob(os.path.join(os.environ["OUT"], "stack", "logs", f"*{job_id}*{role}*.log"))):
         with open(path, errors="replace") as f:
-            lines += [line.split("INFO ", 1)[-1].strip() for line in f if " ready on " in line]
+            lines += [line.split(" INFO ", 1)[-1].split(" WARNING ", 1)[-1].strip() for line in f if needle in line]
     return lines
+
+def ready_lines(job_id):
+    """The trainer's own account of where each start's seconds went."""
+    return log_lines(job_id, " ready on ")
 
 def stack():
     if "st" not in _stack:
@@ -275,7 +332,7 @@ def trainer_crash_job(borrow):
                                                       "intermediate_size": 512},
                      trainer={"backend": BACKEND, "workers": workers}, rollout={"replicas": 3},
                      recovery={"borrow": borrow, "keep_survivors": False})
-    with GpuApps() as gpu:
+    with GpuApps() as gpu, BusMetrics(_stack["st"].settings.nats_url) as bus:
         jid = api.submit(spec)["job_id"]
         wait_step(api, jid, 2, timeout=150)
         api.fault(jid, kind="crash", role="trainer", member=0)
@@ -288,7 +345,8 @@ def trainer_crash_job(borrow):
             "recoveries": [{"source": d.get("source"), "recovery_s": d.get("recovery_s"), "took_s": d.get("took_s")}
                            for d in recovered],
             "steps_committed": len(kinds(events, "step_committed")), "ettr": api.report(jid).get("ettr"),
-            **gpu.summary(), "trainer_starts": ready_lines(jid)}
+            **gpu.summary(), "trainer_starts": ready_lines(jid), "nvml_in_metrics": bus.summary(jid),
+            "nvml_logs": log_lines(jid, "NVML", role="")[:8]}
 
 def hf_job():
     sys.path.insert(0, os.path.join(os.environ["GPU_CHECK_ROOT"], "tests"))

@@ -57,6 +57,8 @@ class MemberHistory:
     queue_depth: int = 0
     busy_since: float | None = None
     work_since: float | None = None
+    gpu_lost_at: float | None = None
+    """When a sample first said NVML reports the member's GPU lost (robustrl.gpu)."""
     exited: bool = False
     exit_code: int | None = None
     exit_at: float | None = None
@@ -97,6 +99,8 @@ class MemberHistory:
         busy = active > 0
         self.busy_since = None if not busy else rx_time if self.busy_since is None else self.busy_since
         self.queue_depth = sample.queue_depth
+        if sample.gpu_lost and self.gpu_lost_at is None:
+            self.gpu_lost_at = rx_time
         has_work = busy or (self.role == "rollout" and sample.queue_depth > 0)
         self.work_since = None if not has_work else rx_time if self.work_since is None else self.work_since
         rate = sample.tokens_per_s / active if busy else 0.0

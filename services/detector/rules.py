@@ -12,6 +12,9 @@ the time its evidence says the fault began, ``fault_at``):
 
 * exit: ``MemberExited(expected=False)`` -> FAULT crash at once (``fault_at``: the exit time
   the launcher stamped).
+* GPU lost: a sample says NVML reports the member's GPU lost (Xid 79, robustrl.gpu) -> FAULT
+  crash at once (``fault_at``: that sample). GPU utilisation is never progress for the rules
+  below: a collective stuck in NCCL keeps its GPU 100 % busy.
 * silence: nothing heard for ``silence_s`` -> SUSPECT (probe); probe unanswered within
   ``probe_timeout_s`` -> FAULT unresponsive. A probe answer counts as being heard, so a member
   that answers probes is never called unresponsive. Only this rule runs while a member is
@@ -76,6 +79,7 @@ class Cause(str, Enum):
     QUEUE_STALLED = "queue_stalled"  # turns queued, nothing taken up, no tokens
     WEIGHTS_LOAD_TIMEOUT = "weights_load_timeout"
     WEIGHTS_FAILED = "weights_failed"
+    GPU_LOST = "gpu_lost"
     FAIL_SLOW = "fail_slow"
     TOOL_OUTAGE = "tool_outage"
 
@@ -107,6 +111,15 @@ def crash_rule(h: MemberHistory) -> Verdict | None:
     return Verdict(Status.FAULT, "crash", f"process exited unexpectedly (returncode {h.exit_code})",
                    last_progress_at=h.last_heard, cause=Cause.EXIT,
                    fault_at=h.exit_at if h.exit_at is not None else h.last_heard)
+
+
+def gpu_lost_rule(h: MemberHistory) -> Verdict | None:
+    """The driver says the member's GPU is lost: a crash, no probe needed (its process may still
+    answer probes and send metrics, but can compute nothing on that device again)."""
+    if h.gpu_lost_at is None:
+        return None
+    return Verdict(Status.FAULT, "crash", "NVML reports the member's GPU lost (fallen off the bus, Xid 79)",
+                   last_progress_at=h.activity_at, cause=Cause.GPU_LOST, fault_at=h.gpu_lost_at)
 
 
 def silence_rule(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdict | None:
@@ -203,7 +216,7 @@ def _evidence_until(now: float, h: MemberHistory) -> float:
 
 def evaluate_member(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdict:
     """Apply the per-member rules in order; the first that has something to say wins."""
-    verdict = crash_rule(h) or silence_rule(now, h, cfg)
+    verdict = crash_rule(h) or gpu_lost_rule(h) or silence_rule(now, h, cfg)
     if verdict is not None:
         return verdict
     return (weights_rule(now, h, cfg) or trainer_hang_rule(now, h, cfg) or rollout_stall_rule(now, h, cfg)

@@ -33,6 +33,7 @@ import torch
 from robustrl.aio import cancel_and_wait, wait_event, within
 from robustrl.config import Settings
 from robustrl.errors import MessageError, TransportError
+from robustrl.gpu import GpuProbe
 from robustrl.member import Identity, Member
 from robustrl.messages import GenerateTurn, MetricsSample, TurnResult, WeightsAnnounce, WeightsHave, decode
 from robustrl.model.engine import GenerationAborted, GenRequest
@@ -126,6 +127,8 @@ class Replica:
         self.engine, self.tok = await asyncio.to_thread(make_engine, spec)
         # The torch engine's model (None for vLLM, whose model lives in vLLM's engine process).
         self.model = getattr(self.engine, "model", None)
+        if self.model is not None:
+            self.member.gpu = GpuProbe.for_device(next(self.model.parameters()).device)
         self.server = WeightServer(spec.weights.transport, host=self.settings.bind_host,
                                    port=self.settings.weights_port, max_versions=2)
         self.address = await self.server.start()

@@ -40,6 +40,7 @@ from robustrl.checkpoint import (
 )
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import EXIT_CHECKPOINT_LOST, CheckpointLost, ConfigError, RequestTimeout, StaleEpoch
+from robustrl.gpu import GpuProbe
 from robustrl.member import Identity, Member
 from robustrl.messages import BatchGet, BatchReady, StepCommitted, WeightsAnnounce
 from robustrl.model.hf import load_tokenizer
@@ -306,6 +307,8 @@ class TrainerWorker:
                 self._hooks.append(layer.register_forward_hook(self._count_activity))
         marks["model"] = time.monotonic() - began
         self.device = self._place(spec.model.device)
+        if self.member.gpu is None:  # a borrowed replica's process already reads its device
+            self.member.gpu = GpuProbe.for_device(self.device)
         marks["placed"] = time.monotonic() - began
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.lr)
         store = open_object_store(self.settings)
