@@ -23,24 +23,35 @@ from robustrl.model.tiny import make_tiny_hf_model
 HERE = Path(__file__).resolve().parent
 
 
-def _vllm_python() -> Path:
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The vLLM environment's interpreter, checked to import vllm and robustrl, and the tiny HF
+    model: the import check (a subprocess, ~6 s) runs while the model is written (~6 s)."""
     py = vllm_python()
     if not py.exists():
         pytest.skip(f"no vLLM environment at {py}: run scripts/setup.sh --vllm to run the vllm tests")
-    probe = subprocess.run([str(py), "-c", "import vllm, robustrl"], check=False, capture_output=True, text=True, timeout=120)
+    probe = subprocess.Popen([str(py), "-c", "import vllm, robustrl"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        hf = make_tiny_hf_model(tmp_path_factory.mktemp("tiny-hf-vllm"))
+        _, err = probe.communicate(timeout=120)
+    finally:
+        if probe.poll() is None:
+            probe.kill()
+            probe.wait()
     if probe.returncode != 0:
-        pytest.skip(f"the vLLM environment at {py} cannot import vllm and robustrl: {probe.stderr[-300:]}")
-    return py
+        pytest.skip(f"the vLLM environment at {py} cannot import vllm and robustrl: {err[-300:]}")
+    return py, hf
 
 
 @pytest.fixture(scope="module")
-def vllm_py() -> Path:
-    return _vllm_python()
+def vllm_py(vllm_env: tuple[Path, Path]) -> Path:
+    return vllm_env[0]
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_hf_model(tmp_path_factory.mktemp("tiny-hf-vllm"))
+def hf_dir(vllm_env: tuple[Path, Path]) -> Path:
+    return vllm_env[1]
 
 
 # vLLM's engine start is 20-30 s on a quiet 2-core machine and over 100 s on a busy one.
