@@ -182,16 +182,32 @@ def _live(status: dict[str, Any], role: str) -> list[dict[str, Any]]:
     return [m for m in status["members"] if m["role"] == role and m["state"] not in ("exited", "stopped", "dead")]
 
 
-def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_restart(
-        cluster: LocalRayCluster, tmp_path: Path) -> None:
-    from robustrl.client import ApiClient
+@pytest.fixture(scope="module")
+def ray_stack(cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A stack with the Ray launcher, for this module's jobs (the node-loss job, then the warm
+    spare and borrowing jobs). Its own servers: on the session's, the session stack's controller
+    (started by earlier tests) holds the controller lease in the same Redis, and this one would
+    only stand by. One stack for all three: each stack with its own servers costs ~10 s to start
+    and stop on 2 cores."""
     from robustrl.stack import Stack
 
-    # Its own servers: on the session's, the session stack's controller (started by earlier
-    # tests) holds the controller lease in the same Redis, and this one would only stand by.
-    stack = Stack(tmp_path / "stack", extra_env={
+    stack = Stack(tmp_path_factory.mktemp("ray-stack") / "stack", extra_env={
         "ROBUSTRL_LAUNCHER": "ray", "ROBUSTRL_RAY_ADDRESS": cluster.address, "ROBUSTRL_LAUNCHER_INSTANCE": INSTANCE})
     stack.start()
+    try:
+        yield stack
+    finally:
+        stack.stop()
+    # The stack's graceful stop releases every actor of its launcher, spares included.
+    left = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if n["name"].startswith(f"{INSTANCE}:")]
+    assert left == [], f"actors left after the stack stopped: {left}"
+
+
+def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_restart(
+        cluster: LocalRayCluster, ray_stack: Any) -> None:
+    from robustrl.client import ApiClient
+
+    stack = ray_stack
     api = ApiClient(stack.api_url, stack.settings.api_token)  # type: ignore[union-attr]
     try:
         t0 = time.monotonic()
@@ -272,7 +288,6 @@ def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_
         assert report.episodes_lost == 0 and report.steps_trained_twice == 0
     finally:
         api.close()
-        stack.stop()
 
 
 def test_a_spare_whose_actor_creation_fails_is_started_again_later(cluster: LocalRayCluster, tmp_path: Path,
@@ -341,24 +356,20 @@ def test_members_whose_handles_were_never_persisted_are_found_by_the_next_launch
     assert not [n for n in ray.util.list_named_actors(all_namespaces=True) if n["name"].startswith("rr-find:")]
 
 
-# --- warm spares and borrowing on Ray (one stack for both jobs) ------------------------------------
+# --- warm spares and borrowing on Ray (the module's stack, for both jobs) --------------------------
 
-STANDBY_INSTANCE = "rr-standby"
+STANDBY_INSTANCE = INSTANCE
 
 
 @pytest.fixture(scope="module")
-def standby_stack(cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+def standby_stack(cluster: LocalRayCluster, ray_stack: Any) -> Iterator[tuple[Any, Any]]:
     from robustrl.client import ApiClient
-    from robustrl.stack import Stack
 
     # Both workers (an earlier test kills one): each job here needs more than one worker's 2 CPUs.
     restarted = cluster.restore()
     if restarted:
         print(f"restarted Ray worker nodes {restarted}")
-    stack = Stack(tmp_path_factory.mktemp("ray-standby") / "stack", extra_env={
-        "ROBUSTRL_LAUNCHER": "ray", "ROBUSTRL_RAY_ADDRESS": cluster.address,
-        "ROBUSTRL_LAUNCHER_INSTANCE": STANDBY_INSTANCE})
-    stack.start()
+    stack = ray_stack
     # Long HTTP timeouts: submit and stop return once the members are started or stopped on Ray,
     # which took more than the client's default 10 s at load 18 here.
     api = ApiClient(stack.api_url, stack.settings.api_token, timeout=90)  # type: ignore[union-attr]
@@ -366,11 +377,6 @@ def standby_stack(cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFac
         yield stack, api
     finally:
         api.close()
-        stack.stop()
-    # The stack's graceful stop releases every actor of its launcher, spares included.
-    left = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True)
-            if n["name"].startswith(f"{STANDBY_INSTANCE}:")]
-    assert left == [], f"actors left after the stack stopped: {left}"
 
 
 def _actor_info(name: str) -> dict[str, Any] | None:
