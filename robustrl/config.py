@@ -176,8 +176,9 @@ class DetectorSpec(BaseModel):
     # Enforced by the controller: a start (spec fetched, model built, checkpoint loaded, gang formed)
     # is no phase the detector's rules judge, and a recovery's own deadline covers restarts only.
     start_deadline_s: StrictFloat = _threshold("start_deadline_s", (
-        "A member started this long ago that has not said hello (its start is stuck, though it may "
-        "still send metrics) is a fault (hang); three in a row of one slot fail the job."))
+        "A member started this long ago that has neither said hello nor reported a phase past "
+        "starting (its start is stuck, though it may still send metrics) is a fault (hang). Not "
+        "timed while a recovery runs (the recovery's deadline_s bounds the members it starts)."))
 
     @model_validator(mode="before")
     @classmethod

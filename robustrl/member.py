@@ -38,8 +38,10 @@ FAILPOINTS_ENV = "ROBUSTRL_MEMBER_FAILPOINTS"
 """Test-only (unset in production): ``point``, ``point@member_id`` or ``point@job_name/member_id``,
 comma-separated.
 ``start_hang``: the member's start stops once it has the spec (before its model, engine or gang),
-while its event loop, metrics and probe answers go on, as when a model load blocks in a thread. The controller's
-start deadline (``detector.start_deadline_s``) is what ends it."""
+while its event loop, metrics and probe answers go on, as when a model load blocks in a thread.
+The controller's start deadline (``detector.start_deadline_s``) is what ends it.
+``hello_lost``: the member's hello is never published (a publish lost on the bus); the member runs
+on."""
 
 
 def failpoint_armed(point: str, job_id: str, member_id: str, env: Mapping[str, str] = os.environ) -> bool:
@@ -175,6 +177,9 @@ class Member:
 
     async def hello(self, address: str | None = None, resume_step: int | None = None) -> None:
         assert self.bus
+        if failpoint_armed("hello_lost", self.ident.job_id, self.ident.member_id):
+            log.warning("failpoint hello_lost: %s does not publish its hello", self.ident.member_id)
+            return
         await self.bus.publish(subject(self.ident.job_id, Verb.HELLO, self.ident.member_id), MemberHello(
             job_id=self.ident.job_id, member_id=self.ident.member_id, role=self.ident.role,  # type: ignore[arg-type]
             pid=os.getpid(), epoch=self.epoch, address=address, resume_step=resume_step))

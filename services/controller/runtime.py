@@ -753,7 +753,13 @@ class Controller:
             await self.recovery.service_back(job, "request_manager")
             return
         m = job.members.get(msg.member_id)
-        if m is None or not m.adopted:
+        if m is None:
+            return
+        if m.state == "starting" and m.phase == "starting" and msg.phase != "starting":
+            # Its hello (one publish) may have been lost: a phase past starting shows it started,
+            # and the start deadline (Supervisor.watch_starts) must not kill it.
+            m.phase = msg.phase
+        if not m.adopted:
             return
         if m.phase == "starting":
             # Phases are not in the record, and a member announces one only when it changes: a

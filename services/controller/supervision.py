@@ -91,6 +91,10 @@ class Supervisor:
             for job in self.c.jobs.values():
                 for role, seen in job.service_seen_at.items():
                     job.service_seen_at[role] = max(seen, now)
+            # Nor a start held against a member for the time we did not look (its hello may wait
+            # in our socket): the start clocks move on by the gap.
+            gap = now - self._last_round
+            self._starting = {k: v + gap for k, v in self._starting.items()}
         self._last_round = now
         # Trainer exits first: a node lost takes a gang rank and a replica in one poll, and the
         # replica's replacement, handled first, took the warm spare that survived on another node
@@ -163,10 +167,7 @@ class Supervisor:
         fault: FaultReport = seen["fault"]
         evidence, slot = fault.evidence, (m.role, m.index)
         if not seen.get("fault_logged"):
-            await self.c.event(job, "fault_detected", {
-                "fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role, "member_id": fault.member_id,
-                "step": fault.step, "detected_at": fault.detected_at, "fault_at": fault.fault_at,
-                "evidence": fault.evidence, "source": "controller"})
+            await self._detected(job, fault)
             seen["fault_logged"] = True
         failures = job.startup_failures.get(slot, 0) if before_hello else 0
         reason = None
@@ -200,19 +201,24 @@ class Supervisor:
     async def watch_starts(self, job: JobRun) -> None:
         """A current member still starting ``detector.start_deadline_s`` after this controller
         first saw it starting is a fault (hang), decided and handled like any other (before the
-        first commit: the whole job restarted; after: its role's recovery). A member a recovery
-        waits for is that recovery's, bounded by the recovery's own deadline (which escalates)."""
-        if job.done or job.status == "pending":
-            for table in (self._starting, self._start_hung):
+        first commit: the whole job restarted; after: its role's recovery).
+
+        Started means a hello heard, or a phase past ``starting`` reported (a hello is one publish:
+        lost, its member would be killed healthy). While a recovery runs, no start is timed: the
+        members it starts are bounded by its own deadline, which escalates (timed here too, a rank
+        of the gang being recovered would be a second fault of the same recovery); the clocks start
+        when it ends."""
+        if job.done or job.status == "pending" or job.recoveries:
+            tables = (self._starting,) if job.recoveries and not job.done else (self._starting, self._start_hung)
+            for table in tables:
                 for key in [k for k in table if k[0] == job.job_id]:
                     table.pop(key, None)
             return
         now = time.monotonic()
         bound = job.spec.detector.start_deadline_s
-        awaited = {mid for r in job.recoveries for mid in r.waiting_for}
         for m in list(job.members.values()):
             key = (job.job_id, m.member_id)
-            if m.state != "starting" or not job.is_current(m.member_id) or m.member_id in awaited:
+            if m.state != "starting" or m.phase not in ("", "starting") or not job.is_current(m.member_id):
                 self._starting.pop(key, None)
                 continue
             first = self._starting.setdefault(key, now)
@@ -232,7 +238,9 @@ class Supervisor:
     async def _start_hung_fault(self, job: JobRun, m: MemberInfo, bound: float, since: float,
                                 seen: dict[str, Any]) -> None:
         if "fault" not in seen:
-            tail = self.c.starter.log_tail(job, m.member_id)
+            # Off the loop: a live member's tail is a remote call on Ray (a Docker API one on Docker),
+            # slowest when its node is in trouble -- when starts hang.
+            tail = await asyncio.to_thread(self.c.starter.log_tail, job, m.member_id)
             evidence = (f"started {time.time() - since:.1f}s ago and has not said hello "
                         f"(start_deadline_s={bound:g}; phase {m.phase or 'starting'})"
                         + (f"; last output:\n{tail}" if tail else ""))
@@ -241,13 +249,17 @@ class Supervisor:
                                         evidence=evidence, detected_at=time.time(), step=job.step, fault_at=since)
         fault: FaultReport = seen["fault"]
         if not seen.get("logged"):
-            await self.c.event(job, "fault_detected", {
-                "fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role, "member_id": fault.member_id,
-                "step": fault.step, "detected_at": fault.detected_at, "fault_at": fault.fault_at,
-                "evidence": fault.evidence, "source": "controller"})
+            await self._detected(job, fault)
             seen["logged"] = True
         await self._handle(fault)
         seen["handled"] = True
+
+    async def _detected(self, job: JobRun, fault: FaultReport) -> None:
+        """The ``fault_detected`` event of a fault this controller found itself."""
+        await self.c.event(job, "fault_detected", {
+            "fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role, "member_id": fault.member_id,
+            "step": fault.step, "detected_at": fault.detected_at, "fault_at": fault.fault_at,
+            "evidence": fault.evidence, "source": "controller"})
 
     async def _handle(self, fault: FaultReport) -> None:
         """Act on a fault this controller detected (it is in the event log already, so the fault
