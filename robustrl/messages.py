@@ -338,7 +338,7 @@ EventKind = Literal[
     "step_started", "step_committed", "batch_ready", "weights_published", "weights_loaded",
     "weights_rejected",
     "episode_redispatched", "tool_fault", "work_lost", "note",
-    "turn_regenerated", "turn_dropped", "deadline_passed", "rm_resumed",
+    "turn_regenerated", "turn_dropped", "turn_rejected", "deadline_passed", "rm_resumed",
     "replica_borrowed", "replica_restocked", "restock_failed", "role_switched", "stale_turns_dropped",
 ]
 

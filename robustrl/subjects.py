@@ -90,7 +90,7 @@ EVENT_OWNERS: dict[str, frozenset[Principal]] = {
         "fault_injected": (_C, _H), "decision": (_C,), "action": (_C,), "recovered": (_C,), "note": (_C,),
         "fault_detected": (_D, _C, _RM), "phase": (_D,),
         "job_ready": (_RM,), "step_started": (_RM,), "batch_ready": (_RM,), "episode_redispatched": (_RM,),
-        "tool_fault": (_RM,), "turn_regenerated": (_RM,), "turn_dropped": (_RM,),
+        "tool_fault": (_RM,), "turn_regenerated": (_RM,), "turn_dropped": (_RM,), "turn_rejected": (_RM,),
         "deadline_passed": (_RM,), "rm_resumed": (_RM,),
         "work_lost": (_RM, _C),
         "member_ready": (_T, _R), "step_committed": (_T,), "weights_published": (_T,),

@@ -14,6 +14,8 @@ from rm_harness import Harness, rm_spec
 from support import eventually_async
 
 from robustrl.config import Settings
+from robustrl.messages import GenerateTurn, TurnResult
+from robustrl.subjects import Verb, subject
 from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.storage.redis_stores import Keys
 
@@ -544,3 +546,36 @@ async def test_a_resume_the_request_manager_could_not_carry_out_is_not_acknowled
         await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), resume, ControlCommand,
                             timeout=SPEC_TIMEOUT_S + 2.0)
         assert h.job_id in rm.jobs and not rm.jobs[h.job_id].paused
+
+
+async def test_a_reply_with_token_ids_outside_the_vocabulary_is_refused_and_its_turn_generated_again(servers):
+    """A replica's reply that parses but names tokens the model does not have (a corrupt engine,
+    a mismatched tokenizer) must never reach an episode: decoded, it failed the step's every
+    attempt; trained on, it fails the trainer's embedding lookup at every redo of the step. It is
+    refused on arrival, naming the field, and its turn goes to another replica."""
+    async with Harness(servers, rm_spec("vocab", turn_deadline_s=1.0)) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        vocab = a.tok.vocab_size
+
+        async def corrupt(msg: GenerateTurn) -> None:
+            await a.bus.publish(subject(a.job_id, Verb.TURN), TurnResult(
+                job_id=a.job_id, request_id=msg.request_id, episode_id=msg.episode_id, member_id=a.member_id,
+                token_ids=[1, vocab + 7], logprobs=[-1.0, -1.0], stop_reason="eot", weights_version=a.version))
+        a.answer = corrupt  # type: ignore[method-assign]
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+        assert a.received, "replica a was never given a turn"
+        rejected = await eventually_async(lambda: _events_at_least(h, "turn_rejected", 1), timeout=10,
+                                          what="turn_rejected events")
+        assert all(d["member_id"] == a.member_id and "token_ids" in d["error"] for d in rejected), rejected
+        episodes = await h.episodes.get_many(h.batches[0].episode_ids)
+        for ep in episodes:
+            assert ep.status == "finished", ep
+            for turn in ep.turns:
+                assert all(0 <= t < vocab for t in turn.token_ids), (ep.episode_id, turn)
+                assert turn.role != "assistant" or turn.member_id == b.member_id
+
+
+async def _events_at_least(h: Harness, kind: str, n: int) -> list[dict]:
+    got = await h.events(kind)
+    return got if len(got) >= n else []

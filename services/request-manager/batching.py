@@ -75,6 +75,7 @@ class JobRunner:
         self.dispatcher = Dispatcher(bus, job_id, spec, self.dispatches)
         self.events = EventWriter(bus, job_id, redis)  # the control handler's events: it never waits on the log
         self.episodes = EpisodeRunner(bus, job_id, spec, self.store, self.dispatches, self.dispatcher)
+        self.dispatcher.vocab_size = self.episodes.tok.vocab_size
         self.step = start_step
         self.committed = start_step - 1
         self.durable = -1

@@ -120,7 +120,9 @@ class Dispatcher:
         self.adoptable: dict[str, dict[str, Any]] = {}  # episode id -> dispatch record of a past life
         self.waiting = 0  # turns waiting for a replica that can take them
         self.stats = {"redispatched": 0, "late_dropped": 0, "tokens_regenerated": 0, "turn_timeouts": 0,
-                      "events_unsent": 0}
+                      "events_unsent": 0, "rejected": 0}
+        self.vocab_size: int | None = None
+        """The job tokenizer's vocabulary: a reply naming a token outside it is refused."""
         self.changed = asyncio.Event()
         self._emitting: set[asyncio.Task[None]] = set()  # events the turn handler does not wait for
         # When this service last heard any member: silence is judged against it, so a request
@@ -191,6 +193,19 @@ class Dispatcher:
         self.changed.set()
 
     async def on_turn(self, msg: TurnResult) -> None:
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in msg.token_ids):
+            # Parses, but names tokens the model does not have (a corrupt engine, a mismatched
+            # tokenizer): decoded, it failed the step's every attempt; trained on, the trainer's
+            # embedding lookup at every redo. Refused before it counts as a sign of life, so the
+            # turn passes its deadline, goes to another replica, and the replica's timeouts count.
+            self.stats["rejected"] += 1
+            bad = next(t for t in msg.token_ids if t >= self.vocab_size)
+            log.warning("job %s: reply %s of %s refused: token id %d outside the vocabulary (size %d)",
+                        self.job_id, msg.request_id, msg.member_id, bad, self.vocab_size)
+            self._emit_later("turn_rejected", {
+                "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id,
+                "error": f"token_ids: id {bad} outside the vocabulary (size {self.vocab_size})"})
+            return
         rep = self.replicas.get(msg.member_id)
         if rep is not None and msg.member_id not in self.dead:
             rep.seen_at, rep.timeouts, rep.reported = time.monotonic(), 0, False
