@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from support import eventually_async
+from support import eventually, eventually_async
 
 from robustrl.chaos.scenario import Faults, PlannedFault, load_scenario, plan
 from robustrl.errors import ScenarioError
@@ -365,6 +365,13 @@ def test_a_fault_asked_for_again_after_its_answer_was_lost_is_carried_out_once(s
                 await bus.close()
 
         again, both = asyncio.run(drive())
+        # The controller appends its events from an outbox, in order, after it answers: the log is
+        # read once a later fault of its own is in it (a barrier), not at once (a full run read it
+        # before once-b's event had landed, stop 29).
+        api.fault(job_id, kind="slow", role="rollout", member=0, duration_s=1.0, factor=2.0)
+        eventually(lambda: any(d["fault_id"].startswith("api-")
+                               for d in kinds(api.events(job_id), "fault_injected")),
+                   timeout=30, what="the barrier fault in the log")
         injected = [d for d in kinds(api.events(job_id), "fault_injected") if d["fault_id"].startswith("once-")]
         by_id: dict[str, list[str]] = {}
         for d in injected:
