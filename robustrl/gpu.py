@@ -44,9 +44,10 @@ class GpuReading:
 
 def _pick(nvml: Any, uuid: str | None, index: int) -> tuple[Any, str]:
     """The NVML handle of the CUDA device: by UUID (CUDA and NVML number devices differently
-    under ``CUDA_VISIBLE_DEVICES``), else by index where no mask renumbers them."""
+    under ``CUDA_VISIBLE_DEVICES``), else by index where no mask renumbers them. A MIG slice's
+    uuid names no whole device: no handle (no metrics), never another device's."""
     if uuid:
-        want = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+        want = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
         for i in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
             found = nvml.nvmlDeviceGetUUID(handle)
@@ -85,7 +86,7 @@ class GpuProbe:
             pynvml.nvmlInit()
             uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "") or "")
             handle, how = _pick(pynvml, uuid, index)
-        except (pynvml.NVMLError, LookupError) as exc:
+        except (pynvml.NVMLError, LookupError, RuntimeError, AssertionError) as exc:  # metrics only: never the start
             log.warning("NVML unavailable for cuda:%d: %s; GPU metrics not reported", index, exc)
             return None
         log.info("GPU metrics for cuda:%d from NVML (%s)", index, how)

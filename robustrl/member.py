@@ -258,6 +258,8 @@ class Member:
 
     async def close(self) -> None:
         self.stopping.set()
+        if self.gpu is not None:  # its reader thread (a role switch starts the next member's own)
+            self.gpu.close()
         for task in self._tasks:
             task.cancel()
         if self._health:

@@ -195,3 +195,28 @@ def test_decoding_64_sequences_is_fast(engine: GenerationEngine) -> None:
     print(f"\n64 x 12 tokens: {elapsed * 1000:.0f} ms")
     assert sum(len(r.token_ids) for r in out) >= 64 * 6
     assert elapsed < 1.0
+
+
+def test_a_padded_embedding_never_yields_an_id_the_tokenizer_lacks() -> None:
+    """A model's embedding may be padded past its tokenizer (Qwen: 151936 rows, 151669 ids). The
+    padded rows are no action: made overwhelmingly likely here, the engine still samples only the
+    tokenizer's ids (a padded one is refused by the request manager and regenerated alike by every
+    replica, seed for seed), and its behaviour logprobs are those the trainer recomputes over the
+    same ids."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from robustrl.model.policy import policy_config
+
+    base = policy_config(ModelSpec(), TOK)
+    cfg = Qwen3Config(**{**base.to_dict(), "vocab_size": TOK.vocab_size + 16})
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        model.lm_head.weight[TOK.vocab_size:] = 50.0  # the padded rows dominate every step
+    engine = GenerationEngine(model, TOK)
+    ids = prompt("reverse abcd:")
+    res = engine.generate([GenRequest("p", ids, 12, temperature=1.0, top_p=1.0, seed=5)])[0]
+    assert res.token_ids and all(0 <= t < TOK.vocab_size for t in res.token_ids), res.token_ids
+    seq = ids + res.token_ids
+    full = token_logprobs(model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long), TOK.vocab_size)
+    assert res.logprobs == pytest.approx(full[0, len(ids):].tolist(), abs=1e-4)

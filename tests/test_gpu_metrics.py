@@ -8,6 +8,7 @@ on a lent GPU machine (metrics of a job's members seen on the bus).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from pydantic import ValidationError
+from support import eventually
 from test_detector_rules import CFG, JOB, Member, Run, monitor, progressing
 
 from robustrl import gpu as gpu_mod
@@ -141,3 +143,45 @@ def test_a_busy_gpu_is_no_progress_for_a_trainer_stuck_in_training() -> None:
     run.advance(2.0, [t], step=progressing)
     run.advance(CFG.trainer_idle_s + 1.0, [t])
     assert [f.kind for _, f in run.faults] == ["hang"]
+
+
+def test_any_other_nvml_error_is_unknown_values_never_a_lost_gpu() -> None:
+    nvml = FakeNVML(["GPU-aaaa"], [(7, 1 << 20)])
+
+    def fails(_handle: int) -> Any:
+        raise NVMLError("driver busy")
+    nvml.nvmlDeviceGetUtilizationRates = fails  # type: ignore[method-assign]
+    r = GpuProbe(nvml, 0, pid=7).read_once()
+    assert (r.util_pct, r.mem_bytes, r.lost) == (None, None, False)
+
+
+def test_a_stale_reading_keeps_saying_the_gpu_is_lost() -> None:
+    probe = GpuProbe(FakeNVML(["GPU-aaaa"], []), 0)
+    probe._last = gpu_mod.GpuReading(lost=True, at=time.monotonic() - gpu_mod.STALE_S - 1)
+    assert probe.reading().lost
+
+
+def test_the_members_sample_carries_its_probes_reading_and_closing_stops_the_reader() -> None:
+    from robustrl.config import Settings
+    from robustrl.member import Identity, Member
+
+    member = Member(Identity(JOB, "t0", "trainer"), Settings())
+    assert member.sample().gpu_util_pct is None and not member.sample().gpu_lost  # no probe: unknown
+    nvml = FakeNVML(["GPU-aaaa"], [(4242, 3 << 30)], util=64)
+    member.gpu = GpuProbe(nvml, 0, pid=4242).start()
+    sample = member.sample()
+    assert (sample.gpu_util_pct, sample.gpu_mem_bytes, sample.gpu_lost) == (64.0, 3 << 30, False)
+    nvml.lost = True
+    eventually(lambda: member.sample().gpu_lost, timeout=5, what="the reader thread saw the lost GPU")
+    asyncio.run(member.close())
+    assert member.gpu._thread is not None
+    member.gpu._thread.join(gpu_mod.READ_INTERVAL_S + 2)
+    assert not member.gpu._thread.is_alive()
+
+
+def test_the_detector_takes_a_sample_only_from_its_own_members_subject() -> None:
+    from robustrl.services.detector.service import _consistent
+
+    assert _consistent(JOB, f"rrl.{JOB}.metrics.t0", "t0")
+    assert not _consistent(JOB, f"rrl.{JOB}.metrics.r1", "t0")  # r1 speaking for t0 (a lost GPU...)
+    assert not _consistent(JOB, f"rrl.other.metrics.t0", "t0")

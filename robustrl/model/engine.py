@@ -75,6 +75,10 @@ class GenerationEngine(Engine):
             raise ValueError("max_batch must be >= 1")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.vocab = tokenizer.vocab_size
+        """The action space: ids the tokenizer has. A model's embedding may be padded past it
+        (Qwen's 151936 rows for 151669 ids); a padded id, sampled, would be refused by the request
+        manager (no tokenizer can decode it) and regenerated the same way by every replica."""
         self.max_batch = max_batch
         self.tokens_generated = 0
         self._lock = threading.Lock()
@@ -227,7 +231,7 @@ class GenerationEngine(Engine):
         while True:
             if should_abort is not None and should_abort():
                 raise GenerationAborted("generation aborted by request", step=step)
-            chosen, logps = self._sample(logits.float(), temps, top_ps, gens)
+            chosen, logps = self._sample(logits[:, :self.vocab].float(), temps, top_ps, gens)
             produced = 0
             for b in range(len(rows)):
                 if not active[b]:

@@ -142,13 +142,16 @@ def collate(samples: Sequence[TrainSample], pad_id: int) -> dict[str, torch.Tens
     }
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   vocab: int | None = None) -> torch.Tensor:
     """Logprob of each token given the ones before it, [B, T]; column 0 is 0.
 
-    Works for a bare model and a DDP wrapper (both return ``.logits``).
+    Works for a bare model and a DDP wrapper (both return ``.logits``). ``vocab``: the tokenizer's
+    size, the action space the engines sample from (a padded embedding's extra rows are none of
+    it), so that these are logprobs of the same distribution as the behaviour policy's.
     """
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logp = torch.log_softmax(logits[:, :-1, :].float(), dim=-1)
+    logp = torch.log_softmax(logits[:, :-1, :vocab].float(), dim=-1)
     picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 
@@ -216,6 +219,7 @@ def train_on_samples(
     advantages: torch.Tensor | None = None,
     max_grad_norm: float | None = 1.0,
     is_cap: float | None = None,
+    vocab: int | None = None,
 ) -> dict[str, float]:
     """One optimizer step on ``samples``.
 
@@ -246,12 +250,12 @@ def train_on_samples(
     behaviour = batch["old_logprobs"].to(device)
     if is_cap is not None:
         with torch.no_grad():
-            proximal = token_logprobs(model, ids, attn)
-        new = token_logprobs(model, ids, attn)
+            proximal = token_logprobs(model, ids, attn, vocab)
+        new = token_logprobs(model, ids, attn, vocab)
         loss, stats = grpo_loss(new, proximal, advantages.to(device), batch["loss_mask"].to(device), clip_eps,
                                 behaviour_logprobs=behaviour, is_cap=is_cap)
     else:
-        new = token_logprobs(model, ids, attn)
+        new = token_logprobs(model, ids, attn, vocab)
         loss, stats = grpo_loss(new, behaviour, advantages.to(device), batch["loss_mask"].to(device), clip_eps)
     loss.backward()
     grad_norm = 0.0

@@ -160,7 +160,7 @@ class DetectorService:
     # --- inputs ----------------------------------------------------------------------------
 
     async def _on_metrics(self, msg: MetricsSample, subj: str, _reply: str | None) -> None:
-        if not _consistent(msg.job_id, subj):
+        if not _consistent(msg.job_id, subj, msg.member_id):
             return
         mon = self._job(msg.job_id)
         if mon is None:
@@ -171,7 +171,7 @@ class DetectorService:
             self.stats.dropped_samples += 1
 
     async def _on_phase(self, msg: PhaseChange, subj: str, _reply: str | None) -> None:
-        mon = self._job(msg.job_id) if _consistent(msg.job_id, subj) else None
+        mon = self._job(msg.job_id) if _consistent(msg.job_id, subj, msg.member_id) else None
         if mon is not None:
             mon.phase(msg, self.clock())
 
@@ -318,9 +318,12 @@ def detector_spec(raw: dict[str, object]) -> DetectorSpec:
             return DetectorSpec.reference()
 
 
-def _consistent(job_id: str, subj: str) -> bool:
-    """A message must name the job of the subject it came on (no cross-job injection)."""
+def _consistent(job_id: str, subj: str, member_id: str | None = None) -> bool:
+    """A message must name the job of the subject it came on (no cross-job injection) and, for a
+    member's own subject, that member: a sample on ``rrl.<job>.metrics.<a>`` saying it is ``b``
+    (a lost GPU, a frozen counter) would act on ``b``."""
     try:
-        return parse(subj)[0] == job_id
+        job, _verb, tokens = parse(subj)
     except RobustRLError:
         return False
+    return job == job_id and (member_id is None or tokens == [member_id])

@@ -128,7 +128,8 @@ class Replica:
         # The torch engine's model (None for vLLM, whose model lives in vLLM's engine process).
         self.model = getattr(self.engine, "model", None)
         if self.model is not None:
-            self.member.gpu = GpuProbe.for_device(next(self.model.parameters()).device)
+            # NVML's first calls off the loop: a failing device can block in the driver.
+            self.member.gpu = await asyncio.to_thread(GpuProbe.for_device, next(self.model.parameters()).device)
         self.server = WeightServer(spec.weights.transport, host=self.settings.bind_host,
                                    port=self.settings.weights_port, max_versions=2)
         self.address = await self.server.start()

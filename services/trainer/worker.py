@@ -307,8 +307,8 @@ class TrainerWorker:
                 self._hooks.append(layer.register_forward_hook(self._count_activity))
         marks["model"] = time.monotonic() - began
         self.device = self._place(spec.model.device)
-        if self.member.gpu is None:  # a borrowed replica's process already reads its device
-            self.member.gpu = GpuProbe.for_device(self.device)
+        # NVML's first calls (init, a read) off the loop: a failing device can block in the driver.
+        self.member.gpu = await asyncio.to_thread(GpuProbe.for_device, self.device)
         marks["placed"] = time.monotonic() - began
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=spec.trainer.lr)
         store = open_object_store(self.settings)
@@ -430,7 +430,7 @@ class TrainerWorker:
         mine = list(range(self.ident.rank, len(samples), self.ident.world_size))
         return grpo.train_on_samples(self.ddp, self.opt, [samples[i] for i in mine],
                                      clip_eps=self.spec.trainer.clip_eps, pad_id=self.tok.pad_id,
-                                     advantages=adv[mine],
+                                     advantages=adv[mine], vocab=self.tok.vocab_size,
                                      # off-policy turns exist only with staleness > 0 (semi-sync, async)
                                      is_cap=self.spec.trainer.is_cap if self.spec.staleness > 0 else None)
 

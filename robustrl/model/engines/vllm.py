@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import queue
@@ -95,6 +96,7 @@ class VllmEngine(Engine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
         self.path = str(path)
         self.tokenizer = tokenizer
+        self._allowed: list[int] | None = None  # _allowed_ids, read once
         self.max_batch = max_batch
         self.max_model_len = max_model_len
         self.tokens_generated = 0
@@ -159,7 +161,23 @@ class VllmEngine(Engine):
         stops = [self.tokenizer.eot_id] + ([self.tokenizer.call_id] if r.stop_on_call else [])
         return SamplingParams(max_tokens=budget, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
                               logprobs=0, stop_token_ids=stops, output_kind=RequestOutputKind.DELTA,
-                              detokenize=False, skip_special_tokens=False)
+                              detokenize=False, skip_special_tokens=False,
+                              allowed_token_ids=self._allowed_ids())
+
+    def _allowed_ids(self) -> list[int] | None:
+        """The tokenizer's ids when the model's embedding is padded past them (Qwen: 151936 rows,
+        151669 ids): as the torch engine and the trainer, sample only ids the tokenizer has (a
+        padded id is refused by the request manager, and regenerated alike by every replica).
+        None (no restriction, no cost) when the sizes agree."""
+        if self._allowed is None:
+            try:
+                cfg = json.loads((Path(self.path) / "config.json").read_text())
+                model_vocab = int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
+            except (OSError, ValueError, TypeError, AttributeError):
+                model_vocab = 0
+            vocab = self.tokenizer.vocab_size
+            self._allowed = list(range(vocab)) if model_vocab > vocab else []
+        return self._allowed or None
 
     async def _one(self, r: GenRequest, rid: str, events: queue.Queue[int]) -> GenResult:
         budget = max(0, min(r.max_new_tokens, self.max_model_len - len(r.prompt_ids)))
