@@ -184,4 +184,4 @@ def test_the_detector_takes_a_sample_only_from_its_own_members_subject() -> None
 
     assert _consistent(JOB, f"rrl.{JOB}.metrics.t0", "t0")
     assert not _consistent(JOB, f"rrl.{JOB}.metrics.r1", "t0")  # r1 speaking for t0 (a lost GPU...)
-    assert not _consistent(JOB, f"rrl.other.metrics.t0", "t0")
+    assert not _consistent(JOB, "rrl.other.metrics.t0", "t0")
