@@ -267,6 +267,10 @@ class Supervisor:
                     continue
                 del self._pending[name]
                 new_pid = self.spawn(name)
+                if self.on_change:
+                    # Recorded (stack.json) before the restart is logged: whoever reads the log's
+                    # new pid finds it in the stack file too (a full run read the file in between).
+                    self.on_change(self.pids())
                 times = self._restart_times.setdefault(name, [])
                 times.append(now)
                 rec = RestartRecord(service=name, reason=reason, returncode=rc, old_pid=old_pid, new_pid=new_pid,
@@ -278,8 +282,6 @@ class Supervisor:
                             old_pid, new_pid, rec.restart)
                 with open(self.run_dir / "logs" / RESTART_LOG, "a") as fh:
                     fh.write(json.dumps(asdict(rec)) + "\n")
-        if done and self.on_change:
-            self.on_change(self.pids())
         return done
 
     def _schedule(self, name: str, now: float, reason: str, rc: int | None, old_pid: int) -> None:
