@@ -209,10 +209,9 @@ class Supervisor:
         of the gang being recovered would be a second fault of the same recovery); the clocks start
         when it ends."""
         if job.done or job.status == "pending" or job.recoveries:
-            tables = (self._starting,) if job.recoveries and not job.done else (self._starting, self._start_hung)
-            for table in tables:
-                for key in [k for k in table if k[0] == job.job_id]:
-                    table.pop(key, None)
+            self._forget(self._starting, job.job_id)
+            if job.done or job.status == "pending":
+                self._forget(self._start_hung, job.job_id)
             return
         now = time.monotonic()
         bound = job.spec.detector.start_deadline_s
@@ -234,6 +233,11 @@ class Supervisor:
                     seen["handled"] = True
                     continue
                 log.exception("stuck start of %s not handled: tried again next round", m.member_id)
+
+    @staticmethod
+    def _forget(table: dict[tuple[str, str], Any], job_id: str) -> None:
+        for key in [k for k in table if k[0] == job_id]:
+            del table[key]
 
     async def _start_hung_fault(self, job: JobRun, m: MemberInfo, bound: float, since: float,
                                 seen: dict[str, Any]) -> None:
@@ -291,8 +295,5 @@ class Supervisor:
                                 evidence=f"no metrics from the {role} for {silent:.1f}s "
                                          f"(silence_s={job.spec.detector.silence_s:g})",
                                 detected_at=now, step=job.step, fault_at=seen)
-            await self.c.event(job, "fault_detected", {
-                "fault_id": fault.fault_id, "kind": fault.kind, "role": role, "member_id": role,
-                "step": fault.step, "detected_at": now, "fault_at": seen, "evidence": fault.evidence,
-                "source": "controller"})
+            await self._detected(job, fault)
             await self._handle(fault)

@@ -193,13 +193,13 @@ class Dispatcher:
         self.changed.set()
 
     async def on_turn(self, msg: TurnResult) -> None:
-        if self.vocab_size is not None and any(t >= self.vocab_size for t in msg.token_ids):
+        bad = next((t for t in msg.token_ids if t >= self.vocab_size), None) if self.vocab_size else None
+        if bad is not None:
             # Parses, but names tokens the model does not have (a corrupt engine, a mismatched
             # tokenizer): decoded, it failed the step's every attempt; trained on, the trainer's
             # embedding lookup at every redo. Refused before it counts as a sign of life, so the
             # turn passes its deadline, goes to another replica, and the replica's timeouts count.
             self.stats["rejected"] += 1
-            bad = next(t for t in msg.token_ids if t >= self.vocab_size)
             log.warning("job %s: reply %s of %s refused: token id %d outside the vocabulary (size %d)",
                         self.job_id, msg.request_id, msg.member_id, bad, self.vocab_size)
             self._emit_later("turn_rejected", {
