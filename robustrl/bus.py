@@ -146,8 +146,8 @@ class Bus:
     def client(self) -> NatsClient:
         return self._nc
 
-    async def publish(self, subject: str, msg: Wire) -> None:
-        await self._nc.publish(subject, msg.encode())
+    async def publish(self, subject: str, msg: Wire, reply: str = "") -> None:
+        await self._nc.publish(subject, msg.encode(), reply=reply)
 
     async def publish_raw(self, subject: str, data: bytes) -> None:
         await self._nc.publish(subject, data)

@@ -8,6 +8,7 @@ never by a timer, so a hung or stalled member cannot fake progress.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
@@ -25,7 +27,7 @@ from robustrl.errors import ConfigError, RequestTimeout
 from robustrl.gpu import GpuProbe
 from robustrl.health import HealthServer, serve_health
 from robustrl.messages import (
-    CHAOS_UNTIMED_S, ChaosCommand, ControlCommand, MemberHello, MetricsSample, PhaseChange, ProbeReply, ProbeRequest,
+    CHAOS_UNTIMED_S, ChaosCommand, ControlCommand, HelloAck, MemberHello, MetricsSample, PhaseChange, ProbeReply, ProbeRequest,
     SpecReply, SpecRequest,
 )
 from robustrl.subjects import Verb, subject
@@ -41,7 +43,13 @@ comma-separated.
 while its event loop, metrics and probe answers go on, as when a model load blocks in a thread.
 The controller's start deadline (``detector.start_deadline_s``) is what ends it.
 ``hello_lost``: the member's hello is never published (a publish lost on the bus); the member runs
-on."""
+on.
+``hello_lost_first``: the member's first hello is not published; the ones it sends again are."""
+HELLO_RESEND_S = (0.5, 5.0)
+"""First and longest pause between sends of a hello the controller has not acknowledged."""
+HELLO_RESEND_FOR_S = 600.0
+"""How long a member sends its hello again while no controller acknowledges it. Past this a
+controller that takes the job over finds the member by its metrics (an adopted member)."""
 
 
 def failpoint_armed(point: str, job_id: str, member_id: str, env: Mapping[str, str] = os.environ) -> bool:
@@ -176,13 +184,63 @@ class Member:
         return self.spec
 
     async def hello(self, address: str | None = None, resume_step: int | None = None) -> None:
+        """Say this member is up, until the leading controller acknowledges it.
+
+        The hello is one core-NATS publish: one sent while the controller's subscription is not
+        back on a restarted server reaches no one, and a recovery waiting for this member would
+        wait out its whole deadline (``recovery.deadline_s``) and then restart more than it must.
+        So it carries a reply inbox, and is sent again (backing off ``HELLO_RESEND_S``, for at
+        most ``HELLO_RESEND_FOR_S``) until the controller answers. The first send is awaited here,
+        in order with what the member publishes next; the rest run in the background. Receivers
+        take a hello again as the same news (the controller acts only on a member still starting).
+        """
         assert self.bus
         if failpoint_armed("hello_lost", self.ident.job_id, self.ident.member_id):
             log.warning("failpoint hello_lost: %s does not publish its hello", self.ident.member_id)
             return
-        await self.bus.publish(subject(self.ident.job_id, Verb.HELLO, self.ident.member_id), MemberHello(
-            job_id=self.ident.job_id, member_id=self.ident.member_id, role=self.ident.role,  # type: ignore[arg-type]
-            pid=os.getpid(), epoch=self.epoch, address=address, resume_step=resume_step))
+        msg = MemberHello(job_id=self.ident.job_id, member_id=self.ident.member_id,
+                          role=self.ident.role,  # type: ignore[arg-type]
+                          pid=os.getpid(), epoch=self.epoch, address=address, resume_step=resume_step)
+        subj = subject(self.ident.job_id, Verb.HELLO, self.ident.member_id)
+        inbox = self.bus.client.new_inbox()
+        heard = asyncio.Event()
+
+        async def _ack(ack: HelloAck, _s: str, _r: str | None) -> None:
+            if ack.member_id == self.ident.member_id:
+                heard.set()
+
+        sub = await self.bus.subscribe(inbox, HelloAck, _ack)
+        sent = 0
+        if failpoint_armed("hello_lost_first", self.ident.job_id, self.ident.member_id):
+            log.warning("failpoint hello_lost_first: %s does not publish its first hello", self.ident.member_id)
+        else:
+            await self.bus.publish(subj, msg, reply=inbox)
+            sent = 1
+        self._tasks.append(asyncio.create_task(self._hello_until_heard(subj, msg, inbox, heard, sub, sent)))
+
+    async def _hello_until_heard(self, subj: str, msg: MemberHello, inbox: str, heard: asyncio.Event,
+                                 sub: Any, sent: int) -> None:
+        assert self.bus
+        pause, give_up = HELLO_RESEND_S[0], time.monotonic() + HELLO_RESEND_FOR_S
+        try:
+            while not await wait_event(heard, pause):
+                if self.stopping.is_set():
+                    return
+                if time.monotonic() > give_up:
+                    log.warning("no controller acknowledged the hello of %s in %.0fs (%d sends): left to a "
+                                "controller's takeover", self.ident.member_id, HELLO_RESEND_FOR_S, sent)
+                    return
+                try:
+                    await self.bus.publish(subj, msg, reply=inbox)
+                    sent += 1
+                except Exception as exc:  # noqa: BLE001 - the bus away: the next round sends it again
+                    log.debug("hello not sent again: %s", exc)
+                pause = min(pause * 2, HELLO_RESEND_S[1])
+            if sent != 1:
+                log.warning("hello of %s acknowledged after %d sends", self.ident.member_id, sent)
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def set_phase(self, phase: str, step: int | None = None) -> None:
         if step is not None:

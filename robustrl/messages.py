@@ -98,6 +98,13 @@ class MemberHello(Wire):
     ts: float = Field(default_factory=now)
 
 
+class HelloAck(Wire):
+    """The leading controller heard ``member_id``'s hello (the member stops sending it again)."""
+    job_id: str = _ID
+    member_id: str = _ID
+    ts: float = Field(default_factory=now)
+
+
 class SpecRequest(Wire):
     job_id: str = _ID
     member_id: str = _ID

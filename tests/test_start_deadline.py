@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
-from jobs import kinds, small_job, wait_done
+from jobs import kinds, small_job, wait_done, wait_step
 from support import audit_sampled, eventually, sample_batches
 
 from robustrl.audit.model import AuditOptions
@@ -35,11 +35,15 @@ HUNG = ("trainer-e1-r0", "rollout-1-i0")
 # Job "lost": the same members start, but their hellos are lost on the way.
 LOST = ("trainer-e1-r0", "rollout-1-i0")
 LOST_DEADLINE_S = 15.0  # twice a healthy start here; the job outlasts it
+# Job "relost": the trainer that a recovery starts loses its first hello (its resends get through).
+RELOST = "trainer-e2-r0"
+RELOST_RECOVERY_DEADLINE_S = 90.0
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    armed = ",".join([*(f"start_hang@sd/{m}" for m in HUNG), *(f"hello_lost@lost/{m}" for m in LOST)])
+    armed = ",".join([*(f"start_hang@sd/{m}" for m in HUNG), *(f"hello_lost@lost/{m}" for m in LOST),
+                      f"hello_lost_first@relost/{RELOST}"])
     st = Stack(tmp_path_factory.mktemp("start-deadline"), service_extra_env={"controller": {FAILPOINTS_ENV: armed}})
     st.start()
     try:
@@ -108,3 +112,40 @@ def test_a_member_whose_hello_was_lost_is_not_killed_as_stuck(stack: Stack) -> N
     # ... and nothing was faulted, and nobody restarted: the first trainer trained every step.
     assert kinds(events, "fault_detected") == [], kinds(events, "fault_detected")
     assert set(started) == {"trainer-e1-r0", "rollout-0-i0", "rollout-1-i0"}, sorted(started)
+
+
+def test_a_recovery_whose_new_trainer_lost_its_first_hello_ends_when_the_hello_is_sent_again(stack: Stack) -> None:
+    """A recovery waits for its new gang's hello. A hello is one core-NATS publish, and one sent
+    while the controller's subscription is not back on a restarted server reaches no one (CI stop
+    28: a campaign job stalled 420 s right after a NATS restart). Before, the recovery then waited
+    out its whole deadline and escalated to a whole-job restart; now the member sends its hello
+    again until the controller acknowledges it.
+
+    The fault: the real trainer of the first gang is killed after step 2; the trainer the recovery
+    starts drops its first hello (a member failpoint; its log says so)."""
+    import os
+    import signal
+
+    api = ApiClient(stack.api_url, stack.settings.api_token)
+    spec = small_job("relost", steps=6, rollout={"replicas": 2}, trainer={"workers": 1},
+                     recovery={"deadline_s": RELOST_RECOVERY_DEADLINE_S})
+    jid = api.submit(spec)["job_id"]
+    wait_step(api, jid, 2, timeout=120)
+    [pid] = [m["pid"] for m in api.job(jid)["members"] if m["member_id"] == "trainer-e1-r0"]
+    os.kill(pid, signal.SIGKILL)
+    status = wait_done(api, jid, timeout=180)
+    assert status["committed_step"] == 5
+    events = api.events(jid)
+    log = (stack.run_dir / "logs" / f"{jid}--{RELOST}.log").read_text(errors="replace")
+    assert "does not publish its first hello" in log, log[-2000:]  # the fault really happened
+    faults = kinds(events, "fault_detected")
+    assert [f["member_id"] for f in faults] == ["trainer-e1-r0"], faults
+    ended = [d for d in kinds(events, "recovered") if d["fault_id"] == faults[0]["fault_id"]]
+    # (Seen on the previous code: the job finished on the new trainer, its recovery never ended.)
+    assert len(ended) == 1, ("the recovery never ended", kinds(events, "recovered"))
+    [recovered] = ended
+    # Role-local and prompt: one resend is half a second after the lost one.
+    assert recovered["took_s"] < RELOST_RECOVERY_DEADLINE_S / 3, recovered
+    # One decision: the recovery was not escalated (its deadline passed) to a whole-job restart.
+    assert len(kinds(events, "decision")) == 1, kinds(events, "decision")
+    assert RELOST in {d["member_id"] for d in kinds(events, "member_ready")}, kinds(events, "member_ready")

@@ -37,7 +37,7 @@ from robustrl.config import JobSpec, Settings
 from robustrl.errors import JobError, LaunchError, RequestTimeout, TransportError
 from robustrl.launcher.base import Launcher
 from robustrl.messages import (
-    ChaosRequest, ControlCommand, FaultReport, MemberHello, MetricsSample, PhaseChange, SpecReply,
+    ChaosRequest, ControlCommand, FaultReport, HelloAck, MemberHello, MetricsSample, PhaseChange, SpecReply,
     SpecRequest, StepCommitted, WeightsHave,
 )
 from robustrl.services.controller import outbox
@@ -727,18 +727,26 @@ class Controller:
                             f"for the leader")
         await self.recovery.handle(fault)
 
-    async def _on_hello(self, msg: MemberHello, _s: str, _r: str | None) -> None:
+    async def _on_hello(self, msg: MemberHello, _s: str, reply: str | None) -> None:
         job = self.jobs.get(msg.job_id)
         if not job or msg.member_id not in job.members or not self.leading:
-            return
+            return  # unanswered: the member sends it again (a takeover may not know it yet)
         m = job.members[msg.member_id]
-        m.state, m.pid = "running", msg.pid
-        job.startup_failures.pop((m.role, m.index), None)
-        if m.role == "trainer" and m.epoch == job.epoch:
-            m.state = "ready"
-            if msg.resume_step is not None:
-                job.durable_step = msg.resume_step - 1
-            await self.recovery.progress(job, msg.member_id)
+        # A member sends its hello until this answer reaches it (Member.hello): a hello again is
+        # the same news, and one of a member no longer starting (ready, or already gone) changes
+        # nothing (before, a late hello brought a dead member back to "running").
+        if m.state == "starting":
+            m.state, m.pid = "running", msg.pid
+            job.startup_failures.pop((m.role, m.index), None)
+            if m.role == "trainer" and m.epoch == job.epoch:
+                m.state = "ready"
+                if msg.resume_step is not None:
+                    job.durable_step = msg.resume_step - 1
+                await self.recovery.progress(job, msg.member_id)
+        try:  # answered once acted on: a send lost before that is sent again
+            await self.bus.respond(reply, HelloAck(job_id=job.job_id, member_id=m.member_id))
+        except Exception as exc:  # noqa: BLE001 - the bus away: the member sends its hello again
+            log.debug("hello of %s not acknowledged: %s", m.member_id, exc)
 
     async def _on_phase(self, msg: PhaseChange, _s: str, _r: str | None) -> None:
         job = self.jobs.get(msg.job_id)
