@@ -69,7 +69,8 @@ def test_reduced_campaign_loses_nothing(tmp_path):
     # end, its injections, and the last lines of every process's log.
     # A string, not a tuple: pytest cuts the repr of a non-string message to 240 characters (CI
     # stop 28 showed only "...d; reconnecting" of the logs).
-    why = json.dumps({k: r.get(k) for k in ("status", "error", "steps_committed", "max_stuck_s", "injections")},
+    why = json.dumps({k: r.get(k) for k in ("status", "error", "steps_committed", "max_stuck_s", "injections",
+                                       "last_status")},
                      indent=None) + "\n" + _log_tails(tmp_path / "run" / "logs")
     assert r["faults_injected"] >= 20, why
     assert r["job_completed"], why

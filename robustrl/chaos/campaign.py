@@ -334,6 +334,8 @@ async def run_mode(settings: Settings, api: ApiClient, mode: str, steps: int, fa
         "by_trigger": _count(i.fired for i in injections if i.ok),
         "job_completed": status.get("status") == "finished", **verdict.counters(),
         "max_stuck_s": verdict.facts.get("max_stuck_s"),
+        # Where a job given up was stuck: the controller's last view of it (members, recoveries).
+        "last_status": None if status.get("status") in TERMINAL else status,
         "step_deadline_s": getattr(JobSpec.parse(spec).detector, "step_deadline_s", None),
         "redis_bytes_start": driver.redis_bytes_start, "redis_bytes_end": redis_end,
         "ettr": round(report.ettr, 4), "audit_ok": verdict.ok, "violations": verdict.violations()[:30],
