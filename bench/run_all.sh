@@ -13,3 +13,4 @@ python bench/redis_memory.py --out bench/results/redis_memory.json
 if [ "$(id -u)" = 0 ]; then
   python bench/weight_sync.py --testbed --link 200mbit,100mbit --out bench/results/weight_sync_testbed.json
 fi
+python bench/heavy.py --out bench/results/heavy.json

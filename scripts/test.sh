@@ -24,4 +24,5 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   fi
 fi
 . .venv/bin/activate
-exec python -m pytest -q -ra --durations=25 "$@"
+# Tests marked heavy (multi-minute end-to-end runs) are bench/heavy.py's, not this suite's.
+exec python -m pytest -q -ra --durations=25 -m "not heavy" "$@"

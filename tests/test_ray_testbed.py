@@ -45,7 +45,9 @@ if _REASON is not None:
 
 from robustrl.launcher.ray_cluster import TestbedRayCluster
 
-pytestmark = pytest.mark.timeout(240)
+# Two jobs on a Ray cluster inside network namespaces, ~120 s: bench/heavy.py, not the default
+# suite (the Ray launcher's node loss, standby and placement run there: tests/test_ray_launcher.py).
+pytestmark = [pytest.mark.heavy, pytest.mark.timeout(240)]
 INSTANCE = "rr-tb"
 STEPS = 6
 

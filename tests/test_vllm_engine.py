@@ -99,6 +99,7 @@ def _argv0(pid: int) -> str:
     return psutil.Process(pid).cmdline()[0]
 
 
+@pytest.mark.heavy  # ~160 s (four vLLM engine starts): bench/heavy.py, not the default suite
 @pytest.mark.timeout(900)
 def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_replica_restocks(
         vllm_py: Path, hf_dir: Path, stack, api, infra) -> None:
