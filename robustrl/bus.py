@@ -160,6 +160,10 @@ class Bus:
         job, or write a kind its role does not own, by what it publishes."""
 
         async def _cb(raw: Msg) -> None:
+            if not raw.data and (raw.headers or {}).get("Status") == "503":
+                # The server's "no responders" to a publish with a reply inbox (a hello sent while
+                # nobody listened on its subject, as across a server restart): no message.
+                return
             try:
                 msg = (decode_event(raw.data, raw.subject) if model is Event  # type: ignore[assignment]
                        else decode(model, raw.data, raw.subject))

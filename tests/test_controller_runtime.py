@@ -33,7 +33,7 @@ from robustrl.config import JobSpec, Settings
 from robustrl.errors import LaunchError, RequestTimeout
 from robustrl.launcher.local import LAUNCH_MARK_ENV, LocalLauncher
 from robustrl.launcher.zygote import FORK_START_ENV
-from robustrl.messages import ControlCommand, FaultReport, MemberHello, MetricsSample, StepCommitted
+from robustrl.messages import ControlCommand, FaultReport, HelloAck, MemberHello, MetricsSample, StepCommitted
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.redis_stores import Keys, connect
 from robustrl.subjects import Verb, all_jobs_exact, subject
@@ -232,6 +232,38 @@ async def test_view_of_the_real_runtime_sees_a_lost_request_manager_and_resumes_
 async def _with_decision(rig: Rig, job_id: str, action: str) -> list[object] | None:
     events = await rig.events(job_id)
     return events if any(d["actions"] == [action] for d in of_kind(events, "decision")) else None
+
+
+async def test_a_hello_sent_again_is_acknowledged_and_changes_nothing_already_known(rig: Rig) -> None:
+    """A member sends its hello until the controller acknowledges it (its first may be lost on a
+    restarting server). The one that gets through late must not undo what the controller learnt
+    meanwhile (outside review): the trainer's resume step must not move the durable step back
+    below the gang's own commits, nor may a hello bring a member declared dead back to life."""
+    assert rig.bus
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cphello"))
+    await eventually_async(lambda: job.launched, what="members recorded")
+    trainer = next(m for m in job.members.values() if m.role == "trainer")
+    replica = next(m for m in job.members.values() if m.role == "rollout")
+
+    async def hello(m: Any, **extra: Any) -> HelloAck:
+        return await rig.bus.request(subject(job.job_id, Verb.HELLO, m.member_id), MemberHello(
+            job_id=job.job_id, member_id=m.member_id, role=m.role, pid=m.pid or 1, epoch=m.epoch, **extra),
+            HelloAck, timeout=5)
+
+    # The trainer's first hello was lost; its gang trains and commits steps 0 and 1 (durable).
+    await rig.commit(job.job_id, 0, epoch=trainer.epoch)
+    await rig.commit(job.job_id, 1, epoch=trainer.epoch)
+    await eventually_async(lambda: job.durable_step == 1, what="commits seen")
+    assert trainer.state == "starting"
+    ack = await hello(trainer, resume_step=0)  # sent again, late, naming the step it resumed at
+    assert ack.member_id == trainer.member_id
+    assert trainer.state == "ready" and job.durable_step == 1, (trainer.state, job.durable_step)
+    # A member declared dead meanwhile stays dead; its hello is still answered (it stops sending).
+    replica.state = "dead"
+    assert (await hello(replica)).member_id == replica.member_id
+    assert replica.state == "dead"
 
 
 async def test_restarted_controller_adopts_running_members_and_restarts_none(rig: Rig) -> None:

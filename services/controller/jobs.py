@@ -166,6 +166,9 @@ class JobRun:
     """Members of a recovery start a previous leader left unfinished, re-attached at the takeover
     before their hello: the restart of that recovery supersedes them, so their exit meanwhile is
     expected, not a crash before the hello (in memory: a later takeover finds them again)."""
+    commit_epoch: int = -1
+    """The gang epoch of the last commit heard (not persisted): a trainer's hello sent again after
+    its gang committed (its first was lost) must not move ``durable_step`` back to its resume step."""
     trained_unheard: int = -1
     """A step of the current gang the trained log holds but no commit was heard of, at the last
     progress check (-1: none); the next check still finding it reads the event log."""

@@ -740,7 +740,7 @@ class Controller:
             job.startup_failures.pop((m.role, m.index), None)
             if m.role == "trainer" and m.epoch == job.epoch:
                 m.state = "ready"
-                if msg.resume_step is not None:
+                if msg.resume_step is not None and job.commit_epoch != m.epoch:
                     job.durable_step = msg.resume_step - 1
                 await self.recovery.progress(job, msg.member_id)
         try:  # answered once acted on: a send lost before that is sent again
@@ -794,6 +794,8 @@ class Controller:
         if m.state in ("dead", "exited", "stopped") or not job.is_current(m.member_id):
             return  # a late HAVE of a replaced or borrowed replica must not bring it back to the pool
         m.weights_version = msg.version
+        if m.state == "starting":  # ready before its hello was heard (that hello is then no news)
+            job.startup_failures.pop((m.role, m.index), None)
         m.state = "ready"
         if msg.version >= job.weights_version:
             await self.recovery.progress(job, msg.member_id)
@@ -812,6 +814,7 @@ class Controller:
             return
         job.committed_step = max(job.committed_step, msg.step)
         job.durable_step = max(job.durable_step, msg.durable_step)
+        job.commit_epoch = msg.epoch
         job.weights_version, job.weights_checksum = msg.weights_version, msg.checksum
         job.reward_by_step[msg.step] = msg.reward_mean
         job.last_step_timings = dict(msg.timings)
