@@ -16,11 +16,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import nats
+from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, Header, StreamConfig
 from nats.js.errors import APIError as JsAPIError
 from tenacity import (
     AsyncRetrying,
@@ -160,7 +161,7 @@ class Bus:
         job, or write a kind its role does not own, by what it publishes."""
 
         async def _cb(raw: Msg) -> None:
-            if not raw.data and (raw.headers or {}).get("Status") == "503":
+            if not raw.data and (raw.headers or {}).get(Header.STATUS) == NO_RESPONDERS_STATUS:
                 # The server's "no responders" to a publish with a reply inbox (a hello sent while
                 # nobody listened on its subject, as across a server restart): no message.
                 return
