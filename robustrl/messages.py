@@ -20,7 +20,7 @@ from robustrl.subjects import _TOKEN, parse_event_subject
 Role = Literal["trainer", "rollout", "request_manager", "controller", "detector"]
 TrainerPhase = Literal["starting", "idle", "waiting_batch", "training", "checkpointing", "publishing"]
 RolloutPhase = Literal["starting", "serving", "idle", "loading_weights", "weights_failed", "awaiting_version"]
-FaultKind = Literal["crash", "hang", "unresponsive", "fail_slow", "tool_outage"]
+FaultKind = Literal["crash", "hang", "unresponsive", "fail_slow", "tool_outage", "bad_output"]
 ChaosKind = Literal["crash", "hang", "stall", "slow", "tool_outage", "net_drop", "partition", "infra_restart"]
 ChaosRole = Literal["trainer", "rollout", "request_manager", "controller", "detector", "nats", "redis", "s3"]
 """Where a fault can be injected: the job's roles, the control plane, and the infra servers

@@ -38,7 +38,7 @@ def test_trainer_fault_restarts_the_gang_from_the_durable_checkpoint() -> None:
 
 
 def test_rollout_fault_redispatches_then_replaces() -> None:
-    for kind in ("crash", "hang", "unresponsive", "fail_slow"):
+    for kind in ("crash", "hang", "unresponsive", "fail_slow", "bad_output"):
         d = decide(NOW, job(), fault("rollout", "r1", kind), LOCAL)
         assert d.actions == [RedispatchEpisodes("r1"), ReplaceReplica("r1")], kind
     assert d.describe() == ["redispatch_episodes(r1)", "replace_replica(r1)"]

@@ -576,6 +576,51 @@ async def test_a_reply_with_token_ids_outside_the_vocabulary_is_refused_and_its_
                 assert turn.role != "assistant" or turn.member_id == b.member_id
 
 
+
+async def test_a_replica_whose_replies_are_refused_between_good_ones_is_reported_and_its_turns_go_on_at_once(servers):
+    """A replica that answers well now and then, and otherwise with tokens the model does not
+    have (a flaky engine, a bad GPU), never lets ``TIMEOUTS_BEFORE_FAULT`` deadlines pass in a
+    row: each good reply reset its count, so it was never reported, and each refused reply held
+    its episode for a whole turn deadline. Its refused replies now count over its last replies
+    (a good one in between does not clear them): it is reported, naming the cause, and a refused
+    turn is dispatched again at once, not at its deadline."""
+    spec = rm_spec("flaky", turn_deadline_s=20.0)
+    spec["data"] = {**spec["data"], "prompts_per_step": 8}
+    async with Harness(servers, spec) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        vocab = a.tok.vocab_size
+        good_answer = a.answer
+        answered: list[bool] = []  # True: answered well
+
+        async def flaky(msg: GenerateTurn) -> None:
+            if len(answered) % 3 == 2:  # bad, bad, good, bad, bad, good, ...
+                answered.append(True)
+                await good_answer(msg)
+                return
+            answered.append(False)
+            await a.bus.publish(subject(a.job_id, Verb.TURN), TurnResult(
+                job_id=a.job_id, request_id=msg.request_id, episode_id=msg.episode_id, member_id=a.member_id,
+                token_ids=[1, vocab + 3], logprobs=[-1.0, -1.0], stop_reason="eot", weights_version=a.version))
+        a.answer = flaky  # type: ignore[method-assign]
+        await h.start_rm()
+        # A refused turn waiting out its 20 s deadline would take longer than this.
+        await eventually_async(lambda: 0 in h.batches, timeout=15, what="step 0 handed over")
+        assert answered.count(True) >= 1 and answered.count(False) >= 3, answered
+        reported = [f for f in h.faults if f.member_id == a.member_id]
+        assert len(reported) == 1 and reported[0].kind == "bad_output" and reported[0].cause == "replies_refused", \
+            h.faults
+        assert not [f for f in h.faults if f.member_id == b.member_id], h.faults
+        logged = await eventually_async(lambda: _events_at_least(h, "fault_detected", 1), timeout=10,
+                                        what="the fault in the job's log")
+        assert [d["member_id"] for d in logged] == [a.member_id], logged
+        again = await h.events("episode_redispatched")
+        assert again and all(d["cause"] == "reply_rejected" and d["member_id"] == a.member_id for d in again), again
+        episodes = await h.episodes.get_many(h.batches[0].episode_ids)
+        for ep in episodes:
+            assert ep.status == "finished", ep
+            for turn in ep.turns:
+                assert all(0 <= t < vocab for t in turn.token_ids), (ep.episode_id, turn)
+
 async def _events_at_least(h: Harness, kind: str, n: int) -> list[dict]:
     got = await h.events(kind)
     return got if len(got) >= n else []

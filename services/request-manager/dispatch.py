@@ -7,6 +7,9 @@ The one home of the dispatch rules:
 * every dispatched turn has a deadline (``detector.turn_deadline_s``); past it the turn is
   re-dispatched from the episode's saved prefix to another live replica, and a replica that lets
   ``TIMEOUTS_BEFORE_FAULT`` turns in a row pass their deadline is reported;
+* a reply that parses but names tokens outside the model's vocabulary is refused and its turn is
+  dispatched again at once; a replica with ``REFUSED_BEFORE_FAULT`` refused replies among its last
+  ``REPLY_WINDOW`` is reported (``bad_output``), good replies in between notwithstanding;
 * a replica declared dead, or silent past the liveness window, fails its turns at once;
 * work is idempotent by (episode, turn number): a reply is applied only while its request is the
   episode's current one; a late reply for a turn already applied or re-dispatched is dropped
@@ -26,6 +29,8 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +55,10 @@ ADOPT_WAIT_S = 2.0
 """How long a resumed step waits to hear from the owner of a turn dispatched before it resumed."""
 TIMEOUTS_BEFORE_FAULT = 3
 """Turn deadlines passed in a row, with no reply in between, before a replica is reported."""
+REFUSED_BEFORE_FAULT = 3
+"""Refused replies among a replica's last ``REPLY_WINDOW`` before it is reported (``bad_output``):
+a replica that answers well now and then never lets its turn deadlines pass in a row."""
+REPLY_WINDOW = 10
 RECONNECT_GRACE_S = 5.0
 """Turns sent within this long after this service's own NATS reconnect do not count against the
 replica: it may still be reconnecting, and what was sent to it meanwhile is lost on the bus."""
@@ -84,6 +93,8 @@ class Replica:
     timeouts: int = 0  # turn deadlines passed in a row with no reply in between
     reported: bool = False  # reported for timeouts; dispatched to only if nobody else can serve
     reported_version: int = -1  # reported for not reaching this version in time
+    refused: deque[bool] = field(default_factory=lambda: deque(maxlen=REPLY_WINDOW))  # its last replies: True refused
+    reported_bad: bool = False  # reported for refused replies (for good: its replacement is asked for)
 
 
 @dataclass
@@ -123,6 +134,8 @@ class Dispatcher:
                       "events_unsent": 0, "rejected": 0}
         self.vocab_size: int | None = None
         """The job tokenizer's vocabulary: a reply naming a token outside it is refused."""
+        self.step = 0
+        """The newest step a turn was generated for (a fault report's step)."""
         self.changed = asyncio.Event()
         self._emitting: set[asyncio.Task[None]] = set()  # events the turn handler does not wait for
         # When this service last heard any member: silence is judged against it, so a request
@@ -193,22 +206,16 @@ class Dispatcher:
         self.changed.set()
 
     async def on_turn(self, msg: TurnResult) -> None:
+        rep = self.replicas.get(msg.member_id)
+        if rep is not None and msg.member_id in self.dead:
+            rep = None
         bad = next((t for t in msg.token_ids if t >= self.vocab_size), None) if self.vocab_size else None
         if bad is not None:
-            # Parses, but names tokens the model does not have (a corrupt engine, a mismatched
-            # tokenizer): decoded, it failed the step's every attempt; trained on, the trainer's
-            # embedding lookup at every redo. Refused before it counts as a sign of life, so the
-            # turn passes its deadline, goes to another replica, and the replica's timeouts count.
-            self.stats["rejected"] += 1
-            log.warning("job %s: reply %s of %s refused: token id %d outside the vocabulary (size %d)",
-                        self.job_id, msg.request_id, msg.member_id, bad, self.vocab_size)
-            self._emit_later("turn_rejected", {
-                "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id,
-                "error": f"token_ids: id {bad} outside the vocabulary (size {self.vocab_size})"})
+            self._refuse(msg, rep, f"token_ids: id {bad} outside the vocabulary (size {self.vocab_size})")
             return
-        rep = self.replicas.get(msg.member_id)
-        if rep is not None and msg.member_id not in self.dead:
+        if rep is not None:
             rep.seen_at, rep.timeouts, rep.reported = time.monotonic(), 0, False
+            rep.refused.append(False)
         pend = self.pending.get(msg.request_id)
         if pend is None or pend.future.done() or pend.episode_id != msg.episode_id:
             # Late: its turn was applied, or re-dispatched, or the step was restarted.
@@ -220,26 +227,60 @@ class Dispatcher:
         pend.future.set_result(msg)
         self.changed.set()
 
+    def _refuse(self, msg: TurnResult, rep: Replica | None, error: str) -> None:
+        """A reply that parses but names tokens the model does not have (a corrupt engine, a
+        mismatched tokenizer): decoded, it failed the step's every attempt; trained on, the
+        trainer's embedding lookup at every redo. It is never applied and is no sign of life; its
+        turn is dispatched again now (its replica answered: waiting out the deadline only held the
+        episode); the replica is reported once ``REFUSED_BEFORE_FAULT`` of its last replies were
+        refused (a good reply in between clears its timeouts, not these)."""
+        self.stats["rejected"] += 1
+        log.warning("job %s: reply %s of %s refused: %s", self.job_id, msg.request_id, msg.member_id, error)
+        self._emit_later("turn_rejected", {
+            "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id, "error": error})
+        pend = self.pending.get(msg.request_id)
+        if (pend is not None and not pend.future.done() and pend.episode_id == msg.episode_id
+                and pend.member_id == msg.member_id):
+            pend.future.set_exception(Redispatch(f"reply of {msg.member_id} refused: {error}",
+                                                 member=msg.member_id, cause="reply_rejected"))
+            self.changed.set()
+        if rep is None:
+            return
+        rep.refused.append(True)
+        if sum(rep.refused) >= REFUSED_BEFORE_FAULT and not rep.reported_bad:
+            rep.reported_bad = True
+            evidence = (f"{sum(rep.refused)} of the last {len(rep.refused)} replies of {rep.member_id} refused; "
+                        f"the last: {error}")
+            self._background(report_deadline(
+                self.bus, self.job_id, role="rollout", member_id=rep.member_id, kind="bad_output",
+                cause="replies_refused", step=self.step, since=time.time(), evidence=evidence), "fault report")
+
     def _emit_later(self, kind: str, data: dict[str, Any]) -> None:
-        """Append an event to the job's log without making the caller wait for it. The turn handler
-        runs one message at a time (nats.py calls a subscription's callback for each in turn): an
-        event awaited there, while JetStream is slow (its retries take up to 30 s), held every
-        on-time reply behind one late one, until their turns passed their deadlines and healthy
-        replicas were reported (an outside review found it). At most ``MAX_EMITTING`` wait at once;
-        beyond that an event is counted in ``stats['events_unsent']`` and dropped."""
+        """Append an event to the job's log without making the caller wait for it (``_background``)."""
+        self._background(self.bus.emit_event(self.job_id, kind, data), kind)
+
+    def _background(self, work: Coroutine[Any, Any, object], what: str) -> None:
+        """Run an append to the job's log (an event, a fault report) without making the turn
+        handler wait for it. The handler runs one message at a time (nats.py calls a
+        subscription's callback for each in turn): an event awaited there, while JetStream is slow
+        (its retries take up to 30 s), held every on-time reply behind one late one, until their
+        turns passed their deadlines and healthy replicas were reported (an outside review found
+        it). At most ``MAX_EMITTING`` wait at once; beyond that one is counted in
+        ``stats['events_unsent']`` and dropped."""
         if len(self._emitting) >= MAX_EMITTING:
+            work.close()
             self.stats["events_unsent"] += 1
             return
-        task = asyncio.get_running_loop().create_task(self._emit(kind, data))
+        task = asyncio.get_running_loop().create_task(self._settle(work, what))
         self._emitting.add(task)
         task.add_done_callback(self._emitting.discard)
 
-    async def _emit(self, kind: str, data: dict[str, Any]) -> None:
+    async def _settle(self, work: Coroutine[Any, Any, object], what: str) -> None:
         try:
-            await self.bus.emit_event(self.job_id, kind, data)
+            await work
         except Exception as exc:  # the event log is accounting here: the turn is handled already
             self.stats["events_unsent"] += 1
-            log.warning("job %s: %s event not appended: %s", self.job_id, kind, exc)
+            log.warning("job %s: %s not appended: %s", self.job_id, what, exc)
 
     # --- choosing a replica ----------------------------------------------------------------
 
@@ -262,7 +303,7 @@ class Dispatcher:
             while True:
                 ready = self.ready(step)
                 if ready:
-                    good = [r for r in ready if r.member_id not in avoid and not r.reported]
+                    good = [r for r in ready if r.member_id not in avoid and not r.reported and not r.reported_bad]
                     return min(good or ready, key=lambda r: (len(r.inflight), r.member_id))
                 await self._changed_wait(WAKE_S)
         finally:
@@ -307,6 +348,7 @@ class Dispatcher:
         Returns the result and the id of the request it answered.
         """
         turn = len(ep.turns)
+        self.step = max(self.step, step)
         avoid: set[str] = set()
         cause: str | None = None
         fault_id: str | None = None

@@ -19,12 +19,12 @@ from robustrl.subjects import Verb, subject
 
 log = logging.getLogger(__name__)
 
-Cause = Literal["turn_deadline", "weights_deadline", "step_deadline"]
+Cause = Literal["turn_deadline", "weights_deadline", "step_deadline", "replies_refused"]
 
 
 async def report_deadline(bus: Bus, job_id: str, *, role: Role, member_id: str, kind: FaultKind, cause: Cause,
                           evidence: str, step: int, since: float | None = None) -> FaultReport:
-    """Publish one fault for a passed deadline and record it in the event log.
+    """Publish one fault for a passed deadline (or replies refused) and record it in the event log.
 
     Args:
         role, member_id: who holds the work that did not finish (a replica, or the request
