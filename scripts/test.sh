@@ -25,4 +25,9 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
 fi
 . .venv/bin/activate
 # Tests marked heavy (multi-minute end-to-end runs) are bench/heavy.py's, not this suite's.
-exec python -m pytest -q -ra --durations=25 -m "not heavy" "$@"
+# Two workers (pytest-xdist): most tests wait on processes and servers more than they compute.
+# Each module runs whole on one worker; those that use the machine's own resources (dockerd's
+# data root, Ray's ports, the testbed's namespaces) run one after another (tests/conftest.py).
+# ROBUSTRL_TEST_WORKERS=0 runs the suite in one process.
+exec python -m pytest -q -ra --durations=25 -m "not heavy" \
+  -n "${ROBUSTRL_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"

@@ -72,12 +72,52 @@ _PREBUILDING: list[object] = []
 """Modules whose ``start_prebuild`` was called (``abandon_prebuild`` at the session's end)."""
 
 
+# Modules that use something of the machine's own, not the test's: the one dockerd data root
+# (tests/docker_engine.py), Ray's fixed default ports, /run/robustrl-testbed and its sweeps, the
+# network namespaces. Under pytest-xdist (scripts/test.sh runs two workers) they run one after
+# another on one worker: ``xdist_group("machine")``.
+MACHINE_MODULES = frozenset({
+    "test_compose_stack", "test_docker_standby", "test_ray_launcher", "test_ray_testbed", "test_testbed",
+    "test_testbed_gang", "test_testbed_heal", "test_testbed_job", "test_bench_testbed_fanout"})
+SLOW_FIRST = ("machine", "test_campaign", "test_vllm_engine", "test_recovery", "test_local_launcher",
+              "test_cli", "test_standby_failover", "test_start_deadline", "test_control_plane_faults",
+              "test_standby_faults", "test_rollout_replica", "test_rm_dispatch", "test_controller_runtime")
+"""Groups handed out first, longest first (from ``--durations``): the last group to start should
+be a short one, so that both workers end together."""
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The group a test runs in under ``--dist loadgroup``: its module's (a module's fixtures are
+    set up once, on one worker), or ``machine`` for the modules in ``MACHINE_MODULES``."""
+    module = item.path.stem
+    return "machine" if module in MACHINE_MODULES else module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist: each test in its group (``xdist_group_of``), and the slow groups first.
+    Every worker collects, and sorts, the same way (xdist checks that the collections match)."""
+    if not _xdist_worker(config) and getattr(config.option, "numprocesses", None) in (None, 0):
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+    rank = {g: i for i, g in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(xdist_group_of(item), len(rank)))  # stable: file order kept
+
+
+def _xdist_worker(config: pytest.Config) -> str | None:
+    return getattr(config, "workerinput", {}).get("workerid")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Modules that can begin slow preparation as the session starts, beside the other tests
     (``start_prebuild``: the compose stack's image); not for a session that runs no test."""
     opt = session.config.option
     if opt.collectonly or getattr(opt, "showfixtures", False) or getattr(opt, "show_fixtures_per_test", False) \
             or getattr(opt, "setupplan", False) or session.testsfailed:
+        return
+    if _xdist_worker(session.config):
+        # Every worker collects every module: a prebuild on each would run two dockerds on one
+        # data root. The compose module's fixture builds the image when its worker gets to it.
         return
     for item in session.items:
         module = getattr(item, "module", None)
