@@ -256,11 +256,11 @@ def test_plan_takes_spares_first_then_borrows_down_to_the_replicas_kept_then_col
     assert plan_gang(_view(spares_ready=2), order)[0] == ("borrowed:rollout-2-i0", "spare")
 
 
-def _crash(member: str, kind: str = "crash"):
+def _crash(member: str, kind: str = "crash", cause: str | None = None):
     from robustrl.messages import FaultReport
 
     return FaultReport(job_id="j", fault_id="f1", role="trainer", member_id=member, kind=kind,  # type: ignore[arg-type]
-                       evidence="test", detected_at=1.0)
+                       evidence="test", detected_at=1.0, cause=cause)
 
 
 def test_plan_keeps_the_broken_gangs_other_ranks_first_and_only_after_a_fault_that_frees_them():
@@ -285,6 +285,10 @@ def test_plan_keeps_the_broken_gangs_other_ranks_first_and_only_after_a_fault_th
     for kind in ("hang", "fail_slow", "unresponsive"):
         sources, why = plan_gang(_view(**gang), _rec(), _crash("trainer-e1-r1", kind))
         assert sources == ("borrowed:rollout-2-i0", "borrowed:rollout-1-i0") and "no survivor kept" in why, kind
+    # a lost GPU is a crash whose process still runs: its peers may be held in a collective with it
+    sources, why = plan_gang(_view(**gang), _rec(), _crash("trainer-e1-r1", cause="gpu_lost"))
+    assert sources == ("borrowed:rollout-2-i0", "borrowed:rollout-1-i0") and "no survivor kept" in why, why
+    assert "GPU" in why, why
     sources, why = plan_gang(_view(**gang), _rec(keep_survivors=False), _crash("trainer-e1-r1"))
     assert not any(s.startswith("survivor") for s in sources) and "keep_survivors" in why
     sources, why = plan_gang(_view(survivors=gang["survivors"], can_keep=False), _rec(), _crash("trainer-e1-r1"))

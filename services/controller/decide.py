@@ -37,7 +37,8 @@ SPARE, BORROWED, COLD = "spare", "borrowed", "cold"
 SURVIVOR = "survivor"
 """A rank of the broken gang kept in place (``RecoverySpec.keep_survivors``): before every other source."""
 KEEPABLE_FAULTS = frozenset({"crash"})
-"""Faults after which the other ranks of the gang are kept: a rank's process exited, so the
+"""Faults after which the other ranks of the gang are kept (not a crash of cause ``gpu_lost``, whose
+process still runs): a rank's process exited, so the
 survivors' collectives with it fail at once and they are free to rejoin. Not after a hang or a
 slow rank: the detector judges each rank on its own activity, and a healthy rank waiting in a
 collective for a stalled one shows no activity either, so the rank reported may be the healthy
@@ -401,6 +402,9 @@ def may_keep(job: JobView, spec: RecoverySpec, fault: FaultReport | None) -> str
     if fault is None or fault.kind not in KEEPABLE_FAULTS:
         return (f"after a {fault.kind if fault else 'late'} fault (no exit) the rank reported may be a healthy "
                 "one waiting on the faulty one, or blocked on it until its collective times out")
+    if fault.cause == "gpu_lost":
+        return ("its GPU was lost but its process still runs: the other ranks may be held in a collective "
+                "with it until the collective times out")
     return None
 
 
