@@ -487,6 +487,30 @@ async def _job_whose_member_fails(rig: Rig, monkeypatch: pytest.MonkeyPatch, mod
     return job
 
 
+async def test_a_slot_whose_start_hangs_every_time_fails_the_job_fast(rig: Rig) -> None:
+    """A member that never finishes starting (a model load blocked on a stuck mount, a wedged
+    engine warm-up) in every incarnation is a broken start as much as one that exits before its
+    hello: ``STARTUP_FAILURES_MAX`` hangs in a row of one slot fail the job with the evidence.
+    Before, each hang was one more whole-job restart, through ``recovery.max_restarts`` (20),
+    ``start_deadline_s`` apart (production: 30 min each: ten hours to fail)."""
+    c = await rig.controller()
+    await c.wait_leading(10)
+    # Members here never say hello (tests/idle_member.py). The first start is timed by the start
+    # deadline; the restarts it leads to, by their recovery's deadline.
+    job = await c.submit(JobSpec.parse({"name": "cphung", "steps": 5, "rollout": {"replicas": 2},
+                                        "detector": {"start_deadline_s": 1.5}, "recovery": {"deadline_s": 2.0}}))
+    await eventually_async(lambda: job.status == "failed", timeout=60, what="job failed")
+    assert f"did not finish starting {STARTUP_FAILURES_MAX} times in a row" in (job.error or ""), job.error
+    assert job.restarts_total == STARTUP_FAILURES_MAX - 1 < job.spec.recovery.max_restarts, job.restarts_total
+    events = await rig.events(job.job_id)
+    faults = of_kind(events, "fault_detected")
+    assert "start_deadline_s=1.5" in str(faults[0]["evidence"]), faults
+    decisions = [d["actions"] for d in of_kind(events, "decision")]
+    assert decisions == [["RestartWholeJob"]] * (STARTUP_FAILURES_MAX - 1) + [["FailJob"]], decisions
+    [failed] = of_kind(events, "job_failed")
+    assert "did not finish starting" in str(failed["reason"]), failed
+
+
 async def test_member_that_cannot_start_fails_the_job_fast_with_its_stderr(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     job = await _job_whose_member_fails(rig, monkeypatch, "ROLLOUT_MODULE", "broken_member", "cpbroken")

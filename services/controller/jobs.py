@@ -103,6 +103,11 @@ class GangStart:
                    {int(k): int(v) for k, v in (rec.get("borrowed_slots") or {}).items()})
 
 
+STARTUP_FAILURES_MAX = 3
+"""Consecutive failed starts (an exit before the hello, a start past its deadline) per role slot
+that fail the job (a member that cannot start)."""
+
+
 @dataclass
 class JobRun:
     job_id: str
@@ -135,7 +140,7 @@ class JobRun:
     launched: bool = False
     """Every first member was started and recorded (persisted): a job whose record says otherwise
     had its start interrupted (its leader died or was deposed) and is started again by the next."""
-    # (role, slot) -> exits before the hello in a row
+    # (role, slot) -> failed starts in a row (an exit before the hello, a start past its deadline)
     startup_failures: dict[tuple[str, int], int] = field(default_factory=dict)
     service_seen_at: dict[str, float] = field(default_factory=dict)  # control-plane role -> last sign of life
     services_lost: set[str] = field(default_factory=set)  # control-plane roles seen lost, not yet resumed
@@ -200,6 +205,12 @@ class JobRun:
             if m.role == "rollout" and (m.index not in latest or m.epoch > latest[m.index].epoch):
                 latest[m.index] = m
         return [latest[i] for i in sorted(latest)]
+
+    def failed_start(self, m: MemberInfo) -> int:
+        """Count one more failed start of ``m``'s slot; returns its failed starts in a row."""
+        slot = (m.role, m.index)
+        self.startup_failures[slot] = self.startup_failures.get(slot, 0) + 1
+        return self.startup_failures[slot]
 
     def is_current(self, member_id: str) -> bool:
         m = self.members.get(member_id)

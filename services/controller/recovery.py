@@ -29,6 +29,7 @@ from robustrl.services.controller import decide as decide_mod
 from robustrl.services.controller import failpoints
 from robustrl.services.controller.decide import (
     Action,
+    Decision,
     FailJob,
     Ignore,
     RedispatchEpisodes,
@@ -39,7 +40,7 @@ from robustrl.services.controller.decide import (
     ResumeService,
     action_name,
 )
-from robustrl.services.controller.jobs import ActiveRecovery, GangStart, JobRun
+from robustrl.services.controller.jobs import STARTUP_FAILURES_MAX, ActiveRecovery, GangStart, JobRun
 from robustrl.services.controller.launching import JobStopping, StartSuperseded, lid, replica_id
 from robustrl.services.controller.lease import LeaseLost
 from robustrl.services.controller.view import job_view
@@ -675,6 +676,23 @@ class RecoveryExecutor:
             await self.handle(again)  # (persists the job: this fault is no longer to be looked at)
         await self.c.persist(job)
 
+    @staticmethod
+    def _unstartable(job: JobRun, late: ActiveRecovery, decision: Decision) -> Decision:
+        """The members ``late`` still waits for that never said hello failed their starts (while a
+        recovery runs, the start deadline times no one: this deadline does). A slot that failed
+        ``STARTUP_FAILURES_MAX`` starts in a row cannot start: the job fails instead of
+        restarting once more (before, a start that hung in every incarnation went through
+        ``max_restarts``, a recovery deadline each)."""
+        stuck = [job.members[mid] for mid in sorted(late.waiting_for)
+                 if mid in job.members and job.members[mid].state == "starting"]
+        worst = max(((job.failed_start(m), m) for m in stuck), key=lambda fm: fm[0], default=None)
+        if worst is None or worst[0] < STARTUP_FAILURES_MAX:
+            return decision
+        failures, m = worst
+        reason = (f"{m.role} slot {m.index} did not finish starting {failures} times in a row: it cannot "
+                  f"start. {m.member_id} said no hello within the recovery's deadline: {decision.reason}")
+        return Decision([FailJob(reason)], reason)
+
     async def check_deadlines(self, job: JobRun) -> None:
         if job.done or not job.recoveries:
             return
@@ -695,6 +713,7 @@ class RecoveryExecutor:
             fault = FaultReport(job_id=job.job_id, fault_id=f"{late.fault_id}-late", role=late.role,  # type: ignore[arg-type]
                                 member_id=next(iter(late.waiting_for), "controller"), kind="unresponsive",
                                 evidence=decision.reason, detected_at=time.time(), step=job.step)
+            decision = self._unstartable(job, late, decision)
             await self.c.event(job, "decision", {"fault_id": late.fault_id, "actions": decision.names(),
                                                  "reason": decision.reason})
             await self.execute_all(job, fault, decision.actions)

@@ -6,9 +6,10 @@ down): an unexpected exit of a current member becomes a crash fault whose ``faul
 launcher's exit time, recorded as a ``fault_detected`` event and handled at once. The exit is
 then forwarded to the detector as handled (``expected``), so it is not reported twice.
 
-A member that exits before its hello ``STARTUP_FAILURES_MAX`` times in a row (per role slot)
-fails the job at once, with the last lines of its log in the fault evidence and the job error:
-a broken environment must not crash-loop through ``max_restarts``.
+A member that exits before its hello, or whose start passes ``detector.start_deadline_s``,
+``STARTUP_FAILURES_MAX`` times in a row (per role slot) fails the job at once, with the last lines
+of its log in the fault evidence and the job error: a broken environment must not crash-loop (or
+hang-loop) through ``max_restarts``.
 
 A member still starting (no hello) ``detector.start_deadline_s`` after this controller first saw
 it so is a fault too (hang): no detector rule judges phase ``starting`` (a start may be slow),
@@ -29,7 +30,7 @@ from robustrl.aio import wait_event
 from robustrl.errors import EXIT_CHECKPOINT_LOST
 from robustrl.launcher.base import ExitInfo
 from robustrl.messages import FaultReport, MemberExited
-from robustrl.services.controller.jobs import JobRun, MemberInfo
+from robustrl.services.controller.jobs import STARTUP_FAILURES_MAX, JobRun, MemberInfo
 from robustrl.services.controller.launching import split_lid
 from robustrl.services.controller.lease import LeaseLost
 from robustrl.subjects import Verb, subject
@@ -42,8 +43,6 @@ log = logging.getLogger(__name__)
 SUPERVISE_INTERVAL_S = 0.05
 EXIT_RETRY_S = 60.0
 """How long an exit whose handling keeps failing is tried again, round after round."""
-STARTUP_FAILURES_MAX = 3
-"""Consecutive exits before hello, per role slot, that fail the job (a member that cannot start)."""
 WATCHED_SERVICES = ("request_manager",)
 """Control-plane services whose silence the controller watches itself (their metrics)."""
 OWN_GAP_S = 1.0
@@ -159,8 +158,7 @@ class Supervisor:
             code = "unknown code" if info.returncode is None else f"code {info.returncode}"
             evidence = f"process exited with {code} (seen by the launcher)"
             if before_hello:
-                slot = (m.role, m.index)
-                job.startup_failures[slot] = job.startup_failures.get(slot, 0) + 1
+                job.failed_start(m)
                 tail = self.c.starter.log_tail(job, m.member_id)
                 evidence = f"{evidence} before its hello" + (f"; last output:\n{tail}" if tail else "")
             seen["fault"] = exit_fault(job, m, info, evidence)
@@ -178,25 +176,31 @@ class Supervisor:
         elif failures >= STARTUP_FAILURES_MAX:
             reason = (f"{m.role} slot {m.index} exited before its hello {failures} times in a row: "
                       f"it cannot start. {evidence}")
-        if reason is not None and not seen.get("fail_decided"):
+        if reason is not None:
+            await self._fail_job(job, fault, reason, seen)
+            return
+        await self._handle(fault)
+
+    async def _fail_job(self, job: JobRun, fault: FaultReport, reason: str, seen: dict[str, Any]) -> None:
+        """Fail the job for ``fault`` (a member that cannot start, a lost checkpoint): the decision
+        is recorded once (``seen``), and only by the leader."""
+        if not seen.get("fail_decided"):
             async with self.c.recovery.lock:  # first: the same fault reported by the detector waits
                 if not await self.c.leads():  # a deposed leader fails no job (the new one judges it)
                     log.warning("job %s: %s; not failing the job: a newer lease term has begun", job.job_id,
                                 reason)
                     return
+                since = fault.fault_at if fault.fault_at is not None else fault.detected_at
                 job.faults.append({"fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role,
                                    "member_id": fault.member_id, "step": job.step,
                                    "detected_at": fault.detected_at, "fault_at": fault.fault_at,
-                                   "detection_s": fault.detected_at - info.exited_at,
-                                   "evidence": evidence, "recovery_s": None,
+                                   "detection_s": fault.detected_at - since,
+                                   "evidence": fault.evidence, "recovery_s": None,
                                    "decision": {"actions": ["FailJob"], "reason": reason}})
                 await self.c.event(job, "decision", {"fault_id": fault.fault_id, "actions": ["FailJob"],
                                                      "reason": reason})
                 seen["fail_decided"] = True
-        if reason is not None:
-            await self.c.stop_job(job.job_id, "failed", reason)
-            return
-        await self._handle(fault)
+        await self.c.stop_job(job.job_id, "failed", reason)
 
     async def watch_starts(self, job: JobRun) -> None:
         """A current member still starting ``detector.start_deadline_s`` after this controller
@@ -251,11 +255,17 @@ class Supervisor:
             seen["fault"] = FaultReport(job_id=job.job_id, fault_id=f"start-{m.member_id}-{uuid.uuid4().hex[:8]}",
                                         role=m.role, member_id=m.member_id, kind="hang",  # type: ignore[arg-type]
                                         evidence=evidence, detected_at=time.time(), step=job.step, fault_at=since)
+            job.failed_start(m)  # a start that never finishes fails, as an exit before the hello does
         fault: FaultReport = seen["fault"]
         if not seen.get("logged"):
             await self._detected(job, fault)
             seen["logged"] = True
-        await self._handle(fault)
+        failures = job.startup_failures.get((m.role, m.index), 0)
+        if failures >= STARTUP_FAILURES_MAX:
+            await self._fail_job(job, fault, f"{m.role} slot {m.index} did not finish starting {failures} times "
+                                             f"in a row: it cannot start. {fault.evidence}", seen)
+        else:
+            await self._handle(fault)
         seen["handled"] = True
 
     async def _detected(self, job: JobRun, fault: FaultReport) -> None:
