@@ -30,4 +30,4 @@ fi
 # data root, Ray's ports, the testbed's namespaces) run one after another (tests/conftest.py).
 # ROBUSTRL_TEST_WORKERS=0 runs the suite in one process.
 exec python -m pytest -q -ra --durations=25 -m "not heavy" \
-  -n "${ROBUSTRL_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+  -n "${ROBUSTRL_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@"

@@ -75,7 +75,7 @@ _PREBUILDING: list[object] = []
 # Modules that use something of the machine's own, not the test's: the one dockerd data root
 # (tests/docker_engine.py), Ray's fixed default ports, /run/robustrl-testbed and its sweeps, the
 # network namespaces. Under pytest-xdist (scripts/test.sh runs two workers) they run one after
-# another on one worker: ``xdist_group("machine")``.
+# another on one worker, as one group.
 MACHINE_MODULES = frozenset({
     "test_compose_stack", "test_docker_standby", "test_ray_launcher", "test_ray_testbed", "test_testbed",
     "test_testbed_gang", "test_testbed_heal", "test_testbed_job", "test_bench_testbed_fanout"})
@@ -86,22 +86,34 @@ SLOW_FIRST = ("machine", "test_campaign", "test_vllm_engine", "test_recovery", "
 be a short one, so that both workers end together."""
 
 
-def xdist_group_of(item: pytest.Item) -> str:
-    """The group a test runs in under ``--dist loadgroup``: its module's (a module's fixtures are
-    set up once, on one worker), or ``machine`` for the modules in ``MACHINE_MODULES``."""
-    module = item.path.stem
-    return "machine" if module in MACHINE_MODULES else module
+def group_of(nodeid: str) -> str:
+    """The group a test runs in under pytest-xdist: its module's (a module's fixtures are set up
+    once, on one worker), or ``machine`` for the modules in ``MACHINE_MODULES``."""
+    module = nodeid.split("::", 1)[0]
+    stem = module.rsplit("/", 1)[-1].removesuffix(".py")
+    return "machine" if stem in MACHINE_MODULES else stem
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Whole groups (``group_of``) to a worker, in collection order. (xdist's own ``loadgroup``
+    names a test's group by a suffix to its node id, which pytest 9.2's node ids no longer take.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist: each test in its group (``xdist_group_of``), and the slow groups first.
-    Every worker collects, and sorts, the same way (xdist checks that the collections match)."""
-    if not _xdist_worker(config) and getattr(config.option, "numprocesses", None) in (None, 0):
+    """Under pytest-xdist, the slow groups first. Every worker collects, and sorts, the same way
+    (xdist checks that the collections match)."""
+    if not _xdist_worker(config):
         return
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
     rank = {g: i for i, g in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(xdist_group_of(item), len(rank)))  # stable: file order kept
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: file order kept
 
 
 def _xdist_worker(config: pytest.Config) -> str | None:

@@ -280,15 +280,21 @@ async def _run_capturing_keys(api, infra, spec) -> tuple[str, dict[bytes, bytes]
     nc = await nats.connect(infra.nats_url)
     dumps: dict[bytes, bytes] = {}
     job: dict[str, str] = {}
+    idle = asyncio.Event()  # no capture under way
+    idle.set()
 
     async def capture(msg) -> None:
         body = json.loads(msg.data)
         if body.get("job_id") != job.get("id") or body.get("kind") not in ("batch_ready", "step_committed"):
             return
-        async for key in r.scan_iter(match=Keys.job_pattern(job["id"])):
-            value = await r.dump(key)
-            if value is not None:
-                dumps[key] = value
+        idle.clear()
+        try:
+            async for key in r.scan_iter(match=Keys.job_pattern(job["id"])):
+                value = await r.dump(key)
+                if value is not None:
+                    dumps[key] = value
+        finally:
+            idle.set()
 
     sub = await nc.subscribe(subjects.EVENTS_ALL, cb=capture)
     try:
@@ -297,8 +303,11 @@ async def _run_capturing_keys(api, infra, spec) -> tuple[str, dict[bytes, bytes]
         await nc.flush()
     finally:
         await sub.unsubscribe()
+        # A capture begun before the unsubscribe may still be scanning (seen on a loaded machine:
+        # the loop below then met the dict changing size).
+        await asyncio.wait_for(idle.wait(), 60)
         await nc.close()
-    for key, value in dumps.items():
+    for key, value in list(dumps.items()):
         await r.restore(key, 0, value, replace=True)
     await r.aclose()
     return job["id"], dumps
