@@ -79,6 +79,9 @@ _PREBUILDING: list[object] = []
 MACHINE_MODULES = frozenset({
     "test_compose_stack", "test_docker_standby", "test_ray_launcher", "test_ray_testbed", "test_testbed",
     "test_testbed_gang", "test_testbed_heal", "test_testbed_job", "test_bench_testbed_fanout"})
+DOCKER_MODULES = frozenset({"test_compose_stack", "test_docker_standby"})
+"""The machine group's modules that run a dockerd: last in the group, after the compose image's
+prebuild had the group's other modules' time to build."""
 SLOW_FIRST = ("machine", "test_campaign", "test_vllm_engine", "test_recovery", "test_local_launcher",
               "test_cli", "test_standby_failover", "test_start_deadline", "test_control_plane_faults",
               "test_standby_faults", "test_rollout_replica", "test_rm_dispatch", "test_controller_runtime")
@@ -113,7 +116,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not _xdist_worker(config):
         return
     rank = {g: i for i, g in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: file order kept
+    items.sort(key=lambda item: (rank.get(group_of(item.nodeid), len(rank)),  # stable: file order kept
+                                 item.path.stem in DOCKER_MODULES))
 
 
 def _xdist_worker(config: pytest.Config) -> str | None:
@@ -129,14 +133,33 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if _xdist_worker(session.config):
         # Every worker collects every module: a prebuild on each would run two dockerds on one
-        # data root. The compose module's fixture builds the image when its worker gets to it.
+        # data root. The worker that runs the machine group starts it (pytest_runtest_setup).
         return
-    for item in session.items:
+    _start_prebuilds(session.items)
+
+
+def _start_prebuilds(items: list[pytest.Item]) -> None:
+    for item in items:
         module = getattr(item, "module", None)
         start = getattr(module, "start_prebuild", None)
         if start is not None and module not in _PREBUILDING:
             _PREBUILDING.append(module)
             start()
+
+
+_machine_group_begun = False
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under pytest-xdist, the prebuilds start with the first test of the machine group, on its
+    worker: the group's other modules run while the image builds (the Docker modules come last
+    in the group: ``pytest_collection_modifyitems``), and no other dockerd runs meanwhile."""
+    global _machine_group_begun
+    if _machine_group_begun or not _xdist_worker(item.config) or group_of(item.nodeid) != "machine":
+        return
+    _machine_group_begun = True
+    if not item.session.testsfailed:
+        _start_prebuilds(item.session.items)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -182,8 +182,10 @@ def test_json_too_deep_is_linear_in_the_input() -> None:
     for payload in (b"[" * 300_000 + b"]" * 300_000, b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
                     b"[1," * 200_000):
         took = []
-        for _ in range(3):  # the best of 3: the first call also pays for page faults
-            t0 = time.perf_counter()
+        for _ in range(5):  # the best of 5: the first call also pays for page faults
+            # CPU time of this thread, not wall time: the suite's other worker shares the cores
+            # (a wall-clock bound failed at 0.082 s under that load).
+            t0 = time.thread_time()
             assert json_too_deep(payload, 64)
-            took.append(time.perf_counter() - t0)
-        assert min(took) < 0.08, f"{min(took):.3f} s for {len(payload)} bytes"
+            took.append(time.thread_time() - t0)
+        assert min(took) < 0.08, f"{min(took):.3f} s of CPU for {len(payload)} bytes"
