@@ -515,7 +515,7 @@ async def test_member_that_cannot_start_fails_the_job_fast_with_its_stderr(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     job = await _job_whose_member_fails(rig, monkeypatch, "ROLLOUT_MODULE", "broken_member", "cpbroken")
     assert "No module named 'transformers'" in (job.error or "")
-    assert "before its hello 3 times" in (job.error or "")
+    assert "failed to start 3 times in a row (the last: it exited before its hello)" in (job.error or "")
     # fails within a few restarts (each slot's third failure), not after max_restarts (20)
     assert job.restarts_total <= 2 * STARTUP_FAILURES_MAX < job.spec.recovery.max_restarts
     events = await rig.events(job.job_id)

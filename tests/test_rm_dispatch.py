@@ -6,7 +6,9 @@ outcome from outside: requests the replicas received, raw Redis keys, the event 
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -620,6 +622,33 @@ async def test_a_replica_whose_replies_are_refused_between_good_ones_is_reported
             assert ep.status == "finished", ep
             for turn in ep.turns:
                 assert all(0 <= t < vocab for t in turn.token_ids), (ep.episode_id, turn)
+
+
+async def test_a_lone_replica_whose_replies_are_refused_is_not_sent_its_turns_back_as_fast_as_it_answers(servers):
+    """With no other replica to take a refused turn, the turn waits out its deadline as a turn
+    with no reply does: sent straight back, every refused reply made a round trip (a dispatch
+    record and two events each) as fast as the replica answered, until the step's deadline. The
+    replica is still reported (once)."""
+    deadline = 2.0
+    async with Harness(servers, rm_spec("lone", turn_deadline_s=deadline)) as h:
+        a = await h.replica("rollout-0-i0")
+        vocab = a.tok.vocab_size
+
+        async def corrupt(msg: GenerateTurn) -> None:
+            await a.bus.publish(subject(a.job_id, Verb.TURN), TurnResult(
+                job_id=a.job_id, request_id=msg.request_id, episode_id=msg.episode_id, member_id=a.member_id,
+                token_ids=[vocab + 1], logprobs=[-1.0], stop_reason="eot", weights_version=a.version))
+        a.answer = corrupt  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        await h.start_rm()
+        await eventually_async(lambda: [f for f in h.faults if f.kind == "bad_output"], timeout=20,
+                               what="the replica reported")
+        await asyncio.sleep(2.5 * deadline)  # an observation window: how often the turns came back
+        elapsed = time.monotonic() - t0
+        episodes = 4  # rm_spec: 2 prompts x 2 samples, none of them done
+        assert not h.batches
+        assert len(a.received) <= episodes * (elapsed / deadline + 2), (len(a.received), elapsed)
+        assert len([f for f in h.faults if f.kind == "bad_output"]) == 1, h.faults
 
 async def _events_at_least(h: Harness, kind: str, n: int) -> list[dict]:
     got = await h.events(kind)

@@ -103,6 +103,12 @@ class GangStart:
                    {int(k): int(v) for k, v in (rec.get("borrowed_slots") or {}).items()})
 
 
+def still_starting(m: MemberInfo) -> bool:
+    """No hello heard and no phase past ``starting`` reported (a hello may be lost: a member that
+    reports a later phase has started)."""
+    return m.state == "starting" and m.phase in ("", "starting")
+
+
 STARTUP_FAILURES_MAX = 3
 """Consecutive failed starts (an exit before the hello, a start past its deadline) per role slot
 that fail the job (a member that cannot start)."""
@@ -231,6 +237,7 @@ class JobRun:
             "created_at": self.created_at, "started_at": self.started_at, "error": self.error,
             "restarts_total": self.restarts_total,
             "failures_by_step": [[r, s, n] for (r, s), n in self.failures_by_step.items()],
+            "startup_failures": [[r, i, n] for (r, i), n in self.startup_failures.items()],
             "slot_incarnation": {str(k): v for k, v in self.slot_incarnation.items()},
             "reward_by_step": {str(k): v for k, v in self.reward_by_step.items()},
             "members": {mid: m.to_record() for mid, m in self.members.items()},
@@ -259,6 +266,8 @@ class JobRun:
         job.weights_checksum = rec.get("weights_checksum", "")
         job.restarts_total = int(rec.get("restarts_total", 0))
         job.failures_by_step = {(r, int(s)): int(n) for r, s, n in rec.get("failures_by_step", [])}
+        # (a new leader goes on counting a slot's failed starts: hangs and failovers come together)
+        job.startup_failures = {(str(r), int(i)): int(n) for r, i, n in rec.get("startup_failures", [])}
         job.slot_incarnation = {int(k): int(v) for k, v in rec.get("slot_incarnation", {}).items()}
         job.reward_by_step = {int(k): v for k, v in rec.get("reward_by_step", {}).items()}
         job.members = {mid: MemberInfo.from_record(mid, m) for mid, m in rec.get("members", {}).items()}

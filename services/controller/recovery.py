@@ -40,7 +40,7 @@ from robustrl.services.controller.decide import (
     ResumeService,
     action_name,
 )
-from robustrl.services.controller.jobs import STARTUP_FAILURES_MAX, ActiveRecovery, GangStart, JobRun
+from robustrl.services.controller.jobs import STARTUP_FAILURES_MAX, ActiveRecovery, GangStart, JobRun, still_starting
 from robustrl.services.controller.launching import JobStopping, StartSuperseded, lid, replica_id
 from robustrl.services.controller.lease import LeaseLost
 from robustrl.services.controller.view import job_view
@@ -81,6 +81,9 @@ class RecoveryExecutor:
         self._handled: set[tuple[str, str]] = set()
         """(job id, fault id) handled by this process. Fault ids are unique within a job only
         (``exit-trainer-e1-r0`` names a member, and every job has one)."""
+        self._counted_starts: set[tuple[str, str]] = set()
+        """(recovery fault id, member id) whose start a passed recovery deadline counted as failed
+        (``_unstartable``): an escalation that raised, tried again, counts nobody twice."""
         self._restocking: dict[str, asyncio.Event] = {}
         """job id -> the wake-up of its restock loop, while one runs (one per job: a second
         borrow while it backs off wakes it instead of racing it)."""
@@ -676,21 +679,32 @@ class RecoveryExecutor:
             await self.handle(again)  # (persists the job: this fault is no longer to be looked at)
         await self.c.persist(job)
 
-    @staticmethod
-    def _unstartable(job: JobRun, late: ActiveRecovery, decision: Decision) -> Decision:
-        """The members ``late`` still waits for that never said hello failed their starts (while a
-        recovery runs, the start deadline times no one: this deadline does). A slot that failed
-        ``STARTUP_FAILURES_MAX`` starts in a row cannot start: the job fails instead of
-        restarting once more (before, a start that hung in every incarnation went through
-        ``max_restarts``, a recovery deadline each)."""
-        stuck = [job.members[mid] for mid in sorted(late.waiting_for)
-                 if mid in job.members and job.members[mid].state == "starting"]
-        worst = max(((job.failed_start(m), m) for m in stuck), key=lambda fm: fm[0], default=None)
+    def _unstartable(self, job: JobRun, late: ActiveRecovery, decision: Decision) -> Decision:
+        """The members ``late`` started that are still starting past ``detector.start_deadline_s``
+        (the limit of a healthy start; while a recovery runs the start deadline times no one,
+        this deadline looks) failed their starts: with a trainer gang, every current rank still
+        starting (the recovery waits for rank 0 only; a hung rank holds the others in the
+        rendezvous). A slot that failed ``STARTUP_FAILURES_MAX`` starts in a row cannot start: the
+        job fails instead of restarting once more (before, a start that hung in every incarnation
+        went through ``max_restarts``, a recovery deadline each). Each member is counted once."""
+        now = time.time()
+        bound = job.spec.detector.start_deadline_s
+        gang = late.role in ("trainer", "job")
+        stuck = [m for m in job.members.values()
+                 if job.is_current(m.member_id) and still_starting(m) and now - m.started_at > bound
+                 and (m.member_id in late.waiting_for or (gang and m.role == "trainer"))
+                 and (late.fault_id, m.member_id) not in self._counted_starts]
+        for m in stuck:
+            self._counted_starts.add((late.fault_id, m.member_id))
+        worst = max(((job.failed_start(m), m) for m in sorted(stuck, key=lambda m: m.member_id)),
+                    key=lambda fm: fm[0], default=None)
         if worst is None or worst[0] < STARTUP_FAILURES_MAX:
             return decision
         failures, m = worst
+        names = ", ".join(x.member_id for x in stuck)
         reason = (f"{m.role} slot {m.index} did not finish starting {failures} times in a row: it cannot "
-                  f"start. {m.member_id} said no hello within the recovery's deadline: {decision.reason}")
+                  f"start. Still starting past start_deadline_s={bound:g} when the recovery's deadline "
+                  f"passed: {names}. {decision.reason}")
         return Decision([FailJob(reason)], reason)
 
     async def check_deadlines(self, job: JobRun) -> None:

@@ -30,7 +30,7 @@ from robustrl.aio import wait_event
 from robustrl.errors import EXIT_CHECKPOINT_LOST
 from robustrl.launcher.base import ExitInfo
 from robustrl.messages import FaultReport, MemberExited
-from robustrl.services.controller.jobs import STARTUP_FAILURES_MAX, JobRun, MemberInfo
+from robustrl.services.controller.jobs import STARTUP_FAILURES_MAX, JobRun, MemberInfo, still_starting
 from robustrl.services.controller.launching import split_lid
 from robustrl.services.controller.lease import LeaseLost
 from robustrl.subjects import Verb, subject
@@ -174,8 +174,8 @@ class Supervisor:
             reason = ("the trainer found committed steps that no checkpoint can reproduce (checkpoint lost); "
                       "training on would rewrite the job's history" + (f"; last output:\n{tail}" if tail else ""))
         elif failures >= STARTUP_FAILURES_MAX:
-            reason = (f"{m.role} slot {m.index} exited before its hello {failures} times in a row: "
-                      f"it cannot start. {evidence}")
+            reason = (f"{m.role} slot {m.index} failed to start {failures} times in a row (the last: it "
+                      f"exited before its hello): it cannot start. {evidence}")
         if reason is not None:
             await self._fail_job(job, fault, reason, seen)
             return
@@ -221,7 +221,7 @@ class Supervisor:
         bound = job.spec.detector.start_deadline_s
         for m in list(job.members.values()):
             key = (job.job_id, m.member_id)
-            if m.state != "starting" or m.phase not in ("", "starting") or not job.is_current(m.member_id):
+            if not still_starting(m) or not job.is_current(m.member_id):
                 self._starting.pop(key, None)
                 continue
             first = self._starting.setdefault(key, now)

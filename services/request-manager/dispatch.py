@@ -93,7 +93,8 @@ class Replica:
     timeouts: int = 0  # turn deadlines passed in a row with no reply in between
     reported: bool = False  # reported for timeouts; dispatched to only if nobody else can serve
     reported_version: int = -1  # reported for not reaching this version in time
-    refused: deque[bool] = field(default_factory=lambda: deque(maxlen=REPLY_WINDOW))  # its last replies: True refused
+    refused: deque[float | None] = field(default_factory=lambda: deque(maxlen=REPLY_WINDOW))
+    """Its last replies: when each refused one came (wall clock), None for a good one."""
     reported_bad: bool = False  # reported for refused replies (for good: its replacement is asked for)
 
 
@@ -201,6 +202,7 @@ class Dispatcher:
                 pend.future.cancel()
         self.pending.clear()
         self.adoptable.clear()
+        self.step = 0  # (the restart may go back to an earlier step)
         self.dead.update(self.replicas)
         self.replicas.clear()
         self.changed.set()
@@ -215,7 +217,7 @@ class Dispatcher:
             return
         if rep is not None:
             rep.seen_at, rep.timeouts, rep.reported = time.monotonic(), 0, False
-            rep.refused.append(False)
+            rep.refused.append(None)
         pend = self.pending.get(msg.request_id)
         if pend is None or pend.future.done() or pend.episode_id != msg.episode_id:
             # Late: its turn was applied, or re-dispatched, or the step was restarted.
@@ -230,44 +232,57 @@ class Dispatcher:
     def _refuse(self, msg: TurnResult, rep: Replica | None, error: str) -> None:
         """A reply that parses but names tokens the model does not have (a corrupt engine, a
         mismatched tokenizer): decoded, it failed the step's every attempt; trained on, the
-        trainer's embedding lookup at every redo. It is never applied and is no sign of life; its
-        turn is dispatched again now (its replica answered: waiting out the deadline only held the
-        episode); the replica is reported once ``REFUSED_BEFORE_FAULT`` of its last replies were
-        refused (a good reply in between clears its timeouts, not these)."""
+        trainer's embedding lookup at every redo. It is never applied and is no sign of life.
+
+        Only a refused reply to a turn its replica holds is charged to it (not a late one, nor one
+        naming another member): the turn is dispatched again now if another replica can take it
+        (else it waits out its deadline, as a turn with no reply does: no round trips with the one
+        replica as fast as it answers), and the replica is reported once ``REFUSED_BEFORE_FAULT``
+        of its last replies were refused (a good reply in between clears its timeouts, not these)."""
         self.stats["rejected"] += 1
         log.warning("job %s: reply %s of %s refused: %s", self.job_id, msg.request_id, msg.member_id, error)
         self._emit_later("turn_rejected", {
             "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id, "error": error})
         pend = self.pending.get(msg.request_id)
-        if (pend is not None and not pend.future.done() and pend.episode_id == msg.episode_id
-                and pend.member_id == msg.member_id):
+        if (rep is None or pend is None or pend.future.done() or pend.episode_id != msg.episode_id
+                or pend.member_id != msg.member_id):
+            return
+        now = time.time()
+        rep.refused.append(now)
+        need = self.min_version(self.step)
+        if any(r.member_id != rep.member_id and self.live(r) and not r.reported_bad and r.version >= need
+               for r in self.replicas.values()):
             pend.future.set_exception(Redispatch(f"reply of {msg.member_id} refused: {error}",
                                                  member=msg.member_id, cause="reply_rejected"))
             self.changed.set()
-        if rep is None:
-            return
-        rep.refused.append(True)
-        if sum(rep.refused) >= REFUSED_BEFORE_FAULT and not rep.reported_bad:
+        refused = [t for t in rep.refused if t is not None]
+        if len(refused) >= REFUSED_BEFORE_FAULT and not rep.reported_bad:
             rep.reported_bad = True
-            evidence = (f"{sum(rep.refused)} of the last {len(rep.refused)} replies of {rep.member_id} refused; "
+            evidence = (f"{len(refused)} of the last {len(rep.refused)} replies of {rep.member_id} refused; "
                         f"the last: {error}")
-            self._background(report_deadline(
-                self.bus, self.job_id, role="rollout", member_id=rep.member_id, kind="bad_output",
-                cause="replies_refused", step=self.step, since=time.time(), evidence=evidence), "fault report")
+            self._background(self._report_bad(rep, refused[0], evidence), "fault report", essential=True)
+
+    async def _report_bad(self, rep: Replica, since: float, evidence: str) -> None:
+        try:
+            await report_deadline(self.bus, self.job_id, role="rollout", member_id=rep.member_id, kind="bad_output",
+                                  cause="replies_refused", step=self.step, since=since, evidence=evidence)
+        except BaseException:
+            rep.reported_bad = False  # reported again at its next refused reply
+            raise
 
     def _emit_later(self, kind: str, data: dict[str, Any]) -> None:
         """Append an event to the job's log without making the caller wait for it (``_background``)."""
         self._background(self.bus.emit_event(self.job_id, kind, data), kind)
 
-    def _background(self, work: Coroutine[Any, Any, object], what: str) -> None:
+    def _background(self, work: Coroutine[Any, Any, object], what: str, essential: bool = False) -> None:
         """Run an append to the job's log (an event, a fault report) without making the turn
         handler wait for it. The handler runs one message at a time (nats.py calls a
         subscription's callback for each in turn): an event awaited there, while JetStream is slow
         (its retries take up to 30 s), held every on-time reply behind one late one, until their
         turns passed their deadlines and healthy replicas were reported (an outside review found
         it). At most ``MAX_EMITTING`` wait at once; beyond that one is counted in
-        ``stats['events_unsent']`` and dropped."""
-        if len(self._emitting) >= MAX_EMITTING:
+        ``stats['events_unsent']`` and dropped, unless ``essential`` (a fault report)."""
+        if len(self._emitting) >= MAX_EMITTING and not essential:
             work.close()
             self.stats["events_unsent"] += 1
             return
