@@ -84,7 +84,7 @@ def test_down_kills_the_members_a_frozen_controller_left(tmp_path):
         for proc in psutil.process_iter():
             try:
                 mark = proc.environ().get(LAUNCH_MARK_ENV, "")
-            except psutil.Error:
+            except (psutil.Error, ProcessLookupError):  # gone meanwhile (psutil lets ESRCH through)
                 continue
             if mark and os.path.realpath(mark).startswith(logs) and _alive(proc.pid):
                 found.append(proc.pid)

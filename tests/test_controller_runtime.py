@@ -1349,7 +1349,7 @@ def _launched_processes(log_dir: Path, job_id: str) -> dict[str, list[int]]:
             if p.status() == psutil.STATUS_ZOMBIE:
                 continue
             mark = p.environ().get(LAUNCH_MARK_ENV, "")
-        except psutil.Error:
+        except (psutil.Error, ProcessLookupError):  # gone meanwhile (psutil lets ESRCH through)
             continue
         if mark.startswith(str(log_dir)) and Path(mark).name.startswith(f"{job_id}--"):
             found.setdefault(Path(mark).name.removesuffix(".pid"), []).append(p.info["pid"])

@@ -260,10 +260,17 @@ def test_a_launcher_killed_leaves_its_forked_members_running_and_its_zygote_exit
     pid = json.loads(run.stdout)["member"]
     try:
         # (a forked member shows the zygote's command line and environment: only the pid tells)
-        eventually(lambda: not [p for p in psutil.process_iter(["cmdline"])
-                                if ZYGOTE_MODULE in " ".join(p.info["cmdline"] or []) and p.pid != pid
-                                and str(tmp_path) in p.environ().get(LAUNCH_MARK_ENV, "")],
-                   timeout=10, what="the orphaned zygote exited")
+        def zygotes() -> list[int]:
+            found = []
+            for p in psutil.process_iter(["cmdline"]):
+                try:
+                    if (ZYGOTE_MODULE in " ".join(p.info["cmdline"] or []) and p.pid != pid
+                            and str(tmp_path) in p.environ().get(LAUNCH_MARK_ENV, "")):
+                        found.append(p.pid)
+                except (psutil.Error, ProcessLookupError):  # gone between the listing and the read
+                    continue
+            return found
+        eventually(lambda: not zygotes(), timeout=10, what="the orphaned zygote exited")
         assert psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         second = LocalLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS)})
         handle = second.find("j--a")
