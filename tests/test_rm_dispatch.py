@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from rm_harness import Harness, rm_spec
+from rm_harness import FakeReplica, Harness, rm_spec
 from support import eventually_async
 
 from robustrl.config import Settings
@@ -550,6 +550,13 @@ async def test_a_resume_the_request_manager_could_not_carry_out_is_not_acknowled
         assert h.job_id in rm.jobs and not rm.jobs[h.job_id].paused
 
 
+async def _answer_out_of_vocab(rep: FakeReplica, msg: GenerateTurn) -> None:
+    """``rep`` answers ``msg`` with a token id past its tokenizer's vocabulary."""
+    await rep.bus.publish(subject(rep.job_id, Verb.TURN), TurnResult(
+        job_id=rep.job_id, request_id=msg.request_id, episode_id=msg.episode_id, member_id=rep.member_id,
+        token_ids=[1, rep.tok.vocab_size + 7], logprobs=[-1.0, -1.0], stop_reason="eot", weights_version=rep.version))
+
+
 async def test_a_reply_with_token_ids_outside_the_vocabulary_is_refused_and_its_turn_generated_again(servers):
     """A replica's reply that parses but names tokens the model does not have (a corrupt engine,
     a mismatched tokenizer) must never reach an episode: decoded, it failed the step's every
@@ -559,11 +566,7 @@ async def test_a_reply_with_token_ids_outside_the_vocabulary_is_refused_and_its_
         a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
         vocab = a.tok.vocab_size
 
-        async def corrupt(msg: GenerateTurn) -> None:
-            await a.bus.publish(subject(a.job_id, Verb.TURN), TurnResult(
-                job_id=a.job_id, request_id=msg.request_id, episode_id=msg.episode_id, member_id=a.member_id,
-                token_ids=[1, vocab + 7], logprobs=[-1.0, -1.0], stop_reason="eot", weights_version=a.version))
-        a.answer = corrupt  # type: ignore[method-assign]
+        a.answer = lambda msg: _answer_out_of_vocab(a, msg)  # type: ignore[method-assign]
         await h.start_rm()
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
         assert a.received, "replica a was never given a turn"
@@ -600,9 +603,7 @@ async def test_a_replica_whose_replies_are_refused_between_good_ones_is_reported
                 await good_answer(msg)
                 return
             answered.append(False)
-            await a.bus.publish(subject(a.job_id, Verb.TURN), TurnResult(
-                job_id=a.job_id, request_id=msg.request_id, episode_id=msg.episode_id, member_id=a.member_id,
-                token_ids=[1, vocab + 3], logprobs=[-1.0, -1.0], stop_reason="eot", weights_version=a.version))
+            await _answer_out_of_vocab(a, msg)
         a.answer = flaky  # type: ignore[method-assign]
         await h.start_rm()
         # A refused turn waiting out its 20 s deadline would take longer than this.
@@ -632,13 +633,7 @@ async def test_a_lone_replica_whose_replies_are_refused_is_not_sent_its_turns_ba
     deadline = 2.0
     async with Harness(servers, rm_spec("lone", turn_deadline_s=deadline)) as h:
         a = await h.replica("rollout-0-i0")
-        vocab = a.tok.vocab_size
-
-        async def corrupt(msg: GenerateTurn) -> None:
-            await a.bus.publish(subject(a.job_id, Verb.TURN), TurnResult(
-                job_id=a.job_id, request_id=msg.request_id, episode_id=msg.episode_id, member_id=a.member_id,
-                token_ids=[vocab + 1], logprobs=[-1.0], stop_reason="eot", weights_version=a.version))
-        a.answer = corrupt  # type: ignore[method-assign]
+        a.answer = lambda msg: _answer_out_of_vocab(a, msg)  # type: ignore[method-assign]
         t0 = time.monotonic()
         await h.start_rm()
         await eventually_async(lambda: [f for f in h.faults if f.kind == "bad_output"], timeout=20,
