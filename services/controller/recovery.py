@@ -694,13 +694,13 @@ class RecoveryExecutor:
                  if job.is_current(m.member_id) and still_starting(m) and now - m.started_at > bound
                  and (m.member_id in late.waiting_for or (gang and m.role == "trainer"))
                  and (late.fault_id, m.member_id) not in self._counted_starts]
-        for m in stuck:
+        counted = []
+        for m in sorted(stuck, key=lambda m: m.member_id):
             self._counted_starts.add((late.fault_id, m.member_id))
-        worst = max(((job.failed_start(m), m) for m in sorted(stuck, key=lambda m: m.member_id)),
-                    key=lambda fm: fm[0], default=None)
-        if worst is None or worst[0] < STARTUP_FAILURES_MAX:
+            counted.append((job.failed_start(m), m))
+        failures, m = max(counted, key=lambda fm: fm[0], default=(0, None))
+        if m is None or failures < STARTUP_FAILURES_MAX:
             return decision
-        failures, m = worst
         names = ", ".join(x.member_id for x in stuck)
         reason = (f"{m.role} slot {m.index} did not finish starting {failures} times in a row: it cannot "
                   f"start. Still starting past start_deadline_s={bound:g} when the recovery's deadline "

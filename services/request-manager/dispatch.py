@@ -8,7 +8,7 @@ The one home of the dispatch rules:
   re-dispatched from the episode's saved prefix to another live replica, and a replica that lets
   ``TIMEOUTS_BEFORE_FAULT`` turns in a row pass their deadline is reported;
 * a reply that parses but names tokens outside the model's vocabulary is refused and its turn is
-  dispatched again at once; a replica with ``REFUSED_BEFORE_FAULT`` refused replies among its last
+  dispatched again at once if another replica can take it (else at its deadline); a replica with ``REFUSED_BEFORE_FAULT`` refused replies among its last
   ``REPLY_WINDOW`` is reported (``bad_output``), good replies in between notwithstanding;
 * a replica declared dead, or silent past the liveness window, fails its turns at once;
 * work is idempotent by (episode, turn number): a reply is applied only while its request is the
@@ -249,9 +249,7 @@ class Dispatcher:
             return
         now = time.time()
         rep.refused.append(now)
-        need = self.min_version(self.step)
-        if any(r.member_id != rep.member_id and self.live(r) and not r.reported_bad and r.version >= need
-               for r in self.replicas.values()):
+        if any(r is not rep and not r.reported_bad for r in self.ready(self.step)):
             pend.future.set_exception(Redispatch(f"reply of {msg.member_id} refused: {error}",
                                                  member=msg.member_id, cause="reply_rejected"))
             self.changed.set()
