@@ -16,6 +16,7 @@ from rm_harness import FakeReplica, Harness, rm_spec
 from support import eventually_async
 
 from robustrl.config import Settings
+from robustrl.services.request_manager.dispatch import REFUSED_BEFORE_FAULT
 from robustrl.messages import GenerateTurn, TurnResult
 from robustrl.subjects import Verb, subject
 from robustrl.infra.embedded import EmbeddedInfra
@@ -648,3 +649,25 @@ async def test_a_lone_replica_whose_replies_are_refused_is_not_sent_its_turns_ba
 async def _events_at_least(h: Harness, kind: str, n: int) -> list[dict]:
     got = await h.events(kind)
     return got if len(got) >= n else []
+
+
+async def test_refused_replies_naming_a_replica_that_does_not_hold_the_turn_charge_nobody(servers):
+    """Refused replies sent in another replica's name (a confused or hostile member: the bus's
+    rollout credentials are per role) for turns it does not hold: neither that replica nor the one
+    holding the turn is charged or reported, and the turns are not taken from their holder."""
+    async with Harness(servers, rm_spec("forged", turn_deadline_s=20.0)) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        a.hold = b.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: a.held and b.held, timeout=20, what="both replicas hold turns")
+        held = list(a.held)
+        for _ in range(REFUSED_BEFORE_FAULT + 1):
+            for msg in held:  # b's name on a's turns
+                await _answer_out_of_vocab(b, msg)
+        await eventually_async(lambda: _events_at_least(h, "turn_rejected", len(held) * (REFUSED_BEFORE_FAULT + 1)),
+                               timeout=10, what="every forged reply refused")
+        await a.release()
+        await b.release()
+        await eventually_async(lambda: 0 in h.batches, timeout=15, what="step 0 handed over")
+        assert not h.faults, h.faults
+        assert not await h.events("episode_redispatched")

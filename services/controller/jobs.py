@@ -65,18 +65,22 @@ class ActiveRecovery:
     waiting_for: set[str] = field(default_factory=set)
     replacing: set[str] = field(default_factory=set)
     committed_at_fault: int = -1
+    starts_counted: set[str] = field(default_factory=set)
+    """Members whose start this recovery's passed deadline counted as failed
+    (``RecoveryExecutor._unstartable``): counted once, by this leader or the next (persisted), and
+    dropped with the recovery."""
 
     def to_record(self) -> dict[str, Any]:
         return {"fault_id": self.fault_id, "role": self.role, "kind": self.kind,
                 "started_at": self.started_at, "step": self.step, "deadline_at": self.deadline_at,
                 "waiting_for": sorted(self.waiting_for), "replacing": sorted(self.replacing),
-                "committed_at_fault": self.committed_at_fault}
+                "committed_at_fault": self.committed_at_fault, "starts_counted": sorted(self.starts_counted)}
 
     @classmethod
     def from_record(cls, rec: dict[str, Any]) -> ActiveRecovery:
         return cls(rec["fault_id"], rec["role"], rec["kind"], float(rec["started_at"]), int(rec["step"]),
                    float(rec["deadline_at"]), set(rec.get("waiting_for", [])), set(rec.get("replacing", [])),
-                   int(rec.get("committed_at_fault", -1)))
+                   int(rec.get("committed_at_fault", -1)), set(rec.get("starts_counted", [])))
 
 
 @dataclass

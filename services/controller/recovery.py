@@ -81,9 +81,6 @@ class RecoveryExecutor:
         self._handled: set[tuple[str, str]] = set()
         """(job id, fault id) handled by this process. Fault ids are unique within a job only
         (``exit-trainer-e1-r0`` names a member, and every job has one)."""
-        self._counted_starts: set[tuple[str, str]] = set()
-        """(recovery fault id, member id) whose start a passed recovery deadline counted as failed
-        (``_unstartable``): an escalation that raised, tried again, counts nobody twice."""
         self._restocking: dict[str, asyncio.Event] = {}
         """job id -> the wake-up of its restock loop, while one runs (one per job: a second
         borrow while it backs off wakes it instead of racing it)."""
@@ -686,17 +683,19 @@ class RecoveryExecutor:
         starting (the recovery waits for rank 0 only; a hung rank holds the others in the
         rendezvous). A slot that failed ``STARTUP_FAILURES_MAX`` starts in a row cannot start: the
         job fails instead of restarting once more (before, a start that hung in every incarnation
-        went through ``max_restarts``, a recovery deadline each). Each member is counted once."""
+        went through ``max_restarts``, a recovery deadline each). Each member is counted once per
+        recovery (``ActiveRecovery.starts_counted``, in the job's record): an escalation that raised,
+        tried again, and a leader taking over count nobody twice."""
         now = time.time()
         bound = job.spec.detector.start_deadline_s
         gang = late.role in ("trainer", "job")
         stuck = [m for m in job.members.values()
                  if job.is_current(m.member_id) and still_starting(m) and now - m.started_at > bound
                  and (m.member_id in late.waiting_for or (gang and m.role == "trainer"))
-                 and (late.fault_id, m.member_id) not in self._counted_starts]
+                 and m.member_id not in late.starts_counted]
         counted = []
         for m in sorted(stuck, key=lambda m: m.member_id):
-            self._counted_starts.add((late.fault_id, m.member_id))
+            late.starts_counted.add(m.member_id)
             counted.append((job.failed_start(m), m))
         failures, m = max(counted, key=lambda fm: fm[0], default=(0, None))
         if m is None or failures < STARTUP_FAILURES_MAX:

@@ -1,0 +1,85 @@
+"""Which starts a passed recovery deadline counts as failed (``RecoveryExecutor._unstartable``).
+
+Pure decision logic on the controller's in-memory job records: no server is involved. The
+runtime path (real member processes that never say hello) is
+``test_controller_runtime::test_a_slot_whose_start_hangs_every_time_fails_the_job_fast``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from robustrl.config import JobSpec
+from robustrl.services.controller.decide import Decision, FailJob, RestartWholeJob
+from robustrl.services.controller.jobs import STARTUP_FAILURES_MAX, ActiveRecovery, JobRun, MemberInfo
+from robustrl.services.controller.recovery import RecoveryExecutor
+
+START_DEADLINE_S = 60.0
+
+
+def _job(name: str, started_ago_s: float) -> tuple[JobRun, ActiveRecovery]:
+    """A job whose trainer recovery (epoch 2) waits for rank 0, started ``started_ago_s`` ago."""
+    spec = JobSpec.parse({"name": name, "detector": {"start_deadline_s": START_DEADLINE_S},
+                          "recovery": {"deadline_s": 10.0}})
+    job = JobRun(job_id=f"{name}-0", spec=spec, epoch=2)
+    now = time.time()
+    rank0 = MemberInfo("trainer-e2-r0", "trainer", 0, 2, started_at=now - started_ago_s)
+    job.members[rank0.member_id] = rank0
+    late = ActiveRecovery("exit-trainer-e1-r0", "trainer", "trainer", now - 11, 0, now - 1,
+                          waiting_for={rank0.member_id})
+    job.recoveries.append(late)
+    return job, late
+
+
+def _escalation() -> Decision:
+    return Decision([RestartWholeJob("recovery deadline passed", resume_from=-1)], "recovery deadline passed")
+
+
+def test_a_start_slower_than_the_recovery_deadline_but_within_the_start_deadline_is_not_a_failed_start() -> None:
+    """A healthy start may outlast a recovery's deadline (here 10 s against 60 s): the restart the
+    deadline leads to is the remedy, and the slot's count of failed starts stays where it was."""
+    executor = RecoveryExecutor(None)  # type: ignore[arg-type]
+    job, late = _job("slow", started_ago_s=START_DEADLINE_S / 2)
+    job.startup_failures[("trainer", 0)] = STARTUP_FAILURES_MAX - 1  # one more would fail the job
+    decision = executor._unstartable(job, late, _escalation())
+    assert decision.names() == ["RestartWholeJob"], decision
+    assert job.startup_failures == {("trainer", 0): STARTUP_FAILURES_MAX - 1}
+
+
+def test_a_hung_start_counts_once_per_recovery_in_every_job() -> None:
+    """Fault and member ids repeat from job to job (every job has an ``exit-trainer-e1-r0``):
+    a start one job's recovery counted must not hide the same-named start of another job, and an
+    escalation tried again (it raised) counts nobody twice."""
+    executor = RecoveryExecutor(None)  # type: ignore[arg-type]
+    a, late_a = _job("a", started_ago_s=START_DEADLINE_S * 2)
+    b, late_b = _job("b", started_ago_s=START_DEADLINE_S * 2)
+    executor._unstartable(a, late_a, _escalation())
+    executor._unstartable(a, late_a, _escalation())  # the same escalation, tried again
+    assert a.startup_failures == {("trainer", 0): 1}
+    executor._unstartable(b, late_b, _escalation())
+    assert b.startup_failures == {("trainer", 0): 1}, "job b's hung start was not counted"
+
+
+def test_the_count_of_a_recovery_survives_a_new_leader() -> None:
+    """A leader that takes over mid-recovery reads the job record: the start the previous leader
+    counted for this recovery is not counted again (twice would fail the job a start early)."""
+    job, late = _job("takeover", started_ago_s=START_DEADLINE_S * 2)
+    job.startup_failures[("trainer", 0)] = STARTUP_FAILURES_MAX - 2
+    RecoveryExecutor(None)._unstartable(job, late, _escalation())  # type: ignore[arg-type]
+    assert job.startup_failures == {("trainer", 0): STARTUP_FAILURES_MAX - 1}
+
+    restored = JobRun.from_record(job.job_id, job.to_record())  # what the next leader reads
+    [late_restored] = restored.recoveries
+    decision = RecoveryExecutor(None)._unstartable(restored, late_restored, _escalation())  # type: ignore[arg-type]
+    assert decision.names() == ["RestartWholeJob"], decision
+    assert restored.startup_failures == {("trainer", 0): STARTUP_FAILURES_MAX - 1}
+
+
+def test_the_third_hung_start_of_a_slot_fails_the_job_naming_it() -> None:
+    executor = RecoveryExecutor(None)  # type: ignore[arg-type]
+    job, late = _job("third", started_ago_s=START_DEADLINE_S * 2)
+    job.startup_failures[("trainer", 0)] = STARTUP_FAILURES_MAX - 1
+    decision = executor._unstartable(job, late, _escalation())
+    assert [type(a) for a in decision.actions] == [FailJob], decision
+    assert "trainer slot 0 did not finish starting 3 times in a row" in decision.reason
+    assert "trainer-e2-r0" in decision.reason
