@@ -16,6 +16,7 @@ which the test turns into a printed skip.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -26,7 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from support import eventually
+import psutil
+from support import eventually, wait_for_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE_IMAGE = "robustrl-base:bookworm-py311"
@@ -80,8 +82,33 @@ class Engine:
         self.proc: subprocess.Popen[bytes] | None = None
         self.client: Any = None
         self.log = self.dir / "dockerd.log"
+        self._lock_fd: int | None = None
+
+    def _lock_data_root(self, timeout_s: float) -> int:
+        """Take the data root: one dockerd at a time may use it (two corrupt it). The lock's
+        file description is passed on to dockerd, so it is held as long as that dockerd lives, even
+        one a crashed test process left behind: such an orphan (its owner gone) is stopped here."""
+        path = CACHE / "data.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            def taken() -> bool:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return True
+                except BlockingIOError:
+                    _stop_orphan(path)
+                    return False
+            eventually(taken, timeout=timeout_s, interval=0.5,
+                       what=f"the Docker data root {self.data_root} free of another dockerd ({path.read_text()!r})")
+        except BaseException as exc:
+            os.close(fd)
+            raise Unavailable(str(exc)) from exc
+        return fd
 
     def start(self, timeout_s: float = 60.0) -> None:
+        not_set_up = wait_for_setup("apt")  # (scripts/test.sh installs docker.io beside the suite)
+        if not_set_up:
+            raise Unavailable(not_set_up)
         dockerd = shutil.which("dockerd")
         if dockerd is None:
             raise Unavailable("dockerd not installed (apt-get install -y docker.io)")
@@ -92,12 +119,15 @@ class Engine:
         except ImportError as exc:
             raise Unavailable("the docker SDK is not installed (pip install docker)") from exc
         self.data_root.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = lock = self._lock_data_root(timeout_s * 5)
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
                 [dockerd, "--host", self.url, "--data-root", str(self.data_root),
                  "--exec-root", str(self.dir / "exec"), "--pidfile", str(self.dir / "dockerd.pid")],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(lock,))
         proc = self.proc
+        os.ftruncate(lock, 0)
+        os.pwrite(lock, f"{_identity(proc.pid)} {_identity(os.getpid())}".encode(), 0)
 
         def answering() -> Any:
             if proc.poll() is not None:
@@ -136,7 +166,50 @@ class Engine:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # (dockerd's copy went with it)
+            self._lock_fd = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _identity(pid: int) -> str:
+    """``pid:start time``: a pid alone may be reused by another process."""
+    try:
+        return f"{pid}:{psutil.Process(pid).create_time():.2f}"
+    except psutil.Error:
+        return f"{pid}:0"
+
+
+def _alive(identity: str) -> psutil.Process | None:
+    pid, _, created = identity.partition(":")
+    try:
+        proc = psutil.Process(int(pid))
+        return proc if f"{proc.create_time():.2f}" == created else None
+    except (psutil.Error, ValueError):
+        return None
+
+
+def _stop_orphan(lock: Path) -> None:
+    """The dockerd named in ``lock`` if its owner (the test process that started it) is gone: it
+    was left by a crash and would hold the data root for good."""
+    try:
+        dockerd, owner = lock.read_text().split()
+    except (OSError, ValueError):
+        return  # being written
+    proc = _alive(dockerd)
+    if proc is None or _alive(owner) is not None:
+        return
+    def ended() -> bool:  # (gone, or a zombie: not this process's child, so not reaped here)
+        try:
+            return proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    proc.terminate()
+    try:
+        eventually(ended, timeout=30, interval=0.2, what=f"orphaned dockerd {proc.pid} ended")
+    except AssertionError:
+        proc.kill()
 
 
 def ensure_base_image(engine: Engine) -> str:

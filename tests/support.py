@@ -24,6 +24,37 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_INTERVAL_S = 0.02
 
 
+SETUP_BESIDE_ENV = "ROBUSTRL_SETUP_BESIDE"
+"""Set by ``scripts/test.sh``: the folder where the parts of the setup it runs beside the suite
+leave their exit status (``<part>.rc``) and output (``<part>.log``)."""
+
+
+def wait_for_setup(part: str, timeout_s: float = 900.0) -> str | None:
+    """Wait for a part of the machine's setup that ``scripts/test.sh`` runs beside the suite
+    (``vllm``: .venv-vllm; ``apt``: the Debian packages some tests need). Returns why it is not
+    there (its failure, with the end of its output), or None: set up, or not run beside this
+    session (then the caller's own checks say whether what it needs is there)."""
+    where = os.environ.get(SETUP_BESIDE_ENV)
+    if not where:
+        return None
+    rc = os.path.join(where, f"{part}.rc")
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(rc):  # written once, when the part's setup has ended
+        if time.monotonic() > deadline:
+            return f"the {part} setup was still running after {timeout_s:g} s"
+        time.sleep(1.0)  # (a process of the shell's, not of this one: nothing here to wait on)
+    with open(rc) as f:
+        code = f.read().strip()
+    if code == "0":
+        return None
+    try:
+        with open(os.path.join(where, f"{part}.log"), errors="replace") as f:
+            tail = f.read()[-800:]
+    except OSError:
+        tail = "(no output)"
+    return f"the {part} setup failed (exit {code}): {tail}"
+
+
 def _fail(what: str, timeout: float, last: object) -> AssertionError:
     return AssertionError(f"{what or 'condition'} not met after {timeout:.2f} s (last: {last!r})")
 

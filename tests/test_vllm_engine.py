@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from jobs import kinds, small_job, wait_done, wait_step
-from support import audit_sampled, ended, eventually, sample_batches
+from support import audit_sampled, ended, eventually, sample_batches, wait_for_setup
 
 from robustrl.model.engines.envs import vllm_python
 from robustrl.model.tiny import make_tiny_hf_model
@@ -27,6 +27,10 @@ HERE = Path(__file__).resolve().parent
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The vLLM environment's interpreter, checked to import vllm and robustrl, and the tiny HF
     model: the import check (a subprocess, ~6 s) runs while the model is written (~6 s)."""
+    not_set_up = wait_for_setup("vllm")  # (scripts/test.sh sets it up beside the suite)
+    if not_set_up:
+        print(f"test_vllm_engine skipped: {not_set_up}")
+        pytest.skip(f"no vLLM environment: {not_set_up}")
     py = vllm_python()
     if not py.exists():
         pytest.skip(f"no vLLM environment at {py}: run scripts/setup.sh --vllm to run the vllm tests")
