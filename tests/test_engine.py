@@ -189,12 +189,14 @@ def test_load_weights_copies_in_place_and_checks_only_when_asked(engine: Generat
 def test_decoding_64_sequences_is_fast(engine: GenerationEngine) -> None:
     reqs = [GenRequest(f"r{i}", prompt("reverse " + "abcdef"[: 3 + i % 4] + ":"), 12, seed=i) for i in range(64)]
     engine.generate(reqs[:2])  # warm-up
-    start = time.perf_counter()
+    # The CPU time of this thread (torch runs here: one thread, above), not the wall clock: the
+    # suite's other worker shares the 2 cores.
+    start, wall = time.thread_time(), time.perf_counter()
     out = engine.generate(reqs)
-    elapsed = time.perf_counter() - start
-    print(f"\n64 x 12 tokens: {elapsed * 1000:.0f} ms")
+    cpu_s, wall_s = time.thread_time() - start, time.perf_counter() - wall
+    print(f"\n64 x 12 tokens: {cpu_s * 1000:.0f} ms of CPU ({wall_s * 1000:.0f} ms of wall time)")
     assert sum(len(r.token_ids) for r in out) >= 64 * 6
-    assert elapsed < 1.0
+    assert cpu_s < 1.0
 
 
 def test_a_padded_embedding_never_yields_an_id_the_tokenizer_lacks() -> None:
