@@ -14,7 +14,14 @@ bash scripts/setup.sh
 bg=.venv/setup-beside
 rm -rf "$bg" && mkdir -p "$bg"
 export ROBUSTRL_SETUP_BESIDE="$PWD/$bg"
-(nice -n 10 bash scripts/setup.sh --vllm-only >"$bg/vllm.log" 2>&1; echo $? >"$bg/vllm.rc") &
+# Each part's exit status lands in <part>.rc whatever it is (renamed into place: never read half-written).
+beside() {
+  local part=$1 rc=0
+  shift
+  nice -n 10 "$@" >"$bg/$part.log" 2>&1 || rc=$?
+  echo "$rc" >"$bg/$part.rc.tmp" && mv "$bg/$part.rc.tmp" "$bg/$part.rc"
+}
+beside vllm bash scripts/setup.sh --vllm-only &
 vllm_setup=$!
 apt_needed() {
   [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 || return 1
@@ -26,8 +33,8 @@ apt_needed() {
 }
 if apt_needed; then
   # apt's own chatter (debconf notes) goes to the log; the tests print its end if it fails
-  (nice -n 10 bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"' \
-     apt "${missing[@]}" >"$bg/apt.log" 2>&1; echo $? >"$bg/apt.rc") &
+  beside apt bash -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"' \
+    apt "${missing[@]}" &
   apt_setup=$!
 else
   echo 0 >"$bg/apt.rc"
@@ -39,10 +46,20 @@ fi
 # Each module runs whole on one worker; those that use the machine's own resources (dockerd's
 # data root, Ray's ports, the testbed's namespaces) run one after another (tests/conftest.py).
 # ROBUSTRL_TEST_WORKERS=0 runs the suite in one process.
-rc=0
+# pytest runs as a job of this script's (not exec'd: the setups beside it are waited for below);
+# a TERM or an interrupt of the script is passed on to it.
 python -m pytest -q -ra --durations=25 -m "not heavy" \
-  -n "${ROBUSTRL_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@" || rc=$?
-# (never cut off: a package manager stopped midway leaves dpkg to be repaired)
+  -n "${ROBUSTRL_TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder "$@" &
+pytest_pid=$!
+trap 'kill -TERM "$pytest_pid" 2>/dev/null || true' TERM INT
+rc=0
+wait "$pytest_pid" || rc=$?
+while kill -0 "$pytest_pid" 2>/dev/null; do  # the wait above ended early, at a signal
+  rc=0
+  wait "$pytest_pid" || rc=$?
+done
+trap - TERM INT
+# The setups beside it run to their end (a package manager stopped midway leaves dpkg to repair).
 wait $vllm_setup $apt_setup 2>/dev/null || true
 [ "$(cat "$bg/vllm.rc" 2>/dev/null)" = 0 ] \
   || echo "could not set up .venv-vllm (see .venv-vllm/setup.log): the vllm tests were skipped"

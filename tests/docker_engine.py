@@ -16,6 +16,7 @@ which the test turns into a printed skip.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +74,12 @@ def compose_cli() -> list[str]:
 
 
 class Engine:
-    """``dockerd`` on a private socket; ``client`` is a docker SDK client for it."""
+    """``dockerd`` on a private socket; ``client`` is a docker SDK client for it.
+
+    One dockerd at a time may use the data root (two corrupt it): ``start`` takes a lock on it
+    (``flock`` of ``data.lock`` beside it, held by this process until ``stop``) and records the
+    dockerd it starts in the lock file. A test process that crashed released the lock, but its
+    dockerd lives on (its own session): the next ``start`` finds it recorded and stops it first."""
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="rrld-"))  # short: unix socket paths are limited
@@ -83,26 +90,29 @@ class Engine:
         self.client: Any = None
         self.log = self.dir / "dockerd.log"
         self._lock_fd: int | None = None
+        self._guard = threading.Lock()  # start and stop may run in two threads (the compose prebuild)
+        self._stopped = False
 
     def _lock_data_root(self, timeout_s: float) -> int:
-        """Take the data root: one dockerd at a time may use it (two corrupt it). The lock's
-        file description is passed on to dockerd, so it is held as long as that dockerd lives, even
-        one a crashed test process left behind: such an orphan (its owner gone) is stopped here."""
         path = CACHE / "data.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # (not inherited by dockerd: close-on-exec)
+
+        def taken() -> bool:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                return False
         try:
-            def taken() -> bool:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    return True
-                except BlockingIOError:
-                    _stop_orphan(path)
-                    return False
-            eventually(taken, timeout=timeout_s, interval=0.5,
-                       what=f"the Docker data root {self.data_root} free of another dockerd ({path.read_text()!r})")
-        except BaseException as exc:
+            eventually(taken, timeout=timeout_s, interval=0.5, what="the Docker data root's lock")
+        except AssertionError as exc:
             os.close(fd)
-            raise Unavailable(str(exc)) from exc
+            raise Unavailable(f"the Docker data root {self.data_root} stayed in use by another test process "
+                              f"for {timeout_s:g} s (its dockerd: {path.read_text()!r})") from exc
+        except BaseException:
+            os.close(fd)
+            raise
+        _stop_left_dockerd(os.pread(fd, 200, 0).decode(errors="replace").strip())
         return fd
 
     def start(self, timeout_s: float = 60.0) -> None:
@@ -119,15 +129,24 @@ class Engine:
         except ImportError as exc:
             raise Unavailable("the docker SDK is not installed (pip install docker)") from exc
         self.data_root.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = lock = self._lock_data_root(timeout_s * 5)
-        with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [dockerd, "--host", self.url, "--data-root", str(self.data_root),
-                 "--exec-root", str(self.dir / "exec"), "--pidfile", str(self.dir / "dockerd.pid")],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(lock,))
+        lock = self._lock_data_root(timeout_s * 5)
+        with self._guard:
+            if self._stopped:  # stopped from another thread meanwhile
+                os.close(lock)
+                raise Unavailable("the engine was stopped while it started")
+            self._lock_fd = lock
+            try:
+                with self.log.open("wb") as log:
+                    self.proc = subprocess.Popen(
+                        [dockerd, "--host", self.url, "--data-root", str(self.data_root),
+                         "--exec-root", str(self.dir / "exec"), "--pidfile", str(self.dir / "dockerd.pid")],
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                os.ftruncate(lock, 0)
+                os.pwrite(lock, _identity(self.proc.pid).encode(), 0)
+            except BaseException:
+                self._stop_locked()
+                raise
         proc = self.proc
-        os.ftruncate(lock, 0)
-        os.pwrite(lock, f"{_identity(proc.pid)} {_identity(os.getpid())}".encode(), 0)
 
         def answering() -> Any:
             if proc.poll() is not None:
@@ -145,6 +164,9 @@ class Engine:
         except AssertionError as exc:
             self.stop()
             raise Unavailable(f"dockerd did not answer within {timeout_s:g} s: {self._log_tail()}") from exc
+        except BaseException:
+            self.stop()  # (the lock with it)
+            raise
 
     def _log_tail(self) -> str:
         try:
@@ -157,8 +179,14 @@ class Engine:
         return {**os.environ, "DOCKER_HOST": self.url}
 
     def stop(self) -> None:
+        with self._guard:
+            self._stopped = True
+            self._stop_locked()
+
+    def _stop_locked(self) -> None:
         if self.client is not None:
             self.client.close()
+            self.client = None
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -167,7 +195,9 @@ class Engine:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=10)
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # (dockerd's copy went with it)
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lock_fd, 0)  # its dockerd ended
+            os.close(self._lock_fd)  # (the lock with it)
             self._lock_fd = None
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -180,25 +210,17 @@ def _identity(pid: int) -> str:
         return f"{pid}:0"
 
 
-def _alive(identity: str) -> psutil.Process | None:
+def _stop_left_dockerd(identity: str) -> None:
+    """Stop the dockerd ``identity`` names (``_identity``) if it still runs: the test process
+    that started it ended without stopping it (it crashed), so it still uses the data root."""
     pid, _, created = identity.partition(":")
     try:
         proc = psutil.Process(int(pid))
-        return proc if f"{proc.create_time():.2f}" == created else None
+        if f"{proc.create_time():.2f}" != created or proc.status() == psutil.STATUS_ZOMBIE:
+            return
     except (psutil.Error, ValueError):
-        return None
-
-
-def _stop_orphan(lock: Path) -> None:
-    """The dockerd named in ``lock`` if its owner (the test process that started it) is gone: it
-    was left by a crash and would hold the data root for good."""
-    try:
-        dockerd, owner = lock.read_text().split()
-    except (OSError, ValueError):
-        return  # being written
-    proc = _alive(dockerd)
-    if proc is None or _alive(owner) is not None:
         return
+
     def ended() -> bool:  # (gone, or a zombie: not this process's child, so not reaped here)
         try:
             return proc.status() == psutil.STATUS_ZOMBIE
@@ -207,9 +229,11 @@ def _stop_orphan(lock: Path) -> None:
 
     proc.terminate()
     try:
-        eventually(ended, timeout=30, interval=0.2, what=f"orphaned dockerd {proc.pid} ended")
+        eventually(ended, timeout=30, interval=0.2, what=f"the dockerd left running ({proc.pid}) ended")
     except AssertionError:
-        proc.kill()
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+        eventually(ended, timeout=10, interval=0.2, what=f"the dockerd left running ({proc.pid}) killed")
 
 
 def ensure_base_image(engine: Engine) -> str:

@@ -29,11 +29,12 @@ SETUP_BESIDE_ENV = "ROBUSTRL_SETUP_BESIDE"
 leave their exit status (``<part>.rc``) and output (``<part>.log``)."""
 
 
-def wait_for_setup(part: str, timeout_s: float = 900.0) -> str | None:
+def wait_for_setup(part: str, timeout_s: float = 600.0) -> str | None:
     """Wait for a part of the machine's setup that ``scripts/test.sh`` runs beside the suite
     (``vllm``: .venv-vllm; ``apt``: the Debian packages some tests need). Returns why it is not
     there (its failure, with the end of its output), or None: set up, or not run beside this
-    session (then the caller's own checks say whether what it needs is there)."""
+    session (then the caller's own checks say whether what it needs is there). The wait counts
+    against the calling test's timeout unless its mark says ``func_only``."""
     where = os.environ.get(SETUP_BESIDE_ENV)
     if not where:
         return None

@@ -67,8 +67,9 @@ class ActiveRecovery:
     committed_at_fault: int = -1
     starts_counted: set[str] = field(default_factory=set)
     """Members whose start this recovery's passed deadline counted as failed
-    (``RecoveryExecutor._unstartable``): counted once, by this leader or the next (persisted), and
-    dropped with the recovery."""
+    (``RecoveryExecutor._unstartable``), each once; dropped with the recovery. Changed together
+    with ``JobRun.startup_failures`` (no await between): a record a new leader reads holds both
+    counts or neither, so it neither counts a start again nor loses one."""
 
     def to_record(self) -> dict[str, Any]:
         return {"fault_id": self.fault_id, "role": self.role, "kind": self.kind,
