@@ -66,6 +66,11 @@ PULL_GRACE_S = 5.0
 deadline should fire first)."""
 CLOSE_WAIT_S = 1.0
 """At close, per cancellation of the pull task (``cancel_and_wait`` repeats it up to 3 times)."""
+REPORT_DRAIN_S = 6.0
+"""At close, for the reports of loads still being stored (``weights_loaded``: the engine may
+have served turns with those weights already). One JetStream attempt whose ack a NATS restart
+lost takes 2 s (``REQUEST_TIMEOUT_S``), the pause before the next up to 2 s. Within the replica's
+stop bound (``STOP_BOUND_S``) and a finished job's grace before SIGKILL (15 s)."""
 
 Emit = Callable[[str, dict[str, object]], Awaitable[None]]
 Install = Callable[[int, str, dict[str, torch.Tensor], float], Awaitable[str | None]]
@@ -228,6 +233,14 @@ class WeightLoader:
         named and left; the replica's stop goes on)."""
         if self._task is not None and not self._task.done() and not await cancel_and_wait(self._task, CLOSE_WAIT_S):
             log.error("the weight pull task did not end %.0f s after its cancellation", CLOSE_WAIT_S)
+        # A load's report outlives its pull (shielded, ``_verify_and_install``): one still being stored --
+        # JetStream just back after an outage, the job ended meanwhile -- gets the time it needs
+        # before the bus closes under it. Lost, the log would lack a version turns were made with.
+        if self._reports:
+            _, unstored = await asyncio.wait(set(self._reports), timeout=REPORT_DRAIN_S)
+            if unstored:
+                log.error("%d report(s) of a load not stored %.1f s into the stop: the job's log lacks them",
+                          len(unstored), REPORT_DRAIN_S)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
