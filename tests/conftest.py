@@ -84,7 +84,8 @@ DOCKER_MODULES = frozenset({"test_compose_stack", "test_docker_engine_lock", "te
 """The machine group's modules that run a dockerd: last in the group, after the compose image's
 prebuild had the group's other modules' time to build."""
 SLOW_FIRST = ("machine", "test_campaign", "test_recovery", "test_local_launcher", "test_cli", "test_vllm_engine",
-              "test_standby_failover", "test_start_deadline", "test_control_plane_faults", "test_standby_faults", "test_rollout_replica", "test_rm_dispatch", "test_controller_runtime")
+              "test_standby_failover", "test_start_deadline", "test_control_plane_faults", "test_standby_faults",
+              "test_rollout_replica", "test_rm_dispatch", "test_controller_runtime")
 """Groups handed out first, longest first (from ``--durations``): the last group to start should
 be a short one, so that both workers end together. ``test_vllm_engine`` comes after
 ``test_cli``: ``scripts/test.sh`` sets up its environment beside the suite (about 2 minutes on a
