@@ -1699,6 +1699,31 @@ async def test_two_deletions_at_once_are_one_and_a_refused_checkpoint_delete_sti
     assert await rig.redis.hget(Keys.jobs(), job.job_id) is None and job.job_id not in c.jobs
 
 
+async def test_a_delete_as_soon_as_the_job_reads_finished_is_not_refused_as_active(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's final status is set, then its record written: a DELETE in between (a client that
+    polled the status and deletes at once) was refused with 409 "job ... is finished: stop it
+    first" (seen in a full run under load). It now waits for that write (bounded)."""
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cpdelfin", steps=1))
+    await rig.hello_all(c, job.job_id)
+    real = c.persist
+
+    async def slow_final_write(j: JobRun) -> bool:
+        if j.job_id == job.job_id and j.status == "finished":
+            await asyncio.sleep(1.0)  # the final record's write, slow (a loaded Redis)
+        return await real(j)
+
+    monkeypatch.setattr(c, "persist", slow_final_write)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.status == "finished", timeout=30, what="finished")
+    deleted = await c.delete_job(job.job_id)
+    assert deleted["job_id"] == job.job_id, deleted
+    assert await rig.redis.hget(Keys.jobs(), job.job_id) is None and job.job_id not in c.jobs
+    assert len(of_kind(await rig.events(job.job_id), "job_deleted")) == 1
+
+
 async def test_an_exit_handled_again_after_a_late_failure_logs_nothing_twice(rig: Rig,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The exit's handling fails at its last write (the record's persist: a Redis blip), after its

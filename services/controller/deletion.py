@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 
 PURGE_BATCH = 500
 """Keys asked for per SCAN and unlinked per call."""
+FINAL_WRITE_WAIT_S = 10.0
+"""How long a deletion waits for the final record of a job whose final status is set (a stop in
+its last write): the status reads final from then on, so a client may delete at once."""
 OWED_FLUSH_S = 30.0
 """How long a deletion that keeps the log waits for the controller's owed events to be stored."""
 
@@ -90,6 +93,14 @@ class JobDeleter:
         if job is None and record is None:
             raise JobError(f"no such job: {job_id}", job_id=job_id)
         status = job.status if job is not None else str((record or {}).get("status"))
+        stopping = self.c._stopping.get(job_id)
+        if job is not None and stopping is not None and status not in ACTIVE:
+            # Its final status is set and its record being written (``Controller.stop_job``): a
+            # client that read the status and deletes at once is not told to stop it first.
+            try:
+                await asyncio.wait_for(stopping["ended"].wait(), FINAL_WRITE_WAIT_S)
+            except TimeoutError:
+                pass  # (the stop failed in its last write: refused below, as a job being stopped)
         if status in ACTIVE or (job is not None and (not job.done or job_id in self.c._stopping)):
             raise JobActive(f"job {job_id} is {status}: stop it first (POST /v1/jobs/{job_id}/stop)",
                             job_id=job_id, status=status)

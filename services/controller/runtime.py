@@ -639,7 +639,7 @@ class Controller:
             return job
         job.closing = True
         job.error = reason
-        stop = self._stopping.setdefault(job.job_id, {"ids": [], "event": False})
+        stop = self._stopping.setdefault(job.job_id, {"ids": [], "event": False, "ended": asyncio.Event()})
         await self.control_rm(job, "stop", attempts=1)
         # (marked stopped before the launcher's stop: a stop carried out again stops them again)
         stop["ids"] += [m.member_id for m in job.live() if m.member_id not in stop["ids"]]
@@ -663,6 +663,7 @@ class Controller:
         job.status = status  # type: ignore[assignment]
         await self.persist(job)
         self._stopping.pop(job.job_id, None)
+        stop["ended"].set()  # (a deletion waiting for the final record: ``JobDeleter``)
         return job
 
     async def delete_job(self, job_id: str, *, checkpoints: bool = False, events: bool = False) -> dict[str, Any]:
