@@ -38,6 +38,7 @@ from robustrl.services.controller.jobs import ACTIVE
 from robustrl.services.controller.lease import LeaseLost
 
 from robustrl import subjects
+from robustrl.aio import within
 from robustrl.audit.raw import job_prefix
 from robustrl.errors import JobActive, JobError, StorageError, SubjectError
 from robustrl.storage.control_stores import RmOutbox
@@ -98,7 +99,7 @@ class JobDeleter:
             # Its final status is set and its record being written (``Controller.stop_job``): a
             # client that read the status and deletes at once is not told to stop it first.
             try:
-                await asyncio.wait_for(stopping["ended"].wait(), FINAL_WRITE_WAIT_S)
+                await within(stopping["ended"].wait(), FINAL_WRITE_WAIT_S)
             except TimeoutError:
                 pass  # (the stop failed in its last write: refused below, as a job being stopped)
         if status in ACTIVE or (job is not None and (not job.done or job_id in self.c._stopping)):
