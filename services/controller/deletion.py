@@ -38,7 +38,6 @@ from robustrl.services.controller.jobs import ACTIVE
 from robustrl.services.controller.lease import LeaseLost
 
 from robustrl import subjects
-from robustrl.aio import within
 from robustrl.audit.raw import job_prefix
 from robustrl.errors import JobActive, JobError, StorageError, SubjectError
 from robustrl.storage.control_stores import RmOutbox
@@ -94,14 +93,11 @@ class JobDeleter:
         if job is None and record is None:
             raise JobError(f"no such job: {job_id}", job_id=job_id)
         status = job.status if job is not None else str((record or {}).get("status"))
-        stopping = self.c._stopping.get(job_id)
-        if job is not None and stopping is not None and status not in ACTIVE:
-            # Its final status is set and its record being written (``Controller.stop_job``): a
-            # client that read the status and deletes at once is not told to stop it first.
-            try:
-                await within(stopping["ended"].wait(), FINAL_WRITE_WAIT_S)
-            except TimeoutError:
-                pass  # (the stop failed in its last write: refused below, as a job being stopped)
+        if job is not None and status not in ACTIVE:
+            # Its final status may be set with its record still being written (``stop_job``): a
+            # client that read the status and deletes at once is not told to stop it first. (A
+            # stop that failed in its last write is refused below, as a job being stopped.)
+            await self.c.stop_settled(job_id, FINAL_WRITE_WAIT_S)
         if status in ACTIVE or (job is not None and (not job.done or job_id in self.c._stopping)):
             raise JobActive(f"job {job_id} is {status}: stop it first (POST /v1/jobs/{job_id}/stop)",
                             job_id=job_id, status=status)

@@ -15,6 +15,7 @@ still running, treats the ones that are gone as crashed, and restarts no healthy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -665,6 +666,16 @@ class Controller:
         self._stopping.pop(job.job_id, None)
         stop["ended"].set()  # (a deletion waiting for the final record: ``JobDeleter``)
         return job
+
+    async def stop_settled(self, job_id: str, timeout_s: float) -> bool:
+        """Wait, up to ``timeout_s``, for a stop under way of ``job_id`` to end (its final record
+        written: ``stop_job`` sets the final status just before). Returns whether none runs now."""
+        stop = self._stopping.get(job_id)
+        if stop is None:
+            return True
+        with contextlib.suppress(TimeoutError):
+            await within(stop["ended"].wait(), timeout_s)
+        return job_id not in self._stopping
 
     async def delete_job(self, job_id: str, *, checkpoints: bool = False, events: bool = False) -> dict[str, Any]:
         """Delete an ended job (``deletion.JobDeleter.delete``: its Redis state and record; its

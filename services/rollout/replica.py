@@ -47,9 +47,9 @@ from robustrl.weights.server import WeightServer
 log = logging.getLogger(__name__)
 BATCH_WAIT_S = 0.01
 STOP_BOUND_S = 10.0
-SWAP_WAIT_SLICE_S = 0.25  # a wait for the engine thread's swap polls in slices this long
 """How long a stopped (not borrowed) replica may take to close before it exits anyway (its
 loader's reports of loads still being stored take up to ``loader.REPORT_DRAIN_S`` of it)."""
+SWAP_WAIT_SLICE_S = 0.25  # a wait for the engine thread's swap polls in slices this long
 POINTER_POLL_S = 2.0
 """How often a replica reads the weights pointer (one Redis GET) in case an announcement was lost."""
 POINTER_READ_S = 5.0
