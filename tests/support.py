@@ -39,11 +39,10 @@ def wait_for_setup(part: str, timeout_s: float = 600.0) -> str | None:
     if not where:
         return None
     rc = os.path.join(where, f"{part}.rc")
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(rc):  # written once, when the part's setup has ended
-        if time.monotonic() > deadline:
-            return f"the {part} setup was still running after {timeout_s:g} s"
-        time.sleep(1.0)  # (a process of the shell's, not of this one: nothing here to wait on)
+    try:  # (written once, renamed into place, when the part's setup has ended)
+        eventually(lambda: os.path.exists(rc), timeout=timeout_s, interval=1.0, what=f"the {part} setup ended")
+    except AssertionError:
+        return f"the {part} setup was still running after {timeout_s:g} s"
     with open(rc) as f:
         code = f.read().strip()
     if code == "0":
