@@ -8,6 +8,7 @@ handler never sees it and the service keeps running. A handler that raises is lo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -28,6 +29,7 @@ from tenacity import (
     before_sleep_log,
     retry_if_exception_type,
     stop_after_delay,
+    stop_any,
     wait_random_exponential,
 )
 
@@ -57,6 +59,11 @@ EVENT_FETCH_TIMEOUT_S = 1.0
 """One fetch while reading the event log; an empty fetch ends the read."""
 EVENT_PUBLISH_RETRY_S = 30.0
 """How long an event is retried while JetStream is away (server restart, leader change)."""
+DURABLE_DRAIN_S = 4.0
+"""How long ``close`` waits for durable publishes still in their retries (an event a stopping
+member emitted while JetStream was away: lost if the connection is drained under it). One
+JetStream attempt whose ack a restart lost takes ``REQUEST_TIMEOUT_S``, the pause before the next
+up to ``RETRY_WAIT_MAX_S``. Only a close with publishes in flight waits."""
 RETRY_WAIT_INITIAL_S = 0.1
 RETRY_WAIT_MAX_S = 2.0
 MSG_ID_HEADER = "Nats-Msg-Id"
@@ -74,7 +81,13 @@ class Bus:
         self.dropped = 0
         self.handler_errors = 0
         self._js = nc.jetstream()
-        self._closed = False
+        self._closed = False  # close() was called: it may still be waiting for durable publishes
+        self._shut = False  # the connection is being drained: durable publishes stop retrying
+        self._durable: dict[int, str] = {}
+        """Durable publishes not acknowledged yet: a token each -> subject."""
+        self._durable_ids = itertools.count()
+        self._durable_idle = asyncio.Event()
+        self._durable_idle.set()
         self.disconnects = 0
         self.reconnects = 0
         self.reconnected_at = 0.0
@@ -226,20 +239,32 @@ class Bus:
         for up to ``retry_s`` (a server restart or a reconnect in progress). The message id makes
         the retries idempotent: JetStream stores it once.
 
+        A close of this bus waits for it (``DURABLE_DRAIN_S``); once the close gave up on it,
+        its retries end.
+
         Raises:
-            TransportError: not acknowledged within ``retry_s``.
+            TransportError: not acknowledged within ``retry_s``, or the bus was closed meanwhile.
         """
+        if self._shut:
+            raise TransportError(f"{subject} not stored: the bus {self.name} is closed", subject=subject)
         headers = {MSG_ID_HEADER: msg_id or uuid.uuid4().hex}
+        token = next(self._durable_ids)
+        self._durable[token] = subject
+        self._durable_idle.clear()
         try:
             async for attempt in AsyncRetrying(
-                    stop=stop_after_delay(retry_s), reraise=True,
+                    stop=stop_any(stop_after_delay(retry_s), lambda _state: self._shut), reraise=True,
                     wait=wait_random_exponential(RETRY_WAIT_INITIAL_S, RETRY_WAIT_MAX_S),
                     retry=retry_if_exception_type(Exception)):
                 with attempt:
                     await self._js.publish(subject, data, timeout=REQUEST_TIMEOUT_S, headers=headers)
         except Exception as exc:
-            raise TransportError(f"{subject} not stored by JetStream within {retry_s:.0f}s: {exc}",
-                                 subject=subject) from exc
+            why = f"the bus {self.name} closed" if self._shut else f"within {retry_s:.0f}s"
+            raise TransportError(f"{subject} not stored by JetStream ({why}): {exc}", subject=subject) from exc
+        finally:
+            del self._durable[token]
+            if not self._durable:
+                self._durable_idle.set()
 
     async def emit_event(self, job_id: str, kind: str, data: dict[str, Any] | None = None,
                          ts: float | None = None, *, required: bool = False,
@@ -302,11 +327,22 @@ class Bus:
             await sub.unsubscribe()
         return events
 
-    async def close(self) -> None:
-        """Drain and close; safe to call twice."""
+    async def close(self, drain_s: float = DURABLE_DRAIN_S) -> None:
+        """Wait up to ``drain_s`` for durable publishes still in their retries (new ones given
+        meanwhile too), then drain and close; safe to call twice. What is still not stored then
+        is named in an error: the event is lost."""
         if self._closed:
             return
         self._closed = True
+        if self._durable:
+            try:
+                await within(self._durable_idle.wait(), drain_s)
+            except TimeoutError:
+                owed = sorted(set(self._durable.values()))
+                log.error("nats %s: %d durable publish(es) not stored by JetStream %.1f s into the close, "
+                          "given up (lost): %s", self.name, len(self._durable), drain_s,
+                          ", ".join(owed[:10]) + (" ..." if len(owed) > 10 else ""))
+        self._shut = True
         try:
             await within(self._nc.drain(), DRAIN_TIMEOUT_S)
         except Exception:

@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 
 from robustrl.aio import wait_event
-from robustrl.bus import Bus
+from robustrl.bus import DURABLE_DRAIN_S, Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import ConfigError, RequestTimeout
 from robustrl.gpu import GpuProbe
@@ -314,7 +314,8 @@ class Member:
         elif msg.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
 
-    async def close(self) -> None:
+    async def close(self, drain_s: float = DURABLE_DRAIN_S) -> None:
+        """Stop; the bus waits up to ``drain_s`` for events still being stored (``Bus.close``)."""
         self.stopping.set()
         if self.gpu is not None:  # its reader thread (a role switch starts the next member's own)
             self.gpu.close()
@@ -323,7 +324,7 @@ class Member:
         if self._health:
             await self._health.close()
         if self.bus:
-            await self.bus.close()
+            await self.bus.close(drain_s=drain_s)
 
 
 def configure_logging(member_id: str) -> None:

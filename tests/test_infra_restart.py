@@ -148,3 +148,68 @@ def test_s3_calls_ride_through_restart(own_infra: EmbeddedInfra, tmp_path: Path)
     keys = store.list("ride/")
     assert keys == [f"ride/{i:04d}" for i in range(n)]
     assert all(store.get(k) == b"x" * (i + 1) for i, k in enumerate(keys))
+
+
+async def _stored(url: str, job: str) -> int:
+    """Messages of ``job`` in the raw event stream (a connection of its own)."""
+    nc = await nats.connect(url)
+    try:
+        info = await nc.jetstream().stream_info(subjects.EVENTS_STREAM, subjects_filter=subjects.events_of(job))
+        return sum((info.state.subjects or {}).values())
+    finally:
+        await nc.close()
+
+
+async def _emit_while_down(own_infra: EmbeddedInfra, down_s: float, job: str) -> tuple[
+        Bus, threading.Thread, asyncio.Task[Event]]:
+    """A bus whose server goes down, and an event given to it while the server is away (in its
+    retries when this returns)."""
+    settings = own_infra.settings
+    assert settings is not None
+    bus = await Bus.connect(settings.nats_url, f"drain-{job}")
+    await bus.ensure_event_stream()
+    thread = threading.Thread(target=own_infra.restart, args=("nats", down_s), daemon=True)
+    thread.start()
+    await eventually_async(lambda: not bus.connected, timeout=10, what="the bus sees the server gone")
+    emit = asyncio.get_running_loop().create_task(bus.emit_event(job, "note", {"n": 1}))
+    await asyncio.sleep(0)  # a loop step: the emit is in its first JetStream attempt
+    assert not emit.done()
+    return bus, thread, emit
+
+
+async def test_a_bus_closed_while_an_event_is_in_its_retries_stores_it_before_closing(
+        own_infra: EmbeddedInfra) -> None:
+    """A member stops (its bus closes) while an event it emitted waits for JetStream, back within
+    the close's bound (a NATS restart as the job ends): the event is stored, not cut off. Before,
+    the close drained the connection under the retries and the event was lost."""
+    job = "drain-kept"
+    bus, thread, emit = await _emit_while_down(own_infra, 1.0, job)
+    try:
+        await bus.close()
+        assert emit.done(), "the close returned while the event was still being stored"
+    finally:
+        await asyncio.to_thread(thread.join)
+    settings = own_infra.settings
+    assert settings is not None
+    assert await _stored(settings.nats_url, job) == 1
+
+
+async def test_a_close_whose_bound_passes_names_what_it_loses_and_stops_retrying(
+        own_infra: EmbeddedInfra, caplog: pytest.LogCaptureFixture) -> None:
+    """JetStream away past the close's bound: the close returns within it (a stopping member is
+    not held for the event's whole retry budget), says which event it gives up, and the event's
+    retries end with it (they went on for 30 s on a closed connection)."""
+    job = "drain-lost"
+    bus, thread, emit = await _emit_while_down(own_infra, 4.0, job)
+    try:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with caplog.at_level("ERROR", logger="robustrl.bus"):
+            await bus.close(drain_s=0.5)
+        assert loop.time() - t0 < 0.5 + 2 * 2.0 + 1.0  # the bound, then NATS's own drain and close bounds
+        assert any(subjects.events(job, "note") in r.getMessage() and "not stored" in r.getMessage()
+                   for r in caplog.records if r.levelname == "ERROR"), caplog.text
+        # Its retries end at once, not after EVENT_PUBLISH_RETRY_S (30 s).
+        await asyncio.wait_for(asyncio.shield(emit), 2 * 2.0 + 1.0)
+    finally:
+        await asyncio.to_thread(thread.join)

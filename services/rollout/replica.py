@@ -164,6 +164,7 @@ class Replica:
                                     name="weights-pointer")
         await self.member.stopping.wait()
         log.info("stopping%s", " (borrowed: switching role)" if self.standby.handoff is not None else "")
+        stop_t0 = time.monotonic()
         if self.standby.handoff is not None:
             # The model is about to train: the batch being decoded on it ends now (its turns were
             # re-dispatched when the replica was drained).
@@ -194,7 +195,9 @@ class Replica:
         self.stop_phase = "closing the engine"
         await asyncio.to_thread(self.engine.close)
         self.stop_phase = "closing the member (bus)"
-        await self.member.close()
+        # The bus waits for events still in their retries (a late swap's report, a HAVE's event)
+        # with what is left of the stop's bound, less a second for NATS's own drain.
+        await self.member.close(drain_s=max(0.5, STOP_BOUND_S - 1.0 - (time.monotonic() - stop_t0)))
         # Not "closed" yet: asyncio.run still cancels and awaits what is left (a task that
         # swallowed its cancellation would hold the exit): the bound stays armed until main().
         self.stop_phase = "ending the event loop"
