@@ -367,11 +367,30 @@ def test_auditor_catches_each_corruption_of_the_raw_stores(stack, api, infra):
     assert clean.facts["checkpoints_weights_verified"] == clean.facts["manifests"], clean.facts
     # The new checks had something to judge: step sets were read and the outbox was empty.
     assert clean.raw is not None and clean.raw.redis.step_sets and clean.facts["outbox_entries"] == 0, clean.facts
+    # The real trainer recorded what it trained at every commit, and it is each step's batch as
+    # Redis holds it (the digest recomputed from the raw episode records).
+    commits = [e for e in clean.raw.events if e.kind == "step_committed"]
+    assert commits and all(isinstance(e.data.get("trained"), dict) for e in commits), commits
+    assert clean.checks["trained_batches"].passed and clean.facts["steps_unverified"] == 0, clean.facts
 
     import redis as sync_redis
 
     r = sync_redis.Redis.from_url(infra.redis_url)
     store = open_object_store(infra)
+
+    # 0. Step 0's keys collected (as GC does once its checkpoint is durable): the step is judged
+    # by the trainer's record alone, not left unverified.
+    step0 = json.loads(r.get(Keys.batch(job_id, 0)))
+    keys0 = [Keys.batch(job_id, 0), Keys.step_episodes(job_id, 0),
+             *(Keys.episode(job_id, e) for e in step0["episode_ids"]), *(Keys.prefix(job_id, e) for e in step0["episode_ids"])]
+    saved0 = {k: (r.type(k).decode(), r.dump(k)) for k in keys0 if r.exists(k)}
+    r.delete(*saved0)
+    collected = run()
+    assert collected.ok, collected.violations()
+    assert collected.facts["steps_judged_by_trained_record"] == 1 and collected.facts["steps_unverified"] == 0, \
+        collected.facts
+    for k, (_t, dumped) in saved0.items():
+        r.restore(k, 0, dumped)
 
     # 1. A flipped byte in a checkpoint blob.
     mkey = next(k for k in store.list(f"jobs/{job_id}/") if k.endswith("manifest.json"))
@@ -441,6 +460,18 @@ def test_auditor_catches_each_corruption_of_the_raw_stores(stack, api, infra):
     r.set(first, json.dumps(twice))
     report = run()
     assert any("twice" in v for v in report.checks["episodes"].violations), report.violations()
+    r.set(first, saved)
+
+    # 4e. A behaviour logprob of a trained episode rewritten after training (no other check reads
+    # it; the GRPO loss does): the trainer's record of what it read disagrees with Redis.
+    saved = r.get(first)
+    edited = json.loads(saved)
+    reply = next(t for t in edited["turns"] if t["role"] == "assistant" and t["logprobs"])
+    reply["logprobs"][0] = reply["logprobs"][0] - 1.0
+    r.set(first, json.dumps(edited))
+    report = run()
+    assert any("step 1" in v and "digest" in v for v in report.checks["trained_batches"].violations), \
+        report.violations()
     r.set(first, saved)
 
     # 4d. An event the request manager acknowledged, still in its outbox when the job ended.

@@ -25,6 +25,9 @@ Checks (each a pure function of what was read; ``judge`` runs them all):
   live or not), names exactly its step's finished episodes (the step's episode set), each
   finished with a reward, its turns made within the staleness bound and each applied once (no
   two replies to one turn, no request answering two turns).
+* ``trained_batches``: what the trainer says it trained (``step_committed``'s ``trained``) is its
+  step's batch as Redis recorded it, the same for a redo, ``episodes_per_step`` distinct episodes
+  never trained in two steps; a step Redis has collected is judged by that record alone.
 * ``prefixes``: every saved or re-dispatched prefix is a prefix of the final episode.
 * ``weights``: each replica's load is of a checksum published before it by a gang not yet
   superseded (publications keyed by gang and version), never one it rejected; every assistant
@@ -52,6 +55,7 @@ from robustrl.audit.rollout import (
     check_redis_bounded,
     step_views,
 )
+from robustrl.audit.trained import check_trained_batches
 from robustrl.audit.weights import check_checkpoint_weights, check_weights
 from robustrl.config import Settings
 from robustrl.storage.objects import open_object_store
@@ -84,6 +88,9 @@ def judge(inp: AuditInput, options: AuditOptions | None = None) -> AuditReport:
     durable = lineage.newest_step
     checks["checkpoint_weights"], weight_facts = check_checkpoint_weights(inp, facts, lineage)
     checks["episodes"], episodes_lost, unverified = check_episodes(inp, facts, views, durable)
+    checks["trained_batches"], lost_collected, judged = check_trained_batches(inp, facts, views, durable)
+    episodes_lost += lost_collected
+    unverified -= len(judged)
     checks["prefixes"] = check_prefixes(inp, views)
     checks["weights"], bad_weights = check_weights(inp, views, facts)
     checks["redis_bounded"], redis_facts = check_redis_bounded(inp, durable, opts.redis_slack_steps, opts.redis_bound)
@@ -97,7 +104,8 @@ def judge(inp: AuditInput, options: AuditOptions | None = None) -> AuditReport:
                "newest_loadable_checkpoint": durable,
                "newest_loadable_epoch": None if lineage.newest is None else lineage.newest.epoch,
                "manifests": len(inp.checkpoints), "manifests_on_lineage": len(lineage.chain),
-               "steps_unverified": unverified, "max_stuck_s": round(stuck, 3), "events": len(inp.events),
+               "steps_unverified": unverified,
+               "steps_judged_by_trained_record": len(judged), "max_stuck_s": round(stuck, 3), "events": len(inp.events),
                "steps_observed_live": len(inp.observed), **weight_facts, **redis_facts, **outbox_facts})
     report._raw = inp
     return report

@@ -14,8 +14,8 @@ REDIS_SLACK_STEPS = 2
 """Steps older than the newest loadable checkpoint that Redis may still hold (GC runs after the
 checkpoint is durable, so it lags by a step or two)."""
 
-CHECKS = ("event_log", "trained_once", "checkpoints", "checkpoint_weights", "episodes", "prefixes", "weights",
-          "redis_bounded", "outbox", "progress")
+CHECKS = ("event_log", "trained_once", "checkpoints", "checkpoint_weights", "episodes", "trained_batches",
+          "prefixes", "weights", "redis_bounded", "outbox", "progress")
 
 
 @dataclass(frozen=True)

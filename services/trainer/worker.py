@@ -29,6 +29,7 @@ from robustrl.services.trainer.survivor import SURVIVOR_WAIT_S, SurvivorHook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from robustrl.aio import wait_event
+from robustrl.batch_digest import batch_digest
 from robustrl.bus import EVENT_PUBLISH_RETRY_S, Bus
 from robustrl.checkpoint import (
     UPLOAD_WAIT_S,
@@ -48,7 +49,7 @@ from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.rl import grpo, tasks
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.objects import open_object_store
-from robustrl.storage.redis_stores import EpisodeStore, connect
+from robustrl.storage.redis_stores import EpisodeRecord, EpisodeStore, connect
 from robustrl.subjects import Verb, subject
 from robustrl.weights.flat import flatten_state_dict
 from robustrl.weights.server import WeightServer
@@ -152,6 +153,12 @@ def agree_on_checkpoint(ckpt: Checkpointer, state: CheckpointState | None, rank:
 
 def checkpoint_prefix(job_id: str) -> str:
     return f"jobs/{job_id}/checkpoints"
+
+
+def _trained_record(eps: list[EpisodeRecord]) -> dict[str, object]:
+    """``step_committed``'s ``trained``: the episodes a step trained and a digest of what was read
+    of them, which the auditor recomputes from the raw records (``robustrl.audit.trained``)."""
+    return {"episodes": sorted(e.episode_id for e in eps), "digest": batch_digest(e.model_dump(mode="json") for e in eps)}
 
 
 def _device_name(device: torch.device) -> str:
@@ -479,6 +486,8 @@ class TrainerWorker:
                         key = str(step - t.weights_version)
                         lags[key] = lags.get(key, 0) + 1
             stats = await asyncio.to_thread(self._train, samples)
+            # What was trained, for the auditor (robustrl.batch_digest): which episodes, read how.
+            trained = (await asyncio.to_thread(_trained_record, eps)) if self.ident.rank == 0 else None
             train_s = time.monotonic() - t0
             self.version = step + 1
             self.member.weights_version = self.version
@@ -512,7 +521,7 @@ class TrainerWorker:
                     "step": step, "epoch": self.member.epoch, "weights_version": self.version,
                     "reward_mean": batch.reward_mean, "checksum": checksum, "timings": timings,
                     "checkpoint_bytes": snap.bytes, "durable_step": self.durable,
-                    "train": {k: round(v, 6) for k, v in stats.items()}, "turn_lag": lags})
+                    "train": {k: round(v, 6) for k, v in stats.items()}, "turn_lag": lags, "trained": trained})
             self.step += 1
         await self.member.set_phase("idle")
         if self.step >= self.spec.steps:
