@@ -30,7 +30,7 @@ from support import eventually, eventually_async, own_servers
 from robustrl.aio import wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
-from robustrl.errors import LaunchError, RequestTimeout
+from robustrl.errors import JobActive, LaunchError, RequestTimeout
 from robustrl.launcher.local import LAUNCH_MARK_ENV, LocalLauncher
 from robustrl.launcher.zygote import FORK_START_ENV
 from robustrl.messages import ControlCommand, FaultReport, HelloAck, MemberHello, MetricsSample, StepCommitted
@@ -1718,6 +1718,48 @@ async def test_a_delete_as_soon_as_the_job_reads_finished_is_not_refused_as_acti
     monkeypatch.setattr(c, "persist", slow_final_write)
     await rig.commit(job.job_id, 0)
     await eventually_async(lambda: job.status == "finished", timeout=30, what="finished")
+    deleted = await c.delete_job(job.job_id)
+    assert deleted["job_id"] == job.job_id, deleted
+    assert await rig.redis.hget(Keys.jobs(), job.job_id) is None and job.job_id not in c.jobs
+    assert len(of_kind(await rig.events(job.job_id), "job_deleted")) == 1
+
+
+async def test_a_delete_whose_wait_for_the_final_write_runs_out_is_refused_then_goes_through(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The final record's write slower than the deletion's wait (``FINAL_WRITE_WAIT_S``): the
+    DELETE is refused within the wait (409, not held for the write's whole time), nothing of the
+    job is deleted meanwhile, and once the write is in, a DELETE goes through and logs one
+    ``job_deleted``."""
+    from robustrl.services.controller import deletion
+
+    monkeypatch.setattr(deletion, "FINAL_WRITE_WAIT_S", 0.3)
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cpdelslow", steps=1))
+    await rig.hello_all(c, job.job_id)
+    real = c.persist
+    written = asyncio.Event()
+
+    async def slower_final_write(j: JobRun) -> bool:
+        if j.job_id == job.job_id and j.status == "finished":
+            await asyncio.sleep(3.0)  # the final record's write, far slower than the wait
+            try:
+                return await real(j)
+            finally:
+                written.set()
+        return await real(j)
+
+    monkeypatch.setattr(c, "persist", slower_final_write)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.status == "finished", timeout=30, what="finished")
+    t0 = time.monotonic()
+    with pytest.raises(JobActive, match="stop it first"):
+        await c.delete_job(job.job_id)
+    assert time.monotonic() - t0 < 2.0, "the refusal waited for the write, not for its own bound"
+    assert job.job_id in c.jobs and await rig.redis.hget(Keys.jobs(), job.job_id) is not None
+    assert not of_kind(await rig.events(job.job_id), "job_deleted")
+    assert await wait_event(written, 10), "the final write never ended"
+    await eventually_async(lambda: c.stop_settled(job.job_id, 0.0), timeout=10, what="the stop ended")
     deleted = await c.delete_job(job.job_id)
     assert deleted["job_id"] == job.job_id, deleted
     assert await rig.redis.hget(Keys.jobs(), job.job_id) is None and job.job_id not in c.jobs

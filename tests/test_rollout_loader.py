@@ -12,6 +12,8 @@ the events it appended.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -115,3 +117,60 @@ async def test_a_source_address_that_cannot_be_used_is_reported_not_a_silent_end
     finally:
         await loader.close()
         await relay.close()
+
+
+@pytest.mark.parametrize("stored_after_s", [0.5, None], ids=["stored-within-the-drain", "never-stored"])
+async def test_a_close_waits_for_a_loads_report_being_stored_and_no_longer(
+        stored_after_s: float | None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The replica stops while a load's ``weights_loaded`` is still being stored (JetStream away:
+    the engine may have served turns with those weights already). The loader's close waits for
+    it, up to ``REPORT_DRAIN_S``; a report never stored is named in an error when the bound
+    passes, and the close returns (the replica's stop is bounded)."""
+    from robustrl.services.rollout import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "REPORT_DRAIN_S", 1.5)
+    model = build_policy(reference_job().model, CharTokenizer.default(), 7)
+    buffer, v1 = flatten_state_dict(model.state_dict(), 1, CHUNK)
+    reporting, stored = asyncio.Event(), asyncio.Event()
+    events: list[str] = []
+
+    async def install(_v: int, checksum: str, _state: dict[str, torch.Tensor], _t: float) -> str:
+        return checksum
+
+    async def emit(kind: str, _data: dict[str, Any]) -> None:
+        if kind == "weights_loaded":
+            reporting.set()
+            await stored.wait()  # JetStream away: the append waits in its retries
+        events.append(kind)
+
+    async def nothing() -> None:
+        return None
+
+    trainer, relay = WeightServer(host="127.0.0.1"), WeightServer(host="127.0.0.1")
+    loader = WeightLoader(WeightSyncSpec(chunk_bytes=CHUNK, pull_timeout_s=5.0, pull_attempts=1), "rollout-0-i0",
+                          relay, expected_layout(model), install=install, emit=emit, on_change=nothing,
+                          held=lambda: (0, "c0"))
+    try:
+        origin = await trainer.start()
+        await relay.start()
+        trainer.add_version(v1, buffer)
+        loader.offer(WeightsAnnounce(job_id="j", version=1, epoch=1, checksum=weights_checksum(model),
+                                     sources=[origin], manifest=v1.model_dump(mode="json")))
+        await eventually_async(reporting.is_set, timeout=20, what="the load's report being stored")
+        if stored_after_s is not None:
+            asyncio.get_running_loop().call_later(stored_after_s, stored.set)
+        t0 = time.monotonic()
+        with caplog.at_level("ERROR", logger=loader_module.__name__):
+            await loader.close()
+        took = time.monotonic() - t0
+        if stored_after_s is not None:
+            assert events == ["weights_loaded"], "the close returned before the load's report was stored"
+            assert took < 1.5, took
+        else:
+            assert events == [] and 1.4 < took < 1.5 + 3.0, took  # the bound, then no longer
+            assert any("not stored" in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        stored.set()
+        await loader.close()
+        for s in (trainer, relay):
+            await s.close()
