@@ -68,3 +68,71 @@ def test_connects_cancelled_mid_handshake_leave_python_memory_alone() -> None:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["abandoned"] > 0, "no connect was cancelled with a UCX request in flight: the attack did not land"
     assert result["written"] == 0, f"UCX wrote into {result['written']} reused 16-byte blocks"
+
+
+SILENT_CHILD = textwrap.dedent("""
+    import asyncio, json, os, signal, subprocess, sys, time
+
+    from robustrl.errors import TransportError
+    from robustrl.weights import ucx
+    from robustrl.weights.transport import make_client
+
+    SERVE = (
+        "import asyncio, sys\\n"
+        "from robustrl.weights import WeightServer\\n"
+        "async def main():\\n"
+        "    s = WeightServer('ucx')\\n"
+        "    print(await s.start(), flush=True)\\n"
+        "    await asyncio.Event().wait()\\n"
+        "asyncio.run(main())\\n")
+
+    async def attempt(address, timeout_s):
+        client = make_client(address)
+        t0 = time.monotonic()
+        try:
+            await client.connect(timeout_s)
+            ok, why = True, ""
+        except TransportError as exc:
+            ok, why = False, str(exc.__cause__ or exc)
+        finally:
+            await client.close()
+        return ok, round(time.monotonic() - t0, 3), why
+
+    async def main():
+        peer = subprocess.Popen([sys.executable, "-c", SERVE], stdout=subprocess.PIPE, text=True)
+        address = peer.stdout.readline().strip()
+        os.kill(peer.pid, signal.SIGSTOP)  # the peer hangs: it never answers a handshake
+        silent = [await attempt(address, 1.0) for _ in range(5)]
+        parked = len(ucx._PARKED)
+        os.kill(peer.pid, signal.SIGCONT)  # back: what it owed arrives, the parked requests complete
+        deadline = time.monotonic() + 20
+        while True:
+            back = await attempt(address, 2.0)
+            if back[0] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        peer.kill()
+        print(json.dumps({"silent": silent, "parked": parked, "back": back, "left": len(ucx._PARKED)}))
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.timeout(120)
+def test_connects_to_a_peer_that_never_answers_the_handshake_park_one_request_not_one_each() -> None:
+    """A peer that never answers the handshake (a hung replica still listed as a source): each
+    abandoned connect parked its request, endpoint and socket for the process's life (5 connects,
+    5 parked), so a puller retrying a hung relay for hours leaked a socket a try. Now a connect to
+    a peer whose earlier handshake timed out and is still pending fails at once, naming it, and
+    one request stays parked; once the peer answers, connects to it work again."""
+    env = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    proc = subprocess.run([sys.executable, "-c", SILENT_CHILD], env=env, capture_output=True, text=True,
+                          timeout=100, check=False)
+    assert proc.returncode == 0, f"child exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    silent = result["silent"]
+    assert not any(ok for ok, _t, _w in silent), silent
+    assert silent[0][1] >= 0.9, silent  # the first one waits out its timeout
+    assert all(t < 0.5 and "did not answer" in why for _ok, t, why in silent[1:]), silent
+    assert result["parked"] <= 2, result  # one connect's handshake (a send and a receive at most)
+    assert result["back"][0], result

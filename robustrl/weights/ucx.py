@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import logging
 import struct
@@ -181,19 +182,29 @@ class _Driver:
         req.check_error()  # type: ignore[attr-defined]
 
 
-_PARKED: list[tuple[object, object]] = []
+_PARKED: list[tuple[object, object, str | None]] = []
 """Requests whose waiter left before they completed, each with the buffer UCX still reads or
-writes; one list for the process, since the UCX worker outlives any event loop."""
+writes and the peer a client connect was for (None: a listener's); one list for the process,
+since the UCX worker outlives any event loop."""
+_CONNECTING_TO: contextvars.ContextVar[str | None] = contextvars.ContextVar("ucx_connecting_to", default=None)
+"""The address a client's connect (and so its handshake) is for, in that connect's task."""
+_SILENT: set[str] = set()
+"""Peers a handshake timed out with, whose request is still parked: a connect to one fails at once.
+A request parked for a peer that never answers stays for the process's life (closing its endpoint
+instead made a connect cancelled mid-handshake segfault), so each retry of a hung source parked
+one more request, endpoint and socket; now one per such peer is parked."""
 
 
 def _park(req: object, buf: object) -> None:
     if not req.completed:  # type: ignore[attr-defined]
-        _PARKED.append((req, buf))
+        _PARKED.append((req, buf, _CONNECTING_TO.get()))
 
 
 def _release_parked() -> None:
     if _PARKED:
-        _PARKED[:] = [(req, buf) for req, buf in _PARKED if not req.completed]  # type: ignore[attr-defined]
+        _PARKED[:] = [entry for entry in _PARKED if not entry[0].completed]  # type: ignore[attr-defined]
+    if _SILENT:
+        _SILENT.intersection_update(peer for _r, _b, peer in _PARKED)
 
 
 async def _await_request(req: object, buf: object) -> None:
@@ -497,12 +508,28 @@ class UcxClient(TransportClient):
         self._header = np.empty(HEADER.size, dtype=np.uint8)
 
     async def connect(self, timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+        """Raises:
+            TransportError: no endpoint within ``timeout_s``; at once if an earlier handshake
+                with this peer timed out and is still unanswered (``_SILENT``).
+        """
         _ensure_init()
+        _release_parked()
+        if self.address in _SILENT:
+            raise TransportError("cannot connect to weight source: it did not answer an earlier handshake, "
+                                 "still pending", address=self.address)
+        token = _CONNECTING_TO.set(self.address)
         try:
             self._ep = await within(
                 ucxx.create_endpoint(self._host, self._port, connect_timeout=timeout_s), timeout_s)
-        except (*_UCX_ERRORS, TimeoutError, ValueError) as exc:
+        except TimeoutError as exc:
+            if any(peer == self.address for _r, _b, peer in _PARKED):
+                _SILENT.add(self.address)
+            raise TransportError(f"cannot connect to weight source: it did not answer within {timeout_s:g} s",
+                                 address=self.address) from exc
+        except (*_UCX_ERRORS, ValueError) as exc:
             raise TransportError("cannot connect to weight source", address=self.address) from exc
+        finally:
+            _CONNECTING_TO.reset(token)
 
     async def _request(self, op: Op, version: int, index: int) -> tuple[Status, int]:
         if self._ep is None:
