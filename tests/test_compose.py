@@ -29,7 +29,8 @@ SECRETS = ("NATS_PASSWORD", "REDIS_PASSWORD", "S3_ACCESS_KEY", "S3_SECRET_KEY", 
            "GRAFANA_ADMIN_PASSWORD")
 ROLE_SECRETS = ("NATS_CONTROLLER_PASSWORD", "NATS_DETECTOR_PASSWORD", "NATS_REQUEST_MANAGER_PASSWORD",
                 "NATS_TRAINER_PASSWORD", "NATS_ROLLOUT_PASSWORD", "NATS_HARNESS_PASSWORD",
-                "REDIS_CONTROLLER_PASSWORD", "REDIS_REQUEST_MANAGER_PASSWORD", "REDIS_TRAINER_PASSWORD",
+                "REDIS_CONTROLLER_PASSWORD", "REDIS_DETECTOR_PASSWORD", "REDIS_REQUEST_MANAGER_PASSWORD",
+                "REDIS_TRAINER_PASSWORD",
                 "REDIS_ROLLOUT_PASSWORD", "S3_TRAINER_SECRET_KEY", "S3_CONTROLLER_SECRET_KEY")
 SECRETS += ROLE_SECRETS
 TEST_ENV = {**{k: k.lower().replace("_", "") for k in ROLE_SECRETS},
@@ -93,7 +94,8 @@ def test_compose_config_is_valid_with_every_profile(tmp_path: Path) -> None:
     assert ctl["ROBUSTRL_NATS_URL"] == "nats://controller:natscontrollerpassword@nats:4222"
     assert ctl["ROBUSTRL_REDIS_URL"] == "redis://controller:rediscontrollerpassword@redis:6379/0"
     assert ctl["ROBUSTRL_TRAINER_NATS_URL"].startswith("nats://trainer:")
-    assert services["detector"]["environment"]["ROBUSTRL_REDIS_URL"] == ""
+    assert services["detector"]["environment"]["ROBUSTRL_REDIS_URL"] == \
+        "redis://detector:redisdetectorpassword@redis:6379/0"
     assert "ROBUSTRL_S3_SECRET_KEY" not in services["detector"]["environment"]
     assert "ROBUSTRL_S3_SECRET_KEY" not in services["rollout"]["environment"]
     assert services["rollout"]["environment"]["ROBUSTRL_NATS_URL"].startswith("nats://rollout:")

@@ -64,7 +64,8 @@ class Stack:
                         ("NATS_PASSWORD", "REDIS_PASSWORD", "S3_SECRET_KEY", "ROBUSTRL_API_TOKEN",
                          "GRAFANA_ADMIN_PASSWORD", "NATS_CONTROLLER_PASSWORD", "NATS_DETECTOR_PASSWORD",
                          "NATS_REQUEST_MANAGER_PASSWORD", "NATS_TRAINER_PASSWORD", "NATS_ROLLOUT_PASSWORD",
-                         "NATS_HARNESS_PASSWORD", "REDIS_CONTROLLER_PASSWORD", "REDIS_REQUEST_MANAGER_PASSWORD",
+                         "NATS_HARNESS_PASSWORD", "REDIS_CONTROLLER_PASSWORD", "REDIS_DETECTOR_PASSWORD",
+                         "REDIS_REQUEST_MANAGER_PASSWORD",
                          "REDIS_TRAINER_PASSWORD", "REDIS_ROLLOUT_PASSWORD", "S3_TRAINER_SECRET_KEY",
                          "S3_CONTROLLER_SECRET_KEY")}
         self.api_port, self.redis_port, self.s3_port = _free_port(), _free_port(), _free_port()

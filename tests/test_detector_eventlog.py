@@ -171,7 +171,7 @@ async def test_a_full_queue_drops_new_events_loudly_and_keeps_the_rest(
         await reader.ensure_event_stream()
         with caplog.at_level(logging.ERROR):
             for n in range(5):
-                writer.emit(job_id, "fault_detected", _fault_data(job_id, n))
+                await writer.emit(job_id, "fault_detected", _fault_data(job_id, n))
         assert writer.pending == 3 and writer.dropped == 2
         assert any("dropped" in r.getMessage() and "3" in r.getMessage() for r in caplog.records), caplog.text
         slow.back.set()

@@ -71,7 +71,8 @@ def test_deleting_an_ended_job_removes_its_state_and_nothing_of_another_job(api:
     wait_done(api, ended)
     # The outboxes drain by themselves once their events are in the log (a full run took the
     # controller's into the count and found it gone by the DELETE: 31 deleted of 32 seen).
-    outboxes = {Keys.controller_outbox(ended).encode(), Keys.rm_outbox(ended).encode()}
+    outboxes = {Keys.controller_outbox(ended).encode(), Keys.rm_outbox(ended).encode(),
+                Keys.detector_outbox(ended).encode()}
     left = eventually(lambda: (ks := _keys(infra, ended)) and not outboxes & set(ks) and ks, timeout=30,
                       what="the job's outboxes drained")
     assert left, "a finished job leaves its last steps' keys (what DELETE is for)"

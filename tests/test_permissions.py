@@ -31,6 +31,7 @@ from robustrl.config import Settings
 from robustrl.infra.credentials import CREDENTIAL_VARS, REDIS_ACCESS, S3_ROLES, Credentials, role_settings
 from robustrl.launcher.zygote import fork_start_enabled
 from robustrl.messages import EventKind
+from robustrl.storage.redis_stores import Keys
 from robustrl.subjects import EVENT_OWNERS, Principal, Verb, permissions
 
 ROLES = list(Principal)
@@ -312,12 +313,25 @@ def test_redis_acl_per_role(infra, creds):
             with pytest.raises(redis.exceptions.ResponseError):
                 forbidden()
 
-    for role in (Principal.DETECTOR, Principal.HARNESS):
-        assert role_settings(infra, creds, role).redis_url == ""
-        port = urlparse(infra.redis_url).port
-        with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)):
-            redis.Redis(host="127.0.0.1", port=port, username=role.value, password=creds.of(role).nats_password,
-                        socket_timeout=2).ping()
+    # The detector: its own outbox of each job (Keys.detector_outbox), and nothing else.
+    detector = _redis(role_settings(infra, creds, Principal.DETECTOR).redis_url)
+    outbox = Keys.detector_outbox(job)
+    assert detector.rpush(outbox, b"e1") == 1 and detector.lrange(outbox, 0, -1) == [b"e1"]
+    assert detector.lrem(outbox, 1, b"e1") == 1 and detector.llen(outbox) == 0
+    assert outbox.encode() not in detector.scan(0, match=Keys.detector_outbox_pattern(), count=1000)[1]
+    for forbidden in (lambda: detector.rpush(Keys.rm_outbox(job), b"x"), lambda: detector.hgetall("rrl:jobs"),
+                      lambda: detector.get(f"rrl:{job}:weights:latest"), lambda: detector.get(f"rrl:{job}:ep:e1"),
+                      lambda: detector.lrange(Keys.controller_outbox(job), 0, -1), lambda: detector.flushall(),
+                      lambda: detector.config_get("*"), lambda: detector.keys("*"),
+                      lambda: detector.eval("return 1", 0)):
+        with pytest.raises(redis.exceptions.ResponseError):
+            forbidden()
+
+    harness = Principal.HARNESS  # no Redis user at all
+    assert role_settings(infra, creds, harness).redis_url == ""
+    with pytest.raises((redis.exceptions.AuthenticationError, redis.exceptions.ResponseError)):
+        redis.Redis(host="127.0.0.1", port=urlparse(infra.redis_url).port, username=harness.value,
+                    password=creds.of(harness).nats_password, socket_timeout=2).ping()
     admin.hdel("rrl:jobs", "acl-probe")
 
 

@@ -77,6 +77,8 @@ class RawRedis:
     not parse); None: not read."""
     controller_outbox: list[Any] | None = None
     """The controller's outbox (``Keys.controller_outbox``), read the same way."""
+    detector_outbox: list[Any] | None = None
+    """The detector's outbox (``Keys.detector_outbox``), read the same way."""
     weights_pointer: dict[str, Any] | None = None
     step_keys: dict[int, list[str]] = field(default_factory=dict)
     """step -> keys that belong to that step (batch, fence, episode set, episodes, prefixes)."""
@@ -241,6 +243,7 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
             out.trained_in_order = False
         out.outbox = await _read_outbox(r, Keys.rm_outbox(job_id))
         out.controller_outbox = await _read_outbox(r, Keys.controller_outbox(job_id))
+        out.detector_outbox = await _read_outbox(r, Keys.detector_outbox(job_id))
         [pointer] = _unreadable_as_garbage(await r.pipeline(transaction=False).get(
             Keys.weights_latest(job_id)).execute(raise_on_error=False))
         out.weights_pointer = _json(pointer) if pointer is not None else None

@@ -232,7 +232,9 @@ def _unappended(entries: list[Any], logged: set[tuple[Any, Any, str]]) -> list[t
 def check_outbox(inp: AuditInput, facts: JobFacts, controller_slack_s: float) -> tuple[CheckResult, dict[str, int]]:
     """Once the job ended, every event the request manager acknowledged is in the log: an entry
     still in its outbox (``Keys.rm_outbox``) that the log lacks was never appended. One the log
-    already holds (same kind, time and data) is only waiting for its removal.
+    already holds (same kind, time and data) is only waiting for its removal. The detector's
+    outbox (``Keys.detector_outbox``: its ``fault_detected`` events, appended by the next detector
+    to start or by a deletion that keeps the log) is judged the same way.
 
     The controller's outbox (``Keys.controller_outbox``) is appended in order, one entry at a
     time, so once the log holds the job's final event, every controller event given well before
@@ -248,6 +250,12 @@ def check_outbox(inp: AuditInput, facts: JobFacts, controller_slack_s: float) ->
             res.violations.append(f"the job ended with {len(missing)} events in the request manager's outbox that "
                                   f"its log never got: {', '.join(missing[:5])}")
         out.update(outbox_entries=len(inp.redis.outbox), outbox_unappended=len(missing))
+    if inp.redis.detector_outbox is not None:
+        missing_d = [what for what, _ in _unappended(inp.redis.detector_outbox, logged)]
+        if facts.ended and missing_d:
+            res.violations.append(f"the job ended with {len(missing_d)} events in the detector's outbox that its "
+                                  f"log never got: {', '.join(missing_d[:5])}")
+        out.update(detector_outbox_entries=len(inp.redis.detector_outbox), detector_outbox_unappended=len(missing_d))
     if inp.redis.controller_outbox is not None:
         final_ts = min((e.ts for e in inp.events if e.kind in ENDED_KINDS), default=None)
         missing_c = _unappended(inp.redis.controller_outbox, logged)

@@ -53,7 +53,9 @@ REDIS_ACCESS: dict[Principal, str | None] = {
     Principal.TRAINER: f"{_JOB_KEYS_RW} {_SAFE_COMMANDS}",
     # A replica only reads the weights pointer when it starts.
     Principal.ROLLOUT: f"%R~{Keys.weights_latest('*')} +@read +@connection +select -@dangerous -@admin",
-    Principal.DETECTOR: None,
+    # The detector: its event outbox of each job (written, read, emptied; SCANned at its start),
+    # nothing else: neither the job registry nor any rollout state.
+    Principal.DETECTOR: f"~{Keys.detector_outbox(_ANY)} +@read +@write +@connection +select -@dangerous -@admin",
     Principal.HARNESS: None,
 }
 """Redis ACL rules per role (after ``on >password``); None: the role gets no Redis user."""

@@ -1,7 +1,8 @@
 """The control plane's records in Redis: the job registry (a controller's jobs, fenced by its
 lease) and the event outboxes (events kept until JetStream stored them): the request manager's
-(events of acknowledged commands) and the controller's (every event it appends,
-``services/controller/outbox.py``). Keys come from :class:`robustrl.storage.redis_stores.Keys`.
+(events of acknowledged commands), the detector's (its ``fault_detected`` events) and the
+controller's (every event it appends, ``services/controller/outbox.py``). The writers of the first
+two are :class:`robustrl.event_outbox.OutboxWriter`. Keys come from :class:`robustrl.storage.redis_stores.Keys`.
 """
 
 from __future__ import annotations
@@ -91,6 +92,16 @@ class ControllerOutbox(EventOutbox):
 
     def __init__(self, client: aioredis.Redis, job_id: str) -> None:
         super().__init__(client, job_id, Keys.controller_outbox(job_id))
+
+
+class DetectorOutbox(EventOutbox):
+    """One job's detector outbox (``Keys.detector_outbox``): the detector's events (its
+    ``fault_detected``), each saved before it is queued and removed once JetStream stored it.
+    Written by the detector; appended by the next detector to start (any job's), and by a
+    deletion that keeps the job's log."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        super().__init__(client, job_id, Keys.detector_outbox(job_id))
 
 
 class JobRegistry:

@@ -1,7 +1,7 @@
 """Durable rollout state in Redis: episodes, tool-turn prefixes, batches and the batch fence.
 
 Every key is built in :class:`Keys`; nothing else in the code base writes a Redis key. The
-control plane's records (job registry, request-manager outboxes) are in :mod:`.control_stores`.
+control plane's records (job registry, event outboxes) are in :mod:`.control_stores`.
 The tool-turn prefix of an episode is saved *before* its next turn is dispatched, so a
 replica that dies mid-turn costs at most that one turn.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
@@ -114,21 +115,32 @@ class Keys:
         return f"rrl:{job}:controller:outbox"
 
     @staticmethod
+    def detector_outbox(job: str) -> str:
+        """The detector's events of a job not yet in its log (a list; ``DetectorOutbox``)."""
+        return f"rrl:{job}:detector:outbox"
+
+    @staticmethod
     def rm_outbox_pattern() -> str:
         """SCAN pattern of every job's request-manager outbox (a starting request manager appends
         what any job's outbox still holds)."""
         return Keys.rm_outbox("*")
 
     @staticmethod
+    def detector_outbox_pattern() -> str:
+        """SCAN pattern of every job's detector outbox (a starting detector appends what any job's
+        outbox still holds: it watches every job)."""
+        return Keys.detector_outbox("*")
+
+    @staticmethod
     def job_of_rm_outbox(key: bytes | str) -> str | None:
         """The job whose outbox ``key`` is, or None for a key of the pattern that names no valid
         job id (the pattern's ``*`` matches ``:`` too, and any client may write such a key)."""
-        text = key.decode(errors="replace") if isinstance(key, bytes) else key
-        head, _, tail = Keys.rm_outbox("\0").partition("\0")
-        if not (text.startswith(head) and text.endswith(tail) and len(text) > len(head) + len(tail)):
-            return None
-        job = text[len(head):len(text) - len(tail)]
-        return job if _TOKEN.fullmatch(job) else None
+        return _job_in(key, Keys.rm_outbox)
+
+    @staticmethod
+    def job_of_detector_outbox(key: bytes | str) -> str | None:
+        """The job whose detector outbox ``key`` is, or None (as ``job_of_rm_outbox``)."""
+        return _job_in(key, Keys.detector_outbox)
 
     @staticmethod
     def job_pattern(job: str) -> str:
@@ -163,6 +175,17 @@ class Keys:
     def rollout_gc(job: str) -> str:
         """Newest step whose rollout state the request manager has deleted (its checkpoint is durable)."""
         return f"rrl:{job}:rm:gc"
+
+
+def _job_in(key: bytes | str, build: Callable[[str], str]) -> str | None:
+    """The job id ``key`` was built from by ``build``, or None if it is not such a key or names no
+    valid job id."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
+    head, _, tail = build("\0").partition("\0")
+    if not (text.startswith(head) and text.endswith(tail) and len(text) > len(head) + len(tail)):
+        return None
+    job = text[len(head):len(text) - len(tail)]
+    return job if _TOKEN.fullmatch(job) else None
 
 
 REDIS_RETRIES = 40

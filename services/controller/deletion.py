@@ -19,7 +19,8 @@ A kept log gets, before the purge, what the job's outboxes still hold: the contr
 (events owed while JetStream was away, a final event among them: :mod:`.outbox`), then the
 request manager's: events of commands the request manager acknowledged and was killed before
 JetStream stored (the next request manager to start appends every job's outbox, but one that has
-not started yet when the job is deleted would find it purged). They are appended under their own
+not started yet when the job is deleted would find it purged), and the detector's (its
+``fault_detected`` events of a detector killed while JetStream was away, for the same reason). They are appended under their own
 message ids, so one that a request manager appends too is stored once within JetStream's
 duplicate window; a deletion that cannot append them fails and stays marked, like any other part.
 A purged log gets nothing: the controller's flusher of the job is stopped before the purge, so
@@ -40,7 +41,7 @@ from robustrl.services.controller.lease import LeaseLost
 from robustrl import subjects
 from robustrl.audit.raw import job_prefix
 from robustrl.errors import JobActive, JobError, StorageError, SubjectError
-from robustrl.storage.control_stores import RmOutbox
+from robustrl.storage.control_stores import DetectorOutbox, RmOutbox
 from robustrl.storage.objects import StoreUnavailable, open_object_store
 from robustrl.storage.redis_stores import Keys, _call
 
@@ -182,29 +183,33 @@ class JobDeleter:
         return out
 
     async def _append_outbox(self, job_id: str) -> int:
-        """Append what the job's request-manager outbox holds, under its message ids, before the
-        purge takes it; return how many. The purge removes the entries (a repeat after a crash
-        appends them again under the same ids). An entry that does not parse is dropped, logged;
-        one of a kind the controller may not write (none today: the outbox holds ``work_lost``)
-        is logged and left to go with the purge.
+        """Append what the job's request-manager and detector outboxes hold, under their message
+        ids, before the purge takes them; return how many. The purge removes the entries (a repeat
+        after a crash appends them again under the same ids). An entry that does not parse is
+        dropped, logged; one of a kind the controller may not write (none today: the outboxes hold
+        ``work_lost`` and ``fault_detected``) is logged and left to go with the purge.
 
         Raises:
             TransportError: Redis failed, or JetStream did not store an event in time.
         """
         appended = 0
-        for _raw, entry in await RmOutbox(self.c.redis, job_id).entries():
-            event = entry.event
-            try:
-                subject = subjects.events(job_id, event.kind, self.c.bus.role)
-            except SubjectError as exc:
-                log.error("job %s: %s event of the request manager's outbox not appended: %s", job_id,
-                          event.kind, exc)
-                continue
-            await self.c.bus.publish_durable(subject, event.encode(), msg_id=entry.msg_id)
-            appended += 1
-        if appended:
-            log.warning("job %s: %d events of a killed request manager appended from its outbox before the "
-                        "deletion", job_id, appended)
+        for owner, outbox in (("request manager", RmOutbox(self.c.redis, job_id)),
+                              ("detector", DetectorOutbox(self.c.redis, job_id))):
+            found = 0
+            for _raw, entry in await outbox.entries():
+                event = entry.event
+                try:
+                    subject = subjects.events(job_id, event.kind, self.c.bus.role)
+                except SubjectError as exc:
+                    log.error("job %s: %s event of the %s's outbox not appended: %s", job_id, event.kind, owner,
+                              exc)
+                    continue
+                await self.c.bus.publish_durable(subject, event.encode(), msg_id=entry.msg_id)
+                found += 1
+            if found:
+                log.warning("job %s: %d events of a killed %s appended from its outbox before the deletion",
+                            job_id, found, owner)
+            appended += found
         return appended
 
     async def _purge_redis(self, job_id: str) -> int:

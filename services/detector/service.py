@@ -6,8 +6,9 @@ of a job it asks the controller for the job spec to learn its thresholds. A tick
 the rules of :mod:`robustrl.services.detector.rules` every ``metrics_interval_s / 2``, sends
 heartbeat probes and publishes each :class:`FaultReport` on ``rrl.<job>.fault`` at once; its
 ``fault_detected`` event (data: fault_id, kind, role, member_id, step, detected_at, fault_at,
-cause, evidence) is appended to the job's log in the background
-(:mod:`robustrl.services.detector.eventlog`), so a slow JetStream delays no report and no tick.
+cause, evidence) is saved in the job's detector outbox in Redis and appended to the job's log in
+the background (:mod:`robustrl.services.detector.eventlog`), so a slow JetStream delays no report
+and no tick, and a detector killed meanwhile loses no event: the next one appends it.
 A member's fault id is derived from (job, member), so a restarted detector that reports the same
 fault again sends the same id. Control commands carry the controller's fencing token: one older
 than the job's newest seen (a deposed controller) is ignored, as the request manager does.
@@ -23,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -64,8 +66,10 @@ class Stats:
 class DetectorService:
     """One detector serving every job on a NATS server."""
 
-    def __init__(self, bus: Bus, *, clock: Callable[[], float] = time.time,
+    def __init__(self, bus: Bus, *, redis: Any = None, clock: Callable[[], float] = time.time,
                  spec_timeout_s: float = SPEC_TIMEOUT_S, spec_retry_s: float = SPEC_RETRY_S) -> None:
+        """``redis``: the client of the detector's outboxes (None: its events are queued in
+        memory only, lost if it is killed before JetStream stores them)."""
         self.bus = bus
         self.clock = clock
         self.jobs: dict[str, JobMonitor] = {}
@@ -78,7 +82,7 @@ class DetectorService:
         self._started = False
         self._bus_was_down = False
         self._disconnects_seen = bus.disconnects
-        self.events = EventWriter(bus)
+        self.events = EventWriter(bus, redis)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -98,6 +102,7 @@ class DetectorService:
             await b.subscribe(EVENTS_ALL, Event, self._on_event),
         ]
         await b.client.flush()
+        self.events.start_recovery()  # what a killed detector left in the outboxes, in the background
         self._spawn(self._tick_loop())
         log.info("detector listening")
 
@@ -298,8 +303,9 @@ class DetectorService:
             await self.bus.publish(subject(report.job_id, Verb.FAULT), report)
         except Exception as exc:  # the event below still records it; the controller may re-read
             log.error("could not publish fault %s: %s", report.fault_id, exc)
-        # Queued, not awaited: JetStream slow to acknowledge must not hold up the next report.
-        self.events.emit(report.job_id, "fault_detected", {
+        # Queued, its append not awaited: JetStream slow to acknowledge must not hold up the next
+        # report. Saved in the job's outbox first, the save cut short (``REDIS_CALL_S``) if Redis is slow.
+        await self.events.emit(report.job_id, "fault_detected", {
             "fault_id": report.fault_id, "kind": report.kind, "role": report.role,
             "member_id": report.member_id, "step": report.step, "detected_at": report.detected_at,
             "fault_at": report.fault_at, "cause": report.cause, "evidence": report.evidence})

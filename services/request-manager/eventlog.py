@@ -14,20 +14,20 @@ manager left is appended (``recover``) under the same message ids, so an event s
 the kill is not stored twice (within JetStream's duplicate window): by the next request manager to
 run the job, first; and, for a job that ended before any request manager ran it again, by the
 next request manager to start, which reads every job's outbox (``RequestManager.append_left_outboxes``).
+The outbox logic is :class:`robustrl.event_outbox.OutboxWriter`'s (shared with the detector), in
+its strict mode: Redis failing fails the command.
 """
 
 from __future__ import annotations
 
-import logging
 import uuid
 from typing import Any
 
 from robustrl.bus import Bus
+from robustrl.event_outbox import OutboxWriter
 from robustrl.event_queue import EventQueue
 from robustrl.messages import Event
 from robustrl.storage.control_stores import OutboxEntry, RmOutbox
-
-log = logging.getLogger(__name__)
 
 
 class EventWriter:
@@ -37,12 +37,7 @@ class EventWriter:
         self.job_id = job_id
         self.outbox = RmOutbox(redis, job_id)
         self.queue = EventQueue(bus, name=f"events-{job_id}")
-        self.recovered = 0
-        self._recovered = False  # the outbox was read once (``recover``)
-        # The outbox entries (stored text) this writer queued: one still in the outbox (being
-        # stored, or stored and not yet removed) is never queued a second time by a later
-        # ``recover``. By text, not message id: two entries of one command (its retry) both go.
-        self._given: set[bytes] = set()
+        self._writer = OutboxWriter(self.queue, lambda _job: self.outbox, owner="request manager")
 
     @property
     def pending(self) -> int:
@@ -50,9 +45,14 @@ class EventWriter:
         return self.queue.pending
 
     @property
+    def recovered(self) -> int:
+        """Events of a previous request manager queued by ``recover``."""
+        return self._writer.recovered
+
+    @property
     def outbox_read(self) -> bool:
         """Whether ``recover`` has read the outbox once (what a previous life left is queued)."""
-        return self._recovered
+        return self._writer.outbox_read(self.job_id)
 
     async def emit(self, kind: str, data: dict[str, Any]) -> Event:
         """Queue one event, stamped now: in the Redis outbox when this returns (acknowledge the
@@ -62,7 +62,7 @@ class EventWriter:
             ValueError: ``data`` does not fit ``kind`` (a bug: raised here, not in the background).
             TransportError: Redis failed: the event is nowhere, so do not acknowledge.
         """
-        if not self._recovered:
+        if not self.outbox_read:
             # What a previous request manager left goes first: a command it acknowledged, sent
             # again to this one (its answer lost), is then the duplicate, not the original.
             await self.recover()
@@ -72,8 +72,7 @@ class EventWriter:
         # duplicate window (2 min).
         fault_id = data.get("fault_id")
         msg_id = f"{self.job_id}-{kind}-{fault_id if isinstance(fault_id, str) and fault_id else uuid.uuid4().hex}"
-        entry = OutboxEntry(msg_id=msg_id, event=event)
-        self._put(entry, await self.outbox.add(entry))
+        await self._writer.give(OutboxEntry(msg_id=msg_id, event=event))
         return event
 
     async def recover(self) -> int:
@@ -84,25 +83,7 @@ class EventWriter:
         Raises:
             TransportError: Redis failed (the entries stay for the next try).
         """
-        found = 0
-        for raw, entry in await self.outbox.entries():
-            if raw in self._given:
-                continue
-            self._put(entry, raw)
-            found += 1
-        self._recovered = True
-        self.recovered += found
-        if found:
-            log.warning("job %s: %d events of a previous request manager found in the outbox", self.job_id, found)
-        return found
-
-    def _put(self, entry: OutboxEntry, stored: bytes | str) -> None:
-        async def out_of_the_outbox() -> None:  # once stored (or refused for good)
-            await self.outbox.remove(stored)
-
-        if self.queue.put(entry.msg_id, entry.event, out_of_the_outbox):
-            # (one dropped, the queue full, stays in the outbox for a later ``recover``)
-            self._given.add(stored.encode() if isinstance(stored, str) else stored)
+        return await self._writer.recover(self.job_id)
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every queued event to be stored; True if they were. The

@@ -27,6 +27,7 @@ from robustrl.aio import wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
 from robustrl.errors import RequestTimeout, TransportError
+from robustrl.event_outbox import outbox_keys
 from robustrl.messages import (
     BatchGet,
     BatchReady,
@@ -42,7 +43,7 @@ from robustrl.messages import (
     WeightsHave,
 )
 from robustrl.storage.control_stores import JobRegistry
-from robustrl.storage.redis_stores import BatchStore, Keys, _call
+from robustrl.storage.redis_stores import BatchStore, Keys
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)
@@ -135,14 +136,10 @@ class RequestManager:
         Raises:
             TransportError: a SCAN failed (the outboxes not reached stay for the next start).
         """
-        pattern, cursor, found = Keys.rm_outbox_pattern(), 0, 0
-        while True:
-            cursor, keys = await _call(self.redis.scan(cursor, match=pattern,  # type: ignore[attr-defined]
-                                                       count=OUTBOX_SCAN_BATCH), pattern)
-            for key in keys:
-                found += await self._append_outbox(key)
-            if int(cursor) == 0:
-                return found
+        found = 0
+        async for key in outbox_keys(self.redis, Keys.rm_outbox_pattern(), batch=OUTBOX_SCAN_BATCH):
+            found += await self._append_outbox(key)
+        return found
 
     async def _append_outbox(self, key: bytes | str) -> int:
         job_id = Keys.job_of_rm_outbox(key)

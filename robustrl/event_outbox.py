@@ -1,0 +1,231 @@
+"""Events kept in a Redis outbox from before they are queued until JetStream stored them.
+
+An :class:`robustrl.event_queue.EventQueue` holds its events in memory: a process killed while
+JetStream is away loses them. An :class:`OutboxWriter` first saves each event in its job's outbox
+(a :class:`robustrl.storage.control_stores.EventOutbox`: the request manager's ``RmOutbox``, the
+detector's ``DetectorOutbox``), then queues it under the message id saved with it, and removes it
+from the outbox once JetStream stored it (the queue's ``settled`` callback). What a killed process
+left is queued again by the next one (``recover``; every job's outbox is found with
+:func:`outbox_keys`) under the same message ids, so an event stored just before the kill and not
+yet removed is stored once (within JetStream's duplicate window, 2 min; past it, twice).
+
+Redis is treated one of two ways:
+
+* strict (``bound`` None; the request manager): a failed save raises (the caller does not
+  acknowledge the command whose event it is), a failed removal is retried with the append (the
+  queue waits for Redis, as the rest of the service does);
+* bounded (a :class:`RedisBound`; the detector, whose tick must not wait on Redis): every call is
+  cut at ``call_s``; a failed save is logged and the event queued in memory only (it is still
+  appended; only its durability is lost); after a failure Redis is left alone for ``away_s`` (one
+  call pays the bound, not every event of a tick); a failed removal is kept and tried again after
+  the next call that succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from robustrl.aio import within
+from robustrl.errors import TransportError
+from robustrl.event_queue import EventQueue
+from robustrl.storage.control_stores import EventOutbox, OutboxEntry
+from robustrl.storage.redis_stores import _call
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+OUTBOX_SCAN_BATCH = 200
+"""Keys asked for per SCAN when a starting service looks for every job's outbox."""
+MAX_UNREMOVED = 10_000
+"""Removals kept for a later try (bounded mode); past it the oldest is forgotten (its entry then
+stays in Redis: a later ``recover`` appends it again under its message id)."""
+
+
+@dataclass(frozen=True)
+class RedisBound:
+    """How long an outbox call may take, and how long Redis is left alone after one failed."""
+
+    call_s: float
+    """One Redis call of the outbox (Redis answers in milliseconds; the client's own retries
+    through an outage take up to 30 s)."""
+    away_s: float
+    """After a failed call, events go to memory only for this long before Redis is tried again."""
+
+
+class OutboxWriter:
+    """Queues events on ``queue``, each kept in its job's outbox (``outbox_of(job_id)``) until
+    JetStream stored it.
+
+    Args:
+        queue: where the events are appended from (in order, each once, retried).
+        outbox_of: the outbox of a job.
+        owner: who writes, for the log ("request manager", "detector").
+        bound: None for strict, or the bound of every Redis call (see the module's docstring).
+        clock: monotonic seconds (the ``away_s`` window).
+    """
+
+    def __init__(self, queue: EventQueue, outbox_of: Callable[[str], EventOutbox], *, owner: str,
+                 bound: RedisBound | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.queue = queue
+        self.owner = owner
+        self.recovered = 0
+        """Entries of a previous life queued by ``recover``."""
+        self.unsaved = 0
+        """Events queued in memory only: their save failed (bounded mode)."""
+        self._outbox_of = outbox_of
+        self._bound = bound
+        self._clock = clock
+        self._away_until = 0.0
+        self._read: set[str] = set()  # jobs whose outbox ``recover`` has read once
+        # The outbox entries (stored text, per job) this writer queued and has not removed yet: one
+        # still in the outbox (being stored, or stored and not yet removed) is never queued a
+        # second time by a later ``recover``. By text, not message id: two entries of one command
+        # (its retry) both go.
+        self._given: dict[str, set[bytes]] = {}
+        self._unremoved: list[tuple[EventOutbox, bytes]] = []
+
+    def outbox_read(self, job_id: str) -> bool:
+        """Whether ``recover`` has read ``job_id``'s outbox once."""
+        return job_id in self._read
+
+    async def give(self, entry: OutboxEntry) -> bool:
+        """Save ``entry`` in its job's outbox, then queue it. Returns whether it is in the outbox
+        (False, bounded mode only: Redis failed or is left alone; queued in memory only, logged).
+
+        Raises:
+            TransportError: strict mode, Redis failed: the event is nowhere.
+        """
+        outbox = self._outbox_of(entry.event.job_id)
+        text = entry.model_dump_json()  # (what ``EventOutbox.add`` stores)
+        if self._bound is not None and self._clock() < self._away_until:
+            self._in_memory_only(entry)
+            return False
+        try:
+            await self._redis(outbox.add(entry), f"save of a {entry.event.kind} event")
+        except TransportError as exc:
+            if self._bound is None:
+                raise
+            self._went_away(exc)
+            self._in_memory_only(entry)
+            if isinstance(exc.__cause__, TimeoutError):
+                # Cut by the bound, it may still land: removed once stored (a no-op if it did not).
+                self._unremoved.append((outbox, text.encode()))
+            return False
+        self._put(entry, outbox, text.encode())
+        await self._retry_removals()
+        return True
+
+    async def recover(self, job_id: str) -> int:
+        """Queue what a previous life left in ``job_id``'s outbox (entries this writer queued
+        itself are skipped); return how many. An entry that does not parse is dropped, logged.
+        Harmless to call again.
+
+        Raises:
+            TransportError: Redis failed (or, bounded, did not answer in time): the entries stay
+                for the next try.
+        """
+        outbox = self._outbox_of(job_id)
+        found = 0
+        for raw, entry in await self._redis(outbox.entries(), "read"):
+            if raw in self._given.get(job_id, ()):
+                continue
+            self._put(entry, outbox, raw)
+            found += 1
+        self._read.add(job_id)
+        self.recovered += found
+        if found:
+            log.warning("job %s: %d events of a previous %s found in the outbox", job_id, found, self.owner)
+        await self._retry_removals()
+        return found
+
+    def _put(self, entry: OutboxEntry, outbox: EventOutbox, stored: bytes) -> None:
+        job_id = entry.event.job_id
+
+        async def out_of_the_outbox() -> None:  # once stored (or refused for good)
+            await self._remove(outbox, stored)
+            given = self._given.get(job_id)
+            if given is not None:
+                given.discard(stored)
+                if not given:
+                    del self._given[job_id]
+
+        if self.queue.put(entry.msg_id, entry.event, out_of_the_outbox):
+            # (one dropped, the queue full, stays in the outbox for a later ``recover``)
+            self._given.setdefault(job_id, set()).add(stored)
+
+    def _in_memory_only(self, entry: OutboxEntry) -> None:
+        self.unsaved += 1
+        self.queue.put(entry.msg_id, entry.event)
+
+    async def _remove(self, outbox: EventOutbox, stored: bytes) -> None:
+        if self._bound is None:
+            await outbox.remove(stored)  # raises: the queue retries the append and this
+            return
+        if self._clock() < self._away_until:
+            self._keep_unremoved(outbox, stored)
+            return
+        try:
+            await self._redis(outbox.remove(stored), "removal")
+        except TransportError as exc:
+            self._went_away(exc)
+            self._keep_unremoved(outbox, stored)
+
+    def _keep_unremoved(self, outbox: EventOutbox, stored: bytes) -> None:
+        self._unremoved.append((outbox, stored))
+        if len(self._unremoved) > MAX_UNREMOVED:
+            gone, _ = self._unremoved.pop(0)
+            log.error("job %s: more than %d %s outbox entries stored and not removed: one stays (a later "
+                      "start appends it again)", gone.job_id, MAX_UNREMOVED, self.owner)
+
+    async def _retry_removals(self) -> None:
+        """Remove what earlier removals could not (bounded mode), until one fails again."""
+        while self._unremoved and self._clock() >= self._away_until:
+            outbox, stored = self._unremoved[0]
+            try:
+                await self._redis(outbox.remove(stored), "removal")
+            except TransportError as exc:
+                self._went_away(exc)
+                return
+            self._unremoved.pop(0)
+
+    async def _redis(self, call: Awaitable[T], what: str) -> T:
+        if self._bound is None:
+            return await call
+        try:
+            return await within(call, self._bound.call_s)
+        except TimeoutError as exc:
+            raise TransportError(f"redis: the {self.owner} outbox's {what} got no answer within "
+                                 f"{self._bound.call_s:g}s") from exc
+
+    def _went_away(self, exc: TransportError) -> None:
+        assert self._bound is not None
+        self._away_until = self._clock() + self._bound.away_s
+        log.error("%s outbox: Redis failed (%s): events are queued in memory only for %g s (appended still; "
+                  "lost if this process is killed before JetStream stores them)", self.owner, exc,
+                  self._bound.away_s)
+
+
+async def outbox_keys(redis: Any, pattern: str, *, batch: int = OUTBOX_SCAN_BATCH,
+                      call_s: float | None = None) -> AsyncIterator[bytes]:
+    """Every key matching ``pattern`` (an outbox pattern of ``Keys``), by SCAN in batches of
+    ``batch``; each SCAN cut at ``call_s`` when given.
+
+    Raises:
+        TransportError: a SCAN failed or (``call_s``) got no answer in time.
+    """
+    cursor = 0
+    while True:
+        scan = _call(redis.scan(cursor, match=pattern, count=batch), pattern)
+        try:
+            cursor, keys = await (scan if call_s is None else within(scan, call_s))
+        except TimeoutError as exc:
+            raise TransportError(f"redis SCAN {pattern} got no answer within {call_s:g}s", key=pattern) from exc
+        for key in keys:
+            yield key
+        if int(cursor) == 0:
+            return
