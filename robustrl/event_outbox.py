@@ -114,7 +114,7 @@ class OutboxWriter:
             self._in_memory_only(entry)
             if isinstance(exc.__cause__, TimeoutError):
                 # Cut by the bound, it may still land: removed once stored (a no-op if it did not).
-                self._unremoved.append((outbox, text.encode()))
+                self._keep_unremoved(outbox, text.encode())
             return False
         self._put(entry, outbox, text.encode())
         await self._retry_removals()
