@@ -88,6 +88,9 @@ class Bus:
         self._durable_ids = itertools.count()
         self._durable_idle = asyncio.Event()
         self._durable_idle.set()
+        self._backlog: Any = None
+        """Events whose retry budget ran out, retried in order in the background (an
+        ``EventQueue``, made on first use); ``emit_event`` puts what follows them there too."""
         self.disconnects = 0
         self.reconnects = 0
         self.reconnected_at = 0.0
@@ -271,20 +274,56 @@ class Bus:
                          retry_s: float = EVENT_PUBLISH_RETRY_S) -> Event:
         """Append one event to the job's log (acknowledged by JetStream, retried through an outage).
 
+        An event JetStream did not store within ``retry_s`` is not dropped: it is kept, under the
+        same message id (a late ack of an earlier attempt stores it once), and retried in the
+        background in order (``owed``). While events are owed, what is emitted next queues
+        behind them and this returns at once: the caller does not wait on the outage again and
+        the log keeps this bus's order. The queue is in memory (bounded, ``EventQueue``): a
+        process killed during the outage loses it; ``close`` gives it its drain bound.
+
         Raises:
             TransportError: with ``required`` only (an event that must be in the log before what
-                follows it is done), when JetStream did not store it within ``retry_s``.
+                follows it is done), when it was not stored within ``retry_s`` (behind any owed
+                events); it is then not kept.
         """
         event = Event(job_id=job_id, kind=kind, data=data or {}, **({"ts": ts} if ts is not None else {}))
+        # events() refuses a kind this bus's role does not own (SubjectError, raised).
+        subj = subjects.events(job_id, kind, self.role)
+        msg_id = f"{job_id}-{kind}-{uuid.uuid4().hex}"
+        if self.owed and not required:
+            self._owe(msg_id, event)
+            return event
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + retry_s
+        if self.owed and not await self._backlog.drain(retry_s):  # required: after what is owed
+            raise TransportError(f"{subj} not stored: {self.owed} earlier events of {self.name} still owed "
+                                 f"after {retry_s:.0f}s", subject=subj)
         try:
-            # events() refuses a kind this bus's role does not own (SubjectError, raised).
-            await self.publish_durable(subjects.events(job_id, kind, self.role), event.encode(), retry_s=retry_s)
+            await self.publish_durable(subj, event.encode(), msg_id=msg_id,
+                                       retry_s=max(0.0, deadline - loop.time()))
         except TransportError as exc:
             if required:
                 raise
-            # The service that emits must not die because JetStream stayed away past the retry budget.
-            log.warning("%s: event %s for %s not stored: %s", self.name, kind, job_id, exc)
+            if self._shut:
+                log.warning("%s: event %s for %s not stored (the bus is closed): %s", self.name, kind, job_id, exc)
+                return event
+            # The service that emits must not wait on JetStream past its budget, nor lose the event.
+            log.warning("%s: event %s for %s not stored within %.0f s: kept, retried in the background "
+                        "(%d owed): %s", self.name, kind, job_id, retry_s, self.owed + 1, exc)
+            self._owe(msg_id, event)
         return event
+
+    @property
+    def owed(self) -> int:
+        """Events kept after their retry budget ran out, not stored yet."""
+        return self._backlog.pending if self._backlog is not None else 0
+
+    def _owe(self, msg_id: str, event: Event) -> None:
+        if self._backlog is None:
+            from robustrl.event_queue import EventQueue  # (it imports this module)
+
+            self._backlog = EventQueue(self, name=f"{self.name}-owed-events")
+        self._backlog.put(msg_id, event)
 
     async def read_events(self, job_id: str, timeout: float = EVENT_READ_TIMEOUT_S) -> EventLog:
         """Every event of a job, in log order. An envelope that cannot be parsed, or whose subject
@@ -334,15 +373,23 @@ class Bus:
         if self._closed:
             return
         self._closed = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_s
+        if self.owed:  # events kept past their budget: their queue's own drain, in order
+            await self._backlog.drain(drain_s)
         if self._durable:
             try:
-                await within(self._durable_idle.wait(), drain_s)
+                await within(self._durable_idle.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
-                owed = sorted(set(self._durable.values()))
-                log.error("nats %s: %d durable publish(es) not stored by JetStream %.1f s into the close, "
-                          "given up (lost): %s", self.name, len(self._durable), drain_s,
-                          ", ".join(owed[:10]) + (" ..." if len(owed) > 10 else ""))
+                pass
+        if self._durable or self.owed:
+            lost = sorted(set(self._durable.values()))
+            log.error("nats %s: %d durable publish(es) and %d owed event(s) not stored by JetStream %.1f s "
+                      "into the close, given up (lost): %s", self.name, len(self._durable), self.owed, drain_s,
+                      ", ".join(lost[:10]) + (" ..." if len(lost) > 10 else ""))
         self._shut = True
+        if self._backlog is not None:
+            await self._backlog.close(grace_s=0.0)
         try:
             await within(self._nc.drain(), DRAIN_TIMEOUT_S)
         except Exception:

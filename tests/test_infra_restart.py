@@ -20,6 +20,7 @@ from support import eventually_async, own_servers
 from robustrl import subjects
 from robustrl.bus import Bus
 from robustrl.config import Settings
+from robustrl.errors import TransportError
 from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.messages import Event
 from robustrl.storage.objects import S3ObjectStore
@@ -213,3 +214,83 @@ async def test_a_close_whose_bound_passes_names_what_it_loses_and_stops_retrying
         await asyncio.wait_for(asyncio.shield(emit), 2 * 2.0 + 1.0)
     finally:
         await asyncio.to_thread(thread.join)
+
+
+async def _set_event_subjects(nats_url: str, subject_list: list[str]) -> None:
+    """Point the event stream at ``subject_list`` (another subject: JetStream away for events,
+    a publish gets no acknowledgement, while core NATS stays up)."""
+    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        js = nc.jetstream()
+        config = (await js.stream_info(subjects.EVENTS_STREAM)).config
+        config.subjects = subject_list
+        await js.update_stream(config)
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("ended_by", ["the_member_living_on", "a_close"])
+async def test_events_not_stored_within_their_budget_are_kept_in_order_not_dropped(
+        own_infra: EmbeddedInfra, ended_by: str) -> None:
+    """JetStream away longer than an event's retry budget (a member's ``step_committed`` or
+    ``weights_loaded`` through a long outage): the event was dropped with a warning. Now it is
+    kept, retried in the background in order with what the member emits after it (which no
+    longer waits on the outage), and stored once JetStream is back -- while the member lives on,
+    or within its bus's close. Judged from the raw stream."""
+    settings = own_infra.settings
+    assert settings is not None
+    job = f"backlog-{ended_by}"
+    bus = await Bus.connect(settings.nats_url, f"backlog-{ended_by}")
+    await bus.ensure_event_stream()
+    await _set_event_subjects(settings.nats_url, ["rrl-away.>"])
+    try:
+        loop = asyncio.get_running_loop()
+        await bus.emit_event(job, "note", {"n": 1}, retry_s=0.5)  # its budget runs out: kept
+        t0 = loop.time()
+        await bus.emit_event(job, "note", {"n": 2}, retry_s=0.5)  # behind it, without waiting
+        await bus.emit_event(job, "note", {"n": 3}, retry_s=0.5)
+        assert loop.time() - t0 < 0.3, "an event emitted behind an owed one waited on the outage"
+    finally:
+        await _set_event_subjects(settings.nats_url, [subjects.EVENTS_ALL])
+    if ended_by == "a_close":
+        await bus.close()
+    reader = await Bus.connect(settings.nats_url, f"backlog-reader-{ended_by}")
+    try:
+        log = await eventually_async(lambda: _all_three(reader, job), timeout=15, what="the owed events stored")
+        assert [e.data["n"] for e in log] == [1, 2, 3]
+    finally:
+        await reader.close()
+        await bus.close()
+
+
+async def _all_three(reader: Bus, job: str) -> list[Event] | None:
+    log = list(await reader.read_events(job))
+    return log if len(log) >= 3 else None
+
+
+async def test_a_required_event_behind_owed_ones_waits_for_them_and_is_not_kept_when_refused(
+        own_infra: EmbeddedInfra) -> None:
+    """A required event (``weights_published``: what follows it, pointing replicas at the
+    version, must not happen unless it is in the log) emitted while events are owed goes after
+    them within its own budget; past it, it raises and is not kept (its caller acts on the
+    refusal: it must not land in the log later). Once JetStream is back, a required event is
+    stored after the owed ones."""
+    settings = own_infra.settings
+    assert settings is not None
+    job = "backlog-required"
+    bus = await Bus.connect(settings.nats_url, "backlog-required")
+    await bus.ensure_event_stream()
+    try:
+        await _set_event_subjects(settings.nats_url, ["rrl-away.>"])
+        try:
+            await bus.emit_event(job, "note", {"n": 1}, retry_s=0.5)
+            assert bus.owed == 1
+            with pytest.raises(TransportError, match="still owed"):
+                await bus.emit_event(job, "note", {"n": "refused"}, required=True, retry_s=0.5)
+        finally:
+            await _set_event_subjects(settings.nats_url, [subjects.EVENTS_ALL])
+        await bus.emit_event(job, "note", {"n": 2}, required=True)
+        assert bus.owed == 0
+        assert [e.data["n"] for e in await bus.read_events(job)] == [1, 2]
+    finally:
+        await bus.close()
