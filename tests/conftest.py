@@ -77,10 +77,11 @@ _PREBUILDING: list[object] = []
 # network namespaces. Under pytest-xdist (scripts/test.sh runs two workers) they run one after
 # another on one worker, as one group.
 MACHINE_MODULES = frozenset({
-    "test_compose_stack", "test_docker_engine_lock", "test_docker_standby", "test_ray_launcher",
+    "test_compose_stack", "test_docker_engine_lock", "test_docker_standby", "test_docker_spares", "test_ray_launcher",
     "test_ray_testbed", "test_testbed",
     "test_testbed_gang", "test_testbed_heal", "test_testbed_job", "test_bench_testbed_fanout"})
-DOCKER_MODULES = frozenset({"test_compose_stack", "test_docker_engine_lock", "test_docker_standby"})
+DOCKER_MODULES = frozenset({"test_compose_stack", "test_docker_engine_lock", "test_docker_standby",
+                            "test_docker_spares"})
 """The machine group's modules that run a dockerd: last in the group, after the compose image's
 prebuild had the group's other modules' time to build."""
 SLOW_FIRST = ("machine", "test_campaign", "test_recovery", "test_local_launcher", "test_cli", "test_vllm_engine",

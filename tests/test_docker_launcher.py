@@ -88,9 +88,12 @@ class FakeContainers:
             raise FakeAPIError(404)
         return self.client.by_name[name]
 
-    def list(self, all: bool, filters: dict[str, str]) -> list[FakeContainer]:
-        key, value = filters["label"].split("=", 1)
-        return [c for c in self.client.by_name.values() if c.labels.get(key) == value]
+    def list(self, all: bool, filters: dict[str, Any]) -> list[FakeContainer]:
+        """As the engine filters: every label given (``key=value``, or ``key`` present)."""
+        wanted = filters["label"] if isinstance(filters["label"], list) else [filters["label"]]
+        pairs = [(w.split("=", 1) + [None])[:2] for w in wanted]
+        return [c for c in self.client.by_name.values()
+                if not any(k not in c.labels or (v is not None and c.labels[k] != v) for k, v in pairs)]
 
 
 class FakeClient:

@@ -15,6 +15,8 @@ launcher call      Docker API call
 ``find``           ``containers.list(all=True, filters=label)``
 ``relabel``        ``exec_run`` (the member's pid), ``put_archive``
                    (the hand-off file), ``kill(signal=SIGUSR1)``
+``keep_spares``    ``containers.run`` of spares, ``containers.list``
+``start`` (spare)  as ``relabel``, in a spare's container
 =================  =============================================
 
 Borrowing a rollout replica as a trainer rank (``relabel``): the replica's container runs the same
@@ -33,8 +35,25 @@ A trainer rank that survived its gang's crash is kept for the next gang the same
 (``can_keep_trainers``, ``recovery.keep_survivors``): its container stays, the process runs on
 as its new rank (``services/trainer/survivor.py``).
 
-Warm spares (``keep_spares``) are not kept: a spare container would take its member's name, labels
-and environment only at create time; every member starts cold here (``spares_ready`` is 0).
+Warm spares (``keep_spares``): a spare is a container of the image running ``python -m
+robustrl.launcher.spare --handoff /tmp`` -- the member code imported (torch, transformers), no
+credential in its environment, waiting for a hand-off. ``start`` of a trainer or rollout member
+of the launcher's image takes a ready spare (its output says ``spare <pid> ready``) whose limits
+cover the member's (``SpareShape.covers``: no tighter a CPU or memory limit, the same GPU access)
+and hands it the member the way ``relabel`` hands a replica a rank (``exec_run``, ``put_archive``
+of the hand-off, now with module and args, ``SIGUSR1``); the process runs the member in place and
+the container is tracked under the member's id. A gang's rank 0 is held in a spare already at
+``rendezvous``, so the gang meets at the spare container's real name (``release_unstarted_gang``
+puts it back). What stays as created: the name and host name (``rr-spare-<id>``: the member binds
+and advertises it), the labels (``robustrl.spare``, the limits it was made with, and no member
+or job label: ``find`` and ``adopt`` never take a waiting spare for a member; the hand-off leaves
+``robustrl-member.json`` naming the member, which ``find`` and ``adopt`` read), and the health
+check (passing while it waits, the member's ``/healthz`` once it runs one). A spare's exit is
+never a member exit (``poll`` judges members only; the spare is replaced). Spares are sized after
+the newest trainer rank (or ``spare_resources``) and replaced ``spare_restock_delay_s`` after one
+is taken; a failed restock backs off up to ``SPARE_RETRY_MAX_S``. A restarted controller's
+launcher (same ``instance``) takes over the waiting spares and removes ended ones; ``close``
+removes them all. No spare fits: the member starts cold.
 
 Exited containers are kept (not auto-removed) so that ``poll`` can read the exit code and an
 operator can still read ``docker logs``; they are removed when the same member is started again
@@ -46,9 +65,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import re
 import threading
+import uuid
 from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,9 +77,32 @@ from pathlib import Path
 from typing import Any
 
 from robustrl.errors import LaunchError
-from robustrl.launcher.base import ExitInfo, Launcher, MemberSpec, MemberState, check_spec, switchable
-from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, handoff_path
+from robustrl.infra.credentials import without_credentials
+from robustrl.launcher.base import (
+    ExitInfo,
+    Launcher,
+    MemberSpec,
+    MemberState,
+    Resources,
+    check_spec,
+    free_port,
+    switchable,
+)
+from robustrl.launcher.docker_spares import (
+    LABEL_SPARE,
+    MEMBER_MARK,
+    SpareShape,
+    handoff_tar,
+    ready_pid,
+    spare_member,
+)
+from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, SPARE_MODULE, handoff_path
+from robustrl.launcher.spare import TARGETS as SPARE_TARGETS
 from robustrl.model.engines.envs import image as member_image
+
+__all__ = ["LABEL_SPARE", "DockerLauncher", "SpareShape", "container_name"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DOCKER_URL = "unix:///var/run/docker.sock"
 CONNECT_TIMEOUT_S = 5.0
@@ -66,6 +110,12 @@ CONNECT_TIMEOUT_S = 5.0
 STOP_GRACE_S = 2.0
 MEMBER_HEALTH_PORT = "8081"
 HANDOFF_DIR = "/tmp"
+SPARE_RESTOCK_DELAY_S = 10.0
+"""A spare taken is replaced this much later (as the local launcher does): the new spare's imports
+do not compete with the recovery for the CPU."""
+SPARE_RETRY_MAX_S = 60.0
+"""A restock that failed is tried again ``SPARE_RESTOCK_DELAY_S`` later, the wait doubled per
+failure in a row up to this."""
 """Where, inside a member's container, a role hand-off is written (``relabel``)."""
 _MEMBER_PID = "set -- $(cat /proc/1/task/1/children 2>/dev/null); p=${1:-1}; echo $p $(stat -c '%u %g' /proc/$p)"
 """Shell run in a member's container: the member's pid there (tini's child, else PID 1), uid and gid."""
@@ -158,6 +208,15 @@ class _Member:
     state: MemberState
     expected_exit: bool = False
     reported: bool = False
+    warm: bool = False  # started in a warm spare's container
+
+
+@dataclass
+class _Spare:
+    container: Any
+    shape: SpareShape
+    pid: int | None = None  # inside its container, once its imports are done (ready)
+    spec: MemberSpec | None = None  # set while it is held for a gang's rank 0 (``rendezvous``)
 
 
 class DockerLauncher(Launcher):
@@ -176,7 +235,11 @@ class DockerLauncher(Launcher):
         run_kwargs: extra ``containers.run`` keyword arguments (volumes, shm_size, ...).
         instance: this launcher's label value; ``poll`` sees only containers carrying it. Give
             the same value to the next controller's launcher so it can re-attach (``adopt``) to
-            the containers this one started; by default it is unique to this object.
+            the containers this one started (and take over its waiting spares); by default it is
+            unique to this object.
+        spare_resources: the limits of each warm spare's container; None: those of the newest
+            trainer rank started.
+        spare_restock_delay_s: how long after a spare is taken its replacement is started.
 
     Raises:
         LaunchError: the engine cannot be reached (when ``client`` is omitted).
@@ -186,7 +249,8 @@ class DockerLauncher(Launcher):
                  labels: Mapping[str, str] | None = None, *, docker_url: str = DEFAULT_DOCKER_URL,
                  timeout_s: float = CONNECT_TIMEOUT_S, base_env: Mapping[str, str] | None = None,
                  gpu_roles: Collection[str] = (), run_kwargs: Mapping[str, Any] | None = None,
-                 instance: str | None = None) -> None:
+                 instance: str | None = None, spare_resources: Resources | None = None,
+                 spare_restock_delay_s: float = SPARE_RESTOCK_DELAY_S) -> None:
         self.image = image
         self.network = network
         self.client = client if client is not None else _connect(docker_url, timeout_s)
@@ -198,16 +262,60 @@ class DockerLauncher(Launcher):
         self.run_kwargs = dict(run_kwargs or {})
         self._members: dict[str, _Member] = {}
         self._lock = threading.Lock()
+        self.spare_resources = spare_resources
+        self.spare_restock_delay_s = spare_restock_delay_s
+        self._spares: list[_Spare] = []
+        self._held: dict[str, _Spare] = {}  # spares held for a gang's rank 0, by its member id
+        self._spares_wanted = 0
+        self._spares_found = False  # a predecessor's spares looked up (once)
+        self._trainer_shape: SpareShape | None = None
+        self._restock_lock = threading.Lock()
+        self._restock_failures = 0
+        self._retry_pending = False
+        self._timers: set[threading.Timer] = set()
+        self._closed = False
+        self.spares_used = 0
+        """Members started in a warm spare's container (the rest were cold starts)."""
 
     # --- start -------------------------------------------------------------------------------
 
     def start(self, spec: MemberSpec) -> None:
-        """Run ``python -m spec.module`` in a new container; LaunchError if that fails."""
+        """Hand ``spec`` to a ready warm spare that fits it (module docstring), else run
+        ``python -m spec.module`` in a new container; LaunchError if that fails."""
+        self._resource_kwargs(spec)  # (checks the spec, logs what is ignored)
+        self._note_trainer(spec)
         with self._lock:
-            old = self._members.get(spec.member_id)
-            if old and self._refresh(old) in (MemberState.STARTING, MemberState.RUNNING,
-                                              MemberState.SUSPENDED):
-                raise LaunchError(f"member {spec.member_id} is already running", member=spec.member_id)
+            if self._closed:
+                raise LaunchError(f"cannot start {spec.member_id}: the launcher is closed", member=spec.member_id)
+            self._check_not_running(spec.member_id)
+            held = self._held.pop(spec.member_id, None)
+        spare = held or self._take_spare(spec)
+        alias = None
+        if spare is not None:
+            with self._lock:
+                try:
+                    self._check_not_running(spec.member_id)
+                except LaunchError:
+                    spare.spec = None
+                    self._spares.append(spare)  # untouched: back to the pool
+                    raise
+                taken = self._hand_over(spare, spec)
+            self._restock_later()  # (the spare's replacement, either way)
+            if taken:
+                return
+            # Held for rank 0: the gang meets at the spare's name, which the cold container answers to.
+            alias = spare.container.name if held is not None else None
+        self._start_cold(spec, alias)
+
+    def _check_not_running(self, member_id: str) -> None:
+        old = self._members.get(member_id)
+        if old and self._refresh(old) in (MemberState.STARTING, MemberState.RUNNING, MemberState.SUSPENDED):
+            raise LaunchError(f"member {member_id} is already running", member=member_id)
+
+    def _start_cold(self, spec: MemberSpec, alias: str | None = None) -> None:
+        """A new container for ``spec`` (``alias``: one more name it answers to on the network)."""
+        with self._lock:
+            self._check_not_running(spec.member_id)
             name = container_name(spec.member_id)
             self._remove_stale(name)
             kwargs: dict[str, Any] = {
@@ -231,6 +339,9 @@ class DockerLauncher(Launcher):
             if spec.role in self.gpu_roles:
                 kwargs["device_requests"] = [_gpu_request()]
             kwargs.update(self._resource_kwargs(spec))
+            if alias is not None:
+                kwargs["networking_config"] = {
+                    self.network: self.client.api.create_endpoint_config(aliases=[alias])}
             # rollout.engine vllm: the vLLM image (Dockerfile.vllm), as the local launcher picks
             # .venv-vllm's Python (robustrl.model.engines.envs)
             image = member_image(spec.env, self.image)
@@ -271,6 +382,277 @@ class DockerLauncher(Launcher):
         name = getattr(member.container, "name", None) if member is not None else None
         return name if isinstance(name, str) and name else container_name(member_id)
 
+    # --- warm spares -------------------------------------------------------------------------
+
+    def keep_spares(self, n: int) -> None:
+        """Keep ``n`` warm spare containers (0 removes them all). The first call also takes over
+        the waiting spares an earlier launcher of this instance left (a restarted controller);
+        their containers are kept when they fit, else removed."""
+        with self._lock:
+            self._spares_wanted = max(0, n)
+        self._find_spares()
+        self._restock()
+
+    def spares_ready(self) -> int:
+        """Spare containers whose process has its imports done and waits (its output says so)."""
+        self._check_spares()
+        with self._lock:
+            return sum(1 for s in self._spares if s.pid is not None)
+
+    def was_warm(self, member_id: str) -> bool:
+        m = self._members.get(member_id)
+        return m is not None and m.warm
+
+    def _spare_shape(self) -> SpareShape:
+        """What a new spare's container is limited to (``spare_resources``, else the newest
+        trainer rank's)."""
+        all_gpus = "trainer" in self.gpu_roles
+        if self.spare_resources is not None:
+            return SpareShape.of(self.spare_resources, all_gpus)
+        return self._trainer_shape or SpareShape(all_gpus=all_gpus)
+
+    def _note_trainer(self, spec: MemberSpec) -> None:
+        """Spares are sized after the newest trainer rank; a new size replaces them (later)."""
+        if spec.role != "trainer" or self.spare_resources is not None:
+            return
+        shape = SpareShape.of(spec.resources, spec.role in self.gpu_roles)
+        with self._lock:
+            changed, self._trainer_shape = self._trainer_shape not in (None, shape), shape
+        if changed and self._spares_wanted:
+            self._restock_later()
+
+    def _spare_containers(self) -> list[Any]:
+        """Containers made as spares by this launcher instance, ended ones too (raises LaunchError)."""
+        try:
+            return list(self.client.containers.list(
+                all=True, filters={"label": [f"{LABEL_LAUNCHER}={self.instance}", LABEL_SPARE]}))
+        except Exception as exc:
+            raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
+
+    def _find_spares(self) -> None:
+        """Take over the waiting spares an earlier launcher of this instance left (once): a
+        running one never handed a member joins the pool (``_restock`` removes one of another
+        size); an ended one is removed; one that runs a member is that member's (``adopt``)."""
+        with self._lock:
+            if self._spares_found:
+                return
+            self._spares_found = True
+            known = {s.container.id for s in [*self._spares, *self._held.values()]}
+            known |= {m.container.id for m in self._members.values()}
+        try:
+            found = [c for c in self._spare_containers() if c.id not in known]
+        except LaunchError as exc:
+            log.warning("cannot look for the spares of an earlier launcher: %s", exc)
+            return
+        for c in found:
+            shape = SpareShape.from_label((c.labels or {}).get(LABEL_SPARE))
+            try:
+                if c.status in _ENDED or shape is None:
+                    self._remove(c)
+                elif c.status in _RUNNING_STATES and spare_member(c, HANDOFF_DIR) is None:
+                    with self._lock:
+                        self._spares.append(_Spare(c, shape))
+                    log.info("took over waiting spare %s of an earlier launcher", c.name)
+            except Exception as exc:
+                log.warning("spare %s of an earlier launcher left alone: %s", c.name, exc)
+
+    def _check_spares(self, listed: list[Any] | None = None) -> None:
+        """Note the spares that became ready; drop (and remove) those whose container ended or
+        vanished, replaced ``spare_restock_delay_s`` later. ``listed``: the containers of this
+        instance, if just listed."""
+        with self._lock:
+            spares = list(self._spares)
+        if not spares:
+            return
+        if listed is None:
+            try:
+                listed = self._spare_containers()
+            except LaunchError as exc:
+                log.warning("cannot check the warm spares: %s", exc)
+                return
+        status = {c.id: c.status for c in listed}
+        dead = [s for s in spares if status.get(s.container.id, "removing") in _ENDED]
+        for s in spares:
+            if s.pid is None and s not in dead:
+                try:
+                    s.pid = ready_pid(s.container)
+                except Exception as exc:
+                    log.warning("cannot read spare %s's output: %s", s.container.name, exc)
+        if not dead:
+            return
+        with self._lock:
+            self._spares = [s for s in self._spares if s not in dead]
+        for s in dead:
+            log.warning("warm spare %s ended", s.container.name)
+            self._remove(s.container)
+        self._restock_later()
+
+    def _restock(self) -> None:
+        """Drop ended spares, remove extra (or mis-sized) ones, start missing ones. One that fails
+        is tried again later, backing off (``SPARE_RETRY_MAX_S``); it never raises: callers are
+        timer threads and ``keep_spares``. Members start cold meanwhile, which always works."""
+        with self._restock_lock:
+            try:
+                done = self._restock_locked()
+            except Exception:  # a timer thread would die with it, and the restock be lost
+                log.exception("restocking the warm spares failed")
+                done = False
+            if done:
+                self._restock_failures = 0
+                return
+            self._restock_failures += 1
+            delay = min(SPARE_RESTOCK_DELAY_S * 2 ** (self._restock_failures - 1), SPARE_RETRY_MAX_S)
+            log.warning("warm spare pool short (restock failure %d in a row): trying again in %.0f s",
+                        self._restock_failures, delay)
+            if self._retry_pending:  # one retry chain, however many calls failed meanwhile
+                return
+            self._retry_pending = True
+        self._restock_later(delay, retry=True)
+
+    def _restock_locked(self) -> bool:
+        """``_restock``'s work (restock lock held); False when a missing spare could not be started."""
+        self._check_spares()
+        shape = self._spare_shape()
+        with self._lock:
+            wanted = 0 if self._closed else self._spares_wanted
+            keep = [s for s in self._spares if s.shape == shape]
+            drop = [s for s in self._spares if s.shape != shape] + keep[wanted:]
+            self._spares = keep[:wanted]
+            missing = wanted - len(self._spares)
+        for s in drop:
+            self._remove(s.container)
+        for _ in range(missing):
+            container = self._new_spare(shape)
+            if container is None:
+                return False
+            with self._lock:
+                if not self._closed:
+                    self._spares.append(_Spare(container, shape))
+                    continue
+            self._remove(container)  # close() ran meanwhile: it would never remove this one
+            return True
+        return True
+
+    def _new_spare(self, shape: SpareShape) -> Any:
+        """A new spare's container (None, logged, if the engine refused it): the member image, no
+        credential in its environment (the member's come with its hand-off), no member label."""
+        name = container_name(f"spare-{uuid.uuid4().hex[:12]}")
+        kwargs: dict[str, Any] = {
+            "command": ["python", "-m", SPARE_MODULE, "--handoff", HANDOFF_DIR],
+            "name": name,
+            "hostname": name,
+            "environment": {**_member_env(without_credentials(self.base_env), {}, name), HANDOFF_ENV: HANDOFF_DIR},
+            "labels": {**self.labels, LABEL_SPARE: shape.label(), LABEL_ROLE: "spare",
+                       COMPOSE_SERVICE_LABEL: "member-spare"},
+            "network": self.network,
+            "detach": True,
+            "init": True,
+            "healthcheck": _member_healthcheck(unless_missing=f"{HANDOFF_DIR}/{MEMBER_MARK}"),
+            **self.run_kwargs,
+        }
+        if shape.cpus:
+            kwargs["nano_cpus"] = int(shape.cpus * 1e9)
+        if shape.memory_mb:
+            kwargs["mem_limit"] = f"{shape.memory_mb}m"
+        if shape.all_gpus or shape.gpus:
+            kwargs["device_requests"] = [_gpu_request(-1 if shape.all_gpus else shape.gpus)]
+        try:
+            return self.client.containers.run(self.image, **kwargs)
+        except Exception as exc:
+            log.warning("cannot start a warm spare container: %s", exc)
+            return None
+
+    def _restock_later(self, delay_s: float | None = None, retry: bool = False) -> None:
+        """``_restock`` in a timer thread, ``delay_s`` (default ``spare_restock_delay_s``) from now
+        (``retry``: the one pending retry after a failed restock)."""
+        def restock() -> None:
+            with self._lock:
+                self._timers.discard(timer)
+            if retry:
+                with self._restock_lock:
+                    self._retry_pending = False
+            self._restock()
+
+        timer = threading.Timer(self.spare_restock_delay_s if delay_s is None else delay_s, restock)
+        timer.daemon = True
+        with self._lock:
+            if self._closed:
+                return
+            self._timers.add(timer)
+        timer.start()
+
+    def _take_spare(self, spec: MemberSpec) -> _Spare | None:
+        """A ready spare out of the pool whose limits cover ``spec``'s, for a trainer or rollout
+        member of the launcher's own image; None when none fits (the member starts cold)."""
+        with self._lock:
+            if not self._spares or self._closed:
+                return None
+        if spec.module not in SPARE_TARGETS or member_image(spec.env, self.image) != self.image:
+            return None
+        want = SpareShape.of(spec.resources, spec.role in self.gpu_roles)
+        self._check_spares()
+        with self._lock:
+            for s in self._spares:
+                if s.pid is not None and s.shape.covers(want):
+                    self._spares.remove(s)
+                    return s
+        return None
+
+    def _hand_over(self, spare: _Spare, spec: MemberSpec) -> bool:
+        """Hand ``spec`` to a ready spare (lock held) and track its container as the member; False
+        (logged, the spare's container removed) if it cannot take it."""
+        c = spare.container
+        env = {**_member_env(self.base_env, spec.env, c.name), HANDOFF_ENV: HANDOFF_DIR}
+        try:
+            pid, uid, gid = self._member_pid(c)
+            if pid != spare.pid:
+                raise LaunchError(f"it runs pid {pid}, not the spare's {spare.pid}", member=c.name)
+            c.put_archive(HANDOFF_DIR, handoff_tar(handoff_path("", pid).name, env, uid, gid, spec.module,
+                                                   spec.args, spec.member_id))
+            c.kill(signal=HANDOFF_SIGNAL.name)
+        except Exception as exc:
+            log.warning("warm spare %s cannot take %s (%s): starting it cold", c.name, spec.member_id, exc)
+            self._remove(c)
+            return False
+        self._members[spec.member_id] = _Member(spec, c, MemberState.RUNNING, warm=True)
+        self.spares_used += 1
+        log.info("%s started in warm spare %s", spec.member_id, c.name)
+        return True
+
+    def rendezvous(self, spec: MemberSpec) -> tuple[str, int]:
+        """MASTER_ADDR and MASTER_PORT for the gang of rank 0 (``spec``). When a ready spare fits
+        rank 0 it is held for it (``start`` hands it over) and the gang meets at the spare
+        container's own name; else at the name rank 0's cold container will get. The port is free
+        in any new container's own network namespace."""
+        check_spec(spec)
+        self._note_trainer(spec)
+        with self._lock:
+            held = self._held.get(spec.member_id)
+        spare = held or self._take_spare(spec)
+        if spare is None:
+            return super().rendezvous(spec)
+        spare.spec = spec
+        with self._lock:
+            self._held[spec.member_id] = spare
+        return spare.container.name, free_port()
+
+    def release_unstarted_gang(self, gang_id: str | None) -> None:
+        """Spares held for rank 0 of a gang never started go back to the pool (they are untouched)."""
+        with self._lock:
+            back = [mid for mid, s in self._held.items() if s.spec is not None and s.spec.placement.gang == gang_id]
+            for mid in back:
+                spare = self._held.pop(mid)
+                spare.spec = None
+                self._spares.append(spare)
+
+    def _remove(self, container: Any) -> None:
+        """Remove a container (gone already is fine; anything else is logged)."""
+        try:
+            container.remove(force=True)
+        except Exception as exc:
+            if not _is_not_found(exc):
+                log.warning("cannot remove container %s: %s", getattr(container, "name", "?"), exc)
+
     # --- borrowing a rollout replica as a trainer rank ----------------------------------------
 
     def can_relabel(self) -> bool:
@@ -300,7 +682,7 @@ class DockerLauncher(Launcher):
             env = _member_env(self.base_env, spec.env, name)
             try:
                 pid, uid, gid = self._member_pid(m.container)
-                m.container.put_archive(HANDOFF_DIR, _handoff_tar(handoff_path("", pid).name, env, uid, gid))
+                m.container.put_archive(HANDOFF_DIR, handoff_tar(handoff_path("", pid).name, env, uid, gid))
             except Exception as exc:
                 raise LaunchError(f"cannot hand {member_id} over to {spec.member_id}: {exc}",
                                   member=member_id) from exc
@@ -409,7 +791,8 @@ class DockerLauncher(Launcher):
 
         Only members registered before the listing are judged: a member started while the
         engine was being asked (``start`` runs on another thread) is not in that listing and
-        would otherwise look like a container removed behind our back.
+        would otherwise look like a container removed behind our back. A waiting spare's
+        container is no member: its exit is never reported (the spare is replaced).
         """
         with self._lock:
             candidates = {mid: m for mid, m in self._members.items() if not m.reported}
@@ -419,8 +802,9 @@ class DockerLauncher(Launcher):
         except Exception as exc:
             raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
         # By container id, not by the member label: a borrowed replica's container runs a trainer
-        # rank under another member id than its label names (``relabel``).
+        # rank under another member id than its label names (``relabel``), and so does a spare's.
         seen = {c.id: c for c in containers}
+        self._check_spares(containers)
         out: list[ExitInfo] = []
         with self._lock:
             for member_id, member in candidates.items():
@@ -514,25 +898,44 @@ class DockerLauncher(Launcher):
             labels = container.labels or {}
             if labels.get(LABEL_LAUNCHER) == self.instance and container.status in _RUNNING_STATES:
                 return {"container": container.id}
+        # Started in a spare's container: the hand-off left the member's id there (MEMBER_MARK).
+        for container in self._spare_containers():
+            if container.status in _RUNNING_STATES and self._spare_runs(container, member_id):
+                return {"container": container.id}
         return None
+
+    @staticmethod
+    def _spare_runs(container: Any, member_id: str) -> bool:
+        """Whether the spare's ``container`` was handed ``member_id`` (its mark; unreadable: no)."""
+        try:
+            return spare_member(container, HANDOFF_DIR) == member_id
+        except Exception as exc:
+            log.warning("cannot read the member mark of %s: %s", getattr(container, "name", "?"), exc)
+            return False
 
     def adopt(self, job_id: str, member_id: str, role: str, handle: dict[str, Any]) -> bool:
         """Re-attach to the member's container, found by its labels (this launcher's instance and
         the member id); True if it is running or paused. The recorded container id, when given,
         must match: a newer incarnation under the same name is not this member. A trainer rank
         running in a borrowed replica's container (whose member label names the replica) is found
-        by that recorded id."""
+        by that recorded id; so is a member running in a spare's container (no job or member
+        label), once its mark names the member (a waiting spare is never adopted as one)."""
         try:
             found = self.client.containers.list(all=True, filters={"label": f"{LABEL_MEMBER}={member_id}"})
             cid = handle.get("container")
             if cid and not any(c.id == cid for c in found):
-                found = [c for c in self.client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={job_id}"})
+                found = [c for c in self.client.containers.list(all=True, filters={"label": LABEL_LAUNCHER})
                          if c.id == cid]
         except Exception as exc:
             raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
         for container in found:
             labels = container.labels or {}
-            if labels.get(LABEL_LAUNCHER) != self.instance or labels.get(LABEL_JOB) != job_id:
+            if labels.get(LABEL_LAUNCHER) != self.instance:
+                continue
+            if LABEL_SPARE in labels:
+                if not self._spare_runs(container, member_id):
+                    continue
+            elif labels.get(LABEL_JOB) != job_id:
                 continue
             if handle.get("container") not in (None, container.id):
                 continue
@@ -541,12 +944,21 @@ class DockerLauncher(Launcher):
                 return False
             spec = MemberSpec(job_id, member_id, role, module="", env={})
             with self._lock:
-                self._members[member_id] = _Member(spec, container, state)
+                self._members[member_id] = _Member(spec, container, state, warm=LABEL_SPARE in labels)
             return True
         return False
 
     def close(self) -> None:
-        """Stop every member this launcher started and remove their containers."""
+        """Stop every member this launcher started and remove their containers and the spares'."""
+        with self._lock:
+            self._closed = True
+            timers, self._timers = self._timers, set()
+            spares = [*self._spares, *self._held.values()]
+            self._spares, self._held = [], {}
+        for timer in timers:
+            timer.cancel()
+        for spare in spares:
+            self._remove(spare.container)
         self.stop_many(self.running())
         for member in list(self._members.values()):
             with contextlib.suppress(Exception):  # already removed is fine on shutdown
@@ -568,29 +980,16 @@ def _member_env(base: Mapping[str, str], env: Mapping[str, str], name: str) -> d
     return out
 
 
-def _handoff_tar(name: str, env: Mapping[str, str], uid: int, gid: int) -> bytes:
-    """A tar of one file, the hand-off (``spare.write_handoff``'s content; no log: the output stays
-    the container's), owned by the member's user and readable by it alone (it carries credentials)."""
-    import io
-    import json
-    import tarfile
-    import time
-
-    data = json.dumps({"env": dict(env), "log": ""}).encode()
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        info = tarfile.TarInfo(name)
-        info.size, info.mode, info.uid, info.gid, info.mtime = len(data), 0o600, uid, gid, int(time.time())
-        tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-def _member_healthcheck() -> dict[str, Any]:
-    """Docker health check of a member container (durations in nanoseconds, as the API wants)."""
+def _member_healthcheck(unless_missing: str | None = None) -> dict[str, Any]:
+    """Docker health check of a member container (durations in nanoseconds, as the API wants).
+    ``unless_missing``: healthy while that file is missing (a spare waiting: it serves nothing),
+    the member's ``/healthz`` once it is there (the spare became a member)."""
     url = f"http://127.0.0.1:{MEMBER_HEALTH_PORT}/healthz"
+    probe = f"import urllib.request; urllib.request.urlopen('{url}', timeout=2)"
     second = 1_000_000_000
-    return {"test": ["CMD", "python", "-c", f"import urllib.request; urllib.request.urlopen('{url}', timeout=2)"],
-            "interval": 5 * second, "timeout": 3 * second, "retries": 6, "start_period": 30 * second}
+    test = (["CMD", "python", "-c", probe] if unless_missing is None else
+            ["CMD-SHELL", f'test ! -e {unless_missing} || python -c "{probe}"'])
+    return {"test": test, "interval": 5 * second, "timeout": 3 * second, "retries": 6, "start_period": 30 * second}
 
 
 def _gpu_request(count: int = -1) -> Any:

@@ -14,6 +14,12 @@ borrowed as a trainer rank, ``LocalLauncher.relabel``): the launcher writes the 
 environment to ``handoff-<pid>.json`` in the directory the member's ``ROBUSTRL_HANDOFF_DIR``
 names (0600: it carries the new role's credentials), then sends ``SIGUSR1``; the member reads and
 deletes it (``robustrl.services.rollout.standby``).
+
+A spare in a container (``DockerLauncher.keep_spares``) has no stdin to read: it runs
+``python -m robustrl.launcher.spare --handoff DIR`` and takes its order the second way, as a
+hand-off (the same file, carrying ``module`` and ``args`` besides ``env``) followed by
+``SIGUSR1``. ``SIGUSR1`` is blocked before the imports, so a signal that comes early waits for
+the spare instead of ending it. Either way the order is run by one function, :func:`run_order`.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import os
 import runpy
 import signal
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +49,17 @@ def handoff_path(directory: str | os.PathLike[str], pid: int) -> Path:
     return Path(directory) / f"handoff-{pid}.json"
 
 
+def handoff_order(env: Mapping[str, str], log: str, module: str | None = None,
+                  args: Sequence[str] = ()) -> dict[str, Any]:
+    """The content of a hand-off: the new member's environment and log ('': the output stays where
+    it goes), and for a waiting spare the member's module and arguments (a running member that
+    switches role knows what it becomes)."""
+    order: dict[str, Any] = {"env": dict(env), "log": log}
+    if module is not None:
+        order.update(module=module, args=list(args))
+    return order
+
+
 def write_handoff(directory: str | os.PathLike[str], pid: int, env: dict[str, str], log: str) -> Path:
     """Write the hand-off (the new member's environment and log) readable by its owner only: it
     carries the new role's credentials. Written whole, then renamed, so a reader never sees half."""
@@ -49,7 +67,7 @@ def write_handoff(directory: str | os.PathLike[str], pid: int, env: dict[str, st
     tmp = path.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"env": env, "log": log}, f)
+        json.dump(handoff_order(env, log), f)
     os.replace(tmp, path)
     return path
 
@@ -120,19 +138,57 @@ def import_targets() -> None:
         importlib.import_module(f"{module}.__main__")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m robustrl.launcher.spare [--handoff DIR]``: the imports, then the order (on stdin,
+    or as a hand-off in ``DIR`` and ``SIGUSR1``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    directory = args[1] if len(args) == 2 and args[0] == "--handoff" else None
+    if directory is not None:
+        # Before the imports: a hand-off signal that comes early is held, not fatal (its default).
+        signal.pthread_sigmask(signal.SIG_BLOCK, {HANDOFF_SIGNAL})
     import_targets()
-    become_member()
+    become_member(directory)
 
 
-def become_member() -> None:
-    """With the imports done: wait for the order on stdin, then run the member it names in this
-    process (also what a process forked by ``robustrl.launcher.zygote`` runs)."""
+def become_member(handoff_dir: str | None = None) -> None:
+    """With the imports done: wait for the order -- one line on stdin, or (``handoff_dir``) a
+    hand-off there and the signal -- then run the member it names in this process (also what a
+    process forked by ``robustrl.launcher.zygote`` runs)."""
     print(f"spare {os.getpid()} ready", flush=True)
+    order = read_order() if handoff_dir is None else wait_for_handoff(handoff_dir)
+    if order is None:
+        return  # released without an assignment
+    run_order(order)
+
+
+def read_order() -> dict[str, Any] | None:
+    """The order on stdin; None at its end (the launcher let the spare go)."""
     line = sys.stdin.readline()
     if not line.strip():
-        return  # released without an assignment
+        return None
     order = json.loads(line)
+    return order if isinstance(order, dict) else None
+
+
+def wait_for_handoff(directory: str) -> dict[str, Any] | None:
+    """Wait (``HANDOFF_SIGNAL`` blocked, ``main``) for a hand-off naming a module; the signal is
+    unblocked again once it is taken, for the member's own hand-off hook. A file read before its
+    signal came is taken all the same; a signal without a file (or one naming no module) is
+    waited past."""
+    while True:
+        order = take_handoff(directory, os.getpid())
+        if order is not None and isinstance(order.get("module"), str) and isinstance(order.get("args", []), list):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {HANDOFF_SIGNAL})
+            return order
+        if order is not None:
+            print(f"spare {os.getpid()}: a hand-off naming no module: ignored", file=sys.stderr, flush=True)
+        signal.sigwait({HANDOFF_SIGNAL})
+
+
+def run_order(order: Mapping[str, Any]) -> None:
+    """Become the member ``order`` names, in this process: its pid file (if named), environment,
+    log (if named; else the output stays where it goes, a container's), ``sys.argv``, and
+    ``python -m module`` run in place."""
     if order.get("pidfile"):
         handle = pid_handle(os.getpid())
         try:
@@ -140,10 +196,13 @@ def become_member() -> None:
                 write_pidfile(order["pidfile"], handle)
         except OSError as exc:  # the launcher writes it too, unless its controller died meanwhile
             print(f"spare {os.getpid()}: pid file not written: {exc}", file=sys.stderr, flush=True)
+    env = {str(k): str(v) for k, v in dict(order["env"]).items()}
+    print(f"spare {os.getpid()} becomes {env.get('ROBUSTRL_MEMBER_ID', '?')} ({order['module']})", flush=True)
     os.environ.clear()
-    os.environ.update(order["env"])
-    _redirect(order["log"])
-    sys.argv = [order["module"], *order["args"]]
+    os.environ.update(env)
+    if order.get("log"):
+        _redirect(order["log"])
+    sys.argv = [order["module"], *[str(a) for a in order.get("args", [])]]
     runpy.run_module(order["module"], run_name="__main__", alter_sys=True)
 
 

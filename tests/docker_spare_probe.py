@@ -1,0 +1,27 @@
+"""Stand-in for the trainer's entry point in the Docker spare test image (``python -m
+robustrl.services.trainer`` runs this there). It imports what the real entry point imports (torch
+and the trainer's code, at module level: a spare imports it ahead, a cold start pays for it), then
+reports from inside its container what it runs as and stays up until it is stopped."""
+
+import os
+import signal
+import socket
+import sys
+import time
+
+import robustrl.services.trainer.worker  # noqa: F401 - what the real entry point imports
+
+
+def main() -> None:
+    env = os.environ
+    print(f"member pid={os.getpid()} argv={' '.join(sys.argv)} member={env.get('ROBUSTRL_MEMBER_ID')} "
+          f"host={socket.gethostname()} bind={env.get('ROBUSTRL_BIND_HOST')} master={env.get('MASTER_ADDR')} "
+          f"marker={env.get('ROBUSTRL_TEST_MARKER')} handoff_dir={env.get('ROBUSTRL_HANDOFF_DIR')} "
+          f"secret={env.get('ROBUSTRL_TEST_SECRET')} at={time.time():.3f}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    while True:
+        signal.pause()
+
+
+if __name__ == "__main__":
+    main()
