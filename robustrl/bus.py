@@ -34,7 +34,7 @@ from tenacity import (
 )
 
 from robustrl import subjects
-from robustrl.aio import within
+from robustrl.aio import wait_event, within
 from robustrl.errors import MessageError, RequestTimeout, TransportError
 from robustrl.messages import Event, EventLog, Wire, decode, decode_event
 
@@ -374,29 +374,34 @@ class Bus:
             return
         self._closed = True
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + drain_s
-        if self.owed:  # events kept past their budget: their queue's own drain, in order
-            await self._backlog.drain(drain_s)
-        if self._durable:
-            try:
-                await within(self._durable_idle.wait(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                pass
-        if self._durable or self.owed:
-            lost = sorted(set(self._durable.values()))
-            log.error("nats %s: %d durable publish(es) and %d owed event(s) not stored by JetStream %.1f s "
-                      "into the close, given up (lost): %s", self.name, len(self._durable), self.owed, drain_s,
-                      ", ".join(lost[:10]) + (" ..." if len(lost) > 10 else ""))
-        self._shut = True
-        if self._backlog is not None:
-            await self._backlog.close(grace_s=0.0)
+        t0 = loop.time()
+        deadline = t0 + drain_s
         try:
-            await within(self._nc.drain(), DRAIN_TIMEOUT_S)
-        except Exception:
-            try:  # bounded too: its last flush writes to a socket the server may not read
-                await within(self._nc.close(), DRAIN_TIMEOUT_S)
-            except Exception as exc:
-                log.warning("nats %s: close did not finish: %s", self.name, exc)
+            # Until nothing is in flight or owed: a publish that ends as the next one begins (an
+            # owed queue, a member emitting two events in a row) sets and clears the idle event
+            # within one loop step, so one wait for it is not enough.
+            while (self._durable or self.owed) and loop.time() < deadline:
+                if self.owed:  # events kept past their budget: their queue's own drain, in order
+                    if not await self._backlog.drain(deadline - loop.time()):
+                        break
+                elif not await wait_event(self._durable_idle, deadline - loop.time()):
+                    break
+            if self._durable or self.owed:
+                lost = sorted(set(self._durable.values()))
+                log.error("nats %s: %d durable publish(es) and %d owed event(s) not stored by JetStream %.1f s "
+                          "into the close, given up (lost): %s", self.name, len(self._durable), self.owed,
+                          loop.time() - t0, ", ".join(lost[:10]) + (" ..." if len(lost) > 10 else ""))
+        finally:  # a close cancelled while it waits still ends the connection
+            self._shut = True
+            if self._backlog is not None:
+                await self._backlog.close(grace_s=0.0)
+            try:
+                await within(self._nc.drain(), DRAIN_TIMEOUT_S)
+            except Exception:
+                try:  # bounded too: its last flush writes to a socket the server may not read
+                    await within(self._nc.close(), DRAIN_TIMEOUT_S)
+                except Exception as exc:
+                    log.warning("nats %s: close did not finish: %s", self.name, exc)
 
 
 def redact_url(url: str) -> str:

@@ -186,7 +186,9 @@ async def test_a_bus_closed_while_an_event_is_in_its_retries_stores_it_before_cl
     job = "drain-kept"
     bus, thread, emit = await _emit_while_down(own_infra, 1.0, job)
     try:
-        await bus.close()
+        # A bound past the outage, its reconnect and a retry's back-off (up to 2 s) with a lost
+        # attempt (2 s), on a loaded machine.
+        await bus.close(drain_s=8.0)
         assert emit.done(), "the close returned while the event was still being stored"
     finally:
         await asyncio.to_thread(thread.join)
@@ -294,3 +296,34 @@ async def test_a_required_event_behind_owed_ones_waits_for_them_and_is_not_kept_
         assert [e.data["n"] for e in await bus.read_events(job)] == [1, 2]
     finally:
         await bus.close()
+
+
+async def test_a_close_waits_for_an_event_emitted_as_the_one_before_it_is_stored(own_infra: EmbeddedInfra) -> None:
+    """A member emits two events in a row while JetStream is away, and its bus closes meanwhile:
+    the first is stored as JetStream comes back and the second begins in the same loop step.
+    The close waited for the first only (its idle event was set and cleared before it looked) and
+    cut the second off (found by an outside review with a fake server; here on the real one)."""
+    settings = own_infra.settings
+    assert settings is not None
+    job = "drain-chained"
+    bus = await Bus.connect(settings.nats_url, "drain-chained")
+    await bus.ensure_event_stream()
+    await _set_event_subjects(settings.nats_url, ["rrl-away.>"])
+    restored = False
+    try:
+        async def two_in_a_row() -> None:
+            await bus.emit_event(job, "note", {"n": 1})
+            await bus.emit_event(job, "note", {"n": 2})
+
+        emits = asyncio.get_running_loop().create_task(two_in_a_row())
+        await asyncio.sleep(0)  # a loop step: the first is in its first JetStream attempt
+        closing = asyncio.get_running_loop().create_task(bus.close(drain_s=10.0))
+        await asyncio.sleep(0.5)  # the outage (fault injection), then JetStream is back
+        await _set_event_subjects(settings.nats_url, [subjects.EVENTS_ALL])
+        restored = True
+        await asyncio.wait_for(closing, 15)
+        assert emits.done(), "the close returned while the second event was still being stored"
+    finally:
+        if not restored:
+            await _set_event_subjects(settings.nats_url, [subjects.EVENTS_ALL])
+    assert await _stored(settings.nats_url, job) == 2

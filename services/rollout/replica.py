@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from robustrl.aio import cancel_and_wait, wait_event, within
+from robustrl.bus import DRAIN_TIMEOUT_S
 from robustrl.config import Settings
 from robustrl.errors import MessageError, TransportError
 from robustrl.gpu import GpuProbe
@@ -196,8 +197,10 @@ class Replica:
         await asyncio.to_thread(self.engine.close)
         self.stop_phase = "closing the member (bus)"
         # The bus waits for events still in their retries (a late swap's report, a HAVE's event)
-        # with what is left of the stop's bound, less a second for NATS's own drain.
-        await self.member.close(drain_s=max(0.5, STOP_BOUND_S - 1.0 - (time.monotonic() - stop_t0)))
+        # with what is left of the stop's bound, less NATS's own drain and close (each bounded by
+        # DRAIN_TIMEOUT_S) and a second to exit.
+        await self.member.close(drain_s=max(0.5, STOP_BOUND_S - 1.0 - 2 * DRAIN_TIMEOUT_S
+                                            - (time.monotonic() - stop_t0)))
         # Not "closed" yet: asyncio.run still cancels and awaits what is left (a task that
         # swallowed its cancellation would hold the exit): the bound stays armed until main().
         self.stop_phase = "ending the event loop"
