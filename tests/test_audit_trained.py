@@ -116,3 +116,40 @@ def test_commits_without_a_record_are_left_to_the_other_checks():
     report = judge(sound_job())
     assert report.ok and report.facts["steps_judged_by_trained_record"] == 0
     assert Log  # the synthetic log builder is shared with test_audit
+
+
+def test_the_trainers_record_and_the_auditors_digest_agree_on_a_record_as_redis_holds_it():
+    """The trainer digests the records it loaded (pydantic models, dumped); the auditor digests
+    the raw JSON it reads from Redis. One record written by another encoder (an int reward and
+    logprob, keys in another order, non-ASCII text) must digest the same both ways, and a change
+    to the prompt training reads (its id groups the GRPO advantages) must change it."""
+    import json
+
+    from robustrl.services.trainer.worker import _trained_record
+
+    from robustrl.storage.redis_stores import EpisodeRecord
+
+    raw = ('{"turns": [{"token_ids": [3, 4], "role": "assistant", "logprobs": [-1, -0.5], "weights_version": 0,'
+           ' "stop_reason": "eot"}], "reward": 1, "status": "finished", "prompt_ids": [1, 2], "step": 0,'
+           ' "group_id": "g0", "episode_id": "s0-p0-g0", "job_id": "j",'
+           ' "prompt": {"prompt_id": "p0", "text": "héllo", "answer": 7}}')
+    trained = _trained_record([EpisodeRecord.model_validate_json(raw)])
+    assert trained["episodes"] == ["s0-p0-g0"]
+    assert trained["digest"] == batch_digest([json.loads(raw)])
+    other_prompt = json.loads(raw)
+    other_prompt["prompt"]["prompt_id"] = "p1"
+    assert batch_digest([other_prompt]) != trained["digest"]
+
+
+def test_a_live_step_whose_prompt_was_rewritten_after_training_is_named():
+    """Training reads the prompt record (its id groups the advantages), not only its tokens: an
+    outside review rewrote a prompt id after training and the check passed."""
+    inp = sound_job()
+    for ep in inp.redis.episodes.values():
+        ep["prompt"] = {"prompt_id": ep["episode_id"].split("-")[1], "text": "q"}
+    inp = with_records(inp)
+    eid = inp.redis.batches[0]["episode_ids"][1]
+    inp.redis.episodes[eid]["prompt"]["prompt_id"] = "elsewhere"
+    report = judge(inp)
+    assert any("step 0" in v and "digest" in v for v in report.checks["trained_batches"].violations), \
+        report.violations()

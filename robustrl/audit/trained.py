@@ -76,7 +76,7 @@ def check_trained_batches(inp: AuditInput, facts: JobFacts, views: list[StepView
         recs = by_step[step]
         first = recs[0]
         for other in recs[1:]:
-            if (set(other.episodes), other.digest) != (set(first.episodes), first.digest):
+            if (sorted(other.episodes), other.digest) != (sorted(first.episodes), first.digest):
                 res.violations.append(f"step {step}: gang {other.epoch} trained another batch than gang "
                                       f"{first.epoch} had ({len(set(other.episodes) ^ set(first.episodes))} "
                                       "episodes differ, or the same episodes read otherwise): a redo must train "
@@ -101,7 +101,7 @@ def check_trained_batches(inp: AuditInput, facts: JobFacts, views: list[StepView
                                   f"its batch does not name and left out {len(set(map(str, ids)) - distinct)} "
                                   f"the batch names ({view.source})")
         elif all(isinstance(view.episodes.get(e), dict) for e in distinct):
-            digest = batch_digest(view.episodes[e] for e in distinct)  # type: ignore[misc]
+            digest = batch_digest(view.episodes[e] for e in first.episodes)  # type: ignore[misc]
             if digest != first.digest:
                 res.violations.append(f"step {step}: the episode records ({view.source}) digest to {digest[:12]}, "
                                       f"the trainer's record of what it trained to {first.digest[:12]}: they were "
