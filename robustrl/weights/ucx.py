@@ -59,6 +59,7 @@ import contextvars
 import inspect
 import logging
 import struct
+import time
 import weakref
 
 import numpy as np
@@ -164,7 +165,7 @@ class _Driver:
         self._tick = None
         self._schedule()
 
-    async def wait(self, req: object, buf: object) -> None:
+    async def wait(self, req: object, buf: object, peer: str | None = None) -> None:
         """Until ``req`` (posted on ``buf``) completes; then raises its error, if any.
 
         If the waiter leaves first (cancelled, timed out, its loop closed), UCX still holds
@@ -177,7 +178,7 @@ class _Driver:
             try:
                 await fut
             except BaseException:
-                _park(req, buf)
+                _park(req, buf, peer)
                 raise
         req.check_error()  # type: ignore[attr-defined]
 
@@ -187,37 +188,44 @@ _PARKED: list[tuple[object, object, str | None]] = []
 writes and the peer a client connect was for (None: a listener's); one list for the process,
 since the UCX worker outlives any event loop."""
 _CONNECTING_TO: contextvars.ContextVar[str | None] = contextvars.ContextVar("ucx_connecting_to", default=None)
-"""The address a client's connect (and so its handshake) is for, in that connect's task."""
-_SILENT: set[str] = set()
-"""Peers a handshake timed out with, whose request is still parked: a connect to one fails at once.
-A request parked for a peer that never answers stays for the process's life (closing its endpoint
-instead made a connect cancelled mid-handshake segfault), so each retry of a hung source parked
-one more request, endpoint and socket; now one per such peer is parked."""
+"""The address a client's connect is for, in that connect's task: read by its own (connector
+side) handshake only, which tags what it parks with it; a listener's handshake, or a transfer,
+parks untagged whatever context the worker's progress ran it in."""
+_SILENT: dict[str, float] = {}
+"""Peers a handshake timed out with, whose request is still parked (-> when marked): a connect to
+one fails at once. A request parked for a peer that never answers stays for the process's life
+(closing its endpoint instead made a connect cancelled mid-handshake segfault), so each retry of a
+hung source parked one more request, endpoint and socket; now one per such peer is parked, and one
+more each ``SILENT_RETRY_S`` (a replacement at the same address is tried again then)."""
+SILENT_RETRY_S = 300.0
 
 
-def _park(req: object, buf: object) -> None:
+def _park(req: object, buf: object, peer: str | None = None) -> None:
     if not req.completed:  # type: ignore[attr-defined]
-        _PARKED.append((req, buf, _CONNECTING_TO.get()))
+        _PARKED.append((req, buf, peer))
 
 
 def _release_parked() -> None:
     if _PARKED:
         _PARKED[:] = [entry for entry in _PARKED if not entry[0].completed]  # type: ignore[attr-defined]
     if _SILENT:
-        _SILENT.intersection_update(peer for _r, _b, peer in _PARKED)
+        pending = {peer for _r, _b, peer in _PARKED}
+        for peer in [p for p in _SILENT if p not in pending]:
+            del _SILENT[peer]
 
 
-async def _await_request(req: object, buf: object) -> None:
-    """Until ``req`` (posted on ``buf``) completes, through this loop's driver if it has one."""
+async def _await_request(req: object, buf: object, peer: str | None = None) -> None:
+    """Until ``req`` (posted on ``buf``) completes, through this loop's driver if it has one;
+    parked, tagged with ``peer``, if the waiter leaves first."""
     driver = _driver()
     if driver is not None:
-        await driver.wait(req, buf)
+        await driver.wait(req, buf, peer)
         return
     _release_parked()
     try:
         await req.wait()  # type: ignore[attr-defined]
     except BaseException:
-        _park(req, buf)
+        _park(req, buf, peer)
         raise
 
 
@@ -230,13 +238,14 @@ async def _exchange_peer_info(endpoint: object, msg_tag: int, listener: bool,
     """ucxx's endpoint handshake (the listener sends first; same bytes on the wire, so peers
     running ucxx's own interoperate), with each stream request's buffer parked if its waiter
     leaves before UCX completes it."""
+    peer = None if listener else _CONNECTING_TO.get()
     mine = bytearray(_PEER_INFO.pack(msg_tag, hash64bits(msg_tag)))
     theirs = bytearray(_PEER_INFO.size)
     send = (endpoint.stream_send, mine)  # type: ignore[attr-defined]
     recv = (endpoint.stream_recv, theirs)  # type: ignore[attr-defined]
     for post, buf in (send, recv) if listener else (recv, send):
         req = post(Array(buf))
-        await within(_await_request(req, buf), connect_timeout)
+        await within(_await_request(req, buf, peer), connect_timeout)
     tag, checksum = _PEER_INFO.unpack(theirs)
     if checksum != hash64bits(tag):
         raise RuntimeError(f"UCX handshake checksum invalid: {checksum:#x} != {hash64bits(tag):#x}")
@@ -513,7 +522,16 @@ class UcxClient(TransportClient):
                 with this peer timed out and is still unanswered (``_SILENT``).
         """
         _ensure_init()
-        _release_parked()
+        if self.address in _SILENT:
+            # What it owed may have come since (it was only frozen): progress the worker from this
+            # loop first (the loop whose connect timed out may be gone, and nothing else would).
+            driver = _driver()
+            if driver is not None:
+                driver._pass()
+            _release_parked()
+            marked = _SILENT.get(self.address)
+            if marked is not None and time.monotonic() - marked > SILENT_RETRY_S:
+                del _SILENT[self.address]  # one more try, parking one more request at most
         if self.address in _SILENT:
             raise TransportError("cannot connect to weight source: it did not answer an earlier handshake, "
                                  "still pending", address=self.address)
@@ -523,7 +541,7 @@ class UcxClient(TransportClient):
                 ucxx.create_endpoint(self._host, self._port, connect_timeout=timeout_s), timeout_s)
         except TimeoutError as exc:
             if any(peer == self.address for _r, _b, peer in _PARKED):
-                _SILENT.add(self.address)
+                _SILENT[self.address] = time.monotonic()
             raise TransportError(f"cannot connect to weight source: it did not answer within {timeout_s:g} s",
                                  address=self.address) from exc
         except (*_UCX_ERRORS, ValueError) as exc:
