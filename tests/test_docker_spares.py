@@ -15,6 +15,10 @@ rendezvous address; it is tracked, found and adopted under its member id; a new 
 restocked; the member's exit is reported under its id, a spare's never; ``close`` removes the
 spares. A restarted controller's launcher takes the waiting spare over instead of starting one.
 
+The last test is the whole path: a job on the Docker launcher (this commit's code in every
+container) whose trainer container is killed; the new rank runs in the waiting spare container,
+the pool is restocked, the job finishes and the auditor passes.
+
 Skips, with the reason, without dockerd, root, the docker SDK or the built image.
 """
 
@@ -36,6 +40,7 @@ from support import eventually
 
 from robustrl.launcher.base import TRAINER_MODULE, MemberSpec, MemberState, Resources
 from robustrl.launcher.docker import LABEL_LAUNCHER, LABEL_MEMBER, LABEL_SPARE, DockerLauncher, container_name
+from robustrl.launcher.docker_spares import MEMBER_MARK
 
 pytestmark = pytest.mark.timeout(600)
 BASE = "robustrl:compose-test"
@@ -220,3 +225,86 @@ def test_a_spare_is_taken_only_by_a_member_it_covers() -> None:
     assert not none.covers(SpareShape(gpus=1)) and not SpareShape(gpus=1).covers(none)
     assert not SpareShape(all_gpus=True).covers(SpareShape(gpus=1))
     assert SpareShape.of(Resources(cpus=1.5, memory_mb=300), all_gpus=False) == SpareShape(1.5, 300, 0, False)
+
+
+def test_a_job_on_the_docker_launcher_replaces_a_crashed_trainer_from_a_spare_container(engine: Engine,
+                                                                                       tmp_path: Path) -> None:
+    """End to end: servers on the Docker network's gateway, the control plane here with the Docker
+    launcher (``recovery.warm_spares: 1``, borrowing off), every member a container of this commit's
+    code. The trainer's container is killed; the new rank runs in the spare container (no
+    container is created for it), the pool gets a new spare, the job finishes and the auditor
+    passes. Judged from the engine and the raw stores."""
+    from jobs import kinds, small_job, wait_done, wait_step
+    from test_docker_standby import _code_image
+
+    from robustrl.audit.model import AuditOptions
+    from robustrl.client import ApiClient
+    from robustrl.infra.embedded import EmbeddedInfra
+    from robustrl.launcher.docker import LABEL_JOB
+    from robustrl.stack import Stack
+    from support import audit_sampled, sample_batches
+
+    image = _code_image(engine)
+    tag = uuid.uuid4().hex[:8]
+    network = engine.client.networks.create(f"rrl-spare-{tag}")
+    network.reload()
+    gateway = network.attrs["IPAM"]["Config"][0]["Gateway"]
+    infra = EmbeddedInfra(tmp_path / "infra", host=gateway)
+    stack: Stack | None = None
+    instance = f"spare-e2e-{tag}"
+    try:
+        settings = infra.start()
+        stack = Stack(tmp_path / "stack", external=settings, extra_env={
+            "ROBUSTRL_LAUNCHER": "docker", "ROBUSTRL_IMAGE": image, "ROBUSTRL_DOCKER_NETWORK": network.name,
+            "ROBUSTRL_DOCKER_URL": engine.url, "ROBUSTRL_LAUNCHER_INSTANCE": instance})
+        stack.start()
+        assert stack.settings
+        api = ApiClient(stack.api_url, stack.settings.api_token)
+        # Tool calls of 1 s: the job outlasts the spare's restock (10 s after it is taken, then its imports).
+        spec = small_job("dockspare", steps=30, trainer={"workers": 1},
+                         recovery={"warm_spares": 1, "borrow": "never"}, tools={"latency_s": 1.0},
+                         data={"tasks": ["lookup"]},
+                         detector={"trainer_idle_s": 20.0, "rollout_idle_s": 20.0, "silence_s": 20.0,
+                                   "probe_timeout_s": 5.0, "metrics_interval_s": 0.5})
+        jid = api.submit(spec)["job_id"]
+        sampler = sample_batches(stack.settings.redis_url, jid)
+
+        def spares() -> list[Any]:
+            return engine.client.containers.list(filters={"label": [f"{LABEL_LAUNCHER}={instance}", LABEL_SPARE]})
+
+        eventually(lambda: any("ready" in c.logs().decode(errors="replace") for c in spares()), timeout=240,
+                   interval=0.5, what="a warm spare container ready")
+        waiting = {c.id for c in spares()}
+        wait_step(api, jid, 2, timeout=300)
+        api.fault(jid, kind="crash", role="trainer", member=0)  # docker kill of the rank's container
+        recovered = eventually(lambda: [d for d in kinds(api.events(jid), "recovered") if d["kind"] == "trainer"],
+                               timeout=300, interval=0.5, what="the trainer recovery")
+        by_name = {c.name for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={jid}"})}
+        assert not [n for n in by_name if "trainer-e2" in n], sorted(by_name)  # no container created for it
+        # The spare container that was waiting runs the new rank now (its member mark names it).
+        runs = {c.id: c.exec_run(["cat", f"/tmp/{MEMBER_MARK}"]).output.decode(errors="replace")
+                for c in engine.client.containers.list(filters={"id": list(waiting)})}
+        assert any("trainer-e2-r0" in out for out in runs.values()), runs
+        # The pool is restocked: a spare waits again, in a container of its own.
+        try:
+            eventually(lambda: [c for c in spares() if c.id not in waiting
+                                and "ready" in c.logs().decode(errors="replace")], timeout=120, interval=0.5,
+                       what="a new spare container ready")
+        except AssertionError:
+            for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_LAUNCHER}={instance}"}):
+                print(c.name, c.status, c.labels, c.logs().decode(errors="replace")[-1500:])
+            raise
+        wait_done(api, jid, timeout=400)
+        events = api.events(jid)
+        api.close()
+        audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))
+    finally:
+        if stack is not None:
+            stack.stop()
+        infra.stop()
+        for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_LAUNCHER}={instance}"}):
+            c.remove(force=True)  # what the controller's launcher left (it removes its own on close)
+        network.remove()
+    assert recovered[0]["sources"] == ["spare"], recovered
+    started = {d["member_id"]: d for d in kinds(events, "member_started")}
+    assert started["trainer-e2-r0"]["source"] == "spare", started["trainer-e2-r0"]
