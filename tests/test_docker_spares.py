@@ -175,6 +175,18 @@ def test_a_trainer_starts_in_a_warm_spare_container(engine: Engine) -> None:
         assert again.find(rank) == {"container": spare.id}
         assert again.adopt("j", rank, "trainer", {"container": spare.id}) is True
         assert again.adopt("j", "j--trainer-e1-r5", "trainer", {"container": new[0].id}) is False  # a spare
+        # Its handle never persisted (the controller died right after the hand-off): adopted by its mark.
+        third = DockerLauncher(image, network.name, client=engine.client, instance=instance)
+        assert third.adopt("j", rank, "trainer", {}) is True and third.handle(rank) == {"container": spare.id}
+        # A mark whose hand-off is still there (the controller died before the signal): the spare
+        # still waits, so it is neither found nor adopted as the member.
+        from robustrl.launcher.docker_spares import handoff_tar
+
+        new[0].put_archive("/tmp", handoff_tar("handoff-999999.json", {}, 0, 0, TRAINER_MODULE, [],
+                                               "j--trainer-e1-r6"))
+        assert third.find("j--trainer-e1-r6") is None
+        assert third.adopt("j", "j--trainer-e1-r6", "trainer", {}) is False
+        new[0].exec_run(["rm", "-f", "/tmp/handoff-999999.json", "/tmp/robustrl-member.json"], user="root")
         again.keep_spares(1)
         assert again.spares_ready() == 1 and [s.id for s in _spares(engine, instance, but=spare.id)] == [new[0].id]
         again.keep_spares(0)  # (it lets go of the spare: the launcher under test keeps it)

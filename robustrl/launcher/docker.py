@@ -293,6 +293,9 @@ class DockerLauncher(Launcher):
         alias = None
         if spare is not None:
             with self._lock:
+                if self._closed:  # close() ran meanwhile: it would never remove this one
+                    self._remove(spare.container)
+                    raise LaunchError(f"cannot start {spec.member_id}: the launcher is closed", member=spec.member_id)
                 try:
                     self._check_not_running(spec.member_id)
                 except LaunchError:
@@ -315,6 +318,8 @@ class DockerLauncher(Launcher):
     def _start_cold(self, spec: MemberSpec, alias: str | None = None) -> None:
         """A new container for ``spec`` (``alias``: one more name it answers to on the network)."""
         with self._lock:
+            if self._closed:  # close() ran meanwhile: it would never stop this one
+                raise LaunchError(f"cannot start {spec.member_id}: the launcher is closed", member=spec.member_id)
             self._check_not_running(spec.member_id)
             name = container_name(spec.member_id)
             self._remove_stale(name)
@@ -450,7 +455,10 @@ class DockerLauncher(Launcher):
                 if c.status in _ENDED or shape is None:
                     self._remove(c)
                 elif c.status in _RUNNING_STATES and spare_member(c, HANDOFF_DIR) is None:
-                    with self._lock:
+                    with self._lock:  # (another keep_spares may have pooled it since the listing)
+                        taken = {s.container.id for s in [*self._spares, *self._held.values()]}
+                        if c.id in taken or any(m.container.id == c.id for m in self._members.values()):
+                            continue
                         self._spares.append(_Spare(c, shape))
                     log.info("took over waiting spare %s of an earlier launcher", c.name)
             except Exception as exc:
@@ -613,6 +621,9 @@ class DockerLauncher(Launcher):
         except Exception as exc:
             log.warning("warm spare %s cannot take %s (%s): starting it cold", c.name, spec.member_id, exc)
             self._remove(c)
+            if not self._gone(c):  # it may have taken the member (a signal delivered, its reply lost)
+                raise LaunchError(f"warm spare {c.name} failed to take {spec.member_id} and could not be "
+                                  f"removed: it may run it, so it is not started again", member=spec.member_id) from exc
             return False
         self._members[spec.member_id] = _Member(spec, c, MemberState.RUNNING, warm=True)
         self.spares_used += 1
@@ -644,6 +655,14 @@ class DockerLauncher(Launcher):
                 spare = self._held.pop(mid)
                 spare.spec = None
                 self._spares.append(spare)
+
+    def _gone(self, container: Any) -> bool:
+        """Whether the engine no longer has ``container`` (unknown, e.g. it did not answer: no)."""
+        try:
+            self.client.containers.get(container.id)
+        except Exception as exc:
+            return _is_not_found(exc)
+        return False
 
     def _remove(self, container: Any) -> None:
         """Remove a container (gone already is fine; anything else is logged)."""
@@ -926,6 +945,10 @@ class DockerLauncher(Launcher):
             if cid and not any(c.id == cid for c in found):
                 found = [c for c in self.client.containers.list(all=True, filters={"label": LABEL_LAUNCHER})
                          if c.id == cid]
+            elif not cid and not found:
+                # Started in a spare's container and its handle never persisted (the controller
+                # died right after the hand-off): found by the member mark, as ``find`` does.
+                found = self._spare_containers()
         except Exception as exc:
             raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
         for container in found:

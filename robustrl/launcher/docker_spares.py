@@ -83,11 +83,11 @@ def ready_pid(container: Any) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def spare_member(container: Any, directory: str) -> str | None:
-    """The member a spare's container was handed (its :data:`MEMBER_MARK`); None while it waits.
-    Raises what the docker SDK raises, but not-found (no mark)."""
+def _read_file(container: Any, path: str) -> bytes | None:
+    """A file's bytes out of a container; None if it is not there. Raises what the docker SDK
+    raises, but not-found."""
     try:
-        stream, _stat = container.get_archive(f"{directory}/{MEMBER_MARK}")
+        stream, _stat = container.get_archive(path)
     except Exception as exc:
         if getattr(exc, "status_code", None) == 404 or type(exc).__name__ == "NotFound":
             return None
@@ -96,12 +96,27 @@ def spare_member(container: Any, directory: str) -> str | None:
         for info in tar.getmembers():
             f = tar.extractfile(info)
             if f is not None:
-                try:
-                    member = json.loads(f.read()).get("member_id")
-                except (ValueError, AttributeError):
-                    return None
-                return member if isinstance(member, str) else None
+                return f.read()
     return None
+
+
+def spare_member(container: Any, directory: str) -> str | None:
+    """The member a spare's container runs (its :data:`MEMBER_MARK`); None while it waits, and
+    while the hand-off the mark names is still there (written, the signal not taken yet: a
+    controller that died in between left a spare that still waits). Raises what the docker SDK
+    raises, but not-found."""
+    raw = _read_file(container, f"{directory}/{MEMBER_MARK}")
+    try:
+        mark = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    member = mark.get("member_id") if isinstance(mark, dict) else None
+    if not isinstance(member, str):
+        return None
+    handoff = mark.get("handoff")
+    if isinstance(handoff, str) and handoff and _read_file(container, f"{directory}/{handoff}") is not None:
+        return None  # not taken: the spare still waits
+    return member
 
 
 def handoff_tar(name: str, env: Mapping[str, str], uid: int, gid: int, module: str | None = None,
@@ -111,7 +126,7 @@ def handoff_tar(name: str, env: Mapping[str, str], uid: int, gid: int, module: s
     credentials); with ``member_id`` (a spare taken) also the :data:`MEMBER_MARK`."""
     files = [(name, json.dumps(handoff_order(env, "", module, args)).encode(), 0o600)]
     if member_id is not None:
-        files.append((MEMBER_MARK, json.dumps({"member_id": member_id}).encode(), 0o644))
+        files.append((MEMBER_MARK, json.dumps({"member_id": member_id, "handoff": name}).encode(), 0o644))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for file_name, data, mode in files:
