@@ -17,12 +17,14 @@ Redis is treated one of two ways:
 * bounded (a :class:`RedisBound`; the detector, whose tick must not wait on Redis): every call is
   cut at ``call_s``; a failed save is logged and the event queued in memory only (it is still
   appended; only its durability is lost); after a failure Redis is left alone for ``away_s`` (one
-  call pays the bound, not every event of a tick); a failed removal is kept and tried again after
-  the next call that succeeds.
+  call pays the bound, not every event of a tick); a failed removal is kept and tried again by
+  ``retry_removals``, which the owner calls off its hot path (the detector: every few seconds,
+  with a budget), never by ``give``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -88,6 +90,7 @@ class OutboxWriter:
         # (its retry) both go.
         self._given: dict[str, set[bytes]] = {}
         self._unremoved: list[tuple[EventOutbox, bytes]] = []
+        self._removing = asyncio.Lock()  # one ``retry_removals`` at a time
 
     def outbox_read(self, job_id: str) -> bool:
         """Whether ``recover`` has read ``job_id``'s outbox once."""
@@ -117,7 +120,6 @@ class OutboxWriter:
                 self._keep_unremoved(outbox, text.encode())
             return False
         self._put(entry, outbox, text.encode())
-        await self._retry_removals()
         return True
 
     async def recover(self, job_id: str) -> int:
@@ -140,7 +142,6 @@ class OutboxWriter:
         self.recovered += found
         if found:
             log.warning("job %s: %d events of a previous %s found in the outbox", job_id, found, self.owner)
-        await self._retry_removals()
         return found
 
     def _put(self, entry: OutboxEntry, outbox: EventOutbox, stored: bytes) -> None:
@@ -182,16 +183,28 @@ class OutboxWriter:
             log.error("job %s: more than %d %s outbox entries stored and not removed: one stays (a later "
                       "start appends it again)", gone.job_id, MAX_UNREMOVED, self.owner)
 
-    async def _retry_removals(self) -> None:
-        """Remove what earlier removals could not (bounded mode), until one fails again."""
-        while self._unremoved and self._clock() >= self._away_until:
-            outbox, stored = self._unremoved[0]
-            try:
-                await self._redis(outbox.remove(stored), "removal")
-            except TransportError as exc:
-                self._went_away(exc)
-                return
-            self._unremoved.pop(0)
+    @property
+    def unremoved(self) -> int:
+        """Entries stored by JetStream whose removal from the outbox failed, kept for a retry."""
+        return len(self._unremoved)
+
+    async def retry_removals(self, budget_s: float) -> int:
+        """Remove what earlier removals could not (bounded mode), oldest first, until one fails
+        again or ``budget_s`` is spent; return how many were removed. (Left in the outbox, an
+        entry is appended again by the next start, past JetStream's duplicate window: twice.)"""
+        removed = 0
+        deadline = self._clock() + budget_s
+        async with self._removing:
+            while self._unremoved and self._clock() >= self._away_until and self._clock() < deadline:
+                outbox, stored = self._unremoved.pop(0)  # out before the await: a cap pop meanwhile is harmless
+                try:
+                    await self._redis(outbox.remove(stored), "removal")
+                except TransportError as exc:
+                    self._unremoved.insert(0, (outbox, stored))
+                    self._went_away(exc)
+                    break
+                removed += 1
+        return removed
 
     async def _redis(self, call: Awaitable[T], what: str) -> T:
         if self._bound is None:

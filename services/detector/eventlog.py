@@ -48,7 +48,10 @@ REDIS_AWAY_S = 5.0
 """After a failed outbox call, events are queued in memory only for this long (one tick pays
 ``REDIS_CALL_S``, not every fault of it)."""
 RECOVER_RETRY_S = 5.0
-"""Pause between tries of the start's outbox scan while Redis fails."""
+"""Pause between rounds of the outbox upkeep: the start's scan until it went through, the outboxes
+it could not read, and the removals that failed."""
+REMOVALS_BUDGET_S = 1.0
+"""At most this long per round on removals that failed before (off the tick: a task of its own)."""
 
 
 class EventWriter:
@@ -59,7 +62,8 @@ class EventWriter:
         self.redis = redis
         self._writer = OutboxWriter(self.queue, lambda job_id: DetectorOutbox(redis, job_id), owner="detector",
                                     bound=RedisBound(call_s=REDIS_CALL_S, away_s=REDIS_AWAY_S))
-        self._recovery: asyncio.Task[int] | None = None
+        self._recovery: asyncio.Task[None] | None = None
+        self._unread: set[str] = set()  # jobs whose outbox the scan found and could not read
 
     @property
     def pending(self) -> int:
@@ -100,20 +104,32 @@ class EventWriter:
         return None if self.queue.dropped > dropped else event
 
     def start_recovery(self) -> None:
-        """Append, in the background, what every job's detector outbox holds (``recover_left_outboxes``,
-        tried again every ``RECOVER_RETRY_S`` until one scan went through); harmless if called twice."""
+        """Start the outbox upkeep in the background, every ``RECOVER_RETRY_S`` for the
+        detector's life: append what every job's detector outbox holds (``recover_left_outboxes``,
+        until one scan went through), then any outbox that scan could not read, and retry the
+        removals that failed (within ``REMOVALS_BUDGET_S``: an entry left would be appended again
+        by the next start). Harmless if called twice."""
         if self.redis is None or self._recovery is not None:
             return
-        self._recovery = asyncio.get_running_loop().create_task(self._recover_until_done(),
-                                                                name="detector-outbox-recovery")
+        self._recovery = asyncio.get_running_loop().create_task(self._upkeep(), name="detector-outbox-upkeep")
 
-    async def _recover_until_done(self) -> int:
+    async def _upkeep(self) -> None:
+        scanned = False
         while True:
-            try:
-                return await self.recover_left_outboxes()
-            except TransportError as exc:
-                log.error("detector outboxes not scanned (%s): tried again in %g s", exc, RECOVER_RETRY_S)
-                await asyncio.sleep(RECOVER_RETRY_S)  # Redis away: pace the tries
+            if not scanned:
+                try:
+                    await self.recover_left_outboxes()
+                    scanned = True
+                except TransportError as exc:
+                    log.error("detector outboxes not scanned (%s): tried again in %g s", exc, RECOVER_RETRY_S)
+            for job_id in sorted(self._unread):
+                try:
+                    await self._writer.recover(job_id)
+                    self._unread.discard(job_id)
+                except TransportError as exc:
+                    log.warning("job %s: the detector outbox still not read (%s)", job_id, exc)
+            await self._writer.retry_removals(REMOVALS_BUDGET_S)
+            await asyncio.sleep(RECOVER_RETRY_S)  # pace the rounds (and the tries while Redis is away)
 
     async def recover_left_outboxes(self) -> int:
         """Queue what every job's detector outbox holds (a killed detector's events), under the
@@ -134,8 +150,9 @@ class EventWriter:
             try:
                 found += await self._writer.recover(job_id)
             except TransportError as exc:
-                log.error("job %s: the detector outbox not read (%s): its events stay for the next start", job_id,
-                          exc)
+                self._unread.add(job_id)
+                log.error("job %s: the detector outbox not read (%s): tried again in %g s", job_id, exc,
+                          RECOVER_RETRY_S)
         return found
 
     async def drain(self, timeout_s: float) -> bool:
