@@ -13,8 +13,9 @@ import math
 import os
 import re
 import socket
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +37,45 @@ def rollout_slot(member_id: str) -> tuple[int, int] | None:
     """(slot, incarnation) of a rollout member id or launcher key; None for any other member."""
     m = _ROLLOUT_MEMBER.search(member_id)
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+class RestockRetries:
+    """Restocks of a launcher's warm spare pool, one at a time, and the back-off after a failed one:
+    ``retry_later(delay)`` is asked for once however many restocks fail meanwhile (one retry
+    chain), ``first_s`` after the first failure, doubled per failure in a row up to ``max_s``.
+    Used by the Docker and Ray launchers (timer threads and ``keep_spares`` call it)."""
+
+    def __init__(self, first_s: float, max_s: float) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self.lock = threading.Lock()
+        self.failures = 0  # restocks failed in a row
+        self.retry_pending = False  # the retry after a failed restock is scheduled
+
+    def run(self, restock_locked: Callable[[], bool], retry_later: Callable[[float], None]) -> None:
+        """``restock_locked()`` (True: the pool is whole) under the lock; never raises."""
+        with self.lock:
+            try:
+                done = restock_locked()
+            except Exception:  # a timer thread would die with it, and the restock be lost
+                log.exception("restocking the warm spares failed")
+                done = False
+            if done:
+                self.failures = 0
+                return
+            self.failures += 1
+            delay = min(self.first_s * 2 ** (self.failures - 1), self.max_s)
+            log.warning("warm spare pool short (restock failure %d in a row): trying again in %.0f s",
+                        self.failures, delay)
+            if self.retry_pending:
+                return
+            self.retry_pending = True
+        retry_later(delay)
+
+    def retrying(self) -> None:
+        """The scheduled retry runs now (the next failure may schedule one again)."""
+        with self.lock:
+            self.retry_pending = False
 
 
 class MemberState(str, enum.Enum):

@@ -64,6 +64,7 @@ from robustrl.launcher.base import (
     MemberState,
     PlacementHint,
     Resources,
+    RestockRetries,
     check_spec,
 )
 from robustrl.launcher.ray_member import MemberProcess
@@ -228,9 +229,7 @@ class RayLauncher(Launcher):
         self._spares: list[_Member] = []
         self._spares_wanted = 0
         self._spares_found = False  # a predecessor's spares looked up (once)
-        self._restock_lock = threading.Lock()
-        self._restock_failures = 0  # restocks failed in a row (their retries back off)
-        self._retry_pending = False  # the retry timer after a failed restock is scheduled
+        self._restocks = RestockRetries(SPARE_RESTOCK_DELAY_S, SPARE_RETRY_MAX_S)
         self._timers: set[threading.Timer] = set()
         self._trainer_shape: _Shape | None = None
         self._suspect: dict[str, float] = {}  # node id -> when a member there was lost (monotonic)
@@ -495,23 +494,7 @@ class RayLauncher(Launcher):
         """Forget dead spares, release extra (or mis-sized) ones, start missing ones. One that
         fails (or any error of the cluster meanwhile) is tried again later, backing off
         (``SPARE_RETRY_MAX_S``); it never raises: callers are timer threads and ``keep_spares``."""
-        with self._restock_lock:
-            try:
-                done = self._restock_locked()
-            except Exception:  # a timer thread would die with it, and the restock be lost
-                log.exception("restocking the warm spares failed")
-                done = False
-            if done:
-                self._restock_failures = 0
-                return
-            self._restock_failures += 1
-            delay = min(SPARE_RESTOCK_DELAY_S * 2 ** (self._restock_failures - 1), SPARE_RETRY_MAX_S)
-            log.warning("warm spare pool short (restock failure %d in a row): trying again in %.0f s",
-                        self._restock_failures, delay)
-            if self._retry_pending:  # one retry chain, however many calls failed meanwhile
-                return
-            self._retry_pending = True
-        self._restock_later(delay, retry=True)
+        self._restocks.run(self._restock_locked, lambda delay: self._restock_later(delay, retry=True))
 
     def _restock_locked(self) -> bool:
         """``_restock``'s work (restock lock held); False when a missing spare could not be started."""
@@ -569,8 +552,7 @@ class RayLauncher(Launcher):
             with self._lock:
                 self._timers.discard(timer)
             if retry:
-                with self._restock_lock:
-                    self._retry_pending = False
+                self._restocks.retrying()
             self._restock()
 
         timer = threading.Timer(SPARE_RESTOCK_DELAY_S if delay_s is None else delay_s, restock)
