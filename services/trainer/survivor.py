@@ -20,6 +20,7 @@ it writes each one's new identity (a rank of the next gang) as a hand-off and si
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import select
@@ -132,6 +133,8 @@ class SurvivorHook:
 
 
 def _give_up() -> None:
-    # From the watchdog thread: no logging (its locks may be held), straight out.
+    # From the watchdog thread: no logging (its locks may be held), straight out; where every
+    # thread was is written first (faulthandler writes to the fd itself), to tell what held it.
     os.write(2, f"the old gang's worker did not stop within {UNWIND_S:.0f} s of the hand-off: exiting\n".encode())
+    faulthandler.dump_traceback(file=2, all_threads=True)
     os._exit(1)

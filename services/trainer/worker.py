@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from robustrl.aio import wait_event
 from robustrl.batch_digest import batch_digest
-from robustrl.bus import EVENT_PUBLISH_RETRY_S, Bus
+from robustrl.bus import DURABLE_DRAIN_S, EVENT_PUBLISH_RETRY_S, Bus
 from robustrl.checkpoint import (
     UPLOAD_WAIT_S,
     Checkpointer,
@@ -62,6 +62,8 @@ EXIT_STALE = 75
 """Exit status (EX_TEMPFAIL) of a trainer whose gang a newer gang replaced before it started."""
 LEAVE_UPLOAD_WAIT_S = 2.0
 """How long a rank kept for the next gang waits for its broken gang's running checkpoint upload."""
+BRIEF_DRAIN_S = 2.0
+"""How long a brief close (the gang broke, or the rank is kept) waits for events still being stored."""
 
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
@@ -265,7 +267,9 @@ class TrainerWorker:
         if redis is not None:  # on this loop (a kept rank's next gang runs on another one)
             with contextlib.suppress(Exception):
                 await redis.aclose()
-        await self.member.close()
+        # A kept rank must unwind within the survivor's UNWIND_S, upload wait and NATS's own
+        # drain and close included: its events still in flight get less than a full drain.
+        await self.member.close(drain_s=BRIEF_DRAIN_S if brief else DURABLE_DRAIN_S)
 
     async def _finish_upload(self, ckpt: Checkpointer, brief: bool) -> None:
         """Wait for the running checkpoint upload, in 1 s slices: a hand-off that comes while a
