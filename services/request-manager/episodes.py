@@ -52,21 +52,43 @@ class EpisodeRunner:
         self.stats = {"tool_failures": 0, "episodes_run": 0}
 
     async def make_episodes(self, step: int) -> tuple[list[EpisodeRecord], bool]:
-        """The step's episodes from Redis if it was started before (resumed: True), else new ones."""
-        existing = await self.store.step_episode_ids(step)
-        if existing:
-            return await self.store.get_many(existing), True
+        """The step's episodes: from Redis if it was started before (resumed: True), else new ones.
+
+        A step's episodes are derived from (tasks, step, prompts per step, group size, seed), the
+        same in every life. A request manager killed while it stored them (one write each) left
+        the step's set with some of them: the next life resumed the step with those alone and
+        handed over a short batch (seen in a full run: 2 of 16, the rest of the step lost). Now the
+        missing ones are stored again and the step continues with all of them.
+        """
+        expected = self._new_episodes(step)
+        existing = set(await self.store.step_episode_ids(step))
+        if not existing:
+            for ep in expected:
+                await self.store.put(ep)
+            return expected, False
+        stored = {e.episode_id: e for e in await self.store.get_many(sorted(existing))}
+        eps, missing = [], 0
+        for ep in expected:
+            if ep.episode_id in stored:
+                eps.append(stored.pop(ep.episode_id))
+            else:
+                await self.store.put(ep)
+                eps.append(ep)
+                missing += 1
+        eps.extend(stored[e] for e in sorted(stored))  # (none expected: kept, nothing is dropped)
+        if missing:
+            log.warning("job %s: step %d was started with %d of its %d episodes stored (a request manager "
+                        "killed while it stored them): the %d missing stored again", self.job_id, step,
+                        len(existing), len(expected), missing)
+        return eps, True
+
+    def _new_episodes(self, step: int) -> list[EpisodeRecord]:
         prompts = tasks.sample_prompts(list(self.spec.data.tasks), step, self.spec.data.prompts_per_step,
                                        self.spec.seed)
-        eps = []
-        for prompt in prompts:
-            for g in range(self.spec.data.group_size):
-                eps.append(EpisodeRecord(job_id=self.job_id, episode_id=f"s{step}-{prompt.prompt_id}-g{g}",
-                                         step=step, group_id=f"s{step}-{prompt.prompt_id}", prompt=prompt.to_dict(),
-                                         prompt_ids=tasks.initial_prompt_ids(prompt, self.tok)))
-        for ep in eps:
-            await self.store.put(ep)
-        return eps, False
+        return [EpisodeRecord(job_id=self.job_id, episode_id=f"s{step}-{prompt.prompt_id}-g{g}", step=step,
+                              group_id=f"s{step}-{prompt.prompt_id}", prompt=prompt.to_dict(),
+                              prompt_ids=tasks.initial_prompt_ids(prompt, self.tok))
+                for prompt in prompts for g in range(self.spec.data.group_size)]
 
     async def run(self, ep: EpisodeRecord, step: int, timing: dict[str, float]) -> None:
         """Run ``ep`` from its saved state to its reward. A finished episode returns at once."""
