@@ -289,7 +289,7 @@ class Bus:
         event = Event(job_id=job_id, kind=kind, data=data or {}, **({"ts": ts} if ts is not None else {}))
         # events() refuses a kind this bus's role does not own (SubjectError, raised).
         subj = subjects.events(job_id, kind, self.role)
-        msg_id = f"{job_id}-{kind}-{uuid.uuid4().hex}"
+        msg_id = event_msg_id(job_id, kind)
         if self.owed and not required:
             self._owe(msg_id, event)
             return event
@@ -402,6 +402,12 @@ class Bus:
                     await within(self._nc.close(), DRAIN_TIMEOUT_S)
                 except Exception as exc:
                     log.warning("nats %s: close did not finish: %s", self.name, exc)
+
+
+def event_msg_id(job_id: str, kind: str) -> str:
+    """A new event's JetStream message id (its retries, and a later life's append of it from an
+    outbox, keep it: stored once within the duplicate window)."""
+    return f"{job_id}-{kind}-{uuid.uuid4().hex}"
 
 
 def redact_url(url: str) -> str:

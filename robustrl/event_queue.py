@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from robustrl import subjects
 from robustrl.aio import cancel_and_wait, within
-from robustrl.bus import Bus
+from robustrl.bus import Bus, event_msg_id
 from robustrl.errors import SubjectError, TransportError
 from robustrl.messages import Event
 
@@ -77,7 +76,7 @@ class EventQueue:
             ValueError: ``data`` does not fit ``kind`` (a bug: raised here, not in the background).
         """
         event = Event(job_id=job_id, kind=kind, data=data)  # type: ignore[arg-type]
-        return event if self.put(f"{job_id}-{kind}-{uuid.uuid4().hex}", event) else None
+        return event if self.put(event_msg_id(job_id, kind), event) else None
 
     def put(self, msg_id: str, event: Event, settled: Settled | None = None) -> bool:
         """Queue ``event`` under ``msg_id``; False (dropped, logged) when full or closed."""

@@ -244,18 +244,16 @@ def check_outbox(inp: AuditInput, facts: JobFacts, controller_slack_s: float) ->
     res = CheckResult()
     logged = {(e.kind, e.ts, _canonical(e.data)) for e in inp.events}
     out: dict[str, int] = {}
-    if inp.redis.outbox is not None:
-        missing = [what for what, _ in _unappended(inp.redis.outbox, logged)]
+    # The request manager's and the detector's outboxes: an ended job's entry the log lacks was lost.
+    for owner, entries, prefix in (("the request manager's", inp.redis.outbox, "outbox"),
+                                   ("the detector's", inp.redis.detector_outbox, "detector_outbox")):
+        if entries is None:
+            continue
+        missing = [what for what, _ in _unappended(entries, logged)]
         if facts.ended and missing:
-            res.violations.append(f"the job ended with {len(missing)} events in the request manager's outbox that "
-                                  f"its log never got: {', '.join(missing[:5])}")
-        out.update(outbox_entries=len(inp.redis.outbox), outbox_unappended=len(missing))
-    if inp.redis.detector_outbox is not None:
-        missing_d = [what for what, _ in _unappended(inp.redis.detector_outbox, logged)]
-        if facts.ended and missing_d:
-            res.violations.append(f"the job ended with {len(missing_d)} events in the detector's outbox that its "
-                                  f"log never got: {', '.join(missing_d[:5])}")
-        out.update(detector_outbox_entries=len(inp.redis.detector_outbox), detector_outbox_unappended=len(missing_d))
+            res.violations.append(f"the job ended with {len(missing)} events in {owner} outbox that its log never "
+                                  f"got: {', '.join(missing[:5])}")
+        out.update({f"{prefix}_entries": len(entries), f"{prefix}_unappended": len(missing)})
     if inp.redis.controller_outbox is not None:
         final_ts = min((e.ts for e in inp.events if e.kind in ENDED_KINDS), default=None)
         missing_c = _unappended(inp.redis.controller_outbox, logged)

@@ -46,12 +46,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from typing import Any
 
 from robustrl import subjects
 from robustrl.aio import cancel_and_wait, within
-from robustrl.bus import Bus
+from robustrl.bus import Bus, event_msg_id
 from robustrl.errors import SubjectError, TransportError
 from robustrl.messages import Event, EventLog
 from robustrl.storage.control_stores import ControllerOutbox, OutboxEntry
@@ -139,7 +138,7 @@ class ControllerEvents:
     def _entry(self, job_id: str, kind: str, data: dict[str, Any], msg_id: str | None) -> OutboxEntry:
         subjects.events(job_id, kind, self.bus.role)  # a kind this role may not write: SubjectError now
         event = Event(job_id=job_id, kind=kind, data=data)  # type: ignore[arg-type]
-        return OutboxEntry(msg_id=msg_id or f"{job_id}-{kind}-{uuid.uuid4().hex}", event=event)
+        return OutboxEntry(msg_id=msg_id or event_msg_id(job_id, kind), event=event)
 
     async def _save(self, entry: OutboxEntry) -> None:
         job_id = entry.event.job_id

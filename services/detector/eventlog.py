@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import Any
 
 from robustrl.aio import cancel_and_wait
-from robustrl.bus import Bus
+from robustrl.bus import Bus, event_msg_id
 from robustrl.errors import TransportError
 from robustrl.event_outbox import OutboxWriter, RedisBound, outbox_keys
 from robustrl.event_queue import MAX_PENDING_EVENTS, STOP_GRACE_S, EventQueue
@@ -95,7 +94,7 @@ class EventWriter:
             ValueError: ``data`` does not fit ``kind`` (a bug: raised here, not in the background).
         """
         event = Event(job_id=job_id, kind=kind, data=data)  # type: ignore[arg-type]
-        entry = OutboxEntry(msg_id=f"{job_id}-{kind}-{uuid.uuid4().hex}", event=event)
+        entry = OutboxEntry(msg_id=event_msg_id(job_id, kind), event=event)
         dropped = self.queue.dropped
         if self.redis is None:
             self.queue.put(entry.msg_id, event)
