@@ -271,7 +271,8 @@ class Bus:
 
     async def emit_event(self, job_id: str, kind: str, data: dict[str, Any] | None = None,
                          ts: float | None = None, *, required: bool = False,
-                         retry_s: float = EVENT_PUBLISH_RETRY_S) -> Event:
+                         retry_s: float = EVENT_PUBLISH_RETRY_S, msg_id: str | None = None,
+                         settled: Callable[[], Awaitable[None]] | None = None) -> Event:
         """Append one event to the job's log (acknowledged by JetStream, retried through an outage).
 
         An event JetStream did not store within ``retry_s`` is not dropped: it is kept, under the
@@ -281,6 +282,10 @@ class Bus:
         the log keeps this bus's order. The queue is in memory (bounded, ``EventQueue``): a
         process killed during the outage loses it; ``close`` gives it its drain bound.
 
+        ``msg_id``: the event's message id when the caller saved it elsewhere first (an outbox
+        whose later append must be stored once with this one); ``settled`` is awaited once
+        JetStream stored it (inline or from the owed queue; it must not raise).
+
         Raises:
             TransportError: with ``required`` only (an event that must be in the log before what
                 follows it is done), when it was not stored within ``retry_s`` (behind any owed
@@ -289,9 +294,9 @@ class Bus:
         event = Event(job_id=job_id, kind=kind, data=data or {}, **({"ts": ts} if ts is not None else {}))
         # events() refuses a kind this bus's role does not own (SubjectError, raised).
         subj = subjects.events(job_id, kind, self.role)
-        msg_id = event_msg_id(job_id, kind)
+        msg_id = msg_id or event_msg_id(job_id, kind)
         if self.owed and not required:
-            self._owe(msg_id, event)
+            self._owe(msg_id, event, settled)
             return event
         loop = asyncio.get_running_loop()
         deadline = loop.time() + retry_s
@@ -310,7 +315,10 @@ class Bus:
             # The service that emits must not wait on JetStream past its budget, nor lose the event.
             log.warning("%s: event %s for %s not stored within %.0f s: kept, retried in the background "
                         "(%d owed): %s", self.name, kind, job_id, retry_s, self.owed + 1, exc)
-            self._owe(msg_id, event)
+            self._owe(msg_id, event, settled)
+            return event
+        if settled is not None:
+            await settled()
         return event
 
     @property
@@ -318,12 +326,12 @@ class Bus:
         """Events kept after their retry budget ran out, not stored yet."""
         return self._backlog.pending if self._backlog is not None else 0
 
-    def _owe(self, msg_id: str, event: Event) -> None:
+    def _owe(self, msg_id: str, event: Event, settled: Callable[[], Awaitable[None]] | None = None) -> None:
         if self._backlog is None:
             from robustrl.event_queue import EventQueue  # (it imports this module)
 
             self._backlog = EventQueue(self, name=f"{self.name}-owed-events")
-        self._backlog.put(msg_id, event)
+        self._backlog.put(msg_id, event, settled)
 
     async def read_events(self, job_id: str, timeout: float = EVENT_READ_TIMEOUT_S) -> EventLog:
         """Every event of a job, in log order. An envelope that cannot be parsed, or whose subject

@@ -82,6 +82,15 @@ def check_event_log(inp: AuditInput, facts: JobFacts) -> CheckResult:
     if facts.finished and facts.final_step != facts.steps - 1:
         res.violations.append(f"job_finished logged with final committed step {facts.final_step}, "
                               f"spec has {facts.steps} steps")
+    if facts.ended:
+        # Every step up to the last committed one was committed by some gang: a step without any
+        # step_committed is one whose commit event was lost (its gang killed before JetStream
+        # stored it, the next gang resuming past it). Once the job ended nothing is on its way.
+        committed = {_int(e.data.get("step")) for e in of_kind(inp.events, "step_committed")}
+        missing = [s for s in range(facts.final_step + 1) if s not in committed]
+        if missing:
+            res.violations.append(f"steps {missing[:10]} (of 0..{facts.final_step}) have no step_committed in the "
+                                  "log: their commit events were lost")
     res.passed = not res.violations
     return res
 

@@ -234,7 +234,8 @@ def check_outbox(inp: AuditInput, facts: JobFacts, controller_slack_s: float) ->
     still in its outbox (``Keys.rm_outbox``) that the log lacks was never appended. One the log
     already holds (same kind, time and data) is only waiting for its removal. The detector's
     outbox (``Keys.detector_outbox``: its ``fault_detected`` events, appended by the next detector
-    to start or by a deletion that keeps the log) is judged the same way.
+    to start or by a deletion that keeps the log) and the trainer's (``Keys.trainer_outbox``: rank
+    0's ``step_committed`` events, appended by the next gang) are judged the same way.
 
     The controller's outbox (``Keys.controller_outbox``) is appended in order, one entry at a
     time, so once the log holds the job's final event, every controller event given well before
@@ -246,7 +247,8 @@ def check_outbox(inp: AuditInput, facts: JobFacts, controller_slack_s: float) ->
     out: dict[str, int] = {}
     # The request manager's and the detector's outboxes: an ended job's entry the log lacks was lost.
     for owner, entries, prefix in (("the request manager's", inp.redis.outbox, "outbox"),
-                                   ("the detector's", inp.redis.detector_outbox, "detector_outbox")):
+                                   ("the detector's", inp.redis.detector_outbox, "detector_outbox"),
+                                   ("the trainer's", inp.redis.trainer_outbox, "trainer_outbox")):
         if entries is None:
             continue
         missing = [what for what, _ in _unappended(entries, logged)]

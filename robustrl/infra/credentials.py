@@ -41,7 +41,7 @@ _ANY = "*"
 _JOB_KEYS_RW = " ".join(f"~{pattern}" for pattern in (
     Keys.episode(_ANY, _ANY), Keys.prefix(_ANY, _ANY), Keys.step_episodes(_ANY, _ANY),  # type: ignore[arg-type]
     Keys.batch(_ANY, _ANY), Keys.fence(_ANY, _ANY), Keys.trained_log(_ANY),  # type: ignore[arg-type]
-    Keys.weights_latest(_ANY), Keys.gang(_ANY)))
+    Keys.weights_latest(_ANY), Keys.gang(_ANY), Keys.trainer_outbox(_ANY)))
 _SAFE_COMMANDS = "+@read +@write +@scripting +@transaction +@connection +select -@dangerous -@admin"
 
 REDIS_ACCESS: dict[Principal, str | None] = {
@@ -49,7 +49,7 @@ REDIS_ACCESS: dict[Principal, str | None] = {
     Principal.CONTROLLER: f"~rrl:* {_SAFE_COMMANDS}",
     Principal.REQUEST_MANAGER: f"~rrl:* {_SAFE_COMMANDS}",
     # The trainer: episodes it trains on, the batch fence and trained log, the weights pointer,
-    # the gang record. A new key the trainer writes must be added to _JOB_KEYS_RW.
+    # the gang record, its event outbox. A new key the trainer writes must be added to _JOB_KEYS_RW.
     Principal.TRAINER: f"{_JOB_KEYS_RW} {_SAFE_COMMANDS}",
     # A replica only reads the weights pointer when it starts.
     Principal.ROLLOUT: f"%R~{Keys.weights_latest('*')} +@read +@connection +select -@dangerous -@admin",

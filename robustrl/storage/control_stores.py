@@ -104,6 +104,17 @@ class DetectorOutbox(EventOutbox):
         super().__init__(client, job_id, Keys.detector_outbox(job_id))
 
 
+class TrainerOutbox(EventOutbox):
+    """One job's trainer outbox (``Keys.trainer_outbox``): each ``step_committed`` of rank 0,
+    saved by the fenced script that records the step trained (``GangFence.record_trained``) and
+    removed once JetStream stored it. Appended by the next gang's rank 0 when it enters the fence;
+    read by a deletion that keeps the job's log (which may not write the trainer's events: logged)
+    and by the auditor."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        super().__init__(client, job_id, Keys.trainer_outbox(job_id))
+
+
 class JobRegistry:
     """Job records, so a restarted controller finds its jobs again.
 

@@ -70,6 +70,16 @@ if redis.call('LINDEX', KEYS[2], -1) ~= ARGV[2] then redis.call('RPUSH', KEYS[2]
 return {1, epoch}
 """
 
+# KEYS[3]: the trainer outbox; ARGV[3]: the step's commit event to save with the record ('' for
+# none). Both or neither, once (the repeat check of _APPEND covers both).
+_RECORD = _GUARD + """
+if redis.call('LINDEX', KEYS[2], -1) ~= ARGV[2] then
+  redis.call('RPUSH', KEYS[2], ARGV[2])
+  if ARGV[3] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[3]) end
+end
+return {1, epoch}
+"""
+
 _SET = _GUARD + "redis.call('SET', KEYS[2], ARGV[2]); return {1, epoch}"
 
 Claim = Literal["new", "redo", "refused"]
@@ -100,7 +110,7 @@ class GangFence:
         self.key = Keys.gang(job_id)
         self._scripts = {name: client.register_script(src) for name, src in (
             ("enter", _ENTER), ("admit", _ADMIT), ("durable", _DURABLE), ("claim", _CLAIM),
-            ("append", _APPEND), ("set", _SET))}
+            ("append", _APPEND), ("record", _RECORD), ("set", _SET))}
 
     async def _run(self, name: str, what: str, keys: list[str], *args: Any) -> tuple[int, int]:
         res = await _call(self._scripts[name](keys=[self.key, *keys], args=[str(self.epoch), *map(str, args)]),
@@ -133,10 +143,14 @@ class GangFence:
         code, _ = await self._run("claim", f"claim batch {step}", [Keys.fence(self.job, step)], durable_step, step)
         return {1: "new", 2: "redo", 3: "refused"}[code]  # type: ignore[return-value]
 
-    async def record_trained(self, step: int, checksum: str) -> None:
-        """Append to the trained log (the auditor checks no batch is trained twice per lineage)."""
+    async def record_trained(self, step: int, checksum: str, commit: str = "") -> None:
+        """Append to the trained log (the auditor checks no batch is trained twice per lineage),
+        and in the same script save ``commit`` (the stored text of the step's ``step_committed``
+        outbox entry) in the trainer outbox: a rank killed before JetStream stored the event leaves
+        it for the next gang to append."""
         entry = json.dumps({"step": step, "epoch": self.epoch, "checksum": checksum})
-        await self._run("append", f"record step {step} trained", [Keys.trained_log(self.job)], entry)
+        await self._run("record", f"record step {step} trained",
+                        [Keys.trained_log(self.job), Keys.trainer_outbox(self.job)], entry, commit)
 
     async def set_pointer(self, announce_json: bytes | str) -> None:
         """Point late joiners at this gang's newest announced weights."""

@@ -120,6 +120,12 @@ class Keys:
         return f"rrl:{job}:detector:outbox"
 
     @staticmethod
+    def trainer_outbox(job: str) -> str:
+        """Rank 0's ``step_committed`` events of a job not yet in its log (a list;
+        ``TrainerOutbox``), each saved with the training record it announces."""
+        return f"rrl:{job}:trainer:outbox"
+
+    @staticmethod
     def rm_outbox_pattern() -> str:
         """SCAN pattern of every job's request-manager outbox (a starting request manager appends
         what any job's outbox still holds)."""

@@ -112,10 +112,19 @@ class JobRunner:
     # --- what the trainer and members say --------------------------------------------------
 
     def on_hello(self, msg: MemberHello) -> None:
-        if msg.role == "trainer":
-            self.gang_epoch = max(self.gang_epoch, msg.epoch)
+        if msg.role == "trainer" and msg.epoch >= self.gang_epoch:
+            self.gang_epoch = msg.epoch
             if msg.resume_step is not None:  # a gang resumes after its newest durable checkpoint
                 self._durable(msg.resume_step - 1)
+                # ... so every step before it was committed, whether or not its commit message
+                # came (a rank killed between recording a step and announcing it): else the wait
+                # for that commit never ended (the trained-log recheck reads this gang's entries
+                # only), and the new gang waited for a batch never generated.
+                if msg.resume_step - 1 > self.committed:
+                    log.warning("job %s: gang %d resumed at step %d: steps up to %d committed (%d heard)",
+                                self.job_id, msg.epoch, msg.resume_step, msg.resume_step - 1, self.committed)
+                    self.committed = msg.resume_step - 1
+                    self.changed.set()
         self.dispatcher.on_hello(msg)
 
     def on_commit(self, msg: StepCommitted) -> None:

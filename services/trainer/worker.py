@@ -17,10 +17,12 @@ import errno
 import gc
 import logging
 import os
+import signal
 import socket
 import sys
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 
 import torch
 import torch.distributed as dist
@@ -30,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from robustrl.aio import wait_event
 from robustrl.batch_digest import batch_digest
-from robustrl.bus import DURABLE_DRAIN_S, EVENT_PUBLISH_RETRY_S, Bus
+from robustrl.bus import DURABLE_DRAIN_S, EVENT_PUBLISH_RETRY_S, Bus, event_msg_id
 from robustrl.checkpoint import (
     UPLOAD_WAIT_S,
     Checkpointer,
@@ -40,13 +42,15 @@ from robustrl.checkpoint import (
     seed_rng,
 )
 from robustrl.config import JobSpec, Settings
-from robustrl.errors import EXIT_CHECKPOINT_LOST, CheckpointLost, ConfigError, RequestTimeout, StaleEpoch
+from robustrl.errors import (
+    EXIT_CHECKPOINT_LOST, CheckpointLost, ConfigError, RequestTimeout, StaleEpoch, SubjectError, TransportError)
 from robustrl.gpu import GpuProbe
-from robustrl.member import Identity, Member
-from robustrl.messages import BatchGet, BatchReady, StepCommitted, WeightsAnnounce
+from robustrl.member import Identity, Member, failpoint_armed
+from robustrl.messages import BatchGet, BatchReady, Event, StepCommitted, WeightsAnnounce
 from robustrl.model.hf import load_tokenizer
 from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.rl import grpo, tasks
+from robustrl.storage.control_stores import OutboxEntry, TrainerOutbox
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.objects import open_object_store
 from robustrl.storage.redis_stores import EpisodeRecord, EpisodeStore, connect
@@ -177,6 +181,7 @@ class TrainerWorker:
         self.hook: SurvivorHook | None = None
         """Set by ``run_member``: hands this process to the next gang when the controller keeps it."""
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._unremoved: list[str] = []  # stored commit events whose outbox removal failed
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -377,6 +382,8 @@ class TrainerWorker:
         """Enter the fence, load the newest checkpoint that verifies, and check that the history
         after it can be redone (else ``CheckpointLost``: never train over a committed history)."""
         record = await self.gang.enter()
+        if self.ident.rank == 0:
+            await self._append_outbox()
         state = await asyncio.to_thread(self.ckpt.load_latest)
         state = await asyncio.to_thread(agree_on_checkpoint, self.ckpt, state, self.ident.rank,
                                         self.ident.world_size, self.device if self.device.type == "cuda" else None)
@@ -513,19 +520,33 @@ class TrainerWorker:
             checksum = await self._publish(self.version)
             publish_s = time.monotonic() - t1
             if self.ident.rank == 0:
-                await self.gang.record_trained(step, checksum)
                 timings = {**batch.timings, "training_s": train_s, "checkpoint_blocking_s": snap.blocking_s,
                            "checkpoint_wait_s": snap.wait_s, "upload_s": upload.upload_s if upload else 0.0,
                            "publish_s": publish_s, "loss": stats["loss"], "stale_turns_dropped": float(stale_turns)}
-                commit = StepCommitted(job_id=job, step=step, weights_version=self.version,
-                                       epoch=self.member.epoch, reward_mean=batch.reward_mean, checksum=checksum,
-                                       durable_step=self.durable, timings=timings, checkpoint_bytes=snap.bytes)
-                await bus.publish(subject(job, Verb.COMMIT), commit)
-                await bus.emit_event(job, "step_committed", {
+                commit_event = Event(job_id=job, kind="step_committed", data={
                     "step": step, "epoch": self.member.epoch, "weights_version": self.version,
                     "reward_mean": batch.reward_mean, "checksum": checksum, "timings": timings,
                     "checkpoint_bytes": snap.bytes, "durable_step": self.durable,
                     "train": {k: round(v, 6) for k, v in stats.items()}, "turn_lag": lags, "trained": trained})
+                saved = OutboxEntry(msg_id=event_msg_id(job, "step_committed"), event=commit_event)
+                saved_text = saved.model_dump_json()
+                # The record and the event it owes in one fenced script: a rank killed before
+                # JetStream stored the event leaves it to the next gang (``_append_outbox``).
+                await self.gang.record_trained(step, checksum, saved_text)
+                if failpoint_armed("commit_unsent", job, self.ident.member_id):
+                    # The worst moment for the commit's event: the step trained, recorded and its
+                    # checkpoint durable (the next gang resumes past it), its event not yet sent.
+                    durable = await asyncio.to_thread(self.ckpt.wait_uploaded, 60.0)
+                    log.warning("failpoint commit_unsent: killed after step %d (durable %s)", step, durable)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                commit = StepCommitted(job_id=job, step=step, weights_version=self.version,
+                                       epoch=self.member.epoch, reward_mean=batch.reward_mean, checksum=checksum,
+                                       durable_step=self.durable, timings=timings,
+                                       checkpoint_bytes=snap.bytes)
+                await bus.publish(subject(job, Verb.COMMIT), commit)
+                await self._retry_outbox_removals()
+                await bus.emit_event(job, "step_committed", commit_event.data, commit_event.ts,
+                                     msg_id=saved.msg_id, settled=self._outbox_removal(saved_text))
             self.step += 1
         await self.member.set_phase("idle")
         if self.step >= self.spec.steps:
@@ -534,6 +555,48 @@ class TrainerWorker:
             # Members live until the controller stops them: exiting on our own would look like
             # a machine loss.
             await self.member.stopping.wait()
+
+    # --- the trainer outbox (a commit's event kept until JetStream stored it) ------------------
+
+    def _outbox_removal(self, text: str) -> Callable[[], Awaitable[None]]:
+        """Once JetStream stored the event saved as ``text``: out of the outbox (a failed removal is
+        tried again at the next commit; left there, the next gang appends it again under its
+        message id: stored once within JetStream's duplicate window)."""
+        async def remove() -> None:
+            try:
+                await TrainerOutbox(self.redis, self.ident.job_id).remove(text)
+            except TransportError as exc:
+                log.warning("a stored commit event not removed from the trainer outbox (retried): %s", exc)
+                self._unremoved.append(text)
+        return remove
+
+    async def _retry_outbox_removals(self) -> None:
+        while self._unremoved:
+            try:
+                await TrainerOutbox(self.redis, self.ident.job_id).remove(self._unremoved[0])
+            except TransportError as exc:
+                log.warning("%d stored commit events still in the trainer outbox: %s", len(self._unremoved), exc)
+                return
+            self._unremoved.pop(0)
+
+    async def _append_outbox(self) -> None:
+        """Rank 0 of a gang that just entered the fence: append the commit events an older gang
+        saved and JetStream never stored (its rank killed first), under their message ids. No
+        older gang can save another one now (its record is refused)."""
+        bus = self.member.bus
+        assert bus
+        outbox = TrainerOutbox(self.redis, self.ident.job_id)
+        entries = await outbox.entries()
+        for raw, entry in entries:
+            ev = entry.event
+            try:
+                await bus.emit_event(ev.job_id, ev.kind, ev.data, ev.ts, msg_id=entry.msg_id,
+                                     settled=self._outbox_removal(raw.decode()))
+            except SubjectError as exc:  # not a trainer's event: can never be appended from here
+                log.error("trainer outbox entry of kind %s dropped: %s", ev.kind, exc)
+                await outbox.remove(raw)
+        if entries:
+            log.warning("appended %d commit events an older gang left in the trainer outbox", len(entries))
 
     async def _publish(self, version: int) -> str:
         """Serve ``version`` from this rank; rank 0 announces it and records it for late joiners."""
