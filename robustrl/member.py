@@ -45,8 +45,10 @@ The controller's start deadline (``detector.start_deadline_s``) is what ends it.
 ``hello_lost``: the member's hello is never published (a publish lost on the bus); the member runs
 on.
 ``hello_lost_first``: the member's first hello is not published; the ones it sends again are.
-``commit_unsent`` (trainer rank 0): the member SIGKILLs itself after its first step's training is
-recorded and that step's checkpoint is durable, before the step's ``step_committed`` is sent."""
+Trainer rank 0, each SIGKILLs the member at step 1 (``worker.FAILPOINT_STEP``): ``claimed`` (the step's batch claimed
+in the fence, nothing trained), ``published_unrecorded`` (trained, checkpointed, its version
+published; not yet recorded trained), ``commit_unsent`` (recorded trained and the step's checkpoint
+durable; its ``step_committed`` not yet sent)."""
 HELLO_RESEND_S = (0.5, 5.0)
 """First and longest pause between sends of a hello the controller has not acknowledged."""
 HELLO_RESEND_FOR_S = 600.0

@@ -6,6 +6,9 @@ step and never trains it again: the step had no ``step_committed`` in the job's 
 with it went the trainer's record of which episodes it trained (``trained``). The same held for a
 commit JetStream did not store within its budget (kept in memory only) and a trainer killed after.
 
+A checkpoint made durable before its step was recorded trained (its upload runs while the version
+is published) left the same hole; now a step's manifest waits for the record.
+
 Now the event is saved in the job's trainer outbox (``Keys.trainer_outbox``) in the same fenced
 script that records the training, removed once JetStream stored it, and appended by the next
 gang's rank 0 when it enters the fence, under the same message id. Checked from outside: the raw
@@ -36,7 +39,9 @@ from robustrl.storage.redis_stores import Keys, connect
 
 pytestmark = pytest.mark.timeout(240)
 
-KILLED = "trainer-e1-r0"  # the first gang's rank 0, killed after its first step at the failpoint
+KILLED = "trainer-e1-r0"  # the first gang's rank 0, killed at step 1 (``worker.FAILPOINT_STEP``)
+# job name -> the failpoint its first rank 0 dies at
+POINTS = {"cu": "commit_unsent", "pu": "published_unrecorded", "cl": "claimed"}
 
 
 @pytest.fixture
@@ -73,8 +78,8 @@ async def test_the_commit_event_is_saved_with_the_training_record_and_fenced(red
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    st = Stack(tmp_path_factory.mktemp("trainer-outbox"),
-               service_extra_env={"controller": {FAILPOINTS_ENV: f"commit_unsent@cu/{KILLED}"}})
+    armed = ",".join(f"{point}@{name}/{KILLED}" for name, point in POINTS.items())
+    st = Stack(tmp_path_factory.mktemp("trainer-outbox"), service_extra_env={"controller": {FAILPOINTS_ENV: armed}})
     st.start()
     try:
         yield st
@@ -82,25 +87,38 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         st.stop()
 
 
-def test_a_rank_killed_between_its_record_and_its_commit_event_loses_no_commit(stack: Stack) -> None:
-    """Before: step 0 trained, recorded and durable, its ``step_committed`` never in the log (the
-    next gang resumed at step 1); the auditor's new check and the assertion below both failed."""
+@pytest.mark.parametrize("name", list(POINTS))
+def test_a_rank_killed_at_each_moment_of_a_commit_loses_no_step_and_no_commit(stack: Stack, name: str) -> None:
+    """``commit_unsent``, before: the job stalled for good (the request manager waited for step 1's
+    commit message, the new gang resumed at step 2 and waited for a batch never generated); with
+    that fixed, step 1 had no ``step_committed`` in the log (the auditor's new check and the
+    assertion below failed). ``published_unrecorded`` (killed once the step's checkpoint upload
+    ended, or after 5 s of it held), before: the checkpoint was durable before the step was
+    recorded trained; the next gang resumed past step 1, which had neither a training record nor a
+    ``step_committed`` (the same assertion failed: steps [0, 2, 3]). Now a manifest waits for its
+    step's record (``RecordGate``), so the next gang trains step 1 again. ``claimed``: the same
+    checks, nothing trained twice in the durable lineage (the auditor)."""
     api = ApiClient(stack.api_url, stack.settings.api_token)
-    spec = small_job("cu", steps=4, rollout={"replicas": 1}, trainer={"workers": 1})
+    spec = small_job(name, steps=4, rollout={"replicas": 1}, trainer={"workers": 1})
     jid = api.submit(spec)["job_id"]
     sampler = sample_batches(stack.settings.redis_url, jid)
     status = wait_done(api, jid, timeout=180)
     assert status["committed_step"] == 3
     events = api.events(jid)
     faults = [d for d in kinds(events, "fault_detected") if d.get("member_id") == KILLED]
-    assert faults, f"{KILLED} was not killed at the failpoint: {kinds(events, 'fault_detected')}"
-    # The second gang resumed past step 0 (its checkpoint was durable): only the first gang's
-    # commit can name step 0, appended by the second gang from the outbox.
+    assert faults, f"{KILLED} was not killed at {POINTS[name]}: {kinds(events, 'fault_detected')}"
     ready = [d for d in kinds(events, "member_ready") if d.get("role") == "trainer" and d["epoch"] > 1]
-    assert ready and ready[0]["resume_step"] == 1, ready
     commits = kinds(events, "step_committed")
     assert sorted({c["step"] for c in commits}) == [0, 1, 2, 3], commits
-    [first] = [c for c in commits if c["step"] == 0]
-    assert first["epoch"] == 1 and len(first["trained"]["episodes"]) == 16, first
+    if POINTS[name] == "commit_unsent":
+        # The next gang resumed past step 1 (its checkpoint was durable): only the first gang's
+        # commit can name step 1, appended by the next gang from the outbox.
+        assert ready and ready[0]["resume_step"] == 2, ready
+        [first] = [c for c in commits if c["step"] == 1]
+        assert first["epoch"] == 1 and len(first["trained"]["episodes"]) == 16, first
+    else:
+        # Step 1 was never recorded trained by the first gang: the next one trains it.
+        assert ready and ready[0]["resume_step"] == 1, ready
+        assert {c["epoch"] for c in commits if c["step"] == 1} == {ready[0]["epoch"]}, commits
     report = audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))
     assert report.facts["trainer_outbox_unappended"] == 0, report.facts

@@ -12,6 +12,7 @@ job fails loudly.
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -69,18 +70,58 @@ async def read_history(client: aioredis.Redis, job_id: str, record: GangRecord, 
     return History(durable=record.durable, trained=trained, batches=frozenset(present))
 
 
+RECORD_WAIT_S = 120.0
+"""How long a checkpoint's manifest waits for its step to be recorded trained (the record comes
+after the step's version is published, whose event may wait up to its 30 s budget)."""
+
+
+class RecordGate:
+    """Holds a step's checkpoint manifest until rank 0 has recorded the step trained, with its
+    ``step_committed`` saved in the trainer outbox (``GangFence.record_trained``).
+
+    The manifest is what makes a step durable: the next gang resumes after it and never trains
+    the step again. Written before the record (the upload runs in the background while the
+    version is published), a rank killed in between left a durable step with no training record
+    and no ``step_committed`` anywhere (found by the ``published_unrecorded`` failpoint)."""
+
+    def __init__(self, timeout_s: float = RECORD_WAIT_S) -> None:
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._step = -1
+
+    def recorded(self, step: int) -> None:
+        with self._cond:
+            self._step = max(self._step, step)
+            self._cond.notify_all()
+
+    def wait(self, step: int) -> None:
+        """Block until ``step`` is recorded.
+
+        Raises:
+            TimeoutError: not recorded within ``timeout_s`` (the checkpoint is then not made
+                durable: its upload fails).
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._step >= step, self.timeout_s):
+                raise TimeoutError(f"step {step} not recorded trained within {self.timeout_s:g} s: its "
+                                   "checkpoint is not made durable")
+
+
 class LoopFence:
     """``checkpoint.ManifestFence`` over a ``GangFence``: blocking calls from the upload thread,
-    run on the trainer's event loop (where its Redis client lives)."""
+    run on the trainer's event loop (where its Redis client lives). With a ``gate``, a step's
+    manifest also waits for the step's training record (``RecordGate``)."""
 
     def __init__(self, fence: GangFence, loop: asyncio.AbstractEventLoop,
-                 timeout_s: float = FENCE_TIMEOUT_S) -> None:
+                 timeout_s: float = FENCE_TIMEOUT_S, gate: RecordGate | None = None) -> None:
         self.fence = fence
         self.loop = loop
         self.timeout_s = timeout_s
+        self.gate = gate
 
     def admit(self, step: int) -> None:
-        del step  # the fence is per gang, not per step
+        if self.gate is not None:
+            self.gate.wait(step)
         asyncio.run_coroutine_threadsafe(self.fence.admit(), self.loop).result(self.timeout_s)
 
     def durable(self, step: int) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 import torch.distributed as dist
-from robustrl.services.trainer.lineage import LoopFence, read_history, resume_step
+from robustrl.services.trainer.lineage import LoopFence, RecordGate, read_history, resume_step
 from robustrl.services.trainer.survivor import SURVIVOR_WAIT_S, SurvivorHook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -169,6 +169,11 @@ def _trained_record(eps: list[EpisodeRecord]) -> dict[str, object]:
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "host CPU"
+
+
+FAILPOINT_STEP = 1
+"""The step at which a trainer failpoint fires (the second: past the job's first commit, so the
+recovery is role-local, not the whole-job restart of a fault before any step committed)."""
 
 
 class TrainerWorker:
@@ -333,7 +338,9 @@ class TrainerWorker:
         # Every write of this gang to Redis carries its epoch; a newer gang's first write makes
         # ours refused (StaleEpoch), and this gang stops.
         self.gang = GangFence(self.redis, self.ident.job_id, self.member.epoch)
-        fence = LoopFence(self.gang, asyncio.get_running_loop()) if self.ident.rank == 0 else None
+        self.recorded = RecordGate()  # a step's manifest waits for its training record (rank 0)
+        fence = (LoopFence(self.gang, asyncio.get_running_loop(), gate=self.recorded) if self.ident.rank == 0
+                 else None)
         self.ckpt = Checkpointer(store, checkpoint_prefix(self.ident.job_id), keep=spec.trainer.checkpoint_keep,
                                  rank=self.ident.rank, world_size=self.ident.world_size, epoch=self.member.epoch,
                                  fence=fence)
@@ -474,6 +481,8 @@ class TrainerWorker:
                               self.member.epoch, step)
                     self.member.stopping.set()
                     break
+            if self.ident.rank == 0:  # the batch claimed, nothing trained
+                await self._die_at("claimed", step)
             t0 = time.monotonic()
             await self.member.set_phase("training", step)
             eps = await self.episodes.get_many(batch.episode_ids)
@@ -518,6 +527,8 @@ class TrainerWorker:
             await self.member.set_phase("publishing", step)
             t1 = time.monotonic()
             checksum = await self._publish(self.version)
+            if self.ident.rank == 0:  # its version published, its training not yet recorded
+                await self._die_at("published_unrecorded", step, durable=True)
             publish_s = time.monotonic() - t1
             if self.ident.rank == 0:
                 timings = {**batch.timings, "training_s": train_s, "checkpoint_blocking_s": snap.blocking_s,
@@ -533,12 +544,10 @@ class TrainerWorker:
                 # The record and the event it owes in one fenced script: a rank killed before
                 # JetStream stored the event leaves it to the next gang (``_append_outbox``).
                 await self.gang.record_trained(step, checksum, saved_text)
-                if failpoint_armed("commit_unsent", job, self.ident.member_id):
-                    # The worst moment for the commit's event: the step trained, recorded and its
-                    # checkpoint durable (the next gang resumes past it), its event not yet sent.
-                    durable = await asyncio.to_thread(self.ckpt.wait_uploaded, 60.0)
-                    log.warning("failpoint commit_unsent: killed after step %d (durable %s)", step, durable)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                self.recorded.recorded(step)
+                # The worst moment for the commit's event: the step trained, recorded and its
+                # checkpoint durable (the next gang resumes past it), its event not yet sent.
+                await self._die_at("commit_unsent", step, durable=True)
                 commit = StepCommitted(job_id=job, step=step, weights_version=self.version,
                                        epoch=self.member.epoch, reward_mean=batch.reward_mean, checksum=checksum,
                                        durable_step=self.durable, timings=timings,
@@ -555,6 +564,19 @@ class TrainerWorker:
             # Members live until the controller stops them: exiting on our own would look like
             # a machine loss.
             await self.member.stopping.wait()
+
+    async def _die_at(self, point: str, step: int, durable: bool = False) -> None:
+        """Test-only: SIGKILL this process at ``point`` when that member failpoint is armed for it
+        (``robustrl.member.FAILPOINTS_ENV``); ``durable``: once the step's checkpoint upload ended,
+        or has not ended in 5 s (held: see ``RecordGate``), whichever comes first."""
+        if step != FAILPOINT_STEP or not failpoint_armed(point, self.ident.job_id, self.ident.member_id):
+            return
+        if durable:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.to_thread(self.ckpt.wait_uploaded, 5.0)
+        made = self.ckpt.durable_step
+        log.warning("failpoint %s: killed at step %d (durable %s)", point, step, made)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     # --- the trainer outbox (a commit's event kept until JetStream stored it) ------------------
 
