@@ -754,6 +754,15 @@ class Controller:
                 m.state = "ready"
                 if msg.resume_step is not None and job.commit_epoch != m.epoch:
                     job.durable_step = msg.resume_step - 1
+                    if msg.resume_step - 1 > job.committed_step:
+                        # Its checkpoint of that step is durable, so the step was committed, heard
+                        # or not (a rank killed between recording its last step and announcing
+                        # it: that job never finished, its next gang had nothing left to train).
+                        log.warning("job %s: gang %d resumed at step %d: steps up to %d committed (%d heard)",
+                                    job.job_id, m.epoch, msg.resume_step, msg.resume_step - 1, job.committed_step)
+                        job.committed_step = msg.resume_step - 1
+                        await self.persist(job)
+                        self._finish_if_done(job)
                 await self.recovery.progress(job, msg.member_id)
         try:  # answered once acted on: a send lost before that is sent again
             await self.bus.respond(reply, HelloAck(job_id=job.job_id, member_id=m.member_id))
@@ -831,7 +840,10 @@ class Controller:
         job.reward_by_step[msg.step] = msg.reward_mean
         job.last_step_timings = dict(msg.timings)
         await self.persist(job)
-        if job.committed_step >= job.spec.steps - 1:
+        self._finish_if_done(job)
+
+    def _finish_if_done(self, job: Any) -> None:
+        if job.committed_step >= job.spec.steps - 1 and not job.done:
             # Stopping waits for members to exit (the trainer finishes its last upload): do it
             # in a task, so this subscription keeps delivering other jobs' commits meanwhile.
             self.spawn(self.stop_job(job.job_id, "finished"))
