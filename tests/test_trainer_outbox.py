@@ -41,8 +41,9 @@ pytestmark = pytest.mark.timeout(240)
 
 KILLED = "trainer-e1-r0"  # the first gang's rank 0, killed at step 1 (``worker.FAILPOINT_STEP``)
 # job name -> the failpoint its first rank 0 dies at
-POINTS = {"cu": "commit_unsent", "pu": "published_unrecorded", "cl": "claimed", "cf": "commit_unsent"}
+POINTS = {"cu": "commit_unsent", "pu": "published_unrecorded", "cl": "claimed", "cf": "commit_unsent", "c2": "commit_unsent"}
 STEPS = {"cf": 2}  # job "cf": step 1 is its last
+WORKERS = {"c2": 2}  # job "c2": a gang of two (rank 1 survives the kill; kept by the recovery)
 
 
 @pytest.fixture
@@ -105,7 +106,7 @@ def test_a_rank_killed_at_each_moment_of_a_commit_loses_no_step_and_no_commit(st
     committed."""
     api = ApiClient(stack.api_url, stack.settings.api_token)
     steps = STEPS.get(name, 4)
-    spec = small_job(name, steps=steps, rollout={"replicas": 1}, trainer={"workers": 1})
+    spec = small_job(name, steps=steps, rollout={"replicas": 1}, trainer={"workers": WORKERS.get(name, 1)})
     jid = api.submit(spec)["job_id"]
     sampler = sample_batches(stack.settings.redis_url, jid)
     status = wait_done(api, jid, timeout=180)
