@@ -19,12 +19,16 @@ the raw Redis keys.
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from jobs import kinds, small_job, wait_done
 from support import audit_sampled, sample_batches
+
+from robustrl.services.trainer.lineage import RecordGate
 
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
@@ -129,3 +133,26 @@ def test_a_rank_killed_at_each_moment_of_a_commit_loses_no_step_and_no_commit(st
         assert {c["epoch"] for c in commits if c["step"] == 1} == {ready[0]["epoch"]}, commits
     report = audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))
     assert report.facts["trainer_outbox_unappended"] == 0, report.facts
+
+
+def test_a_manifest_held_for_its_record_fails_at_once_when_the_worker_stops() -> None:
+    """A stop (or a hand-off) waits for the running upload; one held for a record that will never
+    come must fail then, not after ``RECORD_WAIT_S``: the step is not made durable."""
+    gate = RecordGate(timeout_s=60.0)
+    gate.recorded(0)
+    gate.wait(0)  # recorded: passes
+    failed: list[BaseException] = []
+
+    def upload() -> None:
+        try:
+            gate.wait(1)
+        except TimeoutError as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=upload)
+    began = time.monotonic()
+    thread.start()
+    gate.close()
+    thread.join(10.0)
+    assert not thread.is_alive() and failed and "stopped first" in str(failed[0]), failed
+    assert time.monotonic() - began < 10.0

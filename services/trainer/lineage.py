@@ -88,23 +88,32 @@ class RecordGate:
         self.timeout_s = timeout_s
         self._cond = threading.Condition()
         self._step = -1
+        self._closed = False
 
     def recorded(self, step: int) -> None:
         with self._cond:
             self._step = max(self._step, step)
             self._cond.notify_all()
 
+    def close(self) -> None:
+        """The worker stops: no step will be recorded any more; a manifest waiting fails now
+        (else a stop or a hand-off waited for the upload for nothing)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
     def wait(self, step: int) -> None:
         """Block until ``step`` is recorded.
 
         Raises:
-            TimeoutError: not recorded within ``timeout_s`` (the checkpoint is then not made
-                durable: its upload fails).
+            TimeoutError: not recorded within ``timeout_s``, or the gate closed first (the
+                checkpoint is then not made durable: its upload fails).
         """
         with self._cond:
-            if not self._cond.wait_for(lambda: self._step >= step, self.timeout_s):
-                raise TimeoutError(f"step {step} not recorded trained within {self.timeout_s:g} s: its "
-                                   "checkpoint is not made durable")
+            self._cond.wait_for(lambda: self._step >= step or self._closed, self.timeout_s)
+            if self._step < step:
+                why = "the worker stopped first" if self._closed else f"not within {self.timeout_s:g} s"
+                raise TimeoutError(f"step {step} not recorded trained ({why}): its checkpoint is not made durable")
 
 
 class LoopFence:

@@ -267,6 +267,9 @@ class TrainerWorker:
         ``LEAVE_UPLOAD_WAIT_S`` (rank 0's may wait for the shard of a rank that died: up to the
         shard wait, and the rank must be free to rejoin); it goes on in the background, fenced
         like any older gang's write, and the next gang loads what is complete."""
+        recorded = getattr(self, "recorded", None)
+        if recorded is not None:  # a step not recorded by now never will be: not made durable
+            recorded.close()
         ckpt = getattr(self, "ckpt", None)
         if ckpt is not None:
             await self._finish_upload(ckpt, brief)
