@@ -16,6 +16,7 @@ The one home of the step rules:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import statistics
 import time
@@ -32,6 +33,7 @@ from robustrl.bus import Bus
 from robustrl.config import JobSpec
 from robustrl.errors import TransportError
 from robustrl.messages import BatchReady, MemberHello, MetricsSample, StepCommitted
+from robustrl.storage.fencing import read_gang
 from robustrl.storage.redis_stores import (
     BatchRecord,
     BatchStore,
@@ -66,6 +68,7 @@ class JobRunner:
 
     def __init__(self, bus: Bus, redis: object, job_id: str, spec: JobSpec, start_step: int) -> None:
         self.bus = bus
+        self.redis = redis
         self.job_id = job_id
         self.spec = spec
         self.store = EpisodeStore(redis, job_id)  # type: ignore[arg-type]
@@ -165,10 +168,13 @@ class JobRunner:
         """Generate every episode of ``step``; hand the batch over (stored first, then announced)."""
         handed = await self.batches.get(step)
         if handed is not None:
-            # Handed over before this life (or before a retry): announce it again, generate nothing.
+            # Handed over before this life (or before a retry): announce it again, generate nothing;
+            # its event again too, under the same message id (the life that handed it over may have
+            # died before the event reached the outbox).
             ready = BatchReady(job_id=self.job_id, step=step, episode_ids=handed.episode_ids,
                                reward_mean=handed.reward_mean, timings=handed.timings)
             await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
+            await self._batch_event(ready)
             return ready
         return await self._generate_step(step, time.monotonic())
 
@@ -179,13 +185,13 @@ class JobRunner:
         # every recovery policy and is reported apart (job_ready), not as lost training time.
         first = step == 0 and self.step_epoch == 0 and not self._started_once and not started
         if not first and not started:
-            await self.bus.emit_event(self.job_id, "step_started", {"step": step, "epoch": self.step_epoch})
+            await self.events.emit("step_started", {"step": step, "epoch": self.step_epoch})
         # Sync/semi-sync: serving replicas must hold an allowed version before the turns go out.
         await self.dispatcher.wait_version(step)
         weight_sync_s = time.monotonic() - t0
         if first:
-            await self.bus.emit_event(self.job_id, "job_ready", {"startup_s": weight_sync_s})
-            await self.bus.emit_event(self.job_id, "step_started", {"step": step, "epoch": self.step_epoch})
+            await self.events.emit("job_ready", {"startup_s": weight_sync_s})
+            await self.events.emit("step_started", {"step": step, "epoch": self.step_epoch})
             t0, weight_sync_s = time.monotonic(), 0.0
         if not self._started_once:
             self._started_once = True
@@ -196,7 +202,7 @@ class JobRunner:
         self.dispatcher.load_adoptable(await self.dispatches.all(), {ep.episode_id for ep in todo})
         if resumed and self.first_of_life:
             # A new life of the request manager found the step under way: it continues it.
-            await self.bus.emit_event(self.job_id, "rm_resumed", {
+            await self.events.emit("rm_resumed", {
                 "step": step, "finished": len(eps) - len(todo), "unfinished": len(todo),
                 "dispatched": len(self.dispatcher.adoptable)})
         self.first_of_life = False
@@ -222,9 +228,19 @@ class JobRunner:
         ready = BatchReady(job_id=self.job_id, step=step, episode_ids=batch.episode_ids,
                            reward_mean=batch.reward_mean, timings=timings)
         await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
-        await self.bus.emit_event(self.job_id, "batch_ready", {"step": step, "reward_mean": batch.reward_mean,
-                                                               **timings})
+        await self._batch_event(ready)
         return ready
+
+    async def _batch_event(self, ready: BatchReady) -> None:
+        """The hand-over's ``batch_ready``, through the outbox (a request manager killed while
+        JetStream was away lost it from memory, and its next life, finding the batch handed,
+        never said it: an outside review found it), under a message id of the batch's own: the
+        same batch announced again is stored once (within the duplicate window), a step restarted
+        and handed over anew is a new batch."""
+        digest = hashlib.sha256("\n".join(ready.episode_ids).encode()).hexdigest()[:16]
+        await self.events.emit("batch_ready", {"step": ready.step, "reward_mean": ready.reward_mean,
+                                               **ready.timings},
+                               msg_id=f"{self.job_id}-batch_ready-{ready.step}-{digest}")
 
     async def _watch(self, step: int, first_attempt: float) -> None:
         """Report the step each time ``step_deadline_s`` passes without its batch handed over,
@@ -314,7 +330,10 @@ class JobRunner:
             if self.committed < needed and time.monotonic() - waited_since >= COMMIT_RECHECK_S:
                 waited_since = time.monotonic()
                 try:
-                    trained = await self.batches.newest_trained(self.gang_epoch)
+                    # (a step at or before the lineage's durable checkpoint is trained for good,
+                    # whichever gang's entries the log's tail holds)
+                    trained = max(await self.batches.newest_trained(self.gang_epoch),
+                                  (await read_gang(self.redis, self.job_id)).durable)  # type: ignore[arg-type]
                 except TransportError as exc:
                     log.warning("job %s: trained log not read: %s", self.job_id, exc)
                     trained = -1

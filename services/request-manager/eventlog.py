@@ -54,9 +54,11 @@ class EventWriter:
         """Whether ``recover`` has read the outbox once (what a previous life left is queued)."""
         return self._writer.outbox_read(self.job_id)
 
-    async def emit(self, kind: str, data: dict[str, Any]) -> Event:
+    async def emit(self, kind: str, data: dict[str, Any], msg_id: str | None = None) -> Event:
         """Queue one event, stamped now: in the Redis outbox when this returns (acknowledge the
-        command after it), in the job's log later.
+        command after it), in the job's log later. ``msg_id``: JetStream's duplicate key (default:
+        the command's fault id, else a fresh one): an event given again under it, within the
+        stream's duplicate window, is stored once.
 
         Raises:
             ValueError: ``data`` does not fit ``kind`` (a bug: raised here, not in the background).
@@ -71,7 +73,8 @@ class EventWriter:
         # retry reaching a restarted request manager) is stored once, within JetStream's
         # duplicate window (2 min).
         fault_id = data.get("fault_id")
-        msg_id = f"{self.job_id}-{kind}-{fault_id if isinstance(fault_id, str) and fault_id else uuid.uuid4().hex}"
+        if msg_id is None:
+            msg_id = f"{self.job_id}-{kind}-{fault_id if isinstance(fault_id, str) and fault_id else uuid.uuid4().hex}"
         await self._writer.give(OutboxEntry(msg_id=msg_id, event=event))
         return event
 

@@ -43,7 +43,8 @@ from robustrl.messages import (
     WeightsHave,
 )
 from robustrl.storage.control_stores import JobRegistry
-from robustrl.storage.redis_stores import BatchStore, Keys
+from robustrl.storage.fencing import read_gang
+from robustrl.storage.redis_stores import BatchStore, Keys, RolloutGC
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)
@@ -210,10 +211,29 @@ class RequestManager:
                 return None
             spec = JobSpec.parse(reply.spec)
             step = start_step if start_step is not None else (reply.resume_step or 0)
+            floor = await self._resume_floor(job_id)
+            if step < floor:
+                # The controller's view lags (a commit it did not hear): a step at or before the
+                # rollout GC's marker or the lineage's durable checkpoint was trained for good, and
+                # generating it again left the job waiting for a commit that never came.
+                log.warning("job %s: told to start at step %d, but steps before %d are trained and durable: "
+                            "starting at %d", job_id, step, floor, floor)
+                step = floor
             job = self.jobs[job_id] = JobRunner(self.bus, self.redis, job_id, spec, step)
             job.events = self._writers.setdefault(job_id, job.events)  # (``self._writers``)
             job.gang_epoch = reply.epoch
             return job
+
+    async def _resume_floor(self, job_id: str) -> int:
+        """The first step of ``job_id`` that may still need generating: after the newest one whose
+        rollout state was collected and after the newest durable checkpoint (raw Redis).
+
+        Raises:
+            TransportError: Redis failed.
+        """
+        collected = await RolloutGC(self.redis, job_id).collected()  # type: ignore[arg-type]
+        gang = await read_gang(self.redis, job_id)  # type: ignore[arg-type]
+        return max(collected, gang.durable) + 1
 
     async def _on_control(self, msg: ControlCommand, _subject: str, reply: str | None) -> None:
         if msg.fence < self._fence.get(msg.job_id, 0):
@@ -241,9 +261,28 @@ class RequestManager:
                 if job._task is None:
                     job.start()
                 job.changed.set()
+        elif job is None and msg.action == "stop":
+            pass  # nothing runs here: stopped already
         elif job is None:
-            pass
-        elif msg.action == "replica_dead":
+            # No runner (a restarted request manager whose spec has not come yet): the command is
+            # carried out on a runner made now, or not acknowledged, so the controller sends it
+            # again. Acknowledged with nothing done, a restart_step restarted nothing and a
+            # replica_dead re-dispatched nothing, with no work_lost (an outside review found it).
+            job = await self._ensure_job(msg.job_id)
+            if job is None:
+                log.warning("job %s: %s not carried out (no spec): not acknowledged", msg.job_id, msg.action)
+                return
+            await self._carry_out(job, msg)
+            if job._task is None:
+                job.start()  # the registry runs it (the controller sends commands for running jobs)
+        else:
+            await self._carry_out(job, msg)
+        if reply:
+            await self.bus.respond(reply, msg)
+
+    async def _carry_out(self, job: JobRunner, msg: ControlCommand) -> None:
+        """A command other than ``resume`` for a job this service runs."""
+        if msg.action == "replica_dead":
             fault_id, member_id = msg.args.get("fault_id"), str(msg.args["member_id"])
             done = job.dead_for.get(member_id)
             if done is not None and done[0] == fault_id and done[2]:
@@ -272,8 +311,6 @@ class RequestManager:
             await job.stop()
         elif msg.action == "tool_outage":
             job.tools.set_outage(time.monotonic() + float(msg.args.get("duration_s", 5.0)))
-        if reply:
-            await self.bus.respond(reply, msg)
 
     async def metrics_loop(self, interval: float, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -1,0 +1,146 @@
+"""A restarted request manager, at its worst moments, against real NATS + Redis with scripted
+replicas (tests/rm_harness.py): a command that comes before its runner exists, a resume step that
+lags what was trained, a hand-over whose event was held in memory when the process died. Each is
+judged from outside: the acknowledgements the controller gets, raw Redis keys, the event log.
+Each failed before its fix (an outside review found all three).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from rm_harness import Harness, rm_spec
+from support import eventually_async
+
+from robustrl.config import Settings
+from robustrl.errors import RequestTimeout, TransportError
+from robustrl.infra.embedded import EmbeddedInfra
+from robustrl.messages import ControlCommand
+from robustrl.storage.redis_stores import Keys
+from robustrl.subjects import Verb, subject
+
+pytestmark = pytest.mark.timeout(150)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """Private servers: the request manager under test must not meet another stack's jobs."""
+    infra = EmbeddedInfra(tmp_path_factory.mktemp("rm-infra"))
+    try:
+        yield infra.start()
+    finally:
+        infra.stop()
+
+
+async def _turns_saved(h: Harness, step: int) -> int:
+    """Assistant turns saved in Redis over ``step``'s episodes (raw keys)."""
+    eps = await h.episodes.get_many(await h.episodes.step_episode_ids(step))
+    return sum(1 for e in eps for t in e.turns if t.role == "assistant")
+
+
+async def test_a_command_before_the_runner_exists_is_carried_out_or_left_unacknowledged(servers):
+    """A restarted request manager whose spec has not come: a ``restart_step`` acknowledged then
+    restarted nothing and logged no ``work_lost`` (the controller, acknowledged, never sent it
+    again). Now it is not acknowledged until it is carried out."""
+    async with Harness(servers, rm_spec("noack", steps=2)) as h:
+        rep = await h.replica("r0", version=0)
+        rep.hold = lambda msg: len(rep.received) > 2  # two turns answered, the rest held
+        await h.start_rm()
+        await eventually_async(lambda: len(rep.received) >= 4, timeout=30, what="step 0 dispatched")
+        await eventually_async(lambda: _turns_saved(h, 0), timeout=10, what="turns saved")
+        assert await _turns_saved(h, 0) == 2
+        await h.kill_rm()
+        h.answer_spec = False  # the controller is busy: the restarted request manager has no runner
+        await h.start_rm(send_resume=False)
+        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="restart_step",
+                             args={"fault_id": "gap-f1"}, fence=1)
+        subj = subject(h.job_id, Verb.CONTROL, "request_manager")
+        with pytest.raises(RequestTimeout):
+            await h.bus.request(subj, cmd, ControlCommand, timeout=2)
+        assert await _turns_saved(h, 0) == 2  # nothing done, and nothing said done
+        h.answer_spec = True
+        rep.hold = lambda msg: False
+        for _attempt in range(10):  # the controller's retries
+            try:
+                await h.bus.request(subj, cmd, ControlCommand, timeout=4)
+                break
+            except RequestTimeout:
+                continue
+        else:
+            raise AssertionError("restart_step never acknowledged once the spec came")
+        # Acknowledged: the step was restarted (its saved turns gone, raw) and its loss logged.
+        assert await _turns_saved(h, 0) == 0
+        lost = await eventually_async(
+            lambda: _events_for(h, "work_lost", "gap-f1"), timeout=20, what="work_lost of the restart")
+        assert lost[0]["episodes"] == 4, lost
+        # The controller's resume: the step is generated again, every episode finished.
+        await h.bus.request(subj, ControlCommand(job_id=h.job_id, target="request_manager", action="resume",
+                                                 args={"start_step": 0, "committed": -1}, fence=1),
+                            ControlCommand, timeout=5)
+        await rep.announce()
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the restart")
+        eps = await h.episodes.get_many(h.batches[0].episode_ids)
+        assert len(eps) == 4 and all(e.status == "finished" for e in eps)
+
+
+async def _events_for(h: Harness, kind: str, fault_id: str) -> list[dict]:
+    return [e for e in await h.events(kind) if e.get("fault_id") == fault_id]
+
+
+async def test_a_resume_step_behind_what_was_trained_does_not_regenerate_it(servers):
+    """The controller's view lags one step (a commit it missed): the restarted request manager
+    told to start at step 1 generated step 1 again (trained and collected already), then waited
+    for its commit for good. It starts after the newest collected / durable step instead."""
+    async with Harness(servers, rm_spec("stale", steps=4)) as h:
+        rep = await h.replica("r0", version=0)
+        await h.start_rm()
+        for step in (0, 1):
+            await eventually_async(lambda s=step: s in h.batches, timeout=30, what=f"step {step} handed over")
+            await h.redis.rpush(Keys.trained_log(h.job_id), json.dumps({"step": step, "epoch": 1, "checksum": "x"}))
+            await h.commit(step, durable=step)
+            await rep.set_version(step + 1)
+
+        async def collected() -> bool:
+            raw = await h.redis.get(Keys.rollout_gc(h.job_id))
+            return raw is not None and int(raw) >= 1
+        await eventually_async(collected, timeout=20, what="steps 0 and 1 collected")
+        assert not await h.redis.exists(Keys.step_episodes(h.job_id, 1))
+        await h.kill_rm()
+        h.committed = 0  # the spec's resume_step: 1
+        h.batches.clear()
+        await h.start_rm(send_resume=False)
+        await eventually_async(lambda: 2 in h.batches, timeout=40,
+                               what="step 2 handed over (not a wait for step 1's commit)")
+        assert 1 not in h.batches
+        assert not await h.redis.exists(Keys.step_episodes(h.job_id, 1)), "step 1 generated again"
+        assert not await h.episode_keys(1)
+
+
+async def test_a_batch_handed_over_while_jetstream_was_away_is_logged_by_the_next_life(servers):
+    """``batch_ready`` was held in the request manager's memory while JetStream refused it; killed
+    then, the event was gone, and the next life, finding the batch handed over, announced it and
+    never logged it. It goes through the Redis outbox now, and the re-announcement is logged once."""
+    async with Harness(servers, rm_spec("bready", steps=2)) as h:
+        rep = await h.replica("r0", version=0)
+        rep.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: len(rep.held) == 4, timeout=30, what="step 0 dispatched")
+
+        async def jetstream_refuses(*_a: object, **_k: object) -> None:
+            raise TransportError("jetstream away (test)")
+        assert h.rm_bus is not None
+        h.rm_bus.publish_durable = jetstream_refuses  # type: ignore[method-assign]
+        rep.hold = lambda msg: False
+        await rep.release()
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+        await h.kill_rm()
+        h.batches.clear()
+        await h.start_rm(send_resume=False)
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 announced by the next life")
+
+        async def logged() -> list[dict]:
+            return [d for d in await h.events("batch_ready") if d.get("step") == 0]
+        await eventually_async(logged, timeout=20, what="batch_ready of step 0 in the log")
+        assert len(await logged()) == 1, "the same batch logged twice"
