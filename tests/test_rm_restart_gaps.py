@@ -144,3 +144,32 @@ async def test_a_batch_handed_over_while_jetstream_was_away_is_logged_by_the_nex
             return [d for d in await h.events("batch_ready") if d.get("step") == 0]
         await eventually_async(logged, timeout=20, what="batch_ready of step 0 in the log")
         assert len(await logged()) == 1, "the same batch logged twice"
+
+
+async def test_redispatch_events_survive_a_kill_while_jetstream_is_away(servers):
+    """What a fault cost (``turn_regenerated``) and the prefix each episode resumed from
+    (``episode_redispatched``, which the auditor checks) were held in memory while JetStream
+    refused them, and lost with a request manager killed then. They go through its outbox now,
+    one per dispatch (not one per fault: they share its fault id)."""
+    async with Harness(servers, rm_spec("regen", turn_deadline_s=1.0)) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        a.hold = lambda msg: True  # replica a never answers: its turns go to b past their deadline
+        await h.start_rm()
+
+        async def jetstream_refuses(*_a: object, **_k: object) -> None:
+            raise TransportError("jetstream away (test)")
+        assert h.rm_bus is not None
+        h.rm_bus.publish_durable = jetstream_refuses  # type: ignore[method-assign]
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+        held = {m.request_id for m in a.held}
+        assert held, "replica a was never given a turn"
+        await h.kill_rm()
+        h.batches.clear()
+        await h.start_rm(send_resume=False)
+
+        async def logged() -> bool:
+            moved = {d["request_id"] for d in await h.events("episode_redispatched")}
+            return moved == held and len(await h.events("turn_regenerated")) == len(held)
+        await eventually_async(logged, timeout=30, what="every re-dispatch's events in the log")
+        regen = await h.events("turn_regenerated")
+        assert all(d["member_id"] == "rollout-1-i0" and d["tokens"] > 0 for d in regen), regen

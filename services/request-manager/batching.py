@@ -76,7 +76,8 @@ class JobRunner:
         self.batches = BatchStore(redis, job_id)  # type: ignore[arg-type]
         self.gc = RolloutGC(redis, job_id)  # type: ignore[arg-type]
         self.dispatcher = Dispatcher(bus, job_id, spec, self.dispatches)
-        self.events = EventWriter(bus, job_id, redis)  # the control handler's events: it never waits on the log
+        self._events = EventWriter(bus, job_id, redis)  # the control handler's events: it never waits on the log
+        self.dispatcher.events = self._events
         self.episodes = EpisodeRunner(bus, job_id, spec, self.store, self.dispatches, self.dispatcher)
         self.dispatcher.vocab_size = self.episodes.tok.vocab_size
         self.step = start_step
@@ -103,6 +104,16 @@ class JobRunner:
         self._first_failed_at = 0.0  # the first of them (monotonic)
         self._startup_ended: float | None = None  # when the job's first step began (monotonic), if
         # no attempt at it had failed before: the step deadline of that step counts from there
+
+    @property
+    def events(self) -> EventWriter:
+        """The job's event writer (its outbox), shared by the control handler, the steps and the
+        dispatcher."""
+        return self._events
+
+    @events.setter
+    def events(self, writer: EventWriter) -> None:
+        self._events = self.dispatcher.events = writer
 
     @property
     def tools(self):  # type: ignore[no-untyped-def]

@@ -137,6 +137,9 @@ class Dispatcher:
         """The job tokenizer's vocabulary: a reply naming a token outside it is refused."""
         self.step = 0
         """The newest step a turn was generated for (a fault report's step)."""
+        self.events: Any = None
+        """The job's ``EventWriter`` (its Redis outbox): the re-dispatch accounting goes through it
+        (set by the job's runner; None: straight to the log, held in memory while JetStream is away)."""
         self.changed = asyncio.Event()
         self._emitting: set[asyncio.Task[None]] = set()  # events the turn handler does not wait for
         # When this service last heard any member: silence is judged against it, so a request
@@ -384,9 +387,9 @@ class Dispatcher:
                 self._forget(pend)
             if cause is not None:
                 self.stats["tokens_regenerated"] += len(res.token_ids)
-                await self.bus.emit_event(self.job_id, "turn_regenerated", {
+                await self._accounting_event("turn_regenerated", {
                     "fault_id": fault_id, "cause": cause, "episode_id": ep.episode_id, "step": step,
-                    "turn": turn, "member_id": res.member_id, "tokens": len(res.token_ids)})
+                    "turn": turn, "member_id": res.member_id, "tokens": len(res.token_ids)}, pend.request_id)
             return res, pend.request_id
 
     def _register(self, request_id: str, ep: EpisodeRecord, member_id: str, sent_at: float,
@@ -496,8 +499,23 @@ class Dispatcher:
         else:
             cause = "replica_dead" if pend.member_id in self.dead else str(getattr(exc, "cause", "owner_lost"))
         prefix = ep.prefix_ids()
-        await self.bus.emit_event(self.job_id, "episode_redispatched", {
+        await self._accounting_event("episode_redispatched", {
             "episode_id": ep.episode_id, "member_id": pend.member_id, "step": step, "cause": cause,
             "request_id": pend.request_id, "prefix_turns": len(ep.turns), "prefix_len": len(prefix),
-            "prefix_sha": hashlib.sha256(json.dumps(prefix).encode()).hexdigest()})
+            "prefix_sha": hashlib.sha256(json.dumps(prefix).encode()).hexdigest()}, pend.request_id)
         return cause
+
+    async def _accounting_event(self, kind: str, data: dict[str, Any], request_id: str) -> None:
+        """A re-dispatch's event (what a fault cost, the prefix it resumed from): in the job's
+        Redis outbox before the episode goes on, so a request manager killed while JetStream is
+        away leaves it for its next life (held in memory, it was lost). Its message id is the
+        dispatch's own: the default (the fault id) would store one event of the many a fault
+        causes.
+
+        Raises:
+            TransportError: Redis failed (the step's attempt fails and is retried from its records).
+        """
+        if self.events is None:
+            await self.bus.emit_event(self.job_id, kind, data)
+            return
+        await self.events.emit(kind, data, msg_id=f"{self.job_id}-{kind}-{request_id}")
