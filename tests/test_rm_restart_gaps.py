@@ -152,7 +152,8 @@ async def test_redispatch_events_survive_a_kill_while_jetstream_is_away(servers)
     refused them, and lost with a request manager killed then. They go through its outbox now,
     one per dispatch (not one per fault: they share its fault id)."""
     async with Harness(servers, rm_spec("regen", turn_deadline_s=1.0)) as h:
-        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        a = await h.replica("rollout-0-i0")
+        await h.replica("rollout-1-i0")
         a.hold = lambda msg: True  # replica a never answers: its turns go to b past their deadline
         await h.start_rm()
 
