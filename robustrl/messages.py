@@ -262,6 +262,9 @@ class TurnResult(Wire):
     logprobs: list[float]
     stop_reason: StopReason
     weights_version: int
+    weights_checksum: str = Field(default="", max_length=128)
+    """The checksum of the weights the turn was made with (the auditor's evidence where the
+    replica's ``weights_loaded`` was lost with it; "" from a replica that does not say)."""
     gen_s: float = 0.0
 
     @field_validator("logprobs")

@@ -201,6 +201,26 @@ def test_weights_unpublished_rejected_or_never_loaded_are_bad_weights():
     assert report.replicas_served_bad_weights == 1 and "r9 served v1" in " ".join(report.violations())
 
 
+def test_a_turn_whose_replicas_load_event_was_lost_is_judged_by_the_turns_own_checksum():
+    """A replica killed with its ``weights_loaded`` still owed (its queue is in memory) left turns
+    and no load event: each turn names the weights it was made with, and those judge it."""
+    inp = sound_job()
+    turn = inp.redis.episodes["s1-p0-g0"]["turns"][0]
+    version = turn["weights_version"]
+    turn["member_id"] = "r9"  # no load event of r9's in the log
+    turn["weights_checksum"] = f"c{version}"  # what the trainer published as that version
+    report = judge(inp)
+    assert report.checks["weights"].passed, report.violations()
+    assert report.facts["loads_judged_by_turn_checksum"] == 1 and report.replicas_served_bad_weights == 0
+    # Weights never published as that version: bad, load event or not.
+    turn["weights_checksum"] = "evil"
+    report = judge(inp)
+    assert report.replicas_served_bad_weights == 1 and "checksum evil" in " ".join(report.violations())
+    turn["member_id"] = "r0"  # r0 logged a sound load of that version: the turn still says otherwise
+    report = judge(inp)
+    assert report.replicas_served_bad_weights == 1 and "r0 served v" in " ".join(report.violations())
+
+
 def test_unloadable_checkpoint_and_none_left():
     inp = sound_job()
     inp.checkpoints[1].problems.append("blob x: sha256 mismatch")
@@ -372,6 +392,12 @@ def test_auditor_catches_each_corruption_of_the_raw_stores(stack, api, infra):
     commits = [e for e in clean.raw.events if e.kind == "step_committed"]
     assert commits and all(isinstance(e.data.get("trained"), dict) for e in commits), commits
     assert clean.checks["trained_batches"].passed and clean.facts["steps_unverified"] == 0, clean.facts
+    # Every assistant turn names the weights it was made with (raw Redis), and they are what the
+    # trainer published as its version (raw log): the evidence a lost load event leaves.
+    published = {(e.data["version"], e.data["checksum"]) for e in clean.raw.events if e.kind == "weights_published"}
+    turns = [t for ep in clean.raw.redis.episodes.values() for t in ep.get("turns") or []
+             if t.get("role") == "assistant"]
+    assert turns and all((t["weights_version"], t.get("weights_checksum")) in published for t in turns), turns[:3]
 
     import redis as sync_redis
 

@@ -92,7 +92,7 @@ def judge(inp: AuditInput, options: AuditOptions | None = None) -> AuditReport:
     episodes_lost += lost_collected
     unverified -= len(judged)
     checks["prefixes"] = check_prefixes(inp, views)
-    checks["weights"], bad_weights = check_weights(inp, views, facts)
+    checks["weights"], bad_weights, by_turn_checksum = check_weights(inp, views, facts)
     checks["redis_bounded"], redis_facts = check_redis_bounded(inp, durable, opts.redis_slack_steps, opts.redis_bound)
     checks["outbox"], outbox_facts = check_outbox(inp, facts, opts.controller_outbox_slack_s)
     checks["progress"], stuck = check_progress(inp, facts, opts.max_stuck_s, opts.require_ended)
@@ -106,7 +106,8 @@ def judge(inp: AuditInput, options: AuditOptions | None = None) -> AuditReport:
                "manifests": len(inp.checkpoints), "manifests_on_lineage": len(lineage.chain),
                "steps_unverified": unverified,
                "steps_judged_by_trained_record": len(judged), "max_stuck_s": round(stuck, 3), "events": len(inp.events),
-               "steps_observed_live": len(inp.observed), **weight_facts, **redis_facts, **outbox_facts})
+               "steps_observed_live": len(inp.observed), "loads_judged_by_turn_checksum": by_turn_checksum,
+               **weight_facts, **redis_facts, **outbox_facts})
     report._raw = inp
     return report
 

@@ -71,10 +71,15 @@ class Publications:
         return [p for p in self.all if p.version == version and (epoch is None or p.epoch == epoch)]
 
 
-def check_weights(inp: AuditInput, views: list[StepView], facts: JobFacts) -> tuple[CheckResult, int]:
+def check_weights(inp: AuditInput, views: list[StepView], facts: JobFacts) -> tuple[CheckResult, int, int]:
     """Every load is of weights a live gang had published, never of a checksum the replica
-    rejected; every assistant turn was made by a replica that loaded that version soundly; the
-    Redis pointer names a publication of its own gang (of the newest gang, once the job finished)."""
+    rejected; every assistant turn was made by a replica that loaded that version soundly, and
+    names (``weights_checksum``, where it does) weights published as its version; the Redis
+    pointer names a publication of its own gang (of the newest gang, once the job finished).
+
+    Returns the check, how many (replica, version) pairs served bad or unloaded weights, and how
+    many had no load event and were judged by their turns' checksums alone (a replica killed with
+    its ``weights_loaded`` still owed: its queue of owed events is in memory)."""
     res = CheckResult()
     pubs = Publications.of(inp)
     rejected: dict[tuple[str, int], set[str]] = defaultdict(set)
@@ -104,6 +109,7 @@ def check_weights(inp: AuditInput, views: list[StepView], facts: JobFacts) -> tu
             bad.add(key)
             res.violations.append(f"{key[0]} {problem} (event seq {e.seq})")
     unloaded: set[tuple[str, int]] = set()
+    by_turn: set[tuple[str, int]] = set()  # sound by the turns' own checksums alone (no load event)
     for v in views:
         for eid, ep in v.episodes.items():
             for t in (ep or {}).get("turns") or []:
@@ -111,13 +117,28 @@ def check_weights(inp: AuditInput, views: list[StepView], facts: JobFacts) -> tu
                 if not isinstance(t, dict) or t.get("role") != "assistant" or not member:
                     continue
                 key = (str(member), _int(t.get("weights_version")))
-                if key not in good and key not in bad and key not in unloaded:
+                served = t.get("weights_checksum")
+                if isinstance(served, str) and served:
+                    # The turn names the weights it was made with: they must be a publication of
+                    # its version, whatever the load events say.
+                    if served not in {p.checksum for p in pubs.by(None, key[1])}:
+                        if key not in bad:
+                            bad.add(key)
+                            res.violations.append(f"{key[0]} served v{key[1]} (episode {eid}) with checksum "
+                                                  f"{served[:12]} the trainer never published as v{key[1]}")
+                        continue
+                    if key not in good and key not in bad:
+                        # Its load event lost (the replica killed while it was still owed): the
+                        # turn's own record of its weights judges it.
+                        by_turn.add(key)
+                        continue
+                if key not in good and key not in bad and key not in unloaded and key not in by_turn:
                     unloaded.add(key)
                     res.violations.append(f"{key[0]} served v{key[1]} (episode {eid}) but never loaded a "
                                           f"published v{key[1]}")
     res.violations.extend(_pointer_problems(inp.redis.weights_pointer, pubs, facts))
     res.passed = not res.violations
-    return res, len(bad | unloaded)
+    return res, len(bad | unloaded), len(by_turn)
 
 
 def _pointer_problems(pointer: dict[str, Any] | None, pubs: Publications, facts: JobFacts) -> list[str]:

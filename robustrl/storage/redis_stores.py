@@ -31,6 +31,7 @@ class TurnRecord(BaseModel):
     token_ids: list[int]
     logprobs: list[float] = Field(default_factory=list)
     weights_version: int = -1
+    weights_checksum: str | None = None  # of the weights the turn was made with (the replica's word)
     stop_reason: str | None = None
     member_id: str | None = None
     request_id: str | None = None  # the dispatch that produced an assistant turn (idempotency, audit)

@@ -121,7 +121,8 @@ class EpisodeRunner:
                 finally:
                     self.generating -= 1
                 ep.turns.append(TurnRecord(role="assistant", token_ids=res.token_ids, logprobs=res.logprobs,
-                                           weights_version=res.weights_version, stop_reason=res.stop_reason,
+                                           weights_version=res.weights_version,
+                                           weights_checksum=res.weights_checksum or None, stop_reason=res.stop_reason,
                                            member_id=res.member_id, request_id=request_id))
                 await self.dispatches.applied(ep)  # the turn is durable before anything else happens
                 continue

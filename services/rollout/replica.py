@@ -564,11 +564,12 @@ class Replica:
         results = self.engine.generate(reqs, on_token=self._on_token,
                                        should_abort=lambda: self.standby.handoff is not None)
         dt = time.monotonic() - t0
-        version = self.version
+        version, checksum = self.version, self.checksum  # (both set together, in this thread)
         for m, r in zip(batch, results, strict=True):
             out = TurnResult(job_id=m.job_id, request_id=m.request_id, episode_id=m.episode_id,
                              member_id=self.ident.member_id, token_ids=r.token_ids, logprobs=r.logprobs,
-                             stop_reason=r.stop_reason, weights_version=version, gen_s=dt)
+                             stop_reason=r.stop_reason, weights_version=version, weights_checksum=checksum,
+                             gen_s=dt)
             assert self.member.bus
             asyncio.run_coroutine_threadsafe(
                 self.member.bus.publish(subject(m.job_id, Verb.TURN), out), self.loop)
