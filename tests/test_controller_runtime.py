@@ -579,7 +579,9 @@ async def test_request_manager_refuses_commands_of_a_deposed_controller(rig: Rig
     subj = subject("cpfence", Verb.CONTROL, "request_manager")
 
     def cmd(fence: int) -> ControlCommand:
-        return ControlCommand(job_id="cpfence", target="request_manager", action="pause", fence=fence)
+        # (a stop: the one command a request manager acknowledges for a job it does not run; any
+        # other waits for the job's runner, which needs a spec no controller here sends)
+        return ControlCommand(job_id="cpfence", target="request_manager", action="stop", fence=fence)
 
     async def ask(fence: int) -> ControlCommand | None:
         # Attempts, as the controller sends its commands: NATS may drop a message published in
