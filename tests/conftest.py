@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -15,6 +15,7 @@ from robustrl.config import Settings
 from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.launcher.zygote import FORK_START_ENV
 from robustrl.storage.objects import S3ObjectStore
+from robustrl.storage.redis_stores import connect
 
 # Members fork from one pre-imported zygote (robustrl.launcher.zygote) in every stack the suite
 # starts: a cold start's 5.5 s of imports per member, several at once on 2 cores, was most of the
@@ -31,6 +32,28 @@ def infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
         yield embedded.start()
     finally:
         embedded.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    """Servers of the test module's own: a service under test that reads every job's keys (a
+    request manager resuming the registry's jobs, scanning every outbox) must not meet another
+    module's jobs."""
+    embedded = EmbeddedInfra(tmp_path_factory.mktemp("module-infra"))
+    try:
+        yield embedded.start()
+    finally:
+        embedded.stop()
+
+
+@pytest.fixture
+async def redis(infra: Settings) -> AsyncIterator[object]:
+    """An asyncio Redis client on the session's server (closed after the test)."""
+    client = connect(infra.redis_url)
+    try:
+        yield client
+    finally:
+        await client.aclose()
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import asyncio
 import json
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -25,15 +25,6 @@ from robustrl.storage.objects import S3ObjectStore
 from robustrl.storage.redis_stores import BatchRecord, BatchStore, Keys, connect
 
 pytestmark = pytest.mark.timeout(240)  # the first test also starts the servers: slow on a loaded machine
-
-
-@pytest.fixture
-async def redis(infra: Settings) -> AsyncIterator[object]:
-    client = connect(infra.redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 def _job() -> str:

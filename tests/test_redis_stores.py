@@ -7,20 +7,10 @@ import uuid
 
 import pytest
 
-from robustrl.config import Settings
 from robustrl.errors import StorageError
-from robustrl.storage.redis_stores import EpisodeRecord, EpisodeStore, Keys, TurnRecord, connect
+from robustrl.storage.redis_stores import EpisodeRecord, EpisodeStore, Keys, TurnRecord
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-async def redis(infra: Settings):  # type: ignore[no-untyped-def]
-    client = connect(infra.redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 async def test_prefix_round_trip_and_corrupt_records_are_named(redis) -> None:  # type: ignore[no-untyped-def]

@@ -11,30 +11,17 @@ import collections
 import json
 import time
 from typing import Any
-from collections.abc import Iterator
 
 import pytest
 from rm_harness import FakeReplica, Harness, rm_spec
 from support import eventually_async
 
-from robustrl.config import Settings
 from robustrl.services.request_manager.dispatch import REFUSED_BEFORE_FAULT
 from robustrl.messages import GenerateTurn, TurnResult
 from robustrl.subjects import Verb, subject
-from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.storage.redis_stores import Keys
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """Private servers: the request manager under test must not meet another stack's jobs."""
-    infra = EmbeddedInfra(tmp_path_factory.mktemp("rm-infra"))
-    try:
-        yield infra.start()
-    finally:
-        infra.stop()
 
 
 def _per_turn(h: Harness) -> collections.Counter[tuple[str, int]]:

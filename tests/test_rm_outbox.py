@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from rm_harness import Harness, rm_spec
@@ -25,24 +24,12 @@ from robustrl.bus import Bus
 from robustrl.client import ApiClient
 from robustrl.config import Settings
 from robustrl.infra.credentials import Credentials, role_settings
-from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.messages import Event
 from robustrl.storage.control_stores import JobRegistry
 from robustrl.storage.redis_stores import Keys, connect
 from robustrl.subjects import Principal
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """Private servers: the request manager under test scans every job's outbox and must not meet
-    another test's."""
-    infra = EmbeddedInfra(tmp_path_factory.mktemp("rm-outbox-infra"))
-    try:
-        yield infra.start()
-    finally:
-        infra.stop()
 
 
 async def _work_lost(nats_url: str, job_id: str, fault_id: str) -> list[RawEvent]:

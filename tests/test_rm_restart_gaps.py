@@ -8,30 +8,17 @@ Each failed before its fix (an outside review found all three).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 from rm_harness import Harness, rm_spec
 from support import eventually_async
 
-from robustrl.config import Settings
 from robustrl.errors import RequestTimeout, TransportError
-from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.messages import ControlCommand
 from robustrl.storage.redis_stores import Keys
 from robustrl.subjects import Verb, subject
 
 pytestmark = pytest.mark.timeout(150)
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """Private servers: the request manager under test must not meet another stack's jobs."""
-    infra = EmbeddedInfra(tmp_path_factory.mktemp("rm-infra"))
-    try:
-        yield infra.start()
-    finally:
-        infra.stop()
 
 
 async def _turns_saved(h: Harness, step: int) -> int:

@@ -22,7 +22,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 from jobs import kinds, small_job, wait_done
@@ -32,14 +32,13 @@ from robustrl.services.trainer.lineage import RecordGate
 
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
-from robustrl.config import Settings
 from robustrl.errors import StaleEpoch
 from robustrl.member import FAILPOINTS_ENV
 from robustrl.messages import Event
 from robustrl.stack import Stack
 from robustrl.storage.control_stores import OutboxEntry
 from robustrl.storage.fencing import GangFence
-from robustrl.storage.redis_stores import Keys, connect
+from robustrl.storage.redis_stores import Keys
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -48,15 +47,6 @@ KILLED = "trainer-e1-r0"  # the first gang's rank 0, killed at step 1 (``worker.
 POINTS = {"cu": "commit_unsent", "pu": "published_unrecorded", "cl": "claimed", "cf": "commit_unsent", "c2": "commit_unsent"}
 STEPS = {"cf": 2}  # job "cf": step 1 is its last
 WORKERS = {"c2": 2}  # job "c2": a gang of two (rank 1 survives the kill; kept by the recovery)
-
-
-@pytest.fixture
-async def redis(infra: Settings) -> AsyncIterator[object]:
-    client = connect(infra.redis_url)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 def _entry(job: str, step: int, epoch: int) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,7 +20,6 @@ from support import eventually_async
 
 from robustrl.bus import Bus
 from robustrl.config import Settings, WeightSyncSpec, reference_job
-from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.messages import WeightsAnnounce, WeightsHave
 from robustrl.model.policy import build_policy, weights_checksum
 from robustrl.model.tokenizer import CharTokenizer
@@ -33,16 +31,6 @@ from robustrl.weights.server import WeightServer
 pytestmark = pytest.mark.timeout(120)
 CHUNK = 4096
 REPLICAS = 4
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
-    """Private servers: the request manager under test must not meet another stack's jobs."""
-    infra = EmbeddedInfra(tmp_path_factory.mktemp("have-infra"))
-    try:
-        yield infra.start()
-    finally:
-        infra.stop()
 
 
 async def test_a_partial_announcement_never_makes_the_request_manager_dispatch_at_that_version(servers):
