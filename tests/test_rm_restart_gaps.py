@@ -161,3 +161,32 @@ async def test_redispatch_events_survive_a_kill_while_jetstream_is_away(servers)
         await eventually_async(logged, timeout=30, what="every re-dispatch's events in the log")
         regen = await h.events("turn_regenerated")
         assert all(d["member_id"] == "rollout-1-i0" and d["tokens"] > 0 for d in regen), regen
+
+
+
+async def test_a_step_generated_again_after_its_hand_over_is_a_new_batch_ready(servers):
+    """A ``restart_step`` that cancels a step's task after its batch was stored and announced (the
+    batch is deleted, the step generated again) hands over a new batch with the same episode ids
+    (they are the step's). Keyed by the episode ids alone, its ``batch_ready`` was taken for the
+    first one's duplicate (JetStream's 2-minute window) and never stored. The same stored batch
+    announced again (a later life) is still stored once."""
+    async with Harness(servers, rm_spec("twice", steps=2)) as h:
+        await h.replica("r0", version=0)
+        await h.start_rm()
+        first = await eventually_async(lambda: h.batches.get(0), timeout=30, what="step 0 handed over")
+        await eventually_async(lambda: _batch_events(h, 0), timeout=20, what="its batch_ready logged")
+        assert h.rm is not None
+        runner = h.rm.jobs[h.job_id]
+        # The step's second generation: the same ids, its own rewards and timings.
+        regenerated = first.model_copy(update={"timings": {**first.timings, "rollout_s": first.timings["rollout_s"] + 1}})
+        await runner._batch_event(regenerated)
+        await runner._batch_event(first)  # the first batch announced again: a duplicate
+        logged = await eventually_async(lambda: _batch_events(h, 0, 2), timeout=20,
+                                        what="both generations of step 0 in the log")
+        await eventually_async(lambda: runner.events.pending == 0, timeout=10, what="the writer drained")
+        assert len(await _batch_events(h, 0)) == 2, logged
+
+
+async def _batch_events(h: Harness, step: int, want: int = 1) -> list[dict]:
+    got = [d for d in await h.events("batch_ready") if d.get("step") == step]
+    return got if len(got) >= want else []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import statistics
 import time
@@ -247,8 +248,11 @@ class JobRunner:
         JetStream was away lost it from memory, and its next life, finding the batch handed,
         never said it: an outside review found it), under a message id of the batch's own: the
         same batch announced again is stored once (within the duplicate window), a step restarted
-        and handed over anew is a new batch."""
-        digest = hashlib.sha256("\n".join(ready.episode_ids).encode()).hexdigest()[:16]
+        and handed over anew is a new batch. The episode ids alone do not tell those apart (they
+        are the step's, the same in every generation of it): the key also covers the batch
+        record's reward and timings, read back as stored by a later announcement."""
+        what = json.dumps([ready.episode_ids, ready.reward_mean, sorted(ready.timings.items())])
+        digest = hashlib.sha256(what.encode()).hexdigest()[:16]
         await self.events.emit("batch_ready", {"step": ready.step, "reward_mean": ready.reward_mean,
                                                **ready.timings},
                                msg_id=f"{self.job_id}-batch_ready-{ready.step}-{digest}")
