@@ -362,7 +362,8 @@ def audit(job_id: str = typer.Argument(..., help="The job to audit."),
           nats_url: str = typer.Option(None), redis_url: str = typer.Option(None),
           s3_endpoint: str = typer.Option(None, help="S3 host:port (ROBUSTRL_S3_* for keys)."),
           max_stuck_s: float = typer.Option(None, help="Fail if progress stopped longer than this (default: "
-                                                     "the job's step_deadline_s + 2 x recovery.deadline_s)."),
+                                                     "the job's step_deadline_s or commit_deadline_s, the longer, "
+                                                     "+ 2 x recovery.deadline_s)."),
           running: bool = typer.Option(False, "--running", help="The job still runs: its log need not end."),
           redis_bound: bool = typer.Option(True, help="Judge Redis growth."),
           as_json: bool = typer.Option(False, "--json", help="Print only the report, as JSON.")) -> None:

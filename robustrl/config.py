@@ -134,11 +134,11 @@ DETECTOR_PROFILES: dict[str, dict[str, float]] = {
     # The reference job on a 2-core machine (DESIGN section 9): thresholds in seconds, not minutes.
     "scaled": {"trainer_idle_s": 4.0, "rollout_idle_s": 2.0, "silence_s": 3.0, "probe_timeout_s": 1.0,
                "metrics_interval_s": 0.25, "weights_load_s": 30.0, "turn_deadline_s": 10.0,
-               "step_deadline_s": 180.0, "start_deadline_s": 180.0},
+               "step_deadline_s": 180.0, "start_deadline_s": 180.0, "commit_deadline_s": 180.0},
     # The paper's values for real clusters.
     "production": {"trainer_idle_s": 300.0, "rollout_idle_s": 60.0, "silence_s": 30.0, "probe_timeout_s": 10.0,
                    "metrics_interval_s": 5.0, "weights_load_s": 600.0, "turn_deadline_s": 600.0,
-                   "step_deadline_s": 3600.0, "start_deadline_s": 1800.0},
+                   "step_deadline_s": 3600.0, "start_deadline_s": 1800.0, "commit_deadline_s": 3600.0},
 }
 """Defaults of the detector thresholds per ``DetectorSpec.profile``."""
 _SCALED = DETECTOR_PROFILES["scaled"]
@@ -173,6 +173,12 @@ class DetectorSpec(BaseModel):
         "A dispatched turn with no reply after this is re-dispatched from its prefix to another replica."))
     step_deadline_s: StrictFloat = _threshold("step_deadline_s", (
         "A step not handed to the trainer after this is a fault naming what it still waits for."))
+    commit_deadline_s: StrictFloat = _threshold("commit_deadline_s", (
+        "A batch handed to the trainer with no step committed for this long (the trainer gang "
+        "makes no progress while batches wait for it) is a fault of the gang (hang, cause "
+        "commit_deadline), reported again each further period. Timed from the hand-over, the "
+        "newest commit or the newest gang's hello, whichever is last; not while the job is paused "
+        "or a gang is starting (the controller's start and recovery deadlines bound those)."))
     # Enforced by the controller: a start (spec fetched, model built, checkpoint loaded, gang formed)
     # is no phase the detector's rules judge, and a recovery's own deadline covers restarts only.
     start_deadline_s: StrictFloat = _threshold("start_deadline_s", (

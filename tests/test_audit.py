@@ -19,7 +19,7 @@ from jobs import small_job, wait_done
 from typer.testing import CliRunner
 
 from robustrl.audit import AuditInput, AuditOptions, ObservedStep, audit, judge
-from robustrl.audit.lineage import max_stuck_s
+from robustrl.audit.lineage import job_facts, max_stuck_s
 from robustrl.audit.raw import RawCheckpoint, RawEvent, RawRedis
 from robustrl.storage.objects import open_object_store
 from robustrl.storage.redis_stores import Keys
@@ -277,6 +277,17 @@ def test_a_job_stuck_longer_than_its_own_deadlines_is_caught_without_being_told_
     report = judge(_stalled_job(450.0))
     assert not report.checks["progress"].passed
     assert any("bound 420.0s" in v for v in report.checks["progress"].violations), report.violations()
+
+
+def test_the_stuck_bound_covers_the_longer_of_the_step_and_commit_deadlines():
+    """A gang that takes no batch is reported after ``commit_deadline_s``: a job that sets it above
+    its step deadline is not judged stuck before that report could come, and recovered."""
+    def bound(detector: dict[str, float]) -> float | None:
+        spec = {"steps": 3, "detector": detector, "recovery": {"deadline_s": 120.0}}
+        return job_facts([RawEvent(seq=1, kind="job_submitted", ts=0.0, data={"spec": spec})]).stuck_bound_s
+    assert bound({"step_deadline_s": 180.0}) == 420.0  # (a log from before the commit deadline)
+    assert bound({"step_deadline_s": 180.0, "commit_deadline_s": 600.0}) == 840.0
+    assert bound({"step_deadline_s": 180.0, "commit_deadline_s": 60.0}) == 420.0
 
 
 def test_a_job_whose_log_never_ends_is_not_sound_unless_audited_while_running():

@@ -57,7 +57,13 @@ def job_facts(events: list[RawEvent]) -> JobFacts:
     spec: dict[str, Any] = (submitted.data.get("spec") or {}) if submitted else {}
     data = spec.get("data") or {}
     commits = of_kind(events, "step_committed")
-    step_deadline = _num((spec.get("detector") or {}).get("step_deadline_s"))
+    detector = spec.get("detector") or {}
+    # A stall is reported once the step deadline passed (generation) or the commit deadline
+    # (training: logs written before it existed have none)
+    step_deadline = _num(detector.get("step_deadline_s"))
+    commit_deadline = _num(detector.get("commit_deadline_s"))
+    if step_deadline is not None and commit_deadline is not None:
+        step_deadline = max(step_deadline, commit_deadline)
     recovery_deadline = _num((spec.get("recovery") or {}).get("deadline_s"))
     return JobFacts(steps=_int(spec.get("steps"), 0),
                     episodes_per_step=_int(data.get("prompts_per_step"), 8) * _int(data.get("group_size"), 8),

@@ -25,7 +25,8 @@ class AuditOptions:
     redis_slack_steps: int = REDIS_SLACK_STEPS
     max_stuck_s: float | None = None
     """A gap longer than this between progress events is a violation. None: the job's own bound,
-    its spec's ``detector.step_deadline_s`` plus twice ``recovery.deadline_s`` from the log (a
+    its spec's ``detector.step_deadline_s`` (or ``commit_deadline_s``, the longer) plus twice
+    ``recovery.deadline_s`` from the log (a
     stall the controller should have acted on, escalated and recovered from by then)."""
     controller_outbox_slack_s: float = 60.0
     """A controller event still owed (in ``Keys.controller_outbox``, not in the log) is a violation

@@ -23,6 +23,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from robustrl.services.request_manager.dispatch import Dispatcher
 from robustrl.services.request_manager.episodes import EpisodeRunner
@@ -62,6 +63,17 @@ def _cancelled(task: asyncio.Task[None] | None) -> None:
     """Cancel ``task`` if there is one (the step watch, which awaits nothing of the caller's)."""
     if task is not None:
         task.cancel()
+
+
+@dataclass
+class _CommitClock:
+    """The commit deadline of one wait (``JobRunner._commit_overdue``): since when the gang made
+    no progress, what its progress was then, and how many reports were made since."""
+
+    since: float
+    committed: int
+    gang_heard_at: float | None
+    reports: int = 0
 
 
 class JobRunner:
@@ -105,6 +117,9 @@ class JobRunner:
         self._first_failed_at = 0.0  # the first of them (monotonic)
         self._startup_ended: float | None = None  # when the job's first step began (monotonic), if
         # no attempt at it had failed before: the step deadline of that step counts from there
+        self._trainers: dict[str, tuple[float, str, int]] = {}
+        """trainer member -> (when heard (monotonic), its phase, its step), from its metrics"""
+        self._gang_heard_at: float | None = None  # the newest gang's first hello (monotonic)
 
     @property
     def events(self) -> EventWriter:
@@ -128,6 +143,8 @@ class JobRunner:
 
     def on_hello(self, msg: MemberHello) -> None:
         if msg.role == "trainer" and msg.epoch >= self.gang_epoch:
+            if msg.epoch > self.gang_epoch or self._gang_heard_at is None:
+                self._gang_heard_at = time.monotonic()  # a new gang: the commit deadline runs anew
             self.gang_epoch = msg.epoch
             if msg.resume_step is not None:  # a gang resumes after its newest durable checkpoint
                 self._durable(msg.resume_step - 1)
@@ -141,6 +158,12 @@ class JobRunner:
                     self.committed = msg.resume_step - 1
                     self.changed.set()
         self.dispatcher.on_hello(msg)
+
+    def on_metrics(self, msg: MetricsSample) -> None:
+        if msg.role == "trainer":
+            # what each trainer member last said (the commit deadline names one, with its phase)
+            self._trainers[msg.member_id] = (time.monotonic(), msg.phase, msg.step)
+        self.dispatcher.on_metrics(msg)
 
     def on_commit(self, msg: StepCommitted) -> None:
         if msg.epoch < self.gang_epoch:
@@ -339,9 +362,16 @@ class JobRunner:
         on core NATS, which drops what is published while this process is disconnected: every
         ``COMMIT_RECHECK_S`` of waiting, the trained log in Redis is read instead, so a lost commit
         message costs seconds, not the job (nothing else would notice: the trainer waits for the
-        next batch, which is its normal idleness)."""
+        next batch, which is its normal idleness).
+
+        The wait is bounded (``detector.commit_deadline_s``, ``_commit_overdue``): a trainer gang
+        that takes no batch and commits nothing (waiting for a batch already handed over is its
+        normal idleness to the detector) is reported, and its recovery ends the wait."""
         waited_since = time.monotonic()
+        clock = _CommitClock(time.monotonic(), self.committed, self._gang_heard_at)
         while not (self.committed >= needed and not self.paused):
+            if self.committed < needed:
+                await self._commit_overdue(needed, clock)
             if self.committed < needed and time.monotonic() - waited_since >= COMMIT_RECHECK_S:
                 waited_since = time.monotonic()
                 try:
@@ -359,6 +389,36 @@ class JobRunner:
                     continue
             self.changed.clear()
             await wait_event(self.changed, WAIT_WAKE_S)
+
+    async def _commit_overdue(self, needed: int, clock: _CommitClock) -> None:
+        """Report the trainer gang once ``commit_deadline_s`` passed with step ``needed`` handed
+        over and not committed and no progress of the gang (a commit, a new gang's hello), and
+        again each further period. Not timed while the job is paused or a trainer member is still
+        starting (a gang being formed: the controller's start and recovery deadlines bound it)."""
+        now = time.monotonic()
+        bound = self.spec.detector.commit_deadline_s
+        fresh = self.spec.detector.silence_s  # (one silent longer is the detector's, not starting)
+        starting = any(phase == "starting" and now - at <= fresh for at, phase, _ in self._trainers.values())
+        if (self.paused or starting or self.committed > clock.committed
+                or self._gang_heard_at != clock.gang_heard_at):
+            clock.since, clock.committed, clock.gang_heard_at, clock.reports = \
+                now, self.committed, self._gang_heard_at, 0
+            return
+        if now - clock.since < bound * (clock.reports + 1):
+            return
+        clock.reports += 1  # the next one a further period on (none bunched)
+        heard = sorted(((at, m, phase, step) for m, (at, phase, step) in self._trainers.items()), reverse=True)
+        waited = f"step {needed} handed over, no step committed for {now - clock.since:.1f}s " \
+                 f"(commit_deadline_s={bound:g}; committed up to {self.committed}, gang {self.gang_epoch})"
+        if not heard:
+            # nothing to name: a trainer that sends nothing at all is the detector's (silence)
+            log.error("job %s: %s, and no trainer member was heard from", self.job_id, waited)
+            return
+        at, member, phase, step = heard[0]
+        await report_deadline(self.bus, self.job_id, role="trainer", member_id=member, kind="hang",
+                              cause="commit_deadline", step=needed, since=time.time() - (now - clock.since),
+                              evidence=f"{waited}: {member} said {phase} at step {step} "
+                                       f"{now - at:.1f}s ago")
 
     async def run(self) -> None:
         """Sync/semi-sync/async loop: step k starts once its weights are available (staleness bound)."""
@@ -408,6 +468,9 @@ class JobRunner:
         finally:
             _cancelled(watch)
         log.info("job %s: all %d steps generated", self.job_id, self.spec.steps)
+        # The last batch's commit is waited for under the same deadline: a gang that never takes
+        # it stalled the job's end, reported by nothing.
+        await self._wait_committed(self.spec.steps - 1)
 
     async def restart_step(self, fault_id: str | None = None) -> None:
         """Whole-job restart: drop the current step's in-flight work and generate it from scratch.

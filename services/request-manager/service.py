@@ -85,7 +85,7 @@ class RequestManager:
         await b.subscribe(all_jobs_exact(Verb.TURN), TurnResult, self._on_turn)
         await b.subscribe(all_jobs(Verb.HAVE), WeightsHave, self._route(lambda j, m: j.dispatcher.on_have(m)))
         await b.subscribe(all_jobs(Verb.HELLO), MemberHello, self._route(lambda j, m: j.on_hello(m)))
-        await b.subscribe(all_jobs(Verb.METRICS), MetricsSample, self._route(lambda j, m: j.dispatcher.on_metrics(m)))
+        await b.subscribe(all_jobs(Verb.METRICS), MetricsSample, self._route(lambda j, m: j.on_metrics(m)))
         await b.subscribe(all_jobs_exact(Verb.COMMIT), StepCommitted, self._route(lambda j, m: j.on_commit(m)))
         await b.subscribe(all_jobs_exact(Verb.BATCH_GET), BatchGet, self._on_batch_get)
         await b.subscribe(all_jobs_exact(Verb.PROBE, "request_manager"), ProbeRequest, self._on_probe)

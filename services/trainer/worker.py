@@ -432,6 +432,10 @@ class TrainerWorker:
     async def _wait_batch(self, step: int) -> BatchReady | None:
         bus = self.member.bus
         assert bus
+        if step == FAILPOINT_STEP and failpoint_armed("batch_deaf", self.ident.job_id, self.ident.member_id):
+            log.warning("failpoint batch_deaf: %s never takes batch %d", self.ident.member_id, step)
+            await self.member.stopping.wait()
+            return None
         while step not in self.batches_seen and not self.member.stopping.is_set():
             # Ask once (a restarted gang re-fetches a batch handed over before it started),
             # then wait for the broadcast; the request is repeated only as a safety net.

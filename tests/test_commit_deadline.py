@@ -1,0 +1,136 @@
+"""The request manager's wait for a commit is bounded (``detector.commit_deadline_s``).
+
+A trainer gang waiting for a batch is the trainer's normal idleness: the detector does not judge
+it. A gang that never takes a batch already handed over (its broadcast and its requests lost, a
+bug in its wait) therefore stalled the job for good while every member looked healthy: the
+request manager waited for the step's commit, the trainer for the batch. Now the request manager
+reports the gang once no step was committed for ``commit_deadline_s`` with a batch waiting, naming
+the trainer member it last heard; the controller restarts the gang, which takes the batch again.
+
+The member failpoint ``batch_deaf`` (``robustrl.member.FAILPOINTS_ENV``) makes the first gang's
+rank 0 never take step 1's batch. Checked from outside: the job's event log (through the API) and
+the independent auditor over the raw stores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+from jobs import kinds, small_job, wait_done
+from rm_harness import METRICS_S, Harness, rm_spec
+from support import audit_sampled, eventually_async, sample_batches
+
+from robustrl.audit.model import AuditOptions
+from robustrl.client import ApiClient
+from robustrl.member import FAILPOINTS_ENV
+from robustrl.messages import MetricsSample
+from robustrl.stack import Stack
+from robustrl.subjects import Verb, subject
+
+pytestmark = pytest.mark.timeout(240)
+
+DEAF = "trainer-e1-r0"  # the first gang's rank 0: never takes step 1's batch
+DEADLINE_S = 8.0
+STEPS = {"cm": 4, "cl": 2}  # job name -> steps: step 1 mid-job, and step 1 the job's last
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    armed = ",".join(f"batch_deaf@{name}/{DEAF}" for name in STEPS)
+    st = Stack(tmp_path_factory.mktemp("commit-deadline"), service_extra_env={"controller": {FAILPOINTS_ENV: armed}})
+    st.start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_a_gang_that_never_takes_a_handed_over_batch_is_reported_and_replaced(stack: Stack, name: str) -> None:
+    """Before (run on the code without the deadline): job ``cm`` sat at step 1 for good, every
+    member healthy (the test gave up after 180 s); job ``cl`` the same at its last step, where the
+    request manager's loop had already ended. Now one ``commit_deadline`` fault names the deaf
+    rank, the gang is restarted role-locally (no whole-job restart), and the job finishes with
+    every step committed once and the auditor's checks passing."""
+    api = ApiClient(stack.api_url, stack.settings.api_token)
+    steps = STEPS[name]
+    spec = small_job(name, steps=steps, rollout={"replicas": 1}, trainer={"workers": 1},
+                     detector={"commit_deadline_s": DEADLINE_S})
+    jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, jid)
+    status = wait_done(api, jid, timeout=180)
+    assert status["committed_step"] == steps - 1
+    events = api.events(jid)
+    found = [d for d in kinds(events, "fault_detected") if d.get("cause") == "commit_deadline"]
+    acted = [d for d in kinds(events, "decision") if d["fault_id"] in {f["fault_id"] for f in found}
+             and d["actions"] != ["Ignore"]]
+    # One acted on, naming the deaf rank at the step it never took; a later one (if the new gang's
+    # cold start outlasted a further period) named the gang being replaced and was ignored.
+    assert len(acted) == 1, (found, kinds(events, "decision"))
+    [fault] = [f for f in found if f["fault_id"] == acted[0]["fault_id"]]
+    assert (fault["member_id"], fault["role"], fault["kind"], fault["step"]) == (DEAF, "trainer", "hang", 1), fault
+    assert "waiting_batch" in fault["evidence"] and "step 1 handed over" in fault["evidence"], fault
+    assert acted[0]["actions"] == ["RestartTrainerGang"], acted
+    # Not before the deadline: counted from step 0's commit (the gang's last progress).
+    [c0] = [e["ts"] for e in events if e["kind"] == "step_committed" and e["data"]["step"] == 0]
+    assert fault["detected_at"] - c0 >= DEADLINE_S - 0.5, (fault, c0)
+    # Every step committed, by a gang after the deaf one for step 1.
+    commits = kinds(events, "step_committed")
+    assert sorted({c["step"] for c in commits}) == list(range(steps)), commits
+    assert {c["epoch"] for c in commits if c["step"] == 1} == {2}, commits
+    audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))
+
+
+async def test_the_deadline_counts_only_a_gang_that_could_take_its_batch(servers) -> None:  # type: ignore[no-untyped-def]
+    """The request manager alone (real NATS + Redis, a scripted trainer's metrics): a trainer
+    member still ``starting`` holds the clock (a gang being formed is the controller's to bound);
+    one waiting for a batch handed over is reported once the deadline passed, naming it, and again
+    each further period; a commit starts the next wait's clock afresh."""
+    bound = 1.5
+    async with Harness(servers, rm_spec("cdl", steps=3, commit_deadline_s=bound)) as h:
+        phase = ["starting"]
+
+        async def trainer_metrics() -> None:
+            seq = 0
+            while True:
+                seq += 1
+                await h.bus.publish(subject(h.job_id, Verb.METRICS, "trainer-e2-r0"), MetricsSample(
+                    job_id=h.job_id, member_id="trainer-e2-r0", role="trainer", seq=seq, ts=time.time(),
+                    phase=phase[0], step=1))
+                await asyncio.sleep(METRICS_S)  # a member's own sampling period
+
+        metrics = asyncio.create_task(trainer_metrics())
+        try:
+            rep = await h.replica("r0", version=0)
+            await h.start_rm()
+            await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+
+            def overdue() -> list:  # type: ignore[type-arg]
+                return [f for f in h.faults if f.cause == "commit_deadline"]
+            # Three deadlines' worth with the gang starting: nothing (an absence: only a wait shows it).
+            await asyncio.sleep(3 * bound)
+            assert overdue() == [], overdue()
+            phase[0] = "waiting_batch"
+            idle_from = time.monotonic()
+            [first] = await eventually_async(overdue, timeout=10, what="the commit deadline reported")
+            assert time.monotonic() - idle_from >= bound - 0.3
+            assert (first.role, first.member_id, first.kind, first.step) == ("trainer", "trainer-e2-r0", "hang", 0)
+            assert "waiting_batch" in first.evidence and "commit_deadline_s=1.5" in first.evidence, first.evidence
+            # Reported again a further period on, not bunched.
+            await eventually_async(lambda: len(overdue()) >= 2, timeout=10, what="reported again")
+            assert overdue()[1].detected_at - first.detected_at >= bound - 0.3, overdue()
+            # A commit: step 1 is generated and handed over; its wait's clock starts then.
+            await h.commit(0)
+            await rep.set_version(1)  # (sync: step 1 is generated with the weights step 0 made)
+            await eventually_async(lambda: 1 in h.batches, timeout=30, what="step 1 handed over")
+            handed = time.monotonic()
+            before = len(overdue())
+            later = await eventually_async(lambda: [f for f in overdue()[before:] if f.step == 1], timeout=10,
+                                           what="step 1's commit reported overdue")
+            assert time.monotonic() - handed >= bound - 0.5, later
+            assert all(f.step == 0 for f in overdue()[:before]), overdue()
+        finally:
+            metrics.cancel()
