@@ -14,7 +14,7 @@ from rm_harness import Harness, rm_spec
 from support import eventually_async
 
 from robustrl.errors import RequestTimeout, TransportError
-from robustrl.messages import ControlCommand
+from robustrl.messages import ControlCommand, TurnResult
 from robustrl.storage.redis_stores import Keys
 from robustrl.subjects import Verb, subject
 
@@ -162,6 +162,49 @@ async def test_redispatch_events_survive_a_kill_while_jetstream_is_away(servers)
         regen = await h.events("turn_regenerated")
         assert all(d["member_id"] == "rollout-1-i0" and d["tokens"] > 0 for d in regen), regen
 
+
+
+async def test_late_and_refused_replies_are_logged_though_the_rm_dies_with_jetstream_away(servers):
+    """A late reply's ``turn_dropped`` and a refused reply's ``turn_rejected`` were appended from
+    memory (the bus's owed queue): a request manager killed while JetStream refused them lost
+    them. They go through its outbox now, keyed by the reply's request id: in Redis (raw key)
+    before the kill, in the log once after the next life starts."""
+    async with Harness(servers, rm_spec("diag", turn_deadline_s=1.0)) as h:
+        a = await h.replica("rollout-0-i0")
+        await h.replica("rollout-1-i0")
+        a.hold = lambda msg: True  # a's turns pass their deadline and go to b; a answers them late
+        await h.start_rm()
+
+        async def jetstream_refuses(*_a: object, **_k: object) -> None:
+            raise TransportError("jetstream away (test)")
+        assert h.rm_bus is not None
+        h.rm_bus.publish_durable = jetstream_refuses  # type: ignore[method-assign]
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+        late = {m.request_id for m in await a.release()}
+        assert late, "replica a was never given a turn"
+        # A reply naming a token the model does not have: refused, never applied.
+        await h.bus.publish(subject(h.job_id, Verb.TURN), TurnResult(
+            job_id=h.job_id, request_id="bogus-1", episode_id="none", member_id="rollout-1-i0",
+            token_ids=[10**6], logprobs=[-1.0], stop_reason="eot", weights_version=0))
+
+        async def saved() -> set[tuple[str, str]]:
+            raw = [json.loads(x) for x in await h.redis.lrange(Keys.rm_outbox(h.job_id), 0, -1)]
+            return {(e["event"]["kind"], e["event"]["data"]["request_id"]) for e in raw
+                    if e["event"]["kind"] in ("turn_dropped", "turn_rejected")}
+        want = {("turn_dropped", r) for r in late} | {("turn_rejected", "bogus-1")}
+        await eventually_async(lambda: _superset(saved(), want), timeout=20, what="the events in the outbox")
+        await h.kill_rm()
+        await h.start_rm(send_resume=False)
+
+        async def logged() -> list[tuple[str, str]]:
+            return [(k, d["request_id"]) for k in ("turn_dropped", "turn_rejected") for d in await h.events(k)]
+        await eventually_async(lambda: _superset(logged(), want), timeout=30, what="the events in the log")
+        got = await logged()
+        assert sorted(got) == sorted(set(got)), f"an event logged twice: {got}"
+
+
+async def _superset(found, want: set) -> bool:  # type: ignore[no-untyped-def]
+    return set(await found) >= want
 
 
 async def test_a_step_generated_again_after_its_hand_over_is_a_new_batch_ready(servers):

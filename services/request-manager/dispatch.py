@@ -227,7 +227,7 @@ class Dispatcher:
             self.stats["late_dropped"] += 1
             self._emit_later("turn_dropped", {
                 "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id,
-                "tokens": len(msg.token_ids)})
+                "tokens": len(msg.token_ids)}, msg.request_id)
             return
         pend.future.set_result(msg)
         self.changed.set()
@@ -245,7 +245,8 @@ class Dispatcher:
         self.stats["rejected"] += 1
         log.warning("job %s: reply %s of %s refused: %s", self.job_id, msg.request_id, msg.member_id, error)
         self._emit_later("turn_rejected", {
-            "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id, "error": error})
+            "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id, "error": error},
+            msg.request_id)
         pend = self.pending.get(msg.request_id)
         if (rep is None or pend is None or pend.future.done() or pend.episode_id != msg.episode_id
                 or pend.member_id != msg.member_id):
@@ -271,9 +272,13 @@ class Dispatcher:
             rep.reported_bad = False  # reported again at its next refused reply
             raise
 
-    def _emit_later(self, kind: str, data: dict[str, Any]) -> None:
-        """Append an event to the job's log without making the caller wait for it (``_background``)."""
-        self._background(self.bus.emit_event(self.job_id, kind, data), kind)
+    def _emit_later(self, kind: str, data: dict[str, Any], key: str) -> None:
+        """Append an event to the job's log without making the caller wait for it (``_background``),
+        through the job's outbox (``record_event``, under the reply's request id ``key`` and a
+        fresh suffix: each reply is its own event, a request refused three times is three). Held
+        in memory, a late or refused reply's event was lost with a request manager killed while
+        JetStream was away."""
+        self._background(self.record_event(kind, data, f"{key}-{uuid.uuid4().hex[:12]}"), kind)
 
     def _background(self, work: Coroutine[Any, Any, object], what: str, essential: bool = False) -> None:
         """Run an append to the job's log (an event, a fault report) without making the turn
@@ -387,7 +392,7 @@ class Dispatcher:
                 self._forget(pend)
             if cause is not None:
                 self.stats["tokens_regenerated"] += len(res.token_ids)
-                await self._accounting_event("turn_regenerated", {
+                await self.record_event("turn_regenerated", {
                     "fault_id": fault_id, "cause": cause, "episode_id": ep.episode_id, "step": step,
                     "turn": turn, "member_id": res.member_id, "tokens": len(res.token_ids)}, pend.request_id)
             return res, pend.request_id
@@ -499,18 +504,18 @@ class Dispatcher:
         else:
             cause = "replica_dead" if pend.member_id in self.dead else str(getattr(exc, "cause", "owner_lost"))
         prefix = ep.prefix_ids()
-        await self._accounting_event("episode_redispatched", {
+        await self.record_event("episode_redispatched", {
             "episode_id": ep.episode_id, "member_id": pend.member_id, "step": step, "cause": cause,
             "request_id": pend.request_id, "prefix_turns": len(ep.turns), "prefix_len": len(prefix),
             "prefix_sha": hashlib.sha256(json.dumps(prefix).encode()).hexdigest()}, pend.request_id)
         return cause
 
-    async def _accounting_event(self, kind: str, data: dict[str, Any], request_id: str) -> None:
-        """A re-dispatch's event (what a fault cost, the prefix it resumed from): in the job's
-        Redis outbox before the episode goes on, so a request manager killed while JetStream is
-        away leaves it for its next life (held in memory, it was lost). Its message id is the
-        dispatch's own: the default (the fault id) would store one event of the many a fault
-        causes.
+    async def record_event(self, kind: str, data: dict[str, Any], request_id: str) -> None:
+        """An event of a turn (what a fault cost, the prefix a re-dispatch resumed from, a late or
+        refused reply, a tool that failed): in the job's Redis outbox when this returns, so a
+        request manager killed while JetStream is away leaves it for its next life (held in
+        memory, it was lost). Its message id is the dispatch's own (``request_id``): the default
+        (the fault id) would store one event of the many a fault causes.
 
         Raises:
             TransportError: Redis failed (the step's attempt fails and is retried from its records).

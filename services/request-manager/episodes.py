@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from robustrl.services.request_manager.dispatch import Dispatcher
 
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
-from robustrl.errors import RobustRLError
+from robustrl.errors import RobustRLError, TransportError
 from robustrl.model.hf import load_tokenizer
 from robustrl.rl import tasks
 from robustrl.rl.tools import ToolService
@@ -147,7 +148,11 @@ class EpisodeRunner:
             timing["tool_wait_s"] += time.monotonic() - t0
         if not result.ok:
             self.stats["tool_failures"] += 1
-            await self.bus.emit_event(self.job_id, "tool_fault", {
-                "tool": action.tool, "error": result.error, "attempts": result.attempts,
-                "episode_id": ep.episode_id, "step": step})
+            fault = {"tool": action.tool, "error": result.error, "attempts": result.attempts,
+                     "episode_id": ep.episode_id, "step": step}
+            try:  # through the outbox (the detector's tool-outage rule reads it), once per call
+                await self.dispatcher.record_event("tool_fault", fault, uuid.uuid4().hex)
+            except TransportError as exc:  # Redis failed: appended from memory only, as before
+                log.warning("job %s: tool_fault not saved in the outbox (%s): appended from memory", self.job_id, exc)
+                await self.bus.emit_event(self.job_id, "tool_fault", fault)
         ep.turns.append(TurnRecord(role="tool", token_ids=tasks.tool_turn_ids(result.text, self.tok)))
