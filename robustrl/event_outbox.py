@@ -3,10 +3,11 @@
 An :class:`robustrl.event_queue.EventQueue` holds its events in memory: a process killed while
 JetStream is away loses them. An :class:`OutboxWriter` first saves each event in its job's outbox
 (a :class:`robustrl.storage.control_stores.EventOutbox`: the request manager's ``RmOutbox``, the
-detector's ``DetectorOutbox``), then queues it under the message id saved with it, and removes it
-from the outbox once JetStream stored it (the queue's ``settled`` callback). What a killed process
-left is queued again by the next one (``recover``; every job's outbox is found with
-:func:`outbox_keys`) under the same message ids, so an event stored just before the kill and not
+detector's ``DetectorOutbox``, the rollout replicas' ``RolloutOutbox``), then queues it under the
+message id saved with it, and removes it from the outbox once JetStream stored it (the queue's
+``settled`` callback). What a killed process left is queued again by the next one (``recover``;
+every job's outbox is found with :func:`outbox_keys`; a replica reads its own job's) under the
+same message ids, so an event stored just before the kill and not
 yet removed is stored once (within JetStream's duplicate window, 2 min; past it, twice).
 
 Redis is treated one of two ways:
@@ -14,12 +15,13 @@ Redis is treated one of two ways:
 * strict (``bound`` None; the request manager): a failed save raises (the caller does not
   acknowledge the command whose event it is), a failed removal is retried with the append (the
   queue waits for Redis, as the rest of the service does);
-* bounded (a :class:`RedisBound`; the detector, whose tick must not wait on Redis): every call is
-  cut at ``call_s``; a failed save is logged and the event queued in memory only (it is still
-  appended; only its durability is lost); after a failure Redis is left alone for ``away_s`` (one
-  call pays the bound, not every event of a tick); a failed removal is kept and tried again by
-  ``retry_removals``, which the owner calls off its hot path (the detector: every few seconds,
-  with a budget), never by ``give``.
+* bounded (a :class:`RedisBound`; the detector, whose tick must not wait on Redis, and a rollout
+  replica, whose serving path must not either): every call is cut at ``call_s``; a failed save
+  is logged and the event queued in memory only (it is still appended; only its durability is
+  lost); after a failure Redis is left alone for ``away_s`` (one call pays the bound, not every
+  event of a tick); a failed removal is kept and tried again by
+  ``retry_removals``, which the owner calls off its hot path (the detector, a replica: every few
+  seconds, with a budget), never by ``give``.
 """
 
 from __future__ import annotations

@@ -298,11 +298,27 @@ def test_redis_acl_per_role(infra, creds):
 
     rollout = _redis(role_settings(infra, creds, Principal.ROLLOUT).redis_url)
     assert rollout.get(f"rrl:{job}:weights:latest") == b"{}"
+    # A replica's events until JetStream stored them: its job's rollout outbox, written (RPUSH),
+    # read (LRANGE) and emptied (LREM); nothing else is new.
+    outbox = Keys.rollout_outbox(job)
+    assert rollout.rpush(outbox, b"e1", b"e2") == 2 and rollout.lrange(outbox, 0, -1) == [b"e1", b"e2"]
+    assert rollout.lrem(outbox, 1, b"e1") == 1 and rollout.lrem(outbox, 1, b"e1") == 0
     for forbidden in (lambda: rollout.set(f"rrl:{job}:weights:latest", b"x"),
                       lambda: rollout.get(f"rrl:{job}:ep:e1"), lambda: rollout.delete(f"rrl:{job}:weights:latest"),
-                      lambda: rollout.hgetall("rrl:jobs"), lambda: rollout.flushdb()):
+                      lambda: rollout.hgetall("rrl:jobs"), lambda: rollout.flushdb(),
+                      lambda: rollout.rpush(f"rrl:{job}:weights:latest", b"x"),
+                      lambda: rollout.rpush(Keys.rm_outbox(job), b"x"), lambda: rollout.rpush(Keys.trainer_outbox(job), b"x"),
+                      lambda: rollout.rpush(Keys.detector_outbox(job), b"x"),
+                      lambda: rollout.lrange(Keys.controller_outbox(job), 0, -1),
+                      lambda: rollout.lrem(Keys.trainer_outbox(job), 1, b"x"),
+                      lambda: rollout.delete(outbox), lambda: rollout.set(outbox, b"x"),
+                      lambda: rollout.lpush(outbox, b"x"), lambda: rollout.ltrim(outbox, 0, 0),
+                      lambda: rollout.rename(outbox, f"{outbox}:x"), lambda: rollout.expire(outbox, 1),
+                      lambda: rollout.eval("return 1", 0), lambda: rollout.config_get("*")):
         with pytest.raises(redis.exceptions.ResponseError):
             forbidden()
+    assert rollout.lrange(outbox, 0, -1) == [b"e2"]
+    assert rollout.lrem(outbox, 1, b"e2") == 1 and not admin.exists(outbox)
 
     for role in (Principal.CONTROLLER, Principal.REQUEST_MANAGER):
         client = _redis(role_settings(infra, creds, role).redis_url)

@@ -34,8 +34,9 @@ Checks (each a pure function of what was read; ``judge`` runs them all):
   turn was made by a replica that loaded its version soundly; the Redis pointer names its gang's
   publication (the newest gang's once the job finished).
 * ``redis_bounded``: Redis keeps nothing of steps long durable.
-* ``outbox``: an ended job's request-manager outbox holds no event its log lacks, and the
-  controller's none given well before the final event the log holds (it appends in order).
+* ``outbox``: an ended job's request-manager, detector, trainer and rollout outboxes hold no
+  event its log lacks, and the controller's none given well before the final event the log holds
+  (it appends in order).
 * ``progress``: the log ends, with no gap between progress events beyond the job's own deadlines
   (or a given bound).
 """

@@ -81,6 +81,9 @@ class RawRedis:
     """The detector's outbox (``Keys.detector_outbox``), read the same way."""
     trainer_outbox: list[Any] | None = None
     """The trainer's outbox (``Keys.trainer_outbox``: rank 0's commit events), read the same way."""
+    rollout_outbox: list[Any] | None = None
+    """The rollout replicas' outbox (``Keys.rollout_outbox``: their weight load events), read the
+    same way."""
     weights_pointer: dict[str, Any] | None = None
     step_keys: dict[int, list[str]] = field(default_factory=dict)
     """step -> keys that belong to that step (batch, fence, episode set, episodes, prefixes)."""
@@ -247,6 +250,7 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
         out.controller_outbox = await _read_outbox(r, Keys.controller_outbox(job_id))
         out.detector_outbox = await _read_outbox(r, Keys.detector_outbox(job_id))
         out.trainer_outbox = await _read_outbox(r, Keys.trainer_outbox(job_id))
+        out.rollout_outbox = await _read_outbox(r, Keys.rollout_outbox(job_id))
         [pointer] = _unreadable_as_garbage(await r.pipeline(transaction=False).get(
             Keys.weights_latest(job_id)).execute(raise_on_error=False))
         out.weights_pointer = _json(pointer) if pointer is not None else None

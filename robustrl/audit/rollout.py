@@ -1,8 +1,8 @@
 """Rollout-side invariants, judged from raw Redis values, live observations and the event log:
 no finished episode lost (a batch holds exactly its step's finished episodes and stays in Redis
 until its checkpoint is durable), each turn applied once, saved prefixes are prefixes of the final
-episode, Redis holds only what recovery still needs, and an ended job's request-manager outbox
-holds no event the log lacks."""
+episode, Redis holds only what recovery still needs, and an ended job's outboxes (request manager,
+detector, trainer, rollout replicas) hold no event the log lacks."""
 
 from __future__ import annotations
 
@@ -234,8 +234,10 @@ def check_outbox(inp: AuditInput, facts: JobFacts, controller_slack_s: float) ->
     still in its outbox (``Keys.rm_outbox``) that the log lacks was never appended. One the log
     already holds (same kind, time and data) is only waiting for its removal. The detector's
     outbox (``Keys.detector_outbox``: its ``fault_detected`` events, appended by the next detector
-    to start or by a deletion that keeps the log) and the trainer's (``Keys.trainer_outbox``: rank
-    0's ``step_committed`` events, appended by the next gang) are judged the same way.
+    to start or by a deletion that keeps the log), the trainer's (``Keys.trainer_outbox``: rank
+    0's ``step_committed`` events, appended by the next gang) and the rollout replicas'
+    (``Keys.rollout_outbox``: their ``weights_loaded``/``weights_rejected``, appended by the next
+    replica of the job to start) are judged the same way.
 
     The controller's outbox (``Keys.controller_outbox``) is appended in order, one entry at a
     time, so once the log holds the job's final event, every controller event given well before
@@ -245,10 +247,12 @@ def check_outbox(inp: AuditInput, facts: JobFacts, controller_slack_s: float) ->
     res = CheckResult()
     logged = {(e.kind, e.ts, _canonical(e.data)) for e in inp.events}
     out: dict[str, int] = {}
-    # The request manager's and the detector's outboxes: an ended job's entry the log lacks was lost.
+    # The request manager's, detector's, trainer's and replicas' outboxes: an ended job's entry the
+    # log lacks was lost.
     for owner, entries, prefix in (("the request manager's", inp.redis.outbox, "outbox"),
                                    ("the detector's", inp.redis.detector_outbox, "detector_outbox"),
-                                   ("the trainer's", inp.redis.trainer_outbox, "trainer_outbox")):
+                                   ("the trainer's", inp.redis.trainer_outbox, "trainer_outbox"),
+                                   ("the rollout replicas'", inp.redis.rollout_outbox, "rollout_outbox")):
         if entries is None:
             continue
         missing = [what for what, _ in _unappended(entries, logged)]

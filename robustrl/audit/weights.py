@@ -79,7 +79,8 @@ def check_weights(inp: AuditInput, views: list[StepView], facts: JobFacts) -> tu
 
     Returns the check, how many (replica, version) pairs served bad or unloaded weights, and how
     many had no load event and were judged by their turns' checksums alone (a replica killed with
-    its ``weights_loaded`` still owed: its queue of owed events is in memory)."""
+    its ``weights_loaded`` still owed and not in the job's rollout outbox: its save to Redis failed,
+    or no replica of the job started after to append it)."""
     res = CheckResult()
     pubs = Publications.of(inp)
     rejected: dict[tuple[str, int], set[str]] = defaultdict(set)

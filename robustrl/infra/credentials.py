@@ -51,8 +51,10 @@ REDIS_ACCESS: dict[Principal, str | None] = {
     # The trainer: episodes it trains on, the batch fence and trained log, the weights pointer,
     # the gang record, its event outbox. A new key the trainer writes must be added to _JOB_KEYS_RW.
     Principal.TRAINER: f"{_JOB_KEYS_RW} {_SAFE_COMMANDS}",
-    # A replica only reads the weights pointer when it starts.
-    Principal.ROLLOUT: f"%R~{Keys.weights_latest('*')} +@read +@connection +select -@dangerous -@admin",
+    # A replica reads the weights pointer, and writes, reads and empties its job's rollout outbox
+    # (its events until JetStream stored them: RPUSH, LRANGE, LREM), nothing else.
+    Principal.ROLLOUT: (f"%R~{Keys.weights_latest(_ANY)} ~{Keys.rollout_outbox(_ANY)} +@read +rpush +lrem "
+                        "+@connection +select -@dangerous -@admin"),
     # The detector: its event outbox of each job (written, read, emptied; SCANned at its start),
     # nothing else: neither the job registry nor any rollout state.
     Principal.DETECTOR: f"~{Keys.detector_outbox(_ANY)} +@read +@write +@connection +select -@dangerous -@admin",

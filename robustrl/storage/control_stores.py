@@ -1,8 +1,9 @@
 """The control plane's records in Redis: the job registry (a controller's jobs, fenced by its
 lease) and the event outboxes (events kept until JetStream stored them): the request manager's
-(events of acknowledged commands), the detector's (its ``fault_detected`` events) and the
-controller's (every event it appends, ``services/controller/outbox.py``). The writers of the first
-two are :class:`robustrl.event_outbox.OutboxWriter`. Keys come from :class:`robustrl.storage.redis_stores.Keys`.
+(events of acknowledged commands), the detector's (its ``fault_detected`` events), the rollout
+replicas' (their weight load events), the trainer's (rank 0's commits) and the controller's (every
+event it appends, ``services/controller/outbox.py``). The writers of the first three are
+:class:`robustrl.event_outbox.OutboxWriter`. Keys come from :class:`robustrl.storage.redis_stores.Keys`.
 """
 
 from __future__ import annotations
@@ -113,6 +114,18 @@ class TrainerOutbox(EventOutbox):
 
     def __init__(self, client: aioredis.Redis, job_id: str) -> None:
         super().__init__(client, job_id, Keys.trainer_outbox(job_id))
+
+
+class RolloutOutbox(EventOutbox):
+    """One job's rollout outbox (``Keys.rollout_outbox``): the replicas' events
+    (``weights_loaded``, ``weights_rejected``), each saved before it is queued and removed once
+    JetStream stored it. Written by every replica of the job; appended by the next replica to start
+    (what any replica left: the kinds are the rollout role's, whichever replica writes them); read
+    by a deletion that keeps the job's log (which may not write the rollout's events: logged) and
+    by the auditor."""
+
+    def __init__(self, client: aioredis.Redis, job_id: str) -> None:
+        super().__init__(client, job_id, Keys.rollout_outbox(job_id))
 
 
 class JobRegistry:

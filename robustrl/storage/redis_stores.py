@@ -127,6 +127,12 @@ class Keys:
         return f"rrl:{job}:trainer:outbox"
 
     @staticmethod
+    def rollout_outbox(job: str) -> str:
+        """The rollout replicas' events of a job not yet in its log (``weights_loaded``,
+        ``weights_rejected``; a list, ``RolloutOutbox``), shared by the job's replicas."""
+        return f"rrl:{job}:rollout:outbox"
+
+    @staticmethod
     def rm_outbox_pattern() -> str:
         """SCAN pattern of every job's request-manager outbox (a starting request manager appends
         what any job's outbox still holds)."""

@@ -41,7 +41,7 @@ from robustrl.services.controller.lease import LeaseLost
 from robustrl import subjects
 from robustrl.audit.raw import job_prefix
 from robustrl.errors import JobActive, JobError, StorageError, SubjectError
-from robustrl.storage.control_stores import DetectorOutbox, RmOutbox, TrainerOutbox
+from robustrl.storage.control_stores import DetectorOutbox, RmOutbox, RolloutOutbox, TrainerOutbox
 from robustrl.storage.objects import StoreUnavailable, open_object_store
 from robustrl.storage.redis_stores import Keys, _call
 
@@ -189,7 +189,9 @@ class JobDeleter:
         dropped, logged; one of a kind the controller may not write is logged and left to go with
         the purge: the trainer outbox's ``step_committed`` (the controller may not write the
         trainer's events; such an entry outlives its job only if JetStream was away when the last
-        gang committed and no gang started after).
+        gang committed and no gang started after) and the rollout outbox's weight load events
+        (likewise: a replica's events left while JetStream was away, and no replica of the job
+        started after).
 
         Raises:
             TransportError: Redis failed, or JetStream did not store an event in time.
@@ -197,7 +199,8 @@ class JobDeleter:
         appended = 0
         for owner, outbox in (("request manager", RmOutbox(self.c.redis, job_id)),
                               ("detector", DetectorOutbox(self.c.redis, job_id)),
-                              ("trainer", TrainerOutbox(self.c.redis, job_id))):
+                              ("trainer", TrainerOutbox(self.c.redis, job_id)),
+                              ("rollout", RolloutOutbox(self.c.redis, job_id))):
             found = 0
             for _raw, entry in await outbox.entries():
                 event = entry.event

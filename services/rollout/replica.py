@@ -12,6 +12,10 @@ waiting for a version the replica does not hold yet), so a replica whose engine 
 is a stall to the detector, not idleness; the phase says ``loading_weights`` while a pull runs
 (bounded by the detector's ``weights_load_s``) and ``weights_failed`` once the pulls of the
 followed version failed ``weights.pull_attempts`` times.
+
+Events: a replica's ``weights_loaded`` / ``weights_rejected`` are saved in the job's rollout
+outbox in Redis before they are queued for the log, and a starting replica appends what replicas
+killed before it left there (:mod:`robustrl.services.rollout.events`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from robustrl.member import Identity, Member
 from robustrl.messages import GenerateTurn, MetricsSample, TurnResult, WeightsAnnounce, WeightsHave, decode
 from robustrl.model.engine import GenerationAborted, GenRequest
 from robustrl.model.engines import make_engine
+from robustrl.services.rollout.events import ReplicaEvents
 from robustrl.services.rollout.loader import WeightLoader
 from robustrl.services.rollout.standby import ENGINE_JOIN_S, StandbyHook, become_trainer, policy_from_served
 from robustrl.storage.redis_stores import WeightsPointer, connect
@@ -56,7 +61,8 @@ POINTER_POLL_S = 2.0
 POINTER_READ_S = 5.0
 """Bound on one read of the weights pointer."""
 POINTER_CLOSE_S = 1.0
-"""Bound on closing the pointer's Redis client at stop (a borrow must not wait on it)."""
+"""Bound on stopping the pointer's watch, and on closing the Redis client (the pointer's and the
+rollout outbox's) at stop (a borrow must not wait on it)."""
 VERIFY_LOADS_ENV = "ROBUSTRL_VERIFY_LOADS"
 
 
@@ -121,6 +127,13 @@ class Replica:
     async def run(self) -> None:
         spec = await self.member.start()
         self.spec = spec
+        assert self.member.bus
+        # The weights pointer's reads and the rollout outbox share one client (lazy: it connects
+        # on its first call). The outbox's upkeep starts at once: what replicas killed before this
+        # one left is appended while the engine loads.
+        redis = connect(self.settings.redis_url)
+        self.events = ReplicaEvents(self.member.bus, self.ident.job_id, redis)
+        self.events.start_upkeep()
         self.standby.install(asyncio.get_running_loop())
         torch.set_num_threads(1)
         torch.manual_seed(spec.seed)
@@ -146,7 +159,6 @@ class Replica:
         await bus.subscribe(subject(job, Verb.GENERATE, self.ident.member_id), GenerateTurn, self._on_request)
         await bus.subscribe(subject(job, Verb.WEIGHTS), WeightsAnnounce, self._on_announce)
         await bus.subscribe(wildcard(job, Verb.HAVE), WeightsHave, self._on_have)
-        redis = connect(self.settings.redis_url)
         await self.member.hello(self.address)
         await self.member.set_phase("idle")
         worker = threading.Thread(target=self._worker, name="engine", daemon=True)
@@ -175,12 +187,8 @@ class Replica:
             # replica that never closed its bus after SIGTERM, SIGKILLed after the controller's
             # 15 s grace) is named in the log and the process exits.
             _bound_stop(self, STOP_BOUND_S)
-        self.stop_phase = "closing the weights pointer's client"
+        self.stop_phase = "stopping the weights pointer's watch"
         await cancel_and_wait(watch, POINTER_CLOSE_S)
-        try:
-            await within(redis.aclose(), POINTER_CLOSE_S)
-        except Exception as exc:  # noqa: BLE001 - a Redis client that cannot close must not stop the stop
-            log.debug("weights pointer client not closed: %r", exc)
         with self._swap_lock:  # the engine thread takes no more weights: release a waiting install
             if self._pending is not None:
                 self._pending.swapped.set()
@@ -195,10 +203,19 @@ class Replica:
         await self.server.close()
         self.stop_phase = "closing the engine"
         await asyncio.to_thread(self.engine.close)
+        # The events still queued (a late swap's report, one JetStream has not stored yet) get what
+        # is left of the stop's bound, less NATS's own drain and close (each bounded by
+        # DRAIN_TIMEOUT_S), the Redis client's close and a second to exit. What is not stored by
+        # then stays in the rollout outbox: the next replica of the job appends it.
+        self.stop_phase = "storing the replica's events"
+        await self.events.close(grace_s=max(0.5, STOP_BOUND_S - 1.0 - POINTER_CLOSE_S - 2 * DRAIN_TIMEOUT_S
+                                            - (time.monotonic() - stop_t0)))
+        self.stop_phase = "closing the Redis client"
+        try:
+            await within(redis.aclose(), POINTER_CLOSE_S)
+        except Exception as exc:  # noqa: BLE001 - a Redis client that cannot close must not stop the stop
+            log.debug("Redis client not closed: %r", exc)
         self.stop_phase = "closing the member (bus)"
-        # The bus waits for events still in their retries (a late swap's report, a HAVE's event)
-        # with what is left of the stop's bound, less NATS's own drain and close (each bounded by
-        # DRAIN_TIMEOUT_S) and a second to exit.
         await self.member.close(drain_s=max(0.5, STOP_BOUND_S - 1.0 - 2 * DRAIN_TIMEOUT_S
                                             - (time.monotonic() - stop_t0)))
         # Not "closed" yet: asyncio.run still cancels and awaits what is left (a task that
@@ -303,8 +320,9 @@ class Replica:
                 self.loader.offer(ann)
 
     async def _emit(self, kind: str, data: dict[str, object]) -> None:
-        assert self.member.bus
-        await self.member.bus.emit_event(self.ident.job_id, kind, data)
+        """Save the event in the job's rollout outbox (bounded: the serving path never waits on
+        Redis) and queue it for the log (``ReplicaEvents``)."""
+        await self.events.emit(kind, data)
 
     def _held(self) -> tuple[int, str]:
         """The weights the engine serves, or, while it swaps weights in, those it will serve: a

@@ -1,0 +1,150 @@
+"""A rollout replica's events (``weights_loaded``, ``weights_rejected``), kept in the job's Redis
+outbox until JetStream stored them.
+
+Appended inline (``Bus.emit_event``), an event JetStream did not store within the bus's retry
+budget was kept in the bus's owed queue, in memory: a replica killed, or cut off and replaced,
+while JetStream was away lost it for good (the auditor then judged its turns by their checksums
+alone). Each event is now saved in the job's rollout outbox (``RolloutOutbox``,
+``Keys.rollout_outbox``), queued, and removed from the outbox once JetStream stored it
+(:class:`robustrl.event_outbox.OutboxWriter`, shared with the request manager and the detector).
+
+Who appends what a dead replica left: every replica, at its start, reads the job's rollout outbox
+in the background (retried until one read went through) and queues every entry under the message
+id saved with it. The kinds are the rollout role's own, so any replica of the job may append them
+(its NATS permissions name the role, not the member). An entry a live replica is still retrying
+is then appended twice under one message id: JetStream stores it once (within its 2-min duplicate
+window), and a removal of an entry already gone is a no-op.
+
+A replica's serving path must never wait on Redis: the outbox is used in its bounded mode, every
+call cut at ``REDIS_CALL_S``; a save that fails is logged and the event queued in memory only
+(still appended, only not durable), and Redis is left alone for ``REDIS_AWAY_S``; a removal that
+failed is tried again by the upkeep task, off the serving path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from robustrl import subjects
+from robustrl.aio import cancel_and_wait
+from robustrl.bus import Bus, event_msg_id
+from robustrl.errors import TransportError
+from robustrl.event_outbox import OutboxWriter, RedisBound
+from robustrl.event_queue import MAX_PENDING_EVENTS, STOP_GRACE_S, EventQueue
+from robustrl.messages import Event
+from robustrl.storage.control_stores import OutboxEntry, RolloutOutbox
+
+log = logging.getLogger(__name__)
+
+REDIS_CALL_S = 0.25
+"""How long one outbox call may take (Redis answers in milliseconds; the client's own retries
+through an outage take up to 30 s, which a weight swap's report must not wait for)."""
+REDIS_AWAY_S = 5.0
+"""After a failed outbox call, events are queued in memory only for this long."""
+UPKEEP_S = 5.0
+"""Pause between rounds of the outbox upkeep: the start's read until it went through, and the
+removals that failed."""
+REMOVALS_BUDGET_S = 1.0
+"""At most this long per upkeep round on removals that failed before."""
+
+
+class ReplicaEvents:
+    """One replica's events of its job: each saved in the job's rollout outbox, then queued.
+
+    Args:
+        bus: the replica's bus (the rollout role's credentials).
+        job_id: the replica's job.
+        redis: a client of the replica's Redis user (the rollout outbox is the only key it writes).
+        max_pending: events held in memory while JetStream is away (``EventQueue``'s bound).
+    """
+
+    def __init__(self, bus: Bus, job_id: str, redis: Any, *, max_pending: int = MAX_PENDING_EVENTS) -> None:
+        self.bus = bus
+        self.job_id = job_id
+        self.outbox = RolloutOutbox(redis, job_id)
+        self.queue = EventQueue(bus, name=f"{bus.name}-events", max_pending=max_pending)
+        self._writer = OutboxWriter(self.queue, lambda _job: self.outbox, owner="rollout replica",
+                                    bound=RedisBound(call_s=REDIS_CALL_S, away_s=REDIS_AWAY_S))
+        self._upkeep: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        """Events given (or recovered) and not stored yet."""
+        return self.queue.pending
+
+    @property
+    def recovered(self) -> int:
+        """Events another replica left in the outbox, queued by this one."""
+        return self._writer.recovered
+
+    @property
+    def unsaved(self) -> int:
+        """Events queued in memory only (their save to Redis failed)."""
+        return self._writer.unsaved
+
+    @property
+    def outbox_read(self) -> bool:
+        """Whether the start's read of the outbox went through."""
+        return self._writer.outbox_read(self.job_id)
+
+    async def emit(self, kind: str, data: dict[str, Any]) -> Event | None:
+        """Queue one event of the job, stamped now, in the outbox first (at most
+        ``REDIS_CALL_S``; on a Redis failure in memory only, logged). Its message id is drawn here
+        and saved with it: whoever appends it (this replica, a later one, a deletion) uses it.
+
+        Returns:
+            The event, or None when it was dropped (the queue is full, or closed).
+        Raises:
+            ValueError: ``data`` does not fit ``kind`` (a bug: raised here, not in the background).
+            SubjectError: the rollout role may not write ``kind`` (a bug: nothing is saved).
+        """
+        subjects.events(self.job_id, kind, self.bus.role)
+        event = Event(job_id=self.job_id, kind=kind, data=data)  # type: ignore[arg-type]
+        dropped = self.queue.dropped
+        await self._writer.give(OutboxEntry(msg_id=event_msg_id(self.job_id, kind), event=event))
+        return None if self.queue.dropped > dropped else event
+
+    def start_upkeep(self) -> None:
+        """Start the outbox upkeep in the background, every ``UPKEEP_S`` for the replica's life:
+        queue what the job's outbox holds (``recover``, until one read went through: what replicas
+        killed before this one left), then retry the removals that failed (within
+        ``REMOVALS_BUDGET_S``). Harmless if called twice."""
+        if self._upkeep is None:
+            self._upkeep = asyncio.get_running_loop().create_task(self._keep(), name="rollout-outbox-upkeep")
+
+    async def recover(self) -> int:
+        """Queue what the job's rollout outbox holds and this replica did not give itself, under
+        the message ids saved with it; return how many. Harmless to call again.
+
+        Raises:
+            TransportError: Redis failed or did not answer within ``REDIS_CALL_S`` (the entries
+                stay for the next try).
+        """
+        return await self._writer.recover(self.job_id)
+
+    async def _keep(self) -> None:
+        while True:
+            if not self.outbox_read:
+                try:
+                    found = await self.recover()
+                    if found:
+                        log.warning("job %s: %d events other replicas left in the rollout outbox: appending them",
+                                    self.job_id, found)
+                except TransportError as exc:
+                    log.warning("job %s: the rollout outbox not read (%s): tried again in %g s", self.job_id, exc,
+                                UPKEEP_S)
+            await self._writer.retry_removals(REMOVALS_BUDGET_S)
+            await asyncio.sleep(UPKEEP_S)  # pace the rounds (and the tries while Redis is away)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every queued event to be stored; True if they were."""
+        return await self.queue.drain(timeout_s)
+
+    async def close(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop the upkeep, take no new events, give the queued ones ``grace_s`` to be stored
+        (what is left stays in the outbox for the next replica to start); harmless if called
+        twice."""
+        await cancel_and_wait(self._upkeep, STOP_GRACE_S)
+        await self.queue.close(grace_s)
