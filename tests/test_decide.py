@@ -184,3 +184,17 @@ def test_failed_local_recovery_escalates() -> None:
     rec = RecoveryView("rollout", step=5, started_at=NOW, member_ids=frozenset({"r1"}))
     d = recovery_failed(NOW + 2, job(recovering=(rec,)), rec, "replacement exited with 1", LOCAL)
     assert kinds(d) == [RestartWholeJob] and "replacement exited" in d.reason
+
+
+def test_a_commit_reported_overdue_that_has_come_since_is_ignored() -> None:
+    """The request manager's ``commit_deadline`` report of step 5, decided once step 5 committed
+    (a slow step at the deadline's edge, a report delivered late): the gang is not stuck, and a
+    second trainer fault at the step would have restarted the whole job. Before the commit, the
+    gang is restarted."""
+    overdue = fault("trainer", "t0", "hang").model_copy(update={"cause": "commit_deadline", "step": 5})
+    d = decide(NOW, job(committed_step=5), overdue, LOCAL)
+    assert kinds(d) == [Ignore] and "has come" in d.reason, d
+    d = decide(NOW, job(committed_step=4), overdue, LOCAL)
+    assert kinds(d) == [RestartTrainerGang], d
+    # Any other trainer fault naming an older step is still acted on.
+    assert kinds(decide(NOW, job(committed_step=5), fault("trainer", "t0", "hang"), LOCAL)) == [RestartTrainerGang]

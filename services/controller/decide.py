@@ -302,6 +302,10 @@ def decide(now: float, job: JobView, fault: FaultReport, spec: RecoverySpec) -> 
 
 
 def _stale(job: JobView, fault: FaultReport) -> str | None:
+    if fault.cause == "commit_deadline" and fault.step is not None and fault.step <= job.committed_step:
+        # the request manager's report of a commit overdue, which came after it (a slow step at
+        # the deadline's edge, a report delivered late): the gang is not stuck
+        return f"step {fault.step}'s commit, reported overdue, has come (committed up to {job.committed_step})"
     member_role = fault.role not in CONTROL_PLANE_ROLES
     if member_role and job.live_members is not None and fault.member_id not in job.live_members:
         return f"{fault.member_id} is not a member of the current incarnation"

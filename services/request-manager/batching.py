@@ -67,12 +67,12 @@ def _cancelled(task: asyncio.Task[None] | None) -> None:
 
 @dataclass
 class _CommitClock:
-    """The commit deadline of one wait (``JobRunner._commit_overdue``): since when the gang made
-    no progress, what its progress was then, and how many reports were made since."""
+    """The commit deadline of one wait (``JobRunner._commit_overdue``): since when the gang has
+    waited for a batch already handed over with no progress, what its progress was then (the
+    newest gang's hello, its newest commit heard), and how many reports were made since."""
 
     since: float
-    committed: int
-    gang_heard_at: float | None
+    progress: tuple[float | None, float | None]
     reports: int = 0
 
 
@@ -120,6 +120,9 @@ class JobRunner:
         self._trainers: dict[str, tuple[float, str, int]] = {}
         """trainer member -> (when heard (monotonic), its phase, its step), from its metrics"""
         self._gang_heard_at: float | None = None  # the newest gang's first hello (monotonic)
+        self._commit_heard_at: float | None = None  # the current gang's newest commit, of any step
+        # (a recovered gang redoing steps already committed makes progress too) (monotonic)
+        self._commit_report: asyncio.Task[None] | None = None  # the commit deadline's report
 
     @property
     def events(self) -> EventWriter:
@@ -173,6 +176,7 @@ class JobRunner:
                         msg.step, msg.epoch, self.gang_epoch)
             return
         self.gang_epoch = msg.epoch
+        self._commit_heard_at = time.monotonic()
         self.committed = max(self.committed, msg.step)
         self.trainer_version = max(self.trainer_version, msg.weights_version)
         self._durable(msg.durable_step)
@@ -368,7 +372,7 @@ class JobRunner:
         that takes no batch and commits nothing (waiting for a batch already handed over is its
         normal idleness to the detector) is reported, and its recovery ends the wait."""
         waited_since = time.monotonic()
-        clock = _CommitClock(time.monotonic(), self.committed, self._gang_heard_at)
+        clock = _CommitClock(time.monotonic(), (self._gang_heard_at, self._commit_heard_at))
         while not (self.committed >= needed and not self.paused):
             if self.committed < needed:
                 await self._commit_overdue(needed, clock)
@@ -391,34 +395,41 @@ class JobRunner:
             await wait_event(self.changed, WAIT_WAKE_S)
 
     async def _commit_overdue(self, needed: int, clock: _CommitClock) -> None:
-        """Report the trainer gang once ``commit_deadline_s`` passed with step ``needed`` handed
-        over and not committed and no progress of the gang (a commit, a new gang's hello), and
-        again each further period. Not timed while the job is paused or a trainer member is still
-        starting (a gang being formed: the controller's start and recovery deadlines bound it)."""
+        """Report the trainer gang once it has waited ``commit_deadline_s`` for a batch already
+        handed over, with no progress (a commit of any step, a new gang's hello), and again each
+        further period. The clock runs only while every trainer member heard within
+        ``detector.silence_s`` says ``waiting_batch`` at a step already handed over: not while one
+        is starting (a gang being formed: the controller's start and recovery deadlines bound it),
+        training (a slow step is the detector's; an outside review found a busy gang reported),
+        silent (the detector's silence rule), nor while the job is paused. The report is published
+        in the background: this wait never blocks on the bus."""
         now = time.monotonic()
         bound = self.spec.detector.commit_deadline_s
-        fresh = self.spec.detector.silence_s  # (one silent longer is the detector's, not starting)
-        starting = any(phase == "starting" and now - at <= fresh for at, phase, _ in self._trainers.values())
-        if (self.paused or starting or self.committed > clock.committed
-                or self._gang_heard_at != clock.gang_heard_at):
-            clock.since, clock.committed, clock.gang_heard_at, clock.reports = \
-                now, self.committed, self._gang_heard_at, 0
+        fresh = [(at, m, phase, s) for m, (at, phase, s) in self._trainers.items()
+                 if now - at <= self.spec.detector.silence_s]
+        waiting = bool(fresh) and all(phase == "waiting_batch" and 0 <= s < self.step for _, _, phase, s in fresh)
+        progress = (self._gang_heard_at, self._commit_heard_at)
+        if self.paused or not waiting or progress != clock.progress:
+            clock.since, clock.progress, clock.reports = now, progress, 0
             return
         if now - clock.since < bound * (clock.reports + 1):
             return
-        clock.reports += 1  # the next one a further period on (none bunched)
-        heard = sorted(((at, m, phase, step) for m, (at, phase, step) in self._trainers.items()), reverse=True)
-        waited = f"step {needed} handed over, no step committed for {now - clock.since:.1f}s " \
-                 f"(commit_deadline_s={bound:g}; committed up to {self.committed}, gang {self.gang_epoch})"
-        if not heard:
-            # nothing to name: a trainer that sends nothing at all is the detector's (silence)
-            log.error("job %s: %s, and no trainer member was heard from", self.job_id, waited)
-            return
-        at, member, phase, step = heard[0]
-        await report_deadline(self.bus, self.job_id, role="trainer", member_id=member, kind="hang",
-                              cause="commit_deadline", step=needed, since=time.time() - (now - clock.since),
-                              evidence=f"{waited}: {member} said {phase} at step {step} "
-                                       f"{now - at:.1f}s ago")
+        if self._commit_report is not None and not self._commit_report.done():
+            return  # the previous report still being published (the bus away): not bunched
+        clock.reports += 1  # the next one a further period on
+        at, member, phase, s = max(fresh)
+        evidence = (f"step {needed} handed over, the gang waiting for batch {s} for {now - clock.since:.1f}s "
+                    f"(commit_deadline_s={bound:g}; committed up to {self.committed}, gang {self.gang_epoch}): "
+                    f"{member} says {phase} at step {s}")
+        self._commit_report = asyncio.create_task(self._report_commit_overdue(
+            member, needed, time.time() - (now - clock.since), evidence))
+
+    async def _report_commit_overdue(self, member: str, needed: int, since: float, evidence: str) -> None:
+        try:
+            await report_deadline(self.bus, self.job_id, role="trainer", member_id=member, kind="hang",
+                                  cause="commit_deadline", step=needed, since=since, evidence=evidence)
+        except Exception as exc:  # (the next period reports again)
+            log.error("job %s: commit deadline of step %d not reported: %s", self.job_id, needed, exc)
 
     async def run(self) -> None:
         """Sync/semi-sync/async loop: step k starts once its weights are available (staleness bound)."""
@@ -510,7 +521,7 @@ class JobRunner:
     async def stop(self) -> None:
         """Cancel the job's tasks, each waited for a bounded time: the control message that asked
         for the stop is answered, and the ones after it are handled, whatever a task does."""
-        for task in (self._task, self._gc_task):
+        for task in (self._task, self._gc_task, self._commit_report):
             if not await cancel_and_wait(task, STOP_WAIT_S, STOP_ATTEMPTS):
                 log.error("job %s: a task (%s) did not end %d s after its cancellations: left behind",
                           self.job_id, task.get_name() if task else None, STOP_ATTEMPTS * STOP_WAIT_S)

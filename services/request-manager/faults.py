@@ -19,7 +19,7 @@ from robustrl.subjects import Verb, subject
 
 log = logging.getLogger(__name__)
 
-Cause = Literal["turn_deadline", "weights_deadline", "step_deadline", "replies_refused"]
+Cause = Literal["turn_deadline", "weights_deadline", "step_deadline", "replies_refused", "commit_deadline"]
 
 
 async def report_deadline(bus: Bus, job_id: str, *, role: Role, member_id: str, kind: FaultKind, cause: Cause,
