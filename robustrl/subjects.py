@@ -179,7 +179,8 @@ VERB_ACCESS: dict[Verb, tuple[dict[Principal, tuple[str, ...]], dict[Principal, 
     Verb.PHASE: ({_T: (MEMBER,), _R: (MEMBER,)}, {_C: (MEMBER,), _D: (MEMBER,), _H: (MEMBER,)}),
     Verb.METRICS: ({_T: (MEMBER,), _R: (MEMBER,), _RM: (MEMBER,)},
                    {_D: (MEMBER,), _RM: (MEMBER,), _C: (MEMBER,), _H: (MEMBER,)}),
-    Verb.PROBE: ({_D: (MEMBER,)}, {_T: (MEMBER,), _R: (MEMBER,), _RM: (MEMBER,)}),
+    # The controller probes the replicas it could borrow for a trainer gang (a frozen one is not).
+    Verb.PROBE: ({_D: (MEMBER,), _C: (MEMBER,)}, {_T: (MEMBER,), _R: (MEMBER,), _RM: (MEMBER,)}),
     Verb.EXIT: ({_C: (MEMBER,)}, {_D: (MEMBER,)}),
     Verb.FAULT: ({_D: (EXACT,), _RM: (EXACT,)}, {_C: (EXACT,)}),  # RM: a deadline passed (stuck step)
     Verb.GENERATE: ({_RM: (MEMBER,)}, {_R: (MEMBER,)}),

@@ -172,3 +172,49 @@ def test_a_drain_the_request_manager_never_acknowledges_kills_the_replica_and_re
     assert own_stack.settings
     audit_sampled(own_stack.settings, jid, sampler, AUDIT)
 
+
+
+def test_a_replica_hung_just_before_the_trainer_fault_is_not_borrowed(own_stack: Stack, api: ApiClient) -> None:
+    """The worst moment: two of three replicas freeze (SIGSTOP, as chaos ``hang`` does) just
+    before the trainer rank crashes, well inside the detector's silence bound, so they still look
+    ready. Before: one of them was borrowed (the newest weights, then the highest slot), its
+    process never took the hand-off, the new gang never formed, and the job was stuck until the
+    recovery's deadline (a reduced campaign: 80 s, then a whole-job restart). Now the controller
+    probes the replicas it could borrow and borrows only one that answers: the new rank comes
+    from the one healthy replica, the gang recovers role-locally, and the frozen replicas are
+    left to the detector (reported hung, replaced)."""
+    spec = small_job("borrowhung", steps=10, mode="semi_sync", staleness=1, rollout={"replicas": 3},
+                     trainer={"workers": 1}, recovery={"min_replicas_kept": 1, "keep_survivors": False},
+                     tools={"latency_s": 0.5}, data={"tasks": ["lookup"]}, **TOLERANT)
+    jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(own_stack.settings.redis_url, jid)
+    pids = _replica_pids(_wait(api, jid, 2))
+    assert sorted(pids) == [f"rollout-{s}-i0" for s in range(3)], pids
+    hung = ["rollout-1-i0", "rollout-2-i0"]
+    try:
+        for m in hung:
+            psutil.Process(pids[m]).suspend()
+        t_fault = time.time()
+        api.fault(jid, kind="crash", role="trainer", member=0)
+
+        def recovered() -> list[dict[str, Any]]:
+            return [d for d in kinds(api.events(jid), "recovered") if d["kind"] == "trainer"]
+
+        eventually(recovered, timeout=60, interval=0.1, what="the trainer gang recovered")
+        assert time.time() - t_fault < 45, "recovered only after a deadline ran out"
+    finally:
+        for m in hung:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pids[m]).resume()
+    status = _done(api, jid)
+    events = api.events(jid)
+    started = {d["member_id"]: d for d in kinds(events, "member_started")}
+    rank0 = started["trainer-e2-r0"]
+    assert rank0["borrowed_from"] not in hung, rank0
+    assert [d["member_id"] for d in kinds(events, "replica_borrowed")] in ([], ["rollout-0-i0"]), \
+        kinds(events, "replica_borrowed")
+    decisions = [d for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
+    assert not [d for d in decisions if "RestartWholeJob" in d["actions"]], decisions
+    assert status["committed_step"] == spec["steps"] - 1
+    assert own_stack.settings
+    audit_sampled(own_stack.settings, jid, sampler, AUDIT)

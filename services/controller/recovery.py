@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 from tenacity import (
@@ -24,7 +25,7 @@ from tenacity import (
 )
 
 from robustrl.aio import wait_event
-from robustrl.messages import FaultReport
+from robustrl.messages import FaultReport, ProbeReply, ProbeRequest
 from robustrl.services.controller import decide as decide_mod
 from robustrl.services.controller import failpoints
 from robustrl.services.controller.decide import (
@@ -43,8 +44,9 @@ from robustrl.services.controller.decide import (
 from robustrl.services.controller.jobs import STARTUP_FAILURES_MAX, ActiveRecovery, GangStart, JobRun, still_starting
 from robustrl.services.controller.launching import JobStopping, StartSuperseded, lid, replica_id
 from robustrl.services.controller.lease import LeaseLost
-from robustrl.services.controller.view import job_view
+from robustrl.services.controller.view import borrow_candidates, job_view
 from robustrl.storage.redis_stores import Keys
+from robustrl.subjects import Verb, subject
 
 if TYPE_CHECKING:
     from robustrl.services.controller.runtime import Controller
@@ -127,16 +129,43 @@ class RecoveryExecutor:
         # Off the event loop: the Ray launcher's count makes blocking cluster calls (ray.wait, ray.get
         # with a timeout, ray.nodes) that would stall the API and the bus on a slow cluster.
         spares = await asyncio.to_thread(self.c.launcher.spares_ready)
-        view = job_view(job, spares_ready=spares, can_borrow=self.c.launcher.can_relabel(),
+        can_borrow = self.c.launcher.can_relabel()
+        unanswered = await self._unanswered(job) if fault.role == "trainer" and can_borrow else frozenset()
+        view = job_view(job, spares_ready=spares, can_borrow=can_borrow,
                         can_keep=self.c.launcher.can_keep_trainers(),
-                        holds_strict_layout=self.c.launcher.holds_strict_layout())
+                        holds_strict_layout=self.c.launcher.holds_strict_layout(), unanswered=unanswered)
         decision = decide_mod.decide(now, view, fault, job.spec.recovery)
         record["decision"] = {"actions": decision.names(), "reason": decision.reason}
         if not all(isinstance(a, Ignore) for a in decision.actions):
             job.faults.append(record)
         await self.c.event(job, "decision", {"fault_id": fault.fault_id, "actions": decision.names(),
-                                             "reason": decision.reason})
+                                             "reason": decision.reason,
+                                             **({"not_borrowed": sorted(unanswered)} if unanswered else {})})
         await self.execute_all(job, fault, decision.actions)
+
+    async def _unanswered(self, job: JobRun) -> frozenset[str]:
+        """The replicas a trainer gang could borrow that do not answer a probe within the job's
+        ``detector.probe_timeout_s`` (probed together). A replica frozen or cut off just before
+        the trainer fault still looks ready here until the detector's silence bound passes:
+        borrowed, it never took the hand-off, the new gang never formed, and the job waited for
+        the recovery's deadline (a reduced campaign: 80 s, then a whole-job restart). Such a
+        replica is left to the detector; a healthy one answers in milliseconds."""
+        timeout = job.spec.detector.probe_timeout_s
+
+        async def answers(mid: str) -> bool:
+            try:
+                reply = await self.c.bus.request(
+                    subject(job.job_id, Verb.PROBE, mid),
+                    ProbeRequest(job_id=job.job_id, member_id=mid, nonce=uuid.uuid4().hex), ProbeReply,
+                    timeout=timeout)
+            except Exception as exc:  # no answer, the bus away, a garbled reply: not borrowed
+                log.warning("job %s: replica %s not borrowed: %s", job.job_id, mid, exc)
+                return False
+            return reply.member_id == mid
+
+        mids = [m.member_id for m in borrow_candidates(job)]
+        ok = await asyncio.gather(*(answers(mid) for mid in mids))
+        return frozenset(mid for mid, yes in zip(mids, ok, strict=True) if not yes)
 
     # --- execution ---------------------------------------------------------------------------
 

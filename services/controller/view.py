@@ -8,9 +8,18 @@ from robustrl.services.controller.jobs import JobRun, MemberInfo
 from robustrl.launcher.base import SOFT_STRATEGIES
 
 
+def borrow_candidates(job: JobRun) -> list[MemberInfo]:
+    """The replicas a trainer gang could borrow: current, ready, holding weights."""
+    return [m for m in job.current_replicas()
+            if job.is_current(m.member_id) and m.state == "ready" and m.weights_version >= 0]
+
+
 def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False,
-             can_keep: bool = False, holds_strict_layout: bool = False) -> decide_mod.JobView:
+             can_keep: bool = False, holds_strict_layout: bool = False,
+             unanswered: frozenset[str] = frozenset()) -> decide_mod.JobView:
     """Snapshot ``job`` as ``decide`` sees it.
+
+    ``unanswered``: replicas that did not answer a probe just now (frozen, cut off): not borrowed.
 
     ``live_members`` holds the current incarnation's trainers and replicas (a fault about an
     older one is stale); control-plane services are singletons whose liveness is tracked apart,
@@ -25,7 +34,7 @@ def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False,
     survivors = sorted((m for m in job.current_trainers() if m.member_id in live and m.state == "ready"),
                        key=lambda m: m.index)
     borrowable = borrow_order(
-        [m for m in job.current_replicas() if m.member_id in live and m.state == "ready" and m.weights_version >= 0],
+        [m for m in borrow_candidates(job) if m.member_id not in unanswered],
         [m for m in job.current_trainers() if m.member_id in live], job.spec.trainer.placement.strategy)
     return decide_mod.JobView(
         job_id=job.job_id, step=job.step, committed_step=job.committed_step, durable_step=job.durable_step,
