@@ -7,14 +7,16 @@ Each failed before its fix (an outside review found all three).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import pytest
-from rm_harness import Harness, rm_spec
+from rm_harness import METRICS_S, Harness, rm_spec
 from support import eventually_async
 
 from robustrl.errors import RequestTimeout, TransportError
-from robustrl.messages import ControlCommand, TurnResult
+from robustrl.messages import ControlCommand, MetricsSample, TurnResult
 from robustrl.storage.redis_stores import Keys
 from robustrl.subjects import Verb, subject
 
@@ -233,3 +235,53 @@ async def test_a_step_generated_again_after_its_hand_over_is_a_new_batch_ready(s
 async def _batch_events(h: Harness, step: int, want: int = 1) -> list[dict]:
     got = [d for d in await h.events("batch_ready") if d.get("step") == step]
     return got if len(got) >= want else []
+
+
+async def test_a_deadline_report_is_logged_though_the_rm_dies_with_jetstream_away(servers):
+    """A passed deadline's ``fault_detected`` (here the commit deadline: a scripted trainer member
+    waits for step 0's batch, handed over, and never takes it) was appended from memory (the bus's
+    owed queue): a request manager killed while JetStream refused it lost it, and the job's log
+    held the controller's decision on a fault it never recorded. It goes through the outbox now,
+    keyed by the fault id: in Redis (raw key) before the kill, in the log once after the next
+    life starts."""
+    async with Harness(servers, rm_spec("faultlog", steps=3, commit_deadline_s=1.0)) as h:
+        async def trainer_waits() -> None:
+            seq = 0
+            while True:
+                seq += 1
+                await h.bus.publish(subject(h.job_id, Verb.METRICS, "trainer-e1-r0"), MetricsSample(
+                    job_id=h.job_id, member_id="trainer-e1-r0", role="trainer", seq=seq, ts=time.time(),
+                    phase="waiting_batch", step=0))
+                await asyncio.sleep(METRICS_S)
+
+        metrics = asyncio.create_task(trainer_waits())
+        try:
+            await h.replica("r0", version=0)
+            await h.start_rm()
+
+            async def jetstream_refuses(*_a: object, **_k: object) -> None:
+                raise TransportError("jetstream away (test)")
+            assert h.rm_bus is not None
+            h.rm_bus.publish_durable = jetstream_refuses  # type: ignore[method-assign]
+            await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+            reported = await eventually_async(
+                lambda: {f.fault_id for f in h.faults if f.cause == "commit_deadline"}, timeout=20,
+                what="the commit deadline reported")
+
+            async def saved() -> set[str]:
+                raw = [json.loads(x) for x in await h.redis.lrange(Keys.rm_outbox(h.job_id), 0, -1)]
+                return {e["event"]["data"]["fault_id"] for e in raw if e["event"]["kind"] == "fault_detected"}
+            await eventually_async(lambda: _superset(saved(), reported), timeout=10,
+                                   what="its fault_detected in the outbox")
+            metrics.cancel()  # (no further reports)
+            await h.kill_rm()
+            await h.start_rm(send_resume=False)
+
+            async def logged() -> list[str]:
+                return [d["fault_id"] for d in await h.events("fault_detected")]
+            await eventually_async(lambda: _superset(logged(), reported), timeout=30,
+                                   what="its fault_detected in the log")
+            got = [f for f in await logged() if f in reported]
+            assert sorted(got) == sorted(set(got)), f"a fault logged twice: {got}"
+        finally:
+            metrics.cancel()

@@ -336,7 +336,8 @@ class JobRunner:
             await report_deadline(self.bus, self.job_id, role=role, member_id=member, kind=kind,  # type: ignore[arg-type]
                                   cause="step_deadline", step=step, since=since,
                                   evidence=f"step {step} not handed over after {time.monotonic() - began:.1f}s "
-                                           f"(step_deadline_s={bound:g}): {what}")
+                                           f"(step_deadline_s={bound:g}): {what}",
+                                  events=self.events)
 
     def _stuck_on(self, step: int) -> tuple[str, str, str, str]:
         """(role, member, kind, what) of the work a stuck step still waits for."""
@@ -427,7 +428,8 @@ class JobRunner:
     async def _report_commit_overdue(self, member: str, needed: int, since: float, evidence: str) -> None:
         try:
             await report_deadline(self.bus, self.job_id, role="trainer", member_id=member, kind="hang",
-                                  cause="commit_deadline", step=needed, since=since, evidence=evidence)
+                                  cause="commit_deadline", step=needed, since=since, evidence=evidence,
+                                  events=self.events)
         except Exception as exc:  # (the next period reports again)
             log.error("job %s: commit deadline of step %d not reported: %s", self.job_id, needed, exc)
 

@@ -267,7 +267,8 @@ class Dispatcher:
     async def _report_bad(self, rep: Replica, since: float, evidence: str) -> None:
         try:
             await report_deadline(self.bus, self.job_id, role="rollout", member_id=rep.member_id, kind="bad_output",
-                                  cause="replies_refused", step=self.step, since=since, evidence=evidence)
+                                  cause="replies_refused", step=self.step, since=since, evidence=evidence,
+                                  events=self.events)
         except BaseException:
             rep.reported_bad = False  # reported again at its next refused reply
             raise
@@ -352,7 +353,7 @@ class Dispatcher:
                     self.bus, self.job_id, role="rollout", member_id=r.member_id, kind="hang",
                     cause="weights_deadline", step=step, since=since,
                     evidence=f"{r.member_id} holds v{r.version}, step {step} needs v{need}; "
-                             f"waited {waited:.1f}s (weights_load_s={bound:g})")
+                             f"waited {waited:.1f}s (weights_load_s={bound:g})", events=self.events)
             if not lagging:
                 # Nobody serves the version yet (replicas still starting): the step deadline bounds this.
                 await self._changed_wait(WAKE_S)
@@ -500,7 +501,7 @@ class Dispatcher:
                         self.bus, self.job_id, role="rollout", member_id=rep.member_id, kind="unresponsive",
                         cause="turn_deadline", step=step, since=pend.sent_at,
                         evidence=f"{rep.timeouts} turns in a row got no reply from {rep.member_id} within "
-                                 f"turn_deadline_s={self.spec.detector.turn_deadline_s:g}")
+                                 f"turn_deadline_s={self.spec.detector.turn_deadline_s:g}", events=self.events)
         else:
             cause = "replica_dead" if pend.member_id in self.dead else str(getattr(exc, "cause", "owner_lost"))
         prefix = ep.prefix_ids()

@@ -11,11 +11,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from robustrl.bus import Bus
+from robustrl.errors import TransportError
 from robustrl.messages import FaultKind, FaultReport, Role
 from robustrl.subjects import Verb, subject
+
+if TYPE_CHECKING:
+    from robustrl.services.request_manager.eventlog import EventWriter
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +27,8 @@ Cause = Literal["turn_deadline", "weights_deadline", "step_deadline", "replies_r
 
 
 async def report_deadline(bus: Bus, job_id: str, *, role: Role, member_id: str, kind: FaultKind, cause: Cause,
-                          evidence: str, step: int, since: float | None = None) -> FaultReport:
+                          evidence: str, step: int, since: float | None = None,
+                          events: EventWriter | None = None) -> FaultReport:
     """Publish one fault for a passed deadline (or replies refused) and record it in the event log.
 
     Args:
@@ -31,6 +36,10 @@ async def report_deadline(bus: Bus, job_id: str, *, role: Role, member_id: str, 
             manager itself when nobody else does).
         cause: the deadline that passed; ``evidence`` says what was still outstanding.
         since: wall-clock time the wait began (the report's ``fault_at``).
+        events: the job's event writer: ``fault_detected`` goes through its Redis outbox (keyed
+            by the fault id), so a request manager killed while JetStream is away leaves it for
+            its next life (from the bus's in-memory queue it was lost). Redis failing falls back
+            to that queue.
     """
     report = FaultReport(job_id=job_id, fault_id=f"rm-{uuid.uuid4().hex[:12]}", role=role, member_id=member_id,
                          kind=kind, evidence=f"{cause}: {evidence}", detected_at=time.time(), step=step,
@@ -40,5 +49,13 @@ async def report_deadline(bus: Bus, job_id: str, *, role: Role, member_id: str, 
         await bus.publish(subject(job_id, Verb.FAULT), report)
     except Exception as exc:  # the event below still records it
         log.error("could not publish fault %s: %s", report.fault_id, exc)
-    await bus.emit_event(job_id, "fault_detected", report.model_dump(mode="json", exclude={"job_id"}))
+    data = report.model_dump(mode="json", exclude={"job_id"})
+    if events is not None:
+        try:
+            await events.emit("fault_detected", data)
+            return report
+        except TransportError as exc:
+            log.error("job %s: fault %s not saved in the outbox (%s): appended from memory", job_id,
+                      report.fault_id, exc)
+    await bus.emit_event(job_id, "fault_detected", data)
     return report
