@@ -117,10 +117,7 @@ async def test_a_batch_handed_over_while_jetstream_was_away_is_logged_by_the_nex
         await h.start_rm()
         await eventually_async(lambda: len(rep.held) == 4, timeout=30, what="step 0 dispatched")
 
-        async def jetstream_refuses(*_a: object, **_k: object) -> None:
-            raise TransportError("jetstream away (test)")
-        assert h.rm_bus is not None
-        h.rm_bus.publish_durable = jetstream_refuses  # type: ignore[method-assign]
+        _jetstream_refuses(h)
         rep.hold = lambda msg: False
         await rep.release()
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
@@ -146,10 +143,7 @@ async def test_redispatch_events_survive_a_kill_while_jetstream_is_away(servers)
         a.hold = lambda msg: True  # replica a never answers: its turns go to b past their deadline
         await h.start_rm()
 
-        async def jetstream_refuses(*_a: object, **_k: object) -> None:
-            raise TransportError("jetstream away (test)")
-        assert h.rm_bus is not None
-        h.rm_bus.publish_durable = jetstream_refuses  # type: ignore[method-assign]
+        _jetstream_refuses(h)
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
         held = {m.request_id for m in a.held}
         assert held, "replica a was never given a turn"
@@ -177,10 +171,7 @@ async def test_late_and_refused_replies_are_logged_though_the_rm_dies_with_jetst
         a.hold = lambda msg: True  # a's turns pass their deadline and go to b; a answers them late
         await h.start_rm()
 
-        async def jetstream_refuses(*_a: object, **_k: object) -> None:
-            raise TransportError("jetstream away (test)")
-        assert h.rm_bus is not None
-        h.rm_bus.publish_durable = jetstream_refuses  # type: ignore[method-assign]
+        _jetstream_refuses(h)
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
         late = {m.request_id for m in await a.release()}
         assert late, "replica a was never given a turn"
@@ -190,7 +181,7 @@ async def test_late_and_refused_replies_are_logged_though_the_rm_dies_with_jetst
             token_ids=[10**6], logprobs=[-1.0], stop_reason="eot", weights_version=0))
 
         async def saved() -> set[tuple[str, str]]:
-            raw = [json.loads(x) for x in await h.redis.lrange(Keys.rm_outbox(h.job_id), 0, -1)]
+            raw = await _outbox(h)
             return {(e["event"]["kind"], e["event"]["data"]["request_id"]) for e in raw
                     if e["event"]["kind"] in ("turn_dropped", "turn_rejected")}
         want = {("turn_dropped", r) for r in late} | {("turn_rejected", "bogus-1")}
@@ -203,6 +194,19 @@ async def test_late_and_refused_replies_are_logged_though_the_rm_dies_with_jetst
         await eventually_async(lambda: _superset(logged(), want), timeout=30, what="the events in the log")
         got = await logged()
         assert sorted(got) == sorted(set(got)), f"an event logged twice: {got}"
+
+
+def _jetstream_refuses(h: Harness) -> None:
+    """The request manager's durable publishes fail from now on, as with JetStream away."""
+    async def refuse(*_a: object, **_k: object) -> None:
+        raise TransportError("jetstream away (test)")
+    assert h.rm_bus is not None
+    h.rm_bus.publish_durable = refuse  # type: ignore[method-assign]
+
+
+async def _outbox(h: Harness) -> list[dict]:
+    """The job's request-manager outbox entries, raw from Redis."""
+    return [json.loads(x) for x in await h.redis.lrange(Keys.rm_outbox(h.job_id), 0, -1)]
 
 
 async def _superset(found, want: set) -> bool:  # type: ignore[no-untyped-def]
@@ -259,17 +263,14 @@ async def test_a_deadline_report_is_logged_though_the_rm_dies_with_jetstream_awa
             await h.replica("r0", version=0)
             await h.start_rm()
 
-            async def jetstream_refuses(*_a: object, **_k: object) -> None:
-                raise TransportError("jetstream away (test)")
-            assert h.rm_bus is not None
-            h.rm_bus.publish_durable = jetstream_refuses  # type: ignore[method-assign]
+            _jetstream_refuses(h)
             await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
             reported = await eventually_async(
                 lambda: {f.fault_id for f in h.faults if f.cause == "commit_deadline"}, timeout=20,
                 what="the commit deadline reported")
 
             async def saved() -> set[str]:
-                raw = [json.loads(x) for x in await h.redis.lrange(Keys.rm_outbox(h.job_id), 0, -1)]
+                raw = await _outbox(h)
                 return {e["event"]["data"]["fault_id"] for e in raw if e["event"]["kind"] == "fault_detected"}
             await eventually_async(lambda: _superset(saved(), reported), timeout=10,
                                    what="its fault_detected in the outbox")
@@ -285,3 +286,29 @@ async def test_a_deadline_report_is_logged_though_the_rm_dies_with_jetstream_awa
             assert sorted(got) == sorted(set(got)), f"a fault logged twice: {got}"
         finally:
             metrics.cancel()
+
+
+async def test_a_refused_reply_is_logged_though_its_outbox_save_fails(servers):
+    """Redis refusing the outbox save (a failover): a refused reply's ``turn_rejected`` went
+    through the strict outbox writer, whose error was only logged, so the event was dropped (an
+    outside review found it; before the outbox it was appended from memory). Now it is appended
+    from memory, as before."""
+    async with Harness(servers, rm_spec("nosave", steps=2)) as h:
+        await h.replica("rollout-0-i0", version=0)
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+        assert h.rm is not None
+        outbox = h.rm.jobs[h.job_id].events.outbox
+
+        async def redis_refuses(*_a: object, **_k: object) -> None:
+            raise TransportError("redis failing over (test)")
+        outbox.add = redis_refuses  # type: ignore[method-assign]
+        await h.bus.publish(subject(h.job_id, Verb.TURN), TurnResult(
+            job_id=h.job_id, request_id="bogus-2", episode_id="none", member_id="rollout-0-i0",
+            token_ids=[10**6], logprobs=[-1.0], stop_reason="eot", weights_version=0))
+
+        async def logged() -> list[str]:
+            return [d["request_id"] for d in await h.events("turn_rejected")]
+        await eventually_async(lambda: _superset(logged(), {"bogus-2"}), timeout=20,
+                               what="the refused reply's turn_rejected in the log")
+        assert not [e for e in await _outbox(h) if e["event"]["kind"] == "turn_rejected"]

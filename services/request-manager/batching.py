@@ -19,6 +19,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import re
 import statistics
 import time
 from collections import Counter
@@ -57,6 +58,16 @@ STOP_ATTEMPTS = 3
 COMMIT_RECHECK_S = 5.0
 """While waiting for a commit, how often the trained log in Redis is read in case a commit
 message was lost."""
+
+
+_TRAINER_ID = re.compile(r"trainer-e(\d+)-r\d+")
+
+
+def _gang_of(member_id: str) -> int:
+    """The gang epoch in a trainer member's id (``trainer-e<epoch>-r<rank>``); a large number
+    for an id of another shape (never taken for an older gang's)."""
+    m = _TRAINER_ID.fullmatch(member_id)
+    return int(m.group(1)) if m else 1 << 62
 
 
 def _cancelled(task: asyncio.Task[None] | None) -> None:
@@ -406,8 +417,10 @@ class JobRunner:
         in the background: this wait never blocks on the bus."""
         now = time.monotonic()
         bound = self.spec.detector.commit_deadline_s
+        # Members of an older gang (being stopped, or one whose kill failed) are not this wait's:
+        # one still saying ``training`` held the clock, and one named was ignored as stale.
         fresh = [(at, m, phase, s) for m, (at, phase, s) in self._trainers.items()
-                 if now - at <= self.spec.detector.silence_s]
+                 if now - at <= self.spec.detector.silence_s and _gang_of(m) >= self.gang_epoch]
         waiting = bool(fresh) and all(phase == "waiting_batch" and 0 <= s < self.step for _, _, phase, s in fresh)
         progress = (self._gang_heard_at, self._commit_heard_at)
         if self.paused or not waiting or progress != clock.progress:

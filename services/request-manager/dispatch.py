@@ -39,7 +39,7 @@ from robustrl.services.request_manager.faults import report_deadline
 from robustrl.aio import wait_event, within
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
-from robustrl.errors import RobustRLError
+from robustrl.errors import RobustRLError, TransportError
 from robustrl.messages import GenerateTurn, MemberHello, MetricsSample, TurnResult, WeightsHave
 from robustrl.rl import tasks
 from robustrl.storage.redis_stores import DispatchStore, EpisodeRecord
@@ -278,8 +278,16 @@ class Dispatcher:
         through the job's outbox (``record_event``, under the reply's request id ``key`` and a
         fresh suffix: each reply is its own event, a request refused three times is three). Held
         in memory, a late or refused reply's event was lost with a request manager killed while
-        JetStream was away."""
-        self._background(self.record_event(kind, data, f"{key}-{uuid.uuid4().hex[:12]}"), kind)
+        JetStream was away. Redis failing, it is appended from memory (as before the outbox; an
+        outside review found these dropped during a Redis outage)."""
+        self._background(self._record_or_emit(kind, data, f"{key}-{uuid.uuid4().hex[:12]}"), kind)
+
+    async def _record_or_emit(self, kind: str, data: dict[str, Any], request_id: str) -> None:
+        try:
+            await self.record_event(kind, data, request_id)
+        except TransportError as exc:
+            log.warning("job %s: %s not saved in the outbox (%s): appended from memory", self.job_id, kind, exc)
+            await self.bus.emit_event(self.job_id, kind, data, msg_id=f"{self.job_id}-{kind}-{request_id}")
 
     def _background(self, work: Coroutine[Any, Any, object], what: str, essential: bool = False) -> None:
         """Run an append to the job's log (an event, a fault report) without making the turn
