@@ -225,6 +225,34 @@ class OutboxWriter:
                   self._bound.away_s)
 
 
+class OutboxEvents:
+    """What every role's event writer (request manager, detector, rollout replica) forwards from
+    its :class:`OutboxWriter` and :class:`EventQueue`: subclasses set ``queue`` and ``_writer``."""
+
+    queue: EventQueue
+    _writer: OutboxWriter
+
+    @property
+    def pending(self) -> int:
+        """Events given (or recovered) and not stored yet."""
+        return self.queue.pending
+
+    @property
+    def recovered(self) -> int:
+        """Events a previous life (or another process of the role) left in an outbox, queued
+        by this one."""
+        return self._writer.recovered
+
+    @property
+    def unsaved(self) -> int:
+        """Events queued in memory only (their save to Redis failed, or no Redis)."""
+        return self._writer.unsaved
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every queued event to be stored; True if they were."""
+        return await self.queue.drain(timeout_s)
+
+
 async def outbox_keys(redis: Any, pattern: str, *, batch: int = OUTBOX_SCAN_BATCH,
                       call_s: float | None = None) -> AsyncIterator[bytes]:
     """Every key matching ``pattern`` (an outbox pattern of ``Keys``), by SCAN in batches of

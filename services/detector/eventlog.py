@@ -32,7 +32,7 @@ from typing import Any
 from robustrl.aio import cancel_and_wait
 from robustrl.bus import Bus, event_msg_id
 from robustrl.errors import TransportError
-from robustrl.event_outbox import OutboxWriter, RedisBound, outbox_keys
+from robustrl.event_outbox import OutboxEvents, OutboxWriter, RedisBound, outbox_keys
 from robustrl.event_queue import MAX_PENDING_EVENTS, STOP_GRACE_S, EventQueue
 from robustrl.messages import Event
 from robustrl.storage.control_stores import DetectorOutbox, OutboxEntry
@@ -53,7 +53,7 @@ REMOVALS_BUDGET_S = 1.0
 """At most this long per round on removals that failed before (off the tick: a task of its own)."""
 
 
-class EventWriter:
+class EventWriter(OutboxEvents):
     """One detector's events, for every job it watches: each in its job's outbox, then queued."""
 
     def __init__(self, bus: Bus, redis: Any = None, *, max_pending: int = MAX_PENDING_EVENTS) -> None:
@@ -65,24 +65,9 @@ class EventWriter:
         self._unread: set[str] = set()  # jobs whose outbox the scan found and could not read
 
     @property
-    def pending(self) -> int:
-        """Events given and not stored yet."""
-        return self.queue.pending
-
-    @property
     def dropped(self) -> int:
         """Events dropped: the queue was full (or closed)."""
         return self.queue.dropped
-
-    @property
-    def recovered(self) -> int:
-        """Events of a previous detector appended from the outboxes."""
-        return self._writer.recovered
-
-    @property
-    def unsaved(self) -> int:
-        """Events queued in memory only (their save to Redis failed, or no Redis)."""
-        return self._writer.unsaved
 
     async def emit(self, job_id: str, kind: str, data: dict[str, Any]) -> Event | None:
         """Queue one event of ``job_id``, stamped now, in its outbox first (at most
@@ -153,10 +138,6 @@ class EventWriter:
                 log.error("job %s: the detector outbox not read (%s): tried again in %g s", job_id, exc,
                           RECOVER_RETRY_S)
         return found
-
-    async def drain(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for every queued event to be stored; True if they were."""
-        return await self.queue.drain(timeout_s)
 
     async def close(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop the outbox scan, take no new events, give the queued ones ``grace_s`` to be stored

@@ -24,13 +24,13 @@ import uuid
 from typing import Any
 
 from robustrl.bus import Bus
-from robustrl.event_outbox import OutboxWriter
+from robustrl.event_outbox import OutboxEvents, OutboxWriter
 from robustrl.event_queue import EventQueue
 from robustrl.messages import Event
 from robustrl.storage.control_stores import OutboxEntry, RmOutbox
 
 
-class EventWriter:
+class EventWriter(OutboxEvents):
     """Appends one job's events in the background, in order, each once, through its outbox."""
 
     def __init__(self, bus: Bus, job_id: str, redis: Any) -> None:
@@ -38,16 +38,6 @@ class EventWriter:
         self.outbox = RmOutbox(redis, job_id)
         self.queue = EventQueue(bus, name=f"events-{job_id}")
         self._writer = OutboxWriter(self.queue, lambda _job: self.outbox, owner="request manager")
-
-    @property
-    def pending(self) -> int:
-        """Events given and not stored yet."""
-        return self.queue.pending
-
-    @property
-    def recovered(self) -> int:
-        """Events of a previous request manager queued by ``recover``."""
-        return self._writer.recovered
 
     @property
     def outbox_read(self) -> bool:
@@ -87,8 +77,3 @@ class EventWriter:
             TransportError: Redis failed (the entries stay for the next try).
         """
         return await self._writer.recover(self.job_id)
-
-    async def drain(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for every queued event to be stored; True if they were. The
-        writer goes on either way (a service that stops gives it this long, then exits)."""
-        return await self.queue.drain(timeout_s)

@@ -31,7 +31,7 @@ from robustrl import subjects
 from robustrl.aio import cancel_and_wait
 from robustrl.bus import Bus, event_msg_id
 from robustrl.errors import TransportError
-from robustrl.event_outbox import OutboxWriter, RedisBound
+from robustrl.event_outbox import OutboxEvents, OutboxWriter, RedisBound
 from robustrl.event_queue import MAX_PENDING_EVENTS, STOP_GRACE_S, EventQueue
 from robustrl.messages import Event
 from robustrl.storage.control_stores import OutboxEntry, RolloutOutbox
@@ -50,7 +50,7 @@ REMOVALS_BUDGET_S = 1.0
 """At most this long per upkeep round on removals that failed before."""
 
 
-class ReplicaEvents:
+class ReplicaEvents(OutboxEvents):
     """One replica's events of its job: each saved in the job's rollout outbox, then queued.
 
     Args:
@@ -68,21 +68,6 @@ class ReplicaEvents:
         self._writer = OutboxWriter(self.queue, lambda _job: self.outbox, owner="rollout replica",
                                     bound=RedisBound(call_s=REDIS_CALL_S, away_s=REDIS_AWAY_S))
         self._upkeep: asyncio.Task[None] | None = None
-
-    @property
-    def pending(self) -> int:
-        """Events given (or recovered) and not stored yet."""
-        return self.queue.pending
-
-    @property
-    def recovered(self) -> int:
-        """Events another replica left in the outbox, queued by this one."""
-        return self._writer.recovered
-
-    @property
-    def unsaved(self) -> int:
-        """Events queued in memory only (their save to Redis failed)."""
-        return self._writer.unsaved
 
     @property
     def outbox_read(self) -> bool:
@@ -137,10 +122,6 @@ class ReplicaEvents:
                                 UPKEEP_S)
             await self._writer.retry_removals(REMOVALS_BUDGET_S)
             await asyncio.sleep(UPKEEP_S)  # pace the rounds (and the tries while Redis is away)
-
-    async def drain(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for every queued event to be stored; True if they were."""
-        return await self.queue.drain(timeout_s)
 
     async def close(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop the upkeep, take no new events, give the queued ones ``grace_s`` to be stored
