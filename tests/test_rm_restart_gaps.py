@@ -16,6 +16,7 @@ from rm_harness import METRICS_S, Harness, rm_spec
 from support import eventually_async
 
 from robustrl.errors import RequestTimeout, TransportError
+from robustrl.services.request_manager.eventlog import STOP_DRAIN_S
 from robustrl.messages import ControlCommand, MetricsSample, TurnResult
 from robustrl.storage.redis_stores import Keys
 from robustrl.subjects import Verb, subject
@@ -312,3 +313,31 @@ async def test_a_refused_reply_is_logged_though_its_outbox_save_fails(servers):
         await eventually_async(lambda: _superset(logged(), {"bogus-2"}), timeout=20,
                                what="the refused reply's turn_rejected in the log")
         assert not [e for e in await _outbox(h) if e["event"]["kind"] == "turn_rejected"]
+
+
+async def test_a_stop_is_acknowledged_once_the_jobs_events_are_in_its_log(servers):
+    """The controller appends a job's final event once the request manager acknowledged its stop.
+    The stop was acknowledged at once, with events still queued (JetStream had refused them: a
+    NATS restart near a job's end, a full suite): the job ended, and its log never got its last
+    ``batch_ready`` and ``step_started`` (the auditor found them in the outbox). Now the
+    acknowledgement waits for them, within ``STOP_DRAIN_S``."""
+    async with Harness(servers, rm_spec("stopdrain", steps=3)) as h:
+        await h.replica("r0", version=0)
+        await h.start_rm()
+        _jetstream_refuses(h)
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+
+        async def saved() -> list[int]:
+            return [e["event"]["data"]["step"] for e in await _outbox(h) if e["event"]["kind"] == "batch_ready"]
+        await eventually_async(saved, timeout=10, what="its batch_ready in the outbox")
+        assert not [d for d in await h.events("batch_ready") if d.get("step") == 0]
+
+        assert h.rm_bus is not None
+        # JetStream takes the request manager's events again a second after the stop is sent.
+        asyncio.get_running_loop().call_later(1.0, delattr, h.rm_bus, "publish_durable")
+        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="stop", args={}, fence=1)
+        await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), cmd, ControlCommand,
+                            timeout=STOP_DRAIN_S + 2)
+        # When the controller has the acknowledgement, the log holds them (raw stream, raw Redis).
+        assert [d for d in await h.events("batch_ready") if d.get("step") == 0]
+        assert await _outbox(h) == []

@@ -53,6 +53,7 @@ from robustrl.services.controller.recovery import RecoveryExecutor
 from robustrl.services.controller.retention import RetentionSweeper
 from robustrl.services.controller.supervision import Supervisor
 from robustrl.services.controller.takeover import Restorer
+from robustrl.services.request_manager.eventlog import STOP_DRAIN_S as RM_STOP_DRAIN_S
 from robustrl.storage.fencing import read_gang
 from robustrl.storage.control_stores import JobRegistry
 from robustrl.storage.redis_stores import BatchStore
@@ -641,7 +642,9 @@ class Controller:
         job.closing = True
         job.error = reason
         stop = self._stopping.setdefault(job.job_id, {"ids": [], "event": False, "ended": asyncio.Event()})
-        await self.control_rm(job, "stop", attempts=1)
+        # (the request manager acknowledges once the job's events are in its log, up to its
+        # STOP_DRAIN_S: the final event then ends the log)
+        await self.control_rm(job, "stop", attempts=1, timeout_s=RM_STOP_DRAIN_S + RM_ACK_TIMEOUT_S)
         # (marked stopped before the launcher's stop: a stop carried out again stops them again)
         stop["ids"] += [m.member_id for m in job.live() if m.member_id not in stop["ids"]]
         for m in job.live():

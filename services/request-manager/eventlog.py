@@ -29,6 +29,13 @@ from robustrl.event_queue import EventQueue
 from robustrl.messages import Event
 from robustrl.storage.control_stores import OutboxEntry, RmOutbox
 
+STOP_DRAIN_S = 10.0
+"""How long a ``stop`` command waits for the job's queued events to reach its log before it is
+acknowledged: the controller appends the job's final event after the acknowledgement, so the log
+ends with what the request manager said (a NATS restart near a job's end left its last
+``batch_ready`` / ``step_started`` queued and the job ended without them). Past it (JetStream
+away) the stop is acknowledged all the same and the events land after the final one."""
+
 
 class EventWriter(OutboxEvents):
     """Appends one job's events in the background, in order, each once, through its outbox."""

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from robustrl.services.request_manager.batching import JobRunner
-from robustrl.services.request_manager.eventlog import EventWriter
+from robustrl.services.request_manager.eventlog import STOP_DRAIN_S, EventWriter
 
 from robustrl.aio import wait_event
 from robustrl.bus import Bus
@@ -261,8 +261,16 @@ class RequestManager:
                 if job._task is None:
                     job.start()
                 job.changed.set()
-        elif job is None and msg.action == "stop":
-            pass  # nothing runs here: stopped already
+        elif msg.action == "stop":
+            if job is not None:
+                self.jobs.pop(msg.job_id, None)
+                await job.stop()
+            writer = self._writers.get(msg.job_id)
+            if writer is not None and writer.pending and reply:
+                # Acknowledged once the job's events are in its log (bounded): the controller
+                # appends the final event next. Off this handler: the other jobs' commands go on.
+                self._spawn(self._ack_when_drained(writer, msg, reply))
+                return
         elif job is None:
             # No runner (a restarted request manager whose spec has not come yet): the command is
             # carried out on a runner made now, or not acknowledged, so the controller sends it
@@ -306,11 +314,18 @@ class RequestManager:
             await job.restart_step(msg.args.get("fault_id"))
         elif msg.action == "pause":
             job.paused = True
-        elif msg.action == "stop":
-            self.jobs.pop(msg.job_id, None)
-            await job.stop()
         elif msg.action == "tool_outage":
             job.tools.set_outage(time.monotonic() + float(msg.args.get("duration_s", 5.0)))
+
+    async def _ack_when_drained(self, writer: EventWriter, msg: ControlCommand, reply: str) -> None:
+        if not await writer.drain(STOP_DRAIN_S):
+            log.error("job %s: stopped with %d events not in its log yet (JetStream away): acknowledged all the "
+                      "same, they follow the final event", msg.job_id, writer.pending)
+        await self.bus.respond(reply, msg)
+
+    def _spawn(self, coro: Any) -> None:
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(coro))
 
     async def metrics_loop(self, interval: float, stop: asyncio.Event) -> None:
         while not stop.is_set():
