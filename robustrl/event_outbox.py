@@ -124,10 +124,12 @@ class OutboxWriter:
         self._put(entry, outbox, text.encode())
         return True
 
-    async def recover(self, job_id: str) -> int:
+    async def recover(self, job_id: str, *, min_age_s: float = 0.0) -> int:
         """Queue what a previous life left in ``job_id``'s outbox (entries this writer queued
-        itself are skipped); return how many. An entry that does not parse is dropped, logged.
-        Harmless to call again.
+        itself, and ones it stored whose removal it still owes, are skipped); return how many.
+        ``min_age_s``: only entries whose event was stamped at least this long ago (a live peer's
+        fresh entry is stored and removed by the peer within milliseconds). An entry that does not
+        parse is dropped, logged. Harmless to call again.
 
         Raises:
             TransportError: Redis failed (or, bounded, did not answer in time): the entries stay
@@ -135,8 +137,13 @@ class OutboxWriter:
         """
         outbox = self._outbox_of(job_id)
         found = 0
-        for raw, entry in await self._redis(outbox.entries(), "read"):
-            if raw in self._given.get(job_id, ()):
+        entries = await self._redis(outbox.entries(), "read")
+        # (stored by JetStream, removal owed: queued again it could be stored twice, past the
+        # duplicate window)
+        unremoved = {stored for box, stored in self._unremoved if box.key == outbox.key}
+        newest = time.time() - min_age_s
+        for raw, entry in entries:
+            if raw in self._given.get(job_id, ()) or raw in unremoved or (min_age_s and entry.event.ts > newest):
                 continue
             self._put(entry, outbox, raw)
             found += 1
@@ -247,6 +254,11 @@ class OutboxEvents:
     def unsaved(self) -> int:
         """Events queued in memory only (their save to Redis failed, or no Redis)."""
         return self._writer.unsaved
+
+    @property
+    def unremoved(self) -> int:
+        """Events stored by JetStream whose removal from the outbox failed (bounded mode), owed."""
+        return self._writer.unremoved
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every queued event to be stored; True if they were."""

@@ -40,7 +40,7 @@ from robustrl.infra.embedded import EmbeddedInfra
 from robustrl.launcher.base import MemberSpec
 from robustrl.launcher.local import LocalLauncher
 from robustrl.messages import Event, MemberHello, MetricsSample, SpecReply, SpecRequest, WeightsAnnounce
-from robustrl.services.rollout.events import REDIS_CALL_S, ReplicaEvents
+from robustrl.services.rollout.events import ORPHAN_AFTER_S, REDIS_CALL_S, ReplicaEvents
 from robustrl.storage.redis_stores import Keys, connect
 from robustrl.subjects import Principal, Verb, subject, wildcard
 from robustrl.weights import WeightServer
@@ -261,6 +261,111 @@ async def test_an_event_a_live_replica_still_retries_is_appended_by_a_new_replic
         if server is not None:
             await server.close()
         await redis.aclose()
+
+
+async def _one_killed_while_jetstream_is_away(job: Job, seed: int) -> tuple[Attempt, WeightServer]:
+    """Replicas rollout-0-i0 and rollout-1-i0 up; both load v1 while the event stream stores
+    nothing; rollout-0-i0 is SIGKILLed with its ``weights_loaded`` in the outbox only; JetStream
+    comes back. Returns the killed replica's attempt and the weight server."""
+    assert job.embedded.settings
+    await job.start_replica("rollout-0-i0")
+    await job.start_replica("rollout-1-i0")  # both read the (empty) outbox at their start
+    async with _jetstream_away(job.embedded.settings.nats_url):
+        server, _checksum = await job.announce(1, seed=seed)
+        for member in ("rollout-0-i0", "rollout-1-i0"):
+            await eventually_async(lambda m=member: job.tried("weights_loaded", version=1, member_id=m),  # type: ignore[misc]
+                                   timeout=WAIT_S, what=f"{member} tried to append weights_loaded v1")
+        await asyncio.to_thread(job.launcher.kill, "rollout-0-i0")
+    return job.tried("weights_loaded", member_id="rollout-0-i0")[0], server
+
+
+async def test_a_dead_replicas_event_is_appended_by_a_live_replica_with_none_started_after(
+        embedded: EmbeddedInfra, launcher: LocalLauncher) -> None:
+    """A replica killed while JetStream was away, and no replica of the job started after it (a
+    job whose slot is never refilled): its ``weights_loaded`` was appended only by a replica that
+    starts later, so it stayed in the outbox for good (a live replica read the outbox once, at its
+    start). Now a live replica takes up an entry ``ORPHAN_AFTER_S`` old: the log holds it once,
+    under the killed replica's message id, and the outbox key goes."""
+    assert embedded.settings
+    redis = connect(embedded.settings.redis_url)
+    server = None
+    try:
+        async with _job(embedded, launcher) as job:
+            killed, server = await _one_killed_while_jetstream_is_away(job, seed=23)
+
+            async def logged_from_killed() -> list[RawEvent]:
+                return [e for e in await job.logged("weights_loaded") if e.data["member_id"] == "rollout-0-i0"]
+            await eventually_async(logged_from_killed, timeout=WAIT_S + ORPHAN_AFTER_S,
+                                   what="the killed replica's weights_loaded appended by the live one")
+            await eventually_async(lambda: _outbox_gone(redis, job.job_id), timeout=WAIT_S,
+                                   what="the rollout outbox emptied")
+            got = await logged_from_killed()
+            assert len(got) == 1 and got[0].ts == killed.ts, [e.data for e in got]
+            assert {a.msg_id for a in job.tried("weights_loaded", member_id="rollout-0-i0")} == {killed.msg_id}
+    finally:
+        if server is not None:
+            await server.close()
+        await redis.aclose()
+
+
+async def test_the_last_replica_to_stop_appends_what_a_dead_replica_left(
+        embedded: EmbeddedInfra, launcher: LocalLauncher) -> None:
+    """The job ends right after JetStream came back: its last replica is stopped (as the
+    controller stops a finished job's members), and the event a killed replica left in the outbox
+    had nobody to append it (the auditor fails such a job). Now a replica's stop reads the outbox
+    once more before its last drain: once the stop returned, the log holds the event, once."""
+    assert embedded.settings
+    redis = connect(embedded.settings.redis_url)
+    server = None
+    try:
+        async with _job(embedded, launcher) as job:
+            killed, server = await _one_killed_while_jetstream_is_away(job, seed=24)
+            await asyncio.to_thread(launcher.stop, "rollout-1-i0", 10.0)
+            got = [e for e in await job.logged("weights_loaded") if e.data["member_id"] == "rollout-0-i0"]
+            assert len(got) == 1 and got[0].ts == killed.ts, [e.data for e in got]
+            assert await _outbox_gone(redis, job.job_id), await _outbox(redis, job.job_id)
+    finally:
+        if server is not None:
+            await server.close()
+        await redis.aclose()
+
+
+async def test_an_entry_stored_whose_removal_failed_is_not_queued_again_by_a_reread(
+        embedded: EmbeddedInfra) -> None:
+    """A replica's event stored by JetStream while Redis took no write (its removal failed, kept
+    for a retry) is still in the outbox when the replica's upkeep reads the outbox again (it does
+    every round now, for what dead replicas left): queued again, it would be stored a second time
+    once past JetStream's duplicate window. The replica's event path on real NATS and Redis; judged
+    from the raw log and raw Redis."""
+    assert embedded.settings
+    settings = _role(embedded, Principal.ROLLOUT)
+    admin = connect(embedded.settings.redis_url)
+    redis = connect(settings.redis_url)
+    operator = await Bus.connect(embedded.settings.nats_url, "test-operator")
+    await operator.ensure_event_stream()
+    await operator.close()
+    bus = await Bus.connect(settings.nats_url, "rollout-reread", role="rollout")
+    job_id = f"ro{uuid.uuid4().hex[:8]}"
+    events = ReplicaEvents(bus, job_id, redis)
+    try:
+        async with _jetstream_away(embedded.settings.nats_url):
+            assert await events.emit("weights_loaded", {"member_id": "r-0", "version": 1, "checksum": "c",
+                                                        "verified": True})
+            assert len(await _outbox(admin, job_id)) == 1
+            await admin.execute_command("CLIENT", "PAUSE", "5000", "WRITE")
+        await eventually_async(lambda: events.unremoved == 1, timeout=WAIT_S,
+                               what="stored by JetStream, its removal cut off by the pause")
+        assert len(await _outbox(admin, job_id)) == 1
+        assert await events.recover() == 0  # not queued a second time
+        assert events.pending == 0
+    finally:
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await events.close(0.5)
+        await bus.close()
+        await redis.aclose()
+        await admin.aclose()
+    logged = [e for e in await read_event_log(embedded.settings.nats_url, job_id) if e.kind == "weights_loaded"]
+    assert len(logged) == 1, [e.data for e in logged]
 
 
 async def test_a_silent_redis_does_not_hold_the_replicas_events(embedded: EmbeddedInfra) -> None:

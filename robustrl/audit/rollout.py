@@ -236,8 +236,9 @@ def check_outbox(inp: AuditInput, facts: JobFacts, controller_slack_s: float) ->
     outbox (``Keys.detector_outbox``: its ``fault_detected`` events, appended by the next detector
     to start or by a deletion that keeps the log), the trainer's (``Keys.trainer_outbox``: rank
     0's ``step_committed`` events, appended by the next gang) and the rollout replicas'
-    (``Keys.rollout_outbox``: their ``weights_loaded``/``weights_rejected``, appended by the next
-    replica of the job to start) are judged the same way.
+    (``Keys.rollout_outbox``: their ``weights_loaded``/``weights_rejected``, appended by any live
+    replica of the job once old, by one that stops, or by the next to start) are judged the same
+    way.
 
     The controller's outbox (``Keys.controller_outbox``) is appended in order, one entry at a
     time, so once the log holds the job's final event, every controller event given well before

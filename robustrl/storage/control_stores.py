@@ -119,8 +119,9 @@ class TrainerOutbox(EventOutbox):
 class RolloutOutbox(EventOutbox):
     """One job's rollout outbox (``Keys.rollout_outbox``): the replicas' events
     (``weights_loaded``, ``weights_rejected``), each saved before it is queued and removed once
-    JetStream stored it. Written by every replica of the job; appended by the next replica to start
-    (what any replica left: the kinds are the rollout role's, whichever replica writes them); read
+    JetStream stored it. Written by every replica of the job; what a dead replica left is appended
+    by the next replica to start, by a live one once the entry is ``ORPHAN_AFTER_S`` old, or by
+    one that stops (the kinds are the rollout role's, whichever replica writes them); read
     by a deletion that keeps the job's log (which may not write the rollout's events: logged) and
     by the auditor."""
 

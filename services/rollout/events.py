@@ -10,10 +10,16 @@ alone). Each event is now saved in the job's rollout outbox (``RolloutOutbox``,
 
 Who appends what a dead replica left: every replica, at its start, reads the job's rollout outbox
 in the background (retried until one read went through) and queues every entry under the message
-id saved with it. The kinds are the rollout role's own, so any replica of the job may append them
-(its NATS permissions name the role, not the member). An entry a live replica is still retrying
-is then appended twice under one message id: JetStream stores it once (within its 2-min duplicate
-window), and a removal of an entry already gone is a no-op.
+id saved with it; then, every ``UPKEEP_S`` for its life, it queues the entries at least
+``ORPHAN_AFTER_S`` old (a dead replica's, with no replica started after it: only a new replica
+appended them before, and a job that never started one, or ended, kept them for good); and at
+its stop it queues every entry it finds before its last drain (the job's last replicas stop
+together at its end). The kinds are the rollout role's own, so any replica of the job may append
+them (its NATS permissions name the role, not the member). An entry a live replica is still
+retrying is then appended twice under one message id: JetStream stores it once (within its
+2-min duplicate window), and a removal of an entry already gone is a no-op. (One stored whose
+removal failed is skipped by the replica that owes the removal; another replica that reads it
+before the removal is retried appends it again: stored twice if that is past the window.)
 
 A replica's serving path must never wait on Redis: the outbox is used in its bounded mode, every
 call cut at ``REDIS_CALL_S``; a save that fails is logged and the event queued in memory only
@@ -47,6 +53,10 @@ UPKEEP_S = 5.0
 """Pause between rounds of the outbox upkeep: the start's read until it went through, and the
 removals that failed."""
 REMOVALS_BUDGET_S = 1.0
+ORPHAN_AFTER_S = 2 * UPKEEP_S
+"""An outbox entry stamped this long ago is taken up by any live replica of the job: its own
+replica, alive, stored and removed it within milliseconds of stamping it (JetStream up) or still
+retries it (JetStream away: the append of both is stored once)."""
 """At most this long per upkeep round on removals that failed before."""
 
 
@@ -68,6 +78,7 @@ class ReplicaEvents(OutboxEvents):
         self._writer = OutboxWriter(self.queue, lambda _job: self.outbox, owner="rollout replica",
                                     bound=RedisBound(call_s=REDIS_CALL_S, away_s=REDIS_AWAY_S))
         self._upkeep: asyncio.Task[None] | None = None
+        self._closing = False
 
     @property
     def outbox_read(self) -> bool:
@@ -93,39 +104,48 @@ class ReplicaEvents(OutboxEvents):
 
     def start_upkeep(self) -> None:
         """Start the outbox upkeep in the background, every ``UPKEEP_S`` for the replica's life:
-        queue what the job's outbox holds (``recover``, until one read went through: what replicas
-        killed before this one left), then retry the removals that failed (within
-        ``REMOVALS_BUDGET_S``). Harmless if called twice."""
+        retry the removals that failed (within ``REMOVALS_BUDGET_S``), then queue what the job's
+        outbox holds (``recover``: all of it until one read went through, what replicas killed
+        before this one left; after that, the entries ``ORPHAN_AFTER_S`` old: what replicas killed
+        since left). Harmless if called twice."""
         if self._upkeep is None:
             self._upkeep = asyncio.get_running_loop().create_task(self._keep(), name="rollout-outbox-upkeep")
 
-    async def recover(self) -> int:
+    async def recover(self, min_age_s: float = 0.0) -> int:
         """Queue what the job's rollout outbox holds and this replica did not give itself, under
-        the message ids saved with it; return how many. Harmless to call again.
+        the message ids saved with it (only entries ``min_age_s`` old); return how many. Harmless
+        to call again.
 
         Raises:
             TransportError: Redis failed or did not answer within ``REDIS_CALL_S`` (the entries
                 stay for the next try).
         """
-        return await self._writer.recover(self.job_id)
+        return await self._writer.recover(self.job_id, min_age_s=min_age_s)
 
     async def _keep(self) -> None:
         while True:
-            if not self.outbox_read:
-                try:
-                    found = await self.recover()
-                    if found:
-                        log.warning("job %s: %d events other replicas left in the rollout outbox: appending them",
-                                    self.job_id, found)
-                except TransportError as exc:
-                    log.warning("job %s: the rollout outbox not read (%s): tried again in %g s", self.job_id, exc,
-                                UPKEEP_S)
-            await self._writer.retry_removals(REMOVALS_BUDGET_S)
+            await self._writer.retry_removals(REMOVALS_BUDGET_S)  # (first: a stored entry is not read again)
+            await self._take_up(0.0 if not self.outbox_read else ORPHAN_AFTER_S)
             await asyncio.sleep(UPKEEP_S)  # pace the rounds (and the tries while Redis is away)
 
+    async def _take_up(self, min_age_s: float) -> None:
+        try:
+            found = await self.recover(min_age_s)
+        except TransportError as exc:
+            log.warning("job %s: the rollout outbox not read (%s): tried again in %g s", self.job_id, exc, UPKEEP_S)
+            return
+        if found:
+            log.warning("job %s: %d events other replicas left in the rollout outbox: appending them", self.job_id,
+                        found)
+
     async def close(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Stop the upkeep, take no new events, give the queued ones ``grace_s`` to be stored
-        (what is left stays in the outbox for the next replica to start); harmless if called
-        twice."""
+        """Stop the upkeep, queue every entry of the outbox this replica does not hold yet (one
+        read, within ``REDIS_CALL_S``: a replica of the job that stops last, at its end, appends what dead
+        replicas left), take no new events, give the queued ones ``grace_s`` to be stored (what is
+        left stays in the outbox for the next replica to start, or a deletion); harmless if
+        called twice."""
         await cancel_and_wait(self._upkeep, STOP_GRACE_S)
+        if not self._closing:
+            self._closing = True
+            await self._take_up(0.0)  # (each Redis call bounded by REDIS_CALL_S)
         await self.queue.close(grace_s)

@@ -206,7 +206,7 @@ class Replica:
         # The events still queued (a late swap's report, one JetStream has not stored yet) get what
         # is left of the stop's bound, less NATS's own drain and close (each bounded by
         # DRAIN_TIMEOUT_S), the Redis client's close and a second to exit. What is not stored by
-        # then stays in the rollout outbox: the next replica of the job appends it.
+        # then stays in the rollout outbox: a live or later replica of the job appends it.
         self.stop_phase = "storing the replica's events"
         await self.events.close(grace_s=max(0.5, STOP_BOUND_S - 1.0 - POINTER_CLOSE_S - 2 * DRAIN_TIMEOUT_S
                                             - (time.monotonic() - stop_t0)))
