@@ -341,3 +341,51 @@ async def test_a_stop_is_acknowledged_once_the_jobs_events_are_in_its_log(server
         # When the controller has the acknowledgement, the log holds them (raw stream, raw Redis).
         assert [d for d in await h.events("batch_ready") if d.get("step") == 0]
         assert await _outbox(h) == []
+
+
+async def test_a_flood_of_late_replies_is_counted_not_logged_one_by_one(servers):
+    """A replica flooding the request manager with replies to turns it never holds, while
+    JetStream refuses events: each was a ``turn_dropped`` saved in the job's Redis outbox, one
+    entry a reply, without bound, and the saves, all at once, took every connection of the Redis
+    client's pool (the request manager's other Redis calls failed: 'Too many connections'). Now a
+    burst is logged one by one, a few saves at a time, and the rest counted, by replica, in one
+    summary event: the outbox (raw Redis) stays within the burst, and no reply goes uncounted
+    (individual events plus the summaries' counts, all in the outbox). Failed before."""
+    from robustrl.services.request_manager.dispatch import DIAG_BURST, DIAG_PER_S, DIAG_SUMMARY_S
+
+    async with Harness(servers, rm_spec("flood", steps=2)) as h:
+        rep = await h.replica("rollout-0-i0", version=0)
+        rep.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: len(rep.held) == 4, timeout=30, what="step 0 dispatched")
+        _jetstream_refuses(h)
+        n = 3 * DIAG_BURST
+        began = time.monotonic()
+        for i in range(n):
+            await h.bus.publish(subject(h.job_id, Verb.TURN), TurnResult(
+                job_id=h.job_id, request_id=f"flood-{i}", episode_id="none", member_id="rollout-0-i0",
+                token_ids=[1], logprobs=[-1.0], stop_reason="eot", weights_version=0))
+
+        async def dropped() -> list[dict]:
+            return [e["event"]["data"] for e in await _outbox(h) if e["event"]["kind"] == "turn_dropped"]
+
+        def counted(entries: list[dict]) -> int:
+            return sum(int(d.get("suppressed", 1)) for d in entries)
+        await eventually_async(lambda: _counted_at_least(dropped(), n), timeout=DIAG_SUMMARY_S + 20,
+                               what="every late reply counted in the outbox")
+        entries = await dropped()
+        elapsed = time.monotonic() - began
+        single = [d for d in entries if "suppressed" not in d]
+        assert len(single) <= DIAG_BURST + DIAG_PER_S * elapsed + 1, (len(single), elapsed)
+        assert counted(entries) == n, counted(entries)
+        summaries = [d for d in entries if "suppressed" in d]
+        assert summaries and all(d["by_member"] == {"rollout-0-i0": d["suppressed"]} for d in summaries)
+
+        assert h.rm_bus is not None
+        del h.rm_bus.publish_durable  # JetStream back: the summaries reach the log
+        await eventually_async(lambda: _counted_at_least(h.events("turn_dropped"), n), timeout=30,
+                               what="every late reply counted in the log")
+
+
+async def _counted_at_least(found, n: int) -> bool:  # type: ignore[no-untyped-def]
+    return sum(int(d.get("suppressed", 1)) for d in await found) >= n

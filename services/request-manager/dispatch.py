@@ -29,7 +29,7 @@ import json
 import logging
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +40,7 @@ from robustrl.aio import wait_event, within
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
 from robustrl.errors import RobustRLError, TransportError
+from robustrl.event_queue import MAX_PENDING_EVENTS
 from robustrl.messages import GenerateTurn, MemberHello, MetricsSample, TurnResult, WeightsHave
 from robustrl.rl import tasks
 from robustrl.storage.redis_stores import DispatchStore, EpisodeRecord
@@ -66,6 +67,24 @@ replica: it may still be reconnecting, and what was sent to it meanwhile is lost
 
 MAX_EMITTING = 256
 """Events appended in the background at once by the turn handler (``Dispatcher._emit_later``)."""
+EMIT_CONCURRENCY = 8
+"""Of those, saving to the outbox at the same moment (the rest wait their turn): a flood of late
+replies, each its own save, took every connection of the Redis client's pool (100), and the
+request manager's own reads and writes failed with 'Too many connections'."""
+DIAG_BURST = 128
+"""Late and refused replies of a job logged one event each at once (a replica back from a
+partition answers every turn it held: a step's turns at most); past it, ``DIAG_PER_S`` a second.
+The rest are counted, by replica, and each kind's count logged as one event every
+``DIAG_SUMMARY_S`` (``{"suppressed": n, "by_member": {...}}``). One event a reply, a replica
+flooding replies while JetStream was away grew the job's Redis outbox without bound."""
+DIAG_PER_S = 16.0
+DIAG_SUMMARY_S = 5.0
+DIAG_MEMBERS = 32
+"""Replicas named in one count (ids are checked; a flood naming many is counted past these as
+``"others"``)."""
+DIAG_QUEUE_ROOM = MAX_PENDING_EVENTS // 2
+"""Past this many of the job's events not stored yet, late and refused replies are counted only:
+the rest of the writer's queue stays for the events accounting and recovery read."""
 
 
 class Redispatch(RobustRLError):
@@ -132,7 +151,7 @@ class Dispatcher:
         self.adoptable: dict[str, dict[str, Any]] = {}  # episode id -> dispatch record of a past life
         self.waiting = 0  # turns waiting for a replica that can take them
         self.stats = {"redispatched": 0, "late_dropped": 0, "tokens_regenerated": 0, "turn_timeouts": 0,
-                      "events_unsent": 0, "rejected": 0}
+                      "events_unsent": 0, "rejected": 0, "diagnostics_counted": 0}
         self.vocab_size: int | None = None
         """The job tokenizer's vocabulary: a reply naming a token outside it is refused."""
         self.step = 0
@@ -142,6 +161,10 @@ class Dispatcher:
         (set by the job's runner; None: straight to the log, held in memory while JetStream is away)."""
         self.changed = asyncio.Event()
         self._emitting: set[asyncio.Task[None]] = set()  # events the turn handler does not wait for
+        self._emit_slots = asyncio.Semaphore(EMIT_CONCURRENCY)
+        self._diag_tokens, self._diag_at = float(DIAG_BURST), time.monotonic()
+        self._suppressed: dict[str, Counter[str]] = {}  # kind -> replies counted, not logged, by member
+        self._summary: asyncio.TimerHandle | None = None
         # When this service last heard any member: silence is judged against it, so a request
         # manager that was itself frozen (SIGSTOP) does not take everyone for silent when it wakes.
         self.heard_any = time.monotonic()
@@ -279,8 +302,39 @@ class Dispatcher:
         fresh suffix: each reply is its own event, a request refused three times is three). Held
         in memory, a late or refused reply's event was lost with a request manager killed while
         JetStream was away. Redis failing, it is appended from memory (as before the outbox; an
-        outside review found these dropped during a Redis outage)."""
+        outside review found these dropped during a Redis outage). Within ``DIAG_BURST`` /
+        ``DIAG_PER_S``, ``DIAG_QUEUE_ROOM`` and ``MAX_EMITTING``; past them counted, in a summary
+        event."""
+        if not self._diag_admits(kind, str(data.get("member_id", ""))):
+            return
         self._background(self._record_or_emit(kind, data, f"{key}-{uuid.uuid4().hex[:12]}"), kind)
+
+    def _diag_admits(self, kind: str, member_id: str) -> bool:
+        now = time.monotonic()
+        self._diag_tokens = min(float(DIAG_BURST), self._diag_tokens + (now - self._diag_at) * DIAG_PER_S)
+        self._diag_at = now
+        queued = self.events.pending if self.events is not None else self.bus.owed
+        if self._diag_tokens >= 1.0 and queued < DIAG_QUEUE_ROOM and len(self._emitting) < MAX_EMITTING:
+            self._diag_tokens -= 1.0
+            return True
+        counts = self._suppressed.setdefault(kind, Counter())
+        counts[member_id if member_id in counts or len(counts) < DIAG_MEMBERS else "others"] += 1
+        self.stats["diagnostics_counted"] += 1
+        if self._summary is None:
+            self._summary = asyncio.get_running_loop().call_later(DIAG_SUMMARY_S, self._summarize)
+        return False
+
+    def _summarize(self) -> None:
+        """Log each kind's replies counted since the last summary, as one event."""
+        self._summary = None
+        counted, self._suppressed = self._suppressed, {}
+        for kind, counts in counted.items():
+            total = sum(counts.values())
+            log.warning("job %s: %d %s replies not logged one by one (a flood, or the event log away): counted",
+                        self.job_id, total, kind)
+            self._background(self._record_or_emit(kind, {"suppressed": total, "by_member": dict(counts),
+                                                         "window_s": DIAG_SUMMARY_S},
+                                                  f"counted-{uuid.uuid4().hex[:12]}"), kind, essential=True)
 
     async def _record_or_emit(self, kind: str, data: dict[str, Any], request_id: str) -> None:
         try:
@@ -307,7 +361,8 @@ class Dispatcher:
 
     async def _settle(self, work: Coroutine[Any, Any, object], what: str) -> None:
         try:
-            await work
+            async with self._emit_slots:
+                await work
         except Exception as exc:  # the event log is accounting here: the turn is handled already
             self.stats["events_unsent"] += 1
             log.warning("job %s: %s not appended: %s", self.job_id, what, exc)
