@@ -26,7 +26,7 @@ from support import audit_sampled, eventually_async, sample_batches
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
 from robustrl.member import FAILPOINTS_ENV
-from robustrl.messages import MetricsSample
+from robustrl.messages import MemberHello, MetricsSample
 from robustrl.stack import Stack
 from robustrl.subjects import Verb, subject
 
@@ -148,3 +148,36 @@ async def test_the_deadline_counts_only_a_gang_that_could_take_its_batch(servers
             assert time.monotonic() - redone >= bound - 0.5 and later[0].step == 1, later
         finally:
             metrics.cancel()
+
+
+async def test_an_older_gangs_member_neither_holds_nor_is_named_by_the_deadline(servers) -> None:  # type: ignore[no-untyped-def]
+    """Two trainer gangs heard at once: the new one (epoch 2: its hello came) waits for a batch
+    handed over and never takes it; a member of the old one (epoch 1, its kill failed or under
+    way) still says ``training``. That member held the clock (no report ever: the job stalled),
+    and a report could name it. Now older gangs' members are left out: the deadline is reported
+    naming the new gang's member."""
+    bound = 1.5
+    async with Harness(servers, rm_spec("cdlold", steps=3, commit_deadline_s=bound)) as h:
+        async def metrics(member: str, phase: str) -> None:
+            seq = 0
+            while True:
+                seq += 1
+                await h.bus.publish(subject(h.job_id, Verb.METRICS, member), MetricsSample(
+                    job_id=h.job_id, member_id=member, role="trainer", seq=seq, ts=time.time(),
+                    phase=phase, step=0))  # type: ignore[arg-type]
+                await asyncio.sleep(METRICS_S)
+
+        tasks = [asyncio.create_task(metrics("trainer-e1-r0", "training")),
+                 asyncio.create_task(metrics("trainer-e2-r0", "waiting_batch"))]
+        try:
+            await h.replica("r0", version=0)
+            await h.start_rm()
+            await h.bus.publish(subject(h.job_id, Verb.HELLO, "trainer-e2-r0"), MemberHello(
+                job_id=h.job_id, member_id="trainer-e2-r0", role="trainer", pid=1, epoch=2))
+            await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+            overdue = await eventually_async(lambda: [f for f in h.faults if f.cause == "commit_deadline"],
+                                             timeout=bound + 10, what="the commit deadline reported")
+            assert {f.member_id for f in overdue} == {"trainer-e2-r0"}, overdue
+        finally:
+            for t in tasks:
+                t.cancel()
