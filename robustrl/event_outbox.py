@@ -92,6 +92,7 @@ class OutboxWriter:
         # (its retry) both go.
         self._given: dict[str, set[bytes]] = {}
         self._unremoved: list[tuple[EventOutbox, bytes]] = []
+        self._seen: dict[str, dict[bytes, float]] = {}  # job -> entry read -> when first read (``_clock``)
         self._removing = asyncio.Lock()  # one ``retry_removals`` at a time
 
     def outbox_read(self, job_id: str) -> bool:
@@ -127,9 +128,11 @@ class OutboxWriter:
     async def recover(self, job_id: str, *, min_age_s: float = 0.0) -> int:
         """Queue what a previous life left in ``job_id``'s outbox (entries this writer queued
         itself, and ones it stored whose removal it still owes, are skipped); return how many.
-        ``min_age_s``: only entries whose event was stamped at least this long ago (a live peer's
-        fresh entry is stored and removed by the peer within milliseconds). An entry that does not
-        parse is dropped, logged. Harmless to call again.
+        ``min_age_s``: only entries this writer has seen in the outbox for at least this long
+        (by its own clock, from the first read that found them: a stamp of another host's clock
+        may be off by any amount), so a live peer's entry is left to the peer, which stores and
+        removes it within milliseconds, or retries the removal it owes after a Redis outage. An
+        entry that does not parse is dropped, logged. Harmless to call again.
 
         Raises:
             TransportError: Redis failed (or, bounded, did not answer in time): the entries stay
@@ -141,9 +144,11 @@ class OutboxWriter:
         # (stored by JetStream, removal owed: queued again it could be stored twice, past the
         # duplicate window)
         unremoved = {stored for box, stored in self._unremoved if box.key == outbox.key}
-        newest = time.time() - min_age_s
+        now = self._clock()
+        seen = self._seen.get(job_id, {})
+        seen = self._seen[job_id] = {raw: seen.get(raw, now) for raw, _entry in entries}  # (what is gone, forgotten)
         for raw, entry in entries:
-            if raw in self._given.get(job_id, ()) or raw in unremoved or (min_age_s and entry.event.ts > newest):
+            if raw in self._given.get(job_id, ()) or raw in unremoved or now - seen[raw] < min_age_s:
                 continue
             self._put(entry, outbox, raw)
             found += 1
@@ -212,6 +217,11 @@ class OutboxWriter:
                     self._unremoved.insert(0, (outbox, stored))
                     self._went_away(exc)
                     break
+                except BaseException:
+                    # Cancelled mid-call (the owner's stop): still owed. Dropped here, a later
+                    # ``recover`` queued the stored entry again (an outside review found it).
+                    self._unremoved.insert(0, (outbox, stored))
+                    raise
                 removed += 1
         return removed
 

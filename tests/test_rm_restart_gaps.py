@@ -389,3 +389,24 @@ async def test_a_flood_of_late_replies_is_counted_not_logged_one_by_one(servers)
 
 async def _counted_at_least(found, n: int) -> bool:  # type: ignore[no-untyped-def]
     return sum(int(d.get("suppressed", 1)) for d in await found) >= n
+
+
+async def test_a_restarted_rm_acknowledges_a_stop_once_its_previous_lifes_events_are_logged(servers):
+    """A request manager killed while JetStream refused its ``work_lost``; the next life has no
+    runner yet (the controller is busy: the spec is not answered) when the job's stop comes. The
+    stop was acknowledged at once, the killed life's event still in the outbox, appended later,
+    after the job's final event (an outside review). Now the stop reads the outbox first: on the
+    acknowledgement the log holds the event and the outbox (raw Redis) is empty."""
+    async with Harness(servers, rm_spec("stoprestart", steps=3)) as h:
+        await h.replica("r0", version=0)
+        await h.start_rm()
+        await h.replica_dead_with_jetstream_away("f-stop", "r0")
+        assert [e for e in await _outbox(h) if e["event"]["kind"] == "work_lost"]
+        await h.kill_rm()
+        h.answer_spec = False
+        await h.start_rm(send_resume=False)
+        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="stop", args={}, fence=1)
+        await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), cmd, ControlCommand,
+                            timeout=STOP_DRAIN_S + 2)
+        assert [d for d in await h.events("work_lost") if d.get("fault_id") == "f-stop"]
+        assert await _outbox(h) == []

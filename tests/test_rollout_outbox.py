@@ -320,7 +320,11 @@ async def test_the_last_replica_to_stop_appends_what_a_dead_replica_left(
     try:
         async with _job(embedded, launcher) as job:
             killed, server = await _one_killed_while_jetstream_is_away(job, seed=24)
+            # (right away: the live replica's upkeep leaves the entry for ORPHAN_AFTER_S, so only
+            # the stop's read appends it)
+            t0 = time.monotonic()
             await asyncio.to_thread(launcher.stop, "rollout-1-i0", 10.0)
+            assert time.monotonic() - t0 < 10.0, "the stop outlived its bound"
             got = [e for e in await job.logged("weights_loaded") if e.data["member_id"] == "rollout-0-i0"]
             assert len(got) == 1 and got[0].ts == killed.ts, [e.data for e in got]
             assert await _outbox_gone(redis, job.job_id), await _outbox(redis, job.job_id)
@@ -335,8 +339,9 @@ async def test_an_entry_stored_whose_removal_failed_is_not_queued_again_by_a_rer
     """A replica's event stored by JetStream while Redis took no write (its removal failed, kept
     for a retry) is still in the outbox when the replica's upkeep reads the outbox again (it does
     every round now, for what dead replicas left): queued again, it would be stored a second time
-    once past JetStream's duplicate window. The replica's event path on real NATS and Redis; judged
-    from the raw log and raw Redis."""
+    once past JetStream's duplicate window. The stream's window is cut to 1 s here, so a second
+    append is a second entry. The replica's event path on real NATS and Redis, the re-read and the
+    stop's last read; judged from the raw log and raw Redis."""
     assert embedded.settings
     settings = _role(embedded, Principal.ROLLOUT)
     admin = connect(embedded.settings.redis_url)
@@ -347,6 +352,7 @@ async def test_an_entry_stored_whose_removal_failed_is_not_queued_again_by_a_rer
     bus = await Bus.connect(settings.nats_url, "rollout-reread", role="rollout")
     job_id = f"ro{uuid.uuid4().hex[:8]}"
     events = ReplicaEvents(bus, job_id, redis)
+    window = await _duplicate_window(embedded.settings.nats_url, 1.0)
     try:
         async with _jetstream_away(embedded.settings.nats_url):
             assert await events.emit("weights_loaded", {"member_id": "r-0", "version": 1, "checksum": "c",
@@ -356,16 +362,36 @@ async def test_an_entry_stored_whose_removal_failed_is_not_queued_again_by_a_rer
         await eventually_async(lambda: events.unremoved == 1, timeout=WAIT_S,
                                what="stored by JetStream, its removal cut off by the pause")
         assert len(await _outbox(admin, job_id)) == 1
+        await asyncio.sleep(1.5)  # past the (cut) duplicate window: a second append is a second entry
         assert await events.recover() == 0  # not queued a second time
+        assert events.pending == 0
+        await events.close(1.0)  # the stop's last read: not queued either
         assert events.pending == 0
     finally:
         await admin.execute_command("CLIENT", "UNPAUSE")
         await events.close(0.5)
+        await _duplicate_window(embedded.settings.nats_url, window)
         await bus.close()
         await redis.aclose()
         await admin.aclose()
     logged = [e for e in await read_event_log(embedded.settings.nats_url, job_id) if e.kind == "weights_loaded"]
     assert len(logged) == 1, [e.data for e in logged]
+
+
+async def _duplicate_window(nats_url: str, seconds: float) -> float:
+    """Set the event stream's duplicate window; return the one it had."""
+    from robustrl.subjects import EVENTS_STREAM
+
+    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        js = nc.jetstream()
+        config = (await js.stream_info(EVENTS_STREAM)).config
+        before = float(config.duplicate_window or 120.0)
+        config.duplicate_window = seconds
+        await js.update_stream(config)
+        return before
+    finally:
+        await nc.close()
 
 
 async def test_a_silent_redis_does_not_hold_the_replicas_events(embedded: EmbeddedInfra) -> None:

@@ -591,7 +591,7 @@ class Controller:
 
     async def control_rm(self, job: JobRun, action: str, args: dict[str, Any] | None = None,
                          attempts: int | None = None, timeout_s: float = RM_ACK_TIMEOUT_S,
-                         quiet: bool = False) -> bool:
+                         quiet: bool = False, pace_last: bool = True) -> bool:
         """Send a command (with this leader's fencing token) to the request manager and wait for
         its acknowledgement, retrying: a lost resume / restart_step / replica_dead would leave the
         job waiting forever. An acknowledgement is also a sign of the service's life."""
@@ -618,8 +618,11 @@ class Controller:
                 log.warning("job %s: request manager did not acknowledge %s (attempt %d)", job.job_id, action,
                             attempt + 1)
             # "No responders" fails at once while the service is down: each attempt still spans
-            # timeout_s, so the attempts cover a restart of the service instead of a few ms.
-            await asyncio.sleep(max(0.0, began + timeout_s - loop.time()))
+            # timeout_s, so the attempts cover a restart of the service instead of a few ms (a
+            # caller that loops on single attempts is paced by it); ``pace_last`` False: not the
+            # last (a stop's single attempt, with the service down, waited out its whole bound).
+            if pace_last or attempt + 1 < (attempts or self.rm_ack_attempts):
+                await asyncio.sleep(max(0.0, began + timeout_s - loop.time()))
         if not quiet:
             await self.event(job, "note", {"text": f"request manager never acknowledged {action}"})
         return False
@@ -644,7 +647,7 @@ class Controller:
         stop = self._stopping.setdefault(job.job_id, {"ids": [], "event": False, "ended": asyncio.Event()})
         # (the request manager acknowledges once the job's events are in its log, up to its
         # STOP_DRAIN_S: the final event then ends the log)
-        await self.control_rm(job, "stop", attempts=1, timeout_s=RM_STOP_DRAIN_S + RM_ACK_TIMEOUT_S)
+        await self.control_rm(job, "stop", attempts=1, timeout_s=RM_STOP_DRAIN_S + RM_ACK_TIMEOUT_S, pace_last=False)
         # (marked stopped before the launcher's stop: a stop carried out again stops them again)
         stop["ids"] += [m.member_id for m in job.live() if m.member_id not in stop["ids"]]
         for m in job.live():
@@ -722,7 +725,9 @@ class Controller:
 
     async def _on_spec(self, msg: SpecRequest, _s: str, reply: str | None) -> None:
         job = self.jobs.get(msg.job_id)
-        if job is None or job.done or not self.leading:
+        if job is None or job.done or job.closing or not self.leading:
+            # (a stopping job's: a request manager that asks now must not run it again after
+            # its stop was acknowledged, its events landing after the final one)
             return
         if msg.member_id == "request_manager":  # it resumes at the step named here: make it current
             await self.reconcile(job, "request manager asked for the spec")

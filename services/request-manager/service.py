@@ -23,7 +23,7 @@ from typing import Any
 from robustrl.services.request_manager.batching import JobRunner
 from robustrl.services.request_manager.eventlog import STOP_DRAIN_S, EventWriter
 
-from robustrl.aio import wait_event
+from robustrl.aio import wait_event, within
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
 from robustrl.errors import RequestTimeout, TransportError
@@ -265,11 +265,10 @@ class RequestManager:
             if job is not None:
                 self.jobs.pop(msg.job_id, None)
                 await job.stop()
-            writer = self._writers.get(msg.job_id)
-            if writer is not None and writer.pending and reply:
+            if reply:
                 # Acknowledged once the job's events are in its log (bounded): the controller
                 # appends the final event next. Off this handler: the other jobs' commands go on.
-                self._spawn(self._ack_when_drained(writer, msg, reply))
+                self._spawn(self._ack_when_drained(msg, reply))
                 return
         elif job is None:
             # No runner (a restarted request manager whose spec has not come yet): the command is
@@ -317,11 +316,29 @@ class RequestManager:
         elif msg.action == "tool_outage":
             job.tools.set_outage(time.monotonic() + float(msg.args.get("duration_s", 5.0)))
 
-    async def _ack_when_drained(self, writer: EventWriter, msg: ControlCommand, reply: str) -> None:
-        if not await writer.drain(STOP_DRAIN_S):
-            log.error("job %s: stopped with %d events not in its log yet (JetStream away): acknowledged all the "
-                      "same, they follow the final event", msg.job_id, writer.pending)
-        await self.bus.respond(reply, msg)
+    async def _ack_when_drained(self, msg: ControlCommand, reply: str) -> None:
+        """Acknowledge a stop once the job's events are stored, within ``STOP_DRAIN_S``: what this
+        life queued and what a previous life left in the outbox (a restarted request manager
+        whose runner never read it: an outside review found the stop acknowledged at once, the
+        killed life's events appended after the final one)."""
+        began = time.monotonic()
+        writer = self._writers.get(msg.job_id)
+        if writer is None:
+            writer = self._writers[msg.job_id] = EventWriter(self.bus, msg.job_id, self.redis)
+        try:
+            try:
+                await within(writer.recover(), STOP_DRAIN_S)
+            except (TransportError, TimeoutError) as exc:
+                log.error("job %s: the event outbox not read at the stop (%s): what it holds follows the final event",
+                          msg.job_id, exc)
+            if not await writer.drain(max(0.0, STOP_DRAIN_S - (time.monotonic() - began))):
+                log.error("job %s: stopped with %d events not in its log yet (JetStream away): acknowledged all "
+                          "the same, they follow the final event", msg.job_id, writer.pending)
+        finally:  # (cancelled at the service's close too: the controller is not left to its timeout)
+            try:
+                await self.bus.respond(reply, msg)
+            except Exception as exc:  # noqa: BLE001 - unacknowledged, the controller goes on after its timeout
+                log.warning("job %s: stop not acknowledged: %s", msg.job_id, exc)
 
     def _spawn(self, coro: Any) -> None:
         self._tasks = [t for t in self._tasks if not t.done()]

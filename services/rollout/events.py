@@ -12,14 +12,17 @@ Who appends what a dead replica left: every replica, at its start, reads the job
 in the background (retried until one read went through) and queues every entry under the message
 id saved with it; then, every ``UPKEEP_S`` for its life, it queues the entries at least
 ``ORPHAN_AFTER_S`` old (a dead replica's, with no replica started after it: only a new replica
-appended them before, and a job that never started one, or ended, kept them for good); and at
+appended them before, and a job that never started one, or ended, kept them for good; seen for
+that long by the replica's own clock: the stamps are other hosts'); and at
 its stop it queues every entry it finds before its last drain (the job's last replicas stop
 together at its end). The kinds are the rollout role's own, so any replica of the job may append
 them (its NATS permissions name the role, not the member). An entry a live replica is still
 retrying is then appended twice under one message id: JetStream stores it once (within its
-2-min duplicate window), and a removal of an entry already gone is a no-op. (One stored whose
-removal failed is skipped by the replica that owes the removal; another replica that reads it
-before the removal is retried appends it again: stored twice if that is past the window.)
+2-min duplicate window), and a removal of an entry already gone is a no-op. One stored whose
+removal failed is skipped by the replica that owes the removal, and left by the others for
+``ORPHAN_AFTER_S``, longer than the owner takes to retry it; a replica's stop takes every entry,
+so one stopping just as Redis comes back may still append such an entry again (stored twice if
+its first store was more than 2 min before).
 
 A replica's serving path must never wait on Redis: the outbox is used in its bounded mode, every
 call cut at ``REDIS_CALL_S``; a save that fails is logged and the event queued in memory only
@@ -53,10 +56,12 @@ UPKEEP_S = 5.0
 """Pause between rounds of the outbox upkeep: the start's read until it went through, and the
 removals that failed."""
 REMOVALS_BUDGET_S = 1.0
-ORPHAN_AFTER_S = 2 * UPKEEP_S
-"""An outbox entry stamped this long ago is taken up by any live replica of the job: its own
-replica, alive, stored and removed it within milliseconds of stamping it (JetStream up) or still
-retries it (JetStream away: the append of both is stored once)."""
+ORPHAN_AFTER_S = 4 * UPKEEP_S
+"""An outbox entry a live replica has seen for this long (its own clock, from its first read that
+found it) is taken up by it: the entry's own replica, alive, stored and removed it within
+milliseconds (JetStream up), still retries it (JetStream away: the appends of both are stored
+once), or retries the removal it owes within ``REDIS_AWAY_S`` + ``UPKEEP_S`` of Redis answering
+again (taken up before that, an entry stored more than 2 min before was stored twice)."""
 """At most this long per upkeep round on removals that failed before."""
 
 
@@ -129,6 +134,8 @@ class ReplicaEvents(OutboxEvents):
             await asyncio.sleep(UPKEEP_S)  # pace the rounds (and the tries while Redis is away)
 
     async def _take_up(self, min_age_s: float) -> None:
+        if self.queue.pending >= self.queue.max_pending // 2:
+            return  # (JetStream away a long time: the room left is this replica's own events')
         try:
             found = await self.recover(min_age_s)
         except TransportError as exc:
