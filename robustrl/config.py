@@ -134,11 +134,13 @@ DETECTOR_PROFILES: dict[str, dict[str, float]] = {
     # The reference job on a 2-core machine (DESIGN section 9): thresholds in seconds, not minutes.
     "scaled": {"trainer_idle_s": 4.0, "rollout_idle_s": 2.0, "silence_s": 3.0, "probe_timeout_s": 1.0,
                "metrics_interval_s": 0.25, "weights_load_s": 30.0, "turn_deadline_s": 10.0,
-               "step_deadline_s": 180.0, "start_deadline_s": 180.0, "commit_deadline_s": 180.0},
+               "step_deadline_s": 180.0, "start_deadline_s": 180.0, "commit_deadline_s": 180.0,
+               "trainer_io_s": 60.0},
     # The paper's values for real clusters.
     "production": {"trainer_idle_s": 300.0, "rollout_idle_s": 60.0, "silence_s": 30.0, "probe_timeout_s": 10.0,
                    "metrics_interval_s": 5.0, "weights_load_s": 600.0, "turn_deadline_s": 600.0,
-                   "step_deadline_s": 3600.0, "start_deadline_s": 1800.0, "commit_deadline_s": 3600.0},
+                   "step_deadline_s": 3600.0, "start_deadline_s": 1800.0, "commit_deadline_s": 3600.0,
+                   "trainer_io_s": 1800.0},
 }
 """Defaults of the detector thresholds per ``DetectorSpec.profile``."""
 _SCALED = DETECTOR_PROFILES["scaled"]
@@ -160,6 +162,10 @@ class DetectorSpec(BaseModel):
         "Where unset thresholds come from: scaled (seconds, for the reference job) or production "
         "(trainer idle 300 s, rollout idle 60 s, probe 10 s)."))
     trainer_idle_s: StrictFloat = _threshold("trainer_idle_s", "Training phase with no compute activity.")
+    trainer_io_s: StrictFloat = _threshold("trainer_io_s", (
+        "A trainer member in phase checkpointing or publishing for longer than this is a fault "
+        "(hang, cause trainer_io_stalled): a snapshot or a publish that never returns while the "
+        "member still reports."))
     rollout_idle_s: StrictFloat = _threshold("rollout_idle_s", "Zero token throughput with work queued.")
     silence_s: StrictFloat = _threshold("silence_s", "No metrics at all from a member.")
     probe_timeout_s: StrictFloat = _threshold("probe_timeout_s", "A heartbeat probe unanswered this long fails.")

@@ -39,7 +39,7 @@ STEPS = {"cm": 4, "cl": 2}  # job name -> steps: step 1 mid-job, and step 1 the 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    armed = ",".join(f"batch_deaf@{name}/{DEAF}" for name in STEPS)
+    armed = ",".join([*(f"batch_deaf@{name}/{DEAF}" for name in STEPS), f"publish_wedged@cw/{DEAF}"])
     st = Stack(tmp_path_factory.mktemp("commit-deadline"), service_extra_env={"controller": {FAILPOINTS_ENV: armed}})
     st.start()
     try:
@@ -181,3 +181,31 @@ async def test_an_older_gangs_member_neither_holds_nor_is_named_by_the_deadline(
         finally:
             for t in tasks:
                 t.cancel()
+
+
+IO_STUCK_S = 6.0
+
+
+def test_a_gang_wedged_publishing_is_reported_and_replaced(stack: Stack) -> None:
+    """A trainer rank that trains step 1 and never returns from publishing it, its metrics still
+    flowing (member failpoint ``publish_wedged``): no rule judged the phase, the request manager's
+    commit deadline counts only a gang waiting for a batch, and the job sat at step 1 for good.
+    Now the detector's trainer I/O rule reports it after ``trainer_io_s``; the gang is restarted
+    role-locally, and the job finishes with the auditor's checks passing."""
+    api = ApiClient(stack.api_url, stack.settings.api_token)
+    spec = small_job("cw", steps=3, rollout={"replicas": 1}, trainer={"workers": 1},
+                     detector={"trainer_io_s": IO_STUCK_S})
+    jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, jid)
+    status = wait_done(api, jid, timeout=180)
+    assert status["committed_step"] == 2
+    events = api.events(jid)
+    found = [d for d in kinds(events, "fault_detected") if d.get("cause") == "trainer_io_stalled"]
+    assert [(f["member_id"], f["role"], f["kind"], f["step"]) for f in found] == [(DEAF, "trainer", "hang", 1)], found
+    assert "publishing" in found[0]["evidence"], found
+    [decision] = [d for d in kinds(events, "decision") if d["fault_id"] == found[0]["fault_id"]]
+    assert decision["actions"] == ["RestartTrainerGang"], decision
+    commits = kinds(events, "step_committed")
+    assert sorted(c["step"] for c in commits) == [0, 1, 2], commits
+    assert {c["epoch"] for c in commits if c["step"] == 1} == {2}, commits
+    audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))

@@ -78,9 +78,9 @@ class Run:
         return self.faults[0][0] if self.faults else None
 
 
-def monitor() -> JobMonitor:
+def monitor(cfg: DetectorSpec = CFG) -> JobMonitor:
     counter = iter(range(10_000))
-    return JobMonitor(JOB, CFG, new_id=lambda: f"id{next(counter)}")
+    return JobMonitor(JOB, cfg, new_id=lambda: f"id{next(counter)}")
 
 
 def progressing(m: Member, _now: float) -> None:
@@ -112,6 +112,28 @@ def test_trainer_slow_checkpointing_and_waiting_are_not_hangs() -> None:
         t.phase = phase
         run.advance(5 * CFG.trainer_idle_s, [t])
         assert run.faults == [] and run.probes == [], phase
+
+
+def test_a_trainer_stuck_checkpointing_or_publishing_is_a_hang_after_trainer_io_s() -> None:
+    """Idle while checkpointing or publishing is normal; for ``trainer_io_s`` it is not (a snapshot
+    or publish that never returned, the member's samples still coming, stalled the job for good).
+    A phase change restarts the clock."""
+    cfg = CFG.model_copy(update={"trainer_io_s": 12.0})
+    for phase in ("checkpointing", "publishing"):
+        run, t = Run(monitor(cfg)), Member("t0", "trainer", phase="training")
+        run.advance(1.0, [t], step=progressing)
+        t.phase = "checkpointing" if phase == "publishing" else "publishing"
+        run.advance(8.0, [t])  # the other I/O phase, within the bound
+        t.phase = phase
+        start = run.now
+        run.advance(cfg.trainer_io_s - 1.0, [t])
+        assert run.faults == [], phase
+        run.advance(2.0, [t])
+        assert len(run.faults) == 1, phase
+        at, fault = run.faults[0]
+        assert (fault.kind, fault.cause, fault.member_id, fault.step) == ("hang", "trainer_io_stalled", "t0", 3)
+        assert phase in fault.evidence and cfg.trainer_io_s - DT <= at - start <= cfg.trainer_io_s + DT
+        assert run.probes == []
 
 
 def test_trainer_idle_clock_restarts_when_training_begins() -> None:

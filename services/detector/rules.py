@@ -25,6 +25,10 @@ the time its evidence says the fault began, ``fault_at``):
   (``weights_load_timeout``): a pull that never finishes is a fault, never silence.
 * trainer hang: only in phase ``training``, ``activity`` unchanged for ``trainer_idle_s`` ->
   FAULT hang. Every other trainer phase (waiting for a batch, checkpointing...) may be idle.
+* trainer I/O: in phase ``checkpointing`` or ``publishing`` for ``trainer_io_s`` -> FAULT hang
+  (``trainer_io_stalled``): idle there is normal, forever is not (a snapshot or publish that never
+  returns, the member's metrics still flowing, stalled the job for good). Waiting for a batch is
+  bounded by the request manager's commit deadline.
 * rollout stall: ``tokens_total`` unchanged for ``rollout_idle_s`` while the replica holds work
   - requests being generated (``inflight - tool_waiting > 0``) or turns queued
   (``queue_depth > 0``, which counts turns waiting for a weights version) -> SUSPECT (probe);
@@ -78,6 +82,7 @@ class Cause(str, Enum):
     ROLLOUT_STALLED = "rollout_stalled"  # requests in flight, no tokens
     QUEUE_STALLED = "queue_stalled"  # turns queued, nothing taken up, no tokens
     WEIGHTS_LOAD_TIMEOUT = "weights_load_timeout"
+    TRAINER_IO_STALLED = "trainer_io_stalled"
     WEIGHTS_FAILED = "weights_failed"
     GPU_LOST = "gpu_lost"
     FAIL_SLOW = "fail_slow"
@@ -176,6 +181,21 @@ def trainer_hang_rule(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdic
                    fault_at=h.still_since(h.activity_at, h.activity_still_at, since))
 
 
+TRAINER_IO_PHASES = ("checkpointing", "publishing")
+
+
+def trainer_io_rule(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdict | None:
+    """In phase ``checkpointing`` or ``publishing`` for ``trainer_io_s`` is a hang."""
+    if h.role != "trainer" or h.phase not in TRAINER_IO_PHASES:
+        return None
+    stuck = _evidence_until(now, h) - h.phase_since
+    if stuck < cfg.trainer_io_s:
+        return None
+    return Verdict(Status.FAULT, "hang", f"in phase {h.phase} at step {h.step} for {stuck:.1f}s "
+                   f"(trainer_io_s={cfg.trainer_io_s:g})", last_progress_at=h.phase_since,
+                   cause=Cause.TRAINER_IO_STALLED, fault_at=h.phase_since)
+
+
 def rollout_stall_rule(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdict | None:
     """Work held (in flight or queued) but no new tokens: probe; no answer -> unresponsive;
     answered but still no tokens at twice the threshold -> hang (alive, making no progress)."""
@@ -219,8 +239,8 @@ def evaluate_member(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdict:
     verdict = crash_rule(h) or gpu_lost_rule(h) or silence_rule(now, h, cfg)
     if verdict is not None:
         return verdict
-    return (weights_rule(now, h, cfg) or trainer_hang_rule(now, h, cfg) or rollout_stall_rule(now, h, cfg)
-            or OK)
+    return (weights_rule(now, h, cfg) or trainer_hang_rule(now, h, cfg) or trainer_io_rule(now, h, cfg)
+            or rollout_stall_rule(now, h, cfg) or OK)
 
 
 # --- cross-member rules -------------------------------------------------------------------

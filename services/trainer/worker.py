@@ -532,6 +532,11 @@ class TrainerWorker:
                 self.durable = max(self.durable, durable)
             upload = self.ckpt.upload_stats
             await self.member.set_phase("publishing", step)
+            if step == FAILPOINT_STEP and failpoint_armed("publish_wedged", self.ident.job_id, self.ident.member_id):
+                # Test-only: a publish that never returns, the member's metrics still flowing.
+                log.warning("failpoint publish_wedged: %s never publishes step %d", self.ident.member_id, step)
+                await self.member.stopping.wait()
+                break
             t1 = time.monotonic()
             checksum = await self._publish(self.version)
             if self.ident.rank == 0:  # its version published, its training not yet recorded
