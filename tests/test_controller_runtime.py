@@ -30,10 +30,10 @@ from support import eventually, eventually_async, own_servers
 from robustrl.aio import wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
-from robustrl.errors import JobActive, LaunchError, RequestTimeout
+from robustrl.errors import JobActive, LaunchError, RequestTimeout, TransportError
 from robustrl.launcher.local import LAUNCH_MARK_ENV, LocalLauncher
 from robustrl.launcher.zygote import FORK_START_ENV
-from robustrl.messages import ControlCommand, FaultReport, HelloAck, MemberHello, MetricsSample, StepCommitted
+from robustrl.messages import ControlCommand, FaultReport, HelloAck, MemberHello, MetricsSample, StepCommitted, WeightsHave
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.redis_stores import Keys, connect
 from robustrl.subjects import Verb, all_jobs_exact, subject
@@ -2101,3 +2101,111 @@ def test_a_replica_recovery_waiting_for_replacements_that_never_ran_waits_for_th
     job.recoveries = [ours, other]
     RecoveryExecutor._wait_for_restocked(job, 0, "rollout-0-i3")
     assert ours.waiting_for == {"rollout-0-i3"} and other.waiting_for == {"rollout-1-i0"}
+
+
+async def test_a_stop_that_failed_part_way_is_carried_out_again(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's stop whose final event could not be saved (Redis away past its client's retries)
+    left the job ``done`` for every check and its status running, in memory and in its durable
+    record, for the controller's life: nothing carried the stop out again (an API stop returned at
+    once: a stop was under way), and a deletion was refused (an outside review). Now the
+    supervision carries it out again, as first asked: judged from the raw record, the log and a
+    deletion."""
+    from support import raw_job_record
+
+    c, job = await leading_job_at_step_0(rig, "stopagain")
+    real = c.events.emit_and_wait
+    refused: list[str] = []
+
+    async def once_refused(job_id: str, kind: str, *a: Any, **kw: Any) -> bool:
+        if not refused:
+            refused.append(kind)
+            raise TransportError("redis: the outbox save failed (test: Redis away past its retries)")
+        return await real(job_id, kind, *a, **kw)
+
+    monkeypatch.setattr(c.events, "emit_and_wait", once_refused)
+    with pytest.raises(TransportError):
+        await c.stop_job(job.job_id, "failed", "test: failed on purpose")
+    assert refused == ["job_failed"]
+    await eventually_async(lambda: raw_job_record(rig.settings.redis_url, job.job_id)["status"] == "failed",
+                           timeout=30, what="the stop carried out again, the record final")
+    assert job.status == "failed"
+    assert [d["reason"] for d in of_kind(await rig.events(job.job_id), "job_failed")] == ["test: failed on purpose"]
+    assert not of_kind(await rig.events(job.job_id), "job_stopped")
+    await c.delete_job(job.job_id)
+
+
+async def test_a_request_manager_lost_for_good_is_still_waited_for_after_a_whole_job_restart(rig: Rig) -> None:
+    """The request manager is gone for good (its supervisor gave up on a crash loop): its
+    service recovery passes its deadline and escalates to a whole-job restart, whose recovery
+    waited for the new trainers and replicas only. It ended once they said hello, and the lost
+    service was never watched again (it stays in ``services_lost``): the job ran on with nothing
+    generating, for good (an outside review). Now the restart also waits for the lost request
+    manager, so its deadline escalates again until the restarts are used up and the job fails
+    with the reason: judged from the raw record and the log."""
+    from support import raw_job_record
+
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job_spec = spec("rmgone").model_copy(update={"recovery": spec("rmgone").recovery.model_copy(
+        update={"deadline_s": 5.0, "max_restarts": 1})})
+    job = await c.submit(job_spec)
+    await rig.hello_all(c, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    assert rig.rm and rig.bus
+    rig.rm.alive = False
+
+    async def members_come_back() -> None:  # the restarted trainers and replicas start fine
+        while True:
+            for m in list(job.live()):
+                if m.state == "starting":
+                    await rig.bus.publish(subject(job.job_id, Verb.HELLO, m.member_id), MemberHello(
+                        job_id=job.job_id, member_id=m.member_id, role=m.role, pid=m.pid or 1,  # type: ignore[arg-type]
+                        epoch=m.epoch))
+                if m.role == "rollout":
+                    await rig.bus.publish(subject(job.job_id, Verb.HAVE, m.member_id), WeightsHave(
+                        job_id=job.job_id, member_id=m.member_id, version=job.weights_version,
+                        address="tcp://127.0.0.1:1", checksum="x", complete=True))
+            await asyncio.sleep(0.3)
+
+    helper = asyncio.create_task(members_come_back())
+    try:
+        await eventually_async(lambda: raw_job_record(rig.settings.redis_url, job.job_id)["status"] == "failed",
+                               timeout=60, what="the job failed, the request manager never back")
+    finally:
+        helper.cancel()
+    decisions = [d["actions"] for d in of_kind(await rig.events(job.job_id), "decision")]
+    assert ["ResumeService"] in decisions and ["RestartWholeJob"] in decisions, decisions
+    [failed] = of_kind(await rig.events(job.job_id), "job_failed")
+    assert "max_restarts=1" in str(failed["reason"]) and "still not done" in str(failed["reason"]), failed
+
+
+async def test_a_fault_whose_handling_failed_is_handled_again_within_seconds(rig: Rig) -> None:
+    """A detector report whose handling fails on a Redis stall (the lease read cut off, as while
+    Redis restarts), on both paths (the plain publish and the fault inbox): the inbox left it
+    unacknowledged for JetStream's ack wait (120 s), and the detector reports a member once, so a
+    frozen member stalled the job for two minutes (an outside review). Now the inbox hands it
+    back for redelivery a second on: a decision is in the log within seconds."""
+    c, job = await leading_job_at_step_0(rig, "faultagain")
+    real = c.lease.newest_term
+    stalls: list[float] = []
+
+    async def stalled() -> bool:
+        if len(stalls) < 2:
+            stalls.append(time.monotonic())
+            raise TimeoutError("redis GET got no answer in time (test: a Redis stall)")
+        return await real()
+
+    c.lease.newest_term = stalled  # type: ignore[method-assign]
+    assert rig.bus
+    fault = FaultReport(job_id=job.job_id, fault_id="det-again-1", role="rollout", member_id="rollout-0-i0",
+                        kind="unresponsive", evidence="silent (test)", detected_at=time.time(), step=0,
+                        fault_at=time.time() - 3)
+    await rig.bus.publish(subject(job.job_id, Verb.FAULT), fault)  # as the detector reports
+    await rig.bus.emit_event(job.job_id, "fault_detected", fault.model_dump(mode="json", exclude={"job_id"}))
+
+    async def decided() -> list[dict[str, object]]:
+        return [d for d in of_kind(await rig.events(job.job_id), "decision") if d["fault_id"] == "det-again-1"]
+    await eventually_async(decided, timeout=20, what="a decision on the fault after the stall")
+    assert len(stalls) == 2
+    assert len(await decided()) == 1

@@ -30,6 +30,10 @@ FAULT_FETCH_TIMEOUT_S = 1.0
 """One fetch of the fault inbox (an empty fetch just loops)."""
 FAULT_ACK_WAIT_S = 120.0
 """A fault not acknowledged within this long (its handler died with the controller) is redelivered."""
+FAULT_RETRY_S = 1.0
+"""A fault whose handling failed (a Redis stall, a lease read cut off) is delivered again this
+long after: left to ``FAULT_ACK_WAIT_S``, a frozen member reported once by the detector stalled
+the job for two minutes (an outside review)."""
 CLOSE_WAIT_S = 2.0
 """At close: for the pull loop to end once cancelled, and for the unsubscribe."""
 
@@ -90,8 +94,15 @@ class FaultInbox:
                     try:
                         await self.handler(fault)
                     except Exception:
-                        # Not acknowledged: JetStream delivers it again after ack_wait.
-                        log.exception("fault %s: handler failed", fault.fault_id)
+                        # Not acknowledged: JetStream delivers it again, FAULT_RETRY_S on (to
+                        # whoever leads then: the consumer is shared).
+                        log.exception("fault %s: handler failed: delivered again in %g s", fault.fault_id,
+                                      FAULT_RETRY_S)
+                        try:
+                            await raw.nak(delay=FAULT_RETRY_S)
+                        except Exception as exc:  # noqa: BLE001 - the bus away: ack_wait redelivers it
+                            log.warning("fault %s: not handed back (%s): delivered again after %g s",
+                                        fault.fault_id, exc, FAULT_ACK_WAIT_S)
                         continue
                 await raw.ack()
 

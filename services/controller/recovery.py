@@ -525,7 +525,11 @@ class RecoveryExecutor:
         job.restock_owed.clear()
         rec = self._begin(job, fault, "whole_job", set(ids))
         gang, replicas = await self.c.starter.start_all(job)
-        rec.waiting_for = {gang[0], *replicas}
+        # A request manager still lost (its own recovery, superseded here, escalated to this) is
+        # waited for too: else nothing watched it again (``watch_services`` skips a lost role) and
+        # the job ran on with nothing generating, for good. Its answer (``service_back``) or this
+        # recovery's deadline ends the wait.
+        rec.waiting_for = {gang[0], *replicas, *(job.services_lost & {"request_manager"})}
         await self.c.persist(job)
         await self.c.resume_rm(job)
 

@@ -82,6 +82,8 @@ CLOSE_ROUNDS = 3
 LAUNCHER_CLOSE_S = 60.0
 """At close, the wait for the launcher to stop every member (its thread runs on past it)."""
 FAIL_START_RETRY_MAX_S = 10.0
+STOP_RETRY_MAX_S = 30.0
+"""Longest pause before a stop that failed part-way is carried out again (``retry_stops``)."""
 """A job whose start failed is failed; a Redis error on the way is retried, backing off to this."""
 
 
@@ -640,11 +642,41 @@ class Controller:
                 carried out again by whoever calls it again, the event under the same message id).
         """
         job = self.get(job_id)
-        if job.done and not (again and job.job_id in self._stopping):
+        stop = self._stopping.get(job.job_id)
+        # A stop under way is left to itself; one that failed part-way (nothing carries it out
+        # now) is carried out again by whoever calls, as first asked (status and reason).
+        if job.done and (stop is None or (stop["running"] and not again)):
             return job
+        if stop is None:
+            stop = self._stopping[job.job_id] = {"ids": [], "event": False, "ended": asyncio.Event(),
+                                                 "running": False, "status": status, "reason": reason,
+                                                 "tries": 0, "retry_at": 0.0}
+        status, reason = stop["status"], stop["reason"]
         job.closing = True
         job.error = reason
-        stop = self._stopping.setdefault(job.job_id, {"ids": [], "event": False, "ended": asyncio.Event()})
+        stop["running"] = True
+        stop["tries"] += 1
+        try:
+            return await self._carry_out_stop(job, stop, status, reason)
+        except BaseException:
+            # Left for the supervision's next rounds (``retry_stops``), paced.
+            stop["retry_at"] = time.monotonic() + min(STOP_RETRY_MAX_S, 2.0 ** stop["tries"])
+            raise
+        finally:
+            stop["running"] = False
+
+    def retry_stops(self) -> None:
+        """Carry out again, in the background, each stop that failed part-way (Redis or JetStream
+        away past their retries: the job, ``done`` for every other check, kept its running status
+        and could not be deleted; an outside review found it) once its pause is over."""
+        now = time.monotonic()
+        for job_id, stop in list(self._stopping.items()):
+            if not stop["running"] and now >= stop["retry_at"] and job_id in self.jobs:
+                stop["retry_at"] = now + STOP_RETRY_MAX_S  # (until this try sets its own)
+                log.warning("job %s: its stop failed part-way (try %d): carried out again", job_id, stop["tries"])
+                self.spawn(self.stop_job(job_id))
+
+    async def _carry_out_stop(self, job: JobRun, stop: dict[str, Any], status: str, reason: str | None) -> JobRun:
         # (the request manager acknowledges once the job's events are in its log, up to its
         # STOP_DRAIN_S: the final event then ends the log)
         await self.control_rm(job, "stop", attempts=1, timeout_s=RM_STOP_DRAIN_S + RM_ACK_TIMEOUT_S, pace_last=False)

@@ -112,6 +112,7 @@ class Supervisor:
                     continue
                 log.exception("exit of %s not handled: tried again next round", info.member_id)
                 self._unhandled.append(info)
+        self.c.retry_stops()
         for job in list(self.c.jobs.values()):
             await self.watch_services(job)
             await self.watch_starts(job)
