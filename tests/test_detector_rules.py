@@ -596,3 +596,34 @@ def test_turns_queued_for_a_version_to_come_are_not_a_stall_but_a_silent_replica
     silent_run.advance(1.0, [silent])
     silent_run.advance(CFG.silence_s + CFG.probe_timeout_s + 2.0, [])  # nothing heard from it any more
     assert silent_run.faults and silent_run.faults[0][1].member_id == "r0"
+
+
+def test_a_reported_member_kept_and_healthy_again_is_judged_again() -> None:
+    """A replica reported once (its load failed) that the controller kept (the fault ignored
+    during a trainer recovery; the replica loaded since) was never judged again: frozen later, it
+    was never reported, and the pool ran a replica short for the rest of the job (an outside
+    review). Once it has looked healthy for ``rearm_s`` it is judged again, and its next fault is
+    a new one (its own id, so the controller does not take it for the first, handled)."""
+    from robustrl.services.detector.monitor import rearm_s
+
+    mon = monitor()
+    run, r = Run(mon), Member("r0", "rollout", phase="weights_failed")
+    run.advance(1.0, [r])
+    [(_, first)] = run.faults
+    assert first.cause == "weights_failed"
+    r.phase = "serving"
+    run.advance(rearm_s(CFG) + 1.0, [r])  # kept, loaded, serving well (idle: no work held)
+    assert len(run.faults) == 1
+    frozen = run.now
+    run.advance(CFG.silence_s + CFG.probe_timeout_s + 1.0, [r], send=False)  # frozen: nothing heard
+    assert len(run.faults) == 2, run.faults
+    at, second = run.faults[1]
+    assert (second.kind, second.member_id) == ("unresponsive", "r0") and second.fault_id != first.fault_id
+    assert at - frozen <= CFG.silence_s + CFG.probe_timeout_s + 2 * DT
+
+
+def test_a_reported_member_that_stays_faulty_is_not_reported_again() -> None:
+    """The re-arm needs the member healthy: one still in its failed phase is reported once."""
+    run, r = Run(monitor()), Member("r0", "rollout", phase="weights_failed")
+    run.advance(10 * CFG.silence_s, [r])
+    assert len(run.faults) == 1

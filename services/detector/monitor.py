@@ -36,6 +36,14 @@ def member_fault_id(job_id: str, member_id: str) -> str:
     return uuid.uuid5(_FAULT_NS, f"{job_id}/{member_id}").hex[:12]
 
 
+def rearm_s(cfg: DetectorSpec) -> float:
+    """How long a member reported once must look healthy (every rule OK) before it is judged
+    again: the controller kept it (its fault ignored, e.g. a replica's failed load during a
+    trainer recovery, loaded since). Reported once for good, such a member that later froze was
+    never reported: the pool ran a replica short for the rest of the job (an outside review)."""
+    return 2 * (cfg.silence_s + cfg.probe_timeout_s)
+
+
 def gap_bound_s(cfg: DetectorSpec) -> float:
     """Ticks further apart than this mean the detector itself was not running (frozen,
     suspended, or its loop starved): what it measured across the gap is not evidence."""
@@ -62,6 +70,8 @@ class JobMonitor:
         self.members: dict[str, MemberHistory] = {}
         self.gone: set[str] = set()
         self.reported: set[str] = set()
+        self._healthy_since: dict[str, float] = {}  # reported member -> since when it looks healthy again
+        self._rearmed: dict[str, int] = {}  # member -> times it was judged again after a report
         self._new_id = new_id
         self._tool_faults: dict[tuple[str, str], float] = {}  # (member, tool) -> last seen
         self.last_tick: float | None = None
@@ -187,7 +197,7 @@ class JobMonitor:
         self.last_tick = now
         healthy: list[MemberHistory] = []
         for h in list(self.members.values()):
-            if h.member_id in self.reported:
+            if h.member_id in self.reported and not self._rearm(h, now):
                 continue
             verdict = evaluate_member(now, h, self.cfg)
             if verdict.status is Status.FAULT:
@@ -207,10 +217,29 @@ class JobMonitor:
         out.faults.sort(key=lambda f: f.role != "trainer")
         return out
 
+    def _rearm(self, h: MemberHistory, now: float) -> bool:
+        """Whether a reported member is judged again now: it has looked healthy (every rule OK,
+        no probe sent) for ``rearm_s``; its next fault is a new one (its own id)."""
+        assert self.cfg is not None
+        if h.exited or evaluate_member(now, h, self.cfg).status is not Status.OK:
+            self._healthy_since.pop(h.member_id, None)
+            return False
+        since = self._healthy_since.setdefault(h.member_id, now)
+        if now - since < rearm_s(self.cfg):
+            return False
+        self.reported.discard(h.member_id)
+        del self._healthy_since[h.member_id]
+        self._rearmed[h.member_id] = self._rearmed.get(h.member_id, 0) + 1
+        return True
+
     def _report(self, h: MemberHistory, verdict: Verdict, now: float) -> FaultReport:
         self.reported.add(h.member_id)
         assert verdict.kind is not None
-        return FaultReport(job_id=self.job_id, fault_id=member_fault_id(self.job_id, h.member_id),
+        n = self._rearmed.get(h.member_id, 0)
+        # (the first report's id is derived from the member alone: a restarted detector reporting
+        # the same stuck member sends it again, handled once)
+        fault_id = member_fault_id(self.job_id, h.member_id if n == 0 else f"{h.member_id}#{n}")
+        return FaultReport(job_id=self.job_id, fault_id=fault_id,
                            role=h.role, member_id=h.member_id, kind=verdict.kind,  # type: ignore[arg-type]
                            evidence=verdict.evidence, detected_at=now, step=h.step,
                            last_progress_at=verdict.last_progress_at,
