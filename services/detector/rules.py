@@ -156,14 +156,7 @@ def weights_rule(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdict | N
         return Verdict(Status.FAULT, "hang", "replica reports its weight pulls failed or did not verify "
                        "(see its weights_rejected events)", last_progress_at=h.tokens_at,
                        cause=Cause.WEIGHTS_FAILED, fault_at=h.phase_since)
-    if h.phase != "loading_weights":
-        return None
-    loading = _evidence_until(now, h) - h.phase_since
-    if loading < cfg.weights_load_s:
-        return None
-    return Verdict(Status.FAULT, "hang", f"in phase loading_weights for {loading:.1f}s "
-                   f"(weights_load_s={cfg.weights_load_s:g})", last_progress_at=h.tokens_at,
-                   cause=Cause.WEIGHTS_LOAD_TIMEOUT, fault_at=h.phase_since)
+    return _phase_bound(now, h, cfg)
 
 
 def trainer_hang_rule(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdict | None:
@@ -181,19 +174,33 @@ def trainer_hang_rule(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdic
                    fault_at=h.still_since(h.activity_at, h.activity_still_at, since))
 
 
-TRAINER_IO_PHASES = ("checkpointing", "publishing")
+PHASE_BOUNDS: dict[tuple[str, str], tuple[str, Cause]] = {
+    ("rollout", "loading_weights"): ("weights_load_s", Cause.WEIGHTS_LOAD_TIMEOUT),
+    ("trainer", "checkpointing"): ("trainer_io_s", Cause.TRAINER_IO_STALLED),
+    ("trainer", "publishing"): ("trainer_io_s", Cause.TRAINER_IO_STALLED),
+}
+"""Phases a member may sit in idle, but not for longer than a threshold: (role, phase) ->
+(the threshold's name in ``DetectorSpec``, the cause)."""
 
 
 def trainer_io_rule(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdict | None:
     """In phase ``checkpointing`` or ``publishing`` for ``trainer_io_s`` is a hang."""
-    if h.role != "trainer" or h.phase not in TRAINER_IO_PHASES:
+    return _phase_bound(now, h, cfg) if h.role == "trainer" else None
+
+
+def _phase_bound(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdict | None:
+    """A member in a bounded phase (``PHASE_BOUNDS``) for longer than its threshold: a hang."""
+    bound = PHASE_BOUNDS.get((h.role, h.phase))
+    if bound is None:
         return None
-    stuck = _evidence_until(now, h) - h.phase_since
-    if stuck < cfg.trainer_io_s:
+    name, cause = bound
+    limit = float(getattr(cfg, name))
+    held = _evidence_until(now, h) - h.phase_since
+    if held < limit:
         return None
-    return Verdict(Status.FAULT, "hang", f"in phase {h.phase} at step {h.step} for {stuck:.1f}s "
-                   f"(trainer_io_s={cfg.trainer_io_s:g})", last_progress_at=h.phase_since,
-                   cause=Cause.TRAINER_IO_STALLED, fault_at=h.phase_since)
+    return Verdict(Status.FAULT, "hang", f"in phase {h.phase} at step {h.step} for {held:.1f}s ({name}={limit:g})",
+                   last_progress_at=h.tokens_at if h.role == "rollout" else h.phase_since, cause=cause,
+                   fault_at=h.phase_since)
 
 
 def rollout_stall_rule(now: float, h: MemberHistory, cfg: DetectorSpec) -> Verdict | None:
