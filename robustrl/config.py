@@ -135,7 +135,7 @@ DETECTOR_PROFILES: dict[str, dict[str, float]] = {
     "scaled": {"trainer_idle_s": 4.0, "rollout_idle_s": 2.0, "silence_s": 3.0, "probe_timeout_s": 1.0,
                "metrics_interval_s": 0.25, "weights_load_s": 30.0, "turn_deadline_s": 10.0,
                "step_deadline_s": 180.0, "start_deadline_s": 180.0, "commit_deadline_s": 180.0,
-               "trainer_io_s": 60.0},
+               "trainer_io_s": 600.0},
     # The paper's values for real clusters.
     "production": {"trainer_idle_s": 300.0, "rollout_idle_s": 60.0, "silence_s": 30.0, "probe_timeout_s": 10.0,
                    "metrics_interval_s": 5.0, "weights_load_s": 600.0, "turn_deadline_s": 600.0,
@@ -165,7 +165,9 @@ class DetectorSpec(BaseModel):
     trainer_io_s: StrictFloat = _threshold("trainer_io_s", (
         "A trainer member in phase checkpointing or publishing for longer than this is a fault "
         "(hang, cause trainer_io_stalled): a snapshot or a publish that never returns while the "
-        "member still reports."))
+        "member still reports. A backstop: keep it above the snapshot's own bounded waits (the "
+        "previous upload, up to 300 s, whose rank 0 waits up to 120 s for the other ranks' "
+        "shards) and the publish's retries (about 60 s), or a slow upload restarts a healthy gang."))
     rollout_idle_s: StrictFloat = _threshold("rollout_idle_s", "Zero token throughput with work queued.")
     silence_s: StrictFloat = _threshold("silence_s", "No metrics at all from a member.")
     probe_timeout_s: StrictFloat = _threshold("probe_timeout_s", "A heartbeat probe unanswered this long fails.")

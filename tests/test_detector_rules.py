@@ -627,3 +627,21 @@ def test_a_reported_member_that_stays_faulty_is_not_reported_again() -> None:
     run, r = Run(monitor()), Member("r0", "rollout", phase="weights_failed")
     run.advance(10 * CFG.silence_s, [r])
     assert len(run.faults) == 1
+
+
+def test_a_new_fault_of_a_member_after_a_detector_restart_has_a_new_id() -> None:
+    """A replica reported once (its load failed) and kept; the detector restarts; the replica
+    freezes later. The new detector's report had the first one's id (one id per member), and the
+    controller dropped it as handled (an outside review). A fault of another cause has its own id;
+    the same fault reported again by a restarted detector keeps its id (handled once)."""
+    run, r = Run(monitor()), Member("r0", "rollout", phase="weights_failed")
+    run.advance(1.0, [r])
+    [(_, first)] = run.faults
+    again, r2 = Run(monitor()), Member("r0", "rollout", phase="weights_failed")  # a restarted detector
+    again.advance(1.0, [r2])
+    assert [f.fault_id for _, f in again.faults] == [first.fault_id]
+    later, r3 = Run(monitor()), Member("r0", "rollout", phase="serving")  # restarted, the replica kept
+    later.advance(2.0, [r3])
+    later.advance(CFG.silence_s + CFG.probe_timeout_s + 1.0, [r3], send=False)
+    [(_, frozen)] = later.faults
+    assert frozen.kind == "unresponsive" and frozen.fault_id != first.fault_id

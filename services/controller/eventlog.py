@@ -32,8 +32,10 @@ FAULT_ACK_WAIT_S = 120.0
 """A fault not acknowledged within this long (its handler died with the controller) is redelivered."""
 FAULT_RETRY_S = 1.0
 """A fault whose handling failed (a Redis stall, a lease read cut off) is delivered again this
-long after: left to ``FAULT_ACK_WAIT_S``, a frozen member reported once by the detector stalled
-the job for two minutes (an outside review)."""
+long after, doubling with each delivery up to ``FAULT_RETRY_MAX_S``: left to
+``FAULT_ACK_WAIT_S``, a frozen member reported once by the detector stalled the job for two
+minutes (an outside review)."""
+FAULT_RETRY_MAX_S = 30.0
 CLOSE_WAIT_S = 2.0
 """At close: for the pull loop to end once cancelled, and for the unsubscribe."""
 
@@ -96,10 +98,15 @@ class FaultInbox:
                     except Exception:
                         # Not acknowledged: JetStream delivers it again, FAULT_RETRY_S on (to
                         # whoever leads then: the consumer is shared).
-                        log.exception("fault %s: handler failed: delivered again in %g s", fault.fault_id,
-                                      FAULT_RETRY_S)
                         try:
-                            await raw.nak(delay=FAULT_RETRY_S)
+                            delivered = int(raw.metadata.num_delivered or 1)
+                        except Exception:  # noqa: BLE001 - no metadata: the first delay
+                            delivered = 1
+                        delay = min(FAULT_RETRY_MAX_S, FAULT_RETRY_S * 2 ** (delivered - 1))
+                        log.exception("fault %s: handler failed (delivery %d): delivered again in %g s",
+                                      fault.fault_id, delivered, delay)
+                        try:
+                            await raw.nak(delay=delay)
                         except Exception as exc:  # noqa: BLE001 - the bus away: ack_wait redelivers it
                             log.warning("fault %s: not handed back (%s): delivered again after %g s",
                                         fault.fault_id, exc, FAULT_ACK_WAIT_S)

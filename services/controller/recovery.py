@@ -567,9 +567,10 @@ class RecoveryExecutor:
     async def service_back(self, job: JobRun, role: str) -> None:
         """A lost control-plane service answers again."""
         job.service_seen_at[role] = time.time()
-        if role in job.services_lost:
-            job.services_lost.discard(role)
-            await self.progress(job, role)
+        job.services_lost.discard(role)
+        # (whether or not this controller saw it lost: ``services_lost`` is not in the job's
+        # record, a recovery waiting for it is, and a new leader must end that wait too)
+        await self.progress(job, role)
 
     # --- progress and deadlines --------------------------------------------------------------
 

@@ -29,11 +29,16 @@ def new_fault_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def member_fault_id(job_id: str, member_id: str) -> str:
-    """The id of the one fault a member incarnation can have (a restarted member gets a new
-    member id). Derived, not drawn: a detector that restarts and reports the same stuck member
-    again sends the same fault id, so the controller handles it once."""
-    return uuid.uuid5(_FAULT_NS, f"{job_id}/{member_id}").hex[:12]
+def member_fault_id(job_id: str, member_id: str, cause: str | None = None, rearmed: int = 0) -> str:
+    """The id of a member incarnation's fault of ``cause`` (a restarted member gets a new member
+    id). Derived, not drawn: a detector that restarts and reports the same stuck member again
+    sends the same fault id, so the controller handles it once. Per cause: a member kept after one
+    fault (say its load failed) and later frozen is a new fault, under a new id, for a restarted
+    detector too (one id per member made the controller drop it as handled: an outside review);
+    ``rearmed``: the times this detector judged the member again after a report (the same cause
+    again in one life is a new fault too)."""
+    key = f"{job_id}/{member_id}" + (f"/{cause}" if cause else "") + (f"#{rearmed}" if rearmed else "")
+    return uuid.uuid5(_FAULT_NS, key).hex[:12]
 
 
 def rearm_s(cfg: DetectorSpec) -> float:
@@ -235,10 +240,8 @@ class JobMonitor:
     def _report(self, h: MemberHistory, verdict: Verdict, now: float) -> FaultReport:
         self.reported.add(h.member_id)
         assert verdict.kind is not None
-        n = self._rearmed.get(h.member_id, 0)
-        # (the first report's id is derived from the member alone: a restarted detector reporting
-        # the same stuck member sends it again, handled once)
-        fault_id = member_fault_id(self.job_id, h.member_id if n == 0 else f"{h.member_id}#{n}")
+        fault_id = member_fault_id(self.job_id, h.member_id, verdict.cause.value if verdict.cause else verdict.kind,
+                                   self._rearmed.get(h.member_id, 0))
         return FaultReport(job_id=self.job_id, fault_id=fault_id,
                            role=h.role, member_id=h.member_id, kind=verdict.kind,  # type: ignore[arg-type]
                            evidence=verdict.evidence, detected_at=now, step=h.step,

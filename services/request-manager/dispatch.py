@@ -324,6 +324,16 @@ class Dispatcher:
             self._summary = asyncio.get_running_loop().call_later(DIAG_SUMMARY_S, self._summarize)
         return False
 
+    async def settle_events(self, timeout_s: float) -> None:
+        """At the job's stop: log what is counted now, and wait (up to ``timeout_s``) for the
+        events given in the background to reach the job's writer (its outbox and queue)."""
+        if self._summary is not None:
+            self._summary.cancel()
+            self._summarize()
+        pending = [t for t in self._emitting if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout_s)
+
     def _summarize(self) -> None:
         """Log each kind's replies counted since the last summary, as one event."""
         self._summary = None
@@ -355,12 +365,15 @@ class Dispatcher:
             work.close()
             self.stats["events_unsent"] += 1
             return
-        task = asyncio.get_running_loop().create_task(self._settle(work, what))
+        task = asyncio.get_running_loop().create_task(self._settle(work, what, gated=not essential))
         self._emitting.add(task)
         task.add_done_callback(self._emitting.discard)
 
-    async def _settle(self, work: Coroutine[Any, Any, object], what: str) -> None:
+    async def _settle(self, work: Coroutine[Any, Any, object], what: str, gated: bool = True) -> None:
         try:
+            if not gated:  # a fault report: never behind a queue of diagnostics
+                await work
+                return
             async with self._emit_slots:
                 await work
         except Exception as exc:  # the event log is accounting here: the turn is handled already

@@ -268,7 +268,7 @@ class RequestManager:
             if reply:
                 # Acknowledged once the job's events are in its log (bounded): the controller
                 # appends the final event next. Off this handler: the other jobs' commands go on.
-                self._spawn(self._ack_when_drained(msg, reply))
+                self._spawn(self._ack_when_drained(msg, reply, job))
                 return
         elif job is None:
             # No runner (a restarted request manager whose spec has not come yet): the command is
@@ -316,12 +316,14 @@ class RequestManager:
         elif msg.action == "tool_outage":
             job.tools.set_outage(time.monotonic() + float(msg.args.get("duration_s", 5.0)))
 
-    async def _ack_when_drained(self, msg: ControlCommand, reply: str) -> None:
+    async def _ack_when_drained(self, msg: ControlCommand, reply: str, job: JobRunner | None = None) -> None:
         """Acknowledge a stop once the job's events are stored, within ``STOP_DRAIN_S``: what this
         life queued and what a previous life left in the outbox (a restarted request manager
         whose runner never read it: an outside review found the stop acknowledged at once, the
         killed life's events appended after the final one)."""
         began = time.monotonic()
+        if job is not None:  # late and refused replies counted or still being saved: to the writer first
+            await job.dispatcher.settle_events(STOP_DRAIN_S / 2)
         writer = self._writers.get(msg.job_id)
         if writer is None:
             writer = self._writers[msg.job_id] = EventWriter(self.bus, msg.job_id, self.redis)
