@@ -103,6 +103,11 @@ class RecoveryExecutor:
     async def handle(self, fault: FaultReport) -> None:
         """Decide and act on one fault report, once per fault id."""
         job = self.c.jobs.get(fault.job_id)
+        if job is None and self.c.leading and not await self.c.leads():
+            # Leading on a stale view (frozen past the lease): a job submitted to the new leader
+            # is unknown here, and the inbox would acknowledge its fault for good.
+            raise LeaseLost(f"controller {self.c.owner} does not hold the newest lease term; fault "
+                            f"{fault.fault_id} of an unknown job is left for the leader")
         if job is None or job.done or not self.c.leading:
             return
         async with self.lock:
@@ -232,8 +237,12 @@ class RecoveryExecutor:
             job.restarts_total += 1
         key = (fault.role, job.step)
         job.failures_by_step[key] = job.failures_by_step.get(key, 0) + 1
-        # A recovery waiting for a member that is now itself being replaced is superseded.
-        job.recoveries = [r for r in job.recoveries if not (r.waiting_for & replacing)]
+        # A recovery waiting for a member that is now itself being replaced is superseded; one
+        # that waits for a lost service among others (a whole-job restart) waits on, for the
+        # service's own recovery to bring it back (dropped, its fault was never recovered, and
+        # its new gang had no recovery deadline).
+        job.recoveries = [r for r in job.recoveries
+                          if not (r.waiting_for & replacing) or (kind == "service" and r.kind != "service")]
         rec = ActiveRecovery(fault_id=fault.fault_id, role=fault.role, kind=kind, started_at=time.time(),
                              step=job.step, deadline_at=time.time() + job.spec.recovery.deadline_s,
                              replacing=replacing, committed_at_fault=job.committed_step)

@@ -674,7 +674,15 @@ class Controller:
             if not stop["running"] and now >= stop["retry_at"] and job_id in self.jobs:
                 stop["retry_at"] = now + STOP_RETRY_MAX_S  # (until this try sets its own)
                 log.warning("job %s: its stop failed part-way (try %d): carried out again", job_id, stop["tries"])
-                self.spawn(self.stop_job(job_id))
+                self.spawn(self._retry_stop(job_id))
+
+    async def _retry_stop(self, job_id: str) -> None:
+        # Only while this controller holds the newest lease term: one frozen past its lease must
+        # not stop the members a new leader adopted (its ``leading`` is stale until it notices).
+        if not await self.leads():
+            log.warning("job %s: its failed stop not carried out again: a newer lease term has begun", job_id)
+            return
+        await self.stop_job(job_id)
 
     async def _carry_out_stop(self, job: JobRun, stop: dict[str, Any], status: str, reason: str | None) -> JobRun:
         # (the request manager acknowledges once the job's events are in its log, up to its

@@ -322,18 +322,22 @@ class RequestManager:
         whose runner never read it: an outside review found the stop acknowledged at once, the
         killed life's events appended after the final one)."""
         began = time.monotonic()
-        if job is not None:  # late and refused replies counted or still being saved: to the writer first
-            await job.dispatcher.settle_events(STOP_DRAIN_S / 2)
+
+        def left() -> float:  # (the whole of it within STOP_DRAIN_S: the controller waits that + 2 s)
+            return max(0.0, STOP_DRAIN_S - (time.monotonic() - began))
+
         writer = self._writers.get(msg.job_id)
         if writer is None:
             writer = self._writers[msg.job_id] = EventWriter(self.bus, msg.job_id, self.redis)
         try:
+            if job is not None:  # late and refused replies counted or still being saved: to the writer first
+                await job.dispatcher.settle_events(STOP_DRAIN_S / 2)
             try:
-                await within(writer.recover(), STOP_DRAIN_S)
+                await within(writer.recover(), left())
             except (TransportError, TimeoutError) as exc:
                 log.error("job %s: the event outbox not read at the stop (%s): what it holds follows the final event",
                           msg.job_id, exc)
-            if not await writer.drain(max(0.0, STOP_DRAIN_S - (time.monotonic() - began))):
+            if not await writer.drain(left()):
                 log.error("job %s: stopped with %d events not in its log yet (JetStream away): acknowledged all "
                           "the same, they follow the final event", msg.job_id, writer.pending)
         finally:  # (cancelled at the service's close too: the controller is not left to its timeout)
