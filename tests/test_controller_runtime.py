@@ -2209,3 +2209,30 @@ async def test_a_fault_whose_handling_failed_is_handled_again_within_seconds(rig
     await eventually_async(decided, timeout=20, what="a decision on the fault after the stall")
     assert len(stalls) == 2
     assert len(await decided()) == 1
+
+
+async def test_a_request_managers_own_recovery_keeps_a_whole_job_restart_that_waits_for_it(rig: Rig) -> None:
+    """A whole-job restart that waits for its new members and a request manager (as one restored
+    by a new leader, whose ``services_lost`` is empty); the request manager then goes silent and
+    its service recovery begins. It dropped the whole-job recovery (a recovery waiting for a
+    member being replaced is superseded): that fault was never recovered, and the new gang had no
+    recovery deadline (an outside review). Now both wait, and both end when it answers again:
+    judged from the ``recovered`` events in the log."""
+    from robustrl.services.controller.jobs import ActiveRecovery
+
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("rmwait"))
+    await rig.hello_all(c, job.job_id)
+    now = time.time()
+    job.recoveries.append(ActiveRecovery(fault_id="whole-1", role="trainer", kind="whole_job", started_at=now,
+                                         step=job.step, deadline_at=now + 600.0, waiting_for={"request_manager"}))
+    assert rig.rm
+    rig.rm.alive = False
+    await eventually_async(lambda: any(r.kind == "service" for r in job.recoveries), timeout=15,
+                           what="the request manager's service recovery begun")
+    assert [r.fault_id for r in job.recoveries if r.kind == "whole_job"] == ["whole-1"]
+    rig.rm.alive = True
+    await eventually_async(lambda: not job.recoveries, timeout=15, what="both recoveries ended")
+    recovered = of_kind(await rig.events(job.job_id), "recovered")
+    assert {r["kind"] for r in recovered} == {"whole_job", "service"}, recovered
