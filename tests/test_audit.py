@@ -396,8 +396,11 @@ def test_auditor_catches_each_corruption_of_the_raw_stores(stack, api, infra):
     assert clean.facts["final_step"] == 2 and clean.facts["manifests"] >= 1
     # Every checkpoint's model hashed again from its blobs is what the trainer published for it.
     assert clean.facts["checkpoints_weights_verified"] == clean.facts["manifests"], clean.facts
-    # The new checks had something to judge: step sets were read and the outbox was empty.
-    assert clean.raw is not None and clean.raw.redis.step_sets and clean.facts["outbox_entries"] == 0, clean.facts
+    # The new checks had something to judge: step sets were read, and the request manager's
+    # outbox holds nothing its log lacks (an entry stored by JetStream whose removal is still on
+    # its way may be there: a full suite, 2026-12-05, read one between the two).
+    assert clean.raw is not None and clean.raw.redis.step_sets, clean.facts
+    assert clean.facts["outbox_unappended"] == 0, {k: v for k, v in clean.facts.items() if "outbox" in k}
     # The real trainer recorded what it trained at every commit, and it is each step's batch as
     # Redis holds it (the digest recomputed from the raw episode records).
     commits = [e for e in clean.raw.events if e.kind == "step_committed"]
