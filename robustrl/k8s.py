@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import ConfigError
+from robustrl.member import trainer_id
 from robustrl.launcher.base import (
     ROLLOUT_MODULE,
     TRAINER_MODULE,
@@ -109,7 +110,7 @@ def job_members(spec: JobSpec, job_id: str, settings: Settings) -> tuple[list[Me
     t, r = spec.trainer, spec.rollout
     ranks = []
     for rank in range(t.workers):
-        mid = f"trainer-e1-r{rank}"
+        mid = trainer_id(1, rank)
         env = {**base, "ROBUSTRL_JOB_ID": job_id, "ROBUSTRL_MEMBER_ID": mid, "ROBUSTRL_ROLE": "trainer",
                "ROBUSTRL_RANK": str(rank), "ROBUSTRL_WORLD_SIZE": str(t.workers),
                "MASTER_PORT": str(MASTER_PORT)}

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -71,6 +72,20 @@ def failpoint_armed(point: str, job_id: str, member_id: str, env: Mapping[str, s
                 not job_name or job_id.rsplit("-", 1)[0] == job_name))):
             return True
     return False
+
+
+_TRAINER_ID = re.compile(r"trainer-e(\d+)-r(\d+)")
+
+
+def trainer_id(epoch: int, rank: int) -> str:
+    """The member id of rank ``rank`` of the trainer gang of epoch ``epoch``."""
+    return f"trainer-e{epoch}-r{rank}"
+
+
+def trainer_epoch(member_id: str) -> int | None:
+    """The gang epoch in a trainer member id (``trainer_id``'s shape); None for another shape."""
+    m = _TRAINER_ID.fullmatch(member_id)
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from robustrl.member import trainer_id
 from robustrl.bus import Bus
 from robustrl.config import Settings
 from robustrl.errors import LaunchError
@@ -55,11 +56,6 @@ def lid(job: JobRun | str, member_id: str) -> str:
     """The launcher's key for a member: unique across jobs (member ids are unique per job)."""
     job_id = job if isinstance(job, str) else job.job_id
     return f"{job_id}{LID_SEP}{member_id}"
-
-
-def trainer_id(epoch: int, rank: int) -> str:
-    """The member id of rank ``rank`` of the trainer gang of epoch ``epoch``."""
-    return f"trainer-e{epoch}-r{rank}"
 
 
 def gang_id(job: JobRun, epoch: int | None = None) -> str:

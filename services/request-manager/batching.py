@@ -19,7 +19,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import re
 import statistics
 import time
 from collections import Counter
@@ -35,6 +34,7 @@ from robustrl.aio import cancel_and_wait, wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
 from robustrl.errors import TransportError
+from robustrl.member import trainer_epoch
 from robustrl.messages import BatchReady, MemberHello, MetricsSample, StepCommitted
 from robustrl.storage.fencing import read_gang
 from robustrl.storage.redis_stores import (
@@ -60,14 +60,11 @@ COMMIT_RECHECK_S = 5.0
 message was lost."""
 
 
-_TRAINER_ID = re.compile(r"trainer-e(\d+)-r\d+")
-
-
 def _gang_of(member_id: str) -> int:
-    """The gang epoch in a trainer member's id (``trainer-e<epoch>-r<rank>``); a large number
-    for an id of another shape (never taken for an older gang's)."""
-    m = _TRAINER_ID.fullmatch(member_id)
-    return int(m.group(1)) if m else 1 << 62
+    """The gang epoch in a trainer member's id; a large number for an id of another shape (never
+    taken for an older gang's)."""
+    epoch = trainer_epoch(member_id)
+    return epoch if epoch is not None else 1 << 62
 
 
 def _cancelled(task: asyncio.Task[None] | None) -> None:
