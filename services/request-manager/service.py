@@ -147,11 +147,9 @@ class RequestManager:
         if job_id is None:
             log.error("key %r matches the outbox pattern but names no job: left as it is", key[:200])
             return 0
-        writer = self._writers.get(job_id)
-        if writer is None:  # a job this service does not run (an ended one: no one else will)
-            writer = self._writers[job_id] = EventWriter(self.bus, job_id, self.redis)
-        elif writer.outbox_read:
+        if job_id in self._writers and self._writers[job_id].outbox_read:
             return 0  # its runner's writer has it queued already
+        writer = self._writer_of(job_id)  # (new: a job this service does not run, an ended one)
         try:
             return await writer.recover()
         except TransportError as exc:
@@ -326,9 +324,7 @@ class RequestManager:
         def left() -> float:  # (the whole of it within STOP_DRAIN_S: the controller waits that + 2 s)
             return max(0.0, STOP_DRAIN_S - (time.monotonic() - began))
 
-        writer = self._writers.get(msg.job_id)
-        if writer is None:
-            writer = self._writers[msg.job_id] = EventWriter(self.bus, msg.job_id, self.redis)
+        writer = self._writer_of(msg.job_id)
         try:
             if job is not None:  # late and refused replies counted or still being saved: to the writer first
                 await job.dispatcher.settle_events(STOP_DRAIN_S / 2)
@@ -345,6 +341,13 @@ class RequestManager:
                 await self.bus.respond(reply, msg)
             except Exception as exc:  # noqa: BLE001 - unacknowledged, the controller goes on after its timeout
                 log.warning("job %s: stop not acknowledged: %s", msg.job_id, exc)
+
+    def _writer_of(self, job_id: str) -> EventWriter:
+        """The job's one event writer for this service's life (made on first use)."""
+        writer = self._writers.get(job_id)
+        if writer is None:
+            writer = self._writers[job_id] = EventWriter(self.bus, job_id, self.redis)
+        return writer
 
     def _spawn(self, coro: Any) -> None:
         self._tasks = [t for t in self._tasks if not t.done()]
