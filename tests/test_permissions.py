@@ -329,16 +329,21 @@ def test_redis_acl_per_role(infra, creds):
             with pytest.raises(redis.exceptions.ResponseError):
                 forbidden()
 
-    # The detector: its own outbox of each job (Keys.detector_outbox), and nothing else.
+    # The detector: its own outbox of each job (Keys.detector_outbox) and its marks of each job's
+    # members (Keys.detector_marks), and nothing else.
     detector = _redis(role_settings(infra, creds, Principal.DETECTOR).redis_url)
     outbox = Keys.detector_outbox(job)
     assert detector.rpush(outbox, b"e1") == 1 and detector.lrange(outbox, 0, -1) == [b"e1"]
     assert detector.lrem(outbox, 1, b"e1") == 1 and detector.llen(outbox) == 0
+    marks = Keys.detector_marks(job)
+    assert detector.hset(marks, mapping={"r0": 3}) == 1 and detector.hgetall(marks) == {b"r0": b"3"}
+    assert detector.delete(marks) == 1
     assert outbox.encode() not in detector.scan(0, match=Keys.detector_outbox_pattern(), count=1000)[1]
     for forbidden in (lambda: detector.rpush(Keys.rm_outbox(job), b"x"), lambda: detector.hgetall("rrl:jobs"),
                       lambda: detector.get(f"rrl:{job}:weights:latest"), lambda: detector.get(f"rrl:{job}:ep:e1"),
                       lambda: detector.lrange(Keys.controller_outbox(job), 0, -1), lambda: detector.flushall(),
                       lambda: detector.config_get("*"), lambda: detector.keys("*"),
+                      lambda: detector.hset(f"rrl:{job}:gang", "r0", 1), lambda: detector.hset(f"{marks}:x", "r0", 1),
                       lambda: detector.eval("return 1", 0)):
         with pytest.raises(redis.exceptions.ResponseError):
             forbidden()

@@ -55,9 +55,9 @@ REDIS_ACCESS: dict[Principal, str | None] = {
     # (its events until JetStream stored them: RPUSH, LRANGE, LREM), nothing else.
     Principal.ROLLOUT: (f"%R~{Keys.weights_latest(_ANY)} ~{Keys.rollout_outbox(_ANY)} +@read +rpush +lrem "
                         "+@connection +select -@dangerous -@admin"),
-    # The detector: its event outbox of each job (written, read, emptied; SCANned at its start),
-    # nothing else: neither the job registry nor any rollout state.
-    Principal.DETECTOR: f"~{Keys.detector_outbox(_ANY)} +@read +@write +@connection +select -@dangerous -@admin",
+    # The detector: its event outbox of each job (written, read, emptied; SCANned at its start)
+    # and its marks of each job's members, nothing else: neither the job registry nor any rollout state.
+    Principal.DETECTOR: f"~{Keys.detector_outbox(_ANY)} ~{Keys.detector_marks(_ANY)} +@read +@write +@connection +select -@dangerous -@admin",
     Principal.HARNESS: None,
 }
 """Redis ACL rules per role (after ``on >password``); None: the role gets no Redis user."""

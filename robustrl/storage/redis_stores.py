@@ -139,6 +139,12 @@ class Keys:
         return Keys.rm_outbox("*")
 
     @staticmethod
+    def detector_marks(job: str) -> str:
+        """What the detector must remember of each member across its own restart (a hash:
+        member -> ``2 * times re-armed + reported``; ``JobMonitor.mark``)."""
+        return f"rrl:{job}:detector:marks"
+
+    @staticmethod
     def detector_outbox_pattern() -> str:
         """SCAN pattern of every job's detector outbox (a starting detector appends what any job's
         outbox still holds: it watches every job)."""

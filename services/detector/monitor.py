@@ -77,6 +77,7 @@ class JobMonitor:
         self.reported: set[str] = set()
         self._healthy_since: dict[str, float] = {}  # reported member -> since when it looks healthy again
         self._rearmed: dict[str, int] = {}  # member -> times it was judged again after a report
+        self.dirty: set[str] = set()  # members whose mark (:meth:`mark`) changed since it was saved
         self._new_id = new_id
         self._tool_faults: dict[tuple[str, str], float] = {}  # (member, tool) -> last seen
         self.last_tick: float | None = None
@@ -84,6 +85,25 @@ class JobMonitor:
         self._was_late = False
         self.gaps = 0  # times the monitor found it had not been ticked (its own outage)
         self.fence = 0  # the newest controller fencing token seen in this job's control commands
+
+    def mark(self, member_id: str) -> int:
+        """What a restarted detector must know of a member to give its next fault the right id:
+        ``2 * rearmed + reported`` (saved in Redis by the service, ``Keys.detector_marks``)."""
+        return 2 * self._rearmed.get(member_id, 0) + (member_id in self.reported)
+
+    def restore(self, marks: dict[str, int]) -> None:
+        """Take up the marks a previous detector saved (before any rule runs). Without them a
+        restarted detector counted from nothing: a member reported before (and kept by the
+        controller), healthy again and then faulty the same way, was reported under the first
+        report's id, which the controller had handled, so it was not acted on. A member reported
+        before is again reported only once it has looked healthy for ``rearm_s`` (as in one
+        life); its next fault gets the next id."""
+        for member_id, mark in marks.items():
+            if mark < 0:
+                continue
+            self._rearmed[member_id] = max(self._rearmed.get(member_id, 0), mark // 2)
+            if mark % 2:
+                self.reported.add(member_id)
 
     def configure(self, cfg: DetectorSpec) -> None:
         """Set the thresholds (learned from the job spec); no rule runs before this."""
@@ -235,10 +255,12 @@ class JobMonitor:
         self.reported.discard(h.member_id)
         del self._healthy_since[h.member_id]
         self._rearmed[h.member_id] = self._rearmed.get(h.member_id, 0) + 1
+        self.dirty.add(h.member_id)
         return True
 
     def _report(self, h: MemberHistory, verdict: Verdict, now: float) -> FaultReport:
         self.reported.add(h.member_id)
+        self.dirty.add(h.member_id)
         assert verdict.kind is not None
         fault_id = member_fault_id(self.job_id, h.member_id, verdict.cause.value if verdict.cause else verdict.kind,
                                    self._rearmed.get(h.member_id, 0))

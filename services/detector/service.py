@@ -37,6 +37,7 @@ from robustrl.messages import (
 )
 from robustrl.services.detector.eventlog import EventWriter
 from robustrl.services.detector.monitor import JobMonitor, gap_bound_s
+from robustrl.storage.redis_stores import Keys
 from robustrl.subjects import EVENTS_ALL, Verb, all_jobs, all_jobs_exact, parse, subject
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ SPEC_TIMEOUT_S = 2.0
 """How long one job-spec request to the controller may take."""
 SPEC_RETRY_S = 1.0
 """Pause between job-spec requests while the controller does not answer."""
+MARKS_CALL_S = 1.0
+"""How long one read or write of a job's member marks may take (off the tick)."""
+MARKS_READ_TRIES = 3
+MARKS_RETRY_S = 1.0
 MIN_TICK_S = 0.05
 MAX_TICK_S = 1.0
 JOB_END_EVENTS = frozenset({"job_finished", "job_failed", "job_stopped"})
@@ -83,6 +88,8 @@ class DetectorService:
         self._bus_was_down = False
         self._disconnects_seen = bus.disconnects
         self.events = EventWriter(bus, redis)
+        self._redis = redis
+        self._marks_wake = asyncio.Event()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -104,6 +111,8 @@ class DetectorService:
         await b.client.flush()
         self.events.start_recovery()  # what a killed detector left in the outboxes, in the background
         self._spawn(self._tick_loop())
+        if self._redis is not None:
+            self._spawn(self._marks_loop())
         log.info("detector listening")
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -159,6 +168,7 @@ class DetectorService:
                 log.info("no spec for job %s yet: %s", mon.job_id, exc)
                 await asyncio.sleep(self._spec_retry_s)
                 continue
+            await self._restore_marks(mon)
             mon.configure(detector_spec(reply.spec))
             log.info("job %s: thresholds %s", mon.job_id, mon.cfg)
 
@@ -192,6 +202,7 @@ class DetectorService:
         report = mon.exited(msg, self.clock())
         if report is not None:
             await self._report(report)
+            self._marks_wake.set()
 
     async def _on_control(self, msg: ControlCommand, subj: str, _reply: str | None) -> None:
         """A member the controller stopped or declared dead: its silence from now on is expected."""
@@ -283,6 +294,58 @@ class DetectorService:
                 self._spawn(self._probe(mon, probe, mon.cfg.probe_timeout_s))
             for report in result.faults:
                 await self._report(report)
+            if mon.dirty:
+                self._marks_wake.set()
+
+    # --- marks: what a restarted detector must know of each member --------------------------
+
+    async def _restore_marks(self, mon: JobMonitor) -> None:
+        """Read the job's marks a previous detector saved (``JobMonitor.restore``), before any
+        rule runs; a few bounded tries, then go on without them (logged): detection must not wait
+        for Redis, and what is lost is only the id of a repeated fault."""
+        if self._redis is None:
+            return
+        for attempt in range(MARKS_READ_TRIES):
+            try:
+                raw = await asyncio.wait_for(self._redis.hgetall(Keys.detector_marks(mon.job_id)), MARKS_CALL_S)
+            except Exception as exc:
+                log.warning("job %s: member marks not read (try %d): %s", mon.job_id, attempt + 1, exc)
+                await asyncio.sleep(MARKS_RETRY_S)
+                continue
+            marks: dict[str, int] = {}
+            for key, value in raw.items():
+                member = key.decode() if isinstance(key, bytes) else str(key)
+                try:
+                    marks[member] = int(value)
+                except (TypeError, ValueError):
+                    log.warning("job %s: member mark %r of %s is not a number; ignored", mon.job_id, value, member)
+            mon.restore(marks)
+            if marks:
+                log.info("job %s: member marks of a previous detector taken up: %s", mon.job_id, marks)
+            return
+        log.error("job %s: member marks not read; a repeated fault of a member reported before this "
+                  "detector started may be taken for the handled one", mon.job_id)
+
+    async def _marks_loop(self) -> None:
+        """The one writer of every job's marks, off the tick (which never waits on Redis); what
+        failed is written again after ``MARKS_RETRY_S``. In order: one write at a time."""
+        while True:
+            await self._marks_wake.wait()
+            self._marks_wake.clear()
+            for mon in list(self.jobs.values()):
+                if not mon.dirty:
+                    continue
+                members, mon.dirty = mon.dirty, set()
+                marks = {m: mon.mark(m) for m in members}
+                try:
+                    await asyncio.wait_for(self._redis.hset(Keys.detector_marks(mon.job_id), mapping=marks),
+                                           MARKS_CALL_S)
+                except Exception as exc:
+                    mon.dirty |= members
+                    log.warning("job %s: member marks not saved (again in %.0fs): %s", mon.job_id,
+                                MARKS_RETRY_S, exc)
+                    await asyncio.sleep(MARKS_RETRY_S)
+                    self._marks_wake.set()
 
     async def _probe(self, mon: JobMonitor, probe: ProbeRequest, timeout_s: float) -> None:
         try:
