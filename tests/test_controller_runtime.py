@@ -2236,3 +2236,36 @@ async def test_a_request_managers_own_recovery_keeps_a_whole_job_restart_that_wa
     await eventually_async(lambda: not job.recoveries, timeout=15, what="both recoveries ended")
     recovered = of_kind(await rig.events(job.job_id), "recovered")
     assert {r["kind"] for r in recovered} == {"whole_job", "service"}, recovered
+
+
+async def test_a_whole_job_restart_waiting_for_a_request_manager_ends_under_a_new_leader(rig: Rig) -> None:
+    """A whole-job restart waits for its members and for a request manager lost at the time
+    (``_restart_whole_job``); the leader dies before the request manager comes back. The new
+    leader restores the recovery from the job's record but not ``services_lost`` (in memory
+    only), and it ignored the request manager heard again (``service_back`` ended a wait only
+    for a service this controller had seen lost): the fault was never recovered, the job stayed
+    ``recovering`` until the recovery's deadline escalated it. Judged from the log's events."""
+    from robustrl.services.controller.jobs import ActiveRecovery
+
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec("rmfailover"))
+    await rig.hello_all(a, job.job_id)
+    assert rig.rm
+    rig.rm.alive = False  # lost, as when the restart began
+    now = time.time()
+    job.recoveries.append(ActiveRecovery(fault_id="whole-fo", role="trainer", kind="whole_job", started_at=now,
+                                         step=job.step, deadline_at=now + 600.0, waiting_for={"request_manager"}))
+    job.status = "recovering"
+    await a.persist(job)
+    await a.close(stop_members=False)
+
+    b = await rig.controller()
+    await b.wait_leading(10)
+    restored = await eventually_async(lambda: b.jobs.get(job.job_id), timeout=15, what="the job restored")
+    assert [r.fault_id for r in restored.recoveries] == ["whole-fo"]
+    assert "request_manager" not in restored.services_lost
+    rig.rm.alive = True  # back: its metrics reach the new leader
+    await eventually_async(lambda: _recovered(rig, job.job_id, "whole-fo"), timeout=20,
+                           what="the whole-job restart recovered under the new leader")
+    assert not restored.recoveries and restored.status == "running"
