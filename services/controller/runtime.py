@@ -650,20 +650,25 @@ class Controller:
         if stop is None:
             stop = self._stopping[job.job_id] = {"ids": [], "event": False, "ended": asyncio.Event(),
                                                  "running": False, "status": status, "reason": reason,
-                                                 "tries": 0, "retry_at": 0.0}
-        status, reason = stop["status"], stop["reason"]
-        job.closing = True
-        job.error = reason
-        stop["running"] = True
-        stop["tries"] += 1
-        try:
-            return await self._carry_out_stop(job, stop, status, reason)
-        except BaseException:
-            # Left for the supervision's next rounds (``retry_stops``), paced.
-            stop["retry_at"] = time.monotonic() + min(STOP_RETRY_MAX_S, 2.0 ** stop["tries"])
-            raise
-        finally:
-            stop["running"] = False
+                                                 "tries": 0, "retry_at": 0.0, "lock": asyncio.Lock()}
+        # One carrying-out at a time: a failed start's stop carried out again (``again``) while a
+        # supervision retry of the same stop runs waits for it, and does nothing if it ended the job.
+        async with stop["lock"]:
+            if self._stopping.get(job.job_id) is not stop:
+                return job
+            status, reason = stop["status"], stop["reason"]
+            job.closing = True
+            job.error = reason
+            stop["running"] = True
+            stop["tries"] += 1
+            try:
+                return await self._carry_out_stop(job, stop, status, reason)
+            except BaseException:
+                # Left for the supervision's next rounds (``retry_stops``), paced.
+                stop["retry_at"] = time.monotonic() + min(STOP_RETRY_MAX_S, 2.0 ** stop["tries"])
+                raise
+            finally:
+                stop["running"] = False
 
     def retry_stops(self) -> None:
         """Carry out again, in the background, each stop that failed part-way (Redis or JetStream
