@@ -410,3 +410,68 @@ async def test_a_restarted_rm_acknowledges_a_stop_once_its_previous_lifes_events
                             timeout=STOP_DRAIN_S + 2)
         assert [d for d in await h.events("work_lost") if d.get("fault_id") == "f-stop"]
         assert await _outbox(h) == []
+
+
+async def test_one_jobs_failed_resume_holds_up_no_other_and_is_tried_again(servers, monkeypatch):
+    """A restarted request manager resumes every running job of the registry by itself. One job's
+    resume failing (Redis past its retries on its resume floor) ended the loop that starts the
+    runners: the other job's runner, made, was never started while the service's samples for it
+    went on (the controller never saw it lost: the job stalled for good), and the failed job was
+    never tried again (an outside review). Judged by the batches each job hands over."""
+    from robustrl.services.request_manager.service import RequestManager
+
+    async with Harness(servers, rm_spec("resfail", steps=1)) as a, Harness(servers, rm_spec("resok", steps=1)) as b:
+        await a.replica("ra", version=0)
+        await b.replica("rb", version=0)
+        real = RequestManager._resume_floor
+        failures = {"left": 2}
+
+        async def floor(self: RequestManager, job_id: str) -> int:
+            if job_id == a.job_id and failures["left"] > 0:
+                failures["left"] -= 1
+                raise TransportError("Redis away past the client's retries (test)")
+            return await real(self, job_id)
+
+        monkeypatch.setattr(RequestManager, "_resume_floor", floor)
+        await b.start_rm(send_resume=False)  # (one service runs both jobs: found in the registry)
+        for h in (a, b):
+            for rep in h.replicas.values():
+                await rep.announce()
+        await eventually_async(lambda: b.batches.get(0), timeout=40, what="the other job's step 0 handed over")
+        await eventually_async(lambda: a.batches.get(0), timeout=40, what="the failed job's step 0, resumed again")
+        assert failures["left"] == 0
+
+
+async def test_a_stop_during_the_restart_scan_leaves_no_runner(servers, monkeypatch):
+    """A restarted request manager is making a job's runner (its resume floor being read) when the
+    controller's stop of the job comes: the stop found no runner and was acknowledged, then the
+    runner was made and started, its events landing after the job's final one and its step
+    deadline reporting for a stopped job for good (an outside review). Another job, resumed in
+    the same scan, shows the scan went on."""
+    from robustrl.services.request_manager.service import RequestManager
+
+    async with Harness(servers, rm_spec("stopscan", steps=2)) as h, Harness(servers, rm_spec("scanwit", steps=1)) as w:
+        await h.replica("rs", version=0)
+        await w.replica("rw", version=0)
+        real = RequestManager._resume_floor
+        entered, release = asyncio.Event(), asyncio.Event()
+
+        async def floor(self: RequestManager, job_id: str) -> int:
+            if job_id == h.job_id:
+                entered.set()
+                await release.wait()
+            return await real(self, job_id)
+
+        monkeypatch.setattr(RequestManager, "_resume_floor", floor)
+        rm = await w.start_rm(send_resume=False)
+        await asyncio.wait_for(entered.wait(), 20)
+        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="stop", args={}, fence=1)
+        await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), cmd, ControlCommand,
+                            timeout=STOP_DRAIN_S + 2)
+        release.set()
+        for rep in w.replicas.values():
+            await rep.announce()
+        await eventually_async(lambda: w.batches.get(0), timeout=40, what="the other job's step 0 handed over")
+        await asyncio.wait_for(asyncio.gather(*rm._tasks), 20)  # the restart scan is over
+        assert h.job_id not in rm.jobs, "a runner was made for a stopped job"
+        assert await h.events("step_started") == [], "the stopped job ran after its stop's acknowledgement"

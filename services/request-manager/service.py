@@ -55,6 +55,9 @@ SPEC_TIMEOUT_S = 2.0
 SPEC_ATTEMPTS = 5
 EVENTS_DRAIN_S = 5.0
 """At close, how long a job's queued events are given to reach the log."""
+RESUME_RETRY_S = 1.0
+RESUME_RETRY_MAX_S = 30.0
+"""A job whose resume after a restart failed is tried again after these pauses (doubling)."""
 OUTBOX_SCAN_BATCH = 500
 """Keys asked for per SCAN of the jobs' event outboxes at the start."""
 
@@ -75,6 +78,7 @@ class RequestManager:
         self._writers: dict[str, EventWriter] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._creating: dict[str, asyncio.Lock] = {}
+        self._stopped: set[str] = set()  # jobs the controller stopped: no runner is made for them again
         self._fence: dict[str, int] = {}  # job -> largest controller fencing token seen
         # Sequence numbers only grow, across restarts too (the detector drops older samples).
         self._seq = int(time.time() * 1000)
@@ -103,29 +107,57 @@ class RequestManager:
     async def _after_restart(self) -> None:
         try:
             await self.resume_running_jobs()
-        except TransportError as exc:
+        except Exception as exc:  # (the scan below must still run: it owes other jobs' events)
             log.error("running jobs not resumed: the job registry not read: %s", exc)
         # After the resume: a job resumed has its runner, whose writer reads its outbox first.
         try:
             await self.append_left_outboxes()
-        except TransportError as exc:
+        except Exception as exc:
             log.error("event outboxes not scanned (%s): what they hold stays for the next start", exc)
 
     async def resume_running_jobs(self) -> list[str]:
         """After a restart: continue every job the registry says is running (its current step from
-        Redis), without waiting for the controller to say ``resume``."""
+        Redis), without waiting for the controller to say ``resume``. Each job on its own: one
+        whose resume fails (Redis past its retries, a model directory it cannot read) is tried
+        again (``_resume_one``) and holds up no other. Before, one failure ended the loop that
+        starts the runners: another job's runner, made, was never started while the service's
+        samples for it went on, so the controller never saw the request manager lost and the
+        job stalled for good (an outside review)."""
         registry = await JobRegistry(self.redis).all()  # type: ignore[arg-type]
         candidates = [j for j, rec in registry.items() if rec.get("status") in RUNNING and j not in self.jobs]
-        found = await asyncio.gather(*(self._ensure_job(j, resumed=True) for j in candidates))
-        resumed = []
-        for job in found:
-            if job is None:
-                continue  # the controller does not run it (any more)
-            if job._task is None:
-                job.start()
-            resumed.append(job.job_id)
-            log.warning("job %s: resumed at step %d after a request-manager restart", job.job_id, job.step)
-        return resumed
+        resumed = await asyncio.gather(*(self._resume_one(j) for j in candidates))
+        return [j for j in resumed if j is not None]
+
+    async def _resume_one(self, job_id: str) -> str | None:
+        """Resume ``job_id`` after a restart; return it, or None when the controller does not run
+        it (any more). A failure is tried again, ``RESUME_RETRY_S`` doubling to
+        ``RESUME_RETRY_MAX_S``, while the registry still says the job runs and it was not
+        stopped; a runner a ``resume`` command made meanwhile is the one started."""
+        delay = RESUME_RETRY_S
+        while True:
+            try:
+                job = await self._ensure_job(job_id, resumed=True)
+                break
+            except Exception as exc:
+                log.error("job %s: not resumed after the restart (%s): tried again in %.0f s", job_id, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(RESUME_RETRY_MAX_S, 2 * delay)
+            if job_id in self._stopped:
+                return None
+            try:
+                record = (await JobRegistry(self.redis).all()).get(job_id)  # type: ignore[arg-type]
+            except Exception as exc:
+                log.warning("job %s: the job registry not read (%s): its resume tried again", job_id, exc)
+                continue
+            if record is None or record.get("status") not in RUNNING:
+                log.warning("job %s: no longer running: not resumed", job_id)
+                return None
+        if job is None or job_id in self._stopped:
+            return None  # the controller does not run it (any more)
+        if job._task is None:
+            job.start()
+        log.warning("job %s: resumed at step %d after a request-manager restart", job.job_id, job.step)
+        return job.job_id
 
     async def append_left_outboxes(self) -> int:
         """Queue what every job's event outbox still holds, under its message ids, each entry
@@ -190,11 +222,16 @@ class RequestManager:
                                                  timings=batch.timings))
 
     async def _ensure_job(self, job_id: str, start_step: int | None = None, resumed: bool = False) -> JobRunner | None:
+        """The job's runner, made if there is none (its spec asked of the controller); None when the
+        controller sends no spec, or the job was stopped (also while this ran: a stop landing
+        during the restart scan left a runner made after it, its events after the final one)."""
         lock = self._creating.setdefault(job_id, asyncio.Lock())
         async with lock:  # a resume command and the restart scan must not create two runners
             job = self.jobs.get(job_id)
             if job:
                 return job
+            if job_id in self._stopped:
+                return None
             reply = None
             for _ in range(SPEC_ATTEMPTS if resumed else 1):
                 try:
@@ -217,6 +254,9 @@ class RequestManager:
                 log.warning("job %s: told to start at step %d, but steps before %d are trained and durable: "
                             "starting at %d", job_id, step, floor, floor)
                 step = floor
+            if job_id in self._stopped:
+                log.warning("job %s: stopped while its runner was being made: none made", job_id)
+                return None
             job = self.jobs[job_id] = JobRunner(self.bus, self.redis, job_id, spec, step)
             job.events = self._writers.setdefault(job_id, job.events)  # (``self._writers``)
             job.gang_epoch = reply.epoch
@@ -243,6 +283,7 @@ class RequestManager:
         self._fence[msg.job_id] = msg.fence
         job = self.jobs.get(msg.job_id)
         if msg.action == "resume":
+            self._stopped.discard(msg.job_id)  # (the controller runs it again: a job id reused)
             job = await self._ensure_job(msg.job_id, msg.args.get("start_step"))
             if job is None:
                 # The controller's spec did not come (it is busy reading the job's log, or the bus
@@ -260,6 +301,7 @@ class RequestManager:
                     job.start()
                 job.changed.set()
         elif msg.action == "stop":
+            self._stopped.add(msg.job_id)
             if job is not None:
                 self.jobs.pop(msg.job_id, None)
                 await job.stop()
