@@ -16,6 +16,7 @@ import pytest
 from rm_harness import FakeReplica, Harness, rm_spec
 from support import eventually_async
 
+from robustrl.errors import TransportError
 from robustrl.services.request_manager.dispatch import REFUSED_BEFORE_FAULT
 from robustrl.messages import GenerateTurn, TurnResult
 from robustrl.subjects import Verb, subject
@@ -671,3 +672,32 @@ async def test_refused_replies_naming_a_replica_that_does_not_hold_the_turn_char
         await eventually_async(lambda: 0 in h.batches, timeout=15, what="step 0 handed over")
         assert not h.faults, h.faults
         assert not await h.events("episode_redispatched")
+
+
+async def test_a_dispatch_whose_record_fails_leaves_no_turn_outstanding(servers, monkeypatch):
+    """One turn's dispatch record refused (Redis past its retries) fails the step's attempt; the
+    retry hands the step over. The failed dispatches (that one, and its siblings cancelled with
+    the attempt) stayed registered as outstanding turns of the replica for good: a later stuck
+    step was blamed on it ("turns outstanding on r0"), and the dispatcher shunned it (an outside
+    review). Judged from the request manager's own samples on the bus: nothing in flight once
+    the only step is handed over."""
+    from robustrl.storage.redis_stores import DispatchStore
+
+    real = DispatchStore.record
+    calls = {"n": 0}
+
+    async def flaky(self: DispatchStore, episode_id: str, entry: dict) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TransportError("Redis away past the client's retries (test)")
+        await real(self, episode_id, entry)
+
+    monkeypatch.setattr(DispatchStore, "record", flaky)
+    async with Harness(servers, rm_spec("displeak", steps=1)) as h:
+        await h.replica("r0", version=0)
+        await h.start_rm()
+        await eventually_async(lambda: h.batches.get(0), timeout=40, what="step 0 handed over")
+        seen = len(h.rm_samples)
+        await eventually_async(lambda: [s for s in h.rm_samples[seen:] if s.inflight == 0], timeout=10,
+                               what="a request-manager sample with no turn in flight")
+        assert calls["n"] > 1

@@ -504,17 +504,26 @@ class Dispatcher:
         rep = await self.pick(step, avoid)
         req_id = uuid.uuid4().hex[:16]
         pend = self._register(req_id, ep, rep.member_id, time.time())
-        # Recorded before it is sent: a restarted request manager knows whom to wait for.
-        await self.records.record(ep.episode_id, {"turn": pend.turn, "request_id": req_id,
-                                                  "member_id": rep.member_id, "sent_at": pend.sent_at,
-                                                  "step": step})
-        msg = GenerateTurn(
-            job_id=self.job_id, request_id=req_id, episode_id=ep.episode_id, step=step,
-            prefix_ids=ep.prefix_ids(), max_new_tokens=self.spec.rollout.max_new_tokens,
-            temperature=self.spec.rollout.temperature, top_p=self.spec.rollout.top_p,
-            seed=tasks.request_seed(self.spec.seed, ep.episode_id, len(ep.turns)),
-            stop_on_call=stop_on_call, min_version=self.min_version(step), turn=len(ep.turns))
-        await self.bus.publish(subject(self.job_id, Verb.GENERATE, rep.member_id), msg)
+        try:
+            # Recorded before it is sent: a restarted request manager knows whom to wait for.
+            await self.records.record(ep.episode_id, {"turn": pend.turn, "request_id": req_id,
+                                                      "member_id": rep.member_id, "sent_at": pend.sent_at,
+                                                      "step": step})
+            msg = GenerateTurn(
+                job_id=self.job_id, request_id=req_id, episode_id=ep.episode_id, step=step,
+                prefix_ids=ep.prefix_ids(), max_new_tokens=self.spec.rollout.max_new_tokens,
+                temperature=self.spec.rollout.temperature, top_p=self.spec.rollout.top_p,
+                seed=tasks.request_seed(self.spec.seed, ep.episode_id, len(ep.turns)),
+                stop_on_call=stop_on_call, min_version=self.min_version(step), turn=len(ep.turns))
+            await self.bus.publish(subject(self.job_id, Verb.GENERATE, rep.member_id), msg)
+        except BaseException:
+            # A dispatch that failed (its record refused, the step's attempt cancelled meanwhile)
+            # is nobody's turn: left registered, it stayed outstanding on the replica for good,
+            # so a later stuck step was blamed on that replica (replaced though healthy; once it
+            # was dead, the report was ignored and the step never recovered) and ``pick`` shunned
+            # it (an outside review).
+            self._forget(pend)
+            raise
         return pend
 
     async def _await(self, pend: Pending) -> TurnResult:
