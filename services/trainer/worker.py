@@ -21,18 +21,21 @@ import signal
 import socket
 import sys
 import time
+import uuid
 import weakref
 from collections.abc import Awaitable, Callable
 
 import torch
 import torch.distributed as dist
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from robustrl.services.trainer.lineage import LoopFence, RecordGate, read_history, resume_step
 from robustrl.services.trainer.survivor import SURVIVOR_WAIT_S, SurvivorHook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from robustrl.aio import wait_event
+from robustrl.aio import wait_event, within
 from robustrl.batch_digest import batch_digest
-from robustrl.bus import DURABLE_DRAIN_S, EVENT_PUBLISH_RETRY_S, Bus, event_msg_id
+from robustrl.bus import DURABLE_DRAIN_S, EVENT_PUBLISH_RETRY_S, MSG_ID_HEADER, Bus, event_msg_id
 from robustrl.checkpoint import (
     UPLOAD_WAIT_S,
     Checkpointer,
@@ -54,7 +57,7 @@ from robustrl.storage.control_stores import OutboxEntry, TrainerOutbox
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.objects import open_object_store
 from robustrl.storage.redis_stores import EpisodeRecord, EpisodeStore, connect
-from robustrl.subjects import Verb, subject
+from robustrl.subjects import EVENTS_STREAM, Verb, events, subject
 from robustrl.weights.flat import flatten_state_dict
 from robustrl.weights.server import WeightServer
 
@@ -69,6 +72,13 @@ LEAVE_UPLOAD_WAIT_S = 2.0
 BRIEF_DRAIN_S = 2.0
 """How long a brief close (the gang broke, or the rank is kept) waits for events still being stored."""
 
+
+OUTBOX_LOG_READ_S = 5.0
+"""How long the next gang's rank 0 reads the log for the trainer outbox's entries JetStream already
+stored (``stored_msg_ids``); past it, or refused, it appends every entry as before."""
+OUTBOX_LOG_SKEW_S = 600.0
+"""That read starts this long before the oldest entry's stamp (the saving rank's clock): JetStream
+stores an event after it is stamped, on the server's clock, which may be behind."""
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """Torch's setting of the network interface Gloo uses (an operator's own value is kept)."""
@@ -594,8 +604,8 @@ class TrainerWorker:
 
     def _outbox_removal(self, text: str) -> Callable[[], Awaitable[None]]:
         """Once JetStream stored the event saved as ``text``: out of the outbox (a failed removal is
-        tried again at the next commit; left there, the next gang appends it again under its
-        message id: stored once within JetStream's duplicate window)."""
+        tried again at the next commit; left there, the next gang finds the event in the log and
+        drops the entry, see ``_append_outbox``)."""
         async def remove() -> None:
             try:
                 await TrainerOutbox(self.redis, self.ident.job_id).remove(text)
@@ -616,21 +626,45 @@ class TrainerWorker:
     async def _append_outbox(self) -> None:
         """Rank 0 of a gang that just entered the fence: append the commit events an older gang
         saved and JetStream never stored (its rank killed first), under their message ids. No
-        older gang can save another one now (its record is refused)."""
+        older gang can save another one now (its record is refused).
+
+        An entry whose event the log already holds (JetStream stored it, and the rank was killed
+        before the removal, or the removal failed and the gang died before retrying it) is only
+        removed: appended again past JetStream's 2-min duplicate window, it would be a second
+        ``step_committed`` for its (step, epoch). The log is read for the entries' message ids
+        (``stored_msg_ids``, bounded); a log that cannot be read leaves every entry appended as
+        before (stored once if within the window), with a warning."""
         bus = self.member.bus
         assert bus
         outbox = TrainerOutbox(self.redis, self.ident.job_id)
         entries = await outbox.entries()
+        if not entries:
+            return
+        stored: set[str] = set()
+        try:
+            stored = await within(stored_msg_ids(bus, self.ident.job_id, {e.event.kind for _, e in entries},
+                                                 min(e.event.ts for _, e in entries)), OUTBOX_LOG_READ_S)
+        except (TransportError, TimeoutError) as exc:
+            why = f"not read within {OUTBOX_LOG_READ_S:g} s" if isinstance(exc, TimeoutError) else str(exc)
+            log.warning("the event log could not be read for the %d trainer outbox entries, all appended "
+                        "(one JetStream stored over 2 min ago is then stored twice): %s", len(entries), why)
+        appended = 0
         for raw, entry in entries:
             ev = entry.event
+            if entry.msg_id in stored:  # stored already, its removal never ran: out of the outbox only
+                log.warning("trainer outbox entry %s (%s) is in the log already: removed, not appended",
+                            entry.msg_id, ev.kind)
+                await self._outbox_removal(raw.decode())()
+                continue
             try:
                 await bus.emit_event(ev.job_id, ev.kind, ev.data, ev.ts, msg_id=entry.msg_id,
                                      settled=self._outbox_removal(raw.decode()))
+                appended += 1
             except SubjectError as exc:  # not a trainer's event: can never be appended from here
                 log.error("trainer outbox entry of kind %s dropped: %s", ev.kind, exc)
                 await outbox.remove(raw)
-        if entries:
-            log.warning("appended %d commit events an older gang left in the trainer outbox", len(entries))
+        if appended:
+            log.warning("appended %d commit events an older gang left in the trainer outbox", appended)
 
     async def _publish(self, version: int) -> str:
         """Serve ``version`` from this rank; rank 0 announces it and records it for late joiners."""
@@ -648,6 +682,55 @@ class TrainerWorker:
             assert self.member.bus
             await publish_weights(self.member.bus, self.gang, ann, manifest.total_bytes)
         return checksum
+
+
+async def stored_msg_ids(bus: Bus, job_id: str, kinds: set[str], since: float) -> set[str]:
+    """The message ids (``Nats-Msg-Id``) of ``job_id``'s events of ``kinds`` written by ``bus``'s
+    role that JetStream stored from ``since`` (wall time, less ``OUTBOX_LOG_SKEW_S``) on. Reads
+    their headers only, through one ephemeral push consumer per kind filtered to its subject
+    (created by name, so the filter is in the API subject a permission can name; the server
+    removes it once nothing listens). Unbounded itself: the caller bounds it.
+
+    Raises:
+        TransportError: JetStream refused or did not answer (the stream missing, or this bus's
+            NATS user not allowed to create the consumer).
+    """
+    nc = bus.client
+    js = nc.jetstream(timeout=OUTBOX_LOG_READ_S)
+    start = datetime.datetime.fromtimestamp(since - OUTBOX_LOG_SKEW_S, tz=datetime.UTC)
+    ids: set[str] = set()
+    for kind in sorted(kinds):
+        try:  # where this bus appends ``kind`` (the saving rank appended it there too)
+            filter_subject = events(job_id, kind, bus.role)
+        except SubjectError:  # not this role's kind: never appended from here (such an entry is dropped)
+            continue
+        got: list[str] = []
+        more = asyncio.Event()
+
+        async def on_msg(msg: Msg, got: list[str] = got, more: asyncio.Event = more) -> None:
+            got.append((msg.headers or {}).get(MSG_ID_HEADER, ""))
+            more.set()
+
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox, cb=on_msg)  # before the consumer: it delivers at once
+        try:
+            try:
+                info = await js.add_consumer(EVENTS_STREAM, ConsumerConfig(
+                    name=f"trainer-outbox-{uuid.uuid4().hex}", filter_subject=filter_subject,
+                    deliver_subject=inbox, deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start,
+                    ack_policy=AckPolicy.NONE, headers_only=True, mem_storage=True,
+                    inactive_threshold=OUTBOX_LOG_READ_S))
+            except Exception as exc:  # nats raises several unrelated types (timeout, API error)
+                raise TransportError(f"{kind} events of {job_id} not read: {exc!r}") from exc
+            # Matching when it was made: those delivered by then and those still pending.
+            due = (info.num_pending or 0) + (info.delivered.consumer_seq if info.delivered else 0)
+            while len(got) < due:
+                more.clear()
+                await more.wait()
+        finally:
+            await sub.unsubscribe()
+        ids.update(got)
+    return ids
 
 
 async def publish_weights(bus: Bus, gang: GangFence, ann: WeightsAnnounce, total_bytes: int,
