@@ -2269,3 +2269,134 @@ async def test_a_whole_job_restart_waiting_for_a_request_manager_ends_under_a_ne
     await eventually_async(lambda: _recovered(rig, job.job_id, "whole-fo"), timeout=20,
                            what="the whole-job restart recovered under the new leader")
     assert not restored.recoveries and restored.status == "running"
+
+
+async def test_a_leader_deposed_during_a_stop_stops_nothing_and_ends_no_log(rig: Rig) -> None:
+    """A stop waits up to 12 s for the request manager's drain; a standby takes the lease
+    meanwhile (this leader frozen past it). The deposed leader then killed every member the new
+    leader had adopted and logged the job's final event under its old fence (an outside review).
+    Now it stops nothing and ends no log: the members' processes (from /proc) live on, the raw
+    log has no final event, and nothing is owed in the controller's outbox."""
+    from robustrl.services.controller.lease import LeaseLost
+
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec("stalestop"))
+    await rig.hello_all(a, job.job_id)
+    pids = {m.member_id: m.pid for m in job.members.values()}
+    real = a.control_rm
+
+    async def deposed_meanwhile(job_: Any, action: str, *args: Any, **kw: Any) -> bool:
+        ok = await real(job_, action, *args, **kw)
+        if action == "stop":
+            _usurp(rig.settings)
+        return ok
+
+    a.control_rm = deposed_meanwhile  # type: ignore[method-assign]
+    with pytest.raises(LeaseLost):
+        await a.stop_job(job.job_id, "stopped", "stopped through the API")
+    assert pids and all(running(p) for p in pids.values() if p), "a deposed leader killed the members"
+    events = await rig.events(job.job_id)
+    assert not [e for e in events if e.kind in ("job_stopped", "job_finished", "job_failed")], events  # type: ignore[attr-defined]
+    assert [e.kind for e in await a.events.owed(job.job_id)] == []
+
+
+async def test_a_lease_taken_again_keeps_being_renewed_while_its_reconcile_reads_the_log(rig: Rig) -> None:
+    """A leader whose lease expired (a freeze, a Redis restart) takes it again and reconciles
+    every job with its log. The reconcile ran inside the lease keeper: with a slow log read (4 s
+    here, a loaded machine) no renewal went out, the lease expired again, a standby took it, and
+    both controllers led at once until the read ended (an outside review). Sampled every 20 ms
+    for 8 s: never two leaders."""
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec("newtoken"))
+    await rig.hello_all(a, job.job_id)
+    real = a.bus.read_events
+
+    async def slow_read(job_id: str, *args: Any, **kw: Any) -> Any:
+        await asyncio.sleep(4)
+        return await real(job_id, *args, **kw)
+
+    a.bus.read_events = slow_read  # type: ignore[method-assign]
+    token = a.lease.token
+    await rig.redis.delete(Keys.controller_lease())  # expired
+    await eventually_async(lambda: a.lease.token > token, timeout=10, what="the lease taken again")
+    b = await rig.controller()  # a standby, trying for the lease
+    both, end = 0, time.monotonic() + 8
+    while time.monotonic() < end:
+        both += a.leading and b.leading
+        await asyncio.sleep(0.02)
+    assert both == 0, f"two leaders in {both} samples"
+    assert a.leading and not b.leading
+
+
+async def test_a_recheck_whose_handling_fails_once_is_acted_on_all_the_same(rig: Rig) -> None:
+    """A weights fault ignored during a trainer recovery is looked at again ``weights_load_s``
+    after it. Its handling then failing once (a Redis stall on the lease read) dropped it: taken
+    off the job before it was handled, and never in the log for the fault inbox to deliver again,
+    so the replica stuck in weights_failed was never replaced (the detector reports a member
+    once; an outside review). Judged by the decision in the log."""
+    from robustrl.messages import FaultReport, PhaseChange
+
+    assert rig.bus
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await _in_trainer_recovery(rig, c, "cprecheckfail")
+    member = "rollout-0-i0"
+    await rig.bus.publish(subject(job.job_id, Verb.FAULT), FaultReport(
+        job_id=job.job_id, fault_id=f"weights-{member}", role="rollout", member_id=member, kind="hang",
+        evidence="replica reports its weight pulls failed (test)", detected_at=time.time(), step=1,
+        cause="weights_failed"))
+    await eventually_async(lambda: _with_decision_for(rig, job.job_id, f"weights-{member}"), timeout=20,
+                           what="the fault decided (ignored, to be looked at again)")
+    await rig.bus.publish(subject(job.job_id, Verb.PHASE, member), PhaseChange(
+        job_id=job.job_id, member_id=member, role="rollout", phase="weights_failed"))
+    real = c.recovery.handle
+    failed: list[str] = []
+
+    async def fail_once(fault: FaultReport) -> None:
+        if fault.fault_id.endswith("-after-recovery") and not failed:
+            failed.append(fault.fault_id)
+            raise TimeoutError("Redis GET got no answer in time (test: a Redis stall)")
+        await real(fault)
+
+    c.recovery.handle = fail_once  # type: ignore[method-assign]
+    await rig.hello_all(c, job.job_id)  # the new gang is up: the recovery ends
+    await eventually_async(lambda: _with_decision_for(rig, job.job_id, f"weights-{member}-after-recovery"),
+                           timeout=30, what="the replica still failing acted on after the recovery")
+    assert failed == [f"weights-{member}-after-recovery"]
+
+
+async def test_a_new_rank_0_ready_before_its_gang_start_returned_ends_the_recovery(rig: Rig) -> None:
+    """A gang restart waits for the new rank 0's hello, but set what it waits for only once the
+    start returned. A hello handled before that (here: the last rank's ``member_started`` save
+    slow, as in a Redis stall) was news to no recovery and, answered, never sent again: the
+    recovery waited until its deadline and escalated to a whole-job restart (an outside review).
+    Judged from the log: the fault recovered, no whole-job restart."""
+    c = await rig.controller()
+    await c.wait_leading(10)
+    base = spec("hellorace").model_dump(mode="json")
+    base["recovery"] = {**base.get("recovery", {}), "deadline_s": 20.0}
+    job = await c.submit(JobSpec.parse(base))
+    await rig.hello_all(c, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    last = f"trainer-e2-r{job.spec.trainer.workers - 1}"
+    real_emit = c.starter.emit
+
+    async def slow_emit(job_id: str, kind: str, data: dict[str, Any]) -> Any:
+        if kind == "member_started" and data.get("member_id") == last:
+            assert rig.bus
+            m = job.members["trainer-e2-r0"]  # the new gang formed meanwhile: rank 0 says hello now
+            await rig.bus.publish(subject(job.job_id, Verb.HELLO, m.member_id), MemberHello(
+                job_id=job.job_id, member_id=m.member_id, role="trainer", pid=m.pid or 1, epoch=m.epoch))
+            await eventually_async(lambda: m.state == "ready", what="the hello handled")
+        return await real_emit(job_id, kind, data)
+
+    c.starter.emit = slow_emit  # type: ignore[method-assign]
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    recovered = await eventually_async(lambda: _with_kind(rig, job.job_id, "recovered"), timeout=15,
+                                       what="the trainer recovery ended")
+    assert [d["kind"] for d in of_kind(recovered, "recovered")] == ["trainer"]
+    actions = [a for d in of_kind(await rig.events(job.job_id), "decision") for a in d["actions"]]  # type: ignore[union-attr]
+    assert "RestartWholeJob" not in actions, actions

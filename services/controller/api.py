@@ -297,7 +297,10 @@ def create_app(controller: Controller, token: str) -> FastAPI:
               responses={200: {"model": JobStatus}, **_errors(*ALWAYS, 404, 409, 415, 422)})
     async def stop(job_id: JobId) -> dict[str, Any]:
         job_or_404(job_id)
-        return (await controller.stop_job(job_id, "stopped", "stopped through the API")).status_dict()
+        try:
+            return (await controller.stop_job(job_id, "stopped", "stopped through the API")).status_dict()
+        except LeaseLost as exc:  # deposed during the stop: the new leader runs the job; ask it again
+            raise HTTPException(503, detail=f"not stopped: {exc}; repeat the request") from exc
 
     @app.delete("/v1/jobs/{job_id}", **guarded,
                 responses={200: {"model": JobDeleted, "description": "Deleted: GET answers 404 from now on"},

@@ -53,6 +53,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+RECHECK_RETRY_S = 30.0
+"""How long a recheck's fault is tried again when its handling fails, before it is left for the
+next recheck (``weights_load_s`` later)."""
+
 HANDLED_TTL_S = 7 * 24 * 3600
 """How long handled fault ids are kept (as long as the event log keeps events)."""
 SERVICE_RESUME_ATTEMPT_S = 2.0
@@ -286,6 +290,7 @@ class RecoveryExecutor:
         job.gang_starts[fault.fault_id] = GangStart(sources, {**owed, **slots})
         rec.waiting_for = {new[0]}
         await self.c.persist(job)
+        await self._ready_already(job, rec)
         if slots:
             await failpoints.hit("gang_borrowed")
 
@@ -540,7 +545,23 @@ class RecoveryExecutor:
         # recovery's deadline ends the wait.
         rec.waiting_for = {gang[0], *replicas, *(job.services_lost & {"request_manager"})}
         await self.c.persist(job)
+        await self._ready_already(job, rec)
         await self.c.resume_rm(job)
+
+    async def _ready_already(self, job: JobRun, rec: ActiveRecovery) -> None:
+        """Count as arrived the members ``rec`` waits for that were ready before it waited: a
+        start returns after its members run, and a new rank 0's hello (or a replica's
+        announcement) handled in between was news to no recovery; answered, it was never sent
+        again, and the recovery waited for it until its deadline escalated to a whole-job
+        restart (an outside review: a slow ``member_started`` save of the last rank)."""
+        for mid in list(rec.waiting_for):
+            m = job.members.get(mid)
+            if m is None or not job.is_current(mid):
+                continue
+            ready = (m.state == "ready" and m.epoch == job.epoch if m.role == "trainer"
+                     else m.state == "ready" and m.weights_version >= job.weights_version)
+            if ready and rec in job.recoveries:
+                await self.progress(job, mid)
 
     async def _resume_service(self, job: JobRun, fault: FaultReport, role: str) -> None:
         """The lost service is restarted by its supervisor; send it ``resume`` until it answers
@@ -703,21 +724,44 @@ class RecoveryExecutor:
         await asyncio.sleep(job.spec.detector.weights_load_s)
         if job.done or self._trainer_recovering(job):
             return
+        failed = False
         for member_id, fault in list(job.recheck_after_recovery.items()):
             if job.recheck_after_recovery.get(member_id) is not fault:
                 continue  # looked at by another recheck meanwhile (one per recovery end or takeover)
-            del job.recheck_after_recovery[member_id]
             m = job.members.get(member_id)
-            if m is None or not job.is_current(member_id) or m.state in ("dead", "exited", "stopped"):
-                continue
-            if m.phase not in ("weights_failed", "loading_weights"):
-                continue  # it loaded the new gang's weights: no fault
-            again = fault.model_copy(update={
-                "fault_id": f"{fault.fault_id}-after-recovery", "detected_at": time.time(),
-                "evidence": f"{fault.evidence}; still {m.phase} {job.spec.detector.weights_load_s:g} s after "
-                            "the trainer recovery"})
-            await self.handle(again)  # (persists the job: this fault is no longer to be looked at)
+            if (m is not None and job.is_current(member_id) and m.state not in ("dead", "exited", "stopped")
+                    and m.phase in ("weights_failed", "loading_weights")):  # (else: loaded since, or gone)
+                again = fault.model_copy(update={
+                    "fault_id": f"{fault.fault_id}-after-recovery", "detected_at": time.time(),
+                    "evidence": f"{fault.evidence}; still {m.phase} {job.spec.detector.weights_load_s:g} s "
+                                "after the trainer recovery"})
+                try:
+                    await self._handle_retried(again, RECHECK_RETRY_S)
+                except LeaseLost:
+                    raise
+                except Exception as exc:
+                    # Kept (and in the record) and looked at again below: dropped before it was
+                    # handled, a replica stuck in weights_failed was never replaced (the detector
+                    # reports a member once; an outside review).
+                    log.error("job %s: the recheck of %s failed (%s): looked at again in %g s", job.job_id,
+                              member_id, exc, job.spec.detector.weights_load_s)
+                    failed = True
+                    continue
+            if job.recheck_after_recovery.get(member_id) is fault:
+                del job.recheck_after_recovery[member_id]
         await self.c.persist(job)
+        if failed and not job.done:
+            self.c.spawn(self._recheck(job))
+
+    async def _handle_retried(self, fault: FaultReport, within_s: float) -> None:
+        """``handle(fault)``, tried again (0.5 s doubling to 5 s) for ``within_s`` while it fails
+        with anything but a lost lease (a Redis stall on its lease read, a record write)."""
+        async for attempt in AsyncRetrying(
+                wait=wait_exponential(multiplier=0.5, max=5.0), stop=stop_after_delay(within_s),
+                retry=retry_if_exception_type(Exception) & retry_if_not_exception_type(LeaseLost), reraise=True,
+                before_sleep=before_sleep_log(log, logging.WARNING)):
+            with attempt:
+                await self.handle(fault)
 
     def _unstartable(self, job: JobRun, late: ActiveRecovery, decision: Decision) -> Decision:
         """The members ``late`` started that are still starting past ``detector.start_deadline_s``

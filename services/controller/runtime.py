@@ -236,8 +236,13 @@ class Controller:
     async def _on_new_token(self, token: int) -> None:
         # The lease had expired (this process was frozen, or Redis restarted): commits may have
         # gone by unseen meanwhile. (Still taking over: the take-over reads them once it leads.)
-        if not self.leading:
-            return
+        # Off the lease keeper (spawned): the reconcile reads each job's log (up to 10 s a job),
+        # and awaited here it held the renewals back: the lease expired again, a standby took it
+        # and both controllers led until the read ended (an outside review).
+        if self.leading:
+            self.spawn(self._after_new_token(token))
+
+    async def _after_new_token(self, token: int) -> None:
         await self.reconcile_all("lease re-acquired")
         for job in self.jobs.values():
             if not job.done:
@@ -693,6 +698,11 @@ class Controller:
         # (the request manager acknowledges once the job's events are in its log, up to its
         # STOP_DRAIN_S: the final event then ends the log)
         await self.control_rm(job, "stop", attempts=1, timeout_s=RM_STOP_DRAIN_S + RM_ACK_TIMEOUT_S, pace_last=False)
+        # Fenced like a start: a controller deposed while it waited (up to 12 s) for the request
+        # manager must neither kill the members a new leader adopted (their exits would be faults
+        # to it) nor end the job's log (an outside review: both happened). The new leader finds
+        # the job running; a stop asked through the API answers 503 and may be asked again.
+        await self._still_leading(job, "stop its members")
         # (marked stopped before the launcher's stop: a stop carried out again stops them again)
         stop["ids"] += [m.member_id for m in job.live() if m.member_id not in stop["ids"]]
         for m in job.live():
@@ -701,6 +711,7 @@ class Controller:
         await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"]], grace)
         await self._update_spares()
         if not stop["event"]:
+            await self._still_leading(job, "end its log")
             kind = FINAL_EVENT.get(status, "job_stopped")
             data = {"reason": reason, "steps": job.committed_step + 1, "fence": self.lease.token}
             # One message id per job's end: a stop carried out again after the save's answer was
@@ -717,6 +728,12 @@ class Controller:
         self._stopping.pop(job.job_id, None)
         stop["ended"].set()  # (a deletion waiting for the final record: ``JobDeleter``)
         return job
+
+    async def _still_leading(self, job: JobRun, what: str) -> None:
+        """Raise ``LeaseLost`` unless this controller holds the newest lease term (one Redis read)."""
+        if not await self.leads():
+            raise LeaseLost(f"job {job.job_id}: not {what}: controller {self.owner} no longer leads "
+                            "(a newer lease term began)")
 
     async def stop_settled(self, job_id: str, timeout_s: float) -> bool:
         """Wait, up to ``timeout_s``, for a stop under way of ``job_id`` to end (its final record
