@@ -10,11 +10,17 @@ every job's outbox is found with :func:`outbox_keys`; a replica reads its own jo
 same message ids, so an event stored just before the kill and not
 yet removed is stored once (within JetStream's duplicate window, 2 min; past it, twice).
 
+One event may sit in an outbox more than once: a save whose reply was lost is carried out twice
+(the client's retried RPUSH: two identical entries), and a command handled twice saves its event
+twice under its one message id. A removal takes every identical copy, and the entries of one
+message id that ``recover`` finds are queued once, their removal taking all of them: a copy left
+behind was queued again by a later read and, past the duplicate window, stored a second time.
+
 Redis is treated one of two ways:
 
 * strict (``bound`` None; the request manager): a failed save raises (the caller does not
-  acknowledge the command whose event it is), a failed removal is retried with the append (the
-  queue waits for Redis, as the rest of the service does);
+  acknowledge the command whose event it is), a failed removal is retried by the queue, alone
+  (the event is not published again: the queue waits for Redis, as the rest of the service does);
 * bounded (a :class:`RedisBound`; the detector, whose tick must not wait on Redis, and a rollout
   replica, whose serving path must not either): every call is cut at ``call_s``; a failed save
   is logged and the event queued in memory only (it is still appended; only its durability is
@@ -88,8 +94,8 @@ class OutboxWriter:
         self._read: set[str] = set()  # jobs whose outbox ``recover`` has read once
         # The outbox entries (stored text, per job) this writer queued and has not removed yet: one
         # still in the outbox (being stored, or stored and not yet removed) is never queued a
-        # second time by a later ``recover``. By text, not message id: two entries of one command
-        # (its retry) both go.
+        # second time by a later ``recover``. By text: every entry queued (or, read together with
+        # others of its message id, removed with the one queued) is here until it is removed.
         self._given: dict[str, set[bytes]] = {}
         self._unremoved: list[tuple[EventOutbox, bytes]] = []
         self._seen: dict[str, dict[bytes, float]] = {}  # job -> entry read -> when first read (``_clock``)
@@ -128,6 +134,8 @@ class OutboxWriter:
     async def recover(self, job_id: str, *, min_age_s: float = 0.0) -> int:
         """Queue what a previous life left in ``job_id``'s outbox (entries this writer queued
         itself, and ones it stored whose removal it still owes, are skipped); return how many.
+        The entries of one message id (identical copies, or one event saved twice) are queued
+        once, the first of them: its removal takes them all.
         ``min_age_s``: only entries this writer has seen in the outbox for at least this long
         (by its own clock, from the first read that found them: a stamp of another host's clock
         may be off by any amount), so a live peer's entry is left to the peer, which stores and
@@ -147,10 +155,16 @@ class OutboxWriter:
         now = self._clock()
         seen = self._seen.get(job_id, {})
         seen = self._seen[job_id] = {raw: seen.get(raw, now) for raw, _entry in entries}  # (what is gone, forgotten)
+        # message id -> (its first entry, the stored texts of all of them), in outbox order
+        owed: dict[str, tuple[OutboxEntry, list[bytes]]] = {}
         for raw, entry in entries:
             if raw in self._given.get(job_id, ()) or raw in unremoved or now - seen[raw] < min_age_s:
                 continue
-            self._put(entry, outbox, raw)
+            texts = owed.setdefault(entry.msg_id, (entry, []))[1]
+            if raw not in texts:  # (identical copies: one text, one LREM takes them all)
+                texts.append(raw)
+        for entry, texts in owed.values():
+            self._put(entry, outbox, *texts)
             found += 1
         self._read.add(job_id)
         self.recovered += found
@@ -158,20 +172,23 @@ class OutboxWriter:
             log.warning("job %s: %d events of a previous %s found in the outbox", job_id, found, self.owner)
         return found
 
-    def _put(self, entry: OutboxEntry, outbox: EventOutbox, stored: bytes) -> None:
+    def _put(self, entry: OutboxEntry, outbox: EventOutbox, *stored: bytes) -> None:
+        """Queue ``entry``; once stored, every entry saved as one of ``stored`` (its own text,
+        and the other entries of its message id a read found) leaves the outbox."""
         job_id = entry.event.job_id
 
         async def out_of_the_outbox() -> None:  # once stored (or refused for good)
-            await self._remove(outbox, stored)
+            for text in stored:
+                await self._remove(outbox, text)  # (strict: raises, and the queue retries this alone)
             given = self._given.get(job_id)
             if given is not None:
-                given.discard(stored)
+                given.difference_update(stored)
                 if not given:
                     del self._given[job_id]
 
         if self.queue.put(entry.msg_id, entry.event, out_of_the_outbox):
             # (one dropped, the queue full, stays in the outbox for a later ``recover``)
-            self._given.setdefault(job_id, set()).add(stored)
+            self._given.setdefault(job_id, set()).update(stored)
 
     def _in_memory_only(self, entry: OutboxEntry) -> None:
         self.unsaved += 1
@@ -179,7 +196,7 @@ class OutboxWriter:
 
     async def _remove(self, outbox: EventOutbox, stored: bytes) -> None:
         if self._bound is None:
-            await outbox.remove(stored)  # raises: the queue retries the append and this
+            await outbox.remove(stored)  # raises: the queue retries the removal (not the append)
             return
         if self._clock() < self._away_until:
             self._keep_unremoved(outbox, stored)

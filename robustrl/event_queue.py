@@ -12,7 +12,10 @@ an :class:`EventQueue`, which:
   new event is dropped, counted in ``dropped`` and logged as an error;
 * calls an event's ``settled`` callback once it left the queue (stored, or refused for good), for
   a caller that keeps its own durable copy (the request manager's Redis outbox). A callback that
-  raises ``TransportError`` is retried with the append (the message id makes that harmless).
+  raises ``TransportError`` is retried alone, paced, until it returns: the event is not published
+  again (each round published it again, and once the caller's store was away longer than
+  JetStream's duplicate window, 2 min, the event was stored a second time; an outside review
+  found it). The events behind it wait.
 
 The queue is in memory: a process killed while JetStream is away loses what it held, unless its
 caller kept a durable copy.
@@ -98,25 +101,34 @@ class EventQueue:
         return True
 
     async def _write(self) -> None:
+        done = False  # the head stored (or refused for good): only its ``settled`` is left
         while self._queue:
             msg_id, event, settled = self._queue[0]
             try:
-                try:
-                    await self.bus.publish_durable(subjects.events(event.job_id, event.kind, self.bus.role),
-                                                   event.encode(), msg_id=msg_id)
-                    self.appended += 1
-                except SubjectError as exc:  # a kind this role may not write: a bug, not worth a retry
-                    log.error("%s: %s event for %s refused, dropped: %s", self.name, event.kind, event.job_id, exc)
-                    self.dropped += 1
+                if not done:
+                    try:
+                        await self.bus.publish_durable(subjects.events(event.job_id, event.kind, self.bus.role),
+                                                       event.encode(), msg_id=msg_id)
+                        self.appended += 1
+                    except SubjectError as exc:  # a kind this role may not write: a bug, not worth a retry
+                        log.error("%s: %s event for %s refused, dropped: %s", self.name, event.kind, event.job_id,
+                                  exc)
+                        self.dropped += 1
+                    done = True
                 if settled is not None:
                     await settled()
             except TransportError as exc:
                 self.retries += 1
-                log.warning("%s: %s event for %s not stored yet (%d queued), retrying: %s", self.name, event.kind,
-                            event.job_id, len(self._queue), exc)
+                if done:
+                    log.warning("%s: %s event for %s stored; its settling failed (%d queued), retrying it alone: "
+                                "%s", self.name, event.kind, event.job_id, len(self._queue), exc)
+                else:
+                    log.warning("%s: %s event for %s not stored yet (%d queued), retrying: %s", self.name,
+                                event.kind, event.job_id, len(self._queue), exc)
                 await asyncio.sleep(RETRY_WAIT_S)  # JetStream (or the caller's store) away: pace the retries
                 continue
             self._queue.popleft()
+            done = False
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every queued event to be stored; True if they were. The

@@ -40,7 +40,10 @@ class EventOutbox:
         self.key = key
 
     async def add(self, entry: OutboxEntry) -> str:
-        """Append ``entry``; return its stored text (what ``remove`` takes)."""
+        """Append ``entry``; return its stored text (what ``remove`` takes). A plain RPUSH: one
+        Redis carried out whose reply was lost (a restart after its AOF write, a stall past the
+        socket timeout) is sent again by the client's retry layer, so the outbox may hold two
+        byte-identical copies of the entry (one event, one message id): ``remove`` takes both."""
         text = entry.model_dump_json()
         await _call(self.r.rpush(self.key, text), self.key)
         return text
@@ -68,8 +71,12 @@ class EventOutbox:
         return out
 
     async def remove(self, text: bytes | str) -> None:
-        """Remove the entry stored as ``text`` (nothing if it is gone already)."""
-        await _call(self.r.lrem(self.key, 1, text), self.key)
+        """Remove every entry stored as ``text`` (nothing if it is gone already). Every copy: two
+        identical entries are one event saved twice (``add``'s retried RPUSH); one copy left
+        behind was appended again by a later read of the outbox, past JetStream's duplicate
+        window a second time (an outside review found it). (``LREM`` with count 0: the same
+        permission as one.)"""
+        await _call(self.r.lrem(self.key, 0, text), self.key)
 
     async def size(self) -> int:
         """How many entries the outbox holds (unread: one that does not parse counts too)."""
