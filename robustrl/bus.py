@@ -8,6 +8,7 @@ handler never sees it and the service keeps running. A handler that raises is lo
 from __future__ import annotations
 
 import asyncio
+import datetime
 import itertools
 import json
 import logging
@@ -212,12 +213,49 @@ class Bus:
     # --- event log (JetStream) -------------------------------------------------------------
 
     async def ensure_event_stream(self) -> None:
-        """Create the event-log stream if missing (idempotent)."""
+        """Create the event-log stream if missing (idempotent), with direct reads allowed (a
+        trainer's ``stored_msg_ids``). A stream made before without them gets them from a bus
+        that may update streams (the controller's): one that may not leaves it as it is."""
         try:
-            await self._js.stream_info(subjects.EVENTS_STREAM)
+            info = await self._js.stream_info(subjects.EVENTS_STREAM)
         except Exception:
             await self._js.add_stream(StreamConfig(name=subjects.EVENTS_STREAM, subjects=[subjects.EVENTS_ALL],
-                                                   max_age=7 * 24 * 3600.0))
+                                                   max_age=7 * 24 * 3600.0, allow_direct=True))
+            return
+        if not info.config.allow_direct and self.role in (None, "controller"):
+            config = info.config
+            config.allow_direct = True
+            try:
+                await self._js.update_stream(config)
+            except Exception as exc:  # direct reads refused then: a trainer appends its outbox as before
+                log.warning("event stream: direct reads not enabled: %s", exc)
+
+    async def stored_msg_ids(self, subject: str, since: float, timeout: float = EVENT_READ_TIMEOUT_S) -> set[str]:
+        """The message ids (``Nats-Msg-Id``) of the events the log holds on ``subject`` stored from
+        ``since`` (wall time) on, read with JetStream's direct get (one message per request, the
+        next on the subject each time; read-only: the permission a member needs names no
+        consumer it could change). Each request bounded by ``timeout``.
+
+        Raises:
+            TransportError: JetStream refused or did not answer (direct reads not enabled on the
+                stream, this NATS user not allowed them, the server away).
+        """
+        start = datetime.datetime.fromtimestamp(since, tz=datetime.UTC).isoformat()
+        request: dict[str, Any] = {"start_time": start, "next_by_subj": subject}
+        ids: set[str] = set()
+        while True:
+            try:
+                reply = await self._nc.request(subjects.JS_DIRECT_GET, json.dumps(request).encode(), timeout=timeout)
+            except Exception as exc:  # nats raises several unrelated types (timeout, no responders)
+                raise TransportError(f"events on {subject} not read: {exc!r}", subject=subject) from exc
+            headers = reply.headers or {}
+            status = headers.get("Status")
+            if status == "404":
+                return ids
+            if status is not None or "Nats-Sequence" not in headers:
+                raise TransportError(f"events on {subject} not read: {status} {headers}"[:300], subject=subject)
+            ids.add(headers.get(MSG_ID_HEADER, ""))
+            request = {"seq": int(headers["Nats-Sequence"]) + 1, "next_by_subj": subject}
 
     async def purge_events(self, job_id: str, timeout: float = EVENT_READ_TIMEOUT_S) -> int:
         """Delete a job's event log (every event of ``job_id`` in the stream); return how many

@@ -205,6 +205,10 @@ _JETSTREAM_USERS = (_C,)  # creates the stream, reads the log with pull consumer
 # Whoever starts first creates the event stream (ensure_event_stream): that much JetStream API only.
 _STREAM_CREATORS = (_RM,)
 JS_STREAM_ENSURE = (f"$JS.API.STREAM.INFO.{EVENTS_STREAM}", f"$JS.API.STREAM.CREATE.{EVENTS_STREAM}")
+JS_DIRECT_GET = f"$JS.API.DIRECT.GET.{EVENTS_STREAM}"
+"""Reading one stored event at a time (``Bus.stored_msg_ids``): read-only, no consumer made or
+changed. The trainer's: the next gang's rank 0 drops the outbox entries the log already holds."""
+_DIRECT_READERS = (_T,)
 JS_EVENTS_PURGE = f"$JS.API.STREAM.PURGE.{EVENTS_STREAM}"
 """Purging a job's events (a deleted job's log): the controller's, under its JS_API."""
 
@@ -233,6 +237,8 @@ def permissions(principal: Principal | str) -> tuple[list[str], list[str]]:
         publish += [JS_API, JS_ACK]
     elif who in _STREAM_CREATORS:
         publish += list(JS_STREAM_ENSURE)
+    if who in _DIRECT_READERS:
+        publish.append(JS_DIRECT_GET)
     return sorted(set(publish)), sorted(set(subscribe))
 
 

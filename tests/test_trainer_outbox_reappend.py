@@ -12,9 +12,9 @@ entries' kinds stored since the oldest entry was made, and drops the entries fou
 
 Real NATS and Redis of this module's own: the event stream's duplicate window is cut to 1 s (a
 second append past it is a second entry), and restored after. Judged from the raw log and raw Redis.
-The trainer role's NATS user may not use JetStream's API (``robustrl.subjects.permissions``): under
-it the read is refused and every entry appended as before (the strict xfail below, until the
-trainer is granted ``$JS.API.CONSUMER.CREATE.RRL_EVENTS.*.rrl.events.*.trainer.*``).
+The read is JetStream's direct get (``Bus.stored_msg_ids``), the one JetStream request the trainer
+role's NATS user may make (``robustrl.subjects.JS_DIRECT_GET``: read-only, no consumer it could
+make or change); checked under the operator's and under the trainer's own credentials.
 """
 
 from __future__ import annotations
@@ -144,21 +144,18 @@ async def test_a_commit_the_log_holds_is_not_appended_again_past_the_duplicate_w
         embedded: EmbeddedInfra) -> None:
     """Step 1's commit, stored and left in the outbox, is in the log once after the next gang's
     append (before: twice, ``[(1, 1), (1, 1), (2, 1)]``); step 2's, never stored, is appended once;
-    the outbox is empty. The next gang's bus holds the operator's NATS credentials here: the
-    trainer role's NATS user may not read the log (see the next test)."""
+    the outbox is empty. The next gang's bus holds the operator's NATS credentials here."""
     took, commits, left = await _check(embedded, trainer_nats=False)
     assert commits == [(1, 1), (2, 1)], commits
     assert left == [], left
     assert took < APPEND_BOUND_S, took
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the trainer role's NATS user is refused JetStream's API (robustrl/subjects.py permissions): "
-    "the next gang cannot read the log, falls back to appending every entry, and step 1 is stored twice"))
 async def test_under_the_trainer_roles_own_credentials(embedded: EmbeddedInfra) -> None:
     """The same with the next gang's bus under the trainer role's own NATS credentials, as a real
-    trainer runs. The read is refused; the fallback appends as before, within the read's bound and
-    with the outbox emptied, but the stored commit a second time."""
+    trainer runs: its user may make direct reads of the event stream (``JS_DIRECT_GET``, read-only;
+    the first version of this read made a consumer, which the role may not, and under it the
+    stored commit was appended a second time)."""
     took, commits, left = await _check(embedded, trainer_nats=True)
     assert took < APPEND_BOUND_S, took
     assert left == [], left

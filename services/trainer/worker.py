@@ -21,21 +21,18 @@ import signal
 import socket
 import sys
 import time
-import uuid
 import weakref
 from collections.abc import Awaitable, Callable
 
 import torch
 import torch.distributed as dist
-from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from robustrl.services.trainer.lineage import LoopFence, RecordGate, read_history, resume_step
 from robustrl.services.trainer.survivor import SURVIVOR_WAIT_S, SurvivorHook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from robustrl.aio import wait_event, within
 from robustrl.batch_digest import batch_digest
-from robustrl.bus import DURABLE_DRAIN_S, EVENT_PUBLISH_RETRY_S, MSG_ID_HEADER, Bus, event_msg_id
+from robustrl.bus import DURABLE_DRAIN_S, EVENT_PUBLISH_RETRY_S, Bus, event_msg_id
 from robustrl.checkpoint import (
     UPLOAD_WAIT_S,
     Checkpointer,
@@ -57,7 +54,7 @@ from robustrl.storage.control_stores import OutboxEntry, TrainerOutbox
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.objects import open_object_store
 from robustrl.storage.redis_stores import EpisodeRecord, EpisodeStore, connect
-from robustrl.subjects import EVENTS_STREAM, Verb, events, subject
+from robustrl.subjects import Verb, events, subject
 from robustrl.weights.flat import flatten_state_dict
 from robustrl.weights.server import WeightServer
 
@@ -686,50 +683,20 @@ class TrainerWorker:
 
 async def stored_msg_ids(bus: Bus, job_id: str, kinds: set[str], since: float) -> set[str]:
     """The message ids (``Nats-Msg-Id``) of ``job_id``'s events of ``kinds`` written by ``bus``'s
-    role that JetStream stored from ``since`` (wall time, less ``OUTBOX_LOG_SKEW_S``) on. Reads
-    their headers only, through one ephemeral push consumer per kind filtered to its subject
-    (created by name, so the filter is in the API subject a permission can name; the server
-    removes it once nothing listens). Unbounded itself: the caller bounds it.
+    role that JetStream stored from ``since`` (wall time, less ``OUTBOX_LOG_SKEW_S``) on
+    (``Bus.stored_msg_ids``: direct reads, which the trainer's NATS user may make, read-only).
+    Unbounded itself: the caller bounds it.
 
     Raises:
-        TransportError: JetStream refused or did not answer (the stream missing, or this bus's
-            NATS user not allowed to create the consumer).
+        TransportError: JetStream refused or did not answer.
     """
-    nc = bus.client
-    js = nc.jetstream(timeout=OUTBOX_LOG_READ_S)
-    start = datetime.datetime.fromtimestamp(since - OUTBOX_LOG_SKEW_S, tz=datetime.UTC)
     ids: set[str] = set()
     for kind in sorted(kinds):
         try:  # where this bus appends ``kind`` (the saving rank appended it there too)
-            filter_subject = events(job_id, kind, bus.role)
+            on = events(job_id, kind, bus.role)
         except SubjectError:  # not this role's kind: never appended from here (such an entry is dropped)
             continue
-        got: list[str] = []
-        more = asyncio.Event()
-
-        async def on_msg(msg: Msg, got: list[str] = got, more: asyncio.Event = more) -> None:
-            got.append((msg.headers or {}).get(MSG_ID_HEADER, ""))
-            more.set()
-
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox, cb=on_msg)  # before the consumer: it delivers at once
-        try:
-            try:
-                info = await js.add_consumer(EVENTS_STREAM, ConsumerConfig(
-                    name=f"trainer-outbox-{uuid.uuid4().hex}", filter_subject=filter_subject,
-                    deliver_subject=inbox, deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start,
-                    ack_policy=AckPolicy.NONE, headers_only=True, mem_storage=True,
-                    inactive_threshold=OUTBOX_LOG_READ_S))
-            except Exception as exc:  # nats raises several unrelated types (timeout, API error)
-                raise TransportError(f"{kind} events of {job_id} not read: {exc!r}") from exc
-            # Matching when it was made: those delivered by then and those still pending.
-            due = (info.num_pending or 0) + (info.delivered.consumer_seq if info.delivered else 0)
-            while len(got) < due:
-                more.clear()
-                await more.wait()
-        finally:
-            await sub.unsubscribe()
-        ids.update(got)
+        ids |= await bus.stored_msg_ids(on, since - OUTBOX_LOG_SKEW_S, timeout=OUTBOX_LOG_READ_S)
     return ids
 
 
