@@ -39,8 +39,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from robustrl import subjects
 from robustrl.aio import within
-from robustrl.errors import TransportError
+from robustrl.errors import SubjectError, TransportError
 from robustrl.event_queue import EventQueue
 from robustrl.storage.control_stores import EventOutbox, OutboxEntry
 from robustrl.storage.redis_stores import _call
@@ -51,6 +52,14 @@ T = TypeVar("T")
 
 OUTBOX_SCAN_BATCH = 200
 """Keys asked for per SCAN when a starting service looks for every job's outbox."""
+LOG_CHECK_AGE_S = 60.0
+"""Entries ``recover`` finds stamped at least this long ago are looked up in the log first (half of
+JetStream's 2-min duplicate window: the stamp is the writer's clock, which may be off by that much)."""
+LOG_READ_S = 3.0
+"""The bound of that look-up; past it the entries are appended as before."""
+LOG_SKEW_S = 600.0
+"""The look-up starts this long before the oldest such entry's stamp (JetStream stores on the
+server's clock, which may be behind the writer's)."""
 MAX_UNREMOVED = 10_000
 """Removals kept for a later try (bounded mode); past it the oldest is forgotten (its entry then
 stays in Redis: a later ``recover`` appends it again under its message id)."""
@@ -163,7 +172,15 @@ class OutboxWriter:
             texts = owed.setdefault(entry.msg_id, (entry, []))[1]
             if raw not in texts:  # (identical copies: one text, one LREM takes them all)
                 texts.append(raw)
+        in_log = await self._in_log(job_id, [entry for entry, _texts in owed.values()])
         for entry, texts in owed.values():
+            if entry.msg_id in in_log:
+                # Stored already (its writer died, or still owes the removal): out of the outbox only.
+                log.warning("job %s: %s outbox entry %s (%s) is in the log already: removed, not appended",
+                            job_id, self.owner, entry.msg_id, entry.event.kind)
+                for text in texts:
+                    await self._remove(outbox, text)
+                continue
             self._put(entry, outbox, *texts)
             found += 1
         self._read.add(job_id)
@@ -171,6 +188,35 @@ class OutboxWriter:
         if found:
             log.warning("job %s: %d events of a previous %s found in the outbox", job_id, found, self.owner)
         return found
+
+    async def _in_log(self, job_id: str, entries: list[OutboxEntry]) -> set[str]:
+        """The message ids of ``entries`` stamped ``LOG_CHECK_AGE_S`` ago or more that the job's log
+        already holds (``Bus.stored_msg_ids``, read-only, bounded at ``LOG_READ_S``): queued again,
+        such an entry (its writer killed between the store and the removal, or a live writer
+        still owing the removal through a Redis outage) was stored a second time past JetStream's
+        duplicate window. Younger entries the window covers. Nothing (logged) when the log cannot
+        be read: the entries are appended as before."""
+        wall = time.time()
+        old = [e for e in entries if wall - e.event.ts >= LOG_CHECK_AGE_S]
+        if not old:
+            return set()
+        bus = self.queue.bus
+        since = min(e.event.ts for e in old) - LOG_SKEW_S
+        ids: set[str] = set()
+        try:
+            async with asyncio.timeout(LOG_READ_S):
+                for kind in sorted({e.event.kind for e in old}):
+                    try:
+                        on = subjects.events(job_id, kind, bus.role)
+                    except SubjectError:
+                        continue  # not this role's kind: the queue refuses it anyway
+                    ids |= await bus.stored_msg_ids(on, since, timeout=LOG_READ_S)
+        except (TransportError, TimeoutError) as exc:
+            log.warning("job %s: the log not read for %d %s outbox entries stamped over %g s ago (%s): "
+                        "appended again (one stored over 2 min ago is then stored twice)", job_id, len(old),
+                        self.owner, LOG_CHECK_AGE_S, exc or "timed out")
+            return set()
+        return ids
 
     def _put(self, entry: OutboxEntry, outbox: EventOutbox, *stored: bytes) -> None:
         """Queue ``entry``; once stored, every entry saved as one of ``stored`` (its own text,

@@ -207,8 +207,9 @@ _STREAM_CREATORS = (_RM,)
 JS_STREAM_ENSURE = (f"$JS.API.STREAM.INFO.{EVENTS_STREAM}", f"$JS.API.STREAM.CREATE.{EVENTS_STREAM}")
 JS_DIRECT_GET = f"$JS.API.DIRECT.GET.{EVENTS_STREAM}"
 """Reading one stored event at a time (``Bus.stored_msg_ids``): read-only, no consumer made or
-changed. The trainer's: the next gang's rank 0 drops the outbox entries the log already holds."""
-_DIRECT_READERS = (_T,)
+changed. Every role that appends another life's outbox entries (the trainer's next gang, the
+request manager, the detector, a replica) drops those the log already holds."""
+_DIRECT_READERS = (_T, _RM, _D, _R)
 JS_EVENTS_PURGE = f"$JS.API.STREAM.PURGE.{EVENTS_STREAM}"
 """Purging a job's events (a deleted job's log): the controller's, under its JS_API."""
 

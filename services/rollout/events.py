@@ -21,8 +21,9 @@ retrying is then appended twice under one message id: JetStream stores it once (
 2-min duplicate window), and a removal of an entry already gone is a no-op. One stored whose
 removal failed is skipped by the replica that owes the removal, and left by the others for
 ``ORPHAN_AFTER_S``, longer than the owner takes to retry it; a replica's stop takes every entry,
-so one stopping just as Redis comes back may still append such an entry again (stored twice if
-its first store was more than 2 min before).
+and one stopping just as Redis comes back appended such an entry again (stored twice if its first
+store was more than 2 min before): every read now looks entries stamped a minute ago or more up in
+the log first and only removes those it finds there (``OutboxWriter._in_log``).
 
 A replica's serving path must never wait on Redis: the outbox is used in its bounded mode, every
 call cut at ``REDIS_CALL_S``; a save that fails is logged and the event queued in memory only
