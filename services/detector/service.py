@@ -50,6 +50,7 @@ MARKS_CALL_S = 1.0
 """How long one read or write of a job's member marks may take (off the tick)."""
 MARKS_READ_TRIES = 3
 MARKS_RETRY_S = 1.0
+MARKS_RETRY_MAX_S = 30.0
 MIN_TICK_S = 0.05
 MAX_TICK_S = 1.0
 JOB_END_EVENTS = frozenset({"job_finished", "job_failed", "job_stopped"})
@@ -329,6 +330,7 @@ class DetectorService:
     async def _marks_loop(self) -> None:
         """The one writer of every job's marks, off the tick (which never waits on Redis); what
         failed is written again after ``MARKS_RETRY_S``. In order: one write at a time."""
+        pause = MARKS_RETRY_S
         while True:
             await self._marks_wake.wait()
             self._marks_wake.clear()
@@ -340,12 +342,14 @@ class DetectorService:
                 try:
                     await asyncio.wait_for(self._redis.hset(Keys.detector_marks(mon.job_id), mapping=marks),
                                            MARKS_CALL_S)
+                    pause = MARKS_RETRY_S
                 except Exception as exc:
                     mon.dirty |= members
-                    log.warning("job %s: member marks not saved (again in %.0fs): %s", mon.job_id,
-                                MARKS_RETRY_S, exc)
-                    await asyncio.sleep(MARKS_RETRY_S)
+                    log.warning("job %s: member marks not saved (again in %.0fs): %s", mon.job_id, pause, exc)
+                    await asyncio.sleep(pause)
+                    pause = min(MARKS_RETRY_MAX_S, 2 * pause)  # (a refusal, e.g. an older ACL, is not retried each second)
                     self._marks_wake.set()
+                    break
 
     async def _probe(self, mon: JobMonitor, probe: ProbeRequest, timeout_s: float) -> None:
         try:
