@@ -56,7 +56,7 @@ from robustrl.services.controller.takeover import Restorer
 from robustrl.services.request_manager.eventlog import STOP_DRAIN_S as RM_STOP_DRAIN_S
 from robustrl.storage.fencing import read_gang
 from robustrl.storage.control_stores import JobRegistry
-from robustrl.storage.redis_stores import BatchStore
+from robustrl.storage.redis_stores import BatchStore, Keys
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,11 @@ CLOSE_ROUNDS = 3
 LAUNCHER_CLOSE_S = 60.0
 """At close, the wait for the launcher to stop every member (its thread runs on past it)."""
 FAIL_START_RETRY_MAX_S = 10.0
+EVENTS_SETTLE_S = 30.0
+"""How long a stop waits, before it stops the members, for the job's event outboxes to be empty
+(``_events_settled``: a JetStream outage at the job's end; JetStream's own retry budget)."""
+EVENTS_SETTLE_POLL_S = 0.25
+EVENTS_SETTLE_CALL_S = 1.0
 STOP_RETRY_MAX_S = 30.0
 """Longest pause before a stop that failed part-way is carried out again (``retry_stops``)."""
 """A job whose start failed is failed; a Redis error on the way is retried, backing off to this."""
@@ -698,6 +703,7 @@ class Controller:
         # (the request manager acknowledges once the job's events are in its log, up to its
         # STOP_DRAIN_S: the final event then ends the log)
         await self.control_rm(job, "stop", attempts=1, timeout_s=RM_STOP_DRAIN_S + RM_ACK_TIMEOUT_S, pace_last=False)
+        await self._events_settled(job, EVENTS_SETTLE_S)
         # Fenced like a start: a controller deposed while it waited (up to 12 s) for the request
         # manager must neither kill the members a new leader adopted (their exits would be faults
         # to it) nor end the job's log (an outside review: both happened). The new leader finds
@@ -728,6 +734,35 @@ class Controller:
         self._stopping.pop(job.job_id, None)
         stop["ended"].set()  # (a deletion waiting for the final record: ``JobDeleter``)
         return job
+
+    async def _events_settled(self, job: JobRun, bound_s: float) -> None:
+        """Wait, up to ``bound_s``, until the job's event outboxes in Redis are empty: the request
+        manager's and the detector's, and the trainer's and the rollout replicas' while a member
+        of that role is live to append them. Only those members append their role's outboxes
+        (NATS lets each role write its own events); stopped while JetStream was away, they left
+        their last events (the last ``step_committed``, a ``weights_loaded``) there for good, the
+        log without them, and any event appended after this stop's final one would break the
+        log's order (an outside review). Nothing waits when JetStream is up (the outboxes are
+        empty); past the bound (a longer outage) the stop goes on, logged."""
+        live = {m.role for m in job.live()}
+        keys = [Keys.rm_outbox(job.job_id), Keys.detector_outbox(job.job_id)]
+        keys += [Keys.trainer_outbox(job.job_id)] if "trainer" in live else []
+        keys += [Keys.rollout_outbox(job.job_id)] if "rollout" in live else []
+        deadline = time.monotonic() + bound_s
+        while True:
+            try:
+                sizes = {k: await within(self.redis.llen(k), EVENTS_SETTLE_CALL_S) for k in keys}
+            except Exception as exc:  # Redis away: nothing to learn here; the stop goes on
+                log.warning("job %s: event outboxes not read before the stop: %s", job.job_id, exc)
+                return
+            owed = {k: n for k, n in sizes.items() if n}
+            if not owed:
+                return
+            if time.monotonic() >= deadline:
+                log.error("job %s: events still owed after %g s, stopping all the same: %s", job.job_id,
+                          bound_s, owed)
+                return
+            await asyncio.sleep(EVENTS_SETTLE_POLL_S)
 
     async def _still_leading(self, job: JobRun, what: str) -> None:
         """Raise ``LeaseLost`` unless this controller holds the newest lease term (one Redis read)."""

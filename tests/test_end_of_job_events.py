@@ -1,0 +1,129 @@
+"""A JetStream outage at a job's end loses none of the members' last events.
+
+Only a role's own members may append its events (NATS permissions name the writer's role), and a
+trainer's or a replica's events wait in its job's outbox (Redis) until JetStream stores them. The
+controller finished a job on the last commit message (core NATS) and stopped the members after the
+request manager's bounded drain: with JetStream away for longer, the trainer's last
+``step_committed`` (and a replica's last ``weights_loaded``) stayed in the outboxes for good, no
+member left to append them, and the log lacked them (an outside review). Now the stop waits,
+bounded (``EVENTS_SETTLE_S``), for the job's event outboxes to be empty before it stops the
+members. A real stack; JetStream is made to refuse ``step_committed`` from just after the step before the last one
+until 20 s after the last one's commit message; judged from the raw log, raw Redis and the auditor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+
+import nats
+import pytest
+from jobs import kinds, small_job, wait_done
+from support import audit_sampled, sample_batches
+
+from robustrl.audit.model import AuditOptions
+from robustrl.client import ApiClient
+from robustrl.stack import Stack
+from robustrl.storage.redis_stores import Keys, connect
+from robustrl.subjects import EVENT_OWNERS, EVENTS_ALL, EVENTS_STREAM, Verb, events, subject
+
+pytestmark = pytest.mark.timeout(240)
+
+STEPS = 4
+MEMBER_KINDS = frozenset({"step_committed", "weights_published", "weights_loaded", "member_ready", "batch_ready",
+                          "step_started", "work_lost", "turn_regenerated"})
+OUTAGE_AFTER_LAST_COMMIT_S = 20.0
+"""Longer than the request manager's stop drain (10 s) plus a member's own close drain (4 s): the
+members were stopped before JetStream came back."""
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    st = Stack(tmp_path_factory.mktemp("end-of-job-events"))
+    st.start()
+    try:
+        yield st
+    finally:
+        st.stop()
+
+
+def _all_but_step_committed() -> list[str]:
+    """The event stream's subjects without the trainer's ``step_committed``: JetStream then refuses
+    that event alone (a trainer publishes a step's weights, a required event, before its commit:
+    an outage of the whole stream holds the commit back; this is the state an outage that begins
+    between the two leaves)."""
+    return sorted(f"rrl.events.*.{owner.value}.{kind}" for kind, owners in EVENT_OWNERS.items()
+                  for owner in owners if (owner.value, kind) != ("trainer", "step_committed"))
+
+
+async def _outage_over_the_last_step(nats_url: str, job_id: str, parked: threading.Event) -> None:
+    """Refuse ``step_committed`` events once step ``STEPS - 2``'s is stored (seen on its event
+    subject), and take them again ``OUTAGE_AFTER_LAST_COMMIT_S`` after the last step's commit
+    message (core NATS). (An earlier step's refused event would hold the last step's weights
+    back: a required event waits for those owed before it.)"""
+    nc = await nats.connect(nats_url, connect_timeout=5)
+    js = nc.jetstream()
+    stored: asyncio.Queue[int] = asyncio.Queue()
+    committed: asyncio.Queue[int] = asyncio.Queue()
+
+    async def on_event(msg: nats.aio.msg.Msg) -> None:
+        stored.put_nowait(int(json.loads(msg.data)["data"]["step"]))
+
+    async def on_commit(msg: nats.aio.msg.Msg) -> None:
+        committed.put_nowait(int(json.loads(msg.data)["step"]))
+
+    await nc.subscribe(events(job_id, "step_committed", "trainer"), cb=on_event)
+    await nc.subscribe(subject(job_id, Verb.COMMIT), cb=on_commit)
+    try:
+        while await asyncio.wait_for(stored.get(), 120) < STEPS - 2:
+            pass
+        config = (await js.stream_info(EVENTS_STREAM)).config
+        config.subjects = _all_but_step_committed()
+        await js.update_stream(config)
+        parked.set()
+        try:
+            while await asyncio.wait_for(committed.get(), 120) < STEPS - 1:
+                pass
+            await asyncio.sleep(OUTAGE_AFTER_LAST_COMMIT_S)  # the outage's length, not a wait for a state
+        finally:
+            config.subjects = [EVENTS_ALL]
+            await js.update_stream(config)
+    finally:
+        await nc.close()
+
+
+def test_the_last_steps_events_reach_the_log_though_jetstream_was_away_at_the_end(stack: Stack) -> None:
+    api = ApiClient(stack.api_url, stack.settings.api_token)
+    spec = small_job("eoj", steps=STEPS, rollout={"replicas": 1}, trainer={"workers": 1})
+    jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, jid)
+    parked = threading.Event()
+    outage = threading.Thread(target=lambda: asyncio.run(_outage_over_the_last_step(stack.settings.nats_url, jid,
+                                                                                       parked)))
+    outage.start()
+    try:
+        status = wait_done(api, jid, timeout=200)
+    finally:
+        outage.join(150)
+    assert parked.is_set(), "the outage never began"
+    assert status["status"] == "finished" and status["committed_step"] == STEPS - 1, status
+    events = api.events(jid)
+    assert sorted({c["step"] for c in kinds(events, "step_committed")}) == list(range(STEPS))
+    final = [i for i, e in enumerate(events) if e["kind"] == "job_finished"]
+    assert len(final) == 1, final
+    late = [e["kind"] for e in events[final[0]:] if e["kind"] in MEMBER_KINDS]
+    assert late == [], f"events of the job's work after its final event: {late}"
+
+    async def outboxes() -> dict[str, int]:
+        redis = connect(stack.settings.redis_url)
+        try:
+            return {k: await redis.llen(k) for k in (Keys.trainer_outbox(jid), Keys.rollout_outbox(jid),
+                                                     Keys.rm_outbox(jid), Keys.detector_outbox(jid))}
+        finally:
+            await redis.aclose()
+
+    assert not any((left := asyncio.run(outboxes())).values()), left
+    report = audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))
+    assert report.facts["trainer_outbox_unappended"] == 0, report.facts
