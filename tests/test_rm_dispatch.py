@@ -701,3 +701,33 @@ async def test_a_dispatch_whose_record_fails_leaves_no_turn_outstanding(servers,
         await eventually_async(lambda: [s for s in h.rm_samples[seen:] if s.inflight == 0], timeout=10,
                                what="a request-manager sample with no turn in flight")
         assert calls["n"] > 1
+
+
+async def test_turns_waiting_for_a_version_their_replica_fell_back_from_strike_no_replica(servers):
+    """A replica took step 1's turns at v1 and then followed a trainer rollback down to v0 (the new
+    gang announced an older version): the turns wait in the replica for v1 past their deadline.
+    They are dispatched again, but three of them struck the replica and reported it unresponsive:
+    healthy replicas were replaced in the middle of a trainer recovery (an outside review).
+    Judged from the faults the request manager reports and the re-dispatches it logs."""
+    async with Harness(servers, rm_spec("rollback", steps=2, turn_deadline_s=2.0)) as h:
+        r0 = await h.replica("r0", version=0)
+        await h.start_rm()
+        await eventually_async(lambda: h.batches.get(0), timeout=30, what="step 0 handed over")
+        r0.hold = lambda msg: msg.step == 1  # step 1's turns are kept, never answered
+        await r0.set_version(1)
+        await h.commit(0)
+        await eventually_async(lambda: len([m for m in r0.held if m.step == 1]) >= 3, timeout=20,
+                               what="step 1's turns held by r0")
+        await r0.set_version(0)  # the rollback: it now holds an older version than they need
+        async def by_deadline() -> list[dict[str, Any]]:
+            return [d for d in await h.events("episode_redispatched") if d["cause"] == "turn_deadline"]
+
+        redispatched = await eventually_async(lambda: _at_least(by_deadline, 3), timeout=20,
+                                              what="the held turns dispatched again past their deadline")
+        assert len(redispatched) >= 3
+        assert [f for f in h.faults if f.member_id == "r0"] == [], h.faults
+
+
+async def _at_least(read: Any, n: int) -> list[dict[str, Any]] | None:
+    got = await read()
+    return got if len(got) >= n else None

@@ -128,6 +128,7 @@ class Pending:
     adopted_at: float | None = None  # monotonic; set when taken over from a record in Redis
     bus_disconnects: int = 0  # this service's NATS disconnects when it was sent (see _failed)
     sent_while_down: bool = False  # sent while this service's NATS connection was down
+    min_version: int = 0  # the weights version the turn needs (its replica waits for it if behind)
 
     def outlived_a_bus_outage(self, bus: Bus) -> bool:
         """This service's NATS connection went down since the turn was sent, or was down when it
@@ -475,10 +476,11 @@ class Dispatcher:
             return res, pend.request_id
 
     def _register(self, request_id: str, ep: EpisodeRecord, member_id: str, sent_at: float,
-                  adopted: bool = False) -> Pending:
+                  adopted: bool = False, min_version: int = 0) -> Pending:
         fut: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
         pend = Pending(request_id, ep.episode_id, len(ep.turns), member_id, sent_at, fut,
-                       time.monotonic() if adopted else None, self.bus.disconnects, not self.bus.connected)
+                       time.monotonic() if adopted else None, self.bus.disconnects, not self.bus.connected,
+                       min_version)
         self.pending[request_id] = pend
         self.replicas.setdefault(member_id, Replica(member_id)).inflight.add(request_id)
         return pend
@@ -503,7 +505,7 @@ class Dispatcher:
     async def _dispatch(self, ep: EpisodeRecord, step: int, stop_on_call: bool, avoid: set[str]) -> Pending:
         rep = await self.pick(step, avoid)
         req_id = uuid.uuid4().hex[:16]
-        pend = self._register(req_id, ep, rep.member_id, time.time())
+        pend = self._register(req_id, ep, rep.member_id, time.time(), min_version=self.min_version(step))
         try:
             # Recorded before it is sent: a restarted request manager knows whom to wait for.
             await self.records.record(ep.episode_id, {"turn": pend.turn, "request_id": req_id,
@@ -514,7 +516,7 @@ class Dispatcher:
                 prefix_ids=ep.prefix_ids(), max_new_tokens=self.spec.rollout.max_new_tokens,
                 temperature=self.spec.rollout.temperature, top_p=self.spec.rollout.top_p,
                 seed=tasks.request_seed(self.spec.seed, ep.episode_id, len(ep.turns)),
-                stop_on_call=stop_on_call, min_version=self.min_version(step), turn=len(ep.turns))
+                stop_on_call=stop_on_call, min_version=pend.min_version, turn=len(ep.turns))
             await self.bus.publish(subject(self.job_id, Verb.GENERATE, rep.member_id), msg)
         except BaseException:
             # A dispatch that failed (its record refused, the step's attempt cancelled meanwhile)
@@ -571,6 +573,13 @@ class Dispatcher:
                 # NATS went away while the turn was out (a server restart): the request or its reply
                 # was lost on the bus, which is no evidence against the replica (seen: both replicas
                 # reported unresponsive and replaced after a NATS restart).
+                rep = None
+            if rep is not None and rep.version < pend.min_version:
+                # The replica holds an older version than the turn needs (a trainer rollback: it
+                # followed the new gang down, and the turn waits in ``awaiting_version`` until the
+                # new gang publishes that version again): waiting is its job, no evidence against
+                # it. Struck, healthy replicas were replaced in the middle of a trainer recovery
+                # (an outside review); the weights path has its own bound (``wait_version``).
                 rep = None
             if pend.adopted_at is not None:
                 # Sent by a past life of this service: the reply may have come while no request
