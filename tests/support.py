@@ -408,3 +408,20 @@ def audit_sampled(settings: Any, job_id: str, sampler: BatchSampler, options: An
         raise AssertionError(f"steps {unjudged} of {job_id} were neither in Redis at the audit nor sampled "
                              f"live (samples torn by a collection, by step: {sampler.torn}); {report.facts}")
     return report
+
+
+async def duplicate_window(nats_url: str, seconds: float) -> float:
+    """Set the event stream's JetStream duplicate window (2 min in service; a test cuts it so that a
+    second append under one message id is a second entry); return the one it had."""
+    from robustrl.subjects import EVENTS_STREAM
+
+    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=0)
+    try:
+        js = nc.jetstream()
+        config = (await js.stream_info(EVENTS_STREAM)).config
+        before = float(config.duplicate_window or 120.0)
+        config.duplicate_window = seconds
+        await js.update_stream(config)
+        return before
+    finally:
+        await nc.close()

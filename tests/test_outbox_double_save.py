@@ -23,13 +23,12 @@ import asyncio
 import uuid
 from typing import Any
 
-import nats
 import pytest
 import rm_harness
 from redis.exceptions import ConnectionError as RedisConnectionError
 from rm_harness import Harness, rm_spec
 from robustrl.services.rollout.events import ReplicaEvents
-from support import eventually_async
+from support import duplicate_window, eventually_async
 
 from robustrl.audit.raw import read_event_log
 from robustrl.bus import Bus
@@ -40,7 +39,7 @@ from robustrl.infra.credentials import Credentials, role_settings
 from robustrl.messages import ControlCommand, Event
 from robustrl.storage.control_stores import OutboxEntry, RmOutbox
 from robustrl.storage.redis_stores import Keys, connect
-from robustrl.subjects import EVENTS_STREAM, Principal, Verb, subject
+from robustrl.subjects import Principal, Verb, subject
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -49,19 +48,6 @@ WINDOW_S = 1.0
 PAST_WINDOW_S = 1.5
 """A wait past the cut window, from the event's store: a second append then is a second entry."""
 
-
-async def _duplicate_window(nats_url: str, seconds: float) -> float:
-    """Set the event stream's duplicate window; return the one it had."""
-    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=0)
-    try:
-        js = nc.jetstream()
-        config = (await js.stream_info(EVENTS_STREAM)).config
-        before = float(config.duplicate_window or 120.0)
-        config.duplicate_window = seconds
-        await js.update_stream(config)
-        return before
-    finally:
-        await nc.close()
 
 
 async def _ensure_stream(nats_url: str) -> None:
@@ -99,7 +85,7 @@ async def test_a_request_managers_save_carried_out_twice_is_stored_once_past_the
     stop reads the outbox again (``_ack_when_drained``). The log holds ``batch_ready`` once and
     the outbox is empty."""
     await _ensure_stream(servers.nats_url)
-    window = await _duplicate_window(servers.nats_url, WINDOW_S)
+    window = await duplicate_window(servers.nats_url, WINDOW_S)
     try:
         async with Harness(servers, rm_spec("dup", steps=1)) as h:
             outbox = Keys.rm_outbox(h.job_id)
@@ -126,7 +112,7 @@ async def test_a_request_managers_save_carried_out_twice_is_stored_once_past_the
             assert [d["step"] for d in logged] == [0], logged
             assert left == [], left
     finally:
-        await _duplicate_window(servers.nats_url, window)
+        await duplicate_window(servers.nats_url, window)
 
 
 async def test_a_replicas_save_carried_out_twice_is_stored_once_past_the_window(servers: Settings) -> None:
@@ -141,7 +127,7 @@ async def test_a_replicas_save_carried_out_twice_is_stored_once_past_the_window(
     pushed = _push_twice(redis, Keys.rollout_outbox(job_id))
     bus = await Bus.connect(role.nats_url, "rollout-dup", role="rollout")
     events = ReplicaEvents(bus, job_id, redis)
-    window = await _duplicate_window(servers.nats_url, WINDOW_S)
+    window = await duplicate_window(servers.nats_url, WINDOW_S)
     try:
         assert await events.emit("weights_loaded", {"member_id": "r-0", "version": 1, "checksum": "c",
                                                     "verified": True})
@@ -157,7 +143,7 @@ async def test_a_replicas_save_carried_out_twice_is_stored_once_past_the_window(
         assert await admin.exists(Keys.rollout_outbox(job_id)) == 0
     finally:
         await events.close(0.5)
-        await _duplicate_window(servers.nats_url, window)
+        await duplicate_window(servers.nats_url, window)
         await bus.close()
         await redis.aclose()
         await admin.aclose()
@@ -203,7 +189,7 @@ async def test_a_strict_removal_failing_past_the_window_does_not_publish_the_eve
     log holds it once, and the outbox is empty."""
     job_id, bus, admin, redis, queue, writer = await _strict_writer(servers, "settle")
     removals = _Removals(redis)
-    window = await _duplicate_window(servers.nats_url, WINDOW_S)
+    window = await duplicate_window(servers.nats_url, WINDOW_S)
     try:
         assert await writer.give(_entry(job_id, f"{job_id}-batch_ready-0"))
         await eventually_async(lambda: _logged(servers.nats_url, job_id, "batch_ready"), timeout=10,
@@ -219,7 +205,7 @@ async def test_a_strict_removal_failing_past_the_window_does_not_publish_the_eve
     finally:
         removals.failing = False
         await queue.close(0.5)
-        await _duplicate_window(servers.nats_url, window)
+        await duplicate_window(servers.nats_url, window)
         await bus.close()
         await redis.aclose()
         await admin.aclose()
@@ -236,7 +222,7 @@ async def test_entries_of_one_message_id_read_from_the_outbox_are_queued_once(se
     assert first.model_dump_json() != second.model_dump_json()  # (stamped apart)
     await admin.rpush(Keys.rm_outbox(job_id), first.model_dump_json(), second.model_dump_json())
     removals = _Removals(redis)
-    window = await _duplicate_window(servers.nats_url, WINDOW_S)
+    window = await duplicate_window(servers.nats_url, WINDOW_S)
     try:
         found = await writer.recover(job_id)
         await eventually_async(lambda: _logged(servers.nats_url, job_id, "batch_ready"), timeout=10,
@@ -251,7 +237,7 @@ async def test_entries_of_one_message_id_read_from_the_outbox_are_queued_once(se
     finally:
         removals.failing = False
         await queue.close(0.5)
-        await _duplicate_window(servers.nats_url, window)
+        await duplicate_window(servers.nats_url, window)
         await bus.close()
         await redis.aclose()
         await admin.aclose()

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 from robustrl.services.rollout.events import ReplicaEvents
-from support import eventually_async
-from test_outbox_double_save import PAST_WINDOW_S, WINDOW_S, _duplicate_window, _ensure_stream, _logged
+from support import duplicate_window, eventually_async
+from test_outbox_double_save import PAST_WINDOW_S, WINDOW_S, _ensure_stream, _logged
 
 from robustrl.bus import Bus
 from robustrl.config import Settings
@@ -74,12 +74,13 @@ async def test_an_entry_the_log_holds_is_removed_not_appended_again(servers: Set
     principal, outbox_type, kind, data = ROLES[role]
     await _ensure_stream(servers.nats_url)
     admin = connect(servers.redis_url)
-    window = await _duplicate_window(servers.nats_url, WINDOW_S)
-    job_id, bus, redis, entry = await _stored_and_left(servers, principal, outbox_type, kind, data, age_s=90.0)
+    window = await duplicate_window(servers.nats_url, WINDOW_S)
+    job_id, bus, redis, _entry = await _stored_and_left(servers, principal, outbox_type, kind, data, 90.0)
     queue = EventQueue(bus, name=f"events-{job_id}")
     writer = OutboxWriter(queue, lambda job: outbox_type(redis, job), owner=role)
     try:
-        await eventually_async(lambda: _logged(servers.nats_url, job_id, kind), timeout=10, what="the first store")
+        await eventually_async(lambda: _logged(servers.nats_url, job_id, kind), timeout=10,
+                               what="the first store")
         await asyncio.sleep(PAST_WINDOW_S)  # past the (cut) window from the store
         queued = await writer.recover(job_id)
         assert await queue.drain(10.0)
@@ -88,7 +89,7 @@ async def test_an_entry_the_log_holds_is_removed_not_appended_again(servers: Set
         assert await admin.exists(outbox_type(admin, job_id).key) == 0
     finally:
         await queue.close(0.5)
-        await _duplicate_window(servers.nats_url, window)
+        await duplicate_window(servers.nats_url, window)
         await bus.close()
         await redis.aclose()
         await admin.aclose()
@@ -101,18 +102,19 @@ async def test_a_stopping_replica_does_not_append_again_what_a_live_peer_stored(
     principal, outbox_type, kind, data = ROLES["rollout"]
     await _ensure_stream(servers.nats_url)
     admin = connect(servers.redis_url)
-    window = await _duplicate_window(servers.nats_url, WINDOW_S)
-    job_id, bus, redis, entry = await _stored_and_left(servers, principal, outbox_type, kind, data, age_s=90.0)
+    window = await duplicate_window(servers.nats_url, WINDOW_S)
+    job_id, bus, redis, _entry = await _stored_and_left(servers, principal, outbox_type, kind, data, 90.0)
     stopping = ReplicaEvents(bus, job_id, redis)
     try:
-        await eventually_async(lambda: _logged(servers.nats_url, job_id, kind), timeout=10, what="the first store")
+        await eventually_async(lambda: _logged(servers.nats_url, job_id, kind), timeout=10,
+                               what="the first store")
         await asyncio.sleep(PAST_WINDOW_S)
         await stopping.close(5.0)
         assert len(await _logged(servers.nats_url, job_id, kind)) == 1
         assert await admin.exists(outbox_type(admin, job_id).key) == 0
     finally:
         await stopping.close(0.5)
-        await _duplicate_window(servers.nats_url, window)
+        await duplicate_window(servers.nats_url, window)
         await bus.close()
         await redis.aclose()
         await admin.aclose()

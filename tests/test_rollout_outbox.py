@@ -27,7 +27,7 @@ from typing import Any
 
 import nats
 import pytest
-from support import eventually_async, own_servers
+from support import duplicate_window, eventually_async, own_servers
 from test_detector_outbox import SilentServer, _jetstream_away
 from test_rollout_replica import START_S, WAIT_S, make_version
 
@@ -352,7 +352,7 @@ async def test_an_entry_stored_whose_removal_failed_is_not_queued_again_by_a_rer
     bus = await Bus.connect(settings.nats_url, "rollout-reread", role="rollout")
     job_id = f"ro{uuid.uuid4().hex[:8]}"
     events = ReplicaEvents(bus, job_id, redis)
-    window = await _duplicate_window(embedded.settings.nats_url, 1.0)
+    window = await duplicate_window(embedded.settings.nats_url, 1.0)
     try:
         async with _jetstream_away(embedded.settings.nats_url):
             assert await events.emit("weights_loaded", {"member_id": "r-0", "version": 1, "checksum": "c",
@@ -370,28 +370,13 @@ async def test_an_entry_stored_whose_removal_failed_is_not_queued_again_by_a_rer
     finally:
         await admin.execute_command("CLIENT", "UNPAUSE")
         await events.close(0.5)
-        await _duplicate_window(embedded.settings.nats_url, window)
+        await duplicate_window(embedded.settings.nats_url, window)
         await bus.close()
         await redis.aclose()
         await admin.aclose()
     logged = [e for e in await read_event_log(embedded.settings.nats_url, job_id) if e.kind == "weights_loaded"]
     assert len(logged) == 1, [e.data for e in logged]
 
-
-async def _duplicate_window(nats_url: str, seconds: float) -> float:
-    """Set the event stream's duplicate window; return the one it had."""
-    from robustrl.subjects import EVENTS_STREAM
-
-    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=0)
-    try:
-        js = nc.jetstream()
-        config = (await js.stream_info(EVENTS_STREAM)).config
-        before = float(config.duplicate_window or 120.0)
-        config.duplicate_window = seconds
-        await js.update_stream(config)
-        return before
-    finally:
-        await nc.close()
 
 
 async def test_a_silent_redis_does_not_hold_the_replicas_events(embedded: EmbeddedInfra) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import nats
 import pytest
-from support import own_servers
+from support import duplicate_window, own_servers
 
 from robustrl.audit.raw import RawEvent, read_event_log
 from robustrl.bus import Bus, event_msg_id
@@ -59,19 +59,6 @@ def _trainer(embedded: EmbeddedInfra) -> Settings:
     assert embedded.settings and embedded.settings.credentials_file
     return role_settings(embedded.settings, Credentials.load(embedded.settings.credentials_file), Principal.TRAINER)
 
-
-async def _duplicate_window(nats_url: str, seconds: float) -> float:
-    """Set the event stream's duplicate window; return the one it had."""
-    nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=0)
-    try:
-        js = nc.jetstream()
-        config = (await js.stream_info(EVENTS_STREAM)).config
-        before = float(config.duplicate_window or 120.0)
-        config.duplicate_window = seconds
-        await js.update_stream(config)
-        return before
-    finally:
-        await nc.close()
 
 
 def _commit(job_id: str, step: int, epoch: int) -> OutboxEntry:
@@ -126,12 +113,12 @@ async def _check(embedded: EmbeddedInfra, trainer_nats: bool) -> tuple[float, li
     await operator.ensure_event_stream()
     await operator.close()
     job_id = f"tra{uuid.uuid4().hex[:8]}"
-    window = await _duplicate_window(embedded.settings.nats_url, 1.0)
+    window = await duplicate_window(embedded.settings.nats_url, 1.0)
     try:
         nats_url = _trainer(embedded).nats_url if trainer_nats else embedded.settings.nats_url
         took = await _next_gang_appends(embedded, nats_url, job_id)
     finally:
-        await _duplicate_window(embedded.settings.nats_url, window)
+        await duplicate_window(embedded.settings.nats_url, window)
     admin = connect(embedded.settings.redis_url)  # the operator's: reads the raw keys
     try:
         left = await admin.lrange(Keys.trainer_outbox(job_id), 0, -1)
@@ -140,7 +127,7 @@ async def _check(embedded: EmbeddedInfra, trainer_nats: bool) -> tuple[float, li
     return took, _commits(await read_event_log(embedded.settings.nats_url, job_id)), left
 
 
-async def test_a_commit_the_log_holds_is_not_appended_again_past_the_duplicate_window(
+async def test_a_commit_the_log_holds_is_not_appended_again_past_theduplicate_window(
         embedded: EmbeddedInfra) -> None:
     """Step 1's commit, stored and left in the outbox, is in the log once after the next gang's
     append (before: twice, ``[(1, 1), (1, 1), (2, 1)]``); step 2's, never stored, is appended once;
