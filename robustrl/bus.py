@@ -53,6 +53,8 @@ RECONNECT_WAIT_S = 0.2
 REQUEST_TIMEOUT_S = 2.0
 DRAIN_TIMEOUT_S = 2.0
 EVENT_READ_TIMEOUT_S = 5.0
+DIRECT_GET_START_TIME = (2, 11)
+"""The first nats-server version whose direct get honours ``start_time`` (``Bus.stored_msg_ids``)."""
 EVENT_FETCH_RETRIES = 8
 """Fetches of the event log JetStream may refuse as unavailable (503) before a read gives up."""
 EVENT_FETCH_RETRY_WAIT_S = 0.25
@@ -240,6 +242,13 @@ class Bus:
             TransportError: JetStream refused or did not answer (direct reads not enabled on the
                 stream, this NATS user not allowed them, the server away).
         """
+        server = self._nc.connected_server_version
+        version = (server.major, server.minor)
+        if version < DIRECT_GET_START_TIME:
+            # An older server ignores ``start_time``: the read would walk the subject's whole
+            # history (a superset, but slow on a long job); the caller falls back instead.
+            raise TransportError(f"events on {subject} not read: nats-server {version[0]}.{version[1]} "
+                                 "ignores a direct get's start_time (2.11 or later needed)", subject=subject)
         start = datetime.datetime.fromtimestamp(since, tz=datetime.UTC).isoformat()
         request: dict[str, Any] = {"start_time": start, "next_by_subj": subject}
         ids: set[str] = set()

@@ -109,6 +109,7 @@ class OutboxWriter:
         self._unremoved: list[tuple[EventOutbox, bytes]] = []
         self._seen: dict[str, dict[bytes, float]] = {}  # job -> entry read -> when first read (``_clock``)
         self._removing = asyncio.Lock()  # one ``retry_removals`` at a time
+        self._reading: dict[str, asyncio.Lock] = {}  # job -> one ``recover`` of its outbox at a time
 
     def outbox_read(self, job_id: str) -> bool:
         """Whether ``recover`` has read ``job_id``'s outbox once."""
@@ -140,11 +141,14 @@ class OutboxWriter:
         self._put(entry, outbox, text.encode())
         return True
 
-    async def recover(self, job_id: str, *, min_age_s: float = 0.0) -> int:
+    async def recover(self, job_id: str, *, min_age_s: float = 0.0, log_read_s: float = LOG_READ_S) -> int:
         """Queue what a previous life left in ``job_id``'s outbox (entries this writer queued
         itself, and ones it stored whose removal it still owes, are skipped); return how many.
         The entries of one message id (identical copies, or one event saved twice) are queued
         once, the first of them: its removal takes them all.
+        One read of a job's outbox at a time (the log look-up awaits between the read and the
+        queuing: two reads side by side queued an old entry twice).
+        ``log_read_s``: the bound of that look-up (``_in_log``; a replica's stop gives it less).
         ``min_age_s``: only entries this writer has seen in the outbox for at least this long
         (by its own clock, from the first read that found them: a stamp of another host's clock
         may be off by any amount), so a live peer's entry is left to the peer, which stores and
@@ -155,6 +159,10 @@ class OutboxWriter:
             TransportError: Redis failed (or, bounded, did not answer in time): the entries stay
                 for the next try.
         """
+        async with self._reading.setdefault(job_id, asyncio.Lock()):
+            return await self._recover(job_id, min_age_s, log_read_s)
+
+    async def _recover(self, job_id: str, min_age_s: float, log_read_s: float) -> int:
         outbox = self._outbox_of(job_id)
         found = 0
         entries = await self._redis(outbox.entries(), "read")
@@ -172,7 +180,7 @@ class OutboxWriter:
             texts = owed.setdefault(entry.msg_id, (entry, []))[1]
             if raw not in texts:  # (identical copies: one text, one LREM takes them all)
                 texts.append(raw)
-        in_log = await self._in_log(job_id, [entry for entry, _texts in owed.values()])
+        in_log = await self._in_log(job_id, [entry for entry, _texts in owed.values()], log_read_s)
         for entry, texts in owed.values():
             if entry.msg_id in in_log:
                 # Stored already (its writer died, or still owes the removal): out of the outbox only.
@@ -189,9 +197,9 @@ class OutboxWriter:
             log.warning("job %s: %d events of a previous %s found in the outbox", job_id, found, self.owner)
         return found
 
-    async def _in_log(self, job_id: str, entries: list[OutboxEntry]) -> set[str]:
+    async def _in_log(self, job_id: str, entries: list[OutboxEntry], bound_s: float = LOG_READ_S) -> set[str]:
         """The message ids of ``entries`` stamped ``LOG_CHECK_AGE_S`` ago or more that the job's log
-        already holds (``Bus.stored_msg_ids``, read-only, bounded at ``LOG_READ_S``): queued again,
+        already holds (``Bus.stored_msg_ids``, read-only, bounded at ``bound_s``): queued again,
         such an entry (its writer killed between the store and the removal, or a live writer
         still owing the removal through a Redis outage) was stored a second time past JetStream's
         duplicate window. Younger entries the window covers. Nothing (logged) when the log cannot
@@ -204,13 +212,13 @@ class OutboxWriter:
         since = min(e.event.ts for e in old) - LOG_SKEW_S
         ids: set[str] = set()
         try:
-            async with asyncio.timeout(LOG_READ_S):
+            async with asyncio.timeout(bound_s):
                 for kind in sorted({e.event.kind for e in old}):
                     try:
                         on = subjects.events(job_id, kind, bus.role)
                     except SubjectError:
                         continue  # not this role's kind: the queue refuses it anyway
-                    ids |= await bus.stored_msg_ids(on, since, timeout=LOG_READ_S)
+                    ids |= await bus.stored_msg_ids(on, since, timeout=bound_s)
         except (TransportError, TimeoutError) as exc:
             log.warning("job %s: the log not read for %d %s outbox entries stamped over %g s ago (%s): "
                         "appended again (one stored over 2 min ago is then stored twice)", job_id, len(old),

@@ -2400,3 +2400,49 @@ async def test_a_new_rank_0_ready_before_its_gang_start_returned_ends_the_recove
     assert [d["kind"] for d in of_kind(recovered, "recovered")] == ["trainer"]
     actions = [a for d in of_kind(await rig.events(job.job_id), "decision") for a in d["actions"]]  # type: ignore[union-attr]
     assert "RestartWholeJob" not in actions, actions
+
+
+async def _owe_trainer_event(rig: Rig, job_id: str, step: int, *, stored: bool) -> None:
+    """An entry in the job's trainer outbox (raw Redis), its event in the log (``stored``: the
+    removal failed) or not (JetStream refused it)."""
+    from robustrl.bus import event_msg_id
+    from robustrl.messages import Event
+    from robustrl.storage.control_stores import OutboxEntry, TrainerOutbox
+
+    event = Event(job_id=job_id, kind="step_committed", data={"step": step, "epoch": 1, "weights_version": step + 1,
+                                                              "checksum": "x", "durable_step": step})
+    entry = OutboxEntry(msg_id=event_msg_id(job_id, "step_committed"), event=event)
+    if stored:
+        trainer = await rig.connect("test-trainer", "trainer")
+        await trainer.emit_event(job_id, "step_committed", event.data, event.ts, msg_id=entry.msg_id)
+    await TrainerOutbox(rig.redis, job_id).add(entry)
+
+
+async def test_a_stop_does_not_wait_for_an_owed_event_the_log_already_holds(rig: Rig) -> None:
+    """A stop waits for the job's event outboxes to be empty before it stops the members (their
+    appenders); an entry whose event the log holds (stored, its removal failed: the trainer only
+    tries a removal again at its next commit, and there is none) held every stop for the whole
+    bound, 30 s (an outside review). It is looked up in the log and owes nothing."""
+    from robustrl.services.controller.runtime import EVENTS_SETTLE_S
+
+    c, job = await leading_job_at_step_0(rig, "owedstored")
+    await _owe_trainer_event(rig, job.job_id, 0, stored=True)
+    began = time.monotonic()
+    await c.stop_job(job.job_id, "stopped", "test")
+    took = time.monotonic() - began
+    assert took < EVENTS_SETTLE_S / 3, took
+
+
+async def test_a_job_failed_under_the_recovery_lock_waits_briefly_for_owed_events(rig: Rig) -> None:
+    """The same wait while the recovery lock is held (a job failed by a fault decision or a failed
+    start: every job's faults wait behind it): an event the log lacks and its live trainer owes
+    held the lock for the whole bound. Bounded at EVENTS_SETTLE_LOCKED_S there."""
+    from robustrl.services.controller.runtime import EVENTS_SETTLE_LOCKED_S, EVENTS_SETTLE_S
+
+    c, job = await leading_job_at_step_0(rig, "owedlocked")
+    await _owe_trainer_event(rig, job.job_id, 0, stored=False)
+    began = time.monotonic()
+    async with c.recovery.lock:
+        await c.stop_job(job.job_id, "failed", "test: failed by a fault decision")
+    took = time.monotonic() - began
+    assert EVENTS_SETTLE_LOCKED_S <= took < EVENTS_SETTLE_S / 2, took

@@ -475,3 +475,35 @@ async def test_a_stop_during_the_restart_scan_leaves_no_runner(servers, monkeypa
         await asyncio.wait_for(asyncio.gather(*rm._tasks), 20)  # the restart scan is over
         assert h.job_id not in rm.jobs, "a runner was made for a stopped job"
         assert await h.events("step_started") == [], "the stopped job ran after its stop's acknowledgement"
+
+
+async def test_a_job_whose_resume_keeps_failing_holds_no_other_jobs_left_events_back(servers, monkeypatch):
+    """A restarted request manager resumes the running jobs, then appends what every job's outbox
+    still holds. One job whose resume keeps failing (here its resume floor, always) held that scan
+    back for good once each resume was retried until it went through: another, ended job's event
+    its killed predecessor left in the outbox was never appended (an outside review). Judged from
+    the raw log and raw Redis."""
+    from robustrl.event_outbox import OutboxEntry
+    from robustrl.messages import Event
+    from robustrl.services.request_manager.service import RequestManager
+    from robustrl.storage.control_stores import JobRegistry, RmOutbox
+
+    async with Harness(servers, rm_spec("resnever", steps=1)) as a, Harness(servers, rm_spec("endedjob", steps=1)) as b:
+        real = RequestManager._resume_floor
+
+        async def floor(self: RequestManager, job_id: str) -> int:
+            if job_id == a.job_id:
+                raise TransportError("Redis refuses this job's keys (test)")
+            return await real(self, job_id)
+
+        monkeypatch.setattr(RequestManager, "_resume_floor", floor)
+        await JobRegistry(b.redis).put(b.job_id, {"spec": b.spec, "status": "finished"})
+        left = Event(job_id=b.job_id, kind="batch_ready", data={"step": 0, "reward_mean": 0.5})
+        await RmOutbox(b.redis, b.job_id).add(OutboxEntry(msg_id=f"{b.job_id}-batch_ready-0", event=left))
+        await a.start_rm(send_resume=False)
+        await eventually_async(lambda: b.events("batch_ready"), timeout=15, what="the ended job's left event logged")
+        await eventually_async(lambda: _empty(_outbox(b)), timeout=10, what="its outbox emptied")
+
+
+async def _empty(read) -> bool:  # type: ignore[no-untyped-def]
+    return not await read

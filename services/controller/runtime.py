@@ -55,9 +55,10 @@ from robustrl.services.controller.supervision import Supervisor
 from robustrl.services.controller.takeover import Restorer
 from robustrl.services.request_manager.eventlog import STOP_DRAIN_S as RM_STOP_DRAIN_S
 from robustrl.storage.fencing import read_gang
-from robustrl.storage.control_stores import JobRegistry
+from robustrl.storage.control_stores import JobRegistry, OutboxEntry
 from robustrl.storage.redis_stores import BatchStore, Keys
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
+from robustrl.subjects import events as event_subject
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,11 @@ FAIL_START_RETRY_MAX_S = 10.0
 EVENTS_SETTLE_S = 30.0
 """How long a stop waits, before it stops the members, for the job's event outboxes to be empty
 (``_events_settled``: a JetStream outage at the job's end; JetStream's own retry budget)."""
+EVENTS_SETTLE_LOCKED_S = 5.0
+"""The same, while the recovery lock is held (every job's faults wait behind it)."""
+EVENTS_SETTLE_LOOKUP_S = 2.0
+"""How often that wait looks the entries still owed up in the log (stored, their removal failed)."""
+OUTBOX_LOG_SKEW_S = 600.0
 EVENTS_SETTLE_POLL_S = 0.25
 EVENTS_SETTLE_CALL_S = 1.0
 STOP_RETRY_MAX_S = 30.0
@@ -702,8 +708,12 @@ class Controller:
     async def _carry_out_stop(self, job: JobRun, stop: dict[str, Any], status: str, reason: str | None) -> JobRun:
         # (the request manager acknowledges once the job's events are in its log, up to its
         # STOP_DRAIN_S: the final event then ends the log)
-        await self.control_rm(job, "stop", attempts=1, timeout_s=RM_STOP_DRAIN_S + RM_ACK_TIMEOUT_S, pace_last=False)
-        await self._events_settled(job, EVENTS_SETTLE_S)
+        rm_acked = await self.control_rm(job, "stop", attempts=1, timeout_s=RM_STOP_DRAIN_S + RM_ACK_TIMEOUT_S,
+                                         pace_last=False)
+        # Shorter while the recovery lock is held (a job failed by a fault decision or a failed
+        # start): every job's faults wait behind it (an outside review).
+        await self._events_settled(job, EVENTS_SETTLE_LOCKED_S if self.recovery.lock.locked() else EVENTS_SETTLE_S,
+                                   rm_acked=rm_acked)
         # Fenced like a start: a controller deposed while it waited (up to 12 s) for the request
         # manager must neither kill the members a new leader adopted (their exits would be faults
         # to it) nor end the job's log (an outside review: both happened). The new leader finds
@@ -735,34 +745,60 @@ class Controller:
         stop["ended"].set()  # (a deletion waiting for the final record: ``JobDeleter``)
         return job
 
-    async def _events_settled(self, job: JobRun, bound_s: float) -> None:
-        """Wait, up to ``bound_s``, until the job's event outboxes in Redis are empty: the request
-        manager's and the detector's, and the trainer's and the rollout replicas' while a member
-        of that role is live to append them. Only those members append their role's outboxes
-        (NATS lets each role write its own events); stopped while JetStream was away, they left
-        their last events (the last ``step_committed``, a ``weights_loaded``) there for good, the
-        log without them, and any event appended after this stop's final one would break the
-        log's order (an outside review). Nothing waits when JetStream is up (the outboxes are
-        empty); past the bound (a longer outage) the stop goes on, logged."""
+    async def _events_settled(self, job: JobRun, bound_s: float, *, rm_acked: bool = True) -> None:
+        """Wait, up to ``bound_s``, until the job's event outboxes in Redis owe nothing: the
+        request manager's (if it acknowledged the stop: else nobody appends it now) and the
+        detector's, and the trainer's and the rollout replicas' while a member of that role is
+        live to append them. Only those members append their role's outboxes (NATS lets each
+        role write its own events); stopped while JetStream was away, they left their last
+        events (the last ``step_committed``, a ``weights_loaded``) there for good, the log
+        without them, and an event appended after this stop's final one would break the log's
+        order (an outside review). An entry whose event the log already holds (stored, its
+        removal failed) owes nothing (``Bus.stored_msg_ids``). Nothing waits when JetStream is
+        up (the outboxes are empty); past the bound (a longer outage) the stop goes on, logged."""
         live = {m.role for m in job.live()}
-        keys = [Keys.rm_outbox(job.job_id), Keys.detector_outbox(job.job_id)]
-        keys += [Keys.trainer_outbox(job.job_id)] if "trainer" in live else []
-        keys += [Keys.rollout_outbox(job.job_id)] if "rollout" in live else []
+        roles = {Keys.detector_outbox(job.job_id): "detector"}
+        roles |= {Keys.rm_outbox(job.job_id): "request_manager"} if rm_acked else {}
+        roles |= {Keys.trainer_outbox(job.job_id): "trainer"} if "trainer" in live else {}
+        roles |= {Keys.rollout_outbox(job.job_id): "rollout"} if "rollout" in live else {}
         deadline = time.monotonic() + bound_s
+        stored: set[str] = set()
+        looked_up_at = time.monotonic()
         while True:
             try:
-                sizes = {k: await within(self.redis.llen(k), EVENTS_SETTLE_CALL_S) for k in keys}
+                raws = {k: await within(self.redis.lrange(k, 0, -1), EVENTS_SETTLE_CALL_S) for k in roles}
             except Exception as exc:  # Redis away: nothing to learn here; the stop goes on
                 log.warning("job %s: event outboxes not read before the stop: %s", job.job_id, exc)
                 return
-            owed = {k: n for k, n in sizes.items() if n}
+            owed = {k: [e for e in map(_outbox_entry, v) if e is None or e.msg_id not in stored]
+                    for k, v in raws.items()}
+            owed = {k: v for k, v in owed.items() if v}
             if not owed:
                 return
             if time.monotonic() >= deadline:
                 log.error("job %s: events still owed after %g s, stopping all the same: %s", job.job_id,
-                          bound_s, owed)
+                          bound_s, {k: len(v) for k, v in owed.items()})
                 return
+            if time.monotonic() - looked_up_at >= EVENTS_SETTLE_LOOKUP_S:
+                looked_up_at = time.monotonic()
+                stored |= await self._stored_of(job, {roles[k]: v for k, v in owed.items()})
+                continue
             await asyncio.sleep(EVENTS_SETTLE_POLL_S)
+
+    async def _stored_of(self, job: JobRun, owed: dict[str, list[OutboxEntry | None]]) -> set[str]:
+        """The message ids of ``owed`` entries (by writer role) the job's log holds; none if it
+        cannot be read within ``EVENTS_SETTLE_CALL_S`` a request."""
+        ids: set[str] = set()
+        try:
+            for role, entries in owed.items():
+                kept = [e for e in entries if e is not None]
+                for kind in sorted({e.event.kind for e in kept}):
+                    on = event_subject(job.job_id, kind, role)
+                    since = min(e.event.ts for e in kept if e.event.kind == kind) - OUTBOX_LOG_SKEW_S
+                    ids |= await self.bus.stored_msg_ids(on, since, timeout=EVENTS_SETTLE_CALL_S)
+        except Exception as exc:  # (a malformed kind, JetStream away): the wait goes on
+            log.info("job %s: the log not read for owed events: %s", job.job_id, exc)
+        return ids
 
     async def _still_leading(self, job: JobRun, what: str) -> None:
         """Raise ``LeaseLost`` unless this controller holds the newest lease term (one Redis read)."""
@@ -952,3 +988,11 @@ class Controller:
             # Stopping waits for members to exit (the trainer finishes its last upload): do it
             # in a task, so this subscription keeps delivering other jobs' commits meanwhile.
             self.spawn(self.stop_job(job.job_id, "finished"))
+
+
+def _outbox_entry(raw: bytes) -> OutboxEntry | None:
+    """An outbox entry as stored (None: one that does not parse, still owed: its appender drops it)."""
+    try:
+        return OutboxEntry.model_validate_json(raw)
+    except ValueError:
+        return None

@@ -130,20 +130,29 @@ class RequestManager:
 
     async def _resume_one(self, job_id: str) -> str | None:
         """Resume ``job_id`` after a restart; return it, or None when the controller does not run
-        it (any more). A failure is tried again, ``RESUME_RETRY_S`` doubling to
-        ``RESUME_RETRY_MAX_S``, while the registry still says the job runs and it was not
-        stopped; a runner a ``resume`` command made meanwhile is the one started."""
+        it (any more) or the first try failed: then it is tried again in the background
+        (``_resume_again``), so the outbox scan that follows the resumes waits for no job that
+        keeps failing (a model directory it cannot read would hold every other job's left events
+        back for good: an outside review)."""
+        try:
+            job = await self._ensure_job(job_id, resumed=True)
+        except Exception as exc:
+            log.error("job %s: not resumed after the restart (%s): tried again in %.0f s", job_id, exc,
+                      RESUME_RETRY_S)
+            self._tasks.append(asyncio.create_task(self._resume_again(job_id)))
+            return None
+        return self._start_resumed(job_id, job)
+
+    async def _resume_again(self, job_id: str) -> None:
+        """Try a failed resume again, ``RESUME_RETRY_S`` doubling to ``RESUME_RETRY_MAX_S``, while
+        the registry still says the job runs and it was not stopped; a runner a ``resume`` command
+        made meanwhile is the one started."""
         delay = RESUME_RETRY_S
         while True:
-            try:
-                job = await self._ensure_job(job_id, resumed=True)
-                break
-            except Exception as exc:
-                log.error("job %s: not resumed after the restart (%s): tried again in %.0f s", job_id, exc, delay)
             await asyncio.sleep(delay)
             delay = min(RESUME_RETRY_MAX_S, 2 * delay)
             if job_id in self._stopped:
-                return None
+                return
             try:
                 record = (await JobRegistry(self.redis).all()).get(job_id)  # type: ignore[arg-type]
             except Exception as exc:
@@ -151,7 +160,16 @@ class RequestManager:
                 continue
             if record is None or record.get("status") not in RUNNING:
                 log.warning("job %s: no longer running: not resumed", job_id)
-                return None
+                return
+            try:
+                job = await self._ensure_job(job_id, resumed=True)
+            except Exception as exc:
+                log.error("job %s: not resumed after the restart (%s): tried again in %.0f s", job_id, exc, delay)
+                continue
+            self._start_resumed(job_id, job)
+            return
+
+    def _start_resumed(self, job_id: str, job: JobRunner | None) -> str | None:
         if job is None or job_id in self._stopped:
             return None  # the controller does not run it (any more)
         if job._task is None:

@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from robustrl import subjects
 from robustrl.aio import cancel_and_wait
 from robustrl.bus import Bus, event_msg_id
 from robustrl.errors import TransportError
-from robustrl.event_outbox import OutboxEvents, OutboxWriter, RedisBound
+from robustrl.event_outbox import LOG_READ_S, OutboxEvents, OutboxWriter, RedisBound
 from robustrl.event_queue import MAX_PENDING_EVENTS, STOP_GRACE_S, EventQueue
 from robustrl.messages import Event
 from robustrl.storage.control_stores import OutboxEntry, RolloutOutbox
@@ -117,7 +118,7 @@ class ReplicaEvents(OutboxEvents):
         if self._upkeep is None:
             self._upkeep = asyncio.get_running_loop().create_task(self._keep(), name="rollout-outbox-upkeep")
 
-    async def recover(self, min_age_s: float = 0.0) -> int:
+    async def recover(self, min_age_s: float = 0.0, log_read_s: float = LOG_READ_S) -> int:
         """Queue what the job's rollout outbox holds and this replica did not give itself, under
         the message ids saved with it (only entries ``min_age_s`` old); return how many. Harmless
         to call again.
@@ -126,7 +127,7 @@ class ReplicaEvents(OutboxEvents):
             TransportError: Redis failed or did not answer within ``REDIS_CALL_S`` (the entries
                 stay for the next try).
         """
-        return await self._writer.recover(self.job_id, min_age_s=min_age_s)
+        return await self._writer.recover(self.job_id, min_age_s=min_age_s, log_read_s=log_read_s)
 
     async def _keep(self) -> None:
         while True:
@@ -134,11 +135,11 @@ class ReplicaEvents(OutboxEvents):
             await self._take_up(0.0 if not self.outbox_read else ORPHAN_AFTER_S)
             await asyncio.sleep(UPKEEP_S)  # pace the rounds (and the tries while Redis is away)
 
-    async def _take_up(self, min_age_s: float) -> None:
+    async def _take_up(self, min_age_s: float, log_read_s: float = LOG_READ_S) -> None:
         if self.queue.pending >= self.queue.max_pending // 2:
             return  # (JetStream away a long time: the room left is this replica's own events')
         try:
-            found = await self.recover(min_age_s)
+            found = await self.recover(min_age_s, log_read_s)
         except TransportError as exc:
             log.warning("job %s: the rollout outbox not read (%s): tried again in %g s", self.job_id, exc, UPKEEP_S)
             return
@@ -148,12 +149,14 @@ class ReplicaEvents(OutboxEvents):
 
     async def close(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop the upkeep, queue every entry of the outbox this replica does not hold yet (one
-        read, within ``REDIS_CALL_S``: a replica of the job that stops last, at its end, appends what dead
-        replicas left), take no new events, give the queued ones ``grace_s`` to be stored (what is
-        left stays in the outbox for the next replica to start, or a deletion); harmless if
-        called twice."""
+        read, within ``REDIS_CALL_S``, and the log look-up of its old entries within a quarter of
+        ``grace_s``: a replica of the job that stops last, at its end, appends what dead replicas
+        left), take no new events, give the queued ones what is left of ``grace_s`` to be stored
+        (what is left stays in the outbox for the next replica to start, or a deletion); the whole
+        within ``grace_s`` and the upkeep's cancellation; harmless if called twice."""
         await cancel_and_wait(self._upkeep, STOP_GRACE_S)
+        began = time.monotonic()
         if not self._closing:
             self._closing = True
-            await self._take_up(0.0)  # (each Redis call bounded by REDIS_CALL_S)
-        await self.queue.close(grace_s)
+            await self._take_up(0.0, log_read_s=min(LOG_READ_S, grace_s / 4))
+        await self.queue.close(max(0.0, grace_s - (time.monotonic() - began)))
