@@ -78,6 +78,7 @@ class JobMonitor:
         self._healthy_since: dict[str, float] = {}  # reported member -> since when it looks healthy again
         self._rearmed: dict[str, int] = {}  # member -> times it was judged again after a report
         self.dirty: set[str] = set()  # members whose mark (:meth:`mark`) changed since it was saved
+        self._resend: set[str] = set()  # reported by a previous detector, not judged by this one yet
         self._new_id = new_id
         self._tool_faults: dict[tuple[str, str], float] = {}  # (member, tool) -> last seen
         self.last_tick: float | None = None
@@ -96,14 +97,17 @@ class JobMonitor:
         restarted detector counted from nothing: a member reported before (and kept by the
         controller), healthy again and then faulty the same way, was reported under the first
         report's id, which the controller had handled, so it was not acted on. A member reported
-        before is again reported only once it has looked healthy for ``rearm_s`` (as in one
-        life); its next fault gets the next id."""
+        before and still faulty when this detector first judges it is reported again under the
+        same id (handled once: a safety net, as before the marks); once it has looked healthy it
+        is judged again only after ``rearm_s`` (as in one life), and its next fault gets the next
+        id."""
         for member_id, mark in marks.items():
             if mark < 0:
                 continue
             self._rearmed[member_id] = max(self._rearmed.get(member_id, 0), mark // 2)
             if mark % 2:
                 self.reported.add(member_id)
+                self._resend.add(member_id)
 
     def configure(self, cfg: DetectorSpec) -> None:
         """Set the thresholds (learned from the job spec); no rule runs before this."""
@@ -222,9 +226,13 @@ class JobMonitor:
         self.last_tick = now
         healthy: list[MemberHistory] = []
         for h in list(self.members.values()):
-            if h.member_id in self.reported and not self._rearm(h, now):
+            resend = h.member_id in self._resend
+            if h.member_id in self.reported and not resend and not self._rearm(h, now):
                 continue
             verdict = evaluate_member(now, h, self.cfg)
+            if resend and verdict.status is Status.OK:
+                self._resend.discard(h.member_id)  # healthy since: the re-arm rules from now on
+                continue
             if verdict.status is Status.FAULT:
                 out.faults.append(self._report(h, verdict, now))
             elif verdict.status is Status.SUSPECT:
@@ -260,6 +268,7 @@ class JobMonitor:
 
     def _report(self, h: MemberHistory, verdict: Verdict, now: float) -> FaultReport:
         self.reported.add(h.member_id)
+        self._resend.discard(h.member_id)
         self.dirty.add(h.member_id)
         assert verdict.kind is not None
         fault_id = member_fault_id(self.job_id, h.member_id, verdict.cause.value if verdict.cause else verdict.kind,

@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from robustrl.aio import within
 from robustrl.bus import Bus
 from robustrl.config import DetectorSpec, JobSpec
 from robustrl.errors import ConfigError, RobustRLError
@@ -308,7 +309,7 @@ class DetectorService:
             return
         for attempt in range(MARKS_READ_TRIES):
             try:
-                raw = await asyncio.wait_for(self._redis.hgetall(Keys.detector_marks(mon.job_id)), MARKS_CALL_S)
+                raw = await within(self._redis.hgetall(Keys.detector_marks(mon.job_id)), MARKS_CALL_S)
             except Exception as exc:
                 log.warning("job %s: member marks not read (try %d): %s", mon.job_id, attempt + 1, exc)
                 await asyncio.sleep(MARKS_RETRY_S)
@@ -340,8 +341,7 @@ class DetectorService:
                 members, mon.dirty = mon.dirty, set()
                 marks = {m: mon.mark(m) for m in members}
                 try:
-                    await asyncio.wait_for(self._redis.hset(Keys.detector_marks(mon.job_id), mapping=marks),
-                                           MARKS_CALL_S)
+                    await within(self._redis.hset(Keys.detector_marks(mon.job_id), mapping=marks), MARKS_CALL_S)
                     pause = MARKS_RETRY_S
                 except Exception as exc:
                     mon.dirty |= members
