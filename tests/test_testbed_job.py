@@ -151,7 +151,9 @@ def test_a_job_runs_across_testbed_hosts(testbed: Testbed, stack: Stack, api: Ap
     for d in kinds(events, "weights_loaded"):
         if d["version"] >= 1:
             per_version.setdefault(d["version"], []).append(d)
-    assert sorted(per_version) == [1, 2]
+    # (v3, the last step's, is loaded too when the replicas' pulls end before the job's stop: since
+    # 2026-12-05 the stop first waits for the job's event outboxes to empty, which gives them time)
+    assert {1, 2} <= set(per_version) <= {1, 2, 3}, sorted(per_version)
     for version, loads in per_version.items():
         from_trainer = sum(d["origin_chunks"] for d in loads)
         assert from_trainer <= 1.5 * loads[0]["chunks"], f"v{version}: {from_trainer} chunks from the trainer"
