@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -208,23 +208,14 @@ class OutboxWriter:
         old = [e for e in entries if wall - e.event.ts >= LOG_CHECK_AGE_S]
         if not old:
             return set()
-        bus = self.queue.bus
-        since = min(e.event.ts for e in old) - LOG_SKEW_S
-        ids: set[str] = set()
         try:
-            async with asyncio.timeout(bound_s):
-                for kind in sorted({e.event.kind for e in old}):
-                    try:
-                        on = subjects.events(job_id, kind, bus.role)
-                    except SubjectError:
-                        continue  # not this role's kind: the queue refuses it anyway
-                    ids |= await bus.stored_msg_ids(on, since, timeout=bound_s)
+            return await within(stored_of(self.queue.bus, job_id, self.queue.bus.role, old, request_s=bound_s),
+                                bound_s)
         except (TransportError, TimeoutError) as exc:
             log.warning("job %s: the log not read for %d %s outbox entries stamped over %g s ago (%s): "
                         "appended again (one stored over 2 min ago is then stored twice)", job_id, len(old),
                         self.owner, LOG_CHECK_AGE_S, exc or "timed out")
             return set()
-        return ids
 
     def _put(self, entry: OutboxEntry, outbox: EventOutbox, *stored: bytes) -> None:
         """Queue ``entry``; once stored, every entry saved as one of ``stored`` (its own text,
@@ -311,6 +302,31 @@ class OutboxWriter:
         log.error("%s outbox: Redis failed (%s): events are queued in memory only for %g s (appended still; "
                   "lost if this process is killed before JetStream stores them)", self.owner, exc,
                   self._bound.away_s)
+
+
+async def stored_of(bus: Any, job_id: str, role: str | None, entries: Iterable[OutboxEntry], *,
+                    request_s: float) -> set[str]:
+    """The message ids of ``entries`` (events of ``job_id`` written by ``role``) that the job's log
+    holds: JetStream's direct get on each kind's subject from the oldest such entry's stamp less
+    ``LOG_SKEW_S`` (``Bus.stored_msg_ids``, read-only), each request bounded by ``request_s``; the
+    whole is the caller's to bound. A kind ``role`` does not write is skipped (never appended
+    under it). Used by every reader of another life's entries: an outbox's (``_in_log``), the
+    next gang's rank 0 (the trainer outbox), and the controller's stop.
+
+    Raises:
+        TransportError: JetStream refused or did not answer.
+    """
+    by_kind: dict[str, float] = {}
+    for e in entries:
+        by_kind[e.event.kind] = min(by_kind.get(e.event.kind, e.event.ts), e.event.ts)
+    ids: set[str] = set()
+    for kind, oldest in sorted(by_kind.items()):
+        try:
+            on = subjects.events(job_id, kind, role)
+        except SubjectError:
+            continue
+        ids |= await bus.stored_msg_ids(on, oldest - LOG_SKEW_S, timeout=request_s)
+    return ids
 
 
 class OutboxEvents:

@@ -36,6 +36,7 @@ from robustrl.aio import cancel_and_wait, wait_event, within
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
 from robustrl.errors import JobError, LaunchError, RequestTimeout, TransportError
+from robustrl.event_outbox import stored_of
 from robustrl.launcher.base import Launcher
 from robustrl.messages import (
     ChaosRequest, ControlCommand, FaultReport, HelloAck, MemberHello, MetricsSample, PhaseChange, SpecReply,
@@ -58,7 +59,6 @@ from robustrl.storage.fencing import read_gang
 from robustrl.storage.control_stores import JobRegistry, OutboxEntry
 from robustrl.storage.redis_stores import BatchStore, Keys
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
-from robustrl.subjects import events as event_subject
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,6 @@ EVENTS_SETTLE_LOCKED_S = 5.0
 """The same, while the recovery lock is held (every job's faults wait behind it)."""
 EVENTS_SETTLE_LOOKUP_S = 2.0
 """How often that wait looks the entries still owed up in the log (stored, their removal failed)."""
-OUTBOX_LOG_SKEW_S = 600.0
 EVENTS_SETTLE_POLL_S = 0.25
 EVENTS_SETTLE_CALL_S = 1.0
 STOP_RETRY_MAX_S = 30.0
@@ -791,12 +790,9 @@ class Controller:
         ids: set[str] = set()
         try:
             for role, entries in owed.items():
-                kept = [e for e in entries if e is not None]
-                for kind in sorted({e.event.kind for e in kept}):
-                    on = event_subject(job.job_id, kind, role)
-                    since = min(e.event.ts for e in kept if e.event.kind == kind) - OUTBOX_LOG_SKEW_S
-                    ids |= await self.bus.stored_msg_ids(on, since, timeout=EVENTS_SETTLE_CALL_S)
-        except Exception as exc:  # (a malformed kind, JetStream away): the wait goes on
+                ids |= await stored_of(self.bus, job.job_id, role, [e for e in entries if e is not None],
+                                       request_s=EVENTS_SETTLE_CALL_S)
+        except Exception as exc:  # (JetStream away): the wait goes on
             log.info("job %s: the log not read for owed events: %s", job.job_id, exc)
         return ids
 

@@ -42,6 +42,7 @@ from robustrl.checkpoint import (
     seed_rng,
 )
 from robustrl.config import JobSpec, Settings
+from robustrl.event_outbox import stored_of
 from robustrl.errors import (
     EXIT_CHECKPOINT_LOST, CheckpointLost, ConfigError, RequestTimeout, StaleEpoch, SubjectError, TransportError)
 from robustrl.gpu import GpuProbe
@@ -54,7 +55,7 @@ from robustrl.storage.control_stores import OutboxEntry, TrainerOutbox
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.objects import open_object_store
 from robustrl.storage.redis_stores import EpisodeRecord, EpisodeStore, connect
-from robustrl.subjects import Verb, events, subject
+from robustrl.subjects import Verb, subject
 from robustrl.weights.flat import flatten_state_dict
 from robustrl.weights.server import WeightServer
 
@@ -72,10 +73,7 @@ BRIEF_DRAIN_S = 2.0
 
 OUTBOX_LOG_READ_S = 5.0
 """How long the next gang's rank 0 reads the log for the trainer outbox's entries JetStream already
-stored (``stored_msg_ids``); past it, or refused, it appends every entry as before."""
-OUTBOX_LOG_SKEW_S = 600.0
-"""That read starts this long before the oldest entry's stamp (the saving rank's clock): JetStream
-stores an event after it is stamped, on the server's clock, which may be behind."""
+stored (``event_outbox.stored_of``); past it, or refused, it appends every entry as before."""
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """Torch's setting of the network interface Gloo uses (an operator's own value is kept)."""
@@ -629,7 +627,7 @@ class TrainerWorker:
         before the removal, or the removal failed and the gang died before retrying it) is only
         removed: appended again past JetStream's 2-min duplicate window, it would be a second
         ``step_committed`` for its (step, epoch). The log is read for the entries' message ids
-        (``stored_msg_ids``, bounded); a log that cannot be read leaves every entry appended as
+        (``event_outbox.stored_of``, bounded); a log that cannot be read leaves every entry appended as
         before (stored once if within the window), with a warning."""
         bus = self.member.bus
         assert bus
@@ -639,8 +637,8 @@ class TrainerWorker:
             return
         stored: set[str] = set()
         try:
-            stored = await within(stored_msg_ids(bus, self.ident.job_id, {e.event.kind for _, e in entries},
-                                                 min(e.event.ts for _, e in entries)), OUTBOX_LOG_READ_S)
+            stored = await within(stored_of(bus, self.ident.job_id, bus.role, [e for _, e in entries],
+                                            request_s=OUTBOX_LOG_READ_S), OUTBOX_LOG_READ_S)
         except (TransportError, TimeoutError) as exc:
             why = f"not read within {OUTBOX_LOG_READ_S:g} s" if isinstance(exc, TimeoutError) else str(exc)
             log.warning("the event log could not be read for the %d trainer outbox entries, all appended "
@@ -679,25 +677,6 @@ class TrainerWorker:
             assert self.member.bus
             await publish_weights(self.member.bus, self.gang, ann, manifest.total_bytes)
         return checksum
-
-
-async def stored_msg_ids(bus: Bus, job_id: str, kinds: set[str], since: float) -> set[str]:
-    """The message ids (``Nats-Msg-Id``) of ``job_id``'s events of ``kinds`` written by ``bus``'s
-    role that JetStream stored from ``since`` (wall time, less ``OUTBOX_LOG_SKEW_S``) on
-    (``Bus.stored_msg_ids``: direct reads, which the trainer's NATS user may make, read-only).
-    Unbounded itself: the caller bounds it.
-
-    Raises:
-        TransportError: JetStream refused or did not answer.
-    """
-    ids: set[str] = set()
-    for kind in sorted(kinds):
-        try:  # where this bus appends ``kind`` (the saving rank appended it there too)
-            on = events(job_id, kind, bus.role)
-        except SubjectError:  # not this role's kind: never appended from here (such an entry is dropped)
-            continue
-        ids |= await bus.stored_msg_ids(on, since - OUTBOX_LOG_SKEW_S, timeout=OUTBOX_LOG_READ_S)
-    return ids
 
 
 async def publish_weights(bus: Bus, gang: GangFence, ann: WeightsAnnounce, total_bytes: int,
