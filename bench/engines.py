@@ -13,10 +13,10 @@ engine runs in this interpreter; the vLLM engine in the vLLM environment's (``.v
   (after one warm-up call), best of ``--rounds``;
 - ``first_token_s``: from that call to the first token reported (``on_token``), best of rounds;
 - ``weight_load_s``: the in-place swap of a version whose bytes were already received, as the
-  replica does it: the version lies in a buffer from the engine's ``alloc_buffer`` (where the
-  replica's loader pulls it, every chunk verified on arrival) and ``load_weights`` takes views
-  into it, no checksum asked (median of ``--loads``, alternating two versions, one torch thread
-  as in a replica). ``memcpy_s``: one copy of the same number of bytes from that buffer into a
+  replica does it: each load's version lies in a new buffer from the engine's ``alloc_buffer``
+  (the replica's loader allocates one per version and pulls into it, every chunk verified on
+  arrival; here one copy fills it, untimed) and ``load_weights`` takes views into it, no checksum
+  asked (median of ``--loads``, alternating two versions, one torch thread as in a replica). ``memcpy_s``: one copy of the same number of bytes from that buffer into a
   preallocated one (median, interleaved with the loads: same machine state); ``load_vs_memcpy``
   their ratio. ``weight_load_parts``: where the time goes (vLLM: the phases seen by the replica
   and by vLLM's worker). ``weight_load_checksummed_s``: one load with the optional checksum
@@ -36,6 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},  # make_tiny_hf_model's own: hidden 128, 2 layers (8.5 M parameters, most of them embeddings)
+    "small": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536},
+}
+"""Model sizes made offline (``--size``): fixed per-swap costs weigh on the tiny one's 34 MB."""
 
 
 def prompts(tok: Any, n: int) -> list[list[int]]:
@@ -63,7 +70,8 @@ def measure(kind: str, model_dir: str, n_prompts: int, n_tokens: int, rounds: in
     else:
         from robustrl.model.engines.vllm import VllmEngine
 
-        engine = VllmEngine(model_dir, tok, max_batch=n_prompts, max_model_len=512, seed=0)
+        engine = VllmEngine(model_dir, tok, max_batch=n_prompts, max_model_len=512, seed=0,
+                            cpu_linear="plain" if kind == "vllm_plain" else "packed")
     start_s = time.monotonic() - t0
     reqs = [GenRequest(f"p{i}", ids, n_tokens, temperature=1.0, top_p=1.0, seed=i, stop_on_call=False)
             for i, ids in enumerate(prompts(tok, n_prompts))]
@@ -85,7 +93,7 @@ def measure(kind: str, model_dir: str, n_prompts: int, n_tokens: int, rounds: in
 
 
 def _median_parts(parts: list[dict[str, float]]) -> dict[str, float]:
-    keys = [k for k in parts[0] if k != "bytes"] if parts else []
+    keys = [k for k in parts[0] if k not in ("bytes", "plain_linear_layers")] if parts else []
     return {k: round(statistics.median(p.get(k, 0.0) for p in parts), 5) for k in keys}
 
 
@@ -99,18 +107,22 @@ def measure_loads(kind: str, engine: Any, model: Any, n: int) -> dict[str, Any]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a replica's setting (services/rollout/replica.py)
     base = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    versions = []
-    for k in (1, 2):
-        src, manifest = flatten_state_dict({name: t + 0.01 * k for name, t in base.items()}, k, 1 << 20)
-        buf = engine.alloc_buffer(manifest.total_bytes)  # where the replica's loader pulls it
-        buf[:] = src.numpy()  # "received": as the puller writes the verified chunks
-        versions.append((torch.from_numpy(buf), unflatten(torch.from_numpy(buf), manifest), manifest))
+    sources = [flatten_state_dict({name: t + 0.01 * k for name, t in base.items()}, k, 1 << 20) for k in (1, 2)]
+
+    def receive(k: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """As the replica receives a version: a new buffer from the engine (vLLM: its worker starts
+        mapping it), the verified chunks written into it as the puller does."""
+        src, manifest = sources[k]
+        buf = engine.alloc_buffer(manifest.total_bytes)
+        buf[:] = src.numpy()
+        return torch.from_numpy(buf), unflatten(torch.from_numpy(buf), manifest)
+
     weight_bytes = sum(t.numel() * t.element_size() for t in base.values())
     dst = torch.empty(weight_bytes, dtype=torch.uint8)
-    dst.copy_(versions[0][0][:weight_bytes])  # warm: no first-touch page faults in the baseline
+    dst.copy_(sources[0][0][:weight_bytes])  # warm: no first-touch page faults in the baseline
     loads, copies, parts, worker = [], [], [], []
     for i in range(n + 2):  # the first two (one per version) warm up
-        flat, state, _ = versions[i % 2]
+        flat, state = receive(i % 2)
         t = time.perf_counter()
         dst.copy_(flat[:weight_bytes])
         copy_s = time.perf_counter() - t
@@ -121,10 +133,10 @@ def measure_loads(kind: str, engine: Any, model: Any, n: int) -> dict[str, Any]:
             continue
         copies.append(copy_s)
         loads.append(load_s)
-        if kind == "vllm":
+        if kind != "torch":
             parts.append(dict(engine.last_load))
             worker.append(engine.worker_timings()[0])
-    last_state = versions[(n + 1) % 2][1]
+    last_state = state
     out: dict[str, Any] = {"weight_load_s": round(statistics.median(loads), 5), "weight_bytes": weight_bytes,
                            "memcpy_s": round(statistics.median(copies), 5), "loads": n}
     out["load_vs_memcpy"] = round(out["weight_load_s"] / out["memcpy_s"], 2)
@@ -144,13 +156,20 @@ def measure_loads(kind: str, engine: Any, model: Any, n: int) -> dict[str, Any]:
     else:
         out["weight_load_parts"] = _median_parts(parts)
         out["weight_load_parts_worker"] = _median_parts(worker)
+        out["plain_linear_layers"] = worker[-1].get("plain_linear_layers", 0) if worker else None
         out["weight_load_includes"] = (
             "VllmEngine.load_weights, replica side: locate the buffer's memfd segment (stage 0), no pause "
-            "(nothing in flight), start/update/finish_weight_update round trips to vLLM's engine core and its "
-            "worker process (weight_load_parts); worker side (weight_load_parts_worker): map the segment "
-            "(MAP_POPULATE), vLLM load_weights (embedding, LM head and norms copied in place; the CPU linear "
-            "layers through vLLM's layerwise reload: a fresh tensor, a copy and oneDNN re-packing), and finish: "
-            "oneDNN re-packing of the LM head. No hashing.")
+            "(nothing in flight), one round trip to vLLM's engine core and its worker process that starts, "
+            "loads and finishes the update (weight_load_parts: update); worker side (weight_load_parts_worker): "
+            "find the segment's mapping (map: made when the buffer was allocated, as the replica allocates one "
+            "per version before pulling into it; here the buffer was then filled with one copy, the 'pull'), "
+            "vLLM load_weights and finish. "
+            + ("vllm: embedding, LM head and norms copied in place; the CPU linear layers through vLLM's "
+               "layerwise reload (a fresh tensor, a copy and oneDNN re-packing); finish: oneDNN re-packing of "
+               "the LM head." if kind == "vllm" else
+               "vllm_plain (rollout.vllm_cpu_linear: plain): every layer kept in checkpoint layout, copied in "
+               "place; linear layers multiply with torch.nn.functional.linear, nothing re-packed.")
+            + " No hashing.")
         staged = {name: t.clone() for name, t in last_state.items()}
         engine.load_weights(staged, n + 4)  # the first one allocates the staging segment
         t = time.perf_counter()
@@ -165,12 +184,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=False)
     ap.add_argument("--model", help="Hugging Face model directory (default: a tiny one made offline)")
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny",
+                    help="the random-init Qwen3 made offline when no --model is given (tiny: 34 MB, small: 0.2 GB)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--loads", type=int, default=9, help="weight loads timed per engine")
-    ap.add_argument("--engines", default="torch,vllm")
-    ap.add_argument("--child", choices=["torch", "vllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--engines", default="torch,vllm,vllm_plain",
+                    help="torch, vllm (vLLM's packed CPU linear layout), vllm_plain (rollout.vllm_cpu_linear: plain)")
+    ap.add_argument("--child", choices=["torch", "vllm", "vllm_plain"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(measure(args.child, args.model, args.prompts, args.tokens, args.rounds, args.loads)))
@@ -184,7 +206,7 @@ def main() -> None:
         if not model_dir:
             from robustrl.model.tiny import make_tiny_hf_model
 
-            model_dir = str(make_tiny_hf_model(Path(tmp) / "tiny-hf"))
+            model_dir = str(make_tiny_hf_model(Path(tmp) / "tiny-hf", **SIZES[args.size]))
         results: dict[str, Any] = {}
         for kind in args.engines.split(","):
             python = sys.executable if kind == "torch" else str(vllm_python())
@@ -201,8 +223,9 @@ def main() -> None:
             else:
                 results[kind] = json.loads(lines[-1])
             print(kind, json.dumps(results[kind])[:300], flush=True)
-        results["model"] = {"dir": args.model or "tiny random-init Qwen3 (hidden 128, 2 layers, 32,007-token BPE)",
+        results["model"] = {"dir": args.model or f"{args.size} random-init Qwen3 ({SIZES[args.size]}, 32,007-token BPE)",
                             "dtype": "float32"}
+        results["command"] = " ".join(sys.argv)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -103,6 +103,10 @@ class RolloutSpec(BaseModel):
     engine: Literal["torch", "vllm"] = Field("torch", description=(
         "Generation engine of the replicas: torch (built-in KV-cache decoder) or vllm (vLLM AsyncLLM, run "
         "from its own environment: scripts/setup.sh --vllm)."))
+    vllm_cpu_linear: Literal["packed", "plain"] = Field("packed", description=(
+        "vLLM on CPU only: packed (vLLM's own: linear weights re-packed for oneDNN after every load) or plain "
+        "(kept in checkpoint layout, torch.nn.functional.linear: a weight swap is copies only, generation "
+        "somewhat slower; bench/engines.py measures both). No effect on GPU or with the torch engine."))
 
 
 class TrainerSpec(BaseModel):

@@ -61,11 +61,14 @@ def hf_dir(vllm_env: tuple[Path, Path]) -> Path:
 
 
 # vLLM's engine start is 20-30 s on a quiet 2-core machine and over 100 s on a busy one.
+# ``cpu_linear`` (rollout.vllm_cpu_linear): vLLM's oneDNN-packed CPU linear layers, or kept in
+# checkpoint layout (plain), where loads copy into the very tensors generation multiplies with.
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("cpu_linear", ["packed", "plain"])
 def test_vllm_engine_generates_stops_on_the_marker_aborts_and_loads_weights_in_place(
-        vllm_py: Path, hf_dir: Path, tmp_path: Path) -> None:
+        vllm_py: Path, hf_dir: Path, tmp_path: Path, cpu_linear: str) -> None:
     out = tmp_path / "probe.json"
-    run = subprocess.run([str(vllm_py), str(HERE / "vllm_probe.py"), str(hf_dir), str(out)],
+    run = subprocess.run([str(vllm_py), str(HERE / "vllm_probe.py"), str(hf_dir), str(out), cpu_linear],
                          check=False, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     r = json.loads(out.read_text())
@@ -88,11 +91,19 @@ def test_vllm_engine_generates_stops_on_the_marker_aborts_and_loads_weights_in_p
     # In-place loads through the weight-transfer plugin: the checksum asked for verified by the
     # worker (a wrong one refused, the engine serving on), outputs follow the weights.
     assert r["greedy_other"] != r["greedy"]
+    # A new segment at a freed one's path (descriptor number reused): its weights load, not the
+    # freed segment's the worker had mapped (a wrong checksum would be refused: load_mismatch).
+    assert r["same_path_reused"] and r["greedy_reused_path"] == r["greedy"]
     assert r["bad_checksum_refused"] == "load_mismatch" and r["greedy_after_refusal"] == r["greedy_other"]
     assert r["greedy_restored"] == r["greedy"]
     # The replica's path maps the buffer it pulled into: nothing staged; other state dicts are.
     assert r["load_phases"]["stage"] == 0.0 and r["staged_phases"]["stage"] > 0.0
-    sys.stderr.write(f"vllm load phases: {r['load_phases']}\n")
+    sys.stderr.write(f"vllm load phases: {r['load_phases']}, worker: {r['worker_phases']}\n")
+    # The layout asked for is the one vLLM's worker multiplies in (the tiny Qwen3: 2 layers of
+    # qkv, o, gate_up and down projections, the LM head, and the input embedding, which vLLM's
+    # CPU post-processing gives a matmul too).
+    plain = r["worker_phases"]["plain_linear_layers"]
+    assert plain == (10 if cpu_linear == "plain" else 0), r["worker_phases"]
     # The worker pulling from weight sources (tcp) loads the same weights.
     assert r["greedy_other_tcp"] == r["greedy_other"] and r["greedy_restored_tcp"] == r["greedy"]
 

@@ -5,7 +5,9 @@ and seeded generations, the stop on the tool-call marker, logprobs, the token co
 in-flight requests, and in-place weight loads through vLLM's weight transfer (the ``robustrl``
 plugin). vLLM spawns its engine process, hence the ``__main__`` guard.
 
-    python tests/vllm_probe.py MODEL_DIR OUT.json
+    python tests/vllm_probe.py MODEL_DIR OUT.json [packed|plain]
+
+The third argument is the engine's CPU linear layout (``rollout.vllm_cpu_linear``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 import time
 
 
-def main(model_dir: str, out: str) -> None:
+def main(model_dir: str, out: str, cpu_linear: str = "packed") -> None:
     import torch
 
     from robustrl.config import ModelSpec
@@ -29,7 +31,7 @@ def main(model_dir: str, out: str) -> None:
     res: dict[str, object] = {}
     tok = ChatTokenizer(model_dir)
     t0 = time.monotonic()
-    engine = VllmEngine(model_dir, tok, max_batch=8, max_model_len=512, seed=0)
+    engine = VllmEngine(model_dir, tok, max_batch=8, max_model_len=512, seed=0, cpu_linear=cpu_linear)
     res["start_s"] = time.monotonic() - t0
     prompt = tok.prompt_ids("lookup abc:", "lookup")
 
@@ -92,7 +94,23 @@ def main(model_dir: str, out: str) -> None:
     engine.load_weights(unflatten(torch.from_numpy(buf), manifest), 1, checksum=res["other_checksum"])
     res["load_s"] = time.monotonic() - t2
     res["load_phases"] = engine.last_load
+    res["worker_phases"] = engine.worker_timings()[0]
     res["greedy_other"] = greedy().token_ids
+    # The worker keeps that segment mapped. The replica frees it and allocates the next version's
+    # buffer, of the same size: the kernel hands out the freed descriptor number again, so the
+    # new segment has the old one's path. Its contents (the original weights) must be what loads.
+    old_path = engine._segments.locate({"b": torch.from_numpy(buf)})[0]
+    del buf, src
+    import gc
+
+    gc.collect()
+    buf = engine.alloc_buffer(manifest.total_bytes)
+    res["same_path_reused"] = engine._segments.locate({"b": torch.from_numpy(buf)})[0] == old_path
+    src, manifest = flatten_state_dict(original, 5, 1 << 20)
+    buf[:] = src.numpy()
+    engine.load_weights(unflatten(torch.from_numpy(buf), manifest), 5, checksum=weights_checksum(original))
+    res["greedy_reused_path"] = greedy().token_ids
+    engine.load_weights(other, 6)  # back to the other weights for what follows
     # A wrong checksum: refused, and the engine still serves the weights it held.
     try:
         engine.load_weights(original, 9, checksum="0" * 64)
@@ -118,4 +136,4 @@ def main(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])

@@ -63,6 +63,12 @@ def hf_layout(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[str,
     return {n: (dtype_name(dtype), list(t.shape)) for n, t in model.state_dict().items()}
 
 
+def _log_prefetch(done: Any) -> None:
+    """Only a hint (the swap maps the segment itself if it must): a failure is logged, no more."""
+    if not done.cancelled() and done.exception() is not None:
+        log.info("asking vLLM's worker to map the next segment: %r", done.exception())
+
+
 class VllmEngine(Engine):
     """``AsyncLLM`` on an event loop of its own thread; the replica's worker thread calls in.
 
@@ -86,7 +92,7 @@ class VllmEngine(Engine):
 
     def __init__(self, path: str | Path, tokenizer: Any, *, max_batch: int = 64, max_model_len: int = 512,
                  seed: int = 0, dtype: str = "float32", kv_cache_gib: int = 1, chunk_bytes: int = 1 << 20,
-                 transfer: str | None = None) -> None:
+                 transfer: str | None = None, cpu_linear: str = "packed") -> None:
         try:
             import vllm  # noqa: F401
         except ImportError as exc:
@@ -94,6 +100,13 @@ class VllmEngine(Engine):
                               "(run scripts/setup.sh --vllm; members start from .venv-vllm)",
                               field="rollout.engine") from exc
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+        from robustrl.model.engines.vllm_plugin import CPU_LINEAR_ENV, CPU_LINEARS
+
+        if cpu_linear not in CPU_LINEARS:
+            raise ConfigError(f"cpu_linear {cpu_linear!r}: one of {', '.join(CPU_LINEARS)}",
+                              field="rollout.vllm_cpu_linear")
+        os.environ[CPU_LINEAR_ENV] = cpu_linear  # read by the plugin in vLLM's spawned processes
+        self.cpu_linear = cpu_linear
         self.path = str(path)
         self.tokenizer = tokenizer
         self._allowed: list[int] | None = None  # _allowed_ids, read once
@@ -253,10 +266,18 @@ class VllmEngine(Engine):
 
     def alloc_buffer(self, nbytes: int) -> np.ndarray:
         """A receive buffer in a memfd segment that vLLM's worker maps: weights pulled into it
-        (the replica's loader does) load with no copy before vLLM's own."""
+        (the replica's loader does) load with no copy before vLLM's own. The worker is asked to
+        map it now, while the version is pulled into it, off the swap (``SegmentMap``)."""
         if self.transfer != "memfd" or nbytes <= 0:
             return super().alloc_buffer(nbytes)
-        return self._segments.alloc(nbytes)
+        buf = self._segments.alloc(nbytes)
+        found = self._segments.locate({"buffer": torch.from_numpy(buf)})
+        if found is not None and not self._closed:
+            hint = {"segment": found[0], "segment_bytes": found[1]}
+            done = asyncio.run_coroutine_threadsafe(
+                self.llm.collective_rpc("weight_transfer_engine", kwargs={"prefetch": hint}), self._loop)
+            done.add_done_callback(_log_prefetch)
+        return buf
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int = -1, *, checksum: str = "") -> None:
         """Have vLLM's worker load ``state`` in place, generation paused around the swap.
@@ -325,8 +346,6 @@ class VllmEngine(Engine):
         return found
 
     async def _swap(self, info: dict[str, Any], manifest: Any, buffer: torch.Tensor | None) -> dict[str, float]:
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
         phases: dict[str, float] = {}
         t = time.perf_counter()
 
@@ -352,12 +371,10 @@ class VllmEngine(Engine):
             await self.llm.pause_generation(mode="keep", clear_cache=True)
         lap("pause")
         try:
-            await self.llm.start_weight_update()
-            lap("start")
-            await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+            # One round trip: the worker starts, loads and finishes the update in one call
+            # (vllm_plugin.RobustRLWeightTransfer.__call__), instead of vLLM's three.
+            await self.llm.collective_rpc("weight_transfer_engine", kwargs={"update_info": info})
             lap("update")
-            await self.llm.finish_weight_update(weight_version=str(info["version"]))
-            lap("finish")
         finally:
             if buffer is not None and self.server is not None:
                 self.server.drop_version(manifest.version)

@@ -8,14 +8,18 @@ in one of two ways:
 - **segment** (what :class:`~robustrl.model.engines.vllm.VllmEngine` sends): the version's flat
   buffer lives in a memfd segment of the replica's process (the replica pulled it there, every
   chunk verified against the manifest as it arrived); the worker maps the segment
-  (``/proc/<pid>/fd/<fd>``, no copy) and calls the model's ``load_weights`` with views into it.
+  (``/proc/<pid>/fd/<fd>``, no copy; mapped while the replica pulls into it, :class:`SegmentMap`)
+  and calls the model's ``load_weights`` with views into it.
   The load is copies only: the bytes were verified when they arrived, so nothing is hashed
   here unless ``checksum`` asks for it (tests, audits).
 - **sources**: the worker pulls the version chunk by chunk from RobustRL weight sources (a
   trainer rank, a relay, an in-memory weight server) with RobustRL's puller, each chunk checked
   against the manifest, for a worker that shares no memory with the replica.
 
-Weights go from memory to memory, never through a file. ``start_weight_update`` and
+Weights go from memory to memory, never through a file. A swap is one round trip to the
+worker (:meth:`RobustRLWeightTransfer.__call__` with the update: start, load and finish there),
+not the three of vLLM's session API (``start_weight_update``, ``update_weights``,
+``finish_weight_update``, which work too). ``start_weight_update`` and
 ``finish_weight_update`` bracket the loads: layers whose parameters vLLM keeps in checkpoint
 layout (embeddings, the LM head, norms; linear layers on GPU) are loaded straight into their
 live tensors and their post-processing (on CPU: the oneDNN weight packing) runs again;
@@ -24,6 +28,14 @@ and removed; quantized layers; attention) go through vLLM's layerwise reload, wh
 them in checkpoint layout, loads, re-processes and copies back (:func:`start_reload`). vLLM's
 own reload would send every layer that way: for the layers kept in checkpoint layout that is
 a fresh tensor, a copy into it and a second copy back, instead of one copy.
+
+**CPU linear layout** (``ROBUSTRL_VLLM_CPU_LINEAR``, set by the engine from
+``rollout.vllm_cpu_linear``): vLLM-CPU packs every linear layer's weight into oneDNN's blocked
+layout after loading and drops the checkpoint-layout tensor, so each new version is unpacked into
+fresh tensors, copied and packed again (most of a swap's time). ``plain`` keeps the weights in
+checkpoint layout and multiplies with ``torch.nn.functional.linear``: a swap is copies into the
+live tensors only, at some generation speed (``bench/engines.py`` measures both). ``packed``
+(default) is vLLM's own choice.
 
 Only ever imported inside a vLLM process (it imports vllm at module level).
 """
@@ -51,6 +63,10 @@ from robustrl.errors import WeightSyncError
 log = logging.getLogger(__name__)
 BACKEND = "robustrl"
 
+CPU_LINEAR_ENV = "ROBUSTRL_VLLM_CPU_LINEAR"
+"""``plain`` or ``packed`` (module docstring); read by :func:`register` in each vLLM process."""
+CPU_LINEARS = ("packed", "plain")
+
 IN_PLACE_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
 """Quant methods whose post-processing keeps a layer's tensors in checkpoint layout and may run
 again on new values (on CPU it re-packs the weight for oneDNN; elsewhere it does nothing)."""
@@ -62,6 +78,37 @@ def register() -> None:
 
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND, __name__, "RobustRLWeightTransfer")
+    layout = os.environ.get(CPU_LINEAR_ENV, "packed")
+    if layout not in CPU_LINEARS:
+        raise ValueError(f"{CPU_LINEAR_ENV}={layout!r}: one of {', '.join(CPU_LINEARS)}")
+    if layout == "plain":
+        plain_cpu_linear()
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def plain_cpu_linear() -> None:
+    """Keep CPU linear layers (and the LM head) in checkpoint layout: vLLM's CPU GEMM dispatch,
+    which runs after every load, is replaced for 2-D weights by one that leaves the weight where
+    it is and multiplies with ``torch.nn.functional.linear`` (vLLM's own fallback). Idempotent;
+    vLLM's layers import the dispatch at call time, so replacing the module's name reaches them."""
+    from vllm.model_executor.layers import utils
+
+    if getattr(utils, "_robustrl_plain_linear", False):
+        return
+    packed = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = getattr(layer, "weight", None)
+        if weight is None or weight.is_meta or weight.ndim != 2:
+            return packed(layer, remove_weight)
+        layer.cpu_linear = _linear
+        return None
+
+    utils.dispatch_cpu_unquantized_gemm = dispatch
+    utils._robustrl_plain_linear = True
 
 
 @dataclass
@@ -177,16 +224,66 @@ def finish_reload(model: torch.nn.Module, model_config: Any, direct: list[torch.
 # --- the segment ----------------------------------------------------------------------------------
 
 
-def map_segment(path: str, nbytes: int) -> mmap.mmap:
-    """Map another process's memfd segment, page tables filled at once (MAP_POPULATE: one
-    syscall instead of a page fault per 4 KiB). Shared and writable so that populating never
-    copies a page; nothing writes to it."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
+class SegmentMap:
+    """The one replica segment this worker keeps mapped (MAP_POPULATE: page tables filled at
+    once), from the moment the replica allocates it until another segment is mapped.
+
+    The replica allocates a segment per version it pulls and asks for it to be mapped then
+    (:meth:`prefetch`, in a thread of its own: ``mmap`` runs without the GIL), so mapping it
+    and unmapping the previous one happen while the bytes arrive, not while generation waits
+    for the swap. A swap (:meth:`get`) waits for a prefetch in progress and maps the segment
+    itself if it was not prefetched.
+
+    A segment is the file at its path now (``/proc/<pid>/fd/<fd>``: the replica may have closed
+    that descriptor and reused its number): the mapping kept is used only if that file is the
+    one mapped (device, inode and size; the kept mapping holds its file open, so no other file
+    can have its inode meanwhile). Shared and writable so that populating never copies a page;
+    nothing writes to it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: tuple[int, int, int] | None = None
+        self._mm: mmap.mmap | None = None
+
+    def get(self, path: str, nbytes: int) -> mmap.mmap:
+        """The mapping of the segment at ``path`` (mapped now unless it is the one kept)."""
+        with self._lock:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                st = os.fstat(fd)
+                key = (st.st_dev, st.st_ino, nbytes)
+                if self._mm is not None and not self._mm.closed and self._key == key:
+                    return self._mm
+                self._drop()
+                if st.st_size < nbytes:
+                    raise WeightSyncError(f"segment {path} holds {st.st_size} bytes, {nbytes} expected",
+                                          reason="error")
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                self._key = key
+                return self._mm
+            finally:
+                os.close(fd)
+
+    def prefetch(self, path: str, nbytes: int) -> None:
+        """:meth:`get` in a thread of its own (the replica's hint: this segment comes next)."""
+
+        def run() -> None:
+            try:
+                self.get(path, nbytes)
+            except Exception as exc:  # noqa: BLE001 - only a hint: the swap maps it itself
+                log.info("prefetching the mapping of %s: %r", path, exc)
+
+        threading.Thread(target=run, name="robustrl-segment-map", daemon=True).start()
+
+    def _drop(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view still alive somewhere: unmapped when it is collected
+                pass
+        self._mm = self._key = None
 
 
 def segment_views(mm: mmap.mmap, tensors: list[list[Any]]) -> dict[str, torch.Tensor]:
@@ -218,11 +315,36 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
     """Seconds of the last update's parts in this worker: ``start`` (layers prepared), ``map``
     (segment mapped / version pulled), ``checksum`` (only when asked), ``load`` (vLLM's
     ``load_weights``: the copies, and the layerwise layers' processing), ``finish`` (the
-    remaining post-processing, e.g. CPU weight packing of the in-place layers)."""
+    remaining post-processing, e.g. CPU weight packing of the in-place layers); and
+    ``plain_linear_layers``, a count: layers multiplying in checkpoint layout after it."""
 
-    def __call__(self) -> dict[str, float]:
-        """``collective_rpc("weight_transfer_engine")`` runs this in each worker: :attr:`last`."""
+    def __call__(self, update_info: dict[str, Any] | None = None,
+                 prefetch: dict[str, Any] | None = None) -> dict[str, float]:
+        """``collective_rpc("weight_transfer_engine")`` runs this in each worker: :attr:`last`.
+
+        With ``update_info``, first the whole swap (start, load, finish) in this one call: one
+        round trip from the replica instead of three. The replica never runs two swaps, or a swap
+        and a generation, at once (its engine's lock), which is all vLLM's session flag guards.
+        With ``prefetch`` (``segment``, ``segment_bytes``): start mapping that segment, the next
+        version's (:class:`SegmentMap`), and return at once.
+        """
+        if prefetch is not None:
+            self._segments().prefetch(str(prefetch["segment"]), int(prefetch["segment_bytes"]))
+        if update_info is not None:
+            from vllm.config import set_current_vllm_config
+
+            t0 = time.perf_counter()
+            with set_current_vllm_config(self.vllm_config):
+                self.start_weight_update()
+                self.update_weights(update_info)
+                self.finish_weight_update()
+            self.last["total"] = time.perf_counter() - t0
         return dict(getattr(self, "last", {}))
+
+    def _segments(self) -> SegmentMap:
+        if getattr(self, "_segment_map", None) is None:
+            self._segment_map = SegmentMap()
+        return self._segment_map
 
     def start_weight_update(self) -> None:
         t0 = time.perf_counter()
@@ -234,6 +356,8 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
         finish_reload(self.model, self.model_config, getattr(self, "_direct", []))
         self._direct = []
         self.last["finish"] = time.perf_counter() - t0
+        # which layout the model's linear layers multiply in now (tests, benchmarks)
+        self.last["plain_linear_layers"] = sum(getattr(m, "cpu_linear", None) is _linear for m in self.model.modules())
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         try:
@@ -253,11 +377,9 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
     def receive_weights(self, update_info: RobustRLUpdateInfo) -> None:
         info = update_info
         t0 = time.perf_counter()
-        mm: mmap.mmap | None = None
         buffer: Any = None
         if info.segment:
-            mm = map_segment(info.segment, info.segment_bytes)
-            state = segment_views(mm, info.tensors)
+            state = segment_views(self._segments().get(info.segment, info.segment_bytes), info.tensors)
             nbytes = info.segment_bytes
         else:
             from robustrl.weights.flat import unflatten
@@ -285,12 +407,7 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
             self.last["load"] = time.perf_counter() - t1
             self.last["bytes"] = nbytes
         finally:
-            state.clear()
-            if mm is not None:
-                try:
-                    mm.close()
-                except BufferError:  # a view still alive somewhere: unmapped when it is collected
-                    pass
+            state.clear()  # the segment stays mapped (SegmentMap) until the next one is
 
     @staticmethod
     def _pull(info: RobustRLUpdateInfo) -> tuple[Any, Any]:
