@@ -93,7 +93,7 @@ def measure(kind: str, model_dir: str, n_prompts: int, n_tokens: int, rounds: in
 
 
 def _median_parts(parts: list[dict[str, float]]) -> dict[str, float]:
-    keys = [k for k in parts[0] if k not in ("bytes", "plain_linear_layers")] if parts else []
+    keys = [k for k in parts[0] if k not in ("bytes", "linear_layers", "plain_linear_layers")] if parts else []
     return {k: round(statistics.median(p.get(k, 0.0) for p in parts), 5) for k in keys}
 
 
@@ -110,12 +110,16 @@ def measure_loads(kind: str, engine: Any, model: Any, n: int) -> dict[str, Any]:
     sources = [flatten_state_dict({name: t + 0.01 * k for name, t in base.items()}, k, 1 << 20) for k in (1, 2)]
 
     def receive(k: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """As the replica receives a version: a new buffer from the engine (vLLM: its worker starts
-        mapping it), the verified chunks written into it as the puller does."""
+        """As the replica receives a version: a new buffer from the engine, the verified chunks
+        written into it as the puller does, then the engine's hint (vLLM: its worker maps the
+        segment) and the whole version's checksum, which the loader takes before every swap."""
         src, manifest = sources[k]
         buf = engine.alloc_buffer(manifest.total_bytes)
         buf[:] = src.numpy()
-        return torch.from_numpy(buf), unflatten(torch.from_numpy(buf), manifest)
+        engine.prepare_buffer(buf)
+        state = unflatten(torch.from_numpy(buf), manifest)
+        weights_checksum(state)
+        return torch.from_numpy(buf), state
 
     weight_bytes = sum(t.numel() * t.element_size() for t in base.values())
     dst = torch.empty(weight_bytes, dtype=torch.uint8)
@@ -156,14 +160,14 @@ def measure_loads(kind: str, engine: Any, model: Any, n: int) -> dict[str, Any]:
     else:
         out["weight_load_parts"] = _median_parts(parts)
         out["weight_load_parts_worker"] = _median_parts(worker)
-        out["plain_linear_layers"] = worker[-1].get("plain_linear_layers", 0) if worker else None
+        out["linear_layers"] = {k: worker[-1].get(k) for k in ("linear_layers", "plain_linear_layers")} if worker else None
         out["weight_load_includes"] = (
             "VllmEngine.load_weights, replica side: locate the buffer's memfd segment (stage 0), no pause "
             "(nothing in flight), one round trip to vLLM's engine core and its worker process that starts, "
             "loads and finishes the update (weight_load_parts: update); worker side (weight_load_parts_worker): "
-            "find the segment's mapping (map: made when the buffer was allocated, as the replica allocates one "
-            "per version before pulling into it; here the buffer was then filled with one copy, the 'pull'), "
-            "vLLM load_weights and finish. "
+            "find the segment's mapping (map: made on the replica's hint once the pull completed, while the "
+            "loader checks the version's sha256; here one copy fills a new buffer per load, the 'pull', then the "
+            "hint and the checksum, untimed), vLLM load_weights and finish. "
             + ("vllm: embedding, LM head and norms copied in place; the CPU linear layers through vLLM's "
                "layerwise reload (a fresh tensor, a copy and oneDNN re-packing); finish: oneDNN re-packing of "
                "the LM head." if kind == "vllm" else

@@ -102,8 +102,8 @@ def test_vllm_engine_generates_stops_on_the_marker_aborts_and_loads_weights_in_p
     # The layout asked for is the one vLLM's worker multiplies in (the tiny Qwen3: 2 layers of
     # qkv, o, gate_up and down projections, the LM head, and the input embedding, which vLLM's
     # CPU post-processing gives a matmul too).
-    plain = r["worker_phases"]["plain_linear_layers"]
-    assert plain == (10 if cpu_linear == "plain" else 0), r["worker_phases"]
+    w = r["worker_phases"]
+    assert w["linear_layers"] == 10 and w["plain_linear_layers"] == (10 if cpu_linear == "plain" else 0), w
     # The worker pulling from weight sources (tcp) loads the same weights.
     assert r["greedy_other_tcp"] == r["greedy_other"] and r["greedy_restored_tcp"] == r["greedy"]
 

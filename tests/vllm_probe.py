@@ -89,6 +89,7 @@ def main(model_dir: str, out: str, cpu_linear: str = "packed") -> None:
     src, manifest = flatten_state_dict(other, 1, 1 << 20)
     buf = engine.alloc_buffer(manifest.total_bytes)
     buf[:] = src.numpy()
+    engine.prepare_buffer(buf)  # as the replica does once a pull completed: the worker maps it now
     res["other_checksum"] = weights_checksum(other)
     t2 = time.monotonic()
     engine.load_weights(unflatten(torch.from_numpy(buf), manifest), 1, checksum=res["other_checksum"])
@@ -108,6 +109,7 @@ def main(model_dir: str, out: str, cpu_linear: str = "packed") -> None:
     res["same_path_reused"] = engine._segments.locate({"b": torch.from_numpy(buf)})[0] == old_path
     src, manifest = flatten_state_dict(original, 5, 1 << 20)
     buf[:] = src.numpy()
+    engine.prepare_buffer(buf)  # as the replica does once a pull completed: the worker maps it now
     engine.load_weights(unflatten(torch.from_numpy(buf), manifest), 5, checksum=weights_checksum(original))
     res["greedy_reused_path"] = greedy().token_ids
     engine.load_weights(other, 6)  # back to the other weights for what follows

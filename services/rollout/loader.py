@@ -124,6 +124,8 @@ class WeightLoader:
         alloc: allocates the buffer a version is pulled into (the engine's ``alloc_buffer``:
             the vLLM engine's worker maps it, so the swap copies straight from it); None: the
             puller allocates plain memory.
+        prepare: called with a pulled buffer once every chunk arrived, before the whole version
+            is checked (the engine's ``prepare_buffer``: a hint that it is likely loaded next).
     """
 
     def __init__(self, cfg: WeightSyncSpec, member_id: str, server: WeightServer,
@@ -131,6 +133,7 @@ class WeightLoader:
                  on_change: Callable[[], Awaitable[None]], held: Callable[[], tuple[int, str]],
                  seed: int = 0, have: Have | None = None,
                  alloc: Callable[[int], np.ndarray] | None = None,
+                 prepare: Callable[[np.ndarray], None] | None = None,
                  withdraw: Callable[[], None] | None = None,
                  idle: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
@@ -147,6 +150,7 @@ class WeightLoader:
         self._seed = seed
         self._have = have
         self._alloc = alloc
+        self._prepare = prepare
         self.announcements = Announcements()
         self.peers: dict[str, Peer] = {}
         self.state = LoaderState()
@@ -367,6 +371,11 @@ class WeightLoader:
     async def _verify_and_install(self, ann: WeightsAnnounce, manifest: Manifest, buffer: np.ndarray,
                                   stats: PullStats, t0: float, avoid: set[str]) -> bool:
         state = unflatten(torch.from_numpy(buffer), manifest)
+        if self._prepare is not None:
+            try:
+                self._prepare(buffer)
+            except Exception as exc:  # noqa: BLE001 - a hint: the swap does without it
+                log.warning("v%d: the engine's prepare_buffer failed (%r); loading without it", manifest.version, exc)
         got = await asyncio.to_thread(weights_checksum, state)
         if got != ann.checksum:
             # Every chunk matched the manifest, yet these are not the announced weights: drop

@@ -152,7 +152,7 @@ class Replica:
                                    install=self._install, emit=self._emit, on_change=self._refresh_phase,
                                    held=self._held, withdraw=self._withdraw, idle=self._pull_ended,
                                    seed=hash(self.ident.member_id) & 0xFFFF, have=self._publish_have,
-                                   alloc=self.engine.alloc_buffer)
+                                   alloc=self.engine.alloc_buffer, prepare=self.engine.prepare_buffer)
         bus = self.member.bus
         assert bus
         job = self.ident.job_id

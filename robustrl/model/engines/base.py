@@ -16,7 +16,9 @@ this interface only:
   the announced checksum, by the replica's loader before the swap), so the swap hashes nothing
   unless asked to (``checksum``: tests, audits).
 - ``alloc_buffer``: where the replica pulls a version so the engine loads it with the fewest
-  copies (the vLLM engine's buffers are shared-memory segments its worker process maps).
+  copies (the vLLM engine's buffers are shared-memory segments its worker process maps);
+  ``prepare_buffer``: such a buffer holds a whole version now, likely the next one loaded (a hint:
+  vLLM's worker maps it then, while the replica checks the version, not during the swap).
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class Engine(abc.ABC):
     def alloc_buffer(self, nbytes: int) -> np.ndarray:
         """A uint8 buffer to pull a version of ``nbytes`` into (plain memory by default)."""
         return np.empty(nbytes, dtype=np.uint8)
+
+    def prepare_buffer(self, buffer: np.ndarray) -> None:  # noqa: B027 - a hint: nothing to do by default
+        """``buffer`` (from :meth:`alloc_buffer`) holds a complete version now, which is likely
+        the next one loaded. A hint only: never required before :meth:`load_weights`."""
 
     @abc.abstractmethod
     def layout(self) -> dict[str, tuple[str, list[int]]]:

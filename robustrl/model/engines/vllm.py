@@ -135,6 +135,24 @@ class VllmEngine(Engine):
         self._closed = False
         self._call(self._start(), START_TIMEOUT_S)
         self.warmup_s = self._warm_up()
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """``plain`` must hold in vLLM's worker for every linear layer (it replaces a vLLM-internal
+        dispatch: a vLLM that no longer calls it would leave them packed, silently)."""
+        if self.cpu_linear != "plain":
+            return
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return  # the layout is a CPU matter: nothing to check
+        counts = self.worker_timings()[0]
+        if counts["plain_linear_layers"] != counts["linear_layers"]:
+            self.close()
+            raise ConfigError(f"rollout.vllm_cpu_linear is plain but vLLM's worker multiplies "
+                              f"{counts['linear_layers'] - counts['plain_linear_layers']} of "
+                              f"{counts['linear_layers']} linear layers in its packed layout",
+                              field="rollout.vllm_cpu_linear")
 
     def _warm_up(self) -> float:
         """Generate a few tokens before the engine counts as started: vLLM's first generation
@@ -266,18 +284,30 @@ class VllmEngine(Engine):
 
     def alloc_buffer(self, nbytes: int) -> np.ndarray:
         """A receive buffer in a memfd segment that vLLM's worker maps: weights pulled into it
-        (the replica's loader does) load with no copy before vLLM's own. The worker is asked to
-        map it now, while the version is pulled into it, off the swap (``SegmentMap``)."""
+        (the replica's loader does) load with no copy before vLLM's own."""
         if self.transfer != "memfd" or nbytes <= 0:
             return super().alloc_buffer(nbytes)
-        buf = self._segments.alloc(nbytes)
-        found = self._segments.locate({"buffer": torch.from_numpy(buf)})
-        if found is not None and not self._closed:
-            hint = {"segment": found[0], "segment_bytes": found[1]}
-            done = asyncio.run_coroutine_threadsafe(
-                self.llm.collective_rpc("weight_transfer_engine", kwargs={"prefetch": hint}), self._loop)
-            done.add_done_callback(_log_prefetch)
-        return buf
+        return self._segments.alloc(nbytes)
+
+    def prepare_buffer(self, buffer: np.ndarray) -> None:
+        """Ask vLLM's worker to map ``buffer``'s segment now (it holds a complete version, which
+        the replica checks before the swap): the swap finds it mapped (``SegmentMap``). Sent
+        once the pull completed, not at allocation: a pull that fails or is superseded costs
+        the worker nothing, and the pages exist already (mapping them fills page tables only).
+        Fire and forget: a failure is logged, the swap maps the segment itself."""
+        if self.transfer != "memfd" or self._closed or not self._loop.is_running():
+            return
+        found = self._segments.locate({"buffer": torch.from_numpy(buffer)})
+        if found is None:
+            return
+        hint = {"segment": found[0], "segment_bytes": found[1], "segment_ino": os.stat(found[0]).st_ino}
+        coro = self.llm.collective_rpc("weight_transfer_engine", kwargs={"prefetch": hint})
+        try:
+            done = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop closed meanwhile (the engine is closing)
+            coro.close()
+            return
+        done.add_done_callback(_log_prefetch)
 
     def load_weights(self, state: Mapping[str, torch.Tensor], version: int = -1, *, checksum: str = "") -> None:
         """Have vLLM's worker load ``state`` in place, generation paused around the swap.
@@ -303,7 +333,7 @@ class VllmEngine(Engine):
                 found = self._stage(state)
             path, nbytes, tensors = found
             info: dict[str, Any] = {"version": tag, "segment": path, "segment_bytes": nbytes,
-                                    "tensors": tensors, "checksum": checksum}
+                                    "segment_ino": os.stat(path).st_ino, "tensors": tensors, "checksum": checksum}
         else:
             from robustrl.weights.flat import flatten_state_dict
 

@@ -59,6 +59,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from robustrl.errors import WeightSyncError
+from robustrl.model.engines.segments import SegmentMap
 
 log = logging.getLogger(__name__)
 BACKEND = "robustrl"
@@ -128,6 +129,7 @@ class RobustRLUpdateInfo(WeightTransferUpdateInfo):
     version: int
     segment: str = ""
     segment_bytes: int = 0
+    segment_ino: int = 0
     tensors: list[list[Any]] = field(default_factory=list)
     digest: str = ""
     sources: list[str] = field(default_factory=list)
@@ -224,68 +226,6 @@ def finish_reload(model: torch.nn.Module, model_config: Any, direct: list[torch.
 # --- the segment ----------------------------------------------------------------------------------
 
 
-class SegmentMap:
-    """The one replica segment this worker keeps mapped (MAP_POPULATE: page tables filled at
-    once), from the moment the replica allocates it until another segment is mapped.
-
-    The replica allocates a segment per version it pulls and asks for it to be mapped then
-    (:meth:`prefetch`, in a thread of its own: ``mmap`` runs without the GIL), so mapping it
-    and unmapping the previous one happen while the bytes arrive, not while generation waits
-    for the swap. A swap (:meth:`get`) waits for a prefetch in progress and maps the segment
-    itself if it was not prefetched.
-
-    A segment is the file at its path now (``/proc/<pid>/fd/<fd>``: the replica may have closed
-    that descriptor and reused its number): the mapping kept is used only if that file is the
-    one mapped (device, inode and size; the kept mapping holds its file open, so no other file
-    can have its inode meanwhile). Shared and writable so that populating never copies a page;
-    nothing writes to it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._key: tuple[int, int, int] | None = None
-        self._mm: mmap.mmap | None = None
-
-    def get(self, path: str, nbytes: int) -> mmap.mmap:
-        """The mapping of the segment at ``path`` (mapped now unless it is the one kept)."""
-        with self._lock:
-            fd = os.open(path, os.O_RDWR)
-            try:
-                st = os.fstat(fd)
-                key = (st.st_dev, st.st_ino, nbytes)
-                if self._mm is not None and not self._mm.closed and self._key == key:
-                    return self._mm
-                self._drop()
-                if st.st_size < nbytes:
-                    raise WeightSyncError(f"segment {path} holds {st.st_size} bytes, {nbytes} expected",
-                                          reason="error")
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self._mm = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-                self._key = key
-                return self._mm
-            finally:
-                os.close(fd)
-
-    def prefetch(self, path: str, nbytes: int) -> None:
-        """:meth:`get` in a thread of its own (the replica's hint: this segment comes next)."""
-
-        def run() -> None:
-            try:
-                self.get(path, nbytes)
-            except Exception as exc:  # noqa: BLE001 - only a hint: the swap maps it itself
-                log.info("prefetching the mapping of %s: %r", path, exc)
-
-        threading.Thread(target=run, name="robustrl-segment-map", daemon=True).start()
-
-    def _drop(self) -> None:
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:  # a view still alive somewhere: unmapped when it is collected
-                pass
-        self._mm = self._key = None
-
-
 def segment_views(mm: mmap.mmap, tensors: list[list[Any]]) -> dict[str, torch.Tensor]:
     """name -> tensor viewing the mapped segment (no copy)."""
     flat = torch.frombuffer(mm, dtype=torch.uint8)
@@ -325,11 +265,14 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
         With ``update_info``, first the whole swap (start, load, finish) in this one call: one
         round trip from the replica instead of three. The replica never runs two swaps, or a swap
         and a generation, at once (its engine's lock), which is all vLLM's session flag guards.
-        With ``prefetch`` (``segment``, ``segment_bytes``): start mapping that segment, the next
-        version's (:class:`SegmentMap`), and return at once.
+        With ``prefetch`` (``segment``, ``segment_bytes``, ``segment_ino``): start mapping that
+        segment, the next version's (:class:`SegmentMap`), and return at once.
+        The answer also counts the model's linear layers (``linear_layers``) and those that
+        multiply in checkpoint layout (``plain_linear_layers``, :func:`plain_cpu_linear`).
         """
         if prefetch is not None:
-            self._segments().prefetch(str(prefetch["segment"]), int(prefetch["segment_bytes"]))
+            self._segments().prefetch(str(prefetch["segment"]), int(prefetch["segment_bytes"]),
+                                      int(prefetch.get("segment_ino", 0)))
         if update_info is not None:
             from vllm.config import set_current_vllm_config
 
@@ -339,7 +282,12 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
                 self.update_weights(update_info)
                 self.finish_weight_update()
             self.last["total"] = time.perf_counter() - t0
-        return dict(getattr(self, "last", {}))
+        out = dict(getattr(self, "last", {}))
+        linears = [m for m in self.model.modules()
+                   if type(getattr(m, "quant_method", None)).__name__ in IN_PLACE_METHODS]
+        out["linear_layers"] = len(linears)
+        out["plain_linear_layers"] = sum(getattr(m, "cpu_linear", None) is _linear for m in linears)
+        return out
 
     def _segments(self) -> SegmentMap:
         if getattr(self, "_segment_map", None) is None:
@@ -353,11 +301,12 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
 
     def finish_weight_update(self) -> None:
         t0 = time.perf_counter()
-        finish_reload(self.model, self.model_config, getattr(self, "_direct", []))
-        self._direct = []
+        try:
+            finish_reload(self.model, self.model_config, getattr(self, "_direct", []))
+        finally:
+            self._direct = []
+            self._segments().release()  # held by receive_weights: the reload may read it until here
         self.last["finish"] = time.perf_counter() - t0
-        # which layout the model's linear layers multiply in now (tests, benchmarks)
-        self.last["plain_linear_layers"] = sum(getattr(m, "cpu_linear", None) is _linear for m in self.model.modules())
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         try:
@@ -379,7 +328,9 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
         t0 = time.perf_counter()
         buffer: Any = None
         if info.segment:
-            state = segment_views(self._segments().get(info.segment, info.segment_bytes), info.tensors)
+            # held until finish_weight_update (also on failure: update_weights calls it)
+            state = segment_views(self._segments().hold(info.segment, info.segment_bytes, info.segment_ino),
+                                  info.tensors)
             nbytes = info.segment_bytes
         else:
             from robustrl.weights.flat import unflatten
