@@ -63,6 +63,11 @@ def hf_layout(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[str,
     return {n: (dtype_name(dtype), list(t.shape)) for n, t in model.state_dict().items()}
 
 
+def _segment_fields(path: str, nbytes: int) -> dict[str, Any]:
+    """How the worker finds a segment of this process (``SegmentMap``): path, size and inode."""
+    return {"segment": path, "segment_bytes": nbytes, "segment_ino": os.stat(path).st_ino}
+
+
 def _log_prefetch(done: Any) -> None:
     """Only a hint (the swap maps the segment itself if it must): a failure is logged, no more."""
     if not done.cancelled() and done.exception() is not None:
@@ -300,7 +305,7 @@ class VllmEngine(Engine):
         found = self._segments.locate({"buffer": torch.from_numpy(buffer)})
         if found is None:
             return
-        hint = {"segment": found[0], "segment_bytes": found[1], "segment_ino": os.stat(found[0]).st_ino}
+        hint = _segment_fields(found[0], found[1])
         coro = self.llm.collective_rpc("weight_transfer_engine", kwargs={"prefetch": hint})
         try:
             done = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -332,8 +337,8 @@ class VllmEngine(Engine):
             if found is None:
                 found = self._stage(state)
             path, nbytes, tensors = found
-            info: dict[str, Any] = {"version": tag, "segment": path, "segment_bytes": nbytes,
-                                    "segment_ino": os.stat(path).st_ino, "tensors": tensors, "checksum": checksum}
+            info: dict[str, Any] = {"version": tag, **_segment_fields(path, nbytes), "tensors": tensors,
+                                    "checksum": checksum}
         else:
             from robustrl.weights.flat import flatten_state_dict
 

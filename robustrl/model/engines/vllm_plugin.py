@@ -8,7 +8,7 @@ in one of two ways:
 - **segment** (what :class:`~robustrl.model.engines.vllm.VllmEngine` sends): the version's flat
   buffer lives in a memfd segment of the replica's process (the replica pulled it there, every
   chunk verified against the manifest as it arrived); the worker maps the segment
-  (``/proc/<pid>/fd/<fd>``, no copy; mapped while the replica pulls into it, :class:`SegmentMap`)
+  (``/proc/<pid>/fd/<fd>``, no copy; mapped on the replica's hint once its pull completed, :class:`SegmentMap`)
   and calls the model's ``load_weights`` with views into it.
   The load is copies only: the bytes were verified when they arrived, so nothing is hashed
   here unless ``checksum`` asks for it (tests, audits).
@@ -267,7 +267,7 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
         and a generation, at once (its engine's lock), which is all vLLM's session flag guards.
         With ``prefetch`` (``segment``, ``segment_bytes``, ``segment_ino``): start mapping that
         segment, the next version's (:class:`SegmentMap`), and return at once.
-        The answer also counts the model's linear layers (``linear_layers``) and those that
+        Asked with neither, the answer also counts the model's linear layers (``linear_layers``) and those that
         multiply in checkpoint layout (``plain_linear_layers``, :func:`plain_cpu_linear`).
         """
         if prefetch is not None:
@@ -283,10 +283,11 @@ class RobustRLWeightTransfer(WeightTransferEngine[RobustRLInitInfo, RobustRLUpda
                 self.finish_weight_update()
             self.last["total"] = time.perf_counter() - t0
         out = dict(getattr(self, "last", {}))
-        linears = [m for m in self.model.modules()
-                   if type(getattr(m, "quant_method", None)).__name__ in IN_PLACE_METHODS]
-        out["linear_layers"] = len(linears)
-        out["plain_linear_layers"] = sum(getattr(m, "cpu_linear", None) is _linear for m in linears)
+        if update_info is None and prefetch is None:  # a query only: off the swap's path
+            linears = [m for m in self.model.modules()
+                       if type(getattr(m, "quant_method", None)).__name__ in IN_PLACE_METHODS]
+            out["linear_layers"] = len(linears)
+            out["plain_linear_layers"] = sum(getattr(m, "cpu_linear", None) is _linear for m in linears)
         return out
 
     def _segments(self) -> SegmentMap:
