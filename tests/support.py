@@ -55,8 +55,27 @@ def wait_for_setup(part: str, timeout_s: float = 600.0) -> str | None:
     return f"the {part} setup failed (exit {code}): {tail}"
 
 
-def _fail(what: str, timeout: float, last: object) -> AssertionError:
-    return AssertionError(f"{what or 'condition'} not met after {timeout:.2f} s (last: {last!r})")
+class _Waited:
+    """What a failed wait says besides the last value: the longest pause between two polls (a
+    process that got no CPU, or a blocked event loop, for most of the wait: the condition was
+    barely given a chance) and how far the wall clock moved against the monotonic one (a clock
+    step during the wait, which code timing on ``time.time`` sees)."""
+
+    def __init__(self) -> None:
+        self.mono = self.prev = time.monotonic()
+        self.wall = time.time()
+        self.longest = 0.0
+
+    def poll(self) -> float:
+        now = time.monotonic()
+        self.longest, self.prev = max(self.longest, now - self.prev), now
+        return now
+
+    def fail(self, what: str, timeout: float, last: object) -> AssertionError:
+        step = (time.time() - self.wall) - (time.monotonic() - self.mono)
+        return AssertionError(f"{what or 'condition'} not met after {timeout:.2f} s (last: {last!r}; "
+                              f"longest pause between polls {self.longest:.2f} s; wall clock moved "
+                              f"{step:+.2f} s against the monotonic one)")
 
 
 def eventually(fn: Callable[[], T], *, timeout: float = DEFAULT_TIMEOUT_S,
@@ -69,7 +88,8 @@ def eventually(fn: Callable[[], T], *, timeout: float = DEFAULT_TIMEOUT_S,
     Raises:
         AssertionError: still falsy / failing after ``timeout`` seconds (chained to the last error).
     """
-    deadline = time.monotonic() + timeout
+    waited = _Waited()
+    deadline = waited.mono + timeout
     last: object = None
     last_exc: BaseException | None = None
     while True:
@@ -80,8 +100,8 @@ def eventually(fn: Callable[[], T], *, timeout: float = DEFAULT_TIMEOUT_S,
             last, last_exc = value, None
         except retry_on as exc:
             last, last_exc = exc, exc
-        if time.monotonic() >= deadline:
-            raise _fail(what, timeout, last) from last_exc
+        if waited.poll() >= deadline:
+            raise waited.fail(what, timeout, last) from last_exc
         time.sleep(interval)
 
 
@@ -90,7 +110,8 @@ async def eventually_async(fn: Callable[[], T | Awaitable[T]], *, timeout: float
                            retry_on: tuple[type[BaseException], ...] = (AssertionError,),
                            what: str = "") -> T:
     """Async ``eventually``: ``fn`` may be a plain or a coroutine function; polls with ``asyncio.sleep``."""
-    deadline = time.monotonic() + timeout
+    waited = _Waited()
+    deadline = waited.mono + timeout
     last: object = None
     last_exc: BaseException | None = None
     while True:
@@ -103,8 +124,8 @@ async def eventually_async(fn: Callable[[], T | Awaitable[T]], *, timeout: float
             last, last_exc = value, None
         except retry_on as exc:
             last, last_exc = exc, exc
-        if time.monotonic() >= deadline:
-            raise _fail(what, timeout, last) from last_exc
+        if waited.poll() >= deadline:
+            raise waited.fail(what, timeout, last) from last_exc
         await asyncio.sleep(interval)
 
 

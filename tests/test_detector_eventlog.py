@@ -9,11 +9,13 @@ fault of a tick; their events reach the log afterwards, in order, none lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from support import eventually_async, own_servers
@@ -72,9 +74,21 @@ class TimedJob(Job):
 
     arrived: dict[str, float] = field(default_factory=dict)
 
+    def seen(self, service: DetectorService, member_id: str) -> bool:
+        """The detector has the member's sample (so its silence is timed from before what follows)."""
+        mon = service.jobs.get(self.job_id)
+        return mon is not None and mon.cfg is not None and member_id in mon.members
+
 
 @pytest.fixture
 async def rig(servers: Settings) -> AsyncIterator[tuple[TimedJob, SlowLog]]:
+    async with _rig(servers) as (job, slow, _service):
+        yield job, slow
+
+
+@contextlib.asynccontextmanager
+async def _rig(servers: Settings, **service_kw: Any) -> AsyncIterator[tuple[TimedJob, SlowLog, DetectorService]]:
+    """A fake controller on the bus, and a detector of this process's (``service_kw``: its clocks)."""
     bus = await Bus.connect(servers.nats_url, "test-controller")
     await bus.ensure_event_stream()
     job = TimedJob(bus, f"j{uuid.uuid4().hex[:8]}")
@@ -91,10 +105,10 @@ async def rig(servers: Settings) -> AsyncIterator[tuple[TimedJob, SlowLog]]:
     await bus.subscribe(subject(job.job_id, Verb.FAULT), FaultReport, on_fault)
     det_bus = await Bus.connect(servers.nats_url, MEMBER_NAME, role="detector")
     slow = SlowLog(det_bus)
-    service = DetectorService(det_bus)
+    service = DetectorService(det_bus, **service_kw)
     await service.start()
     try:
-        yield job, slow
+        yield job, slow, service
     finally:
         slow.back.set()
         await service.stop()
@@ -188,3 +202,29 @@ async def test_a_full_queue_drops_new_events_loudly_and_keeps_the_rest(
 def _fault_data(job_id: str, n: int) -> dict[str, object]:
     return {"fault_id": f"f{n}", "kind": "crash", "role": "rollout", "member_id": f"r-{n}", "step": 0,
             "detected_at": time.time(), "fault_at": None, "cause": "exit", "evidence": "test"}
+
+
+async def test_a_step_of_the_wall_clock_neither_blinds_nor_fools_the_rules(servers: Settings) -> None:
+    """NTP steps a machine's wall clock (or a VM resumes): an hour back, then two forward. The
+    rules run on the monotonic clock, so a member falling silent after either step is reported
+    on time, a healthy one is not reported, and each report carries the wall time it was made at
+    (rules on the wall clock saw every silence as an hour younger after the step back: no report
+    for an hour)."""
+    shift = [0.0]
+    async with _rig(servers, wall=lambda: time.time() + shift[0]) as (job, _slow, service):
+        arrived = job.arrived
+        await job.member("r-steady", inflight=1, progress=True)
+        bound_s = THRESHOLDS.silence_s + THRESHOLDS.probe_timeout_s + 1.0
+        for step_s, member in ((0.0, "r-before"), (-3600.0, "r-after-back"), (7200.0, "r-after-forward")):
+            silent_from = time.monotonic()
+            await job.one_sample(member)
+            await eventually_async(lambda m=member: job.seen(service, m), timeout=WAIT_S, what=f"{member} seen")
+            shift[0] += step_s  # the step comes while the member is silent
+            await eventually_async(lambda m=member: m in arrived, timeout=WAIT_S,
+                                   what=f"{member} reported (detector {service.stats})")
+            assert arrived[member] - silent_from < bound_s, (member, arrived[member] - silent_from)
+            (report,) = job.faults_of(member)
+            assert abs(report.detected_at - (time.time() + shift[0])) < REPORT_BOUND_S + 0.5, report
+            assert report.fault_at is not None and 0 <= report.detected_at - report.fault_at < bound_s, report
+        assert not job.faults_of("r-steady"), "a wall clock step made a healthy member look silent"
+        assert [f.member_id for f in job.faults] == ["r-before", "r-after-back", "r-after-forward"], job.faults

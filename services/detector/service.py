@@ -13,7 +13,10 @@ A member's fault id is derived from (job, member), so a restarted detector that 
 fault again sends the same id. Control commands carry the controller's fencing token: one older
 than the job's newest seen (a deposed controller) is ignored, as the request manager does.
 
-Every time stamp the rules see is this process's clock at receipt, never a member's.
+Every time stamp the rules see is this process's clock at receipt, never a member's: its
+monotonic clock, so a step of the wall clock (NTP, a VM resumed) neither blinds the rules (a
+step back left every silence unjudged for the step's length) nor fakes a gap. Reports carry
+wall times (``detected_at``, ``fault_at``, ``last_progress_at``), converted when they are sent.
 """
 
 from __future__ import annotations
@@ -73,12 +76,15 @@ class Stats:
 class DetectorService:
     """One detector serving every job on a NATS server."""
 
-    def __init__(self, bus: Bus, *, redis: Any = None, clock: Callable[[], float] = time.time,
+    def __init__(self, bus: Bus, *, redis: Any = None, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time,
                  spec_timeout_s: float = SPEC_TIMEOUT_S, spec_retry_s: float = SPEC_RETRY_S) -> None:
         """``redis``: the client of the detector's outboxes (None: its events are queued in
-        memory only, lost if it is killed before JetStream stores them)."""
+        memory only, lost if it is killed before JetStream stores them). ``clock``: the rules'
+        clock (never stepped); ``wall``: the clock of the times reports carry."""
         self.bus = bus
         self.clock = clock
+        self.wall = wall
         self.jobs: dict[str, JobMonitor] = {}
         self.ended: set[str] = set()
         self.stats = Stats()
@@ -201,6 +207,8 @@ class DetectorService:
         mon = self._job(msg.job_id) if _consistent(msg.job_id, subj) else None
         if mon is None:
             return
+        # The exit's own time (the launcher's wall clock) on the rules' clock: a crash's fault_at.
+        msg = msg.model_copy(update={"ts": msg.ts - self._wall_offset()})
         report = mon.exited(msg, self.clock())
         if report is not None:
             await self._report(report)
@@ -362,7 +370,19 @@ class DetectorService:
         if mon.probe_reply(probe.member_id, reply.nonce, self.clock()):
             self.stats.probes_answered += 1
 
+    def _wall_offset(self) -> float:
+        """Wall time minus the rules' clock, now."""
+        return self.wall() - self.clock()
+
+    def _on_the_wall(self, report: FaultReport) -> FaultReport:
+        """``report`` with its times (the rules' clock) as wall times, for the controller and the log."""
+        offset = self._wall_offset()
+        return report.model_copy(update={
+            name: value + offset for name in ("detected_at", "fault_at", "last_progress_at")
+            if (value := getattr(report, name)) is not None})
+
     async def _report(self, report: FaultReport) -> None:
+        report = self._on_the_wall(report)
         self.stats.faults_reported += 1
         log.warning("fault %s: %s %s %s: %s", report.fault_id, report.kind, report.role, report.member_id,
                     report.evidence)
