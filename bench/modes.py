@@ -199,6 +199,33 @@ def throughput(tap: TokenTap, job_id: str, rec: dict[str, Any]) -> dict[str, Any
             "ratio": round(during / before, 3) if before > 0 else None}
 
 
+CONTROL_STEPS = range(5, 10_000, 10)
+"""The steps a fault-free run's control windows sit in: the faulted runs' fault steps."""
+CONTROL_WINDOW = (
+    "the same ratio in a fault-free run, with no recovery: during = [t, t + WINDOW_FLOOR_S], before = "
+    "[t - WINDOW_FLOOR_S, t], t = the middle of each step a faulted run has its fault in (5, 15, 25, ...); "
+    "the spread of these is how far two adjacent windows of the pool's tokens differ with nothing "
+    "happening (tool calls of 1 s make generation come in bursts)")
+
+
+def control_windows(tap: TokenTap, job_id: str, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``CONTROL_WINDOW``: the fault-free counterpart of :func:`throughput`."""
+    started = {int(e["data"]["step"]): e["ts"] for e in events
+               if e["kind"] == "step_started" and isinstance(e["data"].get("step"), int)}
+    committed = {int(e["data"]["step"]): e["ts"] for e in events
+                 if e["kind"] == "step_committed" and isinstance(e["data"].get("step"), int)}
+    out = []
+    for step in CONTROL_STEPS:
+        if step not in started or step not in committed:
+            break
+        t, span = (started[step] + committed[step]) / 2, WINDOW_FLOOR_S
+        during = tap.tokens_at(job_id, t + span) - tap.tokens_at(job_id, t)
+        before = tap.tokens_at(job_id, t) - tap.tokens_at(job_id, t - span)
+        out.append({"step": step, "tokens_during": round(during, 1), "tokens_before": round(before, 1),
+                    "ratio": round(during / before, 3) if before > 0 else None})
+    return out
+
+
 async def run(stack: Stack, api: ApiClient, tap: TokenTap, spec: dict[str, Any], scenario: Scenario | None,
               label: str) -> dict[str, Any]:
     assert stack.settings
@@ -222,6 +249,8 @@ async def run(stack: Stack, api: ApiClient, tap: TokenTap, spec: dict[str, Any],
         out["recoveries"] = recs
         out["stale_turns_dropped"] = sum(e["data"].get("turns", 0) for e in events
                                          if e["kind"] == "stale_turns_dropped")
+    else:
+        out["control_windows"] = control_windows(tap, report["job_id"], events)
     srcs = [(r["source"], r["recovery_s"]) for r in out.get("recoveries", [])]
     print(f"{label:34s} {report['status']:8s} wall {out['wall_s']:6.1f}s ETTR {out['ettr']:.3f} "
           f"(to last commit {out['ettr_to_last_commit']:.3f}) "
@@ -231,6 +260,33 @@ async def run(stack: Stack, api: ApiClient, tap: TokenTap, spec: dict[str, Any],
 
 def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
+
+
+def _spread(xs: list[float]) -> dict[str, Any]:
+    xs = sorted(xs)
+    if not xs:
+        return {"n": 0}
+    q = statistics.quantiles(xs, n=10) if len(xs) >= 2 else [xs[0]] * 9
+    return {"n": len(xs), "min": xs[0], "p10": round(q[0], 3), "median": round(statistics.median(xs), 3),
+            "p90": round(q[-1], 3), "max": xs[-1]}
+
+
+def control_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """The async recoveries' per-window ratios beside the fault-free control windows' (``CONTROL_WINDOW``):
+    the same measure with and without a recovery in the window."""
+    runs = results["modes"].get("async", {})
+    control = [w for run_ in runs.get("fault_free_runs", []) for w in run_.get("control_windows", [])
+               if w["ratio"] is not None]
+    during = [r["throughput"]["ratio"] for run_ in runs.get("faulted_runs", []) for r in run_["recoveries"]
+              if r["throughput"]["ratio"] is not None]
+    before = sum(w["tokens_before"] for w in control)
+    return {"control_window": CONTROL_WINDOW,
+            "control_window_ratio_aggregate": round(sum(w["tokens_during"] for w in control) / before, 3)
+            if before > 0 else None,
+            "control_window_ratio_spread": _spread([w["ratio"] for w in control]),
+            "throughput_during_recovery_ratio_spread": _spread(during),
+            "recoveries_below_0_9": sum(x < 0.9 for x in during),
+            "control_windows_below_0_9": sum(w["ratio"] < 0.9 for w in control)}
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
@@ -266,6 +322,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
          "throughput_during_recovery_ratio_per_recovery": [t["ratio"] for t in async_tps],
          "throughput_window_s_per_recovery": [t["window_s"] for t in async_tps],
          "throughput_during_recovery_ratio_by_source": {src: tp_ratio(src) for src in ("borrowed", "cold", "spare")},
+         **control_summary(results),
          "ettr_faulted": {m: round(statistics.fmean(x["ettr"] for x in results["modes"][m]["faulted_runs"]), 4)
                           for m in results["modes"]},
          "ettr_faulted_per_seed": {m: {x["seed"]: x["ettr"] for x in results["modes"][m]["faulted_runs"]}
