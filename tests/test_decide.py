@@ -6,8 +6,8 @@ from robustrl.config import RecoverySpec
 from robustrl.messages import FaultReport
 from robustrl.services.controller.decide import (
     Decision, FailJob, Ignore, JobView, RecoveryView, RedispatchEpisodes, ReplaceReplica, ReportOnly,
-    RestartTrainerGang, RestartWholeJob, ResumeService, SERVICE_RESUMES_PER_STEP, check_recovery, decide,
-    recovery_failed,
+    RestartTrainerGang, RestartWholeJob, ResumeService, SERVICE_RESUMES_PER_STEP, WARM_START_SILENT, check_recovery,
+    decide, recovery_failed,
 )
 
 LOCAL = RecoverySpec(policy="role_local", deadline_s=60.0, max_restarts=5)
@@ -74,6 +74,17 @@ def test_trainer_dies_again_while_recovering_at_the_same_step() -> None:
     view = job(recovering=(rec,), live_members=frozenset({"t2", "t3", "r0", "r1", "r2"}))
     d = decide(NOW, view, fault("trainer", "t2", "crash"), LOCAL)
     assert kinds(d) == [RestartWholeJob]
+
+
+def test_a_warm_rank_never_heard_from_restarts_the_gang_again_and_does_not_escalate() -> None:
+    """Its start failed (a frozen spare), not the step: the rank starts again. Any other second
+    trainer fault at the step still escalates (above)."""
+    rec = RecoveryView("trainer", step=5, started_at=NOW - 5, member_ids=frozenset({"t0", "t1"}))
+    view = job(recovering=(rec,), faults_per_step={("trainer", 5): 1},
+               live_members=frozenset({"t2", "t3", "r0", "r1", "r2"}))
+    silent = fault("trainer", "t2", "hang").model_copy(update={"cause": WARM_START_SILENT})
+    d = decide(NOW, view, silent, LOCAL)
+    assert kinds(d) == [RestartTrainerGang], d.reason
 
 
 def test_rollout_dies_while_trainer_recovers_is_replaced_too() -> None:

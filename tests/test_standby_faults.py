@@ -6,6 +6,9 @@
 * The request manager never acknowledges a drain (it is frozen through every attempt): the replica
   it may still send turns to is killed instead of training on the same model, its rank starts
   cold, and its rollout slot is restocked.
+* The warm spare is frozen when it is handed the rank: nothing is ever heard from the new rank,
+  which is a fault of its own after ``recovery.warm_start_s``; the rank starts again and the job
+  recovers role-locally instead of waiting out ``recovery.deadline_s``.
 
 Verdict from outside the controller: the member processes themselves (psutil), the raw event log,
 and the auditor.
@@ -14,6 +17,7 @@ and the auditor.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -215,6 +219,67 @@ def test_a_replica_hung_just_before_the_trainer_fault_is_not_borrowed(own_stack:
         kinds(events, "replica_borrowed")
     decisions = [d for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
     assert not [d for d in decisions if "RestartWholeJob" in d["actions"]], decisions
+    assert status["committed_step"] == spec["steps"] - 1
+    assert own_stack.settings
+    audit_sampled(own_stack.settings, jid, sampler, AUDIT)
+
+
+WARM_START_S = 3.0
+SPARE_LOG = re.compile(r"spare-\d+\.log$")
+
+
+def _waiting_spares(stack: Stack) -> set[int]:
+    """Warm spares of this stack's launcher still waiting for an order: processes whose output
+    goes to a ``spare-N.log`` of its run dir (a cold spare's command line names its module, a
+    forked one's is the zygote's; a spare that took its order writes to its member's log)."""
+    root = str(stack.run_dir)
+    found = set()
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.status() != psutil.STATUS_ZOMBIE and any(
+                    f.path.startswith(root) and SPARE_LOG.search(f.path) for f in p.open_files()):
+                found.add(p.pid)
+    return found
+
+
+def test_a_warm_spare_frozen_when_it_is_handed_the_rank_is_replaced_long_before_the_deadline(
+        own_stack: Stack, api: ApiClient) -> None:
+    """The worst moment for a warm spare: frozen (SIGSTOP) just before the trainer rank crashes,
+    so the new gang's rank is a process that never reads its order and never says a word. Before:
+    only ``recovery.deadline_s`` (here 120 s) bounded it, then the job was restarted whole. Now
+    nothing heard from a warm rank ``recovery.warm_start_s`` after its start is a fault of its
+    own: the frozen process is killed, the rank starts again, the recovery stays role-local."""
+    spec = small_job("sparefrozen", steps=8, trainer={"workers": 1},
+                     recovery={"warm_spares": 1, "warm_start_s": WARM_START_S, "deadline_s": 120.0},
+                     **TOLERANT)
+    jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(own_stack.settings.redis_url, jid)
+    _wait(api, jid, 1)
+    (frozen,) = eventually(lambda: _waiting_spares(own_stack), timeout=60, interval=0.25, what="a waiting spare")
+    try:
+        psutil.Process(frozen).suspend()
+        t_fault = time.time()
+        api.fault(jid, kind="crash", role="trainer", member=0)
+
+        def silent_reported() -> list[dict[str, Any]]:
+            return [d for d in kinds(api.events(jid), "fault_detected") if "started warm" in d["evidence"]]
+
+        (silent,) = eventually(silent_reported, timeout=WARM_START_S + 30, interval=0.2,
+                               what="the silent warm rank reported")
+        assert time.time() - t_fault < WARM_START_S + 30
+        eventually(lambda: not _alive(frozen), timeout=20, interval=0.1, what="the frozen spare killed")
+    finally:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(frozen).kill()
+    status = _done(api, jid)
+    events = api.events(jid)
+    started = {d["member_id"]: d for d in kinds(events, "member_started")}
+    assert started[silent["member_id"]]["warm"] is True, started  # the frozen spare took the rank
+    assert "warm (spare)" in silent["evidence"], silent
+    decisions = [d["actions"] for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
+    assert decisions == [["RestartTrainerGang"], ["RestartTrainerGang"]], decisions
+    recovered = [d for d in kinds(events, "recovered") if d["kind"] == "trainer"]
+    assert recovered and recovered[-1]["recovery_s"] < WARM_START_S + 60, recovered
     assert status["committed_step"] == spec["steps"] - 1
     assert own_stack.settings
     audit_sampled(own_stack.settings, jid, sampler, AUDIT)

@@ -315,6 +315,10 @@ def _stale(job: JobView, fault: FaultReport) -> str | None:
     return None
 
 
+WARM_START_SILENT = "warm_start_silent"
+"""The cause of a rank started warm that was never heard from (``Supervisor.watch_starts``): its
+start failed, not its step, so it is no second failure of the step (a slot's failed starts in a
+row are bounded by ``STARTUP_FAILURES_MAX`` in the supervisor)."""
 WEIGHTS_CAUSES = frozenset({"weights_failed", "weights_load_timeout"})
 """Detector causes of a replica that could not load the announced weights."""
 
@@ -362,7 +366,7 @@ def _role_local(job: JobView, fault: FaultReport, spec: RecoverySpec) -> Decisio
     previous = job.faults_per_step.get((fault.role, job.step), 0)
     if fault.role == "trainer":
         again = any(r.role == "trainer" and r.step == job.step for r in job.recovering)
-        if previous >= 1 or again:
+        if (previous >= 1 or again) and fault.cause != WARM_START_SILENT:
             return _whole_job(job, f"{what}: step {job.step} failed again on the trainer")
         sources, why = plan_gang(job, spec, fault)
         return Decision([RestartTrainerGang(job.durable_step, sources)],

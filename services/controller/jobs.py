@@ -38,6 +38,9 @@ class MemberInfo:
     # The launcher's re-attach handle (pid + start time, or container id), persisted for a restart.
     handle: dict[str, Any] = field(default_factory=dict)
     adopted: bool = False  # re-attached by a restarted controller (its hello may predate this controller)
+    heard: bool = False
+    """This controller heard from it (a spec request, metrics, a phase, a hello); not in the record:
+    a live member's metrics come again within an interval."""
 
     def to_record(self) -> dict[str, Any]:
         return {"role": self.role, "index": self.index, "epoch": self.epoch, "state": self.state,

@@ -858,6 +858,8 @@ class Controller:
             # (a stopping job's: a request manager that asks now must not run it again after
             # its stop was acknowledged, its events landing after the final one)
             return
+        if msg.member_id in job.members:
+            job.members[msg.member_id].heard = True
         if msg.member_id == "request_manager":  # it resumes at the step named here: make it current
             await self.reconcile(job, "request manager asked for the spec")
         await self.bus.respond(reply, SpecReply(job_id=job.job_id, spec=job.spec.model_dump(mode="json"),
@@ -881,6 +883,7 @@ class Controller:
         if not job or msg.member_id not in job.members or not self.leading:
             return  # unanswered: the member sends it again (a takeover may not know it yet)
         m = job.members[msg.member_id]
+        m.heard = True
         # A member sends its hello until this answer reaches it (Member.hello): a hello again is
         # the same news, and one of a member no longer starting (ready, or already gone) changes
         # nothing (before, a late hello brought a dead member back to "running").
@@ -910,6 +913,7 @@ class Controller:
         job = self.jobs.get(msg.job_id)
         if job and msg.member_id in job.members:
             job.members[msg.member_id].phase = msg.phase
+            job.members[msg.member_id].heard = True
 
     async def _on_metrics(self, msg: MetricsSample, _s: str, _r: str | None) -> None:
         job = self.jobs.get(msg.job_id)
@@ -921,6 +925,7 @@ class Controller:
         m = job.members.get(msg.member_id)
         if m is None:
             return
+        m.heard = True
         if m.state == "starting" and m.phase == "starting" and msg.phase != "starting":
             # Its hello (one publish) may have been lost: a phase past starting shows it started,
             # and the start deadline (Supervisor.watch_starts) must not kill it.

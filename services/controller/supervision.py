@@ -30,6 +30,7 @@ from robustrl.aio import wait_event
 from robustrl.errors import EXIT_CHECKPOINT_LOST
 from robustrl.launcher.base import ExitInfo
 from robustrl.messages import FaultReport, MemberExited
+from robustrl.services.controller.decide import WARM_START_SILENT
 from robustrl.services.controller.jobs import STARTUP_FAILURES_MAX, JobRun, MemberInfo, still_starting
 from robustrl.services.controller.launching import split_lid
 from robustrl.services.controller.lease import LeaseLost
@@ -50,6 +51,29 @@ OWN_GAP_S = 1.0
 starved): silences it did not watch are not held against the services."""
 
 
+WARM_SOURCES = frozenset({"spare", "borrowed", "survivor"})
+"""Starts of a process that is up already (``GangStart.sources``): a hello comes within a second."""
+
+
+def warm_ranks(job: JobRun) -> dict[str, str]:
+    """The current trainer ranks that a trainer recovery under way started warm and that this
+    controller has not heard from at all (no spec request, no metrics): member id -> source. A
+    warm process is up already: it asks for the spec and sends metrics within a second, also
+    while it waits in the gang's rendezvous for a cold rank (its hello comes only once the gang
+    has formed and loaded the checkpoint). A cold rank is bounded by the recovery's deadline (a
+    start may import for minutes); a warm one silent from birth (frozen, its hand-off never
+    taken) held the gang at its rendezvous for that whole deadline."""
+    out: dict[str, str] = {}
+    for rec in job.recoveries:
+        start = job.gang_starts.get(rec.fault_id)
+        if rec.kind != "trainer" or start is None:
+            continue
+        for m in job.current_trainers():
+            if not m.heard and 0 <= m.index < len(start.sources) and start.sources[m.index] in WARM_SOURCES:
+                out[m.member_id] = start.sources[m.index]
+    return out
+
+
 def exit_fault(job: JobRun, m: MemberInfo, info: ExitInfo, evidence: str) -> FaultReport:
     return FaultReport(job_id=job.job_id, fault_id=f"exit-{m.member_id}", role=m.role,  # type: ignore[arg-type]
                        member_id=m.member_id, kind="crash", evidence=evidence, detected_at=time.time(),
@@ -68,6 +92,8 @@ class Supervisor:
         self._starting: dict[tuple[str, str], float] = {}
         """(job, member) -> when this controller first saw the member starting (monotonic): each
         leader counts a start from what it saw itself (a record's start time is another clock's)."""
+        self._warm_starting: dict[tuple[str, str], float] = {}
+        """The same for the ranks a trainer recovery started warm (``warm_ranks``), timed while it runs."""
         self._start_hung: dict[tuple[str, str], dict[str, Any]] = {}
         """A start past its deadline being handled: what was done, so a retry does nothing twice."""
         self._progress: dict[str, dict[str, Any]] = {}
@@ -209,28 +235,45 @@ class Supervisor:
         first commit: the whole job restarted; after: its role's recovery).
 
         Started means a hello heard, or a phase past ``starting`` reported (a hello is one publish:
-        lost, its member would be killed healthy). While a recovery runs, no start is timed: the
-        members it starts are bounded by its own deadline, which escalates (timed here too, a rank
-        of the gang being recovered would be a second fault of the same recovery); the clocks start
-        when it ends."""
+        lost, its member would be killed healthy). While a recovery runs, no cold start is timed:
+        the members it starts are bounded by its own deadline, which escalates (timed here too, a
+        rank of the gang being recovered would be a second fault of the same recovery); the clocks
+        start when it ends. The ranks it started warm (``warm_ranks``) are timed against
+        ``recovery.warm_start_s`` meanwhile: one still silent then is a fault of its own, whose
+        recovery supersedes this one (a frozen spare held the new gang for the whole deadline,
+        then the job was restarted whole)."""
         if job.done or job.status == "pending" or job.recoveries:
             self._forget(self._starting, job.job_id)
             if job.done or job.status == "pending":
                 self._forget(self._start_hung, job.job_id)
+                self._forget(self._warm_starting, job.job_id)
+            else:
+                await self._time_starts(job, warm_ranks(job), self._warm_starting,
+                                        job.spec.recovery.warm_start_s, "recovery.warm_start_s")
             return
+        self._forget(self._warm_starting, job.job_id)
+        members = {m.member_id: "" for m in job.members.values()}
+        await self._time_starts(job, members, self._starting, job.spec.detector.start_deadline_s,
+                                "start_deadline_s")
+
+    async def _time_starts(self, job: JobRun, members: dict[str, str], clocks: dict[tuple[str, str], float],
+                           bound: float, knob: str) -> None:
+        """Each of ``members`` (member id -> how it was started, '' if not said) still starting
+        ``bound`` after this controller first saw it so (``clocks``) failed its start."""
         now = time.monotonic()
-        bound = job.spec.detector.start_deadline_s
-        for m in list(job.members.values()):
-            key = (job.job_id, m.member_id)
-            if not still_starting(m) or not job.is_current(m.member_id):
-                self._starting.pop(key, None)
+        for key in [k for k in clocks if k[0] == job.job_id and k[1] not in members]:
+            del clocks[key]
+        for mid, how in members.items():
+            key, m = (job.job_id, mid), job.members.get(mid)
+            if m is None or not still_starting(m) or not job.is_current(mid):
+                clocks.pop(key, None)
                 continue
-            first = self._starting.setdefault(key, now)
+            first = clocks.setdefault(key, now)
             seen = self._start_hung.setdefault(key, {}) if now - first > bound else None
             if seen is None or seen.get("handled"):
                 continue
             try:
-                await self._start_hung_fault(job, m, bound, time.time() - (now - first), seen)
+                await self._start_hung_fault(job, m, bound, time.time() - (now - first), seen, knob, how)
             except Exception:  # tried again next round; what was done is not done twice
                 if time.monotonic() - seen.setdefault("failing_since", time.monotonic()) > EXIT_RETRY_S:
                     log.exception("stuck start of %s not handled for %.0f s: given up", m.member_id,
@@ -245,17 +288,20 @@ class Supervisor:
             del table[key]
 
     async def _start_hung_fault(self, job: JobRun, m: MemberInfo, bound: float, since: float,
-                                seen: dict[str, Any]) -> None:
+                                seen: dict[str, Any], knob: str = "start_deadline_s", how: str = "") -> None:
         if "fault" not in seen:
             # Off the loop: a live member's tail is a remote call on Ray (a Docker API one on Docker),
             # slowest when its node is in trouble -- when starts hang.
             tail = await asyncio.to_thread(self.c.starter.log_tail, job, m.member_id)
-            evidence = (f"started {time.time() - since:.1f}s ago and has not said hello "
-                        f"(start_deadline_s={bound:g}; phase {m.phase or 'starting'})"
-                        + (f"; last output:\n{tail}" if tail else ""))
+            evidence = ((f"started warm ({how}) {time.time() - since:.1f}s ago and nothing heard from it "
+                         f"({knob}={bound:g})") if how else
+                        (f"started {time.time() - since:.1f}s ago and has not said hello "
+                         f"({knob}={bound:g}; phase {m.phase or 'starting'})")) + (
+                             f"; last output:\n{tail}" if tail else "")
             seen["fault"] = FaultReport(job_id=job.job_id, fault_id=f"start-{m.member_id}-{uuid.uuid4().hex[:8]}",
                                         role=m.role, member_id=m.member_id, kind="hang",  # type: ignore[arg-type]
-                                        evidence=evidence, detected_at=time.time(), step=job.step, fault_at=since)
+                                        evidence=evidence, detected_at=time.time(), step=job.step, fault_at=since,
+                                        cause=WARM_START_SILENT if how else None)
             job.failed_start(m)  # a start that never finishes fails, as an exit before the hello does
         fault: FaultReport = seen["fault"]
         if not seen.get("logged"):
