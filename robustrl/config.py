@@ -261,11 +261,12 @@ class RecoverySpec(BaseModel):
         "How long a trainer rank whose gang broke under it (a collective with a lost rank failed) "
         "waits to be kept for the next gang before it exits (keep_survivors)."))
     warm_start_s: StrictFloat | StrictInt = Field(30.0, gt=0, le=600, description=(
-        "A rank a trainer recovery started warm (a warm spare, a borrowed replica, a kept rank: a "
-        "process up already, which asks for the spec and sends metrics within a second) from which "
-        "the controller has heard nothing this long after its start failed that start: a fault "
-        "of its own, and the rank starts again from the next source (else only recovery.deadline_s "
-        "bounded it, and the job was then restarted whole)."))
+        "A rank a trainer recovery started from a warm spare (imports done: it asks for the spec "
+        "and sends metrics within a second of its order) from which the controller has heard "
+        "nothing this long after its start failed that start: a fault of its own; the launcher's "
+        "idle spares are replaced and the rank starts again (else only recovery.deadline_s bounded "
+        "it, and the job was then restarted whole). Not borrowed replicas or kept ranks, which end "
+        "a running role first."))
     min_replicas_kept: StrictInt = Field(1, ge=1, le=64, description=(
         "Replicas that keep generating during a trainer recovery: borrowing never leaves fewer."))
     standby_order: list[Literal["spare", "borrowed", "cold"]] = Field(

@@ -276,6 +276,8 @@ def test_a_warm_spare_frozen_when_it_is_handed_the_rank_is_replaced_long_before_
     started = {d["member_id"]: d for d in kinds(events, "member_started")}
     assert started[silent["member_id"]]["warm"] is True, started  # the frozen spare took the rank
     assert "warm (spare)" in silent["evidence"], silent
+    # (in the log: a leader that takes over before it is handled must not escalate it either)
+    assert silent["cause"] == "warm_start_silent", silent
     decisions = [d["actions"] for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
     assert decisions == [["RestartTrainerGang"], ["RestartTrainerGang"]], decisions
     recovered = [d for d in kinds(events, "recovered") if d["kind"] == "trainer"]

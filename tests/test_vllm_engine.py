@@ -139,8 +139,10 @@ def test_a_borrowed_vllm_replica_becomes_a_trainer_rank_in_place_and_a_vllm_repl
                      data={"tasks": ["lookup"], "prompts_per_step": 2, "group_size": 2},
                      rollout={"replicas": 2, "max_new_tokens": 6, "engine": "vllm"},
                      tools={"latency_s": 0.3},
+                     # trainer_idle_s: a rank starved by two vLLM engines on 2 cores sat 4.2 s
+                     # without compute activity and was reported hung (a third gang restart).
                      detector={"weights_load_s": 120.0, "turn_deadline_s": 120.0, "silence_s": 10.0,
-                               "step_deadline_s": 600.0},
+                               "step_deadline_s": 600.0, "trainer_idle_s": 30.0},
                      recovery={"deadline_s": 600.0, "min_replicas_kept": 1})
     jid = api.submit(spec)["job_id"]
     sampler = sample_batches(infra.redis_url, jid)

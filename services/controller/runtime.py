@@ -543,6 +543,12 @@ class Controller:
         task.add_done_callback(then)
         return task
 
+    def cycle_spares(self) -> None:
+        """Replace every idle warm spare of the launcher with a new one (blocking: a thread)."""
+        wanted = sum(j.spec.recovery.warm_spares for j in self.jobs.values() if not j.done)
+        self.launcher.keep_spares(0)
+        self.launcher.keep_spares(wanted)
+
     async def _update_spares(self) -> None:
         """Keep as many warm spares as the running jobs ask for (RecoverySpec.warm_spares)."""
         wanted = sum(j.spec.recovery.warm_spares for j in self.jobs.values() if not j.done)

@@ -51,18 +51,22 @@ OWN_GAP_S = 1.0
 starved): silences it did not watch are not held against the services."""
 
 
-WARM_SOURCES = frozenset({"spare", "borrowed", "survivor"})
-"""Starts of a process that is up already (``GangStart.sources``): a hello comes within a second."""
+WARM_SOURCES = frozenset({"spare"})
+"""Starts (``GangStart.sources``) of a process that waits for nothing but its order: it asks for
+the spec within a second of it. Not a borrowed replica or a kept rank: each first ends a running
+role (a vLLM engine shut down, a model cloned and converted, a worker unwound: tens of seconds
+for a large model) before it speaks under its new id; a replica is probed just before it is
+borrowed, and a kept rank that does not unwind exits by itself (``UNWIND_S``)."""
 
 
 def warm_ranks(job: JobRun) -> dict[str, str]:
-    """The current trainer ranks that a trainer recovery under way started warm and that this
-    controller has not heard from at all (no spec request, no metrics): member id -> source. A
-    warm process is up already: it asks for the spec and sends metrics within a second, also
-    while it waits in the gang's rendezvous for a cold rank (its hello comes only once the gang
-    has formed and loaded the checkpoint). A cold rank is bounded by the recovery's deadline (a
-    start may import for minutes); a warm one silent from birth (frozen, its hand-off never
-    taken) held the gang at its rendezvous for that whole deadline."""
+    """The current trainer ranks that a trainer recovery under way started from a warm spare
+    (``WARM_SOURCES``) and that this controller has not heard from at all (no spec request, no
+    metrics): member id -> source. A spare has its imports done: it asks for the spec and sends
+    metrics within a second of its order, also while it waits in the gang's rendezvous for a cold
+    rank (its hello comes only once the gang has formed and loaded the checkpoint). A cold rank is
+    bounded by the recovery's deadline (a start may import for minutes); a spare silent from its
+    order on (frozen, the order never read) held the gang at its rendezvous for that whole deadline."""
     out: dict[str, str] = {}
     for rec in job.recoveries:
         start = job.gang_starts.get(rec.fault_id)
@@ -120,6 +124,7 @@ class Supervisor:
             # in our socket): the start clocks move on by the gap.
             gap = now - self._last_round
             self._starting = {k: v + gap for k, v in self._starting.items()}
+            self._warm_starting = {k: v + gap for k, v in self._warm_starting.items()}
         self._last_round = now
         # Trainer exits first: a node lost takes a gang rank and a replica in one poll, and the
         # replica's replacement, handled first, took the warm spare that survived on another node
@@ -307,6 +312,12 @@ class Supervisor:
         if not seen.get("logged"):
             await self._detected(job, fault)
             seen["logged"] = True
+        if how and not seen.get("spares_cycled"):
+            # The launcher's other idle spares may be frozen alike (a stopped node, a frozen
+            # zygote's forks): replaced by new ones before the rank starts again, so that it does
+            # not take another silent one (those started since cannot be ready yet: it starts cold).
+            await asyncio.to_thread(self.c.cycle_spares)
+            seen["spares_cycled"] = True
         failures = job.startup_failures.get((m.role, m.index), 0)
         if failures >= STARTUP_FAILURES_MAX:
             await self._fail_job(job, fault, f"{m.role} slot {m.index} did not finish starting {failures} times "
@@ -320,7 +331,7 @@ class Supervisor:
         await self.c.event(job, "fault_detected", {
             "fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role, "member_id": fault.member_id,
             "step": fault.step, "detected_at": fault.detected_at, "fault_at": fault.fault_at,
-            "evidence": fault.evidence, "source": "controller"})
+            "evidence": fault.evidence, "source": "controller", "cause": fault.cause})
 
     async def _handle(self, fault: FaultReport) -> None:
         """Act on a fault this controller detected (it is in the event log already, so the fault
