@@ -266,7 +266,7 @@ def _spread(xs: list[float]) -> dict[str, Any]:
     xs = sorted(xs)
     if not xs:
         return {"n": 0}
-    q = statistics.quantiles(xs, n=10) if len(xs) >= 2 else [xs[0]] * 9
+    q = statistics.quantiles(xs, n=10, method="inclusive") if len(xs) >= 2 else [xs[0]] * 9
     return {"n": len(xs), "min": xs[0], "p10": round(q[0], 3), "median": round(statistics.median(xs), 3),
             "p90": round(q[-1], 3), "max": xs[-1]}
 
