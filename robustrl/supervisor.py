@@ -287,12 +287,13 @@ class Supervisor:
     def _schedule(self, name: str, now: float, reason: str, rc: int | None, old_pid: int) -> None:
         times = self._restart_times.setdefault(name, [])
         if not self.policy.allows(times, now):
-            self.given_up.add(name)
             log.error("supervisor: %s lost (%s, rc=%s) after %d restarts in %.0f s: leaving it down", name, reason,
                       rc, len(times), self.policy.window_s)
             with open(self.run_dir / "logs" / RESTART_LOG, "a") as fh:
                 fh.write(json.dumps({"service": name, "reason": reason, "returncode": rc, "gave_up": True,
                                      "ts": time.time()}) + "\n")
+            # Recorded first: whoever sees the service given up (status, a test) finds the record.
+            self.given_up.add(name)
             return
         recent = sum(1 for t in times if now - t < self.policy.window_s)
         delay = self.policy.delay(recent)
