@@ -391,6 +391,12 @@ def stop_detached(run_dir: Path | str) -> list[str]:
                 os.kill(sup_pid, signal.SIGTERM)
                 _wait_pid_gone(sup_pid, STOP_GRACE_S)
                 stopped.append("supervisor")
+                if _names(sup_pid, state.get("supervisor_start")):
+                    # Past its grace (seen: still alive 20 min after a down whose controller was
+                    # frozen, in a full run): killed, as a service past its grace is below.
+                    os.kill(sup_pid, signal.SIGKILL)
+                    _wait_pid_gone(sup_pid, STOP_GRACE_S)
+                    stopped[-1] = "supervisor (killed past its grace)"
         state = _read_stack_file(path)  # the pids of what the supervisor restarted
         starts = state.get("starts")
         signalled: dict[str, tuple[int, float | None]] = {}

@@ -103,6 +103,8 @@ def test_down_kills_the_members_a_frozen_controller_left(tmp_path):
         down = _robustrl("down", "--run-dir", str(run_dir))
     left = members()
     assert not left, (left, down.stdout)
+    # Nor the detached supervisor (seen left running after such a down, in a full run).
+    assert not _alive(state["supervisor_pid"]), down.stdout
 
 
 def _alive(pid: int) -> bool:
