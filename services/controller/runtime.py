@@ -543,16 +543,18 @@ class Controller:
         task.add_done_callback(then)
         return task
 
+    def _spares_wanted(self) -> int:
+        """As many warm spares as the running jobs ask for (RecoverySpec.warm_spares)."""
+        return sum(j.spec.recovery.warm_spares for j in self.jobs.values() if not j.done)
+
     def cycle_spares(self) -> None:
         """Replace every idle warm spare of the launcher with a new one (blocking: a thread)."""
-        wanted = sum(j.spec.recovery.warm_spares for j in self.jobs.values() if not j.done)
         self.launcher.keep_spares(0)
-        self.launcher.keep_spares(wanted)
+        self.launcher.keep_spares(self._spares_wanted())
 
     async def _update_spares(self) -> None:
-        """Keep as many warm spares as the running jobs ask for (RecoverySpec.warm_spares)."""
-        wanted = sum(j.spec.recovery.warm_spares for j in self.jobs.values() if not j.done)
-        await asyncio.to_thread(self.launcher.keep_spares, wanted)
+        """Keep as many warm spares as the running jobs ask for."""
+        await asyncio.to_thread(self.launcher.keep_spares, self._spares_wanted())
 
     async def _launch_all(self, job: JobRun) -> None:
         if job.done:  # stopped before its launch began
