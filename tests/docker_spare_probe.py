@@ -14,13 +14,15 @@ import robustrl.services.trainer.worker  # noqa: F401 - what the real entry poin
 
 def main() -> None:
     env = os.environ
+    # SIGTERM blocked, then waited for (race-free, as tests/idle_member.py explains) before the line
+    # a test waits for
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     print(f"member pid={os.getpid()} argv={' '.join(sys.argv)} member={env.get('ROBUSTRL_MEMBER_ID')} "
           f"host={socket.gethostname()} bind={env.get('ROBUSTRL_BIND_HOST')} master={env.get('MASTER_ADDR')} "
           f"marker={env.get('ROBUSTRL_TEST_MARKER')} handoff_dir={env.get('ROBUSTRL_HANDOFF_DIR')} "
           f"secret={env.get('ROBUSTRL_TEST_SECRET')} at={time.time():.3f}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    while True:
-        signal.pause()
+    signal.sigwait({signal.SIGTERM})
+    sys.exit(0)
 
 
 if __name__ == "__main__":

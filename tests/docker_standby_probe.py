@@ -27,13 +27,13 @@ def main() -> None:
     import torch  # noqa: F401 - the trainer's dependencies are in this container
 
     import robustrl.services.trainer.worker  # noqa: F401 - and the trainer's code
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # waited for below (tests/idle_member.py)
     left = sorted(f for f in os.listdir(hook.directory or "/tmp") if f.startswith("handoff-"))
     print(f"switched pid={os.getpid()} member={env.get('ROBUSTRL_MEMBER_ID')} rank={env.get('ROBUSTRL_RANK')} "
           f"bind={env.get('ROBUSTRL_BIND_HOST')} master={env.get('MASTER_ADDR')} "
           f"marker={env.get('ROBUSTRL_TEST_MARKER')} handoff_files_left={len(left)}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    while True:
-        signal.pause()
+    signal.sigwait({signal.SIGTERM})
+    sys.exit(0)
 
 
 def _wait_for_handoff_sync() -> StandbyHook:

@@ -3,15 +3,9 @@
 re-execs as its new id there; this one just keeps running under it)."""
 
 import signal
-import sys
 
-
-def _exit(*_: object) -> None:
-    sys.exit(0)
-
+from idle_member import idle_until_sigterm
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _exit)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # robustrl.launcher.spare.HANDOFF_SIGNAL
-    while True:
-        signal.pause()
+    idle_until_sigterm()

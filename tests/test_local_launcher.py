@@ -187,6 +187,9 @@ def test_a_forked_member_leads_its_own_session_and_its_exit_is_reported_as_a_col
         launcher.start(MemberSpec(job_id="j", member_id="j--a", role="rollout", module="spare_probe",
                                   env={"ROBUSTRL_MEMBER_ID": "a"}, args=("--x", "1")))
         probe = launcher.pid("j--a")
+        # its graceful exit (0) is what is checked: stopped only once it waits for SIGTERM
+        eventually(lambda: "idle ready" in (tmp_path / "j--b.log").read_text(), timeout=30,
+                   what="j--b waits for SIGTERM")
         launcher.stop("j--b", grace_s=5.0)
         launcher.kill("j--c", expected=False)
         exits: dict[str, tuple[int | None, bool]] = {}

@@ -294,8 +294,11 @@ def _owner_process(reaper: bool) -> tuple[subprocess.Popen[str], dict[str, objec
 def test_a_sweep_removes_the_testbed_of_an_owner_killed_with_sigkill(testbed: Testbed) -> None:
     proc, state = _owner_process(reaper=False)
     tag = str(state["tag"])
-    inside = tb_commands.netns_pids(state["hosts"][0]["netns"])  # type: ignore[index]
-    assert inside and leftovers(tag)
+    # popen returns before ``ip netns exec`` has entered the namespace
+    inside: list[int] = []
+    eventually(lambda: inside.extend(tb_commands.netns_pids(state["hosts"][0]["netns"])) or inside,  # type: ignore[index]
+               timeout=15, what="the owner's process inside h0")
+    assert leftovers(tag)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert leftovers(tag)  # no reaper: it stays until a sweep
