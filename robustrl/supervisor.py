@@ -409,6 +409,18 @@ def write_handover(run_dir: Path, specs: list[ServiceSpec], pids: dict[str, int]
     path.chmod(0o600)
 
 
+def set_on_signals(stop: threading.Event, signals: tuple[int, ...]) -> None:
+    """Set ``stop`` when one of ``signals`` comes (main thread only). Not from the handler itself:
+    it runs in the main thread between two bytecodes, which may be inside ``stop.wait`` holding
+    the event's lock, and ``set`` would wait for that lock forever (a detached supervisor that
+    ignored ``robustrl down``'s SIGTERM was stuck so). A thread sets it once the lock is free."""
+    def handler(_sig: int, _frame: object) -> None:
+        threading.Thread(target=stop.set, name="stop-on-signal", daemon=True).start()
+
+    for sig in signals:
+        signal.signal(sig, handler)
+
+
 def main(argv: list[str]) -> None:
     """``python -m robustrl.supervisor RUN_DIR``: adopt the services recorded there and supervise them."""
     from robustrl.stack import update_pids
@@ -422,8 +434,7 @@ def main(argv: list[str]) -> None:
     for name, pid in raw["pids"].items():
         sup.adopt(name, int(pid), starts.get(name))
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    set_on_signals(stop, (signal.SIGTERM, signal.SIGINT))
     sup.run(stop)
 
 

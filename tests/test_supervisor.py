@@ -21,7 +21,7 @@ import pytest
 from support import eventually
 
 from robustrl.procs import start_time
-from robustrl.supervisor import RestartPolicy, ServiceSpec, Supervisor, read_restarts
+from robustrl.supervisor import RestartPolicy, ServiceSpec, Supervisor, read_restarts, set_on_signals
 
 
 def _free_port() -> int:
@@ -203,3 +203,30 @@ def test_self_fault_crash_kills_and_hang_freezes_then_wakes() -> None:
                what="child stopped itself")
     out, _ = hang.communicate(timeout=120)  # woken by the waker, it finishes its sleep
     assert hang.returncode == 0 and out.startswith("slept")
+
+
+def test_a_stop_signal_that_lands_inside_the_wait_still_stops_the_supervisor() -> None:
+    """The worst moment for ``robustrl down``'s SIGTERM: the handler runs in the main thread between
+    two bytecodes of ``stop.wait``, while that thread holds the event's lock (a detached supervisor
+    was once found stuck there, still running 20 min after its ``down``). Here the handler is called
+    with the lock held, as the interpreter would call it then: the stop must still be set."""
+    stop = threading.Event()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    set_on_signals(stop, (signal.SIGTERM, signal.SIGINT))
+    try:
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler) and signal.getsignal(signal.SIGINT) is handler
+        returned = threading.Event()
+
+        def inside_the_wait() -> None:
+            with stop._cond:  # type: ignore[attr-defined]  # what Event.wait holds around its checks
+                handler(signal.SIGTERM, None)
+                returned.set()
+
+        waiter = threading.Thread(target=inside_the_wait, daemon=True)  # left behind if it deadlocks
+        waiter.start()
+        assert returned.wait(5), "the signal handler blocked on the event's lock (a deadlock)"
+        assert stop.wait(5), "the stop was never set"
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
