@@ -1054,6 +1054,52 @@ async def test_a_first_start_overtaken_by_a_whole_job_restart_leaves_only_the_re
         launcher.close()
 
 
+async def test_a_first_start_whose_epoch_save_a_whole_job_restart_overtakes_starts_its_own_gang(
+        tmp_path: Path) -> None:
+    """The first start (``start_all``) waits on the save of its gang epoch (e1); meanwhile a
+    whole-job restart takes e2 and starts it. Before, the first start then read the job's epoch
+    (e2) for its gang and started "trainer-e2-r0" a second time: "is already running", and the
+    job failed at its start (test_controller_runtime under load, a whole-job restart in the job's
+    first moments). The first start also set its replica slot back to its own incarnation (i0),
+    so i0 ran on beside the restart's i1, untracked. Now it starts e1, sees it superseded, stops what it started and yields:
+    only the restart's members run, judged from the launcher's processes."""
+    from robustrl.services.controller.jobs import JobRun
+
+    launcher = LocalLauncher(tmp_path, base_env={**os.environ, "PYTHONPATH": str(TESTS), FORK_START_ENV: "0"})
+    saving, saved = asyncio.Event(), asyncio.Event()
+    saves = 0
+
+    async def persist(job: object) -> bool:
+        nonlocal saves
+        saves += 1
+        if saves == 1:  # the first start's epoch save is slow
+            saving.set()
+            await saved.wait()
+        return True
+
+    async def emit(job_id: str, kind: str, data: dict[str, object]) -> None:
+        return None
+
+    starter = launching.MemberStarter(None, launcher, Settings(), persist=persist, emit=emit)  # type: ignore[arg-type]
+    job = JobRun("j", JobSpec.parse({"rollout": {"replicas": 1}}))
+    try:
+        first = asyncio.create_task(starter.start_all(job))
+        await saving.wait()
+        gang, replicas = await starter.start_all(job)  # the restart (nothing of the first is live yet)
+        assert gang == ["trainer-e2-r0", "trainer-e2-r1"] and replicas == ["rollout-0-i1"]
+        saved.set()
+        with pytest.raises(launching.StartSuperseded):
+            await first
+        assert job.epoch == 2 and job.slot_incarnation == {0: 1}, (job.epoch, job.slot_incarnation)
+        assert not [m for m, info in job.members.items() if m.startswith(("trainer-e1", "rollout-0-i0"))
+                    and info.state != "dead"], job.members
+        await eventually_async(lambda: sorted(launcher.running()) == sorted(
+            launching.lid(job, m) for m in [*gang, *replicas]), timeout=15, what="only the restart's members running")
+    finally:
+        saved.set()
+        launcher.close()
+
+
 async def test_a_start_that_really_failed_is_not_hidden_by_a_part_that_was_superseded(tmp_path: Path) -> None:
     """A job's first start where trainer rank 1 cannot start while a recovery plans a newer
     incarnation of replica slot 0 (its start superseded): the failure must come out, so the job

@@ -151,21 +151,23 @@ class MemberStarter:
         info.handle = self.launcher.handle(key) or {}
         job.members[info.member_id] = info
 
-    async def _next_epoch(self, job: JobRun) -> None:
+    async def _next_epoch(self, job: JobRun) -> int:
         """Take the next gang epoch and save the job with it (and whatever else was planned in it)
-        before anything starts.
+        before anything starts; return it. The caller starts that epoch, not ``job.epoch`` read
+        later: a recovery may take a newer one while the save or the caller's next step waits.
 
         Raises:
             LeaseLost: the fence refused the save (a newer controller lease term has begun).
         """
         floor = await self.newest_epoch(job) if self.newest_epoch else -1
-        job.epoch = max(job.epoch, floor) + 1
+        job.epoch = epoch = max(job.epoch, floor) + 1
         if self.persist and await self.persist(job) is False:
-            raise LeaseLost(f"job {job.job_id}: gang epoch {job.epoch} not saved: a newer controller "
+            raise LeaseLost(f"job {job.job_id}: gang epoch {epoch} not saved: a newer controller "
                             f"lease term has begun; nothing started")
+        return epoch
 
     async def start_gang(self, job: JobRun, borrowed: dict[int, str] | None = None,
-                         kept: dict[int, str] | None = None, epoch_saved: bool = False) -> list[str]:
+                         kept: dict[int, str] | None = None, epoch: int | None = None) -> list[str]:
         """Start a new trainer gang (next epoch); return its member ids, rank 0 first.
 
         ``borrowed`` maps ranks to rollout replicas (already drained) that the launcher switches
@@ -177,12 +179,11 @@ class MemberStarter:
         The epoch is above both the one this controller remembers and the newest the gang fence in
         Redis has seen, and it is saved before any rank starts: a controller restarted (or a
         standby taking over) between the two can neither reuse an epoch nor pick one the fence
-        refuses (a crash loop of gangs rejected at their start). ``epoch_saved``: the caller took
-        and saved it (``start_all``).
+        refuses (a crash loop of gangs rejected at their start). ``epoch``: the one the caller took
+        and saved (``start_all``); by default the next.
         """
-        if not epoch_saved:
-            await self._next_epoch(job)
-        epoch = job.epoch  # this start's gang, whatever a recovery plans while it runs
+        if epoch is None:  # this start's gang, whatever a recovery plans while it runs
+            epoch = await self._next_epoch(job)
         ids = []
         borrowed = borrowed or {}
         kept = {} if kept is None else kept
@@ -288,9 +289,14 @@ class MemberStarter:
             LeaseLost: a newer controller leads (checked before the start; a member whose handle
                 the fence refused after its start is killed first).
         """
-        inc = job.slot_incarnation.get(slot, -1) + 1 if incarnation is None else incarnation
-        job.slot_incarnation[slot] = inc
+        if incarnation is None:
+            inc = job.slot_incarnation[slot] = job.slot_incarnation.get(slot, -1) + 1
+        else:  # planned and saved by the caller: a newer one a recovery planned since is not undone
+            inc = incarnation
         mid = replica_id(slot, inc)
+        if job.slot_incarnation.get(slot) != inc:  # (it set it back before: both ran, one untracked)
+            raise await self._superseded(
+                job, f"{mid} superseded by incarnation {job.slot_incarnation.get(slot)} of its slot", [])
         env = self.member_env(job, mid, "rollout")
         if intent is not None:
             job.members[mid] = MemberInfo(mid, "rollout", slot, inc)
@@ -335,9 +341,9 @@ class MemberStarter:
         """
         planned = {i: job.slot_incarnation.get(i, -1) + 1 for i in range(job.spec.rollout.replicas)}
         job.slot_incarnation.update(planned)
-        await self._next_epoch(job)
+        epoch = await self._next_epoch(job)
         started: list[Any] = await asyncio.gather(
-            self.start_gang(job, epoch_saved=True),
+            self.start_gang(job, epoch=epoch),
             *(self.start_replica(job, i, incarnation=inc) for i, inc in planned.items()),
             return_exceptions=True)
         # A lost lease first: the caller must stop acting, not escalate the other failures. A
