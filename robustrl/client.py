@@ -11,6 +11,14 @@ from robustrl.errors import JobError, RequestTimeout, SubjectError, TransportErr
 from robustrl.subjects import token
 
 HTTP_TIMEOUT_S = 10.0
+"""How long a request waits for the controller's answer (a stop or a deletion: ``SLOW_CALL_S``)."""
+SLOW_CALL_S = 120.0
+"""How long a stop or a deletion waits for its answer. The controller answers a stop once it is
+carried out: the request manager's acknowledgement (up to 12 s while it drains its log), the
+event outboxes settled (up to 30 s with JetStream away), the members stopped (3 s grace), the
+final event stored (up to 30 s); a deletion waits for a stop under way. Under load a stop took
+over 10 s (tests/test_standby.py on a busy machine), and the client said the controller was
+unreachable while the stop went on."""
 
 
 def _error_text(resp: httpx.Response) -> str:
@@ -30,6 +38,11 @@ class ApiClient:
     def _call(self, method: str, path: str, **kw: Any) -> Any:
         try:
             resp = self._http.request(method, path, **kw)
+        except httpx.TimeoutException as exc:
+            limit = kw.get("timeout") or self._http.timeout.read
+            raise TransportError(f"controller at {self.base_url} did not answer {method} {path} within "
+                                 f"{limit:g}s ({type(exc).__name__}); what was asked may still be under way",
+                                 url=self.base_url) from exc
         except httpx.HTTPError as exc:
             raise TransportError(f"controller at {self.base_url} unreachable: {exc}; is the stack up "
                                  "(robustrl up)?", url=self.base_url) from exc
@@ -67,12 +80,13 @@ class ApiClient:
         return self._call("GET", f"{self._job(job_id)}/report")
 
     def stop(self, job_id: str) -> dict[str, Any]:
-        return self._call("POST", f"{self._job(job_id)}/stop")
+        return self._call("POST", f"{self._job(job_id)}/stop", timeout=SLOW_CALL_S)
 
     def delete(self, job_id: str, *, checkpoints: bool = False, events: bool = False) -> dict[str, Any]:
         """Delete an ended job (its Redis state and record; checkpoints and event log on request)."""
         return self._call("DELETE", self._job(job_id),
-                          params={"checkpoints": str(checkpoints).lower(), "events": str(events).lower()})
+                          params={"checkpoints": str(checkpoints).lower(), "events": str(events).lower()},
+                          timeout=SLOW_CALL_S)
 
     def fault(self, job_id: str, **body: Any) -> dict[str, Any]:
         return self._call("POST", f"{self._job(job_id)}/faults", json=body)

@@ -170,3 +170,45 @@ def test_chaos_run_json_prints_only_the_report_on_stdout(tmp_path):
     assert [f["role"] for f in report["faults"]] == ["rollout"]
     assert "report" in res.stderr and "ETTR" in res.stderr  # the human summary went to stderr
     assert json.loads((tmp_path / "out" / "report.json").read_text())["status"] == "finished"
+
+
+def test_a_stop_slower_than_a_plain_request_is_waited_for_and_a_late_answer_is_not_called_unreachable():
+    """A real HTTP server on loopback answering each request only after 1.5 s, with the client's
+    plain timeout at 0.5 s: a stop (which the controller answers once carried out: 10 s and more
+    on a busy machine) gets its answer; a plain request past its timeout is reported as not
+    answered in time, not as a controller that is unreachable or down."""
+    import http.server
+    import threading
+
+    from robustrl import client
+    from robustrl.errors import TransportError
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            threading.Event().wait(1.5)  # the server's own slowness (what is tested)
+            body = json.dumps({"job_id": "j", "status": "stopped"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_DELETE = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    api = client.ApiClient(f"http://127.0.0.1:{server.server_address[1]}", "token", timeout=0.5)
+    try:
+        assert api.stop("j")["status"] == "stopped"
+        assert api.delete("j")["job_id"] == "j"
+        with pytest.raises(TransportError) as err:
+            api.job("j")
+        assert "did not answer GET /v1/jobs/j within 0.5s" in str(err.value), err.value
+        assert "unreachable" not in str(err.value)
+    finally:
+        api.close()
+        server.shutdown()
+        server.server_close()
