@@ -64,3 +64,11 @@ def is_running(pid: int, started: float | None, tolerance_s: float = 0.0) -> boo
     if stat is None or stat[0] == b"Z":
         return False
     return started is None or same_start(stat[1] / _CLOCK_TICKS, started, tolerance_s)
+
+
+def monotonic_of(wall: float) -> float:
+    """A wall time read from a record (another process's, or this one's before a clock step) as a
+    time on this process's monotonic clock, which deadlines are judged by: as long ago as the
+    wall clock says, never in the future (a record from a clock ahead of this one is taken as
+    now, not as a deadline moved on)."""
+    return time.monotonic() - max(0.0, time.time() - wall)

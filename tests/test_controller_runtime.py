@@ -2499,3 +2499,67 @@ async def test_a_job_failed_under_the_recovery_lock_waits_briefly_for_owed_event
         await c.stop_job(job.job_id, "failed", "test: failed by a fault decision")
     took = time.monotonic() - began
     assert EVENTS_SETTLE_LOCKED_S <= took < EVENTS_SETTLE_S / 2, took
+
+
+def _stepped_wall_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """``time.time`` of this process (the controller's wall clock) plus an offset the test sets:
+    [0.0] until the test steps it, as NTP or a migrated VM would."""
+    real, offset = time.time, [0.0]
+    monkeypatch.setattr(time, "time", lambda: real() + offset[0])
+    return offset
+
+
+@pytest.mark.parametrize("step_s", [-3600.0, 3600.0], ids=["an_hour_back", "an_hour_forward"])
+async def test_a_wall_clock_step_neither_holds_nor_hastens_a_recovery_deadline(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch, step_s: float) -> None:
+    """A trainer recovery whose new gang never says hello escalates at its deadline (4 s here),
+    whatever the wall clock does meanwhile. On the wall clock, a step back of an hour held it
+    unjudged for an hour (the job waited for nothing), a step forward escalated it at once.
+    Timed from outside: from the recovery first seen to the escalation's decision in the log."""
+    offset = _stepped_wall_clock(monkeypatch)
+    deadline_s = 4.0
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(JobSpec.parse({**spec("clockstep").model_dump(mode="json"),
+                                        "recovery": {"deadline_s": deadline_s, "borrow": "never"}}))
+    await rig.hello_all(c, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    await eventually_async(lambda: any(r.kind == "trainer" for r in job.recoveries), timeout=15, interval=0.01,
+                           what="the trainer recovery begun")
+    begun = time.monotonic()
+    offset[0] = step_s
+
+    async def escalated() -> list[dict[str, object]]:
+        return [d for d in of_kind(await rig.events(job.job_id), "decision")
+                if "still not done after" in str(d.get("reason"))]
+
+    decided = await eventually_async(escalated, timeout=deadline_s + 15, interval=0.1,
+                                     what="the recovery escalated at its deadline")
+    took = time.monotonic() - begun
+    assert took >= deadline_s - 1.0, f"escalated {took:.1f}s after the recovery began: {decided}"
+    assert decided[0]["actions"] == ["RestartWholeJob"], decided
+
+
+async def test_a_request_manager_lost_as_the_wall_clock_steps_back_is_still_reported(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request manager goes silent and the wall clock steps back an hour: its loss is still
+    reported within ``silence_s`` (1 s) and some rounds. On the wall clock, its last sign of life
+    lay an hour in the future and nothing judged its silence for an hour: a lost request manager
+    stalled the job. Judged from the log's ``fault_detected``."""
+    offset = _stepped_wall_clock(monkeypatch)
+    c, job = await leading_job_at_step_0(rig, "clockrm")
+    await eventually_async(lambda: "request_manager" in job.service_seen_at, what="the request manager heard")
+    assert rig.rm
+    rig.rm.alive = False
+    offset[0] = -3600.0
+    lost = time.monotonic()
+
+    async def reported() -> list[dict[str, object]]:
+        return [f for f in of_kind(await rig.events(job.job_id), "fault_detected")
+                if f.get("role") == "request_manager"]
+
+    faults = await eventually_async(reported, timeout=15, interval=0.1, what="the request manager's loss reported")
+    assert time.monotonic() - lost < 10, faults
+    assert "no metrics from the request_manager" in str(faults[0]["evidence"]), faults

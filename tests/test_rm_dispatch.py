@@ -57,6 +57,27 @@ async def test_a_turn_past_its_deadline_goes_to_another_replica_and_its_late_rep
         assert all(d["cause"] == "turn_deadline" and d["tokens"] == 2 for d in regen)
 
 
+async def test_a_turn_deadline_holds_though_the_wall_clock_steps_back(servers, monkeypatch):
+    """Replica a takes turns and never answers (alive: its metrics go on); the wall clock steps
+    back an hour the moment it holds its first turn. Its turns still go to b at their deadline
+    (1 s) and the step is handed over. On the wall clock, each held turn's deadline lay an hour
+    ahead: the step waited on a live, silent owner for an hour."""
+    real, offset = time.time, [0.0]
+    monkeypatch.setattr(time, "time", lambda: real() + offset[0])
+    async with Harness(servers, rm_spec("clockturn", turn_deadline_s=1.0)) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+
+        def hold(msg: GenerateTurn) -> bool:
+            offset[0] = -3600.0  # (from the first turn a holds on)
+            return True
+
+        a.hold = hold
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=20, what="step 0 handed over")
+        assert a.held and offset[0] == -3600.0
+        assert {m.episode_id for m in a.held} <= {m.episode_id for m in b.received}
+
+
 async def _dropped(h: Harness, n: int) -> list[dict]:
     got = await h.events("turn_dropped")
     return got if len(got) >= n else []

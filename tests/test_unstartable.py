@@ -23,7 +23,8 @@ def _job(name: str, started_ago_s: float) -> tuple[JobRun, ActiveRecovery]:
                           "recovery": {"deadline_s": 10.0}})
     job = JobRun(job_id=f"{name}-0", spec=spec, epoch=2)
     now = time.time()
-    rank0 = MemberInfo("trainer-e2-r0", "trainer", 0, 2, started_at=now - started_ago_s)
+    rank0 = MemberInfo("trainer-e2-r0", "trainer", 0, 2, started_at=now - started_ago_s,
+                       clock_start=time.monotonic() - started_ago_s)
     job.members[rank0.member_id] = rank0
     late = ActiveRecovery("exit-trainer-e1-r0", "trainer", "trainer", now - 11, 0, now - 1,
                           waiting_for={rank0.member_id})

@@ -61,7 +61,7 @@ class RecoveryView:
         role: what is being recovered: ``trainer``, ``rollout``, a control-plane role, or ``job``
             (whole-job restart).
         step: the job step at which the fault happened.
-        started_at: when the recovery began (controller clock).
+        started_at: when the recovery began (the controller's monotonic clock, as ``now``).
         attempts: recoveries of this role at this step so far, this one included.
         member_ids: members being replaced (their later fault reports are ignored).
         fault_id: the fault that started it.
@@ -274,7 +274,7 @@ def decide(now: float, job: JobView, fault: FaultReport, spec: RecoverySpec) -> 
     """Choose the actions for one fault report.
 
     Args:
-        now: controller clock (unused by the rules today; kept so deadlines can be added
+        now: the controller's monotonic clock (unused by the rules today; kept so deadlines can be added
             without changing callers).
         job: snapshot of the job before this fault.
         fault: the detector's report.

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from robustrl.config import JobSpec
 from robustrl.messages import FaultReport
+from robustrl.procs import monotonic_of
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ class MemberInfo:
     heard: bool = False
     """This controller heard from it (a spec request, metrics, a phase, a hello); not in the record:
     a live member's metrics come again within an interval."""
+    clock_start: float = field(default_factory=time.monotonic)
+    """``started_at`` on this controller's monotonic clock, which its deadlines are judged by (a
+    wall clock stepped back an hour held every start unjudged for an hour); not in the record."""
 
     def to_record(self) -> dict[str, Any]:
         return {"role": self.role, "index": self.index, "epoch": self.epoch, "state": self.state,
@@ -49,10 +53,11 @@ class MemberInfo:
 
     @classmethod
     def from_record(cls, member_id: str, rec: dict[str, Any]) -> MemberInfo:
+        started_at = float(rec.get("started_at", time.time()))
         return cls(member_id, rec["role"], int(rec["index"]), int(rec["epoch"]),
                    state=rec.get("state", "running"), weights_version=int(rec.get("weights_version", -1)),
-                   pid=rec.get("pid"), started_at=float(rec.get("started_at", time.time())),
-                   handle=dict(rec.get("handle") or {}))
+                   pid=rec.get("pid"), started_at=started_at, handle=dict(rec.get("handle") or {}),
+                   clock_start=monotonic_of(started_at))
 
 
 @dataclass
@@ -69,7 +74,11 @@ class ActiveRecovery:
     replacing: set[str] = field(default_factory=set)
     committed_at_fault: int = -1
     starts_counted: set[str] = field(default_factory=set)
-    """Members whose start this recovery's passed deadline counted as failed
+    clock_start: float = field(default_factory=time.monotonic)
+    """``started_at`` on this controller's monotonic clock: its deadline is judged by it (on the
+    wall clock, a step back of an hour held the recovery unjudged for an hour, a step forward
+    escalated it at once); not in the record, where the wall time is what a new leader has.
+    ``starts_counted``: members whose start this recovery's passed deadline counted as failed
     (``RecoveryExecutor._unstartable``), each once; dropped with the recovery. Changed together
     with ``JobRun.startup_failures`` (no await between): a record a new leader reads holds both
     counts or neither, so it neither counts a start again nor loses one."""
@@ -84,7 +93,8 @@ class ActiveRecovery:
     def from_record(cls, rec: dict[str, Any]) -> ActiveRecovery:
         return cls(rec["fault_id"], rec["role"], rec["kind"], float(rec["started_at"]), int(rec["step"]),
                    float(rec["deadline_at"]), set(rec.get("waiting_for", [])), set(rec.get("replacing", [])),
-                   int(rec.get("committed_at_fault", -1)), set(rec.get("starts_counted", [])))
+                   int(rec.get("committed_at_fault", -1)), set(rec.get("starts_counted", [])),
+                   monotonic_of(float(rec["started_at"])))
 
 
 @dataclass
@@ -156,7 +166,9 @@ class JobRun:
     had its start interrupted (its leader died or was deposed) and is started again by the next."""
     # (role, slot) -> failed starts in a row (an exit before the hello, a start past its deadline)
     startup_failures: dict[tuple[str, int], int] = field(default_factory=dict)
-    service_seen_at: dict[str, float] = field(default_factory=dict)  # control-plane role -> last sign of life
+    service_seen_at: dict[str, float] = field(default_factory=dict)
+    """Control-plane role -> its last sign of life, on this controller's monotonic clock (not in
+    the record: a new leader starts each from its take-over)."""
     services_lost: set[str] = field(default_factory=set)  # control-plane roles seen lost, not yet resumed
     rm_resume_owed: bool = False
     """A ``resume`` (after the launch, after a whole-job restart) the request manager has not

@@ -199,7 +199,7 @@ class RecoveryExecutor:
                     raise LeaseLost(f"job {job.job_id}: {action_name(action)} failed while controller "
                                     f"{self.c.owner} stopped leading: {exc!r}") from exc
                 log.exception("job %s: %s failed", job.job_id, action_name(action))
-                rec = decide_mod.RecoveryView(role=fault.role, step=job.step, started_at=time.time(),
+                rec = decide_mod.RecoveryView(role=fault.role, step=job.step, started_at=time.monotonic(),
                                               fault_id=fault.fault_id)
                 decision = decide_mod.recovery_failed(time.time(), job_view(job), rec, repr(exc),
                                                       job.spec.recovery)
@@ -596,7 +596,7 @@ class RecoveryExecutor:
 
     async def service_back(self, job: JobRun, role: str) -> None:
         """A lost control-plane service answers again."""
-        job.service_seen_at[role] = time.time()
+        job.service_seen_at[role] = time.monotonic()
         job.services_lost.discard(role)
         # (whether or not this controller saw it lost: ``services_lost`` is not in the job's
         # record, a recovery waiting for it is, and a new leader must end that wait too)
@@ -614,7 +614,7 @@ class RecoveryExecutor:
             if rec.waiting_for:
                 continue
             job.recoveries.remove(rec)
-            took = time.time() - rec.started_at
+            took = time.monotonic() - rec.clock_start
             gang = job.gang_starts.pop(rec.fault_id, None)
             if gang is not None and gang.borrowed_slots:
                 # Moved to the owed record in the same step as the pop: a persist from here on
@@ -673,7 +673,8 @@ class RecoveryExecutor:
             return
         async for attempt in AsyncRetrying(
                 wait=wait_exponential(multiplier=RESUME_RETRY_MIN_S, max=RESUME_RETRY_MAX_S),
-                stop=stop_after_delay(max(RESUME_RETRY_FLOOR_S, first.deadline_at - time.time())),
+                stop=stop_after_delay(max(RESUME_RETRY_FLOOR_S, first.clock_start + job.spec.recovery.deadline_s
+                                          - time.monotonic())),
                 # (a cancellation, at close, is never retried: tenacity's attempt catches BaseException)
                 retry=retry_if_exception_type(Exception) & retry_if_not_exception_type(LeaseLost), reraise=True,
                 before_sleep=before_sleep_log(log, logging.WARNING)):
@@ -773,11 +774,11 @@ class RecoveryExecutor:
         went through ``max_restarts``, a recovery deadline each). Each member is counted once per
         recovery (``ActiveRecovery.starts_counted``, in the job's record): an escalation that raised,
         tried again, and a leader taking over count nobody twice."""
-        now = time.time()
+        now = time.monotonic()
         bound = job.spec.detector.start_deadline_s
         gang = late.role in ("trainer", "job")
         stuck = [m for m in job.members.values()
-                 if job.is_current(m.member_id) and still_starting(m) and now - m.started_at > bound
+                 if job.is_current(m.member_id) and still_starting(m) and now - m.clock_start > bound
                  and (m.member_id in late.waiting_for or (gang and m.role == "trainer"))
                  and m.member_id not in late.starts_counted]
         counted = []
@@ -796,11 +797,11 @@ class RecoveryExecutor:
     async def check_deadlines(self, job: JobRun) -> None:
         if job.done or not job.recoveries:
             return
-        if decide_mod.check_recovery(time.time(), job_view(job), job.spec.recovery) is None:
+        if decide_mod.check_recovery(time.monotonic(), job_view(job), job.spec.recovery) is None:
             return
         async with self.lock:
             # Decide again under the lock: a recovery may have finished or been replaced meanwhile.
-            decision = decide_mod.check_recovery(time.time(), job_view(job), job.spec.recovery)
+            decision = decide_mod.check_recovery(time.monotonic(), job_view(job), job.spec.recovery)
             if decision is None or not job.recoveries or job.done:
                 return
             if not await self.c.leads():
@@ -809,7 +810,7 @@ class RecoveryExecutor:
                 log.warning("job %s: recovery deadline passed, but a newer lease term has begun: "
                             "not escalating", job.job_id)
                 return
-            late = min(job.recoveries, key=lambda r: r.started_at)
+            late = min(job.recoveries, key=lambda r: r.clock_start)
             fault = FaultReport(job_id=job.job_id, fault_id=f"{late.fault_id}-late", role=late.role,  # type: ignore[arg-type]
                                 member_id=next(iter(late.waiting_for), "controller"), kind="unresponsive",
                                 evidence=decision.reason, detected_at=time.time(), step=job.step)

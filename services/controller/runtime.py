@@ -635,7 +635,7 @@ class Controller:
             began = loop.time()
             try:
                 await self.bus.request(subj, cmd, ControlCommand, timeout=timeout_s)
-                job.service_seen_at["request_manager"] = time.time()
+                job.service_seen_at["request_manager"] = time.monotonic()
                 if action == "resume" and job.rm_supersede_seq == seq:
                     job.rm_resume_owed = False
                 return True

@@ -114,7 +114,7 @@ class Supervisor:
             await wait_event(stop, SUPERVISE_INTERVAL_S)
 
     async def once(self) -> None:
-        now = time.time()
+        now = time.monotonic()  # (a wall clock step is no gap of ours)
         if self._last_round is not None and now - self._last_round > SUPERVISE_INTERVAL_S + OWN_GAP_S:
             # No false fault from our own gap: what we did not watch starts from now.
             for job in self.c.jobs.values():
@@ -135,8 +135,8 @@ class Supervisor:
             try:
                 await self.on_exit(info)
             except Exception:  # the rest of the batch is handled; this one next round
-                since = self._progress.setdefault(info.member_id, {}).setdefault("failing_since", time.time())
-                if time.time() - since > EXIT_RETRY_S:
+                since = self._progress.setdefault(info.member_id, {}).setdefault("failing_since", time.monotonic())
+                if time.monotonic() - since > EXIT_RETRY_S:
                     # Failing the same way for so long: given up (its silence is the detector's).
                     log.exception("exit of %s not handled for %.0f s: given up", info.member_id, EXIT_RETRY_S)
                     self._progress.pop(info.member_id, None)
@@ -347,7 +347,7 @@ class Supervisor:
         (the detector may be down too, so the controller does not wait for it)."""
         if job.done or job.status == "pending":
             return
-        now = time.time()
+        now = time.monotonic()
         for role in WATCHED_SERVICES:
             seen = job.service_seen_at.get(role)
             if seen is None or role in job.services_lost:
@@ -362,6 +362,6 @@ class Supervisor:
                                 role=role, member_id=role, kind="unresponsive",  # type: ignore[arg-type]
                                 evidence=f"no metrics from the {role} for {silent:.1f}s "
                                          f"(silence_s={job.spec.detector.silence_s:g})",
-                                detected_at=now, step=job.step, fault_at=seen)
+                                detected_at=time.time(), step=job.step, fault_at=time.time() - silent)
             await self._detected(job, fault)
             await self._handle(fault)

@@ -92,7 +92,7 @@ class Restorer:
             await failpoints.hit("takeover_resumed")
             await c.event(job, "note", {"text": "controller took over; job resumed", "owner": c.owner,
                                         "adopted": sorted(adopted), "gone": sorted(gone)})
-            job.service_seen_at["request_manager"] = time.time()
+            job.service_seen_at["request_manager"] = time.monotonic()
             if cut is None:
                 # The previous leader may have died with a resume owed (after a whole-job restart,
                 # or the launch's): owed here too, sent by the next supervision round. A recovery

@@ -39,7 +39,7 @@ def job_view(job: JobRun, spares_ready: int = 0, can_borrow: bool = False,
     return decide_mod.JobView(
         job_id=job.job_id, step=job.step, committed_step=job.committed_step, durable_step=job.durable_step,
         recovering=tuple(decide_mod.RecoveryView(role="job" if r.kind == "whole_job" else r.role, step=r.step,
-                                                 started_at=r.started_at, member_ids=frozenset(r.replacing),
+                                                 started_at=r.clock_start, member_ids=frozenset(r.replacing),
                                                  fault_id=r.fault_id) for r in job.recoveries),
         faults_per_step=dict(job.failures_by_step), restarts_total=job.restarts_total,
         control_plane_lost=frozenset(job.services_lost), live_members=frozenset(live),

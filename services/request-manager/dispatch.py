@@ -42,6 +42,7 @@ from robustrl.config import JobSpec
 from robustrl.errors import RobustRLError, TransportError
 from robustrl.event_queue import MAX_PENDING_EVENTS
 from robustrl.messages import GenerateTurn, MemberHello, MetricsSample, TurnResult, WeightsHave
+from robustrl.procs import monotonic_of
 from robustrl.rl import tasks
 from robustrl.storage.redis_stores import DispatchStore, EpisodeRecord
 from robustrl.subjects import Verb, subject
@@ -126,6 +127,9 @@ class Pending:
     sent_at: float  # wall clock: dispatch records outlive the process
     future: asyncio.Future[TurnResult]
     adopted_at: float | None = None  # monotonic; set when taken over from a record in Redis
+    clock_sent: float = 0.0
+    """``sent_at`` on this process's monotonic clock, which the turn's deadline is judged by (on the
+    wall clock, a step back of an hour held a turn with a live, silent owner for an hour)."""
     bus_disconnects: int = 0  # this service's NATS disconnects when it was sent (see _failed)
     sent_while_down: bool = False  # sent while this service's NATS connection was down
     min_version: int = 0  # the weights version the turn needs (its replica waits for it if behind)
@@ -479,8 +483,8 @@ class Dispatcher:
                   adopted: bool = False, min_version: int = 0) -> Pending:
         fut: asyncio.Future[TurnResult] = asyncio.get_running_loop().create_future()
         pend = Pending(request_id, ep.episode_id, len(ep.turns), member_id, sent_at, fut,
-                       time.monotonic() if adopted else None, self.bus.disconnects, not self.bus.connected,
-                       min_version)
+                       time.monotonic() if adopted else None, monotonic_of(sent_at) if adopted else time.monotonic(),
+                       self.bus.disconnects, not self.bus.connected, min_version)
         self.pending[request_id] = pend
         self.replicas.setdefault(member_id, Replica(member_id)).inflight.add(request_id)
         return pend
@@ -531,10 +535,10 @@ class Dispatcher:
     async def _await(self, pend: Pending) -> TurnResult:
         """The reply, or Redispatch / TurnTimeout once the turn has no live owner or ran past its
         deadline."""
-        deadline = pend.sent_at + self.spec.detector.turn_deadline_s
+        deadline = pend.clock_sent + self.spec.detector.turn_deadline_s
         interval = self.spec.detector.metrics_interval_s
         while True:
-            remaining = deadline - time.time()
+            remaining = deadline - time.monotonic()
             try:
                 # Past the deadline, one more short wait: a reply already received but not yet
                 # processed (this service was frozen) is applied, not thrown away.
@@ -555,7 +559,7 @@ class Dispatcher:
                 # NATS went away while the turn was out; its owner reports idle since we are back:
                 # the request or the reply was lost with the server. Again now, not at the turn's
                 # deadline (a NATS restart stalled the job for the whole 10 s deadline).
-                back = time.monotonic() - max(0.0, time.time() - self.bus.reconnected_at)
+                back = monotonic_of(self.bus.reconnected_at)
                 if rep.busy_at > back + 2 * interval:
                     raise Redispatch(f"{pend.member_id} idle after a NATS outage: the turn was lost on the bus",
                                      member=pend.member_id, cause="bus_outage")
