@@ -97,7 +97,8 @@ class Bus:
         self.disconnects = 0
         self.reconnects = 0
         self.reconnected_at = 0.0
-        """Wall time of the last reconnect (peers may still be reconnecting for a while after it)."""
+        """Monotonic time of the last reconnect (peers may still be reconnecting for a while after
+        it); 0.0: none yet."""
         self.on_reconnect: list[Callable[[], Awaitable[None]]] = []
         """Called (each in a task of its own) after every reconnect: core NATS dropped whatever was
         published while this connection was down, so a subscriber that keeps state re-reads it."""
@@ -129,7 +130,7 @@ class Bus:
         async def _up() -> None:
             if bus is not None:
                 bus.reconnects += 1
-                bus.reconnected_at = time.time()
+                bus.reconnected_at = time.monotonic()
                 for hook in bus.on_reconnect:
                     task = asyncio.get_running_loop().create_task(hook())
                     bus._reconnect_tasks.add(task)

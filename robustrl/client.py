@@ -32,16 +32,20 @@ def _error_text(resp: httpx.Response) -> str:
 class ApiClient:
     def __init__(self, base_url: str, token: str, timeout: float = HTTP_TIMEOUT_S) -> None:
         self.base_url = base_url.rstrip("/")
+        # a slow call waits longer for its answer, not for the connection (a dead host fails as soon)
+        self._slow = httpx.Timeout(SLOW_CALL_S, connect=timeout)
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout,
                                   headers={"Authorization": f"Bearer {token}"})
 
     def _call(self, method: str, path: str, **kw: Any) -> Any:
         try:
             resp = self._http.request(method, path, **kw)
-        except httpx.TimeoutException as exc:
-            limit = kw.get("timeout") or self._http.timeout.read
-            raise TransportError(f"controller at {self.base_url} did not answer {method} {path} within "
-                                 f"{limit:g}s ({type(exc).__name__}); what was asked may still be under way",
+        except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:  # (a connect timeout: unreachable, below)
+            timeout = kw.get("timeout") or self._http.timeout
+            limit = timeout.read if isinstance(timeout, httpx.Timeout) else timeout
+            within = f" within {limit:g}s" if limit is not None else ""
+            raise RequestTimeout(f"controller at {self.base_url} did not answer {method} {path}{within} "
+                                 f"({type(exc).__name__}); what was asked may still be under way",
                                  url=self.base_url) from exc
         except httpx.HTTPError as exc:
             raise TransportError(f"controller at {self.base_url} unreachable: {exc}; is the stack up "
@@ -80,13 +84,13 @@ class ApiClient:
         return self._call("GET", f"{self._job(job_id)}/report")
 
     def stop(self, job_id: str) -> dict[str, Any]:
-        return self._call("POST", f"{self._job(job_id)}/stop", timeout=SLOW_CALL_S)
+        return self._call("POST", f"{self._job(job_id)}/stop", timeout=self._slow)
 
     def delete(self, job_id: str, *, checkpoints: bool = False, events: bool = False) -> dict[str, Any]:
         """Delete an ended job (its Redis state and record; checkpoints and event log on request)."""
         return self._call("DELETE", self._job(job_id),
                           params={"checkpoints": str(checkpoints).lower(), "events": str(events).lower()},
-                          timeout=SLOW_CALL_S)
+                          timeout=self._slow)
 
     def fault(self, job_id: str, **body: Any) -> dict[str, Any]:
         return self._call("POST", f"{self._job(job_id)}/faults", json=body)

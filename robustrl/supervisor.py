@@ -410,15 +410,25 @@ def write_handover(run_dir: Path, specs: list[ServiceSpec], pids: dict[str, int]
 
 
 def set_on_signals(stop: threading.Event, signals: tuple[int, ...]) -> None:
-    """Set ``stop`` when one of ``signals`` comes (main thread only). Not from the handler itself:
-    it runs in the main thread between two bytecodes, which may be inside ``stop.wait`` holding
-    the event's lock, and ``set`` would wait for that lock forever (a detached supervisor that
-    ignored ``robustrl down``'s SIGTERM was stuck so). A thread sets it once the lock is free."""
-    def handler(_sig: int, _frame: object) -> None:
-        threading.Thread(target=stop.set, name="stop-on-signal", daemon=True).start()
+    """Set ``stop`` when one of ``signals`` comes (main thread only; the process's wakeup fd is
+    taken). Nothing is done in a Python handler: it runs in the main thread between two
+    bytecodes, which may hold a lock the handler needs -- ``stop.wait`` holds the event's, and
+    ``Event.set`` there waited for it forever (reproduced; the likely cause of a detached
+    supervisor that ignored ``robustrl down``'s SIGTERM). The interpreter's C handler writes the
+    signal's number to a pipe instead, and a thread reading it sets ``stop``."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    wanted = set(signals)
 
+    def watch() -> None:
+        while not wanted.intersection(os.read(read_fd, 64)):
+            pass
+        stop.set()
+
+    threading.Thread(target=watch, name="stop-on-signal", daemon=True).start()
+    signal.set_wakeup_fd(write_fd)
     for sig in signals:
-        signal.signal(sig, handler)
+        signal.signal(sig, lambda *_: None)  # caught (not the default action); the pipe carries it
 
 
 def main(argv: list[str]) -> None:

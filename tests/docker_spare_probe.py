@@ -14,14 +14,17 @@ import robustrl.services.trainer.worker  # noqa: F401 - what the real entry poin
 
 def main() -> None:
     env = os.environ
-    # SIGTERM blocked, then waited for (race-free, as tests/idle_member.py explains) before the line
-    # a test waits for
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    # SIGTERM caught into a pipe before the line a test waits for (race-free: tests/idle_member.py)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     print(f"member pid={os.getpid()} argv={' '.join(sys.argv)} member={env.get('ROBUSTRL_MEMBER_ID')} "
           f"host={socket.gethostname()} bind={env.get('ROBUSTRL_BIND_HOST')} master={env.get('MASTER_ADDR')} "
           f"marker={env.get('ROBUSTRL_TEST_MARKER')} handoff_dir={env.get('ROBUSTRL_HANDOFF_DIR')} "
           f"secret={env.get('ROBUSTRL_TEST_SECRET')} at={time.time():.3f}", flush=True)
-    signal.sigwait({signal.SIGTERM})
+    while signal.SIGTERM not in os.read(read_fd, 64):
+        pass
     sys.exit(0)
 
 

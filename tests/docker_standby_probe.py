@@ -27,12 +27,17 @@ def main() -> None:
     import torch  # noqa: F401 - the trainer's dependencies are in this container
 
     import robustrl.services.trainer.worker  # noqa: F401 - and the trainer's code
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # waited for below (tests/idle_member.py)
+    # SIGTERM caught into a pipe before the line a test waits for (race-free: tests/idle_member.py)
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     left = sorted(f for f in os.listdir(hook.directory or "/tmp") if f.startswith("handoff-"))
     print(f"switched pid={os.getpid()} member={env.get('ROBUSTRL_MEMBER_ID')} rank={env.get('ROBUSTRL_RANK')} "
           f"bind={env.get('ROBUSTRL_BIND_HOST')} master={env.get('MASTER_ADDR')} "
           f"marker={env.get('ROBUSTRL_TEST_MARKER')} handoff_files_left={len(left)}", flush=True)
-    signal.sigwait({signal.SIGTERM})
+    while signal.SIGTERM not in os.read(read_fd, 64):
+        pass
     sys.exit(0)
 
 

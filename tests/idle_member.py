@@ -1,10 +1,12 @@
 """A stand-in member process for controller tests: it does nothing until it is signalled, so a
 test can start, adopt, kill and count members without importing torch.
 
-SIGTERM ends it with code 0. It is blocked and then waited for with ``sigwait``: a handler with
-``signal.pause`` loses a SIGTERM that lands between the handler's check and the ``pause`` call (the
-process then sleeps until SIGKILL; a loaded CI machine hit that once). ``idle ready`` in its log
-says SIGTERM is blocked from then on; one sent before that ends it by the default action (-15)."""
+SIGTERM ends it with code 0, race-free: the interpreter's C handler writes the signal to a pipe
+(``signal.set_wakeup_fd``) that the main thread reads. A Python handler with ``signal.pause``
+lost a SIGTERM that landed between the handler's check and the ``pause`` call (the process then
+slept until SIGKILL; a loaded CI machine hit that once); ``sigwait`` with SIGTERM blocked in the
+main thread alone loses it to another thread's default action (a spare that imported torch).
+``idle ready`` in its log says it waits; a SIGTERM before that ends it by the default action."""
 
 import os
 import signal
@@ -12,10 +14,14 @@ import sys
 
 
 def idle_until_sigterm() -> None:
-    """Block SIGTERM, say so, and exit 0 once it comes (race-free: ``sigwait`` takes a pending one)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    """Wait for SIGTERM, then exit 0 (one that came before the read is waiting in the pipe)."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # caught; the pipe carries it
     print(f"idle ready pid={os.getpid()}", flush=True)
-    signal.sigwait({signal.SIGTERM})
+    while signal.SIGTERM not in os.read(read_fd, 64):
+        pass
     sys.exit(0)
 
 

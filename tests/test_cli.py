@@ -181,7 +181,7 @@ def test_a_stop_slower_than_a_plain_request_is_waited_for_and_a_late_answer_is_n
     import threading
 
     from robustrl import client
-    from robustrl.errors import TransportError
+    from robustrl.errors import RequestTimeout
 
     class Slow(http.server.BaseHTTPRequestHandler):
         def _answer(self) -> None:
@@ -204,7 +204,7 @@ def test_a_stop_slower_than_a_plain_request_is_waited_for_and_a_late_answer_is_n
     try:
         assert api.stop("j")["status"] == "stopped"
         assert api.delete("j")["job_id"] == "j"
-        with pytest.raises(TransportError) as err:
+        with pytest.raises(RequestTimeout) as err:
             api.job("j")
         assert "did not answer GET /v1/jobs/j within 0.5s" in str(err.value), err.value
         assert "unreachable" not in str(err.value)

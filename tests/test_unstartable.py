@@ -27,7 +27,7 @@ def _job(name: str, started_ago_s: float) -> tuple[JobRun, ActiveRecovery]:
                        clock_start=time.monotonic() - started_ago_s)
     job.members[rank0.member_id] = rank0
     late = ActiveRecovery("exit-trainer-e1-r0", "trainer", "trainer", now - 11, 0, now - 1,
-                          waiting_for={rank0.member_id})
+                          waiting_for={rank0.member_id}, clock_start=time.monotonic() - 11)
     job.recoveries.append(late)
     return job, late
 

@@ -127,7 +127,6 @@ class RecoveryExecutor:
             await self.c.persist(job)
 
     async def _handle_locked(self, job: JobRun, fault: FaultReport) -> None:
-        now = time.time()
         injected_at = job.injected_at.pop(fault.member_id, None)
         began = injected_at if injected_at is not None else fault.fault_at
         record = {"fault_id": fault.fault_id, "kind": fault.kind, "role": fault.role,
@@ -143,7 +142,7 @@ class RecoveryExecutor:
         view = job_view(job, spares_ready=spares, can_borrow=can_borrow,
                         can_keep=self.c.launcher.can_keep_trainers(),
                         holds_strict_layout=self.c.launcher.holds_strict_layout(), unanswered=unanswered)
-        decision = decide_mod.decide(now, view, fault, job.spec.recovery)
+        decision = decide_mod.decide(time.monotonic(), view, fault, job.spec.recovery)
         record["decision"] = {"actions": decision.names(), "reason": decision.reason}
         if not all(isinstance(a, Ignore) for a in decision.actions):
             job.faults.append(record)
@@ -201,7 +200,7 @@ class RecoveryExecutor:
                 log.exception("job %s: %s failed", job.job_id, action_name(action))
                 rec = decide_mod.RecoveryView(role=fault.role, step=job.step, started_at=time.monotonic(),
                                               fault_id=fault.fault_id)
-                decision = decide_mod.recovery_failed(time.time(), job_view(job), rec, repr(exc),
+                decision = decide_mod.recovery_failed(time.monotonic(), job_view(job), rec, repr(exc),
                                                       job.spec.recovery)
                 await self.c.event(job, "decision", {"fault_id": fault.fault_id, "actions": decision.names(),
                                                      "reason": decision.reason})
@@ -688,7 +687,7 @@ class RecoveryExecutor:
                                         f"{rec.kind} recovery was started again")
                     now = time.time()
                     view = next(v for v in job_view(job).recovering if v.fault_id == rec.fault_id)
-                    decision = decide_mod.recovery_failed(now, job_view(job), view, "its start was interrupted by a "
+                    decision = decide_mod.recovery_failed(time.monotonic(), job_view(job), view, "its start was interrupted by a "
                                                           "change of controller", job.spec.recovery)
                     # Under the interrupted recovery's own fault id: its restart's recovered and
                     # work_lost events must close that fault (the run report and ETTR match them by id).

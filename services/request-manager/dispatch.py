@@ -555,12 +555,11 @@ class Dispatcher:
                 # Dispatched before this life; its owner is idle now: the reply was lost meanwhile.
                 raise Redispatch(f"{pend.member_id} idle: the reply was lost", member=pend.member_id)
             if (pend.outlived_a_bus_outage(self.bus) and self.bus.connected and not rep.busy
-                    and self.bus.reconnected_at > pend.sent_at):  # this outage's reconnect is recorded
+                    and self.bus.reconnected_at > pend.clock_sent):  # this outage's reconnect is recorded
                 # NATS went away while the turn was out; its owner reports idle since we are back:
                 # the request or the reply was lost with the server. Again now, not at the turn's
                 # deadline (a NATS restart stalled the job for the whole 10 s deadline).
-                back = monotonic_of(self.bus.reconnected_at)
-                if rep.busy_at > back + 2 * interval:
+                if rep.busy_at > self.bus.reconnected_at + 2 * interval:
                     raise Redispatch(f"{pend.member_id} idle after a NATS outage: the turn was lost on the bus",
                                      member=pend.member_id, cause="bus_outage")
 
@@ -573,7 +572,7 @@ class Dispatcher:
             self.stats["turn_timeouts"] += 1
             rep = self.replicas.get(pend.member_id)
             if (pend.outlived_a_bus_outage(self.bus)
-                    or pend.sent_at < self.bus.reconnected_at + RECONNECT_GRACE_S):
+                    or pend.clock_sent < self.bus.reconnected_at + RECONNECT_GRACE_S):
                 # NATS went away while the turn was out (a server restart): the request or its reply
                 # was lost on the bus, which is no evidence against the replica (seen: both replicas
                 # reported unresponsive and replaced after a NATS restart).
