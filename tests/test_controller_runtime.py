@@ -2563,3 +2563,70 @@ async def test_a_request_manager_lost_as_the_wall_clock_steps_back_is_still_repo
     faults = await eventually_async(reported, timeout=15, interval=0.1, what="the request manager's loss reported")
     assert time.monotonic() - lost < 10, faults
     assert "no metrics from the request_manager" in str(faults[0]["evidence"]), faults
+
+
+async def test_spares_that_all_fail_do_not_fail_a_slot_that_starts_cold(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every warm spare is broken alike (the trainer stand-in exits in a spare, idles when cold):
+    a trainer crash's new gang, taken from spares, fails before its hello. Before, each gang took
+    the next spare and each failure counted against the slot, and the job failed "cannot start"
+    though a cold start works. Now a failed start from a spare is not counted and the next
+    starts of its role are cold: the gang after it is started cold, recovers, and the job runs on. Judged from
+    the log's ``member_started`` sources and decisions, and the raw record."""
+    import psutil
+
+    from robustrl.launcher import local
+    from robustrl.launcher.spare import SPARE_MODULE
+    from support import raw_job_record
+
+    monkeypatch.setattr(launching, "TRAINER_MODULE", "spare_only_fails")
+    monkeypatch.setattr(local, "SPARE_TARGETS", frozenset({*local.SPARE_TARGETS, "spare_only_fails"}))
+
+    def ready_spares() -> int:  # spares done with their imports (their log says so)
+        return sum(b"ready" in p.read_bytes() for p in rig.log_dir.glob("spare-*.log")
+                   if any(SPARE_MODULE in " ".join(c.cmdline()) for c in psutil.Process().children()))
+
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(JobSpec.parse({**spec("coldslot").model_dump(mode="json"),
+                                        "recovery": {"warm_spares": 3, "borrow": "never", "deadline_s": 60}}))
+    await rig.hello_all(c, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    # every spare ready: without the fix, each new gang would take them
+    await eventually_async(lambda: c.launcher.spares_ready() >= 3 and ready_spares() >= 3, timeout=90,
+                           what="three warm spares ready")
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+
+    async def started() -> dict[str, str]:
+        return {str(e["member_id"]): str(e["source"]) for e in of_kind(await rig.events(job.job_id), "member_started")
+                if e.get("role") == "trainer"}
+
+    # the gang after the spares' one (the members never say hello: the test says it for every
+    # member starting, and announces the job's weights for the replicas, until the recovery is over)
+    # (every rank of it started first: a real rank says hello only once its gang has formed)
+    await eventually_async(lambda: job.epoch >= 3 and len(job.current_trainers()) == 2, timeout=60,
+                           what="a gang after the spares' one")
+    assert rig.bus
+
+    async def recovered() -> bool:
+        for m in list(job.live()):
+            if m.state == "starting":
+                await rig.bus.publish(subject(job.job_id, Verb.HELLO, m.member_id), MemberHello(
+                    job_id=job.job_id, member_id=m.member_id, role=m.role, pid=m.pid or 1,  # type: ignore[arg-type]
+                    epoch=m.epoch))
+            if m.role == "rollout":
+                await rig.bus.publish(subject(job.job_id, Verb.HAVE, m.member_id), WeightsHave(
+                    job_id=job.job_id, member_id=m.member_id, version=job.weights_version,
+                    address="tcp://127.0.0.1:1", checksum="x", complete=True))
+        return not job.recoveries and job.status == "running"
+
+    await eventually_async(recovered, timeout=30, interval=0.3, what="the trainer recovered")
+    sources = await started()
+    assert [s for m, s in sources.items() if m.startswith("trainer-e2-")] == ["spare", "spare"], sources
+    later = {m: s for m, s in sources.items() if int(m.split("-e")[1].split("-")[0]) >= 3}
+    assert later and set(later.values()) == {"cold"}, sources
+    decisions = [d["actions"] for d in of_kind(await rig.events(job.job_id), "decision")]
+    assert ["FailJob"] not in decisions, decisions
+    record = raw_job_record(rig.settings.redis_url, job.job_id)
+    assert not [f for f in record.get("startup_failures", []) if f[0] == "trainer"], record["startup_failures"]
+    assert record.get("cold_roles") == [], record.get("cold_roles")  # started since: spares may serve again

@@ -58,6 +58,12 @@ def test_a_member_started_from_a_warm_spare(tmp_path: Path, monkeypatch: pytest.
         # a module a spare does not preload starts cold
         launcher.start(MemberSpec(job_id="j", member_id="j--other", role="rollout", module="platform"))
         assert launcher.spares_used == 1 and not launcher.was_warm("j--other")
+        # and so does a member asked cold (its slot's start from a spare failed), a spare ready
+        ready = [p.pid for p in launcher._spares if p.poll() is None]
+        launcher.start(MemberSpec(job_id="j", member_id="j--rollout-0-i1", role="rollout", module="spare_probe",
+                                  cold=True))
+        assert launcher.spares_used == 1 and not launcher.was_warm("j--rollout-0-i1")
+        assert launcher.pid("j--rollout-0-i1") not in ready and [p.pid for p in launcher._spares] == ready
         launcher.keep_spares(0)
         assert launcher._spares == []
     finally:

@@ -195,6 +195,8 @@ class MemberSpec:
     node IP or node id for the Ray launcher); None runs it where the launcher runs.
     ``resources`` and ``placement`` are honoured by launchers that place members on several nodes
     (Ray, the Kubernetes renderer); the others log what they ignore and why (``ignored``).
+    ``cold``: start a new process, never a warm spare (the slot's last start, from a spare, failed:
+    the spares may all be broken the same way, and a cold start is what tells).
     """
 
     job_id: str
@@ -206,6 +208,7 @@ class MemberSpec:
     host: str | None = None
     resources: Resources = field(default_factory=Resources)
     placement: PlacementHint = field(default_factory=PlacementHint)
+    cold: bool = False
 
 
 class Placement(Protocol):

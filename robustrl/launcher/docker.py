@@ -574,6 +574,8 @@ class DockerLauncher(Launcher):
     def _take_spare(self, spec: MemberSpec) -> _Spare | None:
         """A ready spare out of the pool whose limits cover ``spec``'s, for a trainer or rollout
         member of the launcher's own image; None when none fits (the member starts cold)."""
+        if spec.cold:
+            return None
         with self._lock:
             if not self._spares or self._closed:
                 return None

@@ -351,7 +351,7 @@ class LocalLauncher(Launcher):
 
     def _take_spare(self, spec: MemberSpec, env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedProc | None:
         """Hand ``spec`` to a live spare (lock held); None when there is none for it."""
-        if spec.module not in SPARE_TARGETS:
+        if spec.cold or spec.module not in SPARE_TARGETS:
             return None
         while self._spares:
             spare = self._spares.pop(0)

@@ -604,7 +604,8 @@ class RayLauncher(Launcher):
 
     def _may_use_spare(self, spec: MemberSpec) -> bool:
         p = spec.placement
-        return spec.module in SPARE_TARGETS and not (p.gang is not None and p.strategy not in SOFT_STRATEGIES)
+        return (not spec.cold and spec.module in SPARE_TARGETS
+                and not (p.gang is not None and p.strategy not in SOFT_STRATEGIES))
 
     def _take_spare(self, spec: MemberSpec, avoid: frozenset[str] = frozenset()) -> _Member | None:
         """Take the ready spare that suits ``spec`` best (module docstring), out of the pool; None

@@ -45,11 +45,14 @@ class MemberInfo:
     clock_start: float = field(default_factory=time.monotonic)
     """``started_at`` on this controller's monotonic clock, which its deadlines are judged by (a
     wall clock stepped back an hour held every start unjudged for an hour); not in the record."""
+    warm: bool = False
+    """Started from a warm spare (the launcher's ``was_warm``): its failed start is the spare's,
+    not its slot's (``JobRun.failed_start``)."""
 
     def to_record(self) -> dict[str, Any]:
         return {"role": self.role, "index": self.index, "epoch": self.epoch, "state": self.state,
                 "weights_version": self.weights_version, "pid": self.pid, "started_at": self.started_at,
-                "handle": self.handle}
+                "handle": self.handle, "warm": self.warm}
 
     @classmethod
     def from_record(cls, member_id: str, rec: dict[str, Any]) -> MemberInfo:
@@ -57,7 +60,7 @@ class MemberInfo:
         return cls(member_id, rec["role"], int(rec["index"]), int(rec["epoch"]),
                    state=rec.get("state", "running"), weights_version=int(rec.get("weights_version", -1)),
                    pid=rec.get("pid"), started_at=started_at, handle=dict(rec.get("handle") or {}),
-                   clock_start=monotonic_of(started_at))
+                   clock_start=monotonic_of(started_at), warm=bool(rec.get("warm", False)))
 
 
 @dataclass
@@ -166,6 +169,8 @@ class JobRun:
     had its start interrupted (its leader died or was deposed) and is started again by the next."""
     # (role, slot) -> failed starts in a row (an exit before the hello, a start past its deadline)
     startup_failures: dict[tuple[str, int], int] = field(default_factory=dict)
+    cold_roles: set[str] = field(default_factory=set)
+    """Roles a start from a warm spare failed for: their members start cold until one has started."""
     service_seen_at: dict[str, float] = field(default_factory=dict)
     """Control-plane role -> its last sign of life, on this controller's monotonic clock (not in
     the record: a new leader starts each from its take-over)."""
@@ -233,10 +238,23 @@ class JobRun:
         return [latest[i] for i in sorted(latest)]
 
     def failed_start(self, m: MemberInfo) -> int:
-        """Count one more failed start of ``m``'s slot; returns its failed starts in a row."""
+        """Count one more failed start of ``m``'s slot; returns its failed starts in a row. A start
+        from a warm spare is not counted: its role's next starts are cold (``cold_roles``), and only
+        cold starts tell that a slot cannot start. Counted, spares broken alike (a frozen zygote's
+        forks, a stale spare image) failed a job "cannot start" that a cold start would have run;
+        per slot, the gang's other rank took the next broken spare."""
         slot = (m.role, m.index)
+        if m.warm:
+            self.cold_roles.add(m.role)
+            return self.startup_failures.get(slot, 0)
         self.startup_failures[slot] = self.startup_failures.get(slot, 0) + 1
         return self.startup_failures[slot]
+
+    def started(self, m: MemberInfo) -> None:
+        """``m`` finished its start (a hello, metrics past ``starting``, current weights): its
+        slot's failed starts in a row are over, and its role's next starts may take spares again."""
+        self.startup_failures.pop((m.role, m.index), None)
+        self.cold_roles.discard(m.role)
 
     def is_current(self, member_id: str) -> bool:
         m = self.members.get(member_id)
@@ -258,6 +276,7 @@ class JobRun:
             "restarts_total": self.restarts_total,
             "failures_by_step": [[r, s, n] for (r, s), n in self.failures_by_step.items()],
             "startup_failures": [[r, i, n] for (r, i), n in self.startup_failures.items()],
+            "cold_roles": sorted(self.cold_roles),
             "slot_incarnation": {str(k): v for k, v in self.slot_incarnation.items()},
             "reward_by_step": {str(k): v for k, v in self.reward_by_step.items()},
             "members": {mid: m.to_record() for mid, m in self.members.items()},
@@ -288,6 +307,7 @@ class JobRun:
         job.failures_by_step = {(r, int(s)): int(n) for r, s, n in rec.get("failures_by_step", [])}
         # (a new leader goes on counting a slot's failed starts: hangs and failovers come together)
         job.startup_failures = {(str(r), int(i)): int(n) for r, i, n in rec.get("startup_failures", [])}
+        job.cold_roles = {str(r) for r in rec.get("cold_roles", [])}
         job.slot_incarnation = {int(k): int(v) for k, v in rec.get("slot_incarnation", {}).items()}
         job.reward_by_step = {int(k): v for k, v in rec.get("reward_by_step", {}).items()}
         job.members = {mid: MemberInfo.from_record(mid, m) for mid, m in rec.get("members", {}).items()}

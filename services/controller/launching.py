@@ -134,7 +134,8 @@ class MemberStarter:
                           resources=Resources(t.resources.cpus, t.resources.gpus, t.resources.memory_mb),
                           placement=PlacementHint(node_labels=dict(t.placement.node_labels),
                                                   gang=gang_id(job, epoch), gang_rank=rank,
-                                                  gang_size=t.workers, strategy=t.placement.strategy))
+                                                  gang_size=t.workers, strategy=t.placement.strategy),
+                          cold="trainer" in job.cold_roles)
 
     def replica_spec(self, job: JobRun, member_id: str, env: dict[str, str]) -> MemberSpec:
         """A rollout replica: its resources, and anti-affinity among the job's replicas."""
@@ -143,7 +144,8 @@ class MemberStarter:
         return MemberSpec(job.job_id, lid(job, member_id), "rollout", ROLLOUT_MODULE, env,
                           resources=Resources(r.resources.cpus, r.resources.gpus, r.resources.memory_mb),
                           placement=PlacementHint(node_labels=dict(r.placement.node_labels),
-                                                  group=lid(job, "rollout"), anti_affinity=r.placement.anti_affinity))
+                                                  group=lid(job, "rollout"), anti_affinity=r.placement.anti_affinity),
+                          cold="rollout" in job.cold_roles)
 
     def _record(self, job: JobRun, info: MemberInfo) -> None:
         key = lid(job, info.member_id)
@@ -262,7 +264,7 @@ class MemberStarter:
             else:
                 await self._start(member)
                 source = "spare" if self.launcher.was_warm(lid(job, mid)) else "cold"
-            self._record(job, MemberInfo(mid, "trainer", rank, epoch))
+            self._record(job, MemberInfo(mid, "trainer", rank, epoch, warm=source == "spare"))
             if job.epoch != epoch:
                 raise await self._superseded(job, f"gang e{epoch} superseded by e{job.epoch}", [*ids, mid])
             await self._confirm(job, mid)
@@ -314,7 +316,7 @@ class MemberStarter:
                                              f"{job.slot_incarnation.get(slot)} of its slot (its start then "
                                              f"failed: {exc})", []) from exc
             raise
-        self._record(job, MemberInfo(mid, "rollout", slot, inc))
+        self._record(job, MemberInfo(mid, "rollout", slot, inc, warm=self.launcher.was_warm(lid(job, mid))))
         if job.slot_incarnation.get(slot) != inc:  # a recovery planned a newer one meanwhile
             raise await self._superseded(
                 job, f"{mid} superseded by incarnation {job.slot_incarnation.get(slot)} of its slot", [mid])

@@ -897,7 +897,7 @@ class Controller:
         # nothing (before, a late hello brought a dead member back to "running").
         if m.state == "starting":
             m.state, m.pid = "running", msg.pid
-            job.startup_failures.pop((m.role, m.index), None)
+            job.started(m)
             if m.role == "trainer" and m.epoch == job.epoch:
                 m.state = "ready"
                 if msg.resume_step is not None and job.commit_epoch != m.epoch:
@@ -953,7 +953,7 @@ class Controller:
         if msg.phase == "starting":
             return
         m.state = "ready" if m.role == "trainer" else "running"
-        job.startup_failures.pop((m.role, m.index), None)
+        job.started(m)
         if m.role == "trainer" or msg.weights_version >= job.weights_version:
             await self.recovery.progress(job, m.member_id)
 
@@ -966,7 +966,7 @@ class Controller:
             return  # a late HAVE of a replaced or borrowed replica must not bring it back to the pool
         m.weights_version = msg.version
         if m.state == "starting":  # ready before its hello was heard (that hello is then no news)
-            job.startup_failures.pop((m.role, m.index), None)
+            job.started(m)
         m.state = "ready"
         if msg.version >= job.weights_version:
             await self.recovery.progress(job, msg.member_id)
