@@ -136,6 +136,19 @@ class Rig:
                     job_id=job_id, member_id=m.member_id, role=m.role, pid=m.pid or 1, epoch=m.epoch))  # type: ignore[arg-type]
         await eventually_async(lambda: all(m.state != "starting" for m in job.live()), what="members said hello")
 
+    async def members_start_fine(self, job: Any) -> None:
+        """Once, for the stand-in members: a hello for each one starting, and the job's current
+        weights announced for each replica (what real members send once they have started)."""
+        assert self.bus
+        for m in list(job.live()):
+            if m.state == "starting":
+                await self.bus.publish(subject(job.job_id, Verb.HELLO, m.member_id), MemberHello(
+                    job_id=job.job_id, member_id=m.member_id, role=m.role, pid=m.pid or 1, epoch=m.epoch))
+            if m.role == "rollout":
+                await self.bus.publish(subject(job.job_id, Verb.HAVE, m.member_id), WeightsHave(
+                    job_id=job.job_id, member_id=m.member_id, version=job.weights_version,
+                    address="tcp://127.0.0.1:1", checksum="x", complete=True))
+
     async def commit(self, job_id: str, step: int, epoch: int = 1) -> None:
         assert self.bus
         await self.bus.publish(subject(job_id, Verb.COMMIT), StepCommitted(
@@ -2203,15 +2216,7 @@ async def test_a_request_manager_lost_for_good_is_still_waited_for_after_a_whole
 
     async def members_come_back() -> None:  # the restarted trainers and replicas start fine
         while True:
-            for m in list(job.live()):
-                if m.state == "starting":
-                    await rig.bus.publish(subject(job.job_id, Verb.HELLO, m.member_id), MemberHello(
-                        job_id=job.job_id, member_id=m.member_id, role=m.role, pid=m.pid or 1,  # type: ignore[arg-type]
-                        epoch=m.epoch))
-                if m.role == "rollout":
-                    await rig.bus.publish(subject(job.job_id, Verb.HAVE, m.member_id), WeightsHave(
-                        job_id=job.job_id, member_id=m.member_id, version=job.weights_version,
-                        address="tcp://127.0.0.1:1", checksum="x", complete=True))
+            await rig.members_start_fine(job)
             await asyncio.sleep(0.3)
 
     helper = asyncio.create_task(members_come_back())
@@ -2609,15 +2614,7 @@ async def test_spares_that_all_fail_do_not_fail_a_slot_that_starts_cold(rig: Rig
     assert rig.bus
 
     async def recovered() -> bool:
-        for m in list(job.live()):
-            if m.state == "starting":
-                await rig.bus.publish(subject(job.job_id, Verb.HELLO, m.member_id), MemberHello(
-                    job_id=job.job_id, member_id=m.member_id, role=m.role, pid=m.pid or 1,  # type: ignore[arg-type]
-                    epoch=m.epoch))
-            if m.role == "rollout":
-                await rig.bus.publish(subject(job.job_id, Verb.HAVE, m.member_id), WeightsHave(
-                    job_id=job.job_id, member_id=m.member_id, version=job.weights_version,
-                    address="tcp://127.0.0.1:1", checksum="x", complete=True))
+        await rig.members_start_fine(job)
         return not job.recoveries and job.status == "running"
 
     await eventually_async(recovered, timeout=30, interval=0.3, what="the trainer recovered")
