@@ -276,7 +276,9 @@ class ControllerEvents:
     async def _in_log(self, raw: bytes, entry: OutboxEntry, logged: list[EventLog]) -> bool:
         """Whether an entry that may be stored already, outside the duplicate window, is in the log."""
         tried = raw in self._tried or raw not in self._given
-        if not tried or time.time() - entry.event.ts < LOG_CHECK_AFTER_S:
+        # (an event from the future by this wall clock is of unknown age: a clock stepped back
+        # since, or another leader's ahead; it is looked for, not taken as new)
+        if not tried or 0.0 <= time.time() - entry.event.ts < LOG_CHECK_AFTER_S:
             return False
         if not logged:
             try:
