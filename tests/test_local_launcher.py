@@ -64,6 +64,8 @@ def test_a_member_started_from_a_warm_spare(tmp_path: Path, monkeypatch: pytest.
                                   cold=True))
         assert launcher.spares_used == 1 and not launcher.was_warm("j--rollout-0-i1")
         assert launcher.pid("j--rollout-0-i1") not in ready and [p.pid for p in launcher._spares] == ready
+        # a new interpreter, this process's child: no fork of the zygote the spares come from
+        assert psutil.Process(launcher.pid("j--rollout-0-i1")).ppid() == os.getpid()  # type: ignore[arg-type]
         launcher.keep_spares(0)
         assert launcher._spares == []
     finally:

@@ -84,3 +84,23 @@ def test_the_third_hung_start_of_a_slot_fails_the_job_naming_it() -> None:
     assert [type(a) for a in decision.actions] == [FailJob], decision
     assert "trainer slot 0 did not finish starting 3 times in a row" in decision.reason
     assert "trainer-e2-r0" in decision.reason
+
+
+def test_a_failed_start_from_a_spare_is_not_counted_and_its_next_starts_are_cold_across_a_takeover() -> None:
+    """A start from a warm spare that fails counts nothing against its slot; its role's next
+    starts and its slot's are cold, also for a leader that takes over from the job's record; a
+    start of another slot of the role ends the role's cold starts but not the failed slot's."""
+    job, _ = _job("coldspare", started_ago_s=1.0)
+    rank0 = job.members["trainer-e2-r0"]
+    rank0.warm = True
+    assert job.failed_start(rank0) == 0 and job.startup_failures == {}
+    restored = JobRun.from_record(job.job_id, job.to_record())  # what the next leader reads
+    assert restored.members["trainer-e2-r0"].warm
+    assert restored.starts_cold("trainer", 0) and restored.starts_cold("trainer", 1)
+    assert not restored.starts_cold("rollout", 0)
+    rank1 = MemberInfo("trainer-e3-r1", "trainer", 1, 3)  # started cold, says hello first
+    restored.started(rank1)
+    assert restored.starts_cold("trainer", 0) and not restored.starts_cold("trainer", 1)
+    restored.started(MemberInfo("trainer-e3-r0", "trainer", 0, 3))
+    assert not restored.starts_cold("trainer", 0)
+    assert restored.failed_start(MemberInfo("trainer-e4-r0", "trainer", 0, 4)) == 1  # a cold one counts

@@ -351,7 +351,7 @@ class LocalLauncher(Launcher):
 
     def _take_spare(self, spec: MemberSpec, env: dict[str, str]) -> subprocess.Popen[bytes] | ForkedProc | None:
         """Hand ``spec`` to a live spare (lock held); None when there is none for it."""
-        if spec.cold or spec.module not in SPARE_TARGETS:
+        if spec.module not in SPARE_TARGETS:
             return None
         while self._spares:
             spare = self._spares.pop(0)
@@ -451,8 +451,9 @@ class LocalLauncher(Launcher):
     @staticmethod
     def _forkable(spec: MemberSpec) -> bool:
         """Whether a spare (or a fork of the zygote) can become this member: a trainer or rollout
-        module, on no host (spares run outside every host), in the launcher's own interpreter."""
-        if spec.host or spec.module not in SPARE_TARGETS:
+        module, on no host (spares run outside every host), in the launcher's own interpreter, not
+        asked cold (a start from a spare failed: the zygote the spares come from is no cold start)."""
+        if spec.cold or spec.host or spec.module not in SPARE_TARGETS:
             return False
         try:
             return interpreter(spec.env) == sys.executable

@@ -317,8 +317,9 @@ def _stale(job: JobView, fault: FaultReport) -> str | None:
 
 WARM_START_SILENT = "warm_start_silent"
 """The cause of a rank started warm that was never heard from (``Supervisor.watch_starts``): its
-start failed, not its step, so it is no second failure of the step (a slot's failed starts in a
-row are bounded by ``STARTUP_FAILURES_MAX`` in the supervisor)."""
+start failed, not its step, so it is no second failure of the step. Nor is it counted as a failed
+start of its slot (``JobRun.failed_start``): the slot's next start is cold, and cold starts are
+what ``STARTUP_FAILURES_MAX`` bounds (``recovery.max_restarts`` bounds the restarts in all)."""
 WEIGHTS_CAUSES = frozenset({"weights_failed", "weights_load_timeout"})
 """Detector causes of a replica that could not load the announced weights."""
 

@@ -171,6 +171,9 @@ class JobRun:
     startup_failures: dict[tuple[str, int], int] = field(default_factory=dict)
     cold_roles: set[str] = field(default_factory=set)
     """Roles a start from a warm spare failed for: their members start cold until one has started."""
+    cold_slots: set[tuple[str, int]] = field(default_factory=set)
+    """(role, slot) whose start from a warm spare failed: started cold until it has started (another
+    slot of its role starting first ends ``cold_roles``, not this)."""
     service_seen_at: dict[str, float] = field(default_factory=dict)
     """Control-plane role -> its last sign of life, on this controller's monotonic clock (not in
     the record: a new leader starts each from its take-over)."""
@@ -246,15 +249,22 @@ class JobRun:
         slot = (m.role, m.index)
         if m.warm:
             self.cold_roles.add(m.role)
+            self.cold_slots.add(slot)
             return self.startup_failures.get(slot, 0)
         self.startup_failures[slot] = self.startup_failures.get(slot, 0) + 1
         return self.startup_failures[slot]
 
     def started(self, m: MemberInfo) -> None:
         """``m`` finished its start (a hello, metrics past ``starting``, current weights): its
-        slot's failed starts in a row are over, and its role's next starts may take spares again."""
+        slot's failed starts in a row are over, and the next starts of its role (of its slot, once
+        that has started) may take spares again."""
         self.startup_failures.pop((m.role, m.index), None)
         self.cold_roles.discard(m.role)
+        self.cold_slots.discard((m.role, m.index))
+
+    def starts_cold(self, role: str, index: int) -> bool:
+        """Whether the next start of ``role``'s slot ``index`` must be cold (``failed_start``)."""
+        return role in self.cold_roles or (role, index) in self.cold_slots
 
     def is_current(self, member_id: str) -> bool:
         m = self.members.get(member_id)
@@ -276,7 +286,7 @@ class JobRun:
             "restarts_total": self.restarts_total,
             "failures_by_step": [[r, s, n] for (r, s), n in self.failures_by_step.items()],
             "startup_failures": [[r, i, n] for (r, i), n in self.startup_failures.items()],
-            "cold_roles": sorted(self.cold_roles),
+            "cold_roles": sorted(self.cold_roles), "cold_slots": sorted([r, i] for r, i in self.cold_slots),
             "slot_incarnation": {str(k): v for k, v in self.slot_incarnation.items()},
             "reward_by_step": {str(k): v for k, v in self.reward_by_step.items()},
             "members": {mid: m.to_record() for mid, m in self.members.items()},
@@ -308,6 +318,7 @@ class JobRun:
         # (a new leader goes on counting a slot's failed starts: hangs and failovers come together)
         job.startup_failures = {(str(r), int(i)): int(n) for r, i, n in rec.get("startup_failures", [])}
         job.cold_roles = {str(r) for r in rec.get("cold_roles", [])}
+        job.cold_slots = {(str(r), int(i)) for r, i in rec.get("cold_slots", [])}
         job.slot_incarnation = {int(k): int(v) for k, v in rec.get("slot_incarnation", {}).items()}
         job.reward_by_step = {int(k): v for k, v in rec.get("reward_by_step", {}).items()}
         job.members = {mid: MemberInfo.from_record(mid, m) for mid, m in rec.get("members", {}).items()}

@@ -135,17 +135,17 @@ class MemberStarter:
                           placement=PlacementHint(node_labels=dict(t.placement.node_labels),
                                                   gang=gang_id(job, epoch), gang_rank=rank,
                                                   gang_size=t.workers, strategy=t.placement.strategy),
-                          cold="trainer" in job.cold_roles)
+                          cold=job.starts_cold("trainer", rank))
 
-    def replica_spec(self, job: JobRun, member_id: str, env: dict[str, str]) -> MemberSpec:
-        """A rollout replica: its resources, and anti-affinity among the job's replicas."""
+    def replica_spec(self, job: JobRun, member_id: str, env: dict[str, str], slot: int) -> MemberSpec:
+        """A rollout replica of ``slot``: its resources, and anti-affinity among the job's replicas."""
         r = job.spec.rollout
         env = {**env, ENGINE_ENV: r.engine}  # the launcher picks the engine's interpreter from it
         return MemberSpec(job.job_id, lid(job, member_id), "rollout", ROLLOUT_MODULE, env,
                           resources=Resources(r.resources.cpus, r.resources.gpus, r.resources.memory_mb),
                           placement=PlacementHint(node_labels=dict(r.placement.node_labels),
                                                   group=lid(job, "rollout"), anti_affinity=r.placement.anti_affinity),
-                          cold="rollout" in job.cold_roles)
+                          cold=job.starts_cold("rollout", slot))
 
     def _record(self, job: JobRun, info: MemberInfo) -> None:
         key = lid(job, info.member_id)
@@ -307,7 +307,7 @@ class MemberStarter:
                 raise LeaseLost(f"job {job.job_id}: the intent to start {mid} was refused: a newer "
                                 f"controller lease term has begun")
             await self._check_leading(job, mid)
-            await self._start(self.replica_spec(job, mid, env))
+            await self._start(self.replica_spec(job, mid, env, slot))
         except BaseException as exc:
             if intent is not None:
                 job.members[mid].state = "dead"
