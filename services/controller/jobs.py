@@ -242,8 +242,8 @@ class JobRun:
 
     def failed_start(self, m: MemberInfo) -> int:
         """Count one more failed start of ``m``'s slot; returns its failed starts in a row. A start
-        from a warm spare is not counted: its role's next starts are cold (``cold_roles``), and only
-        cold starts tell that a slot cannot start. Counted, spares broken alike (a frozen zygote's
+        from a warm spare is not counted: its role's and its slot's next starts are cold
+        (``cold_roles``, ``cold_slots``), and only cold starts tell that a slot cannot start. Counted, spares broken alike (a frozen zygote's
         forks, a stale spare image) failed a job "cannot start" that a cold start would have run;
         per slot, the gang's other rank took the next broken spare."""
         slot = (m.role, m.index)
