@@ -55,6 +55,17 @@ OUTBOX_SCAN_BATCH = 200
 LOG_CHECK_AGE_S = 60.0
 """Entries ``recover`` finds stamped at least this long ago are looked up in the log first (half of
 JetStream's 2-min duplicate window: the stamp is the writer's clock, which may be off by that much)."""
+
+
+def may_predate_window(ts: float, wall: float | None = None) -> bool:
+    """Whether an outbox entry stamped ``ts`` may have been stored before JetStream's duplicate
+    window, so that it is looked up in the log before it is appended again: stamped
+    ``LOG_CHECK_AGE_S`` ago or more, or of unknown age, stamped ahead of this wall clock (a clock
+    stepped back since, or its writer's ahead: taken as new, it was stored a second time)."""
+    age = (time.time() if wall is None else wall) - ts
+    return age < 0.0 or age >= LOG_CHECK_AGE_S
+
+
 LOG_READ_S = 3.0
 """The bound of that look-up; past it the entries are appended as before."""
 LOG_SKEW_S = 600.0
@@ -198,14 +209,14 @@ class OutboxWriter:
         return found
 
     async def _in_log(self, job_id: str, entries: list[OutboxEntry], bound_s: float = LOG_READ_S) -> set[str]:
-        """The message ids of ``entries`` stamped ``LOG_CHECK_AGE_S`` ago or more that the job's log
+        """The message ids of ``entries`` that may predate the window (``may_predate_window``) the job's log
         already holds (``Bus.stored_msg_ids``, read-only, bounded at ``bound_s``): queued again,
         such an entry (its writer killed between the store and the removal, or a live writer
         still owing the removal through a Redis outage) was stored a second time past JetStream's
         duplicate window. Younger entries the window covers. Nothing (logged) when the log cannot
         be read: the entries are appended as before."""
         wall = time.time()
-        old = [e for e in entries if wall - e.event.ts >= LOG_CHECK_AGE_S]
+        old = [e for e in entries if may_predate_window(e.event.ts, wall)]
         if not old:
             return set()
         try:
@@ -308,7 +319,8 @@ async def stored_of(bus: Any, job_id: str, role: str | None, entries: Iterable[O
                     request_s: float) -> set[str]:
     """The message ids of ``entries`` (events of ``job_id`` written by ``role``) that the job's log
     holds: JetStream's direct get on each kind's subject from the oldest such entry's stamp less
-    ``LOG_SKEW_S`` (``Bus.stored_msg_ids``, read-only), each request bounded by ``request_s``; the
+    ``LOG_SKEW_S`` (from the subject's start if one is stamped ahead of this wall clock: when it
+    was stored is unknown) (``Bus.stored_msg_ids``, read-only), each request bounded by ``request_s``; the
     whole is the caller's to bound. A kind ``role`` does not write is skipped (never appended
     under it). Used by every reader of another life's entries: an outbox's (``_in_log``), the
     next gang's rank 0 (the trainer outbox), and the controller's stop.
@@ -317,15 +329,17 @@ async def stored_of(bus: Any, job_id: str, role: str | None, entries: Iterable[O
         TransportError: JetStream refused or did not answer.
     """
     by_kind: dict[str, float] = {}
+    now = time.time()
     for e in entries:
-        by_kind[e.event.kind] = min(by_kind.get(e.event.kind, e.event.ts), e.event.ts)
+        since = e.event.ts - LOG_SKEW_S if e.event.ts <= now else 0.0
+        by_kind[e.event.kind] = min(by_kind.get(e.event.kind, since), since)
     ids: set[str] = set()
-    for kind, oldest in sorted(by_kind.items()):
+    for kind, since in sorted(by_kind.items()):
         try:
             on = subjects.events(job_id, kind, role)
         except SubjectError:
             continue
-        ids |= await bus.stored_msg_ids(on, oldest - LOG_SKEW_S, timeout=request_s)
+        ids |= await bus.stored_msg_ids(on, since, timeout=request_s)
     return ids
 
 

@@ -441,22 +441,19 @@ async def test_the_controller_outbox_is_the_controllers_alone(ev_infra: Embedded
 
 
 async def test_an_owed_event_already_in_the_log_is_not_appended_again_though_its_time_lies_ahead(
-        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+        rig: Rig) -> None:
     """A leader appended an event and died before it removed the entry from its outbox; the
     event's time lies an hour ahead of this controller's wall clock (the clock stepped back since,
     or that leader's ran ahead), and JetStream's duplicate window is over for the first copy.
-    Before, an owed entry younger than ``LOG_CHECK_AFTER_S`` by the wall clock was appended
-    without a look in the log, and one from the future always was: the log held the event twice.
-    The window is 1 s here (2 min by default) and ``LOG_CHECK_AFTER_S`` 0.5 s. Judged from the log."""
+    Before, an owed entry younger than a minute by the wall clock was appended without a look in
+    the log, and one from the future always was: the log held the event twice. The window is 1 s
+    here (2 min by default). Judged from the log."""
     from robustrl import subjects
     from robustrl.services.controller.outbox import ControllerEvents
+    from support import duplicate_window
 
-    monkeypatch.setattr(outbox_mod, "LOG_CHECK_AFTER_S", 0.5)
     assert rig.bus
-    js = rig.bus._js
-    config = (await js.stream_info(subjects.EVENTS_STREAM)).config
-    window, config.duplicate_window = config.duplicate_window, 1.0
-    await js.update_stream(config)
+    window = await duplicate_window(rig.settings.nats_url, 1.0)
     job_id = "aheadofclock"
     try:
         event = Event(job_id=job_id, kind="note", data={"text": "owed"}, ts=time.time() + 3600)
@@ -470,5 +467,4 @@ async def test_an_owed_event_already_in_the_log_is_not_appended_again_though_its
         notes = [e for e in await rig.events(job_id) if e.kind == "note"]  # type: ignore[attr-defined]
         assert len(notes) == 1, notes
     finally:
-        config.duplicate_window = window
-        await js.update_stream(config)
+        await duplicate_window(rig.settings.nats_url, window)

@@ -67,15 +67,19 @@ async def _stored_and_left(servers: Settings, principal: Principal, outbox_type:
     return job_id, bus, redis, entry
 
 
+@pytest.mark.parametrize("age_s", [90.0, -3600.0], ids=["stamped_90s_ago", "stamped_an_hour_ahead"])
 @pytest.mark.parametrize("role", sorted(ROLES))
-async def test_an_entry_the_log_holds_is_removed_not_appended_again(servers: Settings, role: str) -> None:
+async def test_an_entry_the_log_holds_is_removed_not_appended_again(servers: Settings, role: str,
+                                                                     age_s: float) -> None:
     """The next writer of the role reads the outbox past the window (its start, upkeep or stop:
-    ``recover``): the event is in the raw log once and the outbox is empty."""
+    ``recover``): the event is in the raw log once and the outbox is empty. Also for an entry
+    stamped an hour ahead of the reader's wall clock (a clock stepped back since, or its writer's
+    ahead): of unknown age, it was taken as new and stored a second time."""
     principal, outbox_type, kind, data = ROLES[role]
     await _ensure_stream(servers.nats_url)
     admin = connect(servers.redis_url)
     window = await duplicate_window(servers.nats_url, WINDOW_S)
-    job_id, bus, redis, _entry = await _stored_and_left(servers, principal, outbox_type, kind, data, 90.0)
+    job_id, bus, redis, _entry = await _stored_and_left(servers, principal, outbox_type, kind, data, age_s)
     queue = EventQueue(bus, name=f"events-{job_id}")
     writer = OutboxWriter(queue, lambda job: outbox_type(redis, job), owner=role)
     try:

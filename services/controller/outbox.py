@@ -34,8 +34,9 @@ Each entry is removed only once stored. Its message id travels with it, so a rep
 JetStream ack, a leader that died between the store and the removal, two flushers) is stored once
 within JetStream's duplicate window (2 min), as for the request manager's outbox. Past that window
 the id protects nothing: an entry that was tried before (by this process or, for one found at a
-takeover, by anyone) and is older than ``LOG_CHECK_AFTER_S`` is first looked for in the job's log
-(same kind, ``ts`` and data) and only removed if it is there.
+takeover, by anyone) and may predate the window (``event_outbox.may_predate_window``: a minute
+old, or stamped ahead of this clock) is first looked for in the job's log (same kind, ``ts`` and
+data) and only removed if it is there.
 
 Fence: an event carries the fencing token of the leader that gave it (``data["fence"]``), not of
 the one that flushes it. A new leader flushes whatever a previous one left (:meth:`resume`).
@@ -45,13 +46,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 from robustrl import subjects
 from robustrl.aio import cancel_and_wait, within
 from robustrl.bus import Bus, event_msg_id
 from robustrl.errors import SubjectError, TransportError
+from robustrl.event_outbox import may_predate_window
 from robustrl.messages import Event, EventLog
 from robustrl.storage.control_stores import ControllerOutbox, OutboxEntry
 
@@ -65,9 +66,6 @@ APPEND_RETRY_S = 5.0
 FLUSH_RETRY_MIN_S = 0.25
 FLUSH_RETRY_MAX_S = 5.0
 """The flusher's back-off after a failed pass (JetStream or Redis away), doubled up to this."""
-LOG_CHECK_AFTER_S = 60.0
-"""An entry tried before and older than this is looked for in the log before it is appended
-again: JetStream's duplicate window (2 min by default) may be over for its first copy."""
 CLOSE_GRACE_S = 2.0
 FLUSH_POLL_S = 0.05
 """``flush``: pause before it looks again at an outbox a flusher left non-empty."""
@@ -276,9 +274,7 @@ class ControllerEvents:
     async def _in_log(self, raw: bytes, entry: OutboxEntry, logged: list[EventLog]) -> bool:
         """Whether an entry that may be stored already, outside the duplicate window, is in the log."""
         tried = raw in self._tried or raw not in self._given
-        # (an event from the future by this wall clock is of unknown age: a clock stepped back
-        # since, or another leader's ahead; it is looked for, not taken as new)
-        if not tried or 0.0 <= time.time() - entry.event.ts < LOG_CHECK_AFTER_S:
+        if not tried or not may_predate_window(entry.event.ts):
             return False
         if not logged:
             try:
