@@ -77,14 +77,14 @@ class ActiveRecovery:
     replacing: set[str] = field(default_factory=set)
     committed_at_fault: int = -1
     starts_counted: set[str] = field(default_factory=set)
-    clock_start: float = field(default_factory=time.monotonic)
-    """``started_at`` on this controller's monotonic clock: its deadline is judged by it (on the
-    wall clock, a step back of an hour held the recovery unjudged for an hour, a step forward
-    escalated it at once); not in the record, where the wall time is what a new leader has.
-    ``starts_counted``: members whose start this recovery's passed deadline counted as failed
+    """Members whose start this recovery's passed deadline counted as failed
     (``RecoveryExecutor._unstartable``), each once; dropped with the recovery. Changed together
     with ``JobRun.startup_failures`` (no await between): a record a new leader reads holds both
     counts or neither, so it neither counts a start again nor loses one."""
+    clock_start: float = field(default_factory=time.monotonic)
+    """``started_at`` on this controller's monotonic clock: its deadline is judged by it (on the
+    wall clock, a step back of an hour held the recovery unjudged for an hour, a step forward
+    escalated it at once); not in the record, where the wall time is what a new leader has."""
 
     def to_record(self) -> dict[str, Any]:
         return {"fault_id": self.fault_id, "role": self.role, "kind": self.kind,
@@ -243,9 +243,10 @@ class JobRun:
     def failed_start(self, m: MemberInfo) -> int:
         """Count one more failed start of ``m``'s slot; returns its failed starts in a row. A start
         from a warm spare is not counted: its role's and its slot's next starts are cold
-        (``cold_roles``, ``cold_slots``), and only cold starts tell that a slot cannot start. Counted, spares broken alike (a frozen zygote's
-        forks, a stale spare image) failed a job "cannot start" that a cold start would have run;
-        per slot, the gang's other rank took the next broken spare."""
+        (``cold_roles``, ``cold_slots``), and only cold starts tell that a slot cannot start.
+        Counted, spares broken alike (a frozen zygote's forks, a stale spare image) failed a job
+        "cannot start" that a cold start would have run; per slot, the gang's other rank took the
+        next broken spare."""
         slot = (m.role, m.index)
         if m.warm:
             self.cold_roles.add(m.role)
