@@ -25,7 +25,7 @@ from robustrl.services.controller.jobs import JobRun
 from robustrl.services.controller.runtime import Controller
 from robustrl.services.controller.supervision import STARTUP_FAILURES_MAX
 from robustrl.services.controller.view import job_view
-from support import eventually, eventually_async, own_servers
+from support import eventually, eventually_async, own_servers, raw_job_record
 
 from robustrl.aio import wait_event
 from robustrl.bus import Bus
@@ -2627,3 +2627,69 @@ async def test_spares_that_all_fail_do_not_fail_a_slot_that_starts_cold(rig: Rig
     record = raw_job_record(rig.settings.redis_url, job.job_id)
     assert not [f for f in record.get("startup_failures", []) if f[0] == "trainer"], record["startup_failures"]
     assert record.get("cold_roles") == [], record.get("cold_roles")  # started since: spares may serve again
+
+
+async def test_a_whole_job_restart_whose_start_fails_once_is_carried_out_again_not_failed(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-job restart whose start raises once (Redis away past its client's retries, a
+    launcher error) is carried out again after a back-off while restarts are left: the job
+    recovers. Before, the same action decided again failed the job at once, whatever
+    ``max_restarts`` (20) had left (an outside review). Judged from the log and the raw record."""
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("wjagain"))
+    await rig.hello_all(c, job.job_id)
+    real, failed = c.starter.start_all, []
+
+    async def store_away_once(job_: JobRun) -> tuple[list[str], list[str]]:
+        if not failed:
+            failed.append(job_.epoch)
+            raise TransportError("redis unreachable (test)", subject=job_.job_id)
+        return await real(job_)
+
+    monkeypatch.setattr(c.starter, "start_all", store_away_once)
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]  (no commit yet: whole job)
+
+    async def recovered() -> list[dict[str, object]]:
+        await rig.members_start_fine(job)
+        return of_kind(await rig.events(job.job_id), "recovered")
+
+    await eventually_async(recovered, timeout=40, interval=0.3, what="the job recovered")
+    events = await rig.events(job.job_id)
+    assert failed, "the restart's start never ran"
+    assert not of_kind(events, "job_failed"), of_kind(events, "job_failed")
+    decisions = [d["actions"] for d in of_kind(events, "decision")]
+    assert decisions == [["RestartWholeJob"], ["RestartWholeJob"]], decisions
+    record = raw_job_record(rig.settings.redis_url, job.job_id)
+    assert record["status"] == "running" and record["restarts_total"] == 2, (record["status"], record["restarts_total"])
+    assert {m for m, r in record["members"].items() if r["state"] not in ("dead", "exited", "stopped")} == {
+        "trainer-e2-r0", "trainer-e2-r1", "rollout-0-i1", "rollout-1-i1"}  # (the failed start planned nothing)
+
+
+async def test_a_leader_deposed_while_the_request_manager_keeps_it_waiting_kills_no_member(rig: Rig) -> None:
+    """A whole-job restart first asks the request manager to restart the step, which may take
+    that command's whole bound (here 2 x 1 s; 20 s by default) when it does not answer. A newer
+    lease term that begins meanwhile (this leader frozen, another taking over and adopting the
+    members) must leave those members alone: the deposed leader killed every one of them before
+    its next fenced save refused it (an outside review). Seen from /proc and the event log."""
+    c = await rig.controller()
+    await c.wait_leading(10)
+    c.rm_ack_attempts = 2
+    job = await c.submit(spec("wjfenced"))
+    await rig.hello_all(c, job.job_id)
+    assert rig.rm
+    rig.rm.alive = False  # restart_step goes unanswered
+    survivors = {m.member_id: m.pid for m in job.live() if m.member_id != "trainer-e1-r0"}
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]  (no commit yet: whole job)
+
+    async def restart_asked() -> list[dict[str, object]]:
+        return [d for d in of_kind(await rig.events(job.job_id), "action") if d["action"] == "RestartWholeJob"]
+
+    await eventually_async(restart_asked, timeout=15, interval=0.05, what="the whole-job restart begun")
+    await rig.redis.incr(Keys.controller_fence())  # a newer lease term: another controller leads now
+    await eventually_async(lambda: not c.recovery.lock.locked(), timeout=15, interval=0.05,
+                           what="the restart given up")
+    assert all(running(pid) for pid in survivors.values()), {m: running(p) for m, p in survivors.items()}  # type: ignore[arg-type]
+    events = await rig.events(job.job_id)
+    assert not [e for e in of_kind(events, "member_stopped") if e["member_id"] in survivors], events
+    assert job.epoch == 1 and not of_kind(events, "job_failed")

@@ -104,3 +104,38 @@ def test_a_failed_start_from_a_spare_is_not_counted_and_its_next_starts_are_cold
     restored.started(MemberInfo("trainer-e3-r0", "trainer", 0, 3))
     assert not restored.starts_cold("trainer", 0)
     assert restored.failed_start(MemberInfo("trainer-e4-r0", "trainer", 0, 4)) == 1  # a cold one counts
+
+
+def test_a_whole_job_restart_begun_by_a_replica_fault_counts_every_rank_still_starting() -> None:
+    """A whole-job restart begun by a rollout (or request-manager) fault starts a gang too: a rank
+    other than 0 still starting at the deadline holds the gang's rendezvous, and its start counts
+    as failed. Chosen by the fault's role ("trainer") only, it never counted (an outside review),
+    and a rank hung in every incarnation went through ``max_restarts``, a deadline each."""
+    job, _ = _job("wjrollout", started_ago_s=START_DEADLINE_S * 2)
+    job.members["trainer-e2-r0"].state = "ready"
+    now = time.time()
+    job.members["trainer-e2-r1"] = MemberInfo("trainer-e2-r1", "trainer", 1, 2, started_at=now - START_DEADLINE_S * 2,
+                                              clock_start=time.monotonic() - START_DEADLINE_S * 2)
+    late = ActiveRecovery("exit-rollout-0-i0", "rollout", "whole_job", now - 11, 0, now - 1,
+                          waiting_for={"trainer-e2-r0"}, clock_start=time.monotonic() - 11)
+    job.recoveries = [late]
+    RecoveryExecutor(None)._unstartable(job, late, _escalation())  # type: ignore[arg-type]
+    assert job.startup_failures == {("trainer", 1): 1}, job.startup_failures
+
+
+def test_a_record_a_new_leader_reads_back_is_written_again_unchanged() -> None:
+    """What a new leader reads (``from_record``) and saves again (``to_record``) is what the last
+    leader saved: a field left out of the read was overwritten with its default at the next save
+    (a failed job's ``error`` became null: an outside review)."""
+    job, late = _job("roundtrip", started_ago_s=1.0)
+    job.status, job.error, job.finished_at, job.ettr = "failed", "trainer slot 0 cannot start", time.time(), 0.9
+    job.committed_step, job.durable_step, job.weights_version, job.restarts_total = 7, 6, 8, 3
+    job.failures_by_step[("trainer", 7)] = 2
+    job.startup_failures[("trainer", 0)] = 1
+    job.cold_roles, job.cold_slots = {"trainer"}, {("trainer", 0)}
+    job.slot_incarnation, job.restock_owed, job.reward_by_step = {0: 2, 1: 1}, {1: 1}, {6: 0.25}
+    job.faults.append({"fault_id": late.fault_id, "recovery_s": None})
+    job.members["trainer-e2-r0"].warm = True
+    saved = job.to_record()
+    again = JobRun.from_record(job.job_id, saved).to_record()
+    assert again == saved, {k: (saved[k], again[k]) for k in saved if saved[k] != again.get(k)}

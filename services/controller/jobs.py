@@ -309,6 +309,7 @@ class JobRun:
         job = cls(job_id=job_id, spec=JobSpec.parse(rec["spec"]), created_at=rec.get("created_at", time.time()))
         job.status = rec.get("status", "running")
         job.started_at = rec.get("started_at")
+        job.error = rec.get("error")  # (left out, a new leader's next save of a failed job wrote null over it)
         job.epoch = int(rec.get("epoch", 0))
         job.committed_step = int(rec.get("committed_step", -1))
         job.durable_step = int(rec.get("durable_step", -1))

@@ -72,6 +72,12 @@ tried again after this back-off (doubled per try, up to the max), until it is do
 this controller stops leading, or the recovery's deadline passes (its escalation takes over then;
 ``RESUME_RETRY_FLOOR_S`` at least)."""
 RESUME_RETRY_FLOOR_S = 30.0
+REPEAT_BACKOFF_S = 1.0
+"""A recovery action that failed outright and is decided again (a whole-job restart whose start
+raised: Redis or NATS away, a launcher error) is carried out again this much later, the wait
+doubled per repeat up to ``REPEAT_BACKOFF_MAX_S``; ``max_restarts`` bounds the repeats (and, for
+a failure before the restart was counted, the number of repeats itself)."""
+REPEAT_BACKOFF_MAX_S = 10.0
 
 
 class SlotsStillOwed(Exception):
@@ -177,7 +183,12 @@ class RecoveryExecutor:
 
     # --- execution ---------------------------------------------------------------------------
 
-    async def execute_all(self, job: JobRun, fault: FaultReport, actions: list[Action]) -> None:
+    async def execute_all(self, job: JobRun, fault: FaultReport, actions: list[Action], repeats: int = 0) -> None:
+        """Carry out ``actions`` in order. One that fails outright is escalated by
+        ``decide.recovery_failed``: a whole-job restart, or the job failed once ``max_restarts``
+        is used up. The same action decided again (a whole-job restart that failed) is carried
+        out again after a back-off, ``repeats`` counting them: failing the job then (as before)
+        failed it on one Redis or NATS blip, whatever restarts it had left (an outside review)."""
         for action in actions:
             try:
                 await self.execute(job, fault, action)
@@ -205,9 +216,14 @@ class RecoveryExecutor:
                 await self.c.event(job, "decision", {"fault_id": fault.fault_id, "actions": decision.names(),
                                                      "reason": decision.reason})
                 if any(type(a) is type(action) for a in decision.actions):
-                    await self.c.stop_job(job.job_id, "failed", decision.reason)
-                    return
-                await self.execute_all(job, fault, decision.actions)
+                    if repeats >= job.spec.recovery.max_restarts:  # (also bounds one that failed uncounted)
+                        await self.c.stop_job(job.job_id, "failed", decision.reason)
+                        return
+                    await asyncio.sleep(min(REPEAT_BACKOFF_MAX_S, REPEAT_BACKOFF_S * 2 ** repeats))
+                    if job.done:
+                        return
+                    await self.c._still_leading(job, f"carrying out {action_name(action)} again")
+                await self.execute_all(job, fault, decision.actions, repeats + 1)
                 return
 
     async def execute(self, job: JobRun, fault: FaultReport, action: Action) -> None:
@@ -218,6 +234,7 @@ class RecoveryExecutor:
             case RestartTrainerGang():
                 await self._restart_trainer(job, fault, action)
             case RedispatchEpisodes(member_id=mid):
+                await self.c._still_leading(job, f"killing {mid}")
                 await asyncio.to_thread(self.c.launcher.kill, lid(job, mid), True)
                 if mid in job.members:
                     job.members[mid].state = "dead"
@@ -259,6 +276,9 @@ class RecoveryExecutor:
         kept = {r: mid for r, mid in action.kept.items() if mid in old and mid != fault.member_id}
         # Every rank of the broken gang but the kept ones is killed first: a kept rank's
         # collectives with them then fail at once (closed connections), and it leaves the gang.
+        # Fenced first: the replica probes that chose the borrowed ones took a while, in which a
+        # newer leader may have taken over and adopted these members.
+        await self.c._still_leading(job, "killing the trainer gang")
         await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, i) for i in old if i not in kept.values()],
                                 True)
         for mid in old:
@@ -499,6 +519,7 @@ class RecoveryExecutor:
         old = job.members.get(member_id)
         if old is None:
             return
+        await self.c._still_leading(job, f"killing {member_id}")
         await asyncio.to_thread(self.c.launcher.kill, lid(job, member_id), True)
         old.state = "dead"
         rec = self._begin(job, fault, "replica", {member_id})
@@ -530,6 +551,10 @@ class RecoveryExecutor:
         last checkpoint, regenerate the current step from scratch."""
         await self.c.control_rm(job, "restart_step", {"fault_id": fault.fault_id})
         ids = [m.member_id for m in job.live() if m.role in ("trainer", "rollout")]
+        # Fenced after the request manager's answer, which may have taken its whole bound (20 s):
+        # a leader deposed meanwhile killed every member the new leader had adopted (``stop_job``
+        # checks the same before its stop; an outside review).
+        await self.c._still_leading(job, "killing every member for a whole-job restart")
         await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, i) for i in ids], True)
         for mid in ids:
             job.members[mid].state = "dead"
@@ -775,7 +800,7 @@ class RecoveryExecutor:
         tried again, and a leader taking over count nobody twice."""
         now = time.monotonic()
         bound = job.spec.detector.start_deadline_s
-        gang = late.role in ("trainer", "job")
+        gang = late.role == "trainer" or late.kind == "whole_job"  # (a whole-job restart started a gang too)
         stuck = [m for m in job.members.values()
                  if job.is_current(m.member_id) and still_starting(m) and now - m.clock_start > bound
                  and (m.member_id in late.waiting_for or (gang and m.role == "trainer"))

@@ -431,6 +431,8 @@ class Controller:
                 job.durable_step = max(job.durable_step, int(e.data.get("durable_step", -1)))
             elif e.kind in ("job_finished", "job_failed", "job_stopped"):
                 job.status = {"job_finished": "finished", "job_failed": "failed"}.get(e.kind, "stopped")  # type: ignore[assignment]
+                if isinstance(e.data.get("reason"), str):
+                    job.error = e.data["reason"]
             elif e.kind == "fault_injected" and isinstance(fid := e.data.get("fault_id"), str) \
                     and fid not in job.chaos_by_id:
                 injected: asyncio.Future[str] = asyncio.get_running_loop().create_future()
