@@ -36,10 +36,17 @@ StopReason = Literal["eot", "tool_call", "length"]
 _ID = Field(pattern=_TOKEN.pattern)
 
 
-class Wire(BaseModel):
-    """Base of every wire message: strict fields, JSON on the wire."""
+TOKENS_PER_S_MAX = 1e9
+"""No engine decodes this many tokens a second: a rate above it is garbage, refused on the bus
+(one huge finite rate moved the peer median as far as an infinite one)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+
+class Wire(BaseModel):
+    """Base of every wire message: strict fields, JSON on the wire, finite numbers only (an
+    infinite rate from one replica made the peer median infinite, and every healthy peer a
+    ``fail_slow`` fault: an outside review)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     def encode(self) -> bytes:
         return self.model_dump_json().encode()
@@ -151,7 +158,7 @@ class MetricsSample(Wire):
     step: int = -1
     activity: int = Field(0, ge=0)
     tokens_total: int = Field(0, ge=0)
-    tokens_per_s: float = Field(0.0, ge=0)
+    tokens_per_s: float = Field(0.0, ge=0, le=TOKENS_PER_S_MAX)
     queue_depth: int = Field(0, ge=0)  # rollout: turns queued, including those waiting for a version
     inflight: int = Field(0, ge=0)
     tool_waiting: int = Field(0, ge=0)

@@ -581,6 +581,29 @@ def test_a_detector_that_keeps_stalling_still_reports_a_silent_member() -> None:
     assert [f.member_id for f in faults] == ["t0"]
 
 
+@pytest.mark.parametrize("phase", ["training", "checkpointing"])
+def test_a_hang_longer_than_the_rebase_window_is_reported_though_a_tick_comes_late_in_every_window(
+        phase: str) -> None:
+    """A trainer hung in ``training`` (or stuck ``checkpointing``), its samples still coming, on a
+    loaded detector whose tick comes late (2 s, past ``gap_bound_s``) once in every rebase window
+    (8 s here; 80 s with the defaults). The threshold is longer than the window (20 s; 300 s
+    ``trainer_idle_s`` by default). Each late tick reset every clock to now, so the hang was never
+    reported (an outside review: an hour with the defaults); only the gap's time is left out now."""
+    cfg = CFG.model_copy(update={"trainer_idle_s": 20.0, "trainer_io_s": 20.0})
+    mon, t = monitor(cfg), Member("t0", "trainer", phase=phase)
+    now, faults, last_gap = 1000.0, [], 1000.0
+    while now < 1000.0 + 120 and not faults:
+        if now - last_gap >= 2 * (cfg.silence_s + cfg.probe_timeout_s) + 0.5:
+            now, last_gap = now + 2.0, now + 2.0  # the detector's loop starved: no sample handled, no tick
+        else:
+            now += DT
+        mon.sample(t.sample(now), now)  # activity frozen: the samples prove it is alive, not working
+        faults += mon.tick(now).faults
+    assert mon.gaps >= 2, mon.gaps
+    assert [(f.member_id, f.kind) for f in faults] == [("t0", "hang")], faults
+    assert now - 1000.0 <= cfg.trainer_idle_s + mon.gaps * 2.0 + 2 * DT, now - 1000.0
+
+
 def test_turns_queued_for_a_version_to_come_are_not_a_stall_but_a_silent_replica_still_is() -> None:
     """``awaiting_version``: every queued turn needs a version the replica does not hold yet (after
     a trainer rollback). No tokens for many times ``rollout_idle_s`` is no fault and no probe; the

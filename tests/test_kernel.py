@@ -39,6 +39,30 @@ def test_garbage_messages_raise_a_message_error_naming_the_subject(raw):
     assert "rrl.j.metrics.m" in str(err.value)
 
 
+@pytest.mark.parametrize("rate", ["1e308", "1e10", "-1", "Infinity", "NaN", "1e999"])
+def test_a_rate_no_engine_reaches_is_refused_on_the_bus(rate: str) -> None:
+    """One replica's absurd ``tokens_per_s`` (1e308) made its peers' median in the detector's
+    fail-slow rule as large, and every healthy peer a fault (an outside review): refused, the
+    field named, before any rule sees it. Non-finite numbers never parse. A real rate passes."""
+    base = '{"job_id": "j", "member_id": "m", "role": "rollout", "seq": 1, "ts": 0, "phase": "serving", "tokens_per_s": %s}'
+    assert decode(MetricsSample, (base % "1234.5").encode()).tokens_per_s == 1234.5
+    with pytest.raises(MessageError) as err:
+        decode(MetricsSample, (base % rate).encode(), "rrl.j.metrics.m")
+    assert err.value.field == "tokens_per_s" or "non-finite" in str(err.value), err.value
+
+
+def test_no_wire_message_holds_a_number_that_is_not_finite_though_built_in_process() -> None:
+    """The parser refuses NaN and infinities on the bus; a message built in process (a member's
+    own arithmetic: a rate over a zero interval) is refused as it is built, not sent."""
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="tokens_per_s"):
+        MetricsSample(job_id="j", member_id="m", role="rollout", seq=1, ts=0.0, phase="x", tokens_per_s=float("inf"))
+    with pytest.raises(ValidationError, match="temperature"):
+        GenerateTurn(job_id="j", request_id="r", episode_id="e", step=3, prefix_ids=[1], max_new_tokens=4,
+                     temperature=float("nan"), top_p=0.9, seed=7)
+
+
 def test_message_round_trip_and_field_named():
     msg = GenerateTurn(job_id="j", request_id="r", episode_id="e", step=3, prefix_ids=[1, 2], max_new_tokens=4,
                        temperature=1.0, top_p=0.9, seed=7)

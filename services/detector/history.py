@@ -131,17 +131,25 @@ class MemberHistory:
         self.probe_reply_at = rx_time
         return True
 
-    def rebase(self, now: float) -> None:
-        """Forget every time measured before ``now``: the detector was not watching (frozen,
-        suspended, or its loop starved), so the gap is no evidence about the member. Counter
-        values, phase and step are kept; their clocks restart at ``now`` and the next samples
-        rebuild the rest. A member that stays silent from here is timed from ``now``."""
-        self.first_seen = now
-        self.last_heard = None
-        self.phase_since = self.activity_at = self.tokens_at = now
-        self.activity_still_at = self.tokens_still_at = None
-        self.busy_since = now if self.busy_since is not None else None
-        self.work_since = now if self.work_since is not None else None
+    def rebase(self, now: float, gap_s: float) -> None:
+        """The detector was not watching for the ``gap_s`` up to ``now`` (frozen, suspended, its
+        loop starved, its bus connection down): that time is no evidence about the member. Every
+        clock moves forward by it, never past ``now``: what was measured before the gap still
+        counts, the gap does not. (Reset to ``now``, as before, a detector whose ticks came late
+        once per rebase window never accumulated a threshold longer than that window: a trainer
+        hung in ``training`` for an hour went unreported with ``trainer_idle_s`` 300 s and a
+        20 s late tick every 81 s; an outside review.) Probes in flight and the rate window are
+        forgotten: their answers and samples may have been lost in the gap."""
+        def later(t: float | None) -> float | None:
+            return None if t is None else min(now, t + gap_s)
+
+        self.first_seen = min(now, self.first_seen + gap_s)
+        self.last_heard = later(self.last_heard)
+        self.phase_since = min(now, self.phase_since + gap_s)
+        self.activity_at = min(now, self.activity_at + gap_s)
+        self.tokens_at = min(now, self.tokens_at + gap_s)
+        self.activity_still_at, self.tokens_still_at = later(self.activity_still_at), later(self.tokens_still_at)
+        self.busy_since, self.work_since = later(self.busy_since), later(self.work_since)
         self.probe_nonce = self.probe_sent_at = self.probe_reply_at = None
         self.window.clear()
 

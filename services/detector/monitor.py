@@ -5,8 +5,8 @@ known to be gone, and the detector's own outages. Pure: no I/O, time comes in as
 After the detector itself was not running - a restart (new process, empty state) or a
 freeze (SIGSTOP, a starved loop) - it judges nothing it did not observe: a restarted detector
 builds each history from the member's next message, and a monitor whose ticks stopped for
-longer than :func:`gap_bound_s` rebases every clock to the tick that found the gap. A member
-silent since before the outage is then timed from the detector's return.
+longer than :func:`gap_bound_s` moves every clock forward by the gap (never past the tick that
+found it): the gap's time is left out, what was measured before it still counts.
 """
 
 from __future__ import annotations
@@ -197,12 +197,14 @@ class JobMonitor:
                            fault_at=rx_time if last is None else min(last, rx_time))
 
     def own_outage(self, now: float) -> None:
-        """The detector's own connection to the bus was down: members' silence meanwhile is no
-        evidence (their metrics could not reach us, nor our probes them). Every clock restarts."""
+        """The detector's own connection to the bus was down (no tick ran since ``last_tick``):
+        members' silence meanwhile is no evidence (their metrics could not reach us, nor our
+        probes them). Every clock moves forward by the outage (``MemberHistory.rebase``)."""
         self.gaps += 1
         self.last_rebase = now
+        gap = 0.0 if self.last_tick is None else max(0.0, now - self.last_tick)
         for h in self.members.values():
-            h.rebase(now)
+            h.rebase(now, gap)
 
     def tick(self, now: float) -> TickResult:
         """Evaluate every member at ``now``: the probes to send and the faults to report."""
@@ -217,11 +219,11 @@ class JobMonitor:
         window = 2 * (self.cfg.silence_s + self.cfg.probe_timeout_s)
         if (late and not self._was_late
                 and (self.last_rebase is None or now - self.last_rebase >= window)):
-            # Our own outage, not the members': rebuild every clock from the next messages.
+            # Our own outage, not the members': its time is left out of every clock.
             self.gaps += 1
             self.last_rebase = now
             for h in self.members.values():
-                h.rebase(now)
+                h.rebase(now, now - self.last_tick)  # type: ignore[operator]  (late: last_tick is set)
         self._was_late = late
         self.last_tick = now
         healthy: list[MemberHistory] = []
