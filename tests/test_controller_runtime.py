@@ -33,7 +33,8 @@ from robustrl.config import JobSpec, Settings
 from robustrl.errors import JobActive, LaunchError, RequestTimeout, TransportError
 from robustrl.launcher.local import LAUNCH_MARK_ENV, LocalLauncher
 from robustrl.launcher.zygote import FORK_START_ENV
-from robustrl.messages import ControlCommand, FaultReport, HelloAck, MemberHello, MetricsSample, StepCommitted, WeightsHave
+from robustrl.messages import (ControlCommand, FaultReport, HelloAck, MemberHello, MetricsSample, ProbeReply, ProbeRequest,
+                               StepCommitted, WeightsHave)
 from robustrl.storage.fencing import GangFence
 from robustrl.storage.redis_stores import Keys, connect
 from robustrl.subjects import Verb, all_jobs_exact, subject
@@ -2693,3 +2694,63 @@ async def test_a_leader_deposed_while_the_request_manager_keeps_it_waiting_kills
     events = await rig.events(job.job_id)
     assert not [e for e in of_kind(events, "member_stopped") if e["member_id"] in survivors], events
     assert job.epoch == 1 and not of_kind(events, "job_failed")
+
+
+async def test_a_borrowed_replica_gone_before_its_hand_off_is_replaced_by_a_cold_rank(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer rank crashes; the new gang borrows a replica, drained first (the request manager
+    acknowledges, up to 20 s). The replica dies in that window: its hand-off (``relabel``) finds no
+    process. Before, that failed the recovery into a whole-job restart (an outside review); now the
+    rank starts cold, the recovery ends role-locally, and the replica's slot still gets its
+    replacement. Judged from the event log and the raw record."""
+    from robustrl.launcher import base as launcher_base
+
+    for mod in (launching, launcher_base):  # switchable in place
+        monkeypatch.setattr(mod, "TRAINER_MODULE", "handoff_idle_member")
+        monkeypatch.setattr(mod, "ROLLOUT_MODULE", "handoff_idle_member")
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(JobSpec.parse({**spec("borrowgone").model_dump(mode="json"), "rollout": {"replicas": 3},
+                                        "recovery": {"borrow": "always", "keep_survivors": True}}))
+    await rig.hello_all(c, job.job_id)
+    await rig.commit(job.job_id, 0)
+    await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    assert rig.bus
+
+    async def answer(msg: ProbeRequest, _s: str, reply: str | None) -> None:  # the replicas are alive
+        await rig.bus.respond(reply, ProbeReply(member_id=msg.member_id, nonce=msg.nonce, phase="serving"))  # type: ignore[union-attr]
+
+    for m in job.live():
+        if m.role == "rollout":
+            await rig.bus.subscribe(subject(job.job_id, Verb.PROBE, m.member_id), ProbeRequest, answer)
+    real_relabel, gone = c.launcher.relabel, []
+
+    def relabel(member_id: str, member: Any) -> None:
+        if "rollout" in member_id:
+            pid = c.launcher.pid(member_id)
+            assert pid
+            os.killpg(pid, signal.SIGKILL)  # died while drained, before the hand-off
+            eventually(lambda: not running(pid), timeout=10, interval=0.01, what="the replica gone")
+            gone.append(member_id.split("--")[1])
+        real_relabel(member_id, member)
+
+    monkeypatch.setattr(c.launcher, "relabel", relabel)
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+
+    async def recovered() -> list[dict[str, object]]:
+        await rig.members_start_fine(job)
+        return [r for r in of_kind(await rig.events(job.job_id), "recovered") if r["kind"] == "trainer"]
+
+    [done] = await eventually_async(recovered, timeout=40, interval=0.3, what="the trainer recovered")
+    assert gone, "no replica was borrowed"
+    events = await rig.events(job.job_id)
+    decisions = [d["actions"] for d in of_kind(events, "decision")]
+    assert ["RestartWholeJob"] not in decisions and ["FailJob"] not in decisions, decisions
+    started = {str(d["member_id"]): d for d in of_kind(events, "member_started")}
+    assert sorted(str(started[f"trainer-e2-r{r}"]["source"]) for r in (0, 1)) == ["cold", "survivor"], started
+    assert done["sources"] and "borrowed" not in done["sources"], done
+    slot = int(gone[0].split("-")[1])
+    await eventually_async(lambda: f"rollout-{slot}-i1" in job.members and job.members[f"rollout-{slot}-i1"].pid,
+                           timeout=20, what="the borrowed slot restocked")
+    record = raw_job_record(rig.settings.redis_url, job.job_id)
+    assert record["members"][gone[0]]["state"] in ("dead", "exited"), record["members"][gone[0]]  # not live

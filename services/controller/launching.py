@@ -174,9 +174,9 @@ class MemberStarter:
 
         ``borrowed`` maps ranks to rollout replicas (already drained) that the launcher switches
         to that rank in place (``Launcher.relabel``) instead of starting a process; ``kept`` maps
-        ranks to ranks of the broken gang handed over the same way. A kept rank whose process is
-        gone by then (it gave up waiting, or died) is started as usual instead and removed from
-        ``kept``.
+        ranks to ranks of the broken gang handed over the same way. A kept rank (or a borrowed
+        replica) whose process is gone by then (it gave up waiting, or died) is started as usual
+        instead and removed from ``kept`` (or ``borrowed``).
 
         The epoch is above both the one this controller remembers and the newest the gang fence in
         Redis has seen, and it is saved before any rank starts: a controller restarted (or a
@@ -243,13 +243,19 @@ class MemberStarter:
 
             member = spec_for(master, port)
             await self._check_leading(job, mid)
-            if rank in kept:
+            handed = kept if rank in kept else borrowed if rank in borrowed else None
+            if handed is not None:
                 try:
-                    await asyncio.to_thread(self.launcher.relabel, lid(job, kept[rank]), member)
-                    source = "survivor"
+                    await asyncio.to_thread(self.launcher.relabel, lid(job, handed[rank]), member)
+                    source = "survivor" if handed is kept else "borrowed"
                 except LaunchError as exc:
-                    old = kept.pop(rank)
-                    log.warning("job %s: rank %d of the broken gang (%s) not kept: %s; starting %s",
+                    # Gone before its hand-off (a borrowed replica that died while the request
+                    # manager acknowledged its drain, up to 20 s; before, that failed the recovery
+                    # into a whole-job restart: an outside review): its rank starts as any other.
+                    # A borrowed one's slot is still owed its replacement (the caller counts what it
+                    # drained, not what was handed over).
+                    old = handed.pop(rank)
+                    log.warning("job %s: rank %d not taken over from %s: %s; starting %s",
                                 job.job_id, rank, old, exc, mid)
                     # Whatever is left of it must not run on untracked (it is 'dead' to every stop).
                     await asyncio.to_thread(self.launcher.kill, lid(job, old), True)
@@ -258,9 +264,6 @@ class MemberStarter:
                         member = spec_for(master, port)
                     await self._start(member)
                     source = "spare" if self.launcher.was_warm(lid(job, mid)) else "cold"
-            elif rank in borrowed:
-                await asyncio.to_thread(self.launcher.relabel, lid(job, borrowed[rank]), member)
-                source = "borrowed"
             else:
                 await self._start(member)
                 source = "spare" if self.launcher.was_warm(lid(job, mid)) else "cold"

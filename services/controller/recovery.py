@@ -291,6 +291,7 @@ class RecoveryExecutor:
         for fid in [f for f in job.gang_starts if f not in {r.fault_id for r in job.recoveries}]:
             owed.update(job.gang_starts.pop(fid).borrowed_slots)
         borrowed = await self._drain(job, fault, action.borrowed)
+        drained = dict(borrowed)  # (a replica gone before its hand-off leaves ``borrowed``: still owed)
         try:
             new = await self.c.starter.start_gang(job, borrowed, kept)  # drops a kept rank it started anew
         except BaseException:
@@ -299,11 +300,11 @@ class RecoveryExecutor:
             # switched already run under their trainer ids and are gone from these launcher ids
             # (kill is a no-op).
             await asyncio.to_thread(self.c.launcher.kill_many,
-                                    [lid(job, mid) for mid in [*borrowed.values(), *kept.values()]], True)
+                                    [lid(job, mid) for mid in [*drained.values(), *kept.values()]], True)
             raise
         sources = ["survivor" if r in kept else "borrowed" if r in borrowed else
                    "spare" if self.c.launcher.was_warm(lid(job, mid)) else "cold" for r, mid in enumerate(new)]
-        slots = {job.members[b].index: job.members[b].epoch for b in borrowed.values() if b in job.members}
+        slots = {job.members[b].index: job.members[b].epoch for b in drained.values() if b in job.members}
         # In the job's durable record: a controller that fails over before the gang is ready hands
         # the slots owed a replacement to the next leader (and the recovery's source).
         job.gang_starts[fault.fault_id] = GangStart(sources, {**owed, **slots})
