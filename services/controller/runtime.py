@@ -72,7 +72,14 @@ SUPERSEDES_RESUME = ("pause", "restart_step", "stop")
 RM_ACK_ATTEMPTS = 10
 """Attempts of a command to the request manager, each ``RM_ACK_TIMEOUT_S`` (they span its
 restart); ``ROBUSTRL_RM_ACK_ATTEMPTS`` overrides."""
-FINISH_GRACE_S = 15.0  # a finished job's trainer uploads its last checkpoint before it exits
+FINISH_GRACE_S = 15.0
+"""A finished job's members other than the trainer: their stop grace."""
+FINISH_TRAINER_GRACE_S = 450.0
+"""A finished job's trainer ranks exit once their last checkpoint upload is done: they get as long
+as a rank waits for it (``checkpoint.UPLOAD_WAIT_S`` 300 s + ``SHARD_WAIT_S`` 120 s, not imported:
+the controller does not import torch) before they are killed. With the others' 15 s, a final
+upload slower than that was killed, and the job ended ``finished`` with its last step's model
+durable nowhere (an outside review). A rank exits as soon as its upload is done."""
 FINAL_EVENT = {"finished": "job_finished", "failed": "job_failed"}
 PROGRESS_CHECK_S = 2.0
 """Period of the leader's check of each job's durable trained log against the commits it heard."""
@@ -732,13 +739,22 @@ class Controller:
         stop["ids"] += [m.member_id for m in job.live() if m.member_id not in stop["ids"]]
         for m in job.live():
             m.state = "stopped"
-        grace = FINISH_GRACE_S if status == "finished" else 3.0
-        await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"]], grace)
+        if status == "finished":
+            ranks = {i for i in stop["ids"] if (m := job.members.get(i)) is not None and m.role == "trainer"}
+            await asyncio.gather(
+                asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"] if i in ranks],
+                                  FINISH_TRAINER_GRACE_S),
+                asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"] if i not in ranks],
+                                  FINISH_GRACE_S))
+            await self._final_durable(job)
+        else:
+            await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"]], 3.0)
         await self._update_spares()
         if not stop["event"]:
             await self._still_leading(job, "end its log")
             kind = FINAL_EVENT.get(status, "job_stopped")
-            data = {"reason": reason, "steps": job.committed_step + 1, "fence": self.lease.token}
+            data = {"reason": reason, "steps": job.committed_step + 1, "durable_step": job.durable_step,
+                    "fence": self.lease.token}
             # One message id per job's end: a stop carried out again after the save's answer was
             # lost owes it twice, and JetStream stores it once.
             if not await self.events.emit_and_wait(job.job_id, kind, data, outbox.FINAL_EVENT_WAIT_S,
@@ -753,6 +769,23 @@ class Controller:
         self._stopping.pop(job.job_id, None)
         stop["ended"].set()  # (a deletion waiting for the final record: ``JobDeleter``)
         return job
+
+    async def _final_durable(self, job: JobRun) -> None:
+        """Once a finished job's trainer ranks exited: its newest durable checkpoint, from the
+        gang's fenced record (written after the manifest). The last step's upload ends after its
+        commit was announced (which named the step before), so only this read tells the job's
+        record that the last step is durable; one that is not is logged and noted in the log."""
+        try:
+            durable = (await read_gang(self.redis, job.job_id)).durable
+        except Exception as exc:  # Redis away: the record keeps what the commits said
+            log.warning("job %s: newest durable checkpoint not read at its end: %s", job.job_id, exc)
+            return
+        job.durable_step = max(job.durable_step, durable)
+        if job.durable_step < job.spec.steps - 1:
+            text = (f"the last step's checkpoint is not durable: the newest durable checkpoint is of step "
+                    f"{job.durable_step} (steps {job.spec.steps})")
+            log.error("job %s: %s", job.job_id, text)
+            await self.event(job, "note", {"text": text})
 
     async def _events_settled(self, job: JobRun, bound_s: float, *, rm_acked: bool = True) -> None:
         """Wait, up to ``bound_s``, until the job's event outboxes in Redis owe nothing: the

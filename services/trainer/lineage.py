@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -127,8 +128,13 @@ class LoopFence:
         self.loop = loop
         self.timeout_s = timeout_s
         self.gate = gate
+        self.hold: dict[int, float] = {}
+        """Test-only (the member failpoint ``final_upload_slow``): step -> seconds its manifest
+        waits, as behind a slow object store."""
 
     def admit(self, step: int) -> None:
+        if step in self.hold:
+            time.sleep(self.hold[step])
         if self.gate is not None:
             self.gate.wait(step)
         asyncio.run_coroutine_threadsafe(self.fence.admit(), self.loop).result(self.timeout_s)
