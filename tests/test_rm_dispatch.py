@@ -695,6 +695,31 @@ async def test_refused_replies_naming_a_replica_that_does_not_hold_the_turn_char
         assert not await h.events("episode_redispatched")
 
 
+async def test_a_good_reply_from_a_replica_the_turn_was_not_sent_to_is_never_applied(servers):
+    """Well-formed replies in replica b's name to turns a holds (a confused or stale member, the
+    bus's rollout credentials being per role): dropped as late, never applied over the episode
+    (an outside review found them applied: only refused replies checked the sender). a's own
+    replies, released afterwards, are what the episodes hold."""
+    async with Harness(servers, rm_spec("sender", turn_deadline_s=20.0)) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        a.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: a.held, timeout=20, what="replica a holds turns")
+        held = list(a.held)
+        for msg in held:  # b's name on a's turns, tokens the model has
+            await b.bus.publish(subject(b.job_id, Verb.TURN), TurnResult(
+                job_id=b.job_id, request_id=msg.request_id, episode_id=msg.episode_id, member_id=b.member_id,
+                token_ids=[1, 2], logprobs=[-1.0, -1.0], stop_reason="eot", weights_version=b.version))
+        forged = await eventually_async(lambda: _dropped(h, len(held)), timeout=10, what="the forged replies dropped")
+        assert {d["member_id"] for d in forged} == {b.member_id}, forged
+        await a.release()
+        await eventually_async(lambda: 0 in h.batches, timeout=15, what="step 0 handed over")
+        episodes = {ep.episode_id: ep for ep in await h.episodes.get_many(h.batches[0].episode_ids)}
+        for msg in held:
+            [turn] = [t for t in episodes[msg.episode_id].turns if t.role == "assistant"]
+            assert turn.member_id == a.member_id and turn.request_id == msg.request_id, turn
+
+
 async def test_a_dispatch_whose_record_fails_leaves_no_turn_outstanding(servers, monkeypatch):
     """One turn's dispatch record refused (Redis past its retries) fails the step's attempt; the
     retry hands the step over. The failed dispatches (that one, and its siblings cancelled with

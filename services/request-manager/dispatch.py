@@ -250,8 +250,11 @@ class Dispatcher:
             rep.seen_at, rep.timeouts, rep.reported = time.monotonic(), 0, False
             rep.refused.append(None)
         pend = self.pending.get(msg.request_id)
-        if pend is None or pend.future.done() or pend.episode_id != msg.episode_id:
-            # Late: its turn was applied, or re-dispatched, or the step was restarted.
+        if (pend is None or pend.future.done() or pend.episode_id != msg.episode_id
+                or pend.member_id != msg.member_id or msg.member_id in self.dead):
+            # Late: its turn was applied, or re-dispatched, or the step was restarted. Or not
+            # from the replica the turn was sent to, or from one declared dead (its turns were
+            # re-dispatched): never applied (an outside review found both were).
             self.stats["late_dropped"] += 1
             self._emit_later("turn_dropped", {
                 "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id,
@@ -466,6 +469,9 @@ class Dispatcher:
             try:
                 res = await self._await(pend)
             except (Redispatch, TurnTimeout) as exc:
+                # Forgotten first: a reply landing while the failure is written (a Redis write)
+                # takes the late path and is logged as dropped, not swallowed uncounted.
+                self._forget(pend)
                 cause = await self._failed(ep, step, pend, exc)
                 fault_id = getattr(exc, "fault_id", None) or fault_id
                 avoid.add(pend.member_id)
