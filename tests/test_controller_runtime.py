@@ -2754,3 +2754,30 @@ async def test_a_borrowed_replica_gone_before_its_hand_off_is_replaced_by_a_cold
                            timeout=20, what="the borrowed slot restocked")
     record = raw_job_record(rig.settings.redis_url, job.job_id)
     assert record["members"][gone[0]]["state"] in ("dead", "exited"), record["members"][gone[0]]  # not live
+
+
+async def test_a_recovery_whose_member_was_saved_ready_ends_under_a_new_leader(rig: Rig) -> None:
+    """The leader saved a recovery's awaited member ready and died before it ended the wait (or
+    saved the wait after the member was ready, and died before looking). Nothing announces the
+    member again (its hello was answered), so the next leader's restored recovery waited for its
+    deadline and escalated to a whole-job restart (an outside review). The new leader looks at
+    the restored waits when it takes over. Judged from the log: ``recovered``, no escalation."""
+    c, job = await leading_job_at_step_0(rig, "savedready")
+    await c.close(stop_members=False)
+    raw = json.loads(await rig.redis.hget(Keys.jobs(), job.job_id))
+    now = time.time()
+    raw["members"]["trainer-e1-r0"]["state"] = "ready"
+    raw["recoveries"] = [{"fault_id": "saved-ready", "role": "trainer", "kind": "trainer", "started_at": now,
+                          "step": 1, "deadline_at": now + 60, "waiting_for": ["trainer-e1-r0"], "replacing": [],
+                          "committed_at_fault": 0}]
+    raw["status"] = "recovering"
+    await rig.redis.hset(Keys.jobs(), job.job_id, json.dumps(raw))
+    b = await rig.controller()
+    await b.wait_leading(20)
+
+    async def recovered() -> list[dict[str, object]]:
+        return [r for r in of_kind(await rig.events(job.job_id), "recovered") if r["fault_id"] == "saved-ready"]
+
+    await eventually_async(recovered, timeout=15, interval=0.2, what="the restored recovery ended")
+    assert not of_kind(await rig.events(job.job_id), "decision")
+    assert raw_job_record(rig.settings.redis_url, job.job_id)["recoveries"] == []

@@ -573,6 +573,16 @@ class RecoveryExecutor:
         await self._ready_already(job, rec)
         await self.c.resume_rm(job)
 
+    async def resume_waits(self, job: JobRun) -> None:
+        """After a takeover: the members the job's recoveries wait for that are ready in its record
+        end those waits now. A leader that died between saving a member ready and ending the wait
+        (``progress``), or between saving the wait and ``_ready_already``, left a recovery waiting
+        for a member nothing announces again (a hello is answered once): it waited for its
+        deadline and escalated to a whole-job restart (an outside review)."""
+        for rec in list(job.recoveries):
+            if rec in job.recoveries:
+                await self._ready_already(job, rec)
+
     async def _ready_already(self, job: JobRun, rec: ActiveRecovery) -> None:
         """Count as arrived the members ``rec`` waits for that were ready before it waited: a
         start returns after its members run, and a new rank 0's hello (or a replica's

@@ -235,6 +235,12 @@ class Controller:
             if not job.done:
                 self.recovery.resume_restock(job)
                 self.recovery.resume_rechecks(job)
+                try:
+                    await self.recovery.resume_waits(job)
+                except LeaseLost:
+                    raise
+                except Exception:  # (the recovery's deadline still judges it)
+                    log.exception("job %s: the waits of its recoveries not looked at again", job.job_id)
                 if job.launched and self.recovery.interrupted(job):
                     self.spawn(self.recovery.resume_interrupted(job))
             if not job.done and not job.launched:  # its start was interrupted (``Restorer.relaunch``)
