@@ -15,6 +15,7 @@ still running, treats the ones that are gone as crashed, and restarts no healthy
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -137,6 +138,11 @@ class Controller:
         self.inbox = FaultInbox(bus, self._inbox_fault)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._finish_stops = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="finish-stop")
+        """The stops of finished jobs' trainer ranks, which may wait out a slow last upload (up to
+        ``FINISH_TRAINER_GRACE_S``): in the loop's default executor (6 threads on 2 cores) a few
+        such stops held every thread, and every launcher call of the running jobs (polls, kills,
+        starts) waited behind them (an outside review)."""
         self._persist_locks: dict[str, asyncio.Lock] = {}
         self._stopping: dict[str, dict[str, Any]] = {}
         """Stops under way (``stop_job``), by job: the members they stop, whether the final event is
@@ -316,6 +322,7 @@ class Controller:
         if left:
             log.error("controller %s: tasks still running after cancellation: %s", self.owner, left)
         await self.events.close()  # (what is still owed stays in Redis, for the next leader)
+        self._finish_stops.shutdown(wait=False, cancel_futures=True)  # (a stop under way ends by its grace)
         if was_leading or not self.lost_leadership.is_set():  # (one still taking over holds it too)
             await self.lease.release()  # only if it still names this controller
 
@@ -480,10 +487,21 @@ class Controller:
         job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
         job = JobRun(job_id=job_id, spec=spec)
         self.jobs[job_id] = job
-        await self.event(job, "job_submitted", {"spec": spec.model_dump(mode="json")})
-        # Recorded before any start (status pending, not launched): a leader that dies from here on
-        # leaves the job to the next one, which starts it (``takeover.Restorer``), not to no one.
-        if await self.persist(job) is False:
+        try:
+            await self.event(job, "job_submitted", {"spec": spec.model_dump(mode="json")})
+            # Recorded before any start (status pending, not launched): a leader that dies from here
+            # on leaves the job to the next one, which starts it (``takeover.Restorer``), not to no one.
+            saved = await self.persist(job)
+        except BaseException as exc:
+            # Not recorded (Redis away past its retries): the caller is told (503) and may submit
+            # again. Kept in memory, the job was listed ``pending`` for good and never started (its
+            # start runs only after this returns, or from a record), a phantom beside the retry's
+            # job (an outside review). Its log, which may hold ``job_submitted``, is ended too.
+            del self.jobs[job_id]
+            with contextlib.suppress(Exception):
+                await self.event(job, "job_failed", {"reason": f"not recorded at its submission: {exc!r}"})
+            raise
+        if saved is False:
             del self.jobs[job_id]
             raise LeaseLost(f"job {job_id} not recorded: a newer controller lease term has begun")
         return job
@@ -748,8 +766,9 @@ class Controller:
         if status == "finished":
             ranks = {i for i in stop["ids"] if (m := job.members.get(i)) is not None and m.role == "trainer"}
             await asyncio.gather(
-                asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"] if i in ranks],
-                                  FINISH_TRAINER_GRACE_S),
+                asyncio.get_running_loop().run_in_executor(
+                    self._finish_stops, self.launcher.stop_many, [lid(job, i) for i in stop["ids"] if i in ranks],
+                    FINISH_TRAINER_GRACE_S),
                 asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"] if i not in ranks],
                                   FINISH_GRACE_S))
             await self._final_durable(job)

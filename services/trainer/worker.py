@@ -16,6 +16,7 @@ import datetime
 import errno
 import gc
 import logging
+import math
 import os
 import signal
 import socket
@@ -183,6 +184,11 @@ FINAL_UPLOAD_SLOW_S = 25.0
 """Test-only (member failpoint ``final_upload_slow``, rank 0): the job's last checkpoint manifest is
 written this much later, as behind a slow object store: longer than the other members' stop grace
 at the job's end (``FINISH_GRACE_S``, 15 s)."""
+
+
+class TrainingDiverged(RuntimeError):
+    """A step's loss or gradient norm is not finite (the model diverged): no fault a restart cures,
+    so the rank exits naming it before anything of the step is kept."""
 
 
 class TrainerWorker:
@@ -528,6 +534,13 @@ class TrainerWorker:
                         lags[key] = lags.get(key, 0) + 1
             await self.member.set_phase("training", step)
             stats = await asyncio.to_thread(self._train, samples)
+            diverged = {k: v for k, v in stats.items() if not math.isfinite(v)}
+            if diverged:
+                # Named here, before the step is checkpointed, published or recorded: a commit
+                # with a non-finite loss is refused on the bus, and raised there it killed rank 0
+                # half-way through the step's commit (an outside review).
+                raise TrainingDiverged(f"step {step} (gang {self.member.epoch}): training diverged: "
+                                       f"{diverged} not finite; nothing of the step is kept")
             # What was trained, for the auditor (robustrl.batch_digest): which episodes, read how.
             trained = (await asyncio.to_thread(_trained_record, eps)) if self.ident.rank == 0 else None
             train_s = time.monotonic() - t0
