@@ -115,6 +115,10 @@ def submit(spec_file: Path = typer.Argument(None, help="Job spec (YAML or JSON);
     if spec_file:
         try:
             raw = yaml.safe_load(spec_file.read_text()) or {}
+            try:  # what the server will read: YAML has bytes, dates and sets that JSON has not
+                raw = json.loads(json.dumps(raw))  # (NaN and infinities pass here: the parse names their field)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"{spec_file}: not a spec JSON can carry: {exc}") from exc
             JobSpec.parse(raw)
         except (OSError, yaml.YAMLError, RobustRLError) as exc:
             _fail(exc)

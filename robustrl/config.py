@@ -42,6 +42,9 @@ class ModelSpec(BaseModel):
     def _heads_divide(self) -> ModelSpec:
         if self.hidden_size % self.num_heads:
             raise ValueError("hidden_size must be a multiple of num_heads")
+        if (self.hidden_size // self.num_heads) % 2:  # rotary embeddings pair the head's dimensions
+            raise ValueError("hidden_size / num_heads (the head dimension) must be even: rotary embeddings "
+                             "rotate pairs of dimensions (an odd one passed here and failed every forward pass)")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         return self
@@ -229,7 +232,7 @@ class WeightSyncSpec(BaseModel):
     model_config = _STRICT
     transport: Literal["tcp", "ucx"] = "tcp"
     chunk_bytes: StrictInt = Field(1 << 20, ge=1024, le=1 << 30)
-    relays: bool = True
+    relays: StrictBool = True
     pull_timeout_s: StrictFloat = Field(30.0, gt=0.0, le=3600.0, description=(
         "Deadline of one pull attempt of a version by a replica; past it the attempt fails."))
     pull_attempts: StrictInt = Field(3, ge=1, le=100, description=(

@@ -124,6 +124,40 @@ def test_fault_member_by_index_and_by_id_still_work(target: ControllerTarget) ->
         assert resp.json()["member_id"] == expect
 
 
+def test_a_fault_on_a_member_that_ended_is_refused_and_nothing_is_logged(target: ControllerTarget) -> None:
+    """A member named by id that is no longer live (replaced, borrowed, ended) is refused naming
+    ``member``: accepted, its fault was logged injected and struck nothing (an outside review)."""
+    job = httpx.post(f"{target.base_url}/v1/jobs", json=SMALL_JOB, headers=target.headers,
+                     timeout=HTTP_TIMEOUT_S).json()
+    target.controller.jobs[job["job_id"]].members["rollout-0-i0"].state = "dead"  # as after its replacement
+    url = f"{target.base_url}/v1/jobs/{job['job_id']}/faults"
+    resp = httpx.post(url, headers=target.headers, json={"kind": "crash", "role": "rollout", "member": "rollout-0-i0"},
+                      timeout=HTTP_TIMEOUT_S)
+    assert resp.status_code == 422 and "member" in _fields(resp), resp.text
+    events = httpx.get(f"{url[:-len('/faults')]}/events", headers=target.headers, timeout=HTTP_TIMEOUT_S).json()
+    assert not [e for e in events if e["kind"] == "fault_injected"], events
+    _alive(target)
+
+
+def test_a_fault_the_launcher_cannot_carry_out_is_a_503_saying_so(
+        target: ControllerTarget, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher refuses the kill (a container engine away, a process that survives SIGKILL):
+    a 503 naming the fault as not carried out, not a 500 with a traceback."""
+    from robustrl.errors import LaunchError
+
+    job = httpx.post(f"{target.base_url}/v1/jobs", json=SMALL_JOB, headers=target.headers,
+                     timeout=HTTP_TIMEOUT_S).json()
+
+    def refuse(member_id: str, expected: bool = False) -> None:
+        raise LaunchError(f"cannot kill {member_id} (test)", member=member_id)
+
+    monkeypatch.setattr(target.launcher, "kill", refuse)
+    resp = httpx.post(f"{target.base_url}/v1/jobs/{job['job_id']}/faults", headers=target.headers,
+                      json={"kind": "crash", "role": "rollout", "member": 0}, timeout=HTTP_TIMEOUT_S)
+    assert resp.status_code == 503 and "not carried out" in resp.text and "cannot kill" in resp.text, resp.text
+    _alive(target)
+
+
 def test_a_crash_moment_is_for_a_rollout_crash_only(target: ControllerTarget) -> None:
     """``moment: mid_tool_turn`` arms a rollout replica; on any other fault it is refused with a
     clear error and nothing is injected."""

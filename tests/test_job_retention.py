@@ -143,6 +143,21 @@ def test_the_cli_refuses_a_bad_retention_in_a_yaml_spec_before_submitting(tmp_pa
     assert "retention.delete_after_s" in res.stdout.replace("\n", ""), res.stdout
 
 
+@pytest.mark.parametrize("line", ["name: !!binary aGVsbG8=", "name: 2026-12-06", "name: yaml\nseed: !!set {1}"])
+def test_the_cli_refuses_yaml_values_json_cannot_carry_before_submitting(tmp_path: Path, line: str) -> None:
+    """YAML bytes, dates and sets passed the CLI's own check (lax on ``str``) and then crashed it in
+    the HTTP client with a traceback (an outside review): now a clear error, exit 2."""
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(line + "\n")
+    run_dir = tmp_path / "stack"  # a stack file naming a port nothing listens on: the spec is sent
+    run_dir.mkdir()
+    (run_dir / "stack.json").write_text(json.dumps({"api_url": "http://127.0.0.1:9", "token": "t"}))
+    res = subprocess.run([sys.executable, "-m", "robustrl.cli", "submit", str(spec_file), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 2 and "JSON can carry" in res.stdout.replace("\n", ""), res
+    assert "Traceback" not in res.stderr + res.stdout, res.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerTarget]:
     with serve_controller(tmp_path_factory.mktemp("retention-api")) as t:

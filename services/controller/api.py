@@ -336,6 +336,8 @@ def create_app(controller: Controller, token: str) -> FastAPI:
             status = 409 if "is " in str(exc) and "job" in str(exc) else 422
             field = getattr(exc, "field", None)
             return error_response(status, str(exc), [FieldError(field=field, error=exc.message)] if field else ())
+        except LaunchError as exc:  # the launcher could not act on the member (the fault is logged injected)
+            return error_response(503, f"fault {req.fault_id} logged but not carried out: {exc}")
         return {"fault_id": req.fault_id, "member_id": member, "kind": req.kind}
 
     @app.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(auth)], response_model=None,

@@ -42,9 +42,10 @@ class ChaosInjector:
                 else [])
         pool = [m for m in pool if m.state not in ("dead", "exited", "stopped")]
         if isinstance(member, str) and not (member.isascii() and member.isdigit()):  # '²'.isdigit() is True
-            if member in job.members and job.members[member].role == role:
+            if any(m.member_id == member for m in pool):
                 return member
-            raise JobError(f"no {role} member {member!r} in job {job.job_id}", field="member")
+            # (one that ended, or an older incarnation: logged as injected, it struck nothing)
+            raise JobError(f"no live current {role} member {member!r} in job {job.job_id}", field="member")
         idx = int(member)
         match = [m for m in pool if m.index == idx]
         if not match:
