@@ -53,6 +53,21 @@ link). 64 KiB: a small overlap of one upload with the next, and at loopback rate
 per 64 KiB measured no slower than 256 KiB or none."""
 
 
+def close_socket(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Close ``sock`` once nothing of the loop waits on it: a read or write still registered for it
+    (another task's, or a cancelled one whose clean-up has not run yet) is unregistered first.
+    Closed under such a wait, its descriptor number went to the next socket the process opened,
+    which then failed to connect or was never woken, and the old wait's clean-up later
+    unregistered the new socket (an outside review: a pull failed 'unavailable' with a complete
+    source alive, after a frozen relay's subscription was closed under its waiting task)."""
+    with contextlib.suppress(OSError, ValueError, RuntimeError):
+        fd = sock.fileno()
+        if fd >= 0:
+            loop.remove_reader(fd)
+            loop.remove_writer(fd)
+    sock.close()
+
+
 def _tune(sock: socket.socket, notsent_lowat: int | None = None) -> None:
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -214,7 +229,7 @@ class TcpServer(TransportServer):
             return  # the puller went away or sent garbage; other connections keep serving
         finally:
             drop_task(ahead)
-            sock.close()
+            close_socket(loop, sock)
 
     async def _subscription(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, version: int,
                             msg: SubMessage) -> None:
@@ -306,7 +321,7 @@ class TcpClient(TransportClient):
         try:
             await within(loop.sock_connect(sock, (self._host, self._port)), timeout_s)
         except (OSError, TimeoutError, ValueError) as exc:  # ValueError: a host IDNA refuses (UnicodeError)
-            sock.close()
+            close_socket(loop, sock)
             raise TransportError("cannot connect to weight source", address=self.address) from exc
         self._sock = sock
 
@@ -412,5 +427,5 @@ class TcpClient(TransportClient):
 
     async def close(self) -> None:
         if self._sock is not None:
-            self._sock.close()
+            close_socket(asyncio.get_running_loop(), self._sock)  # (another task may still wait on it)
             self._sock = None
