@@ -124,6 +124,12 @@ def test_fault_member_by_index_and_by_id_still_work(target: ControllerTarget) ->
         assert resp.json()["member_id"] == expect
 
 
+def _no_fault_logged(target: ControllerTarget, faults_url: str) -> None:
+    """The job's log (through the API) holds no ``fault_injected``: nothing was carried out."""
+    events = httpx.get(f"{faults_url[:-len('/faults')]}/events", headers=target.headers, timeout=HTTP_TIMEOUT_S).json()
+    assert not [e for e in events if e["kind"] == "fault_injected"], events
+
+
 def test_a_fault_on_a_member_that_ended_is_refused_and_nothing_is_logged(target: ControllerTarget) -> None:
     """A member named by id that is no longer live (replaced, borrowed, ended) is refused naming
     ``member``: accepted, its fault was logged injected and struck nothing (an outside review)."""
@@ -134,8 +140,7 @@ def test_a_fault_on_a_member_that_ended_is_refused_and_nothing_is_logged(target:
     resp = httpx.post(url, headers=target.headers, json={"kind": "crash", "role": "rollout", "member": "rollout-0-i0"},
                       timeout=HTTP_TIMEOUT_S)
     assert resp.status_code == 422 and "member" in _fields(resp), resp.text
-    events = httpx.get(f"{url[:-len('/faults')]}/events", headers=target.headers, timeout=HTTP_TIMEOUT_S).json()
-    assert not [e for e in events if e["kind"] == "fault_injected"], events
+    _no_fault_logged(target, url)
     _alive(target)
 
 
@@ -172,8 +177,7 @@ def test_a_crash_moment_is_for_a_rollout_crash_only(target: ControllerTarget) ->
     resp = httpx.post(url, headers=target.headers, json={"kind": "crash", "role": "rollout", "moment": "later"},
                       timeout=HTTP_TIMEOUT_S)
     assert resp.status_code == 422 and "moment" in _fields(resp), resp.text
-    events = httpx.get(f"{url[:-len('/faults')]}/events", headers=target.headers, timeout=HTTP_TIMEOUT_S).json()
-    assert not [e for e in events if e["kind"] == "fault_injected"], events
+    _no_fault_logged(target, url)
     _alive(target)
 
 
