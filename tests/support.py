@@ -464,3 +464,18 @@ async def duplicate_window(nats_url: str, seconds: float) -> float:
         return before
     finally:
         await nc.close()
+
+
+@contextlib.contextmanager
+def stack_with_failpoints(tmp_path_factory: pytest.TempPathFactory, name: str, armed: str) -> Iterator[Any]:
+    """A stack of the module's own whose controller starts members with the member failpoints
+    ``armed`` (``robustrl.member.FAILPOINTS_ENV``, e.g. ``point@job_name/member_id``, comma-separated)."""
+    from robustrl.member import FAILPOINTS_ENV
+    from robustrl.stack import Stack
+
+    st = Stack(tmp_path_factory.mktemp(name), service_extra_env={"controller": {FAILPOINTS_ENV: armed}})
+    st.start()
+    try:
+        yield st
+    finally:
+        st.stop()

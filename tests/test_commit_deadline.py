@@ -21,11 +21,10 @@ from collections.abc import Iterator
 import pytest
 from jobs import kinds, small_job, wait_done
 from rm_harness import METRICS_S, Harness, rm_spec
-from support import audit_sampled, eventually_async, sample_batches
+from support import audit_sampled, eventually_async, sample_batches, stack_with_failpoints
 
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
-from robustrl.member import FAILPOINTS_ENV
 from robustrl.messages import MemberHello, MetricsSample
 from robustrl.stack import Stack
 from robustrl.subjects import Verb, subject
@@ -40,12 +39,8 @@ STEPS = {"cm": 4, "cl": 2}  # job name -> steps: step 1 mid-job, and step 1 the 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     armed = ",".join([*(f"batch_deaf@{name}/{DEAF}" for name in STEPS), f"publish_wedged@cw/{DEAF}"])
-    st = Stack(tmp_path_factory.mktemp("commit-deadline"), service_extra_env={"controller": {FAILPOINTS_ENV: armed}})
-    st.start()
-    try:
+    with stack_with_failpoints(tmp_path_factory, "commit-deadline", armed) as st:
         yield st
-    finally:
-        st.stop()
 
 
 @pytest.mark.parametrize("name", list(STEPS))

@@ -16,11 +16,10 @@ from collections.abc import Iterator
 import pytest
 import redis as redis_sync
 from jobs import kinds, small_job, wait_done
-from support import raw_job_record
+from support import raw_job_record, stack_with_failpoints
 
 from robustrl.checkpoint import Checkpointer
 from robustrl.client import ApiClient
-from robustrl.member import FAILPOINTS_ENV
 from robustrl.model.policy import weights_checksum
 from robustrl.stack import Stack
 from robustrl.storage.objects import open_object_store
@@ -34,12 +33,8 @@ NAME, STEPS = "slowfinal", 2
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     armed = f"final_upload_slow@{NAME}/trainer-e1-r0"
-    st = Stack(tmp_path_factory.mktemp("final-checkpoint"), service_extra_env={"controller": {FAILPOINTS_ENV: armed}})
-    st.start()
-    try:
+    with stack_with_failpoints(tmp_path_factory, "final-checkpoint", armed) as st:
         yield st
-    finally:
-        st.stop()
 
 
 def test_a_last_upload_slower_than_the_stop_grace_is_waited_for(stack: Stack) -> None:

@@ -19,11 +19,10 @@ from collections.abc import Iterator
 import psutil
 import pytest
 from jobs import kinds, small_job, wait_done, wait_step
-from support import audit_sampled, eventually, sample_batches
+from support import audit_sampled, eventually, sample_batches, stack_with_failpoints
 
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
-from robustrl.member import FAILPOINTS_ENV
 from robustrl.stack import Stack
 
 pytestmark = pytest.mark.timeout(240)
@@ -44,12 +43,8 @@ RELOST_RECOVERY_DEADLINE_S = 90.0
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     armed = ",".join([*(f"start_hang@sd/{m}" for m in HUNG), *(f"hello_lost@lost/{m}" for m in LOST),
                       f"hello_lost_first@relost/{RELOST}"])
-    st = Stack(tmp_path_factory.mktemp("start-deadline"), service_extra_env={"controller": {FAILPOINTS_ENV: armed}})
-    st.start()
-    try:
+    with stack_with_failpoints(tmp_path_factory, "start-deadline", armed) as st:
         yield st
-    finally:
-        st.stop()
 
 
 def test_members_hung_while_starting_no_longer_stall_the_job(stack: Stack) -> None:

@@ -26,14 +26,13 @@ from collections.abc import Iterator
 
 import pytest
 from jobs import kinds, small_job, wait_done
-from support import audit_sampled, sample_batches
+from support import audit_sampled, sample_batches, stack_with_failpoints
 
 from robustrl.services.trainer.lineage import RecordGate
 
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
 from robustrl.errors import StaleEpoch
-from robustrl.member import FAILPOINTS_ENV
 from robustrl.messages import Event
 from robustrl.stack import Stack
 from robustrl.storage.control_stores import OutboxEntry
@@ -75,12 +74,8 @@ async def test_the_commit_event_is_saved_with_the_training_record_and_fenced(red
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     armed = ",".join(f"{point}@{name}/{KILLED}" for name, point in POINTS.items())
-    st = Stack(tmp_path_factory.mktemp("trainer-outbox"), service_extra_env={"controller": {FAILPOINTS_ENV: armed}})
-    st.start()
-    try:
+    with stack_with_failpoints(tmp_path_factory, "trainer-outbox", armed) as st:
         yield st
-    finally:
-        st.stop()
 
 
 @pytest.mark.parametrize("name", list(POINTS))
