@@ -223,6 +223,12 @@ class Controller:
         # A standby keeps no fork server (ROBUSTRL_FORK_START): it imports once this one leads.
         await asyncio.to_thread(self.launcher.preload)
         gone = await self.restorer.restore()
+        # The jobs a previous leader left: only these are relaunched or resumed below. A job
+        # submitted to this controller once it leads (the reconcile below may take its whole 10 s
+        # bound) is started by its own submission: relaunched here too, its second start
+        # superseded the first in its first moments, a whole-job restart with no fault (seen in
+        # the failover test under load; the "unknown trigger" of earlier sessions).
+        restored = set(self.jobs)
         # What previous leaders left owed to the jobs' logs (ended jobs too: a final event JetStream
         # had not stored) is appended now, oldest first, before anything this leader gives.
         self.spawn(self.events.resume(list(self.jobs)))
@@ -237,7 +243,7 @@ class Controller:
         await self.inbox.start()
         for info in gone:  # members that ended while no controller watched: crashes, handled now
             await self.supervisor.on_exit(info)
-        for job in list(self.jobs.values()):  # rollout slots a previous leader still owed
+        for job in [j for j in list(self.jobs.values()) if j.job_id in restored]:  # slots a previous leader owed
             if not job.done:
                 self.recovery.resume_restock(job)
                 self.recovery.resume_rechecks(job)
