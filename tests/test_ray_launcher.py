@@ -147,7 +147,10 @@ def test_gangs_replicas_and_labels_are_placed_across_nodes(cluster: LocalRayClus
         assert pid
         ray.kill(ray.get_actor("rr-place:j--rollout-0-i0", namespace="robustrl"), no_restart=True)
         exits = eventually(launcher.poll, timeout=15, what="killed actor reported")
-        assert [(e.member_id, e.returncode, e.expected) for e in exits] == [("j--rollout-0-i0", None, False)]
+        # (its code: None when the actor's death is seen first, -9 when its member's SIGKILL is:
+        # which comes first is the cluster's timing; a full run saw -9 once)
+        assert [(e.member_id, e.expected) for e in exits] == [("j--rollout-0-i0", False)], exits
+        assert exits[0].returncode in (None, -signal.SIGKILL), exits
         eventually(lambda: ended(pid), timeout=10, what="member of the killed actor gone")
         # kill / stop map onto the member process; each exit reported once with its code.
         launcher.kill("j--rollout-1-i0", expected=True)
