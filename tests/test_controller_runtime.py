@@ -2204,7 +2204,9 @@ async def test_a_request_manager_lost_for_good_is_still_waited_for_after_a_whole
     with the reason: judged from the raw record and the log."""
     from support import raw_job_record
 
-    c = await rig.controller()
+    # (two attempts at each command to the request manager, not ten: each unanswered one spans
+    # 2 s, and the restart, its resume and the failed job's stop wait them all out)
+    c = await rig.controller(rm_ack_attempts=2)
     await c.wait_leading(10)
     job_spec = spec("rmgone").model_copy(update={"recovery": spec("rmgone").recovery.model_copy(
         update={"deadline_s": 5.0, "max_restarts": 1})})
