@@ -234,13 +234,38 @@ async def test_view_of_the_real_runtime_sees_a_lost_request_manager_and_resumes_
     rig.rm.alive = True  # restarted by its supervisor: it acknowledges the resume
     await eventually_async(lambda: not job.recoveries and job_view(job).control_plane_ok, timeout=10,
                            what="request manager resumed")
-    events = await rig.events(job.job_id)
+    events = await eventually_async(lambda: _recovered_kinds(rig, job.job_id, {"service"}), timeout=10,
+                                    what="the service recovery's event in the log")
     recovered = of_kind(events, "recovered")
     assert [r["kind"] for r in recovered] == ["service"]
     # no member restarted, and every member process is the one started first
     assert len(of_kind(events, "member_started")) == 4
     assert {m.member_id: m.pid for m in job.members.values()} == pids
     assert all(alive(p) for p in pids.values() if p)
+
+
+def _ignores_handoff(pid: int | None) -> bool:
+    """Whether the process ``pid`` ignores the hand-off signal yet (/proc's SigIgn mask): the
+    stand-in ``handoff_idle_member`` says so first thing, and one signalled before it did died of
+    it, which a real member, handed over long after its hello, never is. (The tests fake the
+    hellos at once: a hand-off racing the stand-in's start failed them.)"""
+    from robustrl.launcher.spare import HANDOFF_SIGNAL
+
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    except (OSError, StopIteration, ValueError):
+        return False
+    return bool(mask >> (int(HANDOFF_SIGNAL) - 1) & 1)
+
+
+async def _recovered_kinds(rig: Rig, job_id: str, kinds: set[str]) -> list[object] | None:
+    """The job's log once its ``recovered`` events are of exactly ``kinds`` (a recovery leaves
+    ``job.recoveries`` before its event is written: waiting on the list alone raced the log)."""
+    events = await rig.events(job_id)
+    return events if {r["kind"] for r in of_kind(events, "recovered")} == kinds else None
 
 
 async def _with_decision(rig: Rig, job_id: str, action: str) -> list[object] | None:
@@ -2126,6 +2151,8 @@ async def test_a_rank_kept_in_place_just_before_its_leader_died_is_not_left_to_r
     await rig.hello_all(a, job.job_id)
     await rig.commit(job.job_id, 0)
     await eventually_async(lambda: job.committed_step == 0, what="commit seen")
+    await eventually_async(lambda: all(_ignores_handoff(m.pid) for m in job.live("trainer")), timeout=20,
+                           what="the stand-in ranks ready for a hand-off")
     handed, gate = threading.Event(), threading.Event()
     real_relabel = a.launcher.relabel
 
@@ -2288,8 +2315,10 @@ async def test_a_request_managers_own_recovery_keeps_a_whole_job_restart_that_wa
     assert [r.fault_id for r in job.recoveries if r.kind == "whole_job"] == ["whole-1"]
     rig.rm.alive = True
     await eventually_async(lambda: not job.recoveries, timeout=15, what="both recoveries ended")
-    recovered = of_kind(await rig.events(job.job_id), "recovered")
-    assert {r["kind"] for r in recovered} == {"whole_job", "service"}, recovered
+    events = await eventually_async(lambda: _recovered_kinds(rig, job.job_id, {"whole_job", "service"}),
+                                    timeout=10, what="both recoveries' events in the log")
+    recovered = of_kind(events, "recovered")
+    assert sorted(r["fault_id"] for r in recovered if r["kind"] == "whole_job") == ["whole-1"], recovered
 
 
 async def test_a_whole_job_restart_waiting_for_a_request_manager_ends_under_a_new_leader(rig: Rig) -> None:
@@ -2740,6 +2769,8 @@ async def test_a_borrowed_replica_gone_before_its_hand_off_is_replaced_by_a_cold
         real_relabel(member_id, member)
 
     monkeypatch.setattr(c.launcher, "relabel", relabel)
+    await eventually_async(lambda: all(_ignores_handoff(m.pid) for m in job.live()), timeout=20,
+                           what="the stand-in members ready for a hand-off")
     os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
 
     async def recovered() -> list[dict[str, object]]:
@@ -2914,3 +2945,88 @@ async def test_a_job_submitted_while_the_takeover_reads_the_log_is_started_once(
         await asyncio.sleep(0.2)  # sampling a window in which a second start must not come
     assert job.epoch == 1 and sorted(m.member_id for m in job.live()) == [
         "rollout-0-i0", "rollout-1-i0", "trainer-e1-r0", "trainer-e1-r1"], job.live()
+
+
+def _kill_many_fails(c: Controller, monkeypatch: pytest.MonkeyPatch, times: int = 1) -> list[list[str]]:
+    """The controller's launcher refuses its first ``times`` ``kill_many`` (a launcher error
+    before a restart stopped anything); the calls refused are returned."""
+    real, refused = c.launcher.kill_many, []
+
+    def once(ids: list[str], *args: Any, **kw: Any) -> Any:
+        if len(refused) < times:
+            refused.append(list(ids))
+            raise LaunchError("the launcher is away (test)")
+        return real(ids, *args, **kw)
+
+    monkeypatch.setattr(c.launcher, "kill_many", once)
+    return refused
+
+
+async def test_a_whole_job_restart_failed_before_it_stopped_anything_is_carried_out_by_the_next_leader(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-job restart whose first try fails before it stopped anything is repeated after a
+    back-off by a task of the controller's; the controller dies meanwhile. The restart was in
+    that task's memory only: the new leader restored a job with no recovery, the fault handled
+    for good, and the job hung with its trainer dead (an outside review). Now the restart is in
+    the job's record as a recovery whose start did not finish, and the new leader carries it
+    out. Judged from the raw record and the log."""
+    from robustrl.services.controller import recovery as recovery_mod
+
+    monkeypatch.setattr(recovery_mod, "REPEAT_BACKOFF_S", 60.0)  # the repeat never comes from this leader
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec("wjlost"))
+    await rig.hello_all(a, job.job_id)
+    refused = _kill_many_fails(a, monkeypatch)
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]  (no commit yet: whole job)
+    await eventually_async(lambda: refused, timeout=20, what="the whole-job restart's first try")
+
+    async def saved_with_its_recovery() -> bool:
+        record = raw_job_record(rig.settings.redis_url, job.job_id)
+        return any(r["kind"] == "whole_job" for r in record["recoveries"]) and await rig.redis.sismember(
+            Keys.faults_handled(job.job_id), "exit-trainer-e1-r0")
+
+    await eventually_async(saved_with_its_recovery, timeout=15, what="the failed restart's recovery in the record")
+    await a.close(stop_members=False)
+
+    b = await rig.controller()
+    await b.wait_leading(10)
+    restored = await eventually_async(lambda: b.jobs.get(job.job_id), timeout=15, what="the job restored")
+
+    async def recovered() -> bool:
+        await rig.members_start_fine(restored)
+        return any(d["kind"] == "whole_job" for d in of_kind(await rig.events(job.job_id), "recovered"))
+
+    await eventually_async(recovered, timeout=40, interval=0.3, what="the whole-job restart carried out by b")
+    live = {m.member_id for m in restored.live()}
+    assert {"trainer-e2-r0", "trainer-e2-r1"} <= live and "trainer-e1-r0" not in live, live
+    assert not of_kind(await rig.events(job.job_id), "job_failed")
+
+
+async def test_a_whole_job_restart_backing_off_is_not_dropped_for_a_replica_replaced_meanwhile(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer gang restart fails before it stopped anything, and so does the whole-job restart
+    it escalates to, which backs off; a replica dies meanwhile. The repeat took any restart
+    since (the replica's replacement) for a newer whole-job restart and was dropped: nothing
+    restarted the job, the broken gang was left as it was, and no recovery deadline was left to
+    end it (an outside review). Judged from the log: a whole-job restart's ``recovered`` event."""
+    from robustrl.services.controller import recovery as recovery_mod
+
+    monkeypatch.setattr(recovery_mod, "REPEAT_BACKOFF_S", 6.0)  # room for the replica's fault first
+    c, job = await leading_job_at_step_0(rig, "wjreplica")
+    refused = _kill_many_fails(c, monkeypatch, times=2)
+    os.killpg(job.members["trainer-e1-r0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    await eventually_async(lambda: len(refused) == 2, timeout=20,
+                           what="the gang restart and the whole-job restart it escalated to refused")
+    restarts = job.restarts_total
+    os.killpg(job.members["rollout-0-i0"].pid, signal.SIGKILL)  # type: ignore[arg-type]
+    await eventually_async(lambda: _with_decision_for(rig, job.job_id, "exit-rollout-0-i0"), timeout=15,
+                           what="the replica's fault decided")
+
+    async def recovered() -> bool:
+        await rig.members_start_fine(job)
+        return any(d["kind"] == "whole_job" for d in of_kind(await rig.events(job.job_id), "recovered"))
+
+    await eventually_async(recovered, timeout=40, interval=0.3, what="the whole-job restart carried out")
+    assert job.restarts_total > restarts
+    assert {"trainer-e2-r0", "trainer-e2-r1"} <= {m.member_id for m in job.live()}

@@ -10,13 +10,14 @@ object store, the gang's fenced record in Redis, the job's record and its event 
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 
 import pytest
 import redis as redis_sync
 from jobs import kinds, small_job, wait_done
-from support import raw_job_record, stack_with_failpoints
+from support import eventually, raw_job_record, stack_with_failpoints
 
 from robustrl.checkpoint import Checkpointer
 from robustrl.client import ApiClient
@@ -28,11 +29,12 @@ from robustrl.storage.redis_stores import Keys
 pytestmark = pytest.mark.timeout(240)
 
 NAME, STEPS = "slowfinal", 2
+KILLED, KILLED_STEPS = "slowfinalkill", 3
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    armed = f"final_upload_slow@{NAME}/trainer-e1-r0"
+    armed = f"final_upload_slow@{NAME}/trainer-e1-r0,final_upload_slow@{KILLED}/trainer-e1-r0"
     with stack_with_failpoints(tmp_path_factory, "final-checkpoint", armed) as st:
         yield st
 
@@ -60,3 +62,30 @@ def test_a_last_upload_slower_than_the_stop_grace_is_waited_for(stack: Stack) ->
     ranks = [d for d in kinds(events, "member_exited") if d["member_id"] == "trainer-e1-r0"]
     assert ranks and all(d["expected"] and d["returncode"] != -signal.SIGKILL for d in ranks), ranks
     assert not [d for d in kinds(events, "note") if "not durable" in str(d.get("text"))]
+
+
+def test_a_rank_lost_during_the_last_upload_is_recovered_and_the_last_step_made_durable(stack: Stack) -> None:
+    """Every step committed, the last one's upload under way (held): its rank is killed. The
+    members were marked stopped as soon as the last step was committed, so the loss was an
+    expected exit: no fault, the job ended ``finished`` with its last step durable nowhere (an
+    outside review). Now the job's members run until the last step is durable: the loss is a
+    trainer fault, the new gang trains the last step again, and its checkpoint is the job's."""
+    api = ApiClient(stack.api_url, stack.settings.api_token)
+    spec = small_job(KILLED, steps=KILLED_STEPS, rollout={"replicas": 1}, trainer={"workers": 1})
+    jid = api.submit(spec)["job_id"]
+    eventually(lambda: any(d["step"] == KILLED_STEPS - 1 for d in kinds(api.events(jid), "step_committed")),
+               timeout=150, interval=0.1, what="the last step committed")
+    [rank] = [m for m in api.job(jid)["members"] if m["member_id"] == "trainer-e1-r0"]
+    os.kill(rank["pid"], signal.SIGKILL)  # its last manifest is held back 25 s: not durable yet
+    wait_done(api, jid, timeout=200)
+    events = api.events(jid)
+    assert [f for f in kinds(events, "fault_detected") if f["member_id"] == "trainer-e1-r0"], \
+        kinds(events, "fault_detected")
+    assert [r for r in kinds(events, "recovered") if r["kind"] in ("trainer", "whole_job")], kinds(events, "recovered")
+    state = Checkpointer(open_object_store(stack.settings), f"jobs/{jid}/checkpoints").load_latest()
+    assert state is not None and state.step == KILLED_STEPS - 1, None if state is None else state.step
+    last = [d for d in kinds(events, "step_committed") if d["step"] == KILLED_STEPS - 1]
+    assert weights_checksum(state.model_state) == last[-1]["checksum"], last
+    assert raw_job_record(stack.settings.redis_url, jid)["durable_step"] == KILLED_STEPS - 1
+    [finished] = kinds(events, "job_finished")
+    assert finished["durable_step"] == KILLED_STEPS - 1, finished

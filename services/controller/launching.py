@@ -258,6 +258,7 @@ class MemberStarter:
                     log.warning("job %s: rank %d not taken over from %s: %s; starting %s",
                                 job.job_id, rank, old, exc, mid)
                     # Whatever is left of it must not run on untracked (it is 'dead' to every stop).
+                    await self._check_leading(job, mid)  # (the relabel may have taken a while)
                     await asyncio.to_thread(self.launcher.kill, lid(job, old), True)
                     if rank == 0:  # the rendezvous was to be on its node: choose it anew
                         master, port = await rendezvous()

@@ -75,9 +75,8 @@ RESUME_RETRY_FLOOR_S = 30.0
 REPEAT_BACKOFF_S = 1.0
 """A recovery action that failed outright and is decided again (a whole-job restart whose start
 raised: Redis or NATS away, a launcher error) is carried out again this much later, in a task off
-the recovery lock, the wait doubled per repeat up to ``REPEAT_BACKOFF_MAX_S``; ``max_restarts``
-bounds the repeats (and, for a failure before the restart was counted, the number of repeats
-itself)."""
+the recovery lock, the wait doubled per repeat up to ``REPEAT_BACKOFF_MAX_S``, until the
+restart's recovery passes its deadline (``recovery.deadline_s``), whose escalation takes over."""
 REPEAT_BACKOFF_MAX_S = 10.0
 
 
@@ -217,7 +216,15 @@ class RecoveryExecutor:
                 await self.c.event(job, "decision", {"fault_id": fault.fault_id, "actions": decision.names(),
                                                      "reason": decision.reason})
                 if any(type(a) is type(action) for a in decision.actions):
-                    if repeats >= job.spec.recovery.max_restarts:  # (also bounds one that failed uncounted)
+                    whole = self._whole_job_recovery(job, fault.fault_id)
+                    if whole is not None and time.monotonic() - whole.clock_start >= job.spec.recovery.deadline_s:
+                        # Repeated until its recovery's deadline (a count of repeats failed a job
+                        # with restarts left on a Redis outage of a few seconds: an outside
+                        # review); that deadline's escalation (``check_deadlines``) takes over.
+                        log.warning("job %s: %s not repeated: its recovery is past its deadline", job.job_id,
+                                    action_name(action))
+                        return
+                    if whole is None and repeats >= job.spec.recovery.max_restarts:
                         await self.c.stop_job(job.job_id, "failed", decision.reason)
                         return
                     # Off the recovery lock, which every job's faults and the supervision share:
@@ -230,22 +237,55 @@ class RecoveryExecutor:
 
     async def _repeat_later(self, job: JobRun, fault: FaultReport, actions: list[Action], repeats: int) -> None:
         """``execute_all``'s repeat of a failed action, after its back-off, under the lock again.
-        Not carried out when the job ended, this controller stopped leading, or another restart
-        (a recovery's deadline, another fault) came first: it supersedes this one. The job keeps
-        the failed attempt's recovery meanwhile, whose deadline (also for a new leader, from the
-        record) is the net under a repeat lost with this controller."""
+        Not carried out when the job ended, this controller no longer holds the newest lease term,
+        or another restart came first: for a whole-job restart, its recovery (made before its
+        first step, ``_whole_job_recovery``) is gone from the job, replaced by a newer whole-job
+        restart's; for another action, any restart since. That recovery is in the job's record:
+        a new leader restarts it (``resume_interrupted``), and its deadline is the net under a
+        repeat lost here. (Judged by the count of restarts, a replica replaced meanwhile dropped
+        the repeat for good: an outside review.)"""
+        whole = self._whole_job_recovery(job, fault.fault_id)
         restarts = job.restarts_total
         await asyncio.sleep(min(REPEAT_BACKOFF_MAX_S, REPEAT_BACKOFF_S * 2 ** (repeats - 1)))
         async with self.lock:
-            if job.done or not self.c.leading or job.restarts_total != restarts:
+            superseded = whole not in job.recoveries if whole is not None else job.restarts_total != restarts
+            if job.done or not self.c.leading or superseded:
                 log.info("job %s: repeat %d of %s not carried out (ended, not leading, or superseded)",
                          job.job_id, repeats, [action_name(a) for a in actions])
                 return
-            await self.execute_all(job, fault, actions, repeats)  # (each kill in it is fenced)
-            await self.c.persist(job)
+            try:
+                if not await self.c.leads():
+                    # Frozen past its lease: the restart's restart_step would clear the step of the
+                    # request manager the new leader runs (it takes any token not older than the
+                    # newest it has seen). The recovery in the record is that leader's.
+                    log.warning("job %s: repeat of %s left to the leader of a newer lease term", job.job_id,
+                                [action_name(a) for a in actions])
+                    return
+                await self.execute_all(job, fault, actions, repeats)  # (each kill in it is fenced)
+                await self.c.persist(job)
+            except LeaseLost as exc:
+                log.warning("job %s: repeat of %s left to the new leader: %s", job.job_id,
+                            [action_name(a) for a in actions], exc)
+            except Exception:  # (the escalation's own event or stop failed: Redis or NATS still away)
+                log.exception("job %s: repeat %d of %s failed: carried out again", job.job_id, repeats,
+                              [action_name(a) for a in actions])
+                self.c.spawn(self._repeat_later(job, fault, actions, repeats + 1))
+
+    @staticmethod
+    def _whole_job_recovery(job: JobRun, fault_id: str) -> ActiveRecovery | None:
+        """The whole-job restart recovery of ``fault_id`` whose start has not finished (it waits
+        for nothing yet), if the job has one."""
+        return next((r for r in job.recoveries
+                     if r.kind == "whole_job" and r.fault_id == fault_id and not r.waiting_for), None)
 
     async def execute(self, job: JobRun, fault: FaultReport, action: Action) -> None:
         """Carry out one action (recorded in the event log first)."""
+        if isinstance(action, RestartWholeJob) and self._whole_job_recovery(job, fault.fault_id) is None:
+            # Before any await: a restart that fails from here on is in the job (and, once saved,
+            # in its record) as a recovery whose start has not finished (``interrupted``), for its
+            # repeat, its deadline and a new leader (kept only in a task's memory, a repeat lost
+            # with its controller hung the job: an outside review). Counted once it kills.
+            self._begin(job, fault, "whole_job", set(), counted=False)
         await self.c.event(job, "action", {"fault_id": fault.fault_id, "action": action_name(action),
                                            "member_id": getattr(action, "member_id", None)})
         match action:
@@ -270,8 +310,9 @@ class RecoveryExecutor:
             case ReportOnly() | Ignore():
                 pass  # recorded in the event log; nothing to carry out
 
-    def _begin(self, job: JobRun, fault: FaultReport, kind: str, replacing: set[str]) -> ActiveRecovery:
-        if kind != "service":
+    def _begin(self, job: JobRun, fault: FaultReport, kind: str, replacing: set[str],
+               counted: bool = True) -> ActiveRecovery:
+        if kind != "service" and counted:
             job.restarts_total += 1
         key = (fault.role, job.step)
         job.failures_by_step[key] = job.failures_by_step.get(key, 0) + 1
@@ -312,11 +353,14 @@ class RecoveryExecutor:
         drained = dict(borrowed)  # (a replica gone before its hand-off leaves ``borrowed``: still owed)
         try:
             new = await self.c.starter.start_gang(job, borrowed, kept)  # drops a kept rank it started anew
+        except LeaseLost:
+            raise  # (what it drained and kept is the new leader's, which adopts it: nothing killed here)
         except BaseException:
             # A drained replica (or a kept rank) is 'dead' to every later stop (whole-job restart,
             # stop_job, adopt): one the gang start never switched would run on untracked. Those
             # switched already run under their trainer ids and are gone from these launcher ids
-            # (kill is a no-op).
+            # (kill is a no-op). Fenced: a newer leader may have adopted them meanwhile.
+            await self.c._still_leading(job, "killing what a failed gang start drained")
             await asyncio.to_thread(self.c.launcher.kill_many,
                                     [lid(job, mid) for mid in [*drained.values(), *kept.values()]], True)
             raise
@@ -355,6 +399,7 @@ class RecoveryExecutor:
         # it as of any dead replica: resume's replicas_dead, turn deadlines) and its rank starts.
         unheard = [r for r, ok in zip(taken, acked, strict=True) if not ok]
         if unheard:
+            await self.c._still_leading(job, "killing the borrowed replicas the request manager did not hear")
             await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, taken[r]) for r in unheard], True)
             await self.owe(job, {job.members[taken[r]].index: job.members[taken[r]].epoch for r in unheard})
         return {r: mid for r, mid in taken.items() if r not in unheard}
@@ -568,6 +613,10 @@ class RecoveryExecutor:
     async def _restart_whole_job(self, job: JobRun, fault: FaultReport) -> None:
         """ByteRobust-style in-place restart: stop every role, restart all in parallel from the
         last checkpoint, regenerate the current step from scratch."""
+        # Fenced before the request manager's restart_step too: it takes any token not older than
+        # the newest it has seen, and from a leader deposed before the new one's first command it
+        # cleared the step's episodes under the job the new leader runs (an outside review).
+        await self.c._still_leading(job, "restarting the request manager's step for a whole-job restart")
         await self.c.control_rm(job, "restart_step", {"fault_id": fault.fault_id})
         ids = [m.member_id for m in job.live() if m.role in ("trainer", "rollout")]
         # Fenced after the request manager's answer, which may have taken its whole bound (20 s):
@@ -577,10 +626,14 @@ class RecoveryExecutor:
         await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, i) for i in ids], True)
         for mid in ids:
             job.members[mid].state = "dead"
-        job.recoveries.clear()  # a whole-job restart supersedes any local recovery in progress
+        rec = self._whole_job_recovery(job, fault.fault_id)  # (``execute`` made it)
+        if rec is None:  # (superseded while the request manager answered: begun again)
+            rec = self._begin(job, fault, "whole_job", set(), counted=False)
+        job.restarts_total += 1
+        job.recoveries[:] = [rec]  # a whole-job restart supersedes any local recovery in progress
+        rec.replacing = set(ids)
         job.gang_starts.clear()  # superseded: start_all starts a new incarnation of every slot
         job.restock_owed.clear()
-        rec = self._begin(job, fault, "whole_job", set(ids))
         gang, replicas = await self.c.starter.start_all(job)
         # A request manager still lost (its own recovery, superseded here, escalated to this) is
         # waited for too: else nothing watched it again (``watch_services`` skips a lost role) and

@@ -15,7 +15,6 @@ still running, treats the ones that are gone as crashed, and restarts no healthy
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -74,13 +73,19 @@ RM_ACK_ATTEMPTS = 10
 """Attempts of a command to the request manager, each ``RM_ACK_TIMEOUT_S`` (they span its
 restart); ``ROBUSTRL_RM_ACK_ATTEMPTS`` overrides."""
 FINISH_GRACE_S = 15.0
-"""A finished job's members other than the trainer: their stop grace."""
-FINISH_TRAINER_GRACE_S = 450.0
-"""A finished job's trainer ranks exit once their last checkpoint upload is done: they get as long
-as a rank waits for it (``checkpoint.UPLOAD_WAIT_S`` 300 s + ``SHARD_WAIT_S`` 120 s, not imported:
-the controller does not import torch) before they are killed. With the others' 15 s, a final
-upload slower than that was killed, and the job ended ``finished`` with its last step's model
-durable nowhere (an outside review). A rank exits as soon as its upload is done."""
+"""A finished job's members: their stop grace (the last checkpoint is durable by then: see
+``FINISH_DURABLE_WAIT_S``)."""
+FINISH_DURABLE_WAIT_S = 420.0
+"""How long a job whose every step is committed waits, its members live, for the last step's
+checkpoint to be durable (the gang's fenced record), before it is stopped all the same (noted in
+its log): as long as a rank waits for its upload (``checkpoint.UPLOAD_WAIT_S`` 300 s +
+``SHARD_WAIT_S`` 120 s, not imported: the controller does not import torch). Time spent in a
+trainer recovery meanwhile is not counted. The members are not stopped before: a rank lost
+during the upload is then a trainer fault, recovered, and the steps not durable are trained
+again (an outside review: marked stopped first, the rank's loss was an expected exit and the job
+ended ``finished`` with its last steps' model nowhere)."""
+FINISH_POLL_S = 0.5
+"""Period of that wait's read of the gang's durable step."""
 FINAL_EVENT = {"finished": "job_finished", "failed": "job_failed"}
 PROGRESS_CHECK_S = 2.0
 """Period of the leader's check of each job's durable trained log against the commits it heard."""
@@ -138,11 +143,8 @@ class Controller:
         self.inbox = FaultInbox(bus, self._inbox_fault)
         self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._finish_stops = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="finish-stop")
-        """The stops of finished jobs' trainer ranks, which may wait out a slow last upload (up to
-        ``FINISH_TRAINER_GRACE_S``): in the loop's default executor (6 threads on 2 cores) a few
-        such stops held every thread, and every launcher call of the running jobs (polls, kills,
-        starts) waited behind them (an outside review)."""
+        self._finishing: set[str] = set()
+        """Jobs whose every step is committed, waiting for the last one to be durable (``_finish``)."""
         self._persist_locks: dict[str, asyncio.Lock] = {}
         self._stopping: dict[str, dict[str, Any]] = {}
         """Stops under way (``stop_job``), by job: the members they stop, whether the final event is
@@ -328,7 +330,6 @@ class Controller:
         if left:
             log.error("controller %s: tasks still running after cancellation: %s", self.owner, left)
         await self.events.close()  # (what is still owed stays in Redis, for the next leader)
-        self._finish_stops.shutdown(wait=False, cancel_futures=True)  # (a stop under way ends by its grace)
         if was_leading or not self.lost_leadership.is_set():  # (one still taking over holds it too)
             await self.lease.release()  # only if it still names this controller
 
@@ -469,8 +470,7 @@ class Controller:
 
     def finish_if_trained(self, job: JobRun) -> None:
         """Every step committed while no controller was listening: end the job now."""
-        if not job.done and job.committed_step >= job.spec.steps - 1:
-            self.spawn(self.stop_job(job.job_id, "finished"))
+        self._finish_if_done(job)
 
     # --- jobs -------------------------------------------------------------------------------
 
@@ -770,13 +770,7 @@ class Controller:
         for m in job.live():
             m.state = "stopped"
         if status == "finished":
-            ranks = {i for i in stop["ids"] if (m := job.members.get(i)) is not None and m.role == "trainer"}
-            await asyncio.gather(
-                asyncio.get_running_loop().run_in_executor(
-                    self._finish_stops, self.launcher.stop_many, [lid(job, i) for i in stop["ids"] if i in ranks],
-                    FINISH_TRAINER_GRACE_S),
-                asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"] if i not in ranks],
-                                  FINISH_GRACE_S))
+            await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"]], FINISH_GRACE_S)
             await self._final_durable(job)
         else:
             await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"]], 3.0)
@@ -801,17 +795,25 @@ class Controller:
         stop["ended"].set()  # (a deletion waiting for the final record: ``JobDeleter``)
         return job
 
+    async def _durable_now(self, job: JobRun) -> int:
+        """The job's newest durable checkpoint, from the gang's fenced record (written after the
+        manifest), also kept in the job's record. The last step's upload ends after its commit
+        was announced (which named the step before): only this read tells of it.
+
+        Raises:
+            TransportError: Redis failed.
+        """
+        job.durable_step = max(job.durable_step, (await read_gang(self.redis, job.job_id)).durable)
+        return job.durable_step
+
     async def _final_durable(self, job: JobRun) -> None:
-        """Once a finished job's trainer ranks exited: its newest durable checkpoint, from the
-        gang's fenced record (written after the manifest). The last step's upload ends after its
-        commit was announced (which named the step before), so only this read tells the job's
-        record that the last step is durable; one that is not is logged and noted in the log."""
+        """Once a finished job's members exited: its newest durable checkpoint (``_durable_now``);
+        one that is not the last step's is logged and noted in the log."""
         try:
-            durable = (await read_gang(self.redis, job.job_id)).durable
+            await self._durable_now(job)
         except Exception as exc:  # Redis away: the record keeps what the commits said
             log.warning("job %s: newest durable checkpoint not read at its end: %s", job.job_id, exc)
             return
-        job.durable_step = max(job.durable_step, durable)
         if job.durable_step < job.spec.steps - 1:
             text = (f"the last step's checkpoint is not durable: the newest durable checkpoint is of step "
                     f"{job.durable_step} (steps {job.spec.steps})")
@@ -1059,10 +1061,42 @@ class Controller:
         self._finish_if_done(job)
 
     def _finish_if_done(self, job: Any) -> None:
-        if job.committed_step >= job.spec.steps - 1 and not job.done:
-            # Stopping waits for members to exit (the trainer finishes its last upload): do it
-            # in a task, so this subscription keeps delivering other jobs' commits meanwhile.
-            self.spawn(self.stop_job(job.job_id, "finished"))
+        if job.committed_step >= job.spec.steps - 1 and not job.done and job.job_id not in self._finishing:
+            # In a task: this subscription keeps delivering other jobs' commits meanwhile.
+            self._finishing.add(job.job_id)
+            self.spawn(self._finish(job))
+
+    async def _finish(self, job: JobRun) -> None:
+        """Every step of ``job`` is committed: once the last one is durable too, stop it as
+        ``finished``. Until then its members run as before (``FINISH_DURABLE_WAIT_S``): a trainer
+        rank lost now is a fault, and its recovery trains the steps not durable again. Left to
+        the recovery's commits (they call this again) if one moves the committed step back, and
+        to the next leader if this controller stops leading."""
+        try:
+            counted = 0.0
+            while not job.done and self.leading and job.committed_step >= job.spec.steps - 1:
+                if any(r.kind in ("trainer", "whole_job") for r in job.recoveries):
+                    await asyncio.sleep(FINISH_POLL_S)  # (its time not counted: the recovery has its deadline)
+                    continue
+                ranks = [m for m in job.members.values() if m.role == "trainer" and job.is_current(m.member_id)]
+                if ranks and all(m.state == "stopped" for m in ranks):
+                    break  # (a previous leader's stop began: no rank of this gang uploads any more)
+                try:
+                    if await self._durable_now(job) >= job.spec.steps - 1:
+                        break
+                except TransportError as exc:  # Redis away: read again at the next poll
+                    log.warning("job %s: its durable step not read while it finishes: %s", job.job_id, exc)
+                if counted >= FINISH_DURABLE_WAIT_S:
+                    log.error("job %s: its last step not durable after %.0f s: it is stopped all the same",
+                              job.job_id, counted)
+                    break
+                await asyncio.sleep(FINISH_POLL_S)
+                counted += FINISH_POLL_S
+            else:
+                return
+        finally:
+            self._finishing.discard(job.job_id)
+        await self.stop_job(job.job_id, "finished")
 
 
 def _outbox_entry(raw: bytes) -> OutboxEntry | None:
