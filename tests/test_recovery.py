@@ -23,7 +23,7 @@ def _faults(events):
 
 
 def test_trainer_worker_crash_restarts_only_the_trainer(api, infra):
-    jid = api.submit(small_job("tcrash", steps=12))["job_id"]
+    jid = api.submit(small_job("tcrash", steps=8))["job_id"]
     sampler = sample_batches(infra.redis_url, jid)
     wait_step(api, jid, 1)
     api.fault(jid, kind="crash", role="trainer", member=1)
@@ -45,7 +45,7 @@ def test_trainer_worker_crash_restarts_only_the_trainer(api, infra):
 
 
 def test_trainer_hang_is_detected_by_silence_and_recovered(api, infra):
-    jid = api.submit(small_job("thang", steps=12))["job_id"]
+    jid = api.submit(small_job("thang", steps=8))["job_id"]
     sampler = sample_batches(infra.redis_url, jid)
     wait_step(api, jid, 1)
     api.fault(jid, kind="hang", role="trainer", member=0)
@@ -63,7 +63,7 @@ def test_trainer_hang_is_detected_by_silence_and_recovered(api, infra):
 
 
 def test_trainer_stall_in_training_phase_is_a_hang(api, infra):
-    jid = api.submit(small_job("tstall", steps=12))["job_id"]
+    jid = api.submit(small_job("tstall", steps=8))["job_id"]
     sampler = sample_batches(infra.redis_url, jid)
     wait_step(api, jid, 1)
     # The stall takes effect at the next forward pass, i.e. inside the training phase.
@@ -160,7 +160,7 @@ def test_fault_in_first_step_escalates_to_whole_job_restart(api, infra):
 
 
 def test_whole_job_policy_restarts_everything_and_regenerates_the_step(api, infra):
-    jid = api.submit(small_job("whole", steps=12, recovery={"policy": "whole_job"}))["job_id"]
+    jid = api.submit(small_job("whole", steps=8, recovery={"policy": "whole_job"}))["job_id"]
     sampler = sample_batches(infra.redis_url, jid)
     wait_step(api, jid, 1)
     t0 = time.time()
@@ -180,7 +180,7 @@ def test_overlapped_modes_recover_a_trainer_crash_within_the_staleness_bound(api
     """semi_sync / async: step k's rollouts may run on versions down to k - staleness while the
     trainer trains earlier steps; a trainer crash is recovered role-locally and every invariant
     still holds."""
-    jid = api.submit(small_job(mode.replace("_", "-"), steps=12, mode=mode, staleness=staleness))["job_id"]
+    jid = api.submit(small_job(mode.replace("_", "-"), steps=8, mode=mode, staleness=staleness))["job_id"]
     sampler = sample_batches(infra.redis_url, jid)
     wait_step(api, jid, 2)
     api.fault(jid, kind="crash", role="trainer", member=0)
@@ -196,7 +196,7 @@ def test_overlapped_modes_recover_a_trainer_crash_within_the_staleness_bound(api
 
 
 def test_trainer_crash_with_warm_spares_restarts_the_gang_from_spares(api, infra):
-    jid = api.submit(small_job("tspare", steps=12, recovery={"warm_spares": 2}))["job_id"]
+    jid = api.submit(small_job("tspare", steps=8, recovery={"warm_spares": 2}))["job_id"]
     sampler = sample_batches(infra.redis_url, jid)
     wait_step(api, jid, 2)  # the spares have imported the member code by now
     api.fault(jid, kind="crash", role="trainer", member=0)
