@@ -2862,13 +2862,16 @@ async def test_a_restart_backing_off_holds_no_other_jobs_recovery_back(rig: Rig,
     assert not a.done and len(of_kind(await rig.events(a.job_id), "action")) == 1  # a's repeat still waits
 
 
+@pytest.mark.parametrize("landed", [False, True], ids=["refused", "reply_lost"])
 async def test_a_submission_whose_record_cannot_be_saved_leaves_no_phantom_job(
-        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The job's record write fails (Redis away past its client's retries): the submission fails
-    (503 through the API) and the job is nowhere: not in the controller's list (it was, ``pending``
-    for good, never started, beside the job of the caller's retry: an outside review), not in
-    Redis, and its log is ended. A retry then starts normally. Judged from the controller's list,
-    raw Redis and the log."""
+        rig: Rig, monkeypatch: pytest.MonkeyPatch, landed: bool) -> None:
+    """The job's record write fails (Redis away past its client's retries), or lands with its
+    reply lost (``reply_lost``): the submission fails (503 through the API) and the job is
+    nowhere: not in the controller's list (it was, ``pending`` for good, never started, beside
+    the job of the caller's retry: an outside review), not in Redis (a record that landed stayed
+    ``pending``, and the next leader started it beside the retry's: the nineteenth session's
+    review), and its log is ended. A retry then starts normally. Judged from the controller's
+    list, raw Redis and the log."""
     c = await rig.controller()
     await c.wait_leading(10)
     real, refused = c.registry.put, []
@@ -2876,6 +2879,8 @@ async def test_a_submission_whose_record_cannot_be_saved_leaves_no_phantom_job(
     async def redis_away_once(job_id: str, *args: Any, **kw: Any) -> Any:
         if not refused:
             refused.append(job_id)
+            if landed:
+                await real(job_id, *args, **kw)
             raise TransportError("redis unreachable (test)", subject=job_id)
         return await real(job_id, *args, **kw)
 

@@ -502,8 +502,12 @@ class Controller:
             # Not recorded (Redis away past its retries): the caller is told (503) and may submit
             # again. Kept in memory, the job was listed ``pending`` for good and never started (its
             # start runs only after this returns, or from a record), a phantom beside the retry's
-            # job (an outside review). Its log, which may hold ``job_submitted``, is ended too.
+            # job (an outside review). Its log, which may hold ``job_submitted``, is ended too,
+            # and a record whose write landed though its reply was lost is removed (left
+            # ``pending``, the next leader started it beside the retry's job), fenced.
             del self.jobs[job_id]
+            with contextlib.suppress(Exception):
+                await self.registry.delete(job_id, fence=self.lease.token or None)
             with contextlib.suppress(Exception):
                 await self.event(job, "job_failed", {"reason": f"not recorded at its submission: {exc!r}"})
             raise
