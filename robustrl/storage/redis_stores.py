@@ -218,17 +218,41 @@ left to redis-py, whose default was no timeout at all before 8.0 (every call not
 deadline of its own would then block for good). No command of this project blocks on purpose."""
 
 
+WRITE_REFUSALS = frozenset({"NOREPLICAS", "MISCONF", "READONLY", "OOM", "MASTERDOWN", "TRYAGAIN"})
+"""Error replies of a Redis that refuses writes for a while (too few replicas, a failed
+snapshot, a replica promoted or demoted, memory full): the command was not carried out, so it
+is retried like a connection error. Not retried, one of them failed the trainer gang's per-step
+batch claim, and the rank exited: a whole trainer recovery for a few seconds of refusal (an
+outside review)."""
+
+
+def _retried(exc: BaseException) -> bool:
+    """Whether the client's retry layer repeats a failed command: on a connection error, a
+    timeout, a server still loading, or a write refusal (``WRITE_REFUSALS``); never on another
+    error reply (a wrong type, a script error: it would fail again)."""
+    from redis import exceptions as rexc
+
+    if not isinstance(exc, rexc.ResponseError):
+        return True
+    if isinstance(exc, (rexc.ReadOnlyError, rexc.OutOfMemoryError, rexc.MasterDownError, rexc.TryAgainError)):
+        return True
+    return str(exc).split(" ", 1)[0] in WRITE_REFUSALS
+
+
 def connect(url: str) -> aioredis.Redis:
-    """An asyncio Redis client (lazy: the first command connects). Every command (pipelines and
-    scripts too) is retried on connection errors and timeouts with exponential backoff and full
-    jitter, reconnecting in between: redis-py's own retry layer, the one place a call can be
-    repeated on a fresh connection."""
+    """An asyncio Redis client (lazy: the first command connects). Every command and script is
+    retried on connection errors, timeouts and write refusals (``_retried``) with exponential
+    backoff and full jitter, reconnecting in between: redis-py's own retry layer, the one place a
+    call can be repeated on a fresh connection. (A pipeline is retried on connection errors
+    only: its error replies are raised after it ran.)"""
     from redis import exceptions as rexc
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialWithJitterBackoff
 
     retry = Retry(ExponentialWithJitterBackoff(cap=REDIS_BACKOFF_CAP_S, base=REDIS_BACKOFF_BASE_S),
-                  REDIS_RETRIES, supported_errors=(rexc.ConnectionError, rexc.TimeoutError, rexc.BusyLoadingError))
+                  REDIS_RETRIES, supported_errors=(rexc.ConnectionError, rexc.TimeoutError, rexc.BusyLoadingError,
+                                                   rexc.ResponseError),
+                  is_retryable=_retried)
     return aioredis.from_url(url, decode_responses=False, socket_connect_timeout=5.0,
                              socket_timeout=REDIS_SOCKET_TIMEOUT_S, health_check_interval=10, retry=retry)
 
