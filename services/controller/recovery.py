@@ -280,12 +280,14 @@ class RecoveryExecutor:
 
     async def execute(self, job: JobRun, fault: FaultReport, action: Action) -> None:
         """Carry out one action (recorded in the event log first)."""
-        if isinstance(action, RestartWholeJob) and self._whole_job_recovery(job, fault.fault_id) is None:
+        whole = None
+        if isinstance(action, RestartWholeJob):
             # Before any await: a restart that fails from here on is in the job (and, once saved,
             # in its record) as a recovery whose start has not finished (``interrupted``), for its
             # repeat, its deadline and a new leader (kept only in a task's memory, a repeat lost
             # with its controller hung the job: an outside review). Counted once it kills.
-            self._begin(job, fault, "whole_job", set(), counted=False)
+            whole = (self._whole_job_recovery(job, fault.fault_id)
+                     or self._begin(job, fault, "whole_job", set(), counted=False))
         await self.c.event(job, "action", {"fault_id": fault.fault_id, "action": action_name(action),
                                            "member_id": getattr(action, "member_id", None)})
         match action:
@@ -299,8 +301,8 @@ class RecoveryExecutor:
                 await self.c.control_rm(job, "replica_dead", {"member_id": mid, "fault_id": fault.fault_id})
             case ReplaceReplica(member_id=mid):
                 await self._replace_replica(job, fault, mid)
-            case RestartWholeJob():
-                await self._restart_whole_job(job, fault)
+            case RestartWholeJob() if whole is not None:  # (always: made above)
+                await self._restart_whole_job(job, fault, whole)
             case ResumeService(role=role):
                 await self._resume_service(job, fault, role)
             case FailJob(reason=reason):
@@ -610,7 +612,7 @@ class RecoveryExecutor:
                 del job.restock_owed[slot]
         await self.c.persist(job)
 
-    async def _restart_whole_job(self, job: JobRun, fault: FaultReport) -> None:
+    async def _restart_whole_job(self, job: JobRun, fault: FaultReport, rec: ActiveRecovery) -> None:
         """ByteRobust-style in-place restart: stop every role, restart all in parallel from the
         last checkpoint, regenerate the current step from scratch."""
         # Fenced before the request manager's restart_step too: it takes any token not older than
@@ -626,9 +628,6 @@ class RecoveryExecutor:
         await asyncio.to_thread(self.c.launcher.kill_many, [lid(job, i) for i in ids], True)
         for mid in ids:
             job.members[mid].state = "dead"
-        rec = self._whole_job_recovery(job, fault.fault_id)  # (``execute`` made it)
-        if rec is None:  # (superseded while the request manager answered: begun again)
-            rec = self._begin(job, fault, "whole_job", set(), counted=False)
         job.restarts_total += 1
         job.recoveries[:] = [rec]  # a whole-job restart supersedes any local recovery in progress
         rec.replacing = set(ids)

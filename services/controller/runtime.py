@@ -468,10 +468,6 @@ class Controller:
         if job.done:
             await self.persist(job)
 
-    def finish_if_trained(self, job: JobRun) -> None:
-        """Every step committed while no controller was listening: end the job now."""
-        self._finish_if_done(job)
-
     # --- jobs -------------------------------------------------------------------------------
 
     async def submit(self, spec: JobSpec) -> JobRun:
@@ -982,7 +978,7 @@ class Controller:
                                     job.job_id, m.epoch, msg.resume_step, msg.resume_step - 1, job.committed_step)
                         job.committed_step = msg.resume_step - 1
                         await self.persist(job)
-                        self._finish_if_done(job)
+                        self.finish_if_trained(job)
                 await self.recovery.progress(job, msg.member_id)
         try:  # answered once acted on: a send lost before that is sent again
             await self.bus.respond(reply, HelloAck(job_id=job.job_id, member_id=m.member_id))
@@ -1062,9 +1058,11 @@ class Controller:
         job.reward_by_step[msg.step] = msg.reward_mean
         job.last_step_timings = dict(msg.timings)
         await self.persist(job)
-        self._finish_if_done(job)
+        self.finish_if_trained(job)
 
-    def _finish_if_done(self, job: Any) -> None:
+    def finish_if_trained(self, job: JobRun) -> None:
+        """Every step of ``job`` committed (heard now, or while no controller was listening):
+        finish it (``_finish``), once."""
         if job.committed_step >= job.spec.steps - 1 and not job.done and job.job_id not in self._finishing:
             # In a task: this subscription keeps delivering other jobs' commits meanwhile.
             self._finishing.add(job.job_id)
@@ -1077,30 +1075,33 @@ class Controller:
         the recovery's commits (they call this again) if one moves the committed step back, and
         to the next leader if this controller stops leading."""
         try:
-            counted = 0.0
+            counted = 0.0  # (time in a trainer recovery not counted: the recovery has its deadline)
             while not job.done and self.leading and job.committed_step >= job.spec.steps - 1:
-                if any(r.kind in ("trainer", "whole_job") for r in job.recoveries):
-                    await asyncio.sleep(FINISH_POLL_S)  # (its time not counted: the recovery has its deadline)
-                    continue
-                ranks = [m for m in job.members.values() if m.role == "trainer" and job.is_current(m.member_id)]
-                if ranks and all(m.state == "stopped" for m in ranks):
-                    break  # (a previous leader's stop began: no rank of this gang uploads any more)
-                try:
-                    if await self._durable_now(job) >= job.spec.steps - 1:
+                if not any(r.kind in ("trainer", "whole_job") for r in job.recoveries):
+                    if await self._last_step_settled(job) or counted >= FINISH_DURABLE_WAIT_S:
                         break
-                except TransportError as exc:  # Redis away: read again at the next poll
-                    log.warning("job %s: its durable step not read while it finishes: %s", job.job_id, exc)
-                if counted >= FINISH_DURABLE_WAIT_S:
-                    log.error("job %s: its last step not durable after %.0f s: it is stopped all the same",
-                              job.job_id, counted)
-                    break
+                    counted += FINISH_POLL_S
                 await asyncio.sleep(FINISH_POLL_S)
-                counted += FINISH_POLL_S
             else:
                 return
         finally:
             self._finishing.discard(job.job_id)
+        if job.durable_step < job.spec.steps - 1:
+            log.error("job %s: its last step not durable after %.0f s: it is stopped all the same", job.job_id,
+                      counted)
         await self.stop_job(job.job_id, "finished")
+
+    async def _last_step_settled(self, job: JobRun) -> bool:
+        """Whether the finishing ``job`` waits no more: its last step is durable, or its current
+        gang's ranks are being stopped already (a previous leader's stop began: none uploads)."""
+        ranks = [m for m in job.members.values() if m.role == "trainer" and job.is_current(m.member_id)]
+        if ranks and all(m.state == "stopped" for m in ranks):
+            return True
+        try:
+            return await self._durable_now(job) >= job.spec.steps - 1
+        except TransportError as exc:  # Redis away: read again at the next poll
+            log.warning("job %s: its durable step not read while it finishes: %s", job.job_id, exc)
+            return False
 
 
 def _outbox_entry(raw: bytes) -> OutboxEntry | None:
