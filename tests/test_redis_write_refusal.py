@@ -60,7 +60,7 @@ async def _refusing_for(url: str, seconds: float) -> None:
         await redis_sync.Redis.from_url(url).set("probe", 1)  # type: ignore[func-returns-value]
 
     async def later() -> None:
-        await asyncio.sleep(seconds)
+        await asyncio.sleep(seconds)  # (the refusal's length: a window held, not a wait for anything)
         await admin.config_set("min-replicas-to-write", 0)
         await admin.aclose()
 
