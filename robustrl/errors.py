@@ -72,6 +72,13 @@ EXIT_CHECKPOINT_LOST = 65
 """Exit status (EX_DATAERR) of a trainer that refuses to start because of ``CheckpointLost``: the
 controller fails the job at once instead of restarting gangs that would refuse again."""
 
+EXIT_DIVERGED = 66
+"""Exit status of a trainer rank whose step's loss or gradient norm is not finite
+(``TrainingDiverged``), before anything of the step is kept. The controller restarts the gang from
+the newest checkpoint once (a transient fault, e.g. silent data corruption on one machine, does
+not come again) and fails the job if it diverges again with no step committed in between (then
+it is the data, the model or the settings: each restart would end the same way)."""
+
 
 class StaleEpoch(RobustRLError):
     """A write by an older trainer-gang epoch was refused: a newer gang (``newest``) has taken

@@ -55,6 +55,7 @@ and waits for it in phase ``waiting_batch``, the trainer's normal idleness, unti
 The request manager's commit deadline (``detector.commit_deadline_s``) is what ends it.
 A trainer, ``publish_wedged``: trains step 1, then stays in phase ``publishing`` (its metrics going
 on) until it is stopped. The detector's trainer I/O rule (``detector.trainer_io_s``) ends it.
+A trainer, ``diverge``: step 1's loss is taken for NaN once trained (``TrainingDiverged``).
 Trainer rank 0, ``final_upload_slow``: the job's last checkpoint manifest is written
 ``worker.FINAL_UPLOAD_SLOW_S`` (25 s) late, as behind a slow object store."""
 HELLO_RESEND_S = (0.5, 5.0)

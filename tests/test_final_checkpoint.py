@@ -59,8 +59,14 @@ def test_a_last_upload_slower_than_the_stop_grace_is_waited_for(stack: Stack) ->
     assert raw_job_record(stack.settings.redis_url, jid)["durable_step"] == STEPS - 1
     [finished] = kinds(events, "job_finished")
     assert finished["durable_step"] == STEPS - 1, finished
-    ranks = [d for d in kinds(events, "member_exited") if d["member_id"] == "trainer-e1-r0"]
-    assert ranks and all(d["expected"] and d["returncode"] != -signal.SIGKILL for d in ranks), ranks
+    # Every member's exit is in the log before its final event (a reader of a finished job's log
+    # found a rank's exit missing: handled in a supervision round after the stop had ended the log).
+    final = next(i for i, e in enumerate(events) if e["kind"] == "job_finished")
+    started = {d["member_id"] for d in kinds(events, "member_started")}
+    exited = {e["data"]["member_id"]: e["data"] for e in events[:final] if e["kind"] == "member_exited"}
+    assert started and started <= set(exited), (sorted(started), sorted(exited))
+    rank = exited["trainer-e1-r0"]
+    assert rank["expected"] and rank["returncode"] != -signal.SIGKILL, rank
     assert not [d for d in kinds(events, "note") if "not durable" in str(d.get("text"))]
 
 

@@ -169,6 +169,9 @@ class JobRun:
     had its start interrupted (its leader died or was deposed) and is started again by the next."""
     # (role, slot) -> failed starts in a row (an exit before the hello, a start past its deadline)
     startup_failures: dict[tuple[str, int], int] = field(default_factory=dict)
+    diverged_at: tuple[int, int] | None = None
+    """(committed step, gang epoch) when a trainer rank last exited diverged (``EXIT_DIVERGED``):
+    a later gang diverging with no step committed since fails the job."""
     cold_roles: set[str] = field(default_factory=set)
     """Roles a start from a warm spare failed for: their members start cold until one has started."""
     cold_slots: set[tuple[str, int]] = field(default_factory=set)
@@ -287,6 +290,7 @@ class JobRun:
             "restarts_total": self.restarts_total,
             "failures_by_step": [[r, s, n] for (r, s), n in self.failures_by_step.items()],
             "startup_failures": [[r, i, n] for (r, i), n in self.startup_failures.items()],
+            "diverged_at": self.diverged_at,
             "cold_roles": sorted(self.cold_roles), "cold_slots": sorted([r, i] for r, i in self.cold_slots),
             "slot_incarnation": {str(k): v for k, v in self.slot_incarnation.items()},
             "reward_by_step": {str(k): v for k, v in self.reward_by_step.items()},
@@ -319,6 +323,8 @@ class JobRun:
         job.failures_by_step = {(r, int(s)): int(n) for r, s, n in rec.get("failures_by_step", [])}
         # (a new leader goes on counting a slot's failed starts: hangs and failovers come together)
         job.startup_failures = {(str(r), int(i)): int(n) for r, i, n in rec.get("startup_failures", [])}
+        diverged = rec.get("diverged_at")
+        job.diverged_at = None if not diverged else (int(diverged[0]), int(diverged[1]))
         job.cold_roles = {str(r) for r in rec.get("cold_roles", [])}
         job.cold_slots = {(str(r), int(i)) for r, i in rec.get("cold_slots", [])}
         job.slot_incarnation = {int(k): int(v) for k, v in rec.get("slot_incarnation", {}).items()}

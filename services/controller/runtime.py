@@ -774,6 +774,7 @@ class Controller:
             await self._final_durable(job)
         else:
             await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"]], 3.0)
+        await self.supervisor.log_exits_of(job)
         await self._update_spares()
         if not stop["event"]:
             await self._still_leading(job, "end its log")

@@ -27,7 +27,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from robustrl.aio import wait_event
-from robustrl.errors import EXIT_CHECKPOINT_LOST
+from robustrl.errors import EXIT_CHECKPOINT_LOST, EXIT_DIVERGED
 from robustrl.launcher.base import ExitInfo
 from robustrl.messages import FaultReport, MemberExited
 from robustrl.services.controller.decide import WARM_START_SILENT
@@ -130,7 +130,9 @@ class Supervisor:
         # replica's replacement, handled first, took the warm spare that survived on another node
         # (the launcher starts any member from a spare), so the new gang -- on the critical path,
         # the replica is not -- started cold (seen on Ray: tests/test_ray_testbed.py's kill).
-        exits, self._unhandled = self._unhandled + await asyncio.to_thread(self.c.launcher.poll), []
+        polled = await asyncio.to_thread(self.c.launcher.poll)
+        # (read after the poll: ``log_exits_of`` may have put exits here meanwhile)
+        exits, self._unhandled = self._unhandled + polled, []
         for info in sorted(exits, key=lambda e: e.role != "trainer"):
             try:
                 await self.on_exit(info)
@@ -149,6 +151,23 @@ class Supervisor:
             await self.watch_starts(job)
             await self.c.recovery.check_deadlines(job)
             self.c.resend_owed_resume(job)
+
+    async def log_exits_of(self, job: JobRun) -> None:
+        """Handle now the exits of ``job``'s members that the launcher has (a stop that just
+        ended them: their ``member_exited`` events must come before the job's final one, not
+        in a round after it, where the log's reader finds them missing or past its end). Other
+        jobs' exits, and any whose handling fails, are left to the next round (one already failed
+        once is tried here too)."""
+        polled = await asyncio.to_thread(self.c.launcher.poll)
+        exits, self._unhandled = self._unhandled + polled, []
+        mine = [e for e in exits if split_lid(e.member_id)[0] == job.job_id]
+        self._unhandled += [e for e in exits if split_lid(e.member_id)[0] != job.job_id]
+        for info in mine:
+            try:
+                await self.on_exit(info)
+            except Exception:
+                log.exception("exit of %s not handled at its job's stop: tried again next round", info.member_id)
+                self._unhandled.append(info)
 
     async def on_exit(self, info: ExitInfo) -> None:
         job_id, member_id = split_lid(info.member_id)
@@ -193,6 +212,15 @@ class Supervisor:
                 job.failed_start(m)
                 tail = self.c.starter.log_tail(job, m.member_id)
                 evidence = f"{evidence} before its hello" + (f"; last output:\n{tail}" if tail else "")
+            if m.role == "trainer" and info.returncode == EXIT_DIVERGED:
+                # Judged once, as first seen: an earlier gang diverged with no step committed since?
+                # (another rank of the same gang is the same divergence)
+                before = job.diverged_at
+                seen["diverged_again"] = (before is not None and before[0] == job.committed_step
+                                          and before[1] != m.epoch)
+                job.diverged_at = (job.committed_step, m.epoch)
+                evidence = (f"training diverged (a loss or gradient norm not finite; exit code {EXIT_DIVERGED}) "
+                            f"after step {job.committed_step} was committed")
             seen["fault"] = exit_fault(job, m, info, evidence)
         fault: FaultReport = seen["fault"]
         evidence, slot = fault.evidence, (m.role, m.index)
@@ -205,6 +233,10 @@ class Supervisor:
             tail = self.c.starter.log_tail(job, m.member_id)
             reason = ("the trainer found committed steps that no checkpoint can reproduce (checkpoint lost); "
                       "training on would rewrite the job's history" + (f"; last output:\n{tail}" if tail else ""))
+        elif seen.get("diverged_again"):
+            reason = (f"training diverged again after step {job.committed_step} with no step committed since the "
+                      f"restart from the newest checkpoint: not a machine fault (the data, the model or the "
+                      f"settings); each restart would end the same way")
         elif failures >= STARTUP_FAILURES_MAX:
             reason = (f"{m.role} slot {m.index} failed to start {failures} times in a row (the last: it "
                       f"exited before its hello): it cannot start. {evidence}")

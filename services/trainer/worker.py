@@ -45,7 +45,8 @@ from robustrl.checkpoint import (
 from robustrl.config import JobSpec, Settings
 from robustrl.event_outbox import stored_of
 from robustrl.errors import (
-    EXIT_CHECKPOINT_LOST, CheckpointLost, ConfigError, RequestTimeout, StaleEpoch, SubjectError, TransportError)
+    EXIT_CHECKPOINT_LOST, EXIT_DIVERGED, CheckpointLost, ConfigError, RequestTimeout, StaleEpoch, SubjectError,
+    TransportError)
 from robustrl.gpu import GpuProbe
 from robustrl.member import Identity, Member, failpoint_armed
 from robustrl.messages import BatchGet, BatchReady, Event, StepCommitted, WeightsAnnounce
@@ -534,6 +535,9 @@ class TrainerWorker:
                         lags[key] = lags.get(key, 0) + 1
             await self.member.set_phase("training", step)
             stats = await asyncio.to_thread(self._train, samples)
+            if step == FAILPOINT_STEP and failpoint_armed("diverge", self.ident.job_id, self.ident.member_id):
+                log.warning("failpoint diverge: step %d's loss taken for NaN", step)
+                stats["loss"] = math.nan
             diverged = {k: v for k, v in stats.items() if not math.isfinite(v)}
             if diverged:
                 # Named here, before the step is checkpointed, published or recorded: a commit
@@ -738,7 +742,7 @@ def main() -> None:
 def run_member(ident: Identity, settings: Settings, model: torch.nn.Module | None = None,
                borrowed_from: str | None = None) -> None:
     """Run one trainer worker to its end; exit with the status the controller reads on a start
-    that cannot succeed (``EXIT_CHECKPOINT_LOST``, ``EXIT_STALE``).
+    that cannot succeed (``EXIT_CHECKPOINT_LOST``, ``EXIT_STALE``) or diverged (``EXIT_DIVERGED``).
 
     A rank the controller keeps for the next gang (``services/trainer/survivor.py``) runs on in
     this process as its new rank instead of exiting; so does a rank whose gang broke under it, if
@@ -754,6 +758,10 @@ def run_member(ident: Identity, settings: Settings, model: torch.nn.Module | Non
         # The last lines of a member's log become the fault evidence and the job's error.
         log.critical("trainer cannot start: %s", exc)
         _exit_now(EXIT_CHECKPOINT_LOST)
+    except TrainingDiverged as exc:
+        # Before the gang-broke handling below (a RuntimeError): no hand-off keeps this rank.
+        log.critical("trainer stopped: %s", exc)
+        _exit_now(EXIT_DIVERGED)
     except StaleEpoch as exc:
         if hook.handoff is None:
             log.error("trainer gang replaced before it started, exiting: %s", exc)
