@@ -2618,9 +2618,15 @@ async def test_spares_that_all_fail_do_not_fail_a_slot_that_starts_cold(rig: Rig
     monkeypatch.setattr(launching, "TRAINER_MODULE", "spare_only_fails")
     monkeypatch.setattr(local, "SPARE_TARGETS", frozenset({*local.SPARE_TARGETS, "spare_only_fails"}))
 
+    def cmdline(p: psutil.Process) -> str:
+        try:
+            return " ".join(p.cmdline())
+        except psutil.Error:  # (a child that just ended: a zombie, or gone)
+            return ""
+
     def ready_spares() -> int:  # spares done with their imports (their log says so)
         return sum(b"ready" in p.read_bytes() for p in rig.log_dir.glob("spare-*.log")
-                   if any(SPARE_MODULE in " ".join(c.cmdline()) for c in psutil.Process().children()))
+                   if any(SPARE_MODULE in cmdline(c) for c in psutil.Process().children()))
 
     c = await rig.controller()
     await c.wait_leading(10)
