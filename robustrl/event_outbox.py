@@ -126,20 +126,26 @@ class OutboxWriter:
         """Whether ``recover`` has read ``job_id``'s outbox once."""
         return job_id in self._read
 
-    async def give(self, entry: OutboxEntry) -> bool:
+    async def give(self, entry: OutboxEntry, with_writes: Callable[[Any], None] | None = None) -> bool:
         """Save ``entry`` in its job's outbox, then queue it. Returns whether it is in the outbox
         (False, bounded mode only: Redis failed or is left alone; queued in memory only, logged).
+        ``with_writes`` (strict mode only): the writes the event tells of, in the same transaction
+        as its save (``EventOutbox.add``): a process killed after them cannot leave them without
+        their event.
 
         Raises:
-            TransportError: strict mode, Redis failed: the event is nowhere.
+            TransportError: strict mode, Redis failed: the event is nowhere, nor are the writes.
+            ValueError: ``with_writes`` in bounded mode (a failed save there is not raised).
         """
+        if with_writes is not None and self._bound is not None:
+            raise ValueError("writes saved with an event need a strict outbox writer")
         outbox = self._outbox_of(entry.event.job_id)
         text = entry.model_dump_json()  # (what ``EventOutbox.add`` stores)
         if self._bound is not None and self._clock() < self._away_until:
             self._in_memory_only(entry)
             return False
         try:
-            await self._redis(outbox.add(entry), f"save of a {entry.event.kind} event")
+            await self._redis(outbox.add(entry, with_writes), f"save of a {entry.event.kind} event")
         except TransportError as exc:
             if self._bound is None:
                 raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import pytest
 from rm_harness import METRICS_S, Harness, rm_spec
@@ -507,3 +508,70 @@ async def test_a_job_whose_resume_keeps_failing_holds_no_other_jobs_left_events_
 
 async def _empty(read) -> bool:  # type: ignore[no-untyped-def]
     return not await read
+
+
+def _freeze_after_batch_write(r: Any, batch_key: str) -> asyncio.Event:
+    """Make ``r`` (the request manager's Redis client) hang every call after the first write of
+    ``batch_key`` has been carried out, as a process killed right after that write: nothing it
+    would write next reaches Redis. Returns the event set at that write."""
+    written, never = asyncio.Event(), asyncio.Event()
+
+    def writes_batch(args: tuple) -> bool:
+        return len(args) > 1 and str(args[0]).upper() == "SET" and str(args[1]) == batch_key
+
+    real_cmd, real_pipeline = r.execute_command, r.pipeline
+
+    async def execute_command(*args: Any, **kw: Any) -> Any:
+        if written.is_set():
+            await never.wait()
+        out = await real_cmd(*args, **kw)
+        if writes_batch(args):
+            written.set()
+        return out
+
+    def pipeline(*a: Any, **kw: Any) -> Any:
+        pipe = real_pipeline(*a, **kw)
+        real_execute = pipe.execute
+
+        async def execute(*ea: Any, **ekw: Any) -> Any:
+            if written.is_set():
+                await never.wait()
+            batch = any(writes_batch(args) for args, _options in pipe.command_stack)
+            out = await real_execute(*ea, **ekw)
+            if batch:
+                written.set()
+            return out
+
+        pipe.execute = execute
+        return pipe
+
+    r.execute_command, r.pipeline = execute_command, pipeline
+    return written
+
+
+async def test_a_batch_stored_by_a_request_manager_killed_right_after_has_its_batch_ready_in_the_log(servers):
+    """A request manager killed right after it wrote its step's batch, before anything else it
+    would write: the trainer took the batch (announced) and trained it; the next life resumes
+    after that step. Before, the batch and its ``batch_ready`` outbox entry were two writes: the
+    batch was stored and the event nowhere, and the job's log never had the step's hand-over (an
+    outside review). Now they are one transaction. Judged from the raw event log."""
+    async with Harness(servers, rm_spec("batchlog", steps=2)) as h:
+        rep = await h.replica("r0", version=0)
+        rep.hold = lambda msg: True  # held until the request manager's Redis is rigged
+        await h.start_rm()
+        await eventually_async(lambda: len(rep.received) >= 4, timeout=30, what="step 0 dispatched")
+        assert h.rm_redis is not None
+        written = _freeze_after_batch_write(h.rm_redis, Keys.batch(h.job_id, 0))
+        rep.hold = lambda msg: False
+        await rep.release()
+        await asyncio.wait_for(written.wait(), 30)  # (no event to wait on but this one)
+        await h.kill_rm()
+        raw = await h.redis.get(Keys.batch(h.job_id, 0))
+        assert raw is not None and json.loads(raw)["step"] == 0  # the batch is stored
+        await h.commit(0)  # the trainer took it and trained it
+        await h.start_rm()  # resumes at step 1
+        async def step0() -> list[dict]:
+            return [e for e in await h.events("batch_ready") if e["step"] == 0]
+
+        logged = await eventually_async(step0, timeout=20, what="step 0's batch_ready in the log")
+        assert len(logged) == 1, logged  # (stored once: the next life's recovery is its duplicate)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -39,13 +40,21 @@ class EventOutbox:
         self.job_id = job_id
         self.key = key
 
-    async def add(self, entry: OutboxEntry) -> str:
+    async def add(self, entry: OutboxEntry, with_writes: Callable[[Any], None] | None = None) -> str:
         """Append ``entry``; return its stored text (what ``remove`` takes). A plain RPUSH: one
         Redis carried out whose reply was lost (a restart after its AOF write, a stall past the
         socket timeout) is sent again by the client's retry layer, so the outbox may hold two
-        byte-identical copies of the entry (one event, one message id): ``remove`` takes both."""
+        byte-identical copies of the entry (one event, one message id): ``remove`` takes both.
+        ``with_writes``: adds the writes the event tells of to the same transaction (MULTI/EXEC),
+        so that both land or neither does (idempotent writes: a retry does them again)."""
         text = entry.model_dump_json()
-        await _call(self.r.rpush(self.key, text), self.key)
+        if with_writes is None:
+            await _call(self.r.rpush(self.key, text), self.key)
+            return text
+        pipe = self.r.pipeline(transaction=True)
+        with_writes(pipe)
+        pipe.rpush(self.key, text)
+        await _call(pipe.execute(), self.key)
         return text
 
     async def entries(self) -> list[tuple[bytes, OutboxEntry]]:

@@ -426,6 +426,10 @@ class BatchStore:
         key = Keys.batch(self.job, batch.step)
         await _call(self.r.set(key, batch.model_dump_json()), key)
 
+    def put_in(self, pipe: Any, batch: BatchRecord) -> None:
+        """``put``, added to a transaction of the caller's (``pipe``: a Redis pipeline)."""
+        pipe.set(Keys.batch(self.job, batch.step), batch.model_dump_json())
+
     async def get(self, step: int) -> BatchRecord | None:
         key = Keys.batch(self.job, step)
         raw = await _call(self.r.get(key), key)

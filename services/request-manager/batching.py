@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from robustrl.services.request_manager.dispatch import Dispatcher
 from robustrl.services.request_manager.episodes import EpisodeRunner
@@ -271,26 +272,29 @@ class JobRunner:
                    "generation_s": max(0.0, rollout_s - timing["tool_wait_s"] / n), "weight_sync_s": weight_sync_s}
         batch = BatchRecord(job_id=self.job_id, step=step, episode_ids=[e.episode_id for e in eps],
                             reward_mean=statistics.fmean(rewards), timings=timings)
-        await self.batches.put(batch)
         ready = BatchReady(job_id=self.job_id, step=step, episode_ids=batch.episode_ids,
                            reward_mean=batch.reward_mean, timings=timings)
+        # The batch and its event in one transaction: killed between two writes, a request
+        # manager left the batch stored without its event, and a next life resuming after the
+        # step (trained meanwhile) never said it (an outside review).
+        await self._batch_event(ready, lambda pipe: self.batches.put_in(pipe, batch))
         await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
-        await self._batch_event(ready)
         return ready
 
-    async def _batch_event(self, ready: BatchReady) -> None:
+    async def _batch_event(self, ready: BatchReady, with_writes: Callable[[Any], None] | None = None) -> None:
         """The hand-over's ``batch_ready``, through the outbox (a request manager killed while
         JetStream was away lost it from memory, and its next life, finding the batch handed,
         never said it: an outside review found it), under a message id of the batch's own: the
         same batch announced again is stored once (within the duplicate window), a step restarted
         and handed over anew is a new batch. The episode ids alone do not tell those apart (they
         are the step's, the same in every generation of it): the key also covers the batch
-        record's reward and timings, read back as stored by a later announcement."""
+        record's reward and timings, read back as stored by a later announcement. ``with_writes``:
+        the batch's own write, in the event's transaction."""
         what = json.dumps([ready.episode_ids, ready.reward_mean, sorted(ready.timings.items())])
         digest = hashlib.sha256(what.encode()).hexdigest()[:16]
         await self.events.emit("batch_ready", {"step": ready.step, "reward_mean": ready.reward_mean,
                                                **ready.timings},
-                               msg_id=f"{self.job_id}-batch_ready-{ready.step}-{digest}")
+                               msg_id=f"{self.job_id}-batch_ready-{ready.step}-{digest}", with_writes=with_writes)
 
     async def _watch(self, step: int, first_attempt: float) -> None:
         """Report the step each time ``step_deadline_s`` passes without its batch handed over,

@@ -21,6 +21,7 @@ its strict mode: Redis failing fails the command.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from robustrl.bus import Bus
@@ -51,11 +52,13 @@ class EventWriter(OutboxEvents):
         """Whether ``recover`` has read the outbox once (what a previous life left is queued)."""
         return self._writer.outbox_read(self.job_id)
 
-    async def emit(self, kind: str, data: dict[str, Any], msg_id: str | None = None) -> Event:
+    async def emit(self, kind: str, data: dict[str, Any], msg_id: str | None = None,
+                   with_writes: Callable[[Any], None] | None = None) -> Event:
         """Queue one event, stamped now: in the Redis outbox when this returns (acknowledge the
         command after it), in the job's log later. ``msg_id``: JetStream's duplicate key (default:
         the command's fault id, else a fresh one): an event given again under it, within the
-        stream's duplicate window, is stored once.
+        stream's duplicate window, is stored once. ``with_writes``: Redis writes the event tells
+        of, made in the same transaction as its save (``OutboxWriter.give``).
 
         Raises:
             ValueError: ``data`` does not fit ``kind`` (a bug: raised here, not in the background).
@@ -72,7 +75,7 @@ class EventWriter(OutboxEvents):
         fault_id = data.get("fault_id")
         if msg_id is None:
             msg_id = f"{self.job_id}-{kind}-{fault_id if isinstance(fault_id, str) and fault_id else uuid.uuid4().hex}"
-        await self._writer.give(OutboxEntry(msg_id=msg_id, event=event))
+        await self._writer.give(OutboxEntry(msg_id=msg_id, event=event), with_writes)
         return event
 
     async def recover(self) -> int:
