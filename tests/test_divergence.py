@@ -13,6 +13,7 @@ in Redis, its event log, and the object store's checkpoints.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -28,26 +29,36 @@ from robustrl.storage.objects import open_object_store
 
 pytestmark = pytest.mark.timeout(240)
 
-ONCE, ALWAYS, STEPS = "divonce", "divalways", 3
+ONCE, ALWAYS, GANG, STEPS = "divonce", "divalways", "divgang", 3
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     armed = ",".join([f"diverge@{ONCE}/trainer-e1-r0",
-                      f"diverge@{ALWAYS}/trainer-e1-r0", f"diverge@{ALWAYS}/trainer-e2-r0"])
+                      f"diverge@{ALWAYS}/trainer-e1-r0", f"diverge@{ALWAYS}/trainer-e2-r0",
+                      f"diverge@{GANG}/trainer-e1-r0", f"diverge@{GANG}/trainer-e1-r1"])
     with stack_with_failpoints(tmp_path_factory, "divergence", armed) as st:
         yield st
 
 
-def _spec(name: str) -> dict:
-    # (borrowing off: the new gang is a cold rank named trainer-e2-r0, which the failpoint names)
-    return small_job(name, steps=STEPS, rollout={"replicas": 1}, trainer={"workers": 1},
+def _spec(name: str, workers: int = 1) -> dict:
+    # (borrowing off: the new gang is cold ranks named trainer-e2-r<i>, which the failpoint names)
+    return small_job(name, steps=STEPS, rollout={"replicas": 1}, trainer={"workers": workers},
                      recovery={"borrow": "never", "max_restarts": 5})
 
 
-def _diverged_faults(events: list[dict]) -> list[dict]:
-    return [f for f in kinds(events, "fault_detected")
-            if f["role"] == "trainer" and f"exit code {EXIT_DIVERGED}" in f["evidence"]]
+def _diverged(events: list[dict]) -> list[str]:
+    """The trainer ranks that exited diverged, by the launcher's exit codes in the log."""
+    return [d["member_id"] for d in kinds(events, "member_exited")
+            if d["role"] == "trainer" and d["returncode"] == EXIT_DIVERGED]
+
+
+def _exits_before_the_end(events: list[dict]) -> None:
+    """Every started member's exit is in the log before the job's final event."""
+    final = next(i for i, e in enumerate(events) if e["kind"] in ("job_finished", "job_failed", "job_stopped"))
+    exited = {e["data"]["member_id"] for e in events[:final] if e["kind"] == "member_exited"}
+    started = {d["member_id"] for d in kinds(events, "member_started")}
+    assert started <= exited, sorted(started - exited)
 
 
 def test_a_divergence_that_does_not_come_again_is_recovered_from_the_checkpoint(stack: Stack) -> None:
@@ -55,8 +66,8 @@ def test_a_divergence_that_does_not_come_again_is_recovered_from_the_checkpoint(
     jid = api.submit(_spec(ONCE))["job_id"]
     assert wait_done(api, jid, timeout=200)["status"] == "finished"
     events = api.events(jid)
-    [fault] = _diverged_faults(events)
-    assert fault["member_id"] == "trainer-e1-r0", fault
+    assert _diverged(events) == ["trainer-e1-r0"]
+    [fault] = [f for f in kinds(events, "fault_detected") if f["member_id"] == "trainer-e1-r0"]
     # Nothing of the diverged step was kept: its only commit is the second gang's.
     step1 = [d for d in kinds(events, "step_committed") if d["step"] == 1]
     assert step1 and all(d["epoch"] >= 2 for d in step1), step1
@@ -65,6 +76,7 @@ def test_a_divergence_that_does_not_come_again_is_recovered_from_the_checkpoint(
     last = [d for d in kinds(events, "step_committed") if d["step"] == STEPS - 1]
     assert weights_checksum(state.model_state) == last[-1]["checksum"]
     assert raw_job_record(stack.settings.redis_url, jid)["restarts_total"] == 1
+    _exits_before_the_end(events)
 
 
 def test_a_divergence_every_restart_repeats_fails_the_job_naming_it(stack: Stack) -> None:
@@ -77,7 +89,31 @@ def test_a_divergence_every_restart_repeats_fails_the_job_naming_it(stack: Stack
     # One restart (the first divergence may have been a machine's), not max_restarts of them.
     assert record["restarts_total"] == 1, record["restarts_total"]
     events = api.events(jid)
-    assert [f["member_id"] for f in _diverged_faults(events)] == ["trainer-e1-r0", "trainer-e2-r0"]
+    assert _diverged(events) == ["trainer-e1-r0", "trainer-e2-r0"]
     assert not [d for d in kinds(events, "step_committed") if d["step"] >= 1]
     [failed] = kinds(events, "job_failed")
     assert "diverged again" in failed["reason"], failed
+    _exits_before_the_end(events)
+
+
+def test_a_gang_whose_every_rank_diverges_once_is_restarted_whole_and_finishes(stack: Stack) -> None:
+    """Two ranks, both diverged at step 1 (a NaN reaches every rank through the gradients'
+    all-reduce), each exiting on its own time. The restart planned to keep the other rank for the
+    next gang (``keep_survivors``, on): it would carry the diverged step's state, and had its hand-off
+    come before its own exit, that exit under the new gang's id was taken for a second divergence,
+    failing the job (an outside review; here the rank exited first, so this test passed on that
+    code too, and checks the plan in the log). Now no rank of a diverged gang is kept: one restart,
+    every rank of the new gang cold, and the job finishes."""
+    api = ApiClient(stack.api_url, stack.settings.api_token)
+    jid = api.submit(_spec(GANG, workers=2))["job_id"]
+    assert wait_done(api, jid, timeout=200)["status"] == "finished"
+    events = api.events(jid)
+    assert set(_diverged(events)) <= {"trainer-e1-r0", "trainer-e1-r1"} and _diverged(events), _diverged(events)
+    assert raw_job_record(stack.settings.redis_url, jid)["restarts_total"] == 1
+    [decision] = [d for d in kinds(events, "decision") if "RestartTrainerGang" in d["actions"]]
+    assert not re.search(r"\d+ survivor", decision["reason"]), decision  # (the plan: "1 survivor, 1 cold")
+    assert {d["member_id"]: d["source"] for d in kinds(events, "member_started") if d["role"] == "trainer"} == {
+        "trainer-e1-r0": "cold", "trainer-e1-r1": "cold", "trainer-e2-r0": "cold", "trainer-e2-r1": "cold"}
+    step1 = [d for d in kinds(events, "step_committed") if d["step"] == 1]
+    assert step1 and all(d["epoch"] >= 2 for d in step1), step1
+    _exits_before_the_end(events)

@@ -36,6 +36,8 @@ SPARE, BORROWED, COLD = "spare", "borrowed", "cold"
 """Where a rank of a new trainer gang comes from (``RecoverySpec.standby_order``)."""
 SURVIVOR = "survivor"
 """A rank of the broken gang kept in place (``RecoverySpec.keep_survivors``): before every other source."""
+DIVERGED = "diverged"
+"""The cause of a trainer rank's exit ``errors.EXIT_DIVERGED`` (its step's loss not finite)."""
 KEEPABLE_FAULTS = frozenset({"crash"})
 """Faults after which the other ranks of the gang are kept (not a crash of cause ``gpu_lost``, whose
 process still runs): a rank's process exited, so the
@@ -414,6 +416,8 @@ def may_keep(job: JobView, spec: RecoverySpec, fault: FaultReport | None) -> str
     if fault.cause == "gpu_lost":
         return ("its GPU was lost but its process still runs: the other ranks may be held in a collective "
                 "with it until the collective times out")
+    if fault.cause == DIVERGED:
+        return "the gang's training diverged: every rank holds the diverged step's state"
     return None
 
 

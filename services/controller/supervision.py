@@ -27,13 +27,14 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from robustrl.aio import wait_event
-from robustrl.errors import EXIT_CHECKPOINT_LOST, EXIT_DIVERGED
+from robustrl.errors import EXIT_CHECKPOINT_LOST, EXIT_DIVERGED, TransportError
 from robustrl.launcher.base import ExitInfo
 from robustrl.messages import FaultReport, MemberExited
-from robustrl.services.controller.decide import WARM_START_SILENT
+from robustrl.services.controller.decide import DIVERGED, WARM_START_SILENT
 from robustrl.services.controller.jobs import STARTUP_FAILURES_MAX, JobRun, MemberInfo, still_starting
 from robustrl.services.controller.launching import split_lid
 from robustrl.services.controller.lease import LeaseLost
+from robustrl.storage.redis_stores import BatchStore
 from robustrl.subjects import Verb, subject
 
 if TYPE_CHECKING:
@@ -78,10 +79,10 @@ def warm_ranks(job: JobRun) -> dict[str, str]:
     return out
 
 
-def exit_fault(job: JobRun, m: MemberInfo, info: ExitInfo, evidence: str) -> FaultReport:
+def exit_fault(job: JobRun, m: MemberInfo, info: ExitInfo, evidence: str, cause: str | None = None) -> FaultReport:
     return FaultReport(job_id=job.job_id, fault_id=f"exit-{m.member_id}", role=m.role,  # type: ignore[arg-type]
                        member_id=m.member_id, kind="crash", evidence=evidence, detected_at=time.time(),
-                       step=job.step, fault_at=info.exited_at)
+                       step=job.step, fault_at=info.exited_at, cause=cause)
 
 
 class Supervisor:
@@ -90,6 +91,9 @@ class Supervisor:
     def __init__(self, controller: Controller) -> None:
         self.c = controller
         self._last_round: float | None = None
+        self._round: list[ExitInfo] = []
+        """The exits of the round under way not handled yet (``once``; ``log_exits_of`` takes its job's)."""
+        self._polling = asyncio.Lock()
         self._unhandled: list[ExitInfo] = []
         """Exits whose handling failed (a Redis blip): the launcher returns an exit once, so they
         are kept and handled again next round (the fault id names the member: decided once)."""
@@ -130,10 +134,12 @@ class Supervisor:
         # replica's replacement, handled first, took the warm spare that survived on another node
         # (the launcher starts any member from a spare), so the new gang -- on the critical path,
         # the replica is not -- started cold (seen on Ray: tests/test_ray_testbed.py's kill).
-        polled = await asyncio.to_thread(self.c.launcher.poll)
+        polled = await self._poll()
         # (read after the poll: ``log_exits_of`` may have put exits here meanwhile)
-        exits, self._unhandled = self._unhandled + polled, []
-        for info in sorted(exits, key=lambda e: e.role != "trainer"):
+        self._round = sorted(self._unhandled + polled, key=lambda e: e.role != "trainer")
+        self._unhandled = []
+        while self._round:  # (shared: a stop within this round's handling takes its job's exits)
+            info = self._round.pop(0)
             try:
                 await self.on_exit(info)
             except Exception:  # the rest of the batch is handled; this one next round
@@ -158,16 +164,38 @@ class Supervisor:
         in a round after it, where the log's reader finds them missing or past its end). Other
         jobs' exits, and any whose handling fails, are left to the next round (one already failed
         once is tried here too)."""
-        polled = await asyncio.to_thread(self.c.launcher.poll)
-        exits, self._unhandled = self._unhandled + polled, []
-        mine = [e for e in exits if split_lid(e.member_id)[0] == job.job_id]
-        self._unhandled += [e for e in exits if split_lid(e.member_id)[0] != job.job_id]
+        try:
+            polled = await self._poll()
+        except Exception:  # (the members are stopped all the same; the next round polls again)
+            log.exception("job %s: exits not polled at its stop: left to the next round", job.job_id)
+            return
+        self._unhandled += polled
+        # Its exits waiting anywhere: polled now, left to be retried, or polled by a round whose
+        # handling of an earlier exit is what stops the job (they would be logged after the end).
+        mine = [e for e in self._round + self._unhandled if split_lid(e.member_id)[0] == job.job_id]
+        self._round = [e for e in self._round if e not in mine]
+        self._unhandled = [e for e in self._unhandled if e not in mine]
         for info in mine:
             try:
                 await self.on_exit(info)
             except Exception:
                 log.exception("exit of %s not handled at its job's stop: tried again next round", info.member_id)
                 self._unhandled.append(info)
+
+    async def _newest_trained(self, job: JobRun) -> int:
+        """The newest step any gang of ``job`` recorded trained (the fenced trained log, written
+        before a commit is announced: the commit may not have reached this controller yet), or
+        the newest commit heard where Redis cannot be read."""
+        try:
+            return max(job.committed_step, await BatchStore(self.c.redis, job.job_id).newest_trained(0))
+        except TransportError as exc:
+            log.warning("job %s: trained log not read (%s): the newest commit heard is taken", job.job_id, exc)
+            return job.committed_step
+
+    async def _poll(self) -> list[ExitInfo]:
+        """The launcher's new exits; one poll at a time (a stop's and a round's)."""
+        async with self._polling:
+            return await asyncio.to_thread(self.c.launcher.poll)
 
     async def on_exit(self, info: ExitInfo) -> None:
         job_id, member_id = split_lid(info.member_id)
@@ -191,7 +219,11 @@ class Supervisor:
                 "exited_at": info.exited_at, "before_hello": before_hello})
             seen["logged"] = True
         if not expected and not seen.get("crashed"):
-            await self._crashed(job, m, info, before_hello, seen)
+            # Not within a stop of its job: one judged unexpected whose handling failed once, tried
+            # again by the stop (perhaps under the recovery lock, which ``_fail_job`` takes), is
+            # logged only: a job ending needs no recovery.
+            if not job.closing:
+                await self._crashed(job, m, info, before_hello, seen)
             seen["crashed"] = True
         # Handled here: the detector forgets the member instead of reporting it once more.
         await self.c.bus.publish(subject(job.job_id, Verb.EXIT, member_id), MemberExited(
@@ -212,16 +244,19 @@ class Supervisor:
                 job.failed_start(m)
                 tail = self.c.starter.log_tail(job, m.member_id)
                 evidence = f"{evidence} before its hello" + (f"; last output:\n{tail}" if tail else "")
-            if m.role == "trainer" and info.returncode == EXIT_DIVERGED:
-                # Judged once, as first seen: an earlier gang diverged with no step committed since?
-                # (another rank of the same gang is the same divergence)
+            diverged = m.role == "trainer" and info.returncode == EXIT_DIVERGED
+            if diverged:
+                trained = await self._newest_trained(job)
                 before = job.diverged_at
-                seen["diverged_again"] = (before is not None and before[0] == job.committed_step
-                                          and before[1] != m.epoch)
-                job.diverged_at = (job.committed_step, m.epoch)
+                # Judged once, as first seen: an earlier gang diverged with no step trained since?
+                # (Not another rank of the same gang, nor a rank kept for the next gang that exits
+                # before its hello there: the same divergence.)
+                seen["diverged_again"] = (before is not None and before[0] == trained and before[1] != m.epoch
+                                          and not before_hello)
+                job.diverged_at = (trained, m.epoch)
                 evidence = (f"training diverged (a loss or gradient norm not finite; exit code {EXIT_DIVERGED}) "
-                            f"after step {job.committed_step} was committed")
-            seen["fault"] = exit_fault(job, m, info, evidence)
+                            f"after step {trained} was trained")
+            seen["fault"] = exit_fault(job, m, info, evidence, DIVERGED if diverged else None)
         fault: FaultReport = seen["fault"]
         evidence, slot = fault.evidence, (m.role, m.index)
         if not seen.get("fault_logged"):
@@ -234,9 +269,9 @@ class Supervisor:
             reason = ("the trainer found committed steps that no checkpoint can reproduce (checkpoint lost); "
                       "training on would rewrite the job's history" + (f"; last output:\n{tail}" if tail else ""))
         elif seen.get("diverged_again"):
-            reason = (f"training diverged again after step {job.committed_step} with no step committed since the "
-                      f"restart from the newest checkpoint: not a machine fault (the data, the model or the "
-                      f"settings); each restart would end the same way")
+            reason = (f"training diverged again after step {job.diverged_at[0] if job.diverged_at else '?'} with "
+                      f"no step trained since the restart from the newest checkpoint: not a machine fault (the "
+                      f"data, the model or the settings); each restart would end the same way")
         elif failures >= STARTUP_FAILURES_MAX:
             reason = (f"{m.role} slot {m.index} failed to start {failures} times in a row (the last: it "
                       f"exited before its hello): it cannot start. {evidence}")

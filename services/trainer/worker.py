@@ -759,7 +759,8 @@ def run_member(ident: Identity, settings: Settings, model: torch.nn.Module | Non
         log.critical("trainer cannot start: %s", exc)
         _exit_now(EXIT_CHECKPOINT_LOST)
     except TrainingDiverged as exc:
-        # Before the gang-broke handling below (a RuntimeError): no hand-off keeps this rank.
+        # Before the gang-broke handling below (a RuntimeError): the controller keeps no rank of a
+        # diverged gang (``decide.may_keep``); its next gang loads the newest checkpoint.
         log.critical("trainer stopped: %s", exc)
         _exit_now(EXIT_DIVERGED)
     except StaleEpoch as exc:
