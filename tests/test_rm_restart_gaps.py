@@ -216,11 +216,11 @@ async def _superset(found, want: set) -> bool:  # type: ignore[no-untyped-def]
 
 
 async def test_a_step_generated_again_after_its_hand_over_is_a_new_batch_ready(servers):
-    """A ``restart_step`` that cancels a step's task after its batch was stored and announced (the
-    batch is deleted, the step generated again) hands over a new batch with the same episode ids
-    (they are the step's). Keyed by the episode ids alone, its ``batch_ready`` was taken for the
-    first one's duplicate (JetStream's 2-minute window) and never stored. The same stored batch
-    announced again (a later life) is still stored once."""
+    """A step generated again after its hand-over (a ``restart_step`` did that until it kept a
+    handed step: ``test_a_step_handed_over_as_its_restart_comes_is_kept_as_handed``) hands over
+    a new batch with the same episode ids (they are the step's). Keyed by the episode ids alone,
+    its ``batch_ready`` was taken for the first one's duplicate (JetStream's 2-minute window) and
+    never stored. The same stored batch announced again (a later life) is still stored once."""
     async with Harness(servers, rm_spec("twice", steps=2)) as h:
         await h.replica("r0", version=0)
         await h.start_rm()
@@ -575,3 +575,50 @@ async def test_a_batch_stored_by_a_request_manager_killed_right_after_has_its_ba
 
         logged = await eventually_async(step0, timeout=20, what="step 0's batch_ready in the log")
         assert len(logged) == 1, logged  # (stored once: the next life's recovery is its duplicate)
+
+
+async def test_a_step_handed_over_as_its_restart_comes_is_kept_as_handed(servers):
+    """A whole-job restart's ``restart_step`` that comes once the step's batch is stored (with its
+    event), its announcement still under way: the trainer may already have the batch (it asks for
+    it too) and trained it. Before, the restart deleted the batch and cleared its episodes, and
+    generated the step again: the trained record named episodes whose turns were not the ones
+    trained (an outside review). Now the handed step is kept as it was and the next is the one
+    restarted. Judged from raw Redis (the batch and episode records, byte for byte) and the log."""
+    async with Harness(servers, rm_spec("handedrestart", steps=2)) as h:
+        await h.replica("r0", version=0)
+        await h.start_rm()
+        assert h.rm_bus is not None
+        batch_subject, held, real_publish = subject(h.job_id, Verb.BATCH), asyncio.Event(), h.rm_bus.publish
+
+        async def publish(subj: str, msg: Any, *a: Any, **kw: Any) -> Any:
+            if subj == batch_subject:
+                held.set()
+                await asyncio.Event().wait()  # the announcement never ends: the restart cancels it
+            return await real_publish(subj, msg, *a, **kw)
+
+        h.rm_bus.publish = publish  # type: ignore[method-assign]
+        await asyncio.wait_for(held.wait(), 30)  # (no event to wait on but this one)
+        batch_key = Keys.batch(h.job_id, 0)
+        before = await h.redis.get(batch_key)
+        ids = await h.episodes.step_episode_ids(0)
+        episodes_before = {i: await h.redis.get(Keys.episode(h.job_id, i)) for i in ids}
+        assert before is not None and len(ids) == 4 and all(episodes_before.values())
+        subj = subject(h.job_id, Verb.CONTROL, "request_manager")
+        await h.bus.request(subj, ControlCommand(job_id=h.job_id, target="request_manager", action="restart_step",
+                                                 args={"fault_id": "handed-f1"}, fence=1), ControlCommand, timeout=10)
+        assert await h.redis.get(batch_key) == before  # kept, byte for byte
+        assert {i: await h.redis.get(Keys.episode(h.job_id, i)) for i in ids} == episodes_before
+        h.rm_bus.publish = real_publish  # type: ignore[method-assign]
+        await h.commit(0)  # the trainer trained it
+        await h.bus.request(subj, ControlCommand(job_id=h.job_id, target="request_manager", action="resume",
+                                                 args={"start_step": 1, "committed": 0}, fence=1),
+                            ControlCommand, timeout=5)
+        new = await h.replica("r1", version=1)  # (the restart replaced every replica)
+        await new.announce()
+        await eventually_async(lambda: h.batches.get(1), timeout=30, what="step 1 handed over after the restart")
+        assert await h.redis.get(batch_key) == before
+        [lost] = await eventually_async(lambda: _events_for(h, "work_lost", "handed-f1"), timeout=20,
+                                        what="the restart's work_lost")
+        assert lost["episodes"] == 0, lost  # nothing of the handed step was dropped
+        step0 = [e for e in await h.events("batch_ready") if e["step"] == 0]
+        assert len(step0) == 1, step0

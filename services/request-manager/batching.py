@@ -460,9 +460,14 @@ class JobRunner:
                 # The trainer must have committed step k - 1 - staleness (bounded lag between rollout
                 # and training); a trainer that stops committing is the detector's to report.
                 await self._wait_committed(step - 1 - self.spec.staleness)
+                if self.step != step:  # a restart_step moved on from a step handed over meanwhile
+                    _cancelled(watch)
+                    watch = None
+                    continue
                 if watch is None:  # the step's first attempt (or its first since a restart_step)
                     watch = asyncio.create_task(self._watch(step, time.monotonic()))
                     self._step_failures, self._step_error, self._first_failed_at = 0, "", 0.0
+                epoch = self.step_epoch
                 self._step_task = asyncio.create_task(self.run_step(step))
                 try:
                     await self._step_task
@@ -491,6 +496,8 @@ class JobRunner:
                 # there was reported as this step stuck; an outside review found it).
                 _cancelled(watch)
                 watch = None
+                if self.step_epoch != epoch:
+                    continue  # a restart_step came as the step ended: it decided the step (handed)
                 self.step += 1
         finally:
             _cancelled(watch)
@@ -512,11 +519,23 @@ class JobRunner:
                 self._restart_unlogged = None
             return
         self.paused = True
-        lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")
+        # At once, before any await: a step task that ends now is not counted handed by ``run``
+        # (this decides the step).
+        self.step_epoch += 1
         if not await cancel_and_wait(self._step_task, STOP_WAIT_S, STOP_ATTEMPTS):
             log.error("job %s: step %d's task did not end %d s after its cancellations", self.job_id, self.step,
                       STOP_ATTEMPTS * STOP_WAIT_S)
         self.dispatcher.reset()
+        if await self.batches.get(self.step) is not None:
+            # Handed over before the cancel took (its batch and event stored together): the trainer
+            # may have taken and trained it. Deleted and generated again, the trained record named
+            # episodes whose turns were no longer the ones trained (an outside review). It stays
+            # as handed; the step restarted is the next one.
+            log.warning("job %s: step %d was handed over as its restart came: kept, step %d restarted",
+                        self.job_id, self.step, self.step + 1)
+            self.step += 1
+            self._current = []
+        lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")
         ids = await self.store.step_episode_ids(self.step)
         # The batch first (a batch handed over mid-restart must not survive): killed between the
         # two, the episodes cleared first left a stored batch naming episodes that no longer
@@ -525,7 +544,6 @@ class JobRunner:
         await self.batches.delete(self.step)
         await self.dispatches.forget(ids)
         n = await self.store.clear_step(self.step)
-        self.step_epoch += 1
         self._current = []
         self.episodes.finished.clear()
         self.restarted_for = fault_id
