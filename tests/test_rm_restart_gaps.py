@@ -562,12 +562,15 @@ async def test_a_batch_stored_by_a_request_manager_killed_right_after_has_its_ba
         await eventually_async(lambda: len(rep.received) >= 4, timeout=30, what="step 0 dispatched")
         assert h.rm_redis is not None
         written = _freeze_after_batch_write(h.rm_redis, Keys.batch(h.job_id, 0))
+        _jetstream_refuses(h)  # (this life appends nothing itself: the outbox is what is left)
         rep.hold = lambda msg: False
         await rep.release()
         await asyncio.wait_for(written.wait(), 30)  # (no event to wait on but this one)
         await h.kill_rm()
         raw = await h.redis.get(Keys.batch(h.job_id, 0))
         assert raw is not None and json.loads(raw)["step"] == 0  # the batch is stored
+        assert [e["event"]["data"]["step"] for e in await _outbox(h) if e["event"]["kind"] == "batch_ready"] == [0]
+        assert not [e for e in await h.events("batch_ready") if e["step"] == 0]
         await h.commit(0)  # the trainer took it and trained it
         await h.start_rm()  # resumes at step 1
         async def step0() -> list[dict]:
@@ -622,3 +625,39 @@ async def test_a_step_handed_over_as_its_restart_comes_is_kept_as_handed(servers
         assert lost["episodes"] == 0, lost  # nothing of the handed step was dropped
         step0 = [e for e in await h.events("batch_ready") if e["step"] == 0]
         assert len(step0) == 1, step0
+
+
+async def test_a_restart_reaching_a_new_life_keeps_every_step_handed_ahead_of_the_trainer(servers):
+    """Async, staleness 2: steps 0 and 1 handed over, step 2 under way, nothing committed; the
+    request manager is killed and the whole-job restart's ``restart_step`` reaches its next life,
+    whose runner starts at the controller's step (0). Keeping only the runner's own step, the
+    restart deleted step 1's handed batch (an outside review). Every handed step is kept; the
+    first one not handed is restarted. Judged from raw Redis."""
+    spec = {**rm_spec("aheadrestart", steps=4), "mode": "async", "staleness": 2}
+    async with Harness(servers, spec) as h:
+        rep = await h.replica("r0", version=0)
+        rep.hold = lambda msg: msg.episode_id.startswith("s2-")  # step 2 never finishes
+        await h.start_rm()
+        await eventually_async(lambda: h.batches.get(1), timeout=30, what="steps 0 and 1 handed over")
+        await eventually_async(lambda: rep.held and h.episodes.step_episode_ids(2), timeout=30,
+                               what="step 2 under way")
+        kept = {s: await h.redis.get(Keys.batch(h.job_id, s)) for s in (0, 1)}
+        assert all(kept.values())
+        await h.kill_rm()
+        await h.start_rm(send_resume=False)
+        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="restart_step",
+                             args={"fault_id": "ahead-f1"}, fence=1)
+        subj = subject(h.job_id, Verb.CONTROL, "request_manager")
+        for _attempt in range(10):  # the controller's retries (the new life may wait for its spec)
+            try:
+                await h.bus.request(subj, cmd, ControlCommand, timeout=4)
+                break
+            except RequestTimeout:
+                continue
+        else:
+            raise AssertionError("restart_step never acknowledged")
+        assert {s: await h.redis.get(Keys.batch(h.job_id, s)) for s in (0, 1)} == kept
+        assert await h.episodes.step_episode_ids(2) == []  # the step under way is restarted
+        [lost] = await eventually_async(lambda: _events_for(h, "work_lost", "ahead-f1"), timeout=20,
+                                        what="the restart's work_lost")
+        assert lost["episodes"] > 0, lost

@@ -450,6 +450,7 @@ class JobRunner:
     async def run(self) -> None:
         """Sync/semi-sync/async loop: step k starts once its weights are available (staleness bound)."""
         watch: asyncio.Task[None] | None = None  # the current step's deadline, from its first attempt
+        watch_epoch = self.step_epoch  # (the restart count it was started under)
         try:
             try:  # events a previous request manager acknowledged and did not append: first
                 await self.events.recover()
@@ -464,8 +465,11 @@ class JobRunner:
                     _cancelled(watch)
                     watch = None
                     continue
+                if watch is not None and watch_epoch != self.step_epoch:
+                    _cancelled(watch)  # a restart_step during a failed attempt's pause: a new first attempt
+                    watch = None
                 if watch is None:  # the step's first attempt (or its first since a restart_step)
-                    watch = asyncio.create_task(self._watch(step, time.monotonic()))
+                    watch, watch_epoch = asyncio.create_task(self._watch(step, time.monotonic())), self.step_epoch
                     self._step_failures, self._step_error, self._first_failed_at = 0, "", 0.0
                 epoch = self.step_epoch
                 self._step_task = asyncio.create_task(self.run_step(step))
@@ -526,13 +530,17 @@ class JobRunner:
             log.error("job %s: step %d's task did not end %d s after its cancellations", self.job_id, self.step,
                       STOP_ATTEMPTS * STOP_WAIT_S)
         self.dispatcher.reset()
-        if await self.batches.get(self.step) is not None:
-            # Handed over before the cancel took (its batch and event stored together): the trainer
-            # may have taken and trained it. Deleted and generated again, the trained record named
-            # episodes whose turns were no longer the ones trained (an outside review). It stays
-            # as handed; the step restarted is the next one.
-            log.warning("job %s: step %d was handed over as its restart came: kept, step %d restarted",
-                        self.job_id, self.step, self.step + 1)
+        while self.step < self.spec.steps and (handed := await self.batches.get(self.step)) is not None:
+            # Handed over before the cancel took (its batch and event stored together), or by an
+            # earlier life, ahead of this runner's start (async: several steps ahead of the
+            # trainer): the trainer may have taken and trained it. Deleted and generated again,
+            # the trained record named episodes whose turns were no longer the ones trained (an
+            # outside review). It stays as handed (its event given again under its own message id:
+            # a cancel during the hand-over's write left it in the outbox, not queued); the step
+            # restarted is the first not handed.
+            log.warning("job %s: step %d was handed over as its restart came: kept", self.job_id, self.step)
+            await self._batch_event(BatchReady(job_id=self.job_id, step=handed.step, episode_ids=handed.episode_ids,
+                                               reward_mean=handed.reward_mean, timings=handed.timings))
             self.step += 1
             self._current = []
         lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")
