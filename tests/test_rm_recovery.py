@@ -129,8 +129,9 @@ def test_request_manager_killed_mid_step_resumes_the_step_without_rerunning_fini
 
 
 def test_redis_memory_stays_flat_over_a_long_job(api, infra):
-    # Flat after warm-up, against the sample at step 10 (each taken when its step's batch appears):
-    # a key left behind per step is 50 keys more here, bytes alone must pass 1.5x (~250 B a step).
+    # Flat after warm-up, against the samples from step 10 on (each taken when its step's batch
+    # appears): a key left behind per step is 50 keys more here; bytes left behind, ~200 B a step
+    # would pass the floor's 1.2x.
     # Issue 9's 200-step job, with its slope, is the benchmark's (bench/redis_memory.py).
     steps, warm = 60, 10
     jid = api.submit(small_job("rmflat", steps=steps))["job_id"]
@@ -139,8 +140,17 @@ def test_redis_memory_stays_flat_over_a_long_job(api, infra):
     _full_batches(obs, status["committed_step"], 16)
     warm_bytes, warm_keys = obs.memory[warm]
     later = {k: v for k, v in obs.memory.items() if k >= warm}
-    peak_step = max(later, key=lambda k: later[k][0])
-    print(f"redis bytes of job {jid}: step {warm} {warm_bytes} B / {warm_keys} keys; "
-          f"peak after warm-up step {peak_step} {later[peak_step][0]} B; last step {max(later)} {later[max(later)][0]} B")
-    assert later[peak_step][0] <= 1.5 * warm_bytes, later
+
+    def floor(lo: int, hi: int) -> int:
+        """The fewest bytes sampled over steps [lo, hi): what stays, without a passing backlog."""
+        return min(b for s, (b, _) in obs.memory.items() if lo <= s < hi)
+
+    # Bytes judged by their floor over ten steps, early and late: a sample's bytes swing with what
+    # is in flight as it is taken (events still in the outboxes while JetStream lags under load;
+    # a single early sample at a low point failed a CI-like run at 1.76x, with 58 keys
+    # throughout). Something left behind every step raises the floor; a backlog does not.
+    early, late = floor(warm, warm + 10), floor(steps - 10, steps)
+    print(f"redis bytes of job {jid}: step {warm} {warm_bytes} B / {warm_keys} keys; floor over steps "
+          f"{warm}-{warm + 9} {early} B, over steps {steps - 10}-{steps - 1} {late} B")
+    assert late <= 1.2 * early, later
     assert max(n for _, n in later.values()) <= 1.5 * warm_keys, later
