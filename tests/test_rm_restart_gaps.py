@@ -53,14 +53,7 @@ async def test_a_command_before_the_runner_exists_is_carried_out_or_left_unackno
         assert await _turns_saved(h, 0) == 2  # nothing done, and nothing said done
         h.answer_spec = True
         rep.hold = lambda msg: False
-        for _attempt in range(10):  # the controller's retries
-            try:
-                await h.bus.request(subj, cmd, ControlCommand, timeout=4)
-                break
-            except RequestTimeout:
-                continue
-        else:
-            raise AssertionError("restart_step never acknowledged once the spec came")
+        await _until_acknowledged(h, cmd, "restart_step never acknowledged once the spec came")
         # Acknowledged: the step was restarted (its saved turns gone, raw) and its loss logged.
         assert await _turns_saved(h, 0) == 0
         lost = await eventually_async(
@@ -74,6 +67,18 @@ async def test_a_command_before_the_runner_exists_is_carried_out_or_left_unackno
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the restart")
         eps = await h.episodes.get_many(h.batches[0].episode_ids)
         assert len(eps) == 4 and all(e.status == "finished" for e in eps)
+
+
+async def _until_acknowledged(h: Harness, cmd: ControlCommand, never: str) -> None:
+    """Send ``cmd`` to the request manager as the controller does: again until it is acknowledged."""
+    subj = subject(h.job_id, Verb.CONTROL, "request_manager")
+    for _attempt in range(10):
+        try:
+            await h.bus.request(subj, cmd, ControlCommand, timeout=4)
+            return
+        except RequestTimeout:
+            continue
+    raise AssertionError(never)
 
 
 async def _events_for(h: Harness, kind: str, fault_id: str) -> list[dict]:
@@ -647,15 +652,7 @@ async def test_a_restart_reaching_a_new_life_keeps_every_step_handed_ahead_of_th
         await h.start_rm(send_resume=False)
         cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="restart_step",
                              args={"fault_id": "ahead-f1"}, fence=1)
-        subj = subject(h.job_id, Verb.CONTROL, "request_manager")
-        for _attempt in range(10):  # the controller's retries (the new life may wait for its spec)
-            try:
-                await h.bus.request(subj, cmd, ControlCommand, timeout=4)
-                break
-            except RequestTimeout:
-                continue
-        else:
-            raise AssertionError("restart_step never acknowledged")
+        await _until_acknowledged(h, cmd, "restart_step never acknowledged")  # (the new life may wait for its spec)
         assert {s: await h.redis.get(Keys.batch(h.job_id, s)) for s in (0, 1)} == kept
         assert await h.episodes.step_episode_ids(2) == []  # the step under way is restarted
         [lost] = await eventually_async(lambda: _events_for(h, "work_lost", "ahead-f1"), timeout=20,
