@@ -150,6 +150,40 @@ async def test_a_failed_step_stops_every_episode_before_retrying_and_runs_none_t
             assert ep.status == "finished" and sum(t.role == "assistant" for t in ep.turns) == 1
 
 
+async def test_replies_that_come_between_a_failed_attempt_and_its_retry_are_applied_not_asked_again(servers):
+    """A step attempt fails (Redis trouble) with three turns in flight; their replies come after
+    the attempt let its turns go and before the retry adopts them. They were dropped as late, and
+    each adopted turn waited until its replica was idle and was then generated again (three turns
+    asked for twice). Now such a reply is kept and the adopting turn takes it: every turn asked
+    for once. Judged from the requests the replica received and raw Redis."""
+    async with Harness(servers, rm_spec("between")) as h:
+        a = await h.replica("rollout-0-i0")
+        a.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: len(a.held) == 4, timeout=20, what="4 turns in flight")
+        ids = sorted(m.episode_id for m in a.held)
+        await h.redis.set(Keys.step_episodes(h.job_id, 0), b"broken")  # (as in the test above)
+        first = a.held.pop(0)
+        mark = len(h.rm_samples)
+        await a.answer(first)
+        await eventually_async(lambda: _finished(h, first.episode_id), timeout=10, what="first episode saved")
+        await h.redis.delete(Keys.step_episodes(h.job_id, 0))
+        await h.redis.sadd(Keys.step_episodes(h.job_id, 0), *ids)
+        await eventually_async(lambda: any(s.inflight == 0 for s in h.rm_samples[mark:]), timeout=10,
+                               what="every sibling episode stopped")
+        a.hold = lambda msg: False
+        assert len(await a.release()) == 3  # before the retry (STEP_RETRY_S later) adopts them
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the retry")
+        assert max(_per_turn(h).values()) == 1, _per_turn(h)
+        for ep in await h.episodes.get_many(ids):
+            assert ep.status == "finished" and sum(t.role == "assistant" for t in ep.turns) == 1
+        async def kept() -> list[dict]:  # (logged in the background)
+            found = [e for e in await h.events("turn_dropped") if e.get("kept_for_adoption")]
+            return found if len(found) >= 3 else []
+
+        assert len(await eventually_async(kept, timeout=10, what="three replies kept for adoption")) == 3
+
+
 async def _finished(h: Harness, episode_id: str) -> bool:
     ep = await h.episodes.get(episode_id)
     return ep is not None and ep.status == "finished"

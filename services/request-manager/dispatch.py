@@ -13,7 +13,9 @@ The one home of the dispatch rules:
 * a replica declared dead, or silent past the liveness window, fails its turns at once;
 * work is idempotent by (episode, turn number): a reply is applied only while its request is the
   episode's current one; a late reply for a turn already applied or re-dispatched is dropped
-  (``turn_dropped`` event), never applied twice;
+  (``turn_dropped`` event), never applied twice; one that came while its turn was pending
+  nowhere (an attempt that failed let its turns go) is kept (``kept_for_adoption``): the retry's
+  adoption of that turn applies it, once;
 * each dispatch is recorded in Redis until its turn is applied, so a restarted request manager (or
   a retried step) *adopts* a turn whose replica still works on it instead of generating it again,
   and re-dispatches only turns with no live owner (owner gone, or idle with the reply lost);
@@ -55,6 +57,8 @@ POLL_S = 0.5
 """How often a turn in flight checks that its owner is still live."""
 ADOPT_WAIT_S = 2.0
 """How long a resumed step waits to hear from the owner of a turn dispatched before it resumed."""
+UNCLAIMED_MAX = 4096
+"""Replies kept that came for no pending turn (``Dispatcher.unclaimed``), the oldest dropped past it."""
 TIMEOUTS_BEFORE_FAULT = 3
 """Turn deadlines passed in a row, with no reply in between, before a replica is reported."""
 REFUSED_BEFORE_FAULT = 3
@@ -154,6 +158,11 @@ class Dispatcher:
         self.dead: set[str] = set()  # member ids are per incarnation: a dead one never comes back
         self.pending: dict[str, Pending] = {}
         self.adoptable: dict[str, dict[str, Any]] = {}  # episode id -> dispatch record of a past life
+        self.unclaimed: dict[str, TurnResult] = {}
+        """request id -> a reply that came while its turn was pending nowhere (a step attempt that
+        failed had let its turns go; the retry adopts them from their dispatch records): the
+        adopting turn takes it instead of waiting for a reply that has come and gone (and then
+        generating the turn again once its replica is idle). In arrival order, ``UNCLAIMED_MAX``."""
         self.waiting = 0  # turns waiting for a replica that can take them
         self.stats = {"redispatched": 0, "late_dropped": 0, "tokens_regenerated": 0, "turn_timeouts": 0,
                       "events_unsent": 0, "rejected": 0, "diagnostics_counted": 0}
@@ -233,6 +242,7 @@ class Dispatcher:
                 pend.future.cancel()
         self.pending.clear()
         self.adoptable.clear()
+        self.unclaimed.clear()
         self.step = 0  # (the restart may go back to an earlier step)
         self.dead.update(self.replicas)
         self.replicas.clear()
@@ -256,9 +266,14 @@ class Dispatcher:
             # from the replica the turn was sent to, or from one declared dead (its turns were
             # re-dispatched): never applied (an outside review found both were).
             self.stats["late_dropped"] += 1
+            kept = pend is None and rep is not None  # (its turn may be adopted by a retried attempt)
+            if kept:
+                self.unclaimed[msg.request_id] = msg
+                while len(self.unclaimed) > UNCLAIMED_MAX:
+                    del self.unclaimed[next(iter(self.unclaimed))]
             self._emit_later("turn_dropped", {
                 "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id,
-                "tokens": len(msg.token_ids)}, msg.request_id)
+                "tokens": len(msg.token_ids), "kept_for_adoption": kept}, msg.request_id)
             return
         pend.future.set_result(msg)
         self.changed.set()
@@ -493,6 +508,10 @@ class Dispatcher:
                        self.bus.disconnects, not self.bus.connected, min_version)
         self.pending[request_id] = pend
         self.replicas.setdefault(member_id, Replica(member_id)).inflight.add(request_id)
+        came = self.unclaimed.pop(request_id, None) if adopted else None
+        if came is not None and came.member_id == member_id and came.episode_id == ep.episode_id \
+                and member_id not in self.dead:
+            fut.set_result(came)  # its reply came while no attempt waited for it
         return pend
 
     def _forget(self, pend: Pending) -> None:
