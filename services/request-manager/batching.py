@@ -545,8 +545,9 @@ class JobRunner:
             self._current = []
         lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")
         ids = await self.store.step_episode_ids(self.step)
-        # The batch first (a batch handed over mid-restart must not survive): killed between the
-        # two, the episodes cleared first left a stored batch naming episodes that no longer
+        # The batch first (none is stored now, but a hand-over's write the cancel cut short may
+        # land on the server after the look above: a narrow window, not closed): killed between
+        # the two, the episodes cleared first left a stored batch naming episodes that no longer
         # exist, which the next life announced again and the trainer failed on (an outside
         # review; untested: no test kills the request manager between these writes).
         await self.batches.delete(self.step)
