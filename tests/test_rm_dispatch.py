@@ -150,12 +150,16 @@ async def test_a_failed_step_stops_every_episode_before_retrying_and_runs_none_t
             assert ep.status == "finished" and sum(t.role == "assistant" for t in ep.turns) == 1
 
 
-async def test_replies_that_come_between_a_failed_attempt_and_its_retry_are_applied_not_asked_again(servers):
+async def test_replies_that_come_between_a_failed_attempt_and_its_retry_are_applied_not_asked_again(
+        servers, monkeypatch):
     """A step attempt fails (Redis trouble) with three turns in flight; their replies come after
     the attempt let its turns go and before the retry adopts them. They were dropped as late, and
     each adopted turn waited until its replica was idle and was then generated again (three turns
     asked for twice). Now such a reply is kept and the adopting turn takes it: every turn asked
-    for once. Judged from the requests the replica received and raw Redis."""
+    for once. Judged from the requests the replica received, raw Redis and the log."""
+    from robustrl.services.request_manager import batching
+
+    monkeypatch.setattr(batching, "STEP_RETRY_S", 5.0)  # (the replies come in this pause, on a loaded machine too)
     async with Harness(servers, rm_spec("between")) as h:
         a = await h.replica("rollout-0-i0")
         a.hold = lambda msg: True
@@ -175,8 +179,12 @@ async def test_replies_that_come_between_a_failed_attempt_and_its_retry_are_appl
         assert len(await a.release()) == 3  # before the retry (STEP_RETRY_S later) adopts them
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the retry")
         assert max(_per_turn(h).values()) == 1, _per_turn(h)
+        held = {m.episode_id: m.request_id for m in a.received if m.episode_id != first.episode_id}
         for ep in await h.episodes.get_many(ids):
             assert ep.status == "finished" and sum(t.role == "assistant" for t in ep.turns) == 1
+            if ep.episode_id in held:  # the very reply to the request the failed attempt let go
+                assert [t.request_id for t in ep.turns if t.role == "assistant"] == [held[ep.episode_id]]
+
         async def kept() -> list[dict]:  # (logged in the background)
             found = [e for e in await h.events("turn_dropped") if e.get("kept_for_adoption")]
             return found if len(found) >= 3 else []

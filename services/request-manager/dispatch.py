@@ -162,7 +162,9 @@ class Dispatcher:
         """request id -> a reply that came while its turn was pending nowhere (a step attempt that
         failed had let its turns go; the retry adopts them from their dispatch records): the
         adopting turn takes it instead of waiting for a reply that has come and gone (and then
-        generating the turn again once its replica is idle). In arrival order, ``UNCLAIMED_MAX``."""
+        generating the turn again once its replica is idle). Only a reply to a turn an attempt let
+        go (``_let_go``: request id -> its replica and episode), once. In arrival order, ``UNCLAIMED_MAX``."""
+        self._let_go: dict[str, tuple[str, str]] = {}
         self.waiting = 0  # turns waiting for a replica that can take them
         self.stats = {"redispatched": 0, "late_dropped": 0, "tokens_regenerated": 0, "turn_timeouts": 0,
                       "events_unsent": 0, "rejected": 0, "diagnostics_counted": 0}
@@ -243,6 +245,7 @@ class Dispatcher:
         self.pending.clear()
         self.adoptable.clear()
         self.unclaimed.clear()
+        self._let_go.clear()
         self.step = 0  # (the restart may go back to an earlier step)
         self.dead.update(self.replicas)
         self.replicas.clear()
@@ -266,7 +269,9 @@ class Dispatcher:
             # from the replica the turn was sent to, or from one declared dead (its turns were
             # re-dispatched): never applied (an outside review found both were).
             self.stats["late_dropped"] += 1
-            kept = pend is None and rep is not None  # (its turn may be adopted by a retried attempt)
+            # (a turn an attempt let go: a retried attempt may adopt it)
+            kept = pend is None and rep is not None and (
+                self._let_go.pop(msg.request_id, None) == (msg.member_id, msg.episode_id))
             if kept:
                 self.unclaimed[msg.request_id] = msg
                 while len(self.unclaimed) > UNCLAIMED_MAX:
@@ -491,6 +496,13 @@ class Dispatcher:
                 fault_id = getattr(exc, "fault_id", None) or fault_id
                 avoid.add(pend.member_id)
                 continue
+            except asyncio.CancelledError:
+                # The step's attempt let the turn go (a failed sibling, a restart): its reply may
+                # still come, for a retry that adopts the turn (``unclaimed``).
+                self._let_go[pend.request_id] = (pend.member_id, pend.episode_id)
+                while len(self._let_go) > UNCLAIMED_MAX:
+                    del self._let_go[next(iter(self._let_go))]
+                raise
             finally:
                 self._forget(pend)
             if cause is not None:
