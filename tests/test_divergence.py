@@ -29,7 +29,7 @@ from robustrl.storage.objects import open_object_store
 
 pytestmark = pytest.mark.timeout(240)
 
-ONCE, ALWAYS, GANG, STEPS = "divonce", "divalways", "divgang", 3
+ONCE, ALWAYS, GANG, STEPS = "divonce", "divalways", "divgang", 2  # (it diverges at step 1)
 
 
 @pytest.fixture(scope="module")
