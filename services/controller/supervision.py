@@ -240,13 +240,14 @@ class Supervisor:
         if "fault" not in seen:
             code = "unknown code" if info.returncode is None else f"code {info.returncode}"
             evidence = f"process exited with {code} (seen by the launcher)"
+            diverged = m.role == "trainer" and info.returncode == EXIT_DIVERGED
+            # (the one await here, before anything is counted: a retry counts nothing twice)
+            trained = await self._newest_trained(job) if diverged else -1
             if before_hello:
                 job.failed_start(m)
                 tail = self.c.starter.log_tail(job, m.member_id)
                 evidence = f"{evidence} before its hello" + (f"; last output:\n{tail}" if tail else "")
-            diverged = m.role == "trainer" and info.returncode == EXIT_DIVERGED
             if diverged:
-                trained = await self._newest_trained(job)
                 before = job.diverged_at
                 # Judged once, as first seen: an earlier gang diverged with no step trained since?
                 # (Not another rank of the same gang, nor a rank kept for the next gang that exits
