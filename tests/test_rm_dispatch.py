@@ -119,26 +119,34 @@ async def test_a_stuck_step_is_a_fault_naming_its_cause(servers):
         await eventually_async(logged, timeout=10, what="every reported fault in the log")
 
 
+async def _a_step_attempt_failed_with_three_turns_in_flight(h: Harness) -> tuple[Any, list[str], Any]:
+    """Step 0's four turns held at one replica; Redis trouble mid-step (the step's episode set
+    unusable) makes the first episode that finishes fail the attempt (its own record is written,
+    the set update refused); the set is then repaired. Returns once every sibling episode has
+    stopped (none awaits a turn), the retry still to come: the replica (three turns held), the
+    step's episode ids, the request answered."""
+    a = await h.replica("rollout-0-i0")
+    a.hold = lambda msg: True
+    await h.start_rm()
+    await eventually_async(lambda: len(a.held) == 4, timeout=20, what="4 turns in flight")
+    ids = sorted(m.episode_id for m in a.held)
+    await h.redis.set(Keys.step_episodes(h.job_id, 0), b"broken")
+    first = a.held.pop(0)
+    mark = len(h.rm_samples)
+    await a.answer(first)
+    await eventually_async(lambda: _finished(h, first.episode_id), timeout=10, what="first episode saved")
+    await h.redis.delete(Keys.step_episodes(h.job_id, 0))
+    await h.redis.sadd(Keys.step_episodes(h.job_id, 0), *ids)
+    await eventually_async(lambda: any(s.inflight == 0 for s in h.rm_samples[mark:]), timeout=10,
+                           what="every sibling episode stopped")
+    return a, ids, first
+
+
 async def test_a_failed_step_stops_every_episode_before_retrying_and_runs_none_twice(servers):
     async with Harness(servers, rm_spec("retry")) as h:
-        a = await h.replica("rollout-0-i0")
-        a.hold = lambda msg: True
-        await h.start_rm()
-        await eventually_async(lambda: len(a.held) == 4, timeout=20, what="4 turns in flight")
-        ids = sorted(m.episode_id for m in a.held)
-        # Redis trouble mid-step: the step's episode set becomes unusable, so the first episode
-        # that finishes fails the step (its own record is written; the set update is refused).
-        await h.redis.set(Keys.step_episodes(h.job_id, 0), b"broken")
-        first = a.held.pop(0)
-        mark = len(h.rm_samples)
-        await a.answer(first)
-        await eventually_async(lambda: _finished(h, first.episode_id), timeout=10, what="first episode saved")
-        await h.redis.delete(Keys.step_episodes(h.job_id, 0))
-        await h.redis.sadd(Keys.step_episodes(h.job_id, 0), *ids)
-        # The failed step stopped all its episodes (none awaits a turn any more) before the retry
-        # took over the three turns still in flight at the replica.
-        await eventually_async(lambda: any(s.inflight == 0 for s in h.rm_samples[mark:]), timeout=10,
-                               what="every sibling episode stopped")
+        a, ids, _first = await _a_step_attempt_failed_with_three_turns_in_flight(h)
+        # The failed step stopped all its episodes before the retry took over the three turns
+        # still in flight at the replica.
         await eventually_async(lambda: h.rm_samples[-1].inflight == 3, timeout=10, what="the retry adopted 3 turns")
         a.hold = lambda msg: False
         await a.release()
@@ -161,20 +169,7 @@ async def test_replies_that_come_between_a_failed_attempt_and_its_retry_are_appl
 
     monkeypatch.setattr(batching, "STEP_RETRY_S", 5.0)  # (the replies come in this pause, on a loaded machine too)
     async with Harness(servers, rm_spec("between")) as h:
-        a = await h.replica("rollout-0-i0")
-        a.hold = lambda msg: True
-        await h.start_rm()
-        await eventually_async(lambda: len(a.held) == 4, timeout=20, what="4 turns in flight")
-        ids = sorted(m.episode_id for m in a.held)
-        await h.redis.set(Keys.step_episodes(h.job_id, 0), b"broken")  # (as in the test above)
-        first = a.held.pop(0)
-        mark = len(h.rm_samples)
-        await a.answer(first)
-        await eventually_async(lambda: _finished(h, first.episode_id), timeout=10, what="first episode saved")
-        await h.redis.delete(Keys.step_episodes(h.job_id, 0))
-        await h.redis.sadd(Keys.step_episodes(h.job_id, 0), *ids)
-        await eventually_async(lambda: any(s.inflight == 0 for s in h.rm_samples[mark:]), timeout=10,
-                               what="every sibling episode stopped")
+        a, ids, first = await _a_step_attempt_failed_with_three_turns_in_flight(h)
         a.hold = lambda msg: False
         assert len(await a.release()) == 3  # before the retry (STEP_RETRY_S later) adopts them
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the retry")
