@@ -144,6 +144,16 @@ def not_running(pids: dict[str, int]) -> dict[str, int]:
     return {mid: pid for mid, pid in pids.items() if not running(pid)}
 
 
+def left_alone(survivors: dict[str, int], error: BaseException | None, events: list[dict[str, Any]],
+               why: str = "") -> None:
+    """What a deposed leader's recovery must leave: every member it would have killed still runs
+    (/proc), its action ended in ``LeaseLost``, and the log has no stop or exit of them."""
+    assert not not_running(survivors), f"members killed by a deposed leader: {not_running(survivors)} {why}"
+    assert isinstance(error, LeaseLost), repr(error)
+    assert not [d for d in of_kind(events, "member_stopped") + of_kind(events, "member_exited")
+                if d["member_id"] in survivors]
+
+
 async def borrowing_job(rig: Rig, monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[Controller, JobRun]:
     """A leading controller with a job past its first step whose trainer crash is repaired by a
     new gang that keeps the other rank in place (rank 0) and borrows a rollout replica (rank 1):
@@ -229,12 +239,9 @@ async def test_a_leader_deposed_as_it_begins_a_whole_job_restart_sends_no_restar
     assert not [m for m in to_rm if m.action == "restart_step"], [(m.action, m.fence) for m in to_rm]
     assert rig.rm
     assert not [m for m in rig.rm.commands if m.job_id == job.job_id and m.action == "restart_step"]
-    assert not not_running(survivors), f"members killed by a deposed leader: {not_running(survivors)}"
-    assert isinstance(error, LeaseLost), repr(error)
     events = await logged(rig, c, job)
+    left_alone(survivors, error, events)
     assert of_kind(events, "action")[-1]["action"] == "RestartWholeJob"
-    assert not [d for d in of_kind(events, "member_stopped") + of_kind(events, "member_exited")
-                if d["member_id"] in survivors]
     assert sorted(str(d["member_id"]) for d in of_kind(events, "member_started")) == [
         "rollout-0-i0", "rollout-1-i0", "trainer-e1-r0", "trainer-e1-r1"]
     record = raw_job_record(rig.settings.redis_url, job.job_id)
@@ -275,11 +282,7 @@ async def test_a_gang_start_that_fails_after_the_leader_was_deposed_kills_nothin
     events = await logged(rig, c, job)
     borrowed = borrowed_replica(events)  # (drained before the start: the kill list is not empty)
 
-    assert not not_running(survivors), (f"members killed by a deposed leader: {not_running(survivors)} "
-                                        f"(kept trainer-e1-r1, drained {borrowed})")
-    assert isinstance(error, LeaseLost), repr(error)
-    assert not [d for d in of_kind(events, "member_stopped") + of_kind(events, "member_exited")
-                if d["member_id"] in survivors]
+    left_alone(survivors, error, events, f"(kept trainer-e1-r1, drained {borrowed})")
     assert not [d for d in of_kind(events, "member_started") if d["role"] == "trainer" and d["epoch"] != 1]
     record = raw_job_record(rig.settings.redis_url, job.job_id)
     assert not [m for m in record["members"] if m.startswith("trainer-e2")], sorted(record["members"])
@@ -313,11 +316,7 @@ async def test_a_borrowed_replica_the_request_manager_did_not_hear_is_not_killed
     events = await logged(rig, c, job)
     assert unheard == [borrowed_replica(events)]
 
-    assert not not_running(survivors), (f"members killed by a deposed leader: {not_running(survivors)} "
-                                        f"(unheard {unheard})")
-    assert isinstance(error, LeaseLost), repr(error)
-    assert not [d for d in of_kind(events, "member_stopped") + of_kind(events, "member_exited")
-                if d["member_id"] in survivors]
+    left_alone(survivors, error, events, f"(unheard {unheard})")
     assert not [d for d in of_kind(events, "member_started") if d["member_id"] not in survivors
                 and d["member_id"] != "trainer-e1-r0"]
     record = raw_job_record(rig.settings.redis_url, job.job_id)
@@ -351,13 +350,9 @@ async def test_a_replica_whose_hand_off_failed_is_not_killed_by_a_deposed_leader
     events = await logged(rig, c, job)
     assert refused == [borrowed_replica(events)]
 
-    assert not not_running(survivors), (f"members killed by a deposed leader: {not_running(survivors)} "
-                                        f"(hand-off refused {refused})")
-    assert isinstance(error, LeaseLost), repr(error)
+    left_alone(survivors, error, events, f"(hand-off refused {refused})")
     fresh = LocalLauncher(rig.log_dir, base_env={})
     assert fresh.find(launching.lid(job, "trainer-e2-r1")) is None  # no cold rank in its place
-    assert not [d for d in of_kind(events, "member_stopped") + of_kind(events, "member_exited")
-                if d["member_id"] in survivors]
     assert not [d for d in of_kind(events, "member_started") if d["member_id"] == "trainer-e2-r1"]
     record = raw_job_record(rig.settings.redis_url, job.job_id)
     assert "trainer-e2-r1" not in record["members"], sorted(record["members"])
