@@ -85,6 +85,12 @@ class _CommitClock:
     reports: int = 0
 
 
+def _announcement(batch: BatchRecord) -> BatchReady:
+    """The hand-over message of a stored (or about to be stored) batch."""
+    return BatchReady(job_id=batch.job_id, step=batch.step, episode_ids=batch.episode_ids,
+                      reward_mean=batch.reward_mean, timings=batch.timings)
+
+
 class JobRunner:
     """Drives one job's steps on the request-manager side."""
 
@@ -219,8 +225,7 @@ class JobRunner:
             # Handed over before this life (or before a retry): announce it again, generate nothing;
             # its event again too, under the same message id (the life that handed it over may have
             # died before the event reached the outbox).
-            ready = BatchReady(job_id=self.job_id, step=step, episode_ids=handed.episode_ids,
-                               reward_mean=handed.reward_mean, timings=handed.timings)
+            ready = _announcement(handed)
             await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
             await self._batch_event(ready)
             return ready
@@ -272,8 +277,7 @@ class JobRunner:
                    "generation_s": max(0.0, rollout_s - timing["tool_wait_s"] / n), "weight_sync_s": weight_sync_s}
         batch = BatchRecord(job_id=self.job_id, step=step, episode_ids=[e.episode_id for e in eps],
                             reward_mean=statistics.fmean(rewards), timings=timings)
-        ready = BatchReady(job_id=self.job_id, step=step, episode_ids=batch.episode_ids,
-                           reward_mean=batch.reward_mean, timings=timings)
+        ready = _announcement(batch)
         # The batch and its event in one transaction: killed between two writes, a request
         # manager left the batch stored without its event, and a next life resuming after the
         # step (trained meanwhile) never said it (an outside review).
@@ -539,8 +543,7 @@ class JobRunner:
             # a cancel during the hand-over's write left it in the outbox, not queued); the step
             # restarted is the first not handed.
             log.warning("job %s: step %d was handed over as its restart came: kept", self.job_id, self.step)
-            await self._batch_event(BatchReady(job_id=self.job_id, step=handed.step, episode_ids=handed.episode_ids,
-                                               reward_mean=handed.reward_mean, timings=handed.timings))
+            await self._batch_event(_announcement(handed))
             self.step += 1
             self._current = []
         lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")

@@ -146,6 +146,13 @@ class Pending:
         return self.sent_while_down or bus.disconnects != self.bus_disconnects
 
 
+def _keep(kept: dict[str, Any], key: str, value: Any) -> None:
+    """Keep ``value`` under ``key``, the oldest dropped past ``UNCLAIMED_MAX``."""
+    kept[key] = value
+    while len(kept) > UNCLAIMED_MAX:
+        del kept[next(iter(kept))]
+
+
 class Dispatcher:
     """Dispatch of one job's turns to its replicas."""
 
@@ -273,9 +280,7 @@ class Dispatcher:
             kept = pend is None and rep is not None and (
                 self._let_go.pop(msg.request_id, None) == (msg.member_id, msg.episode_id))
             if kept:
-                self.unclaimed[msg.request_id] = msg
-                while len(self.unclaimed) > UNCLAIMED_MAX:
-                    del self.unclaimed[next(iter(self.unclaimed))]
+                _keep(self.unclaimed, msg.request_id, msg)
             self._emit_later("turn_dropped", {
                 "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id,
                 "tokens": len(msg.token_ids), "kept_for_adoption": kept}, msg.request_id)
@@ -499,9 +504,7 @@ class Dispatcher:
             except asyncio.CancelledError:
                 # The step's attempt let the turn go (a failed sibling, a restart): its reply may
                 # still come, for a retry that adopts the turn (``unclaimed``).
-                self._let_go[pend.request_id] = (pend.member_id, pend.episode_id)
-                while len(self._let_go) > UNCLAIMED_MAX:
-                    del self._let_go[next(iter(self._let_go))]
+                _keep(self._let_go, pend.request_id, (pend.member_id, pend.episode_id))
                 raise
             finally:
                 self._forget(pend)
