@@ -85,6 +85,12 @@ class StaleEpoch(RobustRLError):
     over. The stale gang (``epoch``) must stop; retrying cannot help."""
 
 
+class Superseded(RobustRLError):
+    """A guarded write refused: the state it was begun under changed before it could land (a
+    request manager's hand-over overtaken by a restart of its step). Nothing of it was written;
+    retrying cannot help."""
+
+
 class WeightSyncError(RobustRLError):
     """A weight version could not be pulled or failed verification."""
 

@@ -43,7 +43,7 @@ from robustrl import subjects
 from robustrl.aio import within
 from robustrl.errors import SubjectError, TransportError
 from robustrl.event_queue import EventQueue
-from robustrl.storage.control_stores import EventOutbox, OutboxEntry
+from robustrl.storage.control_stores import EventOutbox, OutboxEntry, Writes
 from robustrl.storage.redis_stores import _call
 
 log = logging.getLogger(__name__)
@@ -126,15 +126,16 @@ class OutboxWriter:
         """Whether ``recover`` has read ``job_id``'s outbox once."""
         return job_id in self._read
 
-    async def give(self, entry: OutboxEntry, with_writes: Callable[[Any], None] | None = None) -> bool:
+    async def give(self, entry: OutboxEntry, with_writes: Writes | None = None) -> bool:
         """Save ``entry`` in its job's outbox, then queue it. Returns whether it is in the outbox
         (False, bounded mode only: Redis failed or is left alone; queued in memory only, logged).
         ``with_writes`` (strict mode only): the writes the event tells of, in the same transaction
         as its save (``EventOutbox.add``): a process killed after them cannot leave them without
-        their event.
+        their event; ``Guarded`` ones only while their guard holds.
 
         Raises:
             TransportError: strict mode, Redis failed: the event is nowhere, nor are the writes.
+            Superseded: guarded writes whose guard had moved on: the event is nowhere either.
             ValueError: ``with_writes`` in bounded mode (a failed save there is not raised).
         """
         if with_writes is not None and self._bound is not None:

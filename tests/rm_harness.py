@@ -170,12 +170,13 @@ class Harness:
         await rep.start()
         return rep
 
-    async def start_rm(self, send_resume: bool = True) -> RequestManager:
+    async def start_rm(self, send_resume: bool = True, redis_url: str | None = None) -> RequestManager:
         """A request manager process-equivalent: its own connection; finds the job by itself
         (registry) or is told ``resume``. Told to resume, it is a first start: the replicas say
-        hello and have again, as replicas starting after it would."""
+        hello and have again, as replicas starting after it would. ``redis_url``: another way to
+        the Redis server (a proxy of the test's)."""
         self.rm_bus = await Bus.connect(self.settings.nats_url, "request_manager", role="request_manager")
-        self.rm_redis = connect(self.settings.redis_url)
+        self.rm_redis = connect(redis_url or self.settings.redis_url)
         self.rm = RequestManager(self.rm_bus, self.rm_redis)
         await self.rm.start()
         self._rm_stop = asyncio.Event()

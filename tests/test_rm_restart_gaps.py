@@ -11,10 +11,12 @@ import asyncio
 import json
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from rm_harness import METRICS_S, Harness, rm_spec
 from support import eventually_async
+from tcp_hold import HoldingRelay
 
 from robustrl.errors import RequestTimeout, TransportError
 from robustrl.services.request_manager.eventlog import STOP_DRAIN_S
@@ -658,3 +660,44 @@ async def test_a_restart_reaching_a_new_life_keeps_every_step_handed_ahead_of_th
         [lost] = await eventually_async(lambda: _events_for(h, "work_lost", "ahead-f1"), timeout=20,
                                         what="the restart's work_lost")
         assert lost["episodes"] > 0, lost
+
+
+async def test_a_hand_over_the_server_runs_after_the_restart_of_its_step_writes_nothing(servers):
+    """The worst moment of a whole-job restart for the batch: the hand-over's transaction (the
+    batch and its ``batch_ready``) is on its way to Redis when ``restart_step`` cancels the step,
+    and the server runs it only after the restart has looked at what the step left and cleared
+    it (a slow server, a connection's bytes read late). Before the restart count guarded it, the
+    late transaction stored a batch naming the restarted step's deleted episodes, with its event
+    owed to the log: the trainer took a batch that no longer existed. Judged from raw Redis, after
+    the server answered the late transaction; then the step is generated again and handed over
+    once, every episode it names stored."""
+    async with Harness(servers, rm_spec("latehand", steps=1)) as h:
+        await h.replica("r0", version=0)
+        batch_key = Keys.batch(h.job_id, 0).encode()
+        url = urlsplit(servers.redis_url)
+        async with HoldingRelay((url.hostname, url.port), lambda data: b"EXEC" in data and batch_key in data) as relay:
+            await h.start_rm(redis_url=relay.url(servers.redis_url))
+            await asyncio.wait_for(relay.held.wait(), 30)  # the step's batch is on its way
+            assert await h.redis.get(batch_key) is None
+            cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="restart_step",
+                                 args={"fault_id": "late-f1"}, fence=1)
+            await _until_acknowledged(h, cmd, "restart_step never acknowledged")
+            assert await h.episodes.step_episode_ids(0) == []  # the restart cleared the step
+            relay.released.set()  # now the server runs the hand-over's transaction
+            await asyncio.wait_for(relay.answered.wait(), 10)
+            assert await h.redis.get(batch_key) is None, "a batch of the restarted step was stored"
+            owed = [json.loads(e)["event"] for e in await h.redis.lrange(Keys.rm_outbox(h.job_id), 0, -1)]
+            assert not [e for e in owed if e["kind"] == "batch_ready"], owed
+            # The controller's resume: the step is generated again and handed over once.
+            await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"),
+                                ControlCommand(job_id=h.job_id, target="request_manager", action="resume",
+                                               args={"start_step": 0, "committed": -1}, fence=1),
+                                ControlCommand, timeout=5)
+            await h.replica("r1", version=0)  # (the restart replaced every replica)
+            await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the restart")
+            stored = json.loads(await h.redis.get(batch_key))
+            assert stored["episode_ids"] == h.batches[0].episode_ids
+            eps = await h.episodes.get_many(stored["episode_ids"])
+            assert len(eps) == 4 and all(e is not None and e.status == "finished" for e in eps)
+            ready = await eventually_async(lambda: h.events("batch_ready"), timeout=20, what="step 0's batch_ready")
+            assert [e["reward_mean"] for e in ready] == [stored["reward_mean"]], ready

@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from redis.exceptions import RedisError, WatchError
 
+from robustrl.errors import Superseded, TransportError
 from robustrl.messages import Event
 from robustrl.storage.redis_stores import Keys, _call
 
@@ -31,6 +34,28 @@ class OutboxEntry(BaseModel):
     event: Event
 
 
+GUARD_TRIES = 5
+"""Attempts at a guarded save whose watch broke with the guard unchanged (a connection error
+while watching breaks it too)."""
+
+
+@dataclass(frozen=True)
+class Guarded:
+    """Writes saved with an event only while ``key`` holds ``expected`` (as GET returns it: None
+    for no key) from before the transaction is sent until it runs (WATCH). A writer that moves
+    the guard on (INCR) before it looks at what those writes would leave is sure that a
+    transaction sent earlier and run late by the server, after its sender was cancelled, writes
+    nothing (``Superseded``)."""
+
+    key: str
+    expected: bytes | None
+    writes: Callable[[Any], None]
+
+
+Writes = Callable[[Any], None] | Guarded
+"""What ``EventOutbox.add`` saves in its event's transaction."""
+
+
 class EventOutbox:
     """One job's events owed to its log (a Redis list under ``key``), oldest first, each kept until
     JetStream has stored it."""
@@ -40,22 +65,52 @@ class EventOutbox:
         self.job_id = job_id
         self.key = key
 
-    async def add(self, entry: OutboxEntry, with_writes: Callable[[Any], None] | None = None) -> str:
+    async def add(self, entry: OutboxEntry, with_writes: Writes | None = None) -> str:
         """Append ``entry``; return its stored text (what ``remove`` takes). A plain RPUSH: one
         Redis carried out whose reply was lost (a restart after its AOF write, a stall past the
         socket timeout) is sent again by the client's retry layer, so the outbox may hold two
         byte-identical copies of the entry (one event, one message id): ``remove`` takes both.
         ``with_writes``: adds the writes the event tells of to the same transaction (MULTI/EXEC),
-        so that both land or neither does (idempotent writes: a retry does them again)."""
+        so that both land or neither does (idempotent writes: a retry does them again); a
+        ``Guarded`` one, only while its guard holds.
+
+        Raises:
+            Superseded: the guard had moved on: nothing was saved.
+            TransportError: Redis failed.
+        """
         text = entry.model_dump_json()
         if with_writes is None:
             await _call(self.r.rpush(self.key, text), self.key)
+            return text
+        if isinstance(with_writes, Guarded):
+            await self._add_guarded(text, with_writes)
             return text
         pipe = self.r.pipeline(transaction=True)
         with_writes(pipe)
         pipe.rpush(self.key, text)
         await _call(pipe.execute(), self.key)
         return text
+
+    async def _add_guarded(self, text: str, guarded: Guarded) -> None:
+        for _ in range(GUARD_TRIES):
+            try:
+                async with self.r.pipeline(transaction=True) as pipe:
+                    await pipe.watch(guarded.key)
+                    held = await pipe.get(guarded.key)
+                    if held != guarded.expected:
+                        raise Superseded(f"{guarded.key} is {held!r}, not {guarded.expected!r}: "
+                                         f"not saved to {self.key}")
+                    pipe.multi()
+                    guarded.writes(pipe)
+                    pipe.rpush(self.key, text)
+                    await pipe.execute()
+                    return
+            except WatchError:
+                continue  # the guard was written meanwhile (or the connection broke): looked at again
+            except RedisError as exc:
+                raise TransportError(f"redis guarded save to {self.key} failed: {exc}", key=self.key) from exc
+        raise TransportError(f"redis guarded save to {self.key}: its watch broke {GUARD_TRIES} times with "
+                             f"{guarded.key} unchanged", key=self.key)
 
     async def entries(self) -> list[tuple[bytes, OutboxEntry]]:
         """Every entry, oldest first, with its stored text. One that does not parse (or names

@@ -89,6 +89,13 @@ class Keys:
         return f"rrl:{job}:batch:{step}"
 
     @staticmethod
+    def step_restarts(job: str) -> str:
+        """Counter of the request manager's step restarts (``restart_step`` INCRs it before it
+        looks at what the restarted step left): a batch's hand-over is saved only while it holds
+        the value its step began under (``BatchStore.guarded``)."""
+        return f"rrl:{job}:rm:restarts"
+
+    @staticmethod
     def fence(job: str, step: int) -> str:
         return f"rrl:{job}:fence:{step}"
 
@@ -429,6 +436,18 @@ class BatchStore:
     def put_in(self, pipe: Any, batch: BatchRecord) -> None:
         """``put``, added to a transaction of the caller's (``pipe``: a Redis pipeline)."""
         pipe.set(Keys.batch(self.job, batch.step), batch.model_dump_json())
+
+    async def restarts(self) -> bytes | None:
+        """The step-restart counter as stored (None before the first restart): what a step's
+        hand-over is guarded by."""
+        key = Keys.step_restarts(self.job)
+        return await _call(self.r.get(key), key)
+
+    async def restarted(self) -> None:
+        """Move the step-restart counter on: every hand-over guarded by an older value is refused
+        from the moment this returns, also one already sent and run late by the server."""
+        key = Keys.step_restarts(self.job)
+        await _call(self.r.incr(key), key)
 
     async def get(self, step: int) -> BatchRecord | None:
         key = Keys.batch(self.job, step)

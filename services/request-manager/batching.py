@@ -24,7 +24,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from robustrl.services.request_manager.dispatch import Dispatcher
 from robustrl.services.request_manager.episodes import EpisodeRunner
@@ -34,9 +33,10 @@ from robustrl.services.request_manager.faults import report_deadline
 from robustrl.aio import cancel_and_wait, wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
-from robustrl.errors import TransportError
+from robustrl.errors import Superseded, TransportError
 from robustrl.member import trainer_epoch
 from robustrl.messages import BatchReady, MemberHello, MetricsSample, StepCommitted
+from robustrl.storage.control_stores import Guarded
 from robustrl.storage.fencing import read_gang
 from robustrl.storage.redis_stores import (
     BatchRecord,
@@ -44,6 +44,7 @@ from robustrl.storage.redis_stores import (
     DispatchStore,
     EpisodeRecord,
     EpisodeStore,
+    Keys,
     RolloutGC,
 )
 from robustrl.subjects import Verb, subject
@@ -220,6 +221,9 @@ class JobRunner:
 
     async def run_step(self, step: int) -> BatchReady:
         """Generate every episode of ``step``; hand the batch over (stored first, then announced)."""
+        # The restart count the step begins under: its hand-over is saved only while it holds
+        # (a hand-over sent before a restart_step and run late by the server writes nothing).
+        restarts = await self.batches.restarts()
         handed = await self.batches.get(step)
         if handed is not None:
             # Handed over before this life (or before a retry): announce it again, generate nothing;
@@ -229,9 +233,9 @@ class JobRunner:
             await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
             await self._batch_event(ready)
             return ready
-        return await self._generate_step(step, time.monotonic())
+        return await self._generate_step(step, time.monotonic(), restarts)
 
-    async def _generate_step(self, step: int, t0: float) -> BatchReady:
+    async def _generate_step(self, step: int, t0: float, restarts: bytes | None) -> BatchReady:
         timing = {"tool_wait_s": 0.0}
         started = bool(await self.store.step_episode_ids(step))
         # The job's very first step starts once its members are up: start-up is the same for
@@ -264,10 +268,10 @@ class JobRunner:
             for ep in todo:
                 group.create_task(self.episodes.run(ep, step, timing))
         self.episodes.finished.clear()
-        return await self._hand_over(step, eps, t0, weight_sync_s, timing)
+        return await self._hand_over(step, eps, t0, weight_sync_s, timing, restarts)
 
     async def _hand_over(self, step: int, eps: list[EpisodeRecord], t0: float, weight_sync_s: float,
-                         timing: dict[str, float]) -> BatchReady:
+                         timing: dict[str, float], restarts: bytes | None) -> BatchReady:
         rewards = [ep.reward or 0.0 for ep in eps]
         wall = time.monotonic() - t0
         n = max(1, len(eps))
@@ -280,12 +284,14 @@ class JobRunner:
         ready = _announcement(batch)
         # The batch and its event in one transaction: killed between two writes, a request
         # manager left the batch stored without its event, and a next life resuming after the
-        # step (trained meanwhile) never said it (an outside review).
-        await self._batch_event(ready, lambda pipe: self.batches.put_in(pipe, batch))
+        # step (trained meanwhile) never said it (an outside review). Guarded by the restart
+        # count: a restart_step that came meanwhile has decided the step (``restart_step``).
+        await self._batch_event(ready, Guarded(Keys.step_restarts(self.job_id), restarts,
+                                               lambda pipe: self.batches.put_in(pipe, batch)))
         await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
         return ready
 
-    async def _batch_event(self, ready: BatchReady, with_writes: Callable[[Any], None] | None = None) -> None:
+    async def _batch_event(self, ready: BatchReady, with_writes: Guarded | None = None) -> None:
         """The hand-over's ``batch_ready``, through the outbox (a request manager killed while
         JetStream was away lost it from memory, and its next life, finding the batch handed,
         never said it: an outside review found it), under a message id of the batch's own: the
@@ -487,6 +493,13 @@ class JobRunner:
                     _cancelled(watch)
                     watch = None
                     continue
+                except Superseded as exc:
+                    # The batch's save refused: a restart_step moved the restart count on as it
+                    # was sent (it decides the step and cancels this attempt's successor too).
+                    log.warning("job %s: step %d's hand-over superseded by a restart: %s", self.job_id, step, exc)
+                    _cancelled(watch)
+                    watch = None
+                    continue
                 except Exception as exc:
                     # Redis or NATS trouble mid-step: every sibling has stopped; the episodes resume
                     # from their saved records.
@@ -530,6 +543,10 @@ class JobRunner:
         # At once, before any await: a step task that ends now is not counted handed by ``run``
         # (this decides the step).
         self.step_epoch += 1
+        # Then the restart count, before the look at what the step left: a hand-over's write
+        # that the server runs after this (sent before the cancel below took) writes nothing;
+        # one it ran before is found below and kept.
+        await self.batches.restarted()
         if not await cancel_and_wait(self._step_task, STOP_WAIT_S, STOP_ATTEMPTS):
             log.error("job %s: step %d's task did not end %d s after its cancellations", self.job_id, self.step,
                       STOP_ATTEMPTS * STOP_WAIT_S)
@@ -548,11 +565,11 @@ class JobRunner:
             self._current = []
         lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")
         ids = await self.store.step_episode_ids(self.step)
-        # The batch first (none is stored now, but a hand-over's write the cancel cut short may
-        # land on the server after the look above: a narrow window, not closed): killed between
-        # the two, the episodes cleared first left a stored batch naming episodes that no longer
-        # exist, which the next life announced again and the trainer failed on (an outside
-        # review; untested: no test kills the request manager between these writes).
+        # The batch first (none is stored now, and none can land later: the restart count has
+        # moved on): killed between the two, the episodes cleared first left a stored batch naming
+        # episodes that no longer exist, which the next life announced again and the trainer
+        # failed on (an outside review; untested: no test kills the request manager between
+        # these writes).
         await self.batches.delete(self.step)
         await self.dispatches.forget(ids)
         n = await self.store.clear_step(self.step)

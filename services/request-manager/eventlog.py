@@ -21,14 +21,13 @@ its strict mode: Redis failing fails the command.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from robustrl.bus import Bus
 from robustrl.event_outbox import OutboxEvents, OutboxWriter
 from robustrl.event_queue import EventQueue
 from robustrl.messages import Event
-from robustrl.storage.control_stores import OutboxEntry, RmOutbox
+from robustrl.storage.control_stores import OutboxEntry, RmOutbox, Writes
 
 STOP_DRAIN_S = 10.0
 """How long a ``stop`` command waits for the job's queued events to reach its log before it is
@@ -53,7 +52,7 @@ class EventWriter(OutboxEvents):
         return self._writer.outbox_read(self.job_id)
 
     async def emit(self, kind: str, data: dict[str, Any], msg_id: str | None = None,
-                   with_writes: Callable[[Any], None] | None = None) -> Event:
+                   with_writes: Writes | None = None) -> Event:
         """Queue one event, stamped now: in the Redis outbox when this returns (acknowledge the
         command after it), in the job's log later. ``msg_id``: JetStream's duplicate key (default:
         the command's fault id, else a fresh one): an event given again under it, within the
