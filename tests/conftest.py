@@ -97,7 +97,7 @@ _PREBUILDING: list[object] = []
 
 # Modules that use something of the machine's own, not the test's: the one dockerd data root
 # (tests/docker_engine.py), Ray's fixed default ports, /run/robustrl-testbed and its sweeps, the
-# network namespaces. Under pytest-xdist (scripts/test.sh runs two workers) they run one after
+# network namespaces. Under pytest-xdist (scripts/test.sh runs three workers) they run one after
 # another on one worker, as one group.
 MACHINE_MODULES = frozenset({
     "test_compose_stack", "test_docker_engine_lock", "test_docker_standby", "test_docker_spares", "test_ray_launcher",
@@ -108,13 +108,14 @@ DOCKER_MODULES = frozenset({"test_compose_stack", "test_docker_engine_lock", "te
 """The machine group's modules that run a dockerd: last in the group, after the compose image's
 prebuild had the group's other modules' time to build."""
 SLOW_FIRST = ("machine", "test_campaign", "test_recovery", "test_local_launcher", "test_cli",
-              "test_standby_failover", "test_start_deadline", "test_control_plane_faults", "test_vllm_engine",
-              "test_standby_faults", "test_rollout_replica", "test_rm_dispatch", "test_controller_runtime")
+              "test_controller_runtime", "test_standby_failover", "test_start_deadline", "test_standby_faults",
+              "test_control_plane_faults", "test_rollout_replica", "test_rm_dispatch", "test_vllm_engine")
 """Groups handed out first, longest first (from ``--durations``): the last group to start should
-be a short one, so that both workers end together. ``test_vllm_engine`` comes later than its
+be a short one, so that the workers end together. ``test_vllm_engine`` comes later than its
 length alone would put it: ``scripts/test.sh`` sets up its environment beside the suite (about 2
 minutes on a fresh machine, many more at low priority beside the tests), and its tests wait for
-that (53 s when it came after ``test_recovery``, 41 s in CI after ``test_cli``)."""
+that (53 s when it came after ``test_recovery`` on two workers, 41 s in CI after ``test_cli``,
+226 s on three workers after ``test_control_plane_faults``)."""
 
 
 def group_of(nodeid: str) -> str:

@@ -14,11 +14,12 @@ verdict comes from the raw event log, the process table and the auditor.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import psutil
 import pytest
-from jobs import kinds, small_job, wait_done, wait_step
+from jobs import TERMINAL, kinds, small_job, wait_done, wait_step
 from support import audit_sampled, eventually, sample_batches, stack_with_failpoints
 
 from robustrl.audit.model import AuditOptions
@@ -98,8 +99,23 @@ def test_a_member_whose_hello_was_lost_is_not_killed_as_stuck(stack: Stack) -> N
     spec = small_job("lost", steps=60, rollout={"replicas": 2}, trainer={"workers": 1},
                      detector={"start_deadline_s": LOST_DEADLINE_S})
     jid = api.submit(spec)["job_id"]
-    status = wait_done(api, jid, timeout=180)
-    assert status["committed_step"] == 59
+
+    def lost_started_at() -> float:
+        started = {e["data"]["member_id"]: e["ts"] for e in api.events(jid) if e["kind"] == "member_started"}
+        assert set(LOST) <= set(started), sorted(started)
+        return max(started[m] for m in LOST)
+
+    since = eventually(lost_started_at, timeout=120, interval=0.2, what="both members started")
+    # The deadline passes (5 s of margin for the supervision round that would judge it) while
+    # the job trains on; then it is stopped (its 60 steps are only the runway).
+    at = api.job(jid)["committed_step"]
+    eventually(lambda: time.time() - since > LOST_DEADLINE_S + 5 and api.job(jid)["committed_step"] > at,
+               timeout=120, interval=0.2, what="the start deadline passed while the job trained")
+    assert api.job(jid)["status"] == "running"
+    api.stop(jid)
+    status = eventually(lambda: (s := api.job(jid))["status"] in TERMINAL and s, timeout=120, interval=0.2,
+                        what="the job stopped")
+    assert status["status"] == "stopped", status
     events = api.events(jid)
     started = {e["data"]["member_id"]: e["ts"] for e in events if e["kind"] == "member_started"}
     # The deadline passed while the job ran, with both hellos lost ...
