@@ -662,6 +662,49 @@ async def test_a_restart_reaching_a_new_life_keeps_every_step_handed_ahead_of_th
         assert lost["episodes"] > 0, lost
 
 
+async def _restart_with_a_write_held(h: Harness, servers: Any, hold: Any) -> None:
+    """The request manager's Redis through a relay that holds the first write ``hold`` matches;
+    once it is held, the controller's ``restart_step`` (acknowledged: the step cleared); then the
+    server runs the held write, late, and answers it."""
+    url = urlsplit(servers.redis_url)
+    async with HoldingRelay((url.hostname, url.port), hold) as relay:
+        await h.start_rm(redis_url=relay.url(servers.redis_url))
+        await asyncio.wait_for(relay.held.wait(), 30)
+        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="restart_step",
+                             args={"fault_id": "late-f1"}, fence=1)
+        await _until_acknowledged(h, cmd, "restart_step never acknowledged")
+        assert await h.episodes.step_episode_ids(0) == []  # the restart cleared the step
+        relay.released.set()
+        await asyncio.wait_for(relay.answered.wait(), 10)
+        await _regenerated_once(h)
+
+
+async def _regenerated_once(h: Harness) -> None:
+    """After the controller's resume, step 0 is generated again by the new replica alone and
+    handed over once, every episode it names stored and finished."""
+    batch_key = Keys.batch(h.job_id, 0)
+    late = {"batch": await h.redis.get(batch_key), "episodes": await h.episode_keys(0),
+            "step set": await h.episodes.step_episode_ids(0),
+            "batch_ready owed": [e for e in (json.loads(x)["event"] for x in
+                                             await h.redis.lrange(Keys.rm_outbox(h.job_id), 0, -1))
+                                 if e["kind"] == "batch_ready"]}
+    assert not any(late.values()), f"the late write landed: {late}"
+    await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"),
+                        ControlCommand(job_id=h.job_id, target="request_manager", action="resume",
+                                       args={"start_step": 0, "committed": -1}, fence=1),
+                        ControlCommand, timeout=5)
+    await h.replica("r1", version=0)  # (the restart replaced every replica)
+    await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the restart")
+    stored = json.loads(await h.redis.get(batch_key))
+    assert stored["episode_ids"] == h.batches[0].episode_ids
+    eps = await h.episodes.get_many(stored["episode_ids"])
+    assert len(eps) == 4 and all(e.status == "finished" for e in eps)
+    made_by = {t.member_id for e in eps for t in e.turns if t.role == "assistant"}
+    assert made_by == {"r1"}, f"turns made before the restart were kept: {made_by}"
+    ready = await eventually_async(lambda: h.events("batch_ready"), timeout=20, what="step 0's batch_ready")
+    assert [e["reward_mean"] for e in ready] == [stored["reward_mean"]], ready
+
+
 async def test_a_hand_over_the_server_runs_after_the_restart_of_its_step_writes_nothing(servers):
     """The worst moment of a whole-job restart for the batch: the hand-over's transaction (the
     batch and its ``batch_ready``) is on its way to Redis when ``restart_step`` cancels the step,
@@ -670,34 +713,21 @@ async def test_a_hand_over_the_server_runs_after_the_restart_of_its_step_writes_
     late transaction stored a batch naming the restarted step's deleted episodes, with its event
     owed to the log: the trainer took a batch that no longer existed. Judged from raw Redis, after
     the server answered the late transaction; then the step is generated again and handed over
-    once, every episode it names stored."""
+    once."""
     async with Harness(servers, rm_spec("latehand", steps=1)) as h:
         await h.replica("r0", version=0)
         batch_key = Keys.batch(h.job_id, 0).encode()
-        url = urlsplit(servers.redis_url)
-        async with HoldingRelay((url.hostname, url.port), lambda data: b"EXEC" in data and batch_key in data) as relay:
-            await h.start_rm(redis_url=relay.url(servers.redis_url))
-            await asyncio.wait_for(relay.held.wait(), 30)  # the step's batch is on its way
-            assert await h.redis.get(batch_key) is None
-            cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="restart_step",
-                                 args={"fault_id": "late-f1"}, fence=1)
-            await _until_acknowledged(h, cmd, "restart_step never acknowledged")
-            assert await h.episodes.step_episode_ids(0) == []  # the restart cleared the step
-            relay.released.set()  # now the server runs the hand-over's transaction
-            await asyncio.wait_for(relay.answered.wait(), 10)
-            assert await h.redis.get(batch_key) is None, "a batch of the restarted step was stored"
-            owed = [json.loads(e)["event"] for e in await h.redis.lrange(Keys.rm_outbox(h.job_id), 0, -1)]
-            assert not [e for e in owed if e["kind"] == "batch_ready"], owed
-            # The controller's resume: the step is generated again and handed over once.
-            await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"),
-                                ControlCommand(job_id=h.job_id, target="request_manager", action="resume",
-                                               args={"start_step": 0, "committed": -1}, fence=1),
-                                ControlCommand, timeout=5)
-            await h.replica("r1", version=0)  # (the restart replaced every replica)
-            await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the restart")
-            stored = json.loads(await h.redis.get(batch_key))
-            assert stored["episode_ids"] == h.batches[0].episode_ids
-            eps = await h.episodes.get_many(stored["episode_ids"])
-            assert len(eps) == 4 and all(e is not None and e.status == "finished" for e in eps)
-            ready = await eventually_async(lambda: h.events("batch_ready"), timeout=20, what="step 0's batch_ready")
-            assert [e["reward_mean"] for e in ready] == [stored["reward_mean"]], ready
+        await _restart_with_a_write_held(h, servers, lambda data: b"EXEC" in data and batch_key in data)
+
+
+async def test_an_episode_write_the_server_runs_after_the_restart_of_its_step_writes_nothing(servers):
+    """The same moment for an episode: its finished record (and its place in the step's set) is on
+    its way when the restart cancels the step, and runs after the restart cleared the step.
+    Before the guard, it brought the episode back: the step generated again resumed it, turns
+    made before the restart (by a replaced replica, maybe with a dead gang's weights) and all,
+    instead of generating the step from scratch."""
+    async with Harness(servers, rm_spec("lateep", steps=1)) as h:
+        await h.replica("r0", version=0)
+        step_set = Keys.step_episodes(h.job_id, 0).encode()
+        await _restart_with_a_write_held(
+            h, servers, lambda data: b"EXEC" in data and step_set in data and b'finished' in data)

@@ -16,11 +16,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from redis.exceptions import RedisError, WatchError
 
-from robustrl.errors import Superseded, TransportError
 from robustrl.messages import Event
-from robustrl.storage.redis_stores import Keys, _call
+from robustrl.storage.redis_stores import Guard, Keys, _call, transact
 
 log = logging.getLogger(__name__)
 
@@ -34,21 +32,11 @@ class OutboxEntry(BaseModel):
     event: Event
 
 
-GUARD_TRIES = 5
-"""Attempts at a guarded save whose watch broke with the guard unchanged (a connection error
-while watching breaks it too)."""
-
-
 @dataclass(frozen=True)
 class Guarded:
-    """Writes saved with an event only while ``key`` holds ``expected`` (as GET returns it: None
-    for no key) from before the transaction is sent until it runs (WATCH). A writer that moves
-    the guard on (INCR) before it looks at what those writes would leave is sure that a
-    transaction sent earlier and run late by the server, after its sender was cancelled, writes
-    nothing (``Superseded``)."""
+    """Writes saved with an event only while ``guard`` holds (``redis_stores.transact``)."""
 
-    key: str
-    expected: bytes | None
+    guard: Guard
     writes: Callable[[Any], None]
 
 
@@ -82,35 +70,15 @@ class EventOutbox:
         if with_writes is None:
             await _call(self.r.rpush(self.key, text), self.key)
             return text
-        if isinstance(with_writes, Guarded):
-            await self._add_guarded(text, with_writes)
-            return text
-        pipe = self.r.pipeline(transaction=True)
-        with_writes(pipe)
-        pipe.rpush(self.key, text)
-        await _call(pipe.execute(), self.key)
-        return text
+        guarded = with_writes if isinstance(with_writes, Guarded) else None
+        writes = guarded.writes if guarded is not None else with_writes
 
-    async def _add_guarded(self, text: str, guarded: Guarded) -> None:
-        for _ in range(GUARD_TRIES):
-            try:
-                async with self.r.pipeline(transaction=True) as pipe:
-                    await pipe.watch(guarded.key)
-                    held = await pipe.get(guarded.key)
-                    if held != guarded.expected:
-                        raise Superseded(f"{guarded.key} is {held!r}, not {guarded.expected!r}: "
-                                         f"not saved to {self.key}")
-                    pipe.multi()
-                    guarded.writes(pipe)
-                    pipe.rpush(self.key, text)
-                    await pipe.execute()
-                    return
-            except WatchError:
-                continue  # the guard was written meanwhile (or the connection broke): looked at again
-            except RedisError as exc:
-                raise TransportError(f"redis guarded save to {self.key} failed: {exc}", key=self.key) from exc
-        raise TransportError(f"redis guarded save to {self.key}: its watch broke {GUARD_TRIES} times with "
-                             f"{guarded.key} unchanged", key=self.key)
+        def all_writes(pipe: Any) -> None:
+            writes(pipe)  # type: ignore[operator]
+            pipe.rpush(self.key, text)
+
+        await transact(self.r, all_writes, self.key, guarded.guard if guarded is not None else None)
+        return text
 
     async def entries(self) -> list[tuple[bytes, OutboxEntry]]:
         """Every entry, oldest first, with its stored text. One that does not parse (or names

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
-from robustrl.errors import StorageError, TransportError
+from robustrl.errors import StorageError, Superseded, TransportError
 from robustrl.subjects import _TOKEN
 
 log = logging.getLogger(__name__)
@@ -271,6 +272,53 @@ async def _call(coro: Any, what: str) -> Any:
         raise TransportError(f"redis {what} failed: {exc}", key=what) from exc
 
 
+GUARD_TRIES = 5
+"""Attempts at a guarded transaction whose watch broke with the guard unchanged (a connection
+error while watching breaks it too)."""
+
+
+@dataclass(frozen=True)
+class Guard:
+    """Writes made only while ``key`` holds ``expected`` (as GET returns it: None for no key), from
+    before their transaction is sent until it runs (WATCH). A writer that moves the guard on
+    (INCR) before it looks at what those writes would leave is sure that a transaction sent
+    earlier and run late by the server, after its sender was cancelled, writes nothing."""
+
+    key: str
+    expected: bytes | None
+
+
+async def transact(client: aioredis.Redis, writes: Callable[[Any], None], what: str,
+                   guard: Guard | None = None) -> None:
+    """``writes`` (added to a pipeline) in one MULTI/EXEC; with ``guard``, only while it holds.
+
+    Raises:
+        Superseded: the guard had moved on: nothing was written.
+        TransportError: Redis failed.
+    """
+    if guard is None:
+        pipe = client.pipeline(transaction=True)
+        writes(pipe)
+        await _call(pipe.execute(), what)
+        return
+    for _ in range(GUARD_TRIES):
+        try:
+            async with client.pipeline(transaction=True) as pipe:
+                await pipe.watch(guard.key)
+                held = await pipe.get(guard.key)
+                if held != guard.expected:
+                    raise Superseded(f"{guard.key} is {held!r}, not {guard.expected!r}: {what} not written")
+                pipe.multi()
+                writes(pipe)
+                await pipe.execute()
+                return
+        except WatchError:
+            continue  # the guard was written meanwhile (or the connection broke): looked at again
+        except RedisError as exc:
+            raise TransportError(f"redis {what} failed: {exc}", key=what) from exc
+    raise TransportError(f"redis {what}: its watch broke {GUARD_TRIES} times with {guard.key} unchanged", key=what)
+
+
 def _load(model: type[BaseModel], raw: bytes, key: str) -> Any:
     try:
         return model.model_validate_json(raw)
@@ -279,18 +327,20 @@ def _load(model: type[BaseModel], raw: bytes, key: str) -> Any:
 
 
 class EpisodeStore:
-    """Episodes and their tool-turn prefixes."""
+    """Episodes and their tool-turn prefixes. ``guard``: what ``put`` and ``save_prefix`` are made
+    under (the request manager's step-restart count: ``BatchStore.restart_guard``)."""
 
     def __init__(self, client: aioredis.Redis, job_id: str) -> None:
         self.r = client
         self.job = job_id
+        self.guard: Guard | None = None
 
     async def put(self, ep: EpisodeRecord) -> None:
-        key = Keys.episode(self.job, ep.episode_id)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.set(key, ep.model_dump_json())
-        pipe.sadd(Keys.step_episodes(self.job, ep.step), ep.episode_id)
-        await _call(pipe.execute(), key)
+        def writes(pipe: Any) -> None:
+            pipe.set(Keys.episode(self.job, ep.episode_id), ep.model_dump_json())
+            pipe.sadd(Keys.step_episodes(self.job, ep.step), ep.episode_id)
+
+        await transact(self.r, writes, Keys.episode(self.job, ep.episode_id), self.guard)
 
     async def get(self, episode_id: str) -> EpisodeRecord | None:
         key = Keys.episode(self.job, episode_id)
@@ -325,10 +375,12 @@ class EpisodeStore:
         """Persist the episode's whole prefix after a tool turn (the unit of rollout recovery)."""
         key = Keys.prefix(self.job, ep.episode_id)
         payload = json.dumps({"n_turns": len(ep.turns), "episode": ep.model_dump(mode="json")})
-        pipe = self.r.pipeline(transaction=True)
-        pipe.set(key, payload)
-        pipe.set(Keys.episode(self.job, ep.episode_id), ep.model_dump_json())
-        await _call(pipe.execute(), key)
+
+        def writes(pipe: Any) -> None:
+            pipe.set(key, payload)
+            pipe.set(Keys.episode(self.job, ep.episode_id), ep.model_dump_json())
+
+        await transact(self.r, writes, key, self.guard)
 
     async def load_prefix(self, episode_id: str) -> EpisodeRecord | None:
         key = Keys.prefix(self.job, episode_id)
@@ -349,16 +401,18 @@ class DispatchStore:
         self.r = client
         self.key = Keys.dispatches(job_id)
         self.job = job_id
+        self.guard: Guard | None = None  # what ``applied`` is made under (as ``EpisodeStore.guard``)
 
     async def record(self, episode_id: str, entry: dict[str, Any]) -> None:
         await _call(self.r.hset(self.key, episode_id, json.dumps(entry)), self.key)
 
     async def applied(self, ep: EpisodeRecord) -> None:
         """Save the episode with its new turn and forget the dispatch, atomically."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.set(Keys.episode(self.job, ep.episode_id), ep.model_dump_json())
-        pipe.hdel(self.key, ep.episode_id)
-        await _call(pipe.execute(), self.key)
+        def writes(pipe: Any) -> None:
+            pipe.set(Keys.episode(self.job, ep.episode_id), ep.model_dump_json())
+            pipe.hdel(self.key, ep.episode_id)
+
+        await transact(self.r, writes, self.key, self.guard)
 
     async def forget(self, episode_ids: list[str]) -> None:
         if episode_ids:
@@ -437,15 +491,15 @@ class BatchStore:
         """``put``, added to a transaction of the caller's (``pipe``: a Redis pipeline)."""
         pipe.set(Keys.batch(self.job, batch.step), batch.model_dump_json())
 
-    async def restarts(self) -> bytes | None:
-        """The step-restart counter as stored (None before the first restart): what a step's
-        hand-over is guarded by."""
+    async def restart_guard(self) -> Guard:
+        """The step-restart counter as it stands (None before the first restart): what a step's
+        writes are made under (its episodes, its hand-over)."""
         key = Keys.step_restarts(self.job)
-        return await _call(self.r.get(key), key)
+        return Guard(key, await _call(self.r.get(key), key))
 
     async def restarted(self) -> None:
-        """Move the step-restart counter on: every hand-over guarded by an older value is refused
-        from the moment this returns, also one already sent and run late by the server."""
+        """Move the step-restart counter on: every write guarded by an older value is refused from
+        the moment this returns, also one already sent and run late by the server."""
         key = Keys.step_restarts(self.job)
         await _call(self.r.incr(key), key)
 

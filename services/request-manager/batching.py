@@ -33,7 +33,7 @@ from robustrl.services.request_manager.faults import report_deadline
 from robustrl.aio import cancel_and_wait, wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
-from robustrl.errors import Superseded, TransportError
+from robustrl.errors import TransportError
 from robustrl.member import trainer_epoch
 from robustrl.messages import BatchReady, MemberHello, MetricsSample, StepCommitted
 from robustrl.storage.control_stores import Guarded
@@ -44,7 +44,7 @@ from robustrl.storage.redis_stores import (
     DispatchStore,
     EpisodeRecord,
     EpisodeStore,
-    Keys,
+    Guard,
     RolloutGC,
 )
 from robustrl.subjects import Verb, subject
@@ -221,9 +221,10 @@ class JobRunner:
 
     async def run_step(self, step: int) -> BatchReady:
         """Generate every episode of ``step``; hand the batch over (stored first, then announced)."""
-        # The restart count the step begins under: its hand-over is saved only while it holds
-        # (a hand-over sent before a restart_step and run late by the server writes nothing).
-        restarts = await self.batches.restarts()
+        # The restart count the step begins under: its episodes and its hand-over are written
+        # only while it holds (one sent before a restart_step and run late by the server, after
+        # the restart cleared the step, writes nothing).
+        guard = self.store.guard = self.dispatches.guard = await self.batches.restart_guard()
         handed = await self.batches.get(step)
         if handed is not None:
             # Handed over before this life (or before a retry): announce it again, generate nothing;
@@ -233,9 +234,9 @@ class JobRunner:
             await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
             await self._batch_event(ready)
             return ready
-        return await self._generate_step(step, time.monotonic(), restarts)
+        return await self._generate_step(step, time.monotonic(), guard)
 
-    async def _generate_step(self, step: int, t0: float, restarts: bytes | None) -> BatchReady:
+    async def _generate_step(self, step: int, t0: float, guard: Guard) -> BatchReady:
         timing = {"tool_wait_s": 0.0}
         started = bool(await self.store.step_episode_ids(step))
         # The job's very first step starts once its members are up: start-up is the same for
@@ -268,10 +269,10 @@ class JobRunner:
             for ep in todo:
                 group.create_task(self.episodes.run(ep, step, timing))
         self.episodes.finished.clear()
-        return await self._hand_over(step, eps, t0, weight_sync_s, timing, restarts)
+        return await self._hand_over(step, eps, t0, weight_sync_s, timing, guard)
 
     async def _hand_over(self, step: int, eps: list[EpisodeRecord], t0: float, weight_sync_s: float,
-                         timing: dict[str, float], restarts: bytes | None) -> BatchReady:
+                         timing: dict[str, float], guard: Guard) -> BatchReady:
         rewards = [ep.reward or 0.0 for ep in eps]
         wall = time.monotonic() - t0
         n = max(1, len(eps))
@@ -286,8 +287,7 @@ class JobRunner:
         # manager left the batch stored without its event, and a next life resuming after the
         # step (trained meanwhile) never said it (an outside review). Guarded by the restart
         # count: a restart_step that came meanwhile has decided the step (``restart_step``).
-        await self._batch_event(ready, Guarded(Keys.step_restarts(self.job_id), restarts,
-                                               lambda pipe: self.batches.put_in(pipe, batch)))
+        await self._batch_event(ready, Guarded(guard, lambda pipe: self.batches.put_in(pipe, batch)))
         await self.bus.publish(subject(self.job_id, Verb.BATCH), ready)
         return ready
 
@@ -493,14 +493,14 @@ class JobRunner:
                     _cancelled(watch)
                     watch = None
                     continue
-                except Superseded as exc:
-                    # The batch's save refused: a restart_step moved the restart count on as it
-                    # was sent (it decides the step and cancels this attempt's successor too).
-                    log.warning("job %s: step %d's hand-over superseded by a restart: %s", self.job_id, step, exc)
-                    _cancelled(watch)
-                    watch = None
-                    continue
                 except Exception as exc:
+                    if self.step_epoch != epoch:
+                        # A restart_step came during the attempt (a write of it refused as the
+                        # restart count moved on: Superseded): the restart decides the step.
+                        log.warning("job %s: step %d's attempt ended by a restart: %s", self.job_id, step, exc)
+                        _cancelled(watch)
+                        watch = None
+                        continue
                     # Redis or NATS trouble mid-step: every sibling has stopped; the episodes resume
                     # from their saved records.
                     self._step_failures += 1
