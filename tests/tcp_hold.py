@@ -1,7 +1,8 @@
-"""A TCP relay in front of a real server that holds back one client write until told: a command
-sent by a client, then run by the server late, after the client gave up on it (its sender
-cancelled, its connection closed). What the client wrote is delivered whole, in order, before the
-relay closes the server's side, as the kernel would deliver bytes already sent."""
+"""A TCP relay in front of a real server that holds back client writes until told: a command sent
+by a client, then run by the server late, after the client gave up on it (its sender cancelled,
+its connection closed), or run only after another client's command. What the client wrote is
+delivered whole, in order, before the relay closes the server's side, as the kernel would deliver
+bytes already sent."""
 
 from __future__ import annotations
 
@@ -11,21 +12,33 @@ from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 
-class HoldingRelay:
-    """Relays each connection to ``upstream`` (host, port). The first client chunk that ``hold``
-    matches waits for ``release``; ``held`` is set once one waits, ``answered`` once the server
-    replied after it was delivered (``reply``: the first bytes of that reply)."""
+class Hold:
+    """The first client chunk (of any connection) that ``matches`` waits for ``release``: ``held``
+    is set once one waits, ``answered`` once the server replied after it was delivered."""
 
-    def __init__(self, upstream: tuple[str, int], hold: Callable[[bytes], bool]) -> None:
-        self.upstream = upstream
-        self.hold = hold
+    def __init__(self, matches: Callable[[bytes], bool]) -> None:
+        self.matches = matches
         self.held = asyncio.Event()
         self.released = asyncio.Event()
         self.answered = asyncio.Event()
-        self.reply = b""
+
+    def release(self) -> None:
+        self.released.set()
+
+
+class HoldingRelay:
+    """Relays each connection to ``upstream`` (host, port), holding the chunks its holds match."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.holds: list[Hold] = []
         self.port = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def hold(self, matches: Callable[[bytes], bool]) -> Hold:
+        self.holds.append(h := Hold(matches))
+        return h
 
     def url(self, url: str) -> str:
         """``url`` with its host and port this relay's."""
@@ -39,7 +52,8 @@ class HoldingRelay:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.released.set()
+        for h in self.holds:
+            h.release()
         assert self._server is not None
         self._server.close()
         for task in list(self._tasks):
@@ -51,23 +65,23 @@ class HoldingRelay:
         assert task is not None
         self._tasks.add(task)
         server_r, server_w = await asyncio.open_connection(*self.upstream)
-        holding = False
+        delivered: list[Hold] = []  # this connection's held chunks sent on, their answers awaited
 
         async def up() -> None:
-            nonlocal holding
             while data := await client_r.read(65536):
-                if not self.held.is_set() and self.hold(data):
-                    holding = True
-                    self.held.set()
-                    await self.released.wait()
+                hold = next((h for h in self.holds if not h.held.is_set() and h.matches(data)), None)
+                if hold is not None:
+                    hold.held.set()
+                    await hold.released.wait()
+                    delivered.append(hold)
                 server_w.write(data)
                 await server_w.drain()
 
         async def down() -> None:
             while data := await server_r.read(65536):
-                if holding and self.released.is_set() and not self.answered.is_set():
-                    self.reply = data
-                    self.answered.set()
+                for hold in delivered:
+                    hold.answered.set()
+                delivered.clear()
                 with contextlib.suppress(ConnectionError):
                     client_w.write(data)
                     await client_w.drain()
@@ -76,9 +90,11 @@ class HoldingRelay:
         try:
             with contextlib.suppress(ConnectionError):
                 await up()
-            if holding:  # the client is gone: the server still answers what it was sent
+            # the client is gone: the server still answers what it was sent
+            pending = [*delivered]  # (down() clears the list as answers come)
+            for hold in pending:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.answered.wait(), 10)
+                    await asyncio.wait_for(hold.answered.wait(), 10)
         finally:
             downward.cancel()
             for w in (server_w, client_w):

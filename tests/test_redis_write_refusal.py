@@ -21,7 +21,8 @@ from support import eventually
 
 from robustrl.infra.binaries import free_port, redis_server
 from robustrl.storage.fencing import GangFence
-from robustrl.storage.redis_stores import connect
+from robustrl.errors import Superseded, TransportError
+from robustrl.storage.redis_stores import Guard, connect, transact
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,6 +101,34 @@ async def test_an_error_reply_that_is_no_refusal_is_raised_at_once(url: str) -> 
         began = time.monotonic()
         with pytest.raises(rexc.ResponseError, match="not an integer"):
             await r.incr("text")
+        assert time.monotonic() - began < 1.0
+    finally:
+        await r.aclose()
+
+
+async def test_a_guarded_transaction_waits_out_a_refusal_and_is_refused_at_once_when_the_guard_moved(url: str) -> None:
+    """The request manager's step writes are guarded transactions (``transact``: WATCH on the
+    step-restart count), which the client's retry layer does not retry: while a key is watched
+    it turns a refusal into a ``WatchError``. Raised as such, the write failed within 0.01 s of a
+    refusal (an outside review) where an unguarded write waits it out; now it waits it out too.
+    A guard that moved is refused at once, and an error reply that is no refusal is raised."""
+    r = connect(url)
+    try:
+        guard = Guard("refusal-guard", await r.get("refusal-guard"))
+        await _refusing_for(url, REFUSED_S)
+        began = time.monotonic()
+        await transact(r, lambda pipe: pipe.set("guarded", "value"), "guarded", guard)
+        assert time.monotonic() - began >= REFUSED_S * 0.8
+        assert await r.get("guarded") == b"value"
+        await r.incr("refusal-guard")
+        with pytest.raises(Superseded):
+            await transact(r, lambda pipe: pipe.set("guarded", "later"), "guarded", guard)
+        assert await r.get("guarded") == b"value"
+        await r.set("text", "not a number")
+        began = time.monotonic()
+        moved = Guard("refusal-guard", await r.get("refusal-guard"))
+        with pytest.raises(TransportError, match="not an integer"):
+            await transact(r, lambda pipe: pipe.incr("text"), "text", moved)
         assert time.monotonic() - began < 1.0
     finally:
         await r.aclose()

@@ -662,20 +662,42 @@ async def test_a_restart_reaching_a_new_life_keeps_every_step_handed_ahead_of_th
         assert lost["episodes"] > 0, lost
 
 
-async def _restart_with_a_write_held(h: Harness, servers: Any, hold: Any) -> None:
-    """The request manager's Redis through a relay that holds the first write ``hold`` matches;
-    once it is held, the controller's ``restart_step`` (acknowledged: the step cleared); then the
-    server runs the held write, late, and answers it."""
+LATE_WRITES = {
+    # the batch and its batch_ready, one transaction
+    "hand_over": lambda job: lambda d: b"EXEC" in d and Keys.batch(job, 0).encode() in d,
+    # a finished episode's record and its place in the step's set
+    "finished_episode": lambda job: lambda d: (b"EXEC" in d and Keys.step_episodes(job, 0).encode() in d
+                                               and b"finished" in d),
+    # a turn applied: the episode with it, its dispatch forgotten
+    "applied_turn": lambda job: lambda d: b"EXEC" in d and b"HDEL" in d and Keys.dispatches(job).encode() in d,
+}
+
+
+async def _restart_with_a_write_held(h: Harness, servers: Any, write: str, *, until_look: bool = False) -> None:
+    """The request manager's Redis through a relay that holds the step's first ``write``
+    (``LATE_WRITES``); once it is held, the controller's ``restart_step``. The server runs the held
+    write late: once the restart is acknowledged (the step cleared), or with ``until_look`` right
+    after the restart's look at what the step left (its first delete held until the write ran)."""
     url = urlsplit(servers.redis_url)
-    async with HoldingRelay((url.hostname, url.port), hold) as relay:
+    async with HoldingRelay((url.hostname, url.port)) as relay:
+        late = relay.hold(LATE_WRITES[write](h.job_id))
+        look = relay.hold(lambda d: until_look and b"\r\nDEL\r\n" in d and Keys.batch(h.job_id, 0).encode() in d)
         await h.start_rm(redis_url=relay.url(servers.redis_url))
-        await asyncio.wait_for(relay.held.wait(), 30)
+        await asyncio.wait_for(late.held.wait(), 30)
         cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="restart_step",
                              args={"fault_id": "late-f1"}, fence=1)
-        await _until_acknowledged(h, cmd, "restart_step never acknowledged")
+        acked = asyncio.create_task(_until_acknowledged(h, cmd, "restart_step never acknowledged"))
+        if until_look:
+            await asyncio.wait_for(look.held.wait(), 30)
+            late.release()
+            await asyncio.wait_for(late.answered.wait(), 10)
+            look.release()
+            await acked
+        else:
+            await acked
+            late.release()
+            await asyncio.wait_for(late.answered.wait(), 10)
         assert await h.episodes.step_episode_ids(0) == []  # the restart cleared the step
-        relay.released.set()
-        await asyncio.wait_for(relay.answered.wait(), 10)
         await _regenerated_once(h)
 
 
@@ -705,29 +727,27 @@ async def _regenerated_once(h: Harness) -> None:
     assert [e["reward_mean"] for e in ready] == [stored["reward_mean"]], ready
 
 
-async def test_a_hand_over_the_server_runs_after_the_restart_of_its_step_writes_nothing(servers):
-    """The worst moment of a whole-job restart for the batch: the hand-over's transaction (the
-    batch and its ``batch_ready``) is on its way to Redis when ``restart_step`` cancels the step,
-    and the server runs it only after the restart has looked at what the step left and cleared
-    it (a slow server, a connection's bytes read late). Before the restart count guarded it, the
-    late transaction stored a batch naming the restarted step's deleted episodes, with its event
-    owed to the log: the trainer took a batch that no longer existed. Judged from raw Redis, after
-    the server answered the late transaction; then the step is generated again and handed over
-    once."""
-    async with Harness(servers, rm_spec("latehand", steps=1)) as h:
+@pytest.mark.parametrize("write", sorted(LATE_WRITES))
+async def test_a_write_of_a_step_the_server_runs_after_its_restart_writes_nothing(servers, write):
+    """The worst moment of a whole-job restart: a write of the step is on its way to Redis when
+    ``restart_step`` cancels the step, and the server runs it only after the restart has looked
+    at what the step left and cleared it (a slow server, a connection's bytes read late). Before
+    the step-restart count guarded them (each failed so): the hand-over stored a batch naming the
+    restarted step's deleted episodes, with its event owed to the log (the trainer took a batch
+    that no longer existed); a finished episode came back into the step, which, "generated again
+    from scratch", resumed it with the replaced replica's turns; an applied turn left an episode
+    record outside the step's set, which nothing collects. Judged from raw Redis once the server
+    answered the late write; then the step is generated again and handed over once."""
+    async with Harness(servers, rm_spec(f"late{write.replace('_', '')[:8]}", steps=1)) as h:
         await h.replica("r0", version=0)
-        batch_key = Keys.batch(h.job_id, 0).encode()
-        await _restart_with_a_write_held(h, servers, lambda data: b"EXEC" in data and batch_key in data)
+        await _restart_with_a_write_held(h, servers, write)
 
 
-async def test_an_episode_write_the_server_runs_after_the_restart_of_its_step_writes_nothing(servers):
-    """The same moment for an episode: its finished record (and its place in the step's set) is on
-    its way when the restart cancels the step, and runs after the restart cleared the step.
-    Before the guard, it brought the episode back: the step generated again resumed it, turns
-    made before the restart (by a replaced replica, maybe with a dead gang's weights) and all,
-    instead of generating the step from scratch."""
-    async with Harness(servers, rm_spec("lateep", steps=1)) as h:
+async def test_a_hand_over_the_server_runs_right_after_the_restarts_look_writes_nothing(servers):
+    """The same, the late hand-over run between the restart's look (no batch stored: the step is
+    restarted) and its delete of the step's keys: the restart count must have moved on before
+    the look, not merely before the restart ends (else the batch is deleted, but its batch_ready
+    stays owed to the log)."""
+    async with Harness(servers, rm_spec("latelook", steps=1)) as h:
         await h.replica("r0", version=0)
-        step_set = Keys.step_episodes(h.job_id, 0).encode()
-        await _restart_with_a_write_held(
-            h, servers, lambda data: b"EXEC" in data and step_set in data and b'finished' in data)
+        await _restart_with_a_write_held(h, servers, "hand_over", until_look=True)

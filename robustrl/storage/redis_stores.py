@@ -8,6 +8,7 @@ replica that dies mid-turn costs at most that one turn.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -91,9 +92,10 @@ class Keys:
 
     @staticmethod
     def step_restarts(job: str) -> str:
-        """Counter of the request manager's step restarts (``restart_step`` INCRs it before it
-        looks at what the restarted step left): a batch's hand-over is saved only while it holds
-        the value its step began under (``BatchStore.guarded``)."""
+        """Counter of the request manager's step restarts and lives (``restart_step`` INCRs it
+        before it looks at what the restarted step left, a runner before its first step): a
+        step's writes (its episodes, its hand-over) are made only while it holds the value the
+        step's attempt began under (``BatchStore.restart_guard``, ``transact``)."""
         return f"rrl:{job}:rm:restarts"
 
     @staticmethod
@@ -273,8 +275,7 @@ async def _call(coro: Any, what: str) -> Any:
 
 
 GUARD_TRIES = 5
-"""Attempts at a guarded transaction whose watch broke with the guard unchanged (a connection
-error while watching breaks it too)."""
+"""Attempts at a guarded transaction whose watched guard was written meanwhile yet still holds."""
 
 
 @dataclass(frozen=True)
@@ -292,8 +293,14 @@ async def transact(client: aioredis.Redis, writes: Callable[[Any], None], what: 
                    guard: Guard | None = None) -> None:
     """``writes`` (added to a pipeline) in one MULTI/EXEC; with ``guard``, only while it holds.
 
+    Guarded, the transaction is retried here, not by the client's retry layer (which turns any
+    error while a key is watched into a ``WatchError``): a Redis error the layer would have
+    retried (``_retried``: connection lost, timeout, write refused) is retried with its backoff
+    and budget, each time with the guard looked at again; another error is raised at once.
+
     Raises:
-        Superseded: the guard had moved on: nothing was written.
+        Superseded: the guard had moved on. Nothing was written by this call, unless an earlier
+            attempt of it ran and only its reply was lost.
         TransportError: Redis failed.
     """
     if guard is None:
@@ -301,7 +308,11 @@ async def transact(client: aioredis.Redis, writes: Callable[[Any], None], what: 
         writes(pipe)
         await _call(pipe.execute(), what)
         return
-    for _ in range(GUARD_TRIES):
+    from redis.backoff import ExponentialWithJitterBackoff
+
+    backoff = ExponentialWithJitterBackoff(cap=REDIS_BACKOFF_CAP_S, base=REDIS_BACKOFF_BASE_S)
+    changed = failed = 0
+    while True:
         try:
             async with client.pipeline(transaction=True) as pipe:
                 await pipe.watch(guard.key)
@@ -312,11 +323,23 @@ async def transact(client: aioredis.Redis, writes: Callable[[Any], None], what: 
                 writes(pipe)
                 await pipe.execute()
                 return
-        except WatchError:
-            continue  # the guard was written meanwhile (or the connection broke): looked at again
+        except WatchError as exc:
+            cause = None if exc.__suppress_context__ else exc.__context__
+            if cause is None:  # the guard was written meanwhile: looked at again
+                changed += 1
+                if changed >= GUARD_TRIES:
+                    raise TransportError(f"redis {what}: {guard.key} was written {changed} times during it, "
+                                         f"unchanged each time", key=what) from exc
+                continue
+            if not _retried(cause) and str(cause).split("caused error: ", 1)[-1].split(" ", 1)[0] not in WRITE_REFUSALS:
+                # (a refusal of a command in a transaction is named after redis-py's own words)
+                raise TransportError(f"redis {what} failed: {cause}", key=what) from cause
+            failed += 1
+            if failed > REDIS_RETRIES:
+                raise TransportError(f"redis {what} failed {failed} times, the last: {cause}", key=what) from cause
+            await asyncio.sleep(backoff.compute(failed))
         except RedisError as exc:
             raise TransportError(f"redis {what} failed: {exc}", key=what) from exc
-    raise TransportError(f"redis {what}: its watch broke {GUARD_TRIES} times with {guard.key} unchanged", key=what)
 
 
 def _load(model: type[BaseModel], raw: bytes, key: str) -> Any:

@@ -33,7 +33,7 @@ from robustrl.services.request_manager.faults import report_deadline
 from robustrl.aio import cancel_and_wait, wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
-from robustrl.errors import TransportError
+from robustrl.errors import Superseded, TransportError
 from robustrl.member import trainer_epoch
 from robustrl.messages import BatchReady, MemberHello, MetricsSample, StepCommitted
 from robustrl.storage.control_stores import Guarded
@@ -116,6 +116,7 @@ class JobRunner:
         self.gang_epoch = 0  # newest trainer gang heard from: commits of older gangs are stale
         self.step_epoch = 0  # bumped by restart_step: in-flight work of older epochs is discarded
         self.first_of_life = True  # this runner's first step: found started in Redis = a resume
+        self._life_counted = False  # this runner's start moved the step-restart count on
         self.paused = False
         self.dead_for: dict[str, tuple[str | None, int, bool]] = {}
         """replica -> (fault of the replica_dead handled, turns re-dispatched, its event in the outbox)"""
@@ -219,12 +220,22 @@ class JobRunner:
 
     # --- steps -----------------------------------------------------------------------------
 
-    async def run_step(self, step: int) -> BatchReady:
-        """Generate every episode of ``step``; hand the batch over (stored first, then announced)."""
+    async def run_step(self, step: int, epoch: int | None = None) -> BatchReady:
+        """Generate every episode of ``step``; hand the batch over (stored first, then announced).
+        ``epoch``: the ``step_epoch`` the attempt was begun under (``run``)."""
+        if not self._life_counted:
+            # A new life moves the restart count on too: a write of an earlier life's that the
+            # server runs after this writes nothing (the look at what the step holds comes next).
+            await self.batches.restarted()
+            self._life_counted = True
         # The restart count the step begins under: its episodes and its hand-over are written
         # only while it holds (one sent before a restart_step and run late by the server, after
         # the restart cleared the step, writes nothing).
         guard = self.store.guard = self.dispatches.guard = await self.batches.restart_guard()
+        if epoch is not None and epoch != self.step_epoch:
+            # a restart_step came before the count was read (it may be the restart's own count):
+            # nothing of this attempt may be written
+            raise Superseded(f"step {step}'s attempt of epoch {epoch} overtaken by a restart ({self.step_epoch})")
         handed = await self.batches.get(step)
         if handed is not None:
             # Handed over before this life (or before a retry): announce it again, generate nothing;
@@ -482,7 +493,7 @@ class JobRunner:
                     watch, watch_epoch = asyncio.create_task(self._watch(step, time.monotonic())), self.step_epoch
                     self._step_failures, self._step_error, self._first_failed_at = 0, "", 0.0
                 epoch = self.step_epoch
-                self._step_task = asyncio.create_task(self.run_step(step))
+                self._step_task = asyncio.create_task(self.run_step(step, epoch))
                 try:
                     await self._step_task
                 except asyncio.CancelledError:
@@ -497,7 +508,8 @@ class JobRunner:
                     if self.step_epoch != epoch:
                         # A restart_step came during the attempt (a write of it refused as the
                         # restart count moved on: Superseded): the restart decides the step.
-                        log.warning("job %s: step %d's attempt ended by a restart: %s", self.job_id, step, exc)
+                        log.warning("job %s: step %d's attempt ended by a restart: %s", self.job_id, step, exc,
+                                    exc_info=not isinstance(exc, Superseded))
                         _cancelled(watch)
                         watch = None
                         continue
@@ -541,11 +553,13 @@ class JobRunner:
             return
         self.paused = True
         # At once, before any await: a step task that ends now is not counted handed by ``run``
-        # (this decides the step).
+        # (this decides the step), and the step's task is told to stop.
         self.step_epoch += 1
-        # Then the restart count, before the look at what the step left: a hand-over's write
-        # that the server runs after this (sent before the cancel below took) writes nothing;
-        # one it ran before is found below and kept.
+        if self._step_task is not None:
+            self._step_task.cancel()
+        # Then the restart count, before the look at what the step left: a write of the step
+        # that the server runs after this (sent before the cancel took) writes nothing; a
+        # hand-over it ran before is found below and kept.
         await self.batches.restarted()
         if not await cancel_and_wait(self._step_task, STOP_WAIT_S, STOP_ATTEMPTS):
             log.error("job %s: step %d's task did not end %d s after its cancellations", self.job_id, self.step,
