@@ -24,7 +24,7 @@ import psutil
 from robustrl.aio import wait_event
 from robustrl.bus import DURABLE_DRAIN_S, Bus
 from robustrl.config import JobSpec, Settings
-from robustrl.errors import ConfigError, RequestTimeout
+from robustrl.errors import ConfigError, RequestTimeout, StaleEpoch
 from robustrl.gpu import GpuProbe
 from robustrl.health import HealthServer, serve_health
 from robustrl.messages import (
@@ -193,6 +193,16 @@ class Member:
             raise ConfigError(f"controller never answered for job {self.ident.job_id}", field="job_id")
         self.spec = JobSpec.parse(reply.spec)
         self.epoch = reply.epoch
+        own = trainer_epoch(self.ident.member_id) if self.ident.role == "trainer" else None
+        if own is not None:
+            # A rank is of the gang its id names, whatever the job's gang is now: the reply tells
+            # the job's current epoch, and a rank of a replaced gang that asked late (a start
+            # overtaken by a recovery, a kill that did not land) took it for its own, so its
+            # fenced writes passed as the new gang's (an outside review).
+            if reply.epoch > own:
+                raise StaleEpoch(f"{self.ident.member_id} is of gang {own}, replaced: the job's gang is "
+                                 f"{reply.epoch} now")
+            self.epoch = own
         self.resume_step = reply.resume_step
         await self.bus.subscribe(subject(self.ident.job_id, Verb.PROBE, self.ident.member_id),
                                  ProbeRequest, self._on_probe)

@@ -165,6 +165,13 @@ class LeaderLease:
                     log.warning("lease had expired; re-acquired with fencing token %d", self.token)
                     await on_new_token(self.token)
                     continue
+                if await self.own_newer_term():
+                    # Taken by this controller between the look and the attempt (an earlier
+                    # acquisition of its own whose reply was lost): not another's (seen once under
+                    # load in test_controller_runtime: the leader deposed itself).
+                    renewed_at = loop.time()
+                    await on_new_token(self.token)
+                    continue
                 raise LeaseLost("lease taken by another controller while re-acquiring")
             except LeaseLost:
                 raise

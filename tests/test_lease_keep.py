@@ -1,0 +1,49 @@
+"""The controller's lease keeper against a real Redis (servers of this module's own: the lease key
+is the one every controller of a Redis uses)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from support import eventually_async
+
+from robustrl.services.controller.lease import _ACQUIRE, LeaderLease
+from robustrl.storage.redis_stores import Keys, connect
+
+
+async def test_a_lease_its_own_earlier_acquisition_took_meanwhile_is_kept_not_taken_for_another(servers) -> None:
+    """The key expired (a starved event loop); the keeper's renewal fails, it finds no holder and
+    tries to take the lease again, but an acquisition of its own whose reply was lost (or one
+    whose reply is still on the way) took it in between: its attempt fails, the key names this
+    controller. The keeper raised LeaseLost ("taken by another controller") and the leader
+    deposed itself (seen once under load: test_controller_runtime's re-acquisition test failed
+    with a start refused). It keeps leading under the newer token."""
+    redis = connect(servers.redis_url)
+    lease = LeaderLease(redis, "keeper-under-test", ttl_s=0.6)
+    try:
+        assert await lease.try_acquire()
+        first = lease.token
+        await redis.delete(Keys.controller_lease())  # expired
+        real = lease.try_acquire
+
+        async def raced() -> bool:
+            # its own acquisition lands first (the keeper's look found no holder before it)
+            await redis.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), lease.owner,
+                             lease.ttl_ms)
+            return await real()
+
+        lease.try_acquire = raced  # type: ignore[method-assign]
+        tokens: list[int] = []
+
+        async def on_new_token(token: int) -> None:
+            tokens.append(token)
+
+        stop = asyncio.Event()
+        keeper = asyncio.create_task(lease.keep(stop, on_new_token))
+        await eventually_async(lambda: tokens or keeper.done(), timeout=10, what="the keeper's verdict")
+        stop.set()
+        await keeper  # (LeaseLost raised here before)
+        assert tokens == [lease.token] and lease.token > first
+        assert (await redis.get(Keys.controller_lease())).decode() == lease.value
+    finally:
+        await redis.aclose()
