@@ -87,8 +87,8 @@ class StaleEpoch(RobustRLError):
 
 class Superseded(RobustRLError):
     """A guarded write refused: the state it was begun under changed before it could land (a
-    request manager's hand-over overtaken by a restart of its step). Nothing of it was written;
-    retrying cannot help."""
+    request manager's hand-over overtaken by a restart of its step). Nothing of it was written
+    (unless an earlier attempt ran and only its reply was lost); retrying cannot help."""
 
 
 class WeightSyncError(RobustRLError):

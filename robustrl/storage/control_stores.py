@@ -63,7 +63,7 @@ class EventOutbox:
         ``Guarded`` one, only while its guard holds.
 
         Raises:
-            Superseded: the guard had moved on: nothing was saved.
+            Superseded: the guard had moved on: nothing was saved (``transact``).
             TransportError: Redis failed.
         """
         text = entry.model_dump_json()

@@ -274,6 +274,12 @@ async def _call(coro: Any, what: str) -> Any:
         raise TransportError(f"redis {what} failed: {exc}", key=what) from exc
 
 
+def _retried_in_transaction(exc: BaseException) -> bool:
+    """``_retried`` for an error of a transaction: a command refused in it is named after
+    redis-py's own words ("Command # 1 (SET ...) of pipeline caused error: NOREPLICAS ...")."""
+    return _retried(exc) or str(exc).split("caused error: ", 1)[-1].split(" ", 1)[0] in WRITE_REFUSALS
+
+
 GUARD_TRIES = 5
 """Attempts at a guarded transaction whose watched guard was written meanwhile yet still holds."""
 
@@ -331,8 +337,7 @@ async def transact(client: aioredis.Redis, writes: Callable[[Any], None], what: 
                     raise TransportError(f"redis {what}: {guard.key} was written {changed} times during it, "
                                          f"unchanged each time", key=what) from exc
                 continue
-            if not _retried(cause) and str(cause).split("caused error: ", 1)[-1].split(" ", 1)[0] not in WRITE_REFUSALS:
-                # (a refusal of a command in a transaction is named after redis-py's own words)
+            if not _retried_in_transaction(cause):
                 raise TransportError(f"redis {what} failed: {cause}", key=what) from cause
             failed += 1
             if failed > REDIS_RETRIES:
