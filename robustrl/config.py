@@ -122,6 +122,9 @@ class TrainerSpec(BaseModel):
         "Truncation of the importance weight pi_old / pi_behaviour applied to off-policy turns when "
         "staleness > 0 (null: no correction, the clipped ratio is taken against the behaviour policy)."))
     checkpoint_keep: StrictInt = Field(3, ge=1, le=100, description="Complete checkpoints kept.")
+    max_undurable_steps: StrictInt = Field(16, ge=2, le=100_000, description=(
+        "Steps rank 0 trains past the newest durable checkpoint before it stops, named "
+        "(CheckpointStalled: uploads keep failing); the gang is restarted from that checkpoint."))
     resources: ResourceSpec = Field(default_factory=ResourceSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
 

@@ -68,6 +68,13 @@ class CheckpointLost(CheckpointError):
     silently rewrite a committed history, so the job must fail instead."""
 
 
+class CheckpointStalled(CheckpointError):
+    """No checkpoint has become durable for more steps than ``trainer.max_undurable_steps``
+    (uploads failing: the object store refusing manifests, a rank's shards never landing). Going
+    on would make every later fault redo all of them, and the request manager keeps every batch
+    since in Redis; the rank stops instead, named."""
+
+
 EXIT_CHECKPOINT_LOST = 65
 """Exit status (EX_DATAERR) of a trainer that refuses to start because of ``CheckpointLost``: the
 controller fails the job at once instead of restarting gangs that would refuse again."""

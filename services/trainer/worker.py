@@ -24,6 +24,7 @@ import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,11 +43,12 @@ from robustrl.checkpoint import (
     restore_rng,
     seed_rng,
 )
+from robustrl.checkpoint_catalog import MANIFEST
 from robustrl.config import JobSpec, Settings
 from robustrl.event_outbox import stored_of
 from robustrl.errors import (
-    EXIT_CHECKPOINT_LOST, EXIT_DIVERGED, CheckpointLost, ConfigError, RequestTimeout, StaleEpoch, SubjectError,
-    TransportError)
+    EXIT_CHECKPOINT_LOST, EXIT_DIVERGED, CheckpointLost, CheckpointStalled, ConfigError, RequestTimeout, StaleEpoch,
+    StorageError, SubjectError, TransportError)
 from robustrl.gpu import GpuProbe
 from robustrl.member import Identity, Member, failpoint_armed
 from robustrl.messages import BatchGet, BatchReady, Event, StepCommitted, WeightsAnnounce
@@ -176,6 +178,26 @@ def _trained_record(eps: list[EpisodeRecord]) -> dict[str, object]:
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "host CPU"
+
+
+class _RefusingManifests:
+    """Failpoint ``manifest_refused``: an object store that refuses every manifest write after the
+    first ``allowed`` (a store that starts refusing them for good: quota, credentials);
+    everything else goes through."""
+
+    def __init__(self, store: Any, allowed: int = 2) -> None:
+        self._store = store
+        self._allowed = allowed
+
+    def put(self, key: str, data: bytes) -> None:
+        if key.endswith(f"/{MANIFEST}"):
+            if self._allowed <= 0:
+                raise StorageError(f"failpoint manifest_refused: {key} not written", key=key)
+            self._allowed -= 1
+        self._store.put(key, data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
 
 
 FAILPOINT_STEP = 1
@@ -362,6 +384,8 @@ class TrainerWorker:
                  else None)
         if fence is not None and failpoint_armed("final_upload_slow", self.ident.job_id, self.ident.member_id):
             fence.hold = {spec.steps - 1: FINAL_UPLOAD_SLOW_S}
+        if failpoint_armed("manifest_refused", self.ident.job_id, self.ident.member_id):
+            store = _RefusingManifests(store)  # test-only: manifest writes fail after the first two
         self.ckpt = Checkpointer(store, checkpoint_prefix(self.ident.job_id), keep=spec.trainer.checkpoint_keep,
                                  rank=self.ident.rank, world_size=self.ident.world_size, epoch=self.member.epoch,
                                  fence=fence)
@@ -562,6 +586,13 @@ class TrainerWorker:
             durable = self.ckpt.durable_step
             if durable is not None:
                 self.durable = max(self.durable, durable)
+            if self.ident.rank == 0 and step - self.durable > self.spec.trainer.max_undurable_steps:
+                # An upload that failed was only logged: the gang trained on with nothing durable,
+                # for good (an outside review). Stopped here, before this step is committed.
+                raise CheckpointStalled(
+                    f"step {step}: no checkpoint durable since step {self.durable} "
+                    f"(trainer.max_undurable_steps={self.spec.trainer.max_undurable_steps}); "
+                    f"the last upload's error: {self.ckpt.last_error!r}", name=f"step {step}")
             upload = self.ckpt.upload_stats
             await self.member.set_phase("publishing", step)
             if step == FAILPOINT_STEP and failpoint_armed("publish_wedged", self.ident.job_id, self.ident.member_id):
