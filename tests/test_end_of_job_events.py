@@ -127,3 +127,65 @@ def test_the_last_steps_events_reach_the_log_though_jetstream_was_away_at_the_en
     assert not any((left := asyncio.run(outboxes())).values()), left
     report = audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))
     assert report.facts["trainer_outbox_unappended"] == 0, report.facts
+
+
+PUBLISH_OUTAGE_S = 40.0
+"""Longer than a required event's budget (``EVENT_PUBLISH_RETRY_S``, 30 s)."""
+
+
+async def _weights_refused_for_a_while(nats_url: str, job_id: str, parked: threading.Event) -> None:
+    """Refuse the trainer's ``weights_published`` once step 1's commit is stored, for
+    ``PUBLISH_OUTAGE_S``."""
+    nc = await nats.connect(nats_url, connect_timeout=5)
+    js = nc.jetstream()
+    stored: asyncio.Queue[int] = asyncio.Queue()
+
+    async def on_event(msg: nats.aio.msg.Msg) -> None:
+        stored.put_nowait(int(json.loads(msg.data)["data"]["step"]))
+
+    await nc.subscribe(events(job_id, "step_committed", "trainer"), cb=on_event)
+    try:
+        while await asyncio.wait_for(stored.get(), 120) < 1:
+            pass
+        config = (await js.stream_info(EVENTS_STREAM)).config
+        config.subjects = sorted(f"rrl.events.*.{owner.value}.{kind}" for kind, owners in EVENT_OWNERS.items()
+                                 for owner in owners if (owner.value, kind) != ("trainer", "weights_published"))
+        await js.update_stream(config)
+        parked.set()
+        try:
+            await asyncio.sleep(PUBLISH_OUTAGE_S)  # the outage's length, not a wait for a state
+        finally:
+            config.subjects = [EVENTS_ALL]
+            await js.update_stream(config)
+    finally:
+        await nc.close()
+
+
+def test_a_weights_publication_jetstream_refuses_past_its_budget_is_waited_for_not_a_trainer_fault(
+        stack: Stack) -> None:
+    """JetStream refuses the trainer's ``weights_published`` (a required event: it must be in the
+    log before the weights are pointed at) for longer than its 30 s budget. Rank 0 gave up and
+    exited, a trainer fault and a gang restart (an outside review; a longer outage then escalated
+    to a whole-job restart). Now it tries again until the event is stored: no fault, no restart,
+    the version published once, the job finished, the auditor passes."""
+    api = ApiClient(stack.api_url, stack.settings.api_token)
+    spec = small_job("wpout", steps=4, rollout={"replicas": 1}, trainer={"workers": 1},
+                     detector={"weights_load_s": 120.0})  # (the replicas wait out the outage too)
+    jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, jid)
+    parked = threading.Event()
+    outage = threading.Thread(target=lambda: asyncio.run(_weights_refused_for_a_while(stack.settings.nats_url, jid,
+                                                                                        parked)))
+    outage.start()
+    try:
+        status = wait_done(api, jid, timeout=200)
+    finally:
+        outage.join(150)
+    assert parked.is_set(), "the outage never began"
+    assert status["status"] == "finished", status
+    events = api.events(jid)
+    assert kinds(events, "fault_detected") == [], kinds(events, "fault_detected")
+    assert {d["member_id"] for d in kinds(events, "member_started") if d["role"] == "trainer"} == {"trainer-e1-r0"}
+    published = sorted(d["version"] for d in kinds(events, "weights_published"))
+    assert published == sorted(set(published)) and published[-1] == 4, published  # each version once
+    audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))

@@ -736,12 +736,24 @@ class TrainerWorker:
                                   checksum=checksum, sources=self.sources, manifest_digest=manifest.digest(),
                                   manifest_bytes=len(encoded))
             assert self.member.bus
-            await publish_weights(self.member.bus, self.gang, ann, manifest.total_bytes)
+            # Tried again until stored while JetStream is away (each try has the event's budget):
+            # given up, the rank exited and a longer outage cost gang restarts and then a whole-job
+            # restart (an outside review). A stall here is the trainer-I/O rule's to report. One
+            # message id for every try: a try stored whose acknowledgement was lost is stored once.
+            msg_id = event_msg_id(self.ident.job_id, "weights_published")
+            while True:
+                try:
+                    await publish_weights(self.member.bus, self.gang, ann, manifest.total_bytes, msg_id=msg_id)
+                    break
+                except TransportError as exc:
+                    if self.member.stopping.is_set():
+                        raise
+                    log.warning("weights v%d not in the event log yet (%s): trying again", version, exc)
         return checksum
 
 
 async def publish_weights(bus: Bus, gang: GangFence, ann: WeightsAnnounce, total_bytes: int,
-                          retry_s: float = EVENT_PUBLISH_RETRY_S) -> None:
+                          retry_s: float = EVENT_PUBLISH_RETRY_S, msg_id: str | None = None) -> None:
     """Make a version loadable, in this order: the ``weights_published`` event (durable), the
     fenced weights pointer (replicas read it every few seconds), the announcement (core NATS).
 
@@ -751,12 +763,12 @@ async def publish_weights(bus: Bus, gang: GangFence, ann: WeightsAnnounce, total
     loaded checksum was published, and that the pointer names a published one.
 
     Raises:
-        TransportError: the event was not stored within ``retry_s``; nothing was pointed at or
-            announced (the trainer exits; its recovery resumes from the newest durable checkpoint).
+        TransportError: the event was not stored within ``retry_s`` (or the pointer's write
+            failed); nothing was pointed at or announced. The trainer tries again.
     """
     await bus.emit_event(ann.job_id, "weights_published", {
         "version": ann.version, "epoch": ann.epoch, "checksum": ann.checksum, "bytes": total_bytes},
-        required=True, retry_s=retry_s)
+        required=True, retry_s=retry_s, msg_id=msg_id)
     await gang.set_pointer(ann.encode())  # fenced: a stale gang cannot point late joiners back
     await bus.publish(subject(ann.job_id, Verb.WEIGHTS), ann)
 
