@@ -177,7 +177,9 @@ class DetectorSpec(BaseModel):
         "(hang, cause trainer_io_stalled): a snapshot or a publish that never returns while the "
         "member still reports. A backstop: keep it above the snapshot's own bounded waits (the "
         "previous upload, up to 300 s, whose rank 0 waits up to 120 s for the other ranks' "
-        "shards) and the publish's retries (about 60 s), or a slow upload restarts a healthy gang."))
+        "shards), or a slow upload restarts a healthy gang. Rank 0 tries a weights publication "
+        "JetStream does not store again until it is stored: an outage longer than this is reported "
+        "here (at a gang's start, its start deadline reports it)."))
     rollout_idle_s: StrictFloat = _threshold("rollout_idle_s", "Zero token throughput with work queued.")
     silence_s: StrictFloat = _threshold("silence_s", "No metrics at all from a member.")
     probe_timeout_s: StrictFloat = _threshold("probe_timeout_s", "A heartbeat probe unanswered this long fails.")

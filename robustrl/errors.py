@@ -75,6 +75,13 @@ class CheckpointStalled(CheckpointError):
     since in Redis; the rank stops instead, named."""
 
 
+EXIT_CHECKPOINT_STALLED = 67
+"""Exit status of a trainer rank that stopped on ``CheckpointStalled``: the controller names the
+cause in the fault's evidence (with the rank's last output) and restarts the gang from the newest
+durable checkpoint, as after a crash (a store that recovers is recovered from; one that refuses
+for good ends the job through ``recovery.max_restarts``)."""
+
+
 EXIT_CHECKPOINT_LOST = 65
 """Exit status (EX_DATAERR) of a trainer that refuses to start because of ``CheckpointLost``: the
 controller fails the job at once instead of restarting gangs that would refuse again."""

@@ -19,6 +19,7 @@ from support import audit_sampled, sample_batches, stack_with_failpoints
 from robustrl.audit.model import AuditOptions
 from robustrl.checkpoint import Checkpointer
 from robustrl.client import ApiClient
+from robustrl.errors import EXIT_CHECKPOINT_STALLED
 from robustrl.stack import Stack
 from robustrl.storage.objects import open_object_store
 
@@ -46,9 +47,11 @@ def test_a_trainer_whose_checkpoints_stop_becoming_durable_stops_within_the_boun
     first = sorted(d["step"] for d in kinds(events, "step_committed") if d["epoch"] == 1)
     assert first and max(first) <= 1 + LAG, first
     [exit1] = [d for d in kinds(events, "member_exited") if d["member_id"] == "trainer-e1-r0"]
-    assert exit1["returncode"] not in (0, None), exit1
+    assert exit1["returncode"] == EXIT_CHECKPOINT_STALLED, exit1
+    [fault] = [d for d in kinds(events, "fault_detected") if d["member_id"] == "trainer-e1-r0"]
+    assert "checkpoints stalled" in fault["evidence"] and "manifest_refused" in fault["evidence"], fault
     log = (stack.run_dir / "logs" / f"{jid}--trainer-e1-r0.log").read_text(errors="replace")
-    assert "CheckpointStalled" in log and "manifest_refused" in log, log[-2000:]
+    assert "no checkpoint durable since step 1" in log and "manifest_refused" in log, log[-2000:]
     # The next gang resumed from step 1's checkpoint, redid what was not durable, and finished.
     second = sorted({d["step"] for d in kinds(events, "step_committed") if d["epoch"] == 2})
     assert second == list(range(2, STEPS)), second

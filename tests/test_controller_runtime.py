@@ -682,8 +682,10 @@ async def test_a_trainer_that_finds_its_checkpoints_lost_fails_the_job_at_once(
     job = await _job_whose_member_fails(rig, monkeypatch, "TRAINER_MODULE", "checkpoint_lost_member", "cplost")
     assert "checkpoint lost" in (job.error or "") and "no checkpoint at or below it verifies" in (job.error or "")
     events = await rig.events(job.job_id)
-    # one gang only: a gang that would refuse again is never restarted
-    assert [d["epoch"] for d in of_kind(events, "member_started") if d["role"] == "trainer"] == [1, 1]
+    # one gang only: a gang that would refuse again is never restarted (its rank 1 may not have
+    # started before rank 0's exit failed the job: seen under three workers)
+    epochs = [d["epoch"] for d in of_kind(events, "member_started") if d["role"] == "trainer"]
+    assert epochs in ([1], [1, 1]), epochs
     assert "checkpoint lost" in str(of_kind(events, "job_failed")[0]["reason"])
 
 

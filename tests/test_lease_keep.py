@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from support import eventually_async
 
-from robustrl.services.controller.lease import _ACQUIRE, LeaderLease
+from robustrl.services.controller.lease import _ACQUIRE, LeaderLease, LeaseLost
 from robustrl.storage.redis_stores import Keys, connect
 
 
@@ -21,6 +22,7 @@ async def test_a_lease_its_own_earlier_acquisition_took_meanwhile_is_kept_not_ta
     redis = connect(servers.redis_url)
     lease = LeaderLease(redis, "keeper-under-test", ttl_s=0.6)
     try:
+        await redis.delete(Keys.controller_lease())  # (another test's lease, not yet expired)
         assert await lease.try_acquire()
         first = lease.token
         await redis.delete(Keys.controller_lease())  # expired
@@ -45,5 +47,33 @@ async def test_a_lease_its_own_earlier_acquisition_took_meanwhile_is_kept_not_ta
         await keeper  # (LeaseLost raised here before)
         assert tokens == [lease.token] and lease.token > first
         assert (await redis.get(Keys.controller_lease())).decode() == lease.value
+    finally:
+        await redis.aclose()
+
+
+async def test_a_late_acquisition_of_its_own_after_another_controllers_term_is_not_taken_for_its_own(
+        servers) -> None:
+    """The keeper's acquisition timed out but was in flight; meanwhile another controller took a
+    term and lost it; then the late acquisition landed, two terms on. Taken for this controller's
+    own next term, it led on without ever seeing what the other did as leader (an outside review).
+    Only the very next term is its own: it stops leading (LeaseLost) and takes over anew."""
+    redis = connect(servers.redis_url)
+    lease = LeaderLease(redis, "keeper-late", ttl_s=0.6)
+    try:
+        await redis.delete(Keys.controller_lease())  # (another test's lease, not yet expired)
+        assert await lease.try_acquire()
+        await redis.delete(Keys.controller_lease())  # expired
+        other = int(await redis.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), "another", 60_000))
+        await redis.delete(Keys.controller_lease())  # the other's term ended too
+        late = int(await redis.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), lease.owner,
+                                    60_000))
+        assert late == other + 1 == lease.token + 2
+
+        async def on_new_token(token: int) -> None:
+            raise AssertionError(f"took token {token} for its own")
+
+        with pytest.raises(LeaseLost):
+            await asyncio.wait_for(lease.keep(asyncio.Event(), on_new_token), 10)
+        assert not await lease.newest_term()  # nor does a start's check take it for its own
     finally:
         await redis.aclose()

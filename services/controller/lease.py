@@ -113,13 +113,15 @@ class LeaderLease:
         """Whether the lease key names this controller with a newer token than ``token``: its own
         re-acquisition (``keep``: the key had expired) ran in Redis and its reply is still on the
         way, so the fencing counter is already above ``token``. The token is taken from the key
-        then (it is this controller's term); False if another controller holds the lease or none
-        does."""
+        then (it is this controller's term) if it is the very next one; False if another
+        controller holds the lease, none does, or another term came in between."""
         holder = await self.holder()
         if holder is None:
             return False
         owner, _, token = holder.rpartition(":")
-        if owner != self.owner or not token.isdigit() or int(token) <= self.token:
+        # The very next term only: a larger gap means another controller held a term in between
+        # (this one's late acquisition landing after it), whose actions this one never saw.
+        if owner != self.owner or not token.isdigit() or int(token) != self.token + 1:
             return False
         self.token = int(token)
         return True

@@ -27,7 +27,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from robustrl.aio import wait_event
-from robustrl.errors import EXIT_CHECKPOINT_LOST, EXIT_DIVERGED, TransportError
+from robustrl.errors import EXIT_CHECKPOINT_LOST, EXIT_CHECKPOINT_STALLED, EXIT_DIVERGED, TransportError
 from robustrl.launcher.base import ExitInfo
 from robustrl.messages import FaultReport, MemberExited
 from robustrl.services.controller.decide import DIVERGED, WARM_START_SILENT
@@ -247,6 +247,10 @@ class Supervisor:
                 job.failed_start(m)
                 tail = self.c.starter.log_tail(job, m.member_id)
                 evidence = f"{evidence} before its hello" + (f"; last output:\n{tail}" if tail else "")
+            if m.role == "trainer" and info.returncode == EXIT_CHECKPOINT_STALLED:
+                tail = self.c.starter.log_tail(job, m.member_id)
+                evidence = (f"checkpoints stalled: no checkpoint became durable for trainer.max_undurable_steps "
+                            f"steps (exit code {EXIT_CHECKPOINT_STALLED})" + (f"; last output:\n{tail}" if tail else ""))
             if diverged:
                 before = job.diverged_at
                 # Judged once, as first seen: an earlier gang diverged with no step trained since?

@@ -47,7 +47,7 @@ from robustrl.checkpoint_catalog import MANIFEST
 from robustrl.config import JobSpec, Settings
 from robustrl.event_outbox import stored_of
 from robustrl.errors import (
-    EXIT_CHECKPOINT_LOST, EXIT_DIVERGED, CheckpointLost, CheckpointStalled, ConfigError, RequestTimeout, StaleEpoch,
+    EXIT_CHECKPOINT_LOST, EXIT_CHECKPOINT_STALLED, EXIT_DIVERGED, CheckpointLost, CheckpointStalled, ConfigError, RequestTimeout, StaleEpoch,
     StorageError, SubjectError, TransportError)
 from robustrl.gpu import GpuProbe
 from robustrl.member import Identity, Member, failpoint_armed
@@ -736,24 +736,16 @@ class TrainerWorker:
                                   checksum=checksum, sources=self.sources, manifest_digest=manifest.digest(),
                                   manifest_bytes=len(encoded))
             assert self.member.bus
-            # Tried again until stored while JetStream is away (each try has the event's budget):
-            # given up, the rank exited and a longer outage cost gang restarts and then a whole-job
-            # restart (an outside review). A stall here is the trainer-I/O rule's to report. One
-            # message id for every try: a try stored whose acknowledgement was lost is stored once.
-            msg_id = event_msg_id(self.ident.job_id, "weights_published")
-            while True:
-                try:
-                    await publish_weights(self.member.bus, self.gang, ann, manifest.total_bytes, msg_id=msg_id)
-                    break
-                except TransportError as exc:
-                    if self.member.stopping.is_set():
-                        raise
-                    log.warning("weights v%d not in the event log yet (%s): trying again", version, exc)
+            await publish_weights(self.member.bus, self.gang, ann, manifest.total_bytes, stopping=self.member.stopping)
         return checksum
 
 
+PUBLISH_RETRY_WAIT_S = 1.0
+"""The pause between two tries of a weights publication JetStream did not store."""
+
+
 async def publish_weights(bus: Bus, gang: GangFence, ann: WeightsAnnounce, total_bytes: int,
-                          retry_s: float = EVENT_PUBLISH_RETRY_S, msg_id: str | None = None) -> None:
+                          retry_s: float = EVENT_PUBLISH_RETRY_S, stopping: asyncio.Event | None = None) -> None:
     """Make a version loadable, in this order: the ``weights_published`` event (durable), the
     fenced weights pointer (replicas read it every few seconds), the announcement (core NATS).
 
@@ -762,13 +754,29 @@ async def publish_weights(bus: Bus, gang: GangFence, ann: WeightsAnnounce, total
     replica loads, never one loaded that the log does not hold -- the auditor's check that every
     loaded checksum was published, and that the pointer names a published one.
 
+    With ``stopping``, an event JetStream did not store within ``retry_s`` is tried again (a pause
+    between tries, one message id for all: a try stored whose acknowledgement was lost is stored
+    once) until it is stored or ``stopping`` is set: given up, rank 0 exited, and each outage
+    longer than the budget cost a trainer fault and a gang restart (an outside review). The event
+    alone is tried again, never once it is stored.
+
     Raises:
-        TransportError: the event was not stored within ``retry_s`` (or the pointer's write
-            failed); nothing was pointed at or announced. The trainer tries again.
+        TransportError: the event was not stored within ``retry_s`` (without ``stopping``, or once
+            it is set), or the pointer's write failed; nothing was pointed at or announced (the
+            trainer exits; its recovery resumes from the newest durable checkpoint).
     """
-    await bus.emit_event(ann.job_id, "weights_published", {
-        "version": ann.version, "epoch": ann.epoch, "checksum": ann.checksum, "bytes": total_bytes},
-        required=True, retry_s=retry_s, msg_id=msg_id)
+    msg_id = event_msg_id(ann.job_id, "weights_published")
+    data = {"version": ann.version, "epoch": ann.epoch, "checksum": ann.checksum, "bytes": total_bytes}
+    while True:
+        try:
+            await bus.emit_event(ann.job_id, "weights_published", data, required=True, retry_s=retry_s,
+                                 msg_id=msg_id)
+            break
+        except TransportError as exc:
+            if stopping is None or stopping.is_set():
+                raise
+            log.warning("weights v%d not in the event log yet (%s): trying again", ann.version, exc)
+            await wait_event(stopping, PUBLISH_RETRY_WAIT_S)
     await gang.set_pointer(ann.encode())  # fenced: a stale gang cannot point late joiners back
     await bus.publish(subject(ann.job_id, Verb.WEIGHTS), ann)
 
@@ -801,6 +809,9 @@ def run_member(ident: Identity, settings: Settings, model: torch.nn.Module | Non
         # The last lines of a member's log become the fault evidence and the job's error.
         log.critical("trainer cannot start: %s", exc)
         _exit_now(EXIT_CHECKPOINT_LOST)
+    except CheckpointStalled as exc:
+        log.critical("trainer stopped: %s", exc)
+        _exit_now(EXIT_CHECKPOINT_STALLED)
     except TrainingDiverged as exc:
         # Before the gang-broke handling below (a RuntimeError): the controller keeps no rank of a
         # diverged gang (``decide.may_keep``); its next gang loads the newest checkpoint.
