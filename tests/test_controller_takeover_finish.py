@@ -135,7 +135,10 @@ def test_last_step_committed_during_takeover_finishes_the_job(two_controllers: S
             eventually(lambda: psutil.Process(standby).status() == psutil.STATUS_STOPPED, timeout=60, interval=0.02,
                        what="controller-2 stopped at failpoint takeover_resumed")
             at_takeover = _raw_record(stack, jid)
-            assert at_takeover["status"] == "running" and at_takeover["committed_step"] == STEPS - 2, at_takeover
+            # (step STEPS - 2's commit may not be in the record yet: the leader was killed as it
+            # came, seen under three workers; the new leader reads it from the log)
+            assert at_takeover["status"] == "running" and at_takeover["committed_step"] in (STEPS - 3, STEPS - 2), \
+                at_takeover
 
             # The last step commits while the new leader has resumed the job but does not lead yet.
             _signal_groups(frozen, signal.SIGCONT)

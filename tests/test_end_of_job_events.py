@@ -14,9 +14,11 @@ until 20 s after the last one's commit message; judged from the raw log, raw Red
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import nats
 import pytest
@@ -49,13 +51,45 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         st.stop()
 
 
-def _all_but_step_committed() -> list[str]:
-    """The event stream's subjects without the trainer's ``step_committed``: JetStream then refuses
-    that event alone (a trainer publishes a step's weights, a required event, before its commit:
-    an outage of the whole stream holds the commit back; this is the state an outage that begins
-    between the two leaves)."""
+def _all_but_the_trainers(refused: str) -> list[str]:
+    """The event stream's subjects without the trainer's ``refused`` kind: JetStream then refuses
+    that event alone (for ``step_committed``: a trainer publishes a step's weights, a required
+    event, before its commit: an outage of the whole stream holds the commit back; this is the
+    state an outage that begins between the two leaves)."""
     return sorted(f"rrl.events.*.{owner.value}.{kind}" for kind, owners in EVENT_OWNERS.items()
-                  for owner in owners if (owner.value, kind) != ("trainer", "step_committed"))
+                  for owner in owners if (owner.value, kind) != ("trainer", refused))
+
+
+@contextlib.asynccontextmanager
+async def _trainers_refused(js: Any, kind: str, parked: threading.Event) -> AsyncIterator[None]:
+    """JetStream refuses the trainer's ``kind`` events inside (``parked`` set once it does)."""
+    config = (await js.stream_info(EVENTS_STREAM)).config
+    config.subjects = _all_but_the_trainers(kind)
+    await js.update_stream(config)
+    parked.set()
+    try:
+        yield
+    finally:
+        config.subjects = [EVENTS_ALL]
+        await js.update_stream(config)
+
+
+def _job_through(stack: Stack, spec: dict, outage: Callable[[str, str, threading.Event], Awaitable[None]],
+                 ) -> tuple[str, Any, dict, list[dict]]:
+    """Run ``spec`` to its end with ``outage`` (NATS url, job id, set once begun) beside it; return
+    the job id, its batch sampler, its final status and its events."""
+    api = ApiClient(stack.api_url, stack.settings.api_token)
+    jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, jid)
+    parked = threading.Event()
+    beside = threading.Thread(target=lambda: asyncio.run(outage(stack.settings.nats_url, jid, parked)))
+    beside.start()
+    try:
+        status = wait_done(api, jid, timeout=200)
+    finally:
+        beside.join(150)
+    assert parked.is_set(), "the outage never began"
+    return jid, sampler, status, api.events(jid)
 
 
 async def _outage_over_the_last_step(nats_url: str, job_id: str, parked: threading.Event) -> None:
@@ -79,37 +113,19 @@ async def _outage_over_the_last_step(nats_url: str, job_id: str, parked: threadi
     try:
         while await asyncio.wait_for(stored.get(), 120) < STEPS - 2:
             pass
-        config = (await js.stream_info(EVENTS_STREAM)).config
-        config.subjects = _all_but_step_committed()
-        await js.update_stream(config)
-        parked.set()
-        try:
+        async with _trainers_refused(js, "step_committed", parked):
             while await asyncio.wait_for(committed.get(), 120) < STEPS - 1:
                 pass
             await asyncio.sleep(OUTAGE_AFTER_LAST_COMMIT_S)  # the outage's length, not a wait for a state
-        finally:
-            config.subjects = [EVENTS_ALL]
-            await js.update_stream(config)
     finally:
         await nc.close()
 
 
 def test_the_last_steps_events_reach_the_log_though_jetstream_was_away_at_the_end(stack: Stack) -> None:
-    api = ApiClient(stack.api_url, stack.settings.api_token)
-    spec = small_job("eoj", steps=STEPS, rollout={"replicas": 1}, trainer={"workers": 1})
-    jid = api.submit(spec)["job_id"]
-    sampler = sample_batches(stack.settings.redis_url, jid)
-    parked = threading.Event()
-    outage = threading.Thread(target=lambda: asyncio.run(_outage_over_the_last_step(stack.settings.nats_url, jid,
-                                                                                       parked)))
-    outage.start()
-    try:
-        status = wait_done(api, jid, timeout=200)
-    finally:
-        outage.join(150)
-    assert parked.is_set(), "the outage never began"
+    jid, sampler, status, events = _job_through(
+        stack, small_job("eoj", steps=STEPS, rollout={"replicas": 1}, trainer={"workers": 1}),
+        _outage_over_the_last_step)
     assert status["status"] == "finished" and status["committed_step"] == STEPS - 1, status
-    events = api.events(jid)
     assert sorted({c["step"] for c in kinds(events, "step_committed")}) == list(range(STEPS))
     final = [i for i, e in enumerate(events) if e["kind"] == "job_finished"]
     assert len(final) == 1, final
@@ -147,16 +163,8 @@ async def _weights_refused_for_a_while(nats_url: str, job_id: str, parked: threa
     try:
         while await asyncio.wait_for(stored.get(), 120) < 1:
             pass
-        config = (await js.stream_info(EVENTS_STREAM)).config
-        config.subjects = sorted(f"rrl.events.*.{owner.value}.{kind}" for kind, owners in EVENT_OWNERS.items()
-                                 for owner in owners if (owner.value, kind) != ("trainer", "weights_published"))
-        await js.update_stream(config)
-        parked.set()
-        try:
+        async with _trainers_refused(js, "weights_published", parked):
             await asyncio.sleep(PUBLISH_OUTAGE_S)  # the outage's length, not a wait for a state
-        finally:
-            config.subjects = [EVENTS_ALL]
-            await js.update_stream(config)
     finally:
         await nc.close()
 
@@ -168,22 +176,11 @@ def test_a_weights_publication_jetstream_refuses_past_its_budget_is_waited_for_n
     exited, a trainer fault and a gang restart (an outside review; a longer outage then escalated
     to a whole-job restart). Now it tries again until the event is stored: no fault, no restart,
     the version published once, the job finished, the auditor passes."""
-    api = ApiClient(stack.api_url, stack.settings.api_token)
-    spec = small_job("wpout", steps=4, rollout={"replicas": 1}, trainer={"workers": 1},
-                     detector={"weights_load_s": 120.0})  # (the replicas wait out the outage too)
-    jid = api.submit(spec)["job_id"]
-    sampler = sample_batches(stack.settings.redis_url, jid)
-    parked = threading.Event()
-    outage = threading.Thread(target=lambda: asyncio.run(_weights_refused_for_a_while(stack.settings.nats_url, jid,
-                                                                                        parked)))
-    outage.start()
-    try:
-        status = wait_done(api, jid, timeout=200)
-    finally:
-        outage.join(150)
-    assert parked.is_set(), "the outage never began"
+    jid, sampler, status, events = _job_through(
+        stack, small_job("wpout", steps=4, rollout={"replicas": 1}, trainer={"workers": 1},
+                         detector={"weights_load_s": 120.0}),  # (the replicas wait out the outage too)
+        _weights_refused_for_a_while)
     assert status["status"] == "finished", status
-    events = api.events(jid)
     assert kinds(events, "fault_detected") == [], kinds(events, "fault_detected")
     assert {d["member_id"] for d in kinds(events, "member_started") if d["role"] == "trainer"} == {"trainer-e1-r0"}
     published = sorted(d["version"] for d in kinds(events, "weights_published"))

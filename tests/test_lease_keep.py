@@ -77,3 +77,47 @@ async def test_a_late_acquisition_of_its_own_after_another_controllers_term_is_n
         assert not await lease.newest_term()  # nor does a start's check take it for its own
     finally:
         await redis.aclose()
+
+
+async def test_a_renewal_sent_under_the_older_token_while_a_start_took_up_the_newer_one_is_no_loss(
+        servers) -> None:
+    """The key expired and this controller's own acquisition took it again (the next token); a
+    start's check (``newest_term``) took that token up while the keeper's renewal, sent under the
+    older token, was on its way: the renewal fails, the look for a newer term of its own finds
+    none (taken up already), and the key names this controller's current term. The keeper raised
+    LeaseLost and the leader deposed itself (the flake of test_controller_runtime's re-acquisition
+    test, seen again in suite43)."""
+    from robustrl.services.controller.lease import _RENEW
+
+    redis = connect(servers.redis_url)
+    lease = LeaderLease(redis, "keeper-racing", ttl_s=0.6)
+    try:
+        await redis.delete(Keys.controller_lease())  # (another test's lease, not yet expired)
+        assert await lease.try_acquire()
+        await redis.delete(Keys.controller_lease())  # expired
+        new = int(await redis.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), lease.owner,
+                                   60_000))
+        real = lease.renew
+        raced: list[bool] = []
+
+        async def renewal_under_the_older_token() -> bool:
+            if raced:
+                return await real()
+            older = lease.value
+            raced.append(await lease.newest_term())  # a start's check takes the new term up meanwhile
+            return bool(int(await redis.eval(_RENEW, 1, Keys.controller_lease(), older, lease.ttl_ms)))
+
+        lease.renew = renewal_under_the_older_token  # type: ignore[method-assign]
+        tokens: list[int] = []
+
+        async def on_new_token(token: int) -> None:
+            tokens.append(token)
+
+        stop = asyncio.Event()
+        keeper = asyncio.create_task(lease.keep(stop, on_new_token))
+        await eventually_async(lambda: tokens or keeper.done(), timeout=10, what="the keeper's verdict")
+        stop.set()
+        await keeper  # (LeaseLost raised here before)
+        assert raced == [True] and tokens == [new] == [lease.token]
+    finally:
+        await redis.aclose()

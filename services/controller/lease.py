@@ -160,6 +160,14 @@ class LeaderLease:
                     await on_new_token(self.token)
                     continue
                 holder = await self.holder()
+                if holder == self.value:
+                    # This controller's term, taken up meanwhile by another look (a start's
+                    # ``newest_term``) while this renewal, sent under the older token, was on its
+                    # way: not another's (the flake of test_controller_runtime's re-acquisition
+                    # test: the leader deposed itself).
+                    renewed_at = loop.time()
+                    await on_new_token(self.token)
+                    continue
                 if holder is not None:
                     raise LeaseLost(f"lease held by {holder} (this controller had token {self.token})")
                 if await self.try_acquire():
