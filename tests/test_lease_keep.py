@@ -12,6 +12,22 @@ from robustrl.services.controller.lease import _ACQUIRE, LeaderLease, LeaseLost
 from robustrl.storage.redis_stores import Keys, connect
 
 
+async def _keeper_verdict(lease: LeaderLease) -> list[int]:
+    """Run the lease keeper until it reports a new token of its own or ends; return the tokens
+    (raises what the keeper raised)."""
+    tokens: list[int] = []
+
+    async def on_new_token(token: int) -> None:
+        tokens.append(token)
+
+    stop = asyncio.Event()
+    keeper = asyncio.create_task(lease.keep(stop, on_new_token))
+    await eventually_async(lambda: tokens or keeper.done(), timeout=10, what="the keeper's verdict")
+    stop.set()
+    await keeper
+    return tokens
+
+
 async def test_a_lease_its_own_earlier_acquisition_took_meanwhile_is_kept_not_taken_for_another(servers) -> None:
     """The key expired (a starved event loop); the keeper's renewal fails, it finds no holder and
     tries to take the lease again, but an acquisition of its own whose reply was lost (or one
@@ -35,16 +51,7 @@ async def test_a_lease_its_own_earlier_acquisition_took_meanwhile_is_kept_not_ta
             return await real()
 
         lease.try_acquire = raced  # type: ignore[method-assign]
-        tokens: list[int] = []
-
-        async def on_new_token(token: int) -> None:
-            tokens.append(token)
-
-        stop = asyncio.Event()
-        keeper = asyncio.create_task(lease.keep(stop, on_new_token))
-        await eventually_async(lambda: tokens or keeper.done(), timeout=10, what="the keeper's verdict")
-        stop.set()
-        await keeper  # (LeaseLost raised here before)
+        tokens = await _keeper_verdict(lease)  # (LeaseLost raised here before)
         assert tokens == [lease.token] and lease.token > first
         assert (await redis.get(Keys.controller_lease())).decode() == lease.value
     finally:
@@ -108,16 +115,7 @@ async def test_a_renewal_sent_under_the_older_token_while_a_start_took_up_the_ne
             return bool(int(await redis.eval(_RENEW, 1, Keys.controller_lease(), older, lease.ttl_ms)))
 
         lease.renew = renewal_under_the_older_token  # type: ignore[method-assign]
-        tokens: list[int] = []
-
-        async def on_new_token(token: int) -> None:
-            tokens.append(token)
-
-        stop = asyncio.Event()
-        keeper = asyncio.create_task(lease.keep(stop, on_new_token))
-        await eventually_async(lambda: tokens or keeper.done(), timeout=10, what="the keeper's verdict")
-        stop.set()
-        await keeper  # (LeaseLost raised here before)
+        tokens = await _keeper_verdict(lease)  # (LeaseLost raised here before)
         assert raced == [True] and tokens == [new] == [lease.token]
     finally:
         await redis.aclose()
