@@ -67,6 +67,7 @@ class StandInRM:
         self.commands: list[ControlCommand] = []
         self.jobs: set[str] = set()
         self._task: asyncio.Task[None] | None = None
+        self.quiet = asyncio.Event()
 
     async def start(self) -> None:
         await self.bus.subscribe(all_jobs_exact(Verb.CONTROL, "request_manager"), ControlCommand, self._on_control)
@@ -83,11 +84,28 @@ class StandInRM:
         seq = 0
         while True:
             await asyncio.sleep(0.1)  # the stand-in's metrics period (a pace, not a wait)
+            if not self.alive:
+                self.quiet.set()
             for job_id in list(self.jobs) if self.alive else []:
                 seq += 1
                 await self.bus.publish(subject(job_id, Verb.METRICS, "request_manager"), MetricsSample(
                     job_id=job_id, member_id="request_manager", role="request_manager", seq=seq, ts=time.time(),
                     phase="generating"))
+
+    async def fall_silent(self, job: JobRun) -> None:
+        """Stop sending, and return once the controller has handled every sample sent before: a sample in
+        flight would end a recovery waiting for this request manager. A marker sent after the
+        last one, on the same connection and the same controller subscription (handled in order),
+        is seen by a member's ``heard`` flag set again."""
+        self.alive = False
+        self.quiet.clear()
+        await self.quiet.wait()  # the loop saw it: nothing more is sent
+        marker = next(m for m in job.members.values() if m.role == "rollout")
+        marker.heard = False
+        await self.bus.publish(subject(job.job_id, Verb.METRICS, marker.member_id), MetricsSample(
+            job_id=job.job_id, member_id=marker.member_id, role="rollout", seq=0, ts=time.time(),
+            phase="generating"))
+        await eventually_async(lambda: marker.heard, timeout=10, what="the controller handled the marker")
 
     async def close(self) -> None:
         if self._task:
@@ -987,6 +1005,38 @@ async def test_a_leader_re_acquiring_its_own_expired_lease_is_not_taken_for_depo
     assert a.leading and a.lease.token == new
     events = await rig.events(job.job_id)
     assert not of_kind(events, "member_stopped") and mid in [d["member_id"] for d in of_kind(events, "member_started")]
+
+
+async def test_a_record_written_under_the_token_the_keeper_just_replaced_is_written_again(rig: Rig) -> None:
+    """The sibling moment (suite44): the record's write carries the token the leader held, and
+    the lease keeper's re-acquisition of its own expired lease lands before the write reaches
+    Redis, its reply seen too (the token is the new one when the refusal comes back). The retry
+    only looked for a term newer than the token it now held, found none, and the refused write
+    went on as a deposition: the just-started member was killed, the submit raised LeaseLost.
+    Seen in Redis: the record written with the leader still leading."""
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec("cpreacq2"))
+    await rig.hello_all(a, job.job_id)
+    old = a.lease.token
+    real_put = a.registry.put
+    refused: list[int | None] = []
+
+    async def keeper_meanwhile(job_id: str, record: dict[str, Any], fence: int | None = None) -> bool:
+        if not refused:  # the key expired; the keeper takes it again as this write is on its way
+            await rig.redis.delete(Keys.controller_lease())
+            assert await a.lease.try_acquire()
+        ok = await real_put(job_id, record, fence=fence)
+        if not ok:
+            refused.append(fence)
+        return ok
+
+    a.registry.put = keeper_meanwhile  # type: ignore[method-assign]
+    job.status = "marked"
+    assert await a.persist(job), "a record refused under the leader's own previous token"
+    assert refused == [old] and a.lease.token > old
+    assert raw_job_record(rig.settings.redis_url, job.job_id)["status"] == "marked"
+    assert a.leading and await a.leads()
 
 
 @pytest.mark.parametrize("moment", ["start still running", "start just finished"])
@@ -2307,11 +2357,11 @@ async def test_a_request_managers_own_recovery_keeps_a_whole_job_restart_that_wa
     await c.wait_leading(10)
     job = await c.submit(spec("rmwait"))
     await rig.hello_all(c, job.job_id)
+    assert rig.rm
+    await rig.rm.fall_silent(job)  # before the recovery: a sample in flight would end it
     now = time.time()
     job.recoveries.append(ActiveRecovery(fault_id="whole-1", role="trainer", kind="whole_job", started_at=now,
                                          step=job.step, deadline_at=now + 600.0, waiting_for={"request_manager"}))
-    assert rig.rm
-    rig.rm.alive = False
     await eventually_async(lambda: any(r.kind == "service" for r in job.recoveries), timeout=15,
                            what="the request manager's service recovery begun")
     assert [r.fault_id for r in job.recoveries if r.kind == "whole_job"] == ["whole-1"]
@@ -2342,7 +2392,7 @@ async def test_a_whole_job_restart_waiting_for_a_request_manager_ends_under_a_ne
     # one candidate)
     await eventually_async(lambda: job.launched and job.status == "running", timeout=15, what="the job launched")
     assert rig.rm
-    rig.rm.alive = False  # lost, as when the restart began
+    await rig.rm.fall_silent(job)  # lost, as when the restart began (a sample in flight ended it)
     now = time.time()
     job.recoveries.append(ActiveRecovery(fault_id="whole-fo", role="trainer", kind="whole_job", started_at=now,
                                          step=job.step, deadline_at=now + 600.0, waiting_for={"request_manager"}))

@@ -113,8 +113,8 @@ class JobDeleter:
             job.deleting = what
             written = await self.c.persist(job)
         else:
-            written = await self.c.registry.put(job_id, {**(record or {}), "deleting": what},
-                                                 fence=self.c.lease.token or None)
+            written = await self.c.fenced(lambda fence: self.c.registry.put(
+                job_id, {**(record or {}), "deleting": what}, fence=fence))
         if not written:
             raise LeaseLost(f"job {job_id} not deleted: a newer controller lease term has begun")
         return await self._purge(job_id, what)
@@ -176,7 +176,7 @@ class JobDeleter:
         # Under the job's persist lock: a write of the record in flight (an exit seen late) must
         # not land after the delete and bring the record back (``persist`` skips a forgotten job).
         async with self.c.persist_lock(job_id):
-            if not await self.c.registry.delete(job_id, fence=self.c.lease.token or None):
+            if not await self.c.fenced(lambda fence: self.c.registry.delete(job_id, fence=fence)):
                 raise LeaseLost(f"job {job_id}: its record not deleted: a newer controller lease term has begun")
             self.c.forget(job_id)
         log.warning("job %s deleted: %s", job_id, out)

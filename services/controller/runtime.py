@@ -21,7 +21,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from tenacity import (
@@ -351,17 +351,26 @@ class Controller:
         async with self.persist_lock(job.job_id):
             if job.deleting is not None and self.jobs.get(job.job_id) is not job:
                 return True  # deleted meanwhile (``deletion``): its record must not come back
-            # Fenced: once a newer leader holds the lease, this process's view is stale. A refusal
-            # while this controller re-acquires its own expired lease (the counter moved, the new
-            # token not yet known) is not a deposition: written again with the new token.
-            for _ in range(2):
-                if await self.registry.put(job.job_id, job.to_record(), fence=self.lease.token or None):
-                    return True
-                if not (self.lease.token and await self.lease.own_newer_term()):
-                    break
+            if await self.fenced(lambda fence: self.registry.put(job.job_id, job.to_record(), fence=fence)):
+                return True
             log.error("job %s: record not written: a newer controller lease term (> token %d) has begun",
                       job.job_id, self.lease.token)
             return False
+
+    async def fenced(self, write: Callable[[int | None], Awaitable[bool]]) -> bool:
+        """Run a registry write fenced by this controller's lease token (``write(fence)``, False
+        if refused): once a newer leader holds the lease, this process's view is stale. A refusal
+        while this controller re-acquires its own expired lease is not a deposition: the write is
+        made again under the newer term, one the keeper took up while the write was on its way
+        (the token moved past the one it carried) or one still in flight in Redis
+        (``own_newer_term``: the counter moved, the new token not yet known)."""
+        for _ in range(2):
+            fence = self.lease.token
+            if await write(fence or None):
+                return True
+            if not fence or (self.lease.token == fence and not await self.lease.own_newer_term()):
+                return False
+        return False
 
     async def leads(self) -> bool:
         """Whether this controller may start members now: it leads, and no newer lease term has
@@ -503,7 +512,7 @@ class Controller:
             # ``pending``, the next leader started it beside the retry's job), fenced.
             del self.jobs[job_id]
             with contextlib.suppress(Exception):
-                await self.registry.delete(job_id, fence=self.lease.token or None)
+                await self.fenced(lambda fence: self.registry.delete(job_id, fence=fence))
             with contextlib.suppress(Exception):
                 await self.event(job, "job_failed", {"reason": f"not recorded at its submission: {exc!r}"})
             raise
