@@ -18,7 +18,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +34,7 @@ from robustrl.health import ENV_PORT
 from robustrl.infra import binaries
 from robustrl.infra.credentials import service_env
 from robustrl.infra.embedded import EmbeddedInfra
+from robustrl.ports import free_port
 from robustrl.procs import is_running, start_time
 from robustrl.supervisor import (
     STOP_GRACE_S,
@@ -54,12 +54,6 @@ READY_TIMEOUT_S = 60.0
 STACK_FILE = "stack.json"
 RESTART_READY_TIMEOUT_S = 30.0
 """How long ``wait_restarted`` waits for a supervised service to be back."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Stack:
@@ -131,7 +125,7 @@ class Stack:
             base = self.external
         token = base.api_token or secrets.token_urlsafe(24)
         self.settings = base.model_copy(update={
-            "api_token": token, "api_port": self.api_port or _free_port(), "run_dir": str(self.run_dir)})
+            "api_token": token, "api_port": self.api_port or free_port(), "run_dir": str(self.run_dir)})
         env = {**os.environ, **self.settings.to_env(), **self.extra_env}
         self.supervisor = Supervisor(self.run_dir, self._specs(), env, self.policy,
                                      on_change=lambda _pids: self._write_state())
@@ -166,11 +160,11 @@ class Stack:
                 # inherited by the members it launches.
                 spec.health_url = f"{self.api_url}/healthz"
             elif role == "controller":
-                port = _free_port()
+                port = free_port()
                 spec.env = {"ROBUSTRL_API_PORT": str(port)}
                 spec.health_url = f"http://{self.settings.api_host if self.settings else '127.0.0.1'}:{port}/healthz"
             else:
-                port = _free_port()
+                port = free_port()
                 spec.env = {ENV_PORT: str(port)}
                 spec.health_url = f"http://127.0.0.1:{port}/healthz"
             # Each service holds only its role's credentials (robustrl.infra.credentials).
@@ -201,8 +195,9 @@ class Stack:
             try:
                 health = httpx.get(f"{self.api_url}/healthz", timeout=1.0)
                 # Ready = leading: until it holds the lease (a killed predecessor's lease runs out
-                # first) and has restored its jobs, its job routes answer 503.
-                if health.status_code == 200 and health.json().get("leading", True):
+                # first) and has restored its jobs, its job routes answer 503. Only the
+                # controller's own answer says so (another server on the port is no controller).
+                if health.status_code == 200 and health.json().get("leading") is True:
                     return
             except (httpx.HTTPError, ValueError):
                 pass

@@ -309,7 +309,7 @@ def test_ranks_whose_scans_saw_different_checkpoints_resume_from_rank_0s(tmp_pat
     flight): rank 0 saw step 0 as the newest, rank 1 step 1. Two real processes in a gloo group:
     both must resume from the same checkpoint, rank 0's (before, each loaded its own: gradients of
     different batches averaged, optimizer states apart; an outside review found it)."""
-    import socket
+    from robustrl.ports import free_port
     import subprocess
     import sys
 
@@ -322,9 +322,7 @@ def test_ranks_whose_scans_saw_different_checkpoints_resume_from_rank_0s(tmp_pat
     manifest = tmp_path / "store" / CheckpointRef(1, 1).manifest_key(PREFIX)
     hidden = tmp_path / "late-manifest.json"
     manifest.rename(hidden)  # not there yet when rank 0 scans
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     here = Path(__file__).parent
     procs = [subprocess.Popen([sys.executable, str(here / "resume_rank.py"), str(rank), str(port),
                                str(tmp_path / "store"), PREFIX, str(hidden), str(manifest)],

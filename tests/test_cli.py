@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
+from robustrl.ports import free_port
 import pytest
 import yaml
 from support import eventually
@@ -21,17 +21,11 @@ def _robustrl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str
                           timeout=120, check=check)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_up_submit_status_down(tmp_path):
     run_dir = tmp_path / "run"
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump({"name": "cli", "steps": 2, "data": {"prompts_per_step": 2, "group_size": 4}}))
-    up = _robustrl("up", "--run-dir", str(run_dir), "--api-port", str(_free_port()))
+    up = _robustrl("up", "--run-dir", str(run_dir), "--api-port", str(free_port()))
     try:
         assert "RobustRL is up" in up.stdout
         state = json.loads((run_dir / "stack.json").read_text())
@@ -76,7 +70,7 @@ def test_down_kills_the_members_a_frozen_controller_left(tmp_path):
     run_dir = tmp_path / "run"
     spec = tmp_path / "job.yaml"
     spec.write_text(yaml.safe_dump({"name": "orphans", "steps": 500, "data": {"prompts_per_step": 2, "group_size": 2}}))
-    up = _robustrl("up", "--run-dir", str(run_dir), "--api-port", str(_free_port()))
+    up = _robustrl("up", "--run-dir", str(run_dir), "--api-port", str(free_port()))
     logs = os.path.realpath(run_dir / "logs") + os.sep
 
     def members() -> list[int]:

@@ -20,7 +20,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -29,6 +28,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from robustrl.ports import free_port
 import pytest
 from docker_engine import Engine, Unavailable, build_context, compose_cli, ensure_base_image
 from jobs import kinds, small_job, wait_done, wait_step
@@ -49,12 +49,6 @@ STEPS = 14
 STEP_WAIT_S = 240.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Stack:
     """The compose project on the private engine, plus what the test needs to reach it."""
 
@@ -68,8 +62,8 @@ class Stack:
                          "REDIS_REQUEST_MANAGER_PASSWORD",
                          "REDIS_TRAINER_PASSWORD", "REDIS_ROLLOUT_PASSWORD", "S3_TRAINER_SECRET_KEY",
                          "S3_CONTROLLER_SECRET_KEY")}
-        self.api_port, self.redis_port, self.s3_port = _free_port(), _free_port(), _free_port()
-        self.nats_port = _free_port()
+        self.api_port, self.redis_port, self.s3_port = free_port(), free_port(), free_port()
+        self.nats_port = free_port()
         env = {
             **self.secrets, "NATS_USER": "robustrl", "S3_ACCESS_KEY": "rrl" + secrets.token_hex(6),
             "DOCKER_GID": str(engine.socket.stat().st_gid), "DOCKER_SOCKET": str(engine.socket),

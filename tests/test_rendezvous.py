@@ -7,16 +7,11 @@ import datetime
 import os
 import socket
 
+from robustrl.ports import free_port
 import pytest
 from support import wide_listeners
 
 from robustrl.services.trainer.worker import rendezvous_listener
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize("libuv", [True, False])
@@ -25,7 +20,7 @@ def test_a_local_master_addr_gets_a_listener_on_that_address_only_and_torch_serv
     older store takes the socket as well, where it was handed none and listened on ``::``)."""
     import torch.distributed as dist
 
-    port = _free_port()
+    port = free_port()
     fd = rendezvous_listener("127.0.0.1", port)
     assert fd is not None
     master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=datetime.timedelta(seconds=10),
@@ -42,7 +37,7 @@ def test_a_local_master_addr_gets_a_listener_on_that_address_only_and_torch_serv
 
 def test_any_loopback_address_is_local():
     # (Ray's test nodes are 127.0.0.2 and 127.0.0.3: no interface lists them, all are this machine's)
-    port = _free_port()
+    port = free_port()
     fd = rendezvous_listener("127.0.0.3", port)
     assert fd is not None
     os.close(fd)
@@ -53,12 +48,12 @@ def test_any_loopback_address_is_local():
     ("no-such-host.invalid", "does not resolve"),
 ])
 def test_an_address_a_listener_could_not_serve_falls_back_to_torchs_listen(address, why, caplog):
-    assert rendezvous_listener(address, _free_port()) is None
+    assert rendezvous_listener(address, free_port()) is None
     assert why in caplog.text and "every interface" in caplog.text
 
 
 def test_a_name_with_several_addresses_falls_back(monkeypatch, caplog):
-    port = _free_port()
+    port = free_port()
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [
         (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
         (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))])
@@ -82,7 +77,7 @@ def test_an_address_that_cannot_be_bound_yet_falls_back(monkeypatch, caplog):
     def bind(self, address):
         raise OSError(errno.EADDRNOTAVAIL, "Cannot assign requested address")
 
-    port = _free_port()
+    port = free_port()
     monkeypatch.setattr(socket.socket, "bind", bind)
     assert rendezvous_listener("127.0.0.1", port) is None
     assert "cannot be bound" in caplog.text and "every interface" in caplog.text

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,17 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+from robustrl.ports import free_port
 import pytest
 from support import eventually
 
 from robustrl.procs import start_time
 from robustrl.supervisor import RestartPolicy, ServiceSpec, Supervisor, read_restarts
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _alive(pid: int) -> bool:
@@ -40,7 +34,7 @@ def _alive(pid: int) -> bool:
 @pytest.fixture
 def supervised(tmp_path: Path) -> Iterator[tuple[Supervisor, threading.Event]]:
     (tmp_path / "logs").mkdir()
-    port = _free_port()
+    port = free_port()
     spec = ServiceSpec(name="svc", module="http.server", args=["--bind", "127.0.0.1", str(port)],
                        health_url=f"http://127.0.0.1:{port}/")
     sup = Supervisor(tmp_path, [spec], os.environ,
@@ -157,7 +151,7 @@ def test_detached_supervisor_adopts_processes_it_did_not_start(tmp_path: Path) -
     from robustrl.supervisor import write_handover
 
     (tmp_path / "logs").mkdir()
-    port = _free_port()
+    port = free_port()
     spec = ServiceSpec(name="svc", module="http.server", args=["--bind", "127.0.0.1", str(port)])
     orphan = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

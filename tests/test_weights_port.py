@@ -3,9 +3,9 @@ a NetworkPolicy admits weight pulls on one port instead of the pod's whole ephem
 
 from __future__ import annotations
 
-import socket
 
 import numpy as np
+from robustrl.ports import free_port
 import pytest
 import torch
 
@@ -18,12 +18,6 @@ from robustrl.weights.flat import flatten_state_dict
 pytestmark = pytest.mark.timeout(60)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 async def test_a_fixed_weights_port_is_served_on_reused_after_a_close_and_a_taken_one_named(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The server listens on the set port and a pull gets the version there; a process switching
@@ -34,7 +28,7 @@ async def test_a_fixed_weights_port_is_served_on_reused_after_a_close_and_a_take
     torch.manual_seed(0)
     buffer, manifest = flatten_state_dict({"w": torch.randn(64, 64), "b": torch.randn(64)}, version=3,
                                           chunk_bytes=4096)
-    port = _free_port()
+    port = free_port()
     settings = Settings.from_env({"ROBUSTRL_WEIGHTS_PORT": str(port)})
     first = WeightServer("tcp", port=settings.weights_port)
     assert (await first.start()).endswith(f":{port}")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from robustrl.errors import LaunchError
 from robustrl.infra.credentials import Credentials, render_nats_users, render_redis_acl
+from robustrl.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,6 @@ def rclone() -> Binary:
 
 
 LOOPBACK = "127.0.0.1"
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port of ``host`` that was free a moment ago (the server may still lose a race for it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def write_private(path: Path, text: str) -> None:

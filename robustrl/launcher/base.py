@@ -12,7 +12,6 @@ import logging
 import math
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from robustrl.errors import LaunchError
+from robustrl.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -176,13 +176,6 @@ def log_tail(path: str | None, lines: int) -> str:
     except OSError:
         return ""
     return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now (the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -73,12 +72,6 @@ def split_lid(launcher_id: str) -> tuple[str, str]:
     """(job id, member id) of a launcher key."""
     job_id, _, member_id = launcher_id.partition(LID_SEP)
     return job_id, member_id
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MemberStarter:
