@@ -8,10 +8,11 @@ import signal
 import subprocess
 import sys
 
-from robustrl.ports import free_port
 import pytest
 import yaml
 from support import eventually
+
+from robustrl.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

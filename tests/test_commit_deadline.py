@@ -135,12 +135,14 @@ async def test_the_deadline_counts_only_a_gang_that_could_take_its_batch(servers
             said["step"] = 1
             # A recovered gang redoing step 0 (a commit at or below the newest heard) is progress.
             for _ in range(int(3 * bound / 0.5)):
+                redone = time.monotonic()  # (the last one's clock starts once the RM has it: not before)
                 await h.commit(0)
                 await asyncio.sleep(0.5)  # a redone step every half second
             assert overdue() == [], overdue()
-            redone = time.monotonic()
             later = await eventually_async(overdue, timeout=10, what="step 1's commit reported overdue")
-            assert time.monotonic() - redone >= bound - 0.5 and later[0].step == 1, later
+            # (measured from the last redo's send: from after the pause that followed it, as
+            # before, a pause overrun under load ate into the bound, seen in suite44)
+            assert time.monotonic() - redone >= bound - 0.3 and later[0].step == 1, later
         finally:
             metrics.cancel()
 

@@ -28,7 +28,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from robustrl.ports import free_port
 import pytest
 from docker_engine import Engine, Unavailable, build_context, compose_cli, ensure_base_image
 from jobs import kinds, small_job, wait_done, wait_step
@@ -37,6 +36,7 @@ from support import audit_sampled, eventually, sample_batches
 from robustrl.client import ApiClient
 from robustrl.config import Settings
 from robustrl.errors import JobError
+from robustrl.ports import free_port
 from robustrl.launcher.docker import LABEL_JOB, LABEL_LAUNCHER, LABEL_MEMBER, LABEL_ROLE
 
 pytestmark = pytest.mark.timeout(1500)
@@ -256,8 +256,11 @@ def test_compose_up_then_trainer_container_killed_recovers_role_locally(stack: S
     started_by_id = {d["member_id"]: d for d in kinds(events, "member_started")}
     # The dead rank's partner was kept in place as rank 0 of the new gang (keep_survivors): the
     # same container, its process handed over; only rank 1 ran as a new container ...
+    why = {"decisions": [{k: d.get(k) for k in ("actions", "reason")} for d in kinds(events, "decision")],
+           "e1-r1": [e for e in events if (e.get("data") or {}).get("member_id") == "trainer-e1-r1"],
+           "faults": faults}  # (what to read when no survivor was kept: seen once, in suite44)
     assert (started_by_id["trainer-e2-r0"]["source"], started_by_id["trainer-e2-r0"]["borrowed_from"]) == (
-        "survivor", "trainer-e1-r1"), started_by_id["trainer-e2-r0"]
+        "survivor", "trainer-e1-r1"), (started_by_id["trainer-e2-r0"], why)
     assert "trainer-e2-r1" in after and "trainer-e2-r0" not in after, sorted(after)
     for member in ("trainer-e1-r1", "trainer-e2-r1"):  # the new gang's ranks: stopped cleanly at the end
         assert after[member].attrs["State"]["ExitCode"] == 0, (member, after[member].attrs["State"])

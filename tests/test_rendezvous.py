@@ -7,11 +7,11 @@ import datetime
 import os
 import socket
 
-from robustrl.ports import free_port
 import pytest
 from support import wide_listeners
 
 from robustrl.services.trainer.worker import rendezvous_listener
+from robustrl.ports import free_port
 
 
 @pytest.mark.parametrize("libuv", [True, False])

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-from robustrl.ports import free_port
 import pytest
 from support import eventually
 
+from robustrl.ports import free_port
 from robustrl.procs import start_time
 from robustrl.supervisor import RestartPolicy, ServiceSpec, Supervisor, read_restarts
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 
 import numpy as np
-from robustrl.ports import free_port
 import pytest
 import torch
 
@@ -14,6 +13,7 @@ from robustrl.errors import WeightSyncError
 from robustrl.weights import WeightServer, pull
 from robustrl.weights import server as server_mod
 from robustrl.weights.flat import flatten_state_dict
+from robustrl.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
