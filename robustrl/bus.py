@@ -53,6 +53,13 @@ RECONNECT_WAIT_S = 0.2
 REQUEST_TIMEOUT_S = 2.0
 DRAIN_TIMEOUT_S = 2.0
 EVENT_READ_TIMEOUT_S = 5.0
+EVENT_MAX_AGE_S = 7 * 24 * 3600.0
+"""How long the event log keeps a job's events."""
+EVENT_DUPLICATE_WINDOW_S = 3600.0
+"""How long JetStream remembers an event's message id and drops a second copy: an hour, not its
+2-minute default, so that a sender frozen that long after its first try (a zombie rank, a
+partitioned member whose owed event is retried) stores nothing twice."""
+JETSTREAM_DEFAULT_DUPLICATE_WINDOW_S = 120.0
 DIRECT_GET_START_TIME = (2, 11)
 """The first nats-server version whose direct get honours ``start_time`` (``Bus.stored_msg_ids``)."""
 EVENT_FETCH_RETRIES = 8
@@ -217,21 +224,27 @@ class Bus:
 
     async def ensure_event_stream(self) -> None:
         """Create the event-log stream if missing (idempotent), with direct reads allowed (a
-        trainer's ``stored_msg_ids``). A stream made before without them gets them from a bus
-        that may update streams (the controller's): one that may not leaves it as it is."""
+        trainer's ``stored_msg_ids``) and an ``EVENT_DUPLICATE_WINDOW_S`` duplicate window. A
+        stream made before without them gets them from a bus that may update streams (the
+        controller's): one that may not leaves it as it is. A duplicate window other than
+        JetStream's default (2 min) was set on purpose (an operator's, a test's) and is kept."""
         try:
             info = await self._js.stream_info(subjects.EVENTS_STREAM)
         except Exception:
             await self._js.add_stream(StreamConfig(name=subjects.EVENTS_STREAM, subjects=[subjects.EVENTS_ALL],
-                                                   max_age=7 * 24 * 3600.0, allow_direct=True))
+                                                   max_age=EVENT_MAX_AGE_S, allow_direct=True,
+                                                   duplicate_window=EVENT_DUPLICATE_WINDOW_S))
             return
-        if not info.config.allow_direct and self.role in (None, "controller"):
-            config = info.config
+        config = info.config
+        default_window = (config.duplicate_window or 0) in (0, JETSTREAM_DEFAULT_DUPLICATE_WINDOW_S)
+        if self.role in (None, "controller") and (not config.allow_direct or default_window):
             config.allow_direct = True
+            if default_window:
+                config.duplicate_window = EVENT_DUPLICATE_WINDOW_S
             try:
                 await self._js.update_stream(config)
-            except Exception as exc:  # direct reads refused then: a trainer appends its outbox as before
-                log.warning("event stream: direct reads not enabled: %s", exc)
+            except Exception as exc:  # as before then: a trainer appends its outbox as it did
+                log.warning("event stream: direct reads / duplicate window not updated: %s", exc)
 
     async def stored_msg_ids(self, subject: str, since: float, timeout: float = EVENT_READ_TIMEOUT_S) -> set[str]:
         """The message ids (``Nats-Msg-Id``) of the events the log holds on ``subject`` stored from

@@ -8,7 +8,8 @@ message id saved with it, and removes it from the outbox once JetStream stored i
 ``settled`` callback). What a killed process left is queued again by the next one (``recover``;
 every job's outbox is found with :func:`outbox_keys`; a replica reads its own job's) under the
 same message ids, so an event stored just before the kill and not
-yet removed is stored once (within JetStream's duplicate window, 2 min; past it, twice).
+yet removed is stored once (within JetStream's duplicate window, ``bus.EVENT_DUPLICATE_WINDOW_S``;
+past it, twice).
 
 One event may sit in an outbox more than once: a save whose reply was lost is carried out twice
 (the client's retried RPUSH: two identical entries), and a command handled twice saves its event
@@ -54,7 +55,8 @@ OUTBOX_SCAN_BATCH = 200
 """Keys asked for per SCAN when a starting service looks for every job's outbox."""
 LOG_CHECK_AGE_S = 60.0
 """Entries ``recover`` finds stamped at least this long ago are looked up in the log first (half of
-JetStream's 2-min duplicate window: the stamp is the writer's clock, which may be off by that much)."""
+JetStream's default 2-min duplicate window, which a stream the controller could not update keeps;
+the stamp is the writer's clock, which may be off by that much)."""
 
 
 def may_predate_window(ts: float, wall: float | None = None) -> bool:
@@ -231,7 +233,7 @@ class OutboxWriter:
                                 bound_s)
         except (TransportError, TimeoutError) as exc:
             log.warning("job %s: the log not read for %d %s outbox entries stamped over %g s ago (%s): "
-                        "appended again (one stored over 2 min ago is then stored twice)", job_id, len(old),
+                        "appended again (one stored longer ago than the duplicate window is then stored twice)", job_id, len(old),
                         self.owner, LOG_CHECK_AGE_S, exc or "timed out")
             return set()
 

@@ -14,7 +14,7 @@ an :class:`EventQueue`, which:
   a caller that keeps its own durable copy (the request manager's Redis outbox). A callback that
   raises ``TransportError`` is retried alone, paced, until it returns: the event is not published
   again (each round published it again, and once the caller's store was away longer than
-  JetStream's duplicate window, 2 min, the event was stored a second time; an outside review
+  JetStream's duplicate window, 2 min then, the event was stored a second time; an outside review
   found it). The events behind it wait.
 
 The queue is in memory: a process killed while JetStream is away loses what it held, unless its

@@ -1039,6 +1039,37 @@ async def test_a_record_written_under_the_token_the_keeper_just_replaced_is_writ
     assert a.leading and await a.leads()
 
 
+async def test_a_request_manager_command_retried_after_the_keeper_took_a_newer_term_carries_it(rig: Rig) -> None:
+    """A command to the request manager times out; meanwhile the lease keeper re-acquired this
+    controller's expired lease (a newer token), and another command reached the request manager
+    under it (it keeps the newest fence seen and refuses older ones unanswered). Every retry went
+    out under the token the command was built with: all refused, the command taken as never
+    acknowledged (a borrowed replica killed, a step not restarted). Seen at the stand-in request
+    manager: the retry's fence."""
+    a = await rig.controller()
+    await a.wait_leading(10)
+    job = await a.submit(spec("cprmfence"))
+    await rig.hello_all(a, job.job_id)
+    assert rig.rm
+    old = a.lease.token
+    real = a.bus.request
+    sent: list[int] = []
+
+    async def first_lost(subj: str, cmd: Any, model: Any, timeout: float = 1.0) -> Any:
+        sent.append(cmd.fence)
+        if len(sent) == 1:  # lost; the keeper takes the expired lease again meanwhile
+            await rig.redis.delete(Keys.controller_lease())
+            assert await a.lease.try_acquire()
+            raise RequestTimeout("no reply (the test's)", subject=subj)
+        return await real(subj, cmd, model, timeout=timeout)
+
+    a.bus.request = first_lost  # type: ignore[method-assign]
+    before = len(rig.rm.commands)
+    assert await a.control_rm(job, "pause", {}, attempts=2, timeout_s=0.5)
+    assert sent == [old, a.lease.token] and a.lease.token > old
+    assert [c.fence for c in rig.rm.commands[before:] if c.action == "pause"] == [a.lease.token]
+
+
 @pytest.mark.parametrize("moment", ["start still running", "start just finished"])
 async def test_a_start_cancelled_as_a_deposed_controller_closes_leaves_no_member(tmp_path: Path, moment: str) -> None:
     """A deposed controller closing cancels its tasks; a launcher start running in a thread then

@@ -119,3 +119,57 @@ async def test_a_renewal_sent_under_the_older_token_while_a_start_took_up_the_ne
         assert raced == [True] and tokens == [new] == [lease.token]
     finally:
         await redis.aclose()
+
+
+async def test_a_re_acquisition_two_terms_on_is_another_controllers_gap_not_this_ones_term(servers) -> None:
+    """The key expired; another controller took the lease and lost it in turn (its own freeze,
+    a take-over that failed part-way and released it); only then does the keeper find no holder
+    and take the lease, two terms on. It led on under the new token, acting on a view from before
+    the other's term (members it started, stopped or recorded unseen, an outside review). A term
+    that is not the very next one ends this controller's lead: LeaseLost, and no start's check
+    passes meanwhile."""
+    redis = connect(servers.redis_url)
+    lease = LeaderLease(redis, "keeper-gap", ttl_s=0.6)
+    try:
+        await redis.delete(Keys.controller_lease())  # (another test's lease, not yet expired)
+        assert await lease.try_acquire()
+        first = lease.token
+        await redis.delete(Keys.controller_lease())  # expired
+        other = int(await redis.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), "another", 60_000))
+        await redis.delete(Keys.controller_lease())  # the other's term ended (released)
+        assert other == first + 1
+
+        with pytest.raises(LeaseLost, match="another term came in between"):
+            await _keeper_verdict(lease)
+        assert not await lease.newest_term()
+    finally:
+        await redis.aclose()
+
+
+async def test_a_start_check_whose_look_crossed_the_keepers_reply_is_this_controllers_term(servers) -> None:
+    """The key expired and the keeper's re-acquisition ran in Redis (the counter one above the
+    token held); a start's check reads the counter, finds it above, and looks at the key; while
+    that look is on its way the acquisition's reply is handled and the token becomes the new
+    one. The key names that term: this controller's. The look compared it with the token after
+    the reply (the very next one of the new token, which it is not) and refused the start, and a
+    just-started member was killed as a deposed leader's."""
+    redis = connect(servers.redis_url)
+    lease = LeaderLease(redis, "keeper-crossed", ttl_s=0.6)
+    try:
+        await redis.delete(Keys.controller_lease())  # (another test's lease, not yet expired)
+        assert await lease.try_acquire()
+        await redis.delete(Keys.controller_lease())  # expired
+        new = int(await redis.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), lease.owner,
+                                   60_000))
+        real = lease.holder
+
+        async def look_crossing_the_reply() -> str | None:
+            held = await real()
+            lease.token = new  # the keeper's acquisition reply, handled while the look was away
+            return held
+
+        lease.holder = look_crossing_the_reply  # type: ignore[method-assign]
+        assert await lease.newest_term(), "this controller's own term refused"
+        assert lease.token == new
+    finally:
+        await redis.aclose()

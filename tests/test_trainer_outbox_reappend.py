@@ -147,3 +147,44 @@ async def test_under_the_trainer_roles_own_credentials(embedded: EmbeddedInfra) 
     assert took < APPEND_BOUND_S, took
     assert left == [], left
     assert commits == [(1, 1), (2, 1)], commits
+
+
+async def test_the_event_stream_remembers_message_ids_an_hour_and_keeps_a_window_set_on_purpose(
+        embedded: EmbeddedInfra) -> None:
+    """JetStream's default duplicate window is 2 min: a sender frozen longer after its first try
+    (a rank 0 partitioned with its commit owed, whose kill could not land) stored its event a
+    second time when it came back (an outside review). The stream is made, or a default one
+    updated, with an hour's window; a window set on purpose (an operator's, this module's other
+    tests') is kept. Read from the server's own stream config."""
+    from robustrl.bus import EVENT_DUPLICATE_WINDOW_S
+
+    assert embedded.settings
+    nats_url = embedded.settings.nats_url
+
+    async def window() -> float:
+        nc = await nats.connect(nats_url, connect_timeout=2, max_reconnect_attempts=0)
+        try:
+            return float((await nc.jetstream().stream_info(EVENTS_STREAM)).config.duplicate_window or 0)
+        finally:
+            await nc.close()
+
+    before = await duplicate_window(nats_url, 120.0)  # the default, as a stream made before has it
+    try:
+        for role, expected in ((None, EVENT_DUPLICATE_WINDOW_S), ("trainer", None)):
+            if role is not None:
+                await duplicate_window(nats_url, 120.0)
+            bus = await Bus.connect(nats_url, f"stream-{role}", **({"role": role} if role else {}))
+            try:
+                await bus.ensure_event_stream()
+            finally:
+                await bus.close()
+            assert await window() == (expected or 120.0), role  # a member's bus changes no stream
+        await duplicate_window(nats_url, 7.0)  # on purpose
+        bus = await Bus.connect(nats_url, "stream-again")
+        try:
+            await bus.ensure_event_stream()
+        finally:
+            await bus.close()
+        assert await window() == 7.0
+    finally:
+        await duplicate_window(nats_url, before)

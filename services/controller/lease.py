@@ -11,6 +11,7 @@ owner's value has lost the lease.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -71,6 +72,7 @@ class LeaderLease:
         self.owner = owner
         self.ttl_ms = max(100, int(ttl_s * 1000))
         self.token = 0
+        self.lost = False  # set once ``keep`` found the lease lost: no term of this one's is newest
 
     @property
     def ttl_s(self) -> float:
@@ -114,26 +116,39 @@ class LeaderLease:
         re-acquisition (``keep``: the key had expired) ran in Redis and its reply is still on the
         way, so the fencing counter is already above ``token``. The token is taken from the key
         then (it is this controller's term) if it is the very next one; False if another
-        controller holds the lease, none does, or another term came in between."""
+        controller holds the lease, none does, or another term came in between. The token the
+        key is compared with is the one held before the look: the acquisition's own reply, handled
+        while the look was on its way, may have taken the newer token up already (then it is
+        this controller's too)."""
+        base = self.token
         holder = await self.holder()
         if holder is None:
             return False
         owner, _, token = holder.rpartition(":")
         # The very next term only: a larger gap means another controller held a term in between
         # (this one's late acquisition landing after it), whose actions this one never saw.
-        if owner != self.owner or not token.isdigit() or int(token) != self.token + 1:
+        if owner != self.owner or not token.isdigit() or int(token) not in (base + 1, self.token):
             return False
-        self.token = int(token)
+        if int(token) == self.token and int(token) == base:
+            return False  # no newer term: the key names the term already held
+        self.token = max(self.token, int(token))
         return True
 
     async def newest_term(self) -> bool:
         """Whether no newer lease term than this controller's has begun: the fencing counter in
         Redis is not above its token (one read), or it is, by this controller's own
-        re-acquisition in flight (``own_newer_term``). True without a term (no token)."""
+        re-acquisition in flight (``own_newer_term``). True without a term (no token).
+
+        The counter is compared with the token held when the read was sent: a reply of the
+        keeper's re-acquisition handled meanwhile raises the token, and the counter read before it
+        must not pass for that newer term's."""
+        if self.lost:
+            return False
         if not self.token:
             return True
+        token = self.token
         newest = await within(self.r.get(Keys.controller_fence()), REDIS_OP_TIMEOUT_S)
-        return int(newest or 0) <= self.token or await self.own_newer_term()
+        return int(newest or 0) <= token or await self.own_newer_term()
 
     async def holder(self) -> str | None:
         raw = await within(self.r.get(Keys.controller_lease()), REDIS_OP_TIMEOUT_S)
@@ -170,7 +185,14 @@ class LeaderLease:
                     continue
                 if holder is not None:
                     raise LeaseLost(f"lease held by {holder} (this controller had token {self.token})")
+                before = self.token
                 if await self.try_acquire():
+                    if self.token != before + 1:
+                        # Another controller held a term in between (it took the expired lease
+                        # and lost it in turn): it may have started, stopped or recorded members
+                        # this controller never saw. Acting on its old view would undo them.
+                        raise LeaseLost(f"lease re-acquired with token {self.token}, but token {before} "
+                                        "was this controller's: another term came in between")
                     renewed_at = loop.time()
                     log.warning("lease had expired; re-acquired with fencing token %d", self.token)
                     await on_new_token(self.token)
@@ -184,11 +206,25 @@ class LeaderLease:
                     continue
                 raise LeaseLost("lease taken by another controller while re-acquiring")
             except LeaseLost:
+                # Before anything else runs: a start between this raise and the controller's own
+                # stop must not pass ``newest_term`` (the token may be one taken after another term).
+                self.lost = True
                 raise
             except Exception as exc:  # one failed renewal is not a loss; the ttl decides
                 log.warning("lease: renewal failed: %s", exc)
                 if loop.time() - renewed_at > self.ttl_s:
+                    # One look first: an acquisition of this controller's whose reply came too
+                    # late for its timeout may have taken the lease (after an expiry the first
+                    # slow answer lands here).
+                    before = self.token
+                    with contextlib.suppress(Exception):
+                        if await self.own_newer_term() or await self.holder() == self.value:
+                            renewed_at = loop.time()
+                            if self.token != before:
+                                await on_new_token(self.token)
+                            continue
                     # Redis unreachable for a lease lifetime: another controller may lead now.
+                    self.lost = True
                     raise LeaseLost(f"lease not renewed for {loop.time() - renewed_at:.1f}s "
                                     f"(ttl {self.ttl_s:g}s): {exc}") from exc
 

@@ -681,6 +681,10 @@ class Controller:
                 log.info("job %s: resume superseded by a later command: not sent again", job.job_id)
                 return False
             began = loop.time()
+            # Under the token held now: once the lease keeper took up a newer term of this
+            # controller's, the request manager (which keeps the newest fence it saw) refuses the
+            # older one unanswered, and every retry of a command built once timed out.
+            cmd = cmd.model_copy(update={"fence": self.lease.token})
             try:
                 await self.bus.request(subj, cmd, ControlCommand, timeout=timeout_s)
                 job.service_seen_at["request_manager"] = time.monotonic()

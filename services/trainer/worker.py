@@ -686,7 +686,7 @@ class TrainerWorker:
 
         An entry whose event the log already holds (JetStream stored it, and the rank was killed
         before the removal, or the removal failed and the gang died before retrying it) is only
-        removed: appended again past JetStream's 2-min duplicate window, it would be a second
+        removed: appended again past JetStream's duplicate window, it would be a second
         ``step_committed`` for its (step, epoch). The log is read for the entries' message ids
         (``event_outbox.stored_of``, bounded); a log that cannot be read leaves every entry appended as
         before (stored once if within the window), with a warning."""
@@ -703,7 +703,7 @@ class TrainerWorker:
         except (TransportError, TimeoutError) as exc:
             why = f"not read within {OUTBOX_LOG_READ_S:g} s" if isinstance(exc, TimeoutError) else str(exc)
             log.warning("the event log could not be read for the %d trainer outbox entries, all appended "
-                        "(one JetStream stored over 2 min ago is then stored twice): %s", len(entries), why)
+                        "(one stored longer ago than JetStream's duplicate window is then stored twice): %s", len(entries), why)
         appended = 0
         for raw, entry in entries:
             ev = entry.event
