@@ -173,3 +173,29 @@ async def test_a_start_check_whose_look_crossed_the_keepers_reply_is_this_contro
         assert lease.token == new
     finally:
         await redis.aclose()
+
+
+async def test_a_renewal_timing_out_after_its_own_acquisition_took_the_lease_does_not_depose_it(servers) -> None:
+    """Renewals time out (Redis answering slowly, a starved loop) for longer than a lease
+    lifetime, while an acquisition of this controller's own, whose reply came too late for its
+    timeout, did take the lease (the next term). The keeper deposed itself on the timeout alone,
+    the key left naming it until it expired: nobody led meanwhile. It looks once first."""
+    redis = connect(servers.redis_url)
+    lease = LeaderLease(redis, "keeper-slow", ttl_s=0.6)
+    try:
+        await redis.delete(Keys.controller_lease())  # (another test's lease, not yet expired)
+        assert await lease.try_acquire()
+        first = lease.token
+
+        async def slow_renewal() -> bool:
+            if (await redis.get(Keys.controller_lease()) or b"").decode() != f"{lease.owner}:{first + 1}":
+                # the key expired; this controller's acquisition landed, its reply too late
+                await redis.delete(Keys.controller_lease())
+                await redis.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), lease.owner, 60_000)
+            raise TimeoutError("the renewal's reply came too late (the test's)")
+
+        lease.renew = slow_renewal  # type: ignore[method-assign]
+        tokens = await _keeper_verdict(lease)  # (LeaseLost raised here before)
+        assert tokens == [first + 1] == [lease.token]
+    finally:
+        await redis.aclose()
