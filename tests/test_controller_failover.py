@@ -26,7 +26,8 @@ from robustrl.client import ApiClient
 from robustrl.errors import JobError, TransportError
 from robustrl.infra.credentials import service_env
 from robustrl.services.controller.lease import LEASE_TTL_S
-from robustrl.stack import Stack, _free_port
+from robustrl.ports import free_port
+from robustrl.stack import Stack
 from robustrl.supervisor import RestartPolicy
 
 pytestmark = pytest.mark.timeout(300)
@@ -114,7 +115,7 @@ def test_two_controllers_one_acts_and_the_standby_takes_over(own_stack: Stack, t
     (seen on CI) is deposed, exits with LOST_LEASE_EXIT_CODE and comes back as the standby. The
     leader is read from both controllers' /healthz, and the one killed is whichever leads."""
     assert own_stack.settings
-    port = _free_port()
+    port = free_port()
     log_b = tmp_path / "controller-b.log"
     env = {**os.environ, **own_stack.settings.to_env(), **service_env(own_stack.settings, "controller"),
            "ROBUSTRL_API_PORT": str(port)}
