@@ -237,14 +237,19 @@ class Bus:
             return
         config = info.config
         default_window = (config.duplicate_window or 0) in (0, JETSTREAM_DEFAULT_DUPLICATE_WINDOW_S)
-        if self.role in (None, "controller") and (not config.allow_direct or default_window):
-            config.allow_direct = True
-            if default_window:
-                config.duplicate_window = EVENT_DUPLICATE_WINDOW_S
+        if self.role not in (None, "controller"):
+            return
+        # One change at a time: a server that refuses one (direct reads) still takes the other.
+        for field, wanted, needed in (("duplicate_window", EVENT_DUPLICATE_WINDOW_S, default_window),
+                                      ("allow_direct", True, not config.allow_direct)):
+            if not needed:
+                continue
+            setattr(config, field, wanted)
             try:
-                await self._js.update_stream(config)
-            except Exception as exc:  # as before then: a trainer appends its outbox as it did
-                log.warning("event stream: direct reads / duplicate window not updated: %s", exc)
+                config = (await self._js.update_stream(config)).config
+            except Exception as exc:  # as before then (a trainer appends its outbox as it did)
+                log.warning("event stream: %s not updated: %s", field, exc)
+                config = (await self._js.stream_info(subjects.EVENTS_STREAM)).config
 
     async def stored_msg_ids(self, subject: str, since: float, timeout: float = EVENT_READ_TIMEOUT_S) -> set[str]:
         """The message ids (``Nats-Msg-Id``) of the events the log holds on ``subject`` stored from

@@ -450,7 +450,7 @@ def audit_sampled(settings: Any, job_id: str, sampler: BatchSampler, options: An
 
 
 async def duplicate_window(nats_url: str, seconds: float) -> float:
-    """Set the event stream's JetStream duplicate window (2 min in service; a test cuts it so that a
+    """Set the event stream's JetStream duplicate window (an hour in service; a test cuts it so that a
     second append under one message id is a second entry); return the one it had."""
     from robustrl.subjects import EVENTS_STREAM
 

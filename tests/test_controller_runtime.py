@@ -99,7 +99,7 @@ class StandInRM:
         is seen by a member's ``heard`` flag set again."""
         self.alive = False
         self.quiet.clear()
-        await self.quiet.wait()  # the loop saw it: nothing more is sent
+        await asyncio.wait_for(self.quiet.wait(), 10)  # the loop saw it: nothing more is sent
         marker = next(m for m in job.members.values() if m.role == "rollout")
         marker.heard = False
         await self.bus.publish(subject(job.job_id, Verb.METRICS, marker.member_id), MetricsSample(

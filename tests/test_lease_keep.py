@@ -126,8 +126,8 @@ async def test_a_re_acquisition_two_terms_on_is_another_controllers_gap_not_this
     a take-over that failed part-way and released it); only then does the keeper find no holder
     and take the lease, two terms on. It led on under the new token, acting on a view from before
     the other's term (members it started, stopped or recorded unseen, an outside review). A term
-    that is not the very next one ends this controller's lead: LeaseLost, and no start's check
-    passes meanwhile."""
+    that is not the very next one ends this controller's lead: LeaseLost, no start's check passes
+    meanwhile, and its fenced writes carry the old token again."""
     async with _leader(servers, "keeper-gap") as (lease, redis):
         first = lease.token
         other = await _taken_in_redis(redis, "another")
@@ -137,6 +137,8 @@ async def test_a_re_acquisition_two_terms_on_is_another_controllers_gap_not_this
         with pytest.raises(LeaseLost, match="another term came in between"):
             await _keeper_verdict(lease)
         assert not await lease.newest_term()
+        # Its writes and commands fenced off (the old token), and the key given up to a standby.
+        assert lease.token == first and await redis.get(Keys.controller_lease()) is None
 
 
 async def test_a_start_check_whose_look_crossed_the_keepers_reply_is_this_controllers_term(servers) -> None:

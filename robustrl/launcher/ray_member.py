@@ -25,7 +25,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from typing import Any
 
 from robustrl.launcher.base import log_tail
 from robustrl.launcher.spare import HANDOFF_ENV, HANDOFF_SIGNAL, SPARE_MODULE, write_handoff
+from robustrl.ports import free_port
 
 
 PR_SET_PDEATHSIG = 1
@@ -95,10 +95,7 @@ class MemberProcess:
         """This node's address and id, and a port free on that address now (a gang's
         MASTER_PORT is chosen here, on rank 0's own node)."""
         ip, node_id = _node()
-        with socket.socket() as s:
-            s.bind((ip, 0))
-            port = int(s.getsockname()[1])
-        return {"node_ip": ip, "node_id": node_id, "port": port}
+        return {"node_ip": ip, "node_id": node_id, "port": free_port(ip)}
 
     def launch(self, module: str, args: list[str], env: dict[str, str], log_path: str,
                bind_node_ip: bool, member: str = "") -> dict[str, Any]:

@@ -122,15 +122,13 @@ class LeaderLease:
         this controller's too)."""
         base = self.token
         holder = await self.holder()
-        if holder is None:
+        if holder is None or self.lost:
             return False
         owner, _, token = holder.rpartition(":")
         # The very next term only: a larger gap means another controller held a term in between
         # (this one's late acquisition landing after it), whose actions this one never saw.
-        if owner != self.owner or not token.isdigit() or int(token) not in (base + 1, self.token):
+        if owner != self.owner or not token.isdigit() or int(token) != base + 1:
             return False
-        if int(token) == self.token and int(token) == base:
-            return False  # no newer term: the key names the term already held
         self.token = max(self.token, int(token))
         return True
 
@@ -148,7 +146,8 @@ class LeaderLease:
             return True
         token = self.token
         newest = await within(self.r.get(Keys.controller_fence()), REDIS_OP_TIMEOUT_S)
-        return int(newest or 0) <= token or await self.own_newer_term()
+        newest_ok = int(newest or 0) <= token or await self.own_newer_term()
+        return newest_ok and not self.lost  # (the keeper may have found it lost meanwhile)
 
     async def holder(self) -> str | None:
         raw = await within(self.r.get(Keys.controller_lease()), REDIS_OP_TIMEOUT_S)
@@ -190,8 +189,15 @@ class LeaderLease:
                     if self.token != before + 1:
                         # Another controller held a term in between (it took the expired lease
                         # and lost it in turn): it may have started, stopped or recorded members
-                        # this controller never saw. Acting on its old view would undo them.
-                        raise LeaseLost(f"lease re-acquired with token {self.token}, but token {before} "
+                        # this controller never saw. Acting on its old view would undo them. The
+                        # token goes back to the old one (every fenced write and command of this
+                        # controller refused from now on) and the key is given up at once.
+                        taken, self.token = self.token, before
+                        self.lost = True
+                        with contextlib.suppress(Exception):
+                            await within(self.r.eval(_RELEASE, 1, Keys.controller_lease(), f"{self.owner}:{taken}"),
+                                         REDIS_OP_TIMEOUT_S)
+                        raise LeaseLost(f"lease re-acquired with token {taken}, but token {before} "
                                         "was this controller's: another term came in between")
                     renewed_at = loop.time()
                     log.warning("lease had expired; re-acquired with fencing token %d", self.token)
@@ -218,7 +224,8 @@ class LeaderLease:
                     # slow answer lands here).
                     before = self.token
                     with contextlib.suppress(Exception):
-                        if await self.own_newer_term() or await self.holder() == self.value:
+                        # (a renewal that succeeds extends the key: the clock may start again)
+                        if await self.own_newer_term() or await self.renew():
                             renewed_at = loop.time()
                             if self.token != before:
                                 await on_new_token(self.token)
