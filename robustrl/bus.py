@@ -65,6 +65,8 @@ DIRECT_GET_START_TIME = (2, 11)
 EVENT_FETCH_RETRIES = 8
 """Fetches of the event log JetStream may refuse as unavailable (503) before a read gives up."""
 EVENT_FETCH_RETRY_WAIT_S = 0.25
+EVENT_READER_IDLE_S = 60.0
+"""How long JetStream keeps a log reader's consumer between two of its fetches."""
 EVENT_FETCH_TIMEOUT_S = 1.0
 """One fetch while reading the event log; an empty fetch ends the read."""
 EVENT_PUBLISH_RETRY_S = 30.0
@@ -409,9 +411,13 @@ class Bus:
         if info.state.messages == 0:
             return EventLog()
         # No acks: a read-only pass over the log (garbage in the log must not cost one ack each).
+        # Its idle bound set (JetStream's default for an ephemeral consumer is 5 s): a reader
+        # whose loop stalls that long between two fetches found its consumer deleted, and every
+        # later fetch refused (503, seen under load in a full test run).
         sub = await self._js.pull_subscribe(subjects.events_of(job_id), durable=None,
                                             stream=subjects.EVENTS_STREAM,
-                                            config=ConsumerConfig(ack_policy=AckPolicy.NONE))
+                                            config=ConsumerConfig(ack_policy=AckPolicy.NONE,
+                                                                  inactive_threshold=EVENT_READER_IDLE_S))
         events = EventLog()
         unavailable = 0
         try:
