@@ -246,12 +246,13 @@ class Bus:
                                       ("allow_direct", True, not config.allow_direct)):
             if not needed:
                 continue
+            had = getattr(config, field)
             setattr(config, field, wanted)
             try:
                 config = (await self._js.update_stream(config)).config
             except Exception as exc:  # as before then (a trainer appends its outbox as it did)
                 log.warning("event stream: %s not updated: %s", field, exc)
-                config = (await self._js.stream_info(subjects.EVENTS_STREAM)).config
+                setattr(config, field, had)  # (the next change made to the stream as it is)
 
     async def stored_msg_ids(self, subject: str, since: float, timeout: float = EVENT_READ_TIMEOUT_S) -> set[str]:
         """The message ids (``Nats-Msg-Id``) of the events the log holds on ``subject`` stored from

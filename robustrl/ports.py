@@ -42,15 +42,18 @@ def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tup
         return 32768, 60999
 
 
-def ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
-    """The lowest port of the kernel's ephemeral range."""
-    return ephemeral_range(path)[0]
-
-
 def outside_ranges(low: int, high: int) -> list[tuple[int, int]]:
     """The port ranges (inclusive) outside ``low``-``high`` and above ``LOWEST``."""
-    spans = [(LOWEST, low - 1), (high + 1, HIGHEST)]
-    return [(a, b) for a, b in spans if b - a + 1 >= 1]
+    return [(a, b) for a, b in ((LOWEST, low - 1), (high + 1, HIGHEST)) if b >= a]
+
+
+def _nth(spans: list[tuple[int, int]], n: int) -> int:
+    """The ``n``-th port of ``spans`` taken one after another."""
+    for a, b in spans:
+        if n <= b - a:
+            return a + n
+        n -= b - a + 1
+    raise IndexError(n)
 
 
 def _bindable(host: str, port: int) -> bool:
@@ -70,13 +73,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     if size >= MIN_SPACE:
         with _lock:
             for _ in range(ATTEMPTS):
-                n = random.randrange(size)  # a port number, not a secret
-                port = spans[0][0]
-                for a, b in spans:
-                    if n <= b - a:
-                        port = a + n
-                        break
-                    n -= b - a + 1
+                port = _nth(spans, random.randrange(size))  # a port number, not a secret
                 if port not in _recent and _bindable(host, port):
                     _recent.append(port)
                     return port

@@ -17,7 +17,7 @@ import pytest
 
 from robustrl.errors import LaunchError
 from robustrl.health import HealthServer
-from robustrl.ports import MIN_SPACE, ephemeral_low, ephemeral_range, free_port, outside_ranges
+from robustrl.ports import MIN_SPACE, ephemeral_range, free_port, outside_ranges
 from robustrl.stack import Stack
 
 
@@ -50,7 +50,7 @@ def test_the_kernels_range_is_read_and_the_room_outside_it_found(tmp_path: Path)
     (tmp_path / "range").write_text("40000\t60999\n")
     assert ephemeral_range(str(tmp_path / "range")) == (40000, 60999)
     (tmp_path / "bad").write_text("garbage")
-    assert ephemeral_low(str(tmp_path / "bad")) == 32768
+    assert ephemeral_range(str(tmp_path / "bad")) == (32768, 60999)
     assert ephemeral_range(str(tmp_path / "missing")) == (32768, 60999)
     assert outside_ranges(32768, 60999) == [(20000, 32767), (61000, 65535)]
     assert outside_ranges(10000, 40000) == [(40001, 65535)]  # a range starting low: above it

@@ -243,12 +243,12 @@ class Supervisor:
             diverged = m.role == "trainer" and info.returncode == EXIT_DIVERGED
             # (the one await here, before anything is counted: a retry counts nothing twice)
             trained = await self._newest_trained(job) if diverged else -1
+            stalled = m.role == "trainer" and info.returncode == EXIT_CHECKPOINT_STALLED
+            tail = self.c.starter.log_tail(job, m.member_id) if before_hello or stalled else ""  # (read once)
             if before_hello:
                 job.failed_start(m)
-                tail = self.c.starter.log_tail(job, m.member_id)
                 evidence = f"{evidence} before its hello" + (f"; last output:\n{tail}" if tail else "")
-            if m.role == "trainer" and info.returncode == EXIT_CHECKPOINT_STALLED:
-                tail = self.c.starter.log_tail(job, m.member_id)
+            if stalled:
                 evidence = (f"checkpoints stalled: no checkpoint became durable for trainer.max_undurable_steps "
                             f"steps (exit code {EXIT_CHECKPOINT_STALLED})" + (f"; last output:\n{tail}" if tail else ""))
             if diverged:
