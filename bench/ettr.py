@@ -87,7 +87,10 @@ def trainer_scenario(seed: int) -> Scenario:
 def rollout_scenario(seed: int) -> Scenario:
     """Rollout crashes at moments of generation (issue 12: mid-decode and mid tool turn): three
     wait, after a seeded random delay, until the crashed replica is seen decoding
-    (``within_step: decoding``, the harness fires on a metrics sample with a batch in flight), two
+    (``within_step: decoding``, the harness fires on a metrics sample with a batch in flight, and,
+    since 2026-12-07, the replica dies at the first token of its next batch, ``moment: mid_batch``:
+    a kill from outside could land after the batch ended; the replica says when it struck,
+    ``fault_struck``, and the detection delay is timed from there), two
     land at seeded random moments of the step (mostly a tool wait: the request manager runs the
     tools, so a replica decodes only a small part of a tool-heavy step). With random moments only,
     none of 5 crashes found a turn in flight (bench/results/ettr-rollout-crash.json)."""
@@ -156,6 +159,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
         "steps": report["steps"], "status": report["status"], "faults": faults,
         "recovery_s_median": statistics.median(rec) if rec else None,
         "detection_s_max": max(det) if det else None,
+        # armed crashes the log shows no strike of (no batch reached the replica while armed)
+        "armed_unstruck": sum(1 for f in faults if f.get("moment", "now") != "now" and f.get("struck_s") is None),
         "reward_first5": statistics.fmean(report["reward_by_step"][:5]) if report["reward_by_step"] else None,
         "reward_last5": statistics.fmean(report["reward_by_step"][-5:]) if report["reward_by_step"] else None,
     }

@@ -28,10 +28,17 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     return True
 
 
-async def within(aw: Awaitable[T], timeout_s: float) -> T:
-    """``await aw`` for at most ``timeout_s`` (``TimeoutError`` after), cancellation-safe."""
-    async with asyncio.timeout(max(0.0, timeout_s)):
-        return await aw
+async def within(aw: Awaitable[T], timeout_s: float, what: str = "") -> T:
+    """``await aw`` for at most ``timeout_s`` (``TimeoutError`` after), cancellation-safe. With
+    ``what``, the ``TimeoutError`` of the bound names it ("<what> got no answer within <t>s"):
+    asyncio's own has no message, and a job's failure reason recorded from one was empty (suite51)."""
+    try:
+        async with asyncio.timeout(max(0.0, timeout_s)) as bound:
+            return await aw
+    except TimeoutError as exc:
+        if what and bound.expired():
+            raise TimeoutError(f"{what} got no answer within {timeout_s:g}s") from exc
+        raise
 
 
 async def cancel_and_wait(task: asyncio.Task[object] | None, wait_s: float, attempts: int = 3) -> bool:

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import nats
+import nats.errors
 from nats.aio.client import NO_RESPONDERS_STATUS
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -177,10 +178,22 @@ class Bus:
         return self._nc
 
     async def publish(self, subject: str, msg: Wire, reply: str = "") -> None:
-        await self._nc.publish(subject, msg.encode(), reply=reply)
+        """Core NATS publish (queued while reconnecting).
+
+        Raises:
+            TransportError: nats refused it (its reconnect buffer full, the connection closed).
+        """
+        await self._publish(subject, msg.encode(), reply)
 
     async def publish_raw(self, subject: str, data: bytes) -> None:
-        await self._nc.publish(subject, data)
+        await self._publish(subject, data)
+
+    async def _publish(self, subject: str, data: bytes, reply: str = "") -> None:
+        try:
+            await self._nc.publish(subject, data, reply=reply)
+        except nats.errors.Error as exc:
+            # (nats's own types passed through: callers handling TransportError missed them)
+            raise TransportError(f"{subject} not published: {type(exc).__name__}: {exc}", subject=subject) from exc
 
     async def subscribe(self, subject: str, model: type[M], handler: Handler[M],
                         queue: str | None = None) -> Any:
@@ -216,11 +229,13 @@ class Bus:
             raw = await self._nc.request(subject, msg.encode(), timeout=timeout)
         except (TimeoutError, NatsTimeout, NoRespondersError) as exc:
             raise RequestTimeout(f"no reply on {subject} within {timeout:.1f}s", subject=subject) from exc
+        except nats.errors.Error as exc:
+            raise TransportError(f"{subject}: request not sent: {type(exc).__name__}: {exc}", subject=subject) from exc
         return decode(reply_model, raw.data, subject)
 
     async def respond(self, reply: str | None, msg: Wire) -> None:
         if reply:
-            await self._nc.publish(reply, msg.encode())
+            await self._publish(reply, msg.encode())
 
     # --- event log (JetStream) -------------------------------------------------------------
 

@@ -137,6 +137,12 @@ class Listing:
     origins: frozenset[int] = field(default_factory=frozenset)
 
 
+def ascii_digits(text: str) -> bool:
+    """ASCII digits only (``str.isdigit`` takes '²', which ``int`` refuses: one such key under the
+    prefix failed every resume and every GC)."""
+    return text.isascii() and text.isdigit()
+
+
 def scan(store: ObjectStore, prefix: str) -> Listing:
     """List the checkpoint folders and origins under ``prefix`` (keys in any other shape are ignored)."""
     folders: set[CheckpointRef] = set()
@@ -147,7 +153,7 @@ def scan(store: ObjectStore, prefix: str) -> Listing:
         if len(parts) == 2 and parts[0] == ORIGINS and (named := _ORIGIN_NAME.match(parts[1])):
             origins.add(int(named.group(1)))
             continue
-        if len(parts) < 3 or not parts[0].isdigit() or not (parts[1][:1] == "e" and parts[1][1:].isdigit()):
+        if len(parts) < 3 or not ascii_digits(parts[0]) or not (parts[1][:1] == "e" and ascii_digits(parts[1][1:])):
             continue
         ref = CheckpointRef(int(parts[0]), int(parts[1][1:]))
         folders.add(ref)

@@ -223,10 +223,14 @@ def _summary(report: dict[str, Any], console: Console) -> None:
     if first and last:
         console.print(f"mean reward first 5 steps {sum(first) / len(first):.3f} -> last 5 {sum(last) / len(last):.3f}")
     if report["faults"]:
-        table = Table("fault", "role", "detection s", "recovery s", "tokens regen", "steps redone")
+        table = Table("fault", "role", "armed: struck after s", "detection s", "recovery s", "tokens regen",
+                      "steps redone")
         for f in report["faults"]:
             fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-            table.add_row(f["kind"], f["role"], fmt(f["detection_s"]), fmt(f["recovery_s"]),
+            armed = f.get("moment", "now") != "now"
+            struck = (f"{f['moment']}: " + ("none logged" if f.get("struck_s") is None else f"{f['struck_s']:.2f}")
+                      if armed else "-")
+            table.add_row(f["kind"], f["role"], struck, fmt(f["detection_s"]), fmt(f["recovery_s"]),
                           str(f["tokens_regenerated"]), str(f["steps_redone"]))
         console.print(table)
 

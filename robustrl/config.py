@@ -340,6 +340,10 @@ class JobSpec(BaseModel):
             raise ValueError("staleness must be >= 1 in async mode")
         return self
 
+    def min_version(self, step: int) -> int:
+        """The oldest weights version a turn of ``step`` may be made with (the staleness bound)."""
+        return max(0, step - self.staleness)
+
     @classmethod
     def parse(cls, raw: Mapping[str, object]) -> JobSpec:
         """Validate a raw mapping; raise ConfigError naming every bad field."""

@@ -24,7 +24,7 @@ import psutil
 from robustrl.aio import wait_event
 from robustrl.bus import DURABLE_DRAIN_S, Bus
 from robustrl.config import JobSpec, Settings
-from robustrl.errors import ConfigError, RequestTimeout, StaleEpoch
+from robustrl.errors import ConfigError, RequestTimeout, StaleEpoch, TransportError
 from robustrl.gpu import GpuProbe
 from robustrl.health import HealthServer, serve_health
 from robustrl.messages import (
@@ -116,9 +116,14 @@ class ChaosState:
         self.slow_until = 0.0
         self.slow_factor = 1.0
         self.crash_armed_until = 0.0
-        """Armed by a ``mid_tool_turn`` crash, until then (its ``duration_s``, else an hour): the
-        replica calls :meth:`crash` once it generates a turn that follows a tool result. An arming
-        no such turn reaches expires (a job without tool calls would carry it for good)."""
+        """Armed by a ``mid_tool_turn`` or ``mid_batch`` crash, until then (its ``duration_s``, else
+        an hour): the replica calls :meth:`crash` once it generates a turn that follows a tool
+        result (``mid_tool_turn``) or any turn (``mid_batch``). An arming no such turn reaches
+        expires (a job without tool calls would carry it for good)."""
+        self.crash_moment = "mid_tool_turn"
+        """The moment of the newest arming (``messages.ChaosMoment``)."""
+        self.crash_fault_id = ""
+        """The injection's ``fault_id`` of the newest arming: named in ``fault_struck`` when it strikes."""
         self._wake = threading.Event()
 
     @staticmethod
@@ -286,10 +291,15 @@ class Member:
             return
         self.phase = phase
         if self.bus:
-            await self.bus.publish(
-                subject(self.ident.job_id, Verb.PHASE, self.ident.member_id),
-                PhaseChange(job_id=self.ident.job_id, member_id=self.ident.member_id,
-                            role=self.ident.role, phase=phase, step=self.step))  # type: ignore[arg-type]
+            try:
+                await self.bus.publish(
+                    subject(self.ident.job_id, Verb.PHASE, self.ident.member_id),
+                    PhaseChange(job_id=self.ident.job_id, member_id=self.ident.member_id,
+                                role=self.ident.role, phase=phase, step=self.step))  # type: ignore[arg-type]
+            except TransportError as exc:
+                # The phase is set: every metrics sample carries it. A lost change message is no
+                # failure of the work that changed it (a rank's step, a replica's load).
+                log.warning("phase %s not published: %s", phase, exc)
 
     def sample(self) -> MetricsSample:
         now_m = time.monotonic()
@@ -340,11 +350,12 @@ class Member:
             assert self.bus
             # Cut the NATS connection for good: the member goes silent, as on a network partition.
             await self.bus.client.close()
-        elif msg.kind == "crash" and msg.moment == "mid_tool_turn":
+        elif msg.kind == "crash" and msg.moment != "now":
             if self.ident.role != "rollout":  # only a replica's generation loop carries it out
                 log.error("chaos: %s refused: moment %s arms a rollout replica, this is a %s", msg.fault_id,
                           msg.moment, self.ident.role)
                 return
+            self.chaos.crash_moment, self.chaos.crash_fault_id = msg.moment, msg.fault_id
             self.chaos.crash_armed_until = until  # carried out by the generation loop
         elif msg.kind == "crash":
             self.chaos.crash()

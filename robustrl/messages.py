@@ -26,11 +26,13 @@ ChaosRole = Literal["trainer", "rollout", "request_manager", "controller", "dete
 """Where a fault can be injected: the job's roles, the control plane, and the infra servers
 (``infra_restart`` on ``nats | redis | s3``). Control-plane and infra faults are carried out by
 whoever owns those processes (the local stack), not by the controller."""
-ChaosMoment = Literal["now", "mid_tool_turn"]
-"""When a crash is carried out: ``now``, or ``mid_tool_turn`` (rollout only): the replica is armed
-and kills its process group at the first token of the next turn it generates after a tool result
-(that episode's tool-turn prefix saved, the turn in flight: the worst moment for the episode), so a
-test or a bench does not have to race the turn from outside."""
+ChaosMoment = Literal["now", "mid_tool_turn", "mid_batch"]
+"""When a crash is carried out: ``now``, or armed (rollout only) and carried out by the replica
+itself, killing its process group, so that a test or a bench does not have to race the moment from
+outside: ``mid_tool_turn`` at the first token of the next turn it generates after a tool result
+(that episode's tool-turn prefix saved, the turn in flight: the worst moment for the episode),
+``mid_batch`` at the first token of the next batch it decodes (turns in flight by construction;
+the harness's ``within_step: decoding`` crashes use it)."""
 StopReason = Literal["eot", "tool_call", "length"]
 
 _ID = Field(pattern=_TOKEN.pattern)
@@ -260,6 +262,10 @@ class GenerateTurn(Wire):
     """Turns of the episode before this one (0: its first reply; more: the prefix ends in a tool result)."""
 
 
+REFUSAL_ERROR_MAX = 500
+"""The longest reason a replica's refusal of a turn carries (``TurnResult.error``)."""
+
+
 class TurnResult(Wire):
     job_id: str = _ID
     request_id: str
@@ -273,6 +279,21 @@ class TurnResult(Wire):
     """The checksum of the weights the turn was made with (the auditor's evidence where the
     replica's ``weights_loaded`` was lost with it; "" from a replica that does not say)."""
     gen_s: float = 0.0
+    refused: Literal["", "input", "engine"] = ""
+    """Set by a replica that did not decode the turn (``token_ids`` empty then; ``error`` says
+    why): ``input``, no engine can (a token id outside its vocabulary, a seed out of range);
+    ``engine``, its engine failed on the turn alone. The request manager sends the turn to another
+    replica at once and names the refusal in the log (``turn_refused``); before, such a turn got
+    no answer and waited out its deadline, and one every replica refused was never named."""
+    error: str = Field("", max_length=REFUSAL_ERROR_MAX)
+
+    @model_validator(mode="after")
+    def _a_refusal_has_no_tokens(self) -> TurnResult:
+        if self.refused and self.token_ids:
+            raise ValueError(f"a refusal ({self.refused}) carries no token ids, got {len(self.token_ids)}")
+        if self.error and not self.refused:
+            raise ValueError("error is a refusal's reason: refused must be set with it")
+        return self
 
     @field_validator("logprobs")
     @classmethod
@@ -353,9 +374,9 @@ EventKind = Literal[
     "member_started", "member_ready", "member_exited", "member_stopped",
     "phase", "fault_injected", "fault_detected", "decision", "action", "recovered",
     "step_started", "step_committed", "batch_ready", "weights_published", "weights_loaded",
-    "weights_rejected",
+    "weights_rejected", "fault_struck",
     "episode_redispatched", "tool_fault", "work_lost", "note",
-    "turn_regenerated", "turn_dropped", "turn_rejected", "deadline_passed", "rm_resumed",
+    "turn_regenerated", "turn_dropped", "turn_rejected", "turn_refused", "deadline_passed", "rm_resumed",
     "replica_borrowed", "replica_restocked", "restock_failed", "role_switched", "stale_turns_dropped",
 ]
 
@@ -419,12 +440,21 @@ class MemberData(EventData):
     epoch: int = 0
 
 
+class StruckData(EventData):
+    """``fault_struck``: an armed crash (``fault_id``: the injection's) carried out by its member."""
+
+    fault_id: str
+    member_id: str
+    moment: ChaosMoment
+
+
 EVENT_DATA: dict[str, type[EventData]] = {
     "step_started": StepData, "step_committed": StepCommittedData,
     "fault_injected": FaultData, "fault_detected": FaultData, "decision": DecisionData,
     "action": FaultRefData, "recovered": RecoveredData, "work_lost": WorkLostData,
     "turn_regenerated": TurnRegeneratedData,
     "member_started": MemberData, "member_ready": MemberData, "member_exited": MemberData,
+    "fault_struck": StruckData,
 }
 """Typed ``data`` of the event kinds that accounting, the report and the dashboard read; other
 kinds carry any JSON object. Checked where an event is written and again where it is read."""

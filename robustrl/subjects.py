@@ -91,10 +91,11 @@ EVENT_OWNERS: dict[str, frozenset[Principal]] = {
         "fault_detected": (_D, _C, _RM), "phase": (_D,),
         "job_ready": (_RM,), "step_started": (_RM,), "batch_ready": (_RM,), "episode_redispatched": (_RM,),
         "tool_fault": (_RM,), "turn_regenerated": (_RM,), "turn_dropped": (_RM,), "turn_rejected": (_RM,),
+        "turn_refused": (_RM,),
         "deadline_passed": (_RM,), "rm_resumed": (_RM,),
         "work_lost": (_RM, _C),
         "member_ready": (_T, _R), "step_committed": (_T,), "weights_published": (_T,),
-        "weights_loaded": (_R,), "weights_rejected": (_R,),
+        "weights_loaded": (_R,), "weights_rejected": (_R,), "fault_struck": (_R,),
         # warm standby from the rollout pool (issue 13)
         "replica_borrowed": (_C,), "replica_restocked": (_C,), "restock_failed": (_C,),
         "role_switched": (_T,), "stale_turns_dropped": (_T,),

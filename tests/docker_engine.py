@@ -8,7 +8,8 @@ No registry can be reached from the test machines, so nothing is pulled:
   ``debootstrap --variant=minbase bookworm`` plus a venv on ``PATH`` and ``docker import``;
 * ``build_context`` copies the repository's tracked files and a local wheelhouse
   (``pip download`` on the host, the usual air-gapped pattern) into a directory that
-  ``docker compose build`` with ``PIP_OFFLINE=1`` turns into the RobustRL image.
+  ``docker compose build`` with ``PIP_OFFLINE=1`` turns into the RobustRL image;
+* ``prune_leftovers`` removes the images and build cache that builds leave behind.
 
 Every step that needs something the machine may lack raises ``Unavailable`` with the reason,
 which the test turns into a printed skip.
@@ -277,5 +278,27 @@ def build_context(dest: Path) -> Path:
     pip = [sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels)]
     _run([*pip, ".[ml,docker]"], "pip download of the image's wheels", 900, cwd=dest)
     _run([*pip, *EXTRA_WHEELS], "pip download of build wheels", 300)
-    shutil.copytree(wheels, dest / "wheelhouse")
+    shutil.copytree(wheels, dest / "wheelhouse", dirs_exist_ok=True)  # (beside its tracked README)
     return dest
+
+
+BUILD_CACHE_KEEP_BYTES = 4 << 30
+"""The build cache ``prune_leftovers`` keeps, most recently used first: what the next build after a
+code change reuses (the context and the dependency wheels, about 0.6 GiB, besides the cache that
+images share and no prune reclaims) fits."""
+
+
+def prune_leftovers(engine: Engine) -> dict[str, int]:
+    """Remove what builds leave in the engine's data root, which outlives every run on a machine:
+    images no tag names any more and no container uses (each build of changed sources leaves the
+    previous image so), and build cache beyond ``BUILD_CACHE_KEEP_BYTES``. Without it the data root
+    grew by gigabytes a build (67 GB here after a few dozen runs) until builds failed for space.
+    Returns the bytes each prune reclaimed."""
+    api = engine.client.api
+    timeout, api.timeout = api.timeout, 900  # (minutes on a data root that had grown large)
+    try:
+        images = api.prune_images(filters={"dangling": True})
+        builds = api.prune_builds(keep_storage=BUILD_CACHE_KEEP_BYTES)
+    finally:
+        api.timeout = timeout
+    return {"images": images.get("SpaceReclaimed") or 0, "build_cache": builds.get("SpaceReclaimed") or 0}

@@ -28,6 +28,22 @@ def clean_log(steps: int, step_s: float = 1.0) -> list[Event]:
     return log
 
 
+def uneven_log() -> list[Event]:
+    """Six 2-s steps whose first took 1 s: the reference (median of clean steps) and the minimum
+    differ, so a fault interval over every step shows in ETTR."""
+    log = clean_log(6, step_s=2.0)
+    log[2] = ev("step_committed", 1.0, step=0, epoch=0, weights_version=1)  # a quick first step: min < median
+    return log
+
+
+def detected_then_recovered(fault_id: str, at: float, recovered_at: float, *, kind: str = "crash",
+                            member_id: str = "r0", step: int = 0) -> list[Event]:
+    """A rollout fault of ``member_id`` detected at ``at`` and recovered at ``recovered_at``."""
+    return [ev("fault_detected", at, fault_id=fault_id, kind=kind, role="rollout", member_id=member_id, step=step,
+               detected_at=T0 + at),
+            ev("recovered", recovered_at, fault_id=fault_id, role="rollout")]
+
+
 def test_clean_run_has_ettr_one() -> None:
     report = account(clean_log(10))
     assert report.steps == 10 and report.completion_s == pytest.approx(10.0)
@@ -121,12 +137,98 @@ def test_an_armed_crash_has_no_detection_delay_and_its_fault_opens_at_detection(
     assert account(log).faults[0].detection_s == pytest.approx(2.0)
 
 
+def test_an_armed_crash_is_timed_from_its_strike_and_reports_when_it_struck() -> None:
+    """Armed at 0.5, struck at 2.0 (``fault_struck``, saved by the replica as it died), detected at
+    2.5: the detection delay is 0.5 s and the arming-to-strike 1.5 s; its fault opens at the strike,
+    so the step it struck in is faulty. A strike of another fault id, or another member, is not its."""
+    log = clean_log(4)
+    armed = ev("fault_injected", 0.5, fault_id="c1", kind="crash", role="rollout", member_id="r0", step=0,
+               moment="mid_batch")
+    detected = detected_then_recovered("d1", 2.5, 3.0, step=2)
+    struck = ev("fault_struck", 2.0, fault_id="c1", member_id="r0", moment="mid_batch")
+    [fault] = account([*log, armed, struck, *detected]).faults
+    assert fault.moment == "mid_batch" and fault.struck_s == pytest.approx(1.5)
+    assert fault.detection_s == pytest.approx(0.5) and fault.recovery_s == pytest.approx(0.5)
+    for other in (ev("fault_struck", 2.0, fault_id="c9", member_id="r0", moment="mid_batch"),
+                  ev("fault_struck", 2.0, fault_id="c1", member_id="r1", moment="mid_batch")):
+        [fault] = account([*log, armed, other, *detected]).faults
+        assert fault.struck_s is None and fault.detection_s is None, other
+    # Struck and never detected: a missed detection, open (faulty) from the strike to the end,
+    # unlike an arming that never struck (``..._never_struck_opens_no_fault_interval``).
+    log = uneven_log()
+    armed = ev("fault_injected", 0.2, fault_id="c1", kind="crash", role="rollout", member_id="r0", step=0,
+               moment="mid_batch")
+    never = account([*log, armed])
+    missed = account([*log, armed, ev("fault_struck", 0.5, fault_id="c1", member_id="r0", moment="mid_batch")])
+    [fault] = missed.faults
+    assert fault.struck_s == pytest.approx(0.3) and fault.detection_s is None
+    assert never.ettr == pytest.approx(account(log).ettr) and missed.ettr < never.ettr
+
+
+def test_an_armed_crash_takes_the_first_detection_after_its_strike_wherever_its_window_ends() -> None:
+    """Armed for 2 s at 0.5 and struck at 2.45, detected at 2.7, past the window: the detection is
+    the crash's (0.25 s), and its fault closes at the recovery. Before (the window bounded the
+    detection), it was left undetected, open to the job's end, and the detection was counted as a
+    second fault (ETTR 0.719 for 0.938: an outside review). A detection of the member before the
+    strike (a stall's false positive, say) is not the crash's either (it read -1.0 s)."""
+    log = clean_log(10)
+    armed = ev("fault_injected", 0.5, fault_id="c1", kind="crash", role="rollout", member_id="r0", step=0,
+               moment="mid_batch", duration_s=2.0)
+    struck = ev("fault_struck", 2.45, fault_id="c1", member_id="r0", moment="mid_batch")
+    crash = detected_then_recovered("d1", 2.7, 3.2, step=2)
+    report = account([*log, armed, struck, *crash])
+    [fault] = report.faults
+    assert fault.detected and fault.detection_s == pytest.approx(0.25) and fault.recovery_s == pytest.approx(0.5)
+    early = detected_then_recovered("d0", 1.0, 1.2, kind="stall", step=1)
+    faults = account([*log, armed, *early, struck, *crash]).faults
+    [mine] = [f for f in faults if f.injected]
+    assert mine.detection_s == pytest.approx(0.25) and mine.recovery_s == pytest.approx(0.5), faults
+    assert [f.kind for f in faults if not f.injected] == ["stall"]
+
+
+def test_a_strike_is_one_faults_even_when_its_injection_was_retried_or_the_clocks_disagree() -> None:
+    """The injection was logged, failed, and was retried under its id (``chaos.py`` forgets the id
+    on failure): one strike, credited to the retry alone (both took it before, the first then open
+    to the job's end with no detection). A strike stamped 0.2 s before its arming (the replica's
+    clock behind the controller's) is still its, with ``struck_s`` 0, never negative."""
+    log = clean_log(10)
+    first = ev("fault_injected", 0.5, fault_id="c1", kind="crash", role="rollout", member_id="r0", step=0,
+               moment="mid_batch", duration_s=5.0)
+    retry = ev("fault_injected", 0.9, fault_id="c1", kind="crash", role="rollout", member_id="r0", step=0,
+               moment="mid_batch", duration_s=5.0)
+    struck = ev("fault_struck", 1.5, fault_id="c1", member_id="r0", moment="mid_batch")
+    crash = detected_then_recovered("d1", 1.6, 2.0, step=1)
+    faults = account([*log, first, retry, struck, *crash]).faults
+    assert [(f.struck_s is not None, f.detected) for f in faults] == [(False, False), (True, True)], faults
+    assert faults[1].struck_s == pytest.approx(0.6) and faults[1].detection_s == pytest.approx(0.1)
+    skewed = ev("fault_struck", 0.3, fault_id="c1", member_id="r0", moment="mid_batch")
+    [fault] = account([*log, first, skewed, *crash]).faults
+    assert fault.struck_s == 0.0 and fault.detection_s == pytest.approx(1.3)
+
+
+def test_a_report_the_controller_only_ignored_opens_no_fault_interval() -> None:
+    """A crashed replica's turns time out during the whole-job restart its crash set off, and the
+    request manager reports it unresponsive; the controller ignores the report (a member of a past
+    incarnation) and nothing ever recovers it. Seen in the rollout-crash ETTR bench: it held a
+    fault open to the job's end, so every later step of the baseline counted as faulty. Listed,
+    marked ``ignored``, and no interval; a report the controller acted on still opens one."""
+    log = uneven_log()
+    clean = account(log).ettr
+    report = [ev("fault_detected", 0.5, fault_id="d9", kind="unresponsive", role="rollout", member_id="r0", step=0,
+                 detected_at=T0 + 0.5)]
+    ignored = account([*log, *report, ev("decision", 0.6, fault_id="d9", actions=["Ignore"], reason="stale")])
+    [fault] = ignored.faults
+    assert fault.ignored and not fault.injected
+    assert ignored.ettr == pytest.approx(clean)
+    acted = account([*log, *report, ev("decision", 0.6, fault_id="d9", actions=["ReplaceReplica"], reason="x")])
+    assert not acted.faults[0].ignored and acted.ettr < clean
+
+
 def test_an_armed_crash_that_never_struck_opens_no_fault_interval() -> None:
     """Armed at 0.5 and never detected (no turn after a tool result reached the replica): nothing
     happened, so no step is taken out of the reference. Before, its interval ran from the arming
     to the job's end and every later step counted as faulty, skewing ETTR (outside review)."""
-    log = clean_log(6, step_s=2.0)
-    log[2] = ev("step_committed", 1.0, step=0, epoch=0, weights_version=1)  # a quick first step: min < median
+    log = uneven_log()
     fault_free = account(log).ettr
     log += [ev("fault_injected", 0.5, fault_id="c1", kind="crash", role="rollout", member_id="r0", step=0,
                moment="mid_tool_turn")]

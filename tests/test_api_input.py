@@ -170,9 +170,11 @@ def test_a_crash_moment_is_for_a_rollout_crash_only(target: ControllerTarget) ->
                      timeout=HTTP_TIMEOUT_S).json()
     url = f"{target.base_url}/v1/jobs/{job['job_id']}/faults"
     for body in ({"kind": "crash", "role": "trainer", "moment": "mid_tool_turn"},
-                 {"kind": "stall", "role": "rollout", "moment": "mid_tool_turn"}):
+                 {"kind": "stall", "role": "rollout", "moment": "mid_tool_turn"},
+                 {"kind": "hang", "role": "rollout", "moment": "mid_batch"}):
         resp = httpx.post(url, headers=target.headers, json=body, timeout=HTTP_TIMEOUT_S)
-        assert resp.status_code == 422 and "moment mid_tool_turn is for a rollout crash only" in resp.text, resp.text
+        assert resp.status_code == 422 and f"moment {body['moment']} is for a rollout crash only" in resp.text, \
+            resp.text
         assert "moment" in _fields(resp), resp.text  # the field named, not only the body
     resp = httpx.post(url, headers=target.headers, json={"kind": "crash", "role": "rollout", "moment": "later"},
                       timeout=HTTP_TIMEOUT_S)

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from support import eventually
 
+from robustrl.client import ApiClient
 from robustrl.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -20,6 +21,11 @@ pytestmark = pytest.mark.timeout(240)
 def _robustrl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "robustrl.cli", *args], capture_output=True, text=True,
                           timeout=120, check=check)
+
+
+def _api(state: dict) -> ApiClient:
+    """The API of the stack ``robustrl up`` wrote ``state`` (stack.json) for, as the CLI reaches it."""
+    return ApiClient(str(state["api_url"]), str(state["token"]))
 
 
 def test_up_submit_status_down(tmp_path):
@@ -33,13 +39,11 @@ def test_up_submit_status_down(tmp_path):
         assert oct((run_dir / "stack.json").stat().st_mode & 0o777) == "0o600"
         sub = _robustrl("submit", str(spec), "--run-dir", str(run_dir), "--json")
         job_id = json.loads(sub.stdout)["job_id"]
-
-        def finished() -> dict:
-            jobs = json.loads(_robustrl("status", job_id, "--run-dir", str(run_dir), "--json").stdout)
-            return jobs[0] if jobs[0]["status"] == "finished" else {}
-
-        job = eventually(finished, timeout=150, interval=1.0, what="cli job finished")
-        assert job["committed_step"] == 1
+        # Waited for through the API the CLI talks to (a CLI process a second, each a Python start
+        # of about 0.9 s of CPU, was a load of its own on a busy machine); the CLI reads it after.
+        _api(state).wait(job_id, lambda j: j["status"] == "finished", timeout_s=150, interval_s=0.5)
+        [job] = json.loads(_robustrl("status", job_id, "--run-dir", str(run_dir), "--json").stdout)
+        assert job["status"] == "finished" and job["committed_step"] == 1, job
         table = _robustrl("status", "--run-dir", str(run_dir)).stdout
         assert job_id in table and "finished" in table
         bad = tmp_path / "bad.yaml"
@@ -89,8 +93,7 @@ def test_down_kills_the_members_a_frozen_controller_left(tmp_path):
         assert "RobustRL is up" in up.stdout
         state = json.loads((run_dir / "stack.json").read_text())
         job_id = json.loads(_robustrl("submit", str(spec), "--run-dir", str(run_dir), "--json").stdout)["job_id"]
-        eventually(lambda: json.loads(_robustrl("status", job_id, "--run-dir", str(run_dir), "--json").stdout)[0]
-                   ["committed_step"] >= 0, timeout=150, interval=1.0, what="first step committed")
+        _api(state).wait(job_id, lambda j: j["committed_step"] >= 0, timeout_s=150, interval_s=0.5)
         running = members()
         assert len(running) >= 3, running  # 2 trainer ranks and the replicas at least
         os.kill(state["pids"]["controller"], signal.SIGSTOP)

@@ -188,8 +188,15 @@ def test_dockerfile_copy_sources_exist_and_no_secrets_baked_in() -> None:
         for src in sources:
             assert (ROOT / src).exists(), f"COPY source {src} missing from the build context"
             assert not _dockerignored(src, ignore) or src == ".", f"COPY source {src} is dockerignored"
+    # A bind mount from the context (no from=) needs its source in a fresh clone too.
+    mounts = re.findall(r"--mount=type=bind,source=([^,\s]+)", text)
+    assert mounts == ["wheelhouse"], mounts
+    for src in mounts:
+        assert (ROOT / src).is_dir() and not _dockerignored(src, ignore), src
+        assert subprocess.run(["git", "ls-files", "--error-unmatch", src], cwd=ROOT, capture_output=True,
+                              check=False).returncode == 0, f"{src} is not tracked: a fresh clone lacks it"
     stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\w+)", text, flags=re.MULTILINE)
-    assert stages == ["builder", "runtime"]
+    assert stages == ["requirements", "deps", "project", "runtime"]
     assert re.search(r"^USER\s+(?!root|0\b)\w+", text, flags=re.MULTILINE), "runtime must not run as root"
     assert "--no-index --find-links /wheels" in text
     for decl in re.findall(r"^(?:ENV|ARG)\s+(.+)$", text, flags=re.MULTILINE):

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from docker_engine import Engine, Unavailable, build_context, compose_cli, ensure_base_image
+from docker_engine import (BUILD_CACHE_KEEP_BYTES, Engine, Unavailable, build_context, compose_cli,
+                           ensure_base_image, prune_leftovers)
 from jobs import kinds, small_job, wait_done, wait_step
 from support import audit_sampled, eventually, sample_batches
 
@@ -85,9 +86,10 @@ class Stack:
                     "-f", str(ctx / "compose" / "test-ports.yml"),
                     "--env-file", str(ctx / "compose" / ".env")]
 
-    def compose(self, *args: str, timeout_s: float) -> str:
+    def compose(self, *args: str, timeout_s: float, env: dict[str, str] | None = None) -> str:
+        """``docker compose`` on the stack; ``env`` overrides variables of its ``.env`` file."""
         done = subprocess.run([*self.cli, *args], capture_output=True, text=True, timeout=timeout_s,
-                              env=self.engine.env(), check=False)
+                              env={**self.engine.env(), **(env or {})}, check=False)
         assert done.returncode == 0, f"docker compose {' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         return done.stdout
 
@@ -114,6 +116,12 @@ PREBUILD_WAIT_S = 1200.0
 build that hangs is abandoned here, its engine stopped, not left beside the next engine."""
 
 
+def build(stack: Stack, image: str = IMAGE) -> None:
+    """``docker compose build`` of the RobustRL image (tagged ``image``), then ``prune_leftovers``."""
+    stack.compose("build", "controller", timeout_s=900, env={"ROBUSTRL_IMAGE": image})
+    print(f"pruned after building {image}: {prune_leftovers(stack.engine)}")
+
+
 def _build_image() -> Path:
     """The build context and the RobustRL image built from it offline (the base image made first
     if absent), on an engine of its own stopped afterwards: images and build cache stay in the
@@ -127,7 +135,7 @@ def _build_image() -> Path:
     try:
         engine.start()
         build_context(ctx)
-        Stack(engine, ctx).compose("build", "controller", timeout_s=900)
+        build(Stack(engine, ctx))
         return ctx
     except BaseException:
         shutil.rmtree(ctx, ignore_errors=True)
@@ -282,3 +290,52 @@ def test_compose_up_then_trainer_container_killed_recovers_role_locally(stack: S
     controllers = stack.engine.client.containers.list(
         all=True, filters={"label": [f"com.docker.compose.project={PROJECT}", "com.docker.compose.service=controller"]})
     assert len(controllers) == 1
+
+
+def test_a_code_change_rebuilds_one_small_layer_and_leaves_no_image_behind(stack: Stack) -> None:
+    """The image's dependencies sit in layers a code change does not touch, and each build prunes
+    what the build before it left: the engine's data root, which outlives runs on a machine, stays
+    bounded. (It grew to 67 GB here, a new 1.6-GB image per commit, until CI failed for space.)"""
+    import docker
+
+    client = stack.engine.client
+    served = client.images.get(IMAGE)  # the running stack's image, built by the prebuild
+    init = stack.ctx / "robustrl" / "__init__.py"
+    original = init.read_text()
+    pyproject = stack.ctx / "pyproject.toml"
+    project = pyproject.read_text()
+    tag = "robustrl:rebuild-test"
+    built = []
+    layers_before = client.df()["LayersSize"]
+    try:
+        for n in range(2):  # two code changes: the second build replaces the first's image
+            init.write_text(f"{original}\n# code change {n}: {secrets.token_hex(4)}\n")
+            # (and pyproject.toml's tool settings: the dependency list is what the layer is keyed on)
+            pyproject.write_text(f"{project}\n# settings change {n}: {secrets.token_hex(4)}\n")
+            build(stack, tag)
+            built.append(client.images.get(tag))
+        first, second = built
+
+        def layers(image: Any) -> list[str]:
+            return image.attrs["RootFS"]["Layers"]
+
+        # Only RobustRL's own layer was rebuilt: the base, the user and every dependency are the
+        # served image's very layers (same digests), and the data root grew by megabytes.
+        assert len(layers(second)) == len(layers(served)), (layers(second), layers(served))
+        rebuilt = [layer for layer in layers(second) if layer not in layers(served)]
+        assert len(rebuilt) == 1 and rebuilt[0] not in layers(first), (rebuilt, layers(served))
+        grown = client.df()["LayersSize"] - layers_before
+        assert grown < 64 << 20, f"two code changes grew the engine's layers by {grown >> 20} MiB"
+        # ... the image it replaced went (no tag named it, no container ran it) ...
+        with pytest.raises(docker.errors.ImageNotFound):
+            client.images.get(first.id)
+        # ... the one the stack runs stayed, and the build cache an image does not share (the
+        # part a prune can reclaim) is within its bound.
+        assert client.images.get(IMAGE).id == served.id
+        cache = sum(entry["Size"] for entry in client.df().get("BuildCache") or [] if not entry["Shared"])
+        assert cache <= BUILD_CACHE_KEEP_BYTES, cache
+    finally:
+        init.write_text(original)
+        pyproject.write_text(project)
+        with contextlib.suppress(docker.errors.ImageNotFound):
+            client.images.remove(tag)

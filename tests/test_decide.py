@@ -110,6 +110,28 @@ def test_replicas_that_cannot_load_the_dead_gangs_weights_while_the_trainer_reco
         assert kinds(decide(NOW, job(), f, LOCAL)) == [RedispatchEpisodes, ReplaceReplica]
 
 
+def test_new_replicas_below_the_version_while_a_whole_job_restart_redoes_steps_are_left_alone() -> None:
+    """A whole-job restart forms a new gang, which redoes the steps after its checkpoint (each a
+    version) while the new replicas hold its first: the request manager's ``weights_deadline`` (a
+    replica below the step's version past ``weights_load_s``) or the detector's weights causes
+    during it were taken for a new member failing in the restart: another whole-job restart, again,
+    until ``max_restarts`` failed the job (an outside review). Looked at again after it; the
+    request manager's cause during a trainer recovery too. Outside a recovery it is acted on."""
+    # (a recovery's member ids are the members it replaces: r0 here is a new one)
+    whole = RecoveryView("job", step=7, started_at=NOW - 40, member_ids=frozenset({"t-old", "r-old"}))
+    trainer = RecoveryView("trainer", step=7, started_at=NOW - 40, member_ids=frozenset({"t-old"}))
+    for rec in (whole, trainer):
+        for cause in ("weights_deadline", "weights_failed", "weights_load_timeout"):
+            f = fault("rollout", "r0", "hang").model_copy(update={"cause": cause})
+            for policy in (LOCAL, WHOLE):
+                d = decide(NOW, job(recovering=(rec,)), f, policy)
+                assert d.actions == [Ignore(d.reason, recheck=True)], (rec.role, cause, policy.policy, d)
+    f = fault("rollout", "r0", "hang").model_copy(update={"cause": "weights_deadline"})
+    assert kinds(decide(NOW, job(), f, LOCAL)) == [RedispatchEpisodes, ReplaceReplica]
+    # any other fault of a new member during the whole-job restart still means the restart failed
+    assert kinds(decide(NOW, job(recovering=(whole,)), fault("rollout", "r0", "hang"), LOCAL)) == [RestartWholeJob]
+
+
 def test_two_replicas_lost_at_one_step_are_both_replaced_but_more_than_all_escalates() -> None:
     d = decide(NOW, job(faults_per_step={("rollout", 5): 1}), fault("rollout", "r2"), LOCAL)
     assert kinds(d) == [RedispatchEpisodes, ReplaceReplica]

@@ -107,9 +107,15 @@ def _spares(engine: Engine, instance: str, but: str = "") -> list[Any]:
 
 
 def _exec(container: Any, script: str) -> str:
-    code, out = container.exec_run(["sh", "-c", script])
-    assert code == 0, (script, out)
-    return str(out.decode(errors="replace"))
+    """The output of ``script`` run in ``container``. Every script here prints something: one
+    that exits 0 with no output at all lost its stream in the engine (docker-py #2042, moby
+    #27289: suite51's empty pid) and is run again (they only read)."""
+    def once() -> str:
+        code, out = container.exec_run(["sh", "-c", script])
+        assert code == 0, (script, out)
+        assert out, f"the engine lost the output of {script!r}"
+        return str(out.decode(errors="replace"))
+    return eventually(once, timeout=10, interval=0.1, what=f"the output of {script!r}")
 
 
 def test_a_trainer_starts_in_a_warm_spare_container(engine: Engine) -> None:
@@ -239,6 +245,7 @@ def test_a_spare_is_taken_only_by_a_member_it_covers() -> None:
     assert SpareShape.of(Resources(cpus=1.5, memory_mb=300), all_gpus=False) == SpareShape(1.5, 300, 0, False)
 
 
+@pytest.mark.heavy  # 106-144 s under the suite's load: bench/heavy.py (the suite keeps the spare container's hand-off above)
 def test_a_job_on_the_docker_launcher_replaces_a_crashed_trainer_from_a_spare_container(engine: Engine,
                                                                                        tmp_path: Path) -> None:
     """End to end: servers on the Docker network's gateway, the control plane here with the Docker

@@ -209,6 +209,7 @@ def _code_image(engine: Engine) -> str:
     return tag
 
 
+@pytest.mark.heavy  # 123-164 s under the suite's load, with its image build: bench/heavy.py (the suite keeps the switch in place above)
 def test_a_job_on_the_docker_launcher_borrows_replica_containers_as_trainer_ranks(engine: Engine,
                                                                                  tmp_path: Path) -> None:
     """End to end: servers on the Docker network's gateway, the control plane on this machine with

@@ -19,7 +19,7 @@ from robustrl.services.trainer.lineage import History, LoopFence, read_history, 
 
 from robustrl.checkpoint import Checkpointer, capture_rng
 from robustrl.config import Settings
-from robustrl.errors import CheckpointLost, StaleEpoch
+from robustrl.errors import CheckpointLost, StaleEpoch, StorageError
 from robustrl.storage.fencing import GangFence, read_gang
 from robustrl.storage.objects import S3ObjectStore
 from robustrl.storage.redis_stores import BatchRecord, BatchStore, Keys, connect
@@ -258,3 +258,29 @@ async def test_the_weights_pointer_never_names_a_version_the_event_log_does_not_
         await bus.close()
         await r.aclose()
         infra.stop()
+
+
+async def test_damaged_gang_records_trained_log_and_batches_give_a_resume_a_clear_answer(redis) -> None:  # type: ignore[no-untyped-def]
+    """Values in Redis that do not parse (a damaged entry, a bad restore): a trained-log entry
+    that is not JSON failed every new gang's resume with a bare JSONDecodeError; a damaged batch
+    between the loaded checkpoint and the durable step, with a StorageError traceback; a gang
+    record whose durable step is not a number, with an IndexError. Now: the log entry is skipped
+    (the auditor reports it), the batch is named as gone by ``CheckpointLost``, the record is a
+    StorageError naming its key."""
+    job = _job()
+    g1 = GangFence(redis, job, 1)
+    await g1.enter()
+    await g1.durable(4)
+    await g1.record_trained(5, "c5")
+    await redis.rpush(Keys.trained_log(job), b"{not json", b'{"step": "x"}')
+    await BatchStore(redis, job).put(BatchRecord(job_id=job, step=4, episode_ids=["e"], reward_mean=0.0))
+    await redis.set(Keys.batch(job, 3), b'{"step": "damaged"')
+    g2 = GangFence(redis, job, 2)
+    record = await g2.enter()
+    history = await read_history(redis, job, record, 2)  # resumed from checkpoint 2: steps 3, 4 to redo
+    assert history.trained == frozenset({5}) and history.batches == frozenset({4})
+    with pytest.raises(CheckpointLost, match=r"steps \[3\] are gone"):
+        resume_step(2, history)
+    await redis.hset(Keys.gang(job), "durable", "x")
+    with pytest.raises(StorageError, match="damaged"):
+        await GangFence(redis, job, 3).enter()

@@ -41,7 +41,7 @@ from robustrl.launcher.ray_cluster import LocalRayCluster
 pytestmark = pytest.mark.timeout(240)
 TESTS = Path(__file__).resolve().parent
 INSTANCE = "rr-test"
-STEPS = 16
+STEPS = 24
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +260,7 @@ def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_
         cluster.kill_node(1 + cluster.node_ips.index(lost_ip))
         status = api.wait(job_id, lambda s: s["committed_step"] > at + 1 and len(_live(s, "trainer")) == 2 and all(
             m["epoch"] > epoch for m in _live(s, "trainer")) and len(_live(s, "rollout")) == 2, timeout_s=150)
-        print(f"node loss recovered at {time.monotonic() - t0:.1f} s")
+        print(f"node loss recovered at {time.monotonic() - t0:.1f} s, step {status['committed_step']}")
         assert robustrl_listeners(status) == []  # the gangs formed since, and the replacement replica
         survivors = [m for m in _live(status, "trainer") + _live(status, "rollout")]
         assert {_actor_node(job_id, m["member_id"]) for m in survivors} == set(cluster.node_ips) - {lost_ip}
@@ -270,10 +270,12 @@ def test_a_job_across_nodes_survives_an_actor_kill_a_node_loss_and_a_controller_
         # 3. The controller killed: the restarted one re-attaches to the running actors and
         #    restarts none of them.
         live = {m["member_id"]: m["pid"] for m in survivors}
-        # Steps left for after the restart: under load the old steps ran to the end while the new
-        # controller took over (8 s), and a job whose last step commits during the takeover was
-        # never marked finished (seen once with 2 steps left; a controller race, reported).
-        assert status["committed_step"] < STEPS - 4, "the job is too far along for the controller restart"
+        # Steps left for after the restart, so that it lands mid-job. The steps run on while the
+        # test waits for the node loss's replacement replica (a full run reached step 12 of 16
+        # by then): 24 steps. A last step committed during the takeover is finished by the new
+        # leader (tests/test_controller_takeover_finish.py), so 2 left is enough here.
+        assert status["status"] in ("running", "recovering") and status["committed_step"] < STEPS - 2, (
+            f"the job is too far along for the controller restart: {status['status']}, step {status['committed_step']}")
         n_started = len(kinds(api.events(job_id), "member_started"))
         old = stack.pids()["controller"]
         os.kill(old, signal.SIGKILL)

@@ -54,7 +54,7 @@ def replica(version: int, checksum: str) -> Any:
             r.said.append((msg.version, msg.checksum, msg.complete))
         await asyncio.sleep(0.05)  # the bus's latency (a pace of the stand-in, not a wait for a condition)
 
-    r.member = types.SimpleNamespace(stopping=asyncio.Event(), chaos=ChaosState(), weights_version=version,
+    r.member = types.SimpleNamespace(stopping=asyncio.Event(), chaos=ChaosState(), weights_version=version, activity=0,
                                      bus=types.SimpleNamespace(publish=publish))
     r.engine, r.model, r.verify_loads, r.served = Engine(), object(), False, None
     r.ident = types.SimpleNamespace(member_id="rollout-0-i0", job_id="j")

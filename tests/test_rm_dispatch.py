@@ -16,9 +16,10 @@ import pytest
 from rm_harness import FakeReplica, Harness, rm_spec
 from support import eventually_async
 
+from robustrl.config import JobSpec
 from robustrl.errors import TransportError
 from robustrl.services.request_manager.dispatch import REFUSED_BEFORE_FAULT
-from robustrl.messages import GenerateTurn, TurnResult
+from robustrl.messages import GenerateTurn, MemberHello, StepCommitted, TurnResult, WeightsAnnounce
 from robustrl.subjects import Verb, subject
 from robustrl.storage.redis_stores import Keys
 
@@ -94,6 +95,60 @@ async def test_a_replica_that_never_reaches_the_step_version_is_reported_and_not
         faults = [f for f in h.faults if f.cause == "weights_deadline"]
         assert [(f.role, f.member_id, f.kind) for f in faults] == [("rollout", a.member_id, "hang")]
         assert all(m.step == 0 for m in a.received), "a was given a turn of step 1 on old weights"
+
+
+async def test_replicas_are_not_reported_late_for_a_version_the_new_gang_has_not_made(servers):
+    """Gang 1 commits step 0 (v1) and dies before the replicas load v1; gang 2 resumes at step 0
+    (nothing durable) holding v0 and redoes step 0, longer than ``weights_load_s``. No replica can
+    hold v1 meanwhile, and none is late. Before, both were reported ``weights_deadline`` from
+    step 1's start: during a whole-job restart the controller took that for a new member failing
+    in it and restarted the job whole again (an outside review). Once gang 2 makes v1, a replica
+    still below it past ``weights_load_s`` is reported (and only it)."""
+    async with Harness(servers, rm_spec("redo", steps=2, weights_load_s=1.5, step_deadline_s=30)) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=20, what="step 0 handed over")
+        await h.commit(0)  # gang 1: v1
+        await h.bus.publish(subject(h.job_id, Verb.HELLO, "trainer-e2-r0"), MemberHello(
+            job_id=h.job_id, member_id="trainer-e2-r0", role="trainer", pid=1, epoch=2, resume_step=0))
+        redo_s = 2 * 1.5 + 1.0
+        await asyncio.sleep(redo_s)  # gang 2 redoing step 0 (the fault's duration, not a wait for an event)
+        assert [f.member_id for f in h.faults if f.cause == "weights_deadline"] == [], h.faults
+        await h.bus.publish(subject(h.job_id, Verb.COMMIT), StepCommitted(
+            job_id=h.job_id, step=0, weights_version=1, epoch=2, reward_mean=0.0, checksum="c", durable_step=-1))
+        made = time.time()
+        await b.set_version(1)  # a never loads gang 2's v1
+        await eventually_async(lambda: 1 in h.batches, timeout=20, what="step 1 handed over without a")
+        faults = [f for f in h.faults if f.cause == "weights_deadline"]
+        assert [(f.member_id, f.kind) for f in faults] == [(a.member_id, "hang")], faults
+        assert faults[0].detected_at >= made + 1.5 - 0.5, (faults[0].detected_at - made)
+        assert all(m.step == 0 for m in a.received), "a was given a turn of step 1 on old weights"
+
+
+async def test_a_new_life_learns_the_version_made_from_the_weights_pointer_and_a_resent_hello_lowers_nothing(servers):
+    """A restarted request manager has heard nothing of the trainer: it learns the version the
+    gang announced last from the fenced weights pointer. A hello of the current gang that is
+    still being resent (until a controller acknowledges it) after its commits says the gang's
+    resume version, lower than what it has made since: that must not stop the weights deadline
+    (a replica stuck below the version would never be reported; the step deadline would blame
+    the request manager itself: an outside review of the first version of this fix)."""
+    async with Harness(servers, rm_spec("seed", steps=2, weights_load_s=1.5, step_deadline_s=30)) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=20, what="step 0 handed over")
+        await h.redis.rpush(Keys.trained_log(h.job_id), json.dumps({"step": 0, "epoch": 1, "checksum": "c"}))
+        await h.redis.set(Keys.weights_latest(h.job_id), WeightsAnnounce(  # as gang 1's fenced write sets it
+            job_id=h.job_id, version=1, epoch=1, checksum="c1", sources=["tcp://127.0.0.1:9"],
+            manifest_digest="0" * 64).model_dump_json())
+        await h.kill_rm()
+        h.committed = 0
+        await h.start_rm()  # a new life, told to resume at step 1
+        await h.bus.publish(subject(h.job_id, Verb.HELLO, "trainer-e1-r0"), MemberHello(  # resent
+            job_id=h.job_id, member_id="trainer-e1-r0", role="trainer", pid=1, epoch=1, resume_step=0))
+        await b.set_version(1)  # a never loads v1
+        await eventually_async(lambda: 1 in h.batches, timeout=20, what="step 1 handed over without a")
+        faults = [f for f in h.faults if f.cause == "weights_deadline"]
+        assert [(f.member_id, f.kind) for f in faults] == [(a.member_id, "hang")], faults
 
 
 async def test_a_stuck_step_is_a_fault_naming_its_cause(servers):
@@ -229,22 +284,30 @@ async def _all_finished(h: Harness, ids: list[str]) -> bool:
     return all([await _finished(h, e) for e in ids])
 
 
-async def test_rollout_state_is_deleted_once_its_checkpoint_is_durable(servers):
-    async with Harness(servers, rm_spec("gc", steps=3)) as h:
+async def test_rollout_state_is_deleted_once_the_checkpoint_after_it_is_durable(servers):
+    """Rollout state of a step goes once a checkpoint after it is durable as well: one durable
+    checkpoint's steps are kept. The newest checkpoint may fail its verification when a new gang
+    loads it (a rotted blob); the gang then resumes from the one before it and redoes the steps in
+    between from their batches. Collected through the newest (before), those were gone and every
+    resume raised CheckpointLost: the job failed. Judged from raw Redis."""
+    async with Harness(servers, rm_spec("gc", steps=4)) as h:
         a = await h.replica("rollout-0-i0")
         await h.start_rm()
-        for k in range(3):
+        for k in range(4):
             await eventually_async(lambda k=k: k in h.batches, timeout=20, what=f"step {k} handed over")
             await h.redis.set(Keys.fence(h.job_id, k), b"1")
             await h.redis.rpush(Keys.trained_log(h.job_id), f'{{"step": {k}, "epoch": 1, "checksum": "c"}}')
             await h.commit(k, durable=k - 1)  # checkpoint of step k is still uploading
             await a.set_version(k + 1)
+        # durable: 2 newest, 1 before it -> steps 0 and 1 go; 2 (and 3) stay for a resume from 1
         await eventually_async(lambda: _gone(h, steps=(0, 1)), timeout=10, what="steps 0 and 1 collected")
         keys = await h.raw_keys()
-        assert Keys.batch(h.job_id, 2) in keys and Keys.fence(h.job_id, 2) in keys
-        assert len(await h.episode_keys(2)) == 4
+        for k in (2, 3):
+            assert Keys.batch(h.job_id, k) in keys and Keys.fence(h.job_id, k) in keys, (k, keys)
+            assert len(await h.episode_keys(k)) == 4
+        assert int(await h.redis.get(Keys.rollout_gc(h.job_id))) == 1
         trained = [e for e in await h.redis.lrange(Keys.trained_log(h.job_id), 0, -1)]
-        assert len(trained) == 1 and b'"step": 2' in trained[0]
+        assert len(trained) == 2 and b'"step": 2' in trained[0] and b'"step": 3' in trained[1]
 
 
 async def _gone(h: Harness, steps: tuple[int, ...]) -> bool:
@@ -274,6 +337,12 @@ async def test_gc_trims_the_trained_log_through_the_durable_step_even_after_a_re
         await gc.collect(2)
         steps = [int(x.split(b'"step": ')[1].split(b",")[0]) for x in await r.lrange(Keys.trained_log(job), 0, -1)]
         assert steps == [3] and await gc.collected() == 2
+        # A damaged entry at the head is dropped with the next collection: the trim stopped at it,
+        # and the log was never trimmed again for the rest of the job.
+        await r.lpush(Keys.trained_log(job), b"{not json")
+        await r.rpush(Keys.trained_log(job), b'{"step": 4, "epoch": 2, "checksum": "c"}')
+        await gc.collect(3)
+        assert [x for x in await r.lrange(Keys.trained_log(job), 0, -1)] == [b'{"step": 4, "epoch": 2, "checksum": "c"}']
     finally:
         await r.delete(Keys.trained_log(job), Keys.rollout_gc(job))
         await r.aclose()
@@ -617,16 +686,30 @@ async def _answer_out_of_vocab(rep: FakeReplica, msg: GenerateTurn) -> None:
         token_ids=[1, rep.tok.vocab_size + 7], logprobs=[-1.0, -1.0], stop_reason="eot", weights_version=rep.version))
 
 
-async def test_a_reply_with_token_ids_outside_the_vocabulary_is_refused_and_its_turn_generated_again(servers):
+async def _answer_too_long(rep: FakeReplica, msg: GenerateTurn) -> None:
+    """``rep`` answers ``msg`` with one token more than the turn allows."""
+    ids = [1] * (msg.max_new_tokens + 1)
+    await rep.bus.publish(subject(rep.job_id, Verb.TURN), TurnResult(
+        job_id=rep.job_id, request_id=msg.request_id, episode_id=msg.episode_id, member_id=rep.member_id,
+        token_ids=ids, logprobs=[-1.0] * len(ids), stop_reason="length", weights_version=rep.version))
+
+
+@pytest.mark.parametrize("bad", ["outside_vocabulary", "too_long"])
+async def test_a_reply_with_token_ids_outside_the_vocabulary_is_refused_and_its_turn_generated_again(servers, bad):
     """A replica's reply that parses but names tokens the model does not have (a corrupt engine,
     a mismatched tokenizer) must never reach an episode: decoded, it failed the step's every
-    attempt; trained on, it fails the trainer's embedding lookup at every redo of the step. It is
-    refused on arrival, naming the field, and its turn goes to another replica."""
+    attempt; trained on, it fails the trainer's embedding lookup at every redo of the step. Nor
+    one longer than the turn's ``max_new_tokens`` (a misconfigured engine): applied, it padded the
+    whole batch to its width at the trainer, out of memory at every redo of the step (the step's
+    batch is kept across restarts) until the job failed. It is refused on arrival, naming the
+    field, and its turn goes to another replica."""
     async with Harness(servers, rm_spec("vocab", turn_deadline_s=1.0)) as h:
         a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
         vocab = a.tok.vocab_size
+        limit = JobSpec.model_validate(h.spec).rollout.max_new_tokens
 
-        a.answer = lambda msg: _answer_out_of_vocab(a, msg)  # type: ignore[method-assign]
+        answer = {"outside_vocabulary": _answer_out_of_vocab, "too_long": _answer_too_long}[bad]
+        a.answer = lambda msg: answer(a, msg)  # type: ignore[method-assign]
         await h.start_rm()
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
         assert a.received, "replica a was never given a turn"
@@ -638,7 +721,7 @@ async def test_a_reply_with_token_ids_outside_the_vocabulary_is_refused_and_its_
             assert ep.status == "finished", ep
             for turn in ep.turns:
                 assert all(0 <= t < vocab for t in turn.token_ids), (ep.episode_id, turn)
-                assert turn.role != "assistant" or turn.member_id == b.member_id
+                assert turn.role != "assistant" or (turn.member_id == b.member_id and len(turn.token_ids) <= limit)
 
 
 
@@ -704,6 +787,118 @@ async def test_a_lone_replica_whose_replies_are_refused_is_not_sent_its_turns_ba
         assert not h.batches
         assert len(a.received) <= episodes * (elapsed / deadline + 2), (len(a.received), elapsed)
         assert len([f for f in h.faults if f.kind == "bad_output"]) == 1, h.faults
+
+async def _refuse_turn(rep: FakeReplica, msg: GenerateTurn, why: str) -> None:
+    """``rep`` tells the request manager it did not decode ``msg`` (as a real replica does: an
+    input no engine can decode, or its engine failing on the turn alone)."""
+    await rep.bus.publish(subject(rep.job_id, Verb.TURN), TurnResult(
+        job_id=rep.job_id, request_id=msg.request_id, episode_id=msg.episode_id, member_id=rep.member_id,
+        token_ids=[], logprobs=[], stop_reason="length", weights_version=rep.version, refused=why,
+        error=f"refused by the test ({why})"))
+
+
+@pytest.mark.parametrize("why", ["input", "engine"])
+async def test_a_turn_a_replica_refuses_goes_to_another_at_once_and_is_named_in_the_log(servers, why):
+    """A replica that did not decode a turn says so: the turn goes to the other replica at once,
+    not at its 20 s deadline (before, a refused turn got no answer: every one waited out its
+    deadline), each refusal is in the job's log with its reason (``turn_refused``), and every
+    episode's turns come from the other replica. The other replica decoded the very turns it
+    refused, so the refusals are charged to it, whatever reason it gave (an ``input`` refusal of
+    a turn another replica decodes is a wrong tokenizer, not a bad input): reported
+    ``bad_output``, once."""
+    spec = rm_spec(f"refused{why}", turn_deadline_s=20.0)
+    spec["data"] = {**spec["data"], "prompts_per_step": 8}
+    async with Harness(servers, spec) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        a.answer = lambda msg: _refuse_turn(a, msg, why)  # type: ignore[method-assign]
+        await h.start_rm()
+        # A refused turn waiting out its 20 s deadline would take longer than this.
+        await eventually_async(lambda: 0 in h.batches, timeout=15, what="step 0 handed over")
+        assert a.received, "replica a was never given a turn"
+        refused = await eventually_async(lambda: _events_at_least(h, "turn_refused", 1), timeout=10,
+                                         what="turn_refused events")
+        assert all(d["member_id"] == a.member_id and d["refused"] == why and "refused by the test" in d["error"]
+                   for d in refused), refused
+        again = await h.events("episode_redispatched")
+        assert again and all(d["cause"] == "turn_refused" and d["member_id"] == a.member_id for d in again), again
+        episodes = await h.episodes.get_many(h.batches[0].episode_ids)
+        for ep in episodes:
+            assert ep.status == "finished", ep
+            assert all(t.member_id == b.member_id for t in ep.turns if t.role == "assistant"), ep
+        assert len(a.received) >= REFUSED_BEFORE_FAULT, a.received  # (the precondition of the charge)
+        charged = [f for f in h.faults if f.member_id == a.member_id]
+        assert [(f.kind, f.cause) for f in charged] == [("bad_output", "replies_refused")], h.faults
+        assert not [f for f in h.faults if f.member_id == b.member_id], h.faults
+
+
+async def test_a_refused_turn_is_not_sent_straight_back_when_the_other_replica_was_reported(servers):
+    """Replica b holds every turn and answers none: reported unresponsive in step 0 (not yet
+    replaced). Replica a answers every turn but those of one episode of step 1, which its engine
+    fails on. That turn has no replica to go to at once (``pick`` skips a reported one and falls
+    back to the least-loaded replica, a itself): it waits out its deadline. Before, the check saw
+    b as able to take it, and the turn went back to a as fast as a answered (a dispatch record, a
+    publish and an event each time; an outside review)."""
+    deadline = 1.0
+    spec = rm_spec("bouncing", steps=2, turn_deadline_s=deadline)
+    spec["data"] = {**spec["data"], "prompts_per_step": 4}
+    async with Harness(servers, spec) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        good = a.answer
+        poison: list[str] = []
+
+        async def answer(msg: GenerateTurn) -> None:
+            # the step's last episode: its refusal comes after a's other replies, with a holding
+            # no other turn (``pick``'s fallback, the least-loaded replica, is a then)
+            if msg.step == 1 and msg.episode_id.endswith("-p3-g1") and not poison:
+                poison.append(msg.episode_id)
+            await (_refuse_turn(a, msg, "engine") if poison and msg.episode_id == poison[0] else good(msg))
+        a.answer = answer  # type: ignore[method-assign]
+        b.hold = lambda msg: True  # type: ignore[method-assign]
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+        assert [f.kind for f in h.faults if f.member_id == b.member_id] == ["unresponsive"], h.faults
+        await a.set_version(1)
+        await b.set_version(1)
+        await h.commit(0)
+        await eventually_async(lambda: poison, timeout=30, what="a turn of step 1 at a")
+        t0 = time.monotonic()
+        await asyncio.sleep(4 * deadline)  # an observation window: how often the turn came back to a
+        elapsed = time.monotonic() - t0
+        refused = sum(1 for m in a.received if m.episode_id == poison[0])
+        assert refused <= elapsed / deadline + 3, (refused, elapsed)
+
+
+async def test_a_turn_every_replica_refuses_is_not_passed_between_them_as_fast_as_they_answer(servers):
+    """Both replicas refuse every turn (an input no engine can decode): each refusal is named in
+    the log, but a turn is sent again at once only to a replica it has not been refused by; after
+    that it waits out its deadline, as a turn with no reply does. No replica is charged for an
+    input: not as bad output, nor as unresponsive for the deadlines its refused turns wait out;
+    the step deadline reports the request manager's stuck step, naming the refusals (blamed on a
+    replica, healthy replicas were replaced one by one)."""
+    deadline = 2.0
+    async with Harness(servers, rm_spec("allrefuse", turn_deadline_s=deadline, step_deadline_s=8.0, weights_load_s=5.0)) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        a.answer = lambda msg: _refuse_turn(a, msg, "input")  # type: ignore[method-assign]
+        b.answer = lambda msg: _refuse_turn(b, msg, "input")  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        await h.start_rm()
+        await eventually_async(lambda: _events_at_least(h, "turn_refused", 8), timeout=20,
+                               what="both replicas' refusals in the log")
+        await asyncio.sleep(2.5 * deadline)  # an observation window: how often the turns came back
+        elapsed = time.monotonic() - t0
+        episodes = 4  # rm_spec: 2 prompts x 2 samples, none of them done
+        assert not h.batches
+        sent = len(a.received) + len(b.received)
+        # at most two replicas per deadline for each episode (one refusal, one at once elsewhere)
+        assert sent <= episodes * 2 * (elapsed / deadline + 2), (sent, elapsed)
+        # nobody charged: neither bad output (an input) nor unresponsive (each refused turn waits
+        # out its deadline, but its replica answered it)
+        assert not [f for f in h.faults if f.role == "rollout"], h.faults
+        [stuck] = await eventually_async(lambda: [f for f in h.faults if f.cause == "step_deadline"], timeout=20,
+                                         what="the stuck step reported")
+        assert stuck.role == "request_manager" and "every ready replica refused" in stuck.evidence, stuck
+        assert "refused by the test" in stuck.evidence, stuck
+
 
 async def _events_at_least(h: Harness, kind: str, n: int) -> list[dict]:
     got = await h.events(kind)

@@ -129,6 +129,7 @@ def test_request_manager_killed_mid_step_resumes_the_step_without_rerunning_fini
     assert len(kinds(events, "member_started")) == 4
 
 
+@pytest.mark.heavy  # a 60-step job (64-78 s under the suite's load): bench/heavy.py, and bench/redis_memory.py's 200 steps
 def test_redis_memory_stays_flat_over_a_long_job(api, infra):
     # Flat after warm-up, against the samples from step 10 on (each taken when its step's batch
     # appears): a key left behind per step is 50 keys more here (keys judged by their peak).

@@ -13,7 +13,9 @@ the events it appended.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -146,16 +148,7 @@ async def test_a_close_waits_for_a_loads_report_being_stored_and_no_longer(
     async def nothing() -> None:
         return None
 
-    trainer, relay = WeightServer(host="127.0.0.1"), WeightServer(host="127.0.0.1")
-    loader = WeightLoader(WeightSyncSpec(chunk_bytes=CHUNK, pull_timeout_s=5.0, pull_attempts=1), "rollout-0-i0",
-                          relay, expected_layout(model), install=install, emit=emit, on_change=nothing,
-                          held=lambda: (0, "c0"))
-    try:
-        origin = await trainer.start()
-        await relay.start()
-        trainer.add_version(v1, buffer)
-        loader.offer(WeightsAnnounce(job_id="j", version=1, epoch=1, checksum=weights_checksum(model),
-                                     sources=[origin], manifest=v1.model_dump(mode="json")))
+    async with _pulling_one_version(model, buffer, v1, install, emit, nothing, held=(0, "c0")) as loader:
         await eventually_async(reporting.is_set, timeout=20, what="the load's report being stored")
         if stored_after_s is not None:
             asyncio.get_running_loop().call_later(stored_after_s, stored.set)
@@ -169,8 +162,59 @@ async def test_a_close_waits_for_a_loads_report_being_stored_and_no_longer(
         else:
             assert events == [] and 1.4 < took < 1.5 + 3.0, took  # the bound, then no longer
             assert any("not stored" in r.getMessage() for r in caplog.records), caplog.text
-    finally:
         stored.set()
+
+
+@contextlib.asynccontextmanager
+async def _pulling_one_version(model: torch.nn.Module, buffer: Any, manifest: Any, install: Any, emit: Any,
+                               on_change: Any, held: tuple[int, str]) -> AsyncIterator[WeightLoader]:
+    """A loader pulling ``manifest``'s version (announced inline) from a real trainer weight
+    server; closed, with both servers, on the way out."""
+    trainer, relay = WeightServer(host="127.0.0.1"), WeightServer(host="127.0.0.1")
+    loader = WeightLoader(WeightSyncSpec(chunk_bytes=CHUNK, pull_timeout_s=5.0, pull_attempts=1), "rollout-0-i0",
+                          relay, expected_layout(model), install=install, emit=emit, on_change=on_change,
+                          held=lambda: held)
+    try:
+        origin = await trainer.start()
+        await relay.start()
+        trainer.add_version(manifest, buffer)
+        loader.offer(WeightsAnnounce(job_id="j", version=manifest.version, epoch=1, checksum=weights_checksum(model),
+                                     sources=[origin], manifest=manifest.model_dump(mode="json")))
+        yield loader
+    finally:
         await loader.close()
-        for s in (trainer, relay):
-            await s.close()
+        for server in (trainer, relay):
+            await server.close()
+
+
+async def test_a_bus_error_as_a_loaded_version_is_reported_still_says_it_loaded() -> None:
+    """NATS away as the engine finishes a swap (its reconnect buffer full, or the connection
+    closed): the phase change the loader publishes on the way to ``weights_loaded`` raised nats's
+    own error, the event was never appended and the replica -- serving the new weights -- said
+    ``weights_failed`` and was replaced (an outside review). The engine holds the version: the
+    event is appended and the replica is not failed; the phase is said again by the metrics."""
+    import nats.errors
+
+    model = build_policy(reference_job().model, CharTokenizer.default(), 3)
+    buffer, v3 = flatten_state_dict(model.state_dict(), 3, CHUNK)
+    events: list[tuple[str, dict[str, Any]]] = []
+    fail_phase = [False]
+
+    async def install(version: int, checksum: str, _state: dict[str, torch.Tensor], _t: float) -> str:
+        fail_phase[0] = True  # NATS goes away as the swap ends
+        return checksum
+
+    async def emit(kind: str, data: dict[str, Any]) -> None:
+        events.append((kind, data))
+
+    async def phase() -> None:
+        if fail_phase[0]:
+            raise nats.errors.OutboundBufferLimitError()
+
+    async with _pulling_one_version(model, buffer, v3, install, emit, phase, held=(-1, "")) as loader:
+        await eventually_async(lambda: loader._task is not None and loader._task.done(), timeout=20,
+                               what="the pull of v3 over")
+        if loader._reporting is not None:  # a failed follow's report (the done callback's)
+            await loader._reporting
+        assert [d["version"] for k, d in events if k == "weights_loaded"] == [3], events
+        assert not loader.state.failed

@@ -534,3 +534,110 @@ async def test_a_swap_that_ends_late_leaves_peers_hearing_the_pull_that_supersed
     finally:
         for s in servers:
             await s.close()
+
+
+async def _slow_engine(replica: Replica, per_token_s: float, seconds: float) -> None:
+    """Chaos ``slow``: every decoded token takes ``per_token_s`` longer (tokens still flow)."""
+    await replica.bus.publish(subject(replica.job_id, Verb.CHAOS, replica.member_id), ChaosCommand(
+        job_id=replica.job_id, fault_id=uuid.uuid4().hex[:8], kind="slow", member_id=replica.member_id,
+        duration_s=seconds, factor=1.0 + per_token_s / 0.002))
+
+
+async def test_weights_announced_during_a_batch_longer_than_the_pull_timeout_wait_for_the_batch(
+        replica: Replica) -> None:
+    """A healthy batch that decodes longer than ``pull_timeout_s`` (3 s here; long generations on
+    a real engine) while a new version is pulled: the engine takes new weights only between
+    batches. Before, the verified weights were withdrawn after ``pull_timeout_s`` and reported
+    ``weights_rejected`` (timeout), pulled again, and after ``pull_attempts`` windows missed the
+    replica said ``weights_failed`` and was replaced though it was healthy. Tokens flowing mean
+    the engine is alive: the weights wait for the batch's end. Checked on the event log and the
+    turns: v2 loaded once, nothing rejected, the batch's turns made with v1, later ones with v2."""
+    servers: list[WeightServer] = []
+
+    async def turn(request_id: str, min_version: int, tokens: int) -> None:
+        await replica.bus.publish(subject(replica.job_id, Verb.GENERATE, replica.member_id), GenerateTurn(
+            job_id=replica.job_id, request_id=request_id, episode_id=f"e-{request_id}", step=min_version,
+            prefix_ids=[TOK.bos_id, 5, 6], max_new_tokens=tokens, temperature=1.0, top_p=1.0, seed=7,
+            stop_on_call=False, min_version=min_version))
+
+    try:
+        v1, v2 = make_version(1, seed=41), make_version(2, seed=42)
+        for v in (v1, v2):
+            servers.append(await _served(WeightServer(), v))
+        await _slow_engine(replica, per_token_s=0.4, seconds=60.0)
+        # Four rows in one batch: queued before v1 (they need it), they wait for it together and
+        # are taken as one batch once it is loaded; the batch lasts as long as its longest row,
+        # up to 24 tokens at 0.4 s.
+        for i in range(4):
+            await turn(f"long{i}", 1, tokens=24)
+        await eventually_async(lambda: replica.samples[-1].queue_depth == 4, timeout=WAIT_S,
+                               what="the four turns queued, waiting for v1")
+        await replica.announce(v1, epoch=1, sources=[servers[0].address or ""])
+        await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=1), timeout=WAIT_S,
+                               what="v1 loaded")
+        await eventually_async(lambda: replica.samples[-1].phase == "serving", timeout=WAIT_S,
+                               what="the long batch decoding")
+        await replica.announce(v2, epoch=1, sources=[servers[1].address or ""])
+        await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=2), timeout=WAIT_S,
+                               what="v2 loaded once the batch ended")
+        await turn("after", 2, tokens=2)
+        await eventually_async(lambda: any(t.request_id == "after" for t in replica.turns), timeout=WAIT_S,
+                               what="a turn served with v2")
+        long_turns = [t for t in replica.turns if t.request_id.startswith("long")]
+        # the batch outlived the pull timeout (else this test proves nothing)
+        assert max(t.gen_s for t in long_turns) > 3.0 * 2, [t.gen_s for t in long_turns]
+        rejected = await replica.events("weights_rejected")
+        assert not rejected, [e.data for e in rejected]
+        loaded = [(e.data["version"], e.data["checksum"]) for e in await replica.events("weights_loaded")]
+        assert loaded == [(1, v1.checksum), (2, v2.checksum)], loaded
+        assert {t.weights_version for t in long_turns} == {1} and len(long_turns) == 4
+        assert [t.weights_version for t in replica.turns if t.request_id == "after"] == [2]
+        assert "weights_failed" not in replica.phases
+    finally:
+        for s in servers:
+            await s.close()
+
+
+async def test_a_turn_the_engine_cannot_decode_is_refused_and_its_batch_is_served(replica: Replica) -> None:
+    """Bad input on the bus from a publisher allowed to send turns: a token id outside the
+    vocabulary, a seed no generator takes. Before, the engine thread raised (IndexError,
+    RuntimeError) and died: the replica answered probes, served nothing more, and lost the turns
+    batched with the bad one. Each bad turn is refused with a log line naming it; the good ones,
+    sent with them and after them, are served."""
+    servers: list[WeightServer] = []
+    try:
+        v1 = make_version(1, seed=51)
+        servers.append(await _served(WeightServer(), v1))
+        await replica.announce(v1, epoch=1, sources=[servers[0].address or ""])
+        await eventually_async(lambda: _matching(replica.events("weights_loaded"), version=1), timeout=WAIT_S,
+                               what="v1 loaded")
+        await _slow_engine(replica, per_token_s=0.3, seconds=10.0)  # the next turns queue up behind one
+
+        def turn(request_id: str, prefix: list[int], seed: int = 1) -> GenerateTurn:
+            return GenerateTurn(job_id=replica.job_id, request_id=request_id, episode_id=f"e-{request_id}", step=1,
+                                prefix_ids=prefix, max_new_tokens=4, temperature=1.0, top_p=1.0, seed=seed,
+                                min_version=1)
+
+        turns = [turn("first", [TOK.bos_id, 5]), turn("bad-token", [TOK.bos_id, 10**9]),
+                 turn("good", [TOK.bos_id, 6]), turn("bad-seed", [TOK.bos_id, 7], seed=2**70), turn("last", [TOK.bos_id, 8])]
+        for t in turns:
+            await replica.bus.publish(subject(replica.job_id, Verb.GENERATE, replica.member_id), t)
+        await eventually_async(lambda: {"first", "good", "last"} <= {t.request_id for t in replica.turns},
+                               timeout=WAIT_S, what="the good turns served")
+        # the bad ones are answered with a refusal naming why, on the bus (the request manager
+        # sends them elsewhere at once and names them in the job's log), never with tokens
+        no = {t.request_id: t for t in replica.turns if t.refused}
+        assert set(no) == {"bad-token", "bad-seed"}, no
+        assert no["bad-token"].refused == "input" and "outside the vocabulary" in no["bad-token"].error, no
+        assert no["bad-seed"].refused == "input" and "seed" in no["bad-seed"].error, no
+        assert not any(t.token_ids for t in no.values())
+        text = replica.log_text()
+        assert "bad-token" in text and "bad-seed" in text, text[-3000:]
+        # and the engine thread lives on
+        await replica.bus.publish(subject(replica.job_id, Verb.GENERATE, replica.member_id),
+                                  turn("later", [TOK.bos_id, 9]))
+        await eventually_async(lambda: any(t.request_id == "later" for t in replica.turns), timeout=WAIT_S,
+                               what="a later turn served")
+    finally:
+        for s in servers:
+            await s.close()

@@ -309,9 +309,10 @@ async def test_harness_fires_on_the_slots_newest_replica_decoding_and_times_out_
 
 def test_a_crash_timed_to_decoding_catches_turns_in_flight(stack, api) -> None:  # type: ignore[no-untyped-def]
     """A real job: a rollout crash with ``within_step: decoding`` on a tool-heavy job is fired by a
-    metrics sample with a batch in flight, and the request manager re-dispatches the crashed
-    replica's turns (seen in the event log), at most one turn regenerated per episode; the job
-    finishes."""
+    decoding signal and carried out by the replica at its next batch's first token (``moment:
+    mid_batch``: a kill sent from outside landed after the batch had ended, under load, suite51),
+    and the request manager re-dispatches the crashed replica's turns (seen in the event log), at
+    most one turn regenerated per episode; the job finishes."""
     from jobs import kinds, small_job
 
     from robustrl.chaos.runner import run_job
@@ -322,6 +323,7 @@ def test_a_crash_timed_to_decoding_catches_turns_in_flight(stack, api) -> None: 
     assert report["status"] == "finished", report.get("error")
     [ack] = report["injected"]
     assert ack["ok"] and ack["trigger"] == "decoding", (sorted(ack.items()), report["step_durations"])
+    assert ack["moment"] == "mid_batch", ack
     events = api.events(report["job_id"])
     redispatched = kinds(events, "episode_redispatched")
     lost = [d for d in kinds(events, "work_lost") if d.get("turns")]
@@ -329,6 +331,16 @@ def test_a_crash_timed_to_decoding_catches_turns_in_flight(stack, api) -> None: 
     [crash] = [f for f in api.report(report["job_id"])["faults"] if f["role"] == "rollout" and f["injected"]]
     assert crash["turns_redispatched"] >= 1 and crash["tokens_regenerated"] > 0, crash
     assert crash["turns_regenerated"] <= crash["episodes_regenerated"], crash
+    # The replica said when it struck (``fault_struck``, from its outbox: it died at once), so the
+    # detection delay is timed from the strike, not unknown (before) nor from the arming.
+    [struck] = [e for e in events if e["kind"] == "fault_struck"]
+    assert (struck["data"]["fault_id"], struck["data"]["member_id"], struck["data"]["moment"]) == (
+        ack["fault_id"], ack["member_id"], "mid_batch"), struck
+    detected = min((e for e in events if e["kind"] == "fault_detected" and e["data"]["member_id"] == ack["member_id"]),
+                   key=lambda e: e["ts"])  # (the first: the one accounting matches)
+    assert struck["ts"] <= detected["ts"], (struck, detected)
+    assert crash["moment"] == "mid_batch" and crash["struck_s"] is not None and crash["struck_s"] >= 0, crash
+    assert crash["detection_s"] == pytest.approx(detected["ts"] - struck["ts"]), crash
 
 
 def test_a_fault_asked_for_again_after_its_answer_was_lost_is_carried_out_once(stack, api) -> None:  # type: ignore[no-untyped-def]

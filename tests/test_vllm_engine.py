@@ -63,8 +63,10 @@ def hf_dir(vllm_env: tuple[Path, Path]) -> Path:
 # vLLM's engine start is 20-30 s on a quiet 2-core machine and over 100 s on a busy one.
 # ``cpu_linear`` (rollout.vllm_cpu_linear): vLLM's oneDNN-packed CPU linear layers, or kept in
 # checkpoint layout (plain), where loads copy into the very tensors generation multiplies with.
+# The default (packed) runs in the suite; plain, another 100-120 s of vLLM under the suite's load
+# (about 7% of its time), is bench/heavy.py's, like the suite's other multi-minute runs.
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("cpu_linear", ["packed", "plain"])
+@pytest.mark.parametrize("cpu_linear", ["packed", pytest.param("plain", marks=pytest.mark.heavy)])
 def test_vllm_engine_generates_stops_on_the_marker_aborts_and_loads_weights_in_place(
         vllm_py: Path, hf_dir: Path, tmp_path: Path, cpu_linear: str) -> None:
     out = tmp_path / "probe.json"

@@ -30,10 +30,9 @@ def state(pid: int) -> str:
     return "gone" if stat is None else stat[0].decode()
 
 
-def main() -> None:
-    log_dir = Path(sys.argv[1])
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+def start_zygote(log_dir: Path) -> tuple[subprocess.Popen[bytes], socket.socket]:
+    """A zygote on a raw control socket, logging to ``log_dir/zygote.log``, and this end of the
+    socket (its first message, ``{"ready": pid}``, comes once its imports are done)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with open(log_dir / "zygote.log", "ab") as log:
         zygote = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, str(theirs.fileno())],
@@ -41,6 +40,14 @@ def main() -> None:
                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     theirs.close()
     ours.settimeout(120)  # its imports first (torch, transformers)
+    return zygote, ours
+
+
+def main() -> None:
+    log_dir = Path(sys.argv[1])
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+    zygote, ours = start_zygote(log_dir)
 
     def recv() -> dict:
         return json.loads(ours.recv(4096))

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from robustrl.checkpoint_catalog import ascii_digits
 from robustrl.errors import MessageError, StorageError
 from robustrl.messages import loads_bounded
 from robustrl.storage.objects import ObjectStore
@@ -73,10 +74,10 @@ def folder_ref(manifest_key: str) -> tuple[int | None, int | None]:
     """(step, epoch) named by a manifest's folder: ``.../<step:012d>[/e<epoch:08d>]/manifest.json``."""
     parts = manifest_key.split("/")[:-1]
     step = epoch = None
-    if parts and parts[-1][:1] == "e" and parts[-1][1:].isdigit():
+    if parts and parts[-1][:1] == "e" and ascii_digits(parts[-1][1:]):
         epoch = int(parts[-1][1:])
         parts = parts[:-1]
-    if parts and parts[-1].isdigit():
+    if parts and ascii_digits(parts[-1]):
         step = int(parts[-1])
     return step, epoch
 

@@ -236,7 +236,7 @@ def check_outbox(inp: AuditInput, facts: JobFacts, controller_slack_s: float) ->
     outbox (``Keys.detector_outbox``: its ``fault_detected`` events, appended by the next detector
     to start or by a deletion that keeps the log), the trainer's (``Keys.trainer_outbox``: rank
     0's ``step_committed`` events, appended by the next gang) and the rollout replicas'
-    (``Keys.rollout_outbox``: their ``weights_loaded``/``weights_rejected``, appended by any live
+    (``Keys.rollout_outbox``: their ``weights_loaded``/``weights_rejected``/``fault_struck``, appended by any live
     replica of the job once old, by one that stops, or by the next to start) are judged the same
     way.
 

@@ -271,7 +271,7 @@ def _by_kind_role(injections: list[Injection], raw: list[RawEvent], faults: list
             continue
         row["injected"] += 1
         a = acct.get(inj.fault.fault_id)
-        if a is not None and a.detection_s is not None:
+        if a is not None and a.detected:
             row["detected"] += 1
         if (a is not None and a.recovery_s is not None) or any(t > inj.ts + inj.fault.duration_s for t in progress):
             row["recovered"] += 1

@@ -20,7 +20,9 @@ end). A signal counts only if it arrived during the wait and comes from the slot
 incarnation (``rollout-<slot>-i<n>``). The wait ends at ``decoding_wait_s`` or when the step after the fault's step
 commits (a short step may commit before its delay ends: the next step's decoding still counts, and
 the ack's ``committed`` says which steps had committed), and the fault is injected then all the
-same (ack ``trigger: timeout``), so a scenario never hangs. Faults
+same (ack ``trigger: timeout``), so a scenario never hangs. A crash so timed is sent as ``moment:
+mid_batch`` (the replica dies at the first token of its next batch: a kill from outside can land
+after the batch ended; the ack's ``moment`` says so). Faults
 are carried out in order: one waiting to see decoding holds back the faults planned after it.
 Every ack says what fired it: ``trigger`` is ``delay``, ``decoding`` or ``timeout``.
 """
@@ -175,11 +177,16 @@ class Harness:
         trigger = trigger or {"trigger": "delay"}
         if is_local(pf):
             return await self.inject_local(pf, trigger)
+        moment = pf.moment
+        if pf.until == DECODING and pf.kind == "crash" and moment == "now":
+            # Carried out by the replica at its next batch's first token: a kill sent from here
+            # (through the controller) landed after the batch had ended, under load (suite51).
+            moment = "mid_batch"
         req = ChaosRequest(job_id=self.job_id, fault_id=pf.fault_id, kind=pf.kind, role=pf.role,  # type: ignore[arg-type]
                            member=pf.member_index, duration_s=pf.duration_s, factor=max(1.0, pf.factor),
-                           against=list(pf.against), moment=pf.moment)  # type: ignore[arg-type]
+                           against=list(pf.against), moment=moment)  # type: ignore[arg-type]
         rec: dict[str, Any] = {"fault_id": pf.fault_id, "kind": pf.kind, "role": pf.role, "step": pf.step,
-                               "member_id": None, "ok": False, "error": None, **trigger}
+                               "member_id": None, "ok": False, "error": None, "moment": moment, **trigger}
         for attempt in range(ACK_ATTEMPTS):
             # The controller carries out a fault id once: asking again after a lost answer (a
             # NATS restart between the request and its answer) cannot hit a second member.

@@ -30,10 +30,13 @@ infra and control plane); ``duration_s`` > 0 heals it after that long. Without a
 is ``random`` (a moment drawn inside the step), a delay in seconds after the step starts, or
 ``decoding`` (rollout only): after a seeded random delay inside the step, the harness waits until
 the target replica's metrics show a batch in flight (``inflight > 0``) and injects at once; if it
-sees none within a bounded wait it injects anyway and its ack says ``trigger: timeout``.
+sees none within a bounded wait it injects anyway and its ack says ``trigger: timeout``. A crash
+so timed is sent as ``moment: mid_batch``: the replica dies at the first token of the next batch
+it decodes (a kill sent from outside landed after the batch had ended, under load: suite51).
 ``moment: mid_tool_turn`` (a rollout crash only) arms the replica when the fault fires: it dies at
 the first token of its next turn after a tool result, a turn in flight with its episode's prefix
 saved (a ``decoding`` crash may still find no such turn: a batch in flight is often first turns).
+``moment: mid_batch`` (a rollout crash only) arms it to die at the first token of its next batch.
 The same faults come from the builder: ``Faults().crash("rollout", member=1, at_step=3)``.
 :func:`plan` expands a scenario into concrete faults, deterministically from the seed.
 """

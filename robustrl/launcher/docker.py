@@ -76,6 +76,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tenacity import Retrying, retry_if_result, stop_after_attempt, wait_fixed
+
 from robustrl.errors import LaunchError
 from robustrl.infra.credentials import without_credentials
 from robustrl.launcher.base import (
@@ -118,6 +120,8 @@ SPARE_RETRY_MAX_S = 60.0
 """A restock that failed is tried again ``SPARE_RESTOCK_DELAY_S`` later, the wait doubled per
 failure in a row up to this."""
 """Where, inside a member's container, a role hand-off is written (``relabel``)."""
+EXEC_OUTPUT_TRIES = 3
+"""Tries of an ``exec_run`` whose output the engine lost (``DockerLauncher._member_pid``)."""
 _MEMBER_PID = "set -- $(cat /proc/1/task/1/children 2>/dev/null); p=${1:-1}; echo $p $(stat -c '%u %g' /proc/$p)"
 """Shell run in a member's container: the member's pid there (tini's child, else PID 1), uid and gid."""
 
@@ -704,8 +708,14 @@ class DockerLauncher(Launcher):
 
     @staticmethod
     def _member_pid(container: Any) -> tuple[int, int, int]:
-        """The member process's pid inside its container, its uid and gid (one ``exec_run``)."""
-        code, out = container.exec_run(["sh", "-c", _MEMBER_PID])
+        """The member process's pid inside its container, its uid and gid (one ``exec_run``; again,
+        up to ``EXEC_OUTPUT_TRIES`` in all, when it exits 0 with no output at all: the engine lost
+        the exec's stream (docker-py #2042, moby #27289; the script always prints a line), which
+        would otherwise throw a warm spare away or fail a borrow)."""
+        read = Retrying(stop=stop_after_attempt(EXEC_OUTPUT_TRIES), wait=wait_fixed(0.1),
+                        retry=retry_if_result(lambda result: result[0] == 0 and not result[1]),
+                        retry_error_callback=lambda state: state.outcome.result())
+        code, out = read(container.exec_run, ["sh", "-c", _MEMBER_PID])
         fields = (out or b"").decode(errors="replace").split()
         if code != 0 or len(fields) != 3 or not all(f.isdigit() for f in fields):
             raise LaunchError(f"cannot read the member's pid in {container.name}: exit {code}: {fields}",

@@ -244,7 +244,7 @@ class RayLauncher(Launcher):
 
     def _connect(self, timeout_s: float) -> None:
         host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise LaunchError(f"ray_address must be host:port (the GCS address `ray start --head` prints), "
                               f"got {self.address!r}", field="ray_address")
         try:

@@ -243,7 +243,15 @@ def main() -> None:
     # stopped by closing its socket (or SIGKILL); a child restores the defaults.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if serve(sock):
-        become_member()
+        become_member()  # a member's own exit is a normal interpreter shutdown
+        return
+    # The launcher is gone and the zygote owns nothing a shutdown would finish (its zombies are
+    # reaped in ``serve``; its log lines are flushed here): the interpreter's teardown of torch and
+    # transformers cost 1.3 s of CPU, which a loaded machine stretched past 10 s (the CI failure
+    # of test_a_launcher_killed_leaves_its_forked_members_running_and_its_zygote_exits).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # --- the launcher's side ---------------------------------------------------------------------

@@ -157,7 +157,7 @@ class TrainerOutbox(EventOutbox):
 
 class RolloutOutbox(EventOutbox):
     """One job's rollout outbox (``Keys.rollout_outbox``): the replicas' events
-    (``weights_loaded``, ``weights_rejected``), each saved before it is queued and removed once
+    (``weights_loaded``, ``weights_rejected``, ``fault_struck``), each saved before it is queued and removed once
     JetStream stored it. Written by every replica of the job; what a dead replica left is appended
     by the next replica to start, by a live one once the entry is ``ORPHAN_AFTER_S`` old, or by
     one that stops (the kinds are the rollout role's, whichever replica writes them); read

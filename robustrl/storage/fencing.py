@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 
-from robustrl.errors import StaleEpoch
+from robustrl.errors import StaleEpoch, StorageError
 from robustrl.storage.redis_stores import Keys, _call
 
 # Shared prefix of every fenced script: KEYS[1] is the gang record, ARGV[1] the writer's epoch.
@@ -115,6 +115,10 @@ class GangFence:
     async def _run(self, name: str, what: str, keys: list[str], *args: Any) -> tuple[int, int]:
         res = await _call(self._scripts[name](keys=[self.key, *keys], args=[str(self.epoch), *map(str, args)]),
                           keys[0] if keys else self.key)
+        if len(res) < 2:
+            # (a Lua nil ends the reply: the record's epoch or durable step is not a number)
+            raise StorageError(f"gang record {self.key} is damaged (epoch or durable not a number): "
+                               f"gang {self.epoch} cannot {what}", key=self.key)
         code, value = int(res[0]), int(res[1])
         if code == 0:
             raise StaleEpoch(f"gang {self.epoch} may not {what}: gang {value} has taken over", epoch=self.epoch,

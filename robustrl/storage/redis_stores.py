@@ -463,17 +463,22 @@ class RolloutGC:
 
     # Pop trained-log entries from the head while their step is <= ARGV[1] (the log is appended
     # in step order; a redo appends an older step later and is popped once the head reaches it).
+    # A damaged head entry (no step) is popped too, and counted: stopping at it left the log
+    # untrimmed for the rest of the job.
     _TRIM = """
-    local n = 0
+    local n, bad = 0, 0
     while true do
       local head = redis.call('LINDEX', KEYS[1], 0)
       if not head then break end
       local ok, e = pcall(cjson.decode, head)
-      if not ok or type(e) ~= 'table' or tonumber(e['step']) == nil then break end
-      if tonumber(e['step']) > tonumber(ARGV[1]) then break end
+      if not ok or type(e) ~= 'table' or tonumber(e['step']) == nil then
+        bad = bad + 1
+      elseif tonumber(e['step']) > tonumber(ARGV[1]) then
+        break
+      end
       redis.call('LPOP', KEYS[1]); n = n + 1
     end
-    return n
+    return {n, bad}
     """
 
     def __init__(self, client: aioredis.Redis, job_id: str) -> None:
@@ -499,7 +504,9 @@ class RolloutGC:
             pipe.hdel(Keys.dispatches(j), *ids)
         pipe.set(Keys.rollout_gc(j), str(step))
         await _call(pipe.execute(), f"gc step {step}")
-        await _call(self._trim(keys=[Keys.trained_log(j)], args=[str(step)]), Keys.trained_log(j))
+        _, bad = await _call(self._trim(keys=[Keys.trained_log(j)], args=[str(step)]), Keys.trained_log(j))
+        if bad:
+            log.warning("%s: %d damaged entries dropped with step %d's", Keys.trained_log(j), bad, step)
         return len(ids)
 
 
@@ -540,8 +547,17 @@ class BatchStore:
         await _call(self.r.delete(Keys.batch(self.job, step)), Keys.batch(self.job, step))
 
     async def trained_log(self) -> list[dict[str, Any]]:
+        """The trained log's entries that parse (a damaged one is skipped with a warning: it is
+        the auditor's to report, and raised it failed every new gang's resume for good)."""
         key = Keys.trained_log(self.job)
-        return [json.loads(x) for x in await _call(self.r.lrange(key, 0, -1), key)]
+        out = []
+        for raw in await _call(self.r.lrange(key, 0, -1), key):
+            entry = _trained_entry(raw)
+            if entry is None:
+                log.warning("%s: an entry that does not parse skipped: %r", key, raw[:200])
+            else:
+                out.append(entry)
+        return out
 
     async def newest_trained(self, min_epoch: int, tail: int = 64) -> int:
         """The newest step a gang of epoch >= ``min_epoch`` recorded trained (-1 if none), from the
@@ -549,13 +565,19 @@ class BatchStore:
         key = Keys.trained_log(self.job)
         newest = -1
         for raw in await _call(self.r.lrange(key, -tail, -1), key):
-            try:
-                entry = json.loads(raw)
-                if int(entry["epoch"]) >= min_epoch:
-                    newest = max(newest, int(entry["step"]))
-            except (ValueError, KeyError, TypeError):
-                continue  # a damaged entry is the auditor's to report, not a reason to stall
+            entry = _trained_entry(raw)  # (a damaged one is the auditor's to report, not a reason to stall)
+            if entry is not None and entry["epoch"] >= min_epoch:
+                newest = max(newest, entry["step"])
         return newest
+
+
+def _trained_entry(raw: bytes) -> dict[str, Any] | None:
+    """A trained-log entry with its step and epoch as ints; None when it does not parse."""
+    try:
+        entry = json.loads(raw)
+        return {**entry, "step": int(entry["step"]), "epoch": int(entry["epoch"])}
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class WeightsPointer:

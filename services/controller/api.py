@@ -103,8 +103,9 @@ class FaultBody(BaseModel):
                     "plane); empty: every other host and gw.")
     moment: ChaosMoment = Field("now", description=(
         "crash of a rollout replica only: 'mid_tool_turn' arms the replica to crash at the first token of "
-        "the next turn it generates after a tool result (a turn in flight with its prefix saved); armed for "
-        "duration_s (0: an hour), after which an arming no such turn reached expires."))
+        "the next turn it generates after a tool result (a turn in flight with its prefix saved), "
+        "'mid_batch' at the first token of the next batch it decodes; armed for duration_s (0: an hour), "
+        "after which an arming no such turn reached expires."))
 
     @field_validator("moment")
     @classmethod

@@ -322,8 +322,9 @@ WARM_START_SILENT = "warm_start_silent"
 start failed, not its step, so it is no second failure of the step. Nor is it counted as a failed
 start of its slot (``JobRun.failed_start``): the slot's next start is cold, and cold starts are
 what ``STARTUP_FAILURES_MAX`` bounds (``recovery.max_restarts`` bounds the restarts in all)."""
-WEIGHTS_CAUSES = frozenset({"weights_failed", "weights_load_timeout"})
-"""Detector causes of a replica that could not load the announced weights."""
+WEIGHTS_CAUSES = frozenset({"weights_failed", "weights_load_timeout", "weights_deadline"})
+"""Causes of a replica that could not load the announced weights: the detector's, and the request
+manager's (a replica below the step's version past ``weights_load_s``)."""
 
 
 def _waiting_for_new_gang(job: JobView, fault: FaultReport) -> str | None:
@@ -338,9 +339,12 @@ def _waiting_for_new_gang(job: JobView, fault: FaultReport) -> str | None:
     request manager's weights deadline never waits for a replica that holds no version)."""
     if fault.role != "rollout" or fault.cause not in WEIGHTS_CAUSES:
         return None
-    rec = next((r for r in job.recovering if r.role == "trainer"), None)
+    rec = next((r for r in job.recovering if r.role in ("trainer", "job")), None)
     if rec is None:
         return None
+    # (a whole-job restart forms a new gang too: a new replica below the step's version while the
+    # new gang redoes the steps after its checkpoint was taken for a member failing in the
+    # restart, and the job restarted whole again, and again, until it failed)
     return (f"{fault.cause} of {fault.member_id} while the trainer gang is being recovered (since step "
             f"{rec.step}): the weights it could not load are the failed gang's; it pulls what the new "
             "gang will announce")

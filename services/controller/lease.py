@@ -87,7 +87,7 @@ class LeaderLease:
         token = int(await within(
             self.r.eval(_ACQUIRE, 2, Keys.controller_lease(), Keys.controller_fence(), self.owner,
                         self.ttl_ms),
-            REDIS_OP_TIMEOUT_S))
+            REDIS_OP_TIMEOUT_S, "redis: the lease's acquisition"))
         if token > 0:
             self.token = token
             return True
@@ -108,7 +108,8 @@ class LeaderLease:
     async def renew(self) -> bool:
         """Extend the lease; False if this controller does not hold it any more."""
         ok = await within(
-            self.r.eval(_RENEW, 1, Keys.controller_lease(), self.value, self.ttl_ms), REDIS_OP_TIMEOUT_S)
+            self.r.eval(_RENEW, 1, Keys.controller_lease(), self.value, self.ttl_ms), REDIS_OP_TIMEOUT_S,
+            "redis: the lease's renewal")
         return bool(int(ok))
 
     async def own_newer_term(self) -> bool:
@@ -145,12 +146,13 @@ class LeaderLease:
         if not self.token:
             return True
         token = self.token
-        newest = await within(self.r.get(Keys.controller_fence()), REDIS_OP_TIMEOUT_S)
+        newest = await within(self.r.get(Keys.controller_fence()), REDIS_OP_TIMEOUT_S,
+                              "redis: the read of the lease's fencing counter")
         newest_ok = int(newest or 0) <= token or await self.own_newer_term()
         return newest_ok and not self.lost  # (the keeper may have found it lost meanwhile)
 
     async def holder(self) -> str | None:
-        raw = await within(self.r.get(Keys.controller_lease()), REDIS_OP_TIMEOUT_S)
+        raw = await within(self.r.get(Keys.controller_lease()), REDIS_OP_TIMEOUT_S, "redis: the read of the lease's holder")
         return None if raw is None else raw.decode()
 
     async def keep(self, stop: asyncio.Event, on_new_token: Callable[[int], Awaitable[None]]) -> None:

@@ -41,7 +41,9 @@ from robustrl.services.controller.decide import (
     ResumeService,
     action_name,
 )
-from robustrl.services.controller.jobs import STARTUP_FAILURES_MAX, ActiveRecovery, GangStart, JobRun, still_starting
+from robustrl.services.controller.jobs import (
+    STARTUP_FAILURES_MAX, ActiveRecovery, GangStart, JobRun, MemberInfo, still_starting,
+)
 from robustrl.services.controller.launching import JobStopping, StartSuperseded, lid, replica_id
 from robustrl.services.controller.lease import LeaseLost
 from robustrl.services.controller.view import borrow_candidates, job_view
@@ -836,7 +838,7 @@ class RecoveryExecutor:
                 continue  # looked at by another recheck meanwhile (one per recovery end or takeover)
             m = job.members.get(member_id)
             if (m is not None and job.is_current(member_id) and m.state not in ("dead", "exited", "stopped")
-                    and m.phase in ("weights_failed", "loading_weights")):  # (else: loaded since, or gone)
+                    and _still_failing_weights(job, m, fault)):  # (else: loaded since, or gone)
                 again = fault.model_copy(update={
                     "fault_id": f"{fault.fault_id}-after-recovery", "detected_at": time.time(),
                     "evidence": f"{fault.evidence}; still {m.phase} {job.spec.detector.weights_load_s:g} s "
@@ -923,3 +925,15 @@ class RecoveryExecutor:
             await self.c.event(job, "decision", {"fault_id": late.fault_id, "actions": decision.names(),
                                                  "reason": decision.reason})
             await self.execute_all(job, fault, decision.actions)
+
+
+def _still_failing_weights(job: JobRun, m: MemberInfo, fault: FaultReport) -> bool:
+    """Whether replica ``m``, reported by ``fault`` during a trainer recovery, still fails to load
+    weights: in ``weights_failed`` / ``loading_weights`` (the detector's causes), or, for the
+    request manager's ``weights_deadline``, still below the version the reported step needed
+    (such a replica may say ``serving`` on its old version: the phase alone dropped it)."""
+    if m.phase in ("weights_failed", "loading_weights"):
+        return True
+    if fault.cause == "weights_deadline" and fault.step is not None:
+        return m.weights_version < job.spec.min_version(fault.step)
+    return False

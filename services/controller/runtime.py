@@ -29,8 +29,10 @@ from tenacity import (
     before_sleep_log,
     retry_if_exception_type,
     retry_if_not_exception_type,
+    stop_after_delay,
     wait_exponential,
 )
+from redis.exceptions import RedisError
 
 from robustrl.aio import cancel_and_wait, wait_event, within
 from robustrl.bus import Bus
@@ -130,7 +132,7 @@ class Controller:
         self.events = ControllerEvents(bus, redis)
         self.starter = MemberStarter(bus, launcher, settings, member_credentials,
                                      fence=lambda: self.lease.token, newest_epoch=self._fenced_epoch,
-                                     persist=self.persist, leads=self.leads,
+                                     persist=self.persist, leads=self.leads_patiently,
                                      adopted_elsewhere=self._adopted_elsewhere, emit=self.events.emit)
         self.restorer = Restorer(self)
         self.recovery = RecoveryExecutor(self)
@@ -373,10 +375,27 @@ class Controller:
         return False
 
     async def leads(self) -> bool:
-        """Whether this controller may start members now: it leads, and no newer lease term has
-        begun (the fencing counter in Redis is not above its token: one read). A controller
-        frozen past its lease still believes it leads until its next renewal; this read does not."""
+        """Whether this controller may act now: it leads, and no newer lease term has begun (the
+        fencing counter in Redis is not above its token: one read). A controller frozen past its
+        lease still believes it leads until its next renewal; this read does not."""
         return self.leading and await self.lease.newest_term()
+
+    async def leads_patiently(self) -> bool:
+        """``leads`` for a member's start: a read that fails (no answer within its bound, a Redis
+        error) is tried again for up to one lease period, by when the keeper has renewed the lease
+        or found it lost (and this answers False). One read slower than its 1-s bound, under load,
+        failed a submitted job for good with an empty reason (suite51). Raises the last error if
+        the reads fail for that long. Only member starts wait so; a recovery starts its members
+        under the recovery lock, which such a wait holds too (about 7 s at most per member, with
+        Redis answering nothing): one slow read failing a trainer's restart, and escalating to a
+        whole-job restart, would cost more. The recovery's own checks keep one read (``leads``)."""
+        async for attempt in AsyncRetrying(
+                stop=stop_after_delay(self.lease.ttl_s), wait=wait_exponential(multiplier=0.05, max=0.5),
+                retry=retry_if_exception_type((TimeoutError, RedisError, OSError)), reraise=True,
+                before_sleep=before_sleep_log(log, logging.WARNING)):
+            with attempt:
+                return await self.leads()
+        raise AssertionError("unreachable: the retries end in a return or a raise")
 
     async def _adopted_elsewhere(self, job: JobRun, member_id: str) -> bool:
         """Whether the durable record (a newer leader's, once this one's write was refused) holds
@@ -543,7 +562,7 @@ class Controller:
             # 'running' without them, it would never train and hold what it started. Only by a
             # leader: one stopping (its launcher closed under the start) or deposed fails no job.
             if await self._fail_start(job, exc):
-                raise LaunchError(f"job {job_id} failed at its start: {exc}") from exc
+                raise LaunchError(f"job {job_id} failed at its start: {type(exc).__name__}: {exc}") from exc
 
     async def _fail_start(self, job: JobRun, exc: Exception) -> bool:
         """Fail a job whose start failed with ``exc`` and stop its members; False if it was stopped
@@ -574,7 +593,7 @@ class Controller:
                                         f"{self.owner} stopped leading: the job is left to the next leader") from exc
                     if job.done and not failing:
                         return False
-                    reason = f"its members could not be started: {exc}"
+                    reason = f"its members could not be started: {type(exc).__name__}: {exc}"
                     log.error("job %s: %s", job.job_id, reason)
                     failing = True
                     await self.stop_job(job.job_id, "failed", reason, again=True)

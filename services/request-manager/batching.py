@@ -9,8 +9,10 @@ The one home of the step rules:
 * a step that was handed over before (request-manager restart) is handed over again, not generated;
 * a step not handed over within ``detector.step_deadline_s`` is a fault naming what it waits for
   (turns on a replica, a weights version, tools), reported again each further deadline;
-* once checkpoint D is durable, every rollout key of steps <= D is deleted (episodes, prefixes,
-  dispatches, batch, fence, trained-log entries): Redis holds only what recovery can still need.
+* once checkpoint D is durable, every rollout key of the steps up to the durable checkpoint heard
+  before D is deleted (episodes, prefixes, dispatches, batch, fence, trained-log entries): Redis
+  holds only what recovery can still need, a resume from the checkpoint before D included (D
+  failing its verification).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from robustrl.bus import Bus
 from robustrl.config import JobSpec
 from robustrl.errors import Superseded, TransportError
 from robustrl.member import trainer_epoch
-from robustrl.messages import BatchReady, MemberHello, MetricsSample, StepCommitted
+from robustrl.messages import BatchReady, MemberHello, MetricsSample, StepCommitted, WeightsAnnounce, decode
 from robustrl.storage.control_stores import Guarded
 from robustrl.storage.fencing import read_gang
 from robustrl.storage.redis_stores import (
@@ -46,6 +48,7 @@ from robustrl.storage.redis_stores import (
     EpisodeStore,
     Guard,
     RolloutGC,
+    WeightsPointer,
 )
 from robustrl.subjects import Verb, subject
 
@@ -112,11 +115,15 @@ class JobRunner:
         self.step = start_step
         self.committed = start_step - 1
         self.durable = -1
+        self.durable_before = -1
+        """The durable checkpoint heard before ``durable`` (-1: none): the rollout GC's bound."""
         self.trainer_version = -1
         self.gang_epoch = 0  # newest trainer gang heard from: commits of older gangs are stale
         self.step_epoch = 0  # bumped by restart_step: in-flight work of older epochs is discarded
         self.first_of_life = True  # this runner's first step: found started in Redis = a resume
-        self._life_counted = False  # this runner's start moved the step-restart count on
+        self._move_restart_count = True
+        """The next step attempt moves the step-restart count on first: this runner's first (a new
+        life), and the retry of a failed attempt."""
         self.paused = False
         self.dead_for: dict[str, tuple[str | None, int, bool]] = {}
         """replica -> (fault of the replica_dead handled, turns re-dispatched, its event in the outbox)"""
@@ -163,10 +170,13 @@ class JobRunner:
 
     def on_hello(self, msg: MemberHello) -> None:
         if msg.role == "trainer" and msg.epoch >= self.gang_epoch:
-            if msg.epoch > self.gang_epoch or self._gang_heard_at is None:
+            newer = msg.epoch > self.gang_epoch or self._gang_heard_at is None
+            if newer:
                 self._gang_heard_at = time.monotonic()  # a new gang: the commit deadline runs anew
             self.gang_epoch = msg.epoch
             if msg.resume_step is not None:  # a gang resumes after its newest durable checkpoint
+                # ... holding (and having announced) version resume_step: what it made so far
+                self.dispatcher.trainer_made(msg.resume_step, msg.epoch)
                 self._durable(msg.resume_step - 1)
                 # ... so every step before it was committed, whether or not its commit message
                 # came (a rank killed between recording a step and announcing it): else the wait
@@ -196,6 +206,7 @@ class JobRunner:
         self._commit_heard_at = time.monotonic()
         self.committed = max(self.committed, msg.step)
         self.trainer_version = max(self.trainer_version, msg.weights_version)
+        self.dispatcher.trainer_made(msg.weights_version, msg.epoch)
         self._durable(msg.durable_step)
         self.changed.set()
 
@@ -203,15 +214,19 @@ class JobRunner:
 
     def _durable(self, step: int) -> None:
         if step > self.durable:
-            self.durable = step
+            self.durable_before, self.durable = self.durable, step
             if self._task is not None and (self._gc_task is None or self._gc_task.done()):
                 self._gc_task = asyncio.get_running_loop().create_task(self._collect())
 
     async def _collect(self) -> None:
-        """Delete rollout state of every step the newest durable checkpoint has consumed."""
+        """Delete rollout state of every step the checkpoint before the newest durable one has
+        consumed. One checkpoint's steps more are kept: the newest checkpoint may fail its
+        verification when a new gang loads it (a rotted blob), and the gang then resumes from the
+        one before it and redoes the steps in between from their batches. Collected up to the
+        newest, those batches were gone: ``CheckpointLost`` at every resume, and the job failed."""
         try:
             done = await self.gc.collected()
-            while done < min(self.durable, self.committed, self.step - 1):
+            while done < min(self.durable_before, self.committed, self.step - 1):
                 done += 1
                 n = await self.gc.collect(done)
                 log.debug("job %s: step %d collected (%d episodes)", self.job_id, done, n)
@@ -223,11 +238,14 @@ class JobRunner:
     async def run_step(self, step: int, epoch: int | None = None) -> BatchReady:
         """Generate every episode of ``step``; hand the batch over (stored first, then announced).
         ``epoch``: the ``step_epoch`` the attempt was begun under (``run``)."""
-        if not self._life_counted:
+        if self._move_restart_count:
             # A new life moves the restart count on too: a write of an earlier life's that the
             # server runs after this writes nothing (the look at what the step holds comes next).
+            # So does the retry of a failed attempt: a write of the attempt's (a cancelled
+            # sibling's, on its way) that the server ran after the retry finished its episode put
+            # the episode back to what the attempt had left, unscored, under a handed batch.
             await self.batches.restarted()
-            self._life_counted = True
+            self._move_restart_count = False
         # The restart count the step begins under: its episodes and its hand-over are written
         # only while it holds (one sent before a restart_step and run late by the server, after
         # the restart cleared the step, writes nothing).
@@ -379,7 +397,17 @@ class JobRunner:
         owners = Counter(p.member_id for p in d.pending.values())
         if owners:
             member, n = owners.most_common(1)[0]
-            return "rollout", member, "hang", f"{n} turns outstanding on {member} ({open_eps} episodes open)"
+            what = f"{n} turns outstanding on {member} ({open_eps} episodes open)"
+            refused = [p for p in d.pending.values() if p.member_id == member and p.refused]
+            if refused:
+                what += f"; {len(refused)} of them refused by it ({refused[0].refused[:200]!r})"
+                ready = {r.member_id for r in d.ready(step)}
+                if len(refused) == n and all(ready <= p.avoid | {p.member_id} for p in refused):
+                    # Every ready replica refused these turns: an input no engine takes, not a
+                    # replica to replace (blamed, healthy replicas were replaced one by one).
+                    return ("request_manager", "request_manager", "hang",
+                            f"{what}: every ready replica refused them (an input no engine takes)")
+            return "rollout", member, "hang", what
         need = d.min_version(step)
         lagging = sorted(r.member_id for r in d.replicas.values() if d.live(r) and r.version < need)
         if lagging and not d.ready(step):
@@ -394,6 +422,20 @@ class JobRunner:
         while not predicate():
             self.changed.clear()
             await wait_event(self.changed, WAIT_WAKE_S)
+
+    async def _seed_made(self) -> None:
+        """A new life has heard nothing of the trainer: the weights deadline learns the version the
+        current gang announced last from the fenced weights pointer (only a gang's fenced write
+        sets it; a rollback's new gang sets it to its own). Without it nothing would be known made
+        until the gang's next commit, and no replica could be reported late meanwhile."""
+        try:
+            raw = await WeightsPointer(self.redis, self.job_id).get()  # type: ignore[arg-type]
+            if raw is not None:
+                ann = decode(WeightsAnnounce, raw)
+                self.dispatcher.trainer_made(ann.version, ann.epoch)
+        except Exception as exc:  # noqa: BLE001 - known again from the next commit
+            log.warning("job %s: the weights pointer not read (%s): versions known from the next commit",
+                        self.job_id, exc)
 
     async def _wait_committed(self, needed: int) -> None:
         """Wait until step ``needed`` is committed (and the job not paused). Commit messages travel
@@ -424,6 +466,7 @@ class JobRunner:
                     log.warning("job %s: commits up to step %d were not heard; the trained log has them",
                                 self.job_id, trained)
                     self.committed = trained
+                    self.dispatcher.trainer_made(trained + 1, self.gang_epoch)  # (its version exists)
                     continue
             self.changed.clear()
             await wait_event(self.changed, WAIT_WAKE_S)
@@ -477,6 +520,7 @@ class JobRunner:
                 await self.events.recover()
             except TransportError as exc:
                 log.error("job %s: the event outbox not read (%s): its events stay for the next run", self.job_id, exc)
+            await self._seed_made()
             while self.step < self.spec.steps:
                 step = self.step
                 # The trainer must have committed step k - 1 - staleness (bounded lag between rollout
@@ -516,6 +560,7 @@ class JobRunner:
                     # Redis or NATS trouble mid-step: every sibling has stopped; the episodes resume
                     # from their saved records.
                     self._step_failures += 1
+                    self._move_restart_count = True  # the retry moves the restart count on first
                     self._step_failed_at = time.monotonic()
                     if self._step_failures == 1:
                         self._first_failed_at = self._step_failed_at

@@ -10,6 +10,9 @@ The one home of the dispatch rules:
 * a reply that parses but names tokens outside the model's vocabulary is refused and its turn is
   dispatched again at once if another replica can take it (else at its deadline); a replica with ``REFUSED_BEFORE_FAULT`` refused replies among its last
   ``REPLY_WINDOW`` is reported (``bad_output``), good replies in between notwithstanding;
+* a turn a replica refuses (``TurnResult.refused``: it cannot decode it) is logged
+  (``turn_refused``) and dispatched again at once if another replica can take it; the refusal is
+  charged to its replica, as a refused reply, only once another replica decodes the turn;
 * a replica declared dead, or silent past the liveness window, fails its turns at once;
 * work is idempotent by (episode, turn number): a reply is applied only while its request is the
   episode's current one; a late reply for a turn already applied or re-dispatched is dropped
@@ -32,7 +35,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +62,8 @@ ADOPT_WAIT_S = 2.0
 """How long a resumed step waits to hear from the owner of a turn dispatched before it resumed."""
 UNCLAIMED_MAX = 4096
 """Replies kept that came for no pending turn (``Dispatcher.unclaimed``), the oldest dropped past it."""
+MADE_KEPT = 64
+"""Versions whose making time the weights deadline keeps (the newest; ``Dispatcher.made_since``)."""
 TIMEOUTS_BEFORE_FAULT = 3
 """Turn deadlines passed in a row, with no reply in between, before a replica is reported."""
 REFUSED_BEFORE_FAULT = 3
@@ -122,6 +127,12 @@ class Replica:
     reported_bad: bool = False  # reported for refused replies (for good: its replacement is asked for)
 
 
+def _preferred(rep: Replica, avoid: Collection[str]) -> bool:
+    """A replica ``pick`` gives a turn to before any other: not one the turn failed on, not one
+    reported (``_another_takes`` asks the same of the replicas a refused turn could go to)."""
+    return rep.member_id not in avoid and not rep.reported and not rep.reported_bad
+
+
 @dataclass
 class Pending:
     request_id: str
@@ -137,6 +148,8 @@ class Pending:
     bus_disconnects: int = 0  # this service's NATS disconnects when it was sent (see _failed)
     sent_while_down: bool = False  # sent while this service's NATS connection was down
     min_version: int = 0  # the weights version the turn needs (its replica waits for it if behind)
+    avoid: frozenset[str] = frozenset()  # replicas this turn already failed on (``generate``'s ``avoid``)
+    refused: str = ""  # its replica refused it (``TurnResult.refused``: why, and its reason)
 
     def outlived_a_bus_outage(self, bus: Bus) -> bool:
         """This service's NATS connection went down since the turn was sent, or was down when it
@@ -174,7 +187,7 @@ class Dispatcher:
         self._let_go: dict[str, tuple[str, str]] = {}
         self.waiting = 0  # turns waiting for a replica that can take them
         self.stats = {"redispatched": 0, "late_dropped": 0, "tokens_regenerated": 0, "turn_timeouts": 0,
-                      "events_unsent": 0, "rejected": 0, "diagnostics_counted": 0}
+                      "events_unsent": 0, "rejected": 0, "diagnostics_counted": 0, "refused_by_replicas": 0}
         self.vocab_size: int | None = None
         """The job tokenizer's vocabulary: a reply naming a token outside it is refused."""
         self.step = 0
@@ -193,6 +206,38 @@ class Dispatcher:
         self.heard_any = time.monotonic()
         det = spec.detector
         self.liveness_s = det.silence_s + det.probe_timeout_s
+        self.trainer_epoch = -1
+        """The trainer gang whose versions ``_made`` holds (-1: none heard in this life)."""
+        self._made: dict[int, float] = {}
+        """Weights version -> when (monotonic) the current trainer gang was first known to hold it
+        (its hello's resume step, its commits, the trained log when a commit message was lost). A
+        rollback (a newer gang resuming lower) drops what it no longer has. Not a replica's word:
+        after a rollback a replica may still hold the failed gang's higher version."""
+
+    # --- what the trainer says -------------------------------------------------------------
+
+    def trainer_made(self, version: int, epoch: int) -> None:
+        """Gang ``epoch`` holds ``version`` (a commit's, the trained log's next, or its resume).
+        A strictly newer gang may hold less than the one before (a rollback): the versions above
+        its own are not made any more. An older gang's word is ignored, and a gang's own hello
+        repeated after its commits (resent until acknowledged) lowers nothing."""
+        if epoch < self.trainer_epoch:
+            return
+        if epoch > self.trainer_epoch:
+            self.trainer_epoch = epoch
+            self._made = {v: at for v, at in self._made.items() if v <= version}
+        self._known(version)
+
+    def _known(self, version: int) -> None:
+        if version >= 0 and version not in self._made:
+            self._made[version] = time.monotonic()
+            self.changed.set()
+            if len(self._made) > MADE_KEPT:
+                del self._made[min(self._made)]
+
+    def made_since(self, need: int) -> float | None:
+        """When a version >= ``need`` was first known to exist (None: not yet)."""
+        return min((at for v, at in self._made.items() if v >= need), default=None)
 
     # --- what the replicas say -------------------------------------------------------------
 
@@ -256,15 +301,25 @@ class Dispatcher:
         self.step = 0  # (the restart may go back to an earlier step)
         self.dead.update(self.replicas)
         self.replicas.clear()
+        self._made.clear()  # the gang is replaced too: known again from the new gang's hello and commits
         self.changed.set()
 
     async def on_turn(self, msg: TurnResult) -> None:
         rep = self.replicas.get(msg.member_id)
         if rep is not None and msg.member_id in self.dead:
             rep = None
+        if msg.refused:
+            self._refused_by(msg, rep)
+            return
         bad = next((t for t in msg.token_ids if t >= self.vocab_size), None) if self.vocab_size else None
         if bad is not None:
             self._refuse(msg, rep, f"token_ids: id {bad} outside the vocabulary (size {self.vocab_size})")
+            return
+        if len(msg.token_ids) > self.spec.rollout.max_new_tokens:
+            # (applied, the trainer padded the whole batch to its width: out of memory at every
+            # redo of the step, whose batch restarts keep, until the job failed)
+            self._refuse(msg, rep, f"token_ids: {len(msg.token_ids)} tokens, more than the turn's "
+                                   f"max_new_tokens ({self.spec.rollout.max_new_tokens})")
             return
         if rep is not None:
             rep.seen_at, rep.timeouts, rep.reported = time.monotonic(), 0, False
@@ -290,8 +345,9 @@ class Dispatcher:
 
     def _refuse(self, msg: TurnResult, rep: Replica | None, error: str) -> None:
         """A reply that parses but names tokens the model does not have (a corrupt engine, a
-        mismatched tokenizer): decoded, it failed the step's every attempt; trained on, the
-        trainer's embedding lookup at every redo. It is never applied and is no sign of life.
+        mismatched tokenizer; decoded, it failed the step's every attempt; trained on, the
+        trainer's embedding lookup at every redo), or more tokens than the turn allows. It is never
+        applied and is no sign of life.
 
         Only a refused reply to a turn its replica holds is charged to it (not a late one, nor one
         naming another member): the turn is dispatched again now if another replica can take it
@@ -307,12 +363,54 @@ class Dispatcher:
         if (rep is None or pend is None or pend.future.done() or pend.episode_id != msg.episode_id
                 or pend.member_id != msg.member_id):
             return
-        now = time.time()
-        rep.refused.append(now)
-        if any(r is not rep and not r.reported_bad for r in self.ready(self.step)):
+        if self._another_takes(pend, rep):
             pend.future.set_exception(Redispatch(f"reply of {msg.member_id} refused: {error}",
                                                  member=msg.member_id, cause="reply_rejected"))
             self.changed.set()
+        self._charge_refused(rep, error)
+
+    def _another_takes(self, pend: Pending, rep: Replica) -> bool:
+        """Whether ``pick`` would give ``pend``'s turn, failed on ``rep``, to another replica: a
+        ready one it has not failed on that is not reported. (Not reported as unresponsive either:
+        with only such a one left, ``pick`` fell back to the least-loaded replica, the one that had
+        just refused the turn, and the turn went back and forth with it as fast as it answered: an
+        outside review.)"""
+        return any(r is not rep and _preferred(r, pend.avoid) for r in self.ready(self.step))
+
+    def _refused_by(self, msg: TurnResult, rep: Replica | None) -> None:
+        """A replica that did not decode a turn says so (``TurnResult.refused``): named in the log
+        (``turn_refused``, with its reason), and the turn dispatched again at once if another
+        replica can take it (``_another_takes``; else it waits out its deadline, as before: no
+        round trips between replicas that all refuse it). Only a refusal to a turn its replica
+        holds is acted on, and it is charged to that replica only once another replica has
+        decoded the same turn (``generate``: the input was fine, the refusing engine or its
+        tokenizer was not), as a refused reply is; a turn every replica refuses charges nobody
+        (its input is at fault: named in the log, and the step deadline reports the stuck step).
+        Taken on the replica's word, an ``input`` refusal let a replica with the wrong tokenizer
+        refuse every turn and never be reported, and an ``engine`` one charged every replica for
+        an input no engine takes (an outside review). A refused turn's deadline, if it waits it
+        out, is no silence of its replica's."""
+        self.stats["refused_by_replicas"] += 1
+        self._emit_later("turn_refused", {
+            "request_id": msg.request_id, "episode_id": msg.episode_id, "member_id": msg.member_id,
+            "refused": msg.refused, "error": msg.error}, msg.request_id)
+        pend = self.pending.get(msg.request_id)
+        if (rep is None or pend is None or pend.future.done() or pend.episode_id != msg.episode_id
+                or pend.member_id != msg.member_id):
+            return  # late, or not the turn this replica holds: nothing to act on
+        log.warning("job %s: turn %s refused by %s (%s): %r", self.job_id, msg.request_id, msg.member_id,
+                    msg.refused, msg.error[:200])
+        rep.seen_at = time.monotonic()
+        pend.refused = f"{msg.refused}: {msg.error}"
+        if self._another_takes(pend, rep):
+            pend.future.set_exception(Redispatch(f"{msg.member_id} refused the turn ({msg.refused}): {msg.error}",
+                                                 member=msg.member_id, cause="turn_refused"))
+            self.changed.set()
+
+    def _charge_refused(self, rep: Replica, error: str) -> None:
+        """Count a refused reply against ``rep``; report it once ``REFUSED_BEFORE_FAULT`` of its
+        last ``REPLY_WINDOW`` replies were refused."""
+        rep.refused.append(time.time())
         refused = [t for t in rep.refused if t is not None]
         if len(refused) >= REFUSED_BEFORE_FAULT and not rep.reported_bad:
             rep.reported_bad = True
@@ -416,7 +514,7 @@ class Dispatcher:
     # --- choosing a replica ----------------------------------------------------------------
 
     def min_version(self, step: int) -> int:
-        return max(0, step - self.spec.staleness)
+        return self.spec.min_version(step)
 
     def ready(self, step: int) -> list[Replica]:
         need = self.min_version(step)
@@ -434,7 +532,7 @@ class Dispatcher:
             while True:
                 ready = self.ready(step)
                 if ready:
-                    good = [r for r in ready if r.member_id not in avoid and not r.reported and not r.reported_bad]
+                    good = [r for r in ready if _preferred(r, avoid)]
                     return min(good or ready, key=lambda r: (len(r.inflight), r.member_id))
                 await self._changed_wait(WAKE_S)
         finally:
@@ -442,17 +540,29 @@ class Dispatcher:
 
     async def wait_version(self, step: int) -> None:
         """Until every live serving replica holds the step's version (at least one must), or
-        ``weights_load_s`` passed: then the replicas still below it are reported and not waited for.
-        Replicas still starting (no version yet) are not waited for: they join when loaded."""
+        ``weights_load_s`` passed since it was known to exist (``made_since``): then the replicas
+        still below it are reported and not waited for. Replicas still starting (no version yet)
+        are not waited for: they join when loaded."""
         need = self.min_version(step)
-        t0, since = time.monotonic(), time.time()
+        t0 = time.monotonic()
         bound = self.spec.detector.weights_load_s
         while True:
             live = [r for r in self.replicas.values() if self.live(r)]
             lagging = [r for r in live if 0 <= r.version < need and r.reported_version < need]
             if any(r.version >= need for r in live) and not lagging:
                 return
-            waited = time.monotonic() - t0
+            made = self.made_since(need)
+            if made is None:
+                # Not made yet as far as this life knows (a new gang redoing the steps after its
+                # checkpoint: each is a version): no replica can be late for it. The trainer's
+                # progress is bounded by the commit deadline, this wait by the step deadline. Before, replicas were
+                # reported ``weights_deadline`` from the step's start, and a redo longer than
+                # ``weights_load_s`` after a whole-job restart was taken for a replica failing in
+                # it: another whole-job restart, again, until the job failed (an outside review).
+                await self._changed_wait(WAKE_S)
+                continue
+            waited = time.monotonic() - max(t0, made)
+            since = time.time() - waited
             if waited <= bound:
                 await self._changed_wait(min(WAKE_S, max(0.05, bound - waited)))
                 continue
@@ -481,6 +591,7 @@ class Dispatcher:
         turn = len(ep.turns)
         self.step = max(self.step, step)
         avoid: set[str] = set()
+        refusers: dict[str, str] = {}  # replicas that refused this turn -> why (``_refused_by``)
         cause: str | None = None
         fault_id: str | None = None
         record = self.adoptable.pop(ep.episode_id, None)
@@ -500,6 +611,8 @@ class Dispatcher:
                 cause = await self._failed(ep, step, pend, exc)
                 fault_id = getattr(exc, "fault_id", None) or fault_id
                 avoid.add(pend.member_id)
+                if pend.refused:
+                    refusers[pend.member_id] = pend.refused
                 continue
             except asyncio.CancelledError:
                 # The step's attempt let the turn go (a failed sibling, a restart): its reply may
@@ -508,6 +621,10 @@ class Dispatcher:
                 raise
             finally:
                 self._forget(pend)
+            for member_id, why in refusers.items():  # decoded here: the input was fine
+                refuser = self.replicas.get(member_id)
+                if refuser is not None and member_id != res.member_id and member_id not in self.dead:
+                    self._charge_refused(refuser, f"refused a turn {res.member_id} decoded ({why})")
             if cause is not None:
                 self.stats["tokens_regenerated"] += len(res.token_ids)
                 await self.record_event("turn_regenerated", {
@@ -550,6 +667,7 @@ class Dispatcher:
         rep = await self.pick(step, avoid)
         req_id = uuid.uuid4().hex[:16]
         pend = self._register(req_id, ep, rep.member_id, time.time(), min_version=self.min_version(step))
+        pend.avoid = frozenset(avoid)
         try:
             # Recorded before it is sent: a restarted request manager knows whom to wait for.
             await self.records.record(ep.episode_id, {"turn": pend.turn, "request_id": req_id,
@@ -623,6 +741,11 @@ class Dispatcher:
                 # new gang publishes that version again): waiting is its job, no evidence against
                 # it. Struck, healthy replicas were replaced in the middle of a trainer recovery
                 # (an outside review); the weights path has its own bound (``wait_version``).
+                rep = None
+            if pend.refused:
+                # Its replica answered, with a refusal (charged once another replica decodes the
+                # turn): a turn no replica decodes waits out its deadline here, which is no
+                # evidence of an unresponsive replica (each such turn would have been one).
                 rep = None
             if pend.adopted_at is not None:
                 # Sent by a past life of this service: the reply may have come while no request

@@ -79,6 +79,8 @@ class RequestManager:
         self._tasks: list[asyncio.Task[None]] = []
         self._creating: dict[str, asyncio.Lock] = {}
         self._stopped: set[str] = set()  # jobs the controller stopped: no runner is made for them again
+        self._stopping: dict[str, asyncio.Task[None]] = {}  # a stopped job's runner, still ending (``_stop_job``)
+        self._ending: list[JobRunner] = []  # those runners (``close`` stops them, cancelling their stops)
         self._fence: dict[str, int] = {}  # job -> largest controller fencing token seen
         # Sequence numbers only grow, across restarts too (the detector drops older samples).
         self._seq = int(time.time() * 1000)
@@ -99,7 +101,7 @@ class RequestManager:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for job in list(self.jobs.values()):
+        for job in [*self.jobs.values(), *self._ending]:  # (a background stop cancelled above: again here)
             await job.stop()
         # Every writer's queued events: running jobs', stopped jobs' and the outboxes' of the start.
         await asyncio.gather(*(writer.drain(EVENTS_DRAIN_S) for writer in list(self._writers.values())))
@@ -250,6 +252,12 @@ class RequestManager:
                 return job
             if job_id in self._stopped:
                 return None
+            if job_id in self._stopping:
+                # Stopped and run again (a job id reused) while its old runner still ends: none
+                # made now (never two runners of one job), and the resume not acknowledged (the
+                # controller sends it again). Waited for here, it held every job's commands.
+                log.warning("job %s: its runner is still stopping: no new one yet", job_id)
+                return None
             reply = None
             for _ in range(SPEC_ATTEMPTS if resumed else 1):
                 try:
@@ -307,7 +315,8 @@ class RequestManager:
                 # The controller's spec did not come (it is busy reading the job's log, or the bus
                 # is slow): not acknowledged, so the controller sends the resume again; an
                 # acknowledgement here would end what it owes with nothing resumed.
-                log.warning("job %s: resume not carried out (no spec): not acknowledged", msg.job_id)
+                log.warning("job %s: resume not carried out (no spec, or its old runner still stopping): not acknowledged",
+                            msg.job_id)
                 return
             if job:
                 job.paused = False
@@ -322,12 +331,14 @@ class RequestManager:
             self._stopped.add(msg.job_id)
             if job is not None:
                 self.jobs.pop(msg.job_id, None)
-                await job.stop()
-            if reply:
-                # Acknowledged once the job's events are in its log (bounded): the controller
-                # appends the final event next. Off this handler: the other jobs' commands go on.
-                self._spawn(self._ack_when_drained(msg, reply, job))
-                return
+                self._ending.append(job)  # (here: ``close`` may cancel the stop before it runs)
+            # Off this handler: the runner's tasks end within up to STOP_ATTEMPTS x STOP_WAIT_S
+            # each (45 s for one that swallows its cancellations), and every job's commands come
+            # through this one subscription, one at a time: another job's restart or replica_dead
+            # waited for this stop (an outside review).
+            self._stopping[msg.job_id] = self._spawn(
+                self._stop_job(msg, reply, job, self._stopping.get(msg.job_id)))
+            return
         elif job is None:
             # No runner (a restarted request manager whose spec has not come yet): the command is
             # carried out on a runner made now, or not acknowledged, so the controller sends it
@@ -335,7 +346,8 @@ class RequestManager:
             # replica_dead re-dispatched nothing, with no work_lost (an outside review found it).
             job = await self._ensure_job(msg.job_id)
             if job is None:
-                log.warning("job %s: %s not carried out (no spec): not acknowledged", msg.job_id, msg.action)
+                log.warning("job %s: %s not carried out (no spec, or its old runner still stopping): not acknowledged",
+                            msg.job_id, msg.action)
                 return
             await self._carry_out(job, msg)
             if job._task is None:
@@ -374,6 +386,24 @@ class RequestManager:
         elif msg.action == "tool_outage":
             job.tools.set_outage(time.monotonic() + float(msg.args.get("duration_s", 5.0)))
 
+    async def _stop_job(self, msg: ControlCommand, reply: str | None, job: JobRunner | None,
+                        before: asyncio.Task[None] | None = None) -> None:
+        """End a stopped job's runner, then (asked with a reply) acknowledge the stop once the
+        job's events are in its log (bounded): the controller appends the final event next. A
+        stop sent again waits for the one ``before`` it (``_stopping`` names the last one only)."""
+        try:
+            if before is not None:
+                await asyncio.wait([before])
+            if job is not None:
+                await job.stop()
+                if job in self._ending:
+                    self._ending.remove(job)
+            if reply:
+                await self._ack_when_drained(msg, reply, job)
+        finally:
+            if self._stopping.get(msg.job_id) is asyncio.current_task():
+                del self._stopping[msg.job_id]
+
     async def _ack_when_drained(self, msg: ControlCommand, reply: str, job: JobRunner | None = None) -> None:
         """Acknowledge a stop once the job's events are stored, within ``STOP_DRAIN_S``: what this
         life queued and what a previous life left in the outbox (a restarted request manager
@@ -409,9 +439,10 @@ class RequestManager:
             writer = self._writers[job_id] = EventWriter(self.bus, job_id, self.redis)
         return writer
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
         self._tasks = [t for t in self._tasks if not t.done()]
-        self._tasks.append(asyncio.create_task(coro))
+        self._tasks.append(task := asyncio.create_task(coro))
+        return task
 
     async def metrics_loop(self, interval: float, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -1,4 +1,4 @@
-"""A rollout replica's events (``weights_loaded``, ``weights_rejected``), kept in the job's Redis
+"""A rollout replica's events (``weights_loaded``, ``weights_rejected``, ``fault_struck``), kept in the job's Redis
 outbox until JetStream stored them.
 
 Appended inline (``Bus.emit_event``), an event JetStream did not store within the bus's retry

@@ -13,7 +13,7 @@ is a stall to the detector, not idleness; the phase says ``loading_weights`` whi
 (bounded by the detector's ``weights_load_s``) and ``weights_failed`` once the pulls of the
 followed version failed ``weights.pull_attempts`` times.
 
-Events: a replica's ``weights_loaded`` / ``weights_rejected`` are saved in the job's rollout
+Events: a replica's ``weights_loaded`` / ``weights_rejected`` / ``fault_struck`` are saved in the job's rollout
 outbox in Redis before they are queued for the log, and a starting replica appends what replicas
 killed before it left there (:mod:`robustrl.services.rollout.events`).
 """
@@ -31,6 +31,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -40,7 +41,10 @@ from robustrl.config import Settings
 from robustrl.errors import MessageError, TransportError
 from robustrl.gpu import GpuProbe
 from robustrl.member import Identity, Member
-from robustrl.messages import GenerateTurn, MetricsSample, TurnResult, WeightsAnnounce, WeightsHave, decode
+from robustrl.messages import (
+    REFUSAL_ERROR_MAX, GenerateTurn, MetricsSample, StruckData, TurnResult, WeightsAnnounce, WeightsHave,
+    decode,
+)
 from robustrl.model.engine import GenerationAborted, GenRequest
 from robustrl.model.engines import make_engine
 from robustrl.services.rollout.events import ReplicaEvents
@@ -52,9 +56,13 @@ from robustrl.weights.server import WeightServer
 
 log = logging.getLogger(__name__)
 BATCH_WAIT_S = 0.01
+STRIKE_SAVE_S = 1.0
+"""How long an armed crash waits for its ``fault_struck`` to be saved (Redis answers in
+milliseconds; the outbox call is cut at 0.25 s) before it strikes regardless."""
 STOP_BOUND_S = 10.0
 """How long a stopped (not borrowed) replica may take to close before it exits anyway (its
 loader's reports of loads still being stored take up to ``loader.REPORT_DRAIN_S`` of it)."""
+SEED_LIMIT = 2**63  # a turn's seed must fit every engine's generator (a signed 64-bit seed)
 SWAP_WAIT_SLICE_S = 0.25  # a wait for the engine thread's swap polls in slices this long
 POINTER_POLL_S = 2.0
 """How often a replica reads the weights pointer (one Redis GET) in case an announcement was lost."""
@@ -110,7 +118,7 @@ class Replica:
         announcement per replica, the last, so this is what they believe it relays."""
         self._working = False
         self._awaiting = False  # every queued turn needs a version newer than the one held
-        self._crash_at_token = False  # an armed mid_tool_turn crash: this batch holds a turn after a tool result
+        self._crash_at_token = False  # an armed crash this batch carries out (mid_batch; mid_tool_turn: a turn after a tool result)
         self.standby = StandbyHook(env or {}, self.member.stopping.set)
         """Warm standby: the launcher may hand this process over to a trainer rank (standby.py)."""
         self.engine_thread: threading.Thread | None = None
@@ -358,7 +366,8 @@ class Replica:
                        timeout_s: float) -> str | None:
         """Hand verified weights to the engine thread; wait until it swapped them in.
 
-        The engine must take them within ``timeout_s``, else they are withdrawn. Once taken, a swap
+        The engine must take them within ``timeout_s``, else they are withdrawn, unless a batch is
+        decoding and made tokens over that time (it is waited for, window by window). Once taken, a swap
         cannot be withdrawn: it is waited for however long it takes (an engine stuck in it stays
         ``loading_weights``, which the detector's ``weights_load_s`` rule reports). Before, a swap
         slower than ``timeout_s`` was reported a timeout while the engine completed it and served
@@ -376,7 +385,19 @@ class Replica:
                 self._pending.swapped.set()  # superseded before the engine took it: release its waiter
             self._pending = mine
         try:
+            seen = self.member.activity
             swapped = await self._swap_done(mine, timeout_s)
+            while (not swapped and not mine.taken and self._working and self.member.activity != seen
+                   and not self.member.stopping.is_set()):
+                # Not taken, because a batch is still decoding (the engine takes weights only
+                # between batches), and tokens flowed over the window: a healthy long batch, not
+                # a stalled engine. Before, the weights were withdrawn and reported a timeout, and
+                # after ``pull_attempts`` windows a healthy replica said ``weights_failed`` and was
+                # replaced. Waited for while tokens flow; a window with none withdraws them.
+                log.info("weights v%d: a batch is still decoding (%d tokens in %.1f s); waiting for its end",
+                         version, self.member.activity - seen, timeout_s)
+                seen = self.member.activity
+                swapped = await self._swap_done(mine, timeout_s)
             if not swapped:
                 with self._swap_lock:
                     taken = mine.taken
@@ -395,7 +416,10 @@ class Replica:
             if not swapped or mine.loaded is None:
                 return None
             if mine.loaded == checksum:
-                await self._publish_have(version, checksum, True)
+                try:
+                    await self._publish_have(version, checksum, True)
+                except TransportError as exc:  # the engine holds them: the load stands
+                    log.warning("weights v%d: HAVE not sent (%s); owed, sent once the pull ends", version, exc)
             return mine.loaded
         except asyncio.CancelledError:
             with self._swap_lock:
@@ -422,8 +446,8 @@ class Replica:
             await self._say_held()
             await self._emit("weights_loaded", {"member_id": self.ident.member_id, "version": mine.version,
                                                 "checksum": mine.checksum, "verified": True, "late": True})
-        except (MessageError, TransportError) as exc:
-            log.error("weights v%d: late load not reported: %s", mine.version, exc)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the resync below must happen
+            log.error("weights v%d: late load not reported: %r", mine.version, exc)
         self.loader.resync()  # the newest announcement may name other weights: follow them
 
     def _pull_ended(self) -> None:
@@ -517,9 +541,56 @@ class Replica:
     # --- generation -------------------------------------------------------------------------
 
     async def _on_request(self, msg: GenerateTurn, _s: str, _r: str | None) -> None:
+        problem = self._undecodable(msg)
+        if problem is not None:
+            # Before, such a turn raised in the engine thread (IndexError, an overflow), which
+            # died: the replica answered probes and served nothing more, its batch's turns lost.
+            log.error("turn %s (episode %s, step %d) refused: %s", msg.request_id, msg.episode_id, msg.step, problem)
+            await self._refuse(msg, "input", problem)
+            return
         self.requests.put(msg)
 
+    async def _refuse(self, msg: GenerateTurn, why: Literal["input", "engine"], error: str) -> None:
+        """Tell the request manager this replica did not decode ``msg`` and why (a ``TurnResult``
+        with ``refused`` set): it sends the turn elsewhere at once and names the refusal in the
+        log. Before, the turn got no answer: it waited out its deadline, and one that every
+        replica refused was never named. A refusal the bus does not take is only logged (the
+        turn's deadline still sends it elsewhere)."""
+        out = TurnResult(job_id=msg.job_id, request_id=msg.request_id, episode_id=msg.episode_id,
+                         member_id=self.ident.member_id, token_ids=[], logprobs=[], stop_reason="length",
+                         weights_version=self.version, refused=why, error=error[:REFUSAL_ERROR_MAX])
+        try:
+            assert self.member.bus
+            await self.member.bus.publish(subject(msg.job_id, Verb.TURN), out)
+        except TransportError as exc:
+            log.warning("turn %s: the refusal was not sent: %s", msg.request_id, exc)
+
+    def _undecodable(self, msg: GenerateTurn) -> str | None:
+        """Why no engine can decode ``msg`` (None: it can be tried). The schema bounds ids below
+        only; a publisher allowed to send turns can send any."""
+        vocab = self.tok.vocab_size
+        outside = [t for t in msg.prefix_ids if t >= vocab]
+        if outside:
+            return f"token id {outside[0]} is outside the vocabulary (size {vocab})"
+        if not 0 <= msg.seed < SEED_LIMIT:
+            return f"seed {msg.seed} is outside [0, 2**63)"
+        return None
+
     def _worker(self) -> None:
+        """The engine thread. A failure outside any turn's decode (a bug here, not an input) ends
+        the process, named in the log: its turns are re-dispatched from their prefixes, as on a
+        crash. Before, the thread died alone and the replica, alive to every probe, served nothing
+        more. Borrowed (a hand-off under way) or stopping, the thread just ends."""
+        try:
+            self._serve()
+        except Exception:
+            if self.standby.handoff is not None or self.member.stopping.is_set():
+                log.warning("the engine thread ended while the replica stops", exc_info=True)
+                return
+            log.critical("the engine thread failed: the replica exits", exc_info=True)
+            _exit_now(1)
+
+    def _serve(self) -> None:
         while not self.member.stopping.is_set():
             self._apply_pending()
             try:
@@ -551,10 +622,29 @@ class Replica:
             try:
                 self._run_batch(ready)
             except GenerationAborted:
-                if self.member.stopping.is_set():
-                    return  # borrowed or stopping: the request manager re-dispatches these turns
-                raise
+                return  # borrowed (the hand-off's abort): the request manager re-dispatches these turns
+            except Exception as exc:  # noqa: BLE001 - which turn? Each is tried alone
+                log.error("a batch of %d turns failed (%r): decoding each alone", len(ready), exc)
+                if not self._run_alone(ready):
+                    return
             self.member.inflight = 0
+
+    def _run_alone(self, turns: list[GenerateTurn]) -> bool:
+        """Decode ``turns`` one by one after their batch failed: a turn that fails alone is
+        refused (logged by request id, and the request manager told: it sends the turn elsewhere
+        at once, and reports a replica whose engine keeps refusing), the others are served.
+        Returns False once the replica is borrowed (the hand-off's abort)."""
+        for m in turns:
+            try:
+                self._run_batch([m])
+            except GenerationAborted:
+                return False
+            except Exception as exc:  # noqa: BLE001 - this turn's, whatever it is
+                log.error("turn %s (episode %s, step %d) refused: the engine failed on it: %r",
+                          m.request_id, m.episode_id, m.step, exc)
+                asyncio.run_coroutine_threadsafe(
+                    self._refuse(m, "engine", f"the engine failed on it: {exc!r}"), self.loop)
+        return True
 
     def _set_awaiting(self, awaiting: bool) -> None:
         if awaiting != self._awaiting:
@@ -563,8 +653,7 @@ class Replica:
 
     def _on_token(self, n: int) -> None:
         if self._crash_at_token:
-            log.warning("chaos: crashing mid tool turn (a turn after a tool result is being generated)")
-            self.member.chaos.crash()
+            self._strike()
         self.member.tokens_total += n
         self.member.activity += n
         delay = self.member.chaos.slow_delay(0.002)
@@ -572,15 +661,39 @@ class Replica:
         if delay:
             time.sleep(delay)
 
+    def _strike(self) -> None:
+        """Carry out the armed crash (engine thread), saying first when it struck: ``fault_struck``
+        in the job's rollout outbox (``_emit``: bounded; the replica's replacement, or any other
+        replica, appends what a dead replica left there). Before, the moment was not logged: an
+        armed crash's detection delay was unknown, and an arming that never struck looked like one
+        that struck and went unnoticed."""
+        chaos = self.member.chaos
+        log.warning("chaos: crashing %s (a batch is being decoded)", chaos.crash_moment)
+        try:
+            data = StruckData(fault_id=chaos.crash_fault_id, member_id=self.ident.member_id,
+                              moment=chaos.crash_moment).model_dump()  # (the event's shape, from its owner)
+            asyncio.run_coroutine_threadsafe(self._emit("fault_struck", data), self.loop).result(timeout=STRIKE_SAVE_S)
+        except Exception:  # noqa: BLE001 - the crash is the point: it happens whatever the log says
+            log.warning("chaos: fault_struck not saved; crashing anyway", exc_info=True)
+        chaos.crash()
+
     def _run_batch(self, batch: list[GenerateTurn]) -> None:
         self._working = True
         self._refresh_phase_from_thread()
         t0 = time.monotonic()
         reqs = [GenRequest(m.request_id, m.prefix_ids, m.max_new_tokens, m.temperature, m.top_p, m.seed,
                            m.stop_on_call) for m in batch]
-        self._crash_at_token = self.member.chaos.crash_armed() and any(m.turn > 0 for m in batch)
-        results = self.engine.generate(reqs, on_token=self._on_token,
-                                       should_abort=lambda: self.standby.handoff is not None)
+        chaos = self.member.chaos
+        self._crash_at_token = chaos.crash_armed() and (chaos.crash_moment == "mid_batch"
+                                                        or any(m.turn > 0 for m in batch))
+        try:
+            results = self.engine.generate(reqs, on_token=self._on_token,
+                                           should_abort=lambda: self.standby.handoff is not None)
+        except Exception:
+            if self.requests.empty():  # a failed batch serves nothing: no longer "serving"
+                self._working = False
+                self._refresh_phase_from_thread()
+            raise
         dt = time.monotonic() - t0
         version, checksum = self.version, self.checksum  # (both set together, in this thread)
         for m, r in zip(batch, results, strict=True):
@@ -613,6 +726,23 @@ def _log_stacks(loop: asyncio.AbstractEventLoop | None) -> None:
         log.exception("could not log the stacks")
 
 
+def _exit_now(code: int) -> None:
+    """Exit now, with the engine's own processes. os._exit skips multiprocessing's cleanup: an
+    engine's processes (vLLM's EngineCore and workers, holding the KV cache) would outlive the
+    replica."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+    except Exception:  # best effort on the way out
+        log.exception("could not kill the replica's child processes")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _bound_stop(replica: Replica, seconds: float) -> None:
     """Exit the process if the replica is still closing ``seconds`` from now (a thread: it fires
     even if the event loop is blocked), naming the close it was in."""
@@ -622,19 +752,7 @@ def _bound_stop(replica: Replica, seconds: float) -> None:
             return
         log.error("still %s %.0f s after the stop: exiting", replica.stop_phase, seconds)
         _log_stacks(getattr(replica, "loop", None))
-        # os._exit skips multiprocessing's cleanup: an engine's own processes (vLLM's EngineCore
-        # and workers, holding the KV cache) would outlive the replica.
-        try:
-            import psutil
-
-            for child in psutil.Process().children(recursive=True):
-                child.kill()
-        except Exception:  # best effort on the way out
-            log.exception("could not kill the replica's child processes")
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_now(0)
 
     timer = threading.Timer(seconds, expire)
     timer.daemon = True

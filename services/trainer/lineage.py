@@ -12,15 +12,18 @@ job fails loudly.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from robustrl.errors import CheckpointLost
+from robustrl.errors import CheckpointLost, StorageError
 from robustrl.storage.fencing import GangFence, GangRecord
 from robustrl.storage.redis_stores import BatchStore
+
+log = logging.getLogger(__name__)
 
 FENCE_TIMEOUT_S = 30.0
 """How long the upload thread waits for one fenced Redis call made on the event loop."""
@@ -67,8 +70,19 @@ async def read_history(client: aioredis.Redis, job_id: str, record: GangRecord, 
     batches = BatchStore(client, job_id)
     trained = frozenset(int(e["step"]) for e in await batches.trained_log())
     start = -1 if loaded is None else loaded
-    present = [s for s in range(start + 1, record.durable + 1) if await batches.get(s) is not None]
+    present = [s for s in range(start + 1, record.durable + 1) if await _readable_batch(batches, s)]
     return History(durable=record.durable, trained=trained, batches=frozenset(present))
+
+
+async def _readable_batch(batches: BatchStore, step: int) -> bool:
+    """Whether batch ``step`` is in Redis and reads. A damaged record is as good as gone: the
+    step cannot be redone from it (``resume_step`` names it); raised, it failed every resume with
+    a bare traceback. Redis failing (``TransportError``) propagates."""
+    try:
+        return await batches.get(step) is not None
+    except StorageError as exc:
+        log.error("batch %d cannot be read: %s", step, exc)
+        return False
 
 
 RECORD_WAIT_S = 120.0

@@ -543,12 +543,12 @@ class TrainerWorker:
                   [tasks.Turn(t.role, t.token_ids, t.logprobs, t.weights_version, t.stop_reason) for t in e.turns],
                   float(e.reward or 0.0)) for e in eps], self.tok, [e.episode_id for e in eps],
                 # the request manager honours the bound at dispatch; this holds it at training too
-                min_version=max(0, step - self.spec.staleness))
+                min_version=self.spec.min_version(step))
             stale_turns = sum(s.stale_turns for s in samples)
             if stale_turns and self.ident.rank == 0:
                 await bus.emit_event(job, "stale_turns_dropped", {
                     "step": step, "epoch": self.member.epoch, "turns": stale_turns,
-                    "tokens": sum(s.stale_tokens for s in samples), "min_version": max(0, step - self.spec.staleness)})
+                    "tokens": sum(s.stale_tokens for s in samples), "min_version": self.spec.min_version(step)})
             # Behaviour versions of the trained turns, as lag behind this step (diagnostics of
             # off-policy training: what a redo after a recovery trains on is visible per step).
             lags: dict[str, int] = {}
