@@ -214,7 +214,7 @@ def stack() -> Iterator[Stack]:
 
 def _members(stack: Stack, job_id: str) -> dict[str, Any]:
     """The job's member containers the launcher created, by member id (all states)."""
-    found = stack.engine.client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={job_id}"})
+    found = stack.engine.client.containers.list(ignore_removed=True, all=True, filters={"label": f"{LABEL_JOB}={job_id}"})
     return {c.labels[LABEL_MEMBER].split("--", 1)[1]: c for c in found}
 
 
@@ -242,7 +242,7 @@ def test_compose_up_then_trainer_container_killed_recovers_role_locally(stack: S
     # Every service answers its own GET /healthz, read by the container health checks: compose's
     # services (up --wait waited for them) and the members the launcher started.
     for service in ("controller", "detector", "request-manager"):
-        (container,) = stack.engine.client.containers.list(filters={"label": [
+        (container,) = stack.engine.client.containers.list(ignore_removed=True, filters={"label": [
             f"com.docker.compose.project={PROJECT}", f"com.docker.compose.service={service}"]})
         assert _health(container) == "healthy", service
     eventually(lambda: _health(before["rollout-0-i0"]) == "healthy", timeout=60,
@@ -287,7 +287,7 @@ def test_compose_up_then_trainer_container_killed_recovers_role_locally(stack: S
     assert fault["recovery_s"] is not None and fault["recovery_s"] > 0, fault
 
     # Compose sees members as their own services, never as extra controller containers.
-    controllers = stack.engine.client.containers.list(
+    controllers = stack.engine.client.containers.list(ignore_removed=True, 
         all=True, filters={"label": [f"com.docker.compose.project={PROJECT}", "com.docker.compose.service=controller"]})
     assert len(controllers) == 1
 

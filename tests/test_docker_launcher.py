@@ -88,7 +88,7 @@ class FakeContainers:
             raise FakeAPIError(404)
         return self.client.by_name[name]
 
-    def list(self, all: bool, filters: dict[str, Any]) -> list[FakeContainer]:
+    def list(self, all: bool, filters: dict[str, Any], ignore_removed: bool = False) -> list[FakeContainer]:
         """As the engine filters: every label given (``key=value``, or ``key`` present)."""
         wanted = filters["label"] if isinstance(filters["label"], list) else [filters["label"]]
         pairs = [(w.split("=", 1) + [None])[:2] for w in wanted]
@@ -213,8 +213,8 @@ def test_member_started_during_a_listing_is_not_reported(launcher: DockerLaunche
     launcher.start(_spec("trainer-0", "trainer"))
     real_list = fake.containers.list
 
-    def list_then_start(all: bool, filters: dict[str, str]) -> list[Any]:
-        answer = real_list(all=all, filters=filters)
+    def list_then_start(all: bool, filters: dict[str, str], ignore_removed: bool = False) -> list[Any]:
+        answer = real_list(all=all, filters=filters, ignore_removed=ignore_removed)
         launcher.start(_spec("trainer-1", "trainer"))  # lands between the listing and the check
         return answer
 

@@ -28,12 +28,14 @@ import io
 import re
 import subprocess
 import tarfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import docker
 import pytest
 from docker_engine import Engine, Unavailable
 from support import eventually
@@ -102,8 +104,22 @@ def _logs(container: Any) -> str:
 def _spares(engine: Engine, instance: str, but: str = "") -> list[Any]:
     """Running containers made as spares by the launcher ``instance``, as the engine lists them,
     but the container ``but`` (a spare's container keeps its labels once it runs a member)."""
-    return [c for c in engine.client.containers.list(filters={"label": [f"{LABEL_LAUNCHER}={instance}", LABEL_SPARE]})
+    return [c for c in engine.client.containers.list(ignore_removed=True, filters={"label": [f"{LABEL_LAUNCHER}={instance}", LABEL_SPARE]})
             if c.status == "running" and c.id != but]
+
+
+def _leftovers(engine: Engine, instance: str) -> list[Any]:
+    """The containers of the launcher ``instance`` still there (one whose removal is under way
+    counts as removed), each then removed."""
+    left = [c for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_LAUNCHER}={instance}"},
+                                                      ignore_removed=True) if c.status != "removing"]
+    for c in left:
+        try:
+            c.remove(force=True)
+        except docker.errors.APIError as exc:
+            if exc.status_code not in (404, 409):  # gone, or its removal already under way
+                raise
+    return left
 
 
 def _exec(container: Any, script: str) -> str:
@@ -141,7 +157,7 @@ def test_a_trainer_starts_in_a_warm_spare_container(engine: Engine) -> None:
         spare_env = _exec(spare, f"tr '\\0' '\\n' < /proc/{pid}/environ")
         assert "ROBUSTRL_API_TOKEN" not in spare_env and "ROBUSTRL_MEMBER_ID" not in spare_env, spare_env
         host_pid = spare.attrs["State"]["Pid"]
-        containers_before = {c.id for c in engine.client.containers.list(all=True)}
+        containers_before = {c.id for c in engine.client.containers.list(ignore_removed=True, all=True)}
 
         env = {"ROBUSTRL_MEMBER_ID": "trainer-e1-r0", "ROBUSTRL_RANK": "0", "ROBUSTRL_TEST_MARKER": tag,
                "ROBUSTRL_TEST_SECRET": "rank-0", "ROBUSTRL_NATS_PASSWORD": "secret"}
@@ -164,7 +180,7 @@ def test_a_trainer_starts_in_a_warm_spare_container(engine: Engine) -> None:
         assert int(_exec(spare, _PID)) == pid
         assert _exec(spare, "ls /tmp | grep -c '^handoff-' || true").strip() == "0"  # consumed
         # From the engine: no container was created; the spare's container is tracked as the member.
-        assert {c.id for c in engine.client.containers.list(all=True)} - containers_before <= {
+        assert {c.id for c in engine.client.containers.list(ignore_removed=True, all=True)} - containers_before <= {
             c.id for c in _spares(engine, instance)}  # (only a restocked spare)
         assert launcher.state(rank) is MemberState.RUNNING and launcher.was_warm(rank)
         assert launcher.spares_used == 1
@@ -222,11 +238,53 @@ def test_a_trainer_starts_in_a_warm_spare_container(engine: Engine) -> None:
         eventually(lambda: len(_spares(engine, instance, but=spare.id)) == 1, timeout=60, interval=0.2, what="a spare")
     finally:
         launcher.close()
-        left = engine.client.containers.list(all=True, filters={"label": f"{LABEL_LAUNCHER}={instance}"})
-        for c in left:
-            c.remove(force=True)
+        left = _leftovers(engine, instance)
         network.remove()
     assert [c.name for c in left] == []  # close() removed the spares and the members
+
+
+def test_containers_removed_while_the_launcher_lists_them_are_left_out_not_an_error(engine: Engine) -> None:
+    """CI failure (test above): a dead spare was being removed while ``poll`` listed the
+    launcher's containers; the SDK lists, then inspects each listed container, and the removed one
+    made the whole ``poll`` fail with NotFound. Here 40 containers of the launcher's instance are
+    removed one by one while ``poll`` lists them over and over, on the real engine: every poll
+    answers (nothing to report: none is a member), none raises."""
+    tag = uuid.uuid4().hex[:8]
+    instance = f"race-{tag}"
+    # An empty image (no registry): containers are only created, never started.
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        data = b"FROM scratch\nLABEL robustrl.test=empty\n"
+        info = tarfile.TarInfo("Dockerfile")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    buf.seek(0)
+    image, _ = engine.client.images.build(fileobj=buf, custom_context=True, tag=f"robustrl:empty-{tag}", rm=True)
+    launcher = DockerLauncher(image.id, "none", client=engine.client, instance=instance)
+    made = [engine.client.containers.create(image.id, command=["/absent"], network_mode="none",
+                                            labels={LABEL_LAUNCHER: instance}) for _ in range(40)]
+    removed = threading.Event()
+
+    def remove_all() -> None:
+        try:
+            for c in made:
+                c.remove(force=True)
+        finally:
+            removed.set()
+
+    remover = threading.Thread(target=remove_all, daemon=True)
+    polls = 0
+    try:
+        assert len(launcher._list(f"{LABEL_LAUNCHER}={instance}")) == 40
+        remover.start()
+        while not removed.is_set():
+            assert launcher.poll() == []
+            polls += 1
+    finally:
+        removed.wait(120)
+        _leftovers(engine, instance)
+        engine.client.images.remove(image.id, force=True)
+    assert polls >= 5, f"only {polls} polls while the containers were removed: the race was barely run"
 
 
 def test_a_spare_is_taken_only_by_a_member_it_covers() -> None:
@@ -289,7 +347,7 @@ def test_a_job_on_the_docker_launcher_replaces_a_crashed_trainer_from_a_spare_co
         sampler = sample_batches(stack.settings.redis_url, jid)
 
         def spares() -> list[Any]:
-            return engine.client.containers.list(filters={"label": [f"{LABEL_LAUNCHER}={instance}", LABEL_SPARE]})
+            return engine.client.containers.list(ignore_removed=True, filters={"label": [f"{LABEL_LAUNCHER}={instance}", LABEL_SPARE]})
 
         eventually(lambda: any("ready" in c.logs().decode(errors="replace") for c in spares()), timeout=240,
                    interval=0.5, what="a warm spare container ready")
@@ -298,11 +356,11 @@ def test_a_job_on_the_docker_launcher_replaces_a_crashed_trainer_from_a_spare_co
         api.fault(jid, kind="crash", role="trainer", member=0)  # docker kill of the rank's container
         recovered = eventually(lambda: [d for d in kinds(api.events(jid), "recovered") if d["kind"] == "trainer"],
                                timeout=300, interval=0.5, what="the trainer recovery")
-        by_name = {c.name for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={jid}"})}
+        by_name = {c.name for c in engine.client.containers.list(ignore_removed=True, all=True, filters={"label": f"{LABEL_JOB}={jid}"})}
         assert not [n for n in by_name if "trainer-e2" in n], sorted(by_name)  # no container created for it
         # The spare container that was waiting runs the new rank now (its member mark names it).
         runs = {c.id: c.exec_run(["cat", f"/tmp/{MEMBER_MARK}"]).output.decode(errors="replace")
-                for c in engine.client.containers.list(filters={"id": list(waiting)})}
+                for c in engine.client.containers.list(ignore_removed=True, filters={"id": list(waiting)})}
         assert any("trainer-e2-r0" in out for out in runs.values()), runs
         # The pool is restocked: a spare waits again, in a container of its own.
         try:
@@ -310,7 +368,7 @@ def test_a_job_on_the_docker_launcher_replaces_a_crashed_trainer_from_a_spare_co
                                 and "ready" in c.logs().decode(errors="replace")], timeout=120, interval=0.5,
                        what="a new spare container ready")
         except AssertionError:
-            for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_LAUNCHER}={instance}"}):
+            for c in engine.client.containers.list(ignore_removed=True, all=True, filters={"label": f"{LABEL_LAUNCHER}={instance}"}):
                 print(c.name, c.status, c.labels, c.logs().decode(errors="replace")[-1500:])
             raise
         wait_done(api, jid, timeout=400)
@@ -321,8 +379,7 @@ def test_a_job_on_the_docker_launcher_replaces_a_crashed_trainer_from_a_spare_co
         if stack is not None:
             stack.stop()
         infra.stop()
-        for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_LAUNCHER}={instance}"}):
-            c.remove(force=True)  # what the controller's launcher left (it removes its own on close)
+        _leftovers(engine, instance)  # what the controller's launcher left (it removes its own on close)
         network.remove()
     assert recovered[0]["sources"] == ["spare"], recovered
     started = {d["member_id"]: d for d in kinds(events, "member_started")}

@@ -254,7 +254,7 @@ def test_a_job_on_the_docker_launcher_borrows_replica_containers_as_trainer_rank
         # From the engine: no container was created for the new gang's ranks; they run in the
         # borrowed replicas' containers, which are still up.
         borrowed_now = [d["member_id"] for d in kinds(api.events(jid), "replica_borrowed")]
-        by_name = {c.name: c for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_JOB}={jid}"})}
+        by_name = {c.name: c for c in engine.client.containers.list(ignore_removed=True, all=True, filters={"label": f"{LABEL_JOB}={jid}"})}
         assert not [n for n in by_name if "trainer-e2" in n], sorted(by_name)
         in_place = [*borrowed_now, "trainer-e1-r1"]  # the survivor's container is its own still
         assert all(by_name[container_name(f"{jid}--{m}")].status == "running" for m in in_place), (
@@ -267,7 +267,7 @@ def test_a_job_on_the_docker_launcher_borrows_replica_containers_as_trainer_rank
         if stack is not None:
             stack.stop()
         infra.stop()
-        for c in engine.client.containers.list(all=True, filters={"label": f"{LABEL_LAUNCHER}=e2e-{tag}"}):
+        for c in engine.client.containers.list(ignore_removed=True, all=True, filters={"label": f"{LABEL_LAUNCHER}=e2e-{tag}"}):
             c.remove(force=True)  # what the controller's launcher left (it removes its own on close)
         network.remove()
     borrowed = {d["member_id"]: d["rank"] for d in kinds(events, "replica_borrowed")}

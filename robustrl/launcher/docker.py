@@ -429,11 +429,17 @@ class DockerLauncher(Launcher):
         if changed and self._spares_wanted:
             self._restock_later()
 
+    def _list(self, label: str | list[str]) -> list[Any]:
+        """Containers (ended ones too) carrying ``label``. One removed between the engine's listing
+        and the SDK's inspection of it (a spare or member being removed meanwhile) is left out,
+        as if listed a moment later: without ``ignore_removed`` the SDK raised NotFound for the
+        whole listing, and ``poll`` failed (CI, test_docker_spares)."""
+        return list(self.client.containers.list(all=True, filters={"label": label}, ignore_removed=True))
+
     def _spare_containers(self) -> list[Any]:
         """Containers made as spares by this launcher instance, ended ones too (raises LaunchError)."""
         try:
-            return list(self.client.containers.list(
-                all=True, filters={"label": [f"{LABEL_LAUNCHER}={self.instance}", LABEL_SPARE]}))
+            return self._list([f"{LABEL_LAUNCHER}={self.instance}", LABEL_SPARE])
         except Exception as exc:
             raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
 
@@ -810,8 +816,7 @@ class DockerLauncher(Launcher):
         with self._lock:
             candidates = {mid: m for mid, m in self._members.items() if not m.reported}
         try:
-            containers = self.client.containers.list(
-                all=True, filters={"label": f"{LABEL_LAUNCHER}={self.instance}"})
+            containers = self._list(f"{LABEL_LAUNCHER}={self.instance}")
         except Exception as exc:
             raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
         # By container id, not by the member label: a borrowed replica's container runs a trainer
@@ -904,7 +909,7 @@ class DockerLauncher(Launcher):
             LaunchError: the engine cannot list containers.
         """
         try:
-            found = self.client.containers.list(all=True, filters={"label": f"{LABEL_MEMBER}={member_id}"})
+            found = self._list(f"{LABEL_MEMBER}={member_id}")
         except Exception as exc:
             raise LaunchError(f"cannot list containers: {exc}", member="docker") from exc
         for container in found:
@@ -934,11 +939,10 @@ class DockerLauncher(Launcher):
         by that recorded id; so is a member running in a spare's container (no job or member
         label), once its mark names the member (a waiting spare is never adopted as one)."""
         try:
-            found = self.client.containers.list(all=True, filters={"label": f"{LABEL_MEMBER}={member_id}"})
+            found = self._list(f"{LABEL_MEMBER}={member_id}")
             cid = handle.get("container")
             if cid and not any(c.id == cid for c in found):
-                found = [c for c in self.client.containers.list(all=True, filters={"label": LABEL_LAUNCHER})
-                         if c.id == cid]
+                found = [c for c in self._list(LABEL_LAUNCHER) if c.id == cid]
             elif not cid and not found:
                 # Started in a spare's container and its handle never persisted (the controller
                 # died right after the hand-off): found by the member mark, as ``find`` does.
