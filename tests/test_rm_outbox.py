@@ -134,3 +134,49 @@ def test_deleting_an_ended_job_that_keeps_its_log_appends_its_outbox_first(api: 
         assert asyncio.run(read_event_log(infra.nats_url, purged)) == []
     finally:
         r.close()
+
+
+async def test_each_work_lost_of_one_fault_reaches_the_log(servers: Settings) -> None:
+    """One fault can make the request manager lose work more than once: the controller declares
+    two borrowed replicas dead under the gang recovery's fault id, and a replica recovery that
+    fails escalates to a whole-job restart under the same id. Each ``work_lost`` is its own event
+    (the accounting sums them per fault); under one message id JetStream stored the first and
+    dropped the others as duplicates (an outside review). A retry of one command is still stored
+    once. Read from the raw log."""
+    from robustrl.messages import ControlCommand
+    from robustrl.subjects import Verb, subject
+
+    async with Harness(servers, rm_spec("twodead")) as h:
+        a, b = await h.replica("rollout-0-i0"), await h.replica("rollout-1-i0")
+        a.hold = b.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: a.held and b.held and len(a.held) + len(b.held) == 4, timeout=20,
+                               what="the step's 4 turns in flight on replicas a and b")
+        on_a, on_b = len(a.held), len(b.held)
+        c = await h.replica("rollout-2-i0")
+        c.hold = lambda msg: True  # (the re-dispatched turns wait there: the step does not end)
+        fault = f"f-{uuid.uuid4().hex[:6]}"
+
+        async def command(action: str, **args: object) -> None:
+            cmd = ControlCommand(job_id=h.job_id, target="request_manager", action=action,
+                                 args={"fault_id": fault, **args}, fence=1)
+            await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), cmd, ControlCommand, timeout=10)
+
+        await command("replica_dead", member_id=a.member_id)
+        await command("replica_dead", member_id=b.member_id)
+        await command("replica_dead", member_id=a.member_id)  # a retry (its answer lost): stored once
+        await command("restart_step")
+        await command("restart_step")  # a retry too
+        # Each acknowledged command's event is in the outbox; the outbox empties as JetStream
+        # takes them (a duplicate is taken too, and dropped there).
+        outbox = Keys.rm_outbox(h.job_id)
+        await eventually_async(lambda: _empty(h, outbox), timeout=20, what="the outbox appended")
+        events = await _work_lost(servers.nats_url, h.job_id, fault)
+    turns = sorted(int(e.data.get("turns", 0) or 0) for e in events if "turns" in e.data)
+    assert turns == sorted([on_a, on_b]), events
+    assert len(events) == 3, [e.data for e in events]
+    assert sum(1 for e in events if "episodes" in e.data) == 1, [e.data for e in events]
+
+
+async def _empty(h: Harness, key: str) -> bool:
+    return await h.redis.llen(key) == 0

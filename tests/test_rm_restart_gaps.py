@@ -33,6 +33,38 @@ async def _turns_saved(h: Harness, step: int) -> int:
     return sum(1 for e in eps for t in e.turns if t.role == "assistant")
 
 
+async def _tokens_saved(h: Harness, step: int) -> int:
+    """Assistant tokens saved in Redis over ``step``'s episodes (raw keys)."""
+    eps = await h.episodes.get_many(await h.episodes.step_episode_ids(step))
+    return sum(len(t.token_ids) for e in eps for t in e.turns if t.role == "assistant")
+
+
+async def test_a_restart_while_a_handed_step_awaits_its_commit_charges_none_of_that_steps_work(servers):
+    """Sync mode: step 0 handed over, the request manager waits for its commit before step 1. A
+    whole-job restart then restarts step 1 (nothing of it made yet) and keeps step 0's batch (the
+    trainer may take it). Its ``work_lost`` charged all of step 0's tokens though nothing of them
+    was lost (the in-memory episodes of the step before; an outside review): the baseline's lost
+    work grew by a whole step per fault. Judged from the raw batch key, the raw episode records
+    and the log."""
+    async with Harness(servers, rm_spec("handedrestart", steps=2)) as h:
+        rep = await h.replica("r0", version=0)
+        await h.start_rm()
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
+        batch_key = Keys.batch(h.job_id, 0)
+        assert await h.redis.exists(batch_key)
+        saved = await _tokens_saved(h, 0)
+        assert saved > 0
+        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="restart_step",
+                             args={"fault_id": "handed-f1"}, fence=1)
+        await _until_acknowledged(h, cmd, "restart_step never acknowledged")
+        lost = await eventually_async(
+            lambda: _events_for(h, "work_lost", "handed-f1"), timeout=20, what="work_lost of the restart")
+        assert (lost[0]["tokens"], lost[0]["episodes"]) == (0, 0), lost
+        assert await h.redis.exists(batch_key)  # step 0 kept as handed, its episodes too
+        assert await _tokens_saved(h, 0) == saved
+        assert len(rep.received) == 4  # and nothing of step 1 was sent
+
+
 async def test_a_command_before_the_runner_exists_is_carried_out_or_left_unacknowledged(servers):
     """A restarted request manager whose spec has not come: a ``restart_step`` acknowledged then
     restarted nothing and logged no ``work_lost`` (the controller, acknowledged, never sent it
@@ -44,6 +76,7 @@ async def test_a_command_before_the_runner_exists_is_carried_out_or_left_unackno
         await eventually_async(lambda: len(rep.received) >= 4, timeout=30, what="step 0 dispatched")
         await eventually_async(lambda: _turns_saved(h, 0), timeout=10, what="turns saved")
         assert await _turns_saved(h, 0) == 2
+        saved = await _tokens_saved(h, 0)
         await h.kill_rm()
         h.answer_spec = False  # the controller is busy: the restarted request manager has no runner
         await h.start_rm(send_resume=False)
@@ -60,7 +93,7 @@ async def test_a_command_before_the_runner_exists_is_carried_out_or_left_unackno
         assert await _turns_saved(h, 0) == 0
         lost = await eventually_async(
             lambda: _events_for(h, "work_lost", "gap-f1"), timeout=20, what="work_lost of the restart")
-        assert lost[0]["episodes"] == 4, lost
+        assert (lost[0]["episodes"], lost[0]["tokens"]) == (4, saved), lost  # what the dropped records held
         # The controller's resume: the step is generated again, every episode finished.
         await h.bus.request(subj, ControlCommand(job_id=h.job_id, target="request_manager", action="resume",
                                                  args={"start_step": 0, "committed": -1}, fence=1),

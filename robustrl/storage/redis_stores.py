@@ -387,6 +387,26 @@ class EpisodeStore:
             out.append(_load(EpisodeRecord, raw, key))
         return out
 
+    async def assistant_tokens(self, episode_ids: list[str]) -> int:
+        """Assistant tokens saved in these episodes' records: what dropping them loses. A record
+        missing or corrupt counts nothing (logged): a count must not stop what drops them.
+
+        Raises:
+            TransportError: Redis failed.
+        """
+        if not episode_ids:
+            return 0
+        keys = [Keys.episode(self.job, e) for e in episode_ids]
+        total = 0
+        for key, raw in zip(keys, await _call(self.r.mget(keys), "mget episodes"), strict=True):
+            try:
+                ep = None if raw is None else _load(EpisodeRecord, raw, key)
+            except StorageError as exc:
+                log.warning("%s: its tokens not counted", exc)
+                continue
+            total += 0 if ep is None else sum(len(t.token_ids) for t in ep.turns if t.role == "assistant")
+        return total
+
     async def step_episode_ids(self, step: int) -> list[str]:
         key = Keys.step_episodes(self.job, step)
         return sorted(m.decode() for m in await _call(self.r.smembers(key), key))

@@ -593,7 +593,7 @@ class JobRunner:
         if fault_id is not None and self.paused and self.restarted_for == fault_id:
             log.info("job %s: restart_step for %s again (a retry): already done", self.job_id, fault_id)
             if self._restart_unlogged is not None:  # its event did not reach the outbox: now
-                await self.events.emit("work_lost", self._restart_unlogged)
+                await self.events.emit("work_lost", self._restart_unlogged, msg_id=self._restart_msg_id(fault_id))
                 self._restart_unlogged = None
             return
         self.paused = True
@@ -622,8 +622,12 @@ class JobRunner:
             await self._batch_event(_announcement(handed))
             self.step += 1
             self._current = []
-        lost = sum(len(t.token_ids) for ep in self._current for t in ep.turns if t.role == "assistant")
         ids = await self.store.step_episode_ids(self.step)
+        # What is dropped: the assistant tokens saved in the restarted step's episode records (not
+        # the episodes in memory: those of a step handed over and kept were charged as lost while
+        # the request manager waited for its commit, and a new life that had made none charged
+        # nothing; an outside review).
+        lost = await self.store.assistant_tokens(ids)
         # The batch first (none is stored now, and none can land later: the restart count has
         # moved on): killed between the two, the episodes cleared first left a stored batch naming
         # episodes that no longer exist, which the next life announced again and the trainer
@@ -637,9 +641,15 @@ class JobRunner:
         self.restarted_for = fault_id
         if fault_id:
             self._restart_unlogged = {"fault_id": fault_id, "tokens": lost, "steps_redone": 0, "episodes": n}
-            await self.events.emit("work_lost", self._restart_unlogged)
+            await self.events.emit("work_lost", self._restart_unlogged, msg_id=self._restart_msg_id(fault_id))
             self._restart_unlogged = None
         log.warning("job %s: step %d restarted from scratch (%d episodes dropped)", self.job_id, self.step, n)
+
+    def _restart_msg_id(self, fault_id: str) -> str:
+        """The restart's ``work_lost`` message id: its own, not the fault's alone (a replica
+        recovery that failed escalates to this restart under the same fault id, after that
+        replica's ``work_lost``: both are stored)."""
+        return f"{self.job_id}-work_lost-{fault_id}-restart"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run())
