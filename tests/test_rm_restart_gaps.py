@@ -932,3 +932,40 @@ async def test_a_close_during_a_background_stop_ends_the_stopped_jobs_runner_too
             h._rm_metrics.cancel()
             await h.rm_bus.close()
             await h.rm_redis.aclose()
+
+
+async def test_turns_regenerated_for_a_fault_are_charged_to_it_across_a_request_manager_restart(servers):
+    """Replica a declared dead under fault F: its turns go to b. Before b answers, the request
+    manager is killed; its next life adopts b's turns (dispatched by the last life) and b answers.
+    Those turns were generated again because of F, but the cause lived only in the last life's
+    memory: no ``turn_regenerated`` was logged, and the accounting charged F no tokens (an outside
+    review). Now the dispatch record carries the cause. Judged from the log by the accounting."""
+    from robustrl.chaos.accounting import account
+
+    async with Harness(servers, rm_spec("regenacross")) as h:
+        a = await h.replica("rollout-0-i0")
+        a.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: len(a.held) == 4, timeout=20, what="the step's 4 turns on replica a")
+        b = await h.replica("rollout-1-i0")
+        b.hold = lambda msg: True
+        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="replica_dead",
+                             args={"fault_id": "regen-f1", "member_id": a.member_id}, fence=1)
+        await _until_acknowledged(h, cmd, "replica_dead never acknowledged")
+        await eventually_async(lambda: len(b.held) == 4, timeout=20, what="the 4 turns re-dispatched to b")
+        await h.kill_rm()
+        await h.start_rm()
+        resumed = await eventually_async(lambda: h.events("rm_resumed"), timeout=20, what="the new life resumed")
+        assert resumed[0]["dispatched"] == 4, resumed  # it takes b's 4 turns over
+        answered = await b.release()
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over by the new life")
+        # (the new life adopted b's turns: nothing was dispatched a third time)
+        assert len(b.received) == 4 and len(a.received) == 4
+        log = await h.bus.read_events(h.job_id)
+    regenerated = [e.data for e in log if e.kind == "turn_regenerated"]
+    assert sorted(d["episode_id"] for d in regenerated) == sorted(m.episode_id for m in answered), regenerated
+    assert {(d["fault_id"], d["cause"], d["member_id"]) for d in regenerated} == {
+        ("regen-f1", "replica_dead", b.member_id)}, regenerated
+    faults = {f.fault_id: f for f in account(log).faults}
+    assert "regen-f1" in faults or not faults  # (no detection here: the accounting keys on detections)
+    assert sum(d["tokens"] for d in regenerated) == 4 * len(b.tok.encode("ab"))

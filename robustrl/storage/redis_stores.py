@@ -470,9 +470,11 @@ class DispatchStore:
         out = {}
         for k, v in (await _call(self.r.hgetall(self.key), self.key)).items():
             try:
-                out[k.decode()] = json.loads(v)
+                entry = json.loads(v)
             except ValueError:
                 continue  # damaged: the turn is simply dispatched again
+            if isinstance(entry, dict):  # (JSON of another shape: damaged too)
+                out[k.decode()] = entry
         return out
 
 

@@ -176,6 +176,7 @@ class Dispatcher:
         self.records = dispatches
         self.replicas: dict[str, Replica] = {}
         self.dead: set[str] = set()  # member ids are per incarnation: a dead one never comes back
+        self.dead_faults: dict[str, str] = {}  # dead member -> the fault it was declared dead for
         self.pending: dict[str, Pending] = {}
         self.adoptable: dict[str, dict[str, Any]] = {}  # episode id -> dispatch record of a past life
         self.unclaimed: dict[str, TurnResult] = {}
@@ -277,6 +278,8 @@ class Dispatcher:
     def replica_dead(self, member_id: str, fault_id: str | None = None) -> int:
         """Fail that replica's in-flight turns so their episodes re-dispatch from the prefix."""
         self.dead.add(member_id)
+        if fault_id:
+            self.dead_faults[member_id] = fault_id
         rep = self.replicas.setdefault(member_id, Replica(member_id))
         rep.alive = False
         n = 0
@@ -595,13 +598,28 @@ class Dispatcher:
         cause: str | None = None
         fault_id: str | None = None
         record = self.adoptable.pop(ep.episode_id, None)
+        if record is not None and record.get("turn") != turn:
+            record = None
+        if record is not None and isinstance(record.get("cause"), str):
+            # Dispatched again by a past life (or a failed attempt) because of a fault: what it
+            # generates is regenerated work of that fault, whoever finishes it (the cause lived
+            # only in that life's memory, and the tokens went uncharged; an outside review).
+            cause, fault_id = record["cause"], record.get("fault_id") if isinstance(record.get("fault_id"), str) else None
         while True:
             pend = None
-            if record is not None and record.get("turn") == turn:
+            if record is not None:
                 pend = await self._adopt(ep, record)
+                if pend is None:
+                    await self._owner_lost(ep, step, record)
+                    owner = str(record.get("member_id"))
+                    avoid.add(owner)
+                    if owner in self.dead:
+                        cause, fault_id = "replica_dead", self.dead_faults.get(owner, fault_id)
+                    elif cause is None:
+                        cause = "owner_lost"
             record = None
             if pend is None:
-                pend = await self._dispatch(ep, step, stop_on_call, avoid)
+                pend = await self._dispatch(ep, step, stop_on_call, avoid, cause, fault_id)
             try:
                 res = await self._await(pend)
             except (Redispatch, TurnTimeout) as exc:
@@ -663,16 +681,34 @@ class Dispatcher:
             await self._changed_wait(min(WAKE_S, max(0.05, deadline - time.monotonic())))
         return None
 
-    async def _dispatch(self, ep: EpisodeRecord, step: int, stop_on_call: bool, avoid: set[str]) -> Pending:
+    async def _owner_lost(self, ep: EpisodeRecord, step: int, record: dict[str, Any]) -> None:
+        """A turn a past life dispatched whose owner is dead or silent: it is dispatched again from
+        the prefix, logged as any re-dispatch (it was dispatched again silently)."""
+        member = str(record.get("member_id"))
+        self.stats["redispatched"] += 1
+        ep.redispatches += 1
+        prefix = ep.prefix_ids()
+        await self.record_event("episode_redispatched", {
+            "episode_id": ep.episode_id, "member_id": member, "step": step,
+            "cause": "replica_dead" if member in self.dead else "owner_lost",
+            "request_id": str(record.get("request_id")), "prefix_turns": len(ep.turns), "prefix_len": len(prefix),
+            "prefix_sha": hashlib.sha256(json.dumps(prefix).encode()).hexdigest()}, str(record.get("request_id")))
+
+    async def _dispatch(self, ep: EpisodeRecord, step: int, stop_on_call: bool, avoid: set[str],
+                        cause: str | None = None, fault_id: str | None = None) -> Pending:
+        """Send the turn to a replica. ``cause``, ``fault_id``: why it is sent again (None: its
+        first dispatch), kept in its dispatch record for whoever adopts it."""
         rep = await self.pick(step, avoid)
         req_id = uuid.uuid4().hex[:16]
         pend = self._register(req_id, ep, rep.member_id, time.time(), min_version=self.min_version(step))
         pend.avoid = frozenset(avoid)
         try:
             # Recorded before it is sent: a restarted request manager knows whom to wait for.
-            await self.records.record(ep.episode_id, {"turn": pend.turn, "request_id": req_id,
-                                                      "member_id": rep.member_id, "sent_at": pend.sent_at,
-                                                      "step": step})
+            entry: dict[str, Any] = {"turn": pend.turn, "request_id": req_id, "member_id": rep.member_id,
+                                     "sent_at": pend.sent_at, "step": step}
+            if cause is not None:
+                entry |= {"cause": cause, "fault_id": fault_id}
+            await self.records.record(ep.episode_id, entry)
             msg = GenerateTurn(
                 job_id=self.job_id, request_id=req_id, episode_id=ep.episode_id, step=step,
                 prefix_ids=ep.prefix_ids(), max_new_tokens=self.spec.rollout.max_new_tokens,
