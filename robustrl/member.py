@@ -49,7 +49,8 @@ on.
 Trainer rank 0, each SIGKILLs the member at step 1 (``worker.FAILPOINT_STEP``): ``claimed`` (the step's batch claimed
 in the fence, nothing trained), ``published_unrecorded`` (trained, checkpointed, its version
 published; not yet recorded trained), ``commit_unsent`` (recorded trained and the step's checkpoint
-durable; its ``step_committed`` not yet sent).
+durable; its ``step_committed`` not yet sent). Trainer rank 0, ``ready_unsent``: SIGKILLs the member
+as its gang is ready (at any step), its ``member_ready`` kept in the trainer outbox and not yet sent.
 A trainer, ``batch_deaf``: never takes step 1's batch (its broadcast and its requests lost alike)
 and waits for it in phase ``waiting_batch``, the trainer's normal idleness, until it is stopped.
 The request manager's commit deadline (``detector.commit_deadline_s``) is what ends it.

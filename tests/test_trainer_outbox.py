@@ -46,6 +46,7 @@ KILLED = "trainer-e1-r0"  # the first gang's rank 0, killed at step 1 (``worker.
 POINTS = {"cu": "commit_unsent", "pu": "published_unrecorded", "cl": "claimed", "cf": "commit_unsent", "c2": "commit_unsent"}
 STEPS = {"cf": 2}  # job "cf": step 1 is its last
 WORKERS = {"c2": 2}  # job "c2": a gang of two (rank 1 survives the kill; kept by the recovery)
+READY = "mr"  # this job's first rank 0 dies as its gang is ready (``ready_unsent``)
 
 
 def _entry(job: str, step: int, epoch: int) -> str:
@@ -73,7 +74,8 @@ async def test_the_commit_event_is_saved_with_the_training_record_and_fenced(red
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    armed = ",".join(f"{point}@{name}/{KILLED}" for name, point in POINTS.items())
+    armed = ",".join([*(f"{point}@{name}/{KILLED}" for name, point in POINTS.items()),
+                      f"ready_unsent@{READY}/{KILLED}"])
     with stack_with_failpoints(tmp_path_factory, "trainer-outbox", armed) as st:
         yield st
 
@@ -141,3 +143,28 @@ def test_a_manifest_held_for_its_record_fails_at_once_when_the_worker_stops() ->
     thread.join(10.0)
     assert not thread.is_alive() and failed and "stopped first" in str(failed[0]), failed
     assert time.monotonic() - began < 10.0
+
+
+def test_a_gangs_ready_event_is_not_lost_with_its_rank(stack: Stack) -> None:
+    """The first gang's rank 0 is killed as the gang is ready, its ``member_ready`` saved and not
+    yet sent (the worst moment: sent with the bus alone, an event JetStream did not take at once
+    waited in the rank's memory only). The auditor reads each gang's resume step from these
+    events. Now the event is kept in the trainer outbox and the next gang's rank 0 appends it:
+    the log holds the first gang's ``member_ready`` (resume step 0) and the next gang's; the
+    auditor passes with nothing left unappended. With the save left out, the first gang's event
+    was missing."""
+    api = ApiClient(stack.api_url, stack.settings.api_token)
+    spec = small_job(READY, steps=3, rollout={"replicas": 1}, trainer={"workers": 1})
+    jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(stack.settings.redis_url, jid)
+    status = wait_done(api, jid, timeout=180)
+    assert status["committed_step"] == 2
+    events = api.events(jid)
+    faults = [d for d in kinds(events, "fault_detected") if d.get("member_id") == KILLED]
+    assert faults, f"{KILLED} was not killed as its gang was ready: {kinds(events, 'fault_detected')}"
+    ready = {d["epoch"]: d for d in kinds(events, "member_ready") if d.get("role") == "trainer"}
+    assert 1 in ready, f"the killed gang's member_ready is not in the log: {sorted(ready)}"
+    assert (ready[1]["member_id"], ready[1]["resume_step"]) == (KILLED, 0), ready[1]
+    assert max(ready) > 1, ready  # the next gang's own
+    report = audit_sampled(stack.settings, jid, sampler, AuditOptions(redis_bound=False))
+    assert report.facts["trainer_outbox_unappended"] == 0, report.facts

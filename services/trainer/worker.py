@@ -78,6 +78,8 @@ BRIEF_DRAIN_S = 2.0
 OUTBOX_LOG_READ_S = 5.0
 """How long the next gang's rank 0 reads the log for the trainer outbox's entries JetStream already
 stored (``event_outbox.stored_of``); past it, or refused, it appends every entry as before."""
+OUTBOX_SAVE_S = 5.0
+"""Bound on saving one of a rank's events in the trainer outbox (Redis answers in milliseconds)."""
 
 GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 """Torch's setting of the network interface Gloo uses (an operator's own value is kept)."""
@@ -415,11 +417,11 @@ class TrainerWorker:
                  self.ident.world_size, time.monotonic() - began, marks["spec"], marks["gang"], marks["model"],
                  marks["placed"], marks["resumed"])
         if self.ident.rank == 0:
-            await bus.emit_event(self.ident.job_id, "member_ready", {
+            await self._emit_kept("member_ready", {
                 "member_id": self.ident.member_id, "role": "trainer", "epoch": self.member.epoch,
-                "resume_step": self.step, "weights_version": self.version})
+                "resume_step": self.step, "weights_version": self.version}, die_at="ready_unsent")
         if borrowed_from is not None:
-            await bus.emit_event(self.ident.job_id, "role_switched", {
+            await self._emit_kept("role_switched", {
                 "member_id": self.ident.member_id, "from_member": borrowed_from, "role": "trainer",
                 "rank": self.ident.rank, "epoch": self.member.epoch, "join_s": time.monotonic() - began,
                 "handed_model": self._handed_model})
@@ -546,7 +548,7 @@ class TrainerWorker:
                 min_version=self.spec.min_version(step))
             stale_turns = sum(s.stale_turns for s in samples)
             if stale_turns and self.ident.rank == 0:
-                await bus.emit_event(job, "stale_turns_dropped", {
+                await self._emit_kept("stale_turns_dropped", {
                     "step": step, "epoch": self.member.epoch, "turns": stale_turns,
                     "tokens": sum(s.stale_tokens for s in samples), "min_version": self.spec.min_version(step)})
             # Behaviour versions of the trained turns, as lag behind this step (diagnostics of
@@ -643,11 +645,13 @@ class TrainerWorker:
             # a machine loss.
             await self.member.stopping.wait()
 
-    async def _die_at(self, point: str, step: int, durable: bool = False) -> None:
+    async def _die_at(self, point: str, step: int | None, durable: bool = False) -> None:
         """Test-only: SIGKILL this process at ``point`` when that member failpoint is armed for it
-        (``robustrl.member.FAILPOINTS_ENV``); ``durable``: once the step's checkpoint upload ended,
-        or has not ended in 5 s (held: see ``RecordGate``), whichever comes first."""
-        if step != FAILPOINT_STEP or not failpoint_armed(point, self.ident.job_id, self.ident.member_id):
+        (``robustrl.member.FAILPOINTS_ENV``) and ``step`` is ``FAILPOINT_STEP`` (None: any step);
+        ``durable``: once the step's checkpoint upload ended, or has not ended in 5 s (held: see
+        ``RecordGate``), whichever comes first."""
+        if (step is not None and step != FAILPOINT_STEP) or not failpoint_armed(point, self.ident.job_id,
+                                                                                self.ident.member_id):
             return
         if durable:
             with contextlib.suppress(TimeoutError):
@@ -657,6 +661,28 @@ class TrainerWorker:
         os.kill(os.getpid(), signal.SIGKILL)
 
     # --- the trainer outbox (a commit's event kept until JetStream stored it) ------------------
+
+    async def _emit_kept(self, kind: str, data: dict[str, Any], die_at: str | None = None) -> None:
+        """Send one of this rank's events, kept in the trainer outbox until JetStream stored it:
+        sent with the bus alone, one JetStream did not take within its budget waited in memory,
+        and was lost with the rank (a gang's ``member_ready``, which the auditor reads each gang's
+        resume step from; an outside review). The next gang's rank 0 appends what is left
+        (``_append_outbox``). A save Redis refuses (bounded) leaves the event to the bus alone,
+        logged. ``die_at``: a test failpoint between the save and the send."""
+        bus = self.member.bus
+        assert bus
+        job = self.ident.job_id
+        event = Event(job_id=job, kind=kind, data=data)  # type: ignore[arg-type]
+        entry = OutboxEntry(msg_id=event_msg_id(job, kind), event=event)
+        settled = None
+        try:
+            text = await within(TrainerOutbox(self.redis, job).add(entry), OUTBOX_SAVE_S)
+            settled = self._outbox_removal(text)
+        except (TransportError, TimeoutError) as exc:
+            log.warning("%s not kept in the trainer outbox (sent with the bus alone): %s", kind, exc or "timed out")
+        if die_at is not None:
+            await self._die_at(die_at, None)
+        await bus.emit_event(job, kind, event.data, event.ts, msg_id=entry.msg_id, settled=settled)
 
     def _outbox_removal(self, text: str) -> Callable[[], Awaitable[None]]:
         """Once JetStream stored the event saved as ``text``: out of the outbox (a failed removal is
