@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, field_validator, model_validator,
+    BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator,
 )
 
 from robustrl.errors import ConfigError
@@ -339,6 +339,19 @@ class JobSpec(BaseModel):
         if self.mode == "async" and self.staleness < 1:
             raise ValueError("staleness must be >= 1 in async mode")
         return self
+
+    @field_validator("trainer")
+    @classmethod
+    def _every_rank_has_episodes(cls, trainer: TrainerSpec, info: ValidationInfo) -> TrainerSpec:
+        # Each rank trains its share of the step's episodes (one sample each): a rank with none
+        # failed its every first step, and the job restarted until max_restarts.
+        data = info.data.get("data")
+        episodes = data.prompts_per_step * data.group_size if isinstance(data, DataSpec) else None
+        if episodes is not None and trainer.workers > episodes:
+            raise ValueError(f"workers ({trainer.workers}) must be at most the episodes of a step, "
+                             f"data.prompts_per_step x data.group_size ({episodes}): a rank with no "
+                             "episode cannot train")
+        return trainer
 
     def min_version(self, step: int) -> int:
         """The oldest weights version a turn of ``step`` may be made with (the staleness bound)."""

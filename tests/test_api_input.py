@@ -362,6 +362,20 @@ def test_body_without_content_type_is_json_and_other_media_types_are_415(target:
         assert "application/json" in _error(resp)["message"]
 
 
+def test_more_trainer_ranks_than_episodes_per_step_is_422_and_nothing_is_made(target: ControllerTarget) -> None:
+    """Each rank trains its share of a step's episodes: a rank with none failed every first step
+    and the job restarted until ``max_restarts``, after a 201 (an outside review). Refused now,
+    naming the field, and no job appears."""
+    before = _job_ids(target)
+    body = {**SMALL_JOB, "name": "ranks", "trainer": {"workers": 3}}  # 1 prompt x 2 samples
+    resp = _post(target, "/v1/jobs", json.dumps(body))
+    assert resp.status_code == 422 and "trainer" in _fields(resp), resp.text
+    assert "workers (3) must be at most the episodes of a step" in resp.text, resp.text
+    assert _job_ids(target) == before
+    body["trainer"] = {"workers": 2}  # as many as the episodes: accepted
+    assert _post(target, "/v1/jobs", json.dumps(body)).status_code == 201
+
+
 # --- one error shape for every status ------------------------------------------------------------
 
 def test_every_error_has_the_one_shape(target: ControllerTarget) -> None:
