@@ -3225,3 +3225,16 @@ async def test_a_whole_job_restart_backing_off_is_not_dropped_for_a_replica_repl
     await eventually_async(recovered, timeout=40, interval=0.3, what="the whole-job restart carried out")
     assert job.restarts_total > restarts
     assert {"trainer-e2-r0", "trainer-e2-r1"} <= {m.member_id for m in job.live()}
+
+
+async def test_a_commit_of_a_step_the_job_does_not_have_is_refused(rig: Rig) -> None:
+    """A ``step_committed`` naming a step past the job's last (a forged or corrupt message on the
+    commit subject): the controller took it as the committed step and finished the job, with
+    steps never trained (an outside review). Refused now: the real commit sent after it (same
+    connection, handled in order) is what the job holds, and nothing finishes."""
+    c, job = await leading_job_at_step_0(rig, "cpforged")
+    await rig.commit(job.job_id, job.spec.steps + 5)
+    await rig.commit(job.job_id, 1)
+    await eventually_async(lambda: job.committed_step >= 1, what="the real commit seen")
+    assert job.committed_step == 1 and job.reward_by_step.keys() == {0, 1}, (job.committed_step, job.reward_by_step)
+    assert job.job_id not in c._finishing and not job.done

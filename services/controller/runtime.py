@@ -477,6 +477,10 @@ class Controller:
         for e in [*await self.bus.read_events(job.job_id), *await self.events.owed(job.job_id)]:
             if e.kind == "step_committed" and int(e.data.get("epoch", -1)) == job.epoch:
                 step = int(e.data["step"])
+                if step >= job.spec.steps:  # (as ``_on_commit``: a step the job does not have)
+                    log.warning("job %s: a logged commit of step %d ignored: the job has %d steps", job.job_id,
+                                step, job.spec.steps)
+                    continue
                 if step > job.committed_step:
                     job.committed_step = step
                     job.weights_version = int(e.data.get("weights_version", job.weights_version))
@@ -1083,6 +1087,12 @@ class Controller:
             return
         job = self.jobs.get(msg.job_id)
         if not job or job.done or msg.epoch != job.epoch:
+            return
+        if msg.step >= job.spec.steps:
+            # No trainer commits a step the job does not have: taken, it finished the job with
+            # steps never trained (an outside review).
+            log.warning("job %s: a commit of step %d refused: the job has %d steps", job.job_id, msg.step,
+                        job.spec.steps)
             return
         job.committed_step = max(job.committed_step, msg.step)
         job.durable_step = max(job.durable_step, msg.durable_step)
