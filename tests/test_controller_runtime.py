@@ -3238,3 +3238,30 @@ async def test_a_commit_of_a_step_the_job_does_not_have_is_refused(rig: Rig) -> 
     await eventually_async(lambda: job.committed_step >= 1, what="the real commit seen")
     assert job.committed_step == 1 and job.reward_by_step.keys() == {0, 1}, (job.committed_step, job.reward_by_step)
     assert job.job_id not in c._finishing and not job.done
+
+
+async def test_a_launcher_that_cannot_list_its_members_stops_no_other_watch(rig: Rig) -> None:
+    """The launcher's ``poll`` raises (a wedged dockerd, a Ray GCS away): the supervision round
+    ended there, before the watch of the services, the start and recovery deadlines and the owed
+    resumes, every round for as long as the launcher failed (an outside review). The request
+    manager then falls silent: it is still seen lost and a ``ResumeService`` decided."""
+    from robustrl.errors import LaunchError
+
+    c = await rig.controller()
+    await c.wait_leading(10)
+    job = await c.submit(spec("cppollfail"))
+    await rig.hello_all(c, job.job_id)
+    calls = 0
+
+    def wedged() -> list[Any]:
+        nonlocal calls
+        calls += 1
+        raise LaunchError("cannot list containers: read timed out", member="docker")
+
+    c.launcher.poll = wedged  # type: ignore[method-assign]
+    await eventually_async(lambda: calls >= 2, timeout=10, what="rounds with the launcher failing")
+    assert rig.rm
+    rig.rm.alive = False
+    await eventually_async(lambda: _with_decision(rig, job.job_id, "ResumeService"), timeout=15,
+                           what="ResumeService decided while the launcher fails")
+    assert calls > 2  # (the rounds went on polling)

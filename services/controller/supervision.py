@@ -104,6 +104,7 @@ class Supervisor:
         """The same for the ranks a trainer recovery started warm (``warm_ranks``), timed while it runs."""
         self._start_hung: dict[tuple[str, str], dict[str, Any]] = {}
         """A start past its deadline being handled: what was done, so a retry does nothing twice."""
+        self._poll_failing_since: float | None = None  # the launcher's poll failing since (monotonic)
         self._progress: dict[str, dict[str, Any]] = {}
         """Per exit being handled (launcher id): what its first try saw and did, so that a retry
         logs nothing twice and judges the exit as first seen (the member's state has moved on)."""
@@ -134,7 +135,21 @@ class Supervisor:
         # replica's replacement, handled first, took the warm spare that survived on another node
         # (the launcher starts any member from a spare), so the new gang -- on the critical path,
         # the replica is not -- started cold (seen on Ray: tests/test_ray_testbed.py's kill).
-        polled = await self._poll()
+        try:
+            polled = await self._poll()
+            if self._poll_failing_since is not None:
+                log.warning("the launcher lists its members again after %.0f s",
+                            time.monotonic() - self._poll_failing_since)
+                self._poll_failing_since = None
+        except Exception as exc:
+            # The launcher cannot say who exited (a wedged dockerd, a Ray GCS away): the exits
+            # wait for a later round, and the rest of this one goes on. It ended here, and with it
+            # the watch of the services, the start and recovery deadlines, the owed resumes and
+            # stops, for as long as the launcher failed (an outside review).
+            if self._poll_failing_since is None:
+                self._poll_failing_since = time.monotonic()
+                log.error("the launcher cannot list its members (exits are read once it can): %s", exc)
+            polled = []
         # (read after the poll: ``log_exits_of`` may have put exits here meanwhile)
         self._round = sorted(self._unhandled + polled, key=lambda e: e.role != "trainer")
         self._unhandled = []
@@ -153,10 +168,13 @@ class Supervisor:
                 self._unhandled.append(info)
         self.c.retry_stops()
         for job in list(self.c.jobs.values()):
-            await self.watch_services(job)
-            await self.watch_starts(job)
-            await self.c.recovery.check_deadlines(job)
-            self.c.resend_owed_resume(job)
+            try:
+                await self.watch_services(job)
+                await self.watch_starts(job)
+                await self.c.recovery.check_deadlines(job)
+                self.c.resend_owed_resume(job)
+            except Exception:  # (one job's failing watch is no reason to skip the others')
+                log.exception("job %s: supervision failed this round", job.job_id)
 
     async def log_exits_of(self, job: JobRun) -> None:
         """Handle now the exits of ``job``'s members that the launcher has (a stop that just
