@@ -153,6 +153,7 @@ class Checkpointer:
         self._upload_stats: UploadStats | None = None
         self._error: BaseException | None = None
         self._pending_step: int | None = None
+        self._last_snapshot: tuple[int, dict[str, Any], list[torch.Tensor]] | None = None
         self._abandoned = threading.Event()
         # Verification results by manifest sha256, so GC re-reads only checkpoints it has not seen.
         self._verdicts: dict[tuple[CheckpointRef, str], bool] = {}
@@ -198,13 +199,28 @@ class Checkpointer:
             torch.cuda.synchronize()  # non_blocking device->host copies must land before we return
         blocking_s = time.perf_counter() - t1
         nbytes = sum(t.nbytes for t in tensors)
+        self._last_snapshot = (step, structure, tensors)
+        self._start_upload(step, structure, tensors)
+        return SnapshotStats(step=step, blocking_s=blocking_s, wait_s=t1 - t0, bytes=nbytes,
+                             tensors=len(tensors))
+
+    def _start_upload(self, step: int, structure: dict[str, Any], tensors: list[torch.Tensor]) -> None:
         self._idle.clear()
         self._pending_step = step
         self._thread = threading.Thread(target=self._upload, args=(step, structure, tensors),
                                         name=f"checkpoint-upload-{step}", daemon=True)
         self._thread.start()
-        return SnapshotStats(step=step, blocking_s=blocking_s, wait_s=t1 - t0, bytes=nbytes,
-                             tensors=len(tensors))
+
+    def upload_again(self) -> int | None:
+        """Upload the last snapshot again, in the background (its upload failed: e.g. the job's
+        last step, which no later snapshot replaces). Its host buffers still hold it: no snapshot
+        was taken since. Its keys are this rank's and gang's, written again whole. Returns its
+        step, or None when there is none or an upload still runs."""
+        if self._last_snapshot is None or not self._idle.is_set():
+            return None
+        step, structure, tensors = self._last_snapshot
+        self._start_upload(step, structure, tensors)
+        return step
 
     def _capture(self, obj: Any, tensors: list[torch.Tensor], path: str) -> Any:
         """Copy tensors into reusable host buffers; rebuild containers so later mutation is harmless."""

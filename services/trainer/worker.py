@@ -78,6 +78,9 @@ BRIEF_DRAIN_S = 2.0
 OUTBOX_LOG_READ_S = 5.0
 """How long the next gang's rank 0 reads the log for the trainer outbox's entries JetStream already
 stored (``event_outbox.stored_of``); past it, or refused, it appends every entry as before."""
+FINAL_UPLOAD_RETRIES_S = (2.0, 4.0, 8.0)
+"""Pauses before each new upload of the job's last checkpoint whose upload failed (then rank 0
+stops, named, and the next gang redoes the step)."""
 OUTBOX_SAVE_S = 5.0
 """Bound on saving one of a rank's events in the trainer outbox (Redis answers in milliseconds)."""
 
@@ -636,14 +639,42 @@ class TrainerWorker:
             self.step += 1
         await self.member.set_phase("idle")
         if self.step >= self.spec.steps:
-            try:  # (as long as the close waits for it: a slower upload is no failure of the rank)
-                durable = await asyncio.to_thread(self.ckpt.wait_uploaded, UPLOAD_WAIT_S)
-                log.info("all steps trained; newest durable checkpoint %s", durable)
-            except TimeoutError as exc:
-                log.error("all steps trained; %s", exc)
+            await self._last_checkpoint()
             # Members live until the controller stops them: exiting on our own would look like
             # a machine loss.
             await self.member.stopping.wait()
+
+    async def _last_checkpoint(self) -> None:
+        """All steps trained: the last step's checkpoint made durable. No later snapshot replaces
+        one whose upload failed, so it is uploaded again (``FINAL_UPLOAD_RETRIES_S`` apart); still
+        failing, rank 0 stops, named (``CheckpointStalled``), and the next gang redoes the step
+        from the newest durable checkpoint. Before, the failure was only logged, and the job was
+        stopped as finished without its final checkpoint (an outside review). A slow upload is no
+        failure: it is waited for as long as the close waits for it."""
+        retries = iter(FINAL_UPLOAD_RETRIES_S)
+        while True:
+            try:
+                durable = await asyncio.to_thread(self.ckpt.wait_uploaded, UPLOAD_WAIT_S)
+            except TimeoutError as exc:
+                log.error("all steps trained; %s", exc)
+                return
+            error = self.ckpt.last_error
+            if error is None or isinstance(error, StaleEpoch) or self.member.stopping.is_set():
+                log.info("all steps trained; newest durable checkpoint %s", durable)
+                return
+            pause = next(retries, None)
+            if pause is None:
+                break
+            log.error("all steps trained; the last checkpoint's upload failed (%r): uploaded again in %.0f s",
+                      error, pause)
+            if await wait_event(self.member.stopping, pause):
+                return
+            self.ckpt.upload_again()
+        if self.ident.rank == 0:
+            raise CheckpointStalled(f"step {self.spec.steps - 1}: the job's last checkpoint not durable after "
+                                    f"{len(FINAL_UPLOAD_RETRIES_S) + 1} uploads; the last one's error: {error!r}",
+                                    name=f"step {self.spec.steps - 1}")
+        log.error("all steps trained; this rank's part of the last checkpoint not uploaded: %r", error)
 
     async def _die_at(self, point: str, step: int | None, durable: bool = False) -> None:
         """Test-only: SIGKILL this process at ``point`` when that member failpoint is armed for it
