@@ -284,3 +284,10 @@ async def test_damaged_gang_records_trained_log_and_batches_give_a_resume_a_clea
     await redis.hset(Keys.gang(job), "durable", "x")
     with pytest.raises(StorageError, match="damaged"):
         await GangFence(redis, job, 3).enter()
+    # Its readers (the controller's finish, the request manager's commit wait) get the same named
+    # error, which they handle as a read that failed (a ValueError ended the controller's task
+    # that finishes the job, for good; an outside review).
+    for bad in (b"x", b"7.0"):
+        await redis.hset(Keys.gang(job), "durable", bad)
+        with pytest.raises(StorageError, match="corrupt gang record"):
+            await read_gang(redis, job)

@@ -163,7 +163,16 @@ class GangFence:
 
 
 async def read_gang(client: aioredis.Redis, job_id: str) -> GangRecord:
-    """The job's gang record (for readers: resume checks, rollout GC, the auditor)."""
+    """The job's gang record (for readers: resume checks, rollout GC, the auditor).
+
+    Raises:
+        TransportError: Redis failed.
+        StorageError: a field is not an integer (the record is damaged: named, not a ValueError
+            that ended the task reading it).
+    """
     key = Keys.gang(job_id)
     raw = await _call(client.hmget(key, ["epoch", "durable"]), key)
-    return GangRecord(*(int(v) if v is not None else -1 for v in raw))
+    try:
+        return GangRecord(*(int(v) if v is not None else -1 for v in raw))
+    except ValueError as exc:
+        raise StorageError(f"corrupt gang record at {key}: {raw!r} ({exc})", key=key) from exc

@@ -37,7 +37,7 @@ from redis.exceptions import RedisError
 from robustrl.aio import cancel_and_wait, wait_event, within
 from robustrl.bus import Bus
 from robustrl.config import JobSpec, Settings
-from robustrl.errors import JobError, LaunchError, RequestTimeout, TransportError
+from robustrl.errors import JobError, LaunchError, RequestTimeout, StorageError, TransportError
 from robustrl.event_outbox import stored_of
 from robustrl.launcher.base import Launcher
 from robustrl.messages import (
@@ -1142,7 +1142,7 @@ class Controller:
             return True
         try:
             return await self._durable_now(job) >= job.spec.steps - 1
-        except TransportError as exc:  # Redis away: read again at the next poll
+        except (TransportError, StorageError) as exc:  # Redis away, or the record damaged: read again at the next poll
             log.warning("job %s: its durable step not read while it finishes: %s", job.job_id, exc)
             return False
 

@@ -35,7 +35,7 @@ from robustrl.services.request_manager.faults import report_deadline
 from robustrl.aio import cancel_and_wait, wait_event
 from robustrl.bus import Bus
 from robustrl.config import JobSpec
-from robustrl.errors import Superseded, TransportError
+from robustrl.errors import StorageError, Superseded, TransportError
 from robustrl.member import trainer_epoch
 from robustrl.messages import BatchReady, MemberHello, MetricsSample, StepCommitted, WeightsAnnounce, decode
 from robustrl.storage.control_stores import Guarded
@@ -459,7 +459,7 @@ class JobRunner:
                     # whichever gang's entries the log's tail holds)
                     trained = max(await self.batches.newest_trained(self.gang_epoch),
                                   (await read_gang(self.redis, self.job_id)).durable)  # type: ignore[arg-type]
-                except TransportError as exc:
+                except (TransportError, StorageError) as exc:
                     log.warning("job %s: trained log not read: %s", self.job_id, exc)
                     trained = -1
                 if trained > self.committed:
