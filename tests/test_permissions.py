@@ -291,9 +291,20 @@ def test_redis_acl_per_role(infra, creds):
     admin.hset("rrl:jobs", "acl-probe", "{}")
 
     trainer = _redis(role_settings(infra, creds, Principal.TRAINER).redis_url)
-    assert trainer.set(f"rrl:{job}:batch:3", b"b") and trainer.get(f"rrl:{job}:batch:3") == b"b"
+    admin.set(f"rrl:{job}:batch:3", b"b")
+    admin.set(f"rrl:{job}:prefix:e1", b"p")
+    assert trainer.get(f"rrl:{job}:batch:3") == b"b" and trainer.get(f"rrl:{job}:prefix:e1") == b"p"
     assert trainer.eval("return redis.call('incr', KEYS[1])", 1, f"rrl:{job}:fence:3") == 1
     trainer.set(f"rrl:{job}:weights:latest", b"{}")
+    # What the request manager makes, the trainer only reads: it could delete the prefixes rollout
+    # recovery resumes from, or the batches (an outside review).
+    for forbidden in (lambda: trainer.set(f"rrl:{job}:batch:3", b"x"), lambda: trainer.delete(f"rrl:{job}:prefix:e1"),
+                      lambda: trainer.set(f"rrl:{job}:ep:e1", b"x"), lambda: trainer.sadd(f"rrl:{job}:step:3:episodes", "e"),
+                      lambda: trainer.hset(Keys.dispatches(job), "e1", "{}"), lambda: trainer.rpush(Keys.rm_outbox(job), b"x"),
+                      lambda: trainer.sadd(Keys.faults_handled(job), "x")):
+        with pytest.raises(redis.exceptions.ResponseError):
+            forbidden()
+    assert admin.get(f"rrl:{job}:batch:3") == b"b" and admin.get(f"rrl:{job}:prefix:e1") == b"p"
     for forbidden in (lambda: trainer.hset("rrl:jobs", "x", "1"), lambda: trainer.get("rrl:controller:lease"),
                       lambda: trainer.flushall(), lambda: trainer.config_get("*"), lambda: trainer.keys("*"),
                       lambda: trainer.eval("return redis.call('get', 'rrl:jobs')", 0)):
@@ -323,6 +334,32 @@ def test_redis_acl_per_role(infra, creds):
             forbidden()
     assert rollout.lrange(outbox, 0, -1) == [b"e2"]
     assert rollout.lrem(outbox, 1, b"e2") == 1 and not admin.exists(outbox)
+
+    # The request manager: its own keys (episodes, prefixes, step lists, batches, dispatch records,
+    # its outbox, restart count and GC marker, the fences its GC deletes); the job registry, the
+    # gang record, the trained log and the pointer read only; nothing of the controller's. With
+    # ``~rrl:*`` it could mark a fault handled (the controller then never acted on it), raise the
+    # controller fencing counter or rewrite a job's record (an outside review).
+    rm = _redis(role_settings(infra, creds, Principal.REQUEST_MANAGER).redis_url)
+    for key in (Keys.episode(job, "e2"), Keys.prefix(job, "e2"), Keys.batch(job, 4), Keys.step_restarts(job),
+                Keys.rollout_gc(job)):
+        assert rm.set(key, b"1") and rm.get(key) == b"1" and rm.delete(key) == 1
+    assert rm.sadd(Keys.step_episodes(job, 4), "e2") == 1 and rm.delete(Keys.step_episodes(job, 4)) == 1
+    assert rm.hset(Keys.dispatches(job), "e2", "{}") == 1 and rm.rpush(Keys.rm_outbox(job), b"x") == 1
+    assert rm.delete(Keys.dispatches(job), Keys.rm_outbox(job), f"rrl:{job}:fence:3") == 3
+    admin.hset(Keys.gang(job), mapping={"epoch": 1, "durable": 0})
+    admin.rpush(Keys.trained_log(job), b"{}")
+    assert rm.hmget(Keys.gang(job), ["epoch", "durable"]) == [b"1", b"0"] and rm.lrange(Keys.trained_log(job), 0, -1)
+    assert rm.get(f"rrl:{job}:weights:latest") == b"{}"
+    for forbidden in (lambda: rm.sadd(Keys.faults_handled(job), "exit-trainer-e1-r0"),
+                      lambda: rm.set(Keys.controller_fence(), 999999), lambda: rm.set(Keys.controller_lease(), "x"),
+                      lambda: rm.hset("rrl:jobs", "acl-probe", "{forged}"), lambda: rm.hset(Keys.gang(job), "durable", "7.0"),
+                      lambda: rm.rpush(Keys.trained_log(job), b"x"), lambda: rm.set(f"rrl:{job}:weights:latest", b"x"),
+                      lambda: rm.rpush(Keys.trainer_outbox(job), b"x"), lambda: rm.rpush(Keys.controller_outbox(job), b"x"),
+                      lambda: rm.get(Keys.controller_lease())):
+        with pytest.raises(redis.exceptions.ResponseError):
+            forbidden()
+    assert admin.hget("rrl:jobs", "acl-probe") == b"{}" and not admin.sismember(Keys.faults_handled(job), "exit-trainer-e1-r0")
 
     for role in (Principal.CONTROLLER, Principal.REQUEST_MANAGER):
         client = _redis(role_settings(infra, creds, role).redis_url)

@@ -38,19 +38,38 @@ S3_ROLES = frozenset({Principal.CONTROLLER, Principal.TRAINER})
 """Who holds an S3 key: the trainer writes checkpoints, the controller (and its auditor) reads them."""
 
 _ANY = "*"
-_JOB_KEYS_RW = " ".join(f"~{pattern}" for pattern in (
-    Keys.episode(_ANY, _ANY), Keys.prefix(_ANY, _ANY), Keys.step_episodes(_ANY, _ANY),  # type: ignore[arg-type]
-    Keys.batch(_ANY, _ANY), Keys.fence(_ANY, _ANY), Keys.trained_log(_ANY),  # type: ignore[arg-type]
-    Keys.weights_latest(_ANY), Keys.gang(_ANY), Keys.trainer_outbox(_ANY)))
+
+
+def _patterns(prefix: str, *keys: str) -> str:
+    return " ".join(f"{prefix}{k}" for k in keys)
+
+
+# What the request manager makes and collects: episodes, prefixes, step lists, batches, its
+# dispatch records, its own keys (outbox, restart count, GC marker), and the batch fences its
+# rollout GC deletes with their step.
+_RM_KEYS_RW = _patterns("~", Keys.episode(_ANY, _ANY), Keys.prefix(_ANY, _ANY),
+                        Keys.step_episodes(_ANY, _ANY), Keys.batch(_ANY, _ANY),  # type: ignore[arg-type]
+                        Keys.dispatches(_ANY), "rrl:*:rm:*", Keys.fence(_ANY, _ANY))  # type: ignore[arg-type]
+# What it only reads: the job registry (its specs), the gang record, the trained log, the pointer.
+_RM_KEYS_R = _patterns("%R~", Keys.jobs(), Keys.gang(_ANY), Keys.trained_log(_ANY), Keys.weights_latest(_ANY))
+# The trainer writes its gang record, the batch fences, the trained log, the weights pointer and
+# its event outbox; it reads the episodes, their prefixes, the step lists and the batches.
+_TRAINER_KEYS_RW = _patterns("~", Keys.fence(_ANY, _ANY), Keys.trained_log(_ANY),  # type: ignore[arg-type]
+                             Keys.weights_latest(_ANY), Keys.gang(_ANY), Keys.trainer_outbox(_ANY))
+_TRAINER_KEYS_R = _patterns("%R~", Keys.episode(_ANY, _ANY), Keys.prefix(_ANY, _ANY),
+                            Keys.step_episodes(_ANY, _ANY), Keys.batch(_ANY, _ANY))  # type: ignore[arg-type]
 _SAFE_COMMANDS = "+@read +@write +@scripting +@transaction +@connection +select -@dangerous -@admin"
 
 REDIS_ACCESS: dict[Principal, str | None] = {
     # The control plane keeps its state in Redis under rrl:* (job registry, lease, per-job state).
     Principal.CONTROLLER: f"~rrl:* {_SAFE_COMMANDS}",
-    Principal.REQUEST_MANAGER: f"~rrl:* {_SAFE_COMMANDS}",
-    # The trainer: episodes it trains on, the batch fence and trained log, the weights pointer,
-    # the gang record, its event outbox. A new key the trainer writes must be added to _JOB_KEYS_RW.
-    Principal.TRAINER: f"{_JOB_KEYS_RW} {_SAFE_COMMANDS}",
+    # The request manager: its own keys only, the rest read-only. With ``~rrl:*`` it could mark a
+    # fault handled (the controller then never acted on it), move the controller fencing counter
+    # or rewrite job records and the gang record (an outside review).
+    Principal.REQUEST_MANAGER: f"{_RM_KEYS_RW} {_RM_KEYS_R} {_SAFE_COMMANDS}",
+    # The trainer: its keys written, the request manager's read only (it could delete the
+    # prefixes rollout recovery resumes from). A new key the trainer writes goes in _TRAINER_KEYS_RW.
+    Principal.TRAINER: f"{_TRAINER_KEYS_RW} {_TRAINER_KEYS_R} {_SAFE_COMMANDS}",
     # A replica reads the weights pointer, and writes, reads and empties its job's rollout outbox
     # (its events until JetStream stored them: RPUSH, LRANGE, LREM), nothing else.
     Principal.ROLLOUT: (f"%R~{Keys.weights_latest(_ANY)} ~{Keys.rollout_outbox(_ANY)} +@read +rpush +lrem "
