@@ -58,6 +58,33 @@ def test_grpo_loss_gradient_zero_when_clipped() -> None:
     assert new.grad is not None and float(new.grad) == 0.0
 
 
+@pytest.mark.parametrize("old", [-95.0, -1e30, -float("inf")])
+@pytest.mark.parametrize("advantage", [-1.0, 0.0])
+def test_a_behaviour_logprob_far_below_the_policy_gives_a_finite_loss_and_gradient(old: float,
+                                                                                    advantage: float) -> None:
+    """One behaviour logprob far below the policy's (a hostile or broken replica's reply; the
+    request manager refuses non-finite and positive ones): exp(new - old) was inf, the loss inf
+    (A < 0) or NaN (A = 0, or the token masked out: 0 x inf), the step diverged and so did its
+    redo on the kept batch (an outside review). The log-ratio is bounded now: the loss and the
+    gradient stay finite, masked tokens count for nothing, and with an importance weight too."""
+    new = torch.tensor([[-0.5, -0.7]], requires_grad=True)
+    olds = torch.tensor([[old, -0.7]])
+    for mask in (torch.tensor([[1.0, 1.0]]), torch.tensor([[0.0, 1.0]])):
+        for behaviour in (None, torch.tensor([[old, -0.7]])):
+            loss, stats = grpo_loss(new, olds if behaviour is None else torch.tensor([[-0.5, -0.7]]),
+                                    torch.tensor([advantage]), mask, clip_eps=0.2, behaviour_logprobs=behaviour,
+                                    is_cap=None)
+            new.grad = None
+            loss.backward()
+            assert math.isfinite(float(loss)) and all(math.isfinite(v) for v in stats.values()), (loss, stats)
+            assert new.grad is not None and torch.isfinite(new.grad).all(), new.grad
+            if mask[0, 0] == 0 and behaviour is None:
+                # the masked token is out of the loss: as if its behaviour logprob were the policy's
+                same, _ = grpo_loss(new.detach(), torch.tensor([[-0.5, -0.7]]), torch.tensor([advantage]), mask,
+                                    clip_eps=0.2)
+                assert float(loss) == pytest.approx(float(same))
+
+
 def test_truncated_importance_weight_by_hand() -> None:
     """Off-policy turns: the ratio is taken against the proximal policy and each token weighted by
     min(pi_prox / pi_behaviour, cap), a constant of the gradient."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import math
 import time
 from typing import Any
 
@@ -694,10 +695,20 @@ async def _answer_too_long(rep: FakeReplica, msg: GenerateTurn) -> None:
         token_ids=ids, logprobs=[-1.0] * len(ids), stop_reason="length", weights_version=rep.version))
 
 
-@pytest.mark.parametrize("bad", ["outside_vocabulary", "too_long"])
+def _answer_odd_logprobs(value: float) -> Any:
+    """A replier that answers with one behaviour logprob that is no log-probability."""
+    async def answer(rep: FakeReplica, msg: GenerateTurn) -> None:
+        await rep.bus.publish(subject(rep.job_id, Verb.TURN), TurnResult(
+            job_id=rep.job_id, request_id=msg.request_id, episode_id=msg.episode_id, member_id=rep.member_id,
+            token_ids=[1, 2], logprobs=[-1.0, value], stop_reason="eot", weights_version=rep.version))
+    return answer
+
+
+@pytest.mark.parametrize("bad", ["outside_vocabulary", "too_long", "logprob_positive"])
 async def test_a_reply_with_token_ids_outside_the_vocabulary_is_refused_and_its_turn_generated_again(servers, bad):
     """A replica's reply that parses but names tokens the model does not have (a corrupt engine,
-    a mismatched tokenizer) must never reach an episode: decoded, it failed the step's every
+    a mismatched tokenizer), or a behaviour logprob above 0 (no log-probability; a non-finite
+    one does not parse on the wire), must never reach an episode: decoded, it failed the step's every
     attempt; trained on, it fails the trainer's embedding lookup at every redo of the step. Nor
     one longer than the turn's ``max_new_tokens`` (a misconfigured engine): applied, it padded the
     whole batch to its width at the trainer, out of memory at every redo of the step (the step's
@@ -708,19 +719,22 @@ async def test_a_reply_with_token_ids_outside_the_vocabulary_is_refused_and_its_
         vocab = a.tok.vocab_size
         limit = JobSpec.model_validate(h.spec).rollout.max_new_tokens
 
-        answer = {"outside_vocabulary": _answer_out_of_vocab, "too_long": _answer_too_long}[bad]
+        answer = {"outside_vocabulary": _answer_out_of_vocab, "too_long": _answer_too_long,
+                  "logprob_positive": _answer_odd_logprobs(7.5)}[bad]
         a.answer = lambda msg: answer(a, msg)  # type: ignore[method-assign]
         await h.start_rm()
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")
         assert a.received, "replica a was never given a turn"
         rejected = await eventually_async(lambda: _events_at_least(h, "turn_rejected", 1), timeout=10,
                                           what="turn_rejected events")
-        assert all(d["member_id"] == a.member_id and "token_ids" in d["error"] for d in rejected), rejected
+        field = "logprobs" if bad.startswith("logprob") else "token_ids"
+        assert all(d["member_id"] == a.member_id and field in d["error"] for d in rejected), rejected
         episodes = await h.episodes.get_many(h.batches[0].episode_ids)
         for ep in episodes:
             assert ep.status == "finished", ep
             for turn in ep.turns:
                 assert all(0 <= t < vocab for t in turn.token_ids), (ep.episode_id, turn)
+                assert all(math.isfinite(x) and x <= 0 for x in turn.logprobs), (ep.episode_id, turn)
                 assert turn.role != "assistant" or (turn.member_id == b.member_id and len(turn.token_ids) <= limit)
 
 

@@ -22,6 +22,9 @@ import torch
 from robustrl.model.tokenizer import CharTokenizer
 from robustrl.rl.tasks import Prompt, Turn, initial_prompt_ids
 
+LOG_RATIO_MAX = 20.0
+"""Bound on a token's log importance ratio before exp (``grpo_loss``)."""
+
 
 @dataclass
 class TrainSample:
@@ -182,14 +185,20 @@ def grpo_loss(
     adv = advantages.to(new_logprobs.dtype)
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1)
-    ratio = torch.exp(new_logprobs - old_logprobs)
+    # The log-ratio bounded before exp: one behaviour logprob far below the policy's made the
+    # ratio inf, and the loss inf or NaN (NaN even under a mask: 0 x inf), so the step diverged
+    # and so did its redo on the same batch (an outside review). exp(20) is finite, and the
+    # clipped surrogate and the gradient-norm clip bound what such a token does.
+    log_ratio = torch.clamp(new_logprobs - old_logprobs, -LOG_RATIO_MAX, LOG_RATIO_MAX)
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     per_token = -torch.minimum(unclipped, clipped)
     weight = None
     if behaviour_logprobs is not None:
         with torch.no_grad():
-            raw = torch.exp(old_logprobs - behaviour_logprobs.to(old_logprobs.dtype))
+            raw = torch.exp(torch.clamp(old_logprobs - behaviour_logprobs.to(old_logprobs.dtype),
+                                        -LOG_RATIO_MAX, LOG_RATIO_MAX))
             weight = raw if is_cap is None else torch.clamp(raw, max=is_cap)
         per_token = per_token * weight
     tokens = mask.sum().clamp(min=1.0)
@@ -199,7 +208,7 @@ def grpo_loss(
         stats = {
             "clip_frac": float((was_clipped * mask).sum() / tokens),
             "ratio_mean": float((ratio * mask).sum() / tokens),
-            "approx_kl": float(((old_logprobs - new_logprobs) * mask).sum() / tokens),
+            "approx_kl": float((-log_ratio * mask).sum() / tokens),
             "tokens": float(mask.sum()),
         }
         if weight is not None:

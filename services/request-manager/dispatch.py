@@ -32,6 +32,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections import Counter, deque
@@ -58,6 +59,8 @@ WAKE_S = 1.0
 """Longest sleep of a wait for replicas (liveness changes with time, not only with messages)."""
 POLL_S = 0.5
 """How often a turn in flight checks that its owner is still live."""
+LOGPROB_MAX = 1e-3
+"""Largest behaviour logprob a reply may name (0 plus rounding); larger, or not finite, it is refused."""
 ADOPT_WAIT_S = 2.0
 """How long a resumed step waits to hear from the owner of a turn dispatched before it resumed."""
 UNCLAIMED_MAX = 4096
@@ -317,6 +320,12 @@ class Dispatcher:
         bad = next((t for t in msg.token_ids if t >= self.vocab_size), None) if self.vocab_size else None
         if bad is not None:
             self._refuse(msg, rep, f"token_ids: id {bad} outside the vocabulary (size {self.vocab_size})")
+            return
+        odd = next((x for x in msg.logprobs if not math.isfinite(x) or x > LOGPROB_MAX), None)
+        if odd is not None:
+            # (applied, one such value made the trainer's loss inf or NaN: the step diverged, its
+            # redo on the kept batch again, and the job failed as diverged; an outside review)
+            self._refuse(msg, rep, f"logprobs: {odd!r} is not a log-probability (finite, at most 0)")
             return
         if len(msg.token_ids) > self.spec.rollout.max_new_tokens:
             # (applied, the trainer padded the whole batch to its width: out of memory at every
