@@ -94,7 +94,7 @@ EVENT_OWNERS: dict[str, frozenset[Principal]] = {
         "turn_refused": (_RM,),
         "deadline_passed": (_RM,), "rm_resumed": (_RM,),
         "work_lost": (_RM, _C),
-        "member_ready": (_T, _R), "step_committed": (_T,), "weights_published": (_T,),
+        "member_ready": (_T,), "step_committed": (_T,), "weights_published": (_T,),
         "weights_loaded": (_R,), "weights_rejected": (_R,), "fault_struck": (_R,),
         # warm standby from the rollout pool (issue 13)
         "replica_borrowed": (_C,), "replica_restocked": (_C,), "restock_failed": (_C,),

@@ -110,6 +110,10 @@ def test_the_rollout_role_in_particular():
         assert not _allowed(publish, subjects.subject(JOB, forbidden))
     assert not _allowed(subscribe, f"rrl.events.{JOB}.controller.decision")
     assert not _allowed(subscribe, subjects.subject(JOB, Verb.FAULT))
+    # No trainer event: the auditor reads each gang's resume step from ``member_ready``, which a
+    # replica could write (an outside review; only trainer ranks send it, borrowed ones too).
+    for kind in ("member_ready", "step_committed", "weights_published", "role_switched"):
+        assert not _allowed(publish, f"rrl.events.{JOB}.rollout.{kind}"), kind
     assert REDIS_ACCESS[Principal.ROLLOUT] is not None and "%R~" in REDIS_ACCESS[Principal.ROLLOUT]
     assert Principal.ROLLOUT not in S3_ROLES and Principal.DETECTOR not in S3_ROLES
 
