@@ -340,8 +340,9 @@ def test_redis_acl_per_role(infra, creds):
     assert rollout.lrem(outbox, 1, b"e2") == 1 and not admin.exists(outbox)
 
     # The request manager: its own keys (episodes, prefixes, step lists, batches, dispatch records,
-    # its outbox, restart count and GC marker, the fences its GC deletes); the job registry, the
-    # gang record, the trained log and the pointer read only; nothing of the controller's. With
+    # its outbox, restart count and GC marker; the fences and trained-log entries its GC deletes
+    # and trims); the job registry, the gang record and the pointer read only; nothing of the
+    # controller's. With
     # ``~rrl:*`` it could mark a fault handled (the controller then never acted on it), raise the
     # controller fencing counter or rewrite a job's record (an outside review).
     rm = _redis(role_settings(infra, creds, Principal.REQUEST_MANAGER).redis_url)
@@ -354,11 +355,14 @@ def test_redis_acl_per_role(infra, creds):
     admin.hset(Keys.gang(job), mapping={"epoch": 1, "durable": 0})
     admin.rpush(Keys.trained_log(job), b"{}")
     assert rm.hmget(Keys.gang(job), ["epoch", "durable"]) == [b"1", b"0"] and rm.lrange(Keys.trained_log(job), 0, -1)
+    # (its rollout GC trims the trained log through each collected step, in a script: refused, the
+    # GC collected one step per durable checkpoint and fell behind, which the auditor caught)
+    assert rm.eval("return redis.call('ltrim', KEYS[1], 1, -1)", 1, Keys.trained_log(job)) == b"OK"
     assert rm.get(f"rrl:{job}:weights:latest") == b"{}"
     for forbidden in (lambda: rm.sadd(Keys.faults_handled(job), "exit-trainer-e1-r0"),
                       lambda: rm.set(Keys.controller_fence(), 999999), lambda: rm.set(Keys.controller_lease(), "x"),
                       lambda: rm.hset("rrl:jobs", "acl-probe", "{forged}"), lambda: rm.hset(Keys.gang(job), "durable", "7.0"),
-                      lambda: rm.rpush(Keys.trained_log(job), b"x"), lambda: rm.set(f"rrl:{job}:weights:latest", b"x"),
+                      lambda: rm.set(f"rrl:{job}:weights:latest", b"x"),
                       lambda: rm.rpush(Keys.trainer_outbox(job), b"x"), lambda: rm.rpush(Keys.controller_outbox(job), b"x"),
                       lambda: rm.get(Keys.controller_lease())):
         with pytest.raises(redis.exceptions.ResponseError):
