@@ -14,7 +14,8 @@ ready, no slot restocked), ``restock`` (the gang is ready, the borrowed slots ar
 owed a replacement, none started yet), ``takeover_resumed`` (a new leader has read a job's record
 and event log and re-attached its members, and does not act yet: commits it hears now come
 before it leads), ``job_purging`` (a job deletion has marked the job's record and unlinked
-its first batch of Redis keys).
+its first batch of Redis keys), ``stop_members_stopped`` (a stop has stopped the job's members
+and recorded their exits; its final event and status are not written yet).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from collections import Counter
 log = logging.getLogger(__name__)
 
 ENV = "ROBUSTRL_CONTROLLER_FAILPOINTS"
-POINTS = frozenset({"gang_borrowed", "restock", "takeover_resumed", "gang_planned", "job_purging"})
+POINTS = frozenset({"gang_borrowed", "restock", "takeover_resumed", "gang_planned", "job_purging",
+                    "stop_members_stopped"})
 _armed: Counter[str] = Counter(p.strip() for p in os.environ.get(ENV, "").split(",") if p.strip())
 
 

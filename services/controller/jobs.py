@@ -164,6 +164,10 @@ class JobRun:
     repeated with the same fault id (its answer was lost, e.g. across a NATS restart) is answered,
     not carried out again. Rebuilt from the event log's ``fault_injected`` by a new leader."""
     closing: bool = False  # stop_job under way: the final status is set once its event is durable
+    stop_owed: dict[str, Any] | None = None
+    """The stop under way (``{"status", "reason"}``), in the record from its start to the final
+    status: a leader that dies part-way leaves it to the next, which carries it out (before, the
+    next found the job running with its members stopped, resumed it, and the job came back)."""
     launched: bool = False
     """Every first member was started and recorded (persisted): a job whose record says otherwise
     had its start interrupted (its leader died or was deposed) and is started again by the next."""
@@ -299,6 +303,7 @@ class JobRun:
             "gang_starts": {fid: g.to_record() for fid, g in self.gang_starts.items()},
             "restock_owed": {str(k): v for k, v in self.restock_owed.items()}, "launched": self.launched,
             "finished_at": self.finished_at, "ettr": self.ettr, "deleting": self.deleting,
+            "stop_owed": self.stop_owed,
             "recheck_after_recovery": {mid: fault.model_dump(mode="json")
                                        for mid, fault in self.recheck_after_recovery.items()}}
 
@@ -338,6 +343,9 @@ class JobRun:
         job.finished_at = rec.get("finished_at")
         job.ettr = rec.get("ettr")
         job.deleting = rec.get("deleting") or None
+        owed = rec.get("stop_owed")
+        job.stop_owed = ({"status": str(owed.get("status", "stopped")), "reason": owed.get("reason")}
+                         if isinstance(owed, dict) else None)
         for mid, fault in (rec.get("recheck_after_recovery") or {}).items():
             try:
                 job.recheck_after_recovery[mid] = FaultReport.model_validate(fault)

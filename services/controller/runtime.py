@@ -44,7 +44,7 @@ from robustrl.messages import (
     ChaosRequest, ControlCommand, FaultReport, HelloAck, MemberHello, MetricsSample, PhaseChange, SpecReply,
     SpecRequest, StepCommitted, WeightsHave,
 )
-from robustrl.services.controller import outbox
+from robustrl.services.controller import failpoints, outbox
 from robustrl.services.controller.chaos import ChaosInjector
 from robustrl.services.controller.eventlog import FaultInbox
 from robustrl.services.controller.deletion import JobDeleter
@@ -248,7 +248,7 @@ class Controller:
         for info in gone:  # members that ended while no controller watched: crashes, handled now
             await self.supervisor.on_exit(info)
         for job in [j for j in list(self.jobs.values()) if j.job_id in restored]:  # slots a previous leader owed
-            if not job.done:
+            if not job.done and not job.stop_owed:  # (a stop owed is carried out below instead)
                 self.recovery.resume_restock(job)
                 self.recovery.resume_rechecks(job)
                 try:
@@ -259,7 +259,7 @@ class Controller:
                     log.exception("job %s: the waits of its recoveries not looked at again", job.job_id)
                 if job.launched and self.recovery.interrupted(job):
                     self.spawn(self.recovery.resume_interrupted(job))
-            if not job.done and not job.launched:  # its start was interrupted (``Restorer.relaunch``)
+            if not job.done and not job.launched and not job.stop_owed:  # its start was interrupted (``Restorer.relaunch``)
                 self.launch_in_background(job)
         # The warm spares the resumed jobs ask for: the launcher takes over those its predecessor
         # left waiting (Ray: detached actors) and restocks the rest; without this call a new
@@ -268,6 +268,10 @@ class Controller:
         owed, self.deletions_owed = self.deletions_owed, {}
         for job_id, what in owed.items():
             self.deleter.resume(job_id, what)
+        for job in [j for j in list(self.jobs.values()) if j.job_id in restored and j.stop_owed and not j.done]:
+            log.warning("job %s: the stop (%s) a previous leader began is carried out", job.job_id,
+                        job.stop_owed["status"])
+            self.spawn(self.stop_job(job.job_id, job.stop_owed["status"], job.stop_owed["reason"]))
         self.spawn(self.supervisor.run(self._stop))
         self.spawn(self._watch_progress(self._stop))
         self.spawn(self.retention.run(self._stop))  # ended jobs whose retention is due (``retention``)
@@ -749,6 +753,7 @@ class Controller:
             stop = self._stopping[job.job_id] = {"ids": [], "event": False, "ended": asyncio.Event(),
                                                  "running": False, "status": status, "reason": reason,
                                                  "tries": 0, "retry_at": 0.0, "lock": asyncio.Lock()}
+            job.stop_owed = {"status": status, "reason": reason}
         # One carrying-out at a time: a failed start's stop carried out again (``again``) while a
         # supervision retry of the same stop runs waits for it, and does nothing if it ended the job.
         async with stop["lock"]:
@@ -788,6 +793,9 @@ class Controller:
         await self.stop_job(job_id)
 
     async def _carry_out_stop(self, job: JobRun, stop: dict[str, Any], status: str, reason: str | None) -> JobRun:
+        # The stop in the record first: a leader that dies part-way leaves it to the next
+        # (``JobRun.stop_owed``), which found the job running with its members stopped.
+        await self.persist(job)
         # (the request manager acknowledges once the job's events are in its log, up to its
         # STOP_DRAIN_S: the final event then ends the log)
         rm_acked = await self.control_rm(job, "stop", attempts=1, timeout_s=RM_STOP_DRAIN_S + RM_ACK_TIMEOUT_S,
@@ -811,6 +819,7 @@ class Controller:
         else:
             await asyncio.to_thread(self.launcher.stop_many, [lid(job, i) for i in stop["ids"]], 3.0)
         await self.supervisor.log_exits_of(job)
+        await failpoints.hit("stop_members_stopped")
         await self._update_spares()
         if not stop["event"]:
             await self._still_leading(job, "end its log")
@@ -827,6 +836,7 @@ class Controller:
         job.ettr = await self._ettr(job)
         job.finished_at = time.time()
         job.status = status  # type: ignore[assignment]
+        job.stop_owed = None
         await self.persist(job)
         self._stopping.pop(job.job_id, None)
         stop["ended"].set()  # (a deletion waiting for the final record: ``JobDeleter``)

@@ -93,7 +93,7 @@ class Restorer:
             await c.event(job, "note", {"text": "controller took over; job resumed", "owner": c.owner,
                                         "adopted": sorted(adopted), "gone": sorted(gone)})
             job.service_seen_at["request_manager"] = time.monotonic()
-            if cut is None:
+            if cut is None and not job.stop_owed:
                 # The previous leader may have died with a resume owed (after a whole-job restart,
                 # or the launch's): owed here too, sent by the next supervision round. A recovery
                 # started again sends its own (its restart_step first).
@@ -102,7 +102,8 @@ class Restorer:
             await c.persist(job)
             # Only now: a stop started before the members were re-attached would leave the ones not
             # yet adopted running, unknown to the launcher (it raced adopt() and won, in CI).
-            c.finish_if_trained(job)
+            if not job.stop_owed:  # (a stop a previous leader began is carried out once this one leads)
+                c.finish_if_trained(job)
         return gone_exits
 
     async def relaunch(self, job: JobRun, adopted: list[str], gone: list[str]) -> None:
