@@ -345,6 +345,8 @@ class JobSpec(BaseModel):
     def _every_rank_has_episodes(cls, trainer: TrainerSpec, info: ValidationInfo) -> TrainerSpec:
         # Each rank trains its share of the step's episodes (one sample each): a rank with none
         # failed its every first step, and the job restarted until max_restarts.
+        if info.context and info.context.get("saved"):
+            return trainer  # (a job accepted before this rule: readable, not refused anew)
         data = info.data.get("data")
         episodes = data.prompts_per_step * data.group_size if isinstance(data, DataSpec) else None
         if episodes is not None and trainer.workers > episodes:
@@ -358,10 +360,12 @@ class JobSpec(BaseModel):
         return max(0, step - self.staleness)
 
     @classmethod
-    def parse(cls, raw: Mapping[str, object]) -> JobSpec:
-        """Validate a raw mapping; raise ConfigError naming every bad field."""
+    def parse(cls, raw: Mapping[str, object], *, saved: bool = False) -> JobSpec:
+        """Validate a raw mapping; raise ConfigError naming every bad field. ``saved``: the spec
+        of a job accepted earlier (a job record), read back under the rules of its submission
+        where a later rule would refuse it (the job would vanish from the controller's view)."""
         try:
-            return cls.model_validate(raw)
+            return cls.model_validate(raw, context={"saved": saved})
         except ValidationError as exc:
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()

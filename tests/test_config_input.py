@@ -189,3 +189,21 @@ def test_json_too_deep_is_linear_in_the_input() -> None:
             assert json_too_deep(payload, 64)
             took.append(time.thread_time() - t0)
         assert min(took) < 0.08, f"{min(took):.3f} s of CPU for {len(payload)} bytes"
+
+
+def test_a_job_saved_before_the_ranks_rule_is_still_read_from_its_record() -> None:
+    """More trainer ranks than episodes per step is refused at submission; a job accepted before
+    the rule, read back from its record by a controller taking over, must still load (refused,
+    an ended one vanished from the API and an active one was neither adopted nor stopped)."""
+    from robustrl.services.controller.jobs import JobRun
+
+    raw = {"name": "old", "data": {"prompts_per_step": 1, "group_size": 2}, "trainer": {"workers": 3}}
+    with pytest.raises(ConfigError, match="workers"):
+        JobSpec.parse(raw)
+    spec = JobSpec.parse(raw, saved=True)
+    assert spec.trainer.workers == 3
+    job = JobRun.from_record("old-1", {"spec": spec.model_dump(mode="json"), "status": "failed",
+                                       "stop_owed": {"status": "running", "reason": 7}})
+    assert job.spec.trainer.workers == 3 and job.status == "failed"
+    # (a damaged stop in the record: a final status it does not name is a plain stop, no reason)
+    assert job.stop_owed == {"status": "stopped", "reason": None}

@@ -3238,6 +3238,13 @@ async def test_a_commit_of_a_step_the_job_does_not_have_is_refused(rig: Rig) -> 
     await eventually_async(lambda: job.committed_step >= 1, what="the real commit seen")
     assert job.committed_step == 1 and job.reward_by_step.keys() == {0, 1}, (job.committed_step, job.reward_by_step)
     assert job.job_id not in c._finishing and not job.done
+    # The same read back from the log (a controller catching up after a takeover or a reconnect):
+    # a logged step_committed past the last step is not taken either.
+    trainer_bus = await rig.connect("forging-trainer", "trainer")
+    await trainer_bus.emit_event(job.job_id, "step_committed", {
+        "step": job.spec.steps + 5, "epoch": job.epoch, "weights_version": 99, "checksum": "x", "durable_step": 1})
+    await c.catch_up(job)
+    assert job.committed_step == 1 and job.job_id not in c._finishing and not job.done, job.committed_step
 
 
 async def test_a_launcher_that_cannot_list_its_members_stops_no_other_watch(rig: Rig) -> None:

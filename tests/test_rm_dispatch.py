@@ -720,7 +720,7 @@ async def test_a_reply_with_token_ids_outside_the_vocabulary_is_refused_and_its_
         limit = JobSpec.model_validate(h.spec).rollout.max_new_tokens
 
         answer = {"outside_vocabulary": _answer_out_of_vocab, "too_long": _answer_too_long,
-                  "logprob_positive": _answer_odd_logprobs(7.5)}[bad]
+                  "logprob_positive": _answer_odd_logprobs(0.002)}[bad]  # (just past the 1e-3 of rounding)
         a.answer = lambda msg: answer(a, msg)  # type: ignore[method-assign]
         await h.start_rm()
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over")

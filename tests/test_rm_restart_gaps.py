@@ -20,7 +20,7 @@ from tcp_hold import HoldingRelay
 
 from robustrl.errors import RequestTimeout, TransportError
 from robustrl.services.request_manager.eventlog import STOP_DRAIN_S
-from robustrl.messages import ControlCommand, MetricsSample, TurnResult
+from robustrl.messages import ControlCommand, Event, MetricsSample, TurnResult
 from robustrl.storage.redis_stores import Keys
 from robustrl.subjects import Verb, subject
 
@@ -966,6 +966,45 @@ async def test_turns_regenerated_for_a_fault_are_charged_to_it_across_a_request_
     assert sorted(d["episode_id"] for d in regenerated) == sorted(m.episode_id for m in answered), regenerated
     assert {(d["fault_id"], d["cause"], d["member_id"]) for d in regenerated} == {
         ("regen-f1", "replica_dead", b.member_id)}, regenerated
-    faults = {f.fault_id: f for f in account(log).faults}
-    assert "regen-f1" in faults or not faults  # (no detection here: the accounting keys on detections)
     assert sum(d["tokens"] for d in regenerated) == 4 * len(b.tok.encode("ab"))
+    # And as the accounting reads it, once the fault is in the log as detected:
+    detected = Event(job_id=h.job_id, kind="fault_detected", ts=log[0].ts, data={
+        "fault_id": "regen-f1", "kind": "crash", "role": "rollout", "member_id": a.member_id})
+    [fault] = [f for f in account([detected, *log]).faults if f.fault_id == "regen-f1"]
+    assert fault.tokens_regenerated == 4 * len(b.tok.encode("ab")), fault
+
+
+async def test_a_replica_that_died_while_the_request_manager_was_down_has_its_turns_charged_to_its_fault(servers):
+    """Replica a holds the step's turns; the request manager is killed, and a dies meanwhile (it
+    falls silent). The next life finds a's turns in the dispatch records; the controller's
+    ``replica_dead`` for a (fault F) reaches it while it waits to adopt them. Before, the turns
+    were dispatched again silently: no ``episode_redispatched``, no ``turn_regenerated``, nothing
+    charged to F. Now each is a logged re-dispatch from its prefix, and its regeneration is F's."""
+    from robustrl.chaos.accounting import account
+
+    async with Harness(servers, rm_spec("deadwhiledown")) as h:
+        a = await h.replica("rollout-0-i0")
+        a.hold = lambda msg: True
+        await h.start_rm()
+        await eventually_async(lambda: len(a.held) == 4, timeout=20, what="the step's 4 turns on replica a")
+        on_a = {m.episode_id for m in a.held}
+        await h.kill_rm()
+        assert a._task is not None
+        a._task.cancel()  # dead: silent from now on (its requests held, unanswered)
+        b = await h.replica("rollout-1-i0")
+        await h.start_rm()
+        cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="replica_dead",
+                             args={"fault_id": "down-f1", "member_id": a.member_id}, fence=1)
+        await _until_acknowledged(h, cmd, "replica_dead never acknowledged")
+        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over by the new life")
+        log = await h.bus.read_events(h.job_id)
+    redispatched = [e.data for e in log if e.kind == "episode_redispatched"]
+    assert {d["episode_id"] for d in redispatched} == on_a, redispatched
+    assert {(d["member_id"], d["cause"]) for d in redispatched} == {(a.member_id, "replica_dead")}, redispatched
+    regenerated = [e.data for e in log if e.kind == "turn_regenerated"]
+    assert {d["episode_id"] for d in regenerated} == on_a, regenerated
+    assert {(d["fault_id"], d["member_id"]) for d in regenerated} == {("down-f1", b.member_id)}, regenerated
+    detected = Event(job_id=h.job_id, kind="fault_detected", ts=log[0].ts, data={
+        "fault_id": "down-f1", "kind": "crash", "role": "rollout", "member_id": a.member_id})
+    [fault] = [f for f in account([detected, *log]).faults if f.fault_id == "down-f1"]
+    assert fault.tokens_regenerated == sum(d["tokens"] for d in regenerated) > 0, fault

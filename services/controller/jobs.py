@@ -315,7 +315,7 @@ class JobRun:
         Raises:
             KeyError, ValueError, TypeError: the record is unusable.
         """
-        job = cls(job_id=job_id, spec=JobSpec.parse(rec["spec"]), created_at=rec.get("created_at", time.time()))
+        job = cls(job_id=job_id, spec=JobSpec.parse(rec["spec"], saved=True), created_at=rec.get("created_at", time.time()))
         job.status = rec.get("status", "running")
         job.started_at = rec.get("started_at")
         job.error = rec.get("error")  # (left out, a new leader's next save of a failed job wrote null over it)
@@ -344,8 +344,10 @@ class JobRun:
         job.ettr = rec.get("ettr")
         job.deleting = rec.get("deleting") or None
         owed = rec.get("stop_owed")
-        job.stop_owed = ({"status": str(owed.get("status", "stopped")), "reason": owed.get("reason")}
-                         if isinstance(owed, dict) else None)
+        if isinstance(owed, dict):  # (a final status it does not name is a plain stop)
+            final = owed.get("status") if owed.get("status") in ("finished", "failed", "stopped") else "stopped"
+            reason = owed.get("reason")
+            job.stop_owed = {"status": final, "reason": reason if isinstance(reason, str) else None}
         for mid, fault in (rec.get("recheck_after_recovery") or {}).items():
             try:
                 job.recheck_after_recovery[mid] = FaultReport.model_validate(fault)

@@ -248,7 +248,7 @@ class Controller:
         for info in gone:  # members that ended while no controller watched: crashes, handled now
             await self.supervisor.on_exit(info)
         for job in [j for j in list(self.jobs.values()) if j.job_id in restored]:  # slots a previous leader owed
-            if not job.done and not job.stop_owed:  # (a stop owed is carried out below instead)
+            if not job.done:
                 self.recovery.resume_restock(job)
                 self.recovery.resume_rechecks(job)
                 try:
@@ -259,7 +259,7 @@ class Controller:
                     log.exception("job %s: the waits of its recoveries not looked at again", job.job_id)
                 if job.launched and self.recovery.interrupted(job):
                     self.spawn(self.recovery.resume_interrupted(job))
-            if not job.done and not job.launched and not job.stop_owed:  # its start was interrupted (``Restorer.relaunch``)
+            if not job.done and not job.launched:  # its start was interrupted (``Restorer.relaunch``)
                 self.launch_in_background(job)
         # The warm spares the resumed jobs ask for: the launcher takes over those its predecessor
         # left waiting (Ray: detached actors) and restocks the rest; without this call a new
@@ -268,10 +268,6 @@ class Controller:
         owed, self.deletions_owed = self.deletions_owed, {}
         for job_id, what in owed.items():
             self.deleter.resume(job_id, what)
-        for job in [j for j in list(self.jobs.values()) if j.job_id in restored and j.stop_owed and not j.done]:
-            log.warning("job %s: the stop (%s) a previous leader began is carried out", job.job_id,
-                        job.stop_owed["status"])
-            self.spawn(self.stop_job(job.job_id, job.stop_owed["status"], job.stop_owed["reason"]))
         self.spawn(self.supervisor.run(self._stop))
         self.spawn(self._watch_progress(self._stop))
         self.spawn(self.retention.run(self._stop))  # ended jobs whose retention is due (``retention``)
@@ -750,10 +746,7 @@ class Controller:
         if job.done and (stop is None or (stop["running"] and not again)):
             return job
         if stop is None:
-            stop = self._stopping[job.job_id] = {"ids": [], "event": False, "ended": asyncio.Event(),
-                                                 "running": False, "status": status, "reason": reason,
-                                                 "tries": 0, "retry_at": 0.0, "lock": asyncio.Lock()}
-            job.stop_owed = {"status": status, "reason": reason}
+            stop = self.owe_stop(job, status, reason)
         # One carrying-out at a time: a failed start's stop carried out again (``again``) while a
         # supervision retry of the same stop runs waits for it, and does nothing if it ended the job.
         async with stop["lock"]:
@@ -772,6 +765,16 @@ class Controller:
                 raise
             finally:
                 stop["running"] = False
+
+    def owe_stop(self, job: JobRun, status: str, reason: str | None) -> dict[str, Any]:
+        """Record a stop of ``job`` to carry out (``stop_job`` does; ``retry_stops`` once it failed
+        part-way, or once this leader took over a stop its predecessor began): in the job's record
+        from now on (``JobRun.stop_owed``)."""
+        job.stop_owed = {"status": status, "reason": reason}
+        stop = self._stopping[job.job_id] = {"ids": [], "event": False, "ended": asyncio.Event(), "running": False,
+                                             "status": status, "reason": reason, "tries": 0, "retry_at": 0.0,
+                                             "lock": asyncio.Lock()}
+        return stop
 
     def retry_stops(self) -> None:
         """Carry out again, in the background, each stop that failed part-way (Redis or JetStream

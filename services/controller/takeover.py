@@ -73,6 +73,9 @@ class Restorer:
                 job.members[mid].adopted = True
             if not job.launched:
                 await self.relaunch(job, adopted, gone)
+                if job.stop_owed is not None:  # (being stopped: not started again, the stop carried out)
+                    c.owe_stop(job, job.stop_owed["status"], job.stop_owed["reason"])
+                    job.closing = True
                 continue
             superseded: set[str] = set()
             if (cut := c.recovery.interrupted(job)) is not None:
@@ -98,12 +101,23 @@ class Restorer:
                 # or the launch's): owed here too, sent by the next supervision round. A recovery
                 # started again sends its own (its restart_step first).
                 job.rm_resume_owed = True
-            gone_exits += [ExitInfo(lid(job, mid), job.members[mid].role, None, mid in superseded) for mid in gone]
+            # A job whose stop a previous leader began: its members that are gone were being stopped
+            # (killed before their exits were recorded), not crashed: no recovery for them.
+            gone_exits += [ExitInfo(lid(job, mid), job.members[mid].role, None,
+                                    mid in superseded or job.stop_owed is not None) for mid in gone]
             await c.persist(job)
+            if job.stop_owed is not None:
+                # A stop a previous leader began, its members re-attached: owed as one that failed
+                # part-way, carried out by the supervision's first round (``retry_stops``). Closing
+                # from now on: no fault or exit of the job starts a recovery meanwhile.
+                log.warning("job %s: the stop (%s) a previous leader began is carried out", job_id,
+                            job.stop_owed["status"])
+                c.owe_stop(job, job.stop_owed["status"], job.stop_owed["reason"])
+                job.closing = True
+                continue
             # Only now: a stop started before the members were re-attached would leave the ones not
             # yet adopted running, unknown to the launcher (it raced adopt() and won, in CI).
-            if not job.stop_owed:  # (a stop a previous leader began is carried out once this one leads)
-                c.finish_if_trained(job)
+            c.finish_if_trained(job)
         return gone_exits
 
     async def relaunch(self, job: JobRun, adopted: list[str], gone: list[str]) -> None:

@@ -325,7 +325,8 @@ class Dispatcher:
         if odd is not None:
             # (applied, one such value made the trainer's loss inf or NaN: the step diverged, its
             # redo on the kept batch again, and the job failed as diverged; an outside review)
-            self._refuse(msg, rep, f"logprobs: {odd!r} is not a log-probability (finite, at most 0)")
+            self._refuse(msg, rep, f"logprobs: {odd!r} is not a log-probability (finite, at most 0 "
+                                   f"give or take {LOGPROB_MAX:g})")
             return
         if len(msg.token_ids) > self.spec.rollout.max_new_tokens:
             # (applied, the trainer padded the whole batch to its width: out of memory at every

@@ -647,7 +647,7 @@ class TrainerWorker:
     async def _last_checkpoint(self) -> None:
         """All steps trained: the last step's checkpoint made durable. No later snapshot replaces
         one whose upload failed, so it is uploaded again (``FINAL_UPLOAD_RETRIES_S`` apart); still
-        failing, rank 0 stops, named (``CheckpointStalled``), and the next gang redoes the step
+        failing, the rank stops, named (``CheckpointStalled``), and the next gang redoes the step
         from the newest durable checkpoint. Before, the failure was only logged, and the job was
         stopped as finished without its final checkpoint (an outside review). A slow upload is no
         failure: it is waited for as long as the close waits for it."""
@@ -670,11 +670,11 @@ class TrainerWorker:
             if await wait_event(self.member.stopping, pause):
                 return
             self.ckpt.upload_again()
-        if self.ident.rank == 0:
-            raise CheckpointStalled(f"step {self.spec.steps - 1}: the job's last checkpoint not durable after "
-                                    f"{len(FINAL_UPLOAD_RETRIES_S) + 1} uploads; the last one's error: {error!r}",
-                                    name=f"step {self.spec.steps - 1}")
-        log.error("all steps trained; this rank's part of the last checkpoint not uploaded: %r", error)
+        # Every rank: one whose own part keeps failing held rank 0's manifest up for its whole shard
+        # wait at each try (past the controller's wait for the last step to become durable).
+        raise CheckpointStalled(f"step {self.spec.steps - 1}: the job's last checkpoint not durable after "
+                                f"{len(FINAL_UPLOAD_RETRIES_S) + 1} uploads (rank {self.ident.rank}); the last "
+                                f"one's error: {error!r}", name=f"step {self.spec.steps - 1}")
 
     async def _die_at(self, point: str, step: int | None, durable: bool = False) -> None:
         """Test-only: SIGKILL this process at ``point`` when that member failpoint is armed for it
