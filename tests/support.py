@@ -184,6 +184,35 @@ def raw_job_record(redis_url: str, job_id: str) -> dict[str, Any]:
     return dict(json.loads(raw))
 
 
+def lease_runs_out(redis_url: str) -> None:
+    """A SIGKILLed leader's lease ends now rather than at its expiry (the suite waits for
+    nothing): its key is deleted in Redis, as expiry deletes it. The fencing counter stays, so
+    the next term's token is still larger than every earlier one."""
+    import redis as redis_sync
+
+    from robustrl.storage.redis_stores import Keys
+
+    r = redis_sync.Redis.from_url(redis_url)
+    try:
+        r.delete(Keys.controller_lease())
+    finally:
+        r.close()
+
+
+def leader_and_standby(stack: Any) -> str:
+    """Check that the two-controller ``stack``'s 'controller' leads and 'controller-2' serves as
+    its standby; return the standby's health URL."""
+    import httpx
+
+    assert stack.settings and stack.supervisor
+    assert httpx.get(f"{stack.api_url}/healthz", timeout=10).json()["leading"] is True
+    standby_health = stack.supervisor.specs["controller-2"].health_url
+    assert standby_health
+    eventually(lambda: httpx.get(standby_health, timeout=2).json()["leading"] is False, timeout=60, interval=0.1,
+               retry_on=(httpx.HTTPError,), what="controller-2 serving as a standby")
+    return str(standby_health)
+
+
 def stop_ray_cluster(cluster: Any) -> None:
     """Stop a test Ray cluster and remove its temp dir; fail if a Ray process outlived it."""
     import shutil

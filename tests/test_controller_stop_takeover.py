@@ -27,7 +27,7 @@ import psutil
 import pytest
 from jobs import kinds, small_job, wait_step
 from robustrl.services.controller.failpoints import ENV as FAILPOINTS_ENV
-from support import eventually, raw_job_record
+from support import eventually, leader_and_standby, lease_runs_out, raw_job_record
 
 from robustrl.client import ApiClient
 from robustrl.stack import Stack
@@ -54,21 +54,6 @@ def two_controllers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]
         st.stop()
 
 
-def _lease_runs_out(stack: Stack) -> None:
-    """The SIGKILLed leader's lease ends now rather than ``LEASE_TTL_S`` later (its key deleted,
-    as expiry deletes it; the fencing counter stays)."""
-    import redis as redis_sync
-
-    from robustrl.storage.redis_stores import Keys
-
-    assert stack.settings
-    r = redis_sync.Redis.from_url(stack.settings.redis_url)
-    try:
-        r.delete(Keys.controller_lease())
-    finally:
-        r.close()
-
-
 def _job_processes(job_id: str) -> list[psutil.Process]:
     """Live processes whose command line or environment names the job (its members)."""
     found = []
@@ -86,11 +71,7 @@ def _job_processes(job_id: str) -> list[psutil.Process]:
 def test_a_stop_the_leader_began_is_carried_out_by_the_next(two_controllers: Stack) -> None:
     stack = two_controllers
     assert stack.settings and stack.supervisor
-    assert httpx.get(f"{stack.api_url}/healthz", timeout=10).json()["leading"] is True
-    standby_health = stack.supervisor.specs["controller-2"].health_url
-    assert standby_health
-    eventually(lambda: httpx.get(standby_health, timeout=2).json()["leading"] is False, timeout=60, interval=0.1,
-               retry_on=(httpx.HTTPError,), what="controller-2 serving as a standby")
+    standby_health = leader_and_standby(stack)
     api_a = ApiClient(stack.api_url, stack.settings.api_token)
     jid = api_a.submit(small_job("stop-takeover", steps=40, **TOLERANT))["job_id"]
     wait_step(api_a, jid, 1)
@@ -120,7 +101,7 @@ def test_a_stop_the_leader_began_is_carried_out_by_the_next(two_controllers: Sta
     assert frozen["status"] == "running", frozen["status"]
     assert (frozen.get("stop_owed") or {}).get("status") == "stopped", frozen.get("stop_owed")
     stack.kill_service("controller")  # SIGKILL, not restarted
-    _lease_runs_out(stack)
+    lease_runs_out(stack.settings.redis_url)
     t_kill = time.monotonic()
     eventually(lambda: httpx.get(standby_health, timeout=2).json()["leading"] is True, timeout=60, interval=0.1,
                retry_on=(httpx.HTTPError,), what="controller-2 leading")

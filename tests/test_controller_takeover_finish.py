@@ -26,7 +26,8 @@ import psutil
 import pytest
 from jobs import small_job
 from robustrl.services.controller.failpoints import ENV as FAILPOINTS_ENV
-from support import BusObserver, audit_sampled, ended, eventually, raw_job_record, sample_batches
+from support import (BusObserver, audit_sampled, ended, eventually, leader_and_standby, lease_runs_out, raw_job_record,
+                     sample_batches)
 
 from robustrl.audit.model import AuditOptions
 from robustrl.client import ApiClient
@@ -41,7 +42,7 @@ AUDIT = AuditOptions(redis_bound=False)
 LEASE_TTL_S = 30.0
 """The controllers' lease: a frozen new leader comes back still holding it (an expired lease
 re-taken makes it read the event log on its own, a different path from the one under test). A
-dead leader's lease is ended by deleting its key (``_lease_runs_out``) when the test chooses."""
+dead leader's lease is ended by deleting its key (``support.lease_runs_out``) when the test chooses."""
 TOLERANT = {"detector": {"trainer_idle_s": 90.0, "rollout_idle_s": 90.0, "silence_s": 90.0,
                          "probe_timeout_s": 5.0, "metrics_interval_s": 0.5}}
 STEPS = 8
@@ -69,22 +70,6 @@ def _raw_record(stack: Stack, job_id: str) -> dict[str, Any]:
     return raw_job_record(stack.settings.redis_url, job_id)
 
 
-def _lease_runs_out(stack: Stack) -> None:
-    """The SIGKILLed leader's lease ends now rather than ``LEASE_TTL_S`` later (the suite waits
-    for nothing): its key is deleted in Redis, as expiry deletes it. The fencing counter stays, so
-    the next term's token is still larger than every earlier one."""
-    import redis as redis_sync
-
-    from robustrl.storage.redis_stores import Keys
-
-    assert stack.settings
-    r = redis_sync.Redis.from_url(stack.settings.redis_url)
-    try:
-        r.delete(Keys.controller_lease())
-    finally:
-        r.close()
-
-
 def _signal_groups(pids: list[int], sig: int) -> None:
     for pid in pids:
         os.killpg(pid, sig)  # the local launcher starts each member in a session of its own
@@ -94,11 +79,7 @@ def test_last_step_committed_during_takeover_finishes_the_job(two_controllers: S
     stack = two_controllers
     assert stack.settings and stack.supervisor
     # 'controller' leads (the stack starts the standby once it does); 'controller-2' stands by, armed
-    assert httpx.get(f"{stack.api_url}/healthz", timeout=10).json()["leading"] is True
-    standby_health = stack.supervisor.specs["controller-2"].health_url
-    assert standby_health
-    eventually(lambda: httpx.get(standby_health, timeout=2).json()["leading"] is False, timeout=60, interval=0.1,
-               retry_on=(httpx.HTTPError,), what="controller-2 serving as a standby")
+    leader_and_standby(stack)
     api_a = ApiClient(stack.api_url, stack.settings.api_token)
     spec = small_job("takeover-finish", steps=STEPS, tools={"latency_s": 0.5}, data={"tasks": ["lookup"]},
                      **TOLERANT)
@@ -131,7 +112,7 @@ def test_last_step_committed_during_takeover_finishes_the_job(two_controllers: S
 
             stack.kill_service("controller")  # SIGKILL, not restarted
             assert ended(leader)
-            _lease_runs_out(stack)
+            lease_runs_out(stack.settings.redis_url)
             eventually(lambda: psutil.Process(standby).status() == psutil.STATUS_STOPPED, timeout=60, interval=0.02,
                        what="controller-2 stopped at failpoint takeover_resumed")
             at_takeover = _raw_record(stack, jid)
@@ -206,7 +187,7 @@ def test_a_member_that_died_while_no_controller_led_is_recovered_by_the_new_lead
     os.killpg(pid, signal.SIGKILL)
     eventually(lambda: ended(pid),
                timeout=10, interval=0.02, what=f"{victim} gone")
-    _lease_runs_out(stack)  # only now may the standby take over
+    lease_runs_out(stack.settings.redis_url)  # only now may the standby take over
     api_b = ApiClient(standby_url, stack.settings.api_token)
     try:
         final = eventually(lambda: (r := _raw_record(stack, jid))["status"] in ("finished", "failed", "stopped")
