@@ -136,6 +136,21 @@ def test_plan_rejects_member_index_beyond_the_job() -> None:
         plan(Faults().job(rollout={"replicas": 0}).build(), steps=3)
 
 
+def test_a_scenario_that_does_not_fit_the_job_is_refused_before_the_job_is_submitted(stack, api) -> None:  # type: ignore[no-untyped-def]
+    """A crash of trainer rank 5 in a job of 2 ranks: refused naming the index, and no job is
+    made (it was checked once the job had been submitted, leaving it running unasked for; an
+    outside review). Read from the controller's list of jobs."""
+    from jobs import small_job
+
+    from robustrl.chaos.runner import run_job
+
+    before = {j["job_id"] for j in api.jobs()}
+    scenario = Faults("misfit", seed=1).crash("trainer", member=5, at_step=1).build()
+    with pytest.raises(ScenarioError, match="index 5"):
+        asyncio.run(run_job(stack.settings, api, small_job("misfit", steps=3), scenario, timeout_s=60))
+    assert {j["job_id"] for j in api.jobs()} == before
+
+
 def test_builder_validates_like_a_file() -> None:
     with pytest.raises(ScenarioError, match="kind"):
         Faults().add("explode", "rollout", at_step=1)

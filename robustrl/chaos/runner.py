@@ -68,16 +68,18 @@ async def run_job(settings: Settings, api: ApiClient, spec: dict[str, Any], scen
 
     ``local`` (the Stack) carries out faults on the controller, the detector and the infra servers.
     """
+    # The plan first: a scenario that does not fit the job (a member index past its members) is
+    # refused before the job is submitted (it was after, leaving a job running unasked for).
+    planned = []
+    if scenario is not None and scenario.faults:
+        steps = int(spec.get("steps", 30))
+        counts = members_of(Scenario(job={k: v for k, v in spec.items() if k in ("trainer", "rollout")}))
+        planned = plan(scenario, steps, step_time_s=step_time_s, members=counts)
     bus = await Bus.connect(settings.nats_url, "chaos-harness", role="harness")
     chaos_task: asyncio.Task[list[dict[str, Any]]] | None = None
     try:
         job = await asyncio.to_thread(api.submit, spec)
         job_id = job["job_id"]
-        planned = []
-        if scenario is not None and scenario.faults:
-            steps = int(spec.get("steps", 30))
-            counts = members_of(Scenario(job={k: v for k, v in spec.items() if k in ("trainer", "rollout")}))
-            planned = plan(scenario, steps, step_time_s=step_time_s, members=counts)
         stop = asyncio.Event()
         harness = Harness(bus, job_id, planned, local)
         chaos_task = asyncio.create_task(harness.run(stop))
