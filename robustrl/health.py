@@ -18,6 +18,9 @@ import contextlib
 import inspect
 import json
 import logging
+import os
+import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
 
@@ -104,6 +107,83 @@ class HealthServer:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
+
+
+ENV_LOOP_STALL_EXIT_S = "ROBUSTRL_LOOP_STALL_EXIT_S"
+LOOP_STALL_EXIT_S = 60.0
+"""Default: a control-plane service whose event loop has not run for this long exits."""
+EXIT_LOOP_STALLED = 70
+"""Exit status of a service that ``LoopWatchdog`` ended (EX_SOFTWARE)."""
+WATCH_INTERVAL_S = 1.0
+
+
+class LoopWatchdog:
+    """Ends the process (``os._exit(EXIT_LOOP_STALLED)``) once its event loop has not run for
+    ``stall_s``: a blocked loop answers nothing, and under compose a container whose health check
+    fails is not restarted (``restart: unless-stopped`` restarts only one that exits); the
+    service's supervisor (compose, or the local stack's) then starts it again (an outside review:
+    a hung detector stayed hung, and no one else watches the trainer's I/O phases).
+
+    A thread checks a tick the loop takes every ``WATCH_INTERVAL_S``. A process frozen whole
+    (SIGSTOP, a paused container) freezes the thread too: a check that comes late after such a gap
+    starts the count again, so a thaw is no stall (the local stack's supervisor judges those)."""
+
+    def __init__(self, service: str, stall_s: float) -> None:
+        self.service, self.stall_s = service, stall_s
+        self._tick = time.monotonic()
+        self._stop = threading.Event()
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def tick() -> None:
+            self._tick = time.monotonic()
+            self._handle = loop.call_later(WATCH_INTERVAL_S, tick)
+
+        tick()
+        threading.Thread(target=self._watch, name=f"{self.service}-loop-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._handle is not None:
+            self._handle.cancel()
+
+    def _watch(self) -> None:
+        checked = time.monotonic()
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            now = time.monotonic()
+            if now - checked > 3 * WATCH_INTERVAL_S:
+                self._tick = max(self._tick, now)  # the whole process was frozen: not the loop's doing
+            checked = now
+            if now - self._tick > self.stall_s:
+                log.critical("%s: the event loop has not run for %.0f s: exiting (status %d) to be restarted",
+                             self.service, now - self._tick, EXIT_LOOP_STALLED)
+                for h in logging.getLogger().handlers:
+                    with contextlib.suppress(Exception):
+                        h.flush()
+                os._exit(EXIT_LOOP_STALLED)
+
+
+def watch_loop(service: str, env: Mapping[str, str]) -> LoopWatchdog | None:
+    """Start a ``LoopWatchdog`` for the running loop (``ROBUSTRL_LOOP_STALL_EXIT_S``, default
+    ``LOOP_STALL_EXIT_S``; 0 turns it off).
+
+    Raises:
+        ValueError: the setting is not a non-negative number (named in the message).
+    """
+    raw = env.get(ENV_LOOP_STALL_EXIT_S, "").strip()
+    try:
+        stall_s = float(raw) if raw else LOOP_STALL_EXIT_S
+        if not stall_s >= 0 or stall_s == float("inf"):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{ENV_LOOP_STALL_EXIT_S} must be a number of seconds >= 0, got {raw!r}") from None
+    if stall_s == 0:
+        return None
+    dog = LoopWatchdog(service, stall_s)
+    dog.start()
+    return dog
 
 
 async def serve_health(service: str, checks: Mapping[str, Check],

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import httpx
 import pytest
 
-from robustrl.health import HealthServer, serve_health
+from robustrl.health import ENV_LOOP_STALL_EXIT_S, EXIT_LOOP_STALLED, HealthServer, serve_health, watch_loop
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -97,3 +102,65 @@ async def test_a_port_already_taken_leaves_the_service_running_without_the_endpo
         assert (await _get(first.port)).status_code == 200
     finally:
         await first.close()
+
+
+_WATCHED = """
+import asyncio, os, sys, time
+from robustrl.health import watch_loop
+
+async def main():
+    watch_loop("probe", os.environ)
+    print("ready", flush=True)
+    await asyncio.sleep(0.5)
+    if sys.argv[1] == "block":
+        time.sleep(60)  # the loop blocked: nothing else runs
+    await asyncio.sleep(float(sys.argv[2]))
+
+asyncio.run(main())
+"""
+
+
+def _watched(mode: str, run_s: float, stall_s: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _WATCHED, mode, str(run_s)], text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, ENV_LOOP_STALL_EXIT_S: stall_s})
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.timeout(90)
+def test_a_service_whose_loop_is_blocked_exits_to_be_restarted_and_a_frozen_one_does_not() -> None:
+    """A real process: its loop blocked (a synchronous call that never returns), it exits with
+    ``EXIT_LOOP_STALLED`` once the bound has passed, saying why (under compose a container whose
+    health check fails is not restarted; one that exits is). The same process frozen whole
+    (SIGSTOP, longer than the bound) and thawed is not taken for a stalled loop, nor is a healthy
+    loop that runs past the bound; 0 turns the watchdog off."""
+    t0 = time.monotonic()
+    blocked = _watched("block", 30, "1.5")
+    assert blocked.wait(timeout=20) == EXIT_LOOP_STALLED
+    took = time.monotonic() - t0
+    assert 1.5 <= took < 10, took
+    assert "the event loop has not run" in (blocked.stderr.read() if blocked.stderr else "")
+
+    frozen = _watched("sleep", 8, "1.5")
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        time.sleep(4)  # the freeze itself is the fault under test: longer than the bound
+        os.kill(frozen.pid, signal.SIGCONT)
+        assert frozen.wait(timeout=30) == 0  # thawed, it ran on to its end
+    finally:
+        if frozen.poll() is None:
+            frozen.kill()
+
+    off = _watched("block", 0, "0")
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            off.wait(timeout=4)  # blocked, with no watchdog: still there
+    finally:
+        off.kill()
+        off.wait()
+    with pytest.raises(ValueError, match=ENV_LOOP_STALL_EXIT_S):
+        asyncio.run(_bad_setting())
+
+
+async def _bad_setting() -> None:
+    watch_loop("probe", {ENV_LOOP_STALL_EXIT_S: "soon"})

@@ -12,7 +12,7 @@ import signal
 
 from robustrl.bus import Bus
 from robustrl.config import Settings
-from robustrl.health import serve_health
+from robustrl.health import serve_health, watch_loop
 from robustrl.services.detector.service import MEMBER_NAME, DetectorService
 from robustrl.storage.redis_stores import connect
 
@@ -35,9 +35,12 @@ async def serve(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     health = await serve_health(MEMBER_NAME, {"nats": lambda: bus.connected}, os.environ)
+    watchdog = watch_loop(MEMBER_NAME, os.environ)
     try:
         await DetectorService(bus, redis=redis).run(stop)
     finally:
+        if watchdog:
+            watchdog.stop()
         if health:
             await health.close()
         await bus.close()

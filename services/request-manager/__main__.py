@@ -10,7 +10,7 @@ from robustrl.services.request_manager.service import RequestManager
 
 from robustrl.bus import Bus
 from robustrl.config import Settings
-from robustrl.health import serve_health
+from robustrl.health import serve_health, watch_loop
 from robustrl.member import configure_logging
 from robustrl.storage.redis_stores import connect
 
@@ -31,8 +31,11 @@ async def main() -> None:
         loop.add_signal_handler(sig, stop.set)
     health = await serve_health("request_manager", {"nats": lambda: bus.connected, "redis": redis.ping},
                                 os.environ)
+    watchdog = watch_loop("request_manager", os.environ)
     print("request_manager ready", flush=True)
     await rm.metrics_loop(METRICS_INTERVAL_S, stop)
+    if watchdog:
+        watchdog.stop()
     await rm.close()
     if health:
         await health.close()
