@@ -49,8 +49,8 @@ def _patterns(prefix: str, *keys: str) -> str:
 # deletes or trims with a step: the step's batch fence, the trained log's entries through it.
 _RM_KEYS_RW = _patterns("~", Keys.episode(_ANY, _ANY), Keys.prefix(_ANY, _ANY),
                         Keys.step_episodes(_ANY, _ANY), Keys.batch(_ANY, _ANY),  # type: ignore[arg-type]
-                        Keys.dispatches(_ANY), "rrl:*:rm:*", Keys.fence(_ANY, _ANY),  # type: ignore[arg-type]
-                        Keys.trained_log(_ANY))
+                        Keys.dispatches(_ANY), Keys.rm_outbox(_ANY), Keys.step_restarts(_ANY),
+                        Keys.rollout_gc(_ANY), Keys.fence(_ANY, _ANY), Keys.trained_log(_ANY))  # type: ignore[arg-type]
 # What it only reads: the job registry (its specs), the gang record, the weights pointer.
 _RM_KEYS_R = _patterns("%R~", Keys.jobs(), Keys.gang(_ANY), Keys.weights_latest(_ANY))
 # The trainer writes its gang record, the batch fences, the trained log, the weights pointer and

@@ -159,6 +159,10 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 
 
+def _bounded(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(log_ratio, -LOG_RATIO_MAX, LOG_RATIO_MAX)
+
+
 def grpo_loss(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -189,7 +193,7 @@ def grpo_loss(
     # ratio inf, and the loss inf or NaN (NaN even under a mask: 0 x inf), so the step diverged
     # and so did its redo on the same batch (an outside review). exp(20) is finite, and the
     # clipped surrogate and the gradient-norm clip bound what such a token does.
-    log_ratio = torch.clamp(new_logprobs - old_logprobs, -LOG_RATIO_MAX, LOG_RATIO_MAX)
+    log_ratio = _bounded(new_logprobs - old_logprobs)
     ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
@@ -197,8 +201,7 @@ def grpo_loss(
     weight = None
     if behaviour_logprobs is not None:
         with torch.no_grad():
-            raw = torch.exp(torch.clamp(old_logprobs - behaviour_logprobs.to(old_logprobs.dtype),
-                                        -LOG_RATIO_MAX, LOG_RATIO_MAX))
+            raw = torch.exp(_bounded(old_logprobs - behaviour_logprobs.to(old_logprobs.dtype)))
             weight = raw if is_cap is None else torch.clamp(raw, max=is_cap)
         per_token = per_token * weight
     tokens = mask.sum().clamp(min=1.0)

@@ -73,9 +73,7 @@ class Restorer:
                 job.members[mid].adopted = True
             if not job.launched:
                 await self.relaunch(job, adopted, gone)
-                if job.stop_owed is not None:  # (being stopped: not started again, the stop carried out)
-                    c.owe_stop(job, job.stop_owed["status"], job.stop_owed["reason"])
-                    job.closing = True
+                _carry_on_stop(c, job)  # (being stopped: not started again, the stop carried out)
                 continue
             superseded: set[str] = set()
             if (cut := c.recovery.interrupted(job)) is not None:
@@ -106,14 +104,7 @@ class Restorer:
             gone_exits += [ExitInfo(lid(job, mid), job.members[mid].role, None,
                                     mid in superseded or job.stop_owed is not None) for mid in gone]
             await c.persist(job)
-            if job.stop_owed is not None:
-                # A stop a previous leader began, its members re-attached: owed as one that failed
-                # part-way, carried out by the supervision's first round (``retry_stops``). Closing
-                # from now on: no fault or exit of the job starts a recovery meanwhile.
-                log.warning("job %s: the stop (%s) a previous leader began is carried out", job_id,
-                            job.stop_owed["status"])
-                c.owe_stop(job, job.stop_owed["status"], job.stop_owed["reason"])
-                job.closing = True
+            if _carry_on_stop(c, job):
                 continue
             # Only now: a stop started before the members were re-attached would leave the ones not
             # yet adopted running, unknown to the launcher (it raced adopt() and won, in CI).
@@ -145,6 +136,19 @@ class Restorer:
         job.gang_starts.clear()
         job.restock_owed.clear()
         await c.persist(job)  # started again once this controller leads (``_lead``)
+
+
+def _carry_on_stop(c: Controller, job: JobRun) -> bool:
+    """A stop a previous leader began (``JobRun.stop_owed``), the job's members re-attached: owed
+    as one that failed part-way, carried out by the supervision's first round (``retry_stops``),
+    and the job closing from now on (no fault or exit of it starts a recovery meanwhile). False
+    when none was owed."""
+    if job.stop_owed is None:
+        return False
+    log.warning("job %s: the stop (%s) a previous leader began is carried out", job.job_id, job.stop_owed["status"])
+    c.owe_stop(job, job.stop_owed["status"], job.stop_owed["reason"])
+    job.closing = True
+    return True
 
 
 def _of_interrupted_start(job: JobRun, cut: ActiveRecovery, gone: list[str]) -> set[str]:

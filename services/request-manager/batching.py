@@ -593,7 +593,7 @@ class JobRunner:
         if fault_id is not None and self.paused and self.restarted_for == fault_id:
             log.info("job %s: restart_step for %s again (a retry): already done", self.job_id, fault_id)
             if self._restart_unlogged is not None:  # its event did not reach the outbox: now
-                await self.events.emit("work_lost", self._restart_unlogged, msg_id=self._restart_msg_id(fault_id))
+                await self.events.emit("work_lost", self._restart_unlogged, per="restart")
                 self._restart_unlogged = None
             return
         self.paused = True
@@ -641,15 +641,9 @@ class JobRunner:
         self.restarted_for = fault_id
         if fault_id:
             self._restart_unlogged = {"fault_id": fault_id, "tokens": lost, "steps_redone": 0, "episodes": n}
-            await self.events.emit("work_lost", self._restart_unlogged, msg_id=self._restart_msg_id(fault_id))
+            await self.events.emit("work_lost", self._restart_unlogged, per="restart")
             self._restart_unlogged = None
         log.warning("job %s: step %d restarted from scratch (%d episodes dropped)", self.job_id, self.step, n)
-
-    def _restart_msg_id(self, fault_id: str) -> str:
-        """The restart's ``work_lost`` message id: its own, not the fault's alone (a replica
-        recovery that failed escalates to this restart under the same fault id, after that
-        replica's ``work_lost``: both are stored)."""
-        return f"{self.job_id}-work_lost-{fault_id}-restart"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run())

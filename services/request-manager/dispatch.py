@@ -695,14 +695,19 @@ class Dispatcher:
         """A turn a past life dispatched whose owner is dead or silent: it is dispatched again from
         the prefix, logged as any re-dispatch (it was dispatched again silently)."""
         member = str(record.get("member_id"))
+        await self._redispatched(ep, step, member, "replica_dead" if member in self.dead else "owner_lost",
+                                 str(record.get("request_id")))
+
+    async def _redispatched(self, ep: EpisodeRecord, step: int, member_id: str, cause: str, request_id: str) -> None:
+        """Count a turn dispatched again from the episode's prefix and log it (with the prefix's
+        hash, which the auditor checks against the final episode)."""
         self.stats["redispatched"] += 1
         ep.redispatches += 1
         prefix = ep.prefix_ids()
         await self.record_event("episode_redispatched", {
-            "episode_id": ep.episode_id, "member_id": member, "step": step,
-            "cause": "replica_dead" if member in self.dead else "owner_lost",
-            "request_id": str(record.get("request_id")), "prefix_turns": len(ep.turns), "prefix_len": len(prefix),
-            "prefix_sha": hashlib.sha256(json.dumps(prefix).encode()).hexdigest()}, str(record.get("request_id")))
+            "episode_id": ep.episode_id, "member_id": member_id, "step": step, "cause": cause,
+            "request_id": request_id, "prefix_turns": len(ep.turns), "prefix_len": len(prefix),
+            "prefix_sha": hashlib.sha256(json.dumps(prefix).encode()).hexdigest()}, request_id)
 
     async def _dispatch(self, ep: EpisodeRecord, step: int, stop_on_call: bool, avoid: set[str],
                         cause: str | None = None, fault_id: str | None = None) -> Pending:
@@ -769,8 +774,6 @@ class Dispatcher:
 
     async def _failed(self, ep: EpisodeRecord, step: int, pend: Pending, exc: Exception) -> str:
         """Account a turn that must be dispatched again; returns its cause."""
-        self.stats["redispatched"] += 1
-        ep.redispatches += 1
         if isinstance(exc, TurnTimeout):
             cause = "turn_deadline"
             self.stats["turn_timeouts"] += 1
@@ -810,11 +813,7 @@ class Dispatcher:
                                  f"turn_deadline_s={self.spec.detector.turn_deadline_s:g}", events=self.events)
         else:
             cause = "replica_dead" if pend.member_id in self.dead else str(getattr(exc, "cause", "owner_lost"))
-        prefix = ep.prefix_ids()
-        await self.record_event("episode_redispatched", {
-            "episode_id": ep.episode_id, "member_id": pend.member_id, "step": step, "cause": cause,
-            "request_id": pend.request_id, "prefix_turns": len(ep.turns), "prefix_len": len(prefix),
-            "prefix_sha": hashlib.sha256(json.dumps(prefix).encode()).hexdigest()}, pend.request_id)
+        await self._redispatched(ep, step, pend.member_id, cause, pend.request_id)
         return cause
 
     async def record_event(self, kind: str, data: dict[str, Any], request_id: str) -> None:

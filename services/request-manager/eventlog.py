@@ -52,12 +52,15 @@ class EventWriter(OutboxEvents):
         return self._writer.outbox_read(self.job_id)
 
     async def emit(self, kind: str, data: dict[str, Any], msg_id: str | None = None,
-                   with_writes: Writes | None = None) -> Event:
+                   with_writes: Writes | None = None, per: str | None = None) -> Event:
         """Queue one event, stamped now: in the Redis outbox when this returns (acknowledge the
         command after it), in the job's log later. ``msg_id``: JetStream's duplicate key (default:
         the command's fault id, else a fresh one): an event given again under it, within the
-        stream's duplicate window, is stored once. ``with_writes``: Redis writes the event tells
-        of, made in the same transaction as its save (``OutboxWriter.give``).
+        stream's duplicate window, is stored once. ``per``: what, besides the fault, tells this
+        command's event apart (one fault declares several replicas dead, then escalates to a
+        restart: under the fault's id alone JetStream dropped all but the first as duplicates).
+        ``with_writes``: Redis writes the event tells of, made in the same transaction as its
+        save (``OutboxWriter.give``).
 
         Raises:
             ValueError: ``data`` does not fit ``kind`` (a bug: raised here, not in the background).
@@ -73,7 +76,8 @@ class EventWriter(OutboxEvents):
         # duplicate window (2 min).
         fault_id = data.get("fault_id")
         if msg_id is None:
-            msg_id = f"{self.job_id}-{kind}-{fault_id if isinstance(fault_id, str) and fault_id else uuid.uuid4().hex}"
+            msg_id = (f"{self.job_id}-{kind}-{fault_id}" + (f"-{per}" if per else "")
+                      if isinstance(fault_id, str) and fault_id else f"{self.job_id}-{kind}-{uuid.uuid4().hex}")
         await self._writer.give(OutboxEntry(msg_id=msg_id, event=event), with_writes)
         return event
 

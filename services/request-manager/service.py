@@ -375,12 +375,9 @@ class RequestManager:
                 # (turn_regenerated events carry this fault id and the real token counts). In the
                 # outbox before the acknowledgement, in the log after it: the controller waits for
                 # the acknowledgement, not for the event log.
-                # Its own message id per replica: one fault can declare several replicas dead
-                # (a gang recovery borrowing two), and under the fault's id alone JetStream
-                # dropped every one after the first as a duplicate (an outside review).
+                # (one per replica: a fault can declare several dead, a gang recovery borrowing two)
                 await job.events.emit("work_lost", {"fault_id": fault_id, "turns": n, "tokens": 0,
-                                                    "steps_redone": 0},
-                                      msg_id=f"{msg.job_id}-work_lost-{fault_id}-{member_id}" if fault_id else None)
+                                                    "steps_redone": 0}, per=member_id)
                 job.dead_for[member_id] = (fault_id, n, True)
                 log.warning("job %s: replica %s dead, %d turns re-dispatched", msg.job_id, member_id, n)
         elif msg.action == "restart_step":
