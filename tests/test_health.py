@@ -111,7 +111,6 @@ from robustrl.health import watch_loop
 async def main():
     watch_loop("probe", os.environ)
     print("ready", flush=True)
-    await asyncio.sleep(0.5)
     if sys.argv[1] == "block":
         time.sleep(60)  # the loop blocked: nothing else runs
     await asyncio.sleep(float(sys.argv[2]))
