@@ -291,3 +291,56 @@ async def test_damaged_gang_records_trained_log_and_batches_give_a_resume_a_clea
         await redis.hset(Keys.gang(job), "durable", bad)
         with pytest.raises(StorageError, match="corrupt gang record"):
             await read_gang(redis, job)
+
+
+async def test_the_trainer_collects_its_fences_and_trained_log_one_checkpoint_behind(redis) -> None:  # type: ignore[no-untyped-def]
+    """A step's batch fence and trained-log entries go once the checkpoint after it is durable
+    too (the request manager keeps the step's batch that long): a resume from the checkpoint
+    before the newest redoes the steps after it and claims their fences again. Read raw."""
+    job = _job()
+
+    def steps() -> list[int]:
+        return [json.loads(x)["step"] for x in raw]
+
+    gang = GangFence(redis, job, 1)
+    for step in range(4):
+        assert await gang.claim(step, durable_step=step - 1) == "new"
+        await gang.record_trained(step, "c")
+    await gang.durable(0)  # the resume step: nothing behind it yet
+    assert await gang.collect() == -1
+    await gang.durable(2)
+    assert await gang.collect() == 0
+    assert [await redis.get(Keys.fence(job, s)) for s in range(4)] == [None, b"1", b"1", b"1"]
+    raw = await redis.lrange(Keys.trained_log(job), 0, -1)
+    assert steps() == [1, 2, 3]
+    # A newer gang resumes from 0 (checkpoint 2 rotted), redoes 1, and appends it after 3: the redo
+    # entry goes once the head reaches it; a damaged head entry goes too (counted, not stuck on).
+    redo = GangFence(redis, job, 2)
+    assert await redo.claim(1, durable_step=0) == "redo"
+    await redo.record_trained(1, "c")
+    await redis.lpush(Keys.trained_log(job), b"{not json")
+    await redo.durable(0)
+    await redo.durable(1)
+    assert await redo.collect() == 0  # through 0: nothing new (the marker already says 0)
+    await redo.durable(3)
+    assert await redo.collect() == 1
+    raw = await redis.lrange(Keys.trained_log(job), 0, -1)
+    assert steps() == [2, 3, 1]  # the redo of 1 is behind 3: kept until the head reaches it
+    assert await redis.get(Keys.fence(job, 1)) is None and await redis.get(Keys.fence_gc(job)) == b"1"
+    # The older gang may collect nothing any more.
+    gang._recorded = [2, 3]
+    with pytest.raises(StaleEpoch):
+        await gang.collect()
+    assert await redis.get(Keys.fence(job, 2)) == b"1"
+
+
+async def test_collection_catches_up_a_long_way_in_slices_and_past_a_damaged_marker(redis) -> None:  # type: ignore[no-untyped-def]
+    job = _job()
+    gang = GangFence(redis, job, 1)
+    await redis.mset({Keys.fence(job, s): b"1" for s in range(700)})
+    await redis.set(Keys.fence_gc(job), b"twelve")
+    await gang.durable(600)
+    await gang.durable(650)
+    assert await gang.collect() == 600
+    left = [s for s in range(700) if await redis.exists(Keys.fence(job, s))]
+    assert left == list(range(601, 700)) and await redis.get(Keys.fence_gc(job)) == b"600"

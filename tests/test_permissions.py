@@ -288,6 +288,21 @@ def _redis(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=2)
 
 
+async def _trainer_collects(url: str, job: str) -> None:
+    from robustrl.storage.fencing import GangFence
+    from robustrl.storage.redis_stores import connect
+
+    r = connect(url)
+    try:
+        fence = GangFence(r, job, 1)
+        assert await fence.claim(0, -1) == "new"
+        await fence.durable(0)
+        await fence.durable(2)
+        assert await fence.collect() == 0
+    finally:
+        await r.aclose()
+
+
 def test_redis_acl_per_role(infra, creds):
     job = "acl-" + uuid.uuid4().hex[:6]
     admin = _redis(infra.redis_url)
@@ -340,24 +355,34 @@ def test_redis_acl_per_role(infra, creds):
     assert rollout.lrem(outbox, 1, b"e2") == 1 and not admin.exists(outbox)
 
     # The request manager: its own keys (episodes, prefixes, step lists, batches, dispatch records,
-    # its outbox, restart count and GC marker; the fences and trained-log entries its GC deletes
-    # and trims); the job registry, the gang record and the pointer read only; nothing of the
-    # controller's. With
+    # its outbox, restart count and GC marker); the job registry, the gang record and the pointer
+    # read only; nothing of the controller's, nor the trainer's batch fences and trained log. With
     # ``~rrl:*`` it could mark a fault handled (the controller then never acted on it), raise the
-    # controller fencing counter or rewrite a job's record (an outside review).
+    # controller fencing counter or rewrite a job's record (an outside review); with the fences
+    # and the trained log, delete a gang's claim or forge a trained step.
     rm = _redis(role_settings(infra, creds, Principal.REQUEST_MANAGER).redis_url)
     for key in (Keys.episode(job, "e2"), Keys.prefix(job, "e2"), Keys.batch(job, 4), Keys.step_restarts(job),
                 Keys.rollout_gc(job)):
         assert rm.set(key, b"1") and rm.get(key) == b"1" and rm.delete(key) == 1
     assert rm.sadd(Keys.step_episodes(job, 4), "e2") == 1 and rm.delete(Keys.step_episodes(job, 4)) == 1
     assert rm.hset(Keys.dispatches(job), "e2", "{}") == 1 and rm.rpush(Keys.rm_outbox(job), b"x") == 1
-    assert rm.delete(Keys.dispatches(job), Keys.rm_outbox(job), f"rrl:{job}:fence:3") == 3
+    assert rm.delete(Keys.dispatches(job), Keys.rm_outbox(job)) == 2
     admin.hset(Keys.gang(job), mapping={"epoch": 1, "durable": 0})
-    admin.rpush(Keys.trained_log(job), b"{}")
-    assert rm.hmget(Keys.gang(job), ["epoch", "durable"]) == [b"1", b"0"] and rm.lrange(Keys.trained_log(job), 0, -1)
-    # (its rollout GC trims the trained log through each collected step, in a script: refused, the
-    # GC collected one step per durable checkpoint and fell behind, which the auditor caught)
-    assert rm.eval("return redis.call('ltrim', KEYS[1], 1, -1)", 1, Keys.trained_log(job)) == b"OK"
+    assert rm.hmget(Keys.gang(job), ["epoch", "durable"]) == [b"1", b"0"]
+    admin.rpush(Keys.trained_log(job), b'{"step": 0, "epoch": 1, "checksum": "c"}')
+    for forbidden in (lambda: rm.delete(f"rrl:{job}:fence:3"), lambda: rm.set(Keys.fence(job, 5), b"9"),
+                      lambda: rm.eval("return redis.call('ltrim', KEYS[1], 1, -1)", 1, Keys.trained_log(job)),
+                      lambda: rm.rpush(Keys.trained_log(job), b'{"step": 9, "epoch": 1, "checksum": "c"}'),
+                      lambda: rm.lpop(Keys.trained_log(job)), lambda: rm.set(Keys.fence_gc(job), b"99")):
+        with pytest.raises(redis.exceptions.ResponseError):
+            forbidden()
+    assert admin.get(f"rrl:{job}:fence:3") == b"1" and admin.llen(Keys.trained_log(job)) == 1
+    assert not admin.exists(Keys.fence(job, 5)) and not admin.exists(Keys.fence_gc(job))
+    # ... which the trainer collects itself, with its own credentials, once the checkpoint after
+    # a step is durable too (GangFence.collect, the script the trainer runs)
+    asyncio.run(_trainer_collects(role_settings(infra, creds, Principal.TRAINER).redis_url, job))
+    assert not admin.exists(f"rrl:{job}:fence:0") and admin.exists(f"rrl:{job}:fence:3")
+    assert admin.get(Keys.fence_gc(job)) == b"0" and admin.llen(Keys.trained_log(job)) == 0
     assert rm.get(f"rrl:{job}:weights:latest") == b"{}"
     for forbidden in (lambda: rm.sadd(Keys.faults_handled(job), "exit-trainer-e1-r0"),
                       lambda: rm.set(Keys.controller_fence(), 999999), lambda: rm.set(Keys.controller_lease(), "x"),

@@ -297,56 +297,28 @@ async def test_rollout_state_is_deleted_once_the_checkpoint_after_it_is_durable(
         for k in range(4):
             await eventually_async(lambda k=k: k in h.batches, timeout=20, what=f"step {k} handed over")
             await h.redis.set(Keys.fence(h.job_id, k), b"1")
-            await h.redis.rpush(Keys.trained_log(h.job_id), f'{{"step": {k}, "epoch": 1, "checksum": "c"}}')
             await h.commit(k, durable=k - 1)  # checkpoint of step k is still uploading
             await a.set_version(k + 1)
         # durable: 2 newest, 1 before it -> steps 0 and 1 go; 2 (and 3) stay for a resume from 1
         await eventually_async(lambda: _gone(h, steps=(0, 1)), timeout=10, what="steps 0 and 1 collected")
         keys = await h.raw_keys()
         for k in (2, 3):
-            assert Keys.batch(h.job_id, k) in keys and Keys.fence(h.job_id, k) in keys, (k, keys)
+            assert Keys.batch(h.job_id, k) in keys, (k, keys)
             assert len(await h.episode_keys(k)) == 4
         assert int(await h.redis.get(Keys.rollout_gc(h.job_id))) == 1
-        trained = [e for e in await h.redis.lrange(Keys.trained_log(h.job_id), 0, -1)]
-        assert len(trained) == 2 and b'"step": 2' in trained[0] and b'"step": 3' in trained[1]
+        # the trainer's keys of a step are the trainer's to collect (GangFence.collect)
+        assert all(Keys.fence(h.job_id, k) in keys for k in range(4)), keys
 
 
 async def _gone(h: Harness, steps: tuple[int, ...]) -> bool:
     keys = await h.raw_keys()
     for k in steps:
-        if {Keys.batch(h.job_id, k), Keys.fence(h.job_id, k), Keys.step_episodes(h.job_id, k)} & set(keys):
+        if {Keys.batch(h.job_id, k), Keys.step_episodes(h.job_id, k)} & set(keys):
             return False
         if await h.episode_keys(k):
             return False
     return True
 
-
-async def test_gc_trims_the_trained_log_through_the_durable_step_even_after_a_redo(servers):
-    from robustrl.storage.redis_stores import RolloutGC, connect
-
-    r = connect(servers.redis_url)
-    job = "gclog-1"
-    try:
-        # step 1 was redone by a newer gang after step 2 was logged
-        for step, epoch in [(0, 1), (1, 1), (2, 1), (1, 2), (3, 2)]:
-            await r.rpush(Keys.trained_log(job), f'{{"step": {step}, "epoch": {epoch}, "checksum": "c"}}')
-        gc = RolloutGC(r, job)
-        await gc.collect(0)
-        await gc.collect(1)
-        steps = [int(x.split(b'"step": ')[1].split(b",")[0]) for x in await r.lrange(Keys.trained_log(job), 0, -1)]
-        assert steps == [2, 1, 3]  # the redo entry goes once the head reaches it
-        await gc.collect(2)
-        steps = [int(x.split(b'"step": ')[1].split(b",")[0]) for x in await r.lrange(Keys.trained_log(job), 0, -1)]
-        assert steps == [3] and await gc.collected() == 2
-        # A damaged entry at the head is dropped with the next collection: the trim stopped at it,
-        # and the log was never trimmed again for the rest of the job.
-        await r.lpush(Keys.trained_log(job), b"{not json")
-        await r.rpush(Keys.trained_log(job), b'{"step": 4, "epoch": 2, "checksum": "c"}')
-        await gc.collect(3)
-        assert [x for x in await r.lrange(Keys.trained_log(job), 0, -1)] == [b'{"step": 4, "epoch": 2, "checksum": "c"}']
-    finally:
-        await r.delete(Keys.trained_log(job), Keys.rollout_gc(job))
-        await r.aclose()
 
 
 async def test_a_commit_message_lost_on_the_bus_costs_seconds_not_the_job(servers):

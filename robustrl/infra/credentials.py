@@ -45,18 +45,19 @@ def _patterns(prefix: str, *keys: str) -> str:
 
 
 # What the request manager makes and collects: episodes, prefixes, step lists, batches, its
-# dispatch records, its own keys (outbox, restart count, GC marker), and what its rollout GC
-# deletes or trims with a step: the step's batch fence, the trained log's entries through it.
+# dispatch records, its own keys (outbox, restart count, GC marker). The trainer's keys of a step
+# (its batch fence, its trained-log entries) are the trainer's to collect (GangFence.collect):
+# with write access here the request manager could delete a claim or forge a trained step.
 _RM_KEYS_RW = _patterns("~", Keys.episode(_ANY, _ANY), Keys.prefix(_ANY, _ANY),
                         Keys.step_episodes(_ANY, _ANY), Keys.batch(_ANY, _ANY),  # type: ignore[arg-type]
                         Keys.dispatches(_ANY), Keys.rm_outbox(_ANY), Keys.step_restarts(_ANY),
-                        Keys.rollout_gc(_ANY), Keys.fence(_ANY, _ANY), Keys.trained_log(_ANY))  # type: ignore[arg-type]
+                        Keys.rollout_gc(_ANY))
 # What it only reads: the job registry (its specs), the gang record, the weights pointer.
 _RM_KEYS_R = _patterns("%R~", Keys.jobs(), Keys.gang(_ANY), Keys.weights_latest(_ANY))
-# The trainer writes its gang record, the batch fences, the trained log, the weights pointer and
-# its event outbox; it reads the episodes, their prefixes, the step lists and the batches.
+# The trainer writes its gang record, the batch fences, the trained log (and its GC marker for
+# both), the weights pointer and its event outbox; it reads the episodes, their prefixes, the step lists and the batches.
 _TRAINER_KEYS_RW = _patterns("~", Keys.fence(_ANY, _ANY), Keys.trained_log(_ANY),  # type: ignore[arg-type]
-                             Keys.weights_latest(_ANY), Keys.gang(_ANY), Keys.trainer_outbox(_ANY))
+                             Keys.fence_gc(_ANY), Keys.weights_latest(_ANY), Keys.gang(_ANY), Keys.trainer_outbox(_ANY))
 _TRAINER_KEYS_R = _patterns("%R~", Keys.episode(_ANY, _ANY), Keys.prefix(_ANY, _ANY),
                             Keys.step_episodes(_ANY, _ANY), Keys.batch(_ANY, _ANY))  # type: ignore[arg-type]
 _SAFE_COMMANDS = "+@read +@write +@scripting +@transaction +@connection +select -@dangerous -@admin"

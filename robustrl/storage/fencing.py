@@ -13,6 +13,7 @@ durable record, batch claims, the trained log, and the weights pointer.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,6 +21,8 @@ import redis.asyncio as aioredis
 
 from robustrl.errors import StaleEpoch, StorageError
 from robustrl.storage.redis_stores import Keys, _call
+
+log = logging.getLogger(__name__)
 
 # Shared prefix of every fenced script: KEYS[1] is the gang record, ARGV[1] the writer's epoch.
 # Returns the newest epoch when the writer is older (refused), nil when it may write; a newer
@@ -82,6 +85,33 @@ return {1, epoch}
 
 _SET = _GUARD + "redis.call('SET', KEYS[2], ARGV[2]); return {1, epoch}"
 
+# The trainer's own garbage: KEYS[2] the trained log, KEYS[3] the GC marker, KEYS[4..] the batch
+# fences of steps through ARGV[2]. The fences go; the log is popped from its head while the step
+# is <= ARGV[2] (appended in step order; a redo appends an older step later and goes once the
+# head reaches it; a damaged head entry goes too, counted: stopping at it left the log untrimmed
+# for the rest of the job); the marker moves on. Returns {1, epoch, damaged entries dropped}.
+_COLLECT = _GUARD + """
+for i = 4, #KEYS do redis.call('DEL', KEYS[i]) end
+local bad = 0
+while true do
+  local head = redis.call('LINDEX', KEYS[2], 0)
+  if not head then break end
+  local ok, e = pcall(cjson.decode, head)
+  if not ok or type(e) ~= 'table' or tonumber(e['step']) == nil then
+    bad = bad + 1
+  elseif tonumber(e['step']) > tonumber(ARGV[2]) then
+    break
+  end
+  redis.call('LPOP', KEYS[2])
+end
+local done = tonumber(redis.call('GET', KEYS[3]) or '-1') or -1
+if tonumber(ARGV[2]) > done then redis.call('SET', KEYS[3], ARGV[2]) end
+return {1, epoch, bad}
+"""
+
+# Fences deleted per script call (a marker far behind, e.g. lost, is caught up in slices).
+_COLLECT_SLICE = 256
+
 Claim = Literal["new", "redo", "refused"]
 
 
@@ -108,26 +138,28 @@ class GangFence:
         self.job = job_id
         self.epoch = epoch
         self.key = Keys.gang(job_id)
+        self._recorded: list[int] = []
+        """The steps this gang recorded durable, in order (its resume step first)."""
         self._scripts = {name: client.register_script(src) for name, src in (
             ("enter", _ENTER), ("admit", _ADMIT), ("durable", _DURABLE), ("claim", _CLAIM),
-            ("append", _APPEND), ("record", _RECORD), ("set", _SET))}
+            ("append", _APPEND), ("record", _RECORD), ("set", _SET), ("collect", _COLLECT))}
 
-    async def _run(self, name: str, what: str, keys: list[str], *args: Any) -> tuple[int, int]:
+    async def _run(self, name: str, what: str, keys: list[str], *args: Any) -> list[int]:
         res = await _call(self._scripts[name](keys=[self.key, *keys], args=[str(self.epoch), *map(str, args)]),
                           keys[0] if keys else self.key)
         if len(res) < 2:
             # (a Lua nil ends the reply: the record's epoch or durable step is not a number)
             raise StorageError(f"gang record {self.key} is damaged (epoch or durable not a number): "
                                f"gang {self.epoch} cannot {what}", key=self.key)
-        code, value = int(res[0]), int(res[1])
-        if code == 0:
-            raise StaleEpoch(f"gang {self.epoch} may not {what}: gang {value} has taken over", epoch=self.epoch,
-                             newest=value, key=keys[0] if keys else self.key)
-        return code, value
+        out = [int(v) for v in res]
+        if out[0] == 0:
+            raise StaleEpoch(f"gang {self.epoch} may not {what}: gang {out[1]} has taken over", epoch=self.epoch,
+                             newest=out[1], key=keys[0] if keys else self.key)
+        return out
 
     async def enter(self) -> GangRecord:
         """Announce this gang (raising the record's epoch); return the record it found."""
-        _, durable = await self._run("enter", "start", [])
+        durable = (await self._run("enter", "start", []))[1]
         return GangRecord(self.epoch, durable)
 
     async def admit(self) -> None:
@@ -137,6 +169,39 @@ class GangFence:
     async def durable(self, step: int) -> None:
         """Record ``step`` as the newest durable checkpoint of this gang's lineage."""
         await self._run("durable", f"record checkpoint {step} durable", [], step)
+        if not self._recorded or step > self._recorded[-1]:
+            self._recorded = [*self._recorded[-1:], step]
+
+    async def collect(self) -> int:
+        """Delete this gang's keys no resume can need any more: the batch fences and trained-log
+        entries of every step through the durable checkpoint before the newest one this gang
+        recorded (its resume step, at first). One checkpoint's steps more are kept, as the
+        request manager keeps their batches (``RolloutGC``): the newest checkpoint may fail its
+        verification when a new gang loads it, and that gang redoes the steps after the one before
+        it, claiming their fences again. Returns the step collected through (-1: nothing yet).
+
+        Raises:
+            StaleEpoch: a newer gang has written (nothing deleted).
+            TransportError: Redis failed (the next call catches up: a marker says how far).
+        """
+        if len(self._recorded) < 2:
+            return -1
+        through = self._recorded[0]
+        marker = Keys.fence_gc(self.job)
+        raw = await _call(self.r.get(marker), marker)
+        try:
+            done = int(raw) if raw is not None else -1
+        except ValueError:
+            done = -1  # damaged: deleting from the start again deletes nothing twice
+        while done < through:
+            upto = min(through, done + _COLLECT_SLICE)
+            fences = [Keys.fence(self.job, s) for s in range(done + 1, upto + 1)]
+            bad = (await self._run("collect", f"collect through step {upto}",
+                                   [Keys.trained_log(self.job), marker, *fences], upto))[2]
+            if bad:
+                log.warning("%s: %d damaged entries dropped with step %d's", Keys.trained_log(self.job), bad, upto)
+            done = upto
+        return through
 
     async def claim(self, step: int, durable_step: int) -> Claim:
         """May this gang train batch ``step``, given its newest durable checkpoint?
@@ -144,7 +209,7 @@ class GangFence:
         Returns ``"new"`` (first claim, or ours already), ``"redo"`` (an older gang's result never
         became durable) or ``"refused"`` (trained in this durable lineage already).
         """
-        code, _ = await self._run("claim", f"claim batch {step}", [Keys.fence(self.job, step)], durable_step, step)
+        code = (await self._run("claim", f"claim batch {step}", [Keys.fence(self.job, step)], durable_step, step))[0]
         return {1: "new", 2: "redo", 3: "refused"}[code]  # type: ignore[return-value]
 
     async def record_trained(self, step: int, checksum: str, commit: str = "") -> None:

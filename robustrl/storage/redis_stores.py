@@ -205,6 +205,12 @@ class Keys:
         """Newest step whose rollout state the request manager has deleted (its checkpoint is durable)."""
         return f"rrl:{job}:rm:gc"
 
+    @staticmethod
+    def fence_gc(job: str) -> str:
+        """Newest step whose batch fence and trained-log entries the trainer has deleted (the
+        checkpoint after it is durable too; ``GangFence.durable``)."""
+        return f"rrl:{job}:trainer:gc"
+
 
 def _job_in(key: bytes | str, build: Callable[[str], str]) -> str | None:
     """The job id ``key`` was built from by ``build``, or None if it is not such a key or names no
@@ -480,33 +486,14 @@ class DispatchStore:
 
 class RolloutGC:
     """Deletes a step's rollout state once the checkpoint that consumed it is durable: episodes,
-    prefixes, the step's episode set, pending dispatches, the batch, its fence, and the entries of
-    the trained log up to that step. Redis then holds only what recovery can still need."""
-
-    # Pop trained-log entries from the head while their step is <= ARGV[1] (the log is appended
-    # in step order; a redo appends an older step later and is popped once the head reaches it).
-    # A damaged head entry (no step) is popped too, and counted: stopping at it left the log
-    # untrimmed for the rest of the job.
-    _TRIM = """
-    local n, bad = 0, 0
-    while true do
-      local head = redis.call('LINDEX', KEYS[1], 0)
-      if not head then break end
-      local ok, e = pcall(cjson.decode, head)
-      if not ok or type(e) ~= 'table' or tonumber(e['step']) == nil then
-        bad = bad + 1
-      elseif tonumber(e['step']) > tonumber(ARGV[1]) then
-        break
-      end
-      redis.call('LPOP', KEYS[1]); n = n + 1
-    end
-    return {n, bad}
-    """
+    prefixes, the step's episode set, pending dispatches and the batch. Redis then holds only what
+    recovery can still need. The trainer's keys of the step (its batch fence, its trained-log
+    entries) are the trainer's to delete (``GangFence.durable``): the request manager may not
+    write them."""
 
     def __init__(self, client: aioredis.Redis, job_id: str) -> None:
         self.r = client
         self.job = job_id
-        self._trim = self.r.register_script(self._TRIM)
 
     async def collected(self) -> int:
         """Newest step already deleted (-1 if none)."""
@@ -514,21 +501,18 @@ class RolloutGC:
         return -1 if raw is None else int(raw)
 
     async def collect(self, step: int) -> int:
-        """Delete every rollout key of ``step`` and trim the trained log through it; returns the
-        number of episodes deleted. Idempotent."""
+        """Delete every rollout key of ``step``; returns the number of episodes deleted.
+        Idempotent."""
         j = self.job
         ids = [m.decode() for m in await _call(self.r.smembers(Keys.step_episodes(j, step)), f"gc {step}")]
         keys = [Keys.episode(j, e) for e in ids] + [Keys.prefix(j, e) for e in ids]
-        keys += [Keys.step_episodes(j, step), Keys.batch(j, step), Keys.fence(j, step)]
+        keys += [Keys.step_episodes(j, step), Keys.batch(j, step)]
         pipe = self.r.pipeline(transaction=True)
         pipe.delete(*keys)
         if ids:
             pipe.hdel(Keys.dispatches(j), *ids)
         pipe.set(Keys.rollout_gc(j), str(step))
         await _call(pipe.execute(), f"gc step {step}")
-        _, bad = await _call(self._trim(keys=[Keys.trained_log(j)], args=[str(step)]), Keys.trained_log(j))
-        if bad:
-            log.warning("%s: %d damaged entries dropped with step %d's", Keys.trained_log(j), bad, step)
         return len(ids)
 
 

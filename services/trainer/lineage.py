@@ -155,3 +155,9 @@ class LoopFence:
 
     def durable(self, step: int) -> None:
         asyncio.run_coroutine_threadsafe(self.fence.durable(step), self.loop).result(self.timeout_s)
+        # The steps a resume can no longer need lose their fences and trained-log entries. Best
+        # effort: the checkpoint is durable whatever happens here, and the next one catches up.
+        try:
+            asyncio.run_coroutine_threadsafe(self.fence.collect(), self.loop).result(self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - garbage left is collected with the next checkpoint
+            log.warning("collecting the fences and trained log after checkpoint %d failed: %s", step, exc)
