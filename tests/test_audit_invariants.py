@@ -257,6 +257,24 @@ def test_a_step_trained_past_an_older_gangs_batch_claim_fails():
     assert any("does not parse" in v for v in judge(inp).violations()), _violations(judge(inp))
 
 
+def test_a_step_trained_without_its_batch_claim_fails():
+    """Every step trained after the trainer's fence collection must hold its batch claim: rank 0
+    claims each batch before training it (``GangFence.claim``), and without the claim nothing
+    stops a second gang from training it too. Steps through the collection marker are exempt."""
+    inp = gang_2_redoes_step_2(sound_job())
+    inp.redis.fences = {1: 1, 2: 2}
+    inp.redis.fences_collected = 0
+    assert judge(inp).ok, _violations(judge(inp))
+    inp.redis.fences = {2: 2}  # step 1 trained, never claimed (or its claim deleted)
+    report = judge(inp)
+    assert not report.checks["trained_once"].passed and any(
+        "step 1: trained by gang 1 without a batch claim" in v for v in report.violations()), _violations(report)
+    inp.redis.fences_collected = 1  # collected by the trainer: nothing to compare
+    assert judge(inp).ok, _violations(judge(inp))
+    inp.redis.fences_collected = None  # (not read: a synthetic input)
+    assert judge(inp).ok, _violations(judge(inp))
+
+
 def test_the_batch_claims_are_read_raw_from_redis(infra: Settings):
     """Claimed through the trainer's own fence (a gang 1 claim, then gang 2's redo of step 1),
     read back raw by the auditor's reader."""
@@ -268,7 +286,17 @@ def test_the_batch_claims_are_read_raw_from_redis(infra: Settings):
         await GangFence(r, job, 2).claim(1, 0)
 
     raw = _read_after(infra, job, 3, claim)
-    assert raw.fences == {0: 1, 1: 2}, raw.fences
+    assert raw.fences == {0: 1, 1: 2} and raw.fences_collected == -1, (raw.fences, raw.fences_collected)
+
+    async def collected(r: Any) -> None:
+        await claim(r)
+        gang = GangFence(r, job, 2)
+        await gang.durable(0)
+        await gang.durable(1)
+        await gang.collect()
+
+    raw = _read_after(infra, job, 3, collected)
+    assert raw.fences == {1: 2} and raw.fences_collected == 0, (raw.fences, raw.fences_collected)
 
 
 def test_a_live_sample_torn_by_the_steps_collection_is_no_sample(infra: Settings, monkeypatch):

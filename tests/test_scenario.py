@@ -327,15 +327,27 @@ def test_a_crash_timed_to_decoding_catches_turns_in_flight(stack, api) -> None: 
     decoding signal and carried out by the replica at its next batch's first token (``moment:
     mid_batch``: a kill sent from outside landed after the batch had ended, under load, suite51),
     and the request manager re-dispatches the crashed replica's turns (seen in the event log), at
-    most one turn regenerated per episode; the job finishes."""
+    most one turn regenerated per episode; the job finishes. The turns are judged by the auditor
+    from the raw stores (every batch sampled at hand-off): a crashed replica's reply and its
+    regenerated reply both in one episode, or a turn under a reused request id, fail it whatever
+    the request manager's own events say."""
     from jobs import kinds, small_job
+    from support import audit_sampled, sample_batches
 
     from robustrl.chaos.runner import run_job
 
     spec = small_job("deccrash", steps=5, tools={"latency_s": 0.6}, data={"tasks": ["lookup"]})
     scenario = Faults("deccrash", seed=2).crash("rollout", member=0, at_step=2, within_step="decoding").build()
-    report = asyncio.run(run_job(stack.settings, api, spec, scenario, step_time_s=0.3, timeout_s=120))
+    samplers: list = []
+
+    def sample(status: dict) -> None:
+        if not samplers:
+            samplers.append(sample_batches(stack.settings.redis_url, status["job_id"]))
+
+    report = asyncio.run(run_job(stack.settings, api, spec, scenario, step_time_s=0.3, timeout_s=120,
+                                 on_status=sample))
     assert report["status"] == "finished", report.get("error")
+    audit_sampled(stack.settings, report["job_id"], samplers[0])
     [ack] = report["injected"]
     assert ack["ok"] and ack["trigger"] == "decoding", (sorted(ack.items()), report["step_durations"])
     assert ack["moment"] == "mid_batch", ack

@@ -152,12 +152,19 @@ def training_records(inp: AuditInput) -> TrainingRecords:
     return rec
 
 
-def _fence_violations(fences: dict[int, int | None], committed_by: dict[int, int], finished: bool) -> list[str]:
+def _fence_violations(fences: dict[int, int | None], committed_by: dict[int, int], finished: bool,
+                      collected: int | None = None) -> list[str]:
     """A step's batch claim (``Keys.fence``, still in Redis) against who trained the step: a gang
     that trained a step whose claim an older gang holds wrote past the fence; a claim held by a
     newer gang than the last that trained the step is a redo never finished, which a finished job
-    cannot have."""
+    cannot have. With ``collected`` (the trainer's fence GC marker as read after the fences), a
+    step trained after it with no claim at all was trained unclaimed: nothing stopped a second
+    gang from training it too."""
     out = []
+    if collected is not None:
+        out.extend(f"step {step}: trained by gang {gang} without a batch claim (no fence, and the trainer "
+                   f"collected fences only through step {collected})"
+                   for step, gang in sorted(committed_by.items()) if step > collected and step not in fences)
     for step, holder in sorted(fences.items()):
         if holder is None:
             out.append(f"step {step}: the batch claim (fence) does not parse")
@@ -189,7 +196,8 @@ def check_trained_once(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, i
         res.violations.append(f"{rec.unparsable} trained-log entries do not parse")
     res.violations.extend(rec.checksum_mismatch)
     res.violations.extend(rec.past_fence)
-    res.violations.extend(_fence_violations(inp.redis.fences, rec.committed_by, facts.finished))
+    res.violations.extend(_fence_violations(inp.redis.fences, rec.committed_by, facts.finished,
+                                            inp.redis.fences_collected))
 
     ready = {(_int(e.data.get("epoch"))): e for e in of_kind(inp.events, "member_ready")
              if e.data.get("role", "trainer") == "trainer"}

@@ -90,6 +90,10 @@ class RawRedis:
     fences: dict[int, int | None] = field(default_factory=dict)
     """step -> the gang epoch holding the step's batch claim (``Keys.fence``; None: its value does
     not parse), for steps whose fence is still in Redis."""
+    fences_collected: int | None = None
+    """Newest step whose fence the trainer has deleted (``Keys.fence_gc``; -1: none, or the
+    marker does not parse); read after the fences, so a collection in between only moves it on.
+    None: not read (then no fence is required of a trained step)."""
 
     @property
     def total_bytes(self) -> int:
@@ -235,6 +239,11 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
             out.step_keys[k].extend(key for eid in sorted(ids)
                                     for key in (Keys.episode(job_id, eid), Keys.prefix(job_id, eid))
                                     if key in present)
+
+        marker = _unreadable_as_garbage(await r.pipeline(transaction=False).get(
+            Keys.fence_gc(job_id)).execute(raise_on_error=False))[0]
+        collected = _epoch(marker) if marker else None  # absent or not a number: every trained step needs its fence
+        out.fences_collected = -1 if collected is None else collected
 
         trained_key = Keys.trained_log(job_id)
         kind = (await r.type(trained_key)).decode()
