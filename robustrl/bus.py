@@ -69,7 +69,10 @@ EVENT_FETCH_RETRY_WAIT_S = 0.25
 EVENT_READER_IDLE_S = 60.0
 """How long JetStream keeps a log reader's consumer between two of its fetches."""
 EVENT_FETCH_TIMEOUT_S = 1.0
-"""One fetch while reading the event log; an empty fetch ends the read."""
+"""One fetch while reading the event log; an empty fetch ends the read once nothing is pending."""
+EVENT_FETCH_STALLS = 8
+"""Empty fetches (each ``EVENT_FETCH_TIMEOUT_S``) a log read sits through while JetStream still
+counts events pending for it, before it gives up with an error rather than return part of the log."""
 EVENT_PUBLISH_RETRY_S = 30.0
 """How long an event is retried while JetStream is away (server restart, leader change)."""
 DURABLE_DRAIN_S = 4.0
@@ -435,15 +438,31 @@ class Bus:
                                             config=ConsumerConfig(ack_policy=AckPolicy.NONE,
                                                                   inactive_threshold=EVENT_READER_IDLE_S))
         events = EventLog()
-        unavailable = 0
+        unavailable = stalls = 0
+        pending: int | None = None  # after the last message read (None: none read yet)
         try:
             # To the end of the log, however long: each message says how many are still pending
-            # after it. ``timeout`` bounds one fetch (no message at all within it: nothing left).
+            # after it. ``timeout`` bounds one fetch. A fetch that gets nothing ends the read only
+            # when nothing is pending: on a loaded host one can come back empty mid-log, and the
+            # read returned a prefix of the log as the whole of it (a takeover's catch-up missed
+            # commits, a report and an ETTR were computed short; an outside review).
             while True:
                 try:
                     batch = await sub.fetch(512, timeout=min(timeout, EVENT_FETCH_TIMEOUT_S))
                 except (TimeoutError, NatsTimeout):
-                    break
+                    if pending is None:
+                        try:
+                            pending = (await sub.consumer_info()).num_pending
+                        except Exception as exc:
+                            raise TransportError(f"event log of {job_id}: its reader's state unavailable: "
+                                                 f"{exc}") from exc
+                    if not pending:
+                        break
+                    stalls += 1
+                    if stalls > EVENT_FETCH_STALLS:
+                        raise TransportError(f"event log of {job_id}: {pending} events still pending after "
+                                             f"{stalls} fetches got none (read {len(events)})") from None
+                    continue
                 except JsAPIError as exc:  # JetStream busy (503 on a loaded host): retry, bounded
                     unavailable += 1
                     if unavailable > EVENT_FETCH_RETRIES:
@@ -456,7 +475,9 @@ class Bus:
                     except MessageError as exc:
                         events.skipped += 1
                         log.warning("skipping bad event: %s", exc)
-                if not batch or batch[-1].metadata.num_pending == 0:
+                if batch:
+                    pending = batch[-1].metadata.num_pending
+                if not batch or pending == 0:
                     break
         finally:
             await sub.unsubscribe()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -42,7 +43,8 @@ from test_controller_runtime import (  # idle_members: an autouse fixture, activ
     Rig,
     _ignores_handoff,
     _usurp,
-    idle_members,  # noqa: F401
+    idle_members,
+    leading_job_at_step_0,  # noqa: F401
     of_kind,
     running,
     spec,
@@ -357,3 +359,68 @@ async def test_a_replica_whose_hand_off_failed_is_not_killed_by_a_deposed_leader
     record = raw_job_record(rig.settings.redis_url, job.job_id)
     assert "trainer-e2-r1" not in record["members"], sorted(record["members"])
     assert record["members"][refused[0]].get("handle"), record["members"][refused[0]]
+
+
+async def test_a_deposed_leaders_stop_reaches_no_one(rig: Rig) -> None:
+    """A stop asked of a leader a standby has just deposed: its record of the stop is refused
+    (fenced by the lease), and the stop must end there. The request manager and the detector admit
+    any token not older than the last they saw: the stop sent on (before) ended the runner of a job
+    the new leader found running, and the detector stopped watching every member (an outside
+    review). Judged from the control subject, /proc and the raw record."""
+    c, job = await leading_job_at_step_0(rig, "depstop")
+    watch = ControlWatch(job.job_id)
+    await watch.start(rig)
+    pids = pids_of(job, but="")
+    _usurp(rig.settings)  # a standby took the lease over; this leader has not noticed yet
+    with pytest.raises(LeaseLost):
+        await c.stop_job(job.job_id)
+    heard = [(m.target, m.action) for m in await watch.settled()]
+    assert ("request_manager", "stop") not in heard, heard
+    assert not not_running(pids), f"members stopped by a deposed leader: {not_running(pids)}"
+    record = raw_job_record(rig.settings.redis_url, job.job_id)
+    assert not record.get("stop_owed") and record.get("status") == "running", record
+
+
+async def test_a_fault_is_marked_handled_only_with_the_record_of_its_decision(rig: Rig,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader is deposed while it decides on a fault: the record of the decision is refused,
+    so the fault must stay unhandled in Redis for the new leader (its inbox delivers it again).
+    It was marked handled first, in a write of its own: a leader killed or deposed between the two
+    left a fault handled whose decision no record held (an ignored weights fault owed a recheck
+    after a recovery: the replica stayed stuck; an outside review). Read raw from Redis."""
+    import redis as redis_sync
+
+    from robustrl.messages import FaultReport
+    from robustrl.storage.redis_stores import Keys
+
+    c, job = await leading_job_at_step_0(rig, "markrec")
+    real = c.recovery._handle_locked
+    outcome: list[BaseException | None] = []
+
+    async def deposed_while_deciding(j: JobRun, fault: Any) -> None:
+        await real(j, fault)
+        _usurp(rig.settings)
+
+    async def handle(fault: Any) -> None:
+        try:
+            await real_handle(fault)
+        except BaseException as exc:
+            outcome.append(exc)
+            raise
+        outcome.append(None)
+
+    real_handle = c.recovery.handle
+    monkeypatch.setattr(c.recovery, "_handle_locked", deposed_while_deciding)
+    monkeypatch.setattr(c.recovery, "handle", handle)
+    assert rig.bus
+    fault = FaultReport(job_id=job.job_id, fault_id="mark-1", role="rollout", member_id="rollout-0-i0",
+                        kind="unresponsive", evidence="test", detected_at=time.time(), step=0,
+                        fault_at=time.time() - 1)
+    await rig.bus.publish(subject(job.job_id, Verb.FAULT), fault)
+    await eventually_async(lambda: outcome, timeout=20, what="the fault handled (or given up)")
+    assert isinstance(outcome[0], LeaseLost), outcome
+    r = redis_sync.Redis.from_url(rig.settings.redis_url)
+    try:
+        assert not r.sismember(Keys.faults_handled(job.job_id), "mark-1"), "marked handled with its record refused"
+    finally:
+        r.close()

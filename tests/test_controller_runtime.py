@@ -1075,11 +1075,11 @@ async def test_a_record_written_under_the_token_the_keeper_just_replaced_is_writ
     real_put = a.registry.put
     refused: list[int | None] = []
 
-    async def keeper_meanwhile(job_id: str, record: dict[str, Any], fence: int | None = None) -> bool:
+    async def keeper_meanwhile(job_id: str, record: dict[str, Any], fence: int | None = None, **kw: Any) -> bool:
         if not refused:  # the key expired; the keeper takes it again as this write is on its way
             await rig.redis.delete(Keys.controller_lease())
             assert await a.lease.try_acquire()
-        ok = await real_put(job_id, record, fence=fence)
+        ok = await real_put(job_id, record, fence=fence, **kw)
         if not ok:
             refused.append(fence)
         return ok
@@ -1815,11 +1815,11 @@ async def test_a_failed_start_whose_final_write_fails_is_still_failed_and_its_me
     real_put = c.registry.put
     refused: list[str] = []
 
-    async def put(job_id: str, record: dict, fence: int | None = None) -> bool:  # type: ignore[type-arg]
+    async def put(job_id: str, record: dict, fence: int | None = None, **kw: Any) -> bool:  # type: ignore[type-arg]
         if record.get("status") == "failed" and not refused:
             refused.append(job_id)
             raise TimeoutError("the job record's write timed out (test)")
-        return await real_put(job_id, record, fence=fence)
+        return await real_put(job_id, record, fence=fence, **kw)
 
     monkeypatch.setattr(c.launcher, "start", start)
     monkeypatch.setattr(c.registry, "put", put)
@@ -1964,10 +1964,10 @@ async def test_a_delete_as_soon_as_the_job_reads_finished_is_not_refused_as_acti
     await rig.hello_all(c, job.job_id)
     real = c.persist
 
-    async def slow_final_write(j: JobRun) -> bool:
+    async def slow_final_write(j: JobRun, **kw: Any) -> bool:
         if j.job_id == job.job_id and j.status == "finished":
             await asyncio.sleep(1.0)  # the final record's write, slow (a loaded Redis)
-        return await real(j)
+        return await real(j, **kw)
 
     monkeypatch.setattr(c, "persist", slow_final_write)
     await rig.commit(job.job_id, 0)
@@ -1994,14 +1994,14 @@ async def test_a_delete_whose_wait_for_the_final_write_runs_out_is_refused_then_
     real = c.persist
     written = asyncio.Event()
 
-    async def slower_final_write(j: JobRun) -> bool:
+    async def slower_final_write(j: JobRun, **kw: Any) -> bool:
         if j.job_id == job.job_id and j.status == "finished":
             await asyncio.sleep(3.0)  # the final record's write, far slower than the wait
             try:
-                return await real(j)
+                return await real(j, **kw)
             finally:
                 written.set()
-        return await real(j)
+        return await real(j, **kw)
 
     monkeypatch.setattr(c, "persist", slower_final_write)
     await rig.commit(job.job_id, 0)
@@ -2029,13 +2029,13 @@ async def test_an_exit_handled_again_after_a_late_failure_logs_nothing_twice(rig
     real = c.persist
     blips: list[str] = []
 
-    async def blip_once(j: JobRun) -> bool:
+    async def blip_once(j: JobRun, **kw: Any) -> bool:
         import sys
 
         if not blips and sys._getframe(1).f_code.co_name == "on_exit":  # the exit's own last write
             blips.append(j.job_id)
             raise RuntimeError("redis blip at the record's write (test)")
-        return await real(j)
+        return await real(j, **kw)
 
     monkeypatch.setattr(c, "persist", blip_once)
     os.killpg(job.members["rollout-1-i0"].pid, signal.SIGKILL)  # type: ignore[arg-type]

@@ -101,3 +101,47 @@ def test_a_turn_result_the_trainer_could_not_train_on_is_refused_naming_the_fiel
     assert err.value.field == field
     ok = decode(TurnResult, json.dumps({**body, "token_ids": [5, 6], "logprobs": [-0.1, -0.2]}).encode(), "s")
     assert ok.token_ids == [5, 6]
+
+
+@pytest.mark.parametrize("stalls", [1, 99])
+async def test_a_log_read_that_stalls_mid_log_returns_all_of_it_or_an_error(
+        infra: Settings, monkeypatch: pytest.MonkeyPatch, stalls: int) -> None:
+    """A fetch of the event log that gets nothing within its bound while JetStream still counts
+    events pending (a loaded host) ended the read: a prefix of the log came back as the whole of
+    it (a takeover's catch-up missed commits; a report, an ETTR computed short). Now the read
+    goes on while events are pending, and one that stalls past its bound is an error, never a
+    shortened log. 700 events stored in the real JetStream; the stall is a fetch that times out
+    after the first 512."""
+    from nats.js.client import JetStreamContext
+
+    from robustrl import bus as bus_mod
+    from robustrl.errors import TransportError
+
+    bus = await Bus.connect(infra.nats_url, "test-log-stall")
+    job = f"stall-{uuid.uuid4().hex[:8]}"
+    try:
+        await bus.ensure_event_stream()
+        subj = events(job, "note", "controller")
+        for first in range(0, 700, 100):
+            acks = [bus._js.publish(subj, _raw(job, "note", {"n": n})) for n in range(first, first + 100)]
+            for ack in acks:
+                await ack
+        real = JetStreamContext.PullSubscription.fetch
+        calls: list[int] = []
+
+        async def stalling(self, batch: int = 1, timeout: float | None = 5, heartbeat: float | None = None):  # type: ignore[no-untyped-def]
+            calls.append(batch)
+            if 1 < len(calls) <= 1 + stalls:
+                raise TimeoutError("test: nothing within the fetch's bound")
+            return await real(self, batch, timeout)
+
+        monkeypatch.setattr(JetStreamContext.PullSubscription, "fetch", stalling)
+        monkeypatch.setattr(bus_mod, "EVENT_FETCH_STALLS", 3, raising=False)
+        if stalls > 3:
+            with pytest.raises(TransportError, match="still pending"):
+                await bus.read_events(job)
+        else:
+            log = await bus.read_events(job)
+            assert [e.data["n"] for e in log] == list(range(700)), len(log)
+    finally:
+        await bus.close()

@@ -176,12 +176,18 @@ class JobRegistry:
     must not overwrite, with its stale view, the record the new leader acts on (e.g. the rollout
     slots still owed a replacement after a borrow)."""
 
+    # KEYS[3] (optional): a set to add ARGV[4] to in the same write, with expiry ARGV[5] s (a
+    # fault marked handled with the record that holds its decision: both or neither).
     _FENCED_PUT = """
 local newest = tonumber(redis.call('GET', KEYS[2]) or '0')
 if newest > tonumber(ARGV[3]) then
   return 0
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if KEYS[3] then
+  redis.call('SADD', KEYS[3], ARGV[4])
+  redis.call('EXPIRE', KEYS[3], ARGV[5])
+end
 return 1
 """
 
@@ -206,14 +212,26 @@ return redis.call('HDEL', KEYS[1], ARGV[1])
                                       int(fence)), Keys.jobs())
         return int(res) >= 0
 
-    async def put(self, job_id: str, record: dict[str, Any], fence: int | None = None) -> bool:
+    async def put(self, job_id: str, record: dict[str, Any], fence: int | None = None,
+                  handled: tuple[str, str, int] | None = None) -> bool:
         """Write ``job_id``'s record; False (nothing written) if ``fence`` is older than the newest
-        controller lease term. Without a fence the write is unconditional."""
+        controller lease term. Without a fence the write is unconditional. ``handled``: (set key,
+        member, expiry s) added in the same fenced write (a fault marked handled only with the
+        record of what was decided for it)."""
         if fence is None:
-            await _call(self.r.hset(Keys.jobs(), job_id, json.dumps(record)), Keys.jobs())
+            pipe = self.r.pipeline(transaction=True)
+            pipe.hset(Keys.jobs(), job_id, json.dumps(record))
+            if handled is not None:
+                pipe.sadd(handled[0], handled[1])
+                pipe.expire(handled[0], int(handled[2]))
+            await _call(pipe.execute(), Keys.jobs())
             return True
-        ok = await _call(self.r.eval(self._FENCED_PUT, 2, Keys.jobs(), Keys.controller_fence(), job_id,
-                                     json.dumps(record), int(fence)), Keys.jobs())
+        keys = [Keys.jobs(), Keys.controller_fence()]
+        args: list[Any] = [job_id, json.dumps(record), int(fence)]
+        if handled is not None:
+            keys.append(handled[0])
+            args += [handled[1], int(handled[2])]
+        ok = await _call(self.r.eval(self._FENCED_PUT, len(keys), *keys, *args), Keys.jobs())
         return bool(int(ok))
 
     async def get(self, job_id: str) -> dict[str, Any] | None:

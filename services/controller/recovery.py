@@ -106,11 +106,6 @@ class RecoveryExecutor:
             return True
         return bool(await self.c.redis.sismember(Keys.faults_handled(job.job_id), fault_id))
 
-    async def _mark(self, job: JobRun, fault_id: str) -> None:
-        self._handled.add((job.job_id, fault_id))
-        key = Keys.faults_handled(job.job_id)
-        await self.c.redis.sadd(key, fault_id)
-        await self.c.redis.expire(key, HANDLED_TTL_S)
 
     async def handle(self, fault: FaultReport) -> None:
         """Decide and act on one fault report, once per fault id."""
@@ -120,19 +115,30 @@ class RecoveryExecutor:
             # is unknown here, and the inbox would acknowledge its fault for good.
             raise LeaseLost(f"controller {self.c.owner} does not hold the newest lease term; fault "
                             f"{fault.fault_id} of an unknown job is left for the leader")
-        if job is None or job.done or not self.c.leading:
+        if job is None or not self.c.leading:
             return
         async with self.lock:
-            if job.done or await self._seen(job, fault.fault_id):
+            if not job.done and await self._seen(job, fault.fault_id):
                 return
             if not await self.c.leads():
                 # A newer lease term began and this controller has not noticed yet (frozen past its
-                # lease): it must not kill or start anything on its stale view.
+                # lease): it must not kill or start anything on its stale view, nor drop the fault
+                # as one of a job it is stopping (the new leader may have found the job running:
+                # this one's stop never reached the record).
                 raise LeaseLost(f"controller {self.c.owner} does not hold the newest lease term; fault "
                                 f"{fault.fault_id} is left for the leader")
+            if job.done:
+                return
             await self._handle_locked(job, fault)
-            await self._mark(job, fault.fault_id)
-            await self.c.persist(job)
+            # Marked handled in the write of the record that holds what was decided (both or
+            # neither): marked first, a controller killed before the record's write left a fault
+            # handled whose decision no one held (an ignored weights fault owed a recheck after the
+            # recovery: the replica stayed stuck; an outside review).
+            if not await self.c.persist(job, handled=(Keys.faults_handled(job.job_id), fault.fault_id,
+                                                      HANDLED_TTL_S)):
+                raise LeaseLost(f"controller {self.c.owner}: the record of fault {fault.fault_id}'s decision "
+                                "was refused (a newer lease term has begun): the fault is left for the leader")
+            self._handled.add((job.job_id, fault.fault_id))
 
     async def _handle_locked(self, job: JobRun, fault: FaultReport) -> None:
         injected_at = job.injected_at.pop(fault.member_id, None)

@@ -340,8 +340,9 @@ class Controller:
     async def _fenced_epoch(self, job: JobRun) -> int:
         return (await read_gang(self.redis, job.job_id)).epoch
 
-    async def persist(self, job: JobRun) -> bool:
-        """Write the job's record. One write per job at a time, each built from the state at its turn:
+    async def persist(self, job: JobRun, handled: tuple[str, str, int] | None = None) -> bool:
+        """Write the job's record (``handled``: a fault marked handled in the same write,
+        ``JobRegistry.put``). One write per job at a time, each built from the state at its turn:
         two concurrent writes on separate Redis connections can land in either order, and a record
         built before a member was started, landing last, dropped that member from what a restarted
         controller adopts (test_controller_killed_then_frozen_mid_step_restarts_no_member).
@@ -353,7 +354,8 @@ class Controller:
         async with self.persist_lock(job.job_id):
             if job.deleting is not None and self.jobs.get(job.job_id) is not job:
                 return True  # deleted meanwhile (``deletion``): its record must not come back
-            if await self.fenced(lambda fence: self.registry.put(job.job_id, job.to_record(), fence=fence)):
+            if await self.fenced(lambda fence: self.registry.put(job.job_id, job.to_record(), fence=fence,
+                                                                 handled=handled)):
                 return True
             log.error("job %s: record not written: a newer controller lease term (> token %d) has begun",
                       job.job_id, self.lease.token)
@@ -797,8 +799,14 @@ class Controller:
 
     async def _carry_out_stop(self, job: JobRun, stop: dict[str, Any], status: str, reason: str | None) -> JobRun:
         # The stop in the record first: a leader that dies part-way leaves it to the next
-        # (``JobRun.stop_owed``), which found the job running with its members stopped.
-        await self.persist(job)
+        # (``JobRun.stop_owed``), which found the job running with its members stopped. A record
+        # refused (a newer lease term began) ends the stop here: the request manager and the
+        # detector, which admit any token not older than the last they saw, would have taken this
+        # deposed controller's stop (the runner of a job the new leader found running stopped, its
+        # members no longer watched; an outside review).
+        if not await self.persist(job):
+            raise LeaseLost(f"job {job.job_id}: not stopped: controller {self.owner}'s record of the stop was "
+                            "refused (a newer lease term began)")
         # (the request manager acknowledges once the job's events are in its log, up to its
         # STOP_DRAIN_S: the final event then ends the log)
         rm_acked = await self.control_rm(job, "stop", attempts=1, timeout_s=RM_STOP_DRAIN_S + RM_ACK_TIMEOUT_S,
