@@ -43,8 +43,8 @@ from test_controller_runtime import (  # idle_members: an autouse fixture, activ
     Rig,
     _ignores_handoff,
     _usurp,
-    idle_members,
-    leading_job_at_step_0,  # noqa: F401
+    idle_members,  # noqa: F401
+    leading_job_at_step_0,
     of_kind,
     running,
     spec,
