@@ -333,13 +333,14 @@ async def test_relaying_pullers_each_chunk_leaves_the_trainer_once(kind: str, ve
 # -- a frozen subscriber (SIGSTOPped replica, partitioned link) must not stop the source -----------
 
 
-async def _others_pull_past(manifest: Manifest, trainer: WeightServer, servers) -> None:
+async def _others_pull_past(manifest: Manifest, trainer: WeightServer, servers, stall_timeout_s: float = 2.0) -> None:
     """Two relaying pullers complete from ``trainer`` while a frozen subscriber holds its only
     upload place, without giving up on the trainer."""
     relays = [await servers() for _ in range(2)]
     sources = [trainer.address, *(r.address for r in relays)]
     results = await asyncio.wait_for(asyncio.gather(
-        *(pull(manifest, sources, relay=r, seed=i, stall_timeout_s=2.0) for i, r in enumerate(relays))), 20)
+        *(pull(manifest, sources, relay=r, seed=i, stall_timeout_s=stall_timeout_s)
+          for i, r in enumerate(relays))), 20)
     for buf, stats in results:
         assert _checksum(buf, manifest) == manifest.checksum
         assert trainer.address not in stats.failed_sources  # the trainer was never marked dead
@@ -365,15 +366,22 @@ async def test_a_subscriber_frozen_after_an_offer_loses_it_and_others_pull_on(ki
         await frozen.close()
 
 
-async def test_a_subscriber_that_stops_reading_mid_chunk_loses_the_upload_slot(kind: str, version, servers) -> None:
+@pytest.mark.parametrize("bounds", ["tuned", "defaults"])
+async def test_a_subscriber_that_stops_reading_mid_chunk_loses_the_upload_slot(kind: str, version, servers,
+                                                                                bounds: str) -> None:
     """A raw socket with a tiny receive window takes a chunk and then reads nothing: the chunk's
-    send stalls at the source, which ends that connection after ``send_timeout_s``. (The others
-    finish ~2.5 s in: the chunk it took counts as sent, so patient pullers get it from the
-    publisher only once they starve, ``STARVE_S``.)"""
+    send stalls at the source, which ends that connection after ``send_timeout_s`` (tuned: 0.5 s)
+    or, with the server's defaults, once the bytes stood still for ``send_stall_s`` (2 s; the
+    pullers at the replicas' own 3-s stall bound). With the defaults the stalled send held the
+    source's one upload slot for the whole 30-s send bound: the others waited out their pulls
+    (an outside review, reproduced). (The others finish ~2.5 s in: the chunk it took counts as
+    sent, so patient pullers get it from the publisher only once they starve, ``STARVE_S``.)"""
+    from robustrl.services.rollout.loader import STALL_TIMEOUT_S
+
     if kind != "tcp":
         pytest.skip("a raw socket with a tiny receive window: TCP only")
     buffer, manifest, _ = version
-    trainer = await servers(send_timeout_s=0.5)
+    trainer = await (servers(send_timeout_s=0.5) if bounds == "tuned" else servers())
     trainer.add_version(manifest, buffer)
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -395,7 +403,7 @@ async def test_a_subscriber_that_stops_reading_mid_chunk_loses_the_upload_slot(k
         # on the source's slot: the stalled upload holds it only for send_timeout_s (0.5 s), which
         # a loaded machine's event loop can outlast (a poll for it failed in a full suite).
         await asyncio.sleep(0.2)
-        await _others_pull_past(manifest, trainer, servers)
+        await _others_pull_past(manifest, trainer, servers, 2.0 if bounds == "tuned" else STALL_TIMEOUT_S)
         assert trainer.load() == 0 and trainer._pipeline == 0
         assert not trainer._slots.locked()  # its upload slot came back
     finally:

@@ -74,6 +74,13 @@ DEFAULT_SEND_TIMEOUT_S = 30.0
 """Longest a chunk's bytes may take to leave once its upload slot is taken; past it the
 connection ends (a receiver that stopped reading holds the slot otherwise). 30 s: a 4 MiB chunk
 at ~1 Mbit/s."""
+DEFAULT_SEND_STALL_S = 2.0
+"""Longest a chunk's bytes may stand still once its upload slot is taken (the transport sends it in
+``SEND_SLICE`` pieces, each bounded so). A receiver frozen mid-chunk (a SIGSTOPped replica) held
+the server's one slot for the whole ``DEFAULT_SEND_TIMEOUT_S``: no one else got a byte from this
+source, and the subscriber lined up behind it gave the source up as dead after its own 3-s stall
+bound (an outside review, reproduced). Below the replicas' stall bound (``STALL_TIMEOUT_S``, 3 s),
+so the next in line is served before it gives up."""
 MAX_UNKNOWN_BODY = SUB_HEAD.size + (1 << 20)
 """Longest subscriber message read for a version not held here (a bitmap of 8M chunks)."""
 OFFER_SIZE = 32
@@ -238,12 +245,14 @@ class WeightServer(RequestHandler):
         upload_slots: chunks sent at once (see the module docstring).
         answer_timeout_s: longest wait for a subscriber's answer to an offer (``DEFAULT_ANSWER_TIMEOUT_S``).
         send_timeout_s: longest a chunk's bytes may take to leave (``DEFAULT_SEND_TIMEOUT_S``).
+        send_stall_s: longest they may stand still (``DEFAULT_SEND_STALL_S``).
     """
 
     def __init__(self, transport: str = "tcp", host: str = "127.0.0.1", port: int = 0,
                  max_versions: int = 2, fault: Fault | None = None,
                  upload_slots: int = DEFAULT_UPLOAD_SLOTS, answer_timeout_s: float = DEFAULT_ANSWER_TIMEOUT_S,
-                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
+                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+                 send_stall_s: float = DEFAULT_SEND_STALL_S) -> None:
         if max_versions < 1:
             raise WeightSyncError("max_versions must be >= 1", max_versions=max_versions)
         if upload_slots < 1:
@@ -260,6 +269,7 @@ class WeightServer(RequestHandler):
         self.upload_slots = upload_slots
         self.answer_timeout_s = answer_timeout_s
         self.send_timeout_s = send_timeout_s
+        self.send_stall_s = send_stall_s
         self.pick_s: deque[float] = deque(maxlen=100_000)
         """Seconds each offer's pick took here (which subscriber, which chunks: the source's share of
         the scheduling cost per chunk)."""

@@ -51,6 +51,10 @@ NOTSENT_LOWAT = 64 << 10
 the whole chunk sits in a 4 MiB socket buffer (where 16 chunks "sent" at once then shared the
 link). 64 KiB: a small overlap of one upload with the next, and at loopback rates (GB/s) a wakeup
 per 64 KiB measured no slower than 256 KiB or none."""
+SEND_SLICE = 128 << 10
+"""Bytes handed to one bounded ``sock_sendall`` (``_sendall``): each slice must leave within the
+handler's ``send_stall_s`` (128 KiB in 2 s: on a link of 1 Mbit/s or faster, a receiver that
+reads is never taken for one that stopped)."""
 
 
 def close_socket(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
@@ -160,6 +164,18 @@ class TcpServer(TransportServer):
             body = bytes(buf)
         return op, index, version, body
 
+    async def _sendall(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, data: bytes | memoryview) -> None:
+        """``sock_sendall`` in ``SEND_SLICE`` pieces, each bounded by the handler's ``send_stall_s``:
+        a receiver that stopped reading (frozen, cut off) ends its connection within that long of
+        the last bytes it took (TimeoutError, an OSError), not after the whole send bound."""
+        stall = self._handler.send_stall_s
+        if stall is None:
+            await loop.sock_sendall(sock, data)
+            return
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), SEND_SLICE):
+            await within(loop.sock_sendall(sock, view[start:start + SEND_SLICE]), stall)
+
     async def _send(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, reply: Reply) -> None:
         sent = 0
         try:
@@ -168,16 +184,16 @@ class TcpServer(TransportServer):
             # a receiver that stopped reading (frozen, cut off) must not keep the upload slot: past
             # the limit TimeoutError (an OSError) ends this connection; one timer per reply
             async with asyncio.timeout(self._handler.send_timeout_s):
-                await loop.sock_sendall(sock, HEADER.pack(reply.status, self._handler.load(), len(payload)))
+                await self._sendall(loop, sock, HEADER.pack(reply.status, self._handler.load(), len(payload)))
                 part = payload if reply.cut_after is None else payload[:reply.cut_after]
                 half = len(part) // 2
                 if reply.is_chunk and half:
                     # sendall returns once all but NOTSENT_LOWAT of what it was given has left
-                    await loop.sock_sendall(sock, part[:half])
+                    await self._sendall(loop, sock, part[:half])
                     sent = half
                     self._handler.halfway(reply)
                 if len(part) > sent:
-                    await loop.sock_sendall(sock, part[sent:])
+                    await self._sendall(loop, sock, part[sent:])
                 sent = len(part)
         finally:
             self._handler.done(reply, sent)

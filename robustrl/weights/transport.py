@@ -207,6 +207,9 @@ class RequestHandler(abc.ABC):
     send_timeout_s: float | None = None
     """Longest a reply's bytes may take to leave once its upload slot is taken; past it the
     connection ends (its slot is freed). None: no limit."""
+    send_stall_s: float | None = None
+    """Longest a reply's bytes may stand still (nothing of it leaves) once its upload slot is
+    taken; past it the connection ends (its slot is freed). None: no limit."""
 
     def max_body(self, version: int) -> int:
         """Longest SUB/TAKE/PASS body about ``version`` the transport reads (a longer one ends
