@@ -545,3 +545,27 @@ def test_auditor_catches_each_corruption_of_the_raw_stores(stack, api, infra):
                                 ["audit", job_id, "--json", "--no-redis-bound"], env=infra.to_env())
     assert result.exit_code == 1, result.output
     assert json.loads(result.stdout)["replicas_served_bad_weights"] == 1
+
+
+def test_turns_of_a_version_the_training_gang_made_with_other_weights_must_be_dropped():
+    """Gang 2 resumed below gang 1's newest version and made v2 again with other weights (a
+    rollback on a GPU, where a redo need not be bit-identical); step 2's turns were made by
+    replicas still serving gang 1's v2. Trained by gang 2 as its own v2, they are off-policy
+    with nothing to correct them: the gang must drop them (``stale_turns_dropped``)."""
+    inp = gang_2_redoes_step_2(sound_job())
+    at = next(i for i, e in enumerate(inp.events) if e.kind == "step_committed" and e.data["epoch"] == 2)
+    inp.events.insert(at, RawEvent(inp.events[at].seq, "weights_published", 0.0,
+                                   {"version": 2, "epoch": 2, "checksum": "c2b"}))
+    turns = 0
+    for eid in inp.redis.batches[2]["episode_ids"]:
+        for t in inp.redis.episodes[eid]["turns"]:
+            if t["role"] == "assistant":
+                t["weights_checksum"] = "c2"  # gang 1's v2
+                turns += 1
+    report = judge(inp)
+    assert not report.checks["weights"].passed and any(
+        f"step 2: gang 2 trained {turns} turns of its own versions made with other weights and dropped 0" in v
+        for v in report.violations()), report.violations()
+    inp.events.insert(at + 1, RawEvent(inp.events[at].seq, "stale_turns_dropped", 0.0,
+                                       {"step": 2, "epoch": 2, "turns": turns, "tokens": 3 * turns}))
+    assert judge(inp).checks["weights"].passed, judge(inp).violations()

@@ -185,3 +185,27 @@ def test_the_detector_takes_a_sample_only_from_its_own_members_subject() -> None
     assert _consistent(JOB, f"rrl.{JOB}.metrics.t0", "t0")
     assert not _consistent(JOB, f"rrl.{JOB}.metrics.r1", "t0")  # r1 speaking for t0 (a lost GPU...)
     assert not _consistent(JOB, "rrl.other.metrics.t0", "t0")
+
+
+async def test_an_object_collective_run_in_a_thread_runs_on_the_ranks_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.cuda.set_device`` holds for the thread that called it; the trainer runs NCCL's
+    ``all_gather_object`` in a worker thread (``to_thread``), where the current device is cuda:0
+    again, so every rank of a machine put its object tensors on GPU 0. The wrapped call sets the
+    rank's device in the thread it runs in. (Pure logic: ``set_device`` is recorded, not called.)"""
+    import asyncio
+    import threading
+
+    import torch
+
+    from robustrl.services.trainer.worker import TrainerWorker
+
+    calls: list[tuple[object, int]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: calls.append((dev, threading.get_ident())))
+    worker = object.__new__(TrainerWorker)
+    worker.device = torch.device("cuda", 1)
+    ran: list[int] = []
+    out = await asyncio.to_thread(worker._on_device(lambda x: (ran.append(threading.get_ident()), x)[1]), 7)
+    assert out == 7 and calls == [(torch.device("cuda", 1), ran[0])] and ran[0] != threading.get_ident()
+    worker.device = torch.device("cpu")
+    calls.clear()
+    assert await asyncio.to_thread(worker._on_device(lambda: 3)) == 3 and not calls

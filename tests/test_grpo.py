@@ -146,6 +146,29 @@ def test_build_samples_masks_only_assistant_tokens() -> None:
         build_samples([(bad_p, bad_turns, 0.0)], TOK)
 
 
+def test_a_turn_made_with_weights_outside_the_training_lineage_is_dropped() -> None:
+    """After a rollback (a new gang resumed below the dead gang's newest version and made those
+    versions again), a replica still serving the dead gang's v6 labels its turns v6; the new gang
+    trained them as its own v6 (versions compared by number only). A turn whose version the
+    lineage made with other weights is dropped like a stale one; one of the lineage's own
+    weights, one of a version older than the lineage's start, or one whose replica said no
+    checksum, is trained."""
+    from dataclasses import replace
+
+    n_prompt = len("lookup abc:") + 2
+    p, turns, _ = episode(0.5)
+    ours, theirs = "a" * 64, "b" * 64
+    turns = [replace(turns[0], weights_version=6, weights_checksum=theirs), turns[1],
+             replace(turns[2], weights_version=6, weights_checksum=ours)]
+    [s] = build_samples([(p, turns, 0.5)], TOK, lineage={5: "c" * 64, 6: ours})
+    assert s.loss_mask == [0] * n_prompt + [0, 0, 0] + [0] * 5 + [1, 1, 1]
+    assert (s.stale_turns, s.stale_tokens) == (1, 3)
+    older = [replace(turns[0], weights_version=3, weights_checksum=theirs), turns[1],
+             replace(turns[2], weights_checksum=None)]
+    [s] = build_samples([(p, older, 0.5)], TOK, lineage={5: "c" * 64, 6: ours})
+    assert s.loss_mask == [0] * n_prompt + [1, 1, 1] + [0] * 5 + [1, 1, 1] and s.stale_turns == 0
+
+
 def test_collate_pads_right() -> None:
     samples = build_samples([episode(1.0, "a"), episode(0.0, "b")], TOK)
     samples[1].token_ids = samples[1].token_ids[:-2]

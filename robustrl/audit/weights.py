@@ -137,9 +137,45 @@ def check_weights(inp: AuditInput, views: list[StepView], facts: JobFacts) -> tu
                     unloaded.add(key)
                     res.violations.append(f"{key[0]} served v{key[1]} (episode {eid}) but never loaded a "
                                           f"published v{key[1]}")
+    res.violations.extend(_foreign_turns_trained(inp, views, pubs))
     res.violations.extend(_pointer_problems(inp.redis.weights_pointer, pubs, facts))
     res.passed = not res.violations
     return res, len(bad | unloaded), len(by_turn)
+
+
+def _foreign_turns_trained(inp: AuditInput, views: list[StepView], pubs: Publications) -> list[str]:
+    """A step's turns judged against the gang that trained it last: an assistant turn of a
+    version that gang published, made with other weights (a replica still serving a dead gang's
+    version, which the new gang made again after a rollback with weights that differ), is not that
+    gang's policy, and it must have dropped it (``stale_turns_dropped``: the step's dropped turns
+    are at least as many as such turns). Versions the gang did not publish (older than its
+    resume) are its ancestors' and judged by ``check_weights`` alone."""
+    trained_by: dict[int, int] = {}
+    for e in of_kind(inp.events, "step_committed"):
+        step, epoch = _int(e.data.get("step")), _int(e.data.get("epoch"))
+        if step >= 0 and epoch >= 0:
+            trained_by[step] = max(epoch, trained_by.get(step, -1))
+    dropped: dict[tuple[int, int], int] = defaultdict(int)
+    for e in of_kind(inp.events, "stale_turns_dropped"):
+        dropped[(_int(e.data.get("step")), _int(e.data.get("epoch")))] += max(0, _int(e.data.get("turns")))
+    out = []
+    for v in views:
+        gang = trained_by.get(v.step)
+        if gang is None:
+            continue
+        foreign: list[str] = []
+        for eid, ep in v.episodes.items():
+            for t in (ep or {}).get("turns") or []:
+                if not isinstance(t, dict) or t.get("role") != "assistant":
+                    continue
+                served, version = t.get("weights_checksum"), _int(t.get("weights_version"))
+                own = {p.checksum for p in pubs.by(gang, version)}
+                if isinstance(served, str) and served and own and served not in own:
+                    foreign.append(f"{eid} v{version} ({served[:12]}, gang {gang}'s: {min(own)[:12]})")
+        if len(foreign) > dropped.get((v.step, gang), 0):
+            out.append(f"step {v.step}: gang {gang} trained {len(foreign)} turns of its own versions made with other "
+                       f"weights and dropped {dropped.get((v.step, gang), 0)}, e.g. {foreign[0]}")
+    return out
 
 
 def _pointer_problems(pointer: dict[str, Any] | None, pubs: Publications, facts: JobFacts) -> list[str]:

@@ -14,7 +14,7 @@ nor allowed an unbounded weight.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +68,7 @@ def build_samples(
     tokenizer: CharTokenizer,
     episode_ids: Sequence[str] | None = None,
     min_version: int | None = None,
+    lineage: Mapping[int, str] | None = None,
 ) -> list[TrainSample]:
     """Turn finished episodes into samples; group = prompt id.
 
@@ -82,6 +83,12 @@ def build_samples(
             staleness). An assistant turn of an older version is dropped from the loss (its
             tokens stay in the context, masked out) and counted in ``stale_turns`` /
             ``stale_tokens``. None: no bound.
+        lineage: version -> checksum of the weights the training gang's own lineage holds for
+            that version (its resume version and those it made since). An assistant turn of such
+            a version made with other weights (a replica still serving a dead gang's version the
+            new gang made again, after a rollback, with weights that differ) is dropped the same
+            way: its logprobs are not of the policy this lineage had. Versions not in it (older
+            than the resume) are the ancestors' and are judged by ``min_version`` alone.
 
     Raises:
         ValueError: an assistant turn's logprobs do not match its tokens.
@@ -99,7 +106,9 @@ def build_samples(
                 if len(turn.logprobs) != len(turn.token_ids):
                     raise ValueError(f"episode {n}: assistant turn has {len(turn.token_ids)} tokens "
                                      f"but {len(turn.logprobs)} logprobs")
-                stale = min_version is not None and turn.weights_version < min_version
+                stale = ((min_version is not None and turn.weights_version < min_version)
+                         or (lineage is not None and bool(turn.weights_checksum)
+                             and lineage.get(turn.weights_version, turn.weights_checksum) != turn.weights_checksum))
                 stale_turns += stale
                 stale_tokens += len(turn.token_ids) if stale else 0
                 mask.extend([0 if stale else 1] * len(turn.token_ids))

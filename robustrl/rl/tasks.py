@@ -67,6 +67,8 @@ class Turn:
     logprobs: list[float] = field(default_factory=list)
     weights_version: int = -1
     stop_reason: str | None = None
+    weights_checksum: str | None = None
+    """Of the weights the turn was made with, as the replica served them (None: not said)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (for Redis)."""

@@ -24,7 +24,7 @@ import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,7 @@ from robustrl.weights.flat import flatten_state_dict
 from robustrl.weights.server import WeightServer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 BATCH_POLL_S = 2.0
 BATCH_GET_TIMEOUT_S = 1.0
 DIST_TIMEOUT_S = 60.0
@@ -225,6 +226,10 @@ class TrainerWorker:
         self.settings = settings
         self.member = Member(ident, settings)
         self.batches_seen: dict[int, BatchReady] = {}
+        self.lineage: dict[int, str] = {}
+        """version -> checksum of the weights this gang holds or made for it (its start version
+        and every version it published since): a turn of such a version made with other weights
+        is not this lineage's policy (``grpo.build_samples``)."""
         self._batch_event = asyncio.Event()
         self.hook: SurvivorHook | None = None
         """Set by ``run_member``: hands this process to the next gang when the controller keeps it."""
@@ -254,13 +259,29 @@ class TrainerWorker:
         dist.init_process_group(backend, store=store, rank=self.ident.rank, world_size=self.ident.world_size,
                                 timeout=timeout)
 
+    def _on_device(self, fn: Callable[..., T]) -> Callable[..., T]:
+        """``fn`` run on this rank's CUDA device when called in another thread (``to_thread``):
+        ``torch.cuda.set_device`` holds for the thread that called it, and NCCL's object
+        collectives (``all_gather_object``) put their tensors on the calling thread's current
+        device, which in a fresh thread is cuda:0 (every rank of a machine on one GPU)."""
+        device = self.device
+
+        def run(*args: Any, **kwargs: Any) -> T:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            return fn(*args, **kwargs)
+        return run
+
     def _place(self, device: str) -> torch.device:
         """Move the model to ``model.device`` (GPU path: one CUDA device per rank on the machine)."""
         if device != "cuda":
             return torch.device("cpu")
         if not torch.cuda.is_available():
             raise ConfigError("model.device is cuda but torch sees no CUDA device", field="model.device")
-        dev = torch.device("cuda", self.ident.rank % torch.cuda.device_count())
+        # the rank on its machine (LOCAL_RANK where a launcher sets it; ranks are else one per machine
+        # or all on one machine, where the rank is the local one)
+        local = int(os.environ.get("LOCAL_RANK", self.ident.rank))
+        dev = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(dev)
         self.model.to(dev)
         return dev
@@ -410,7 +431,7 @@ class TrainerWorker:
                     else self.model)
         self.member.weights_version = self.version
         addresses = [None] * self.ident.world_size
-        await asyncio.to_thread(dist.all_gather_object, addresses, self.address)
+        await asyncio.to_thread(self._on_device(dist.all_gather_object), addresses, self.address)
         self.sources = [a for a in addresses if a]
         await self._publish(self.version)
         await self.member.hello(self.address, resume_step=self.step)
@@ -545,10 +566,11 @@ class TrainerWorker:
             eps = await self.episodes.get_many(batch.episode_ids)
             samples = grpo.build_samples(
                 [(tasks.Prompt.from_dict(e.prompt),
-                  [tasks.Turn(t.role, t.token_ids, t.logprobs, t.weights_version, t.stop_reason) for t in e.turns],
+                  [tasks.Turn(t.role, t.token_ids, t.logprobs, t.weights_version, t.stop_reason, t.weights_checksum)
+                   for t in e.turns],
                   float(e.reward or 0.0)) for e in eps], self.tok, [e.episode_id for e in eps],
                 # the request manager honours the bound at dispatch; this holds it at training too
-                min_version=self.spec.min_version(step))
+                min_version=self.spec.min_version(step), lineage=self.lineage)
             stale_turns = sum(s.stale_turns for s in samples)
             if stale_turns and self.ident.rank == 0:
                 await self._emit_kept("stale_turns_dropped", {
@@ -785,6 +807,7 @@ class TrainerWorker:
                                                    self.spec.weights.chunk_bytes)
         self.server.add_version(manifest, buffer)
         checksum = await asyncio.to_thread(weights_checksum, self.model)
+        self.lineage[version] = checksum
         if self.ident.rank == 0:
             # By reference: the manifest (~90 B per chunk) is served by every source on MANIFEST;
             # inline it passed the bus's 1 MB message limit at about 11 GiB of weights.
