@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 from jobs import kinds, small_job, wait_done, wait_step
-from support import eventually
+from support import audit_sampled, eventually, sample_batches
 
 from robustrl.storage.redis_stores import EpisodeRecord, Keys
 
@@ -94,6 +94,7 @@ def _full_batches(obs: Observer, committed: int, per_step: int) -> None:
 def test_request_manager_killed_mid_step_resumes_the_step_without_rerunning_finished_work(api, infra, stack):
     spec = small_job("rmkill", steps=8, tools={"latency_s": 0.6}, data={"tasks": ["lookup"]})
     jid = api.submit(spec)["job_id"]
+    sampler = sample_batches(infra.redis_url, jid)
     with Observer(infra.redis_url, jid) as obs:
         wait_step(api, jid, 1, timeout=300)  # members import torch: slow on a loaded machine
         step = api.job(jid)["step"]
@@ -127,6 +128,10 @@ def test_request_manager_killed_mid_step_resumes_the_step_without_rerunning_fini
     assert not [d for d in kinds(events, "decision") if "RestartWholeJob" in d["actions"]]
     assert sum(1 for d in kinds(events, "step_started") if d["step"] == step) == 1
     assert len(kinds(events, "member_started")) == 4
+    # The auditor over the raw stores, every batch sampled at hand-off: the turn in flight at the
+    # kill applied once (its late reply and its re-dispatch are not both in the episode), one
+    # request id per turn, nothing lost.
+    audit_sampled(infra, jid, sampler)
 
 
 @pytest.mark.heavy  # a 60-step job (64-78 s under the suite's load): bench/heavy.py, and bench/redis_memory.py's 200 steps
