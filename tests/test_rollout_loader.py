@@ -218,3 +218,52 @@ async def test_a_bus_error_as_a_loaded_version_is_reported_still_says_it_loaded(
             await loader._reporting
         assert [d["version"] for k, d in events if k == "weights_loaded"] == [3], events
         assert not loader.state.failed
+
+
+async def test_a_relay_holding_another_lineages_bytes_of_a_version_never_offers_them_for_it() -> None:
+    """The replica's relay holds gang 1's v5 complete; gang 2 (resumed below it) announces its own
+    v5, other weights. The loader's first HAVE says the replica pulls v5: peers then subscribe to
+    its relay for v5, which matched on the number alone and offered gang 1's bytes (every chunk
+    corrupt to them, the relay given up, the pull failed as corrupt once the publisher was gone).
+    At the moment of that HAVE the old bytes must be gone from the relay, and the pull completes
+    with gang 2's."""
+    old_model = build_policy(reference_job().model, CharTokenizer.default(), 1)
+    new_model = build_policy(reference_job().model, CharTokenizer.default(), 2)
+    old_buf, old_v5 = flatten_state_dict(old_model.state_dict(), 5, CHUNK)
+    new_buf, new_v5 = flatten_state_dict(new_model.state_dict(), 5, CHUNK)
+    assert old_v5.digest() != new_v5.digest()
+    at_have: list[bool] = []
+    installs: list[str] = []
+
+    async def have(version: int, checksum: str, complete: bool) -> None:
+        if not complete:
+            at_have.append(relay.holds(5, old_v5.digest()))
+
+    async def install(version: int, checksum: str, _state: dict[str, torch.Tensor], _t: float) -> str:
+        installs.append(checksum)
+        return checksum
+
+    async def emit(kind: str, data: dict[str, Any]) -> None:
+        return None
+
+    async def nothing() -> None:
+        return None
+
+    relay, trainer = WeightServer(host="127.0.0.1"), WeightServer(host="127.0.0.1")
+    loader = WeightLoader(WeightSyncSpec(chunk_bytes=CHUNK, pull_timeout_s=5.0, pull_attempts=1), "rollout-0-i0",
+                          relay, expected_layout(new_model), install=install, emit=emit, on_change=nothing,
+                          held=lambda: (5, weights_checksum(old_model)), have=have)
+    try:
+        await relay.start()
+        origin = await trainer.start()
+        relay.add_version(old_v5, old_buf)  # gang 1's v5, served by this replica's relay
+        trainer.add_version(new_v5, new_buf)
+        loader.offer(WeightsAnnounce(job_id="j", version=5, epoch=2, checksum=weights_checksum(new_model),
+                                     sources=[origin], manifest_digest=new_v5.digest()))
+        await eventually_async(lambda: installs, timeout=20, what="gang 2's v5 installed")
+        assert at_have == [False], "the relay still held the other lineage's v5 when it said it pulls v5"
+        assert installs == [weights_checksum(new_model)] and relay.holds(5, new_v5.digest())
+    finally:
+        await loader.close()
+        for server in (relay, trainer):
+            await server.close()

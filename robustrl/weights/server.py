@@ -34,6 +34,7 @@ Test-only faults (``Fault``) make the server corrupt, stall on, or die during a 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import enum
 import errno
 import time
@@ -367,6 +368,13 @@ class WeightServer(RequestHandler):
         for sub in self._subs:
             if sub.version == version and not sub.offer.done():
                 sub.offer.set_result(None)  # its transport answers MISSING and ends it
+
+    def holds(self, version: int, manifest_digest: str) -> bool:
+        """Whether ``version`` is registered here with the manifest whose SHA-256 is
+        ``manifest_digest`` (held complete or not): a version number names different bytes in
+        two gangs' lineages after a rollback."""
+        entry = self._versions.get(version)
+        return entry is not None and hashlib.sha256(entry.manifest_json).hexdigest() == manifest_digest
 
     def versions(self) -> list[int]:
         """Versions currently registered, oldest first."""

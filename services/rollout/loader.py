@@ -100,6 +100,16 @@ def _norm(address: str, transport: str) -> str:
     return address if "://" in address else f"{transport}://{address}"
 
 
+def _digest_of(ann: WeightsAnnounce) -> str:
+    """The SHA-256 of the manifest ``ann`` names ("" when an inline one does not parse)."""
+    if ann.manifest_digest:
+        return ann.manifest_digest
+    try:
+        return Manifest.model_validate(ann.manifest).digest()
+    except (ValueError, TypeError):
+        return ""
+
+
 class WeightLoader:
     """Follows announcements and loads each followed version into the engine, bounded.
 
@@ -274,6 +284,12 @@ class WeightLoader:
         started = time.monotonic()
         give_up_s = self.cfg.pull_timeout_s * self.cfg.pull_attempts
         gave_up = False
+        if ann.version in self.server.versions() and not self.server.holds(ann.version, _digest_of(ann)):
+            # This number's bytes of another lineage (a dead gang's, before the rollback): the HAVE
+            # below makes this replica a source of the announced version, and peers taking those
+            # bytes for it found every chunk corrupt and gave this relay up (and, with the
+            # publisher gone, failed their pull as corrupt: an attempt counted; an outside review).
+            self.server.drop_version(ann.version)
         if self._have is not None:
             # Before the manifest's round trip, so peers pulling the same version know each other
             # by the time their first HAVE round splits the publisher.
