@@ -82,7 +82,7 @@ def loader(r: Any, have: bool = False) -> WeightLoader:
     async def nothing() -> None:
         return None
 
-    server: Any = types.SimpleNamespace(drop_version=lambda v: None, is_complete=lambda v: True, versions=lambda: [],
+    server: Any = types.SimpleNamespace(drop_version=lambda v: None, is_complete=lambda v: True, versions=list,
                                         holds=lambda v, d: False)
     r.loader = WeightLoader(WeightSyncSpec(pull_timeout_s=5.0, pull_attempts=1), "rollout-0-i0", server, {},
                             install=r._install, emit=r._emit, on_change=nothing, held=r._held,
