@@ -166,6 +166,20 @@ class BusObserver:
         self._thread.join(10)
 
 
+def raw_job_ids(redis_url: str) -> set[str]:
+    """The job ids the controller's registry holds as it lies in Redis (a refused submission must
+    leave none: one written before the refusal would be restored by the next leader)."""
+    import redis as redis_sync
+
+    from robustrl.storage.redis_stores import Keys
+
+    r = redis_sync.Redis.from_url(redis_url)
+    try:
+        return {k.decode() for k in r.hkeys(Keys.jobs())}
+    finally:
+        r.close()
+
+
 def raw_job_record(redis_url: str, job_id: str) -> dict[str, Any]:
     """The controller's durable record of ``job_id`` as it lies in Redis (not as any service
     reports it): what an auditor reads."""

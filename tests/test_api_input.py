@@ -56,10 +56,14 @@ def _fields(resp: httpx.Response) -> set[str]:
     return {f["field"] for f in _error(resp)["fields"]}
 
 
-def _job_ids(t: ControllerTarget) -> set[str]:
+def _job_ids(t: ControllerTarget) -> tuple[set[str], set[str]]:
+    """The jobs the API lists, and those the registry holds raw in Redis (what a next leader
+    would restore): a refused submission must change neither."""
+    from support import raw_job_ids
+
     resp = httpx.get(f"{t.base_url}/v1/jobs", headers=t.headers, timeout=HTTP_TIMEOUT_S)
     assert resp.status_code == 200, resp.text
-    return {j["job_id"] for j in resp.json()}
+    return {j["job_id"] for j in resp.json()}, raw_job_ids(t.settings.redis_url)
 
 
 def _alive(t: ControllerTarget) -> None:

@@ -69,6 +69,14 @@ def test_deleting_an_ended_job_removes_its_state_and_nothing_of_another_job(api:
     assert api.job(other)["status"] in ("running", "recovering")
 
     wait_done(api, ended)
+    # A job whose id begins with the deleted one's (named after it): its keys share that prefix,
+    # and a job pattern without the separator after the id took them too.
+    twin = api.submit(small_job(ended, steps=1))["job_id"]
+    assert twin.startswith(ended)
+    wait_done(api, twin)
+    # (its outboxes drain on their own meanwhile: the rest is what must stay)
+    twin_keys = eventually(lambda: [k for k in _keys(infra, twin) if b":outbox" not in k], timeout=30,
+                           what="the twin's keys")
     # The outboxes drain by themselves once their events are in the log (a full run took the
     # controller's into the count and found it gone by the DELETE: 31 deleted of 32 seen).
     outboxes = {Keys.controller_outbox(ended).encode(), Keys.rm_outbox(ended).encode(),
@@ -87,6 +95,7 @@ def test_deleting_an_ended_job_removes_its_state_and_nothing_of_another_job(api:
     if out["redis_keys_deleted"] != len(left):
         print(f"{out['redis_keys_deleted'] - len(left)} key(s) of {ended} written after the listing: {late}")
     assert _keys(infra, ended) == [] and _record(infra, ended) is None
+    assert set(twin_keys) <= set(_keys(infra, twin)) and _record(infra, twin) is not None, "the twin's keys went too"
     assert out["checkpoints_kept"] and out["events_kept"]
     assert _objects(infra, ended) == checkpoints
     assert _log(infra, ended)[-1] == "job_deleted"

@@ -167,9 +167,11 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControllerTarge
 @pytest.mark.parametrize(("value", "why"), BAD)
 def test_a_bad_retention_is_a_422_naming_the_field_and_records_nothing(target: ControllerTarget, value: str,
                                                                        why: str) -> None:
-    def ids() -> set[str]:
-        return {j["job_id"] for j in httpx.get(f"{target.base_url}/v1/jobs", headers=target.headers,
-                                                timeout=15).json()}
+    from support import raw_job_ids
+
+    def ids() -> tuple[set[str], set[str]]:  # the API's list, and the registry raw in Redis
+        return ({j["job_id"] for j in httpx.get(f"{target.base_url}/v1/jobs", headers=target.headers,
+                                                 timeout=15).json()}, raw_job_ids(target.settings.redis_url))
 
     before = ids()
     body = '{"name": "badret", "retention": {"delete_after_s": @@}}'.replace("@@", value)

@@ -49,7 +49,7 @@ from robustrl.model.engine import GenerationAborted, GenRequest
 from robustrl.model.engines import make_engine
 from robustrl.services.rollout.events import ReplicaEvents
 from robustrl.services.rollout.loader import WeightLoader
-from robustrl.services.rollout.standby import ENGINE_JOIN_S, StandbyHook, become_trainer, policy_from_served
+from robustrl.services.rollout.standby import ENGINE_JOIN_S, StandbyHook, become_trainer, keep_listening, policy_from_served
 from robustrl.storage.redis_stores import WeightsPointer, connect
 from robustrl.subjects import Verb, subject, wildcard
 from robustrl.weights.server import WeightServer
@@ -769,6 +769,7 @@ def main() -> None:
     asyncio.run(replica.run())
     replica.stop_phase = "closed"
     if replica.standby.handoff is not None:  # borrowed: the same process goes on as a trainer rank
+        hook = keep_listening(replica.standby.handoff)
         model = replica.model
         if model is None:
             # vLLM: its engine (and the model in its worker process) is shut down by now; the
@@ -777,7 +778,7 @@ def main() -> None:
             log.info("trainer policy %s", f"built from the served v{replica.version}" if model is not None
                      else "left to the trainer to build (no served version to build it from)")
             replica.served = None  # the receive buffer goes with the last view of it
-        become_trainer(replica.standby.handoff, model, replica.engine_thread, ident.member_id)
+        become_trainer(replica.standby.handoff, model, replica.engine_thread, ident.member_id, hook)
         return
     # Stopped: engine, relay server and bus are closed. Exit without the interpreter's teardown
     # of a torch process (4-10 s per member at a job's end on a loaded machine; the controller

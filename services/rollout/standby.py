@@ -28,6 +28,7 @@ import asyncio
 import logging
 import os
 import threading
+from typing import Any
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -94,9 +95,23 @@ def read_handoff(directory: str) -> Handoff | None:
     return Handoff(env, str(order.get("log", "")))
 
 
+def keep_listening(handoff: Handoff) -> Any:
+    """The trainer rank's hand-off hook (``SurvivorHook``), installed now: the replica's loop has
+    just closed, which put the hand-off signal back to its default action (terminate). Until the
+    rank installed its own, after the engine thread's join (up to ``ENGINE_JOIN_S``) and, for
+    vLLM, the policy's build, a signal that kept this rank for the next gang killed the process
+    instead (an outside review). A signal that comes now waits in the hook's pipe."""
+    from robustrl.services.trainer.survivor import SurvivorHook
+
+    hook = SurvivorHook(handoff.env)
+    hook.install()
+    return hook
+
+
 def become_trainer(handoff: Handoff, model: torch.nn.Module | None, engine_thread: threading.Thread | None,
-                   borrowed_from: str) -> None:
-    """Run the rest of this process as the trainer rank ``handoff`` names (blocks until it ends)."""
+                   borrowed_from: str, hook: Any = None) -> None:
+    """Run the rest of this process as the trainer rank ``handoff`` names (blocks until it ends);
+    ``hook``: its hand-off hook, installed already (``keep_listening``)."""
     if engine_thread is not None:
         engine_thread.join(ENGINE_JOIN_S)
         if engine_thread.is_alive():
@@ -120,7 +135,7 @@ def become_trainer(handoff: Handoff, model: torch.nn.Module | None, engine_threa
 
     configure_logging(ident.member_id)
     log.warning("%s continues as %s (rank %d of %d)", borrowed_from, ident.member_id, ident.rank, ident.world_size)
-    run_member(ident, settings, model=model, borrowed_from=borrowed_from)
+    run_member(ident, settings, model=model, borrowed_from=borrowed_from, hook=hook)
 
 
 def policy_from_served(spec: ModelSpec, served: Mapping[str, torch.Tensor] | None) -> torch.nn.Module | None:

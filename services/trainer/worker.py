@@ -871,15 +871,16 @@ def main() -> None:
 
 
 def run_member(ident: Identity, settings: Settings, model: torch.nn.Module | None = None,
-               borrowed_from: str | None = None) -> None:
+               borrowed_from: str | None = None, hook: SurvivorHook | None = None) -> None:
     """Run one trainer worker to its end; exit with the status the controller reads on a start
     that cannot succeed (``EXIT_CHECKPOINT_LOST``, ``EXIT_STALE``) or diverged (``EXIT_DIVERGED``).
 
     A rank the controller keeps for the next gang (``services/trainer/survivor.py``) runs on in
     this process as its new rank instead of exiting; so does a rank whose gang broke under it, if
-    the hand-off comes within ``recovery.survivor_wait_s``."""
-    hook = SurvivorHook(os.environ)
-    hook.install()
+    the hand-off comes within ``recovery.survivor_wait_s``. ``hook``: one installed already."""
+    if hook is None:  # (a borrowed replica installed its own as soon as its loop closed)
+        hook = SurvivorHook(os.environ)
+        hook.install()
     worker = TrainerWorker(ident, settings)
     worker.hook = hook
     broke = False
