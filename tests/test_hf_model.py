@@ -168,3 +168,32 @@ def test_a_job_trains_the_hf_model_through_trainer_rm_and_replicas(stack, api, i
     assert {0, 1} <= loaded
     assert any(d["tool_wait_s"] > 0 for d in kinds(events, "batch_ready")), "no tool turn"
     audit_sampled(infra, job["job_id"], sampler)  # raises naming every violation
+
+
+def test_the_models_own_eos_ends_a_turn_in_the_torch_engine_as_in_vllm(hf_dir: Path, tmp_path: Path) -> None:
+    """A model whose ``generation_config.json`` names eos ids beside the template's (a Qwen3 base
+    model: ``<|endoftext|>`` and ``<|im_end|>``): vLLM stops on them by default, and the torch
+    engine went on past them, so the two engines made different turns of one model. Both stop
+    on every one now (``stop_ids``), and a bad value names the field."""
+    import json
+    import shutil
+
+    tok = ChatTokenizer(hf_dir)
+    model = build_policy(ModelSpec(path=str(hf_dir)), tok, 0)
+    engine = GenerationEngine(model, tok, max_batch=4)
+    prompt = tok.prompt_ids("lookup abc:", "lookup")
+    greedy = engine.generate([GenRequest("g", prompt, 8, temperature=0.0, stop_on_call=False)])[0]
+    k = next(i for i in range(2, 8) if greedy.token_ids[i] not in greedy.token_ids[:i])
+    other = tmp_path / "with-eos"
+    shutil.copytree(hf_dir, other)
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eot_id, greedy.token_ids[k]]}))
+    with_eos = ChatTokenizer(other)
+    assert with_eos.stop_ids == (tok.eot_id, greedy.token_ids[k])
+    got = GenerationEngine(model, with_eos, max_batch=4).generate(
+        [GenRequest("e", prompt, 8, temperature=0.0, stop_on_call=False)])[0]
+    assert got.stop_reason == "eot" and got.token_ids == greedy.token_ids[:k + 1], got
+    assert with_eos.turn_text(got.token_ids) == with_eos.turn_text(greedy.token_ids[:k])
+    (other / "generation_config.json").write_text(json.dumps({"eos_token_id": "<|endoftext|>"}))
+    with pytest.raises(ConfigError) as err:
+        ChatTokenizer(other)
+    assert err.value.field == "model.path" and "eos_token_id" in str(err.value)

@@ -241,7 +241,7 @@ class GenerationEngine(Engine):
                 out_ids[i].append(t)
                 out_lp[i].append(float(logps[b]))
                 produced += 1
-                if t == tok.eot_id:
+                if t in tok.stop_ids:
                     reasons[i] = "eot"
                 elif t == tok.call_id and rows[b].stop_on_call:
                     reasons[i] = "tool_call"

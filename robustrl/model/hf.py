@@ -112,6 +112,10 @@ class ChatTokenizer:
             raise ConfigError(f"{self.path}: tokenizer_config.json names no eos_token in the vocabulary",
                               field=_FIELD)
         self.eot_id = int(self._tok.token_to_id(self.eos_token))
+        self.stop_ids: tuple[int, ...] = (self.eot_id, *self._generation_eos())
+        """Ids that end a turn: the template's eos, then the model's own (``generation_config.json``
+        ``eos_token_id``, e.g. a Qwen3 base model's ``<|endoftext|>`` beside ``<|im_end|>``), as
+        vLLM stops on by default; both engines stop on every one of them."""
         call = self._tok.token_to_id(CALL_CLOSE)
         if call is None:
             raise ConfigError(f"{self.path}: {CALL_CLOSE!r} is not one token of this tokenizer; the "
@@ -126,6 +130,23 @@ class ChatTokenizer:
         self._special = {int(i) for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         self._template = self._compile(template)
         self._result_frame = self._tool_frame()
+
+    def _generation_eos(self) -> list[int]:
+        """``generation_config.json``'s ``eos_token_id`` (an id or a list), those in the vocabulary
+        and other than the template's eos; none when the file is absent. A file that does not
+        parse, or an id that is not an integer, is a ConfigError naming ``model.path``."""
+        path = self.path / "generation_config.json"
+        if not path.is_file():
+            return []
+        try:
+            raw = json.loads(path.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError) as exc:
+            raise ConfigError(f"cannot read {path}: {exc}", field=_FIELD) from exc
+        ids = raw if isinstance(raw, list) else [] if raw is None else [raw]
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ConfigError(f"{path}: eos_token_id must be an id or a list of ids, got {raw!r}", field=_FIELD)
+        size = self._tok.get_vocab_size(with_added_tokens=True)
+        return list(dict.fromkeys(i for i in ids if 0 <= i < size and i != self.eot_id))
 
     # --- rendering -----------------------------------------------------------------------
 
@@ -225,7 +246,7 @@ class ChatTokenizer:
     def turn_text(self, ids: Iterable[int]) -> str:
         """A turn's text for scoring: the final eos / tool-call marker dropped, specials skipped."""
         ids = list(ids)
-        if ids and ids[-1] in (self.eot_id, self.call_id):
+        if ids and (ids[-1] in self.stop_ids or ids[-1] == self.call_id):
             ids.pop()
         return self.decode(ids, skip_special=True)
 

@@ -37,6 +37,7 @@ class CharTokenizer:
         self._char_to_id = {ch: len(specials) + i for i, ch in enumerate(chars)}
         self._id_to_text = list(specials) + list(chars)
         self.pad_id, self.bos_id, self.eot_id, self.call_id, self.result_id = range(len(SPECIALS))
+        self.stop_ids: tuple[int, ...] = (self.eot_id,)  # (what ends a turn: as ChatTokenizer's)
 
     @classmethod
     def default(cls) -> CharTokenizer:

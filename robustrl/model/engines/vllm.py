@@ -194,7 +194,7 @@ class VllmEngine(Engine):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        stops = [self.tokenizer.eot_id] + ([self.tokenizer.call_id] if r.stop_on_call else [])
+        stops = list(self.tokenizer.stop_ids) + ([self.tokenizer.call_id] if r.stop_on_call else [])
         return SamplingParams(max_tokens=budget, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
                               logprobs=0, stop_token_ids=stops, output_kind=RequestOutputKind.DELTA,
                               detokenize=False, skip_special_tokens=False,
@@ -243,7 +243,7 @@ class VllmEngine(Engine):
         reason: StopReason = "length"
         if ids and ids[-1] == self.tokenizer.call_id and r.stop_on_call:
             reason = "tool_call"
-        elif (ids and ids[-1] == self.tokenizer.eot_id) or finish == "stop":
+        elif (ids and ids[-1] in self.tokenizer.stop_ids) or finish == "stop":
             reason = "eot"
         return GenResult(r.request_id, ids, lps, reason)
 
