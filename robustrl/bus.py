@@ -71,8 +71,9 @@ EVENT_READER_IDLE_S = 60.0
 EVENT_FETCH_TIMEOUT_S = 1.0
 """One fetch while reading the event log; an empty fetch ends the read once nothing is pending."""
 EVENT_FETCH_STALLS = 8
-"""Empty fetches (each ``EVENT_FETCH_TIMEOUT_S``) a log read sits through while JetStream still
-counts events pending for it, before it gives up with an error rather than return part of the log."""
+"""Empty fetches in a row (each ``EVENT_FETCH_TIMEOUT_S``) a log read sits through while JetStream
+still counts events pending for it, before it gives up with an error rather than return part of
+the log."""
 EVENT_PUBLISH_RETRY_S = 30.0
 """How long an event is retried while JetStream is away (server restart, leader change)."""
 DURABLE_DRAIN_S = 4.0
@@ -450,12 +451,13 @@ class Bus:
                 try:
                     batch = await sub.fetch(512, timeout=min(timeout, EVENT_FETCH_TIMEOUT_S))
                 except (TimeoutError, NatsTimeout):
-                    if pending is None:
-                        try:
-                            pending = (await sub.consumer_info()).num_pending
-                        except Exception as exc:
-                            raise TransportError(f"event log of {job_id}: its reader's state unavailable: "
-                                                 f"{exc}") from exc
+                    # What JetStream counts pending now (the last message's count may be stale:
+                    # a log purged meanwhile has nothing more to give)
+                    try:
+                        pending = (await sub.consumer_info()).num_pending
+                    except Exception as exc:
+                        raise TransportError(f"event log of {job_id}: its reader's state unavailable: "
+                                             f"{exc}") from exc
                     if not pending:
                         break
                     stalls += 1
@@ -476,7 +478,7 @@ class Bus:
                         events.skipped += 1
                         log.warning("skipping bad event: %s", exc)
                 if batch:
-                    pending = batch[-1].metadata.num_pending
+                    pending, stalls = batch[-1].metadata.num_pending, 0
                 if not batch or pending == 0:
                     break
         finally:

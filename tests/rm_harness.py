@@ -175,8 +175,11 @@ class Harness:
         (registry) or is told ``resume``. Told to resume, it is a first start: the replicas say
         hello and have again, as replicas starting after it would. ``redis_url``: another way to
         the Redis server (a proxy of the test's)."""
-        self.rm_bus = await Bus.connect(self.settings.nats_url, "request_manager", role="request_manager")
-        self.rm_redis = connect(redis_url or self.settings.redis_url)
+        # With the request manager's own credentials (NATS user, Redis ACL user), as the stack
+        # starts it: a path that needs a key or subject its role may not touch fails here too.
+        own = _role_settings(self.settings)
+        self.rm_bus = await Bus.connect(own.nats_url, "request_manager", role="request_manager")
+        self.rm_redis = connect(redis_url or own.redis_url)
         self.rm = RequestManager(self.rm_bus, self.rm_redis)
         await self.rm.start()
         self._rm_stop = asyncio.Event()
@@ -252,3 +255,14 @@ class Harness:
 
     async def episode_keys(self, step: int) -> list[str]:
         return sorted(k.decode() for k in await self.redis.keys(Keys.episode(self.job_id, f"s{step}-*")))
+
+
+def _role_settings(settings: Any) -> Any:
+    """``settings`` with the request manager's credentials where the servers have role users
+    (the embedded infra generates them), else ``settings`` as they are."""
+    from robustrl.infra.credentials import Credentials, role_settings
+    from robustrl.subjects import Principal
+
+    if not getattr(settings, "credentials_file", ""):
+        return settings
+    return role_settings(settings, Credentials.load(settings.credentials_file), Principal.REQUEST_MANAGER)

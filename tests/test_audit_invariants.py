@@ -273,6 +273,8 @@ def test_a_step_trained_without_its_batch_claim_fails():
     assert judge(inp).ok, _violations(judge(inp))
     inp.redis.fences_collected = None  # (not read: a synthetic input)
     assert judge(inp).ok, _violations(judge(inp))
+    inp.redis.fence_marker_damaged = True  # (there, and not a step: said, not guessed)
+    assert any("fence collection marker does not parse" in v for v in judge(inp).violations())
 
 
 def test_the_batch_claims_are_read_raw_from_redis(infra: Settings):
@@ -297,6 +299,19 @@ def test_the_batch_claims_are_read_raw_from_redis(infra: Settings):
 
     raw = _read_after(infra, job, 3, collected)
     assert raw.fences == {1: 2} and raw.fences_collected == 0, (raw.fences, raw.fences_collected)
+
+    async def damaged(r: Any) -> None:
+        await claim(r)
+        await r.set(Keys.fence_gc(job), b"not a step")
+
+    raw = _read_after(infra, job, 3, damaged)
+    assert raw.fences_collected is None and raw.fence_marker_damaged, raw.fences_collected
+
+    async def nothing_left(r: Any) -> None:  # the job's keys gone (deleted with its log kept)
+        return None
+
+    raw = _read_after(infra, job, 3, nothing_left)
+    assert raw.fences_collected is None and not raw.fence_marker_damaged
 
 
 def test_a_live_sample_torn_by_the_steps_collection_is_no_sample(infra: Settings, monkeypatch):

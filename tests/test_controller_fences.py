@@ -424,3 +424,43 @@ async def test_a_fault_is_marked_handled_only_with_the_record_of_its_decision(ri
         assert not r.sismember(Keys.faults_handled(job.job_id), "mark-1"), "marked handled with its record refused"
     finally:
         r.close()
+
+
+async def test_a_decision_whose_record_fails_to_write_is_written_again_not_decided_again(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record that marks a fault handled fails to write (a Redis blip) after the decision
+    was carried out: the fault is delivered again, and the retry must write the record, not decide
+    again on the state the first decision changed (a second decision event; for a control-plane
+    role a second restart). Judged from the event log and the raw handled set."""
+    import redis as redis_sync
+
+    from robustrl.errors import TransportError
+    from robustrl.messages import FaultReport
+    from robustrl.storage.redis_stores import Keys
+
+    c, job = await leading_job_at_step_0(rig, "recagain")
+    real = c.persist
+    blips: list[str] = []
+
+    async def blip_once(j: JobRun, **kw: Any) -> bool:
+        if kw.get("handled") and not blips:
+            blips.append(kw["handled"][1])
+            raise TransportError("redis blip at the decision's record (test)", subject=j.job_id)
+        return await real(j, **kw)
+
+    monkeypatch.setattr(c, "persist", blip_once)
+    assert rig.bus
+    fault = FaultReport(job_id=job.job_id, fault_id="again-1", role="rollout", member_id="rollout-0-i0",
+                        kind="unresponsive", evidence="test", detected_at=time.time(), step=0,
+                        fault_at=time.time() - 1)
+    await rig.bus.publish(subject(job.job_id, Verb.FAULT), fault)  # as the detector reports: here and
+    await rig.bus.emit_event(job.job_id, "fault_detected", fault.model_dump(mode="json", exclude={"job_id"}))  # logged
+    r = redis_sync.Redis.from_url(rig.settings.redis_url)
+    try:
+        await eventually_async(lambda: r.sismember(Keys.faults_handled(job.job_id), "again-1"), timeout=30,
+                               what="the fault marked handled after the blip")
+    finally:
+        r.close()
+    assert blips == ["again-1"]
+    decisions = [d for d in of_kind(await logged(rig, c, job), "decision") if d["fault_id"] == "again-1"]
+    assert len(decisions) == 1, decisions

@@ -344,3 +344,27 @@ async def test_collection_catches_up_a_long_way_in_slices_and_past_a_damaged_mar
     assert await gang.collect() == 600
     left = [s for s in range(700) if await redis.exists(Keys.fence(job, s))]
     assert left == list(range(601, 700)) and await redis.get(Keys.fence_gc(job)) == b"600"
+
+
+async def test_a_gang_resumed_below_the_collection_marker_collects_the_fences_it_claimed_again(redis) -> None:  # type: ignore[no-untyped-def]
+    """Gang 1 collected through step 3; its checkpoints 3 and 5 then failed to verify and gang 2
+    resumed from 1, claiming 2 and 3 again. Its collections started after the marker (3): the
+    fences of steps 2 and 3 it claimed were never deleted (the Redis bound's auditor counts them)."""
+    job = _job()
+    old = GangFence(redis, job, 1)
+    for step in range(6):
+        await old.claim(step, durable_step=step - 1)
+    await old.durable(3)
+    await old.durable(5)
+    assert await old.collect() == 3  # fences 0-3 gone, the marker at 3
+    new = GangFence(redis, job, 2)
+    await new.enter()
+    for step in (2, 3):
+        assert await new.claim(step, durable_step=1) == "new"
+    await new.durable(1)
+    await new.durable(3)
+    assert await new.collect() == 1  # through its resume step: nothing of the redone ones yet
+    assert await redis.exists(Keys.fence(job, 2)) and await redis.exists(Keys.fence(job, 3))
+    await new.durable(5)
+    assert await new.collect() == 3
+    assert [s for s in range(6) if await redis.exists(Keys.fence(job, s))] == [4, 5]

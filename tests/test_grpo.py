@@ -167,6 +167,12 @@ def test_a_turn_made_with_weights_outside_the_training_lineage_is_dropped() -> N
              replace(turns[2], weights_checksum=None)]
     [s] = build_samples([(p, older, 0.5)], TOK, lineage={5: "c" * 64, 6: ours})
     assert s.loss_mask == [0] * n_prompt + [1, 1, 1] + [0] * 5 + [1, 1, 1] and s.stale_turns == 0
+    # A version past those the lineage made (the dead gang ran ahead of the checkpoint): not its
+    # policy, whatever the replica said of its checksum (or if it said none).
+    ahead = [replace(turns[0], weights_version=7, weights_checksum=None), turns[1],
+             replace(turns[2], weights_version=7, weights_checksum=ours)]
+    [s] = build_samples([(p, ahead, 0.5)], TOK, lineage={5: "c" * 64, 6: ours})
+    assert s.stale_turns == 2 and s.loss_mask == [0] * (n_prompt + 3 + 5 + 3)
 
 
 def test_collate_pads_right() -> None:

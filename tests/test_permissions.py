@@ -370,6 +370,8 @@ def test_redis_acl_per_role(infra, creds):
     admin.hset(Keys.gang(job), mapping={"epoch": 1, "durable": 0})
     assert rm.hmget(Keys.gang(job), ["epoch", "durable"]) == [b"1", b"0"]
     admin.rpush(Keys.trained_log(job), b'{"step": 0, "epoch": 1, "checksum": "c"}')
+    # (the trained log it reads: a commit message lost on the bus is recovered from it)
+    assert rm.lrange(Keys.trained_log(job), 0, -1) == [b'{"step": 0, "epoch": 1, "checksum": "c"}']
     for forbidden in (lambda: rm.delete(f"rrl:{job}:fence:3"), lambda: rm.set(Keys.fence(job, 5), b"9"),
                       lambda: rm.eval("return redis.call('ltrim', KEYS[1], 1, -1)", 1, Keys.trained_log(job)),
                       lambda: rm.rpush(Keys.trained_log(job), b'{"step": 9, "epoch": 1, "checksum": "c"}'),

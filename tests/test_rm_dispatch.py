@@ -325,14 +325,21 @@ async def test_a_commit_message_lost_on_the_bus_costs_seconds_not_the_job(server
     """The trainer records step 0 trained in Redis but its commit message never reaches the request
     manager (core NATS drops what is published while a subscriber is disconnected). Nothing else
     would notice: the trainer waits for batch 1, its normal idleness. The request manager must
-    learn the commit from the trained log and hand over step 1."""
+    learn the commit from the trained log and hand over step 1. It reads the log with its own Redis
+    user (least privilege: the log is the trainer's, read-only to it; a narrowing that took the
+    read away left the wait to its commit deadline and a healthy gang restarted)."""
     import json
 
     from robustrl.services.request_manager.batching import COMMIT_RECHECK_S
 
+    from robustrl.infra.credentials import Credentials, role_settings
+    from robustrl.subjects import Principal
+
+    assert servers.credentials_file
+    rm_redis = role_settings(servers, Credentials.load(servers.credentials_file), Principal.REQUEST_MANAGER).redis_url
     async with Harness(servers, rm_spec("lostcommit", steps=3)) as h:
         reps = [await h.replica(mid) for mid in ("rollout-0-i0", "rollout-1-i0")]
-        await h.start_rm()
+        await h.start_rm(redis_url=rm_redis)
         await eventually_async(lambda: 0 in h.batches, timeout=30, what="batch 0 handed over")
         # The trainer's durable record, without the commit message.
         await h.redis.rpush(Keys.trained_log(h.job_id), json.dumps({"step": 0, "epoch": 1, "checksum": "c"}))

@@ -198,6 +198,9 @@ def check_trained_once(inp: AuditInput, facts: JobFacts) -> tuple[CheckResult, i
     res.violations.extend(rec.past_fence)
     res.violations.extend(_fence_violations(inp.redis.fences, rec.committed_by, facts.finished,
                                             inp.redis.fences_collected))
+    if inp.redis.fence_marker_damaged:
+        res.violations.append("the trainer's fence collection marker does not parse: which batch claims should "
+                              "still be in Redis cannot be told")
 
     ready = {(_int(e.data.get("epoch"))): e for e in of_kind(inp.events, "member_ready")
              if e.data.get("role", "trainer") == "trainer"}

@@ -93,7 +93,11 @@ class RawRedis:
     fences_collected: int | None = None
     """Newest step whose fence the trainer has deleted (``Keys.fence_gc``; -1: none, or the
     marker does not parse); read after the fences, so a collection in between only moves it on.
-    None: not read (then no fence is required of a trained step)."""
+    None: not read, or the job's gang record is gone too (then no fence is required of a trained
+    step)."""
+    fence_marker_damaged: bool = False
+    """The trainer's fence collection marker is there and does not parse (``fences_collected`` is
+    then None: which claims should still be there cannot be told)."""
 
     @property
     def total_bytes(self) -> int:
@@ -191,6 +195,19 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
             pipe.memory_usage(k)
         out.bytes_by_key = {k: int(v or 0) for k, v in zip(keys, await pipe.execute(), strict=True)}
 
+        # The trained log before the fences, and the trainer's collection marker after them: a step
+        # trained (claimed first) while this reads has its fence in the read, or the marker past it.
+        trained_key = Keys.trained_log(job_id)
+        kind = (await r.type(trained_key)).decode()
+        if kind == "list":
+            out.trained = [_json(x) for x in await r.lrange(trained_key, 0, -1)]
+        elif kind == "hash":  # one record per field (a fenced log keyed by step)
+            out.trained = [_json(v) for _f, v in sorted((await r.hgetall(trained_key)).items())]
+            out.trained_in_order = False
+        elif kind == "zset":
+            out.trained = [_json(m) for m in await r.zrange(trained_key, 0, -1)]
+            out.trained_in_order = False
+
         pipe = r.pipeline(transaction=False)
         for k in range(steps):
             pipe.get(Keys.batch(job_id, k))
@@ -240,21 +257,16 @@ async def read_redis(redis_url: str, job_id: str, steps: int) -> RawRedis:
                                     for key in (Keys.episode(job_id, eid), Keys.prefix(job_id, eid))
                                     if key in present)
 
-        marker = _unreadable_as_garbage(await r.pipeline(transaction=False).get(
-            Keys.fence_gc(job_id)).execute(raise_on_error=False))[0]
-        collected = _epoch(marker) if marker else None  # absent or not a number: every trained step needs its fence
-        out.fences_collected = -1 if collected is None else collected
+        marker, gang = _unreadable_as_garbage(await r.pipeline(transaction=False).get(
+            Keys.fence_gc(job_id)).exists(Keys.gang(job_id)).execute(raise_on_error=False))
+        if marker is None:
+            # none collected yet; no gang record either: the job's Redis state is gone (deleted
+            # with its log kept, or Redis lost), and nothing can be said of its claims
+            out.fences_collected = -1 if gang else None
+        else:
+            out.fences_collected = _epoch(marker) if marker else None
+            out.fence_marker_damaged = out.fences_collected is None
 
-        trained_key = Keys.trained_log(job_id)
-        kind = (await r.type(trained_key)).decode()
-        if kind == "list":
-            out.trained = [_json(x) for x in await r.lrange(trained_key, 0, -1)]
-        elif kind == "hash":  # one record per field (a fenced log keyed by step)
-            out.trained = [_json(v) for _f, v in sorted((await r.hgetall(trained_key)).items())]
-            out.trained_in_order = False
-        elif kind == "zset":
-            out.trained = [_json(m) for m in await r.zrange(trained_key, 0, -1)]
-            out.trained_in_order = False
         out.outbox = await _read_outbox(r, Keys.rm_outbox(job_id))
         out.controller_outbox = await _read_outbox(r, Keys.controller_outbox(job_id))
         out.detector_outbox = await _read_outbox(r, Keys.detector_outbox(job_id))

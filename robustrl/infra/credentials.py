@@ -52,8 +52,9 @@ _RM_KEYS_RW = _patterns("~", Keys.episode(_ANY, _ANY), Keys.prefix(_ANY, _ANY),
                         Keys.step_episodes(_ANY, _ANY), Keys.batch(_ANY, _ANY),  # type: ignore[arg-type]
                         Keys.dispatches(_ANY), Keys.rm_outbox(_ANY), Keys.step_restarts(_ANY),
                         Keys.rollout_gc(_ANY))
-# What it only reads: the job registry (its specs), the gang record, the weights pointer.
-_RM_KEYS_R = _patterns("%R~", Keys.jobs(), Keys.gang(_ANY), Keys.weights_latest(_ANY))
+# What it only reads: the job registry (its specs), the gang record, the weights pointer, and the
+# trained log (a commit message lost on the bus is recovered from it: ``_wait_committed``).
+_RM_KEYS_R = _patterns("%R~", Keys.jobs(), Keys.gang(_ANY), Keys.weights_latest(_ANY), Keys.trained_log(_ANY))
 # The trainer writes its gang record, the batch fences, the trained log (and its GC marker for
 # both), the weights pointer and its event outbox; it reads the episodes, their prefixes, the step lists and the batches.
 _TRAINER_KEYS_RW = _patterns("~", Keys.fence(_ANY, _ANY), Keys.trained_log(_ANY),  # type: ignore[arg-type]

@@ -86,15 +86,17 @@ def build_samples(
         lineage: version -> checksum of the weights the training gang's own lineage holds for
             that version (its resume version and those it made since). An assistant turn of such
             a version made with other weights (a replica still serving a dead gang's version the
-            new gang made again, after a rollback, with weights that differ) is dropped the same
-            way: its logprobs are not of the policy this lineage had. Versions not in it (older
-            than the resume) are the ancestors' and are judged by ``min_version`` alone.
+            new gang made again, after a rollback, with weights that differ), or of a version
+            past those it made (the dead gang's, ahead of the checkpoint), is dropped the same
+            way: its logprobs are not of the policy this lineage had. Versions older than its
+            start are the ancestors' and are judged by ``min_version`` alone.
 
     Raises:
         ValueError: an assistant turn's logprobs do not match its tokens.
     """
     samples: list[TrainSample] = []
     seen: dict[str, int] = {}
+    first = min(lineage) if lineage else None
     for n, (prompt, turns, reward) in enumerate(episodes):
         ids = initial_prompt_ids(prompt, tokenizer)
         mask = [0] * len(ids)
@@ -107,8 +109,7 @@ def build_samples(
                     raise ValueError(f"episode {n}: assistant turn has {len(turn.token_ids)} tokens "
                                      f"but {len(turn.logprobs)} logprobs")
                 stale = ((min_version is not None and turn.weights_version < min_version)
-                         or (lineage is not None and bool(turn.weights_checksum)
-                             and lineage.get(turn.weights_version, turn.weights_checksum) != turn.weights_checksum))
+                         or (lineage is not None and _foreign(turn, lineage, first)))
                 stale_turns += stale
                 stale_tokens += len(turn.token_ids) if stale else 0
                 mask.extend([0 if stale else 1] * len(turn.token_ids))
@@ -121,6 +122,17 @@ def build_samples(
         eid = episode_ids[n] if episode_ids is not None else f"{prompt.prompt_id}/{index}"
         samples.append(TrainSample(eid, prompt.prompt_id, ids, mask, old, float(reward), stale_turns, stale_tokens))
     return samples
+
+
+def _foreign(turn: Turn, lineage: Mapping[int, str], first: int | None) -> bool:
+    """Whether ``turn`` was made with weights its training lineage never held: a version of the
+    lineage's range (from its start) that the lineage has not made (a dead gang ran ahead of the
+    checkpoint the new one resumed from, and replicas still serve its newer versions), or one it
+    made with other weights (by the replica's checksum, where it said one)."""
+    if first is None or turn.weights_version < first:
+        return False
+    own = lineage.get(turn.weights_version)
+    return own is None or (bool(turn.weights_checksum) and turn.weights_checksum != own)
 
 
 def collate(samples: Sequence[TrainSample], pad_id: int) -> dict[str, torch.Tensor]:

@@ -139,7 +139,12 @@ class GangFence:
         self.epoch = epoch
         self.key = Keys.gang(job_id)
         self._recorded: list[int] = []
-        """The steps this gang recorded durable, in order (its resume step first)."""
+        """The last two steps this gang recorded durable (its resume step first)."""
+        self._resumed_at: int | None = None
+        """The first step it recorded durable (its resume step), until a collection reached the
+        marker it found: a gang resumed below the marker (checkpoints that failed to verify)
+        claims fences again that the marker says are collected, and its collections delete from
+        its resume step until then."""
         self._scripts = {name: client.register_script(src) for name, src in (
             ("enter", _ENTER), ("admit", _ADMIT), ("durable", _DURABLE), ("claim", _CLAIM),
             ("append", _APPEND), ("record", _RECORD), ("set", _SET), ("collect", _COLLECT))}
@@ -170,6 +175,8 @@ class GangFence:
         """Record ``step`` as the newest durable checkpoint of this gang's lineage."""
         await self._run("durable", f"record checkpoint {step} durable", [], step)
         if not self._recorded or step > self._recorded[-1]:
+            if not self._recorded:
+                self._resumed_at = step
             self._recorded = [*self._recorded[-1:], step]
 
     async def collect(self) -> int:
@@ -193,6 +200,9 @@ class GangFence:
             done = int(raw) if raw is not None else -1
         except ValueError:
             done = -1  # damaged: deleting from the start again deletes nothing twice
+        marked = done
+        if self._resumed_at is not None:
+            done = min(done, self._resumed_at)
         while done < through:
             upto = min(through, done + _COLLECT_SLICE)
             fences = [Keys.fence(self.job, s) for s in range(done + 1, upto + 1)]
@@ -201,6 +211,8 @@ class GangFence:
             if bad:
                 log.warning("%s: %d damaged entries dropped with step %d's", Keys.trained_log(self.job), bad, upto)
             done = upto
+        if through >= marked:  # past the old marker: every fence claimed again is covered
+            self._resumed_at = None
         return through
 
     async def claim(self, step: int, durable_step: int) -> Claim:

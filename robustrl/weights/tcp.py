@@ -51,10 +51,10 @@ NOTSENT_LOWAT = 64 << 10
 the whole chunk sits in a 4 MiB socket buffer (where 16 chunks "sent" at once then shared the
 link). 64 KiB: a small overlap of one upload with the next, and at loopback rates (GB/s) a wakeup
 per 64 KiB measured no slower than 256 KiB or none."""
-SEND_SLICE = 128 << 10
+SEND_SLICE = 64 << 10
 """Bytes handed to one bounded ``sock_sendall`` (``_sendall``): each slice must leave within the
-handler's ``send_stall_s`` (128 KiB in 2 s: on a link of 1 Mbit/s or faster, a receiver that
-reads is never taken for one that stopped)."""
+handler's ``send_stall_s`` (64 KiB in 2 s: a connection getting 0.3 Mbit/s or more, a receiver
+that reads, is never taken for one that stopped)."""
 
 
 def close_socket(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:

@@ -92,6 +92,11 @@ class RecoveryExecutor:
     def __init__(self, controller: Controller) -> None:
         self.c = controller
         self.lock = asyncio.Lock()
+        self._decided: set[tuple[str, str]] = set()
+        """(job id, fault id) decided and acted on here whose record (``persist(handled=...)``) was
+        not written yet (Redis failed at it): a retry writes the record, and decides nothing again
+        (it ran on the state the first decision changed: a second decision event, a second
+        restart of a control-plane role; an outside review)."""
         self._handled: set[tuple[str, str]] = set()
         """(job id, fault id) handled by this process. Fault ids are unique within a job only
         (``exit-trainer-e1-r0`` names a member, and every job has one)."""
@@ -129,7 +134,10 @@ class RecoveryExecutor:
                                 f"{fault.fault_id} is left for the leader")
             if job.done:
                 return
-            await self._handle_locked(job, fault)
+            key = (job.job_id, fault.fault_id)
+            if key not in self._decided:  # (decided, its record still owed: written, not decided again)
+                await self._handle_locked(job, fault)
+                self._decided.add(key)
             # Marked handled in the write of the record that holds what was decided (both or
             # neither): marked first, a controller killed before the record's write left a fault
             # handled whose decision no one held (an ignored weights fault owed a recheck after the
@@ -138,7 +146,8 @@ class RecoveryExecutor:
                                                       HANDLED_TTL_S)):
                 raise LeaseLost(f"controller {self.c.owner}: the record of fault {fault.fault_id}'s decision "
                                 "was refused (a newer lease term has begun): the fault is left for the leader")
-            self._handled.add((job.job_id, fault.fault_id))
+            self._decided.discard(key)
+            self._handled.add(key)
 
     async def _handle_locked(self, job: JobRun, fault: FaultReport) -> None:
         injected_at = job.injected_at.pop(fault.member_id, None)

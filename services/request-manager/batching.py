@@ -454,14 +454,16 @@ class JobRunner:
                 await self._commit_overdue(needed, clock)
             if self.committed < needed and time.monotonic() - waited_since >= COMMIT_RECHECK_S:
                 waited_since = time.monotonic()
-                try:
-                    # (a step at or before the lineage's durable checkpoint is trained for good,
-                    # whichever gang's entries the log's tail holds)
-                    trained = max(await self.batches.newest_trained(self.gang_epoch),
-                                  (await read_gang(self.redis, self.job_id)).durable)  # type: ignore[arg-type]
-                except (TransportError, StorageError) as exc:
-                    log.warning("job %s: trained log not read: %s", self.job_id, exc)
-                    trained = -1
+                # (a step at or before the lineage's durable checkpoint is trained for good,
+                # whichever gang's entries the log's tail holds) Each read on its own: one failing
+                # must not lose what the other says.
+                trained = -1
+                for what, read in (("trained log", lambda: self.batches.newest_trained(self.gang_epoch)),
+                                   ("gang record", lambda: self._durable_of_gang())):
+                    try:
+                        trained = max(trained, await read())
+                    except (TransportError, StorageError) as exc:
+                        log.warning("job %s: %s not read: %s", self.job_id, what, exc)
                 if trained > self.committed:
                     log.warning("job %s: commits up to step %d were not heard; the trained log has them",
                                 self.job_id, trained)
@@ -470,6 +472,9 @@ class JobRunner:
                     continue
             self.changed.clear()
             await wait_event(self.changed, WAIT_WAKE_S)
+
+    async def _durable_of_gang(self) -> int:
+        return (await read_gang(self.redis, self.job_id)).durable  # type: ignore[arg-type]
 
     async def _commit_overdue(self, needed: int, clock: _CommitClock) -> None:
         """Report the trainer gang once it has waited ``commit_deadline_s`` for a batch already
