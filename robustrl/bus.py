@@ -440,7 +440,7 @@ class Bus:
                                                                   inactive_threshold=EVENT_READER_IDLE_S))
         events = EventLog()
         unavailable = stalls = 0
-        pending: int | None = None  # after the last message read (None: none read yet)
+        pending: int | None = None  # what JetStream counts pending: the last message's word, or asked after an empty fetch
         try:
             # To the end of the log, however long: each message says how many are still pending
             # after it. ``timeout`` bounds one fetch. A fetch that gets nothing ends the read only

@@ -208,7 +208,7 @@ class Keys:
     @staticmethod
     def fence_gc(job: str) -> str:
         """Newest step whose batch fence and trained-log entries the trainer has deleted (the
-        checkpoint after it is durable too; ``GangFence.durable``)."""
+        checkpoint after it is durable too; ``GangFence.collect``)."""
         return f"rrl:{job}:trainer:gc"
 
 
@@ -488,7 +488,7 @@ class RolloutGC:
     """Deletes a step's rollout state once the checkpoint that consumed it is durable: episodes,
     prefixes, the step's episode set, pending dispatches and the batch. Redis then holds only what
     recovery can still need. The trainer's keys of the step (its batch fence, its trained-log
-    entries) are the trainer's to delete (``GangFence.durable``): the request manager may not
+    entries) are the trainer's to delete (``GangFence.collect``): the request manager may not
     write them."""
 
     def __init__(self, client: aioredis.Redis, job_id: str) -> None:
