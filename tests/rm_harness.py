@@ -177,7 +177,7 @@ class Harness:
         the Redis server (a proxy of the test's)."""
         # With the request manager's own credentials (NATS user, Redis ACL user), as the stack
         # starts it: a path that needs a key or subject its role may not touch fails here too.
-        own = _role_settings(self.settings)
+        own = rm_role_settings(self.settings)
         self.rm_bus = await Bus.connect(own.nats_url, "request_manager", role="request_manager")
         self.rm_redis = connect(redis_url or own.redis_url)
         self.rm = RequestManager(self.rm_bus, self.rm_redis)
@@ -257,12 +257,12 @@ class Harness:
         return sorted(k.decode() for k in await self.redis.keys(Keys.episode(self.job_id, f"s{step}-*")))
 
 
-def _role_settings(settings: Any) -> Any:
-    """``settings`` with the request manager's credentials where the servers have role users
-    (the embedded infra generates them), else ``settings`` as they are."""
+def rm_role_settings(settings: Any) -> Any:
+    """``settings`` with the request manager's credentials (its NATS and Redis users: the embedded
+    infra generates every role's)."""
     from robustrl.infra.credentials import Credentials, role_settings
     from robustrl.subjects import Principal
 
     if not getattr(settings, "credentials_file", ""):
-        return settings
+        raise AssertionError("the servers have no role credentials: the request manager would run as the admin")
     return role_settings(settings, Credentials.load(settings.credentials_file), Principal.REQUEST_MANAGER)

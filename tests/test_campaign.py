@@ -81,7 +81,7 @@ def test_reduced_campaign_loses_nothing(tmp_path):
     assert r["audit_ok"], r["violations"]
     # A step whose keys were collected before the campaign sampled them, and whose commit carries
     # no trainer's record, is judged by nothing: a fact of the audit, not a violation. None may be.
-    assert r["audit_facts"]["steps_unverified"] == 0, (r["audit_facts"], why)
+    assert r["audit_facts"]["steps_unverified"] == 0, json.dumps(r["audit_facts"]) + "\n" + why
 
 
 def _log_tails(logs, lines: int = 6) -> str:  # type: ignore[no-untyped-def]

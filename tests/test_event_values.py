@@ -136,7 +136,7 @@ async def test_a_log_read_that_stalls_mid_log_returns_all_of_it_or_an_error(
             return await real(self, batch, timeout)
 
         monkeypatch.setattr(JetStreamContext.PullSubscription, "fetch", stalling)
-        monkeypatch.setattr(bus_mod, "EVENT_FETCH_STALLS", 3, raising=False)
+        monkeypatch.setattr(bus_mod, "EVENT_FETCH_STALLS", 3)
         if stalls > 3:
             with pytest.raises(TransportError, match="still pending"):
                 await bus.read_events(job)

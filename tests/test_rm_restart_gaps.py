@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from rm_harness import METRICS_S, Harness, rm_spec
+from rm_harness import METRICS_S, Harness, rm_role_settings, rm_spec
 from support import eventually_async
 from tcp_hold import HoldingRelay
 
@@ -717,7 +717,7 @@ async def _restart_with_a_write_held(h: Harness, servers: Any, write: str, *, un
     async with HoldingRelay((url.hostname, url.port)) as relay:
         late = relay.hold(LATE_WRITES[write](h.job_id))
         look = relay.hold(lambda d: until_look and b"\r\nDEL\r\n" in d and Keys.batch(h.job_id, 0).encode() in d)
-        await h.start_rm(redis_url=relay.url(servers.redis_url))
+        await h.start_rm(redis_url=relay.url(rm_role_settings(servers).redis_url))
         await asyncio.wait_for(late.held.wait(), 30)
         cmd = ControlCommand(job_id=h.job_id, target="request_manager", action="restart_step",
                              args={"fault_id": "late-f1"}, fence=1)
@@ -804,7 +804,7 @@ async def test_a_write_of_a_failed_attempt_the_server_runs_after_the_retry_write
         url = urlsplit(servers.redis_url)
         async with HoldingRelay((url.hostname, url.port)) as relay:
             late = relay.hold(LATE_WRITES["applied_turn"](h.job_id))
-            await h.start_rm(redis_url=relay.url(servers.redis_url))
+            await h.start_rm(redis_url=relay.url(rm_role_settings(servers).redis_url))
             await eventually_async(lambda: len(rep.held) == 4, timeout=30, what="step 0's four turns held")
             first, rep.held = rep.held[0], rep.held[1:]
             await rep.answer(first)

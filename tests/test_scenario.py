@@ -347,6 +347,7 @@ def test_a_crash_timed_to_decoding_catches_turns_in_flight(stack, api) -> None: 
     report = asyncio.run(run_job(stack.settings, api, spec, scenario, step_time_s=0.3, timeout_s=120,
                                  on_status=sample))
     assert report["status"] == "finished", report.get("error")
+    assert samplers, "no status was read while the job ran"
     audit_sampled(stack.settings, report["job_id"], samplers[0])
     [ack] = report["injected"]
     assert ack["ok"] and ack["trigger"] == "decoding", (sorted(ack.items()), report["step_durations"])

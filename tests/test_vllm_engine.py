@@ -120,8 +120,6 @@ def test_a_vllm_replica_killed_mid_turn_is_recovered_role_local_and_nothing_fini
     pulls the current weights, and the job finishes. Judged from the raw stores: every batch
     sampled at hand-off and audited (no finished episode lost, no turn applied twice), and the
     event log."""
-    import psutil
-
     spec = small_job("vllmcrash", steps=4, model={"path": str(hf_dir), "max_positions": 512},
                      data={"tasks": ["lookup"], "prompts_per_step": 2, "group_size": 2},
                      rollout={"replicas": 1, "max_new_tokens": 6, "engine": "vllm"}, tools={"latency_s": 0.3},
@@ -129,8 +127,19 @@ def test_a_vllm_replica_killed_mid_turn_is_recovered_role_local_and_nothing_fini
                                "step_deadline_s": 400.0, "trainer_idle_s": 30.0},
                      recovery={"deadline_s": 400.0})
     jid = api.submit(spec)["job_id"]
+    try:
+        _crash_and_judge(api, infra, spec, jid, vllm_py)
+    finally:
+        # (a failed test leaves no vLLM job eating the worker's CPU for the tests after it)
+        if api.job(jid)["status"] in ("running", "recovering", "pending"):
+            api.stop(jid)
+
+
+def _crash_and_judge(api, infra, spec: dict, jid: str, vllm_py: Path) -> None:  # type: ignore[no-untyped-def]
+    import psutil
+
     sampler = sample_batches(infra.redis_url, jid)
-    wait_step(api, jid, 0, timeout=400.0)
+    wait_step(api, jid, 0, timeout=240.0)
     [replica] = [m for m in api.job(jid)["members"] if m["role"] == "rollout"]
     assert _argv0(replica["pid"]) == str(vllm_py), _argv0(replica["pid"])
     trainers = {m["member_id"] for m in api.job(jid)["members"] if m["role"] == "trainer"}
@@ -138,9 +147,9 @@ def test_a_vllm_replica_killed_mid_turn_is_recovered_role_local_and_nothing_fini
     new = f"rollout-{replica['member_id'].split('-')[1]}-i1"
     new_pid = eventually(lambda: next((m["pid"] for m in api.job(jid)["members"]
                                        if m["member_id"] == new and m["pid"]), None),
-                         timeout=300, interval=0.2, what=f"{new} started")
+                         timeout=150, interval=0.2, what=f"{new} started")
     assert psutil.pid_exists(new_pid) and _argv0(new_pid) == str(vllm_py), _argv0(new_pid)
-    wait_done(api, jid, timeout=400.0)
+    wait_done(api, jid, timeout=180.0)
     events = api.events(jid)
     audit_sampled(infra, jid, sampler)
     struck = [d for d in kinds(events, "fault_struck") if d["member_id"] == replica["member_id"]]
@@ -148,8 +157,10 @@ def test_a_vllm_replica_killed_mid_turn_is_recovered_role_local_and_nothing_fini
     # the turn in flight after a tool result went on from its saved prefix
     resumed = kinds(events, "episode_redispatched")
     assert any(d["prefix_turns"] >= 2 for d in resumed), resumed
-    decisions = [d["actions"] for d in kinds(events, "decision") if d["actions"] != ["Ignore"]]
-    assert decisions == [["RedispatchEpisodes", "ReplaceReplica"]], decisions
+    decisions = [d["actions"] for d in kinds(events, "decision")]
+    assert ["RedispatchEpisodes", "ReplaceReplica"] in decisions, decisions
+    # role-local: nothing else restarted (a slow vLLM start may still draw a fault of its own)
+    assert not [a for a in decisions if {"RestartTrainerGang", "RestartWholeJob"} & set(a)], decisions
     started = {d["member_id"] for d in kinds(events, "member_started")}
     assert not (started - trainers - {replica["member_id"], new}), started  # no trainer restarted
     loaded = [d for d in kinds(events, "weights_loaded") if d["member_id"] == new]
