@@ -401,13 +401,15 @@ async def test_a_fault_is_marked_handled_only_with_the_record_of_its_decision(ri
         await real(j, fault)
         _usurp(rig.settings)
 
-    async def handle(fault: Any) -> None:
+    async def handle(fault: Any) -> None:  # (this fault's handling only: others may come meanwhile)
         try:
             await real_handle(fault)
         except BaseException as exc:
-            outcome.append(exc)
+            if fault.fault_id == "mark-1":
+                outcome.append(exc)
             raise
-        outcome.append(None)
+        if fault.fault_id == "mark-1":
+            outcome.append(None)
 
     real_handle = c.recovery.handle
     monkeypatch.setattr(c.recovery, "_handle_locked", deposed_while_deciding)
@@ -417,8 +419,10 @@ async def test_a_fault_is_marked_handled_only_with_the_record_of_its_decision(ri
                         kind="unresponsive", evidence="test", detected_at=time.time(), step=0,
                         fault_at=time.time() - 1)
     await rig.bus.publish(subject(job.job_id, Verb.FAULT), fault)
-    await eventually_async(lambda: outcome, timeout=20, what="the fault handled (or given up)")
-    assert isinstance(outcome[0], LeaseLost), outcome
+    # (its copy on the bus and its inbox copy may both come: one that finds the lease already lost
+    # returns at once; the one that decided must give the fault up as the new leader's)
+    await eventually_async(lambda: any(isinstance(o, LeaseLost) for o in outcome), timeout=20,
+                           what="the fault's decision given up as the new leader's")
     r = redis_sync.Redis.from_url(rig.settings.redis_url)
     try:
         assert not r.sismember(Keys.faults_handled(job.job_id), "mark-1"), "marked handled with its record refused"
