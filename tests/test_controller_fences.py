@@ -448,7 +448,7 @@ async def test_a_decision_whose_record_fails_to_write_is_written_again_not_decid
 
     async def blip_once(j: JobRun, **kw: Any) -> bool:
         if kw.get("handled") and not blips:
-            blips.append(kw["handled"][1])
+            blips.append(kw["handled"])
             raise TransportError("redis blip at the decision's record (test)", subject=j.job_id)
         return await real(j, **kw)
 

@@ -10,7 +10,7 @@ import signal
 import httpx
 import pytest
 from jobs import kinds, small_job, wait_done, wait_step
-from support import audit_sampled, eventually, sample_batches
+from support import audit_sampled, eventually, raw_job_ids, sample_batches
 
 from robustrl.bus import Bus
 from robustrl.client import ApiClient
@@ -50,7 +50,7 @@ def test_short_job_runs_end_to_end(stack, api, infra):
 def test_bad_rest_bodies_are_rejected_with_the_field_named(stack, api):
     url = stack.api_url
     token = {"Authorization": f"Bearer {stack.settings.api_token}"}
-    stored_before = _registry(stack)
+    stored_before = raw_job_ids(stack.settings.redis_url)
     assert httpx.get(f"{url}/v1/jobs").status_code == 401
     assert httpx.get(f"{url}/v1/jobs", headers={"Authorization": "Bearer nope"}).status_code == 401
     r = httpx.post(f"{url}/v1/jobs", headers=token, content=b"{not json")
@@ -67,7 +67,7 @@ def test_bad_rest_bodies_are_rejected_with_the_field_named(stack, api):
     # Nothing was stored for the rejected requests: the raw registry holds no job it did not hold
     # before.
     # (each xdist worker has a stack of its own, and its tests run one at a time)
-    added = {jid: name for jid, name in _registry(stack).items() if jid not in stored_before}
+    added = raw_job_ids(stack.settings.redis_url) - stored_before
     assert not added, added
     assert "/v1/jobs" in httpx.get(f"{url}/openapi.json").json()["paths"]
 
@@ -165,24 +165,3 @@ def test_stop_everything_then_resume_from_checkpoint(infra, tmp_path):
         api2.close()
         st2.stop()
         own.stop()
-
-
-def _registry(stack) -> dict[str, str]:  # type: ignore[no-untyped-def]
-    """The controller's job registry as it lies in Redis: job id -> the name its record holds."""
-    import json
-
-    import redis as redis_sync
-
-    from robustrl.storage.redis_stores import Keys
-
-    r = redis_sync.Redis.from_url(stack.settings.redis_url)
-    try:
-        out = {}
-        for k, v in r.hgetall(Keys.jobs()).items():
-            try:
-                out[k.decode()] = str(json.loads(v).get("spec", {}).get("name"))
-            except (ValueError, AttributeError):
-                out[k.decode()] = "?"
-        return out
-    finally:
-        r.close()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from robustrl.audit.checkpoints import Lineage, parse_origin
-from robustrl.audit.lineage import JobFacts, _int, of_kind
+from robustrl.audit.lineage import JobFacts, _int, of_kind, training_records
 from robustrl.audit.model import AuditInput, CheckResult
 from robustrl.audit.rollout import StepView
 
@@ -150,11 +150,7 @@ def _foreign_turns_trained(inp: AuditInput, views: list[StepView], pubs: Publica
     gang's policy, and it must have dropped it (``stale_turns_dropped``: the step's dropped turns
     are at least as many as such turns). Versions the gang did not publish (older than its
     resume) are its ancestors' and judged by ``check_weights`` alone."""
-    trained_by: dict[int, int] = {}
-    for e in of_kind(inp.events, "step_committed"):
-        step, epoch = _int(e.data.get("step")), _int(e.data.get("epoch"))
-        if step >= 0 and epoch >= 0:
-            trained_by[step] = max(epoch, trained_by.get(step, -1))
+    trained_by = training_records(inp).committed_by
     dropped: dict[tuple[int, int], int] = defaultdict(int)
     for e in of_kind(inp.events, "stale_turns_dropped"):
         dropped[(_int(e.data.get("step")), _int(e.data.get("epoch")))] += max(0, _int(e.data.get("turns")))

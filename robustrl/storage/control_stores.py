@@ -168,6 +168,10 @@ class RolloutOutbox(EventOutbox):
         super().__init__(client, job_id, Keys.rollout_outbox(job_id))
 
 
+HANDLED_TTL_S = 7 * 24 * 3600
+"""How long handled fault ids are kept (``Keys.faults_handled``: as long as the event log keeps events)."""
+
+
 class JobRegistry:
     """Job records, so a restarted controller finds its jobs again.
 
@@ -213,24 +217,24 @@ return redis.call('HDEL', KEYS[1], ARGV[1])
         return int(res) >= 0
 
     async def put(self, job_id: str, record: dict[str, Any], fence: int | None = None,
-                  handled: tuple[str, str, int] | None = None) -> bool:
+                  handled: str | None = None) -> bool:
         """Write ``job_id``'s record; False (nothing written) if ``fence`` is older than the newest
-        controller lease term. Without a fence the write is unconditional. ``handled``: (set key,
-        member, expiry s) added in the same fenced write (a fault marked handled only with the
-        record of what was decided for it)."""
+        controller lease term. Without a fence the write is unconditional. ``handled``: a fault id
+        marked handled (``Keys.faults_handled``, kept ``HANDLED_TTL_S``) in the same write: a
+        fault is handled only with the record of what was decided for it."""
         if fence is None:
             pipe = self.r.pipeline(transaction=True)
             pipe.hset(Keys.jobs(), job_id, json.dumps(record))
             if handled is not None:
-                pipe.sadd(handled[0], handled[1])
-                pipe.expire(handled[0], int(handled[2]))
+                pipe.sadd(Keys.faults_handled(job_id), handled)
+                pipe.expire(Keys.faults_handled(job_id), HANDLED_TTL_S)
             await _call(pipe.execute(), Keys.jobs())
             return True
         keys = [Keys.jobs(), Keys.controller_fence()]
         args: list[Any] = [job_id, json.dumps(record), int(fence)]
         if handled is not None:
-            keys.append(handled[0])
-            args += [handled[1], int(handled[2])]
+            keys.append(Keys.faults_handled(job_id))
+            args += [handled, HANDLED_TTL_S]
         ok = await _call(self.r.eval(self._FENCED_PUT, len(keys), *keys, *args), Keys.jobs())
         return bool(int(ok))
 

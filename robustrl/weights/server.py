@@ -34,7 +34,6 @@ Test-only faults (``Fault``) make the server corrupt, stall on, or die during a 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import enum
 import errno
 import time
@@ -374,7 +373,7 @@ class WeightServer(RequestHandler):
         ``manifest_digest`` (held complete or not): a version number names different bytes in
         two gangs' lineages after a rollback."""
         entry = self._versions.get(version)
-        return entry is not None and hashlib.sha256(entry.manifest_json).hexdigest() == manifest_digest
+        return entry is not None and entry.manifest.digest() == manifest_digest
 
     def versions(self) -> list[int]:
         """Versions currently registered, oldest first."""

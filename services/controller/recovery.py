@@ -59,8 +59,6 @@ RECHECK_RETRY_S = 30.0
 """How long a recheck's fault is tried again when its handling fails, before it is left for the
 next recheck (``weights_load_s`` later)."""
 
-HANDLED_TTL_S = 7 * 24 * 3600
-"""How long handled fault ids are kept (as long as the event log keeps events)."""
 SERVICE_RESUME_ATTEMPT_S = 2.0
 """One ``resume`` request to a restarted control-plane service; repeated until its deadline."""
 RESTOCK_RETRY_MIN_S = 1.0
@@ -142,8 +140,7 @@ class RecoveryExecutor:
             # neither): marked first, a controller killed before the record's write left a fault
             # handled whose decision no one held (an ignored weights fault owed a recheck after the
             # recovery: the replica stayed stuck; an outside review).
-            if not await self.c.persist(job, handled=(Keys.faults_handled(job.job_id), fault.fault_id,
-                                                      HANDLED_TTL_S)):
+            if not await self.c.persist(job, handled=fault.fault_id):
                 raise LeaseLost(f"controller {self.c.owner}: the record of fault {fault.fault_id}'s decision "
                                 "was refused (a newer lease term has begun): the fault is left for the leader")
             self._decided.discard(key)

@@ -340,8 +340,8 @@ class Controller:
     async def _fenced_epoch(self, job: JobRun) -> int:
         return (await read_gang(self.redis, job.job_id)).epoch
 
-    async def persist(self, job: JobRun, handled: tuple[str, str, int] | None = None) -> bool:
-        """Write the job's record (``handled``: a fault marked handled in the same write,
+    async def persist(self, job: JobRun, handled: str | None = None) -> bool:
+        """Write the job's record (``handled``: a fault id marked handled in the same write,
         ``JobRegistry.put``). One write per job at a time, each built from the state at its turn:
         two concurrent writes on separate Redis connections can land in either order, and a record
         built before a member was started, landing last, dropped that member from what a restarted
