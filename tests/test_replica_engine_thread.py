@@ -34,9 +34,11 @@ class Engine:
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
         self.abort = False
+        self.tokens_generated = 0
 
     def generate(self, requests: list[GenRequest], on_token: Any = None, should_abort: Any = None) -> list[GenResult]:
         self.batches.append([r.request_id for r in requests])
+        self.tokens_generated += 1
         if on_token is not None:
             on_token(1)
         if self.abort and should_abort is not None and should_abort():

@@ -39,7 +39,8 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     probe = subprocess.Popen([str(py), "-c", "import vllm, robustrl"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     try:
-        hf = make_tiny_hf_model(tmp_path_factory.mktemp("tiny-hf-vllm"))
+        # padded past its tokenizer's ids, as real models are (Qwen3: 151936 rows, 151669 ids)
+        hf = make_tiny_hf_model(tmp_path_factory.mktemp("tiny-hf-vllm"), pad_vocab=PAD_VOCAB)
         _, err = probe.communicate(timeout=120)
     finally:
         if probe.poll() is None:
@@ -48,6 +49,9 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     if probe.returncode != 0:
         pytest.skip(f"the vLLM environment at {py} cannot import vllm and robustrl: {err[-300:]}")
     return py, hf
+
+
+PAD_VOCAB = 64
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +112,15 @@ def test_vllm_engine_generates_stops_on_the_marker_aborts_and_loads_weights_in_p
     assert w["linear_layers"] == 10 and w["plain_linear_layers"] == (10 if cpu_linear == "plain" else 0), w
     # The worker pulling from weight sources (tcp) loads the same weights.
     assert r["greedy_other_tcp"] == r["greedy_other"] and r["greedy_restored_tcp"] == r["greedy"]
+    # The model's rows past the tokenizer's ids, made the likeliest by far: never sampled, greedy
+    # unchanged, logprobs those of the distribution over the tokenizer's ids (finite, <= 0).
+    assert r["padded_rows"] == PAD_VOCAB
+    assert r["greedy_padded_heavy"] == r["greedy"]
+    assert all(t < r["vocab"] for ids in r["sampled_padded_heavy"] for t in ids)
+    for ids, lps in zip(r["sampled_padded_heavy"], r["sampled_padded_heavy_logprobs"], strict=True):
+        assert len(ids) == len(lps) > 0 and all(math.isfinite(x) and x <= 0.0 for x in lps)
+    # The token counter is vLLM's own (its per-iteration stats), and agrees with the stream.
+    assert r["counters"]["iterations"] > 0 and r["counters"]["prompt_tokens"] > 0
 
 
 @pytest.mark.timeout(600)

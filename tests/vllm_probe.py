@@ -132,6 +132,23 @@ def main(model_dir: str, out: str, cpu_linear: str = "packed") -> None:
     res["greedy_restored_tcp"] = greedy().token_ids
     res["original_checksum"] = weights_checksum(original)
     res["weight_bytes"] = sum(t.numel() * t.element_size() for t in original.values())
+
+    # A padded embedding (rows past the tokenizer's ids): those rows made by far the most likely
+    # next tokens (50x the head row of the greedy first token), every other row unchanged. No
+    # padded id is sampled, greedy or seeded, and greedy picks what it picked before.
+    vocab = tok.vocab_size
+    heavy = {n: t.clone() for n, t in original.items()}
+    head = heavy["lm_head.weight"]
+    res["padded_rows"] = head.shape[0] - vocab
+    head[vocab:] = 50.0 * head[g.token_ids[0]]
+    engine.load_weights(heavy, 7)
+    res["greedy_padded_heavy"] = greedy().token_ids
+    heavy_sampled = engine.generate(reqs)
+    res["sampled_padded_heavy"] = [r.token_ids for r in heavy_sampled]
+    res["sampled_padded_heavy_logprobs"] = [r.logprobs for r in heavy_sampled]
+    res["vocab"] = vocab
+    res["counters"] = {"generation_tokens": engine.counters.generation_tokens,
+                       "prompt_tokens": engine.counters.prompt_tokens, "iterations": engine.counters.iterations}
     engine.close()
     with open(out, "w") as f:
         json.dump(res, f)

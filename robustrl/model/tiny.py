@@ -75,19 +75,21 @@ def build_bpe_tokenizer() -> object:
 
 def make_tiny_hf_model(directory: str | Path, *, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 2,
                        num_kv_heads: int = 1, intermediate_size: int = 256, max_positions: int = 512,
-                       seed: int = 0, tokenizer_from: str | Path | None = None) -> Path:
+                       seed: int = 0, tokenizer_from: str | Path | None = None, pad_vocab: int = 0) -> Path:
     """Write a random-init Qwen3 causal LM with the BPE tokenizer into ``directory`` (float32,
     untied head; head_dim 64, which vLLM's CPU attention supports). Returns the directory.
 
     ``tokenizer_from``: a directory holding that tokenizer already saved (a machine without
-    ``mistral-common``, e.g. a lent GPU machine, reuses one made here) instead of building it."""
+    ``mistral-common``, e.g. a lent GPU machine, reuses one made here) instead of building it.
+    ``pad_vocab``: embedding and head rows past the tokenizer's ids, as real models have them
+    (Qwen3: 151936 rows for 151669 ids); no id the tokenizer has ever names them."""
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_from)) if tokenizer_from else build_bpe_tokenizer()
-    vocab = len(tok)  # type: ignore[arg-type]
+    vocab = len(tok) + pad_vocab  # type: ignore[arg-type]
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
                       num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                       head_dim=hidden_size // num_heads, max_position_embeddings=max_positions,

@@ -654,7 +654,9 @@ class Replica:
     def _on_token(self, n: int) -> None:
         if self._crash_at_token:
             self._strike()
-        self.member.tokens_total += n
+        # the throughput metric counts what the engine says it generated (vLLM: its own
+        # per-iteration stats); ``n``, this call's share of the stream, is liveness
+        self.member.tokens_total = self.engine.tokens_generated
         self.member.activity += n
         delay = self.member.chaos.slow_delay(0.002)
         self.member.chaos.gate()

@@ -9,7 +9,8 @@ this interface only:
 - ``generate``: many episodes' turns at once (concurrent requests), each stopping on eos, on
   the tool-call marker (when ``stop_on_call``) or at its length budget; behaviour logprobs of
   the distribution actually sampled.
-- ``tokens_generated``: a running token counter (the replica's throughput metric).
+- ``tokens_generated``: a running token counter (the replica's throughput metric; the vLLM
+  engine's is vLLM's own count, from its per-iteration stats).
 - ``abort``: ends every in-flight request; the ``generate`` call raises ``GenerationAborted``.
 - ``load_weights``: swaps new weights in place (no restart, no disk). Copies only: the bytes
   were verified as they arrived (every chunk against the manifest, the whole version against

@@ -4,8 +4,10 @@ One vLLM request per episode turn, all of a batch submitted at once (vLLM's sche
 them continuously): token-id prompts, the episode's seed, stop on eos and, for a turn that may
 call a tool, on the tool-call marker's token id; logprobs in vLLM's ``processed_logprobs`` mode,
 i.e. of the distribution actually sampled (after temperature and top-p), which is what GRPO's
-behaviour policy must be. Outputs stream as deltas; their token counts feed the replica's
-throughput metric.
+behaviour policy must be. Outputs stream as deltas (the replica's liveness signal); the
+throughput metric is vLLM's own count of generated tokens, from its per-iteration stats. A
+model whose embedding is padded past its tokenizer samples only the tokenizer's ids (a vLLM
+logits processor, ``vllm_plugin.SampleVocabMask``).
 
 New weights are loaded in place through vLLM's pluggable weight transfer (backend ``robustrl``,
 :mod:`robustrl.model.engines.vllm_plugin`), never while a generation runs (a swap waits for the
@@ -63,6 +65,61 @@ def hf_layout(path: str | Path, dtype: torch.dtype = torch.float32) -> dict[str,
     return {n: (dtype_name(dtype), list(t.shape)) for n, t in model.state_dict().items()}
 
 
+def _sample_vocab(path: str | Path, vocab: int) -> int | None:
+    """``vocab`` (the tokenizer's size) when the model's embedding is padded past it (Qwen: 151936
+    rows, 151669 ids): as the torch engine and the trainer, sample only ids the tokenizer has (a
+    padded id is refused by the request manager). None (no mask, no cost) when the sizes agree.
+
+    Raises:
+        ConfigError: (field ``model.path``) the directory's ``config.json`` names no vocabulary
+            size, or one smaller than the tokenizer's.
+    """
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        model_vocab = int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{path}/config.json names no vocabulary size: {exc}", field="model.path") from exc
+    if model_vocab < vocab:
+        raise ConfigError(f"model vocabulary {model_vocab} ({path}/config.json) is smaller than the "
+                          f"tokenizer's {vocab}", field="model.path")
+    return vocab if model_vocab > vocab else None
+
+
+class _Counters:
+    """vLLM's own per-iteration stats, summed: ``logger`` is a vLLM stat-logger factory
+    (``AsyncLLM(stat_loggers=...)``); vLLM calls each logger it makes in its output handler, in
+    this process, once per engine iteration. Read from any thread (ints, replaced whole)."""
+
+    def __init__(self) -> None:
+        self.generation_tokens = 0
+        self.prompt_tokens = 0
+        self.preemptions = 0
+        self.iterations = 0
+
+    def logger(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        counters = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                       engine_idx: int = 0) -> None:
+                if iteration_stats is None:
+                    return
+                counters.iterations += 1
+                counters.generation_tokens += iteration_stats.num_generation_tokens
+                counters.prompt_tokens += iteration_stats.num_prompt_tokens
+                counters.preemptions += iteration_stats.num_preempted_reqs
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger(vllm_config, engine_index)
+
+
 def _segment_fields(path: str, nbytes: int) -> dict[str, Any]:
     """How the worker finds a segment of this process (``SegmentMap``): path, size and inode."""
     return {"segment": path, "segment_bytes": nbytes, "segment_ino": os.stat(path).st_ino}
@@ -114,10 +171,15 @@ class VllmEngine(Engine):
         self.cpu_linear = cpu_linear
         self.path = str(path)
         self.tokenizer = tokenizer
-        self._allowed: list[int] | None = None  # _allowed_ids, read once
+        self.sample_vocab = _sample_vocab(path, tokenizer.vocab_size)
+        from robustrl.model.engines.vllm_plugin import SAMPLE_VOCAB_ENV
+
+        # read by SampleVocabMask in vLLM's worker, which inherits this process's environment
+        os.environ[SAMPLE_VOCAB_ENV] = str(self.sample_vocab or "")
         self.max_batch = max_batch
         self.max_model_len = max_model_len
-        self.tokens_generated = 0
+        self.counters = _Counters()
+        self._counted_from = 0  # vLLM's generation-token count when the warm-up ended
         self.chunk_bytes = chunk_bytes
         from robustrl.model.engines import segments
 
@@ -168,8 +230,17 @@ class VllmEngine(Engine):
         prompt = list(range(1, 9))
         self.generate([GenRequest(f"warmup-{i}", prompt, 4, temperature=1.0, seed=i, stop_on_call=False)
                        for i in range(2)])
-        self.tokens_generated = 0
+        self._counted_from = self.counters.generation_tokens
         return time.monotonic() - t0
+
+    @property
+    def tokens_generated(self) -> int:
+        """Tokens generated since the engine started, warm-up not counted: vLLM's own count (its
+        per-iteration stats, :class:`_Counters`), not RobustRL's count of the outputs it read.
+        vLLM's output handler records an iteration's stats in the same pass of its loop that
+        queues the iteration's outputs, before this engine's coroutines can read them, so the
+        count includes every token a ``generate`` has returned or passed to ``on_token``."""
+        return self.counters.generation_tokens - self._counted_from
 
     # --- loop plumbing -------------------------------------------------------------------
 
@@ -181,12 +252,17 @@ class VllmEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from robustrl.model.engines import vllm_plugin
+
+        masks = [f"{vllm_plugin.__name__}:{vllm_plugin.SampleVocabMask.__name__}"] if self.sample_vocab else None
         args = AsyncEngineArgs(model=self.path, tokenizer=self.path, dtype=self._dtype, seed=self._seed,
                                max_model_len=self.max_model_len, max_num_seqs=self.max_batch,
                                enforce_eager=True, logprobs_mode="processed_logprobs",
                                weight_transfer_config=WeightTransferConfig(backend="robustrl"),
-                               enable_prefix_caching=False, disable_log_stats=True)
-        self.llm = AsyncLLM.from_engine_args(args)
+                               enable_prefix_caching=False, disable_log_stats=True, logits_processors=masks)
+        # disable_log_stats: none of vLLM's own loggers (its periodic log lines); the one given
+        # here still turns vLLM's per-iteration stats on (and, with them, its Prometheus metrics)
+        self.llm = AsyncLLM.from_engine_args(args, stat_loggers=[self.counters.logger])
 
     # --- generation ----------------------------------------------------------------------
 
@@ -197,23 +273,7 @@ class VllmEngine(Engine):
         stops = list(self.tokenizer.stop_ids) + ([self.tokenizer.call_id] if r.stop_on_call else [])
         return SamplingParams(max_tokens=budget, temperature=r.temperature, top_p=r.top_p, seed=r.seed,
                               logprobs=0, stop_token_ids=stops, output_kind=RequestOutputKind.DELTA,
-                              detokenize=False, skip_special_tokens=False,
-                              allowed_token_ids=self._allowed_ids())
-
-    def _allowed_ids(self) -> list[int] | None:
-        """The tokenizer's ids when the model's embedding is padded past them (Qwen: 151936 rows,
-        151669 ids): as the torch engine and the trainer, sample only ids the tokenizer has (a
-        padded id is refused by the request manager, and regenerated alike by every replica).
-        None (no restriction, no cost) when the sizes agree."""
-        if self._allowed is None:
-            try:
-                cfg = json.loads((Path(self.path) / "config.json").read_text())
-                model_vocab = int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
-            except (OSError, ValueError, TypeError, AttributeError):
-                model_vocab = 0
-            vocab = self.tokenizer.vocab_size
-            self._allowed = list(range(vocab)) if model_vocab > vocab else []
-        return self._allowed or None
+                              detokenize=False, skip_special_tokens=False)
 
     async def _one(self, r: GenRequest, rid: str, events: queue.Queue[int]) -> GenResult:
         budget = max(0, min(r.max_new_tokens, self.max_model_len - len(r.prompt_ids)))
@@ -268,10 +328,8 @@ class VllmEngine(Engine):
                 n = events.get(timeout=_POLL_S)
             except queue.Empty:
                 n = 0
-            if n:
-                self.tokens_generated += n
-                if on_token is not None:
-                    on_token(n)
+            if n and on_token is not None:
+                on_token(n)
             if self._aborted.is_set() or (should_abort is not None and should_abort()):
                 self._call(self.llm.abort(rids), 30.0)
                 fut.cancel()

@@ -57,6 +57,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
+from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from robustrl.errors import WeightSyncError
 from robustrl.model.engines.segments import SegmentMap
@@ -84,6 +85,44 @@ def register() -> None:
         raise ValueError(f"{CPU_LINEAR_ENV}={layout!r}: one of {', '.join(CPU_LINEARS)}")
     if layout == "plain":
         plain_cpu_linear()
+
+
+SAMPLE_VOCAB_ENV = "ROBUSTRL_VLLM_SAMPLE_VOCAB"
+"""The tokenizer's vocabulary size when the model's embedding is padded past it; read by
+:class:`SampleVocabMask` in vLLM's worker, set by the engine before vLLM spawns it."""
+
+
+class SampleVocabMask(LogitsProcessor):
+    """A batch-level vLLM logits processor: ids at or past the tokenizer's vocabulary (a padded
+    embedding's extra rows: Qwen's 151936 rows for 151669 ids) are never sampled, as in the torch
+    engine and the trainer (the request manager refuses such an id). One slice assignment per
+    decode step for the whole batch, applied before temperature and top-p, so the logprobs vLLM
+    returns (``processed_logprobs``) are of the distribution restricted to them. (Before, each
+    request carried ``allowed_token_ids``: the whole vocabulary as a list, serialised to vLLM's
+    engine process, validated and turned into a mask row, for every turn.)
+
+    vLLM builds it in its worker from ``logits_processors``; the engine names it there only for
+    a padded model."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        raw = os.environ.get(SAMPLE_VOCAB_ENV, "")
+        try:
+            self.vocab = int(raw)
+        except ValueError:
+            raise ValueError(f"{SAMPLE_VOCAB_ENV}={raw!r}: not a vocabulary size") from None
+        if self.vocab <= 0:
+            raise ValueError(f"{SAMPLE_VOCAB_ENV}={raw!r}: not a vocabulary size")
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # it changes what greedy decoding picks too
+
+    def update_state(self, batch_update: Any) -> None:
+        return None  # the same for every request: no per-request state
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.vocab < logits.shape[-1]:
+            logits[..., self.vocab:] = float("-inf")
+        return logits
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
