@@ -61,6 +61,10 @@ def test_tool_call_in_the_templates_format_drives_the_episode(hf_dir: Path) -> N
     assert call[-1] == tok.call_id
     turn = tasks.Turn("assistant", call, [0.0] * len(call), 0, "tool_call")
     assert tasks.next_action(prompt, [turn], tok, 3) == tasks.CallTool("lookup", "cab")
+    # A call naming a tool the episode does not offer runs nothing: it is answered with an error.
+    other = tok.encode('<tool_call>{"name": "calc", "arguments": {"key": "cab"}}</tool_call>')
+    wrong = tasks.Turn("assistant", other, [0.0] * len(other), 0, "tool_call")
+    assert tasks.next_action(prompt, [wrong], tok, 3) == tasks.CallTool("lookup", "cab", error="no tool 'calc'")
     # Not a well-formed call: the turn's plain text is the argument (as with the char tokenizer).
     plain = tasks.Turn("assistant", tok.encode(" abd ") + [tok.eot_id], [], 0, "eot")
     assert tasks.next_action(prompt, [plain], tok, 3) == tasks.CallTool("lookup", "abd")

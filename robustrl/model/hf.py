@@ -224,9 +224,11 @@ class ChatTokenizer:
         before, after = self._result_frame
         return self.encode(before + text + after)
 
-    def tool_argument(self, ids: Iterable[int]) -> str:
-        """The argument of the tool call in an assistant turn: the first argument value of the
-        ``<tool_call>`` JSON, or the turn's plain text when it holds no well-formed call."""
+    def tool_call(self, ids: Iterable[int]) -> tuple[str | None, str]:
+        """The tool call in an assistant turn: (the tool it names, its argument). The argument is
+        the first argument value of the ``<tool_call>`` JSON; the name is its ``name`` (None when
+        it names none). A turn without a well-formed call names no tool and its plain text is the
+        argument (as with the char tokenizer)."""
         text = self.decode(ids, skip_special=False)
         start = text.find(CALL_OPEN)
         if start >= 0:
@@ -238,10 +240,11 @@ class ChatTokenizer:
                 if isinstance(args, str):
                     args = json.loads(args)
                 if isinstance(args, dict) and args:
-                    return str(next(iter(args.values()))).strip()
+                    name = call.get("name")
+                    return (None if name is None else str(name)), str(next(iter(args.values()))).strip()
             except (ValueError, AttributeError):
                 pass
-        return self.decode(ids, skip_special=True).strip()
+        return None, self.decode(ids, skip_special=True).strip()
 
     def turn_text(self, ids: Iterable[int]) -> str:
         """A turn's text for scoring: the final eos / tool-call marker dropped, specials skipped."""

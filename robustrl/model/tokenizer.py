@@ -105,9 +105,10 @@ class CharTokenizer:
         """``<result> text <eot>``; unknown characters become ``?``."""
         return [self.result_id, *self.encode(text, errors="replace"), self.eot_id]
 
-    def tool_argument(self, ids: Iterable[int]) -> str:
-        """The tool argument an assistant turn stands for: its text, specials dropped, stripped."""
-        return self.decode(ids, skip_special=True).strip()
+    def tool_call(self, ids: Iterable[int]) -> tuple[str | None, str]:
+        """The tool call an assistant turn stands for: it names no tool (the task's runs), and its
+        text, specials dropped, stripped, is the argument."""
+        return None, self.decode(ids, skip_special=True).strip()
 
     def turn_text(self, ids: Iterable[int]) -> str:
         """The turn's text for scoring: the final eot/call dropped, other specials shown as NUL

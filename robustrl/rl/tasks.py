@@ -89,10 +89,13 @@ class Generate:
 
 @dataclass(frozen=True)
 class CallTool:
-    """Run ``tool`` with ``arg``, append its result as a tool turn."""
+    """Run ``tool`` with ``arg``, append its result as a tool turn. ``error``: the call cannot
+    run (it names a tool the episode does not offer); no tool is called and the tool turn is
+    this error, as a serving stack answers a call to a tool it does not have."""
 
     tool: str
     arg: str
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -198,10 +201,17 @@ def turn_text(turn: Turn, tokenizer: CharTokenizer) -> str:
     return tokenizer.turn_text(turn.token_ids)
 
 
-def tool_argument(turn: Turn, tokenizer: CharTokenizer) -> str:
-    """The tool argument an assistant turn stands for: its text, specials dropped, stripped (a
-    chat tokenizer reads the argument out of the template's tool-call JSON)."""
-    return tokenizer.tool_argument(turn.token_ids)
+def tool_call(prompt: Prompt, turn: Turn, tokenizer: CharTokenizer) -> CallTool:
+    """The call an assistant turn makes to the episode's tool: its argument is the turn's text,
+    specials dropped, stripped (a chat tokenizer reads it, and the tool's name, out of the
+    template's tool-call JSON). A call naming another tool than the one the episode offers is
+    answered with an error and runs nothing (before, it ran as the offered tool)."""
+    name, arg = tokenizer.tool_call(turn.token_ids)
+    assert prompt.tool is not None
+    if name is not None and name != prompt.tool:
+        # short: a tool turn keeps TOOL_RESULT_MAX_CHARS of its text
+        return CallTool(prompt.tool, arg, error=f"no tool {name!r}")
+    return CallTool(prompt.tool, arg)
 
 
 def next_action(prompt: Prompt, turns: Sequence[Turn], tokenizer: CharTokenizer, max_turns: int) -> Action:
@@ -221,7 +231,7 @@ def next_action(prompt: Prompt, turns: Sequence[Turn], tokenizer: CharTokenizer,
         return Generate(stop_on_call=prompt.needs_tool and not called)
     last = turns[-1]
     if prompt.needs_tool and prompt.tool and not called and assistant < max_turns:
-        return CallTool(prompt.tool, tool_argument(last, tokenizer))
+        return tool_call(prompt, last, tokenizer)
     return Finish(last.stop_reason or "done")
 
 

@@ -50,7 +50,7 @@ class EpisodeRunner:
         self.finished: set[str] = set()  # finished in this life, current step: never run again
         self.tool_waiting = 0
         self.generating = 0
-        self.stats = {"tool_failures": 0, "episodes_run": 0}
+        self.stats = {"tool_failures": 0, "tool_calls_refused": 0, "episodes_run": 0}
 
     async def make_episodes(self, step: int) -> tuple[list[EpisodeRecord], bool]:
         """The step's episodes: from Redis if it was started before (resumed: True), else new ones.
@@ -136,6 +136,12 @@ class EpisodeRunner:
 
     async def _call_tool(self, ep: EpisodeRecord, action: tasks.CallTool, step: int,
                          timing: dict[str, float]) -> None:
+        if action.error is not None:
+            # The policy's mistake, not the tool service's: answered, no tool called, no fault
+            # (the detector's tool-outage rule reads tool faults).
+            self.stats["tool_calls_refused"] += 1
+            ep.turns.append(TurnRecord(role="tool", token_ids=tasks.tool_turn_ids(f"error: {action.error}", self.tok)))
+            return
         ep.status = "tool_wait"
         self.tool_waiting += 1
         t0 = time.monotonic()
