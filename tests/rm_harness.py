@@ -31,7 +31,7 @@ from robustrl.messages import (
     WeightsHave,
 )
 from robustrl.model.tokenizer import CharTokenizer
-from robustrl.storage.control_stores import JobRegistry
+from robustrl.storage.control_stores import JobRegistry, newest_controller_fence
 from robustrl.storage.redis_stores import EpisodeStore, Keys, connect
 from robustrl.subjects import Verb, subject
 
@@ -186,8 +186,10 @@ class Harness:
         self._rm_metrics = asyncio.create_task(self.rm.metrics_loop(METRICS_S, self._rm_stop))
         await self.rm_bus.client.flush()  # its subscriptions are in place before anyone asks
         if send_resume:
+            # (as the leader: under the newest lease term's token, 0 while no controller ever ran)
             cmd = ControlCommand(job_id=self.job_id, target="request_manager", action="resume",
-                                 args={"start_step": self.committed + 1, "committed": self.committed})
+                                 args={"start_step": self.committed + 1, "committed": self.committed},
+                                 fence=await newest_controller_fence(self.redis))
             # Acknowledged and retried, like the controller's commands (resume is idempotent).
             for attempt in range(3):
                 try:

@@ -211,10 +211,29 @@ async def test_a_nats_outage_is_not_blamed_on_the_members(job: Job, embedded: Em
     assert {f.member_id for f in job.faults} == {"r-witness"} and logged == [], (job.faults, logged)
 
 
-async def test_replica_dead_from_a_deposed_controller_is_ignored(job: Job) -> None:
-    """The leader (fence 5) declares r-gone dead; a deposed controller (fence 3) then declares
-    r-live dead, a replica the leader still uses. The detector must keep watching r-live, as the
-    request manager does (it refuses the older fence): its silence is still a fault."""
+async def _newest_term(infra: Settings) -> int:
+    """The newest controller lease term's token on the session's Redis, at least 1: a term is
+    taken here if none ever was (the session's stack, when it runs, holds the lease: then this
+    changes nothing)."""
+    from robustrl.services.controller.lease import LeaderLease
+    from robustrl.storage.control_stores import newest_controller_fence
+    from robustrl.storage.redis_stores import connect
+
+    r = connect(infra.redis_url)
+    try:
+        if await newest_controller_fence(r) == 0:
+            await LeaderLease(r, "test-detector-service", ttl_s=0.1).try_acquire()
+        return await newest_controller_fence(r)
+    finally:
+        await r.aclose()
+
+
+async def test_replica_dead_from_a_deposed_controller_is_ignored(job: Job, infra: Settings) -> None:
+    """The leader (fence 5 above the newest term's) declares r-gone dead; a deposed controller
+    (fence 3 above) then declares r-live dead, a replica the leader still uses. The detector must
+    keep watching r-live, as the request manager does (it refuses the older fence): its silence
+    is still a fault."""
+    term = await _newest_term(infra)
     asked: list[SpecRequest] = []
 
     async def on_spec(msg: SpecRequest, _subj: str, _reply: str | None) -> None:
@@ -227,7 +246,7 @@ async def test_replica_dead_from_a_deposed_controller_is_ignored(job: Job) -> No
     await job.one_sample("r-seen")  # the detector is judging this job once it reports r-seen
     await eventually_async(lambda: job.faults_of("r-seen"), timeout=WAIT_S, what="r-seen reported")
     rm = subject(job.job_id, Verb.CONTROL, "request_manager")
-    for member_id, fence in (("r-gone", 5), ("r-live", 3)):
+    for member_id, fence in (("r-gone", term + 5), ("r-live", term + 3)):
         await job.bus.publish(rm, ControlCommand(job_id=job.job_id, target="request_manager", action="replica_dead",
                                                  args={"member_id": member_id, "fault_id": f"f-{member_id}"},
                                                  fence=fence))
@@ -238,3 +257,31 @@ async def test_replica_dead_from_a_deposed_controller_is_ignored(job: Job) -> No
                            what="r-live reported after a stale replica_dead named it")
     assert job.faults_of("r-live")[0].kind == "unresponsive"
     assert job.faults_of("r-gone") == []
+
+
+async def test_replica_dead_from_a_deposed_controller_is_ignored_by_a_detector_that_saw_no_command(
+        job: Job, infra: Settings) -> None:
+    """The detector has seen no command of this job (as after its restart) when a deposed
+    controller (a token older than the newest lease term's) declares r-live dead. Before, only
+    tokens it had seen counted, so it stopped watching r-live; now the token is checked against
+    the newest term's, read from Redis: r-live's silence is still a fault."""
+    term = await _newest_term(infra)
+    asked: list[SpecRequest] = []
+
+    async def on_spec(msg: SpecRequest, _subj: str, _reply: str | None) -> None:
+        asked.append(msg)
+
+    await job.bus.subscribe(subject(job.job_id, Verb.SPEC), SpecRequest, on_spec)
+    await job.member("r-live", inflight=1, progress=True)
+    await eventually_async(lambda: asked, timeout=WAIT_S, what="the detector asked for the spec")
+    await job.one_sample("r-seen")  # the detector is judging this job once it reports r-seen
+    await eventually_async(lambda: job.faults_of("r-seen"), timeout=WAIT_S, what="r-seen reported")
+    await job.bus.publish(subject(job.job_id, Verb.CONTROL, "request_manager"), ControlCommand(
+        job_id=job.job_id, target="request_manager", action="replica_dead",
+        args={"member_id": "r-live", "fault_id": "f-r-live"}, fence=term - 1))
+    await job.bus.client.flush()
+    for task in job.tasks:
+        task.cancel()
+    await eventually_async(lambda: job.faults_of("r-live"), timeout=WAIT_S,
+                           what="r-live reported after a deposed controller's replica_dead named it")
+    assert job.faults_of("r-live")[0].kind == "unresponsive"

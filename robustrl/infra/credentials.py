@@ -52,9 +52,11 @@ _RM_KEYS_RW = _patterns("~", Keys.episode(_ANY, _ANY), Keys.prefix(_ANY, _ANY),
                         Keys.step_episodes(_ANY, _ANY), Keys.batch(_ANY, _ANY),  # type: ignore[arg-type]
                         Keys.dispatches(_ANY), Keys.rm_outbox(_ANY), Keys.step_restarts(_ANY),
                         Keys.rollout_gc(_ANY))
-# What it only reads: the job registry (its specs), the gang record, the weights pointer, and the
-# trained log (a commit message lost on the bus is recovered from it: ``_wait_committed``).
-_RM_KEYS_R = _patterns("%R~", Keys.jobs(), Keys.gang(_ANY), Keys.weights_latest(_ANY), Keys.trained_log(_ANY))
+# What it only reads: the job registry (its specs), the gang record, the weights pointer, the
+# trained log (a commit message lost on the bus is recovered from it: ``_wait_committed``) and the
+# controller's fencing counter (a controller command's token is checked against the newest term's).
+_RM_KEYS_R = _patterns("%R~", Keys.jobs(), Keys.gang(_ANY), Keys.weights_latest(_ANY), Keys.trained_log(_ANY),
+                       Keys.controller_fence())
 # The trainer writes its gang record, the batch fences, the trained log (and its GC marker for
 # both), the weights pointer and its event outbox; it reads the episodes, their prefixes, the step lists and the batches.
 _TRAINER_KEYS_RW = _patterns("~", Keys.fence(_ANY, _ANY), Keys.trained_log(_ANY),  # type: ignore[arg-type]
@@ -78,8 +80,11 @@ REDIS_ACCESS: dict[Principal, str | None] = {
     Principal.ROLLOUT: (f"%R~{Keys.weights_latest(_ANY)} ~{Keys.rollout_outbox(_ANY)} +@read +rpush +lrem "
                         "+@connection +select -@dangerous -@admin"),
     # The detector: its event outbox of each job (written, read, emptied; SCANned at its start)
-    # and its marks of each job's members, nothing else: neither the job registry nor any rollout state.
-    Principal.DETECTOR: f"~{Keys.detector_outbox(_ANY)} ~{Keys.detector_marks(_ANY)} +@read +@write +@connection +select -@dangerous -@admin",
+    # and its marks of each job's members, nothing else: neither the job registry nor any rollout
+    # state. It reads the controller's fencing counter (a controller command's token is checked
+    # against the newest lease term's).
+    Principal.DETECTOR: (f"~{Keys.detector_outbox(_ANY)} ~{Keys.detector_marks(_ANY)} %R~{Keys.controller_fence()} "
+                         "+@read +@write +@connection +select -@dangerous -@admin"),
     Principal.HARNESS: None,
 }
 """Redis ACL rules per role (after ``on >password``); None: the role gets no Redis user."""

@@ -267,3 +267,46 @@ def _job_record(job_id: str, raw: bytes | str) -> dict[str, Any] | None:
         log.error("job %s: registry record is not a job record (%.200r): skipped", job_id, rec)
         return None
     return rec
+
+
+FENCE_READ_S = 1.0
+"""Bound of one read of the controller's fencing counter by a service checking a command."""
+
+
+async def newest_controller_fence(client: aioredis.Redis) -> int:
+    """The fencing token of the newest controller lease term: the raw counter each acquisition of
+    the lease increments (0 before any). A service checks a controller command's token against
+    it, not only against the largest token it has seen itself: a service restarted since the
+    current leader last sent it a command has seen none, and would act on a deposed leader's.
+
+    Raises:
+        TransportError: Redis failed.
+        StorageError: the counter is not an integer.
+    """
+    from robustrl.errors import StorageError
+
+    key = Keys.controller_fence()
+    raw = await _call(client.get(key), key)
+    try:
+        return int(raw or 0)
+    except ValueError as exc:
+        raise StorageError(f"corrupt controller fencing counter at {key}: {raw!r}", key=key) from exc
+
+
+async def fence_floor(client: aioredis.Redis | None, seen: int, service: str) -> int:
+    """The smallest fencing token a controller command may carry: the newest lease term's
+    (:func:`newest_controller_fence`, within :data:`FENCE_READ_S`) or ``seen`` (the largest the
+    service saw), whichever is larger. Redis not answering leaves ``seen`` (as before this read
+    existed): the command is judged on what the service saw, and the failure logged."""
+    if client is None:
+        return seen
+    from robustrl.aio import within
+    from robustrl.errors import StorageError, TransportError
+
+    try:
+        return max(seen, await within(newest_controller_fence(client), FENCE_READ_S,
+                                      "redis: the read of the controller's fencing counter"))
+    except (TransportError, StorageError, TimeoutError) as exc:
+        log.warning("%s: the controller's fencing counter not read (%s): commands judged on the newest "
+                    "token seen (%d)", service, exc, seen)
+        return seen

@@ -159,10 +159,11 @@ class JobMonitor:
         h = self.members.get(member_id)
         return h.observe_probe_reply(nonce, rx_time) if h is not None else False
 
-    def admit_fence(self, fence: int) -> bool:
-        """A control command's fencing token: False if it is older than one already seen (the
-        command comes from a deposed controller and must not be acted on)."""
-        if fence < self.fence:
+    def admit_fence(self, fence: int, floor: int | None = None) -> bool:
+        """A control command's fencing token: False if it is older than one already seen, or than
+        ``floor`` (the newest lease term's token, read from Redis: a restarted detector has seen
+        none), i.e. the command comes from a deposed controller and must not be acted on."""
+        if fence < max(self.fence, floor or 0):
             return False
         self.fence = fence
         return True

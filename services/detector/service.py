@@ -41,6 +41,7 @@ from robustrl.messages import (
 )
 from robustrl.services.detector.eventlog import EventWriter
 from robustrl.services.detector.monitor import JobMonitor, gap_bound_s
+from robustrl.storage.control_stores import fence_floor
 from robustrl.storage.redis_stores import Keys
 from robustrl.subjects import EVENTS_ALL, Verb, all_jobs, all_jobs_exact, parse, subject
 
@@ -219,11 +220,12 @@ class DetectorService:
         mon = self.jobs.get(msg.job_id) if _consistent(msg.job_id, subj) else None
         if mon is None:
             return
-        if not mon.admit_fence(msg.fence):
+        floor = await fence_floor(self._redis, mon.fence, "detector")
+        if not mon.admit_fence(msg.fence, floor):
             # From a deposed controller (one leader at a time, under a lease): the replica it
             # names may still be in the current leader's use, so it stays watched.
             log.warning("job %s: %s %s ignored: fencing token %d is older than %d", msg.job_id, msg.action,
-                        msg.args.get("member_id", msg.target), msg.fence, mon.fence)
+                        msg.args.get("member_id", msg.target), msg.fence, floor)
             return
         if msg.action == "replica_dead":
             # Sent to the request manager; the dead replica is named in the arguments.

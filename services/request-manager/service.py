@@ -42,7 +42,7 @@ from robustrl.messages import (
     TurnResult,
     WeightsHave,
 )
-from robustrl.storage.control_stores import JobRegistry
+from robustrl.storage.control_stores import JobRegistry, fence_floor
 from robustrl.storage.fencing import read_gang
 from robustrl.storage.redis_stores import BatchStore, Keys, RolloutGC
 from robustrl.subjects import Verb, all_jobs, all_jobs_exact, subject
@@ -300,11 +300,13 @@ class RequestManager:
         return max(collected, gang.durable) + 1
 
     async def _on_control(self, msg: ControlCommand, _subject: str, reply: str | None) -> None:
-        if msg.fence < self._fence.get(msg.job_id, 0):
+        floor = await fence_floor(self.redis, self._fence.get(msg.job_id, 0), "request manager")
+        if msg.fence < floor:
             # From a deposed controller (one leader at a time, under a lease): not acted on, not
-            # acknowledged.
+            # acknowledged. The floor is the newest lease term's token, read from Redis: a request
+            # manager restarted since the leader's last command has seen no token of its own.
             log.warning("job %s: %s refused: fencing token %d is older than %d", msg.job_id, msg.action,
-                        msg.fence, self._fence[msg.job_id])
+                        msg.fence, floor)
             return
         self._fence[msg.job_id] = msg.fence
         job = self.jobs.get(msg.job_id)
