@@ -22,7 +22,9 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_short_job_runs_end_to_end(stack, api, infra):
-    job = api.submit(small_job("e2e", steps=5))
+    # Sampling at a temperature and top-p other than 1: the trainer must take its logprobs from
+    # the distribution the replicas sampled from.
+    job = api.submit(small_job("e2e", steps=5, rollout={"temperature": 0.8, "top_p": 0.9}))
     sampler = sample_batches(infra.redis_url, job["job_id"])
     status = wait_done(api, job["job_id"])
     events = api.events(job["job_id"])
@@ -45,6 +47,11 @@ def test_short_job_runs_end_to_end(stack, api, infra):
     for key in ("generation_s", "tool_wait_s", "training_s", "checkpoint_blocking_s", "weight_sync_s"):
         assert key in timings
     assert not status["faults"], f"a fault-free job reported faults: {status['faults']}"
+    # Sync: each step trains once on turns of the weights it starts from, so its importance ratio
+    # to the behaviour policy is 1 up to float error (before, the trainer left out temperature and
+    # top-p, and it was not).
+    for d in kinds(events, "step_committed"):
+        assert abs(d["train"]["ratio_mean"] - 1.0) < 1e-3 and abs(d["train"]["approx_kl"]) < 1e-3, (d["step"], d["train"])
 
 
 def test_bad_rest_bodies_are_rejected_with_the_field_named(stack, api):

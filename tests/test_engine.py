@@ -143,6 +143,10 @@ def test_behaviour_logprobs_are_of_the_distribution_sampled_from(
                 assert logprob == pytest.approx(direct, abs=1e-4)
                 seq.append(token)
                 checked += 1
+            # The trainer's recompute of the whole sequence (one forward): the same distribution.
+            full = token_logprobs(engine.model, torch.tensor([seq]), torch.ones(1, len(seq), dtype=torch.long),
+                                  temperature=temperature, top_p=top_p)
+        assert res.logprobs == pytest.approx(full[0, len(ids):].tolist(), abs=1e-4)
     assert checked >= 8
 
 

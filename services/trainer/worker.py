@@ -531,6 +531,8 @@ class TrainerWorker:
         return grpo.train_on_samples(self.ddp, self.opt, [samples[i] for i in mine],
                                      clip_eps=self.spec.trainer.clip_eps, pad_id=self.tok.pad_id,
                                      advantages=adv[mine], vocab=self.tok.vocab_size,
+                                     # the distribution the replicas sampled from (behaviour logprobs)
+                                     temperature=self.spec.rollout.temperature, top_p=self.spec.rollout.top_p,
                                      # off-policy turns exist only with staleness > 0 (semi-sync, async)
                                      is_cap=self.spec.trainer.is_cap if self.spec.staleness > 0 else None)
 
