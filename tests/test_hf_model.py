@@ -73,6 +73,22 @@ def test_tool_call_in_the_templates_format_drives_the_episode(hf_dir: Path) -> N
     assert tok.decode(result.token_ids).endswith("<|im_start|>assistant\n")
     answer = tasks.Turn("assistant", tok.encode(prompt.answer) + [tok.eot_id], [], 0, "eot")
     assert tasks.score(prompt, [turn, result, answer], tok) > 0.5
+    # The query credit is the call's argument against the key: a perfect call in the template's
+    # format earns all of it and the marker's bonus (before: 0.11, and the bare key 0.4, which
+    # taught the policy to drop the format); a call naming another tool earns neither.
+    key = str(prompt.meta["key"])
+    perfect = tok.encode('<tool_call>{"name": "lookup", "arguments": {"key": "%s"}}</tool_call>' % key)
+    wrong_tool = tok.encode('<tool_call>{"name": "calc", "arguments": {"key": "%s"}}</tool_call>' % key)
+    bare = tok.encode(key) + [tok.eot_id]
+    no_answer = tasks.Turn("assistant", tok.encode("zz") + [tok.eot_id], [], 0, "eot")
+
+    def query_reward(ids: list[int], stop: str) -> float:
+        return tasks.score(prompt, [tasks.Turn("assistant", ids, [], 0, stop), result, no_answer], tok)
+
+    base = query_reward(bare, "eot") - 0.4  # the answer turn's share, the same in all three
+    assert query_reward(perfect, "tool_call") == pytest.approx(base + 0.5)
+    assert query_reward(bare, "eot") == pytest.approx(base + 0.4)
+    assert query_reward(wrong_tool, "tool_call") == pytest.approx(base)
 
 
 def test_bad_model_input_names_the_field(hf_dir: Path, tmp_path: Path) -> None:

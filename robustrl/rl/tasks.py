@@ -259,8 +259,10 @@ def score(prompt: Prompt, turns: Sequence[Turn], tokenizer: CharTokenizer) -> fl
     """Reward in [0, 1] of a finished episode.
 
     String tasks: :func:`string_credit` of the last assistant turn. Tool tasks: 0.4 x credit of
-    the query (first assistant turn vs. the key/expression), 0.1 if that turn ended with
-    ``<call>``, 0.5 x credit of the first assistant turn after the tool result vs. the answer.
+    the query (first assistant turn vs. the key/expression: the argument of a call in the chat
+    template's format, else the turn's text), 0.1 if that turn ended with the tool-call marker
+    (neither for a call naming a tool the episode does not offer), 0.5 x credit of the first
+    assistant turn after the tool result vs. the answer.
     """
     assistant = [t for t in turns if t.role == "assistant"]
     if not assistant:
@@ -268,8 +270,17 @@ def score(prompt: Prompt, turns: Sequence[Turn], tokenizer: CharTokenizer) -> fl
     if not prompt.needs_tool:
         return string_credit(turn_text(assistant[-1], tokenizer), prompt.answer)
     query_target = str(prompt.meta.get("key", prompt.meta.get("expr", "")))
-    reward = 0.4 * string_credit(turn_text(assistant[0], tokenizer), query_target)
-    if assistant[0].stop_reason == "tool_call":
+    name, arg = tokenizer.tool_call(assistant[0].token_ids)
+    if name is None:  # no call in the template's format (the char tokenizer's turns): the text is the query
+        reward = 0.4 * string_credit(turn_text(assistant[0], tokenizer), query_target)
+    elif name == prompt.tool:
+        # A call in the chat template's format: its argument is the query. (Before, the turn's
+        # whole text, JSON and all, was scored against the key: a perfect call scored 0.11 of
+        # the 0.4 and the bare key 0.4, teaching the policy to drop the template's format.)
+        reward = 0.4 * string_credit(arg, query_target)
+    else:
+        reward = 0.0  # a call to a tool the episode does not offer: no credit for its query
+    if assistant[0].stop_reason == "tool_call" and name in (None, prompt.tool):
         reward += 0.1
     seen_tool = False
     for turn in turns:
