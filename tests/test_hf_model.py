@@ -52,6 +52,14 @@ def test_tokenizer_is_real_bpe_and_matches_autotokenizer(hf_dir: Path) -> None:
                                     {"role": "tool", "content": "123"}],
                                    tools=[TOOL_SCHEMAS["lookup"]], add_generation_prompt=True, tokenize=False)
     assert episode == ref.encode(text, add_special_tokens=False)
+    # A tool task's turn that stopped on eos (no call marker) is ended once, not twice (before:
+    # "abc<|im_end|><|im_end|>\n<|im_start|>user", which no template renders); one that stopped on
+    # the call marker gets the frame's end of turn.
+    plain = tok.encode("abc") + [tok.eot_id]
+    framed = tasks.tool_turn_ids("123", tok, after=tok.encode(call))
+    assert framed[0] == tok.eot_id and framed == tok.tool_result_ids("123")
+    assert tasks.tool_turn_ids("123", tok, after=plain) == framed[1:]
+    assert tok.decode(plain + framed[1:], skip_special=False).count("<|im_end|>") == 2  # the turn's, the tool's
 
 
 def test_tool_call_in_the_templates_format_drives_the_episode(hf_dir: Path) -> None:

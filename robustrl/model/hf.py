@@ -19,7 +19,7 @@ must be one token (Qwen2.5/Qwen3 ship it as an added token), the engines stop on
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -219,10 +219,19 @@ class ChatTokenizer:
         tools = [TOOL_SCHEMAS[tool]] if tool in TOOL_SCHEMAS else None
         return self.encode(self.render([{"role": "user", "content": text}], tools=tools))
 
-    def tool_result_ids(self, text: str) -> list[int]:
-        """The assistant turn's end, the tool message with ``text``, and the generation prompt."""
+    def tool_result_ids(self, text: str, turn: Sequence[int] = ()) -> list[int]:
+        """The assistant turn's end, the tool message with ``text``, and the generation prompt.
+        ``turn``: the assistant turn it follows; one that already ended with the end-of-turn
+        token the frame begins with (a tool task's turn that stopped on eos, not on the call
+        marker) does not get it twice (before: ``...<|im_end|><|im_end|>\n<|im_start|>user``,
+        which no template renders)."""
         before, after = self._result_frame
-        return self.encode(before + text + after)
+        ids = self.encode(before + text + after)
+        # (dropped from the ids, not the text: what follows a special token encodes differently
+        # on its own, e.g. with SentencePiece's leading space)
+        if turn and ids and turn[-1] in self.stop_ids and ids[0] == turn[-1]:
+            ids = ids[1:]
+        return ids
 
     def tool_call(self, ids: Iterable[int]) -> tuple[str | None, str]:
         """The tool call in an assistant turn: (the tool it names, its argument). The argument is

@@ -8,7 +8,7 @@ trivially aligned with token positions, and needs no download.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -101,8 +101,9 @@ class CharTokenizer:
         """``<bos> text <eot>``: the prefix of the first assistant turn (``tool`` is not shown)."""
         return [self.bos_id, *self.encode(text), self.eot_id]
 
-    def tool_result_ids(self, text: str) -> list[int]:
-        """``<result> text <eot>``; unknown characters become ``?``."""
+    def tool_result_ids(self, text: str, turn: Sequence[int] = ()) -> list[int]:
+        """``<result> text <eot>``; unknown characters become ``?``. (``turn``, the assistant turn
+        it follows, changes nothing here: the chat tokenizer's frame depends on how it ended.)"""
         return [self.result_id, *self.encode(text, errors="replace"), self.eot_id]
 
     def tool_call(self, ids: Iterable[int]) -> tuple[str | None, str]:

@@ -181,10 +181,11 @@ def request_seed(job_seed: int, episode_id: str, turn_index: int) -> int:
 
 
 def tool_turn_ids(result_text: str, tokenizer: CharTokenizer,
-                  max_chars: int = TOOL_RESULT_MAX_CHARS) -> list[int]:
+                  max_chars: int = TOOL_RESULT_MAX_CHARS, after: Sequence[int] = ()) -> list[int]:
     """``<result> text <eot>`` (char tokenizer) or the chat template's tool message; text cut to
-    ``max_chars``, unknown characters become ``?``."""
-    return tokenizer.tool_result_ids(result_text[:max_chars])
+    ``max_chars``, unknown characters become ``?``. ``after``: the assistant turn's ids it
+    follows (the chat frame does not end that turn twice)."""
+    return tokenizer.tool_result_ids(result_text[:max_chars], after)
 
 
 def tool_turn(result_text: str, tokenizer: CharTokenizer) -> Turn:

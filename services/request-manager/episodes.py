@@ -140,7 +140,8 @@ class EpisodeRunner:
             # The policy's mistake, not the tool service's: answered, no tool called, no fault
             # (the detector's tool-outage rule reads tool faults).
             self.stats["tool_calls_refused"] += 1
-            ep.turns.append(TurnRecord(role="tool", token_ids=tasks.tool_turn_ids(f"error: {action.error}", self.tok)))
+            ep.turns.append(TurnRecord(role="tool", token_ids=tasks.tool_turn_ids(
+                f"error: {action.error}", self.tok, after=ep.turns[-1].token_ids)))
             return
         ep.status = "tool_wait"
         self.tool_waiting += 1
@@ -161,4 +162,5 @@ class EpisodeRunner:
             except TransportError as exc:  # Redis failed: appended from memory only, as before
                 log.warning("job %s: tool_fault not saved in the outbox (%s): appended from memory", self.job_id, exc)
                 await self.bus.emit_event(self.job_id, "tool_fault", fault)
-        ep.turns.append(TurnRecord(role="tool", token_ids=tasks.tool_turn_ids(result.text, self.tok)))
+        ep.turns.append(TurnRecord(role="tool", token_ids=tasks.tool_turn_ids(result.text, self.tok,
+                                                                              after=ep.turns[-1].token_ids)))
