@@ -7,6 +7,8 @@ Qwen3 model and of a fast tokenizer converted from the SentencePiece BPE model t
 
 from __future__ import annotations
 
+import json
+
 import copy
 from pathlib import Path
 
@@ -85,8 +87,8 @@ def test_tool_call_in_the_templates_format_drives_the_episode(hf_dir: Path) -> N
     # format earns all of it and the marker's bonus (before: 0.11, and the bare key 0.4, which
     # taught the policy to drop the format); a call naming another tool earns neither.
     key = str(prompt.meta["key"])
-    perfect = tok.encode('<tool_call>{"name": "lookup", "arguments": {"key": "%s"}}</tool_call>' % key)
-    wrong_tool = tok.encode('<tool_call>{"name": "calc", "arguments": {"key": "%s"}}</tool_call>' % key)
+    perfect = tok.encode("<tool_call>" + json.dumps({"name": "lookup", "arguments": {"key": key}}) + "</tool_call>")
+    wrong_tool = tok.encode("<tool_call>" + json.dumps({"name": "calc", "arguments": {"key": key}}) + "</tool_call>")
     bare = tok.encode(key) + [tok.eot_id]
     no_answer = tasks.Turn("assistant", tok.encode("zz") + [tok.eot_id], [], 0, "eot")
 
