@@ -331,13 +331,18 @@ class JobSpec(BaseModel):
     retention: RetentionSpec = Field(default_factory=RetentionSpec)
 
     @model_validator(mode="after")
-    def _mode_matches_staleness(self) -> JobSpec:
+    def _mode_matches_staleness(self, info: ValidationInfo) -> JobSpec:
         if self.mode == "sync" and self.staleness != 0:
             raise ValueError("staleness must be 0 in sync mode")
         if self.mode == "semi_sync" and self.staleness != 1:
             raise ValueError("staleness must be 1 in semi_sync mode")
         if self.mode == "async" and self.staleness < 1:
             raise ValueError("staleness must be >= 1 in async mode")
+        saved = bool(info.context and info.context.get("saved"))  # (accepted before the rule: readable)
+        if self.trainer.backend == "nccl" and self.model.device != "cuda" and not saved:
+            # (before, accepted: every rank then failed its first collective, and the job restarted
+            # until max_restarts)
+            raise ValueError("trainer.backend nccl needs model.device cuda: NCCL moves GPU tensors only")
         return self
 
     @field_validator("trainer")

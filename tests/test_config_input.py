@@ -72,6 +72,17 @@ def _accepted_spec_is_sound(spec: JobSpec) -> None:
     assert JobSpec.parse(json.loads(wire)) == spec
     det = spec.detector
     assert all(math.isfinite(getattr(det, f)) and getattr(det, f) > 0 for f in DETECTOR_PROFILES["scaled"])
+    assert spec.trainer.backend != "nccl" or spec.model.device == "cuda"  # NCCL moves GPU tensors only
+
+
+def test_nccl_with_the_model_on_the_cpu_is_refused_at_submission() -> None:
+    """Before, accepted: every rank failed its first collective, and the job restarted until
+    max_restarts."""
+    with pytest.raises(ConfigError, match="nccl needs model.device cuda"):
+        JobSpec.parse({"trainer": {"backend": "nccl"}})
+    assert JobSpec.parse({"trainer": {"backend": "nccl"}, "model": {"device": "cuda"}}).trainer.backend == "nccl"
+    # A job saved before the rule is still read from its record (its spec is not refused anew).
+    assert JobSpec.parse({"trainer": {"backend": "nccl"}}, saved=True).trainer.backend == "nccl"
 
 
 @PROPERTY
