@@ -121,6 +121,10 @@ class TrainerSpec(BaseModel):
     is_cap: StrictFloat | None = Field(2.0, ge=1.0, le=100.0, description=(
         "Truncation of the importance weight pi_old / pi_behaviour applied to off-policy turns when "
         "staleness > 0 (null: no correction, the clipped ratio is taken against the behaviour policy)."))
+    micro_batch_tokens: StrictInt = Field(8192, ge=64, le=1 << 24, description=(
+        "Most padded token positions one forward/backward of a rank takes; a rank's share of a step "
+        "is split into micro-batches this size and their gradients accumulated (the same step, in a "
+        "fraction of the activation memory: the logits alone are positions x vocabulary floats)."))
     checkpoint_keep: StrictInt = Field(3, ge=1, le=100, description="Complete checkpoints kept.")
     max_undurable_steps: StrictInt = Field(16, ge=2, le=100_000, description=(
         "Steps rank 0 trains past the newest durable checkpoint before it stops, named "

@@ -16,6 +16,7 @@ from robustrl.rl.grpo import (
     group_advantages,
     group_index,
     grpo_loss,
+    micro_batches,
     token_logprobs,
     train_on_samples,
 )
@@ -212,3 +213,42 @@ def test_train_step_moves_toward_high_reward() -> None:
     assert float(lp1[1][bad].sum()) < float(lp0[1][bad].sum())
     with pytest.raises(ValueError):
         train_on_samples(model, opt, samples, clip_eps=0.2, pad_id=0, advantages=torch.zeros(3))
+
+
+def test_micro_batches_group_consecutive_samples_within_the_budget() -> None:
+    assert micro_batches([5, 5, 5, 5], None) == [[0, 1, 2, 3]]
+    assert micro_batches([5, 5, 5, 5], 10) == [[0, 1], [2, 3]]
+    assert micro_batches([3, 9, 2, 2, 2], 10) == [[0], [1], [2, 3, 4]]  # count x longest <= 10
+    assert micro_batches([20, 1], 10) == [[0], [1]]  # longer than the budget: a group of its own
+    assert micro_batches([], 10) == []
+
+
+@pytest.mark.parametrize("is_cap", [None, 2.0])
+def test_a_micro_batched_step_is_the_step_of_one_forward(is_cap: float | None) -> None:
+    """Gradients accumulated over micro-batches (each the mean over its tokens weighted by its
+    share) make the same optimizer step and the same statistics as one forward over the whole
+    share, within float error; and micro-batching did happen (forwards counted)."""
+    eps = [episode(1.0), episode(0.0), episode(0.5), episode(0.2)]
+    eps[1][1][2] = Turn("assistant", TOK.encode("99") + [TOK.eot_id], [-4.6] * 3, 0, "eot")
+    eps[3][1][2] = Turn("assistant", TOK.encode("1234567") + [TOK.eot_id], [-3.0] * 8, 0, "eot")
+    samples = build_samples(eps, TOK)
+    widths = [len(s.token_ids) for s in samples]
+    results = []
+    for budget in (None, max(widths)):  # one forward; one sample (the widest fits) per forward
+        model = build_policy(ModelSpec(), TOK, seed=0)
+        forwards: list[int] = []
+        model.register_forward_hook(lambda _m, _inp, _out, seen=forwards: seen.append(1))
+        # plain SGD: the step is the gradient itself (Adam's first step, g / |g|, would magnify
+        # float noise in gradients near 0 into whole steps)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        stats = train_on_samples(model, opt, samples, clip_eps=0.2, pad_id=TOK.pad_id, is_cap=is_cap,
+                                 micro_batch_tokens=budget, temperature=0.8, top_p=0.9)
+        results.append((dict(model.named_parameters()), stats, len(forwards)))
+    (whole, s1, n1), (micro, s2, n2) = results
+    per_group = 2 if is_cap is not None else 1  # the proximal policy's forward too
+    assert n1 == per_group and n2 == per_group * len(micro_batches(widths, max(widths))) > per_group
+    for name, p in whole.items():
+        assert torch.allclose(p, micro[name], atol=1e-6), name
+    assert s1.keys() == s2.keys()
+    for key in s1:
+        assert s2[key] == pytest.approx(s1[key], rel=1e-5, abs=1e-6), key

@@ -14,6 +14,8 @@ nor allowed an unbounded weight.
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -261,6 +263,26 @@ def grpo_loss(
     return loss, stats
 
 
+def micro_batches(lengths: Sequence[int], budget: int | None) -> list[list[int]]:
+    """Consecutive groups of sample indices whose padded size (count x longest) is at most
+    ``budget`` token positions; a sample longer than the budget is a group of its own. None or
+    a budget no group exceeds: one group of all."""
+    if not lengths:
+        return []
+    if budget is None:
+        return [list(range(len(lengths)))]
+    groups: list[list[int]] = [[]]
+    longest = 0
+    for i, n in enumerate(lengths):
+        wider = max(longest, n)
+        if groups[-1] and wider * (len(groups[-1]) + 1) > budget:
+            groups.append([])
+            wider = n
+        groups[-1].append(i)
+        longest = wider
+    return groups
+
+
 def train_on_samples(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -274,8 +296,13 @@ def train_on_samples(
     vocab: int | None = None,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    micro_batch_tokens: int | None = None,
 ) -> dict[str, float]:
-    """One optimizer step on ``samples``.
+    """One optimizer step on ``samples``, in micro-batches of at most ``micro_batch_tokens``
+    padded token positions each (:func:`micro_batches`; None: one forward for all), their
+    gradients accumulated: the same step as one forward computes, within float error, in a
+    fraction of its activation memory (the logits alone are positions x vocabulary floats:
+    151,936 a position for Qwen3).
 
     Args:
         model: the policy or its DDP wrapper (gradients are averaged by DDP in ``backward``).
@@ -287,6 +314,7 @@ def train_on_samples(
             before this update and tokens are weighted by the importance ratio to the behaviour
             policy, truncated at ``is_cap``. None: the ratio is taken against the behaviour policy.
         vocab, temperature, top_p: the engines' sampling distribution (:func:`token_logprobs`).
+        micro_batch_tokens: the most padded token positions one forward takes.
 
     Returns:
         loss, grad_norm, reward_mean, advantage_abs_mean and the :func:`grpo_loss` stats.
@@ -301,18 +329,40 @@ def train_on_samples(
     device = next(model.parameters()).device
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    ids, attn = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-    behaviour = batch["old_logprobs"].to(device)
-    if is_cap is not None:
-        with torch.no_grad():
-            proximal = token_logprobs(model, ids, attn, vocab, temperature, top_p)
-        new = token_logprobs(model, ids, attn, vocab, temperature, top_p)
-        loss, stats = grpo_loss(new, proximal, advantages.to(device), batch["loss_mask"].to(device), clip_eps,
-                                behaviour_logprobs=behaviour, is_cap=is_cap)
-    else:
-        new = token_logprobs(model, ids, attn, vocab, temperature, top_p)
-        loss, stats = grpo_loss(new, behaviour, advantages.to(device), batch["loss_mask"].to(device), clip_eps)
-    loss.backward()
+    groups = micro_batches([len(smp.token_ids) for smp in samples], micro_batch_tokens)
+    total = batch["loss_mask"].sum().clamp(min=1.0)
+    loss = torch.zeros((), device=device)
+    stats: dict[str, float] = {}
+    for k, rows in enumerate(groups):
+        idx = torch.tensor(rows, dtype=torch.long)
+        width = int(batch["attention_mask"][idx].sum(dim=1).max())  # right-padded: trim to the group's longest
+        ids = batch["input_ids"][idx, :width].to(device)
+        attn = batch["attention_mask"][idx, :width].to(device)
+        mask = batch["loss_mask"][idx, :width].to(device)
+        behaviour = batch["old_logprobs"][idx, :width].to(device)
+        adv = advantages[idx].to(device)
+        # DDP averages gradients over the ranks in the backward of the last group only; the
+        # others accumulate locally (a rank's group count is its own: each rank syncs once).
+        sync = k == len(groups) - 1 or not hasattr(model, "no_sync")
+        with contextlib.nullcontext() if sync else model.no_sync():
+            if is_cap is not None:
+                with torch.no_grad():
+                    proximal = token_logprobs(model, ids, attn, vocab, temperature, top_p)
+                new = token_logprobs(model, ids, attn, vocab, temperature, top_p)
+                part, part_stats = grpo_loss(new, proximal, adv, mask, clip_eps, behaviour_logprobs=behaviour,
+                                             is_cap=is_cap)
+            else:
+                new = token_logprobs(model, ids, attn, vocab, temperature, top_p)
+                part, part_stats = grpo_loss(new, behaviour, adv, mask, clip_eps)
+            # The group's mean over its tokens, weighted by its share of the rank's tokens: the
+            # sum over the groups is the mean over all of them, as one forward computed it.
+            share = mask.sum() / total
+            (part * share).backward()
+        loss = loss + part.detach() * share
+        weight = float(share)
+        for key, value in part_stats.items():
+            stats[key] = stats.get(key, 0.0) + (value if key == "tokens" else value * weight)
+        del new, part
     grad_norm = 0.0
     if max_grad_norm is not None:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))

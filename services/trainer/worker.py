@@ -533,6 +533,7 @@ class TrainerWorker:
                                      advantages=adv[mine], vocab=self.tok.vocab_size,
                                      # the distribution the replicas sampled from (behaviour logprobs)
                                      temperature=self.spec.rollout.temperature, top_p=self.spec.rollout.top_p,
+                                     micro_batch_tokens=self.spec.trainer.micro_batch_tokens,
                                      # off-policy turns exist only with staleness > 0 (semi-sync, async)
                                      is_cap=self.spec.trainer.is_cap if self.spec.staleness > 0 else None)
 
