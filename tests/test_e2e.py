@@ -24,7 +24,10 @@ pytestmark = pytest.mark.timeout(240)
 def test_short_job_runs_end_to_end(stack, api, infra):
     # Sampling at a temperature and top-p other than 1: the trainer must take its logprobs from
     # the distribution the replicas sampled from.
-    job = api.submit(small_job("e2e", steps=5, rollout={"temperature": 0.8, "top_p": 0.9}))
+    # And in micro-batches of one episode each (64 positions; the ranks' counts may differ): DDP
+    # syncs the accumulated gradients once per rank per step, the ranks stay in agreement.
+    job = api.submit(small_job("e2e", steps=5, rollout={"temperature": 0.8, "top_p": 0.9},
+                               trainer={"micro_batch_tokens": 64}))
     sampler = sample_batches(infra.redis_url, job["job_id"])
     status = wait_done(api, job["job_id"])
     events = api.events(job["job_id"])
