@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, ValidationError, ValidationInfo, field_validator, model_validator,
+    BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StringConstraints, ValidationError, ValidationInfo, field_validator, model_validator,
 )
 
 from robustrl.errors import ConfigError
@@ -37,6 +37,19 @@ class ModelSpec(BaseModel):
         "tokenizer) or any Hugging Face causal LM directory with its own tokenizer.json and chat template."))
     device: Literal["cpu", "cuda"] = Field("cpu", description=(
         "Where trainer and torch rollout engine keep the model and optimizer (cuda: GPU path, NCCL)."))
+    chat_template_kwargs: dict[Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")],
+                               StrictBool | StrictInt | StrictFloat | Annotated[str, StringConstraints(max_length=256)]] = Field(
+        default_factory=dict, max_length=16, description=(
+            "Extra variables of a Hugging Face directory's chat template, in every role that renders it "
+            "(as apply_chat_template's keyword arguments), e.g. {\"enable_thinking\": false} for Qwen3."))
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_not_reserved(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by RobustRL itself, not a template variable a job may set")
+        return kwargs
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:

@@ -101,6 +101,32 @@ def test_tool_call_in_the_templates_format_drives_the_episode(hf_dir: Path) -> N
     assert query_reward(wrong_tool, "tool_call") == pytest.approx(base)
 
 
+def test_the_jobs_template_variables_and_reasoning_blocks(hf_dir: Path) -> None:
+    """``model.chat_template_kwargs`` reach the template as apply_chat_template's keyword arguments
+    do (Qwen3's ``enable_thinking``: False opens the turn with an empty think block); scoring reads
+    a turn's answer, not its reasoning; other specials count as wrong characters."""
+    from transformers import AutoTokenizer
+
+    ref = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    quiet = load_tokenizer(ModelSpec(path=str(hf_dir), chat_template_kwargs={"enable_thinking": False}))
+    assert isinstance(quiet, ChatTokenizer) and quiet.template_kwargs == {"enable_thinking": False}
+    want = ref.apply_chat_template([{"role": "user", "content": "reverse abc:"}], add_generation_prompt=True,
+                                   tokenize=False, enable_thinking=False)
+    assert want.endswith("<think>\n\n</think>\n\n")
+    assert quiet.prompt_ids("reverse abc:", None) == ref.encode(want, add_special_tokens=False)
+    plain = ChatTokenizer(hf_dir)
+    assert plain.prompt_ids("reverse abc:", None) != quiet.prompt_ids("reverse abc:", None)
+    # The answer after the reasoning is scored; a turn cut inside its reasoning answered nothing.
+    thought = plain.encode("<think>\nthe key is abc</think>\n\ncba") + [plain.eot_id]
+    assert plain.turn_text(thought) == "cba"
+    assert plain.turn_text(plain.encode("<think>\nstill thinking")) == ""
+    call = plain.encode('<think>\nuse lookup</think>\n\n<tool_call>{"name": "lookup", "arguments": '
+                        '{"key": "abc"}}</tool_call>')
+    assert plain.tool_call(call) == ("lookup", "abc")
+    # A special token inside an answer is a wrong character, not nothing.
+    assert plain.turn_text(plain.encode("cb<|im_start|>a") + [plain.eot_id]) == "cb\x00a"
+
+
 def test_bad_model_input_names_the_field(hf_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_tokenizer(ModelSpec(path=str(tmp_path / "nope")))

@@ -19,6 +19,7 @@ must be one token (Qwen2.5/Qwen3 ship it as an added token), the engines stop on
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -41,6 +42,21 @@ TOOL_SCHEMAS: Mapping[str, dict[str, Any]] = {
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                        "required": ["expression"]}}},
 }
+
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+def answer_text(text: str) -> str:
+    """What a turn answers, its reasoning left out: the text after the last ``</think>`` (a
+    reasoning model's, e.g. Qwen3 with thinking on), without the newlines that follow it (as
+    Qwen3's template shows a past turn); nothing when a ``<think>`` block never closed (the turn
+    ran out inside it); the text itself when it has no block."""
+    end = text.rfind(THINK_CLOSE)
+    if end >= 0:
+        return text[end + len(THINK_CLOSE):].lstrip("\n")
+    return "" if THINK_OPEN in text else text
 
 
 def _token_text(raw: object) -> str | None:
@@ -76,10 +92,11 @@ class ChatTokenizer:
 
     kind = "hf"
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, template_kwargs: Mapping[str, Any] | None = None) -> None:
         from tokenizers import Tokenizer  # no torch
 
         self.path = Path(path)
+        self.template_kwargs = dict(template_kwargs or {})
         tj = self.path / "tokenizer.json"
         if not tj.is_file():
             raise ConfigError(f"{self.path} has no tokenizer.json (a fast Hugging Face tokenizer is needed)",
@@ -128,6 +145,9 @@ class ChatTokenizer:
         self.result_id = self.pad_id  # unused by the chat layout (tool results are templated)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self._special = {int(i) for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        # longest first: a special whose text holds another's is replaced whole
+        self._special_texts = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
+                                     key=len, reverse=True)
         self._template = self._compile(template)
         self._result_frame = self._tool_frame()
 
@@ -165,6 +185,7 @@ class ChatTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)  # as transformers gives templates
         try:
             return env.from_string(template)
         except Exception as exc:
@@ -172,8 +193,10 @@ class ChatTokenizer:
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                add_generation_prompt: bool = True) -> str:
-        """The template's text for ``messages`` (what ``apply_chat_template(tokenize=False)`` gives)."""
-        return str(self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+        """The template's text for ``messages`` (what ``apply_chat_template(tokenize=False)`` gives,
+        with the job's ``model.chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``)."""
+        return str(self._template.render(**self.template_kwargs, messages=messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
 
     def _tool_frame(self) -> tuple[str, str]:
@@ -238,7 +261,7 @@ class ChatTokenizer:
         the first argument value of the ``<tool_call>`` JSON; the name is its ``name`` (None when
         it names none). A turn without a well-formed call names no tool and its plain text is the
         argument (as with the char tokenizer)."""
-        text = self.decode(ids, skip_special=False)
+        text = answer_text(self.decode(ids, skip_special=False))
         start = text.find(CALL_OPEN)
         if start >= 0:
             body = text[start + len(CALL_OPEN):]
@@ -253,14 +276,22 @@ class ChatTokenizer:
                     return (None if name is None else str(name)), str(next(iter(args.values()))).strip()
             except (ValueError, AttributeError):
                 pass
-        return None, self.decode(ids, skip_special=True).strip()
+        return None, self._without_specials(text).strip()
 
     def turn_text(self, ids: Iterable[int]) -> str:
-        """A turn's text for scoring: the final eos / tool-call marker dropped, specials skipped."""
+        """A turn's text for scoring: the final eos / tool-call marker dropped, specials skipped,
+        a reasoning block (``<think>...</think>``) dropped (:func:`answer_text`). Other special
+        tokens count as wrong characters (NUL), as with the char tokenizer, so a policy cannot pad
+        its answers with them for free (before, they were skipped)."""
         ids = list(ids)
         if ids and (ids[-1] in self.stop_ids or ids[-1] == self.call_id):
             ids.pop()
-        return self.decode(ids, skip_special=True)
+        return self._without_specials(answer_text(self.decode(ids, skip_special=False)), "\x00")
+
+    def _without_specials(self, text: str, mark: str = "") -> str:
+        for special in self._special_texts:
+            text = text.replace(special, mark)
+        return text
 
     def __repr__(self) -> str:
         return f"ChatTokenizer({self.path}, vocab_size={self.vocab_size})"
@@ -283,7 +314,7 @@ def load_tokenizer(spec: Any) -> Any:
     if not p.is_dir():
         raise ConfigError(f"model directory {p} does not exist", field=_FIELD)
     if is_hf_dir(p):
-        return ChatTokenizer(p)
+        return ChatTokenizer(p, getattr(spec, "chat_template_kwargs", None))
     if (p / "tokenizer.json").is_file():
         return CharTokenizer.load(p)
     raise ConfigError(f"model directory {p} has no tokenizer (tokenizer.json)", field=_FIELD)

@@ -28,10 +28,12 @@ CHAT_TEMPLATE = (
     "{{ '\\n' }}</tool_response><|im_end|>{{ '\\n' }}"
     "{% else %}<|im_start|>{{ message.role }}{{ '\\n' }}{{ message.content }}<|im_end|>{{ '\\n' }}{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>{{ '\\n\\n' }}</think>{{ '\\n\\n' }}{% endif %}"
+    "{% endif %}"
 )
 """Qwen's layout, shortened: the tool schemas in a system turn, tool results as a user turn in
-``<tool_response>``. Newlines are jinja expressions so the text does not depend on the whitespace
+``<tool_response>``, Qwen3's ``enable_thinking`` switch (False: an empty think block opens the turn). Newlines are jinja expressions so the text does not depend on the whitespace
 options (``trim_blocks`` eats a newline written right after a tag)."""
 
 
