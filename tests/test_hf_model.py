@@ -181,6 +181,19 @@ def test_torch_engine_on_the_hf_model_stops_on_the_marker_and_loads_in_place(hf_
         == greedy.token_ids
 
 
+def test_both_engines_take_the_jobs_context_limit(hf_dir: Path) -> None:
+    """model.max_positions bounds prompt + response in the torch engine as it does vLLM's
+    max_model_len. Before, the torch engine took the directory's own limit (the tiny model's 512,
+    Qwen3's 40,960) where vLLM cut the same turns at model.max_positions."""
+    spec = JobSpec.parse({"model": {"path": str(hf_dir), "max_positions": 128}})
+    engine, tok = make_engine(spec)
+    assert engine.max_positions == 128
+    prompt = tok.prompt_ids("lookup abc:", "lookup")
+    assert 64 < len(prompt) < 128, len(prompt)
+    out = engine.generate([GenRequest("g", prompt, 200, temperature=0.0, stop_on_call=False)])[0]
+    assert out.stop_reason == "length" and len(prompt) + len(out.token_ids) == 128
+
+
 def test_torch_engine_abort_ends_the_generation_in_flight(hf_dir: Path) -> None:
     import threading
 

@@ -70,7 +70,8 @@ class GenerationEngine(Engine):
 
     name = "torch"
 
-    def __init__(self, model: torch.nn.Module, tokenizer: CharTokenizer, max_batch: int = 64) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: CharTokenizer, max_batch: int = 64,
+                 max_positions: int | None = None) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.model = model.eval()
@@ -84,7 +85,11 @@ class GenerationEngine(Engine):
         self._lock = threading.Lock()
         self._abort = threading.Event()
         config = getattr(model, "config", None)
-        self.max_positions: int = int(getattr(config, "max_position_embeddings", 1 << 30))
+        # Longest prompt + response: the job's model.max_positions (vLLM's max_model_len, the same
+        # limit in both engines: before, this engine took an HF directory's own, 40,960 for Qwen3,
+        # where vLLM cut the same turns at 256), never past the model's own.
+        self.max_positions: int = min(int(getattr(config, "max_position_embeddings", 1 << 30)),
+                                      max_positions or (1 << 30))
         # transformers 5 names the KV cache argument ``cache``; 4.x calls it ``past_key_values``.
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"

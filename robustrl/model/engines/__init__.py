@@ -48,4 +48,4 @@ def make_engine(spec: Any) -> tuple[Engine, Any]:
             raise ConfigError("model.device is cuda but torch sees no CUDA device", field="model.device")
         model = model.to("cuda")
         log.info("torch engine on %s (%s)", next(model.parameters()).device, torch.cuda.get_device_name())
-    return GenerationEngine(model, tok, max_batch=spec.rollout.max_batch), tok
+    return GenerationEngine(model, tok, max_batch=spec.rollout.max_batch, max_positions=spec.model.max_positions), tok
