@@ -123,6 +123,18 @@ class RolloutSpec(BaseModel):
         "vLLM on CPU only: packed (vLLM's own: linear weights re-packed for oneDNN after every load) or plain "
         "(kept in checkpoint layout, torch.nn.functional.linear: a weight swap is copies only, generation "
         "somewhat slower; bench/engines.py measures both). No effect on GPU or with the torch engine."))
+    vllm_gpu_memory_utilization: StrictFloat | None = Field(None, gt=0.0, le=0.98, description=(
+        "vLLM on a GPU only: the fraction of the GPU's memory a replica's vLLM takes (weights, activations, "
+        "KV cache). null: 0.9 x resources.gpus where a replica is given part of a GPU (resources.gpus < 1, "
+        "replicas sharing one), else vLLM's own default. Without it, a second vLLM on the same GPU (another "
+        "replica, or a trainer rank beside it) failed at its start."))
+
+    def vllm_memory_fraction(self) -> float | None:
+        """The ``gpu_memory_utilization`` a replica's vLLM is started with (None: vLLM's default)."""
+        if self.vllm_gpu_memory_utilization is not None:
+            return self.vllm_gpu_memory_utilization
+        gpus = self.resources.gpus
+        return round(0.9 * gpus, 4) if 0.0 < gpus < 1.0 else None
 
 
 class TrainerSpec(BaseModel):

@@ -218,3 +218,19 @@ def test_a_job_saved_before_the_ranks_rule_is_still_read_from_its_record() -> No
     assert job.spec.trainer.workers == 3 and job.status == "failed"
     # (a damaged stop in the record: a final status it does not name is a plain stop, no reason)
     assert job.stop_owed == {"status": "stopped", "reason": None}
+
+
+def test_a_vllm_replica_given_part_of_a_gpu_takes_that_part_of_its_memory() -> None:
+    """Without a fraction, every replica's vLLM took vLLM's default (0.92) of the GPU's memory, so
+    a second one on the same GPU failed at its start."""
+    def fraction(rollout: dict[str, Any]) -> float | None:
+        return JobSpec.parse({"rollout": rollout}).rollout.vllm_memory_fraction()
+
+    assert fraction({}) is None  # a GPU of its own (or none): vLLM's default
+    assert fraction({"resources": {"gpus": 1.0}}) is None
+    assert fraction({"resources": {"gpus": 0.5}}) == pytest.approx(0.45)
+    assert fraction({"resources": {"gpus": 0.25}, "vllm_gpu_memory_utilization": 0.3}) == 0.3
+    for bad in (0.0, 0.99, "0.5", float("nan")):
+        with pytest.raises(ConfigError) as e:
+            JobSpec.parse({"rollout": {"vllm_gpu_memory_utilization": bad}})
+        assert e.value.field == "rollout.vllm_gpu_memory_utilization"

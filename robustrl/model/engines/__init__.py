@@ -36,7 +36,8 @@ def make_engine(spec: Any) -> tuple[Engine, Any]:
 
         return VllmEngine(spec.model.path, tok, max_batch=spec.rollout.max_batch,
                           max_model_len=spec.model.max_positions, seed=spec.seed,
-                          chunk_bytes=spec.weights.chunk_bytes, cpu_linear=spec.rollout.vllm_cpu_linear), tok
+                          chunk_bytes=spec.weights.chunk_bytes, cpu_linear=spec.rollout.vllm_cpu_linear,
+                          gpu_memory_utilization=spec.rollout.vllm_memory_fraction()), tok
     import torch
 
     from robustrl.model.engine import GenerationEngine

@@ -142,6 +142,8 @@ class VllmEngine(Engine):
         seed: engine seed (every request carries its own seed too).
         dtype: ``float32`` on CPU.
         kv_cache_gib: CPU KV cache size (``VLLM_CPU_KVCACHE_SPACE``).
+        gpu_memory_utilization: on a GPU, the fraction of its memory vLLM takes (None: vLLM's
+            default; ``RolloutSpec.vllm_memory_fraction``).
         chunk_bytes: chunk size of the ``tcp`` transfer's manifests.
         transfer: ``memfd`` (default where supported: the worker maps the replica's buffer) or
             ``tcp`` (the worker pulls from an in-memory weight server).
@@ -154,7 +156,8 @@ class VllmEngine(Engine):
 
     def __init__(self, path: str | Path, tokenizer: Any, *, max_batch: int = 64, max_model_len: int = 512,
                  seed: int = 0, dtype: str = "float32", kv_cache_gib: int = 1, chunk_bytes: int = 1 << 20,
-                 transfer: str | None = None, cpu_linear: str = "packed") -> None:
+                 transfer: str | None = None, cpu_linear: str = "packed",
+                 gpu_memory_utilization: float | None = None) -> None:
         try:
             import vllm  # noqa: F401
         except ImportError as exc:
@@ -191,6 +194,7 @@ class VllmEngine(Engine):
         self.last_load: dict[str, float] = {}
         self._dtype = dtype
         self._seed = seed
+        self._gpu_memory = gpu_memory_utilization
         self._ids = itertools.count()
         self._inflight: set[str] = set()
         self._aborted = threading.Event()
@@ -255,7 +259,8 @@ class VllmEngine(Engine):
         from robustrl.model.engines import vllm_plugin
 
         masks = [f"{vllm_plugin.__name__}:{vllm_plugin.SampleVocabMask.__name__}"] if self.sample_vocab else None
-        args = AsyncEngineArgs(model=self.path, tokenizer=self.path, dtype=self._dtype, seed=self._seed,
+        memory = {} if self._gpu_memory is None else {"gpu_memory_utilization": self._gpu_memory}
+        args = AsyncEngineArgs(**memory, model=self.path, tokenizer=self.path, dtype=self._dtype, seed=self._seed,
                                max_model_len=self.max_model_len, max_num_seqs=self.max_batch,
                                enforce_eager=True, logprobs_mode="processed_logprobs",
                                weight_transfer_config=WeightTransferConfig(backend="robustrl"),
