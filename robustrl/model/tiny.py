@@ -77,14 +77,16 @@ def build_bpe_tokenizer() -> object:
 
 def make_tiny_hf_model(directory: str | Path, *, hidden_size: int = 128, num_layers: int = 2, num_heads: int = 2,
                        num_kv_heads: int = 1, intermediate_size: int = 256, max_positions: int = 512,
-                       seed: int = 0, tokenizer_from: str | Path | None = None, pad_vocab: int = 0) -> Path:
+                       seed: int = 0, tokenizer_from: str | Path | None = None, pad_vocab: int = 0,
+                       tied: bool = False) -> Path:
     """Write a random-init Qwen3 causal LM with the BPE tokenizer into ``directory`` (float32,
     untied head; head_dim 64, which vLLM's CPU attention supports). Returns the directory.
 
     ``tokenizer_from``: a directory holding that tokenizer already saved (a machine without
     ``mistral-common``, e.g. a lent GPU machine, reuses one made here) instead of building it.
     ``pad_vocab``: embedding and head rows past the tokenizer's ids, as real models have them
-    (Qwen3: 151936 rows for 151669 ids); no id the tokenizer has ever names them."""
+    (Qwen3: 151936 rows for 151669 ids); no id the tokenizer has ever names them. ``tied``: the
+    LM head shares the input embedding, as Qwen3-0.6B's does."""
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
@@ -95,7 +97,7 @@ def make_tiny_hf_model(directory: str | Path, *, hidden_size: int = 128, num_lay
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
                       num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                       head_dim=hidden_size // num_heads, max_position_embeddings=max_positions,
-                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id,  # type: ignore[attr-defined]
+                      tie_word_embeddings=tied, pad_token_id=tok.pad_token_id,  # type: ignore[attr-defined]
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,  # type: ignore[attr-defined]
                       use_cache=True, torch_dtype="float32")
     with torch.random.fork_rng(devices=[]):
