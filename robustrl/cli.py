@@ -365,6 +365,26 @@ def _infra_settings(run_dir: Path, nats: str | None, redis: str | None, s3: str 
 
 
 @app.command()
+def export(job_id: str = typer.Argument(..., help="The job whose trained policy to write."),
+           out: Path = typer.Argument(..., help="A new (or empty) directory."),
+           step: int = typer.Option(None, min=0, help="The checkpoint's step (default: the newest complete one)."),
+           run_dir: Path = typer.Option(DEFAULT_RUN_DIR, help="Stack started by `robustrl up` (its infra)."),
+           nats_url: str = typer.Option(None), redis_url: str = typer.Option(None),
+           s3_endpoint: str = typer.Option(None, help="S3 host:port (ROBUSTRL_S3_* for keys).")) -> None:
+    """Write a job's trained policy from its checkpoint as a model directory (Hugging Face format
+    with the job's tokenizer and chat template; loadable as a later job's model.path)."""
+    from robustrl.export import export_model
+
+    try:
+        settings = _infra_settings(run_dir, nats_url, redis_url, s3_endpoint)
+        record = export_model(settings, job_id, out, step)
+    except RobustRLError as exc:
+        _fail(exc)
+    console.print(f"wrote {out}: step {record['step']} (weights version {record['weights_version']}, "
+                  f"checksum {record['weights_checksum'][:16]})")
+
+
+@app.command()
 def audit(job_id: str = typer.Argument(..., help="The job to audit."),
           run_dir: Path = typer.Option(DEFAULT_RUN_DIR, help="Stack started by `robustrl up` (its infra)."),
           nats_url: str = typer.Option(None), redis_url: str = typer.Option(None),

@@ -21,7 +21,7 @@ from robustrl.subjects import Verb, subject
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_short_job_runs_end_to_end(stack, api, infra):
+def test_short_job_runs_end_to_end(stack, api, infra, tmp_path):
     # Sampling at a temperature and top-p other than 1: the trainer must take its logprobs from
     # the distribution the replicas sampled from.
     # And in micro-batches of one episode each (64 positions; the ranks' counts may differ): DDP
@@ -55,6 +55,20 @@ def test_short_job_runs_end_to_end(stack, api, infra):
     # top-p, and it was not).
     for d in kinds(events, "step_committed"):
         assert abs(d["train"]["ratio_mean"] - 1.0) < 1e-3 and abs(d["train"]["approx_kl"]) < 1e-3, (d["step"], d["train"])
+    # The trained policy exported from the job's newest checkpoint (`robustrl export`) is the last
+    # committed version, and loads as a later job's model.path (the char tokenizer beside it).
+    from typer.testing import CliRunner
+
+    from robustrl.cli import app
+    from robustrl.config import ModelSpec
+    from robustrl.model.hf import load_tokenizer
+    from robustrl.model.policy import build_policy, weights_checksum
+
+    out = tmp_path / "exported"
+    run = CliRunner().invoke(app, ["export", job["job_id"], str(out)], env=infra.to_env())
+    assert run.exit_code == 0, run.output
+    spec = ModelSpec(path=str(out))
+    assert weights_checksum(build_policy(spec, load_tokenizer(spec), 0)) == checksums[-1]
 
 
 def test_bad_rest_bodies_are_rejected_with_the_field_named(stack, api):

@@ -218,7 +218,8 @@ def test_torch_engine_abort_ends_the_generation_in_flight(hf_dir: Path) -> None:
     assert len(engine.generate([GenRequest("next", prompt, 4, stop_on_call=False)])[0].token_ids) == 4
 
 
-def test_a_job_trains_the_hf_model_through_trainer_rm_and_replicas(stack, api, infra, hf_dir: Path) -> None:
+def test_a_job_trains_the_hf_model_through_trainer_rm_and_replicas(stack, api, infra, hf_dir: Path,
+                                                                    tmp_path: Path) -> None:
     """Two steps of GRPO on the HF directory: the request manager renders the chat template, the
     replicas generate with the torch engine, the trainer gang trains and publishes, the replicas
     load every version."""
@@ -237,6 +238,31 @@ def test_a_job_trains_the_hf_model_through_trainer_rm_and_replicas(stack, api, i
     assert {0, 1} <= loaded
     assert any(d["tool_wait_s"] > 0 for d in kinds(events, "batch_ready")), "no tool turn"
     audit_sampled(infra, job["job_id"], sampler)  # raises naming every violation
+
+    # The trained policy out of the job's checkpoint, as a user gets it (`robustrl export`): a
+    # model directory transformers loads, with the weights the trainer committed last, and the
+    # job's tokenizer and chat template.
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from robustrl.cli import app
+
+    out = tmp_path / "exported"
+    run = CliRunner().invoke(app, ["export", job["job_id"], str(out)], env=infra.to_env())
+    assert run.exit_code == 0, run.output
+    exported = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+    assert weights_checksum(exported) == checksums[-1]
+    assert json.loads((out / "robustrl-export.json").read_text())["step"] == 1
+    assert ChatTokenizer(out).prompt_ids("lookup abc:", "lookup") == ChatTokenizer(hf_dir).prompt_ids("lookup abc:", "lookup")
+    # Bad input: clear errors, nothing overwritten.
+    before = sorted(p.name for p in out.iterdir())
+    again = CliRunner().invoke(app, ["export", job["job_id"], str(out)], env=infra.to_env())
+    assert again.exit_code == 2 and "nothing is overwritten" in again.output
+    assert sorted(p.name for p in out.iterdir()) == before
+    no_step = CliRunner().invoke(app, ["export", job["job_id"], str(tmp_path / "s"), "--step", "99"], env=infra.to_env())
+    assert no_step.exit_code == 2 and "no checkpoint of step 99" in no_step.output
+    no_job = CliRunner().invoke(app, ["export", "nope-job", str(tmp_path / "n")], env=infra.to_env())
+    assert no_job.exit_code == 2 and "no job 'nope-job'" in no_job.output
 
 
 def test_the_models_own_eos_ends_a_turn_in_the_torch_engine_as_in_vllm(hf_dir: Path, tmp_path: Path) -> None:
