@@ -154,6 +154,32 @@ async def test_waiting_fetches_come_before_offers_and_a_dropped_version_ends_sub
     assert server.subscribe(1, _want(range(N))) is None
 
 
+async def test_an_unanswered_offer_gives_its_place_up_after_the_stall_bound_and_stays_valid() -> None:
+    """An offer left unanswered (a frozen subscriber) holds the one place in line only for
+    ``send_stall_s``: then a waiting FETCH goes. The offer stays valid (the subscription ends only
+    at the answer timeout): a late TAKE is served, lined up like a FETCH, and every place taken is
+    given back once (the counts below, step by step: a double release would hide at zero)."""
+    data, manifest = _manifest()
+    server = WeightServer(send_stall_s=0.05)
+    server.add_version(manifest, data)
+    sub = server.subscribe(1, _want(range(N)))
+    offer = sub.offer.result()
+    other = 5 if offer.chunks[0] != 5 else 6
+    fetch = server.request_chunk(1, other)
+    assert not fetch.future.done()  # the offer holds the pipeline, for now
+    first = await asyncio.wait_for(fetch.future, 5)  # the hold ran out: the FETCH goes
+    assert first.index == other and server._pipeline == 1
+    assert sub.offered == offer.chunks and not sub.closed  # still valid
+    late = sub.take(_want(set(), chunk=offer.chunks[0]))  # (then it wants nothing more)
+    assert late.status is Status.OK and late.index == offer.chunks[0]
+    assert server._pipeline == 2  # its own place: the offer had none left to hand it
+    for reply in (first, late):
+        await server.begin(reply)
+        server.halfway(reply)
+        server.done(reply, len(reply.payload))
+    assert server._pipeline == 0 and server.load() == 0 and not server._slots.locked()
+
+
 def _puller(manifest: Manifest) -> _Pull:
     return _Pull(manifest, [], "tcp", None, None, stall_timeout_s=1.0, connect_timeout_s=1.0, max_inflight=4,
                  per_source_inflight=1, have_interval_s=0.01, unavailable_grace_s=1.0, seed=0)

@@ -366,6 +366,43 @@ async def test_a_subscriber_frozen_after_an_offer_loses_it_and_others_pull_on(ki
         await frozen.close()
 
 
+async def test_a_fetch_by_index_is_not_held_behind_a_frozen_subscribers_offer(kind: str, version, servers) -> None:
+    """A puller that relays nothing (a replica whose last pull failed its checksum fetches by index)
+    asks a source whose one upload place is held by an offer to a frozen subscriber (it read the
+    offer, then never answers: a SIGSTOPped replica). The offer kept that place until the answer
+    timeout (5 s), past the replicas' 3-s stall bound, which counts from the FETCH to its first
+    byte: the puller gave up on a healthy source (here its only one: the pull failed
+    'unavailable'). Now an unanswered offer holds the line only as long as a stalled send may
+    (``send_stall_s``), and the FETCH is served within the puller's bound while the frozen
+    subscriber still holds its subscription (it is not ended early: a slow subscriber may yet
+    answer)."""
+    from robustrl.services.rollout.loader import STALL_TIMEOUT_S
+    from robustrl.weights.server import DEFAULT_ANSWER_TIMEOUT_S, DEFAULT_SEND_STALL_S
+
+    assert DEFAULT_SEND_STALL_S < STALL_TIMEOUT_S < DEFAULT_ANSWER_TIMEOUT_S  # the case this covers
+    buffer, manifest, _ = version
+    trainer = await servers()  # the defaults: the timings the replicas meet
+    trainer.add_version(manifest, buffer)
+    frozen = make_client(trainer.address)
+    await frozen.connect()
+    try:
+        everything = encode_have(np.ones(manifest.num_chunks, dtype=bool))
+        await frozen.send_sub(Op.SUB, manifest.version, SubMessage(everything))
+        status, offer = await frozen.next_offer()  # the trainer's one upload place is now its offer's
+        assert status is Status.OFFER and offer is not None and offer.chunks
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        buf, stats = await pull(manifest, [trainer.address], stall_timeout_s=STALL_TIMEOUT_S)
+        took = loop.time() - t0
+        assert _checksum(buf, manifest) == manifest.checksum
+        assert stats.failed_sources == [] and stats.chunks_from == {trainer.address: manifest.num_chunks}
+        assert took < DEFAULT_ANSWER_TIMEOUT_S, took  # it did not wait the frozen offer out
+        # the frozen subscriber's offer is still out and its subscription alive: not ended early
+        assert [s.offered is not None for s in trainer._subs] == [True]
+    finally:
+        await frozen.close()
+
+
 @pytest.mark.parametrize("bounds", ["tuned", "defaults"])
 async def test_a_subscriber_that_stops_reading_mid_chunk_loses_the_upload_slot(kind: str, version, servers,
                                                                                 bounds: str) -> None:
@@ -375,17 +412,24 @@ async def test_a_subscriber_that_stops_reading_mid_chunk_loses_the_upload_slot(k
     the replicas' own 3-s stall bound). With the defaults the stalled send held the
     source's one upload slot for the whole 30-s send bound: the others waited out their pulls
     (an outside review, reproduced). (The others finish ~2.5 s in: the chunk it took counts as
-    sent, so patient pullers get it from the publisher only once they starve, ``STARVE_S``.)"""
+    sent, so patient pullers get it from the publisher only once they starve, ``STARVE_S``.)
+
+    UCX: a client takes a chunk, reads its reply header (the upload slot is then its) and never
+    posts a receive for the bytes. A UCX send completes only once the receiver took it (checked:
+    any payload size, ``UCX_TLS=tcp``), so the source's send stands still as for a SIGSTOPped
+    receiver. With the defaults its one-message payload held the slot for the 30-s send bound
+    too; now each ``PAYLOAD_SLICE`` message is bounded by ``send_stall_s`` like a TCP slice."""
     from robustrl.services.rollout.loader import STALL_TIMEOUT_S
     from robustrl.weights.server import DEFAULT_SEND_STALL_S
 
     # (the defaults' relation: a stalled send frees the slot before a replica gives the source up)
     assert DEFAULT_SEND_STALL_S < STALL_TIMEOUT_S
-    if kind != "tcp":
-        pytest.skip("a raw socket with a tiny receive window: TCP only")
     buffer, manifest, _ = version
     trainer = await (servers(send_timeout_s=0.5) if bounds == "tuned" else servers())
     trainer.add_version(manifest, buffer)
+    if kind == "ucx":
+        await _ucx_receiver_stops_reading(manifest, trainer, servers, bounds)
+        return
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
@@ -414,6 +458,68 @@ async def test_a_subscriber_that_stops_reading_mid_chunk_loses_the_upload_slot(k
         assert not trainer._slots.locked()  # its upload slot came back
     finally:
         sock.close()
+
+
+async def _ucx_receiver_stops_reading(manifest: Manifest, trainer: WeightServer, servers, bounds: str) -> None:
+    """The UCX half of the test above: take a chunk, read its reply header, receive none of it."""
+    stuck = make_client(trainer.address)
+    await stuck.connect()
+    try:
+        everything = encode_have(np.ones(manifest.num_chunks, dtype=bool))
+        await stuck.send_sub(Op.SUB, manifest.version, SubMessage(everything))
+        status, offer = await asyncio.wait_for(stuck.next_offer(), 5)
+        assert status is Status.OFFER and offer is not None and offer.chunks
+        await stuck.send_sub(Op.TAKE, manifest.version, SubMessage(everything, chunk=offer.chunks[0]))
+        status, nbytes = await asyncio.wait_for(stuck.chunk_reply(), 5)
+        assert status is Status.OK and nbytes == manifest.chunks[offer.chunks[0]].nbytes
+        assert trainer._slots.locked()  # the header left after the slot was taken: it is the stuck one's
+        await _others_pull_past(manifest, trainer, servers, 2.0 if bounds == "tuned" else 8.0)
+        assert trainer.load() == 0 and trainer._pipeline == 0
+        assert not trainer._slots.locked()  # its upload slot came back
+    finally:
+        await stuck.close()
+
+
+async def test_a_ucx_chunk_longer_than_a_slice_crosses_whole_and_a_receiver_stopped_after_one_slice_frees_the_slot(
+        kind: str, servers) -> None:
+    """UCX sends a payload as ``PAYLOAD_SLICE`` messages (the wire format both ends share): a chunk
+    of 2.5 slices arrives whole, counted slice by slice; a receiver that takes its first slice and
+    then no more (frozen mid-chunk) loses the source's upload slot once the next slice stood still
+    for ``send_stall_s`` (0.3 s here), not after the 30-s bound on the whole chunk. (A guard for
+    the sliced format: with one message per payload a receiver cannot stop after one slice.)"""
+    if kind != "ucx":
+        pytest.skip("UCX's message slicing (TCP: the stopped-reading test above)")
+    from robustrl.weights.manifest import TensorEntry, build_manifest
+    from robustrl.weights.ucx import PAYLOAD_SLICE, _recv
+
+    chunk_bytes = 5 * PAYLOAD_SLICE // 2
+    n = 2 * chunk_bytes
+    data = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
+    manifest = build_manifest(3, [TensorEntry(name="flat", dtype="uint8", shape=[n], offset=0, nbytes=n)],
+                              data, chunk_bytes)
+    trainer = await servers(send_stall_s=0.3)
+    trainer.add_version(manifest, data)
+    stuck = make_client(trainer.address)
+    await stuck.connect()
+    try:
+        every = encode_have(np.ones(manifest.num_chunks, dtype=bool))
+        await stuck.send_sub(Op.SUB, manifest.version, SubMessage(every))
+        status, offer = await asyncio.wait_for(stuck.next_offer(), 5)
+        assert status is Status.OFFER and offer is not None
+        await stuck.send_sub(Op.TAKE, manifest.version, SubMessage(every, chunk=offer.chunks[0]))
+        status, nbytes = await asyncio.wait_for(stuck.chunk_reply(), 5)
+        assert status is Status.OK and nbytes == chunk_bytes
+        first = np.empty(PAYLOAD_SLICE, dtype=np.uint8)
+        await asyncio.wait_for(_recv(stuck._ep, first), 5)  # one slice, then it stops
+        entry = manifest.chunks[offer.chunks[0]]
+        assert first.tobytes() == data[entry.offset:entry.offset + PAYLOAD_SLICE].tobytes()
+        # the source gives the slot up (and ends that endpoint) within the stall bound; a puller
+        # with no slack to spare (its own stall bound 2 s, well under the 30-s send bound) gets all
+        buf, stats = await asyncio.wait_for(pull(manifest, [trainer.address], stall_timeout_s=2.0), 20)
+        assert _checksum(buf, manifest) == manifest.checksum and stats.failed_sources == []
+        assert trainer.load() == 0 and not trainer._slots.locked()
+    finally:
+        await stuck.close()
 
 
 async def _recv_n(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:

@@ -65,22 +65,26 @@ DEFAULT_UPLOAD_SLOTS = 1
 """Chunks sent at once by one server (see the module docstring). The TCP transport releases a slot
 when all but its socket's low-water mark of a chunk has left, so the next chunk follows with no gap."""
 DEFAULT_ANSWER_TIMEOUT_S = 5.0
-"""Longest wait for a subscriber's answer (TAKE or PASS) to an offer; past it the subscription ends
-and the offer's place in line is free again. An offer holds the upload pipeline (with one slot,
-nothing else is dispatched, FETCHes included), so a frozen or partitioned subscriber must not
-keep it: half the pullers' default stall timeout (10 s), so their FETCHes waiting behind it are
-served before they give up on this source. A healthy answer takes a round trip."""
+"""Longest wait for a subscriber's answer (TAKE or PASS) to an offer; past it the subscription ends.
+A healthy answer takes a round trip; this bound only ends subscriptions that are gone (frozen,
+partitioned), so it can be generous: it is not what keeps others waiting. The offer's place in
+line is given up much sooner (``send_stall_s``, see ``_Sub.hold``): with the place held for the
+whole 5 s, a FETCH lined up behind a frozen subscriber's offer got no byte within the replicas'
+3-s stall bound (``STALL_TIMEOUT_S``), which counts from the request, and the replica gave a
+healthy source up (an outside review, reproduced)."""
 DEFAULT_SEND_TIMEOUT_S = 30.0
 """Longest a chunk's bytes may take to leave once its upload slot is taken; past it the
 connection ends (a receiver that stopped reading holds the slot otherwise). 30 s: a 4 MiB chunk
 at ~1 Mbit/s."""
 DEFAULT_SEND_STALL_S = 2.0
-"""Longest a chunk's bytes may stand still once its upload slot is taken (the transport sends it in
-``SEND_SLICE`` pieces, each bounded so). A receiver frozen mid-chunk (a SIGSTOPped replica) held
-the server's one slot for the whole ``DEFAULT_SEND_TIMEOUT_S``: no one else got a byte from this
-source, and the subscriber lined up behind it gave the source up as dead after its own 3-s stall
-bound (an outside review, reproduced). Below the replicas' stall bound (``STALL_TIMEOUT_S``, 3 s),
-so the next in line is served before it gives up."""
+"""Longest one peer may hold this source's line without making progress: a chunk's bytes standing
+still once its upload slot is taken (the transports send a chunk in slices, each bounded so), or an
+offer left unanswered (then its place in line is given up, the subscription stays). Either is a
+peer that stopped. A receiver frozen mid-chunk (a SIGSTOPped replica) held the server's one slot
+for the whole ``DEFAULT_SEND_TIMEOUT_S``: no one else got a byte from this source, and the
+subscriber lined up behind it gave the source up as dead after its own 3-s stall bound (an outside
+review, reproduced). Below the replicas' stall bound (``STALL_TIMEOUT_S``, 3 s), so the next in
+line is served before it gives up."""
 MAX_UNKNOWN_BODY = SUB_HEAD.size + (1 << 20)
 """Longest subscriber message read for a version not held here (a bitmap of 8M chunks)."""
 OFFER_SIZE = 32
@@ -155,7 +159,9 @@ class _Sub(Subscription):
         self.viewgen = 0
         self.patient = False
         self.offer: asyncio.Future[Offer | None] = asyncio.get_running_loop().create_future()
-        self.offered: list[int] | None = None  # the offer out (it holds a place in line, see _dispatch)
+        self.offered: list[int] | None = None  # the offer out (until answered or the subscriber is gone)
+        self.holds = False  # the offer out still holds its place in the pipeline (see hold)
+        self.hold_timer: asyncio.TimerHandle | None = None
         self.busy_until = 0.0  # time.monotonic(): it said it receives at its limit until then
         self.stuck: tuple[int, int] | None = None  # (version gen, viewgen) when nothing here was wanted
         self.closed = False
@@ -183,31 +189,61 @@ class _Sub(Subscription):
             entry.holders += has
             self.counted = (entry, has)
 
-    def _answered(self, msg: SubMessage) -> list[int]:
-        offered, self.offered = self.offered or [], None
+    def hold(self, offer: Offer, hold_s: float | None) -> None:
+        """Send ``offer`` out holding a place in the pipeline (taken by the caller), for at most
+        ``hold_s`` (None: until answered).
+
+        The place is what lines the offered chunk up behind the upload in progress. Unanswered
+        past ``hold_s`` (the subscriber froze, or its link did), the place goes to whoever is next
+        (a waiting FETCH, another subscriber), while the offer itself stays valid until the answer
+        timeout ends the subscription: a late TAKE is still served, its chunk then lined up like
+        a FETCH's. Held until the answer timeout instead, the place kept FETCHes from their first
+        byte longer than the pullers wait for it, and kept the uplink idle meanwhile."""
+        self.offered, self.holds = offer.chunks, True
+        if hold_s is not None:
+            self.hold_timer = asyncio.get_running_loop().call_later(hold_s, self._hold_expired)
+        self.offer.set_result(offer)
+
+    def _hold_expired(self) -> None:
+        self.hold_timer = None
+        if self.holds and not self.closed:
+            self.holds = False
+            self.server._release_token()
+
+    def _let_go(self) -> tuple[list[int], bool]:
+        """Forget the offer out: (its chunks, whether it still held its place in the pipeline)."""
+        offered, held = self.offered or [], self.holds
+        self.offered, self.holds = None, False
+        if self.hold_timer is not None:
+            self.hold_timer.cancel()
+            self.hold_timer = None
+        return offered, held
+
+    def _answered(self, msg: SubMessage) -> tuple[list[int], bool]:
+        offered, held = self._let_go()
         self.set_view(msg)
         if not self.closed:
             self.offer = asyncio.get_running_loop().create_future()
-        return offered
+        return offered, held
 
     def update(self, msg: SubMessage) -> None:
         self.set_view(msg)
         self.server._dispatch()
 
     def take(self, msg: SubMessage) -> Reply:
-        offered = self._answered(msg)
+        offered, held = self._answered(msg)
         entry = self.server._versions.get(self.version)
         if msg.chunk not in offered or entry is None or not entry.held[msg.chunk]:
-            if offered:
+            if held:
                 self.server._release_token()
             return Reply(Status.MISSING)
-        return self.server._chunk_reply(entry, msg.chunk, reserved=True)
+        return self.server._chunk_reply(entry, msg.chunk, reserved=held)
 
     def pass_(self, msg: SubMessage) -> None:
-        offered = self._answered(msg)
+        _, held = self._answered(msg)
         if msg.busy_ms > 0:
             self.busy_until = time.monotonic() + msg.busy_ms / 1000
-        if offered:
+        if held:
             self.server._release_token()
 
     def close(self) -> None:
@@ -218,8 +254,8 @@ class _Sub(Subscription):
         self.server._subs.remove(self)
         if not self.offer.done():
             self.offer.cancel()
-        if self.offered is not None:
-            self.offered = None
+        _, held = self._let_go()
+        if held:
             self.server._release_token()
 
 
@@ -245,7 +281,8 @@ class WeightServer(RequestHandler):
         upload_slots: chunks sent at once (see the module docstring).
         answer_timeout_s: longest wait for a subscriber's answer to an offer (``DEFAULT_ANSWER_TIMEOUT_S``).
         send_timeout_s: longest a chunk's bytes may take to leave (``DEFAULT_SEND_TIMEOUT_S``).
-        send_stall_s: longest they may stand still (``DEFAULT_SEND_STALL_S``).
+        send_stall_s: longest they may stand still, and longest an unanswered offer holds its place
+            in line (``DEFAULT_SEND_STALL_S``).
     """
 
     def __init__(self, transport: str = "tcp", host: str = "127.0.0.1", port: int = 0,
@@ -455,8 +492,7 @@ class WeightServer(RequestHandler):
                 return
             sub, offer = picked
             self._pipeline += 1
-            sub.offered = offer.chunks
-            sub.offer.set_result(offer)
+            sub.hold(offer, self.send_stall_s)
 
     def _pick_offer(self) -> tuple[_Sub, Offer] | None:
         """The subscriber to offer to, and what (see the module docstring); None: nobody wants

@@ -36,9 +36,10 @@ async def until_stalled(aw: Awaitable[T], progress: Callable[[], int], stall_s: 
 
     A chunk's bytes are bounded by a gap without progress, not by their total time: a 64 MiB chunk
     on a 100 Mbit/s link takes 5.4 s and its source is healthy, while a frozen source sends
-    nothing and is dropped as soon as before. (The UCX client counts a chunk's bytes only once
-    all are in, so there the bound stays on the whole chunk.) ``limit_s`` bounds the whole chunk
-    too (``chunk_limit_s``: a source slower than ``SLOW_SOURCE_BYTES_PER_S`` that still trickles).
+    nothing and is dropped as soon as before. (The UCX client counts a chunk's bytes one message
+    at a time, ``ucx.PAYLOAD_SLICE``: a chunk of one slice or less counts once all is in.)
+    ``limit_s`` bounds the whole chunk too (``chunk_limit_s``: a source slower than
+    ``SLOW_SOURCE_BYTES_PER_S`` that still trickles).
     """
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(aw)

@@ -42,6 +42,7 @@ from robustrl.weights.transport import (
     parse_address,
     release_ticket,
     reply_status,
+    send_in_slices,
 )
 
 _SOCK_BUF = 4 << 20  # bigger kernel buffers: fewer wakeups per MiB on loopback and LANs
@@ -172,9 +173,7 @@ class TcpServer(TransportServer):
         if stall is None:
             await loop.sock_sendall(sock, data)
             return
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), SEND_SLICE):
-            await within(loop.sock_sendall(sock, view[start:start + SEND_SLICE]), stall)
+        await send_in_slices(lambda part: loop.sock_sendall(sock, part), data, SEND_SLICE, stall)
 
     async def _send(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, reply: Reply) -> None:
         sent = 0

@@ -20,8 +20,10 @@ subscriber wants a chunk its source holds.
 
 An offer holds the source's place in line until answered, and a chunk its upload slot until sent:
 a subscriber that does not answer within ``RequestHandler.answer_timeout_s`` loses its
-subscription, and a reply whose bytes do not leave within ``send_timeout_s`` ends its connection,
-so a frozen or cut-off puller (SIGSTOP, partition) stalls nobody else.
+subscription (its offer's place in line goes on sooner, see ``server.py``), and a reply whose bytes
+stand still for ``send_stall_s`` or do not leave within ``send_timeout_s`` ends its connection, so
+a frozen or cut-off puller (SIGSTOP, partition) stalls nobody else for longer than the pullers'
+own stall bound.
 
 Every reply starts with a fixed 16-byte header carrying a status, the source's current load
 (uploads in progress or lined up, offers out, FETCHes waiting), and the payload length, so a puller
@@ -40,11 +42,14 @@ import abc
 import asyncio
 import enum
 import struct
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
+from robustrl.aio import within
 from robustrl.errors import TransportError
 
 HEADER = struct.Struct("!BxxxIQ")
@@ -449,6 +454,39 @@ def make_client(address: str) -> TransportClient:
     except ImportError as exc:  # the robustrl[ucx] extra is optional: a ucx:// source is then unreachable
         raise TransportError("ucx transport not installed (pip install robustrl[ucx])", address=address) from exc
     return UcxClient(address)
+
+
+async def send_in_slices(send: Callable[[memoryview], Awaitable[object]], data: bytes | memoryview,
+                         slice_bytes: int, stall_s: float | None, window: int = 1) -> None:
+    """Send ``data`` as consecutive slices of at most ``slice_bytes`` (``send`` sends one), up to
+    ``window`` of them on their way at once, the oldest each time within ``stall_s`` of the one
+    before it (None: no bound); raises TimeoutError (an OSError) on the first that is not.
+
+    This is what "a send stalled" means for both transports (``RequestHandler.send_stall_s``): a
+    slice did not leave in that long. A whole chunk is bounded only by ``send_timeout_s`` (30 s),
+    so a receiver frozen mid-chunk held the source's upload slot past every puller's own stall
+    bound; a slice that stands still frees it within ``stall_s`` of the last bytes taken. (A window
+    above 1 hides a per-slice handshake, as UCX has; each slice runs as a task, and those still on
+    their way when one fails are cancelled.)"""
+    view = memoryview(data).cast("B")
+    if window <= 1:
+        for start in range(0, len(view), slice_bytes):
+            part = view[start:start + slice_bytes]
+            await (send(part) if stall_s is None else within(send(part), stall_s))
+        return
+    flying: deque[asyncio.Future[object]] = deque()
+    try:
+        for start in range(0, len(view), slice_bytes):
+            flying.append(asyncio.ensure_future(send(view[start:start + slice_bytes])))
+            if len(flying) >= window:
+                oldest = flying.popleft()
+                await (oldest if stall_s is None else within(oldest, stall_s))
+        while flying:
+            oldest = flying.popleft()
+            await (oldest if stall_s is None else within(oldest, stall_s))
+    finally:
+        for task in flying:
+            drop_task(task)  # type: ignore[arg-type]
 
 
 def release_ticket(handler: RequestHandler, ticket: Ticket) -> None:

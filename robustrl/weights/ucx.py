@@ -1,10 +1,17 @@
 """UCX weight transport on ucxx (optional extra ``robustrl[ucx]``).
 
 Same request/reply format as TCP, carried as UCX tag messages on one endpoint: a 16-byte
-request, a 16-byte reply header, then the payload as one message received straight into the
-destination slice. UCX picks the fastest path it has (RDMA, CUDA IPC on GPU clusters; TCP
-here with ``UCX_TLS=tcp``). A UCX message cannot be half-sent, so the "die mid-chunk" fault
-sends the header and then kills the source before the payload.
+request, a 16-byte reply header, then the payload as consecutive messages of ``PAYLOAD_SLICE``
+bytes (the last shorter), each received straight into its part of the destination. UCX picks the
+fastest path it has (RDMA, CUDA IPC on GPU clusters; TCP here with ``UCX_TLS=tcp``). The "die
+mid-chunk" fault sends the header and then kills the source before the payload.
+
+Why slices. A UCX send reports nothing until the whole message is taken, so a chunk sent as one
+message could only be bounded as a whole (``send_timeout_s``, 30 s): a receiver frozen mid-chunk
+held the source's upload slot that long, past every other puller's 3-s stall bound. Sliced, each
+message is bounded by the handler's ``send_stall_s`` like a TCP slice (``send_in_slices``), and the
+client counts a chunk's bytes slice by slice, so a puller's own stall bound (``until_stalled``)
+sees progress on UCX too.
 
 Progress. ucxx's own awaiting is the problem on a small host, not UCX: without its Python-future
 notifier, every ``await ep.send/recv`` is a ``while not done: await asyncio.sleep(0)`` loop, so
@@ -33,8 +40,7 @@ ignored. If ucxx was initialised elsewhere in the process in another progress mo
 module falls back to ucxx's own (spinning) waits.
 
 Subscriptions (``transport.py``) run over an endpoint of their own, as tag messages like the rest
-(a message cannot be half-sent, so an upload is "halfway" for the next one's handshake as soon as
-its bytes are posted).
+(an upload is "halfway" for the next one's handshake as soon as its header is sent).
 
 Buffer lifetime. UCX writes a posted receive into its buffer whenever the peer's bytes arrive,
 until the request completes or is cancelled: a waiter that gives up (a timeout, a cancelled pull,
@@ -91,10 +97,25 @@ from robustrl.weights.transport import (
     parse_address,
     release_ticket,
     reply_status,
+    send_in_slices,
 )
 
 UCX_OPTIONS: dict[str, str] = {"TCP_TX_SEG_SIZE": "1M", "TCP_RX_SEG_SIZE": "1M"}
 """UCX configuration applied when this module initialises ucxx (environment variables win)."""
+
+PAYLOAD_SLICE = 1 << 20
+"""Bytes of a reply's payload per UCX message (see the module docstring): the segment size UCX is
+set to (``UCX_OPTIONS``), and half of what the pullers' slowest accepted rate
+(``stall.SLOW_SOURCE_BYTES_PER_S``, 1 MiB/s) moves in the send stall bound (2 s): a connection that
+slow would be dropped by its puller anyway, so the source never ends one its puller would keep.
+Part of the wire format: both ends slice alike."""
+SEND_WINDOW = 2
+"""Slices of one payload on their way at once: each UCX message starts with a handshake (its
+receive matched, then its bytes), which one slice in flight at a time left as a gap between
+slices (256 MiB point to point, 16 MiB chunks, 2 cores: 0.69 of a raw socket against 0.90 sent
+unsliced; two in flight 0.86-0.87, four 0.94 but no faster in GiB/s, within the machine's noise).
+With two, a slice must be taken within ``send_stall_s`` of the one before it while the next is
+already on its way: at worst 2 MiB in the 2-s bound, the pullers' own rate floor (1 MiB/s)."""
 
 _SAFETY_TICK_S = 0.05
 """While requests wait, re-check them this often even without an event (ucxx's own blocking
@@ -314,6 +335,12 @@ async def _recv(ep: object | None, into: np.ndarray) -> None:
     await _transfer(ep, into, send=False)
 
 
+async def _send_payload(ep: object | None, payload: bytes | memoryview, stall_s: float | None) -> None:
+    """A reply's payload in ``PAYLOAD_SLICE`` messages, each within ``stall_s`` (TimeoutError)."""
+    await send_in_slices(lambda part: _send(ep, np.frombuffer(part, dtype=np.uint8)), payload, PAYLOAD_SLICE,
+                         stall_s, window=SEND_WINDOW)
+
+
 _RETIRED: list[object] = []
 """Closed listeners, kept alive on purpose (see ``UcxServer.close``)."""
 
@@ -372,11 +399,12 @@ class UcxServer(TransportServer):
             header = HEADER.pack(reply.status, self._handler.load(), len(payload))
             # a receiver that stopped reading must not keep the upload slot: past the limit
             # TimeoutError (an OSError) ends this endpoint; one timer per reply
+            stall = self._handler.send_stall_s
             async with asyncio.timeout(self._handler.send_timeout_s):
-                await _send(ep, np.frombuffer(header, dtype=np.uint8))
-                self._handler.halfway(reply)  # one message: line the next upload up as this one starts
+                await _send_payload(ep, header, stall)
+                self._handler.halfway(reply)  # line the next upload up as this one starts
                 if reply.cut_after is None and len(payload):
-                    await _send(ep, np.frombuffer(payload, dtype=np.uint8))
+                    await _send_payload(ep, payload, stall)
                     sent = len(payload)
         finally:
             self._handler.done(reply, sent)
@@ -463,7 +491,7 @@ class UcxServer(TransportServer):
                     async with asyncio.timeout(self._handler.answer_timeout_s):
                         await _send(ep, np.frombuffer(HEADER.pack(Status.OFFER, self._handler.load(), len(offer)),
                                                       dtype=np.uint8))
-                        await _send(ep, np.frombuffer(offer, dtype=np.uint8))
+                        await _send_payload(ep, offer, None)  # (bounded by the answer timeout)
                         while True:  # its answer (updates may come first)
                             op, _, _, body = await reader
                             reader = loop.create_task(self._read_request(ep, self._handler))
@@ -561,11 +589,31 @@ class UcxClient(TransportClient):
         self.load = load
         return reply_status(status, self.address), nbytes
 
-    async def _recv_payload(self, into: memoryview | np.ndarray, index: int) -> None:
+    async def _recv_payload(self, into: memoryview | np.ndarray, index: int, count: bool = False) -> None:
+        """A reply's payload, slice by slice (``PAYLOAD_SLICE``); ``count``: a chunk's bytes, added
+        to ``payload_received`` as each slice arrives (a puller's stall bound watches it)."""
+        view = np.frombuffer(into, dtype=np.uint8) if isinstance(into, memoryview) else into
+        if len(view) <= PAYLOAD_SLICE:  # one message (an offer, a bitmap, a small chunk)
+            try:
+                await _recv(self._ep, view)
+            except _UCX_ERRORS as exc:
+                raise TransportError("weight source failed mid-chunk", address=self.address, chunk=index) from exc
+            if count:
+                self.payload_received += len(view)
+            return
+        # every slice's receive posted at once: each is matched as its message comes, with no gap
+        parts = [asyncio.ensure_future(_recv(self._ep, view[start:start + PAYLOAD_SLICE]))
+                 for start in range(0, len(view), PAYLOAD_SLICE)]
         try:
-            await _recv(self._ep, into)
+            for k, part in enumerate(parts):
+                await part
+                if count:
+                    self.payload_received += min(PAYLOAD_SLICE, len(view) - k * PAYLOAD_SLICE)
         except _UCX_ERRORS as exc:
             raise TransportError("weight source failed mid-chunk", address=self.address, chunk=index) from exc
+        finally:
+            for part in parts:
+                drop_task(part)  # (a receive still posted parks its buffer, see _Driver.wait)
 
     async def fetch_chunk(self, version: int, index: int, into: memoryview) -> bool:
         status, nbytes = await self._request(Op.FETCH, version, index)
@@ -576,8 +624,7 @@ class UcxClient(TransportClient):
             raise TransportError("chunk length differs from manifest", address=self.address,
                                  chunk=index, got=nbytes, want=len(into))
         if nbytes:
-            await self._recv_payload(np.frombuffer(into, dtype=np.uint8), index)
-            self.payload_received += nbytes
+            await self._recv_payload(into, index, count=True)
         return True
 
     async def _send_msg(self, data: bytes) -> None:
@@ -620,8 +667,7 @@ class UcxClient(TransportClient):
 
     async def recv_payload(self, index: int, into: memoryview) -> None:
         if len(into):
-            await self._recv_payload(np.frombuffer(into, dtype=np.uint8), index)
-            self.payload_received += len(into)
+            await self._recv_payload(into, index, count=True)
 
     async def have(self, version: int, num_chunks: int) -> frozenset[int]:
         status, nbytes = await self._request(Op.HAVE, version, 0)
