@@ -46,7 +46,8 @@ class ModelSpec(BaseModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs_not_reserved(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
-        taken = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+        taken = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                      "raise_exception", "strftime_now"})
         if taken:
             raise ValueError(f"{', '.join(taken)}: set by RobustRL itself, not a template variable a job may set")
         return kwargs
@@ -149,7 +150,8 @@ class TrainerSpec(BaseModel):
     micro_batch_tokens: StrictInt = Field(8192, ge=64, le=1 << 24, description=(
         "Most padded token positions one forward/backward of a rank takes; a rank's share of a step "
         "is split into micro-batches this size and their gradients accumulated (the same step, in a "
-        "fraction of the activation memory: the logits alone are positions x vocabulary floats)."))
+        "fraction of the activation memory, which is several positions x vocabulary float tensors: "
+        "logits, log-softmax and their gradients, a third more with top_p < 1)."))
     checkpoint_keep: StrictInt = Field(3, ge=1, le=100, description="Complete checkpoints kept.")
     max_undurable_steps: StrictInt = Field(16, ge=2, le=100_000, description=(
         "Steps rank 0 trains past the newest durable checkpoint before it stops, named "

@@ -234,3 +234,12 @@ def test_a_vllm_replica_given_part_of_a_gpu_takes_that_part_of_its_memory() -> N
         with pytest.raises(ConfigError) as e:
             JobSpec.parse({"rollout": {"vllm_gpu_memory_utilization": bad}})
         assert e.value.field == "rollout.vllm_gpu_memory_utilization"
+
+
+def test_template_variables_robustrl_sets_itself_are_refused() -> None:
+    """A job's chat_template_kwargs may not replace the template's messages, tools or the helpers
+    RobustRL gives it (strftime_now as a string made every role fail with a raw TypeError)."""
+    for name in ("messages", "tools", "add_generation_prompt", "bos_token", "raise_exception", "strftime_now"):
+        with pytest.raises(ConfigError) as e:
+            JobSpec.parse({"model": {"chat_template_kwargs": {name: "x"}}})
+        assert e.value.field == "model.chat_template_kwargs" and name in str(e.value)

@@ -689,14 +689,46 @@ async def test_request_manager_refuses_commands_of_a_deposed_controller(rig: Rig
                 return await rig.bus.request(subj, cmd(fence), ControlCommand, timeout=2.0)
         return None
 
-    acked = await ask(5)
-    assert acked is not None and acked.fence == 5
+    # Tokens above the newest lease term's (the module's controllers took terms before): the
+    # request manager judges them on the newest one it saw.
+    from robustrl.storage.control_stores import newest_controller_fence
+
+    base = await newest_controller_fence(rig.redis)
+    acked = await ask(base + 5)
+    assert acked is not None and acked.fence == base + 5
     with caplog.at_level(logging.WARNING, logger="robustrl"):
-        assert await ask(4) is None  # an older leader's: not acknowledged...
-        await eventually_async(lambda: "fencing token 4 is older than 5" in caplog.text, timeout=5,
-                               what="the request manager saw and refused the deposed controller's command")
-    acked = await ask(6)
-    assert acked is not None and acked.fence == 6
+        assert await ask(base + 4) is None  # an older leader's: not acknowledged...
+        await eventually_async(lambda: f"fencing token {base + 4} is older than {base + 5}" in caplog.text,
+                               timeout=5, what="the request manager saw and refused the deposed controller's command")
+    acked = await ask(base + 6)
+    assert acked is not None and acked.fence == base + 6
+    await rm.close()
+
+
+async def test_a_command_sent_while_the_leaders_own_reacquisition_is_in_flight_carries_the_new_term(
+        rig: Rig) -> None:
+    """The lease keeper's re-acquisition (the key had expired) ran in Redis, its reply not yet
+    handled: the fencing counter is at the controller's next term while its token is the older
+    one. A command sent then went out under the older token, which the request manager refuses
+    (it checks a token against the newest term's), unanswered: a retried command lost its timeout,
+    a stop (one attempt) was never acknowledged. The controller now takes its own newer term up
+    before each attempt."""
+    from robustrl.services.controller.jobs import JobRun
+    from robustrl.services.request_manager.service import RequestManager
+
+    rm = RequestManager(await rig.connect("request_manager", "request_manager"), rig.redis)
+    await rm.start(resume=False)
+    assert rig.rm
+    rig.rm.alive = False  # the stand-in stays out of this
+    c = await rig.controller()
+    await c.wait_leading(10)
+    term = c.lease.token
+    # What the keeper's _ACQUIRE did in Redis, its reply still on the way.
+    await rig.redis.incr(Keys.controller_fence())
+    await rig.redis.set(Keys.controller_lease(), f"{c.lease.owner}:{term + 1}", px=60_000)
+    job = JobRun(job_id="cpterm", spec=spec("cpterm"))
+    assert await c.control_rm(job, "stop", attempts=1, timeout_s=3.0, quiet=True)
+    assert c.lease.token == term + 1
     await rm.close()
 
 

@@ -252,3 +252,19 @@ def test_a_micro_batched_step_is_the_step_of_one_forward(is_cap: float | None) -
     assert s1.keys() == s2.keys()
     for key in s1:
         assert s2[key] == pytest.approx(s1[key], rel=1e-5, abs=1e-6), key
+
+
+def test_top_p_sets_found_in_chunks_of_positions_are_the_sets_found_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer finds each position's top-p set a few positions at a time (memory); the
+    logprobs are those of the whole batch's sets found at once."""
+    from robustrl.rl import grpo
+
+    model = build_policy(ModelSpec(), TOK, seed=0)
+    ids = torch.randint(0, TOK.vocab_size, (3, 17), generator=torch.Generator().manual_seed(1))
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        whole = token_logprobs(model, ids, attn, TOK.vocab_size, temperature=0.7, top_p=0.8)
+        monkeypatch.setattr(grpo, "TOP_P_ROWS", 5)  # 48 positions in 10 chunks, the last one short
+        chunked = token_logprobs(model, ids, attn, TOK.vocab_size, temperature=0.7, top_p=0.8)
+    assert torch.equal(whole, chunked)
+    assert torch.isfinite(whole).all() and (whole != token_logprobs(model, ids, attn, TOK.vocab_size)).any()

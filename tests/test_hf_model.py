@@ -75,6 +75,14 @@ def test_tool_call_in_the_templates_format_drives_the_episode(hf_dir: Path) -> N
     other = tok.encode('<tool_call>{"name": "calc", "arguments": {"key": "cab"}}</tool_call>')
     wrong = tasks.Turn("assistant", other, [0.0] * len(other), 0, "tool_call")
     assert tasks.next_action(prompt, [wrong], tok, 3) == tasks.CallTool("lookup", "cab", error="no tool 'calc'")
+    # ... also without a usable argument (before, such a call passed for plain text and ran the
+    # episode's tool with the JSON as its argument); a call to the right tool without one runs nothing.
+    for body, error in (({"name": "calc", "arguments": {}}, "no tool 'calc'"),
+                        ({"name": "calc", "arguments": "x"}, "no tool 'calc'"),
+                        ({"name": "lookup", "arguments": {}}, "no argument")):
+        ids = tok.encode("<tool_call>" + json.dumps(body) + "</tool_call>")
+        action = tasks.next_action(prompt, [tasks.Turn("assistant", ids, [0.0] * len(ids), 0, "tool_call")], tok, 3)
+        assert isinstance(action, tasks.CallTool) and action.error == error, (body, action)
     # Not a well-formed call: the turn's plain text is the argument (as with the char tokenizer).
     plain = tasks.Turn("assistant", tok.encode(" abd ") + [tok.eot_id], [], 0, "eot")
     assert tasks.next_action(prompt, [plain], tok, 3) == tasks.CallTool("lookup", "abd")
@@ -99,6 +107,8 @@ def test_tool_call_in_the_templates_format_drives_the_episode(hf_dir: Path) -> N
     assert query_reward(perfect, "tool_call") == pytest.approx(base + 0.5)
     assert query_reward(bare, "eot") == pytest.approx(base + 0.4)
     assert query_reward(wrong_tool, "tool_call") == pytest.approx(base)
+    empty_wrong = tok.encode("<tool_call>" + json.dumps({"name": "calc", "arguments": {}}) + "</tool_call>")
+    assert query_reward(empty_wrong, "tool_call") == pytest.approx(base)  # no marker bonus either
 
 
 def test_the_jobs_template_variables_and_reasoning_blocks(hf_dir: Path) -> None:
@@ -142,6 +152,19 @@ def test_bad_model_input_names_the_field(hf_dir: Path, tmp_path: Path) -> None:
         (no_template / f).write_text((hf_dir / f).read_text())
     with pytest.raises(ConfigError, match="chat template"):
         load_tokenizer(ModelSpec(path=str(no_template)))
+    # A template that fails to render with the job's variables: a ConfigError naming them, in
+    # every role that loads the tokenizer (before, a raw TypeError from jinja2).
+    calls = tmp_path / "calls-a-variable"
+    calls.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (calls / f).write_text((hf_dir / f).read_text())
+    (calls / "chat_template.jinja").write_text((hf_dir / "chat_template.jinja").read_text()
+                                               if (hf_dir / "chat_template.jinja").is_file() else
+                                               json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
+    (calls / "chat_template.jinja").write_text("{{ greeting() }}" + (calls / "chat_template.jinja").read_text())
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer(ModelSpec(path=str(calls), chat_template_kwargs={"greeting": "hello"}))
+    assert e.value.fields.get("field") == "model.chat_template_kwargs" and "does not render" in str(e.value)
     with pytest.raises(ConfigError, match="rollout.engine"):
         JobSpec.parse({"rollout": {"engine": "tgi"}})
     with pytest.raises(ConfigError, match="model.path"):

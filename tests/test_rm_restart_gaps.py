@@ -113,26 +113,34 @@ async def test_a_restarted_request_manager_refuses_a_deposed_leaders_command(ser
     from Redis (with the request manager's own Redis user): refused, unacknowledged, and the job
     goes on (its step handed over, judged from the raw batch key)."""
     async with Harness(servers, rm_spec("deposed-after-restart", steps=2)) as h:
-        a = LeaderLease(h.redis, "ctl-a", ttl_s=0.1)
-        assert await a.try_acquire() and a.token == 1
-        b = LeaderLease(h.redis, "ctl-b", ttl_s=60)
-        await eventually_async(b.try_acquire, timeout=10, what="b's term, once a's lapsed")
-        assert b.token == 2
-        rep = await h.replica("r0", version=0)
-        rep.hold = lambda msg: True  # the step stays open while the request manager restarts
-        await h.start_rm()  # b's resume (token 2)
-        await eventually_async(lambda: len(rep.received) >= 4, timeout=30, what="step 0 dispatched")
-        await h.kill_rm()
-        await h.start_rm(send_resume=False)  # finds the job in the registry; no command seen
-        stop = ControlCommand(job_id=h.job_id, target="request_manager", action="stop", args={}, fence=a.token)
-        with pytest.raises(RequestTimeout):
-            await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), stop, ControlCommand, timeout=3)
-        # The job goes on under b: its turns answered, step 0 handed over.
-        rep.hold = lambda msg: False
-        await rep.release()
-        await rep.announce()
-        await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the refused stop")
-        assert await h.redis.exists(Keys.batch(h.job_id, 0))
+        try:
+            await _deposed_stop_after_restart(h)
+        finally:
+            # The module's other tests send tokens as of no lease term (their servers are shared).
+            await h.redis.delete(Keys.controller_fence(), Keys.controller_lease())
+
+
+async def _deposed_stop_after_restart(h: Harness) -> None:
+    a = LeaderLease(h.redis, "ctl-a", ttl_s=0.1)
+    assert await a.try_acquire()
+    b = LeaderLease(h.redis, "ctl-b", ttl_s=60)
+    await eventually_async(b.try_acquire, timeout=10, what="b's term, once a's lapsed")
+    assert b.token == a.token + 1
+    rep = await h.replica("r0", version=0)
+    rep.hold = lambda msg: True  # the step stays open while the request manager restarts
+    await h.start_rm()  # b's resume (token 2)
+    await eventually_async(lambda: len(rep.received) >= 4, timeout=30, what="step 0 dispatched")
+    await h.kill_rm()
+    await h.start_rm(send_resume=False)  # finds the job in the registry; no command seen
+    stop = ControlCommand(job_id=h.job_id, target="request_manager", action="stop", args={}, fence=a.token)
+    with pytest.raises(RequestTimeout):
+        await h.bus.request(subject(h.job_id, Verb.CONTROL, "request_manager"), stop, ControlCommand, timeout=3)
+    # The job goes on under b: its turns answered, step 0 handed over.
+    rep.hold = lambda msg: False
+    await rep.release()
+    await rep.announce()
+    await eventually_async(lambda: 0 in h.batches, timeout=30, what="step 0 handed over after the refused stop")
+    assert await h.redis.exists(Keys.batch(h.job_id, 0))
 
 
 async def _until_acknowledged(h: Harness, cmd: ControlCommand, never: str) -> None:

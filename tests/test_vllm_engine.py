@@ -119,8 +119,10 @@ def test_vllm_engine_generates_stops_on_the_marker_aborts_and_loads_weights_in_p
     assert all(t < r["vocab"] for ids in r["sampled_padded_heavy"] for t in ids)
     for ids, lps in zip(r["sampled_padded_heavy"], r["sampled_padded_heavy_logprobs"], strict=True):
         assert len(ids) == len(lps) > 0 and all(math.isfinite(x) and x <= 0.0 for x in lps)
-    # The token counter is vLLM's own (its per-iteration stats), and agrees with the stream.
+    # The token counter (counter_delta above, which agrees with the stream) is vLLM's own: its
+    # per-iteration stats, which count the prompts too.
     assert r["counters"]["iterations"] > 0 and r["counters"]["prompt_tokens"] > 0
+    assert r["counters"]["generation_tokens"] >= r["counter_delta"]
 
 
 @pytest.mark.timeout(600)

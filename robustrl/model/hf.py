@@ -195,9 +195,15 @@ class ChatTokenizer:
                add_generation_prompt: bool = True) -> str:
         """The template's text for ``messages`` (what ``apply_chat_template(tokenize=False)`` gives,
         with the job's ``model.chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``)."""
-        return str(self._template.render(**self.template_kwargs, messages=messages, tools=tools,
-                                         add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
+        try:
+            return str(self._template.render(**self.template_kwargs, messages=messages, tools=tools,
+                                             add_generation_prompt=add_generation_prompt,
+                                             bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
+        except ConfigError:
+            raise
+        except Exception as exc:  # jinja2's and the template's own errors, whatever their class
+            field = "model.chat_template_kwargs" if self.template_kwargs else _FIELD
+            raise ConfigError(f"chat template of {self.path} does not render: {exc!r}", field=field) from exc
 
     def _tool_frame(self) -> tuple[str, str]:
         """Text between the end of an assistant turn's content and a tool result, and after it.
@@ -256,11 +262,14 @@ class ChatTokenizer:
             ids = ids[1:]
         return ids
 
-    def tool_call(self, ids: Iterable[int]) -> tuple[str | None, str]:
-        """The tool call in an assistant turn: (the tool it names, its argument). The argument is
-        the first argument value of the ``<tool_call>`` JSON; the name is its ``name`` (None when
-        it names none). A turn without a well-formed call names no tool and its plain text is the
-        argument (as with the char tokenizer)."""
+    def tool_call(self, ids: Iterable[int]) -> tuple[str | None, str | None]:
+        """The tool call in an assistant turn: (the tool it names, its argument). A ``<tool_call>``
+        JSON object names its ``name`` (None when it has none), and its argument is the first
+        value of its ``arguments`` (an object, or a string holding one); a named call without a
+        usable argument has None (it runs nothing). A turn without a call in the template's
+        format names no tool and its plain text is the argument (as with the char tokenizer).
+        (Before, a call without a usable argument passed for no call at all: a call naming
+        another tool with empty arguments ran as the episode's tool.)"""
         text = answer_text(self.decode(ids, skip_special=False))
         start = text.find(CALL_OPEN)
         if start >= 0:
@@ -268,21 +277,27 @@ class ChatTokenizer:
             body = body[:body.find(CALL_CLOSE)] if CALL_CLOSE in body else body
             try:
                 call = json.loads(body.strip())
-                args = call.get("arguments", {}) if isinstance(call, dict) else {}
+            except ValueError:
+                call = None
+            if isinstance(call, dict):
+                name = None if call.get("name") is None else str(call["name"])
+                args = call.get("arguments", {})
                 if isinstance(args, str):
-                    args = json.loads(args)
+                    try:
+                        args = json.loads(args)
+                    except ValueError:
+                        args = None
                 if isinstance(args, dict) and args:
-                    name = call.get("name")
-                    return (None if name is None else str(name)), str(next(iter(args.values()))).strip()
-            except (ValueError, AttributeError):
-                pass
+                    return name, str(next(iter(args.values()))).strip()
+                if name is not None:
+                    return name, None
         return None, self._without_specials(text).strip()
 
     def turn_text(self, ids: Iterable[int]) -> str:
-        """A turn's text for scoring: the final eos / tool-call marker dropped, specials skipped,
-        a reasoning block (``<think>...</think>``) dropped (:func:`answer_text`). Other special
-        tokens count as wrong characters (NUL), as with the char tokenizer, so a policy cannot pad
-        its answers with them for free (before, they were skipped)."""
+        """A turn's text for scoring: the final eos / tool-call marker dropped, a reasoning block
+        (``<think>...</think>``) dropped (:func:`answer_text`), other special tokens shown as NUL:
+        wrong characters, as with the char tokenizer, so a policy cannot pad its answers with them
+        for free (before, they were skipped)."""
         ids = list(ids)
         if ids and (ids[-1] in self.stop_ids or ids[-1] == self.call_id):
             ids.pop()

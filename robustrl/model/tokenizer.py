@@ -106,7 +106,7 @@ class CharTokenizer:
         it follows, changes nothing here: the chat tokenizer's frame depends on how it ended.)"""
         return [self.result_id, *self.encode(text, errors="replace"), self.eot_id]
 
-    def tool_call(self, ids: Iterable[int]) -> tuple[str | None, str]:
+    def tool_call(self, ids: Iterable[int]) -> tuple[str | None, str | None]:
         """The tool call an assistant turn stands for: it names no tool (the task's runs), and its
         text, specials dropped, stripped, is the argument."""
         return None, self.decode(ids, skip_special=True).strip()

@@ -6,7 +6,7 @@ Old logprobs are the ones the rollout engine recorded (the logprobs of the distr
 from), so in sync mode the first update's ratio is 1 up to numerics and the clip bounds how far a
 turn can pull. With staleness > 0 (semi-sync, async) a turn may come from an older policy than the
 one being updated: ``train_on_samples(..., is_cap=C)`` then takes the clipped ratio against the
-current policy before the update (the proximal policy, one extra forward pass without gradient)
+current policy before the update (the proximal policy, one extra forward pass per micro-batch without gradient)
 and weights each token by the truncated importance ratio ``min(pi_prox / pi_behaviour, C)``
 (decoupled PPO with truncated importance sampling), so a stale turn is neither trusted as on-policy
 nor allowed an unbounded weight.
@@ -190,15 +190,33 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     scaled = logits[:, :-1, :vocab].float() / temperature
     target = input_ids[:, 1:].unsqueeze(-1)
     if top_p < 1.0:
-        with torch.no_grad():
-            sorted_p, order = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True)
-            keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p
-            keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-            keep.scatter_(-1, target, True)
-            del sorted_p, order, keep_sorted
-        scaled = scaled.masked_fill(~keep, float("-inf"))
+        scaled = scaled.masked_fill(~_top_p_keep(scaled, target, top_p), float("-inf"))
     picked = torch.log_softmax(scaled, dim=-1).gather(-1, target).squeeze(-1)
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+
+TOP_P_ROWS = 512
+"""Positions whose top-p set is found at once: the sort's temporaries (probabilities, sorted values,
+int64 indices, cumulative sums) are each rows x vocabulary, for a chunk of rows, not the batch."""
+
+
+@torch.no_grad()
+def _top_p_keep(scaled: torch.Tensor, target: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Boolean [.., V]: each position's top-p set (the engines' rule: a token is kept while the
+    mass of those more likely is below ``top_p``) plus its own token. Found :data:`TOP_P_ROWS`
+    positions at a time: done whole, the sort's temporaries took about as much memory again as
+    the rest of the forward (3.76 against 2.03 GiB at 1,024 positions of Qwen3's vocabulary, an
+    outside review)."""
+    flat = scaled.reshape(-1, scaled.shape[-1])
+    keep = torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
+    for start in range(0, flat.shape[0], TOP_P_ROWS):
+        rows = slice(start, start + TOP_P_ROWS)
+        sorted_p, order = torch.softmax(flat[rows], dim=-1).sort(dim=-1, descending=True)
+        keep[rows].scatter_(-1, order, (sorted_p.cumsum(-1) - sorted_p) < top_p)
+        del sorted_p, order
+    keep = keep.reshape(scaled.shape)
+    keep.scatter_(-1, target, True)
+    return keep
 
 
 def _bounded(log_ratio: torch.Tensor) -> torch.Tensor:

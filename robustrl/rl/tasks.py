@@ -209,9 +209,11 @@ def tool_call(prompt: Prompt, turn: Turn, tokenizer: CharTokenizer) -> CallTool:
     answered with an error and runs nothing (before, it ran as the offered tool)."""
     name, arg = tokenizer.tool_call(turn.token_ids)
     assert prompt.tool is not None
+    # (errors short: a tool turn keeps TOOL_RESULT_MAX_CHARS of its text)
     if name is not None and name != prompt.tool:
-        # short: a tool turn keeps TOOL_RESULT_MAX_CHARS of its text
-        return CallTool(prompt.tool, arg, error=f"no tool {name!r}")
+        return CallTool(prompt.tool, arg or "", error=f"no tool {name!r}")
+    if arg is None:
+        return CallTool(prompt.tool, "", error="no argument")
     return CallTool(prompt.tool, arg)
 
 
@@ -278,7 +280,7 @@ def score(prompt: Prompt, turns: Sequence[Turn], tokenizer: CharTokenizer) -> fl
         # A call in the chat template's format: its argument is the query. (Before, the turn's
         # whole text, JSON and all, was scored against the key: a perfect call scored 0.11 of
         # the 0.4 and the bare key 0.4, teaching the policy to drop the template's format.)
-        reward = 0.4 * string_credit(arg, query_target)
+        reward = 0.4 * string_credit(arg or "", query_target)
     else:
         reward = 0.0  # a call to a tool the episode does not offer: no credit for its query
     if assistant[0].stop_reason == "tool_call" and name in (None, prompt.tool):

@@ -707,8 +707,13 @@ class Controller:
                 return False
             began = loop.time()
             # Under the token held now: once the lease keeper took up a newer term of this
-            # controller's, the request manager (which keeps the newest fence it saw) refuses the
-            # older one unanswered, and every retry of a command built once timed out.
+            # controller's, the request manager (which checks a command's token against the
+            # newest term's, in Redis) refuses the older one unanswered, and every retry of a
+            # command built once timed out. The keeper's own re-acquisition may have run in Redis
+            # with its reply still on the way: taken up here first (``newest_term``), or this
+            # attempt went out under the older token (a 2-s timeout; a stop's only attempt).
+            with contextlib.suppress(TimeoutError, TransportError, RedisError):
+                await self.lease.newest_term()
             cmd = cmd.model_copy(update={"fence": self.lease.token})
             try:
                 await self.bus.request(subj, cmd, ControlCommand, timeout=timeout_s)

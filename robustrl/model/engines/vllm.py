@@ -242,8 +242,10 @@ class VllmEngine(Engine):
         """Tokens generated since the engine started, warm-up not counted: vLLM's own count (its
         per-iteration stats, :class:`_Counters`), not RobustRL's count of the outputs it read.
         vLLM's output handler records an iteration's stats in the same pass of its loop that
-        queues the iteration's outputs, before this engine's coroutines can read them, so the
-        count includes every token a ``generate`` has returned or passed to ``on_token``."""
+        queues the iteration's outputs, after them; with at most 128 outputs an iteration (vLLM's
+        ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``) the pass does not yield in between, so the count
+        includes every token a ``generate`` has returned or passed to ``on_token``; with more
+        (``max_batch`` above 128) it may lag them by that iteration until the pass ends."""
         return self.counters.generation_tokens - self._counted_from
 
     # --- loop plumbing -------------------------------------------------------------------
