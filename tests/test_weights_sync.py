@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import os
 import socket
+from typing import Any
 from collections.abc import AsyncIterator, Callable
 
 import numpy as np
@@ -346,17 +347,28 @@ async def _others_pull_past(manifest: Manifest, trainer: WeightServer, servers, 
         assert trainer.address not in stats.failed_sources  # the trainer was never marked dead
 
 
+async def _offered_everything(trainer: Any, manifest: Any) -> tuple[Any, Any]:
+    """A subscriber that wants every chunk and has read the source's offer (which now holds the
+    source's one upload place), and the offer; the caller closes it."""
+    client = make_client(trainer.address)
+    await client.connect()
+    try:
+        everything = encode_have(np.ones(manifest.num_chunks, dtype=bool))
+        await client.send_sub(Op.SUB, manifest.version, SubMessage(everything))
+        status, offer = await asyncio.wait_for(client.next_offer(), 5)
+        assert status is Status.OFFER and offer is not None and offer.chunks
+    except BaseException:
+        await client.close()
+        raise
+    return client, offer
+
+
 async def test_a_subscriber_frozen_after_an_offer_loses_it_and_others_pull_on(kind: str, version, servers) -> None:
     buffer, manifest, _ = version
     trainer = await servers(answer_timeout_s=0.5)
     trainer.add_version(manifest, buffer)
-    frozen = make_client(trainer.address)
-    await frozen.connect()
+    frozen, _ = await _offered_everything(trainer, manifest)
     try:
-        everything = encode_have(np.ones(manifest.num_chunks, dtype=bool))
-        await frozen.send_sub(Op.SUB, manifest.version, SubMessage(everything))
-        status, offer = await frozen.next_offer()  # the trainer's one upload place is now its offer's
-        assert status is Status.OFFER and offer is not None and offer.chunks
         # ... and it never answers: the source takes the offer back and ends the subscription
         with pytest.raises(TransportError):
             await asyncio.wait_for(frozen.next_offer(), 5)
@@ -383,13 +395,8 @@ async def test_a_fetch_by_index_is_not_held_behind_a_frozen_subscribers_offer(ki
     buffer, manifest, _ = version
     trainer = await servers()  # the defaults: the timings the replicas meet
     trainer.add_version(manifest, buffer)
-    frozen = make_client(trainer.address)
-    await frozen.connect()
+    frozen, _ = await _offered_everything(trainer, manifest)
     try:
-        everything = encode_have(np.ones(manifest.num_chunks, dtype=bool))
-        await frozen.send_sub(Op.SUB, manifest.version, SubMessage(everything))
-        status, offer = await frozen.next_offer()  # the trainer's one upload place is now its offer's
-        assert status is Status.OFFER and offer is not None and offer.chunks
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         buf, stats = await pull(manifest, [trainer.address], stall_timeout_s=STALL_TIMEOUT_S)
@@ -462,13 +469,9 @@ async def test_a_subscriber_that_stops_reading_mid_chunk_loses_the_upload_slot(k
 
 async def _ucx_receiver_stops_reading(manifest: Manifest, trainer: WeightServer, servers, bounds: str) -> None:
     """The UCX half of the test above: take a chunk, read its reply header, receive none of it."""
-    stuck = make_client(trainer.address)
-    await stuck.connect()
+    stuck, offer = await _offered_everything(trainer, manifest)
     try:
         everything = encode_have(np.ones(manifest.num_chunks, dtype=bool))
-        await stuck.send_sub(Op.SUB, manifest.version, SubMessage(everything))
-        status, offer = await asyncio.wait_for(stuck.next_offer(), 5)
-        assert status is Status.OFFER and offer is not None and offer.chunks
         await stuck.send_sub(Op.TAKE, manifest.version, SubMessage(everything, chunk=offer.chunks[0]))
         status, nbytes = await asyncio.wait_for(stuck.chunk_reply(), 5)
         assert status is Status.OK and nbytes == manifest.chunks[offer.chunks[0]].nbytes
@@ -499,13 +502,9 @@ async def test_a_ucx_chunk_longer_than_a_slice_crosses_whole_and_a_receiver_stop
                               data, chunk_bytes)
     trainer = await servers(send_stall_s=0.3)
     trainer.add_version(manifest, data)
-    stuck = make_client(trainer.address)
-    await stuck.connect()
+    stuck, offer = await _offered_everything(trainer, manifest)
     try:
         every = encode_have(np.ones(manifest.num_chunks, dtype=bool))
-        await stuck.send_sub(Op.SUB, manifest.version, SubMessage(every))
-        status, offer = await asyncio.wait_for(stuck.next_offer(), 5)
-        assert status is Status.OFFER and offer is not None
         await stuck.send_sub(Op.TAKE, manifest.version, SubMessage(every, chunk=offer.chunks[0]))
         status, nbytes = await asyncio.wait_for(stuck.chunk_reply(), 5)
         assert status is Status.OK and nbytes == chunk_bytes
