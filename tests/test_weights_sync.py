@@ -358,6 +358,25 @@ async def _nothing_held(trainer: WeightServer) -> None:
                            timeout=DEFAULT_ANSWER_TIMEOUT_S + 3, what="nothing held at the source")
 
 
+def _two_random_chunks(version: int, chunk_bytes: int, seed: int) -> tuple[Manifest, np.ndarray]:
+    """A version of two chunks of random bytes (one flat tensor), and its bytes."""
+    from robustrl.weights.manifest import TensorEntry, build_manifest
+
+    n = 2 * chunk_bytes
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    entry = TensorEntry(name="flat", dtype="uint8", shape=[n], offset=0, nbytes=n)
+    return build_manifest(version, [entry], data, chunk_bytes), data
+
+
+async def _take_offered(client: Any, manifest: Manifest, offer: Any) -> int:
+    """TAKE the offer's first chunk and read the reply's header (none of its bytes); its length."""
+    everything = encode_have(np.ones(manifest.num_chunks, dtype=bool))
+    await client.send_sub(Op.TAKE, manifest.version, SubMessage(everything, chunk=offer.chunks[0]))
+    status, nbytes = await asyncio.wait_for(client.chunk_reply(), 5)
+    assert status is Status.OK
+    return int(nbytes)
+
+
 async def _offered_everything(trainer: Any, manifest: Any) -> tuple[Any, Any]:
     """A subscriber that wants every chunk and has read the source's offer (which now holds the
     source's one upload place), and the offer; the caller closes it."""
@@ -485,19 +504,11 @@ did, into the kernel's buffers: the slot was free again before the test looked, 
 
 async def _ucx_receiver_stops_reading(_small: Manifest, trainer: WeightServer, servers, bounds: str) -> None:
     """The UCX half of the test above: take a chunk, read its reply header, receive none of it."""
-    from robustrl.weights.manifest import TensorEntry, build_manifest
-
-    n = 2 * STUCK_CHUNK_BYTES
-    data = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
-    manifest = build_manifest(11, [TensorEntry(name="flat", dtype="uint8", shape=[n], offset=0, nbytes=n)],
-                              data, STUCK_CHUNK_BYTES)
+    manifest, data = _two_random_chunks(11, STUCK_CHUNK_BYTES, seed=5)
     trainer.add_version(manifest, data)
     stuck, offer = await _offered_everything(trainer, manifest)
     try:
-        everything = encode_have(np.ones(manifest.num_chunks, dtype=bool))
-        await stuck.send_sub(Op.TAKE, manifest.version, SubMessage(everything, chunk=offer.chunks[0]))
-        status, nbytes = await asyncio.wait_for(stuck.chunk_reply(), 5)
-        assert status is Status.OK and nbytes == manifest.chunks[offer.chunks[0]].nbytes
+        assert await _take_offered(stuck, manifest, offer) == manifest.chunks[offer.chunks[0]].nbytes
         assert trainer._slots.locked()  # the header left after the slot was taken: it is the stuck one's
         await _others_pull_past(manifest, trainer, servers, 2.0 if bounds == "tuned" else 8.0)
         await _nothing_held(trainer)
@@ -514,22 +525,15 @@ async def test_a_ucx_chunk_longer_than_a_slice_crosses_whole_and_a_receiver_stop
     the sliced format: with one message per payload a receiver cannot stop after one slice.)"""
     if kind != "ucx":
         pytest.skip("UCX's message slicing (TCP: the stopped-reading test above)")
-    from robustrl.weights.manifest import TensorEntry, build_manifest
     from robustrl.weights.ucx import PAYLOAD_SLICE, _recv
 
     chunk_bytes = 5 * PAYLOAD_SLICE // 2
-    n = 2 * chunk_bytes
-    data = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8)
-    manifest = build_manifest(3, [TensorEntry(name="flat", dtype="uint8", shape=[n], offset=0, nbytes=n)],
-                              data, chunk_bytes)
+    manifest, data = _two_random_chunks(3, chunk_bytes, seed=3)
     trainer = await servers(send_stall_s=0.3)
     trainer.add_version(manifest, data)
     stuck, offer = await _offered_everything(trainer, manifest)
     try:
-        every = encode_have(np.ones(manifest.num_chunks, dtype=bool))
-        await stuck.send_sub(Op.TAKE, manifest.version, SubMessage(every, chunk=offer.chunks[0]))
-        status, nbytes = await asyncio.wait_for(stuck.chunk_reply(), 5)
-        assert status is Status.OK and nbytes == chunk_bytes
+        assert await _take_offered(stuck, manifest, offer) == chunk_bytes
         first = np.empty(PAYLOAD_SLICE, dtype=np.uint8)
         await asyncio.wait_for(_recv(stuck._ep, first), 5)  # one slice, then it stops
         entry = manifest.chunks[offer.chunks[0]]

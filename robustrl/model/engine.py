@@ -21,6 +21,13 @@ from robustrl.errors import RobustRLError, WeightSyncError
 from robustrl.model.engines.base import Engine
 from robustrl.model.tokenizer import CharTokenizer
 
+
+def in_top_p(sorted_p: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Which probabilities of a distribution, sorted most likely first, are in its top-p set: those
+    the ones more likely than them leave below ``top_p`` (the most likely always is). The rule
+    this engine samples by and the trainer's logprobs (``grpo.token_logprobs``) take again."""
+    return (sorted_p.cumsum(-1) - sorted_p) < top_p
+
 StopReason = Literal["eot", "tool_call", "length"]
 
 
@@ -288,8 +295,7 @@ class GenerationEngine(Engine):
         # Top-p: keep the smallest prefix of the sorted distribution whose mass reaches p
         # (the most likely token always survives).
         sorted_p, order = probs.sort(dim=-1, descending=True)
-        before = sorted_p.cumsum(-1) - sorted_p
-        sorted_p = torch.where(before < top_ps.unsqueeze(-1), sorted_p, torch.zeros_like(sorted_p))
+        sorted_p = torch.where(in_top_p(sorted_p, top_ps.unsqueeze(-1)), sorted_p, torch.zeros_like(sorted_p))
         cdf = sorted_p.cumsum(-1)
         # One uniform per row from the row's own generator, even for inactive or greedy rows:
         # the draw count depends only on the step, never on the batch's other rows.

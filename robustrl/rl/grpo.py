@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from robustrl.model.engine import in_top_p
 from robustrl.model.tokenizer import CharTokenizer
 from robustrl.rl.tasks import Prompt, Turn, initial_prompt_ids
 
@@ -212,7 +213,7 @@ def _top_p_keep(scaled: torch.Tensor, target: torch.Tensor, top_p: float) -> tor
     for start in range(0, flat.shape[0], TOP_P_ROWS):
         rows = slice(start, start + TOP_P_ROWS)
         sorted_p, order = torch.softmax(flat[rows], dim=-1).sort(dim=-1, descending=True)
-        keep[rows].scatter_(-1, order, (sorted_p.cumsum(-1) - sorted_p) < top_p)
+        keep[rows].scatter_(-1, order, in_top_p(sorted_p, top_p))
         del sorted_p, order
     keep = keep.reshape(scaled.shape)
     keep.scatter_(-1, target, True)
